@@ -1,0 +1,34 @@
+//! # kvd-protocol
+//!
+//! The wire contract between engines (through `kvd-client` or any msgpack + ZMQ client)
+//! and the `kvd` daemon. Sans-IO: no sockets, no threads, no allocation beyond the
+//! decoded values. `SPEC.md` beside this crate is the normative text; this crate is its
+//! reference implementation and carries its test vectors as unit tests.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`ids`] | `ChunkHash`, `LayoutId`, `ClientId`, `PinId`, `Incarnation`, `BlockKey` |
+//! | [`layout`] | `Layout`, its validation, block size and stable id |
+//! | [`hash`] | the chained chunk hash `h_i = H(h_{i-1} \|\| tokens_i)` |
+//! | [`msg`] | request and reply bodies, one pair per op |
+//! | [`codec`] | envelope encode/decode (`{v, id, op, body}` / `{v, id, ok \| err}`) |
+//! | [`error`] | `ErrorCode`, `WireError`, `DecodeError` |
+//! | [`pool`] | the header at the start of the shared pool file |
+#![deny(missing_docs)]
+
+pub mod codec;
+pub mod error;
+pub mod hash;
+pub mod ids;
+pub mod layout;
+pub mod msg;
+pub mod pool;
+
+pub use codec::{
+    decode_reply, decode_request, encode_err, encode_ok, encode_request, Request,
+    PROTOCOL_VERSION,
+};
+pub use error::{DecodeError, ErrorCode, WireError};
+pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
+pub use layout::{Dtype, Layout, LayoutError, MemoryOrder};
+pub use msg::*;

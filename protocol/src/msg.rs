@@ -1,0 +1,347 @@
+//! Request and reply bodies, one pair per operation. Field names here are the wire names
+//! (`rmp_serde::to_vec_named` writes maps keyed by them). Optional fields may be omitted
+//! by senders; unknown fields are ignored by receivers, so fields can be added in a
+//! compatible way without a version bump.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ChunkHash, ClientId, Incarnation, Layout, LayoutId, PinId};
+
+/// The operation names, as they appear in the envelope's `op` field.
+pub mod op {
+    /// `hello`
+    pub const HELLO: &str = "hello";
+    /// `register_layout`
+    pub const REGISTER_LAYOUT: &str = "register_layout";
+    /// `lookup`
+    pub const LOOKUP: &str = "lookup";
+    /// `alloc`
+    pub const ALLOC: &str = "alloc";
+    /// `commit`
+    pub const COMMIT: &str = "commit";
+    /// `get`
+    pub const GET: &str = "get";
+    /// `release`
+    pub const RELEASE: &str = "release";
+    /// `delete`
+    pub const DELETE: &str = "delete";
+    /// `stats`
+    pub const STATS: &str = "stats";
+    /// Every op, in spec order.
+    pub const ALL: [&str; 9] = [
+        HELLO,
+        REGISTER_LAYOUT,
+        LOOKUP,
+        ALLOC,
+        COMMIT,
+        GET,
+        RELEASE,
+        DELETE,
+        STATS,
+    ];
+}
+
+/// A storage tier, as named on the wire.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Tier {
+    /// Registered GPU memory of an engine.
+    Gpu,
+    /// The shared DRAM pool.
+    Dram,
+    /// The node's NVMe tier.
+    Nvme,
+    /// Another node's cache.
+    Peer,
+    /// A tier this build does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// `hello`: open a session.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct HelloReq {
+    /// Free-form name for logs and stats (e.g. `"vllm-decode-0"`).
+    #[serde(default)]
+    pub client_name: String,
+    /// The client's process id, for logs.
+    #[serde(default)]
+    pub pid: u32,
+}
+
+/// Where the shared pool lives.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PoolInfo {
+    /// Path of the shared-memory file to map (read-write, shared).
+    pub path: String,
+    /// Size of the file in bytes.
+    pub size_bytes: u64,
+    /// Offset of the first slot; the bytes before it are the pool header.
+    pub data_offset: u64,
+    /// Every slot offset and slot size is a multiple of this.
+    pub slot_align: u64,
+}
+
+/// The daemon's limits; requests beyond them get `too_large` / `invalid_argument`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct Limits {
+    /// Largest envelope frame accepted.
+    pub max_envelope_bytes: u64,
+    /// Largest key list in one request.
+    pub max_keys_per_request: u64,
+    /// Largest block (and payload frame) accepted.
+    pub max_block_bytes: u64,
+    /// Pins are clamped to this TTL.
+    pub max_pin_ttl_ms: u64,
+    /// TTL of a pin when the request gives none.
+    pub default_pin_ttl_ms: u64,
+    /// Uncommitted allocations are reclaimed after this long.
+    pub alloc_ttl_ms: u64,
+    /// Most layouts the daemon registers.
+    pub max_layouts: u64,
+}
+
+/// Reply to `hello`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct HelloResp {
+    /// Protocol version spoken (1).
+    pub protocol: u32,
+    /// Daemon build version.
+    pub server: String,
+    /// Changes at every daemon start.
+    pub incarnation: Incarnation,
+    /// The session id to pass as `client` in later requests.
+    pub client: ClientId,
+    /// The pool to map.
+    pub pool: PoolInfo,
+    /// Limits.
+    pub limits: Limits,
+}
+
+/// `register_layout`: idempotent; returns the id every later request names.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct RegisterLayoutReq {
+    /// The layout.
+    pub layout: Layout,
+}
+
+/// Reply to `register_layout`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct RegisterLayoutResp {
+    /// `Layout::id()` of the layout.
+    pub layout_id: LayoutId,
+    /// Bytes of one block.
+    pub block_bytes: u64,
+    /// Bytes one block occupies in the pool (block_bytes rounded up to `slot_align`).
+    pub slot_bytes: u64,
+}
+
+/// `lookup`: the longest prefix of `keys` that is cached.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct LookupReq {
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Chunk hashes, in prefix order.
+    pub keys: Vec<ChunkHash>,
+}
+
+/// Reply to `lookup`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct LookupResp {
+    /// Number of leading keys that are cached (committed).
+    pub prefix: u64,
+    /// For each of the first `prefix` keys, the fastest tier that holds it.
+    pub tiers: Vec<Tier>,
+}
+
+/// `alloc`: first phase of a store.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct AllocReq {
+    /// The session.
+    pub client: ClientId,
+    /// The layout of the blocks.
+    pub layout_id: LayoutId,
+    /// Blocks to store.
+    pub keys: Vec<ChunkHash>,
+}
+
+/// Per-key outcome of `alloc`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocStatus {
+    /// A slot was reserved for the caller: write the block there, then `commit`.
+    New,
+    /// The block is already cached: nothing to write.
+    Exists,
+    /// Another allocation (this client's or another's) is writing this block.
+    Busy,
+}
+
+/// Reply to `alloc`. `alloc` is all-or-nothing: when the pool cannot hold every `new`
+/// block, the reply is `err pool_full` and nothing is reserved.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct AllocResp {
+    /// One per key.
+    pub status: Vec<AllocStatus>,
+    /// One per key: the pool offset for `new` keys, `nil` otherwise.
+    pub offsets: Vec<Option<u64>>,
+    /// The reservation is reclaimed unless committed within this many ms.
+    pub ttl_ms: u64,
+}
+
+/// `commit`: second phase of a store. Payload frames, when present, carry the blocks'
+/// bytes (one frame per key, in order): the daemon writes them into the slots first.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct CommitReq {
+    /// The session that allocated the keys.
+    pub client: ClientId,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Keys this client allocated (status `new`) and wrote.
+    pub keys: Vec<ChunkHash>,
+    /// Optional: the offsets `alloc` returned, echoed back as a consistency check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offsets: Option<Vec<u64>>,
+}
+
+/// Reply to `commit`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct CommitResp {
+    /// Number of keys committed (all of them: commit is all-or-nothing).
+    pub committed: u64,
+}
+
+/// `get`: pin cached blocks for reading.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GetReq {
+    /// The session.
+    pub client: ClientId,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Blocks to read.
+    pub keys: Vec<ChunkHash>,
+    /// Requested pin TTL; clamped to `max_pin_ttl_ms`; default `default_pin_ttl_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Return the bytes as payload frames (one per hit, in key order) instead of pinning.
+    #[serde(default)]
+    pub inline: bool,
+}
+
+/// Reply to `get`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GetResp {
+    /// One per key: pool offset of a hit, `nil` for a miss.
+    pub offsets: Vec<Option<u64>>,
+    /// The pin holding every hit; `nil` when nothing hit or `inline` was set.
+    pub pin: Option<PinId>,
+    /// The pin's TTL as granted.
+    pub ttl_ms: u64,
+}
+
+/// `release`: drop pins. All-or-nothing: an unknown or foreign pin fails the request.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ReleaseReq {
+    /// The session that took the pins.
+    pub client: ClientId,
+    /// Pins to release.
+    pub pins: Vec<PinId>,
+}
+
+/// Reply to `release`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ReleaseResp {
+    /// Number of pins released.
+    pub released: u64,
+}
+
+/// `delete`: drop cached blocks, or abort this client's own uncommitted allocations.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct DeleteReq {
+    /// The session.
+    pub client: ClientId,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Blocks to delete.
+    pub keys: Vec<ChunkHash>,
+}
+
+/// Per-key outcome of `delete`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeleteStatus {
+    /// Removed (or the caller's allocation aborted).
+    Deleted,
+    /// Not present.
+    Missing,
+    /// Pinned by a reader: left in place.
+    Pinned,
+    /// Another client's uncommitted allocation: left in place.
+    Busy,
+}
+
+/// Reply to `delete`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct DeleteResp {
+    /// One per key.
+    pub status: Vec<DeleteStatus>,
+}
+
+/// `stats`: counters and gauges.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct StatsReq {}
+
+/// Pool occupancy.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct PoolStats {
+    /// Bytes available for slots.
+    pub capacity_bytes: u64,
+    /// Bytes in allocated slots (committed, pending and pinned).
+    pub used_bytes: u64,
+    /// Segments in all.
+    pub segments: u64,
+    /// Segments not assigned to any block size.
+    pub free_segments: u64,
+    /// Bytes in segments assigned to a size but not in a slot (internal fragmentation).
+    pub fragmented_bytes: u64,
+}
+
+/// Reply to `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct StatsResp {
+    /// The daemon's incarnation.
+    pub incarnation: Incarnation,
+    /// Milliseconds since start.
+    pub uptime_ms: u64,
+    /// Pool occupancy.
+    pub pool: PoolStats,
+    /// Committed blocks.
+    pub blocks: u64,
+    /// Uncommitted allocations.
+    pub pending: u64,
+    /// Blocks with at least one pin.
+    pub pinned_blocks: u64,
+    /// Live pins.
+    pub pins: u64,
+    /// Live sessions.
+    pub clients: u64,
+    /// Registered layouts.
+    pub layouts: u64,
+    /// Requests handled (including errors).
+    pub requests: u64,
+    /// `get` keys that hit.
+    pub hits: u64,
+    /// `get` keys that missed.
+    pub misses: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Pins that reached their TTL.
+    pub expired_pins: u64,
+    /// Allocations reclaimed after their TTL.
+    pub expired_allocs: u64,
+    /// Replies dropped because the client was gone or not reading.
+    pub dropped_replies: u64,
+    /// Error replies, by code name.
+    pub errors: std::collections::BTreeMap<String, u64>,
+}
