@@ -1,0 +1,458 @@
+//! The daemon's one typed configuration.
+//!
+//! Layers, later wins: built-in defaults → TOML file (`--config`) → `KVD_*` environment
+//! variables → command-line flags. It is loaded and validated once in `main`, printed at
+//! start, and handed down as typed sections. No other module reads the environment.
+//!
+//! | key | type | default | env / flag | meaning |
+//! |---|---|---|---|---|
+//! | `server.endpoints` | list of strings | `ipc://$XDG_RUNTIME_DIR/kvd/kvd.sock` (else `/tmp/kvd-$UID/kvd.sock`) | `KVD_ENDPOINT` (comma-separated) / `--endpoint` (repeatable) | ZMQ endpoints the ROUTER binds: `ipc://` for local engines, `tcp://` for remote ones |
+//! | `server.max_envelope_bytes` | size | `4MiB` | | largest request envelope frame |
+//! | `server.max_keys_per_request` | int | `65536` | | largest key list |
+//! | `server.group` | string | none | `KVD_GROUP` / `--group` | group (name or gid) that may use the socket and pool besides the owner (modes 0660 instead of 0600) |
+//! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
+//! | `pool.size` | size | `1GiB` | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
+//! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
+//! | `pool.huge_pages` | bool | `false` | | the path is on hugetlbfs (falls back to normal pages with a warning) |
+//! | `pool.prefault` | bool | `true` | | touch every page at start |
+//! | `pool.high_watermark` | float | `0.95` | | evict above this fraction in use... |
+//! | `pool.low_watermark` | float | `0.85` | | ...down to this one |
+//! | `limits.default_pin_ttl_ms` | int | `10000` | | pin TTL when a `get` names none |
+//! | `limits.max_pin_ttl_ms` | int | `60000` | | longest pin granted |
+//! | `limits.alloc_ttl_ms` | int | `30000` | `KVD_ALLOC_TTL_MS` / `--alloc-ttl-ms` | uncommitted allocations are reclaimed after this |
+//! | `limits.max_layouts` | int | `1024` | | |
+//! | `limits.max_pins` | int | `1000000` | | |
+//! | `limits.max_clients` | int | `4096` | | |
+//! | `limits.client_idle_ttl_ms` | int | `600000` | | idle sessions holding nothing are dropped after this |
+//! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
+//! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use bytesize::ByteSize;
+use clap::{Parser, ValueEnum};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// A byte size written as `"1GiB"`, `"512MiB"`, `"4096"` or a TOML integer.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Size(pub u64);
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if let Ok(n) = s.parse::<u64>() {
+            return Ok(Size(n));
+        }
+        ByteSize::from_str(s)
+            .map(|b| Size(b.as_u64()))
+            .map_err(|e| format!("invalid size {s:?}: {e} (use e.g. 1GiB, 512MiB, 4096)"))
+    }
+}
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const UNITS: [(u64, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        for (n, u) in UNITS {
+            if self.0 >= n && self.0 % n == 0 {
+                return write!(f, "{}{u}", self.0 / n);
+            }
+        }
+        write!(f, "{}", self.0)
+    }
+}
+
+impl Serialize for Size {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[server]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// ZMQ endpoints to bind.
+    pub endpoints: Vec<String>,
+    /// Largest envelope frame.
+    pub max_envelope_bytes: Size,
+    /// Largest key list.
+    pub max_keys_per_request: u64,
+    /// Group allowed besides the owner.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+/// `[pool]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Shared-memory file.
+    pub path: PathBuf,
+    /// Size.
+    pub size: Size,
+    /// Slab segment size (largest block).
+    pub segment_size: Size,
+    /// Expect hugetlbfs.
+    pub huge_pages: bool,
+    /// Pre-fault at start.
+    pub prefault: bool,
+    /// Eviction starts above this fraction...
+    pub high_watermark: f64,
+    /// ...and stops here.
+    pub low_watermark: f64,
+}
+
+/// `[limits]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Default pin TTL.
+    pub default_pin_ttl_ms: u64,
+    /// Longest pin TTL.
+    pub max_pin_ttl_ms: u64,
+    /// Uncommitted allocation TTL.
+    pub alloc_ttl_ms: u64,
+    /// Most layouts.
+    pub max_layouts: u64,
+    /// Most pins.
+    pub max_pins: u64,
+    /// Most sessions.
+    pub max_clients: u64,
+    /// Idle session TTL.
+    pub client_idle_ttl_ms: u64,
+}
+
+/// `[log]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// Output format.
+    pub format: LogFormat,
+    /// `tracing` filter.
+    pub level: String,
+}
+
+/// The whole configuration. See the module docs for every key.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// `[server]`
+    pub server: ServerConfig,
+    /// `[pool]`
+    pub pool: PoolConfig,
+    /// `[limits]`
+    pub limits: LimitsConfig,
+    /// `[log]`
+    pub log: LogConfig,
+}
+
+fn uid() -> u32 {
+    nix::unistd::getuid().as_raw()
+}
+
+/// Where the default ipc socket lives: `$XDG_RUNTIME_DIR/kvd`, else `/tmp/kvd-$UID`.
+pub fn default_runtime_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() && Path::new(&d).is_dir() => Path::new(&d).join("kvd"),
+        _ => PathBuf::from(format!("/tmp/kvd-{}", uid())),
+    }
+}
+
+/// The default ipc endpoint (what `kvd` binds and `kvd-client` connects to by default).
+pub fn default_endpoint() -> String {
+    format!("ipc://{}/kvd.sock", default_runtime_dir().display())
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            endpoints: vec![default_endpoint()],
+            max_envelope_bytes: Size(4 << 20),
+            max_keys_per_request: 65536,
+            group: None,
+        }
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            path: PathBuf::from(format!("/dev/shm/kvd-{}.pool", uid())),
+            size: Size(1 << 30),
+            segment_size: Size(32 << 20),
+            huge_pages: false,
+            prefault: true,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+        }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            default_pin_ttl_ms: 10_000,
+            max_pin_ttl_ms: 60_000,
+            alloc_ttl_ms: 30_000,
+            max_layouts: 1024,
+            max_pins: 1_000_000,
+            max_clients: 4096,
+            client_idle_ttl_ms: 600_000,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Command-line flags (each also readable from its `KVD_*` variable).
+#[derive(Parser, Debug, Default)]
+#[command(name = "kvd", version, about = "kvd: the per-node KV-cache daemon")]
+pub struct Cli {
+    /// TOML configuration file.
+    #[arg(long, env = "KVD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// ZMQ endpoint to bind (repeatable; replaces the configured list).
+    #[arg(long = "endpoint", env = "KVD_ENDPOINT", value_delimiter = ',')]
+    pub endpoints: Vec<String>,
+    /// Pool size, e.g. 1GiB.
+    #[arg(long, env = "KVD_POOL_SIZE")]
+    pub pool_size: Option<Size>,
+    /// Pool file path.
+    #[arg(long, env = "KVD_POOL_PATH")]
+    pub pool_path: Option<PathBuf>,
+    /// Slab segment size (also the largest block), e.g. 32MiB.
+    #[arg(long, env = "KVD_SEGMENT_SIZE")]
+    pub segment_size: Option<Size>,
+    /// TTL of uncommitted allocations, in milliseconds.
+    #[arg(long, env = "KVD_ALLOC_TTL_MS")]
+    pub alloc_ttl_ms: Option<u64>,
+    /// Group allowed to use the socket and pool besides the owner.
+    #[arg(long, env = "KVD_GROUP")]
+    pub group: Option<String>,
+    /// Log format.
+    #[arg(long, env = "KVD_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// Log filter, e.g. `info` or `kvd_daemon=debug`.
+    #[arg(long, env = "KVD_LOG")]
+    pub log_level: Option<String>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// Why the configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// Path.
+        path: PathBuf,
+        /// Error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("parsing {path}: {source}")]
+    Parse {
+        /// Path.
+        path: PathBuf,
+        /// Error.
+        source: Box<toml::de::Error>,
+    },
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl DaemonConfig {
+    /// Defaults → file → env and flags (clap reads both).
+    pub fn load(cli: &Cli) -> Result<DaemonConfig, ConfigError> {
+        let mut cfg = match &cli.config {
+            Some(p) => Self::from_file(p)?,
+            None => DaemonConfig::default(),
+        };
+        if !cli.endpoints.is_empty() {
+            cfg.server.endpoints = cli.endpoints.clone();
+        }
+        if let Some(v) = cli.pool_size {
+            cfg.pool.size = v;
+        }
+        if let Some(v) = &cli.pool_path {
+            cfg.pool.path = v.clone();
+        }
+        if let Some(v) = cli.segment_size {
+            cfg.pool.segment_size = v;
+        }
+        if let Some(v) = cli.alloc_ttl_ms {
+            cfg.limits.alloc_ttl_ms = v;
+        }
+        if let Some(v) = &cli.group {
+            cfg.server.group = Some(v.clone());
+        }
+        if let Some(v) = cli.log_format {
+            cfg.log.format = v;
+        }
+        if let Some(v) = &cli.log_level {
+            cfg.log.level = v.clone();
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads a TOML file (missing keys take their defaults; unknown keys are refused).
+    pub fn from_file(path: &Path) -> Result<DaemonConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(e),
+        })
+    }
+
+    /// Checks ranges and relations between values.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.server.endpoints.is_empty() {
+            return bad("server.endpoints is empty".into());
+        }
+        for e in &self.server.endpoints {
+            if !(e.starts_with("ipc://") || e.starts_with("tcp://")) {
+                return bad(format!("endpoint {e:?} must start with ipc:// or tcp://"));
+            }
+        }
+        let seg = self.pool.segment_size.0;
+        if seg < 4096 || seg % 4096 != 0 {
+            return bad(format!("pool.segment_size {seg} must be a multiple of 4096"));
+        }
+        if self.pool.size.0 < seg + 4096 {
+            return bad(format!(
+                "pool.size {} must hold at least one segment ({}) plus the 4 KiB header",
+                self.pool.size, self.pool.segment_size
+            ));
+        }
+        let (h, l) = (self.pool.high_watermark, self.pool.low_watermark);
+        if !(0.0 < l && l <= h && h <= 1.0) {
+            return bad(format!(
+                "watermarks must satisfy 0 < low ({l}) <= high ({h}) <= 1"
+            ));
+        }
+        let lim = &self.limits;
+        if lim.default_pin_ttl_ms == 0 || lim.default_pin_ttl_ms > lim.max_pin_ttl_ms {
+            return bad("limits: 0 < default_pin_ttl_ms <= max_pin_ttl_ms".into());
+        }
+        if lim.alloc_ttl_ms == 0 {
+            return bad("limits.alloc_ttl_ms must be > 0".into());
+        }
+        if self.server.max_keys_per_request == 0 || self.server.max_envelope_bytes.0 < 1024 {
+            return bad("server: max_keys_per_request > 0 and max_envelope_bytes >= 1KiB".into());
+        }
+        Ok(())
+    }
+
+    /// The configuration as TOML (printed at start).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# unprintable config: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_print() {
+        assert_eq!("1GiB".parse::<Size>().unwrap(), Size(1 << 30));
+        assert_eq!("512MiB".parse::<Size>().unwrap(), Size(512 << 20));
+        assert_eq!("4096".parse::<Size>().unwrap(), Size(4096));
+        assert!("lots".parse::<Size>().is_err());
+        assert_eq!(Size(32 << 20).to_string(), "32MiB");
+        assert_eq!(Size(1000).to_string(), "1000");
+    }
+
+    #[test]
+    fn defaults_validate_and_round_trip() {
+        let c = DaemonConfig::default();
+        c.validate().unwrap();
+        let back: DaemonConfig = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn example_file_parses() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemon.example.toml");
+        let c = DaemonConfig::from_file(&p).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.pool.size, Size(8 << 30));
+    }
+
+    #[test]
+    fn layers_apply_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("k.toml");
+        std::fs::write(&f, "[pool]\nsize = \"64MiB\"\nsegment_size = 1048576\n").unwrap();
+        let cli = Cli::try_parse_from([
+            "kvd",
+            "--config",
+            f.to_str().unwrap(),
+            "--pool-size",
+            "128MiB",
+            "--endpoint",
+            "ipc:///tmp/a.sock",
+            "--endpoint",
+            "tcp://127.0.0.1:5555",
+        ])
+        .unwrap();
+        let c = DaemonConfig::load(&cli).unwrap();
+        assert_eq!(c.pool.size, Size(128 << 20));
+        assert_eq!(c.pool.segment_size, Size(1 << 20));
+        assert_eq!(c.server.endpoints.len(), 2);
+        std::fs::write(&f, "[pool]\nsise = 1\n").unwrap();
+        assert!(matches!(
+            DaemonConfig::from_file(&f),
+            Err(ConfigError::Parse { .. })
+        ));
+        let mut c = DaemonConfig::default();
+        c.pool.low_watermark = 0.99;
+        assert!(c.validate().is_err());
+        c = DaemonConfig::default();
+        c.server.endpoints = vec!["udp://x".into()];
+        assert!(c.validate().is_err());
+    }
+}

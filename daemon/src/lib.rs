@@ -1,0 +1,188 @@
+//! # kvd-daemon
+//!
+//! The per-node KV-cache daemon. `src/main.rs` only parses flags, loads the
+//! configuration and calls [`run`]; everything else lives here.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table |
+//! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
+//! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
+//! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
+//! | [`server`] | the ZMQ ROUTER loop, request dispatch, signals |
+//!
+//! Workflow of [`run`]:
+//! 1. set the umask to 077 so the socket and the pool are created owner-only;
+//! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;
+//! 3. bind the ROUTER on every endpoint (creating the ipc directory 0700);
+//! 4. serve until SIGTERM/SIGINT, then answer what is queued, close the socket, remove
+//!    the ipc socket files and the pool file, and return.
+
+pub mod alloc;
+pub mod config;
+pub mod pool;
+pub mod server;
+pub mod store;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvd_protocol::{Incarnation, Limits};
+use nix::sys::stat::Mode;
+use nix::unistd::Gid;
+
+use crate::config::DaemonConfig;
+use crate::pool::{Pool, PoolOptions};
+use crate::server::{Server, ServerOptions};
+use crate::store::{Store, StoreConfig};
+
+/// Why the daemon could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Pool creation failed.
+    #[error(transparent)]
+    Pool(#[from] pool::PoolError),
+    /// The server failed.
+    #[error(transparent)]
+    Server(#[from] server::ServerError),
+    /// Filesystem or signal set-up failed.
+    #[error("{what}: {source}")]
+    Setup {
+        /// What was attempted.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The configured group does not exist.
+    #[error("group {0:?} not found")]
+    NoGroup(String),
+}
+
+fn setup_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let what = what.into();
+    move |source| DaemonError::Setup { what, source }
+}
+
+fn resolve_group(g: &str) -> Result<Gid, DaemonError> {
+    if let Ok(n) = g.parse::<u32>() {
+        return Ok(Gid::from_raw(n));
+    }
+    match nix::unistd::Group::from_name(g) {
+        Ok(Some(gr)) => Ok(gr.gid),
+        _ => Err(DaemonError::NoGroup(g.to_string())),
+    }
+}
+
+/// The path of an `ipc://` endpoint.
+pub fn ipc_path(endpoint: &str) -> Option<PathBuf> {
+    endpoint.strip_prefix("ipc://").map(PathBuf::from)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT. See the crate docs for the workflow.
+pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
+    nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
+    let group = cfg.server.group.as_deref().map(resolve_group).transpose()?;
+    let incarnation = Incarnation(loop {
+        let v: u64 = rand::random();
+        if v != 0 {
+            break v;
+        }
+    });
+    let started = Instant::now();
+    let pool = Pool::create(
+        &PoolOptions {
+            path: cfg.pool.path.clone(),
+            size_bytes: cfg.pool.size.0,
+            huge_pages: cfg.pool.huge_pages,
+            prefault: cfg.pool.prefault,
+            group,
+        },
+        incarnation,
+    )?;
+    tracing::info!(
+        path = %pool.path().display(),
+        size = pool.size(),
+        huge_pages = pool.huge_pages(),
+        prefault_ms = started.elapsed().as_millis() as u64,
+        "pool mapped"
+    );
+    let lim = &cfg.limits;
+    let store = Store::new(
+        pool,
+        StoreConfig {
+            segment_bytes: cfg.pool.segment_size.0,
+            high_watermark: cfg.pool.high_watermark,
+            low_watermark: cfg.pool.low_watermark,
+            default_pin_ttl: Duration::from_millis(lim.default_pin_ttl_ms),
+            max_pin_ttl: Duration::from_millis(lim.max_pin_ttl_ms),
+            alloc_ttl: Duration::from_millis(lim.alloc_ttl_ms),
+            max_layouts: lim.max_layouts as usize,
+            max_pins: lim.max_pins as usize,
+            max_clients: lim.max_clients as usize,
+            client_idle_ttl: Duration::from_millis(lim.client_idle_ttl_ms),
+        },
+        incarnation,
+        started,
+    );
+
+    let ipc_paths: Vec<PathBuf> = cfg.server.endpoints.iter().filter_map(|e| ipc_path(e)).collect();
+    for p in &ipc_paths {
+        if let Some(dir) = p.parent() {
+            prepare_dir(dir, group)?;
+        }
+    }
+    let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let tx = sig_tx.try_clone().map_err(setup_err("dup"))?;
+        signal_hook::low_level::pipe::register(sig, tx).map_err(setup_err("signal handler"))?;
+    }
+    let opts = ServerOptions {
+        endpoints: cfg.server.endpoints.clone(),
+        max_envelope_bytes: cfg.server.max_envelope_bytes.0,
+        max_keys_per_request: cfg.server.max_keys_per_request,
+        limits: Limits {
+            max_envelope_bytes: cfg.server.max_envelope_bytes.0,
+            max_keys_per_request: cfg.server.max_keys_per_request,
+            max_block_bytes: cfg.pool.segment_size.0,
+            max_pin_ttl_ms: lim.max_pin_ttl_ms,
+            default_pin_ttl_ms: lim.default_pin_ttl_ms,
+            alloc_ttl_ms: lim.alloc_ttl_ms,
+            max_layouts: lim.max_layouts,
+        },
+    };
+    let server = Server::bind(store, opts, sig_rx)?;
+    for p in &ipc_paths {
+        let mode = if group.is_some() { 0o660 } else { 0o600 };
+        if let Some(g) = group {
+            std::os::unix::fs::chown(p, None, Some(g.as_raw()))
+                .map_err(setup_err(format!("chown {}", p.display())))?;
+        }
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .map_err(setup_err(format!("chmod {}", p.display())))?;
+    }
+    tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
+    let store = server.run()?;
+    for p in &ipc_paths {
+        let _ = std::fs::remove_file(p);
+    }
+    let st = store.stats(Instant::now());
+    tracing::info!(requests = st.requests, blocks = st.blocks, "kvd stopped");
+    drop(store); // unmaps and unlinks the pool
+    Ok(())
+}
+
+fn prepare_dir(dir: &Path, group: Option<Gid>) -> Result<(), DaemonError> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(setup_err(format!("creating {}", dir.display())))?;
+        let mode = if group.is_some() { 0o750 } else { 0o700 };
+        if let Some(g) = group {
+            std::os::unix::fs::chown(dir, None, Some(g.as_raw()))
+                .map_err(setup_err(format!("chown {}", dir.display())))?;
+        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(setup_err(format!("chmod {}", dir.display())))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,307 @@
+//! The shared DRAM pool: one file in shared memory (tmpfs by default, hugetlbfs when
+//! configured), mapped read-write and shared by the daemon and every local client.
+//!
+//! This module is the only place that touches the mapping's raw pointer. Everything
+//! above it goes through [`Pool::write`] and [`Pool::read`], which check bounds first
+//! (`offset.checked_add(len)`), then take one documented unsafe step.
+//!
+//! Life cycle: [`Pool::create`] takes an exclusive `flock` on the file (a second daemon
+//! on the same path is refused; a stale file from a crashed daemon is replaced), sizes
+//! it, maps it (pre-faulted when configured) and writes the header
+//! ([`kvd_protocol::pool::PoolHeader`]). Dropping the pool unlinks the file.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use kvd_protocol::pool::PoolHeader;
+use kvd_protocol::Incarnation;
+use memmap2::{MmapOptions, MmapRaw};
+
+/// Slot offsets and sizes are multiples of this (O_DIRECT and DMA friendly).
+pub const SLOT_ALIGN: u64 = 4096;
+/// `statfs` magic of hugetlbfs.
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// Why the pool could not be created or accessed.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// Another process holds the pool file's lock.
+    #[error("pool file {0} is in use by another kvd (it holds the lock)")]
+    InUse(PathBuf),
+    /// Not enough room on the file system.
+    #[error("pool of {want} bytes does not fit in {path}: {avail} bytes available")]
+    NoSpace {
+        /// The path.
+        path: PathBuf,
+        /// Requested size.
+        want: u64,
+        /// Available on the file system.
+        avail: u64,
+    },
+    /// An OS call failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// An access outside the pool.
+    #[error("range {offset}+{len} is outside the pool of {size} bytes")]
+    OutOfBounds {
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Pool size.
+        size: u64,
+    },
+}
+
+/// How to create the pool.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// File path (in /dev/shm or a hugetlbfs mount).
+    pub path: PathBuf,
+    /// Requested size; rounded up to the page size of the file system.
+    pub size_bytes: u64,
+    /// Expect hugetlbfs; when the path is not on one, warn and continue with normal pages.
+    pub huge_pages: bool,
+    /// Touch every page at start so first stores do not fault.
+    pub prefault: bool,
+    /// Group that may map the pool besides the owner (mode 0660 instead of 0600).
+    pub group: Option<nix::unistd::Gid>,
+}
+
+/// The mapped pool. See the module docs.
+#[derive(Debug)]
+pub struct Pool {
+    map: MmapRaw,
+    _file: File,
+    path: PathBuf,
+    size: u64,
+    data_offset: u64,
+    huge: bool,
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> PoolError + 'a {
+    move |source| PoolError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl Pool {
+    /// Creates, sizes, locks and maps the pool file, and writes its header.
+    pub fn create(opts: &PoolOptions, incarnation: Incarnation) -> Result<Pool, PoolError> {
+        let path = &opts.path;
+        // A previous file: refuse if a live daemon holds it, else replace it.
+        if let Ok(old) = File::open(path) {
+            if flock_nb(&old).is_err() {
+                return Err(PoolError::InUse(path.clone()));
+            }
+            std::fs::remove_file(path).map_err(io_err("removing stale pool", path))?;
+        }
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        let fs = nix::sys::statfs::statfs(dir).map_err(|e| PoolError::Io {
+            what: "statfs",
+            path: dir.to_owned(),
+            source: e.into(),
+        })?;
+        let on_hugetlbfs = fs.filesystem_type().0 as i64 == HUGETLBFS_MAGIC;
+        if opts.huge_pages && !on_hugetlbfs {
+            tracing::warn!(path = %path.display(), "huge_pages is set but the pool path is not on hugetlbfs: using normal pages");
+        }
+        let page = if on_hugetlbfs {
+            fs.block_size() as u64
+        } else {
+            SLOT_ALIGN
+        };
+        let size = opts.size_bytes.div_ceil(page) * page;
+        if !on_hugetlbfs {
+            let vfs = nix::sys::statvfs::statvfs(dir).map_err(|e| PoolError::Io {
+                what: "statvfs",
+                path: dir.to_owned(),
+                source: e.into(),
+            })?;
+            let avail = vfs.blocks_available() as u64 * vfs.fragment_size() as u64;
+            if avail < size {
+                return Err(PoolError::NoSpace {
+                    path: path.clone(),
+                    want: size,
+                    avail,
+                });
+            }
+        }
+        let mode = if opts.group.is_some() { 0o660 } else { 0o600 };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(path)
+            .map_err(io_err("creating pool", path))?;
+        flock_nb(&file).map_err(|_| PoolError::InUse(path.clone()))?;
+        if let Some(gid) = opts.group {
+            std::os::unix::fs::fchown(&file, None, Some(gid.as_raw()))
+                .map_err(io_err("chown", path))?;
+        }
+        // The umask may have masked bits off `mode`: set it exactly.
+        file.set_permissions(std::fs::Permissions::from_mode(mode))
+            .map_err(io_err("chmod", path))?;
+        let cleanup = |e: PoolError| {
+            let _ = std::fs::remove_file(path);
+            e
+        };
+        file.set_len(size)
+            .map_err(io_err("sizing pool", path))
+            .map_err(cleanup)?;
+        let mut mo = MmapOptions::new();
+        mo.len(size as usize);
+        if opts.prefault {
+            mo.populate();
+        }
+        let map = mo
+            .map_raw(&file)
+            .map_err(io_err("mapping pool", path))
+            .map_err(cleanup)?;
+        let data_offset = page.max(SLOT_ALIGN);
+        let pool = Pool {
+            map,
+            _file: file,
+            path: path.clone(),
+            size,
+            data_offset,
+            huge: on_hugetlbfs,
+        };
+        let header = PoolHeader {
+            incarnation,
+            size_bytes: size,
+            data_offset,
+        };
+        pool.write(0, &header.encode())?;
+        Ok(pool)
+    }
+
+    /// File path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// File size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Offset of the first slot.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    /// Whether the pool sits on hugetlbfs.
+    pub fn huge_pages(&self) -> bool {
+        self.huge
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, PoolError> {
+        let oob = || PoolError::OutOfBounds {
+            offset,
+            len: len as u64,
+            size: self.size,
+        };
+        let end = offset.checked_add(len as u64).ok_or_else(oob)?;
+        if end > self.size {
+            return Err(oob());
+        }
+        Ok(offset as usize)
+    }
+
+    /// Copies `src` into the pool at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), PoolError> {
+        let off = self.check(offset, src.len())?;
+        // SAFETY: `check` proved `off + src.len() <= size`, the mapping's length, so the
+        // destination lies inside the live mapping (kept alive by `self`). `src` is a
+        // Rust slice in process memory and cannot overlap the shared mapping's range
+        // handed out for writing: the daemon writes only into slots that are allocated
+        // and not yet committed, which no reader has been given.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len());
+        }
+        Ok(())
+    }
+
+    /// Borrows `len` bytes at `offset`.
+    pub fn read(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
+        let off = self.check(offset, len)?;
+        // SAFETY: in bounds (checked above) of a mapping that lives as long as `self`, to
+        // which the returned borrow is tied. The daemon reads only committed slots, which
+        // by protocol nobody writes until they are freed, and they are not freed while
+        // the caller (the single server thread) holds this borrow.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// An exclusive `flock`, held as long as the open file description lives.
+fn flock_nb(f: &File) -> Result<(), std::fs::TryLockError> {
+    f.try_lock()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(dir: &Path) -> PoolOptions {
+        PoolOptions {
+            path: dir.join("p.pool"),
+            size_bytes: 1 << 20,
+            huge_pages: false,
+            prefault: true,
+            group: None,
+        }
+    }
+
+    #[test]
+    fn create_lock_bounds_and_unlink() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let o = opts(dir.path());
+        let p = Pool::create(&o, Incarnation(7)).unwrap();
+        let meta = std::fs::metadata(&o.path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(meta.len(), 1 << 20);
+        let h = PoolHeader::decode(p.read(0, 32).unwrap()).unwrap();
+        assert_eq!(h.incarnation, Incarnation(7));
+        assert!(matches!(Pool::create(&o, Incarnation(8)), Err(PoolError::InUse(_))));
+        p.write(4096, b"hello").unwrap();
+        assert_eq!(p.read(4096, 5).unwrap(), b"hello");
+        assert!(p.write((1 << 20) - 2, b"abc").is_err());
+        assert!(p.read(u64::MAX, 2).is_err());
+        drop(p);
+        assert!(!o.path.exists());
+        // a stale file with no lock holder is replaced
+        std::fs::write(&o.path, b"stale").unwrap();
+        let p = Pool::create(&o, Incarnation(9)).unwrap();
+        assert_eq!(p.size(), 1 << 20);
+    }
+
+    #[test]
+    fn refuses_a_pool_that_does_not_fit() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let mut o = opts(dir.path());
+        o.size_bytes = u64::MAX / 2;
+        assert!(matches!(
+            Pool::create(&o, Incarnation(1)),
+            Err(PoolError::NoSpace { .. })
+        ));
+    }
+}

@@ -1,0 +1,320 @@
+//! The ZMQ server: one ROUTER socket bound to every configured endpoint, driven by one
+//! thread that owns the [`Store`].
+//!
+//! ```text
+//!   engines (DEALER / REQ) ──ipc/tcp──► ROUTER ──► decode ──► Store (&mut) ──► reply
+//!                                         ▲                        │
+//!   SIGTERM/SIGINT ──► signal pipe ──► zmq_poll ◄── next pin/alloc deadline
+//! ```
+//!
+//! Each loop turn polls the socket and the signal pipe (timeout: the next deadline, at
+//! most 1 s), serves up to [`BATCH`] requests, then runs the store's time-driven work.
+//! Replies are sent non-blocking: a client that is gone or does not read its replies
+//! (its queue is at the high-water mark) loses that reply, which is counted, and nobody
+//! else waits. Frames above the hard cap (`ZMQ_MAXMSGSIZE`) make ZMQ drop the
+//! connection; frames within it but above the protocol limits get `too_large`.
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use crate::store::Store;
+
+/// Requests served per loop turn before timers run.
+pub const BATCH: usize = 256;
+
+/// Server settings derived from the configuration.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Endpoints to bind.
+    pub endpoints: Vec<String>,
+    /// Largest envelope frame.
+    pub max_envelope_bytes: u64,
+    /// Largest key list.
+    pub max_keys_per_request: u64,
+    /// Limits reported by `hello`.
+    pub limits: Limits,
+}
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A ZMQ call failed.
+    #[error("zmq {what}: {source}")]
+    Zmq {
+        /// What was attempted.
+        what: String,
+        /// The error.
+        source: zmq::Error,
+    },
+}
+
+fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
+    let what = what.into();
+    move |source| ServerError::Zmq { what, source }
+}
+
+/// The server. See the module docs.
+pub struct Server {
+    _ctx: zmq::Context,
+    socket: zmq::Socket,
+    store: Store,
+    opts: ServerOptions,
+    signals: UnixStream,
+    parts: Vec<zmq::Message>,
+}
+
+impl Server {
+    /// Creates the ROUTER socket and binds every endpoint.
+    pub fn bind(store: Store, opts: ServerOptions, signals: UnixStream) -> Result<Self, ServerError> {
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
+        socket.set_router_mandatory(true).map_err(zerr("ROUTER_MANDATORY"))?;
+        socket.set_sndhwm(16384).map_err(zerr("SNDHWM"))?;
+        socket.set_rcvhwm(16384).map_err(zerr("RCVHWM"))?;
+        socket.set_linger(1000).map_err(zerr("LINGER"))?;
+        let hard_cap = opts
+            .max_envelope_bytes
+            .max(opts.limits.max_block_bytes)
+            .saturating_add(64 * 1024);
+        socket
+            .set_maxmsgsize(i64::try_from(hard_cap).unwrap_or(i64::MAX))
+            .map_err(zerr("MAXMSGSIZE"))?;
+        for e in &opts.endpoints {
+            socket.bind(e).map_err(zerr(format!("bind {e}")))?;
+        }
+        signals
+            .set_nonblocking(true)
+            .expect("setting O_NONBLOCK on a socketpair cannot fail");
+        Ok(Server {
+            _ctx: ctx,
+            socket,
+            store,
+            opts,
+            signals,
+            parts: Vec::new(),
+        })
+    }
+
+    /// Serves until a signal arrives; then answers what is already queued and returns.
+    pub fn run(mut self) -> Result<Store, ServerError> {
+        loop {
+            let now = Instant::now();
+            let timeout = self
+                .store
+                .next_deadline()
+                .map(|d| d.saturating_duration_since(now))
+                .unwrap_or(Duration::from_secs(1))
+                .min(Duration::from_secs(1));
+            // Round up so that a deadline 0.4 ms away does not spin.
+            let timeout_ms = timeout.as_micros().div_ceil(1000) as i64;
+            let (sock_ready, sig_ready) = {
+                let mut items = [
+                    self.socket.as_poll_item(zmq::POLLIN),
+                    zmq::PollItem::from_fd(self.signals.as_raw_fd(), zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, timeout_ms) {
+                    Ok(_) => {}
+                    Err(zmq::Error::EINTR) => continue,
+                    Err(e) => return Err(zerr("poll")(e)),
+                }
+                (items[0].is_readable(), items[1].is_readable())
+            };
+            if sock_ready {
+                for _ in 0..BATCH {
+                    if !self.serve_one()? {
+                        break;
+                    }
+                }
+            }
+            self.store.maintain(Instant::now());
+            if sig_ready {
+                let mut buf = [0u8; 16];
+                let _ = self.signals.read(&mut buf);
+                tracing::info!("signal received: answering queued requests, then stopping");
+                // Finish what is already queued, bounded in time.
+                let until = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < until && self.serve_one()? {}
+                return Ok(self.store);
+            }
+        }
+    }
+
+    /// Serves one request if one is queued. Returns whether one was.
+    fn serve_one(&mut self) -> Result<bool, ServerError> {
+        self.parts.clear();
+        loop {
+            let mut msg = zmq::Message::new();
+            match self.socket.recv(&mut msg, zmq::DONTWAIT) {
+                Ok(()) => {}
+                Err(zmq::Error::EAGAIN) if self.parts.is_empty() => return Ok(false),
+                Err(zmq::Error::EINTR) if self.parts.is_empty() => return Ok(false),
+                Err(e) => return Err(zerr("recv")(e)),
+            }
+            let more = msg.get_more();
+            self.parts.push(msg);
+            if !more {
+                break;
+            }
+        }
+        let now = Instant::now();
+        // [identity] [empty delimiter, from REQ sockets] envelope [payload...]
+        let req_style = self.parts.len() >= 2 && self.parts[1].is_empty();
+        let env_at = if req_style { 2 } else { 1 };
+        let parts = std::mem::take(&mut self.parts);
+        let (reply, payloads) = match parts.get(env_at) {
+            Some(env) => self.dispatch(env, &parts[env_at + 1..], now),
+            None => {
+                self.store.count_request(Some(ErrorCode::Malformed));
+                let e = WireError::new(ErrorCode::Malformed, "message has no envelope frame");
+                (encode_err(0, &e), Vec::new())
+            }
+        };
+        self.send_reply(&parts[0], req_style, reply, payloads);
+        self.parts = parts;
+        Ok(true)
+    }
+
+    fn send_reply(&mut self, identity: &[u8], req_style: bool, reply: Vec<u8>, payloads: Vec<zmq::Message>) {
+        let flags = zmq::DONTWAIT | zmq::SNDMORE;
+        let sent = (|| -> Result<(), zmq::Error> {
+            self.socket.send(identity, flags)?;
+            if req_style {
+                self.socket.send(&[][..], flags)?;
+            }
+            let last = payloads.len();
+            self.socket
+                .send(reply, if last == 0 { zmq::DONTWAIT } else { flags })?;
+            for (i, p) in payloads.into_iter().enumerate() {
+                let f = if i + 1 == last { zmq::DONTWAIT } else { flags };
+                self.socket.send(p, f)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = sent {
+            // EHOSTUNREACH: the client is gone; EAGAIN: it does not read its replies.
+            tracing::debug!(error = %e, "reply dropped");
+            self.store.count_dropped_reply();
+        }
+    }
+
+    fn dispatch(&mut self, env: &[u8], payloads: &[zmq::Message], now: Instant) -> (Vec<u8>, Vec<zmq::Message>) {
+        let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
+            Ok(x) => x,
+            Err((id, e)) => {
+                tracing::debug!(id, error = %e, "undecodable request");
+                self.store.count_request(Some(e.code()));
+                return (encode_err(id, &WireError::new(e.code(), e.to_string())), Vec::new());
+            }
+        };
+        let mut out = Vec::new();
+        let result = self.execute(&req, payloads, &mut out, now);
+        match result {
+            Ok(body) => {
+                self.store.count_request(None);
+                (body_with_id(id, body), out)
+            }
+            Err(e) => {
+                tracing::debug!(id, op = req.op(), error = %e, "request failed");
+                self.store.count_request(Some(e.code));
+                (encode_err(id, &e), Vec::new())
+            }
+        }
+    }
+
+    fn execute(
+        &mut self,
+        req: &Request,
+        payloads: &[zmq::Message],
+        out: &mut Vec<zmq::Message>,
+        now: Instant,
+    ) -> Result<Body, WireError> {
+        let n = req.key_count() as u64;
+        if n > self.opts.max_keys_per_request {
+            return Err(WireError::new(
+                ErrorCode::TooLarge,
+                format!("{n} keys in one request (limit {})", self.opts.max_keys_per_request),
+            ));
+        }
+        if !payloads.is_empty() && !matches!(req, Request::Commit(_)) {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("op {} takes no payload frames ({} sent)", req.op(), payloads.len()),
+            ));
+        }
+        let s = &mut self.store;
+        Ok(match req {
+            Request::Hello(r) => {
+                let client = s.hello(r, now)?;
+                let pool = s.pool();
+                Body::Hello(HelloResp {
+                    protocol: PROTOCOL_VERSION,
+                    server: format!("kvd {}", env!("CARGO_PKG_VERSION")),
+                    incarnation: s.stats(now).incarnation,
+                    client,
+                    pool: PoolInfo {
+                        path: pool.path().display().to_string(),
+                        size_bytes: pool.size(),
+                        data_offset: pool.data_offset(),
+                        slot_align: crate::pool::SLOT_ALIGN,
+                    },
+                    limits: self.opts.limits.clone(),
+                })
+            }
+            Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
+            Request::Lookup(r) => Body::Lookup(s.lookup(r, now)?),
+            Request::Alloc(r) => Body::Alloc(s.alloc(r, now)?),
+            Request::Commit(r) => {
+                let slices: Vec<&[u8]> = payloads.iter().map(|m| &m[..]).collect();
+                Body::Commit(s.commit(r, &slices, now)?)
+            }
+            Request::Get(r) => {
+                let resp = s.get(r, now)?;
+                if r.inline {
+                    let len = s.block_bytes(r.layout_id).unwrap_or(0) as usize;
+                    for off in resp.offsets.iter().flatten() {
+                        let bytes = s
+                            .pool()
+                            .read(*off, len)
+                            .map_err(|e| WireError::new(ErrorCode::Internal, e.to_string()))?;
+                        out.push(zmq::Message::from(bytes));
+                    }
+                }
+                Body::Get(resp)
+            }
+            Request::Release(r) => Body::Release(s.release(r, now)?),
+            Request::Delete(r) => Body::Delete(s.delete(r, now)?),
+            Request::Stats(_) => Body::Stats(s.stats(now)),
+        })
+    }
+}
+
+/// A reply body of any op.
+enum Body {
+    Hello(HelloResp),
+    RegisterLayout(RegisterLayoutResp),
+    Lookup(LookupResp),
+    Alloc(AllocResp),
+    Commit(CommitResp),
+    Get(GetResp),
+    Release(ReleaseResp),
+    Delete(DeleteResp),
+    Stats(StatsResp),
+}
+
+fn body_with_id(id: u64, body: Body) -> Vec<u8> {
+    match body {
+        Body::Hello(b) => encode_ok(id, &b),
+        Body::RegisterLayout(b) => encode_ok(id, &b),
+        Body::Lookup(b) => encode_ok(id, &b),
+        Body::Alloc(b) => encode_ok(id, &b),
+        Body::Commit(b) => encode_ok(id, &b),
+        Body::Get(b) => encode_ok(id, &b),
+        Body::Release(b) => encode_ok(id, &b),
+        Body::Delete(b) => encode_ok(id, &b),
+        Body::Stats(b) => encode_ok(id, &b),
+    }
+}
