@@ -178,17 +178,13 @@ fn uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
 
-/// Where the default ipc socket lives: `$XDG_RUNTIME_DIR/kvd`, else `/tmp/kvd-$UID`.
-pub fn default_runtime_dir() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() && Path::new(&d).is_dir() => Path::new(&d).join("kvd"),
-        _ => PathBuf::from(format!("/tmp/kvd-{}", uid())),
-    }
-}
-
-/// The default ipc endpoint (what `kvd` binds and `kvd-client` connects to by default).
+/// The default ipc endpoint (what `kvd` binds and `kvd-client` connects to by default):
+/// see [`kvd_protocol::default_endpoint`].
 pub fn default_endpoint() -> String {
-    format!("ipc://{}/kvd.sock", default_runtime_dir().display())
+    let rt = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir());
+    kvd_protocol::default_endpoint(rt.as_deref(), uid())
 }
 
 impl Default for ServerConfig {

@@ -32,3 +32,13 @@ pub use error::{DecodeError, ErrorCode, WireError};
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
 pub use layout::{Dtype, Layout, LayoutError, MemoryOrder};
 pub use msg::*;
+
+/// The default endpoint of a node's daemon, shared by `kvd` and `kvd-client` so that
+/// both agree without configuration: `ipc://<runtime_dir>/kvd/kvd.sock` when the
+/// runtime directory (`$XDG_RUNTIME_DIR`) is given, else `ipc:///tmp/kvd-<uid>/kvd.sock`.
+pub fn default_endpoint(runtime_dir: Option<&std::path::Path>, uid: u32) -> String {
+    match runtime_dir {
+        Some(d) => format!("ipc://{}/kvd/kvd.sock", d.display()),
+        None => format!("ipc:///tmp/kvd-{uid}/kvd.sock"),
+    }
+}

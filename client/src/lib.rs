@@ -1,0 +1,873 @@
+//! # kvd-client
+//!
+//! The connector an engine links to use its node's `kvd`: a blocking, thread-safe API
+//! over the ZMQ + msgpack protocol (`protocol/SPEC.md`), with zero-copy access to the
+//! shared DRAM pool.
+//!
+//! ```no_run
+//! use kvd_client::Client;
+//! use kvd_protocol::{hash, Dtype, Layout, MemoryOrder};
+//! # fn main() -> Result<(), kvd_client::Error> {
+//! let client = Client::connect_default()?;                 // $KVD_ENDPOINT or the node default
+//! let layout = client.register_layout(&Layout {
+//!     model: "meta-llama/Llama-3.1-8B".into(), num_layers: 32, kv_parts: 2,
+//!     num_kv_heads: 8, head_dim: 128, dtype: Dtype::Bf16, tokens_per_block: 16,
+//!     tp_size: 1, tp_rank: 0, order: MemoryOrder::LayerPartTokenHead,
+//! })?;
+//! let tokens: Vec<u32> = (0..64).collect();
+//! let keys = hash::chunk_hashes(&tokens, 16, b"");
+//! let hit = client.lookup(layout.id, &keys)?.prefix as usize;  // blocks already cached
+//! let blocks = vec![vec![0u8; layout.block_bytes as usize]; keys.len() - hit];
+//! let refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+//! client.store(layout.id, &keys[hit..], &refs)?;               // copy in, commit
+//! let mut out = vec![vec![0u8; layout.block_bytes as usize]; keys.len()];
+//! let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|b| &mut b[..]).collect();
+//! let found = client.load(layout.id, &keys, &mut outs)?;      // pin, copy out, release
+//! # let _ = found; Ok(()) }
+//! ```
+//!
+//! Design:
+//! - **Threads**: every method takes `&self`; `Client` is `Clone + Send + Sync`. Each
+//!   call checks a DEALER socket out of a small pool (creating one when all are busy),
+//!   sends, waits for the reply with the same request id, and checks the socket back in.
+//!   So calls from many engine threads run in parallel with no hop through a helper
+//!   thread.
+//! - **Data**: with the pool mapped (the default on the same node), `store` copies the
+//!   caller's bytes straight into pool slots and `load` copies straight out: one copy
+//!   each way, the daemon touches no data. [`Client::alloc`] and [`Client::get`] hand out
+//!   the slots themselves for zero-copy use (DMA from/to GPU). Without a mapping
+//!   ([`MapPool::Never`], or a remote `tcp://` daemon) the same calls send the bytes as
+//!   payload frames, with the same semantics.
+//! - **Restarts**: `hello` returns the daemon's incarnation. When the daemon answers
+//!   `unknown_client`, the client says hello again; if the incarnation changed it
+//!   re-maps the pool, re-registers its layouts and fails the call with
+//!   [`Error::DaemonRestarted`] (pins and allocations of the old daemon are gone); if
+//!   not (the session had idled out) it retries the call once.
+//! - **Pins**: a pin's deadline is tracked locally from the moment the request was sent
+//!   (earlier than the daemon's own clock starts it), so [`PinnedBlocks`] refuses access
+//!   once the pin may have expired, and `load` fails rather than return bytes that may
+//!   have been overwritten.
+#![deny(missing_docs)]
+
+mod shm;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+use serde::de::DeserializeOwned;
+
+use crate::shm::PoolMap;
+
+/// Errors of the client API.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The daemon answered with an error.
+    #[error("kvd: {0}")]
+    Daemon(#[from] WireError),
+    /// No reply within the configured timeout.
+    #[error("kvd did not answer {op} within {after:?}")]
+    Timeout {
+        /// The op.
+        op: &'static str,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The daemon restarted; pins and allocations made before are gone.
+    #[error("kvd restarted (incarnation {old} -> {new}): pins and allocations were lost")]
+    DaemonRestarted {
+        /// Incarnation before.
+        old: Incarnation,
+        /// Incarnation now.
+        new: Incarnation,
+    },
+    /// The pool could not be mapped or is not the daemon's.
+    #[error("pool mapping: {0}")]
+    PoolMap(String),
+    /// The zero-copy API needs the pool mapped.
+    #[error("the pool is not mapped by this client (payload-frame mode)")]
+    NotMapped,
+    /// The pin's TTL may have passed: the bytes can no longer be trusted.
+    #[error("pin expired before the blocks were read")]
+    PinExpired,
+    /// The layout was not registered through this client.
+    #[error("layout {0} was not registered through this client")]
+    UnknownLayout(LayoutId),
+    /// Bad arguments to a client call.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The daemon sent something this client does not understand.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// A ZMQ call failed.
+    #[error("zmq: {0}")]
+    Zmq(#[from] zmq::Error),
+}
+
+impl Error {
+    /// The daemon's error code, when the daemon answered with one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Daemon(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether to map the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapPool {
+    /// Map it when the file is reachable (same node), else use payload frames.
+    Auto,
+    /// Always use payload frames.
+    Never,
+    /// Map it or fail.
+    Always,
+}
+
+/// Builds a [`Client`].
+#[derive(Clone, Debug)]
+pub struct ClientBuilder {
+    endpoint: String,
+    name: String,
+    timeout: Duration,
+    map_pool: MapPool,
+}
+
+impl ClientBuilder {
+    /// The daemon's endpoint. Default: `$KVD_ENDPOINT`, else the node default
+    /// ([`kvd_protocol::default_endpoint`]).
+    pub fn with_endpoint(mut self, e: impl Into<String>) -> Self {
+        self.endpoint = e.into();
+        self
+    }
+    /// A name for the daemon's logs. Default: the executable's name.
+    pub fn with_name(mut self, n: impl Into<String>) -> Self {
+        self.name = n.into();
+        self
+    }
+    /// How long to wait for any reply. Default: 5 s.
+    pub fn with_timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+    /// Whether to map the pool. Default: [`MapPool::Auto`].
+    pub fn with_map_pool(mut self, m: MapPool) -> Self {
+        self.map_pool = m;
+        self
+    }
+    /// Connects and says hello (retrying until the timeout while the daemon starts).
+    pub fn connect(self) -> Result<Client> {
+        let inner = Arc::new(Inner {
+            ctx: zmq::Context::new(),
+            opts: self,
+            sockets: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            session: RwLock::new(None),
+            layouts: Mutex::new(HashMap::new()),
+        });
+        let client = Client { inner };
+        client.hello_retrying()?;
+        Ok(client)
+    }
+}
+
+fn default_endpoint() -> String {
+    if let Some(e) = std::env::var_os("KVD_ENDPOINT") {
+        return e.to_string_lossy().into_owned();
+    }
+    let rt = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .filter(|d| d.is_dir());
+    // The real uid, as the daemon's default uses it; read from /proc to keep this crate
+    // free of libc bindings.
+    let uid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|u| u.parse().ok()))
+        })
+        .unwrap_or(0);
+    kvd_protocol::default_endpoint(rt.as_deref(), uid)
+}
+
+/// A registered layout, as the daemon sized it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayoutInfo {
+    /// Its id.
+    pub id: LayoutId,
+    /// Bytes of one block.
+    pub block_bytes: u64,
+    /// Bytes of one pool slot.
+    pub slot_bytes: u64,
+}
+
+struct Session {
+    client: ClientId,
+    hello: HelloResp,
+    pool: Option<Arc<PoolMap>>,
+}
+
+struct Inner {
+    ctx: zmq::Context,
+    opts: ClientBuilder,
+    sockets: Mutex<Vec<zmq::Socket>>,
+    next_id: AtomicU64,
+    session: RwLock<Option<Arc<Session>>>,
+    layouts: Mutex<HashMap<LayoutId, (Layout, LayoutInfo)>>,
+}
+
+/// A connection to a node's daemon. Cheap to clone; usable from any thread.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("endpoint", &self.inner.opts.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Outcome of [`Client::store`], per key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// `New` keys were written and committed; `Exists` were already cached; `Busy` are
+    /// being written by someone else.
+    pub status: Vec<AllocStatus>,
+}
+
+impl StoreOutcome {
+    /// Keys written by this call.
+    pub fn stored(&self) -> usize {
+        self.status.iter().filter(|s| **s == AllocStatus::New).count()
+    }
+}
+
+impl Client {
+    /// A builder with defaults.
+    pub fn builder() -> ClientBuilder {
+        ClientBuilder {
+            endpoint: default_endpoint(),
+            name: std::env::args()
+                .next()
+                .and_then(|a| a.rsplit('/').next().map(str::to_string))
+                .unwrap_or_else(|| "kvd-client".into()),
+            timeout: Duration::from_secs(5),
+            map_pool: MapPool::Auto,
+        }
+    }
+
+    /// Connects to `endpoint` with defaults.
+    pub fn connect(endpoint: &str) -> Result<Client> {
+        Self::builder().with_endpoint(endpoint).connect()
+    }
+
+    /// Connects to `$KVD_ENDPOINT` or the node's default endpoint.
+    pub fn connect_default() -> Result<Client> {
+        Self::builder().connect()
+    }
+
+    fn session(&self) -> Arc<Session> {
+        self.inner
+            .session
+            .read()
+            .expect("session lock poisoned")
+            .clone()
+            .expect("a connected client has a session")
+    }
+
+    /// What the daemon said at the last `hello` (incarnation, pool, limits).
+    pub fn hello_info(&self) -> HelloResp {
+        self.session().hello.clone()
+    }
+
+    /// The daemon's incarnation as of the last `hello`.
+    pub fn incarnation(&self) -> Incarnation {
+        self.session().hello.incarnation
+    }
+
+    /// Whether this client maps the pool (zero-copy) or sends payload frames.
+    pub fn is_mapped(&self) -> bool {
+        self.session().pool.is_some()
+    }
+
+    // ----- transport -----
+
+    fn checkout(&self) -> Result<zmq::Socket> {
+        if let Some(s) = self.inner.sockets.lock().expect("socket pool poisoned").pop() {
+            return Ok(s);
+        }
+        let s = self.inner.ctx.socket(zmq::DEALER)?;
+        s.set_linger(0)?;
+        s.set_sndhwm(0)?;
+        s.set_rcvhwm(0)?;
+        s.connect(&self.inner.opts.endpoint)?;
+        Ok(s)
+    }
+
+    fn checkin(&self, s: zmq::Socket) {
+        let mut pool = self.inner.sockets.lock().expect("socket pool poisoned");
+        if pool.len() < 64 {
+            pool.push(s);
+        }
+    }
+
+    /// One round trip: returns the reply body and any payload frames.
+    fn raw_call<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        payloads: &[&[u8]],
+    ) -> Result<(T, Vec<zmq::Message>)> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode_request(id, req);
+        let sock = self.checkout()?;
+        let more = if payloads.is_empty() { 0 } else { zmq::SNDMORE };
+        sock.send(frame, more)?;
+        for (i, p) in payloads.iter().enumerate() {
+            let last = i + 1 == payloads.len();
+            sock.send(*p, if last { 0 } else { zmq::SNDMORE })?;
+        }
+        let deadline = Instant::now() + self.inner.opts.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
+                // The socket may still receive this reply later: drop it, not pool it.
+                return Err(Error::Timeout {
+                    op: req.op(),
+                    after: self.inner.opts.timeout,
+                });
+            }
+            let mut parts = Vec::new();
+            loop {
+                let mut m = zmq::Message::new();
+                sock.recv(&mut m, 0)?;
+                let more = m.get_more();
+                parts.push(m);
+                if !more {
+                    break;
+                }
+            }
+            let env = parts.remove(0);
+            match decode_reply::<T>(&env) {
+                Ok((rid, _)) if rid != id => continue, // a stale reply to a timed-out call
+                Ok((_, Ok(body))) => {
+                    self.checkin(sock);
+                    return Ok((body, parts));
+                }
+                Ok((_, Err(e))) => {
+                    self.checkin(sock);
+                    return Err(Error::Daemon(e));
+                }
+                Err(e) => {
+                    if codec::reply_id(&env).ok() == Some(id) {
+                        self.checkin(sock);
+                        return Err(Error::Protocol(e.to_string()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A call that needs a session: on `unknown_client`, says hello again and either
+    /// retries (same daemon) or reports the restart.
+    fn call<T: DeserializeOwned>(
+        &self,
+        make: impl Fn(ClientId) -> Request,
+        payloads: &[&[u8]],
+    ) -> Result<(T, Vec<zmq::Message>)> {
+        let s = self.session();
+        match self.raw_call(&make(s.client), payloads) {
+            Err(Error::Daemon(e)) if e.code == ErrorCode::UnknownClient => {
+                let old = s.hello.incarnation;
+                let new = self.rehello()?;
+                if new != old {
+                    return Err(Error::DaemonRestarted { old, new });
+                }
+                self.raw_call(&make(self.session().client), payloads)
+            }
+            r => r,
+        }
+    }
+
+    fn hello_retrying(&self) -> Result<()> {
+        let deadline = Instant::now() + self.inner.opts.timeout;
+        loop {
+            match self.hello_once() {
+                Ok(()) => return Ok(()),
+                Err(Error::Timeout { .. }) if Instant::now() < deadline => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn hello_once(&self) -> Result<()> {
+        let req = Request::Hello(HelloReq {
+            client_name: self.inner.opts.name.clone(),
+            pid: std::process::id(),
+        });
+        let (hello, _): (HelloResp, _) = self.raw_call(&req, &[])?;
+        if hello.protocol != PROTOCOL_VERSION {
+            return Err(Error::Protocol(format!(
+                "daemon speaks protocol {}, this client {PROTOCOL_VERSION}",
+                hello.protocol
+            )));
+        }
+        let pool = match self.inner.opts.map_pool {
+            MapPool::Never => None,
+            MapPool::Always => Some(Arc::new(PoolMap::open(&hello.pool, hello.incarnation)?)),
+            MapPool::Auto => PoolMap::open(&hello.pool, hello.incarnation).ok().map(Arc::new),
+        };
+        *self.inner.session.write().expect("session lock poisoned") = Some(Arc::new(Session {
+            client: hello.client,
+            hello,
+            pool,
+        }));
+        Ok(())
+    }
+
+    /// Says hello again (after a restart); re-registers layouts. Returns the incarnation.
+    fn rehello(&self) -> Result<Incarnation> {
+        self.hello_once()?;
+        let layouts: Vec<Layout> = self
+            .inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .values()
+            .map(|(l, _)| l.clone())
+            .collect();
+        for l in layouts {
+            self.register_layout(&l)?;
+        }
+        Ok(self.incarnation())
+    }
+
+    fn layout_info(&self, id: LayoutId) -> Result<LayoutInfo> {
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .get(&id)
+            .map(|(_, i)| *i)
+            .ok_or(Error::UnknownLayout(id))
+    }
+
+    // ----- operations -----
+
+    /// Registers a layout (idempotent) and remembers it for re-registration.
+    pub fn register_layout(&self, layout: &Layout) -> Result<LayoutInfo> {
+        let (r, _): (RegisterLayoutResp, _) = self.raw_call(
+            &Request::RegisterLayout(RegisterLayoutReq {
+                layout: layout.clone(),
+            }),
+            &[],
+        )?;
+        let info = LayoutInfo {
+            id: r.layout_id,
+            block_bytes: r.block_bytes,
+            slot_bytes: r.slot_bytes,
+        };
+        if r.layout_id != layout.id() {
+            return Err(Error::Protocol(format!(
+                "daemon computed layout id {} but the spec gives {}",
+                r.layout_id,
+                layout.id()
+            )));
+        }
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .insert(info.id, (layout.clone(), info));
+        Ok(info)
+    }
+
+    /// The longest cached prefix of `keys`, with the tier of each cached key.
+    pub fn lookup(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        let req = Request::Lookup(LookupReq {
+            layout_id: layout,
+            keys: keys.to_vec(),
+        });
+        Ok(self.raw_call(&req, &[])?.0)
+    }
+
+    fn alloc_raw(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<AllocResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::Alloc(AllocReq {
+                        client,
+                        layout_id: layout,
+                        keys: keys.to_vec(),
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    fn commit_raw(
+        &self,
+        layout: LayoutId,
+        keys: Vec<ChunkHash>,
+        offsets: Option<Vec<u64>>,
+        payloads: &[&[u8]],
+    ) -> Result<u64> {
+        let (r, _): (CommitResp, _) = self.call(
+            |client| {
+                Request::Commit(CommitReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.clone(),
+                    offsets: offsets.clone(),
+                })
+            },
+            payloads,
+        )?;
+        Ok(r.committed)
+    }
+
+    /// Stores blocks: reserves slots for the keys not yet cached, copies the caller's
+    /// bytes into them (or sends them as payload frames), and commits. `blocks[i]` is the
+    /// block of `keys[i]` and must be exactly the layout's block size. If the pool cannot
+    /// hold every new block, fails with `pool_full` and stores nothing.
+    pub fn store(&self, layout: LayoutId, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<StoreOutcome> {
+        let info = self.layout_info(layout)?;
+        if keys.len() != blocks.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} blocks",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        if let Some((i, b)) = blocks
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.len() as u64 != info.block_bytes)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "block #{i} has {} bytes; the layout's blocks have {}",
+                b.len(),
+                info.block_bytes
+            )));
+        }
+        let a = self.alloc_raw(layout, keys)?;
+        let mut new_keys = Vec::new();
+        let mut new_offsets = Vec::new();
+        let mut new_blocks = Vec::new();
+        for (i, off) in a.offsets.iter().enumerate() {
+            if let (AllocStatus::New, Some(off)) = (a.status[i], off) {
+                new_keys.push(keys[i]);
+                new_offsets.push(*off);
+                new_blocks.push(blocks[i]);
+            }
+        }
+        if new_keys.is_empty() {
+            return Ok(StoreOutcome { status: a.status });
+        }
+        let session = self.session();
+        let result = match &session.pool {
+            Some(pool) => new_offsets
+                .iter()
+                .zip(&new_blocks)
+                .try_for_each(|(off, b)| pool.write(*off, b))
+                .and_then(|()| self.commit_raw(layout, new_keys.clone(), Some(new_offsets), &[])),
+            None => self.commit_raw(layout, new_keys.clone(), None, &new_blocks),
+        };
+        if let Err(e) = result {
+            // Give the reservations back rather than leave them to the TTL.
+            let _ = self.delete(layout, &new_keys);
+            return Err(e);
+        }
+        Ok(StoreOutcome { status: a.status })
+    }
+
+    /// Reserves slots and hands them out writable (zero-copy store). Needs the pool
+    /// mapped. Commit with [`WriteBatch::commit`]; dropping the batch aborts it.
+    pub fn alloc(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<WriteBatch> {
+        let info = self.layout_info(layout)?;
+        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        let a = self.alloc_raw(layout, keys)?;
+        Ok(WriteBatch {
+            client: self.clone(),
+            layout,
+            keys: keys.to_vec(),
+            status: a.status,
+            offsets: a.offsets,
+            pool,
+            block_bytes: info.block_bytes as usize,
+            done: false,
+        })
+    }
+
+    fn get_raw(&self, layout: LayoutId, keys: &[ChunkHash], ttl: Option<Duration>, inline: bool) -> Result<(GetResp, Vec<zmq::Message>)> {
+        self.call(
+            |client| {
+                Request::Get(GetReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                    ttl_ms: ttl.map(|t| t.as_millis() as u64),
+                    inline,
+                })
+            },
+            &[],
+        )
+    }
+
+    /// Loads blocks: copies each cached block into `out[i]` (which must be the layout's
+    /// block size). Returns, per key, whether it was found. With the pool mapped, the
+    /// blocks are pinned, copied and released; the call fails with
+    /// [`Error::PinExpired`] rather than return bytes read after the pin's TTL.
+    pub fn load(&self, layout: LayoutId, keys: &[ChunkHash], out: &mut [&mut [u8]]) -> Result<Vec<bool>> {
+        let info = self.layout_info(layout)?;
+        if keys.len() != out.len() {
+            return Err(Error::InvalidArgument(format!("{} keys but {} buffers", keys.len(), out.len())));
+        }
+        if let Some((i, b)) = out.iter().enumerate().find(|(_, b)| b.len() as u64 != info.block_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{i} has {} bytes; the layout's blocks have {}",
+                b.len(),
+                info.block_bytes
+            )));
+        }
+        if self.session().pool.is_none() {
+            let (r, frames) = self.get_raw(layout, keys, None, true)?;
+            let mut frames = frames.into_iter();
+            let mut found = Vec::with_capacity(keys.len());
+            for (i, off) in r.offsets.iter().enumerate() {
+                if off.is_some() {
+                    let f = frames.next().ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
+                    if f.len() != out[i].len() {
+                        return Err(Error::Protocol(format!("payload of {} bytes, expected {}", f.len(), out[i].len())));
+                    }
+                    out[i].copy_from_slice(&f);
+                }
+                found.push(off.is_some());
+            }
+            return Ok(found);
+        }
+        let pinned = self.get(layout, keys, None)?;
+        for (i, o) in out.iter_mut().enumerate() {
+            if let Some(off) = pinned.offsets[i] {
+                pinned.pool.read_into(off, o)?;
+            }
+        }
+        if !pinned.is_valid() {
+            return Err(Error::PinExpired);
+        }
+        let found = pinned.offsets.iter().map(Option::is_some).collect();
+        pinned.release()?;
+        Ok(found)
+    }
+
+    /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool
+    /// mapped. `ttl` defaults to the daemon's default pin TTL and is clamped to its
+    /// maximum. Release with [`PinnedBlocks::release`] or by dropping it.
+    pub fn get(&self, layout: LayoutId, keys: &[ChunkHash], ttl: Option<Duration>) -> Result<PinnedBlocks> {
+        let info = self.layout_info(layout)?;
+        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        let sent = Instant::now();
+        let (r, _) = self.get_raw(layout, keys, ttl, false)?;
+        if r.offsets.len() != keys.len() {
+            return Err(Error::Protocol(format!("{} offsets for {} keys", r.offsets.len(), keys.len())));
+        }
+        Ok(PinnedBlocks {
+            client: self.clone(),
+            pin: r.pin,
+            offsets: r.offsets,
+            pool,
+            block_bytes: info.block_bytes as usize,
+            deadline: sent + Duration::from_millis(r.ttl_ms),
+        })
+    }
+
+    /// Releases a pin.
+    pub fn release(&self, pin: PinId) -> Result<()> {
+        self.call(
+            |client| Request::Release(ReleaseReq { client, pins: vec![pin] }),
+            &[],
+        )
+        .map(|(_, _): (ReleaseResp, _)| ())
+    }
+
+    /// Deletes cached blocks, or aborts this client's own uncommitted allocations.
+    pub fn delete(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<Vec<DeleteStatus>> {
+        let (r, _): (DeleteResp, _) = self.call(
+            |client| {
+                Request::Delete(DeleteReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.status)
+    }
+
+    /// The daemon's counters and gauges.
+    pub fn stats(&self) -> Result<StatsResp> {
+        Ok(self.raw_call(&Request::Stats(StatsReq {}), &[])?.0)
+    }
+}
+
+/// Slots reserved by [`Client::alloc`], writable in place. Dropping it without
+/// committing gives the slots back.
+pub struct WriteBatch {
+    client: Client,
+    layout: LayoutId,
+    keys: Vec<ChunkHash>,
+    status: Vec<AllocStatus>,
+    offsets: Vec<Option<u64>>,
+    pool: Arc<PoolMap>,
+    block_bytes: usize,
+    done: bool,
+}
+
+impl WriteBatch {
+    /// Per key: `New` (write it), `Exists` or `Busy` (skip it).
+    pub fn status(&self) -> &[AllocStatus] {
+        &self.status
+    }
+
+    /// The writable slots of the `New` keys, as `(key index, slot)`. The slices are
+    /// disjoint (the daemon never hands out one slot twice).
+    pub fn slots_mut(&mut self) -> Result<Vec<(usize, &mut [u8])>> {
+        let mut out = Vec::new();
+        for (i, off) in self.offsets.iter().enumerate() {
+            if let Some(off) = off {
+                // SAFETY: the slot is allocated to this batch and uncommitted; `&mut self`
+                // makes this the only live set of borrows, and slots are disjoint.
+                out.push((i, unsafe { self.pool.slice_mut(*off, self.block_bytes)? }));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Commits every `New` key. Returns how many were committed.
+    pub fn commit(mut self) -> Result<u64> {
+        self.done = true;
+        let (keys, offs): (Vec<ChunkHash>, Vec<u64>) = self
+            .keys
+            .iter()
+            .zip(&self.offsets)
+            .filter_map(|(k, o)| o.map(|o| (*k, o)))
+            .unzip();
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        self.client.commit_raw(self.layout, keys, Some(offs), &[])
+    }
+
+    /// Gives the slots back without committing.
+    pub fn abort(mut self) -> Result<()> {
+        self.done = true;
+        self.abort_inner()
+    }
+
+    fn abort_inner(&self) -> Result<()> {
+        let keys: Vec<ChunkHash> = self
+            .keys
+            .iter()
+            .zip(&self.offsets)
+            .filter_map(|(k, o)| o.map(|_| *k))
+            .collect();
+        if !keys.is_empty() {
+            self.client.delete(self.layout, &keys)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for WriteBatch {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.abort_inner();
+        }
+    }
+}
+
+/// Blocks pinned by [`Client::get`], readable in place until the pin's TTL. Dropping
+/// it releases the pin.
+pub struct PinnedBlocks {
+    client: Client,
+    pin: Option<PinId>,
+    offsets: Vec<Option<u64>>,
+    pool: Arc<PoolMap>,
+    block_bytes: usize,
+    deadline: Instant,
+}
+
+impl PinnedBlocks {
+    /// Per key: whether it hit.
+    pub fn hits(&self) -> Vec<bool> {
+        self.offsets.iter().map(Option::is_some).collect()
+    }
+
+    /// The pin id (none when nothing hit).
+    pub fn pin(&self) -> Option<PinId> {
+        self.pin
+    }
+
+    /// Whether the pin is surely still held (checked against a local deadline that
+    /// starts before the daemon's).
+    pub fn is_valid(&self) -> bool {
+        Instant::now() < self.deadline
+    }
+
+    /// The bytes of key `i`: `None` for a miss, [`Error::PinExpired`] once the pin may
+    /// have lapsed. Check [`PinnedBlocks::is_valid`] again after reading if the read
+    /// took long.
+    pub fn block(&self, i: usize) -> Result<Option<&[u8]>> {
+        if !self.is_valid() {
+            return Err(Error::PinExpired);
+        }
+        match self.offsets.get(i).copied().flatten() {
+            // SAFETY: the block is committed and pinned by `self.pin`, which is held until
+            // `self` is dropped or the deadline (checked above) passes.
+            Some(off) => Ok(Some(unsafe { self.pool.slice(off, self.block_bytes)? })),
+            None => Ok(None),
+        }
+    }
+
+    /// Releases the pin now.
+    pub fn release(mut self) -> Result<()> {
+        match self.pin.take() {
+            Some(p) => self.client.release(p),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PinnedBlocks {
+    fn drop(&mut self) {
+        if let Some(p) = self.pin.take() {
+            let _ = self.client.release(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_types_are_send_sync() {
+        fn check<T: Send + Sync + 'static>() {}
+        check::<Client>();
+        check::<Error>();
+        check::<PinnedBlocks>();
+        check::<WriteBatch>();
+    }
+}

@@ -1,0 +1,109 @@
+//! The client's mapping of the daemon's pool: the only place in this crate that touches
+//! a raw pointer. Every access is bounds-checked (`offset.checked_add(len)`) before one
+//! documented unsafe step.
+
+use std::fs::OpenOptions;
+use std::path::Path;
+
+use kvd_protocol::pool::{PoolHeader, POOL_HEADER_BYTES};
+use kvd_protocol::PoolInfo;
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::Error;
+
+/// A read-write shared mapping of the pool file, checked against `hello`.
+#[derive(Debug)]
+pub(crate) struct PoolMap {
+    map: MmapRaw,
+    size: u64,
+}
+
+impl PoolMap {
+    /// Maps `info.path` and checks its header against what `hello` said.
+    pub(crate) fn open(info: &PoolInfo, incarnation: kvd_protocol::Incarnation) -> Result<Self, Error> {
+        let path = Path::new(&info.path);
+        let map_err = |what: &str, e: std::io::Error| Error::PoolMap(format!("{what} {}: {e}", info.path));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| map_err("opening", e))?;
+        let len = file.metadata().map_err(|e| map_err("stat", e))?.len();
+        if len != info.size_bytes || len < POOL_HEADER_BYTES as u64 {
+            return Err(Error::PoolMap(format!(
+                "{} has {len} bytes, hello said {}",
+                info.path, info.size_bytes
+            )));
+        }
+        let map = MmapOptions::new()
+            .len(len as usize)
+            .populate()
+            .map_raw(&file)
+            .map_err(|e| map_err("mapping", e))?;
+        let pm = PoolMap { map, size: len };
+        let mut hdr = [0u8; POOL_HEADER_BYTES];
+        pm.read_into(0, &mut hdr)?;
+        match PoolHeader::decode(&hdr) {
+            Some(h) if h.incarnation == incarnation && h.size_bytes == len && h.data_offset == info.data_offset => Ok(pm),
+            Some(h) => Err(Error::PoolMap(format!(
+                "{} belongs to daemon incarnation {} (expected {incarnation})",
+                info.path, h.incarnation
+            ))),
+            None => Err(Error::PoolMap(format!("{} is not a kvd pool", info.path))),
+        }
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, Error> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size => Ok(offset as usize),
+            _ => Err(Error::Protocol(format!(
+                "daemon handed out range {offset}+{len} outside the pool of {} bytes",
+                self.size
+            ))),
+        }
+    }
+
+    /// Copies `src` into the pool.
+    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), Error> {
+        let off = self.check(offset, src.len())?;
+        // SAFETY: in bounds of a live mapping (checked above; `self` keeps it mapped).
+        // The daemon allocated this slot to us and nobody reads it before we commit, and
+        // `src` is private memory, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len()) };
+        Ok(())
+    }
+
+    /// Copies pool bytes into `dst`.
+    pub(crate) fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), Error> {
+        let off = self.check(offset, dst.len())?;
+        // SAFETY: in bounds of a live mapping (checked above). The block is committed and
+        // pinned (or it is the header), so nobody writes it while we copy; `dst` is a
+        // unique borrow of private memory, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Borrows pool bytes read-only.
+    ///
+    /// # Safety
+    /// The caller holds a pin on the block at `offset` for as long as the borrow lives.
+    pub(crate) unsafe fn slice(&self, offset: u64, len: usize) -> Result<&[u8], Error> {
+        let off = self.check(offset, len)?;
+        // SAFETY: in bounds (checked), mapping alive for `'self`; the caller's pin keeps
+        // writers away (see the function's contract).
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+
+    /// Borrows a slot writable.
+    ///
+    /// # Safety
+    /// The slot at `offset` is allocated to the caller and not yet committed, and the
+    /// caller hands out at most one borrow per slot at a time.
+    #[allow(clippy::mut_from_ref)] // shared memory: uniqueness is the caller's contract
+    pub(crate) unsafe fn slice_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], Error> {
+        let off = self.check(offset, len)?;
+        // SAFETY: in bounds (checked), mapping alive for `'self`; uniqueness of the borrow
+        // is the caller's contract (one borrow per allocated slot).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) })
+    }
+}
