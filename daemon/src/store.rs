@@ -19,6 +19,9 @@
 //! - eviction takes only COMMITTED blocks with no pin (the LRU lists hold exactly those);
 //! - every pin and every allocation carries a deadline; two deadline heaps (not
 //!   insertion order) reclaim them, so no pin outlives its TTL;
+//! - above the high watermark, blocks are evicted in LRU order down to the low one,
+//!   except blocks used in the current second (an allocation still evicts those on
+//!   demand);
 //! - `alloc`, `commit` and `release` are all-or-nothing: they validate every key before
 //!   changing anything.
 //!
@@ -692,7 +695,7 @@ impl Store {
         if let Some(s) = self.clients.get_mut(&req.client) {
             s.pending = s.pending.saturating_sub(committed);
         }
-        self.evict_to_watermark();
+        self.evict_to_watermark(now);
         Ok(CommitResp { committed })
     }
 
@@ -915,7 +918,7 @@ impl Store {
             self.sweep_clients(now);
             self.next_client_sweep = now + Duration::from_secs(1);
         }
-        self.evict_to_watermark();
+        self.evict_to_watermark(now);
     }
 
     fn sweep_clients(&mut self, now: Instant) {
@@ -931,7 +934,12 @@ impl Store {
         });
     }
 
-    fn evict_to_watermark(&mut self) {
+    /// Proactive eviction between the watermarks. It leaves alone blocks used in the
+    /// current second: when only fresh blocks are evictable (the rest pinned or pending),
+    /// evicting them for headroom would throw away writes that an allocation could still
+    /// claim on demand.
+    fn evict_to_watermark(&mut self, now: Instant) {
+        let fresh = self.tick(now);
         let cap = self.alloc.capacity_bytes() as f64;
         if (self.alloc.used_bytes() as f64) <= cap * self.cfg.high_watermark {
             return;
@@ -940,8 +948,8 @@ impl Store {
         let mut n = 0u64;
         while (self.alloc.used_bytes() as f64) > low {
             match self.oldest_tail(None) {
-                Some(v) => self.evict(v),
-                None => break,
+                Some(v) if self.nodes[v as usize].last_use < fresh => self.evict(v),
+                _ => break,
             }
             n += 1;
         }
@@ -1299,6 +1307,7 @@ mod tests {
         t.store(&keys(0..12));
         let st = t.s.stats(t.now);
         assert_eq!(st.pool.used_bytes, 12 * 16 * 1024);
+        t.now += Duration::from_secs(2);
         t.store(&keys(12..13));
         let st = t.s.stats(t.now);
         assert!(st.pool.used_bytes <= 128 * 1024, "{st:?}");

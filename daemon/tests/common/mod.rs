@@ -1,0 +1,166 @@
+//! Helpers shared by the integration tests: a real `kvd` process on a private ipc
+//! socket and pool file, and deterministic random block contents.
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use kvd_client::{Client, LayoutInfo, MapPool};
+use kvd_protocol::{Dtype, Layout, MemoryOrder};
+
+/// A running daemon. Killed (SIGKILL) on drop if still running.
+pub struct Daemon {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub endpoint: String,
+    pub pool_path: PathBuf,
+    pub socket_path: PathBuf,
+    args: Vec<String>,
+}
+
+impl Daemon {
+    /// Starts `kvd` with a 64 MiB pool of 1 MiB segments, plus `extra` flags.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir_in("/dev/shm").expect("tempdir in /dev/shm");
+        let socket_path = dir.path().join("kvd.sock");
+        let pool_path = dir.path().join("kvd.pool");
+        let endpoint = format!("ipc://{}", socket_path.display());
+        let mut args: Vec<String> = vec![
+            "--endpoint".into(),
+            endpoint.clone(),
+            "--pool-path".into(),
+            pool_path.display().to_string(),
+            "--pool-size".into(),
+            "64MiB".into(),
+            "--segment-size".into(),
+            "1MiB".into(),
+            "--log-level".into(),
+            "warn".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let child = spawn(&args);
+        let d = Daemon {
+            child,
+            dir,
+            endpoint,
+            pool_path,
+            socket_path,
+            args,
+        };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&self) {
+        let until = Instant::now() + Duration::from_secs(20);
+        while !self.socket_path.exists() {
+            assert!(Instant::now() < until, "kvd did not create its socket in 20 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A client that maps the pool.
+    pub fn client(&self) -> Client {
+        self.client_with(MapPool::Always)
+    }
+
+    /// A client with the given mapping mode.
+    pub fn client_with(&self, map: MapPool) -> Client {
+        Client::builder()
+            .with_endpoint(&self.endpoint)
+            .with_timeout(Duration::from_secs(10))
+            .with_map_pool(map)
+            .connect()
+            .expect("connect to kvd")
+    }
+
+    /// Sends a signal and waits (bounded) for the exit status.
+    pub fn signal(&mut self, sig: nix::sys::signal::Signal) -> ExitStatus {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < until, "kvd did not exit within 20 s of {sig}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs the daemon and starts a new one with the same arguments.
+    pub fn restart(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+        let _ = std::fs::remove_file(&self.socket_path);
+        self.child = spawn(&self.args);
+        self.wait_ready();
+    }
+}
+
+fn spawn(args: &[String]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args(args)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn kvd")
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A layout whose blocks are `kib` KiB (`kib` even).
+pub fn layout(kib: u64) -> Layout {
+    // 2 parts * 16 tokens * 1 head * 32 dims * 2 bytes = 2 KiB per layer
+    Layout {
+        model: "kvd-test/model".into(),
+        num_layers: kib / 2,
+        kv_parts: 2,
+        num_kv_heads: 1,
+        head_dim: 32,
+        dtype: Dtype::F16,
+        tokens_per_block: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::LayerPartTokenHead,
+    }
+}
+
+/// Registers `layout(kib)`.
+pub fn register(c: &Client, kib: u64) -> LayoutInfo {
+    c.register_layout(&layout(kib)).expect("register layout")
+}
+
+/// Deterministic pseudo-random bytes (xorshift), different for every seed.
+pub fn block(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Keys for a token sequence of `n` blocks starting from `seed`.
+pub fn keys(seed: u32, n: usize) -> Vec<kvd_protocol::ChunkHash> {
+    let tokens: Vec<u32> = (0..n as u32 * 16).map(|t| t.wrapping_mul(31).wrapping_add(seed)).collect();
+    kvd_protocol::hash::chunk_hashes(&tokens, 16, &seed.to_le_bytes())
+}
+
+/// Polls `f` until it returns true, failing after `secs` seconds.
+pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < until, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
