@@ -249,7 +249,10 @@ pub struct StoreOutcome {
 impl StoreOutcome {
     /// Keys written by this call.
     pub fn stored(&self) -> usize {
-        self.status.iter().filter(|s| **s == AllocStatus::New).count()
+        self.status
+            .iter()
+            .filter(|s| **s == AllocStatus::New)
+            .count()
     }
 }
 
@@ -304,7 +307,13 @@ impl Client {
     // ----- transport -----
 
     fn checkout(&self) -> Result<zmq::Socket> {
-        if let Some(s) = self.inner.sockets.lock().expect("socket pool poisoned").pop() {
+        if let Some(s) = self
+            .inner
+            .sockets
+            .lock()
+            .expect("socket pool poisoned")
+            .pop()
+        {
             return Ok(s);
         }
         let s = self.inner.ctx.socket(zmq::DEALER)?;
@@ -425,7 +434,9 @@ impl Client {
         let pool = match self.inner.opts.map_pool {
             MapPool::Never => None,
             MapPool::Always => Some(Arc::new(PoolMap::open(&hello.pool, hello.incarnation)?)),
-            MapPool::Auto => PoolMap::open(&hello.pool, hello.incarnation).ok().map(Arc::new),
+            MapPool::Auto => PoolMap::open(&hello.pool, hello.incarnation)
+                .ok()
+                .map(Arc::new),
         };
         *self.inner.session.write().expect("session lock poisoned") = Some(Arc::new(Session {
             client: hello.client,
@@ -541,7 +552,12 @@ impl Client {
     /// bytes into them (or sends them as payload frames), and commits. `blocks[i]` is the
     /// block of `keys[i]` and must be exactly the layout's block size. If the pool cannot
     /// hold every new block, fails with `pool_full` and stores nothing.
-    pub fn store(&self, layout: LayoutId, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<StoreOutcome> {
+    pub fn store(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        blocks: &[&[u8]],
+    ) -> Result<StoreOutcome> {
         let info = self.layout_info(layout)?;
         if keys.len() != blocks.len() {
             return Err(Error::InvalidArgument(format!(
@@ -610,7 +626,13 @@ impl Client {
         })
     }
 
-    fn get_raw(&self, layout: LayoutId, keys: &[ChunkHash], ttl: Option<Duration>, inline: bool) -> Result<(GetResp, Vec<zmq::Message>)> {
+    fn get_raw(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Option<Duration>,
+        inline: bool,
+    ) -> Result<(GetResp, Vec<zmq::Message>)> {
         self.call(
             |client| {
                 Request::Get(GetReq {
@@ -629,12 +651,25 @@ impl Client {
     /// block size). Returns, per key, whether it was found. With the pool mapped, the
     /// blocks are pinned, copied and released; the call fails with
     /// [`Error::PinExpired`] rather than return bytes read after the pin's TTL.
-    pub fn load(&self, layout: LayoutId, keys: &[ChunkHash], out: &mut [&mut [u8]]) -> Result<Vec<bool>> {
+    pub fn load(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+    ) -> Result<Vec<bool>> {
         let info = self.layout_info(layout)?;
         if keys.len() != out.len() {
-            return Err(Error::InvalidArgument(format!("{} keys but {} buffers", keys.len(), out.len())));
+            return Err(Error::InvalidArgument(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                out.len()
+            )));
         }
-        if let Some((i, b)) = out.iter().enumerate().find(|(_, b)| b.len() as u64 != info.block_bytes) {
+        if let Some((i, b)) = out
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.len() as u64 != info.block_bytes)
+        {
             return Err(Error::InvalidArgument(format!(
                 "buffer #{i} has {} bytes; the layout's blocks have {}",
                 b.len(),
@@ -647,9 +682,15 @@ impl Client {
             let mut found = Vec::with_capacity(keys.len());
             for (i, off) in r.offsets.iter().enumerate() {
                 if off.is_some() {
-                    let f = frames.next().ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
+                    let f = frames
+                        .next()
+                        .ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
                     if f.len() != out[i].len() {
-                        return Err(Error::Protocol(format!("payload of {} bytes, expected {}", f.len(), out[i].len())));
+                        return Err(Error::Protocol(format!(
+                            "payload of {} bytes, expected {}",
+                            f.len(),
+                            out[i].len()
+                        )));
                     }
                     out[i].copy_from_slice(&f);
                 }
@@ -674,13 +715,22 @@ impl Client {
     /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool
     /// mapped. `ttl` defaults to the daemon's default pin TTL and is clamped to its
     /// maximum. Release with [`PinnedBlocks::release`] or by dropping it.
-    pub fn get(&self, layout: LayoutId, keys: &[ChunkHash], ttl: Option<Duration>) -> Result<PinnedBlocks> {
+    pub fn get(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Option<Duration>,
+    ) -> Result<PinnedBlocks> {
         let info = self.layout_info(layout)?;
         let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
         let sent = Instant::now();
         let (r, _) = self.get_raw(layout, keys, ttl, false)?;
         if r.offsets.len() != keys.len() {
-            return Err(Error::Protocol(format!("{} offsets for {} keys", r.offsets.len(), keys.len())));
+            return Err(Error::Protocol(format!(
+                "{} offsets for {} keys",
+                r.offsets.len(),
+                keys.len()
+            )));
         }
         Ok(PinnedBlocks {
             client: self.clone(),
@@ -695,7 +745,12 @@ impl Client {
     /// Releases a pin.
     pub fn release(&self, pin: PinId) -> Result<()> {
         self.call(
-            |client| Request::Release(ReleaseReq { client, pins: vec![pin] }),
+            |client| {
+                Request::Release(ReleaseReq {
+                    client,
+                    pins: vec![pin],
+                })
+            },
             &[],
         )
         .map(|(_, _): (ReleaseResp, _)| ())

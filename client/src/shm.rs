@@ -20,9 +20,13 @@ pub(crate) struct PoolMap {
 
 impl PoolMap {
     /// Maps `info.path` and checks its header against what `hello` said.
-    pub(crate) fn open(info: &PoolInfo, incarnation: kvd_protocol::Incarnation) -> Result<Self, Error> {
+    pub(crate) fn open(
+        info: &PoolInfo,
+        incarnation: kvd_protocol::Incarnation,
+    ) -> Result<Self, Error> {
         let path = Path::new(&info.path);
-        let map_err = |what: &str, e: std::io::Error| Error::PoolMap(format!("{what} {}: {e}", info.path));
+        let map_err =
+            |what: &str, e: std::io::Error| Error::PoolMap(format!("{what} {}: {e}", info.path));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -44,7 +48,13 @@ impl PoolMap {
         let mut hdr = [0u8; POOL_HEADER_BYTES];
         pm.read_into(0, &mut hdr)?;
         match PoolHeader::decode(&hdr) {
-            Some(h) if h.incarnation == incarnation && h.size_bytes == len && h.data_offset == info.data_offset => Ok(pm),
+            Some(h)
+                if h.incarnation == incarnation
+                    && h.size_bytes == len
+                    && h.data_offset == info.data_offset =>
+            {
+                Ok(pm)
+            }
             Some(h) => Err(Error::PoolMap(format!(
                 "{} belongs to daemon incarnation {} (expected {incarnation})",
                 info.path, h.incarnation
@@ -69,7 +79,9 @@ impl PoolMap {
         // SAFETY: in bounds of a live mapping (checked above; `self` keeps it mapped).
         // The daemon allocated this slot to us and nobody reads it before we commit, and
         // `src` is private memory, so the ranges cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
+        };
         Ok(())
     }
 
@@ -79,7 +91,9 @@ impl PoolMap {
         // SAFETY: in bounds of a live mapping (checked above). The block is committed and
         // pinned (or it is the header), so nobody writes it while we copy; `dst` is a
         // unique borrow of private memory, so the ranges cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 

@@ -226,7 +226,7 @@ impl SlabAllocator {
             self.classes[ci].slots_per_segment,
         );
         let within = rel % self.segment_bytes;
-        if within % slot_bytes != 0 || within / slot_bytes >= u64::from(spc) {
+        if !within.is_multiple_of(slot_bytes) || within / slot_bytes >= u64::from(spc) {
             return Err(AllocError::NotLive(offset));
         }
         let idx = (within / slot_bytes) as u32;

@@ -53,9 +53,14 @@ impl FromStr for Size {
 
 impl std::fmt::Display for Size {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const UNITS: [(u64, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        const UNITS: [(u64, &str); 4] = [
+            (1 << 40, "TiB"),
+            (1 << 30, "GiB"),
+            (1 << 20, "MiB"),
+            (1 << 10, "KiB"),
+        ];
         for (n, u) in UNITS {
-            if self.0 >= n && self.0 % n == 0 {
+            if self.0 >= n && self.0.is_multiple_of(n) {
                 return write!(f, "{}{u}", self.0 / n);
             }
         }
@@ -354,8 +359,10 @@ impl DaemonConfig {
             }
         }
         let seg = self.pool.segment_size.0;
-        if seg < 4096 || seg % 4096 != 0 {
-            return bad(format!("pool.segment_size {seg} must be a multiple of 4096"));
+        if seg < 4096 || !seg.is_multiple_of(4096) {
+            return bad(format!(
+                "pool.segment_size {seg} must be a multiple of 4096"
+            ));
         }
         if self.pool.size.0 < seg + 4096 {
             return bad(format!(

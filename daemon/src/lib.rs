@@ -127,7 +127,12 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         started,
     );
 
-    let ipc_paths: Vec<PathBuf> = cfg.server.endpoints.iter().filter_map(|e| ipc_path(e)).collect();
+    let ipc_paths: Vec<PathBuf> = cfg
+        .server
+        .endpoints
+        .iter()
+        .filter_map(|e| ipc_path(e))
+        .collect();
     for p in &ipc_paths {
         if let Some(dir) = p.parent() {
             prepare_dir(dir, group)?;

@@ -281,7 +281,10 @@ mod tests {
         assert_eq!(meta.len(), 1 << 20);
         let h = PoolHeader::decode(p.read(0, 32).unwrap()).unwrap();
         assert_eq!(h.incarnation, Incarnation(7));
-        assert!(matches!(Pool::create(&o, Incarnation(8)), Err(PoolError::InUse(_))));
+        assert!(matches!(
+            Pool::create(&o, Incarnation(8)),
+            Err(PoolError::InUse(_))
+        ));
         p.write(4096, b"hello").unwrap();
         assert_eq!(p.read(4096, 5).unwrap(), b"hello");
         assert!(p.write((1 << 20) - 2, b"abc").is_err());

@@ -69,10 +69,16 @@ pub struct Server {
 
 impl Server {
     /// Creates the ROUTER socket and binds every endpoint.
-    pub fn bind(store: Store, opts: ServerOptions, signals: UnixStream) -> Result<Self, ServerError> {
+    pub fn bind(
+        store: Store,
+        opts: ServerOptions,
+        signals: UnixStream,
+    ) -> Result<Self, ServerError> {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
-        socket.set_router_mandatory(true).map_err(zerr("ROUTER_MANDATORY"))?;
+        socket
+            .set_router_mandatory(true)
+            .map_err(zerr("ROUTER_MANDATORY"))?;
         socket.set_sndhwm(16384).map_err(zerr("SNDHWM"))?;
         socket.set_rcvhwm(16384).map_err(zerr("RCVHWM"))?;
         socket.set_linger(1000).map_err(zerr("LINGER"))?;
@@ -178,7 +184,13 @@ impl Server {
         Ok(true)
     }
 
-    fn send_reply(&mut self, identity: &[u8], req_style: bool, reply: Vec<u8>, payloads: Vec<zmq::Message>) {
+    fn send_reply(
+        &mut self,
+        identity: &[u8],
+        req_style: bool,
+        reply: Vec<u8>,
+        payloads: Vec<zmq::Message>,
+    ) {
         let flags = zmq::DONTWAIT | zmq::SNDMORE;
         let sent = (|| -> Result<(), zmq::Error> {
             self.socket.send(identity, flags)?;
@@ -201,13 +213,21 @@ impl Server {
         }
     }
 
-    fn dispatch(&mut self, env: &[u8], payloads: &[zmq::Message], now: Instant) -> (Vec<u8>, Vec<zmq::Message>) {
+    fn dispatch(
+        &mut self,
+        env: &[u8],
+        payloads: &[zmq::Message],
+        now: Instant,
+    ) -> (Vec<u8>, Vec<zmq::Message>) {
         let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
             Ok(x) => x,
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "undecodable request");
                 self.store.count_request(Some(e.code()));
-                return (encode_err(id, &WireError::new(e.code(), e.to_string())), Vec::new());
+                return (
+                    encode_err(id, &WireError::new(e.code(), e.to_string())),
+                    Vec::new(),
+                );
             }
         };
         let mut out = Vec::new();
@@ -236,13 +256,20 @@ impl Server {
         if n > self.opts.max_keys_per_request {
             return Err(WireError::new(
                 ErrorCode::TooLarge,
-                format!("{n} keys in one request (limit {})", self.opts.max_keys_per_request),
+                format!(
+                    "{n} keys in one request (limit {})",
+                    self.opts.max_keys_per_request
+                ),
             ));
         }
         if !payloads.is_empty() && !matches!(req, Request::Commit(_)) {
             return Err(WireError::new(
                 ErrorCode::InvalidArgument,
-                format!("op {} takes no payload frames ({} sent)", req.op(), payloads.len()),
+                format!(
+                    "op {} takes no payload frames ({} sent)",
+                    req.op(),
+                    payloads.len()
+                ),
             ));
         }
         let s = &mut self.store;

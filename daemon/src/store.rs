@@ -655,7 +655,9 @@ impl Store {
                 if given != off {
                     return Err(err(
                         ErrorCode::InvalidArgument,
-                        format!("offset #{i} = {given} is not the slot allocated for key #{i} ({off})"),
+                        format!(
+                            "offset #{i} = {given} is not the slot allocated for key #{i} ({off})"
+                        ),
                     ));
                 }
             }
@@ -789,7 +791,10 @@ impl Store {
                 None => {
                     return Err(err(
                         ErrorCode::UnknownPin,
-                        format!("pin #{i} ({}) does not exist (released, expired, or never issued)", p.0),
+                        format!(
+                            "pin #{i} ({}) does not exist (released, expired, or never issued)",
+                            p.0
+                        ),
                     ))
                 }
                 Some(pin) if pin.owner != req.client => {
@@ -905,7 +910,11 @@ impl Store {
                 break;
             }
             self.pending_heap.pop();
-            if self.pending.get(&idx).is_some_and(|p| p.deadline == deadline) {
+            if self
+                .pending
+                .get(&idx)
+                .is_some_and(|p| p.deadline == deadline)
+            {
                 let p = self.pending.remove(&idx).expect("checked above");
                 if let Some(s) = self.clients.get_mut(&p.owner) {
                     s.pending = s.pending.saturating_sub(1);
@@ -924,9 +933,8 @@ impl Store {
     fn sweep_clients(&mut self, now: Instant) {
         let ttl = self.cfg.client_idle_ttl;
         self.clients.retain(|id, s| {
-            let keep = s.pins > 0
-                || s.pending > 0
-                || now.saturating_duration_since(s.last_seen) < ttl;
+            let keep =
+                s.pins > 0 || s.pending > 0 || now.saturating_duration_since(s.last_seen) < ttl;
             if !keep {
                 tracing::info!(client = %id, name = %s.name, pid = s.pid, "idle session dropped");
             }
@@ -954,7 +962,11 @@ impl Store {
             n += 1;
         }
         if n > 0 {
-            tracing::debug!(evicted = n, used = self.alloc.used_bytes(), "watermark eviction");
+            tracing::debug!(
+                evicted = n,
+                used = self.alloc.used_bytes(),
+                "watermark eviction"
+            );
         }
     }
 
@@ -1034,7 +1046,13 @@ mod tests {
         );
         let c = s.hello(&HelloReq::default(), now).unwrap();
         let l = s.register_layout(&layout(16)).unwrap().layout_id;
-        T { s, now, c, l, _dir: dir }
+        T {
+            s,
+            now,
+            c,
+            l,
+            _dir: dir,
+        }
     }
 
     fn key(i: u32) -> ChunkHash {
@@ -1144,21 +1162,25 @@ mod tests {
         };
         let e = t.s.commit(&req(other, None), &[], t.now).unwrap_err();
         assert_eq!(e.code, ErrorCode::NotOwner);
-        let e = t
-            .s
-            .commit(&req(t.c, Some(vec![u64::MAX, 0])), &[], t.now)
-            .unwrap_err();
+        let e =
+            t.s.commit(&req(t.c, Some(vec![u64::MAX, 0])), &[], t.now)
+                .unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidArgument);
         let swapped = vec![a.offsets[1].unwrap(), a.offsets[0].unwrap()];
-        let e = t.s.commit(&req(t.c, Some(swapped)), &[], t.now).unwrap_err();
+        let e =
+            t.s.commit(&req(t.c, Some(swapped)), &[], t.now)
+                .unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidArgument);
         let short = [0u8; 10];
-        let e = t
-            .s
-            .commit(&req(t.c, None), &[&short, &short], t.now)
-            .unwrap_err();
+        let e =
+            t.s.commit(&req(t.c, None), &[&short, &short], t.now)
+                .unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidArgument);
-        assert_eq!(t.s.stats(t.now).pending, 2, "failed commits changed nothing");
+        assert_eq!(
+            t.s.stats(t.now).pending,
+            2,
+            "failed commits changed nothing"
+        );
         let block = vec![7u8; 16 * 1024];
         let good: Vec<u64> = a.offsets.iter().map(|o| o.unwrap()).collect();
         t.s.commit(&req(t.c, Some(good.clone())), &[&block, &block], t.now)
@@ -1182,11 +1204,14 @@ mod tests {
         let st = t.s.stats(t.now);
         assert_eq!(st.evictions, 3);
         let alive = |t: &mut T, k: &ChunkHash| t.prefix(std::slice::from_ref(k)) == 1;
-        assert!(alive(&mut t, &ks[0]) && alive(&mut t, &ks[1]), "pinned survive");
+        assert!(
+            alive(&mut t, &ks[0]) && alive(&mut t, &ks[1]),
+            "pinned survive"
+        );
         assert!(alive(&mut t, &ks[2]), "recently used survives");
         assert!(!alive(&mut t, &ks[3]) && !alive(&mut t, &ks[4]) && !alive(&mut t, &ks[5]));
         t.commit(&ks[8..12]).unwrap(); // pending survived too
-        // nothing evictable beyond pinned: 16 slots, pins hold 3 (0, 1, 2)
+                                       // nothing evictable beyond pinned: 16 slots, pins hold 3 (0, 1, 2)
         let e = t.alloc(&keys(200..215)).unwrap_err();
         assert_eq!(e.code, ErrorCode::PoolFull, "{e}");
         assert!(alive(&mut t, &ks[0]), "a failed alloc loses nothing pinned");
@@ -1217,9 +1242,8 @@ mod tests {
         let st = t.s.stats(t.now);
         assert_eq!(st.expired_pins, 1);
         assert_eq!(st.pins, 2);
-        let e = t
-            .s
-            .release(
+        let e =
+            t.s.release(
                 &ReleaseReq {
                     client: t.c,
                     pins: vec![long, short],
@@ -1240,7 +1264,10 @@ mod tests {
         assert_eq!((st.pins, st.pinned_blocks, st.expired_pins), (0, 0, 3));
         assert_eq!(st.pool.used_bytes, 2 * 16 * 1024);
         // a late commit of a reclaimed allocation fails loudly
-        assert_eq!(t.commit(&ks[2..]).unwrap_err().code, ErrorCode::InvalidState);
+        assert_eq!(
+            t.commit(&ks[2..]).unwrap_err().code,
+            ErrorCode::InvalidState
+        );
     }
 
     #[test]
@@ -1250,9 +1277,8 @@ mod tests {
         let ks = keys(0..3);
         t.store(&ks[..2]);
         let pin = t.get(&ks[..1], None).pin.unwrap();
-        let e = t
-            .s
-            .release(
+        let e =
+            t.s.release(
                 &ReleaseReq {
                     client: other,
                     pins: vec![pin],
@@ -1276,17 +1302,24 @@ mod tests {
         };
         assert_eq!(
             del(&mut t, other),
-            vec![DeleteStatus::Pinned, DeleteStatus::Deleted, DeleteStatus::Busy]
+            vec![
+                DeleteStatus::Pinned,
+                DeleteStatus::Deleted,
+                DeleteStatus::Busy
+            ]
         );
         let me = t.c;
         assert_eq!(
             del(&mut t, me),
-            vec![DeleteStatus::Pinned, DeleteStatus::Missing, DeleteStatus::Deleted]
+            vec![
+                DeleteStatus::Pinned,
+                DeleteStatus::Missing,
+                DeleteStatus::Deleted
+            ]
         );
         let unknown = ClientId(12345);
-        let e = t
-            .s
-            .release(
+        let e =
+            t.s.release(
                 &ReleaseReq {
                     client: unknown,
                     pins: vec![pin],

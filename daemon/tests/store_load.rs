@@ -28,13 +28,18 @@ fn store_and_load_verify_every_byte_mapped_and_by_payload() {
         for (w, r, seed) in [(&mapped, &remote, 1u32), (&remote, &mapped, 2)] {
             let seed = seed + 10 * i as u32;
             let ks = keys(seed, 8);
-            let data: Vec<Vec<u8>> = (0..8).map(|j| block(u64::from(seed) * 100 + j, l.block_bytes as usize)).collect();
+            let data: Vec<Vec<u8>> = (0..8)
+                .map(|j| block(u64::from(seed) * 100 + j, l.block_bytes as usize))
+                .collect();
             let out = w.store(l.id, &ks, &refs(&data)).unwrap();
             assert_eq!(out.stored(), 8);
             let mut bufs = vec![vec![0u8; l.block_bytes as usize]; 8];
             let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
             assert_eq!(r.load(l.id, &ks, &mut outs).unwrap(), vec![true; 8]);
-            assert!(bufs == data, "bytes differ after a round trip ({kib} KiB, seed {seed})");
+            assert!(
+                bufs == data,
+                "bytes differ after a round trip ({kib} KiB, seed {seed})"
+            );
             // a second store is a no-op
             let again = w.store(l.id, &ks, &refs(&data)).unwrap();
             assert_eq!(again.status, vec![AllocStatus::Exists; 8]);
@@ -56,12 +61,19 @@ fn zero_copy_alloc_and_get() {
     for (i, slot) in batch.slots_mut().unwrap() {
         slot.copy_from_slice(&block(i as u64, slot.len()));
     }
-    assert_eq!(c.lookup(l.id, &ks).unwrap().prefix, 0, "invisible before commit");
+    assert_eq!(
+        c.lookup(l.id, &ks).unwrap().prefix,
+        0,
+        "invisible before commit"
+    );
     assert_eq!(batch.commit().unwrap(), 4);
     let pinned = c.get(l.id, &ks, Some(Duration::from_secs(5))).unwrap();
     assert_eq!(pinned.hits(), vec![true; 4]);
     for i in 0..4 {
-        assert_eq!(pinned.block(i).unwrap().unwrap(), &block(i as u64, 64 * 1024)[..]);
+        assert_eq!(
+            pinned.block(i).unwrap().unwrap(),
+            &block(i as u64, 64 * 1024)[..]
+        );
     }
     assert_eq!(c.stats().unwrap().pinned_blocks, 4);
     pinned.release().unwrap();
@@ -121,13 +133,19 @@ fn pins_hold_off_eviction_and_a_full_pool_loses_nothing() {
     // write 3x the pool through it: everything unpinned gets evicted in turn
     for round in 0..15u32 {
         let ks = keys(100 + round, 50);
-        let data: Vec<Vec<u8>> = (0..50).map(|i| block(u64::from(round) * 1000 + i, bs)).collect();
+        let data: Vec<Vec<u8>> = (0..50)
+            .map(|i| block(u64::from(round) * 1000 + i, bs))
+            .collect();
         c.store(l.id, &ks, &refs(&data)).unwrap();
     }
     let st = c.stats().unwrap();
     assert!(st.evictions > 400, "evictions: {}", st.evictions);
     for (i, want) in first_data.iter().enumerate() {
-        assert_eq!(pinned.block(i).unwrap().unwrap(), &want[..], "pinned block {i} changed");
+        assert_eq!(
+            pinned.block(i).unwrap().unwrap(),
+            &want[..],
+            "pinned block {i} changed"
+        );
     }
     assert_eq!(c.lookup(l.id, &first).unwrap().prefix, 20);
     // the oldest unpinned round is gone
@@ -135,7 +153,9 @@ fn pins_hold_off_eviction_and_a_full_pool_loses_nothing() {
     // pin every block in the pool, then a store must fail cleanly
     let mut pins = vec![pinned];
     for round in 0..15u32 {
-        let p = c.get(l.id, &keys(100 + round, 50), Some(Duration::from_secs(60))).unwrap();
+        let p = c
+            .get(l.id, &keys(100 + round, 50), Some(Duration::from_secs(60)))
+            .unwrap();
         if p.pin().is_some() {
             pins.push(p);
         }
@@ -153,7 +173,10 @@ fn pins_hold_off_eviction_and_a_full_pool_loses_nothing() {
         }
     };
     assert_eq!(e.code(), Some(ErrorCode::PoolFull), "{e}");
-    assert!(e.to_string().contains("pinned"), "the error explains itself: {e}");
+    assert!(
+        e.to_string().contains("pinned"),
+        "the error explains itself: {e}"
+    );
     let used = c.stats().unwrap().pool.used_bytes;
     let ks = keys(999, 8);
     let data: Vec<Vec<u8>> = (0..8).map(|i| block(i, bs)).collect();
@@ -198,7 +221,12 @@ fn a_killed_writer_is_reclaimed_after_the_alloc_ttl() {
     let base = c.stats().unwrap();
     // A real second process allocates, writes half a block, and is SIGKILLed.
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_allocates_then_hangs", "--nocapture"])
+        .args([
+            "--ignored",
+            "--exact",
+            "child_allocates_then_hangs",
+            "--nocapture",
+        ])
         .env("KVD_TEST_ENDPOINT", &d.endpoint)
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -257,7 +285,10 @@ fn a_restarted_daemon_is_detected_and_the_client_recovers() {
             r => break r.unwrap_err(),
         }
     };
-    assert!(matches!(e, Error::DaemonRestarted { old: o, .. } if o == old), "{e}");
+    assert!(
+        matches!(e, Error::DaemonRestarted { old: o, .. } if o == old),
+        "{e}"
+    );
     assert_ne!(c.incarnation(), old);
     // re-mapped and re-registered: it works again (the cache is empty)
     assert_eq!(c.load(l.id, &ks, &mut outs).unwrap(), vec![false; 2]);
@@ -293,8 +324,9 @@ fn threads_share_one_client() {
             std::thread::spawn(move || {
                 for round in 0..25u32 {
                     let ks = keys(1000 + t * 100 + round, 4);
-                    let data: Vec<Vec<u8>> =
-                        (0..4).map(|i| block(u64::from(t * 1000 + round * 10 + i), 16 * 1024)).collect();
+                    let data: Vec<Vec<u8>> = (0..4)
+                        .map(|i| block(u64::from(t * 1000 + round * 10 + i), 16 * 1024))
+                        .collect();
                     c.store(l.id, &ks, &refs(&data)).unwrap();
                     let mut bufs = vec![vec![0u8; 16 * 1024]; 4];
                     let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();

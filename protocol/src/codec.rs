@@ -255,7 +255,9 @@ pub fn decode_reply<T: DeserializeOwned>(
         return Ok((h.id, Err(err)));
     }
     if h.ok.is_none() {
-        return Err(DecodeError::Malformed("reply has neither ok nor err".into()));
+        return Err(DecodeError::Malformed(
+            "reply has neither ok nor err".into(),
+        ));
     }
     let ok: OkOf<T> = rmp_serde::from_slice(frame).map_err(|e| DecodeError::Body {
         op: "reply",
@@ -293,8 +295,17 @@ mod tests {
             }),
         );
         assert_eq!(hex::encode(&lookup), "84a17601a2696407a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f6964cf0102030405060708a46b65797391c410abababababababababababababababab");
-        let ok = encode_ok(7, &LookupResp { prefix: 0, tiers: vec![] });
-        assert_eq!(hex::encode(&ok), "83a17601a2696407a26f6b82a670726566697800a5746965727390");
+        let ok = encode_ok(
+            7,
+            &LookupResp {
+                prefix: 0,
+                tiers: vec![],
+            },
+        );
+        assert_eq!(
+            hex::encode(&ok),
+            "83a17601a2696407a26f6b82a670726566697800a5746965727390"
+        );
         let err = encode_err(9, &WireError::new(ErrorCode::UnknownOp, "unknown op \"x\""));
         assert_eq!(hex::encode(&err), "83a17601a2696409a365727282a4636f6465aa756e6b6e6f776e5f6f70a76d657373616765ae756e6b6e6f776e206f7020227822");
     }
@@ -303,7 +314,10 @@ mod tests {
     fn classifies_errors() {
         let code = |frame: &[u8]| decode_request(frame, 1 << 20).unwrap_err().1.code();
         assert_eq!(code(b"\xc1garbage"), ErrorCode::Malformed);
-        assert_eq!(code(&rmp_serde::to_vec_named(&(1, 2)).unwrap()), ErrorCode::Malformed);
+        assert_eq!(
+            code(&rmp_serde::to_vec_named(&(1, 2)).unwrap()),
+            ErrorCode::Malformed
+        );
         #[derive(Serialize)]
         struct E<'a> {
             v: u32,
@@ -317,7 +331,10 @@ mod tests {
         assert_eq!(code(&f(1, "lookup", Some(3))), ErrorCode::InvalidArgument);
         assert_eq!(code(&f(1, "lookup", None)), ErrorCode::InvalidArgument);
         // the id survives into the error
-        assert_eq!(decode_request(&f(2, "hello", None), 1 << 20).unwrap_err().0, 5);
+        assert_eq!(
+            decode_request(&f(2, "hello", None), 1 << 20).unwrap_err().0,
+            5
+        );
         // a hello without body is fine
         assert!(matches!(
             decode_request(&f(1, "hello", None), 1 << 20),
@@ -333,7 +350,11 @@ mod tests {
     #[test]
     fn huge_declared_lengths_fail_without_allocating() {
         // map{v:1,id:1,op:"lookup",body:{layout_id:1, keys: array32 of 2^32-1 elements}}
-        let mut frame = hex::decode("84a17601a26964 01a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f696401a46b657973dd".replace(' ', "")).unwrap();
+        let mut frame = hex::decode(
+            "84a17601a26964 01a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f696401a46b657973dd"
+                .replace(' ', ""),
+        )
+        .unwrap();
         frame.extend_from_slice(&[0xff, 0xff, 0xff, 0xff]);
         let e = decode_request(&frame, 1 << 20).unwrap_err();
         assert_eq!(e.1.code(), ErrorCode::Malformed);
@@ -358,13 +379,11 @@ mod tests {
                 layout_id: LayoutId(l),
                 keys: k
             })),
-            (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Alloc(
-                AllocReq {
-                    client: ClientId(c),
-                    layout_id: LayoutId(l),
-                    keys: k
-                }
-            )),
+            (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Alloc(AllocReq {
+                client: ClientId(c),
+                layout_id: LayoutId(l),
+                keys: k
+            })),
             (
                 any::<u64>(),
                 any::<u64>(),
@@ -391,19 +410,17 @@ mod tests {
                     ttl_ms: t,
                     inline: i
                 })),
-            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..5)).prop_map(
-                |(c, p)| Request::Release(ReleaseReq {
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..5)).prop_map(|(c, p)| {
+                Request::Release(ReleaseReq {
                     client: ClientId(c),
-                    pins: p.into_iter().map(crate::PinId).collect()
+                    pins: p.into_iter().map(crate::PinId).collect(),
                 })
-            ),
-            (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Delete(
-                DeleteReq {
-                    client: ClientId(c),
-                    layout_id: LayoutId(l),
-                    keys: k
-                }
-            )),
+            }),
+            (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Delete(DeleteReq {
+                client: ClientId(c),
+                layout_id: LayoutId(l),
+                keys: k
+            })),
             Just(Request::Stats(StatsReq {})),
         ]
     }

@@ -305,7 +305,9 @@ mod tests {
     #[test]
     fn spec_vector() {
         assert_eq!(example().id(), LayoutId(2120015939447464954));
-        assert!(example().canonical().starts_with("kvd.layout.v1\nmodel=kvd-test/tiny\n"));
+        assert!(example()
+            .canonical()
+            .starts_with("kvd.layout.v1\nmodel=kvd-test/tiny\n"));
     }
 
     #[test]

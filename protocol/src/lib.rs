@@ -25,8 +25,7 @@ pub mod msg;
 pub mod pool;
 
 pub use codec::{
-    decode_reply, decode_request, encode_err, encode_ok, encode_request, Request,
-    PROTOCOL_VERSION,
+    decode_reply, decode_request, encode_err, encode_ok, encode_request, Request, PROTOCOL_VERSION,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};

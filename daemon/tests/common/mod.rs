@@ -55,7 +55,10 @@ impl Daemon {
     fn wait_ready(&self) {
         let until = Instant::now() + Duration::from_secs(20);
         while !self.socket_path.exists() {
-            assert!(Instant::now() < until, "kvd did not create its socket in 20 s");
+            assert!(
+                Instant::now() < until,
+                "kvd did not create its socket in 20 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -83,7 +86,10 @@ impl Daemon {
             if let Some(st) = self.child.try_wait().unwrap() {
                 return st;
             }
-            assert!(Instant::now() < until, "kvd did not exit within 20 s of {sig}");
+            assert!(
+                Instant::now() < until,
+                "kvd did not exit within 20 s of {sig}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -152,7 +158,9 @@ pub fn block(seed: u64, len: usize) -> Vec<u8> {
 
 /// Keys for a token sequence of `n` blocks starting from `seed`.
 pub fn keys(seed: u32, n: usize) -> Vec<kvd_protocol::ChunkHash> {
-    let tokens: Vec<u32> = (0..n as u32 * 16).map(|t| t.wrapping_mul(31).wrapping_add(seed)).collect();
+    let tokens: Vec<u32> = (0..n as u32 * 16)
+        .map(|t| t.wrapping_mul(31).wrapping_add(seed))
+        .collect();
     kvd_protocol::hash::chunk_hashes(&tokens, 16, &seed.to_le_bytes())
 }
 

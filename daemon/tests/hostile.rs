@@ -1,0 +1,459 @@
+//! Hostile input against the real daemon: every bad message gets an error reply with the
+//! right code, a second well-behaved client keeps being served throughout, and nothing
+//! leaks (stats return to baseline).
+
+mod common;
+
+use common::*;
+use kvd_client::Client;
+use kvd_protocol::*;
+use serde::de::IgnoredAny;
+use serde::Serialize;
+
+struct Raw {
+    sock: zmq::Socket,
+    _ctx: zmq::Context,
+}
+
+impl Raw {
+    fn new(ep: &str, kind: zmq::SocketType) -> Raw {
+        let ctx = zmq::Context::new();
+        let sock = ctx.socket(kind).unwrap();
+        sock.set_linger(0).unwrap();
+        sock.set_rcvtimeo(5000).unwrap();
+        sock.set_sndhwm(0).unwrap();
+        sock.set_rcvhwm(0).unwrap();
+        sock.connect(ep).unwrap();
+        Raw { sock, _ctx: ctx }
+    }
+
+    fn send(&self, frames: &[&[u8]]) {
+        self.sock.send_multipart(frames.iter().copied(), 0).unwrap();
+    }
+
+    /// The next reply: (id, error code or None for ok, payload frame count).
+    fn recv(&self) -> (u64, Option<ErrorCode>, usize) {
+        let mut parts = self.sock.recv_multipart(0).expect("a reply within 5 s");
+        if parts[0].is_empty() {
+            parts.remove(0); // REQ-style delimiter
+        }
+        let (id, r) = decode_reply::<IgnoredAny>(&parts[0]).expect("replies always decode");
+        (id, r.err().map(|e| e.code), parts.len() - 1)
+    }
+
+    fn call(&self, frames: &[&[u8]]) -> (u64, Option<ErrorCode>) {
+        self.send(frames);
+        let (id, code, _) = self.recv();
+        (id, code)
+    }
+}
+
+#[derive(Serialize)]
+struct Env<'a, B: Serialize> {
+    v: u64,
+    id: u64,
+    op: &'a str,
+    body: B,
+}
+
+fn frame<B: Serialize>(v: u64, id: u64, op: &str, body: B) -> Vec<u8> {
+    rmp_serde::to_vec_named(&Env { v, id, op, body }).unwrap()
+}
+
+/// The well-behaved client: a full store/load round trip, verified.
+fn good_round_trip(c: &Client, l: LayoutId, seed: u32) {
+    let ks = keys(seed, 2);
+    let data: Vec<Vec<u8>> = (0..2)
+        .map(|i| block(u64::from(seed) + i, 16 * 1024))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(l, &ks, &refs).unwrap();
+    let mut bufs = vec![vec![0u8; 16 * 1024]; 2];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l, &ks, &mut outs).unwrap(), vec![true; 2]);
+    assert!(bufs == data);
+    c.delete(l, &ks).unwrap();
+}
+
+#[test]
+fn every_bad_message_gets_an_error_and_others_keep_being_served() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16).id;
+    let base = good.stats().unwrap();
+    let bad = Raw::new(&d.endpoint, zmq::DEALER);
+    let hello = encode_request(1, &Request::Hello(HelloReq::default()));
+    let mut seed = 0u32;
+    let mut check =
+        |(id, code): (u64, Option<ErrorCode>), want_id: u64, want: ErrorCode, what: &str| {
+            assert_eq!(code, Some(want), "{what}");
+            assert_eq!(id, want_id, "{what}: request id echoed");
+            seed += 1;
+            good_round_trip(&good, l, seed);
+        };
+
+    check(
+        bad.call(&[b"\x00\x01garbage\xff"]),
+        0,
+        ErrorCode::Malformed,
+        "garbage bytes",
+    );
+    check(
+        bad.call(&[&hello[..hello.len() - 3]]),
+        0,
+        ErrorCode::Malformed,
+        "truncated msgpack",
+    );
+    check(bad.call(&[b""]), 0, ErrorCode::Malformed, "empty frame");
+    check(
+        bad.call(&[&frame(2, 11, "hello", ())]),
+        11,
+        ErrorCode::UnsupportedVersion,
+        "wrong version",
+    );
+    check(
+        bad.call(&[&frame(1, 12, "format_disk", ())]),
+        12,
+        ErrorCode::UnknownOp,
+        "unknown op",
+    );
+    #[derive(Serialize)]
+    struct BadLookup<'a> {
+        layout_id: &'a str,
+        keys: Vec<u8>,
+    }
+    let wrong_types = frame(
+        1,
+        13,
+        "lookup",
+        BadLookup {
+            layout_id: "x",
+            keys: vec![1],
+        },
+    );
+    check(
+        bad.call(&[&wrong_types]),
+        13,
+        ErrorCode::InvalidArgument,
+        "wrong field types",
+    );
+    #[derive(Serialize)]
+    struct ShortKey {
+        layout_id: u64,
+        keys: Vec<serde_bytes::ByteBuf>,
+    }
+    let short = frame(
+        1,
+        14,
+        "lookup",
+        ShortKey {
+            layout_id: l.0,
+            keys: vec![serde_bytes::ByteBuf::from(vec![1u8; 15])],
+        },
+    );
+    check(
+        bad.call(&[&short]),
+        14,
+        ErrorCode::InvalidArgument,
+        "15-byte key",
+    );
+    check(
+        bad.call(&[&frame(1, 15, "lookup", ())]),
+        15,
+        ErrorCode::InvalidArgument,
+        "missing body",
+    );
+
+    // huge declared lengths: an array of 2^32-1 keys and a 4 GiB bin, in small frames
+    let mut huge = frame(
+        1,
+        16,
+        "lookup",
+        ShortKey {
+            layout_id: l.0,
+            keys: vec![],
+        },
+    );
+    let n = huge.len();
+    huge.truncate(n - 1); // drop the empty array marker (0x90)
+    huge.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff, 0xc4, 0x10]);
+    let (_, code) = bad.call(&[&huge]);
+    assert!(
+        matches!(
+            code,
+            Some(ErrorCode::Malformed | ErrorCode::InvalidArgument)
+        ),
+        "{code:?}"
+    );
+    huge.truncate(n - 1);
+    huge.extend_from_slice(&[0x91, 0xc6, 0xff, 0xff, 0xff, 0xff, 0, 0]);
+    let (_, code) = bad.call(&[&huge]);
+    assert!(
+        matches!(
+            code,
+            Some(ErrorCode::Malformed | ErrorCode::InvalidArgument)
+        ),
+        "{code:?}"
+    );
+
+    // too many keys, and an envelope over the limit (4 MiB) but under the hard cap
+    let many = encode_request(
+        17,
+        &Request::Lookup(LookupReq {
+            layout_id: l,
+            keys: vec![ChunkHash([1; 16]); 65537],
+        }),
+    );
+    check(bad.call(&[&many]), 17, ErrorCode::TooLarge, "too many keys");
+    let mut big = encode_request(18, &Request::Stats(StatsReq {}));
+    big.resize((4 << 20) + 1000, 0);
+    check(
+        bad.call(&[&big]),
+        18,
+        ErrorCode::TooLarge,
+        "oversized envelope",
+    );
+    check(
+        bad.call(&[
+            &encode_request(19, &Request::Stats(StatsReq {})),
+            b"payload",
+        ]),
+        19,
+        ErrorCode::InvalidArgument,
+        "payload on stats",
+    );
+
+    // a session of its own, for the stateful abuse
+    let sess = Client::connect(&d.endpoint).unwrap();
+    let sl = register(&sess, 16).id;
+    assert_eq!(sl, l);
+    let hello = Raw::new(&d.endpoint, zmq::DEALER);
+    hello.send(&[&encode_request(20, &Request::Hello(HelloReq::default()))]);
+    let parts = hello.sock.recv_multipart(0).unwrap();
+    let me: HelloResp = decode_reply::<HelloResp>(&parts[0]).unwrap().1.unwrap();
+    let ks = keys(900, 2);
+    let alloc = encode_request(
+        21,
+        &Request::Alloc(AllocReq {
+            client: me.client,
+            layout_id: l,
+            keys: ks.clone(),
+        }),
+    );
+    let parts = {
+        hello.send(&[&alloc]);
+        hello.sock.recv_multipart(0).unwrap()
+    };
+    let a: AllocResp = decode_reply::<AllocResp>(&parts[0]).unwrap().1.unwrap();
+    let offs: Vec<u64> = a.offsets.iter().map(|o| o.unwrap()).collect();
+    let commit = |id, offsets: Option<Vec<u64>>| {
+        encode_request(
+            id,
+            &Request::Commit(CommitReq {
+                client: me.client,
+                layout_id: l,
+                keys: ks.clone(),
+                offsets,
+            }),
+        )
+    };
+    check(
+        hello.call(&[&commit(22, Some(vec![me.pool.size_bytes + 4096, offs[1]]))]),
+        22,
+        ErrorCode::InvalidArgument,
+        "offset beyond the pool",
+    );
+    check(
+        hello.call(&[&commit(23, Some(vec![offs[1], offs[0]]))]),
+        23,
+        ErrorCode::InvalidArgument,
+        "offsets swapped",
+    );
+    check(
+        hello.call(&[&commit(24, None), b"short", b"short"]),
+        24,
+        ErrorCode::InvalidArgument,
+        "payload of the wrong size",
+    );
+    let other = encode_request(
+        25,
+        &Request::Commit(CommitReq {
+            client: ClientId(me.client.0 ^ 1),
+            layout_id: l,
+            keys: ks.clone(),
+            offsets: None,
+        }),
+    );
+    check(
+        hello.call(&[&other]),
+        25,
+        ErrorCode::UnknownClient,
+        "forged client id",
+    );
+    assert_eq!(
+        hello.call(&[&commit(26, Some(offs.clone()))]),
+        (26, None),
+        "the real commit still works"
+    );
+    check(
+        hello.call(&[&commit(27, Some(offs))]),
+        27,
+        ErrorCode::InvalidState,
+        "double commit",
+    );
+    // release of a pin that is not yours
+    let pinned = sess.get(l, &ks, None).unwrap();
+    let pin = pinned.pin().unwrap();
+    let rel = encode_request(
+        28,
+        &Request::Release(ReleaseReq {
+            client: me.client,
+            pins: vec![pin],
+        }),
+    );
+    check(
+        hello.call(&[&rel]),
+        28,
+        ErrorCode::NotOwner,
+        "someone else's pin",
+    );
+    let rel = encode_request(
+        29,
+        &Request::Release(ReleaseReq {
+            client: me.client,
+            pins: vec![PinId(1)],
+        }),
+    );
+    check(
+        hello.call(&[&rel]),
+        29,
+        ErrorCode::UnknownPin,
+        "a pin that never existed",
+    );
+    assert!(
+        pinned.block(0).unwrap().is_some(),
+        "the pin survived the forged release"
+    );
+    pinned.release().unwrap();
+    let unknown_layout = encode_request(
+        30,
+        &Request::Alloc(AllocReq {
+            client: me.client,
+            layout_id: LayoutId(1),
+            keys: ks.clone(),
+        }),
+    );
+    check(
+        hello.call(&[&unknown_layout]),
+        30,
+        ErrorCode::UnknownLayout,
+        "unknown layout",
+    );
+    let del = encode_request(
+        31,
+        &Request::Delete(DeleteReq {
+            client: me.client,
+            layout_id: l,
+            keys: ks.clone(),
+        }),
+    );
+    assert_eq!(hello.call(&[&del]).1, None);
+
+    // a REQ socket (with its empty delimiter frame) is served too
+    let req = Raw::new(&d.endpoint, zmq::REQ);
+    assert_eq!(
+        req.call(&[&encode_request(32, &Request::Stats(StatsReq {}))]),
+        (32, None)
+    );
+
+    // a frame over the hard cap: ZMQ drops that connection; everyone else is served
+    let brute = Raw::new(&d.endpoint, zmq::DEALER);
+    brute.sock.set_rcvtimeo(1000).unwrap();
+    brute.send(&[&vec![0u8; 6 << 20]]);
+    assert!(
+        brute.sock.recv_multipart(0).is_err(),
+        "no reply to a frame over the hard cap"
+    );
+    seed += 1;
+    good_round_trip(&good, l, seed);
+
+    let st = good.stats().unwrap();
+    assert_eq!(st.pins, 0);
+    assert_eq!(st.pending, 0);
+    assert_eq!(st.pool.used_bytes, base.pool.used_bytes, "no pool leak");
+    assert_eq!(st.blocks, base.blocks, "no block leak");
+    for code in [
+        "malformed",
+        "unsupported_version",
+        "unknown_op",
+        "invalid_argument",
+        "too_large",
+        "unknown_client",
+        "not_owner",
+        "unknown_pin",
+        "invalid_state",
+        "unknown_layout",
+    ] {
+        assert!(
+            st.errors.get(code).copied().unwrap_or(0) > 0,
+            "errors[{code}] counted: {:?}",
+            st.errors
+        );
+    }
+}
+
+#[test]
+fn a_flood_from_one_client_does_not_starve_another() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16).id;
+    let base = good.stats().unwrap();
+    let flood = Raw::new(&d.endpoint, zmq::DEALER);
+    const N: u64 = 10_000;
+    let ks: Vec<ChunkHash> = keys(1, 64);
+    // 10k requests, sent without reading a reply: lookups, stats and garbage
+    let sender = {
+        let frames: Vec<Vec<u8>> = (0..N)
+            .map(|i| match i % 3 {
+                0 => encode_request(
+                    i,
+                    &Request::Lookup(LookupReq {
+                        layout_id: l,
+                        keys: ks.clone(),
+                    }),
+                ),
+                1 => encode_request(i, &Request::Stats(StatsReq {})),
+                _ => frame(1, i, "nonsense", ()),
+            })
+            .collect();
+        for f in &frames {
+            flood.send(&[f]);
+        }
+        frames.len()
+    };
+    assert_eq!(sender as u64, N);
+    // meanwhile the other client is served
+    for s in 0..20 {
+        good_round_trip(&good, l, 10_000 + s);
+    }
+    // every flood request is answered, in order, with the right outcome
+    for i in 0..N {
+        let (id, code, _) = flood.recv();
+        assert_eq!(id, i);
+        assert_eq!(
+            code,
+            if i % 3 == 2 {
+                Some(ErrorCode::UnknownOp)
+            } else {
+                None
+            }
+        );
+    }
+    let st = good.stats().unwrap();
+    assert_eq!(
+        (st.pins, st.pending, st.pool.used_bytes),
+        (0, 0, base.pool.used_bytes)
+    );
+    assert!(st.requests >= N);
+    assert_eq!(st.dropped_replies, 0);
+}
