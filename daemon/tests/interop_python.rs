@@ -1,0 +1,41 @@
+//! A Python client written from `protocol/SPEC.md` alone (tests/python/) against the real
+//! daemon. The test command (`scripts/test.sh`) creates `.venv` with pyzmq and msgpack and
+//! points `KVD_PYTHON` at it; without them this test fails and says how to get them.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+fn python() -> String {
+    if let Ok(p) = std::env::var("KVD_PYTHON") {
+        return p;
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "python3".into()
+}
+
+#[test]
+fn python_client_written_from_the_spec() {
+    let py = python();
+    let probe = Command::new(&py).args(["-c", "import zmq, msgpack"]).status();
+    assert!(
+        matches!(probe, Ok(s) if s.success()),
+        "{py} lacks pyzmq/msgpack: run ./scripts/test.sh (it creates .venv with them) or set KVD_PYTHON"
+    );
+    let d = common::Daemon::start(&[]);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python");
+    let out = Command::new(&py)
+        .arg(dir.join("test_spec_client.py"))
+        .arg(&d.endpoint)
+        .current_dir(&dir)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the spec client failed:\n{stdout}");
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}

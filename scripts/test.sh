@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh checkout: installs what the tests need (a Python venv
+# with pyzmq and msgpack for the interop test), checks formatting and lints, runs every
+# Rust test (unit, property, end-to-end against the real daemon), and a bench smoke run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "python venv for the spec interop test (.venv: pyzmq, msgpack)"
+if ! .venv/bin/python -c 'import zmq, msgpack' 2>/dev/null; then
+  if ! python3 -m venv .venv 2>/dev/null; then
+    # Debian without ensurepip
+    (apt-get update -qq && apt-get install -y -qq python3-venv) >/dev/null
+    python3 -m venv .venv
+  fi
+  .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgpack
+fi
+export KVD_PYTHON="$PWD/.venv/bin/python"
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test"
+timeout 1800 cargo test --workspace --locked
+
+step "bench smoke run (tiny sizes)"
+cargo run --release --locked -q -p kvd-bench -- store --total 16MiB --sizes 64KiB,1MiB --json > /dev/null
+echo "bench smoke: ok"

@@ -1,0 +1,154 @@
+"""A kvd client written from protocol/SPEC.md alone (pyzmq + msgpack + the stdlib).
+
+It is the proof that the spec is enough to talk to the daemon from another language; the
+test suite runs test_spec_client.py, which drives it against a real daemon.
+"""
+
+import hashlib
+import itertools
+import mmap
+import os
+import struct
+
+import msgpack
+import zmq
+
+PROTOCOL_VERSION = 1
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "u8": 1}
+LAYOUT_FIELDS = ["model", "num_layers", "kv_parts", "num_kv_heads", "head_dim", "dtype",
+                 "tokens_per_block", "tp_size", "tp_rank", "order"]
+
+
+class KvdError(Exception):
+    """An `err` reply: SPEC section 5."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# ----- SPEC section 3 -----
+
+def blake2b128(data):
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def chunk_root(salt=b""):
+    return blake2b128(b"kvd.root.v1" + salt)
+
+
+def chunk_hashes(tokens, tokens_per_block, salt=b""):
+    parent = chunk_root(salt)
+    out = []
+    full = len(tokens) // tokens_per_block * tokens_per_block
+    for i in range(0, full, tokens_per_block):
+        block = b"".join(struct.pack("<I", t) for t in tokens[i:i + tokens_per_block])
+        parent = blake2b128(b"kvd.chunk.v1" + parent + block)
+        out.append(parent)
+    return out
+
+
+def layout_id(layout):
+    text = "kvd.layout.v1\n" + "".join(f"{f}={layout[f]}\n" for f in LAYOUT_FIELDS)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def block_bytes(layout):
+    heads = max(1, layout["num_kv_heads"] // layout["tp_size"])
+    return (layout["num_layers"] * layout["kv_parts"] * layout["tokens_per_block"] * heads
+            * layout["head_dim"] * DTYPE_BYTES[layout["dtype"]])
+
+
+# ----- SPEC sections 1, 2, 4 -----
+
+def encode_request(req_id, op, body=None):
+    env = {"v": PROTOCOL_VERSION, "id": req_id, "op": op}
+    if body is not None:
+        env["body"] = body
+    return msgpack.packb(env, use_bin_type=True)
+
+
+class Client:
+    def __init__(self, endpoint, timeout_ms=10000):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.timeout_ms = timeout_ms
+        self.ids = itertools.count(1)
+        self.pool = None
+        self.hello_reply = None
+
+    def call(self, op, body=None, payloads=()):
+        """One round trip. Returns (ok body, payload frames); raises KvdError on `err`."""
+        req_id = next(self.ids)
+        self.sock.send_multipart([encode_request(req_id, op, body), *payloads])
+        while True:
+            if not self.sock.poll(self.timeout_ms):
+                raise TimeoutError(f"no reply to {op}")
+            frames = self.sock.recv_multipart()
+            reply = msgpack.unpackb(frames[0], raw=False)
+            if reply["id"] != req_id:
+                continue  # a late reply to an earlier request
+            assert reply["v"] == PROTOCOL_VERSION
+            if "err" in reply:
+                raise KvdError(reply["err"]["code"], reply["err"]["message"])
+            return reply["ok"], frames[1:]
+
+    def hello(self, name="spec-client"):
+        ok, _ = self.call("hello", {"client_name": name, "pid": os.getpid()})
+        self.hello_reply = ok
+        self.client = ok["client"]
+        return ok
+
+    def map_pool(self):
+        """SPEC section 8: map the pool and check its header."""
+        info = self.hello_reply["pool"]
+        fd = os.open(info["path"], os.O_RDWR)
+        try:
+            self.pool = mmap.mmap(fd, info["size_bytes"], mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, inc, size, data_offset = struct.unpack_from("<8sQQQ", self.pool, 0)
+        assert magic == b"KVDPOOL1", magic
+        assert inc == self.hello_reply["incarnation"], "stale pool file"
+        assert size == info["size_bytes"] and data_offset == info["data_offset"]
+
+    def register_layout(self, layout):
+        ok, _ = self.call("register_layout", {"layout": layout})
+        return ok
+
+    def lookup(self, lid, keys):
+        return self.call("lookup", {"layout_id": lid, "keys": keys})[0]
+
+    def alloc(self, lid, keys):
+        return self.call("alloc", {"client": self.client, "layout_id": lid, "keys": keys})[0]
+
+    def commit(self, lid, keys, offsets=None, payloads=()):
+        body = {"client": self.client, "layout_id": lid, "keys": keys}
+        if offsets is not None:
+            body["offsets"] = offsets
+        return self.call("commit", body, payloads)[0]
+
+    def get(self, lid, keys, ttl_ms=None, inline=False):
+        body = {"client": self.client, "layout_id": lid, "keys": keys, "inline": inline}
+        if ttl_ms is not None:
+            body["ttl_ms"] = ttl_ms
+        return self.call("get", body)
+
+    def release(self, pins):
+        return self.call("release", {"client": self.client, "pins": pins})[0]
+
+    def delete(self, lid, keys):
+        return self.call("delete", {"client": self.client, "layout_id": lid, "keys": keys})[0]
+
+    def stats(self):
+        return self.call("stats")[0]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+        self.sock.close()
+        self.ctx.term()

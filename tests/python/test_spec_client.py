@@ -1,0 +1,172 @@
+"""Drives kvd_spec_client against a running daemon: `python3 test_spec_client.py ENDPOINT`.
+
+Checks the SPEC test vectors, then a full store/load through the client's own mapping
+of the pool, the payload-frame path, and error replies. Prints `N passed, 0 failed`.
+"""
+
+import os
+import sys
+
+import msgpack
+
+from kvd_spec_client import (Client, KvdError, block_bytes, chunk_hashes, chunk_root,
+                             encode_request, layout_id)
+
+CHECKS = []
+
+
+def check(name):
+    def wrap(fn):
+        CHECKS.append((name, fn))
+        return fn
+    return wrap
+
+
+@check("chunk hash vectors (SPEC 9)")
+def _(_c):
+    assert chunk_root().hex() == "58d4f89d7e4dc7b5c6d9fbbfa41f89c6"
+    hs = chunk_hashes(list(range(8)), 4)
+    assert [h.hex() for h in hs] == ["6a4c1eb202f154a901681a677d6b4482",
+                                     "afec44ee23047b447cc08a91602d52c7"]
+    assert chunk_hashes(list(range(8)), 4, b"tenant-a")[0].hex() == "455fade4997302f02b478efe74434241"
+    assert chunk_hashes(list(range(7)), 4)[1:] == []  # partial blocks have no key
+
+
+TINY = {"model": "kvd-test/tiny", "num_layers": 4, "kv_parts": 2, "num_kv_heads": 8,
+        "head_dim": 64, "dtype": "bf16", "tokens_per_block": 16, "tp_size": 2, "tp_rank": 1,
+        "order": "layer_part_token_head"}
+
+
+@check("layout id vector (SPEC 9)")
+def _(_c):
+    assert layout_id(TINY) == 2120015939447464954
+    assert block_bytes(TINY) == 65536
+
+
+@check("envelope vectors (SPEC 9)")
+def _(_c):
+    assert encode_request(1, "hello", {"client_name": "py", "pid": 42}).hex() == \
+        "84a17601a2696401a26f70a568656c6c6fa4626f647982ab636c69656e745f6e616d65a27079a37069642a"
+    frame = encode_request(7, "lookup", {"layout_id": 0x0102030405060708, "keys": [b"\xab" * 16]})
+    assert frame.hex() == ("84a17601a2696407a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f6964cf"
+                           "0102030405060708a46b65797391c410abababababababababababababababab")
+    ok = msgpack.unpackb(bytes.fromhex("83a17601a2696407a26f6b82a670726566697800a5746965727390"))
+    assert ok == {"v": 1, "id": 7, "ok": {"prefix": 0, "tiers": []}}
+    err = msgpack.unpackb(bytes.fromhex(
+        "83a17601a2696409a365727282a4636f6465aa756e6b6e6f776e5f6f70a76d657373616765ae756e6b6e6f776e206f7020227822"))
+    assert err["err"] == {"code": "unknown_op", "message": 'unknown op "x"'}
+
+
+@check("hello, register_layout (id matches our computation)")
+def _(c):
+    h = c.hello()
+    assert h["protocol"] == 1 and h["incarnation"] != 0 and h["client"] != 0
+    assert h["limits"]["max_keys_per_request"] > 0
+    c.map_pool()
+    r = c.register_layout(TINY)
+    assert r["layout_id"] == layout_id(TINY)
+    assert r["block_bytes"] == 65536 and r["slot_bytes"] % h["pool"]["slot_align"] == 0
+
+
+@check("alloc, write through our own mapping, commit, lookup, get, read, release")
+def _(c):
+    lid = layout_id(TINY)
+    tokens = list(range(1000, 1000 + 16 * 5 + 3))
+    keys = chunk_hashes(tokens, 16, b"spec")
+    assert len(keys) == 5
+    bb = block_bytes(TINY)
+    a = c.alloc(lid, keys[:3])
+    assert a["status"] == ["new"] * 3 and a["ttl_ms"] > 0
+    blobs = [os.urandom(bb) for _ in range(3)]
+    for off, blob in zip(a["offsets"], blobs):
+        assert off % c.hello_reply["pool"]["slot_align"] == 0
+        c.pool[off:off + bb] = blob
+    assert c.lookup(lid, keys)["prefix"] == 0  # invisible until committed
+    assert c.commit(lid, keys[:3], a["offsets"]) == {"committed": 3}
+    assert c.lookup(lid, keys) == {"prefix": 3, "tiers": ["dram"] * 3}
+    ok, frames = c.get(lid, keys, ttl_ms=5000)
+    assert frames == [] and ok["pin"] is not None and ok["ttl_ms"] == 5000
+    assert ok["offsets"][3:] == [None, None]
+    for off, blob in zip(ok["offsets"][:3], blobs):
+        assert c.pool[off:off + bb] == blob
+    assert c.release([ok["pin"]]) == {"released": 1}
+    try:
+        c.release([ok["pin"]])
+        raise AssertionError("double release accepted")
+    except KvdError as e:
+        assert e.code == "unknown_pin"
+    again = c.alloc(lid, keys[:4])
+    assert again["status"] == ["exists", "exists", "exists", "new"]
+    assert again["offsets"][:3] == [None] * 3
+    assert c.delete(lid, keys[3:4]) == {"status": ["deleted"]}  # abort our reservation
+
+
+@check("payload frames: commit with bytes, get inline")
+def _(c):
+    lid = layout_id(TINY)
+    bb = block_bytes(TINY)
+    keys = chunk_hashes(list(range(64)), 16, b"inline")
+    a = c.alloc(lid, keys)
+    blobs = [os.urandom(bb) for _ in keys]
+    assert c.commit(lid, keys, payloads=blobs)["committed"] == 4
+    ok, frames = c.get(lid, keys + [b"\x00" * 16], inline=True)
+    assert ok["pin"] is None and ok["offsets"][4] is None
+    assert [bytes(f) for f in frames] == blobs
+    assert len(a["offsets"]) == 4
+
+
+@check("errors: unknown op, wrong version, bad key, double commit, foreign session")
+def _(c):
+    def expect(code, fn):
+        try:
+            fn()
+        except KvdError as e:
+            assert e.code == code, (e.code, code)
+            return
+        raise AssertionError(f"expected {code}")
+    lid = layout_id(TINY)
+    expect("unknown_op", lambda: c.call("defragment"))
+    expect("invalid_argument", lambda: c.lookup(lid, [b"short"]))
+    expect("unknown_layout", lambda: c.lookup(12345, []))
+    keys = chunk_hashes(list(range(16)), 16, b"dup")
+    a = c.alloc(lid, keys)
+    c.commit(lid, keys, a["offsets"])
+    expect("invalid_state", lambda: c.commit(lid, keys))
+    other = Client(sys.argv[1])
+    other.hello("other")
+    ok, _ = c.get(lid, keys)
+    expect("not_owner", lambda: other.release([ok["pin"]]))
+    c.release([ok["pin"]])
+    other.close()
+    # a wrong version keeps the id
+    c.sock.send(msgpack.packb({"v": 9, "id": 4242, "op": "stats"}))
+    reply = msgpack.unpackb(c.sock.recv_multipart()[0])
+    assert reply["id"] == 4242 and reply["err"]["code"] == "unsupported_version"
+
+
+@check("stats back to baseline")
+def _(c):
+    s = c.stats()
+    assert s["pins"] == 0 and s["pending"] == 0, s
+    assert s["blocks"] == 3 + 4 + 1, s
+    assert s["errors"]["unknown_op"] >= 1
+
+
+def main():
+    client = Client(sys.argv[1])
+    passed = failed = 0
+    for name, fn in CHECKS:
+        try:
+            fn(client)
+            passed += 1
+            print(f"ok   {name}")
+        except Exception as e:  # report every check, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+    client.close()
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
