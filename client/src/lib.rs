@@ -117,6 +117,9 @@ impl Error {
     }
 }
 
+/// Stores commit in chunks of about this many bytes, overlapping round trips with copies.
+pub const COMMIT_CHUNK_BYTES: u64 = 4 << 20;
+
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -331,28 +334,34 @@ impl Client {
         }
     }
 
-    /// One round trip: returns the reply body and any payload frames.
-    fn raw_call<T: DeserializeOwned>(
-        &self,
-        req: &Request,
-        payloads: &[&[u8]],
-    ) -> Result<(T, Vec<zmq::Message>)> {
+    /// Sends a request on `sock`; returns its id.
+    fn send_on(&self, sock: &zmq::Socket, req: &Request, payloads: &[&[u8]]) -> Result<u64> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_request(id, req);
-        let sock = self.checkout()?;
         let more = if payloads.is_empty() { 0 } else { zmq::SNDMORE };
         sock.send(frame, more)?;
         for (i, p) in payloads.iter().enumerate() {
             let last = i + 1 == payloads.len();
             sock.send(*p, if last { 0 } else { zmq::SNDMORE })?;
         }
+        Ok(id)
+    }
+
+    /// Waits on `sock` for the reply to `id`, skipping replies to earlier requests (ones
+    /// sent without waiting, or that timed out). After `Timeout` or `Zmq` errors the
+    /// socket must not be reused.
+    fn recv_on<T: DeserializeOwned>(
+        &self,
+        sock: &zmq::Socket,
+        id: u64,
+        op: &'static str,
+    ) -> Result<(T, Vec<zmq::Message>)> {
         let deadline = Instant::now() + self.inner.opts.timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
-                // The socket may still receive this reply later: drop it, not pool it.
                 return Err(Error::Timeout {
-                    op: req.op(),
+                    op,
                     after: self.inner.opts.timeout,
                 });
             }
@@ -368,23 +377,46 @@ impl Client {
             }
             let env = parts.remove(0);
             match decode_reply::<T>(&env) {
-                Ok((rid, _)) if rid != id => continue, // a stale reply to a timed-out call
-                Ok((_, Ok(body))) => {
-                    self.checkin(sock);
-                    return Ok((body, parts));
-                }
-                Ok((_, Err(e))) => {
-                    self.checkin(sock);
-                    return Err(Error::Daemon(e));
-                }
+                Ok((rid, _)) if rid != id => continue,
+                Ok((_, Ok(body))) => return Ok((body, parts)),
+                Ok((_, Err(e))) => return Err(Error::Daemon(e)),
                 Err(e) => {
                     if codec::reply_id(&env).ok() == Some(id) {
-                        self.checkin(sock);
                         return Err(Error::Protocol(e.to_string()));
                     }
                 }
             }
         }
+    }
+
+    /// Returns a socket to the pool unless the error left it unusable.
+    fn finish<T>(&self, sock: zmq::Socket, r: Result<T>) -> Result<T> {
+        if !matches!(r, Err(Error::Timeout { .. } | Error::Zmq(_))) {
+            self.checkin(sock);
+        }
+        r
+    }
+
+    /// One round trip: returns the reply body and any payload frames.
+    fn raw_call<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        payloads: &[&[u8]],
+    ) -> Result<(T, Vec<zmq::Message>)> {
+        let sock = self.checkout()?;
+        let r = self
+            .send_on(&sock, req, payloads)
+            .and_then(|id| self.recv_on(&sock, id, req.op()));
+        self.finish(sock, r)
+    }
+
+    /// Sends a request whose reply nobody waits for (it is skipped by the next call on
+    /// the same socket). For releases: their only failure, a pin already expired, needs
+    /// no action.
+    fn send_forget(&self, req: &Request) -> Result<()> {
+        let sock = self.checkout()?;
+        let r = self.send_on(&sock, req, &[]).map(|_| ());
+        self.finish(sock, r)
     }
 
     /// A call that needs a session: on `unknown_client`, says hello again and either
@@ -593,19 +625,86 @@ impl Client {
         }
         let session = self.session();
         let result = match &session.pool {
-            Some(pool) => new_offsets
-                .iter()
-                .zip(&new_blocks)
-                .try_for_each(|(off, b)| pool.write(*off, b))
-                .and_then(|()| self.commit_raw(layout, new_keys.clone(), Some(new_offsets), &[])),
-            None => self.commit_raw(layout, new_keys.clone(), None, &new_blocks),
+            Some(pool) => self.copy_and_commit(
+                pool,
+                layout,
+                &new_keys,
+                &new_offsets,
+                &new_blocks,
+                info.block_bytes,
+            ),
+            None => self
+                .commit_raw(layout, new_keys.clone(), None, &new_blocks)
+                .map(|_| ()),
         };
         if let Err(e) = result {
             // Give the reservations back rather than leave them to the TTL.
             let _ = self.delete(layout, &new_keys);
-            return Err(e);
+            return Err(match e {
+                Error::Daemon(w) if w.code == ErrorCode::UnknownClient => {
+                    let old = session.hello.incarnation;
+                    match self.rehello() {
+                        Ok(new) if new != old => Error::DaemonRestarted { old, new },
+                        _ => Error::Daemon(w),
+                    }
+                }
+                e => e,
+            });
         }
         Ok(StoreOutcome { status: a.status })
+    }
+
+    /// Copies blocks into their slots and commits them in chunks of about
+    /// [`COMMIT_CHUNK_BYTES`], sending each chunk's commit as soon as its bytes are in
+    /// place and collecting the replies at the end, so the round trips overlap the copy.
+    fn copy_and_commit(
+        &self,
+        pool: &PoolMap,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        offsets: &[u64],
+        blocks: &[&[u8]],
+        block_bytes: u64,
+    ) -> Result<()> {
+        let per_chunk = (COMMIT_CHUNK_BYTES / block_bytes.max(1)).max(1) as usize;
+        let client = self.session().client;
+        let sock = self.checkout()?;
+        let mut ids = Vec::new();
+        let mut r: Result<()> = Ok(());
+        for start in (0..keys.len()).step_by(per_chunk) {
+            let end = (start + per_chunk).min(keys.len());
+            r = (start..end).try_for_each(|i| pool.write(offsets[i], blocks[i]));
+            if r.is_err() {
+                break;
+            }
+            let req = Request::Commit(CommitReq {
+                client,
+                layout_id: layout,
+                keys: keys[start..end].to_vec(),
+                offsets: Some(offsets[start..end].to_vec()),
+            });
+            match self.send_on(&sock, &req, &[]) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        // Collect every reply sent (even after a failure) so the socket stays in step.
+        for id in ids {
+            let got = self.recv_on::<CommitResp>(&sock, id, op::COMMIT);
+            let fatal = matches!(got, Err(Error::Timeout { .. } | Error::Zmq(_)));
+            if let Err(e) = got {
+                if r.is_ok() {
+                    r = Err(e);
+                }
+            }
+            if fatal {
+                return r; // drop the socket
+            }
+        }
+        self.finish(sock, r)
     }
 
     /// Reserves slots and hands them out writable (zero-copy store). Needs the pool
@@ -708,7 +807,8 @@ impl Client {
             return Err(Error::PinExpired);
         }
         let found = pinned.offsets.iter().map(Option::is_some).collect();
-        pinned.release()?;
+        // The copy is verified (the pin was valid throughout): release without waiting.
+        drop(pinned);
         Ok(found)
     }
 
@@ -854,7 +954,7 @@ impl Drop for WriteBatch {
 }
 
 /// Blocks pinned by [`Client::get`], readable in place until the pin's TTL. Dropping
-/// it releases the pin.
+/// it releases the pin without waiting for the daemon's answer.
 pub struct PinnedBlocks {
     client: Client,
     pin: Option<PinId>,
@@ -908,7 +1008,11 @@ impl PinnedBlocks {
 impl Drop for PinnedBlocks {
     fn drop(&mut self) {
         if let Some(p) = self.pin.take() {
-            let _ = self.client.release(p);
+            let client = self.client.session().client;
+            let _ = self.client.send_forget(&Request::Release(ReleaseReq {
+                client,
+                pins: vec![p],
+            }));
         }
     }
 }

@@ -21,7 +21,9 @@ fn python() -> String {
 #[test]
 fn python_client_written_from_the_spec() {
     let py = python();
-    let probe = Command::new(&py).args(["-c", "import zmq, msgpack"]).status();
+    let probe = Command::new(&py)
+        .args(["-c", "import zmq, msgpack"])
+        .status();
     assert!(
         matches!(probe, Ok(s) if s.success()),
         "{py} lacks pyzmq/msgpack: run ./scripts/test.sh (it creates .venv with them) or set KVD_PYTHON"

@@ -342,6 +342,8 @@ fn threads_share_one_client() {
     for h in handles {
         h.join().unwrap();
     }
+    // loads release their pins without waiting: let the daemon catch up
+    eventually(10, "pins released", || c.stats().unwrap().pins == 0);
     let st = c.stats().unwrap();
     // 4 threads * 25 rounds * 4 keys, minus the 5 deleted rounds per thread
     assert_eq!((st.pins, st.pending, st.blocks), (0, 0, 320));

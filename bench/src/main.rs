@@ -1,0 +1,551 @@
+//! # kvd-bench
+//!
+//! Measures kvd against the machine's own ceilings, measured in the same run with the same
+//! sizes and working set, and reports ratios (see `bench/README.md` for figures).
+//!
+//! - `kvd-bench store`: store (copy in + commit) and load (pin + copy out + release) of
+//!   64 KiB..16 MiB blocks through the daemon with 1 and 2 client threads, against memcpy
+//!   of the same bytes from the same kind of buffers into (and out of) a region as large
+//!   as the pool; batched lookups; control round trips.
+//! - `kvd-bench index`: bytes of daemon memory per indexed block, with 1M blocks.
+
+mod daemon;
+mod report;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytesize::ByteSize;
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvd_client::{Client, LayoutInfo, MapPool};
+use kvd_protocol::{ChunkHash, Dtype, Layout, MemoryOrder};
+
+use crate::daemon::BenchDaemon;
+use crate::report::{percentiles, CaseResult, Ceiling, Report};
+
+#[derive(Parser)]
+#[command(
+    name = "kvd-bench",
+    version,
+    about = "kvd benchmarks, reported as ratios to the machine's ceilings"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Store/load bandwidth, lookups and round trips through the daemon vs memcpy.
+    Store(StoreArgs),
+    /// Daemon memory per indexed block.
+    Index(IndexArgs),
+}
+
+#[derive(clap::Args)]
+struct StoreArgs {
+    /// Use this daemon instead of starting one (its pool must hold --total).
+    #[arg(long)]
+    endpoint: Option<String>,
+    /// Bytes stored and loaded per case (the working set).
+    #[arg(long, default_value = "1GiB")]
+    total: ByteSize,
+    /// Block sizes (multiples of 64 KiB).
+    #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,4MiB,16MiB")]
+    sizes: Vec<ByteSize>,
+    /// Client thread counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Bytes per store/load call (blocks are batched up to this).
+    #[arg(long, default_value = "16MiB")]
+    batch: ByteSize,
+    /// Repetitions of every case (ceiling and daemon alternate; medians are reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Keys for the batched-lookup case (4 KiB blocks), looked up 8192 per call.
+    #[arg(long, default_value_t = 65536)]
+    lookup_keys: usize,
+    /// Control round trips (stats) to time.
+    #[arg(long, default_value_t = 20000)]
+    round_trips: usize,
+    /// Print one JSON document instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct IndexArgs {
+    /// Blocks to index.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: u64,
+    /// Print one JSON document instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Store(a) => store(a),
+        Cmd::Index(a) => index(a),
+    }
+}
+
+/// A layout of `bytes`-sized blocks: 64 KiB per layer (2 x 16 tokens x 8 heads x 128 x bf16).
+fn layout_of(bytes: u64, tag: &str) -> Result<Layout> {
+    if bytes == 4096 {
+        return Ok(Layout {
+            model: format!("kvd-bench/{tag}"),
+            num_layers: 1,
+            kv_parts: 2,
+            num_kv_heads: 1,
+            head_dim: 64,
+            dtype: Dtype::F16,
+            tokens_per_block: 16,
+            tp_size: 1,
+            tp_rank: 0,
+            order: MemoryOrder::LayerPartTokenHead,
+        });
+    }
+    if bytes == 0 || !bytes.is_multiple_of(64 * 1024) {
+        bail!("block size {bytes} is not a multiple of 64 KiB");
+    }
+    Ok(Layout {
+        model: format!("kvd-bench/{tag}"),
+        num_layers: bytes / (64 * 1024),
+        kv_parts: 2,
+        num_kv_heads: 8,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        tokens_per_block: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::LayerPartTokenHead,
+    })
+}
+
+fn keys_for(case: u32, n: usize) -> Vec<ChunkHash> {
+    let tokens: Vec<u32> = (0..n as u32).collect();
+    kvd_protocol::hash::chunk_hashes(&tokens, 1, &case.to_le_bytes())
+}
+
+fn gb(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// Splits `0..n` into `t` contiguous ranges.
+fn split(n: usize, t: usize) -> Vec<std::ops::Range<usize>> {
+    (0..t).map(|i| (n * i / t)..(n * (i + 1) / t)).collect()
+}
+
+/// memcpy of `blocks` into (or out of) consecutive slots of `region`, `t` threads.
+fn memcpy_ceiling(
+    blocks: &mut [Vec<u8>],
+    region: &mut [u8],
+    slot: usize,
+    t: usize,
+    into_region: bool,
+) -> Duration {
+    let n = blocks.len();
+    let ranges = split(n, t);
+    let mut region_parts: Vec<&mut [u8]> = Vec::new();
+    let mut rest = &mut region[..n * slot];
+    for r in &ranges {
+        let (a, b) = rest.split_at_mut(r.len() * slot);
+        region_parts.push(a);
+        rest = b;
+    }
+    let mut block_parts: Vec<&mut [Vec<u8>]> = Vec::new();
+    let mut brest = blocks;
+    for r in &ranges {
+        let (a, b) = brest.split_at_mut(r.len());
+        block_parts.push(a);
+        brest = b;
+    }
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for (bs, reg) in block_parts.into_iter().zip(region_parts) {
+            s.spawn(move || {
+                for (i, b) in bs.iter_mut().enumerate() {
+                    let dst = &mut reg[i * slot..i * slot + b.len()];
+                    if into_region {
+                        dst.copy_from_slice(b);
+                    } else {
+                        b.copy_from_slice(dst);
+                    }
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+struct Timed {
+    elapsed: Duration,
+    lat: Vec<Duration>,
+}
+
+/// Runs `op(thread, range)` over `n` items in batches, `t` threads; times each call.
+fn run_threads(
+    n: usize,
+    t: usize,
+    batch: usize,
+    op: &(dyn Fn(std::ops::Range<usize>) -> Result<()> + Sync),
+) -> Result<Timed> {
+    let start = Instant::now();
+    let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = split(n, t)
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || -> Result<Vec<Duration>> {
+                    let mut lat = Vec::new();
+                    let mut i = r.start;
+                    while i < r.end {
+                        let j = (i + batch).min(r.end);
+                        let t0 = Instant::now();
+                        op(i..j)?;
+                        lat.push(t0.elapsed());
+                        i = j;
+                    }
+                    Ok(lat)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread panicked"))
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut lat = Vec::new();
+    for r in results {
+        lat.extend(r?);
+    }
+    Ok(Timed { elapsed, lat })
+}
+
+fn store(a: StoreArgs) -> Result<()> {
+    const SEGMENT: u64 = 32 << 20;
+    let total = a.total.as_u64();
+    let max_size = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(0);
+    // room for one case's working set, the lookup keys, and slack for partial segments
+    let pool_bytes = total + total / 8 + a.lookup_keys as u64 * 4096 + 4 * SEGMENT;
+    let own = match &a.endpoint {
+        Some(_) => None,
+        None => Some(BenchDaemon::start(pool_bytes, SEGMENT, true, 30_000)?),
+    };
+    let endpoint = a
+        .endpoint
+        .clone()
+        .or_else(|| own.as_ref().map(|d| d.endpoint.clone()))
+        .expect("one of them");
+    let client = Client::builder()
+        .with_endpoint(&endpoint)
+        .with_name("kvd-bench")
+        .with_timeout(Duration::from_secs(60))
+        .with_map_pool(MapPool::Always)
+        .connect()
+        .context("connecting to kvd")?;
+    let cases = (a.sizes.len() * a.threads.len() * 2 + 2) as u64;
+    let pb = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(cases)
+    };
+    pb.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"),
+    );
+    let mut region = memmap2::MmapOptions::new()
+        .len((total + max_size) as usize)
+        .populate()
+        .map_anon()
+        .context("mapping the ceiling region")?;
+    let mut results = Vec::new();
+    let mut headline = 0.0f64;
+    let mut case_id = 0u32;
+    for size in &a.sizes {
+        let size = size.as_u64();
+        let layout = layout_of(size, &size.to_string())?;
+        let info: LayoutInfo = client.register_layout(&layout)?;
+        let n = (total / size).max(1) as usize;
+        let mut src: Vec<Vec<u8>> = (0..n)
+            .map(|i| vec![(i % 251) as u8 + 1; size as usize])
+            .collect();
+        let mut dst: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size as usize]).collect();
+        let batch = ((a.batch.as_u64() / size).max(1)) as usize;
+        for &t in &a.threads {
+            let slot = info.slot_bytes as usize;
+            let bytes = n as u64 * size;
+            // Repetitions alternate ceiling and daemon runs so that both see the same
+            // machine; each figure is the median over the repetitions.
+            let (mut cins, mut couts, mut sts, mut lds) = (vec![], vec![], vec![], vec![]);
+            let (mut st_lat, mut ld_lat) = (vec![], vec![]);
+            for rep in 0..a.reps {
+                case_id += 1;
+                let keys = keys_for(case_id, n);
+                pb.set_message(format!("{} x{t} rep {rep}: memcpy", ByteSize(size)));
+                cins.push(memcpy_ceiling(&mut src, &mut region, slot, t, true));
+                couts.push(memcpy_ceiling(&mut dst, &mut region, slot, t, false));
+                pb.set_message(format!("{} x{t} rep {rep}: store", ByteSize(size)));
+                let srcs = &src;
+                let st = run_threads(n, t, batch, &|r| {
+                    let refs: Vec<&[u8]> = srcs[r.clone()].iter().map(|b| &b[..]).collect();
+                    let out = client.store(info.id, &keys[r], &refs)?;
+                    if out.stored() != refs.len() {
+                        bail!("stored {} of {}", out.stored(), refs.len());
+                    }
+                    Ok(())
+                })?;
+                pb.set_message(format!("{} x{t} rep {rep}: load", ByteSize(size)));
+                let dst_cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
+                    dst.iter_mut().map(std::sync::Mutex::new).collect();
+                let ld = run_threads(n, t, batch, &|r| {
+                    let mut guards: Vec<_> = dst_cells[r.clone()]
+                        .iter()
+                        .map(|m| m.lock().expect("unshared"))
+                        .collect();
+                    let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
+                    let hits = client.load(info.id, &keys[r], &mut outs)?;
+                    if hits.iter().any(|h| !h) {
+                        bail!("a block was evicted during the load case: enlarge the pool");
+                    }
+                    Ok(())
+                })?;
+                drop(dst_cells);
+                if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                    bail!("loaded bytes differ from stored bytes");
+                }
+                for chunk in keys.chunks(8192) {
+                    client.delete(info.id, chunk)?;
+                }
+                for d in dst.iter_mut() {
+                    d.fill(0);
+                }
+                sts.push(st.elapsed);
+                lds.push(ld.elapsed);
+                st_lat.extend(st.lat);
+                ld_lat.extend(ld.lat);
+            }
+            pb.inc(2);
+            let (cin, cout) = (gb(bytes, median(&mut cins)), gb(bytes, median(&mut couts)));
+            if t == 1 && size == max_size {
+                headline = cin;
+            }
+            for (name, el, mut lat, ceil) in [
+                ("store", median(&mut sts), st_lat, cin),
+                ("load", median(&mut lds), ld_lat, cout),
+            ] {
+                let (p50, p99) = percentiles(&mut lat);
+                let g = gb(bytes, el);
+                results.push(CaseResult {
+                    case: name.into(),
+                    block_bytes: size,
+                    threads: t as u64,
+                    gbps: g,
+                    ratio: g / ceil,
+                    ceiling_gbps: ceil,
+                    ops_per_s: n as f64 / el.as_secs_f64(),
+                    p50_us: p50,
+                    p99_us: p99,
+                });
+            }
+        }
+    }
+
+    // Batched lookups over 4 KiB blocks (committed without writing: only the index counts).
+    pb.set_message("lookup");
+    let small = client.register_layout(&layout_of(4096, "lookup")?)?;
+    let lkeys = keys_for(9999, a.lookup_keys);
+    for chunk in lkeys.chunks(8192) {
+        client.alloc(small.id, chunk)?.commit()?;
+    }
+    let mut lat = Vec::new();
+    let mut looked = 0u64;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(1) || looked < lkeys.len() as u64 {
+        for chunk in lkeys.chunks(8192) {
+            let t0 = Instant::now();
+            let r = client.lookup(small.id, chunk)?;
+            lat.push(t0.elapsed());
+            if r.prefix != chunk.len() as u64 {
+                bail!("lookup found {} of {}", r.prefix, chunk.len());
+            }
+            looked += chunk.len() as u64;
+        }
+    }
+    let el = start.elapsed();
+    let (p50, p99) = percentiles(&mut lat);
+    results.push(CaseResult {
+        case: "lookup (keys/s)".into(),
+        threads: 1,
+        ops_per_s: looked as f64 / el.as_secs_f64(),
+        p50_us: p50,
+        p99_us: p99,
+        ..Default::default()
+    });
+    pb.inc(1);
+
+    pb.set_message("round trips");
+    let mut lat = Vec::with_capacity(a.round_trips);
+    let start = Instant::now();
+    for _ in 0..a.round_trips {
+        let t0 = Instant::now();
+        client.stats()?;
+        lat.push(t0.elapsed());
+    }
+    let el = start.elapsed();
+    let (p50, p99) = percentiles(&mut lat);
+    let (floor50, floor99) = uds_ping_pong(a.round_trips);
+    results.push(CaseResult {
+        case: "round trip (stats)".into(),
+        threads: 1,
+        ops_per_s: a.round_trips as f64 / el.as_secs_f64(),
+        p50_us: p50,
+        p99_us: p99,
+        ..Default::default()
+    });
+    pb.inc(1);
+    pb.finish_and_clear();
+
+    let mut extra = serde_json::Map::new();
+    extra.insert("endpoint".into(), endpoint.clone().into());
+    extra.insert("working_set_bytes".into(), total.into());
+    extra.insert(
+        "rtt_floor".into(),
+        "1-byte ping-pong over a Unix socketpair between two threads".into(),
+    );
+    extra.insert("rtt_floor_p50_us".into(), floor50.into());
+    extra.insert("rtt_floor_p99_us".into(), floor99.into());
+    extra.insert(
+        "rtt_p50_over_floor".into(),
+        (results.last().map(|r| r.p50_us).unwrap_or(0.0) / floor50).into(),
+    );
+    Report {
+        bench: "store".into(),
+        ceiling: Ceiling {
+            what: format!(
+                "memcpy, 1 thread, {} working set into a pool-sized region, {} blocks (median of {})",
+                ByteSize(total),
+                ByteSize(max_size),
+                a.reps
+            ),
+            gbps: headline,
+        },
+        results,
+        extra,
+    }
+    .print(a.json);
+    drop(client);
+    drop(own);
+    Ok(())
+}
+
+/// The machine's floor for a control round trip: a 1-byte ping-pong between two threads
+/// over a Unix socketpair (two wake-ups, no framing). Returns (p50, p99) in microseconds.
+fn uds_ping_pong(n: usize) -> (f64, f64) {
+    use std::io::{Read, Write};
+    let (mut a, mut b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 1];
+        while b.read_exact(&mut buf).is_ok() && buf[0] != 0 {
+            if b.write_all(&buf).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lat = Vec::with_capacity(n);
+    let mut buf = [0u8; 1];
+    for _ in 0..n {
+        let t0 = Instant::now();
+        a.write_all(&[1]).expect("ping");
+        a.read_exact(&mut buf).expect("pong");
+        lat.push(t0.elapsed());
+    }
+    let _ = a.write_all(&[0]);
+    let _ = echo.join();
+    percentiles(&mut lat)
+}
+
+/// Private anonymous memory of a process (excludes the shared pool), from smaps_rollup.
+fn anon_bytes(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
+    for line in s.lines() {
+        if let Some(rest) = line.strip_prefix("Anonymous:") {
+            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse()?;
+            return Ok(kb * 1024);
+        }
+    }
+    bail!("no Anonymous line in smaps_rollup")
+}
+
+fn index(a: IndexArgs) -> Result<()> {
+    let pool = a.blocks * 4096 + (256 << 20);
+    let d = BenchDaemon::start(pool, 32 << 20, false, 1000)?;
+    let client = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_name("kvd-bench")
+        .with_timeout(Duration::from_secs(60))
+        .connect()?;
+    let info = client.register_layout(&layout_of(4096, "index")?)?;
+    let keys = keys_for(1, a.blocks as usize);
+    // warm the daemon's allocator with one round trip of each kind
+    client.stats()?;
+    let before = anon_bytes(d.pid())?;
+    let pb = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(a.blocks)
+    };
+    let start = Instant::now();
+    for chunk in keys.chunks(8192) {
+        client.alloc(info.id, chunk)?.commit()?;
+        pb.inc(chunk.len() as u64);
+    }
+    let el = start.elapsed();
+    pb.finish_and_clear();
+    let st = client.stats()?;
+    if st.blocks != a.blocks {
+        bail!("indexed {} blocks, wanted {}", st.blocks, a.blocks);
+    }
+    // Just after the inserts, the reservation-deadline heap still holds an entry per
+    // block; once the alloc TTL (1 s here) has passed it is drained and shrunk.
+    let burst = anon_bytes(d.pid())?.saturating_sub(before);
+    std::thread::sleep(Duration::from_millis(2500));
+    client.stats()?;
+    let steady = anon_bytes(d.pid())?.saturating_sub(before);
+    let mut extra = serde_json::Map::new();
+    extra.insert("blocks".into(), a.blocks.into());
+    extra.insert(
+        "what".into(),
+        "daemon private anonymous memory (smaps_rollup), delta over the inserts".into(),
+    );
+    extra.insert(
+        "bytes_per_block".into(),
+        (steady as f64 / a.blocks as f64).into(),
+    );
+    extra.insert(
+        "bytes_per_block_during_insert_burst".into(),
+        (burst as f64 / a.blocks as f64).into(),
+    );
+    Report {
+        bench: "index".into(),
+        ceiling: Ceiling {
+            what: "target: 100 bytes per block".into(),
+            gbps: 0.0,
+        },
+        results: vec![CaseResult {
+            case: "index insert (blocks/s)".into(),
+            block_bytes: 4096,
+            threads: 1,
+            ops_per_s: a.blocks as f64 / el.as_secs_f64(),
+            ..Default::default()
+        }],
+        extra,
+    }
+    .print(a.json);
+    Ok(())
+}
