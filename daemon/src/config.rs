@@ -11,7 +11,7 @@
 //! | `server.max_keys_per_request` | int | `65536` | | largest key list |
 //! | `server.group` | string | none | `KVD_GROUP` / `--group` | group (name or gid) that may use the socket and pool besides the owner (modes 0660 instead of 0600) |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
-//! | `pool.size` | size | `1GiB` | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
+//! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
 //! | `pool.huge_pages` | bool | `false` | | the path is on hugetlbfs (falls back to normal pages with a warning) |
 //! | `pool.prefault` | bool | `true` | | touch every page at start |
@@ -121,8 +121,9 @@ pub struct ServerConfig {
 pub struct PoolConfig {
     /// Shared-memory file.
     pub path: PathBuf,
-    /// Size.
-    pub size: Size,
+    /// Size; `None` picks [`DEFAULT_POOL_BYTES`] or half the free space, if less.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub size: Option<Size>,
     /// Slab segment size (largest block).
     pub segment_size: Size,
     /// Expect hugetlbfs.
@@ -179,6 +180,27 @@ pub struct DaemonConfig {
     pub log: LogConfig,
 }
 
+/// The pool size when none is configured (less when the file system has less room).
+pub const DEFAULT_POOL_BYTES: u64 = 1 << 30;
+
+impl PoolConfig {
+    /// The size to create: the configured one, else [`DEFAULT_POOL_BYTES`] or half the
+    /// free space of the pool's file system, whichever is less, in whole segments.
+    pub fn resolved_size(&self) -> u64 {
+        if let Some(s) = self.size {
+            return s.0;
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("/"));
+        let free = nix::sys::statvfs::statvfs(dir)
+            .map(|v| v.blocks_available() as u64 * v.fragment_size() as u64)
+            .unwrap_or(DEFAULT_POOL_BYTES);
+        let seg = self.segment_size.0.max(1);
+        let want = DEFAULT_POOL_BYTES.min(free / 2);
+        // at least one segment: if even that does not fit, pool creation says so
+        (want.saturating_sub(4096) / seg).max(1) * seg + 4096
+    }
+}
+
 fn uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
@@ -207,7 +229,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             path: PathBuf::from(format!("/dev/shm/kvd-{}.pool", uid())),
-            size: Size(1 << 30),
+            size: None,
             segment_size: Size(32 << 20),
             huge_pages: false,
             prefault: true,
@@ -311,7 +333,7 @@ impl DaemonConfig {
             cfg.server.endpoints = cli.endpoints.clone();
         }
         if let Some(v) = cli.pool_size {
-            cfg.pool.size = v;
+            cfg.pool.size = Some(v);
         }
         if let Some(v) = &cli.pool_path {
             cfg.pool.path = v.clone();
@@ -364,11 +386,13 @@ impl DaemonConfig {
                 "pool.segment_size {seg} must be a multiple of 4096"
             ));
         }
-        if self.pool.size.0 < seg + 4096 {
-            return bad(format!(
-                "pool.size {} must hold at least one segment ({}) plus the 4 KiB header",
-                self.pool.size, self.pool.segment_size
-            ));
+        if let Some(size) = self.pool.size {
+            if size.0 < seg + 4096 {
+                return bad(format!(
+                    "pool.size {size} must hold at least one segment ({}) plus the 4 KiB header",
+                    self.pool.segment_size
+                ));
+            }
         }
         let (h, l) = (self.pool.high_watermark, self.pool.low_watermark);
         if !(0.0 < l && l <= h && h <= 1.0) {
@@ -422,7 +446,7 @@ mod tests {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemon.example.toml");
         let c = DaemonConfig::from_file(&p).unwrap();
         c.validate().unwrap();
-        assert_eq!(c.pool.size, Size(8 << 30));
+        assert_eq!(c.pool.size, Some(Size(8 << 30)));
     }
 
     #[test]
@@ -443,7 +467,7 @@ mod tests {
         ])
         .unwrap();
         let c = DaemonConfig::load(&cli).unwrap();
-        assert_eq!(c.pool.size, Size(128 << 20));
+        assert_eq!(c.pool.size, Some(Size(128 << 20)));
         assert_eq!(c.pool.segment_size, Size(1 << 20));
         assert_eq!(c.server.endpoints.len(), 2);
         std::fs::write(&f, "[pool]\nsise = 1\n").unwrap();

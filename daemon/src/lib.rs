@@ -94,7 +94,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     let pool = Pool::create(
         &PoolOptions {
             path: cfg.pool.path.clone(),
-            size_bytes: cfg.pool.size.0,
+            size_bytes: cfg.pool.resolved_size(),
             huge_pages: cfg.pool.huge_pages,
             prefault: cfg.pool.prefault,
             group,
