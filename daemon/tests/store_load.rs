@@ -348,3 +348,54 @@ fn threads_share_one_client() {
     // 4 threads * 25 rounds * 4 keys, minus the 5 deleted rounds per thread
     assert_eq!((st.pins, st.pending, st.blocks), (0, 0, 320));
 }
+
+#[test]
+fn tcp_endpoint_serves_remote_clients_by_payload() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tcp = format!("tcp://127.0.0.1:{port}");
+    let d = Daemon::start(&["--endpoint", &tcp]);
+    // both endpoints are bound: ipc (from the helper) and tcp
+    let local = d.client();
+    let remote = kvd_client::Client::builder()
+        .with_endpoint(&tcp)
+        .with_map_pool(MapPool::Never)
+        .with_timeout(Duration::from_secs(10))
+        .connect()
+        .unwrap();
+    let l = register(&remote, 64);
+    register(&local, 64);
+    let ks = keys(31, 3);
+    let data: Vec<Vec<u8>> = (0..3).map(|i| block(500 + i, 64 * 1024)).collect();
+    remote.store(l.id, &ks, &refs(&data)).unwrap();
+    let mut bufs = vec![vec![0u8; 64 * 1024]; 3];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(local.load(l.id, &ks, &mut outs).unwrap(), vec![true; 3]);
+    assert!(bufs == data);
+    assert_eq!(remote.incarnation(), local.incarnation());
+}
+
+#[test]
+fn a_configured_group_gets_mode_0660() {
+    let d = Daemon::start(&["--group", "0"]);
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    for p in [&d.pool_path, &d.socket_path] {
+        let m = std::fs::metadata(p).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o660, "{}", p.display());
+        assert_eq!(m.gid(), 0);
+    }
+    let e = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args([
+            "--group",
+            "no-such-group-kvd",
+            "--pool-path",
+            "/dev/shm/kvd-nogroup.pool",
+        ])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("no-such-group-kvd"));
+}
