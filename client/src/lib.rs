@@ -165,7 +165,8 @@ impl ClientBuilder {
         self.map_pool = m;
         self
     }
-    /// Connects and says hello (retrying until the timeout while the daemon starts).
+    /// Connects and says hello. A daemon that is still starting is waited for, up to the
+    /// timeout (ZMQ holds the hello until the socket appears).
     pub fn connect(self) -> Result<Client> {
         let inner = Arc::new(Inner {
             ctx: zmq::Context::new(),
@@ -176,7 +177,7 @@ impl ClientBuilder {
             layouts: Mutex::new(HashMap::new()),
         });
         let client = Client { inner };
-        client.hello_retrying()?;
+        client.hello_once()?;
         Ok(client)
     }
 }
@@ -437,17 +438,6 @@ impl Client {
                 self.raw_call(&make(self.session().client), payloads)
             }
             r => r,
-        }
-    }
-
-    fn hello_retrying(&self) -> Result<()> {
-        let deadline = Instant::now() + self.inner.opts.timeout;
-        loop {
-            match self.hello_once() {
-                Ok(()) => return Ok(()),
-                Err(Error::Timeout { .. }) if Instant::now() < deadline => continue,
-                Err(e) => return Err(e),
-            }
         }
     }
 

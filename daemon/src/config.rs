@@ -191,9 +191,7 @@ impl PoolConfig {
             return s.0;
         }
         let dir = self.path.parent().unwrap_or(Path::new("/"));
-        let free = nix::sys::statvfs::statvfs(dir)
-            .map(|v| v.blocks_available() as u64 * v.fragment_size() as u64)
-            .unwrap_or(DEFAULT_POOL_BYTES);
+        let free = crate::pool::free_bytes(dir).unwrap_or(DEFAULT_POOL_BYTES);
         let seg = self.segment_size.0.max(1);
         let want = DEFAULT_POOL_BYTES.min(free / 2);
         // at least one segment: if even that does not fit, pool creation says so

@@ -124,12 +124,7 @@ impl Pool {
         };
         let size = opts.size_bytes.div_ceil(page) * page;
         if !on_hugetlbfs {
-            let vfs = nix::sys::statvfs::statvfs(dir).map_err(|e| PoolError::Io {
-                what: "statvfs",
-                path: dir.to_owned(),
-                source: e.into(),
-            })?;
-            let avail = vfs.blocks_available() as u64 * vfs.fragment_size() as u64;
+            let avail = free_bytes(dir).map_err(io_err("statvfs", dir))?;
             if avail < size {
                 return Err(PoolError::NoSpace {
                     path: path.clone(),
@@ -250,6 +245,12 @@ impl Drop for Pool {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// Bytes available to unprivileged writers on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> io::Result<u64> {
+    let v = nix::sys::statvfs::statvfs(dir)?;
+    Ok(v.blocks_available().saturating_mul(v.fragment_size()))
 }
 
 /// An exclusive `flock`, held as long as the open file description lives.

@@ -280,7 +280,7 @@ impl Server {
                 Body::Hello(HelloResp {
                     protocol: PROTOCOL_VERSION,
                     server: format!("kvd {}", env!("CARGO_PKG_VERSION")),
-                    incarnation: s.stats(now).incarnation,
+                    incarnation: s.incarnation(),
                     client,
                     pool: PoolInfo {
                         path: pool.path().display().to_string(),

@@ -204,6 +204,11 @@ impl Store {
         &self.pool
     }
 
+    /// The daemon's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
     /// The store's tunables.
     pub fn config(&self) -> &StoreConfig {
         &self.cfg
