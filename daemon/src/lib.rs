@@ -55,6 +55,9 @@ pub enum DaemonError {
         /// The error.
         source: std::io::Error,
     },
+    /// Another process serves the ipc socket path.
+    #[error("{0} is served by another running kvd")]
+    SocketInUse(PathBuf),
     /// The configured group does not exist.
     #[error("group {0:?} not found")]
     NoGroup(String),
@@ -136,6 +139,13 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     for p in &ipc_paths {
         if let Some(dir) = p.parent() {
             prepare_dir(dir, group)?;
+        }
+        // ZMQ would silently take over a live daemon's socket path: refuse instead.
+        if p.exists() {
+            if std::os::unix::net::UnixStream::connect(p).is_ok() {
+                return Err(DaemonError::SocketInUse(p.clone()));
+            }
+            let _ = std::fs::remove_file(p);
         }
     }
     let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;

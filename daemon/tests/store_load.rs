@@ -379,7 +379,7 @@ fn tcp_endpoint_serves_remote_clients_by_payload() {
 }
 
 #[test]
-fn a_configured_group_gets_mode_0660() {
+fn a_configured_group_gets_mode_0660_and_a_live_socket_is_not_taken_over() {
     let d = Daemon::start(&["--group", "0"]);
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     for p in [&d.pool_path, &d.socket_path] {
