@@ -169,13 +169,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     };
     let server = Server::bind(store, opts, sig_rx)?;
     for p in &ipc_paths {
-        let mode = if group.is_some() { 0o660 } else { 0o600 };
-        if let Some(g) = group {
-            std::os::unix::fs::chown(p, None, Some(g.as_raw()))
-                .map_err(setup_err(format!("chown {}", p.display())))?;
-        }
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-            .map_err(setup_err(format!("chmod {}", p.display())))?;
+        share_with_group(p, group, 0o660, 0o600)?;
     }
     tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
     let store = server.run()?;
@@ -188,16 +182,29 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// Gives `path` to `group` with `group_mode`, or leaves it owner-only with `owner_mode`.
+fn share_with_group(
+    path: &Path,
+    group: Option<Gid>,
+    group_mode: u32,
+    owner_mode: u32,
+) -> Result<(), DaemonError> {
+    let mode = match group {
+        Some(g) => {
+            std::os::unix::fs::chown(path, None, Some(g.as_raw()))
+                .map_err(setup_err(format!("chown {}", path.display())))?;
+            group_mode
+        }
+        None => owner_mode,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(setup_err(format!("chmod {}", path.display())))
+}
+
 fn prepare_dir(dir: &Path, group: Option<Gid>) -> Result<(), DaemonError> {
     if !dir.exists() {
         std::fs::create_dir_all(dir).map_err(setup_err(format!("creating {}", dir.display())))?;
-        let mode = if group.is_some() { 0o750 } else { 0o700 };
-        if let Some(g) = group {
-            std::os::unix::fs::chown(dir, None, Some(g.as_raw()))
-                .map_err(setup_err(format!("chown {}", dir.display())))?;
-        }
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(setup_err(format!("chmod {}", dir.display())))?;
+        share_with_group(dir, group, 0o750, 0o700)?;
     }
     Ok(())
 }
