@@ -259,6 +259,66 @@ impl SlabAllocator {
         Ok(())
     }
 
+    /// Marks the slot at `offset` live for `class` (recovery of a durable index). Fails
+    /// when the offset is not a slot start of that class or is already live.
+    pub fn claim(&mut self, class: ClassId, offset: u64) -> Result<(), AllocError> {
+        let ci = class.0 as usize;
+        let rel = offset.checked_sub(self.data_offset).ok_or(AllocError::NotLive(offset))?;
+        let si = rel / self.segment_bytes;
+        let (slot_bytes, spc) = (self.classes[ci].slot_bytes, self.classes[ci].slots_per_segment);
+        let within = rel % self.segment_bytes;
+        if si >= self.segments.len() as u64
+            || !within.is_multiple_of(slot_bytes)
+            || within / slot_bytes >= u64::from(spc)
+        {
+            return Err(AllocError::NotLive(offset));
+        }
+        let (si, idx) = (si as u32, (within / slot_bytes) as u32);
+        let seg_class = self.segments[si as usize].class;
+        if seg_class == NONE {
+            // Take the segment for the class with every slot free (none bumped).
+            let pos = self
+                .free_segments
+                .iter()
+                .position(|&s| s == si)
+                .ok_or(AllocError::NotLive(offset))?;
+            self.free_segments.swap_remove(pos);
+            let seg = &mut self.segments[si as usize];
+            seg.class = u32::from(class.0);
+            seg.used = 0;
+            seg.bump = spc;
+            seg.free = (0..spc).rev().collect();
+            seg.live = vec![0; (spc as usize).div_ceil(64)];
+            self.classes[ci].free_slots += u64::from(spc);
+            self.classes[ci].segments += 1;
+            self.push_partial(ci, si);
+        } else if seg_class != u32::from(class.0) {
+            return Err(AllocError::NotLive(offset));
+        }
+        let seg = &mut self.segments[si as usize];
+        let bit = 1u64 << (idx % 64);
+        if seg.live[idx as usize / 64] & bit != 0 {
+            return Err(AllocError::NotLive(offset));
+        }
+        if idx < seg.bump {
+            let pos = seg.free.iter().position(|&i| i == idx).ok_or(AllocError::NotLive(offset))?;
+            seg.free.swap_remove(pos);
+        } else {
+            // slots between the bump pointer and idx become free-listed
+            seg.free.extend(seg.bump..idx);
+            seg.bump = idx + 1;
+        }
+        seg.live[idx as usize / 64] |= bit;
+        seg.used += 1;
+        let full = seg.used == spc;
+        self.classes[ci].free_slots -= 1;
+        if full {
+            self.unlink_partial(ci, si);
+        }
+        self.used_bytes += slot_bytes;
+        Ok(())
+    }
+
     fn push_partial(&mut self, ci: usize, si: u32) {
         let head = self.classes[ci].partial;
         {
@@ -389,6 +449,21 @@ mod tests {
                 prop_assert_eq!(st.capacity_bytes, 6 * SEG);
             }
         }
+    }
+
+    #[test]
+    fn claimed_slots_are_never_handed_out_again() {
+        let mut a = SlabAllocator::new(0, SEG, 2);
+        let c = a.class_for(16384).unwrap();
+        a.claim(c, 16384).unwrap();
+        a.claim(c, SEG + 3 * 16384).unwrap();
+        assert!(a.claim(c, 16384).is_err(), "double claim");
+        assert!(a.claim(c, 100).is_err(), "not a slot start");
+        let got: Vec<u64> = std::iter::from_fn(|| a.alloc(c)).collect();
+        assert_eq!(got.len(), 6);
+        assert!(!got.contains(&16384) && !got.contains(&(SEG + 3 * 16384)));
+        a.free(16384).unwrap();
+        assert_eq!(a.alloc(c), Some(16384));
     }
 
     #[test]

@@ -24,6 +24,11 @@
 //! | `limits.max_pins` | int | `1000000` | | |
 //! | `limits.max_clients` | int | `4096` | | |
 //! | `limits.client_idle_ttl_ms` | int | `600000` | | idle sessions holding nothing are dropped after this |
+//! | `limits.alloc_wait_ms` | int | `5000` | | an `alloc` waits this long for demotions to free room, then `pool_full` |
+//! | `nvme.paths` | list of paths | none (tier off) | `KVD_NVME_PATH` (comma-separated) / `--nvme-path` (repeatable) | one directory per disk; blocks are striped over them |
+//! | `nvme.size` | size | `64GiB` | `KVD_NVME_SIZE` / `--nvme-size` | total tier size, preallocated (shrunk, with a warning, to what the disks hold) |
+//! | `nvme.queue_depth` | int | `32` | | io_uring queue depth |
+//! | `nvme.allow_buffered` | bool | `false` | `--nvme-allow-buffered` | use buffered I/O where O_DIRECT is refused (tmpfs) instead of failing |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 
@@ -154,6 +159,33 @@ pub struct LimitsConfig {
     pub max_clients: u64,
     /// Idle session TTL.
     pub client_idle_ttl_ms: u64,
+    /// How long an alloc waits for demotions.
+    pub alloc_wait_ms: u64,
+}
+
+/// `[nvme]`; the tier is off when absent or when `paths` is empty.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NvmeConfig {
+    /// One directory per disk.
+    pub paths: Vec<PathBuf>,
+    /// Total size.
+    pub size: Size,
+    /// io_uring queue depth.
+    pub queue_depth: u32,
+    /// Buffered I/O where O_DIRECT is refused.
+    pub allow_buffered: bool,
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        NvmeConfig {
+            paths: Vec::new(),
+            size: Size(64 << 30),
+            queue_depth: 32,
+            allow_buffered: false,
+        }
+    }
 }
 
 /// `[log]`
@@ -176,6 +208,9 @@ pub struct DaemonConfig {
     pub pool: PoolConfig,
     /// `[limits]`
     pub limits: LimitsConfig,
+    /// `[nvme]`
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<NvmeConfig>,
     /// `[log]`
     pub log: LogConfig,
 }
@@ -247,6 +282,7 @@ impl Default for LimitsConfig {
             max_pins: 1_000_000,
             max_clients: 4096,
             client_idle_ttl_ms: 600_000,
+            alloc_wait_ms: 5_000,
         }
     }
 }
@@ -291,6 +327,15 @@ pub struct Cli {
     /// Log filter, e.g. `info` or `kvd_daemon=debug`.
     #[arg(long, env = "KVD_LOG")]
     pub log_level: Option<String>,
+    /// NVMe tier directory (repeatable: blocks are striped over them).
+    #[arg(long = "nvme-path", env = "KVD_NVME_PATH", value_delimiter = ',')]
+    pub nvme_paths: Vec<PathBuf>,
+    /// NVMe tier size, e.g. 64GiB.
+    #[arg(long, env = "KVD_NVME_SIZE")]
+    pub nvme_size: Option<Size>,
+    /// Use buffered I/O where O_DIRECT is refused (tmpfs).
+    #[arg(long)]
+    pub nvme_allow_buffered: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -341,6 +386,15 @@ impl DaemonConfig {
         }
         if let Some(v) = cli.alloc_ttl_ms {
             cfg.limits.alloc_ttl_ms = v;
+        }
+        if !cli.nvme_paths.is_empty() {
+            cfg.nvme.get_or_insert_with(NvmeConfig::default).paths = cli.nvme_paths.clone();
+        }
+        if let Some(v) = cli.nvme_size {
+            cfg.nvme.get_or_insert_with(NvmeConfig::default).size = v;
+        }
+        if cli.nvme_allow_buffered {
+            cfg.nvme.get_or_insert_with(NvmeConfig::default).allow_buffered = true;
         }
         if let Some(v) = &cli.group {
             cfg.server.group = Some(v.clone());
@@ -401,6 +455,17 @@ impl DaemonConfig {
         let lim = &self.limits;
         if lim.default_pin_ttl_ms == 0 || lim.default_pin_ttl_ms > lim.max_pin_ttl_ms {
             return bad("limits: 0 < default_pin_ttl_ms <= max_pin_ttl_ms".into());
+        }
+        if let Some(n) = &self.nvme {
+            if !n.paths.is_empty() && n.size.0 < seg {
+                return bad(format!(
+                    "nvme.size {} must hold at least one segment ({})",
+                    n.size, self.pool.segment_size
+                ));
+            }
+            if n.queue_depth == 0 || n.queue_depth > 4096 {
+                return bad("nvme.queue_depth must be 1..=4096".into());
+            }
         }
         if lim.alloc_ttl_ms == 0 {
             return bad("limits.alloc_ttl_ms must be > 0".into());

@@ -20,6 +20,8 @@
 
 pub mod alloc;
 pub mod config;
+pub mod io;
+pub mod nvme;
 pub mod pool;
 pub mod server;
 pub mod store;
@@ -44,6 +46,9 @@ pub enum DaemonError {
     /// Pool creation failed.
     #[error(transparent)]
     Pool(#[from] pool::PoolError),
+    /// The NVMe tier could not open.
+    #[error(transparent)]
+    Nvme(#[from] nvme::NvmeError),
     /// The server failed.
     #[error(transparent)]
     Server(#[from] server::ServerError),
@@ -112,8 +117,9 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         "pool mapped"
     );
     let lim = &cfg.limits;
+    let pool = std::sync::Arc::new(pool);
     let store = Store::new(
-        pool,
+        pool.clone(),
         StoreConfig {
             segment_bytes: cfg.pool.segment_size.0,
             high_watermark: cfg.pool.high_watermark,
@@ -125,10 +131,27 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             max_pins: lim.max_pins as usize,
             max_clients: lim.max_clients as usize,
             client_idle_ttl: Duration::from_millis(lim.client_idle_ttl_ms),
+            alloc_wait: Duration::from_millis(lim.alloc_wait_ms),
         },
         incarnation,
         started,
     );
+    let store = match &cfg.nvme {
+        Some(n) if !n.paths.is_empty() => {
+            let tier = nvme::NvmeTier::open(
+                &nvme::NvmeOptions {
+                    paths: n.paths.clone(),
+                    size_bytes: n.size.0,
+                    segment_bytes: cfg.pool.segment_size.0,
+                    queue_depth: n.queue_depth,
+                    allow_buffered: n.allow_buffered,
+                },
+                pool,
+            )?;
+            store.with_nvme(tier)
+        }
+        _ => store,
+    };
 
     let ipc_paths: Vec<PathBuf> = cfg
         .server

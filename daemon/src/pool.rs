@@ -203,6 +203,12 @@ impl Pool {
         self.huge
     }
 
+    /// The mapping's base address, for I/O engines that hand slot addresses to the kernel
+    /// (using it is their unsafe step, bounded by [`Pool::size`]).
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     fn check(&self, offset: u64, len: usize) -> Result<usize, PoolError> {
         let oob = || PoolError::OutOfBounds {
             offset,

@@ -21,7 +21,14 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::store::Store;
+use crate::store::{Answer, Completed, Store};
+
+/// Where a deferred request's reply goes.
+struct ReplyTo {
+    identity: Vec<u8>,
+    req_style: bool,
+    id: u64,
+}
 
 /// Requests served per loop turn before timers run.
 pub const BATCH: usize = 256;
@@ -65,6 +72,7 @@ pub struct Server {
     opts: ServerOptions,
     signals: UnixStream,
     parts: Vec<zmq::Message>,
+    waiting: std::collections::HashMap<u64, ReplyTo>,
 }
 
 impl Server {
@@ -102,6 +110,7 @@ impl Server {
             opts,
             signals,
             parts: Vec::new(),
+            waiting: std::collections::HashMap::new(),
         })
     }
 
@@ -118,10 +127,13 @@ impl Server {
             // Round up so that a deadline 0.4 ms away does not spin.
             let timeout_ms = timeout.as_micros().div_ceil(1000) as i64;
             let (sock_ready, sig_ready) = {
-                let mut items = [
+                let mut items = vec![
                     self.socket.as_poll_item(zmq::POLLIN),
                     zmq::PollItem::from_fd(self.signals.as_raw_fd(), zmq::POLLIN),
                 ];
+                if let Some(fd) = self.store.io_fd() {
+                    items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                }
                 match zmq::poll(&mut items, timeout_ms) {
                     Ok(_) => {}
                     Err(zmq::Error::EINTR) => continue,
@@ -137,13 +149,16 @@ impl Server {
                 }
             }
             self.store.maintain(Instant::now());
+            self.answer_deferred();
             if sig_ready {
                 let mut buf = [0u8; 16];
                 let _ = self.signals.read(&mut buf);
                 tracing::info!("signal received: answering queued requests, then stopping");
                 // Finish what is already queued, bounded in time.
                 let until = Instant::now() + Duration::from_secs(2);
-                while Instant::now() < until && self.serve_one()? {}
+                while Instant::now() < until && (self.serve_one()? || !self.waiting.is_empty()) {
+                    self.answer_deferred();
+                }
                 return Ok(self.store);
             }
         }
@@ -171,17 +186,83 @@ impl Server {
         let req_style = self.parts.len() >= 2 && self.parts[1].is_empty();
         let env_at = if req_style { 2 } else { 1 };
         let parts = std::mem::take(&mut self.parts);
-        let (reply, payloads) = match parts.get(env_at) {
+        let outcome = match parts.get(env_at) {
             Some(env) => self.dispatch(env, &parts[env_at + 1..], now),
             None => {
                 self.store.count_request(Some(ErrorCode::Malformed));
                 let e = WireError::new(ErrorCode::Malformed, "message has no envelope frame");
-                (encode_err(0, &e), Vec::new())
+                Outcome::Reply(encode_err(0, &e), Vec::new())
             }
         };
-        self.send_reply(&parts[0], req_style, reply, payloads);
+        match outcome {
+            Outcome::Reply(reply, payloads) => self.send_reply(&parts[0], req_style, reply, payloads),
+            Outcome::Later(token, id) => {
+                self.waiting.insert(
+                    token,
+                    ReplyTo {
+                        identity: parts[0].to_vec(),
+                        req_style,
+                        id,
+                    },
+                );
+            }
+        }
         self.parts = parts;
         Ok(true)
+    }
+
+    /// Sends the replies of deferred requests that the store has finished.
+    fn answer_deferred(&mut self) {
+        for (token, done) in self.store.poll_io(Instant::now()) {
+            let Some(to) = self.waiting.remove(&token) else { continue };
+            let (reply, payloads) = match done {
+                Completed::Alloc(r) => self.finish(to.id, r.map(Body::Alloc), Vec::new()),
+                Completed::Get(Ok(resp), inline, layout) => {
+                    let mut out = Vec::new();
+                    match self.inline_payloads(inline, layout, &resp, &mut out) {
+                        Ok(()) => self.finish(to.id, Ok(Body::Get(resp)), out),
+                        Err(e) => self.finish(to.id, Err(e), Vec::new()),
+                    }
+                }
+                Completed::Get(Err(e), _, _) => self.finish(to.id, Err(e), Vec::new()),
+            };
+            self.send_reply(&to.identity, to.req_style, reply, payloads);
+        }
+    }
+
+    fn finish(&mut self, id: u64, r: Result<Body, WireError>, out: Vec<zmq::Message>) -> (Vec<u8>, Vec<zmq::Message>) {
+        match r {
+            Ok(body) => {
+                self.store.count_request(None);
+                (body_with_id(id, body), out)
+            }
+            Err(e) => {
+                self.store.count_request(Some(e.code));
+                (encode_err(id, &e), Vec::new())
+            }
+        }
+    }
+
+    fn inline_payloads(
+        &self,
+        inline: bool,
+        layout: LayoutId,
+        resp: &GetResp,
+        out: &mut Vec<zmq::Message>,
+    ) -> Result<(), WireError> {
+        if !inline {
+            return Ok(());
+        }
+        let len = self.store.block_bytes(layout).unwrap_or(0) as usize;
+        for off in resp.offsets.iter().flatten() {
+            let bytes = self
+                .store
+                .pool()
+                .read(*off, len)
+                .map_err(|e| WireError::new(ErrorCode::Internal, e.to_string()))?;
+            out.push(zmq::Message::from(bytes));
+        }
+        Ok(())
     }
 
     fn send_reply(
@@ -213,34 +294,26 @@ impl Server {
         }
     }
 
-    fn dispatch(
-        &mut self,
-        env: &[u8],
-        payloads: &[zmq::Message],
-        now: Instant,
-    ) -> (Vec<u8>, Vec<zmq::Message>) {
+    fn dispatch(&mut self, env: &[u8], payloads: &[zmq::Message], now: Instant) -> Outcome {
         let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
             Ok(x) => x,
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "undecodable request");
                 self.store.count_request(Some(e.code()));
-                return (
-                    encode_err(id, &WireError::new(e.code(), e.to_string())),
-                    Vec::new(),
-                );
+                return Outcome::Reply(encode_err(id, &WireError::new(e.code(), e.to_string())), Vec::new());
             }
         };
         let mut out = Vec::new();
-        let result = self.execute(&req, payloads, &mut out, now);
-        match result {
-            Ok(body) => {
-                self.store.count_request(None);
-                (body_with_id(id, body), out)
+        match self.execute(&req, payloads, &mut out, now) {
+            Ok(Answer::Later(token)) => Outcome::Later(token, id),
+            Ok(Answer::Now(body)) => {
+                let (r, p) = self.finish(id, Ok(body), out);
+                Outcome::Reply(r, p)
             }
             Err(e) => {
                 tracing::debug!(id, op = req.op(), error = %e, "request failed");
-                self.store.count_request(Some(e.code));
-                (encode_err(id, &e), Vec::new())
+                let (r, p) = self.finish(id, Err(e), Vec::new());
+                Outcome::Reply(r, p)
             }
         }
     }
@@ -251,7 +324,7 @@ impl Server {
         payloads: &[zmq::Message],
         out: &mut Vec<zmq::Message>,
         now: Instant,
-    ) -> Result<Body, WireError> {
+    ) -> Result<Answer<Body>, WireError> {
         let n = req.key_count() as u64;
         if n > self.opts.max_keys_per_request {
             return Err(WireError::new(
@@ -273,7 +346,7 @@ impl Server {
             ));
         }
         let s = &mut self.store;
-        Ok(match req {
+        Ok(Answer::Now(match req {
             Request::Hello(r) => {
                 let client = s.hello(r, now)?;
                 let pool = s.pool();
@@ -293,30 +366,34 @@ impl Server {
             }
             Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
             Request::Lookup(r) => Body::Lookup(s.lookup(r, now)?),
-            Request::Alloc(r) => Body::Alloc(s.alloc(r, now)?),
+            Request::Alloc(r) => match s.alloc(r, now)? {
+                Answer::Now(a) => Body::Alloc(a),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
             Request::Commit(r) => {
                 let slices: Vec<&[u8]> = payloads.iter().map(|m| &m[..]).collect();
                 Body::Commit(s.commit(r, &slices, now)?)
             }
-            Request::Get(r) => {
-                let resp = s.get(r, now)?;
-                if r.inline {
-                    let len = s.block_bytes(r.layout_id).unwrap_or(0) as usize;
-                    for off in resp.offsets.iter().flatten() {
-                        let bytes = s
-                            .pool()
-                            .read(*off, len)
-                            .map_err(|e| WireError::new(ErrorCode::Internal, e.to_string()))?;
-                        out.push(zmq::Message::from(bytes));
-                    }
+            Request::Get(r) => match s.get(r, now)? {
+                Answer::Now(resp) => {
+                    self.inline_payloads(r.inline, r.layout_id, &resp, out)?;
+                    Body::Get(resp)
                 }
-                Body::Get(resp)
-            }
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
             Request::Release(r) => Body::Release(s.release(r, now)?),
             Request::Delete(r) => Body::Delete(s.delete(r, now)?),
             Request::Stats(_) => Body::Stats(s.stats(now)),
-        })
+        }))
     }
+}
+
+/// What serving one request produced.
+enum Outcome {
+    /// Send this now.
+    Reply(Vec<u8>, Vec<zmq::Message>),
+    /// The store answers later under this token; the request id is kept for the reply.
+    Later(u64, u64),
 }
 
 /// A reply body of any op.

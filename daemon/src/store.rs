@@ -38,7 +38,10 @@ use std::time::{Duration, Instant};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use kvd_protocol::*;
 
+use std::sync::Arc;
+
 use crate::alloc::{ClassId, SlabAllocator};
+use crate::nvme::NvmeTier;
 use crate::pool::{Pool, SLOT_ALIGN};
 
 const NIL: u32 = u32::MAX;
@@ -66,6 +69,46 @@ pub struct StoreConfig {
     pub max_clients: usize,
     /// Sessions with no pin and no allocation are dropped after this long unseen.
     pub client_idle_ttl: Duration,
+    /// How long an `alloc` may wait for demotions to free room before `pool_full`.
+    pub alloc_wait: Duration,
+}
+
+/// The answer to a request that may need I/O first.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answer<T> {
+    /// Here it is.
+    Now(T),
+    /// It comes out of [`Store::poll_io`] under this token.
+    Later(u64),
+}
+
+/// A deferred request's outcome, from [`Store::poll_io`].
+#[derive(Debug)]
+pub enum Completed {
+    /// An `alloc` that waited for demotions.
+    Alloc(Result<AllocResp, WireError>),
+    /// A `get` that waited for promotions (`inline` and the layout's block size are
+    /// given back so the server can attach payloads).
+    Get(Result<GetResp, WireError>, bool, LayoutId),
+}
+
+#[derive(Debug)]
+enum Waiting {
+    Alloc(AllocReq),
+    Get(GetReq, Vec<u32>),
+}
+
+#[derive(Debug)]
+struct Deferred {
+    token: u64,
+    deadline: Instant,
+    what: Waiting,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Flight {
+    Demote(u32),
+    Promote(u32),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -74,6 +117,10 @@ enum State {
     Free,
     Pending,
     Committed,
+    /// Committed, and being written to NVMe; the DRAM slot is freed when that completes.
+    Demoting,
+    /// Being read from NVMe into its DRAM slot; invisible until verified.
+    Promoting,
 }
 
 /// One block. 48 bytes.
@@ -90,6 +137,8 @@ struct Node {
     last_use: u32,
     class: u16,
     state: State,
+    /// A write to NVMe failed: evict by dropping, do not retry.
+    no_demote: bool,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -136,14 +185,24 @@ struct Counters {
     expired_pins: u64,
     expired_allocs: u64,
     dropped_replies: u64,
+    demotions: u64,
+    promotions: u64,
+    dropped: u64,
     errors: BTreeMap<&'static str, u64>,
 }
 
 /// See the module docs.
 pub struct Store {
     cfg: StoreConfig,
-    pool: Pool,
+    pool: Arc<Pool>,
     alloc: SlabAllocator,
+    nvme: Option<NvmeTier>,
+    flights: HashMap<u64, Flight>,
+    next_tag: u64,
+    deferred: Vec<Deferred>,
+    /// Per class: slots being demoted (freed when their writes complete).
+    demoting: Vec<u64>,
+    demoting_bytes: u64,
     incarnation: Incarnation,
     started: Instant,
     hasher: DefaultHashBuilder,
@@ -164,13 +223,20 @@ pub struct Store {
     next_client_sweep: Instant,
 }
 
+#[derive(Debug, PartialEq, Eq)]
+enum Room {
+    Ready,
+    Wait,
+    Full,
+}
+
 fn err(code: ErrorCode, msg: impl Into<String>) -> WireError {
     WireError::new(code, msg)
 }
 
 impl Store {
     /// A store over `pool`, whose data area is cut into `cfg.segment_bytes` segments.
-    pub fn new(pool: Pool, cfg: StoreConfig, incarnation: Incarnation, now: Instant) -> Self {
+    pub fn new(pool: Arc<Pool>, cfg: StoreConfig, incarnation: Incarnation, now: Instant) -> Self {
         let data = pool.size() - pool.data_offset();
         let segments = (data / cfg.segment_bytes) as u32;
         let alloc = SlabAllocator::new(pool.data_offset(), cfg.segment_bytes, segments);
@@ -178,6 +244,12 @@ impl Store {
             cfg,
             pool,
             alloc,
+            nvme: None,
+            flights: HashMap::new(),
+            next_tag: 1,
+            deferred: Vec::new(),
+            demoting: Vec::new(),
+            demoting_bytes: 0,
             incarnation,
             started: now,
             hasher: DefaultHashBuilder::default(),
@@ -202,6 +274,17 @@ impl Store {
     /// The pool.
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// Adds the NVMe tier (blocks it recovered become visible as `nvme`).
+    pub fn with_nvme(mut self, tier: NvmeTier) -> Self {
+        self.nvme = Some(tier);
+        self
+    }
+
+    /// The fd to poll for I/O completions, when a tier does I/O.
+    pub fn io_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.nvme.as_ref().map(NvmeTier::wake_fd)
     }
 
     /// The daemon's incarnation.
@@ -331,21 +414,52 @@ impl Store {
         self.lru[c].len -= 1;
     }
 
+    fn in_lru(&self, idx: u32) -> bool {
+        let n = &self.nodes[idx as usize];
+        n.state == State::Committed && n.pins == 0
+    }
+
     fn touch(&mut self, idx: u32, now: Instant) {
         let t = self.tick(now);
         self.nodes[idx as usize].last_use = t;
-        if self.nodes[idx as usize].pins == 0 {
+        if self.in_lru(idx) {
             self.lru_unlink(idx);
             self.lru_push_head(idx);
         }
     }
 
-    fn evict(&mut self, idx: u32) {
-        debug_assert_eq!(self.nodes[idx as usize].state, State::Committed);
-        debug_assert_eq!(self.nodes[idx as usize].pins, 0);
+    /// Takes an evictable block out of DRAM: written back to NVMe first when the tier
+    /// exists and lacks it (the slot is freed when the write completes), else freed now.
+    fn evict(&mut self, idx: u32, now: Instant) {
+        debug_assert!(self.in_lru(idx));
         self.lru_unlink(idx);
-        self.remove_node(idx);
         self.counters.evictions += 1;
+        let n = self.nodes[idx as usize];
+        let key = BlockKey {
+            layout: n.layout,
+            hash: n.hash,
+        };
+        if let Some(tier) = self.nvme.as_mut() {
+            if !n.no_demote && !tier.knows(&key) {
+                let block_bytes = self.layouts.get(&n.layout).map_or(0, |l| l.block_bytes);
+                let tag = self.next_tag;
+                if tier.begin_write(key, block_bytes, u64::from(n.slot) * SLOT_ALIGN, tag, now) {
+                    self.next_tag += 1;
+                    self.flights.insert(tag, Flight::Demote(idx));
+                    self.nodes[idx as usize].state = State::Demoting;
+                    let c = n.class as usize;
+                    self.demoting[c] += 1;
+                    self.demoting_bytes += self.alloc.slot_bytes(ClassId(n.class));
+                    return;
+                }
+            }
+            if tier.has(&key) {
+                self.remove_node(idx);
+                return;
+            }
+        }
+        self.counters.dropped += 1;
+        self.remove_node(idx);
     }
 
     /// The least recently used evictable block of any class other than `except`.
@@ -361,19 +475,31 @@ impl Store {
     /// Evicts until `k` slots of `class` can be handed out. Own-class blocks go first
     /// (each frees a usable slot); then other classes' blocks, oldest first, until whole
     /// segments free up.
-    fn make_room(&mut self, class: ClassId, k: u64) -> bool {
+    fn make_room(&mut self, class: ClassId, k: u64, now: Instant) -> Room {
         let c = class.0 as usize;
-        while self.alloc.available(class) < k {
+        let slot = self.alloc.slot_bytes(class);
+        loop {
+            let have = self.alloc.available(class);
+            if have >= k {
+                return Room::Ready;
+            }
+            // Slots that demotions in flight will free (other classes' count by bytes,
+            // as whole segments they may give back).
+            let own = self.demoting[c];
+            let other = (self.demoting_bytes - own * slot) / slot;
+            if have + own + other >= k {
+                return Room::Wait;
+            }
             let victim = match self.lru[c].tail {
                 NIL => match self.oldest_tail(Some(c)) {
                     Some(v) => v,
-                    None => return false,
+                    None if self.demoting_bytes > 0 => return Room::Wait,
+                    None => return Room::Full,
                 },
                 v => v,
             };
-            self.evict(victim);
+            self.evict(victim, now);
         }
-        true
     }
 
     fn pool_full(&self, class: ClassId, needed: u64) -> WireError {
@@ -490,6 +616,7 @@ impl Store {
                     tail: NIL,
                     len: 0,
                 });
+                self.demoting.push(0);
             }
             tracing::info!(layout = %id, model = %layout.model, block_bytes, "layout registered");
             self.layouts.insert(id, LayoutEntry { block_bytes, class });
@@ -503,17 +630,29 @@ impl Store {
 
     // ----- operations -----
 
-    /// `lookup`: the longest committed prefix. Hits count as uses for the LRU.
+    /// `lookup`: the longest cached prefix, from DRAM or NVMe. Hits count as uses.
     pub fn lookup(&mut self, req: &LookupReq, now: Instant) -> Result<LookupResp, WireError> {
         self.layout(req.layout_id)?;
         let mut tiers = Vec::new();
         for k in &req.keys {
-            match self.find(req.layout_id, k) {
-                Some(i) if self.nodes[i as usize].state == State::Committed => {
+            let key = BlockKey {
+                layout: req.layout_id,
+                hash: *k,
+            };
+            match self.find(req.layout_id, k).map(|i| (i, self.nodes[i as usize].state)) {
+                Some((i, State::Committed | State::Demoting)) => {
                     self.touch(i, now);
                     tiers.push(Tier::Dram);
                 }
-                _ => break,
+                Some((_, State::Promoting)) => tiers.push(Tier::Nvme),
+                Some(_) => break,
+                None => match self.nvme.as_mut() {
+                    Some(t) if t.has(&key) => {
+                        t.touch(&key);
+                        tiers.push(Tier::Nvme);
+                    }
+                    _ => break,
+                },
             }
         }
         Ok(LookupResp {
@@ -522,17 +661,44 @@ impl Store {
         })
     }
 
-    /// `alloc`: reserves slots for the keys that are neither cached nor being written.
-    pub fn alloc(&mut self, req: &AllocReq, now: Instant) -> Result<AllocResp, WireError> {
+    /// `alloc`: reserves slots for the keys that are neither cached (in any tier) nor
+    /// being written. When room will come from demotions in flight, the answer waits.
+    pub fn alloc(&mut self, req: &AllocReq, now: Instant) -> Result<Answer<AllocResp>, WireError> {
         self.session(req.client, now)?;
+        self.layout(req.layout_id)?;
+        match self.try_alloc(req, now)? {
+            Some(r) => Ok(Answer::Now(r)),
+            None => Ok(Answer::Later(self.defer(Waiting::Alloc(req.clone()), now, self.cfg.alloc_wait))),
+        }
+    }
+
+    fn defer(&mut self, what: Waiting, now: Instant, wait: Duration) -> u64 {
+        let token = self.next_tag;
+        self.next_tag += 1;
+        self.deferred.push(Deferred {
+            token,
+            deadline: now + wait,
+            what,
+        });
+        token
+    }
+
+    fn cached_elsewhere(&self, layout: LayoutId, k: &ChunkHash) -> bool {
+        self.nvme.as_ref().is_some_and(|t| t.knows(&BlockKey { layout, hash: *k }))
+    }
+
+    /// `Ok(None)`: wait for demotions.
+    fn try_alloc(&mut self, req: &AllocReq, now: Instant) -> Result<Option<AllocResp>, WireError> {
         let (_, class) = self.layout(req.layout_id)?;
         let needed = req
             .keys
             .iter()
-            .filter(|k| self.find(req.layout_id, k).is_none())
+            .filter(|k| self.find(req.layout_id, k).is_none() && !self.cached_elsewhere(req.layout_id, k))
             .count() as u64;
-        if !self.make_room(class, needed) {
-            return Err(self.pool_full(class, needed));
+        match self.make_room(class, needed, now) {
+            Room::Ready => {}
+            Room::Wait => return Ok(None),
+            Room::Full => return Err(self.pool_full(class, needed)),
         }
         let deadline = now + self.cfg.alloc_ttl;
         let tick = self.tick(now);
@@ -541,13 +707,17 @@ impl Store {
         let mut created: Vec<u32> = Vec::new();
         for k in &req.keys {
             match self.find(req.layout_id, k) {
-                Some(i) if self.nodes[i as usize].state == State::Committed => {
+                Some(i) if self.nodes[i as usize].state != State::Pending => {
                     self.touch(i, now);
                     status.push(AllocStatus::Exists);
                     offsets.push(None);
                 }
                 Some(_) => {
                     status.push(AllocStatus::Busy);
+                    offsets.push(None);
+                }
+                None if self.cached_elsewhere(req.layout_id, k) => {
+                    status.push(AllocStatus::Exists);
                     offsets.push(None);
                 }
                 None => {
@@ -570,6 +740,7 @@ impl Store {
                         last_use: tick,
                         class: class.0,
                         state: State::Pending,
+                        no_demote: false,
                     });
                     created.push(idx);
                     self.pending.insert(
@@ -588,11 +759,11 @@ impl Store {
         if let Some(s) = self.clients.get_mut(&req.client) {
             s.pending += created.len() as u64;
         }
-        Ok(AllocResp {
+        Ok(Some(AllocResp {
             status,
             offsets,
             ttl_ms: self.cfg.alloc_ttl.as_millis() as u64,
-        })
+        }))
     }
 
     /// `commit`: makes the caller's pending blocks visible. With payloads, writes them
@@ -708,8 +879,9 @@ impl Store {
     }
 
     /// `get`: pins the hits (or, with `inline`, only reports them: the caller copies the
-    /// bytes before handling anything else).
-    pub fn get(&mut self, req: &GetReq, now: Instant) -> Result<GetResp, WireError> {
+    /// bytes before handling anything else). Blocks only on NVMe are promoted into DRAM
+    /// first, and the answer waits for their reads.
+    pub fn get(&mut self, req: &GetReq, now: Instant) -> Result<Answer<GetResp>, WireError> {
         self.session(req.client, now)?;
         self.layout(req.layout_id)?;
         if !req.inline && self.pins.len() >= self.cfg.max_pins {
@@ -718,6 +890,64 @@ impl Store {
                 format!("{} pins are live (limit)", self.cfg.max_pins),
             ));
         }
+        let waits = self.promote(req, now);
+        if waits.is_empty() {
+            return Ok(Answer::Now(self.pin_hits(req, now)));
+        }
+        let wait = self.cfg.max_pin_ttl;
+        Ok(Answer::Later(self.defer(Waiting::Get(req.clone(), waits), now, wait)))
+    }
+
+    /// Starts promotions for the keys only NVMe holds (when DRAM has room without
+    /// waiting); returns the blocks still on their way into DRAM.
+    fn promote(&mut self, req: &GetReq, now: Instant) -> Vec<u32> {
+        let mut waits = Vec::new();
+        let Some((block_bytes, class)) = self.layout(req.layout_id).ok() else { return waits };
+        for k in &req.keys {
+            let key = BlockKey {
+                layout: req.layout_id,
+                hash: *k,
+            };
+            match self.find(req.layout_id, k) {
+                Some(i) if self.nodes[i as usize].state == State::Promoting => waits.push(i),
+                Some(_) => {}
+                None => {
+                    if !self.nvme.as_ref().is_some_and(|t| t.has(&key)) {
+                        continue;
+                    }
+                    if self.make_room(class, 1, now) != Room::Ready {
+                        continue; // no room now: a miss, the engine recomputes
+                    }
+                    let Some(off) = self.alloc.alloc(class) else { continue };
+                    let tag = self.next_tag;
+                    let tier = self.nvme.as_mut().expect("checked above");
+                    if !tier.begin_read(&key, off, tag) {
+                        let _ = self.alloc.free(off);
+                        continue;
+                    }
+                    self.next_tag += 1;
+                    let idx = self.insert_node(Node {
+                        hash: *k,
+                        layout: req.layout_id,
+                        slot: (off / SLOT_ALIGN) as u32,
+                        prev: NIL,
+                        next: NIL,
+                        pins: 0,
+                        last_use: self.tick(now),
+                        class: class.0,
+                        state: State::Promoting,
+                        no_demote: false,
+                    });
+                    self.flights.insert(tag, Flight::Promote(idx));
+                    let _ = block_bytes;
+                    waits.push(idx);
+                }
+            }
+        }
+        waits
+    }
+
+    fn pin_hits(&mut self, req: &GetReq, now: Instant) -> GetResp {
         let ttl = req
             .ttl_ms
             .map(Duration::from_millis)
@@ -727,13 +957,15 @@ impl Store {
         let mut pinned = Vec::new();
         for k in &req.keys {
             match self.find(req.layout_id, k) {
-                Some(i) if self.nodes[i as usize].state == State::Committed => {
+                Some(i) if matches!(self.nodes[i as usize].state, State::Committed | State::Demoting) => {
                     self.touch(i, now);
                     if !req.inline {
+                        if self.in_lru(i) {
+                            self.lru_unlink(i);
+                        }
                         let n = &mut self.nodes[i as usize];
                         n.pins += 1;
                         if n.pins == 1 {
-                            self.lru_unlink(i);
                             self.pinned_blocks += 1;
                         }
                         pinned.push(i);
@@ -767,21 +999,24 @@ impl Store {
             }
             Some(id)
         };
-        Ok(GetResp {
+        GetResp {
             offsets,
             pin,
             ttl_ms: ttl.as_millis() as u64,
-        })
+        }
     }
 
     fn unpin(&mut self, pin: Pin) {
         for i in pin.nodes {
             let n = &mut self.nodes[i as usize];
-            debug_assert!(n.pins > 0 && n.state == State::Committed);
+            debug_assert!(n.pins > 0);
             n.pins -= 1;
             if n.pins == 0 {
                 self.pinned_blocks -= 1;
-                self.lru_push_head(i);
+                // A block still being demoted is freed (or relisted) when that completes.
+                if n.state == State::Committed {
+                    self.lru_push_head(i);
+                }
             }
         }
         if let Some(s) = self.clients.get_mut(&pin.owner) {
@@ -829,12 +1064,12 @@ impl Store {
         let mut status = Vec::with_capacity(req.keys.len());
         let mut aborted = 0;
         for k in &req.keys {
-            let s = match self.find(req.layout_id, k) {
+            let mut s = match self.find(req.layout_id, k) {
                 None => DeleteStatus::Missing,
                 Some(i) => {
                     let n = self.nodes[i as usize];
                     match n.state {
-                        State::Committed if n.pins > 0 => DeleteStatus::Pinned,
+                        State::Committed | State::Demoting if n.pins > 0 => DeleteStatus::Pinned,
                         State::Committed => {
                             self.lru_unlink(i);
                             self.remove_node(i);
@@ -846,11 +1081,25 @@ impl Store {
                             aborted += 1;
                             DeleteStatus::Deleted
                         }
-                        State::Pending => DeleteStatus::Busy,
+                        State::Pending | State::Demoting | State::Promoting => DeleteStatus::Busy,
                         State::Free => DeleteStatus::Missing,
                     }
                 }
             };
+            // The NVMe copy goes too (unless DRAM kept the block, or I/O is in flight).
+            if matches!(s, DeleteStatus::Deleted | DeleteStatus::Missing) {
+                let key = BlockKey {
+                    layout: req.layout_id,
+                    hash: *k,
+                };
+                if let Some(t) = self.nvme.as_mut() {
+                    if t.delete(&key, now) {
+                        s = DeleteStatus::Deleted;
+                    } else if t.knows(&key) {
+                        s = DeleteStatus::Busy;
+                    }
+                }
+            }
             status.push(s);
         }
         if let Some(s) = self.clients.get_mut(&req.client) {
@@ -885,6 +1134,11 @@ impl Store {
             expired_pins: self.counters.expired_pins,
             expired_allocs: self.counters.expired_allocs,
             dropped_replies: self.counters.dropped_replies,
+            demotions: self.counters.demotions,
+            promotions: self.counters.promotions,
+            dropped: self.counters.dropped,
+            waiting: self.deferred.len() as u64,
+            nvme: self.nvme.as_ref().map(NvmeTier::stats),
             errors: self
                 .counters
                 .errors
@@ -938,6 +1192,128 @@ impl Store {
             self.next_client_sweep = now + Duration::from_secs(1);
         }
         self.evict_to_watermark(now);
+        if let Some(t) = self.nvme.as_mut() {
+            t.maintain(now);
+        }
+    }
+
+    /// Handles I/O completions, retries waiting requests, and fails those past their
+    /// deadline. Returns the deferred requests that are now answered.
+    pub fn poll_io(&mut self, now: Instant) -> Vec<(u64, Completed)> {
+        let done = match &self.nvme {
+            Some(t) => t.drain(),
+            None => Vec::new(),
+        };
+        let progressed = !done.is_empty();
+        for d in done {
+            self.complete(d, now);
+        }
+        let mut out = Vec::new();
+        if self.deferred.is_empty() {
+            return out;
+        }
+        let pending = std::mem::take(&mut self.deferred);
+        for d in pending {
+            match d.what {
+                Waiting::Alloc(req) => {
+                    let r = if progressed || d.deadline <= now {
+                        self.try_alloc(&req, now)
+                    } else {
+                        Ok(None)
+                    };
+                    match r {
+                        Ok(Some(resp)) => out.push((d.token, Completed::Alloc(Ok(resp)))),
+                        Ok(None) if d.deadline > now => self.deferred.push(Deferred {
+                            what: Waiting::Alloc(req),
+                            ..d
+                        }),
+                        Ok(None) => {
+                            let class = self.layout(req.layout_id).map(|l| l.1);
+                            let e = match class {
+                                Ok(c) => self.pool_full(c, req.keys.len() as u64),
+                                Err(e) => e,
+                            };
+                            out.push((d.token, Completed::Alloc(Err(e))));
+                        }
+                        Err(e) => out.push((d.token, Completed::Alloc(Err(e)))),
+                    }
+                }
+                Waiting::Get(req, waits) => {
+                    let busy = waits
+                        .iter()
+                        .any(|&i| self.nodes[i as usize].state == State::Promoting);
+                    if busy && d.deadline > now {
+                        self.deferred.push(Deferred {
+                            what: Waiting::Get(req, waits),
+                            ..d
+                        });
+                        continue;
+                    }
+                    let resp = self.pin_hits(&req, now);
+                    out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
+                }
+            }
+        }
+        out
+    }
+
+    fn complete(&mut self, done: crate::io::uring::IoDone, now: Instant) {
+        let Some(flight) = self.flights.remove(&done.tag) else {
+            tracing::error!(tag = done.tag, "completion for an unknown operation");
+            return;
+        };
+        match flight {
+            Flight::Demote(idx) => {
+                let n = self.nodes[idx as usize];
+                let key = BlockKey {
+                    layout: n.layout,
+                    hash: n.hash,
+                };
+                self.demoting[n.class as usize] -= 1;
+                self.demoting_bytes -= self.alloc.slot_bytes(ClassId(n.class));
+                let on_disk = self
+                    .nvme
+                    .as_mut()
+                    .is_some_and(|t| t.finish_write(&key, done.result, now));
+                self.nodes[idx as usize].state = State::Committed;
+                if !on_disk {
+                    self.nodes[idx as usize].no_demote = true;
+                }
+                if on_disk {
+                    self.counters.demotions += 1;
+                }
+                if n.pins == 0 {
+                    if on_disk {
+                        self.remove_node(idx);
+                    } else {
+                        self.lru_push_head(idx);
+                    }
+                }
+            }
+            Flight::Promote(idx) => {
+                let n = self.nodes[idx as usize];
+                let key = BlockKey {
+                    layout: n.layout,
+                    hash: n.hash,
+                };
+                let ok = self
+                    .nvme
+                    .as_mut()
+                    .is_some_and(|t| t.finish_read(&key, done.result, now));
+                if ok {
+                    self.counters.promotions += 1;
+                    let tick = self.tick(now);
+                    let node = &mut self.nodes[idx as usize];
+                    node.state = State::Committed;
+                    node.last_use = tick;
+                    self.committed += 1;
+                    self.lru_push_head(idx);
+                } else {
+                    // `remove_node` counts committed blocks only: this one never was.
+                    self.remove_node(idx);
+                }
+            }
+        }
     }
 
     fn sweep_clients(&mut self, now: Instant) {
@@ -964,9 +1340,9 @@ impl Store {
         }
         let low = cap * self.cfg.low_watermark;
         let mut n = 0u64;
-        while (self.alloc.used_bytes() as f64) > low {
+        while ((self.alloc.used_bytes() - self.demoting_bytes) as f64) > low {
             match self.oldest_tail(None) {
-                Some(v) if self.nodes[v as usize].last_use < fresh => self.evict(v),
+                Some(v) if self.nodes[v as usize].last_use < fresh => self.evict(v, now),
                 _ => break,
             }
             n += 1;
@@ -980,14 +1356,12 @@ impl Store {
         }
     }
 
-    /// The earliest pin or allocation deadline.
+    /// The earliest pin, allocation or waiting-request deadline.
     pub fn next_deadline(&self) -> Option<Instant> {
         let a = self.pin_heap.peek().map(|r| r.0 .0);
         let b = self.pending_heap.peek().map(|r| r.0 .0);
-        match (a, b) {
-            (Some(x), Some(y)) => Some(x.min(y)),
-            (x, y) => x.or(y),
-        }
+        let c = self.deferred.iter().map(|d| d.deadline).min();
+        [a, b, c].into_iter().flatten().min()
     }
 }
 
@@ -1031,7 +1405,7 @@ mod tests {
     /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.
     fn setup(segments: u64) -> T {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let pool = Pool::create(
+        let pool = Arc::new(Pool::create(
             &PoolOptions {
                 path: dir.path().join("t.pool"),
                 size_bytes: SLOT_ALIGN + segments * SEG,
@@ -1041,7 +1415,7 @@ mod tests {
             },
             Incarnation(1),
         )
-        .unwrap();
+        .unwrap());
         let now = Instant::now();
         let mut s = Store::new(
             pool,
@@ -1056,6 +1430,7 @@ mod tests {
                 max_pins: 1000,
                 max_clients: 16,
                 client_idle_ttl: Duration::from_secs(600),
+                alloc_wait: Duration::from_secs(5),
             },
             Incarnation(1),
             now,
@@ -1068,6 +1443,14 @@ mod tests {
             c,
             l,
             _dir: dir,
+        }
+    }
+
+    /// Without an NVMe tier nothing waits.
+    fn now<T: std::fmt::Debug>(a: Answer<T>) -> T {
+        match a {
+            Answer::Now(t) => t,
+            Answer::Later(t) => panic!("deferred ({t}) without a tier doing I/O"),
         }
     }
 
@@ -1089,6 +1472,7 @@ mod tests {
                 },
                 self.now,
             )
+            .map(now)
         }
         fn commit(&mut self, ks: &[ChunkHash]) -> Result<CommitResp, WireError> {
             self.s.commit(
@@ -1118,6 +1502,7 @@ mod tests {
                     },
                     self.now,
                 )
+                .map(now)
                 .unwrap()
         }
         fn prefix(&mut self, ks: &[ChunkHash]) -> u64 {

@@ -307,6 +307,37 @@ pub struct PoolStats {
     pub fragmented_bytes: u64,
 }
 
+/// The NVMe tier, in `stats` (absent when the tier is off).
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct NvmeStats {
+    /// Bytes usable for blocks across the disks.
+    pub capacity_bytes: u64,
+    /// Bytes in blocks (and writes in flight).
+    pub used_bytes: u64,
+    /// Blocks readable from the tier.
+    pub blocks: u64,
+    /// Disks (directories) striped over.
+    pub disks: u64,
+    /// Whether every file is opened with O_DIRECT.
+    pub o_direct: bool,
+    /// Whether the pool is registered with io_uring as fixed buffers.
+    pub fixed_buffers: bool,
+    /// Blocks written (demotions completed).
+    pub writes: u64,
+    /// Blocks read and verified.
+    pub reads: u64,
+    /// Writes that failed (the block stayed in DRAM only).
+    pub write_errors: u64,
+    /// Reads that failed (the block was dropped).
+    pub read_errors: u64,
+    /// Reads whose checksum did not match (the block was dropped, never served).
+    pub checksum_errors: u64,
+    /// Blocks evicted from the tier to make room.
+    pub evictions: u64,
+    /// Blocks recovered from the journal at start.
+    pub recovered: u64,
+}
+
 /// Reply to `stats`.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
 pub struct StatsResp {
@@ -344,4 +375,19 @@ pub struct StatsResp {
     pub dropped_replies: u64,
     /// Error replies, by code name.
     pub errors: std::collections::BTreeMap<String, u64>,
+    /// Blocks written back from DRAM to NVMe when evicted.
+    #[serde(default)]
+    pub demotions: u64,
+    /// Blocks read from NVMe into DRAM for a `get`.
+    #[serde(default)]
+    pub promotions: u64,
+    /// Blocks dropped from DRAM without a copy on NVMe (no tier, or no room there).
+    #[serde(default)]
+    pub dropped: u64,
+    /// Requests waiting for I/O (an `alloc` waiting for demotions, a `get` for promotions).
+    #[serde(default)]
+    pub waiting: u64,
+    /// The NVMe tier; absent when it is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<NvmeStats>,
 }

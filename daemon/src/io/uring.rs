@@ -1,0 +1,306 @@
+//! The io_uring engine: one dedicated thread (`kvd-uring`) that moves whole blocks between
+//! pool slots and tier files, and checksums them on the way.
+//!
+//! ```text
+//!  server thread ──IoOp (mpsc)──► kvd-uring thread ──SQEs──► io_uring ──► files (O_DIRECT)
+//!        ▲                              │  crc32c of the slot (before a write, after a read)
+//!        └── eventfd wake ◄── IoDone (mpsc) ◄── CQEs
+//! ```
+//!
+//! - The pool is registered as fixed buffers (in chunks of at most 1 GiB that never split
+//!   a segment, so no slot straddles two buffers) and the files as fixed files: blocks go
+//!   disk ⇄ pool slot with no intermediate copy. When registration is refused (e.g. by
+//!   `RLIMIT_MEMLOCK`), plain reads and writes into the same slots are used; `start`
+//!   reports which.
+//! - Submissions are batched: the thread drains the request channel up to the queue depth,
+//!   submits once, waits for at least one completion, reaps them all, and repeats.
+//! - Ownership: a request names a slot that the store keeps allocated (and unreadable to
+//!   clients for reads in progress) until its completion has been delivered, and the engine
+//!   holds an `Arc` of the pool, so the kernel never touches unmapped or reused memory.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::pool::Pool;
+
+/// Direction of an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoKind {
+    /// File → pool slot.
+    Read,
+    /// Pool slot → file.
+    Write,
+}
+
+/// One block transfer.
+#[derive(Clone, Copy, Debug)]
+pub struct IoOp {
+    /// Direction.
+    pub kind: IoKind,
+    /// Index of the file (as given to [`UringEngine::start`]).
+    pub file: u32,
+    /// Byte offset in the file (aligned for O_DIRECT).
+    pub file_offset: u64,
+    /// Byte offset of the slot in the pool.
+    pub pool_offset: u64,
+    /// Bytes to move (the slot size, aligned).
+    pub len: u32,
+    /// Bytes at the start of the slot covered by the checksum (the block size).
+    pub crc_len: u32,
+    /// Caller's tag, returned in the completion.
+    pub tag: u64,
+}
+
+/// A completed operation: the crc32c of the block's bytes, or the error.
+#[derive(Debug)]
+pub struct IoDone {
+    /// The request's tag.
+    pub tag: u64,
+    /// crc32c of `crc_len` bytes of the slot, or what failed.
+    pub result: io::Result<u32>,
+}
+
+/// Handle to the engine thread. Dropping it stops the thread after in-flight operations
+/// complete.
+pub struct UringEngine {
+    tx: Option<mpsc::Sender<IoOp>>,
+    done: mpsc::Receiver<IoDone>,
+    wake: OwnedFd,
+    thread: Option<JoinHandle<()>>,
+    /// Whether the pool is registered as fixed buffers.
+    pub fixed_buffers: bool,
+}
+
+fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall with constant flags; a non-negative result is a new fd that
+    // we own exclusively.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn signal(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live local to an eventfd we own; failure (counter
+    // overflow, impossible in practice) only loses a wake-up that a later one repeats.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+impl UringEngine {
+    /// Starts the engine over `files` with `queue_depth` entries.
+    pub fn start(files: Vec<File>, pool: Arc<Pool>, segment_bytes: u64, queue_depth: u32) -> io::Result<UringEngine> {
+        let ring = IoUring::new(queue_depth.next_power_of_two().max(2))?;
+        let fds: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+        ring.submitter().register_files(&fds)?;
+        // Fixed buffers: chunks of whole segments, at most 1 GiB each.
+        let data = pool.data_offset();
+        let chunk = ((1u64 << 30) / segment_bytes).max(1) * segment_bytes;
+        let mut iovecs = Vec::new();
+        let mut off = data;
+        while off < pool.size() {
+            let len = chunk.min(pool.size() - off);
+            iovecs.push(libc::iovec {
+                iov_base: pool.base_ptr().wrapping_add(off as usize).cast(),
+                iov_len: len as usize,
+            });
+            off += len;
+        }
+        // SAFETY: every iovec lies inside the pool mapping, which the engine keeps alive
+        // (it holds the Arc) until the ring, and with it the registration, is dropped.
+        let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
+        let (tx, rx) = mpsc::channel::<IoOp>();
+        let (done_tx, done) = mpsc::channel::<IoDone>();
+        let wake = eventfd()?;
+        let wake_raw = wake.as_raw_fd();
+        let thread = std::thread::Builder::new().name("kvd-uring".into()).spawn(move || {
+            let mut w = Worker {
+                ring,
+                _files: files,
+                pool,
+                fixed,
+                data,
+                chunk,
+                qd: queue_depth.max(1) as usize,
+                inflight: std::collections::HashMap::new(),
+                next_user: 0,
+            };
+            w.run(rx, done_tx, wake_raw);
+        })?;
+        Ok(UringEngine {
+            tx: Some(tx),
+            done,
+            wake,
+            thread: Some(thread),
+            fixed_buffers: fixed,
+        })
+    }
+
+    /// Queues an operation.
+    pub fn submit(&self, op: IoOp) {
+        if let Some(tx) = &self.tx {
+            // The worker only exits after the sender is dropped.
+            let _ = tx.send(op);
+        }
+    }
+
+    /// The fd that becomes readable when completions are waiting.
+    pub fn wake_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// Takes every completion delivered so far (and clears the wake-up).
+    pub fn drain(&self) -> Vec<IoDone> {
+        let mut buf = 0u64;
+        // SAFETY: reads 8 bytes into a live local from our eventfd (non-blocking; EAGAIN
+        // when nothing is pending is fine).
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+        self.done.try_iter().collect()
+    }
+
+    /// Blocks until at least one completion is delivered (tests and shutdown).
+    pub fn wait_one(&self) -> Option<IoDone> {
+        self.done.recv().ok()
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Worker {
+    ring: IoUring,
+    _files: Vec<File>,
+    pool: Arc<Pool>,
+    fixed: bool,
+    data: u64,
+    chunk: u64,
+    qd: usize,
+    inflight: std::collections::HashMap<u64, (IoOp, u32)>,
+    next_user: u64,
+}
+
+impl Worker {
+    fn run(&mut self, rx: mpsc::Receiver<IoOp>, done: mpsc::Sender<IoDone>, wake: RawFd) {
+        let mut open = true;
+        let mut queued: std::collections::VecDeque<IoOp> = std::collections::VecDeque::new();
+        loop {
+            // Collect requests: block only when nothing is in flight.
+            if self.inflight.is_empty() && queued.is_empty() {
+                if !open {
+                    return;
+                }
+                match rx.recv() {
+                    Ok(op) => queued.push_back(op),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(op) => queued.push_back(op),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            let mut delivered = false;
+            while self.inflight.len() < self.qd {
+                let Some(op) = queued.pop_front() else { break };
+                if let Err(e) = self.push(op) {
+                    let _ = done.send(IoDone { tag: op.tag, result: Err(e) });
+                    delivered = true;
+                }
+            }
+            if !self.inflight.is_empty() {
+                if let Err(e) = self.ring.submit_and_wait(1) {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        tracing::error!(error = %e, "io_uring submit failed");
+                    }
+                }
+                let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+                for (user, res) in cqes {
+                    let Some((op, write_crc)) = self.inflight.remove(&user) else { continue };
+                    let _ = done.send(IoDone { tag: op.tag, result: self.complete(&op, res, write_crc) });
+                    delivered = true;
+                }
+            }
+            if delivered {
+                signal(wake);
+            }
+        }
+    }
+
+    fn complete(&self, op: &IoOp, res: i32, write_crc: u32) -> io::Result<u32> {
+        if res < 0 {
+            return Err(io::Error::from_raw_os_error(-res));
+        }
+        if res as u32 != op.len {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("short {:?}: {res} of {} bytes", op.kind, op.len),
+            ));
+        }
+        match op.kind {
+            IoKind::Write => Ok(write_crc),
+            IoKind::Read => self.crc(op),
+        }
+    }
+
+    fn crc(&self, op: &IoOp) -> io::Result<u32> {
+        let bytes = self
+            .pool
+            .read(op.pool_offset, op.crc_len as usize)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        Ok(crc32c::crc32c(bytes))
+    }
+
+    fn push(&mut self, op: IoOp) -> io::Result<()> {
+        if op.crc_len > op.len || self.pool.read(op.pool_offset, op.len as usize).is_err() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "operation outside the pool"));
+        }
+        // A write's checksum is taken before the bytes leave: the slot does not change
+        // while its demotion is in flight (committed blocks are immutable).
+        let write_crc = match op.kind {
+            IoKind::Write => self.crc(&op)?,
+            IoKind::Read => 0,
+        };
+        let ptr = self.pool.base_ptr().wrapping_add(op.pool_offset as usize);
+        let file = types::Fixed(op.file);
+        let entry = match (op.kind, self.fixed) {
+            (IoKind::Read, true) => opcode::ReadFixed::new(file, ptr, op.len, self.buf_index(&op)).offset(op.file_offset).build(),
+            (IoKind::Write, true) => opcode::WriteFixed::new(file, ptr, op.len, self.buf_index(&op)).offset(op.file_offset).build(),
+            (IoKind::Read, false) => opcode::Read::new(file, ptr, op.len).offset(op.file_offset).build(),
+            (IoKind::Write, false) => opcode::Write::new(file, ptr, op.len).offset(op.file_offset).build(),
+        };
+        let user = self.next_user;
+        self.next_user += 1;
+        // SAFETY: the entry points into the pool mapping (checked in bounds above), which
+        // `self.pool` keeps alive until the ring is dropped, and at a slot the store keeps
+        // reserved for this operation until the completion is delivered. The fixed buffer
+        // index covers the range because slots never straddle a chunk.
+        unsafe { self.ring.submission().push(&entry.user_data(user)) }
+            .map_err(|_| io::Error::other("submission queue full"))?;
+        self.inflight.insert(user, (op, write_crc));
+        Ok(())
+    }
+
+    fn buf_index(&self, op: &IoOp) -> u16 {
+        ((op.pool_offset - self.data) / self.chunk) as u16
+    }
+}
+

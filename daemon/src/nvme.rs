@@ -1,0 +1,598 @@
+//! The NVMe tier (L2): block files on one or more disks, an io_uring engine, a durable
+//! journal index, checksums, and LRU eviction of its own.
+//!
+//! Layout on disk, per configured directory `d_i`:
+//! - `d_i/kvd-nvme.data`: preallocated, cut into segments like the pool; consecutive
+//!   segments alternate between the disks (striping). A block occupies one slot of its
+//!   slot size and is written from, and read into, a pool slot by O_DIRECT.
+//! - `d_0/kvd-nvme.journal`: append-only 64-byte records (`put` after a block's write
+//!   completed, `del` before its slot may be reused), each with its own crc32c.
+//!
+//! Rules:
+//! - A block is readable from NVMe only after its write completed *and* its `put` record
+//!   was appended. Killed mid-write (SIGKILL), the journal has no record of it, so a
+//!   restarted daemon never serves it.
+//! - A slot is reused only after its `del` record is appended, so an old `put` can never
+//!   name new bytes.
+//! - Every read is checked against the block's crc32c; a mismatch drops the block (a `del`
+//!   record, a counted error) and reads as a miss. Nothing unverified is served.
+//! - Restart: the journal is replayed (a torn last record is ignored), compacted, and the
+//!   live blocks are claimed in the allocator.
+//! - Appends go to the page cache (they survive SIGKILL) and are `fdatasync`ed at most
+//!   every second; a power loss can forget the last second of demotions, never corrupt.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::{BlockKey, ChunkHash, LayoutId, NvmeStats};
+
+use crate::alloc::{ClassId, SlabAllocator};
+use crate::io::uring::{IoDone, IoKind, IoOp, UringEngine};
+use crate::pool::{Pool, SLOT_ALIGN};
+
+/// How to open the tier.
+#[derive(Debug, Clone)]
+pub struct NvmeOptions {
+    /// One directory per disk.
+    pub paths: Vec<PathBuf>,
+    /// Total size across the disks.
+    pub size_bytes: u64,
+    /// Segment size (the pool's).
+    pub segment_bytes: u64,
+    /// io_uring queue depth.
+    pub queue_depth: u32,
+    /// Use buffered I/O where O_DIRECT is refused (tmpfs) instead of failing.
+    pub allow_buffered: bool,
+}
+
+/// Why the tier could not open.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmeError {
+    /// An OS call failed.
+    #[error("nvme tier: {what} {path}: {source}")]
+    Io {
+        /// What.
+        what: &'static str,
+        /// Path.
+        path: PathBuf,
+        /// Error.
+        source: io::Error,
+    },
+    /// O_DIRECT is not supported and buffered I/O is not allowed.
+    #[error("nvme tier: {0} refuses O_DIRECT (tmpfs?); set nvme.allow_buffered = true to use buffered I/O there")]
+    NoDirect(PathBuf),
+    /// Nothing could be preallocated.
+    #[error("nvme tier: no room for even one segment in {0}")]
+    NoSpace(PathBuf),
+}
+
+/// One block on disk.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    voff: u64,
+    slot_bytes: u64,
+    block_bytes: u32,
+    crc: u32,
+    /// LRU position (key in `lru`), 0 while not evictable.
+    seq: u64,
+    writing: bool,
+    readers: u32,
+}
+
+/// Counters.
+#[derive(Debug, Default, Clone)]
+struct Counters {
+    writes: u64,
+    reads: u64,
+    write_errors: u64,
+    read_errors: u64,
+    checksum_errors: u64,
+    evictions: u64,
+    recovered: u64,
+    torn: u64,
+}
+
+const REC: usize = 64;
+const MAGIC: &[u8; 4] = b"KVJ1";
+const PUT: u8 = 1;
+const DEL: u8 = 2;
+
+/// See the module docs.
+pub struct NvmeTier {
+    engine: UringEngine,
+    alloc: SlabAllocator,
+    classes: HashMap<u64, ClassId>,
+    ndisks: u64,
+    segment_bytes: u64,
+    index: HashMap<BlockKey, Entry>,
+    lru: BTreeMap<u64, BlockKey>,
+    next_seq: u64,
+    journal: File,
+    journal_path: PathBuf,
+    dirty_since: Option<Instant>,
+    counters: Counters,
+    direct: bool,
+}
+
+fn ioe<'a>(what: &'static str, path: &'a std::path::Path) -> impl FnOnce(io::Error) -> NvmeError + 'a {
+    move |source| NvmeError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn record(kind: u8, key: &BlockKey, e: &Entry) -> [u8; REC] {
+    let mut r = [0u8; REC];
+    r[0..4].copy_from_slice(MAGIC);
+    r[4] = kind;
+    r[8..16].copy_from_slice(&key.layout.0.to_le_bytes());
+    r[16..32].copy_from_slice(&key.hash.0);
+    r[32..40].copy_from_slice(&e.voff.to_le_bytes());
+    r[40..44].copy_from_slice(&e.block_bytes.to_le_bytes());
+    r[44..48].copy_from_slice(&e.crc.to_le_bytes());
+    r[48..56].copy_from_slice(&e.slot_bytes.to_le_bytes());
+    let c = crc32c::crc32c(&r[..60]);
+    r[60..64].copy_from_slice(&c.to_le_bytes());
+    r
+}
+
+fn parse(r: &[u8]) -> Option<(u8, BlockKey, Entry)> {
+    if r.len() < REC || &r[0..4] != MAGIC {
+        return None;
+    }
+    let c = u32::from_le_bytes(r[60..64].try_into().ok()?);
+    if crc32c::crc32c(&r[..60]) != c {
+        return None;
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
+    let u32_at = |i: usize| u32::from_le_bytes(r[i..i + 4].try_into().expect("4 bytes"));
+    let key = BlockKey {
+        layout: LayoutId(u64_at(8)),
+        hash: ChunkHash(r[16..32].try_into().ok()?),
+    };
+    Some((
+        r[4],
+        key,
+        Entry {
+            voff: u64_at(32),
+            block_bytes: u32_at(40),
+            crc: u32_at(44),
+            slot_bytes: u64_at(48),
+            seq: 0,
+            writing: false,
+            readers: 0,
+        },
+    ))
+}
+
+fn open_data(path: &std::path::Path, allow_buffered: bool) -> Result<(File, bool), NvmeError> {
+    let direct = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    match direct {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            if !allow_buffered {
+                return Err(NvmeError::NoDirect(path.to_owned()));
+            }
+            tracing::warn!(path = %path.display(), "O_DIRECT refused: using buffered I/O (allow_buffered)");
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+                .map_err(ioe("opening", path))?;
+            Ok((f, false))
+        }
+        Err(e) => Err(ioe("opening", path)(e)),
+    }
+}
+
+/// Preallocates up to `want` bytes (whole segments); returns what it got.
+fn preallocate(f: &File, path: &std::path::Path, want: u64, seg: u64) -> Result<u64, NvmeError> {
+    let mut size = want;
+    while size >= seg {
+        // SAFETY: fallocate on an fd we own, with in-range non-negative arguments.
+        let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size as libc::off_t) };
+        if r == 0 {
+            // A file longer than `size` from an earlier, larger configuration is trimmed.
+            f.set_len(size).map_err(ioe("sizing", path))?;
+            return Ok(size);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENOSPC) => {
+                let avail = crate::pool::free_bytes(path.parent().unwrap_or(path)).unwrap_or(0);
+                let current = f.metadata().map(|m| m.len()).unwrap_or(0);
+                let next = ((avail + current) * 9 / 10 / seg) * seg;
+                size = next.min(size - seg);
+            }
+            Some(libc::EOPNOTSUPP) => {
+                f.set_len(size).map_err(ioe("sizing", path))?;
+                return Ok(size);
+            }
+            _ => return Err(ioe("preallocating", path)(e)),
+        }
+    }
+    Err(NvmeError::NoSpace(path.to_owned()))
+}
+
+impl NvmeTier {
+    /// Opens (or creates) the tier, replays its journal and starts the I/O engine.
+    pub fn open(opts: &NvmeOptions, pool: Arc<Pool>) -> Result<NvmeTier, NvmeError> {
+        let seg = opts.segment_bytes;
+        let nd = opts.paths.len().max(1) as u64;
+        let per_disk_want = (opts.size_bytes / nd / seg).max(1) * seg;
+        let mut files = Vec::new();
+        let mut per_disk = per_disk_want;
+        let mut direct = true;
+        for dir in &opts.paths {
+            std::fs::create_dir_all(dir).map_err(ioe("creating", dir))?;
+            let path = dir.join("kvd-nvme.data");
+            let (f, d) = open_data(&path, opts.allow_buffered)?;
+            direct &= d;
+            let got = preallocate(&f, &path, per_disk_want, seg)?;
+            if got < per_disk_want {
+                tracing::warn!(path = %path.display(), want = per_disk_want, got, "disk too small: nvme tier shrunk");
+            }
+            per_disk = per_disk.min(got);
+            files.push(f);
+        }
+        let segments = (per_disk / seg * nd) as u32;
+        let journal_path = opts.paths[0].join("kvd-nvme.journal");
+        let mut tier = NvmeTier {
+            engine: UringEngine::start(files, pool, seg, opts.queue_depth)
+                .map_err(ioe("starting io_uring for", &opts.paths[0]))?,
+            alloc: SlabAllocator::new(0, seg, segments),
+            classes: HashMap::new(),
+            ndisks: nd,
+            segment_bytes: seg,
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_seq: 1,
+            journal: File::open("/dev/null").map_err(ioe("opening", std::path::Path::new("/dev/null")))?,
+            journal_path: journal_path.clone(),
+            dirty_since: None,
+            counters: Counters::default(),
+            direct,
+        };
+        tier.recover()?;
+        tracing::info!(
+            disks = nd,
+            capacity = tier.alloc.capacity_bytes(),
+            blocks = tier.index.len(),
+            o_direct = direct,
+            fixed_buffers = tier.engine.fixed_buffers,
+            "nvme tier open"
+        );
+        Ok(tier)
+    }
+
+    fn recover(&mut self) -> Result<(), NvmeError> {
+        let path = self.journal_path.clone();
+        let mut bytes = Vec::new();
+        if let Ok(mut f) = File::open(&path) {
+            f.read_to_end(&mut bytes).map_err(ioe("reading", &path))?;
+        }
+        let mut live: HashMap<BlockKey, Entry> = HashMap::new();
+        let mut n = 0;
+        for r in bytes.chunks(REC) {
+            let Some((kind, key, e)) = parse(r) else {
+                self.counters.torn += 1;
+                break; // a torn tail: nothing after it was acknowledged
+            };
+            n += 1;
+            match kind {
+                PUT => {
+                    live.insert(key, e);
+                }
+                DEL => {
+                    live.remove(&key);
+                }
+                _ => {}
+            }
+        }
+        // Claim the live blocks; anything that no longer fits the tier is dropped.
+        let mut keep = Vec::new();
+        for (key, e) in live {
+            let Ok(class) = self.class(e.slot_bytes) else { continue };
+            if u64::from(e.block_bytes) > e.slot_bytes || self.alloc.claim(class, e.voff).is_err() {
+                continue;
+            }
+            keep.push((key, e));
+        }
+        // Compact: rewrite the journal with the live records only.
+        let tmp = path.with_extension("journal.tmp");
+        {
+            let mut f = File::create(&tmp).map_err(ioe("creating", &tmp))?;
+            for (key, e) in &keep {
+                f.write_all(&record(PUT, key, e)).map_err(ioe("writing", &tmp))?;
+            }
+            f.sync_data().map_err(ioe("syncing", &tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(ioe("renaming", &tmp))?;
+        self.journal = OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(ioe("opening", &path))?;
+        if self.journal.try_lock().is_err() {
+            return Err(NvmeError::Io {
+                what: "locking (another kvd uses this nvme path)",
+                path,
+                source: io::Error::from(io::ErrorKind::WouldBlock),
+            });
+        }
+        self.counters.recovered = keep.len() as u64;
+        for (key, mut e) in keep {
+            e.seq = self.next_seq;
+            self.next_seq += 1;
+            self.lru.insert(e.seq, key);
+            self.index.insert(key, e);
+        }
+        tracing::info!(records = n, recovered = self.counters.recovered, "nvme journal replayed");
+        Ok(())
+    }
+
+    fn class(&mut self, slot_bytes: u64) -> Result<ClassId, crate::alloc::AllocError> {
+        if let Some(c) = self.classes.get(&slot_bytes) {
+            return Ok(*c);
+        }
+        let c = self.alloc.class_for(slot_bytes)?;
+        self.classes.insert(slot_bytes, c);
+        Ok(c)
+    }
+
+    fn locate(&self, voff: u64) -> (u32, u64) {
+        let s = voff / self.segment_bytes;
+        (
+            (s % self.ndisks) as u32,
+            (s / self.ndisks) * self.segment_bytes + voff % self.segment_bytes,
+        )
+    }
+
+    fn append(&mut self, rec: &[u8; REC], now: Instant) {
+        if let Err(e) = self.journal.write_all(rec) {
+            tracing::error!(error = %e, "nvme journal append failed");
+        }
+        self.dirty_since.get_or_insert(now);
+    }
+
+    /// The fd that is readable when I/O completions wait.
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.engine.wake_fd()
+    }
+
+    /// Completions delivered so far.
+    pub fn drain(&self) -> Vec<IoDone> {
+        self.engine.drain()
+    }
+
+    /// Blocks until one completion arrives.
+    pub fn wait_one(&self) -> Option<IoDone> {
+        self.engine.wait_one()
+    }
+
+    /// Whether the block is on disk and readable.
+    pub fn has(&self, key: &BlockKey) -> bool {
+        self.index.get(key).is_some_and(|e| !e.writing)
+    }
+
+    /// Whether the block is on disk or being written.
+    pub fn knows(&self, key: &BlockKey) -> bool {
+        self.index.contains_key(key)
+    }
+
+    /// Bytes of the block, if readable.
+    pub fn block_bytes(&self, key: &BlockKey) -> Option<u64> {
+        self.index.get(key).filter(|e| !e.writing).map(|e| u64::from(e.block_bytes))
+    }
+
+    fn drop_entry(&mut self, key: &BlockKey, now: Instant) {
+        if let Some(e) = self.index.remove(key) {
+            self.lru.remove(&e.seq);
+            // The del record goes first: only then may the slot hold other bytes.
+            self.append(&record(DEL, key, &e), now);
+            let _ = self.alloc.free(e.voff);
+        }
+    }
+
+    /// Starts writing the block in pool slot `pool_offset` to disk. Evicts the tier's own
+    /// least recently used blocks for room. `false` when no room can be made.
+    pub fn begin_write(
+        &mut self,
+        key: BlockKey,
+        block_bytes: u64,
+        pool_offset: u64,
+        tag: u64,
+        now: Instant,
+    ) -> bool {
+        if self.index.contains_key(&key) {
+            return false;
+        }
+        let slot_bytes = block_bytes.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let Ok(class) = self.class(slot_bytes) else { return false };
+        let voff = loop {
+            if let Some(v) = self.alloc.alloc(class) {
+                break v;
+            }
+            let Some((_, victim)) = self.lru.pop_first() else { return false };
+            if let Some(e) = self.index.get_mut(&victim) {
+                e.seq = 0;
+            }
+            self.drop_entry(&victim, now);
+            self.counters.evictions += 1;
+        };
+        self.index.insert(
+            key,
+            Entry {
+                voff,
+                slot_bytes,
+                block_bytes: block_bytes as u32,
+                crc: 0,
+                seq: 0,
+                writing: true,
+                readers: 0,
+            },
+        );
+        let (file, file_offset) = self.locate(voff);
+        self.engine.submit(IoOp {
+            kind: IoKind::Write,
+            file,
+            file_offset,
+            pool_offset,
+            len: slot_bytes as u32,
+            crc_len: block_bytes as u32,
+            tag,
+        });
+        true
+    }
+
+    /// Records the end of a write. Returns whether the block is now on disk.
+    pub fn finish_write(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
+        let Some(e) = self.index.get_mut(key) else { return false };
+        match result {
+            Ok(crc) => {
+                e.crc = crc;
+                e.writing = false;
+                e.seq = self.next_seq;
+                self.next_seq += 1;
+                let e = *e;
+                self.lru.insert(e.seq, *key);
+                self.append(&record(PUT, key, &e), now);
+                self.counters.writes += 1;
+                true
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "nvme write failed: block stays in DRAM only");
+                let e = self.index.remove(key).expect("present");
+                let _ = self.alloc.free(e.voff);
+                self.counters.write_errors += 1;
+                false
+            }
+        }
+    }
+
+    /// Starts reading the block into pool slot `pool_offset`. `false` if not readable.
+    pub fn begin_read(&mut self, key: &BlockKey, pool_offset: u64, tag: u64) -> bool {
+        let Some(e) = self.index.get_mut(key) else { return false };
+        if e.writing {
+            return false;
+        }
+        e.readers += 1;
+        self.lru.remove(&e.seq);
+        e.seq = 0;
+        let e = *e;
+        let (file, file_offset) = self.locate(e.voff);
+        self.engine.submit(IoOp {
+            kind: IoKind::Read,
+            file,
+            file_offset,
+            pool_offset,
+            len: e.slot_bytes as u32,
+            crc_len: e.block_bytes,
+            tag,
+        });
+        true
+    }
+
+    /// Records the end of a read; verifies the checksum. Returns whether the bytes in the
+    /// pool slot are the block's. A bad block is dropped from the tier.
+    pub fn finish_read(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
+        let Some(e) = self.index.get_mut(key) else { return false };
+        e.readers = e.readers.saturating_sub(1);
+        let ok = match result {
+            Ok(crc) if crc == e.crc => true,
+            Ok(crc) => {
+                tracing::warn!(key = %key.hash, want = e.crc, got = crc, "nvme checksum mismatch: block dropped");
+                self.counters.checksum_errors += 1;
+                false
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "nvme read failed: block dropped");
+                self.counters.read_errors += 1;
+                false
+            }
+        };
+        if ok {
+            self.counters.reads += 1;
+            if e.readers == 0 {
+                e.seq = self.next_seq;
+                self.next_seq += 1;
+                let seq = e.seq;
+                self.lru.insert(seq, *key);
+            }
+        } else if e.readers == 0 {
+            self.drop_entry(key, now);
+        }
+        ok
+    }
+
+    /// Removes a block. `false` while it is being written or read.
+    pub fn delete(&mut self, key: &BlockKey, now: Instant) -> bool {
+        match self.index.get(key) {
+            Some(e) if e.writing || e.readers > 0 => false,
+            Some(_) => {
+                self.drop_entry(key, now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Marks a use for the LRU.
+    pub fn touch(&mut self, key: &BlockKey) {
+        if let Some(e) = self.index.get_mut(key) {
+            if e.seq != 0 {
+                self.lru.remove(&e.seq);
+                e.seq = self.next_seq;
+                self.next_seq += 1;
+                self.lru.insert(e.seq, *key);
+            }
+        }
+    }
+
+    /// Syncs the journal if it has been dirty for a second.
+    pub fn maintain(&mut self, now: Instant) {
+        if let Some(t) = self.dirty_since {
+            if now.saturating_duration_since(t) >= Duration::from_secs(1) {
+                if let Err(e) = self.journal.sync_data() {
+                    tracing::error!(error = %e, "nvme journal sync failed");
+                }
+                self.dirty_since = None;
+            }
+        }
+    }
+
+    /// Figures for `stats`.
+    pub fn stats(&self) -> NvmeStats {
+        let a = self.alloc.stats();
+        let c = &self.counters;
+        NvmeStats {
+            capacity_bytes: a.capacity_bytes,
+            used_bytes: a.used_bytes,
+            blocks: self.index.values().filter(|e| !e.writing).count() as u64,
+            disks: self.ndisks,
+            o_direct: self.direct,
+            fixed_buffers: self.engine.fixed_buffers,
+            writes: c.writes,
+            reads: c.reads,
+            write_errors: c.write_errors,
+            read_errors: c.read_errors,
+            checksum_errors: c.checksum_errors,
+            evictions: c.evictions,
+            recovered: c.recovered,
+        }
+    }
+}
