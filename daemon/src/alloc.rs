@@ -263,9 +263,14 @@ impl SlabAllocator {
     /// when the offset is not a slot start of that class or is already live.
     pub fn claim(&mut self, class: ClassId, offset: u64) -> Result<(), AllocError> {
         let ci = class.0 as usize;
-        let rel = offset.checked_sub(self.data_offset).ok_or(AllocError::NotLive(offset))?;
+        let rel = offset
+            .checked_sub(self.data_offset)
+            .ok_or(AllocError::NotLive(offset))?;
         let si = rel / self.segment_bytes;
-        let (slot_bytes, spc) = (self.classes[ci].slot_bytes, self.classes[ci].slots_per_segment);
+        let (slot_bytes, spc) = (
+            self.classes[ci].slot_bytes,
+            self.classes[ci].slots_per_segment,
+        );
         let within = rel % self.segment_bytes;
         if si >= self.segments.len() as u64
             || !within.is_multiple_of(slot_bytes)
@@ -301,7 +306,11 @@ impl SlabAllocator {
             return Err(AllocError::NotLive(offset));
         }
         if idx < seg.bump {
-            let pos = seg.free.iter().position(|&i| i == idx).ok_or(AllocError::NotLive(offset))?;
+            let pos = seg
+                .free
+                .iter()
+                .position(|&i| i == idx)
+                .ok_or(AllocError::NotLive(offset))?;
             seg.free.swap_remove(pos);
         } else {
             // slots between the bump pointer and idx become free-listed

@@ -394,7 +394,9 @@ impl DaemonConfig {
             cfg.nvme.get_or_insert_with(NvmeConfig::default).size = v;
         }
         if cli.nvme_allow_buffered {
-            cfg.nvme.get_or_insert_with(NvmeConfig::default).allow_buffered = true;
+            cfg.nvme
+                .get_or_insert_with(NvmeConfig::default)
+                .allow_buffered = true;
         }
         if let Some(v) = &cli.group {
             cfg.server.group = Some(v.clone());

@@ -195,7 +195,9 @@ impl Server {
             }
         };
         match outcome {
-            Outcome::Reply(reply, payloads) => self.send_reply(&parts[0], req_style, reply, payloads),
+            Outcome::Reply(reply, payloads) => {
+                self.send_reply(&parts[0], req_style, reply, payloads)
+            }
             Outcome::Later(token, id) => {
                 self.waiting.insert(
                     token,
@@ -214,7 +216,9 @@ impl Server {
     /// Sends the replies of deferred requests that the store has finished.
     fn answer_deferred(&mut self) {
         for (token, done) in self.store.poll_io(Instant::now()) {
-            let Some(to) = self.waiting.remove(&token) else { continue };
+            let Some(to) = self.waiting.remove(&token) else {
+                continue;
+            };
             let (reply, payloads) = match done {
                 Completed::Alloc(r) => self.finish(to.id, r.map(Body::Alloc), Vec::new()),
                 Completed::Get(Ok(resp), inline, layout) => {
@@ -230,7 +234,12 @@ impl Server {
         }
     }
 
-    fn finish(&mut self, id: u64, r: Result<Body, WireError>, out: Vec<zmq::Message>) -> (Vec<u8>, Vec<zmq::Message>) {
+    fn finish(
+        &mut self,
+        id: u64,
+        r: Result<Body, WireError>,
+        out: Vec<zmq::Message>,
+    ) -> (Vec<u8>, Vec<zmq::Message>) {
         match r {
             Ok(body) => {
                 self.store.count_request(None);
@@ -300,7 +309,10 @@ impl Server {
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "undecodable request");
                 self.store.count_request(Some(e.code()));
-                return Outcome::Reply(encode_err(id, &WireError::new(e.code(), e.to_string())), Vec::new());
+                return Outcome::Reply(
+                    encode_err(id, &WireError::new(e.code(), e.to_string())),
+                    Vec::new(),
+                );
             }
         };
         let mut out = Vec::new();

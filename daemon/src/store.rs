@@ -639,7 +639,10 @@ impl Store {
                 layout: req.layout_id,
                 hash: *k,
             };
-            match self.find(req.layout_id, k).map(|i| (i, self.nodes[i as usize].state)) {
+            match self
+                .find(req.layout_id, k)
+                .map(|i| (i, self.nodes[i as usize].state))
+            {
                 Some((i, State::Committed | State::Demoting)) => {
                     self.touch(i, now);
                     tiers.push(Tier::Dram);
@@ -668,7 +671,11 @@ impl Store {
         self.layout(req.layout_id)?;
         match self.try_alloc(req, now)? {
             Some(r) => Ok(Answer::Now(r)),
-            None => Ok(Answer::Later(self.defer(Waiting::Alloc(req.clone()), now, self.cfg.alloc_wait))),
+            None => Ok(Answer::Later(self.defer(
+                Waiting::Alloc(req.clone()),
+                now,
+                self.cfg.alloc_wait,
+            ))),
         }
     }
 
@@ -684,7 +691,9 @@ impl Store {
     }
 
     fn cached_elsewhere(&self, layout: LayoutId, k: &ChunkHash) -> bool {
-        self.nvme.as_ref().is_some_and(|t| t.knows(&BlockKey { layout, hash: *k }))
+        self.nvme
+            .as_ref()
+            .is_some_and(|t| t.knows(&BlockKey { layout, hash: *k }))
     }
 
     /// `Ok(None)`: wait for demotions.
@@ -693,7 +702,9 @@ impl Store {
         let needed = req
             .keys
             .iter()
-            .filter(|k| self.find(req.layout_id, k).is_none() && !self.cached_elsewhere(req.layout_id, k))
+            .filter(|k| {
+                self.find(req.layout_id, k).is_none() && !self.cached_elsewhere(req.layout_id, k)
+            })
             .count() as u64;
         match self.make_room(class, needed, now) {
             Room::Ready => {}
@@ -890,19 +901,26 @@ impl Store {
                 format!("{} pins are live (limit)", self.cfg.max_pins),
             ));
         }
-        let waits = self.promote(req, now);
-        if waits.is_empty() {
+        let (waits, blocked) = self.promote(req, now);
+        if waits.is_empty() && !blocked {
             return Ok(Answer::Now(self.pin_hits(req, now)));
         }
         let wait = self.cfg.max_pin_ttl;
-        Ok(Answer::Later(self.defer(Waiting::Get(req.clone(), waits), now, wait)))
+        Ok(Answer::Later(self.defer(
+            Waiting::Get(req.clone(), waits),
+            now,
+            wait,
+        )))
     }
 
-    /// Starts promotions for the keys only NVMe holds (when DRAM has room without
-    /// waiting); returns the blocks still on their way into DRAM.
-    fn promote(&mut self, req: &GetReq, now: Instant) -> Vec<u32> {
+    /// Starts promotions for the keys only NVMe holds; returns the blocks on their way
+    /// into DRAM, and whether some key waits for DRAM room (demotions in flight).
+    fn promote(&mut self, req: &GetReq, now: Instant) -> (Vec<u32>, bool) {
         let mut waits = Vec::new();
-        let Some((block_bytes, class)) = self.layout(req.layout_id).ok() else { return waits };
+        let mut blocked = false;
+        let Some((_, class)) = self.layout(req.layout_id).ok() else {
+            return (waits, false);
+        };
         for k in &req.keys {
             let key = BlockKey {
                 layout: req.layout_id,
@@ -915,10 +933,17 @@ impl Store {
                     if !self.nvme.as_ref().is_some_and(|t| t.has(&key)) {
                         continue;
                     }
-                    if self.make_room(class, 1, now) != Room::Ready {
-                        continue; // no room now: a miss, the engine recomputes
+                    match self.make_room(class, 1, now) {
+                        Room::Ready => {}
+                        Room::Wait => {
+                            blocked = true;
+                            continue;
+                        }
+                        Room::Full => continue, // everything pinned: a miss
                     }
-                    let Some(off) = self.alloc.alloc(class) else { continue };
+                    let Some(off) = self.alloc.alloc(class) else {
+                        continue;
+                    };
                     let tag = self.next_tag;
                     let tier = self.nvme.as_mut().expect("checked above");
                     if !tier.begin_read(&key, off, tag) {
@@ -939,12 +964,11 @@ impl Store {
                         no_demote: false,
                     });
                     self.flights.insert(tag, Flight::Promote(idx));
-                    let _ = block_bytes;
                     waits.push(idx);
                 }
             }
         }
-        waits
+        (waits, blocked)
     }
 
     fn pin_hits(&mut self, req: &GetReq, now: Instant) -> GetResp {
@@ -957,7 +981,12 @@ impl Store {
         let mut pinned = Vec::new();
         for k in &req.keys {
             match self.find(req.layout_id, k) {
-                Some(i) if matches!(self.nodes[i as usize].state, State::Committed | State::Demoting) => {
+                Some(i)
+                    if matches!(
+                        self.nodes[i as usize].state,
+                        State::Committed | State::Demoting
+                    ) =>
+                {
                     self.touch(i, now);
                     if !req.inline {
                         if self.in_lru(i) {
@@ -1249,6 +1278,17 @@ impl Store {
                         });
                         continue;
                     }
+                    // Keys that waited for DRAM room get their promotion now.
+                    if d.deadline > now {
+                        let (more, blocked) = self.promote(&req, now);
+                        if !more.is_empty() || (blocked && self.demoting_bytes > 0) {
+                            self.deferred.push(Deferred {
+                                what: Waiting::Get(req, more),
+                                ..d
+                            });
+                            continue;
+                        }
+                    }
                     let resp = self.pin_hits(&req, now);
                     out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
                 }
@@ -1405,17 +1445,19 @@ mod tests {
     /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.
     fn setup(segments: u64) -> T {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let pool = Arc::new(Pool::create(
-            &PoolOptions {
-                path: dir.path().join("t.pool"),
-                size_bytes: SLOT_ALIGN + segments * SEG,
-                huge_pages: false,
-                prefault: false,
-                group: None,
-            },
-            Incarnation(1),
-        )
-        .unwrap());
+        let pool = Arc::new(
+            Pool::create(
+                &PoolOptions {
+                    path: dir.path().join("t.pool"),
+                    size_bytes: SLOT_ALIGN + segments * SEG,
+                    huge_pages: false,
+                    prefault: false,
+                    group: None,
+                },
+                Incarnation(1),
+            )
+            .unwrap(),
+        );
         let now = Instant::now();
         let mut s = Store::new(
             pool,
@@ -1464,15 +1506,16 @@ mod tests {
 
     impl T {
         fn alloc(&mut self, ks: &[ChunkHash]) -> Result<AllocResp, WireError> {
-            self.s.alloc(
-                &AllocReq {
-                    client: self.c,
-                    layout_id: self.l,
-                    keys: ks.to_vec(),
-                },
-                self.now,
-            )
-            .map(now)
+            self.s
+                .alloc(
+                    &AllocReq {
+                        client: self.c,
+                        layout_id: self.l,
+                        keys: ks.to_vec(),
+                    },
+                    self.now,
+                )
+                .map(now)
         }
         fn commit(&mut self, ks: &[ChunkHash]) -> Result<CommitResp, WireError> {
             self.s.commit(

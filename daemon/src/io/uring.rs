@@ -97,7 +97,12 @@ fn signal(fd: RawFd) {
 
 impl UringEngine {
     /// Starts the engine over `files` with `queue_depth` entries.
-    pub fn start(files: Vec<File>, pool: Arc<Pool>, segment_bytes: u64, queue_depth: u32) -> io::Result<UringEngine> {
+    pub fn start(
+        files: Vec<File>,
+        pool: Arc<Pool>,
+        segment_bytes: u64,
+        queue_depth: u32,
+    ) -> io::Result<UringEngine> {
         let ring = IoUring::new(queue_depth.next_power_of_two().max(2))?;
         let fds: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
         ring.submitter().register_files(&fds)?;
@@ -121,20 +126,22 @@ impl UringEngine {
         let (done_tx, done) = mpsc::channel::<IoDone>();
         let wake = eventfd()?;
         let wake_raw = wake.as_raw_fd();
-        let thread = std::thread::Builder::new().name("kvd-uring".into()).spawn(move || {
-            let mut w = Worker {
-                ring,
-                _files: files,
-                pool,
-                fixed,
-                data,
-                chunk,
-                qd: queue_depth.max(1) as usize,
-                inflight: std::collections::HashMap::new(),
-                next_user: 0,
-            };
-            w.run(rx, done_tx, wake_raw);
-        })?;
+        let thread = std::thread::Builder::new()
+            .name("kvd-uring".into())
+            .spawn(move || {
+                let mut w = Worker {
+                    ring,
+                    _files: files,
+                    pool,
+                    fixed,
+                    data,
+                    chunk,
+                    qd: queue_depth.max(1) as usize,
+                    inflight: std::collections::HashMap::new(),
+                    next_user: 0,
+                };
+                w.run(rx, done_tx, wake_raw);
+            })?;
         Ok(UringEngine {
             tx: Some(tx),
             done,
@@ -222,7 +229,10 @@ impl Worker {
             while self.inflight.len() < self.qd {
                 let Some(op) = queued.pop_front() else { break };
                 if let Err(e) = self.push(op) {
-                    let _ = done.send(IoDone { tag: op.tag, result: Err(e) });
+                    let _ = done.send(IoDone {
+                        tag: op.tag,
+                        result: Err(e),
+                    });
                     delivered = true;
                 }
             }
@@ -232,10 +242,19 @@ impl Worker {
                         tracing::error!(error = %e, "io_uring submit failed");
                     }
                 }
-                let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+                let cqes: Vec<(u64, i32)> = self
+                    .ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result()))
+                    .collect();
                 for (user, res) in cqes {
-                    let Some((op, write_crc)) = self.inflight.remove(&user) else { continue };
-                    let _ = done.send(IoDone { tag: op.tag, result: self.complete(&op, res, write_crc) });
+                    let Some((op, write_crc)) = self.inflight.remove(&user) else {
+                        continue;
+                    };
+                    let _ = done.send(IoDone {
+                        tag: op.tag,
+                        result: self.complete(&op, res, write_crc),
+                    });
                     delivered = true;
                 }
             }
@@ -271,7 +290,10 @@ impl Worker {
 
     fn push(&mut self, op: IoOp) -> io::Result<()> {
         if op.crc_len > op.len || self.pool.read(op.pool_offset, op.len as usize).is_err() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "operation outside the pool"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "operation outside the pool",
+            ));
         }
         // A write's checksum is taken before the bytes leave: the slot does not change
         // while its demotion is in flight (committed blocks are immutable).
@@ -282,10 +304,20 @@ impl Worker {
         let ptr = self.pool.base_ptr().wrapping_add(op.pool_offset as usize);
         let file = types::Fixed(op.file);
         let entry = match (op.kind, self.fixed) {
-            (IoKind::Read, true) => opcode::ReadFixed::new(file, ptr, op.len, self.buf_index(&op)).offset(op.file_offset).build(),
-            (IoKind::Write, true) => opcode::WriteFixed::new(file, ptr, op.len, self.buf_index(&op)).offset(op.file_offset).build(),
-            (IoKind::Read, false) => opcode::Read::new(file, ptr, op.len).offset(op.file_offset).build(),
-            (IoKind::Write, false) => opcode::Write::new(file, ptr, op.len).offset(op.file_offset).build(),
+            (IoKind::Read, true) => opcode::ReadFixed::new(file, ptr, op.len, self.buf_index(&op))
+                .offset(op.file_offset)
+                .build(),
+            (IoKind::Write, true) => {
+                opcode::WriteFixed::new(file, ptr, op.len, self.buf_index(&op))
+                    .offset(op.file_offset)
+                    .build()
+            }
+            (IoKind::Read, false) => opcode::Read::new(file, ptr, op.len)
+                .offset(op.file_offset)
+                .build(),
+            (IoKind::Write, false) => opcode::Write::new(file, ptr, op.len)
+                .offset(op.file_offset)
+                .build(),
         };
         let user = self.next_user;
         self.next_user += 1;
@@ -303,4 +335,3 @@ impl Worker {
         ((op.pool_offset - self.data) / self.chunk) as u16
     }
 }
-

@@ -20,7 +20,8 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts `kvd` with a 64 MiB pool of 1 MiB segments, plus `extra` flags.
+    /// Starts `kvd` with a 64 MiB pool (unless `extra` sets one) of 1 MiB segments, plus
+    /// `extra` flags.
     pub fn start(extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir_in("/dev/shm").expect("tempdir in /dev/shm");
         let socket_path = dir.path().join("kvd.sock");
@@ -31,13 +32,14 @@ impl Daemon {
             endpoint.clone(),
             "--pool-path".into(),
             pool_path.display().to_string(),
-            "--pool-size".into(),
-            "64MiB".into(),
             "--segment-size".into(),
             "1MiB".into(),
             "--log-level".into(),
             "warn".into(),
         ];
+        if !extra.contains(&"--pool-size") {
+            args.extend(["--pool-size".into(), "64MiB".into()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = spawn(&args);
         let d = Daemon {
@@ -80,6 +82,9 @@ impl Daemon {
 
     /// Sends a signal and waits (bounded) for the exit status.
     pub fn signal(&mut self, sig: nix::sys::signal::Signal) -> ExitStatus {
+        if let Some(st) = self.child.try_wait().unwrap() {
+            return st; // already gone
+        }
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
         let until = Instant::now() + Duration::from_secs(20);
         loop {
@@ -94,7 +99,7 @@ impl Daemon {
         }
     }
 
-    /// SIGKILLs the daemon and starts a new one with the same arguments.
+    /// SIGKILLs the daemon (if it still runs) and starts a new one with the same arguments.
     pub fn restart(&mut self) {
         self.signal(nix::sys::signal::Signal::SIGKILL);
         let _ = std::fs::remove_file(&self.socket_path);

@@ -1,0 +1,386 @@
+//! The NVMe tier end to end: the real daemon, io_uring with O_DIRECT on real files (under
+//! the target directory, on the machine's disk), SIGKILL and restart, corrupted bytes,
+//! tmpfs, and a full file system.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use kvd_client::Client;
+use kvd_protocol::{ChunkHash, LayoutId, StatsResp, Tier};
+use nix::sys::signal::Signal;
+
+const BLOCK: usize = 256 * 1024;
+
+/// A directory on the real disk (tmpfs refuses O_DIRECT).
+fn disk_dir() -> tempfile::TempDir {
+    let base = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    tempfile::tempdir_in(base).unwrap()
+}
+
+fn start(nvme: &[&Path], extra: &[&str]) -> Daemon {
+    let mut args: Vec<String> = vec![
+        "--pool-size".into(),
+        "16MiB".into(),
+        "--nvme-size".into(),
+        "128MiB".into(),
+    ];
+    for p in nvme {
+        args.push("--nvme-path".into());
+        args.push(p.display().to_string());
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Daemon::start(&refs)
+}
+
+fn nvme(c: &Client) -> kvd_protocol::NvmeStats {
+    c.stats().unwrap().nvme.expect("the nvme tier is on")
+}
+
+/// Stores `n` distinct blocks in batches of 4; returns their keys.
+fn fill(c: &Client, l: LayoutId, seed: u32, n: usize) -> Vec<ChunkHash> {
+    let ks = keys(seed, n);
+    for (i, chunk) in ks.chunks(4).enumerate() {
+        let data: Vec<Vec<u8>> = (0..chunk.len())
+            .map(|j| block(content_seed(seed, i * 4 + j), BLOCK))
+            .collect();
+        let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+        c.store(l, chunk, &refs).unwrap();
+    }
+    ks
+}
+
+fn content_seed(seed: u32, i: usize) -> u64 {
+    u64::from(seed) << 32 | i as u64
+}
+
+/// Loads each key alone (in the order given); returns how many were served. Every served
+/// block must be exactly what was stored.
+fn verify(c: &Client, l: LayoutId, seed: u32, ks: &[ChunkHash], order: &[usize]) -> usize {
+    let mut served = 0;
+    let mut buf = vec![0u8; BLOCK];
+    for &i in order {
+        let found = c.load(l, &ks[i..i + 1], &mut [&mut buf[..]]).unwrap();
+        if found[0] {
+            assert!(
+                buf == block(content_seed(seed, i), BLOCK),
+                "block {i} came back corrupt"
+            );
+            served += 1;
+        }
+    }
+    served
+}
+
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+fn settled(c: &Client) -> StatsResp {
+    let mut st = c.stats().unwrap();
+    eventually(30, "demotions in flight to finish", || {
+        st = c.stats().unwrap();
+        st.waiting == 0
+            && st
+                .nvme
+                .as_ref()
+                .is_some_and(|n| n.used_bytes == n.blocks * BLOCK as u64)
+    });
+    st
+}
+
+#[test]
+fn three_pools_of_blocks_come_back_from_nvme_verified() {
+    let dir = disk_dir();
+    let d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    // 16 MiB pool = 15 segments of 4 blocks; store 3x that
+    let n = 3 * 64;
+    let ks = fill(&c, l, 7, n);
+    let st = settled(&c);
+    assert!(st.demotions > 0, "{st:?}");
+    let nv = st.nvme.clone().unwrap();
+    assert!(nv.o_direct, "O_DIRECT on the real disk");
+    assert_eq!(nv.checksum_errors + nv.write_errors + nv.read_errors, 0);
+    // lookup sees both tiers: the oldest blocks are on NVMe only
+    let r = c.lookup(l, &ks).unwrap();
+    assert_eq!(r.prefix, n as u64);
+    assert_eq!(r.tiers[0], Tier::Nvme);
+    assert_eq!(r.tiers[n - 1], Tier::Dram);
+    // every block, in random order, byte for byte
+    assert_eq!(verify(&c, l, 7, &ks, &shuffled(n, 42)), n);
+    let st = c.stats().unwrap();
+    assert!(st.promotions > 0, "{st:?}");
+    assert_eq!(st.nvme.unwrap().checksum_errors, 0);
+    // delete removes the NVMe copy too
+    c.delete(l, &ks[..4]).unwrap();
+    assert_eq!(c.lookup(l, &ks).unwrap().prefix, 0);
+}
+
+#[test]
+fn blocks_striped_over_two_disks_come_back() {
+    let (a, b) = (disk_dir(), disk_dir());
+    let d = start(&[a.path(), b.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let n = 2 * 64;
+    let ks = fill(&c, l, 9, n);
+    settled(&c);
+    assert_eq!(nvme(&c).disks, 2);
+    assert_eq!(verify(&c, l, 9, &ks, &shuffled(n, 7)), n);
+    for dir in [a.path(), b.path()] {
+        assert!(dir.join("kvd-nvme.data").exists());
+    }
+}
+
+#[test]
+fn sigkill_during_write_back_then_restart_serves_only_intact_blocks() {
+    let dir = disk_dir();
+    let mut d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    // Phase 1: blocks whose demotion completed before we look.
+    let n1 = 3 * 64;
+    let ks1 = fill(&c, l, 11, n1);
+    let before = settled(&c);
+    let written = before.nvme.unwrap().writes;
+    assert!(written > 0);
+    // Phase 2: heavy write-back in another thread, killed in the middle.
+    let ep = d.endpoint.clone();
+    let writer = std::thread::spawn(move || {
+        let c = Client::builder()
+            .with_endpoint(&ep)
+            .with_timeout(Duration::from_secs(2))
+            .connect()
+            .unwrap();
+        let l = register(&c, 256).id;
+        let ks = keys(12, 400);
+        for (i, chunk) in ks.chunks(4).enumerate() {
+            let data: Vec<Vec<u8>> = (0..chunk.len())
+                .map(|j| block(content_seed(12, i * 4 + j), BLOCK))
+                .collect();
+            let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+            if c.store(l, chunk, &refs).is_err() {
+                break; // the daemon was killed
+            }
+        }
+    });
+    eventually(30, "write-back under way", || {
+        c.stats()
+            .map(|s| s.demotions > before.demotions + 20)
+            .unwrap_or(true)
+    });
+    d.signal(Signal::SIGKILL);
+    writer.join().unwrap();
+    d.restart();
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let st = nvme(&c);
+    assert!(
+        st.recovered >= written,
+        "every acknowledged demotion survives: {} < {written}",
+        st.recovered
+    );
+    // phase 1 blocks that were on NVMe are all served intact; phase 2 ones, intact or not at all
+    let served1 = verify(&c, l, 11, &ks1, &shuffled(n1, 3));
+    assert!(
+        served1 as u64 >= written.min(n1 as u64) - 4,
+        "served {served1} of {written} written"
+    );
+    let ks2 = keys(12, 400);
+    verify(&c, l, 12, &ks2, &(0..400).collect::<Vec<_>>());
+    assert_eq!(nvme(&c).checksum_errors, 0);
+
+    // Corrupt the data file between runs: every block read must be caught.
+    d.signal(Signal::SIGKILL);
+    let data = dir.path().join("kvd-nvme.data");
+    flip_bytes(&data);
+    d.restart();
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let before = nvme(&c).recovered;
+    assert!(before > 0);
+    let served = verify(&c, l, 11, &ks1, &(0..n1).collect::<Vec<_>>())
+        + verify(&c, l, 12, &ks2, &(0..400).collect::<Vec<_>>());
+    let st = nvme(&c);
+    assert!(st.checksum_errors > 0, "corruption detected: {st:?}");
+    assert!((served as u64) < before, "corrupted blocks are not served");
+    // a corrupted block reads as a miss from now on
+    let st2 = c.stats().unwrap();
+    assert_eq!(st2.nvme.unwrap().checksum_errors, st.checksum_errors);
+}
+
+/// Flips one byte in every 256 KiB of the file's first 64 MiB.
+fn flip_bytes(path: &Path) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let len = f.metadata().unwrap().len().min(64 << 20);
+    let mut off = 1000;
+    while off < len {
+        let mut b = [0u8; 1];
+        f.seek(SeekFrom::Start(off)).unwrap();
+        f.read_exact(&mut b).unwrap();
+        b[0] ^= 0xff;
+        f.seek(SeekFrom::Start(off)).unwrap();
+        f.write_all(&b).unwrap();
+        off += BLOCK as u64;
+    }
+    f.sync_all().unwrap();
+}
+
+/// Whether this kernel's tmpfs takes O_DIRECT (Linux 6.6+ does).
+fn tmpfs_takes_o_direct(dir: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let p = dir.join("probe");
+    let ok = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc_o_direct())
+        .open(&p)
+        .is_ok();
+    let _ = std::fs::remove_file(&p);
+    ok
+}
+
+fn libc_o_direct() -> i32 {
+    nix::fcntl::OFlag::O_DIRECT.bits()
+}
+
+#[test]
+fn tmpfs_without_o_direct_needs_buffered_io_to_be_allowed() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    if tmpfs_takes_o_direct(dir.path()) {
+        // Nothing refuses O_DIRECT here: the tier must then use it on tmpfs as well.
+        println!("this kernel's tmpfs accepts O_DIRECT: checking that the tier uses it there");
+        let d = start(&[&dir.path().join("nv")], &[]);
+        let c = d.client();
+        let l = register(&c, 256).id;
+        let ks = fill(&c, l, 21, 3 * 64);
+        settled(&c);
+        assert!(nvme(&c).o_direct);
+        assert_eq!(verify(&c, l, 21, &ks, &shuffled(3 * 64, 5)), 3 * 64);
+        return;
+    }
+    let sock = dir.path().join("k.sock");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args(["--endpoint", &format!("ipc://{}", sock.display())])
+        .args([
+            "--pool-path",
+            dir.path().join("p.pool").to_str().unwrap(),
+            "--pool-size",
+            "8MiB",
+            "--segment-size",
+            "1MiB",
+        ])
+        .args([
+            "--nvme-path",
+            dir.path().join("nv").to_str().unwrap(),
+            "--nvme-size",
+            "8MiB",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(20, "kvd to refuse the tier", || {
+        child.try_wait().unwrap().is_some()
+    });
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("O_DIRECT") && err.contains("allow_buffered"),
+        "{err}"
+    );
+    let nv: PathBuf = dir.path().join("nv2");
+    let d = start(&[&nv], &["--nvme-allow-buffered"]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = fill(&c, l, 21, 3 * 64);
+    settled(&c);
+    assert!(!nvme(&c).o_direct);
+    assert_eq!(verify(&c, l, 21, &ks, &shuffled(3 * 64, 5)), 3 * 64);
+}
+
+#[test]
+fn a_full_disk_is_an_error_per_block_and_dram_keeps_serving() {
+    // A 24 MiB tmpfs of our own: the tier preallocates what fits, then we take the space
+    // away under it (punch its file, fill the file system), so demotions hit ENOSPC.
+    let mnt = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "mounting a small tmpfs needs root (the test command runs as root in CI)"
+    );
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(self.0)
+                .status();
+        }
+    }
+    let _guard = Unmount(mnt.path());
+    let d = start(&[mnt.path()], &["--nvme-allow-buffered"]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let cap = nvme(&c).capacity_bytes;
+    assert!(
+        cap > 0 && cap < 24 << 20,
+        "the tier shrank to the disk: {cap}"
+    );
+    // take the space away
+    let data = mnt.path().join("kvd-nvme.data");
+    let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    use std::os::fd::AsRawFd;
+    nix::fcntl::fallocate(
+        f.as_raw_fd(),
+        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+        0,
+        cap as i64,
+    )
+    .unwrap();
+    let filler = mnt.path().join("filler");
+    let _ = std::fs::write(&filler, vec![1u8; 24 << 20]); // fails part way: the disk is full
+                                                          // 3 pools of blocks: demotions fail, DRAM keeps serving the recent ones
+    let ks = fill(&c, l, 31, 3 * 64);
+    let st = settled_errors(&c);
+    assert!(st.nvme.as_ref().unwrap().write_errors > 0, "{st:?}");
+    let recent: Vec<usize> = (3 * 64 - 16..3 * 64).collect();
+    assert_eq!(verify(&c, l, 31, &ks, &recent), 16, "DRAM still serves");
+    // the daemon still answers everyone
+    let c2 = d.client();
+    c2.stats().unwrap();
+}
+
+fn settled_errors(c: &Client) -> StatsResp {
+    let mut st = c.stats().unwrap();
+    eventually(30, "writes in flight to finish", || {
+        st = c.stats().unwrap();
+        st.waiting == 0
+    });
+    st
+}
