@@ -35,6 +35,17 @@ impl BenchDaemon {
         prefault: bool,
         alloc_ttl_ms: u64,
     ) -> Result<BenchDaemon> {
+        Self::start_with(pool_bytes, segment_bytes, prefault, alloc_ttl_ms, "")
+    }
+
+    /// Like [`BenchDaemon::start`], with extra TOML appended to the config file.
+    pub fn start_with(
+        pool_bytes: u64,
+        segment_bytes: u64,
+        prefault: bool,
+        alloc_ttl_ms: u64,
+        extra_toml: &str,
+    ) -> Result<BenchDaemon> {
         let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
         let sock = dir.path().join("kvd.sock");
         let endpoint = format!("ipc://{}", sock.display());
@@ -45,7 +56,7 @@ impl BenchDaemon {
                 "[server]\nendpoints = [\"{endpoint}\"]\n[pool]\npath = \"{}\"\nsize = {pool_bytes}\n\
                  segment_size = {segment_bytes}\nprefault = {prefault}\n[limits]\nalloc_ttl_ms = {alloc_ttl_ms}\n[log]\nlevel = \"warn\"\n",
                 dir.path().join("kvd.pool").display()
-            ),
+            ) + extra_toml,
         )?;
         let child = Command::new(kvd_binary()?)
             .arg("--config")

@@ -8,8 +8,11 @@
 //!   of the same bytes from the same kind of buffers into (and out of) a region as large
 //!   as the pool; batched lookups; control round trips.
 //! - `kvd-bench index`: bytes of daemon memory per indexed block, with 1M blocks.
+//! - `kvd-bench nvme`: NVMe tier write/read bandwidth through the daemon against raw
+//!   O_DIRECT io_uring I/O on the same directory, same block size and queue depth.
 
 mod daemon;
+mod nvme;
 mod report;
 
 use std::time::{Duration, Instant};
@@ -41,6 +44,8 @@ enum Cmd {
     Store(StoreArgs),
     /// Daemon memory per indexed block.
     Index(IndexArgs),
+    /// NVMe tier bandwidth through the daemon vs raw O_DIRECT on the same directory.
+    Nvme(nvme::NvmeArgs),
 }
 
 #[derive(clap::Args)]
@@ -88,6 +93,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Store(a) => store(a),
         Cmd::Index(a) => index(a),
+        Cmd::Nvme(a) => nvme::run(a),
     }
 }
 

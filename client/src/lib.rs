@@ -828,7 +828,9 @@ impl Client {
             offsets: r.offsets,
             pool,
             block_bytes: info.block_bytes as usize,
-            deadline: sent + Duration::from_millis(r.ttl_ms),
+            // The pin starts after the daemon's wait for NVMe reads (if any), which began
+            // after we sent: this deadline is never later than the daemon's.
+            deadline: sent + Duration::from_millis(r.waited_ms) + Duration::from_millis(r.ttl_ms),
         })
     }
 

@@ -101,6 +101,7 @@ enum Waiting {
 #[derive(Debug)]
 struct Deferred {
     token: u64,
+    since: Instant,
     deadline: Instant,
     what: Waiting,
 }
@@ -462,6 +463,11 @@ impl Store {
         self.remove_node(idx);
     }
 
+    fn can_demote(&self, idx: u32) -> bool {
+        let n = &self.nodes[idx as usize];
+        self.nvme.is_some() && !n.no_demote
+    }
+
     /// The least recently used evictable block of any class other than `except`.
     fn oldest_tail(&self, except: Option<usize>) -> Option<u32> {
         self.lru
@@ -684,6 +690,7 @@ impl Store {
         self.next_tag += 1;
         self.deferred.push(Deferred {
             token,
+            since: now,
             deadline: now + wait,
             what,
         });
@@ -1032,6 +1039,7 @@ impl Store {
             offsets,
             pin,
             ttl_ms: ttl.as_millis() as u64,
+            waited_ms: 0,
         }
     }
 
@@ -1289,7 +1297,8 @@ impl Store {
                             continue;
                         }
                     }
-                    let resp = self.pin_hits(&req, now);
+                    let mut resp = self.pin_hits(&req, now);
+                    resp.waited_ms = now.saturating_duration_since(d.since).as_millis() as u64;
                     out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
                 }
             }
@@ -1368,10 +1377,10 @@ impl Store {
         });
     }
 
-    /// Proactive eviction between the watermarks. It leaves alone blocks used in the
-    /// current second: when only fresh blocks are evictable (the rest pinned or pending),
-    /// evicting them for headroom would throw away writes that an allocation could still
-    /// claim on demand.
+    /// Proactive eviction (with NVMe: write-back) between the watermarks. Without a place
+    /// to demote to, it leaves alone blocks used in the current second: when only fresh
+    /// blocks are evictable (the rest pinned or pending), dropping them for headroom would
+    /// throw away writes that an allocation could still claim on demand.
     fn evict_to_watermark(&mut self, now: Instant) {
         let fresh = self.tick(now);
         let cap = self.alloc.capacity_bytes() as f64;
@@ -1382,7 +1391,10 @@ impl Store {
         let mut n = 0u64;
         while ((self.alloc.used_bytes() - self.demoting_bytes) as f64) > low {
             match self.oldest_tail(None) {
-                Some(v) if self.nodes[v as usize].last_use < fresh => self.evict(v, now),
+                // With an NVMe tier a fresh block is written back, not lost: demote it.
+                Some(v) if self.nodes[v as usize].last_use < fresh || self.can_demote(v) => {
+                    self.evict(v, now)
+                }
                 _ => break,
             }
             n += 1;

@@ -238,6 +238,10 @@ pub struct GetResp {
     pub pin: Option<PinId>,
     /// The pin's TTL as granted.
     pub ttl_ms: u64,
+    /// How long the request waited for NVMe reads before the pin was taken; the pin
+    /// lasts `ttl_ms` from then.
+    #[serde(default)]
+    pub waited_ms: u64,
 }
 
 /// `release`: drop pins. All-or-nothing: an unknown or foreign pin fails the request.
