@@ -9,11 +9,14 @@
 //! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
-//! | [`server`] | the ZMQ ROUTER loop, request dispatch, signals |
+//! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
+//! | [`io`] | the io_uring engine thread (the only io_uring user) |
+//! | [`server`] | the ZMQ ROUTER loop, request dispatch, deferred replies, signals |
 //!
 //! Workflow of [`run`]:
 //! 1. set the umask to 077 so the socket and the pool are created owner-only;
 //! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;
+//!    open the NVMe tier when configured (replaying its journal);
 //! 3. bind the ROUTER on every endpoint (creating the ipc directory 0700);
 //! 4. serve until SIGTERM/SIGINT, then answer what is queued, close the socket, remove
 //!    the ipc socket files and the pool file, and return.

@@ -95,7 +95,9 @@ pub enum Completed {
 #[derive(Debug)]
 enum Waiting {
     Alloc(AllocReq),
-    Get(GetReq, Vec<u32>),
+    /// The request, the promotions it waits for, and the promoted blocks it holds
+    /// (pinned until it answers, so that promoting its later keys cannot evict them).
+    Get(GetReq, Vec<u32>, Vec<u32>),
 }
 
 #[derive(Debug)]
@@ -109,7 +111,8 @@ struct Deferred {
 #[derive(Debug, Clone, Copy)]
 enum Flight {
     Demote(u32),
-    Promote(u32),
+    /// The node, and the token of the `get` that started it.
+    Promote(u32, u64),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -908,21 +911,24 @@ impl Store {
                 format!("{} pins are live (limit)", self.cfg.max_pins),
             ));
         }
-        let (waits, blocked) = self.promote(req, now);
+        let token = self.next_tag;
+        self.next_tag += 1;
+        let (waits, blocked) = self.promote(req, now, token);
         if waits.is_empty() && !blocked {
             return Ok(Answer::Now(self.pin_hits(req, now)));
         }
-        let wait = self.cfg.max_pin_ttl;
-        Ok(Answer::Later(self.defer(
-            Waiting::Get(req.clone(), waits),
-            now,
-            wait,
-        )))
+        self.deferred.push(Deferred {
+            token,
+            since: now,
+            deadline: now + self.cfg.max_pin_ttl,
+            what: Waiting::Get(req.clone(), waits, Vec::new()),
+        });
+        Ok(Answer::Later(token))
     }
 
     /// Starts promotions for the keys only NVMe holds; returns the blocks on their way
     /// into DRAM, and whether some key waits for DRAM room (demotions in flight).
-    fn promote(&mut self, req: &GetReq, now: Instant) -> (Vec<u32>, bool) {
+    fn promote(&mut self, req: &GetReq, now: Instant, token: u64) -> (Vec<u32>, bool) {
         let mut waits = Vec::new();
         let mut blocked = false;
         let Some((_, class)) = self.layout(req.layout_id).ok() else {
@@ -946,7 +952,11 @@ impl Store {
                             blocked = true;
                             continue;
                         }
-                        Room::Full => continue, // everything pinned: a miss
+                        Room::Full => {
+                            // everything in DRAM is pinned or in flight: a miss
+                            tracing::debug!("no DRAM room to promote a block");
+                            continue;
+                        }
                     }
                     let Some(off) = self.alloc.alloc(class) else {
                         continue;
@@ -970,7 +980,7 @@ impl Store {
                         state: State::Promoting,
                         no_demote: false,
                     });
-                    self.flights.insert(tag, Flight::Promote(idx));
+                    self.flights.insert(tag, Flight::Promote(idx, token));
                     waits.push(idx);
                 }
             }
@@ -1275,29 +1285,32 @@ impl Store {
                         Err(e) => out.push((d.token, Completed::Alloc(Err(e)))),
                     }
                 }
-                Waiting::Get(req, waits) => {
+                Waiting::Get(req, waits, held) => {
                     let busy = waits
                         .iter()
                         .any(|&i| self.nodes[i as usize].state == State::Promoting);
                     if busy && d.deadline > now {
                         self.deferred.push(Deferred {
-                            what: Waiting::Get(req, waits),
+                            what: Waiting::Get(req, waits, held),
                             ..d
                         });
                         continue;
                     }
                     // Keys that waited for DRAM room get their promotion now.
                     if d.deadline > now {
-                        let (more, blocked) = self.promote(&req, now);
+                        let (more, blocked) = self.promote(&req, now, d.token);
                         if !more.is_empty() || (blocked && self.demoting_bytes > 0) {
                             self.deferred.push(Deferred {
-                                what: Waiting::Get(req, more),
+                                what: Waiting::Get(req, more, held),
                                 ..d
                             });
                             continue;
                         }
                     }
                     let mut resp = self.pin_hits(&req, now);
+                    for idx in held {
+                        self.unhold(idx);
+                    }
                     resp.waited_ms = now.saturating_duration_since(d.since).as_millis() as u64;
                     out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
                 }
@@ -1339,7 +1352,7 @@ impl Store {
                     }
                 }
             }
-            Flight::Promote(idx) => {
+            Flight::Promote(idx, token) => {
                 let n = self.nodes[idx as usize];
                 let key = BlockKey {
                     layout: n.layout,
@@ -1356,11 +1369,36 @@ impl Store {
                     node.state = State::Committed;
                     node.last_use = tick;
                     self.committed += 1;
-                    self.lru_push_head(idx);
+                    // Held for the get that asked for it until that get answers.
+                    let holder = self.deferred.iter_mut().find(|d| d.token == token);
+                    match holder.map(|d| &mut d.what) {
+                        Some(Waiting::Get(_, _, held)) => {
+                            held.push(idx);
+                            let node = &mut self.nodes[idx as usize];
+                            node.pins += 1;
+                            if node.pins == 1 {
+                                self.pinned_blocks += 1;
+                            }
+                        }
+                        _ => self.lru_push_head(idx),
+                    }
                 } else {
                     // `remove_node` counts committed blocks only: this one never was.
                     self.remove_node(idx);
                 }
+            }
+        }
+    }
+
+    /// Drops a deferred get's hold on a block it promoted.
+    fn unhold(&mut self, idx: u32) {
+        let n = &mut self.nodes[idx as usize];
+        debug_assert!(n.pins > 0);
+        n.pins -= 1;
+        if n.pins == 0 {
+            self.pinned_blocks -= 1;
+            if n.state == State::Committed {
+                self.lru_push_head(idx);
             }
         }
     }

@@ -384,3 +384,29 @@ fn settled_errors(c: &Client) -> StatsResp {
     });
     st
 }
+
+#[test]
+fn one_get_promotes_many_blocks_at_once() {
+    let dir = disk_dir();
+    let d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let n = 3 * 64;
+    let ks = fill(&c, l, 41, n);
+    settled(&c);
+    // 40 NVMe-only blocks in one get (the pool holds 60): each promotion needs room that
+    // demotions of newer blocks free, and the blocks promoted first must not be evicted
+    // to make room for the later ones
+    let mut bufs = vec![vec![0u8; BLOCK]; 40];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l, &ks[..40], &mut outs).unwrap(), vec![true; 40]);
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(*b == block(content_seed(41, i), BLOCK), "block {i}");
+    }
+    let st = c.stats().unwrap();
+    assert_eq!(
+        (st.pins, st.pinned_blocks, st.waiting),
+        (0, 0, 0),
+        "holds released: {st:?}"
+    );
+}
