@@ -45,6 +45,8 @@ use crate::nvme::NvmeTier;
 use crate::pool::{Pool, SLOT_ALIGN};
 
 const NIL: u32 = u32::MAX;
+/// Most promotions one `lookup` starts as a prefetch.
+const PREFETCH_MAX: usize = 256;
 
 /// Tunables of the store (see `config.rs` for their defaults).
 #[derive(Debug, Clone)]
@@ -191,6 +193,7 @@ struct Counters {
     dropped_replies: u64,
     demotions: u64,
     promotions: u64,
+    prefetches: u64,
     dropped: u64,
     errors: BTreeMap<&'static str, u64>,
 }
@@ -667,6 +670,9 @@ impl Store {
                 },
             }
         }
+        if tiers.contains(&Tier::Nvme) {
+            self.prefetch(req.layout_id, &req.keys[..tiers.len()], now);
+        }
         Ok(LookupResp {
             prefix: tiers.len() as u64,
             tiers,
@@ -958,34 +964,70 @@ impl Store {
                             continue;
                         }
                     }
-                    let Some(off) = self.alloc.alloc(class) else {
-                        continue;
-                    };
-                    let tag = self.next_tag;
-                    let tier = self.nvme.as_mut().expect("checked above");
-                    if !tier.begin_read(&key, off, tag) {
-                        let _ = self.alloc.free(off);
-                        continue;
+                    if let Some(idx) = self.start_promotion(key, class, now, token) {
+                        waits.push(idx);
                     }
-                    self.next_tag += 1;
-                    let idx = self.insert_node(Node {
-                        hash: *k,
-                        layout: req.layout_id,
-                        slot: (off / SLOT_ALIGN) as u32,
-                        prev: NIL,
-                        next: NIL,
-                        pins: 0,
-                        last_use: self.tick(now),
-                        class: class.0,
-                        state: State::Promoting,
-                        no_demote: false,
-                    });
-                    self.flights.insert(tag, Flight::Promote(idx, token));
-                    waits.push(idx);
                 }
             }
         }
         (waits, blocked)
+    }
+
+    /// Reads `key` from NVMe into a free DRAM slot of `class`; the node is `Promoting`
+    /// until the read completes and verifies. `token` names the get waiting for it (0:
+    /// none, a prefetch).
+    fn start_promotion(
+        &mut self,
+        key: BlockKey,
+        class: ClassId,
+        now: Instant,
+        token: u64,
+    ) -> Option<u32> {
+        let off = self.alloc.alloc(class)?;
+        let tag = self.next_tag;
+        let tier = self.nvme.as_mut()?;
+        if !tier.begin_read(&key, off, tag) {
+            let _ = self.alloc.free(off);
+            return None;
+        }
+        self.next_tag += 1;
+        let idx = self.insert_node(Node {
+            hash: key.hash,
+            layout: key.layout,
+            slot: (off / SLOT_ALIGN) as u32,
+            prev: NIL,
+            next: NIL,
+            pins: 0,
+            last_use: self.tick(now),
+            class: class.0,
+            state: State::Promoting,
+            no_demote: false,
+        });
+        self.flights.insert(tag, Flight::Promote(idx, token));
+        Some(idx)
+    }
+
+    /// Starts reading NVMe-only blocks of a looked-up prefix into DRAM slots that are
+    /// free now (it never evicts for a prefetch), so that the `get` that usually follows
+    /// a `lookup` finds them in DRAM or on their way.
+    fn prefetch(&mut self, layout: LayoutId, keys: &[ChunkHash], now: Instant) {
+        let Ok((_, class)) = self.layout(layout) else {
+            return;
+        };
+        let mut started = 0;
+        for k in keys {
+            if started >= PREFETCH_MAX || self.alloc.available(class) == 0 {
+                break;
+            }
+            let key = BlockKey { layout, hash: *k };
+            if self.find(layout, k).is_some() || !self.nvme.as_ref().is_some_and(|t| t.has(&key)) {
+                continue;
+            }
+            if self.start_promotion(key, class, now, 0).is_some() {
+                started += 1;
+                self.counters.prefetches += 1;
+            }
+        }
     }
 
     fn pin_hits(&mut self, req: &GetReq, now: Instant) -> GetResp {
@@ -1183,6 +1225,7 @@ impl Store {
             dropped_replies: self.counters.dropped_replies,
             demotions: self.counters.demotions,
             promotions: self.counters.promotions,
+            prefetches: self.counters.prefetches,
             dropped: self.counters.dropped,
             waiting: self.deferred.len() as u64,
             nvme: self.nvme.as_ref().map(NvmeTier::stats),
@@ -1370,7 +1413,11 @@ impl Store {
                     node.last_use = tick;
                     self.committed += 1;
                     // Held for the get that asked for it until that get answers.
-                    let holder = self.deferred.iter_mut().find(|d| d.token == token);
+                    // (a prefetch, token 0, is held by the first get that waits for it)
+                    let holder = self.deferred.iter_mut().find(|d| {
+                        d.token == token
+                            || matches!(&d.what, Waiting::Get(_, waits, _) if waits.contains(&idx))
+                    });
                     match holder.map(|d| &mut d.what) {
                         Some(Waiting::Get(_, _, held)) => {
                             held.push(idx);

@@ -119,8 +119,15 @@ fn three_pools_of_blocks_come_back_from_nvme_verified() {
     assert_eq!(r.prefix, n as u64);
     assert_eq!(r.tiers[0], Tier::Nvme);
     assert_eq!(r.tiers[n - 1], Tier::Dram);
+    // a lookup prefetches NVMe-only blocks into free DRAM slots (free 8 of them first)
+    assert_eq!(c.delete(l, &ks[n - 8..]).unwrap().len(), 8);
+    let before = c.stats().unwrap().prefetches;
+    // (the full lookup above may have prefetched the first few already)
+    assert_eq!(c.lookup(l, &ks[20..24]).unwrap().prefix, 4);
+    assert_eq!(c.stats().unwrap().prefetches, before + 4);
+    let n = n - 8;
     // every block, in random order, byte for byte
-    assert_eq!(verify(&c, l, 7, &ks, &shuffled(n, 42)), n);
+    assert_eq!(verify(&c, l, 7, &ks[..n], &shuffled(n, 42)), n);
     let st = c.stats().unwrap();
     assert!(st.promotions > 0, "{st:?}");
     assert_eq!(st.nvme.unwrap().checksum_errors, 0);

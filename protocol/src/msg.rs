@@ -385,6 +385,9 @@ pub struct StatsResp {
     /// Blocks read from NVMe into DRAM for a `get`.
     #[serde(default)]
     pub promotions: u64,
+    /// Promotions a `lookup` started ahead of the `get` (into free DRAM slots only).
+    #[serde(default)]
+    pub prefetches: u64,
     /// Blocks dropped from DRAM without a copy on NVMe (no tier, or no room there).
     #[serde(default)]
     pub dropped: u64,
