@@ -123,6 +123,7 @@ pub fn run(a: NvmeArgs) -> Result<()> {
     };
     let mut results = Vec::new();
     let mut headline = 0.0;
+    let mut headline_case = String::new();
     let mut case = 50_000u32;
     let mut extra_misses: Vec<String> = Vec::new();
     for &qd in &a.qd {
@@ -157,8 +158,10 @@ pub fn run(a: NvmeArgs) -> Result<()> {
             );
             let _ = std::fs::remove_file(&rawf);
             let (cw, cr) = (gb(total, wmed), gb(total, rmed));
-            if qd == 32 && bs == 4 << 20 {
+            // the headline: 4 MiB at qd 32 when measured, else the first case
+            if headline == 0.0 || (qd == 32 && bs == 4 << 20) {
                 headline = cw.min(cr);
+                headline_case = format!("{} blocks, qd {qd}", ByteSize(bs));
             }
             let l = c.register_layout(&layout_of(bs, &format!("nvme-{bs}"))?)?;
             let n = (total / bs) as usize;
@@ -267,7 +270,10 @@ pub fn run(a: NvmeArgs) -> Result<()> {
     Report {
         bench: "nvme".into(),
         ceiling: Ceiling {
-            what: format!("raw O_DIRECT sequential io_uring on {}, 4 MiB blocks, qd 32 (min of write and read)", a.dir.display()),
+            what: format!(
+                "raw O_DIRECT sequential io_uring on {}, {headline_case} (min of write and read)",
+                a.dir.display()
+            ),
             gbps: headline,
         },
         results,

@@ -14,14 +14,20 @@
 //!                                            PINNED (COMMITTED with pins > 0)
 //! ```
 //!
+//! With an NVMe tier, eviction of a block the tier lacks goes through DEMOTING (still
+//! readable; the DRAM slot is freed when the write completes), and a `get` (or a
+//! `lookup`'s prefetch) of a block only the tier holds goes absent → PROMOTING (a DRAM
+//! slot being read into, invisible) → COMMITTED once its checksum verifies. Requests
+//! that need such I/O first are answered later ([`Answer::Later`], [`Store::poll_io`]).
+//!
 //! Rules:
-//! - only COMMITTED blocks are visible to `lookup` and `get`;
+//! - only COMMITTED (and DEMOTING) blocks are visible to `lookup` and `get` from DRAM;
 //! - eviction takes only COMMITTED blocks with no pin (the LRU lists hold exactly those);
 //! - every pin and every allocation carries a deadline; two deadline heaps (not
 //!   insertion order) reclaim them, so no pin outlives its TTL;
-//! - above the high watermark, blocks are evicted in LRU order down to the low one,
-//!   except blocks used in the current second (an allocation still evicts those on
-//!   demand);
+//! - above the high watermark, blocks are evicted in LRU order down to the low one
+//!   (without a tier to demote to, not blocks used in the current second: an
+//!   allocation still evicts those on demand);
 //! - `alloc`, `commit` and `release` are all-or-nothing: they validate every key before
 //!   changing anything.
 //!
@@ -33,12 +39,11 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 use kvd_protocol::*;
-
-use std::sync::Arc;
 
 use crate::alloc::{ClassId, SlabAllocator};
 use crate::nvme::NvmeTier;
@@ -89,8 +94,8 @@ pub enum Answer<T> {
 pub enum Completed {
     /// An `alloc` that waited for demotions.
     Alloc(Result<AllocResp, WireError>),
-    /// A `get` that waited for promotions (`inline` and the layout's block size are
-    /// given back so the server can attach payloads).
+    /// A `get` that waited for promotions (`inline` and the layout are given back so
+    /// the server can attach payloads).
     Get(Result<GetResp, WireError>, bool, LayoutId),
 }
 
