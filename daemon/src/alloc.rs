@@ -195,15 +195,21 @@ impl SlabAllocator {
             }
         };
         debug_assert!(idx < spc);
+        self.mark_live(ci, si, idx);
+        Some(self.data_offset + u64::from(si) * self.segment_bytes + u64::from(idx) * slot_bytes)
+    }
+
+    /// Books slot `idx` of segment `si` (class `ci`) as live.
+    fn mark_live(&mut self, ci: usize, si: u32, idx: u32) {
+        let seg = &mut self.segments[si as usize];
         seg.live[idx as usize / 64] |= 1 << (idx % 64);
         seg.used += 1;
-        let full = seg.used == spc;
+        let full = seg.used == self.classes[ci].slots_per_segment;
         self.classes[ci].free_slots -= 1;
         if full {
             self.unlink_partial(ci, si);
         }
-        self.used_bytes += slot_bytes;
-        Some(self.data_offset + u64::from(si) * self.segment_bytes + u64::from(idx) * slot_bytes)
+        self.used_bytes += self.classes[ci].slot_bytes;
     }
 
     /// Returns a slot. Refuses offsets that are not live slot starts.
@@ -317,14 +323,7 @@ impl SlabAllocator {
             seg.free.extend(seg.bump..idx);
             seg.bump = idx + 1;
         }
-        seg.live[idx as usize / 64] |= bit;
-        seg.used += 1;
-        let full = seg.used == spc;
-        self.classes[ci].free_slots -= 1;
-        if full {
-            self.unlink_partial(ci, si);
-        }
-        self.used_bytes += slot_bytes;
+        self.mark_live(ci, si, idx);
         Ok(())
     }
 
