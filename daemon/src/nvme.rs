@@ -627,6 +627,14 @@ impl NvmeTier {
     }
 }
 
+impl Drop for NvmeTier {
+    fn drop(&mut self) {
+        // A clean stop leaves the journal on stable storage (the engine thread has
+        // finished its writes when `engine` drops after this).
+        let _ = self.journal.sync_data();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

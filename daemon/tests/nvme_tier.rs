@@ -139,7 +139,7 @@ fn three_pools_of_blocks_come_back_from_nvme_verified() {
 #[test]
 fn blocks_striped_over_two_disks_come_back() {
     let (a, b) = (disk_dir(), disk_dir());
-    let d = start(&[a.path(), b.path()], &[]);
+    let mut d = start(&[a.path(), b.path()], &[]);
     let c = d.client();
     let l = register(&c, 256).id;
     let n = 2 * 64;
@@ -147,6 +147,18 @@ fn blocks_striped_over_two_disks_come_back() {
     settled(&c);
     assert_eq!(nvme(&c).disks, 2);
     assert_eq!(verify(&c, l, 9, &ks, &shuffled(n, 7)), n);
+    // a clean stop and a restart: what was on disk is served again, from NVMe
+    let on_disk = nvme(&c).blocks;
+    assert_eq!(d.signal(Signal::SIGTERM).code(), Some(0));
+    d.restart();
+    let c = d.client();
+    let l = register(&c, 256).id;
+    assert_eq!(nvme(&c).recovered, on_disk);
+    let served = verify(&c, l, 9, &ks, &shuffled(n, 8));
+    assert_eq!(
+        served as u64, on_disk,
+        "every block on disk, nothing else (DRAM was lost)"
+    );
     for dir in [a.path(), b.path()] {
         assert!(dir.join("kvd-nvme.data").exists());
     }
