@@ -207,14 +207,20 @@ fn open_data(path: &std::path::Path, allow_buffered: bool) -> Result<(File, bool
 fn preallocate(f: &File, path: &std::path::Path, want: u64, seg: u64) -> Result<u64, NvmeError> {
     let mut size = want;
     while size >= seg {
-        // SAFETY: fallocate on an fd we own, with in-range non-negative arguments.
-        let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, size as libc::off_t) };
-        if r == 0 {
-            // A file longer than `size` from an earlier, larger configuration is trimmed.
-            f.set_len(size).map_err(ioe("sizing", path))?;
-            return Ok(size);
-        }
-        let e = io::Error::last_os_error();
+        let r = nix::fcntl::fallocate(
+            f.as_raw_fd(),
+            nix::fcntl::FallocateFlags::empty(),
+            0,
+            size as libc::off_t,
+        );
+        let e = match r {
+            Ok(()) => {
+                // A file longer than `size` from an earlier, larger configuration is trimmed.
+                f.set_len(size).map_err(ioe("sizing", path))?;
+                return Ok(size);
+            }
+            Err(errno) => io::Error::from(errno),
+        };
         match e.raw_os_error() {
             Some(libc::ENOSPC) => {
                 let avail = crate::pool::free_bytes(path.parent().unwrap_or(path)).unwrap_or(0);
