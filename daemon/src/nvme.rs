@@ -397,6 +397,7 @@ impl NvmeTier {
     }
 
     /// Blocks until one completion arrives.
+    #[cfg(test)]
     pub fn wait_one(&self) -> Option<IoDone> {
         self.engine.wait_one()
     }

@@ -691,24 +691,30 @@ impl Store {
         self.layout(req.layout_id)?;
         match self.try_alloc(req, now)? {
             Some(r) => Ok(Answer::Now(r)),
-            None => Ok(Answer::Later(self.defer(
-                Waiting::Alloc(req.clone()),
-                now,
-                self.cfg.alloc_wait,
-            ))),
+            None => {
+                let token = self.new_token();
+                let wait = self.cfg.alloc_wait;
+                Ok(self.defer(token, Waiting::Alloc(req.clone()), now, wait))
+            }
         }
     }
 
-    fn defer(&mut self, what: Waiting, now: Instant, wait: Duration) -> u64 {
+    /// A fresh tag for an I/O operation or a deferred request.
+    fn new_token(&mut self) -> u64 {
         let token = self.next_tag;
         self.next_tag += 1;
+        token
+    }
+
+    /// Parks a request until [`Store::poll_io`] can answer it, at the latest after `wait`.
+    fn defer<T>(&mut self, token: u64, what: Waiting, now: Instant, wait: Duration) -> Answer<T> {
         self.deferred.push(Deferred {
             token,
             since: now,
             deadline: now + wait,
             what,
         });
-        token
+        Answer::Later(token)
     }
 
     fn cached_elsewhere(&self, layout: LayoutId, k: &ChunkHash) -> bool {
@@ -922,19 +928,18 @@ impl Store {
                 format!("{} pins are live (limit)", self.cfg.max_pins),
             ));
         }
-        let token = self.next_tag;
-        self.next_tag += 1;
+        let token = self.new_token();
         let (waits, blocked) = self.promote(req, now, token);
         if waits.is_empty() && !blocked {
             return Ok(Answer::Now(self.pin_hits(req, now)));
         }
-        self.deferred.push(Deferred {
+        let wait = self.cfg.max_pin_ttl;
+        Ok(self.defer(
             token,
-            since: now,
-            deadline: now + self.cfg.max_pin_ttl,
-            what: Waiting::Get(req.clone(), waits, Vec::new()),
-        });
-        Ok(Answer::Later(token))
+            Waiting::Get(req.clone(), waits, Vec::new()),
+            now,
+            wait,
+        ))
     }
 
     /// Starts promotions for the keys only NVMe holds; returns the blocks on their way

@@ -174,6 +174,7 @@ impl UringEngine {
     }
 
     /// Blocks until at least one completion is delivered (tests and shutdown).
+    #[cfg(test)]
     pub fn wait_one(&self) -> Option<IoDone> {
         self.done.recv().ok()
     }
