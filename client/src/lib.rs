@@ -356,14 +356,15 @@ impl Client {
         sock: &zmq::Socket,
         id: u64,
         op: &'static str,
+        extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
-        let deadline = Instant::now() + self.inner.opts.timeout;
+        let deadline = Instant::now() + self.inner.opts.timeout + extra;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
                 return Err(Error::Timeout {
                     op,
-                    after: self.inner.opts.timeout,
+                    after: self.inner.opts.timeout + extra,
                 });
             }
             let mut parts = Vec::new();
@@ -404,10 +405,20 @@ impl Client {
         req: &Request,
         payloads: &[&[u8]],
     ) -> Result<(T, Vec<zmq::Message>)> {
+        self.raw_call_waiting(req, payloads, Duration::ZERO)
+    }
+
+    /// A round trip whose answer the daemon may hold back up to `extra`.
+    fn raw_call_waiting<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        payloads: &[&[u8]],
+        extra: Duration,
+    ) -> Result<(T, Vec<zmq::Message>)> {
         let sock = self.checkout()?;
         let r = self
             .send_on(&sock, req, payloads)
-            .and_then(|id| self.recv_on(&sock, id, req.op()));
+            .and_then(|id| self.recv_on(&sock, id, req.op(), extra));
         self.finish(sock, r)
     }
 
@@ -427,15 +438,24 @@ impl Client {
         make: impl Fn(ClientId) -> Request,
         payloads: &[&[u8]],
     ) -> Result<(T, Vec<zmq::Message>)> {
+        self.call_waiting(make, payloads, Duration::ZERO)
+    }
+
+    fn call_waiting<T: DeserializeOwned>(
+        &self,
+        make: impl Fn(ClientId) -> Request,
+        payloads: &[&[u8]],
+        extra: Duration,
+    ) -> Result<(T, Vec<zmq::Message>)> {
         let s = self.session();
-        match self.raw_call(&make(s.client), payloads) {
+        match self.raw_call_waiting(&make(s.client), payloads, extra) {
             Err(Error::Daemon(e)) if e.code == ErrorCode::UnknownClient => {
                 let old = s.hello.incarnation;
                 let new = self.rehello()?;
                 if new != old {
                     return Err(Error::DaemonRestarted { old, new });
                 }
-                self.raw_call(&make(self.session().client), payloads)
+                self.raw_call_waiting(&make(self.session().client), payloads, extra)
             }
             r => r,
         }
@@ -683,7 +703,7 @@ impl Client {
         }
         // Collect every reply sent (even after a failure) so the socket stays in step.
         for id in ids {
-            let got = self.recv_on::<CommitResp>(&sock, id, op::COMMIT);
+            let got = self.recv_on::<CommitResp>(&sock, id, op::COMMIT, Duration::ZERO);
             let fatal = matches!(got, Err(Error::Timeout { .. } | Error::Zmq(_)));
             if let Err(e) = got {
                 if r.is_ok() {
@@ -861,6 +881,167 @@ impl Client {
             &[],
         )?;
         Ok(r.status)
+    }
+
+    // ----- prefill → decode handoff -----
+
+    /// Prefill side: pins committed blocks under a lease and returns the
+    /// `kv_transfer_params` for the decode side ([`TransferParams::to_msgpack`] gives the
+    /// bytes a router forwards).
+    pub fn export(
+        &self,
+        transfer_id: &str,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        lease: Option<Duration>,
+    ) -> Result<TransferParams> {
+        let (r, _): (ExportResp, _) = self.call(
+            |client| {
+                Request::Export(ExportReq {
+                    client,
+                    transfer_id: transfer_id.to_string(),
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                    lease_ms: lease.map(|d| d.as_millis() as u64),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.params)
+    }
+
+    /// Decode side: pulls an export into this node's pool. With `wait`, answers when the
+    /// transfer ends (done: `pin` holds the blocks for `ttl`, see [`Client::pinned`]);
+    /// otherwise at once (follow with [`Client::transfer_status`]).
+    pub fn pull(
+        &self,
+        params: &TransferParams,
+        ttl: Option<Duration>,
+        wait: bool,
+    ) -> Result<TransferResp> {
+        let extra = if wait {
+            Duration::from_millis(params.lease_ms) * 4
+        } else {
+            Duration::ZERO
+        };
+        Ok(self
+            .call_waiting(
+                |client| {
+                    Request::Pull(Box::new(PullReq {
+                        client,
+                        params: params.clone(),
+                        ttl_ms: ttl.map(|d| d.as_millis() as u64),
+                        wait,
+                        defer: false,
+                    }))
+                },
+                &[],
+                extra,
+            )?
+            .0)
+    }
+
+    /// Decode side: admits a transfer without starting it: the daemon heartbeats the
+    /// exporter (keeping its lease alive) while the request waits in the engine's queue.
+    /// A later [`Client::pull`] of the same params starts it.
+    pub fn admit(&self, params: &TransferParams, ttl: Option<Duration>) -> Result<TransferResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::Pull(Box::new(PullReq {
+                        client,
+                        params: params.clone(),
+                        ttl_ms: ttl.map(|d| d.as_millis() as u64),
+                        wait: false,
+                        defer: true,
+                    }))
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// Decode side: pre-allocates slots for `keys` and registers them with the prefill
+    /// node (its `tcp://` control endpoint), which writes into them once it exports
+    /// `transfer_id`. Answers at once; wait with [`Client::transfer_status`].
+    pub fn push_register(
+        &self,
+        transfer_id: &str,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        node: &str,
+        ttl: Option<Duration>,
+    ) -> Result<TransferResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::PushRegister(PushRegisterReq {
+                        client,
+                        transfer_id: transfer_id.to_string(),
+                        layout_id: layout,
+                        keys: keys.to_vec(),
+                        node: node.to_string(),
+                        ttl_ms: ttl.map(|d| d.as_millis() as u64),
+                        wait: false,
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// Where a transfer is; waits up to `wait` for it to end.
+    pub fn transfer_status(&self, transfer_id: &str, wait: Duration) -> Result<TransferResp> {
+        Ok(self
+            .call_waiting(
+                |client| {
+                    Request::TransferStatus(TransferStatusReq {
+                        client,
+                        transfer_id: transfer_id.to_string(),
+                        wait_ms: wait.as_millis() as u64,
+                    })
+                },
+                &[],
+                wait,
+            )?
+            .0)
+    }
+
+    /// Ends a transfer on this daemon's side; the other side is told.
+    pub fn abort_transfer(&self, transfer_id: &str) -> Result<AbortResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::Abort(AbortReq {
+                        client,
+                        transfer_id: transfer_id.to_string(),
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// The blocks of a finished import, as [`PinnedBlocks`] (releasing them releases the
+    /// transfer's pin). The deadline counts from now, which is later than the daemon's
+    /// clock: call it as soon as the transfer is done.
+    pub fn pinned(&self, layout: LayoutId, done: &TransferResp) -> Result<PinnedBlocks> {
+        if done.state != TransferState::Done {
+            return Err(Error::Protocol(format!(
+                "transfer {} is {:?}, not done",
+                done.transfer_id, done.state
+            )));
+        }
+        let info = self.layout_info(layout)?;
+        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        Ok(PinnedBlocks {
+            client: self.clone(),
+            pin: done.pin,
+            offsets: done.offsets.clone(),
+            pool,
+            block_bytes: info.block_bytes as usize,
+            deadline: Instant::now() + Duration::from_millis(done.ttl_ms),
+        })
     }
 
     /// The daemon's counters and gauges.

@@ -29,6 +29,20 @@
 //! | `nvme.size` | size | `64GiB` | `KVD_NVME_SIZE` / `--nvme-size` | total tier size, preallocated (shrunk, with a warning, to what the disks hold) |
 //! | `nvme.queue_depth` | int | `32` | | io_uring queue depth |
 //! | `nvme.allow_buffered` | bool | `false` | `--nvme-allow-buffered` | use buffered I/O where O_DIRECT is refused (tmpfs) instead of failing |
+//! | `transfer.enabled` | bool | `true` | `--no-transfers` (off) | prefill → decode handoff and its endpoints |
+//! | `transfer.control` | string | `tcp://127.0.0.1:*` | `KVD_TRANSFER_CONTROL` / `--transfer-control` | ZMQ endpoint peers send control messages to (`*`: any free port) |
+//! | `transfer.data` | string | `127.0.0.1:0` | `KVD_TRANSFER_DATA` / `--transfer-data` | TCP address of the data plane (port 0: any free port) |
+//! | `transfer.advertise_host` | string | none (the bind address) | `KVD_ADVERTISE_HOST` / `--advertise-host` | host name or IP peers use to reach this node (set it when binding `0.0.0.0`) |
+//! | `transfer.lease_ms` | int | `30000` | `KVD_LEASE_MS` / `--lease-ms` | initial lease of a transfer |
+//! | `transfer.heartbeat_ms` | int | `0` (= lease/6) | | decode-side heartbeat period |
+//! | `transfer.peer_timeout_ms` | int | `5000` | | wait for a peer's reply to a control message |
+//! | `transfer.retain_ms` | int | `60000` | | ended transfers stay visible to `transfer_status` this long |
+//! | `transfer.max_transfers` | int | `65536` | | live transfers |
+//! | `transfer.streams` | int | `4` | | parallel TCP streams per transfer |
+//! | `transfer.workers` | int | `4` | | data-plane worker threads |
+//! | `transfer.io_timeout_ms` | int | `10000` | | data-plane socket timeout |
+//! | `transfer.max_connections` | int | `256` | | inbound data connections |
+//! | `transfer.shm` | bool | `true` | | same-host pulls copy from the peer's pool file |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 
@@ -188,6 +202,95 @@ impl Default for NvmeConfig {
     }
 }
 
+/// `[transfer]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransferSection {
+    /// Handoff on.
+    pub enabled: bool,
+    /// Control endpoint.
+    pub control: String,
+    /// Data-plane address.
+    pub data: String,
+    /// Host peers use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_host: Option<String>,
+    /// Initial lease.
+    pub lease_ms: u64,
+    /// Heartbeat period (0: lease/6).
+    pub heartbeat_ms: u64,
+    /// Control reply timeout.
+    pub peer_timeout_ms: u64,
+    /// Ended transfers kept this long.
+    pub retain_ms: u64,
+    /// Live transfers.
+    pub max_transfers: u64,
+    /// Parallel streams.
+    pub streams: u32,
+    /// Worker threads.
+    pub workers: u32,
+    /// Socket timeout.
+    pub io_timeout_ms: u64,
+    /// Inbound data connections.
+    pub max_connections: u32,
+    /// Same-host pulls through the peer's pool file.
+    pub shm: bool,
+}
+
+impl Default for TransferSection {
+    fn default() -> Self {
+        TransferSection {
+            enabled: true,
+            control: "tcp://127.0.0.1:*".into(),
+            data: "127.0.0.1:0".into(),
+            advertise_host: None,
+            lease_ms: 30_000,
+            heartbeat_ms: 0,
+            peer_timeout_ms: 5_000,
+            retain_ms: 60_000,
+            max_transfers: 65_536,
+            streams: 4,
+            workers: 4,
+            io_timeout_ms: 10_000,
+            max_connections: 256,
+            shm: true,
+        }
+    }
+}
+
+impl TransferSection {
+    /// The typed settings, or `None` when off.
+    pub fn resolved(&self) -> Option<crate::transfer::TransferConfig> {
+        use std::time::Duration;
+        if !self.enabled {
+            return None;
+        }
+        let lease = Duration::from_millis(self.lease_ms);
+        let heartbeat = if self.heartbeat_ms == 0 {
+            lease / 6
+        } else {
+            Duration::from_millis(self.heartbeat_ms)
+        };
+        Some(crate::transfer::TransferConfig {
+            control_endpoint: self.control.clone(),
+            data_bind: self.data.clone(),
+            advertise_host: self.advertise_host.clone(),
+            lease,
+            heartbeat,
+            peer_timeout: Duration::from_millis(self.peer_timeout_ms),
+            retain: Duration::from_millis(self.retain_ms),
+            max_transfers: self.max_transfers as usize,
+            data: crate::transfer::dataplane::DataOptions {
+                streams: self.streams as usize,
+                workers: self.workers as usize,
+                io_timeout: Duration::from_millis(self.io_timeout_ms),
+                max_connections: self.max_connections as usize,
+                shm: self.shm,
+            },
+        })
+    }
+}
+
 /// `[log]`
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -211,6 +314,8 @@ pub struct DaemonConfig {
     /// `[nvme]`
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme: Option<NvmeConfig>,
+    /// `[transfer]`
+    pub transfer: TransferSection,
     /// `[log]`
     pub log: LogConfig,
 }
@@ -336,6 +441,21 @@ pub struct Cli {
     /// Use buffered I/O where O_DIRECT is refused (tmpfs).
     #[arg(long)]
     pub nvme_allow_buffered: bool,
+    /// Turn the prefill → decode handoff off.
+    #[arg(long)]
+    pub no_transfers: bool,
+    /// Control endpoint peers use, e.g. tcp://0.0.0.0:7101.
+    #[arg(long, env = "KVD_TRANSFER_CONTROL")]
+    pub transfer_control: Option<String>,
+    /// Data-plane address, e.g. 0.0.0.0:7102.
+    #[arg(long, env = "KVD_TRANSFER_DATA")]
+    pub transfer_data: Option<String>,
+    /// Host name or IP peers use to reach this node.
+    #[arg(long, env = "KVD_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Initial lease of a transfer, in milliseconds.
+    #[arg(long, env = "KVD_LEASE_MS")]
+    pub lease_ms: Option<u64>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -401,6 +521,21 @@ impl DaemonConfig {
         if let Some(v) = &cli.group {
             cfg.server.group = Some(v.clone());
         }
+        if cli.no_transfers {
+            cfg.transfer.enabled = false;
+        }
+        if let Some(v) = &cli.transfer_control {
+            cfg.transfer.control = v.clone();
+        }
+        if let Some(v) = &cli.transfer_data {
+            cfg.transfer.data = v.clone();
+        }
+        if let Some(v) = &cli.advertise_host {
+            cfg.transfer.advertise_host = Some(v.clone());
+        }
+        if let Some(v) = cli.lease_ms {
+            cfg.transfer.lease_ms = v;
+        }
         if let Some(v) = cli.log_format {
             cfg.log.format = v;
         }
@@ -457,6 +592,24 @@ impl DaemonConfig {
         let lim = &self.limits;
         if lim.default_pin_ttl_ms == 0 || lim.default_pin_ttl_ms > lim.max_pin_ttl_ms {
             return bad("limits: 0 < default_pin_ttl_ms <= max_pin_ttl_ms".into());
+        }
+        let t = &self.transfer;
+        if t.enabled {
+            if !t.control.starts_with("tcp://") {
+                return bad(format!(
+                    "transfer.control {:?} must be a tcp:// endpoint",
+                    t.control
+                ));
+            }
+            if t.lease_ms < 100 || t.lease_ms > 3_600_000 {
+                return bad("transfer.lease_ms must be 100..=3600000".into());
+            }
+            if t.streams == 0 || t.streams > 64 || t.workers == 0 || t.workers > 256 {
+                return bad("transfer.streams must be 1..=64 and transfer.workers 1..=256".into());
+            }
+            if t.io_timeout_ms == 0 || t.peer_timeout_ms == 0 || t.max_connections == 0 {
+                return bad("transfer timeouts and max_connections must be positive".into());
+            }
         }
         if let Some(n) = &self.nvme {
             if !n.paths.is_empty() && n.size.0 < seg {

@@ -28,6 +28,7 @@ pub mod nvme;
 pub mod pool;
 pub mod server;
 pub mod store;
+pub mod transfer;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
@@ -139,6 +140,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         incarnation,
         started,
     );
+    let shared_pool = pool.clone();
     let store = match &cfg.nvme {
         Some(n) if !n.paths.is_empty() => {
             let tier = nvme::NvmeTier::open(
@@ -193,7 +195,11 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             max_layouts: lim.max_layouts,
         },
     };
-    let server = Server::bind(store, opts, sig_rx)?;
+    let transfers = cfg.transfer.resolved().map(|t| (t, shared_pool));
+    let server = Server::bind(store, opts, sig_rx, transfers)?;
+    if let Some(me) = server.peer_ref() {
+        tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
+    }
     for p in &ipc_paths {
         share_with_group(p, group, 0o660, 0o600)?;
     }

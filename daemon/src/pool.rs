@@ -247,6 +247,102 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Fills `len` bytes at `offset` from `r` (the TCP data plane receiving straight into
+    /// a slot: no staging buffer).
+    pub fn recv_into(&self, offset: u64, len: usize, r: &mut impl io::Read) -> io::Result<()> {
+        let off = self
+            .check(offset, len)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: in bounds (checked above) of the live mapping. The data plane receives
+        // only into slots that are PENDING and owned by the transfer doing the receive
+        // (an import's allocation, guarded by its grant), which no reader has been given
+        // and no other transfer writes; the borrow ends when this call returns.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) };
+        r.read_exact(dst)
+    }
+
+    /// Writes `len` bytes at `offset` to `w` (the data plane sending straight from a slot).
+    pub fn send_from(&self, offset: u64, len: usize, w: &mut impl io::Write) -> io::Result<()> {
+        let src = self
+            .read(offset, len)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        w.write_all(src)
+    }
+}
+
+/// Another daemon's pool on the same host, mapped read-only for `shm` pulls.
+pub struct RemotePool {
+    map: MmapRaw,
+    _file: File,
+    size: u64,
+    data_offset: u64,
+}
+
+impl RemotePool {
+    /// Maps the pool file at `path` and checks that its header names `incarnation`
+    /// (a restarted peer's new pool is refused).
+    pub fn open(path: &Path, incarnation: Incarnation) -> Result<RemotePool, PoolError> {
+        let file = File::open(path).map_err(io_err("opening peer pool", path))?;
+        let size = file
+            .metadata()
+            .map_err(io_err("stat peer pool", path))?
+            .len();
+        let map = MmapOptions::new()
+            .map_raw_read_only(&file)
+            .map_err(io_err("mapping peer pool", path))?;
+        let rp = RemotePool {
+            map,
+            _file: file,
+            size,
+            data_offset: 0,
+        };
+        let hdr = rp
+            .slice(0, kvd_protocol::pool::POOL_HEADER_BYTES)
+            .ok()
+            .and_then(PoolHeader::decode);
+        match hdr {
+            Some(h) if h.incarnation == incarnation && h.size_bytes == size => Ok(RemotePool {
+                data_offset: h.data_offset,
+                ..rp
+            }),
+            _ => Err(PoolError::Io {
+                what: "peer pool header does not match the peer's incarnation",
+                path: path.to_owned(),
+                source: io::Error::from(io::ErrorKind::InvalidData),
+            }),
+        }
+    }
+
+    fn slice(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
+        let oob = || PoolError::OutOfBounds {
+            offset,
+            len: len as u64,
+            size: self.size,
+        };
+        let end = offset.checked_add(len as u64).ok_or_else(oob)?;
+        if end > self.size || offset < self.data_offset {
+            return Err(oob());
+        }
+        // SAFETY: `offset + len <= size`, the length of the live read-only mapping this
+        // borrow is tied to. The peer may write these bytes concurrently only if it freed
+        // the slot, which it does not while the export's lease holds it; the importer
+        // confirms the lease with the exporter (peer_done) before trusting the bytes.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len) })
+    }
+
+    /// Copies `len` bytes at `remote` into the local pool at `local`.
+    pub fn copy_to(
+        &self,
+        remote: u64,
+        len: usize,
+        pool: &Pool,
+        local: u64,
+    ) -> Result<(), PoolError> {
+        pool.write(local, self.slice(remote, len)?)
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 use crate::store::{Answer, Completed, Store};
+use crate::transfer::{self, Outgoing, Reply, Then, TransferConfig, Transfers, TOKEN_BIT};
 
 /// Where a deferred request's reply goes.
 struct ReplyTo {
@@ -57,6 +58,9 @@ pub enum ServerError {
         /// The error.
         source: zmq::Error,
     },
+    /// The transfer data plane could not start.
+    #[error("transfers: {0}")]
+    Transfer(String),
 }
 
 fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
@@ -66,21 +70,133 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
 
 /// The server. See the module docs.
 pub struct Server {
-    _ctx: zmq::Context,
+    ctx: zmq::Context,
     socket: zmq::Socket,
     store: Store,
     opts: ServerOptions,
     signals: UnixStream,
     parts: Vec<zmq::Message>,
     waiting: std::collections::HashMap<u64, ReplyTo>,
+    transfers: Option<Transfers>,
+    links: PeerLinks,
+    next_token: u64,
+}
+
+/// One DEALER per peer daemon this one sends control messages to.
+struct PeerLinks {
+    links: std::collections::HashMap<String, Link>,
+    next_id: u64,
+    timeout: Duration,
+}
+
+struct Link {
+    socket: zmq::Socket,
+    pending: std::collections::HashMap<u64, (Then, Instant)>,
+}
+
+impl PeerLinks {
+    fn send(
+        &mut self,
+        ctx: &zmq::Context,
+        out: Outgoing,
+        now: Instant,
+    ) -> Result<(), (Then, WireError)> {
+        let fail = |then, what: String| (then, WireError::new(ErrorCode::PeerUnreachable, what));
+        if !self.links.contains_key(&out.node) {
+            let made = (|| -> Result<zmq::Socket, zmq::Error> {
+                let s = ctx.socket(zmq::DEALER)?;
+                s.set_linger(0)?;
+                s.set_sndhwm(10_000)?;
+                s.set_reconnect_ivl(100)?;
+                s.set_reconnect_ivl_max(2000)?;
+                s.connect(&out.node)?;
+                Ok(s)
+            })();
+            match made {
+                Ok(socket) => {
+                    self.links.insert(
+                        out.node.clone(),
+                        Link {
+                            socket,
+                            pending: Default::default(),
+                        },
+                    );
+                }
+                Err(e) => return Err(fail(out.then, format!("connecting to {}: {e}", out.node))),
+            }
+        }
+        self.next_id += 1;
+        let id = self.next_id;
+        let link = self.links.get_mut(&out.node).expect("inserted above");
+        let frame = encode_request(id, &out.req);
+        match link.socket.send(frame, zmq::DONTWAIT) {
+            Ok(()) => {
+                link.pending.insert(id, (out.then, now + self.timeout));
+                Ok(())
+            }
+            Err(e) => Err(fail(out.then, format!("sending to {}: {e}", out.node))),
+        }
+    }
+
+    /// Replies received, and requests that timed out.
+    fn collect(&mut self, now: Instant) -> Vec<(Then, Result<PeerAck, WireError>)> {
+        let mut out = Vec::new();
+        for (node, link) in &mut self.links {
+            while let Ok(frame) = link.socket.recv_bytes(zmq::DONTWAIT) {
+                let Ok(id) = codec::reply_id(&frame) else {
+                    continue;
+                };
+                let Some((then, _)) = link.pending.remove(&id) else {
+                    continue;
+                };
+                let r = match decode_reply::<PeerAck>(&frame) {
+                    Ok((_, Ok(ack))) => Ok(ack),
+                    Ok((_, Err(e))) => Err(e),
+                    Err(e) => Err(WireError::new(
+                        ErrorCode::Malformed,
+                        format!("reply from {node}: {e}"),
+                    )),
+                };
+                out.push((then, r));
+            }
+            let late: Vec<u64> = link
+                .pending
+                .iter()
+                .filter(|(_, (_, d))| *d <= now)
+                .map(|(k, _)| *k)
+                .collect();
+            for id in late {
+                let (then, _) = link.pending.remove(&id).expect("listed");
+                out.push((
+                    then,
+                    Err(WireError::new(
+                        ErrorCode::PeerUnreachable,
+                        format!(
+                            "{node} did not answer within {} ms",
+                            self.timeout.as_millis()
+                        ),
+                    )),
+                ));
+            }
+        }
+        out
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.links
+            .values()
+            .flat_map(|l| l.pending.values().map(|(_, d)| *d))
+            .min()
+    }
 }
 
 impl Server {
     /// Creates the ROUTER socket and binds every endpoint.
     pub fn bind(
-        store: Store,
+        mut store: Store,
         opts: ServerOptions,
         signals: UnixStream,
+        transfers: Option<(TransferConfig, std::sync::Arc<crate::pool::Pool>)>,
     ) -> Result<Self, ServerError> {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
@@ -103,24 +219,58 @@ impl Server {
         signals
             .set_nonblocking(true)
             .expect("setting O_NONBLOCK on a socketpair cannot fail");
+        let mut timeout = Duration::from_secs(5);
+        let transfers = match transfers {
+            None => None,
+            Some((cfg, pool)) => {
+                let e = cfg.control_endpoint.clone();
+                socket.bind(&e).map_err(zerr(format!("bind {e}")))?;
+                let bound = socket
+                    .get_last_endpoint()
+                    .map_err(zerr("LAST_ENDPOINT"))?
+                    .unwrap_or(e);
+                timeout = cfg.peer_timeout;
+                let t = Transfers::start(cfg, bound, pool, &mut store, Instant::now())
+                    .map_err(|e| ServerError::Transfer(e.to_string()))?;
+                Some(t)
+            }
+        };
         Ok(Server {
-            _ctx: ctx,
+            ctx,
             socket,
             store,
             opts,
             signals,
             parts: Vec::new(),
             waiting: std::collections::HashMap::new(),
+            transfers,
+            links: PeerLinks {
+                links: Default::default(),
+                next_id: 0,
+                timeout,
+            },
+            next_token: 0,
         })
+    }
+
+    /// How peers reach this daemon, when transfers are on.
+    pub fn peer_ref(&self) -> Option<&PeerRef> {
+        self.transfers.as_ref().map(Transfers::me)
     }
 
     /// Serves until a signal arrives; then answers what is already queued and returns.
     pub fn run(mut self) -> Result<Store, ServerError> {
         loop {
             let now = Instant::now();
-            let timeout = self
-                .store
-                .next_deadline()
+            let next = [
+                self.store.next_deadline(),
+                self.transfers.as_ref().and_then(Transfers::next_deadline),
+                self.links.next_deadline(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            let timeout = next
                 .map(|d| d.saturating_duration_since(now))
                 .unwrap_or(Duration::from_secs(1))
                 .min(Duration::from_secs(1));
@@ -133,6 +283,12 @@ impl Server {
                 ];
                 if let Some(fd) = self.store.io_fd() {
                     items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                }
+                if let Some(t) = &self.transfers {
+                    items.push(zmq::PollItem::from_fd(t.wake_fd(), zmq::POLLIN));
+                }
+                for l in self.links.links.values() {
+                    items.push(l.socket.as_poll_item(zmq::POLLIN));
                 }
                 match zmq::poll(&mut items, timeout_ms) {
                     Ok(_) => {}
@@ -149,6 +305,7 @@ impl Server {
                 }
             }
             self.store.maintain(Instant::now());
+            self.drive_transfers();
             self.answer_deferred();
             if sig_ready {
                 let mut buf = [0u8; 16];
@@ -211,6 +368,39 @@ impl Server {
         }
         self.parts = parts;
         Ok(true)
+    }
+
+    /// Runs the transfers' time-driven work, feeds them peer replies, sends their
+    /// outbox.
+    fn drive_transfers(&mut self) {
+        let Some(t) = self.transfers.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        for (then, r) in self.links.collect(now) {
+            t.on_peer_reply(&mut self.store, then, r, now);
+        }
+        t.maintain(&mut self.store, now);
+        // Sending can fail at once (a peer that cannot be connected): feed those back
+        // until the outbox is empty.
+        for _ in 0..4 {
+            let out = t.take_outbox();
+            if out.is_empty() {
+                break;
+            }
+            for o in out {
+                if let Err((then, e)) = self.links.send(&self.ctx, o, now) {
+                    t.on_peer_reply(&mut self.store, then, Err(e), now);
+                }
+            }
+        }
+        for (token, r) in t.take_answers() {
+            let Some(to) = self.waiting.remove(&token) else {
+                continue;
+            };
+            let (reply, payloads) = self.finish(to.id, r.map(Body::from), Vec::new());
+            self.send_reply(&to.identity, to.req_style, reply, payloads);
+        }
     }
 
     /// Sends the replies of deferred requests that the store has finished.
@@ -374,6 +564,7 @@ impl Server {
                         slot_align: crate::pool::SLOT_ALIGN,
                     },
                     limits: self.opts.limits.clone(),
+                    node: self.transfers.as_ref().map(|t| t.me().clone()),
                 })
             }
             Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
@@ -395,8 +586,48 @@ impl Server {
             },
             Request::Release(r) => Body::Release(s.release(r, now)?),
             Request::Delete(r) => Body::Delete(s.delete(r, now)?),
-            Request::Stats(_) => Body::Stats(s.stats(now)),
+            Request::Stats(_) => {
+                let mut st = s.stats(now);
+                st.transfers = self.transfers.as_ref().map(Transfers::stats);
+                Body::Stats(st)
+            }
+            _ => return self.execute_transfer(req, now),
         }))
+    }
+
+    fn execute_transfer(&mut self, req: &Request, now: Instant) -> Result<Answer<Body>, WireError> {
+        let Some(t) = self.transfers.as_mut() else {
+            return Err(WireError::new(
+                ErrorCode::InvalidState,
+                format!("op {} needs transfers, which are off on this daemon (transfer.enabled = false)", req.op()),
+            ));
+        };
+        self.next_token += 1;
+        let token = TOKEN_BIT | self.next_token;
+        let s = &mut self.store;
+        let later = |a: transfer::Answer| match a {
+            transfer::Answer::Now(r) => Answer::Now(Body::from(*r)),
+            transfer::Answer::Later(t) => Answer::Later(t),
+        };
+        let r = match req {
+            Request::Export(r) => Answer::Now(Body::from(t.export(s, r, now)?)),
+            Request::Pull(r) => later(t.pull(s, r, token, now)?),
+            Request::PushRegister(r) => later(t.push_register(s, r, token, now)?),
+            Request::TransferStatus(r) => later(t.status(r, token, now)?),
+            Request::Abort(r) => Answer::Now(Body::from(t.abort(s, r, now)?)),
+            Request::PeerPushReg(r) => Answer::Now(Body::from(t.peer_push_reg(s, r, now)?)),
+            Request::PeerPushDone(r) => Answer::Now(Body::from(t.peer_push_done(s, r, now)?)),
+            Request::PeerDone(r) => Answer::Now(Body::from(t.peer_done(s, r, now)?)),
+            Request::PeerFail(r) => Answer::Now(Body::from(t.peer_fail(s, r, now)?)),
+            Request::PeerHeartbeat(r) => Answer::Now(Body::from(t.peer_heartbeat(r, now)?)),
+            other => {
+                return Err(WireError::new(
+                    ErrorCode::Internal,
+                    format!("op {} reached the transfer dispatcher", other.op()),
+                ))
+            }
+        };
+        Ok(r)
     }
 }
 
@@ -419,6 +650,21 @@ enum Body {
     Release(ReleaseResp),
     Delete(DeleteResp),
     Stats(StatsResp),
+    Export(ExportResp),
+    Transfer(TransferResp),
+    Abort(AbortResp),
+    Ack(PeerAck),
+}
+
+impl From<Reply> for Body {
+    fn from(r: Reply) -> Body {
+        match r {
+            Reply::Export(b) => Body::Export(b),
+            Reply::Transfer(b) => Body::Transfer(b),
+            Reply::Abort(b) => Body::Abort(b),
+            Reply::Ack(b) => Body::Ack(b),
+        }
+    }
 }
 
 fn body_with_id(id: u64, body: Body) -> Vec<u8> {
@@ -432,5 +678,9 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::Release(b) => encode_ok(id, &b),
         Body::Delete(b) => encode_ok(id, &b),
         Body::Stats(b) => encode_ok(id, &b),
+        Body::Export(b) => encode_ok(id, &b),
+        Body::Transfer(b) => encode_ok(id, &b),
+        Body::Abort(b) => encode_ok(id, &b),
+        Body::Ack(b) => encode_ok(id, &b),
     }
 }

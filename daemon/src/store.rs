@@ -180,6 +180,8 @@ struct Pin {
 
 #[derive(Debug)]
 struct Session {
+    /// The daemon's own session (transfers): never dropped when idle.
+    system: bool,
     name: String,
     pid: u32,
     last_seen: Instant,
@@ -590,6 +592,7 @@ impl Store {
         self.clients.insert(
             id,
             Session {
+                system: false,
                 name,
                 pid: req.pid,
                 last_seen: now,
@@ -689,7 +692,7 @@ impl Store {
     pub fn alloc(&mut self, req: &AllocReq, now: Instant) -> Result<Answer<AllocResp>, WireError> {
         self.session(req.client, now)?;
         self.layout(req.layout_id)?;
-        match self.try_alloc(req, now)? {
+        match self.try_alloc(req, self.cfg.alloc_ttl, now)? {
             Some(r) => Ok(Answer::Now(r)),
             None => {
                 let token = self.new_token();
@@ -724,7 +727,12 @@ impl Store {
     }
 
     /// `Ok(None)`: wait for demotions.
-    fn try_alloc(&mut self, req: &AllocReq, now: Instant) -> Result<Option<AllocResp>, WireError> {
+    fn try_alloc(
+        &mut self,
+        req: &AllocReq,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<Option<AllocResp>, WireError> {
         let (_, class) = self.layout(req.layout_id)?;
         let needed = req
             .keys
@@ -738,7 +746,7 @@ impl Store {
             Room::Wait => return Ok(None),
             Room::Full => return Err(self.pool_full(class, needed)),
         }
-        let deadline = now + self.cfg.alloc_ttl;
+        let deadline = now + ttl;
         let tick = self.tick(now);
         let mut status = Vec::with_capacity(req.keys.len());
         let mut offsets = Vec::with_capacity(req.keys.len());
@@ -800,7 +808,7 @@ impl Store {
         Ok(Some(AllocResp {
             status,
             offsets,
-            ttl_ms: self.cfg.alloc_ttl.as_millis() as u64,
+            ttl_ms: ttl.as_millis() as u64,
         }))
     }
 
@@ -1046,6 +1054,10 @@ impl Store {
             .map(Duration::from_millis)
             .unwrap_or(self.cfg.default_pin_ttl)
             .min(self.cfg.max_pin_ttl);
+        self.pin_hits_for(req, ttl, now)
+    }
+
+    fn pin_hits_for(&mut self, req: &GetReq, ttl: Duration, now: Instant) -> GetResp {
         let mut offsets = Vec::with_capacity(req.keys.len());
         let mut pinned = Vec::new();
         for k in &req.keys {
@@ -1239,12 +1251,127 @@ impl Store {
             dropped: self.counters.dropped,
             waiting: self.deferred.len() as u64,
             nvme: self.nvme.as_ref().map(NvmeTier::stats),
+            transfers: None,
             errors: self
                 .counters
                 .errors
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
+        }
+    }
+
+    // ----- for transfers (the daemon's own session) -----
+
+    /// Opens the daemon's own session, which transfers allocate and pin under. It is
+    /// never dropped for being idle.
+    pub fn system_session(&mut self, now: Instant) -> ClientId {
+        let id = loop {
+            let id = ClientId(rand::random());
+            if id.0 != 0 && !self.clients.contains_key(&id) {
+                break id;
+            }
+        };
+        self.clients.insert(
+            id,
+            Session {
+                system: true,
+                name: "kvd-transfers".into(),
+                pid: std::process::id(),
+                last_seen: now,
+                pins: 0,
+                pending: 0,
+            },
+        );
+        id
+    }
+
+    /// `alloc` for a transfer: its reservations last `ttl` (the transfer frees them
+    /// itself when it ends), and it never waits. `Ok(None)`: no room yet, demotions are
+    /// in flight; try again later.
+    pub fn alloc_for_transfer(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<Option<AllocResp>, WireError> {
+        self.session(client, now)?;
+        let req = AllocReq {
+            client,
+            layout_id: layout,
+            keys: keys.to_vec(),
+        };
+        self.try_alloc(&req, ttl, now)
+    }
+
+    /// Pins every key (all must be committed in DRAM) for `ttl`, not clamped: an export's
+    /// lease governs it and releases it with [`Store::unpin_by_id`].
+    pub fn pin_for_export(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(PinId, Vec<u64>), WireError> {
+        self.session(client, now)?;
+        self.layout(layout)?;
+        for (i, k) in keys.iter().enumerate() {
+            let ok = self.find(layout, k).is_some_and(|n| {
+                matches!(
+                    self.nodes[n as usize].state,
+                    State::Committed | State::Demoting
+                )
+            });
+            if !ok {
+                return Err(err(
+                    ErrorCode::InvalidState,
+                    format!("key #{i} ({k}) is not committed in DRAM: only committed blocks can be exported"),
+                ));
+            }
+        }
+        if self.pins.len() >= self.cfg.max_pins {
+            return Err(err(
+                ErrorCode::LimitReached,
+                format!("{} pins are live (limit)", self.cfg.max_pins),
+            ));
+        }
+        let req = GetReq {
+            client,
+            layout_id: layout,
+            keys: keys.to_vec(),
+            ttl_ms: None,
+            inline: false,
+        };
+        let r = self.pin_hits_for(&req, ttl, now);
+        let pin = r
+            .pin
+            .ok_or_else(|| err(ErrorCode::Internal, "export pinned nothing"))?;
+        Ok((pin, r.offsets.into_iter().flatten().collect()))
+    }
+
+    /// Checks that `client` is a live session (and marks it seen).
+    pub fn check_session(&mut self, client: ClientId, now: Instant) -> Result<(), WireError> {
+        self.session(client, now).map(|_| ())
+    }
+
+    /// `get` without NVMe promotion: pins what DRAM holds now (misses are `nil`).
+    pub fn pin_now(&mut self, req: &GetReq, now: Instant) -> Result<GetResp, WireError> {
+        self.session(req.client, now)?;
+        self.layout(req.layout_id)?;
+        Ok(self.pin_hits(req, now))
+    }
+
+    /// Drops a pin whatever its owner (the daemon's transfers releasing their own).
+    pub fn unpin_by_id(&mut self, pin: PinId) -> bool {
+        match self.pins.remove(&pin) {
+            Some(p) => {
+                self.unpin(p);
+                true
+            }
+            None => false,
         }
     }
 
@@ -1317,7 +1444,7 @@ impl Store {
             match d.what {
                 Waiting::Alloc(req) => {
                     let r = if progressed || d.deadline <= now {
-                        self.try_alloc(&req, now)
+                        self.try_alloc(&req, self.cfg.alloc_ttl, now)
                     } else {
                         Ok(None)
                     };
@@ -1463,8 +1590,10 @@ impl Store {
     fn sweep_clients(&mut self, now: Instant) {
         let ttl = self.cfg.client_idle_ttl;
         self.clients.retain(|id, s| {
-            let keep =
-                s.pins > 0 || s.pending > 0 || now.saturating_duration_since(s.last_seen) < ttl;
+            let keep = s.system
+                || s.pins > 0
+                || s.pending > 0
+                || now.saturating_duration_since(s.last_seen) < ttl;
             if !keep {
                 tracing::info!(client = %id, name = %s.name, pid = s.pid, "idle session dropped");
             }

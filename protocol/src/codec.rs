@@ -11,7 +11,13 @@ use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{DecodeError, WireError};
+use crate::msg::op;
 use crate::msg::*;
+use crate::transfer::op as xop;
+use crate::transfer::{
+    AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerPushDoneReq,
+    PeerPushRegReq, PullReq, PushRegisterReq, TransferStatusReq,
+};
 
 /// The protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -29,6 +35,16 @@ pub enum Request {
     Release(ReleaseReq),
     Delete(DeleteReq),
     Stats(StatsReq),
+    Export(ExportReq),
+    Pull(Box<PullReq>),
+    PushRegister(PushRegisterReq),
+    TransferStatus(TransferStatusReq),
+    Abort(AbortReq),
+    PeerPushReg(PeerPushRegReq),
+    PeerPushDone(PeerPushDoneReq),
+    PeerDone(PeerDoneReq),
+    PeerFail(PeerFailReq),
+    PeerHeartbeat(PeerHeartbeatReq),
 }
 
 impl Request {
@@ -44,6 +60,16 @@ impl Request {
             Request::Release(_) => op::RELEASE,
             Request::Delete(_) => op::DELETE,
             Request::Stats(_) => op::STATS,
+            Request::Export(_) => xop::EXPORT,
+            Request::Pull(_) => xop::PULL,
+            Request::PushRegister(_) => xop::PUSH_REGISTER,
+            Request::TransferStatus(_) => xop::TRANSFER_STATUS,
+            Request::Abort(_) => xop::ABORT,
+            Request::PeerPushReg(_) => xop::PEER_PUSH_REG,
+            Request::PeerPushDone(_) => xop::PEER_PUSH_DONE,
+            Request::PeerDone(_) => xop::PEER_DONE,
+            Request::PeerFail(_) => xop::PEER_FAIL,
+            Request::PeerHeartbeat(_) => xop::PEER_HEARTBEAT,
         }
     }
 
@@ -56,6 +82,11 @@ impl Request {
             Request::Get(r) => r.keys.len(),
             Request::Delete(r) => r.keys.len(),
             Request::Release(r) => r.pins.len(),
+            Request::Export(r) => r.keys.len(),
+            Request::Pull(r) => r.params.keys.len(),
+            Request::PushRegister(r) => r.keys.len(),
+            Request::PeerPushReg(r) => r.keys.len(),
+            Request::PeerHeartbeat(r) => r.transfers.len(),
             _ => 0,
         }
     }
@@ -95,6 +126,16 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::Release(b) => env(id, op, b),
         Request::Delete(b) => env(id, op, b),
         Request::Stats(b) => env(id, op, b),
+        Request::Export(b) => env(id, op, b),
+        Request::Pull(b) => env(id, op, b),
+        Request::PushRegister(b) => env(id, op, b),
+        Request::TransferStatus(b) => env(id, op, b),
+        Request::Abort(b) => env(id, op, b),
+        Request::PeerPushReg(b) => env(id, op, b),
+        Request::PeerPushDone(b) => env(id, op, b),
+        Request::PeerDone(b) => env(id, op, b),
+        Request::PeerFail(b) => env(id, op, b),
+        Request::PeerHeartbeat(b) => env(id, op, b),
     }
 }
 
@@ -176,6 +217,16 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         op::RELEASE => body(frame, op::RELEASE).map(Request::Release),
         op::DELETE => body(frame, op::DELETE).map(Request::Delete),
         op::STATS => body_or_default(frame, op::STATS).map(Request::Stats),
+        xop::EXPORT => body(frame, xop::EXPORT).map(Request::Export),
+        xop::PULL => body(frame, xop::PULL).map(|b| Request::Pull(Box::new(b))),
+        xop::PUSH_REGISTER => body(frame, xop::PUSH_REGISTER).map(Request::PushRegister),
+        xop::TRANSFER_STATUS => body(frame, xop::TRANSFER_STATUS).map(Request::TransferStatus),
+        xop::ABORT => body(frame, xop::ABORT).map(Request::Abort),
+        xop::PEER_PUSH_REG => body(frame, xop::PEER_PUSH_REG).map(Request::PeerPushReg),
+        xop::PEER_PUSH_DONE => body(frame, xop::PEER_PUSH_DONE).map(Request::PeerPushDone),
+        xop::PEER_DONE => body(frame, xop::PEER_DONE).map(Request::PeerDone),
+        xop::PEER_FAIL => body(frame, xop::PEER_FAIL).map(Request::PeerFail),
+        xop::PEER_HEARTBEAT => body(frame, xop::PEER_HEARTBEAT).map(Request::PeerHeartbeat),
         other => {
             let mut name = other.to_string();
             name.truncate(64);

@@ -36,6 +36,19 @@ pub enum ErrorCode {
     ShuttingDown,
     /// A bug in the daemon.
     Internal,
+    /// The transfer id is not known (never created, or ended and forgotten).
+    UnknownTransfer,
+    /// A daemon-to-daemon message names an incarnation that is not current (a peer
+    /// restarted): refused.
+    StaleIncarnation,
+    /// The transfer's lease ran out before it finished.
+    LeaseExpired,
+    /// The transfer failed (the message says where: data plane, peer, pool).
+    TransferFailed,
+    /// The peer daemon could not be reached or stopped answering.
+    PeerUnreachable,
+    /// A client on one side aborted the transfer.
+    Aborted,
     /// A code this build does not know.
     #[serde(other)]
     Other,
@@ -43,7 +56,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, for metrics labels and tests.
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::Malformed,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnknownOp,
@@ -58,7 +71,21 @@ impl ErrorCode {
         ErrorCode::LimitReached,
         ErrorCode::ShuttingDown,
         ErrorCode::Internal,
+        ErrorCode::UnknownTransfer,
+        ErrorCode::StaleIncarnation,
+        ErrorCode::LeaseExpired,
+        ErrorCode::TransferFailed,
+        ErrorCode::PeerUnreachable,
+        ErrorCode::Aborted,
     ];
+
+    /// The code of a wire name (`Other` when unknown).
+    pub fn from_name(name: &str) -> ErrorCode {
+        ErrorCode::ALL
+            .into_iter()
+            .find(|c| c.as_str() == name)
+            .unwrap_or(ErrorCode::Other)
+    }
 
     /// The wire name, also used as a metrics label.
     pub fn as_str(self) -> &'static str {
@@ -77,6 +104,12 @@ impl ErrorCode {
             ErrorCode::LimitReached => "limit_reached",
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::Internal => "internal",
+            ErrorCode::UnknownTransfer => "unknown_transfer",
+            ErrorCode::StaleIncarnation => "stale_incarnation",
+            ErrorCode::LeaseExpired => "lease_expired",
+            ErrorCode::TransferFailed => "transfer_failed",
+            ErrorCode::PeerUnreachable => "peer_unreachable",
+            ErrorCode::Aborted => "aborted",
             ErrorCode::Other => "other",
         }
     }

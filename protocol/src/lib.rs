@@ -14,6 +14,7 @@
 //! | [`codec`] | envelope encode/decode (`{v, id, op, body}` / `{v, id, ok \| err}`) |
 //! | [`error`] | `ErrorCode`, `WireError`, `DecodeError` |
 //! | [`pool`] | the header at the start of the shared pool file |
+//! | [`transfer`] | prefill → decode handoff ops, `kv_transfer_params`, daemon-to-daemon ops |
 #![deny(missing_docs)]
 
 pub mod codec;
@@ -23,6 +24,7 @@ pub mod ids;
 pub mod layout;
 pub mod msg;
 pub mod pool;
+pub mod transfer;
 
 pub use codec::{
     decode_reply, decode_request, encode_err, encode_ok, encode_request, Request, PROTOCOL_VERSION,
@@ -31,6 +33,12 @@ pub use error::{DecodeError, ErrorCode, WireError};
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
 pub use layout::{Dtype, Layout, LayoutError, MemoryOrder};
 pub use msg::*;
+pub use transfer::{
+    check_transfer_id, transfer_tag, AbortReq, AbortResp, ExportReq, ExportResp, PeerAck,
+    PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerPushDoneReq, PeerPushRegReq, PeerRef, PullReq,
+    PushRegisterReq, TransferParams, TransferResp, TransferRole, TransferState, TransferStats,
+    TransferStatusReq,
+};
 
 /// The default endpoint of a node's daemon, shared by `kvd` and `kvd-client` so that
 /// both agree without configuration: `ipc://<runtime_dir>/kvd/kvd.sock` when the

@@ -117,6 +117,10 @@ pub struct HelloResp {
     pub pool: PoolInfo,
     /// Limits.
     pub limits: Limits,
+    /// How peer daemons reach this one (its `tcp://` control endpoint is the `node` a
+    /// decode side names in `push_register`); absent when transfers are off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<crate::transfer::PeerRef>,
 }
 
 /// `register_layout`: idempotent; returns the id every later request names.
@@ -397,4 +401,7 @@ pub struct StatsResp {
     /// The NVMe tier; absent when it is off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nvme: Option<NvmeStats>,
+    /// Prefill → decode transfers; absent when they are off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfers: Option<crate::transfer::TransferStats>,
 }

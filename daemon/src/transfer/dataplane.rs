@@ -1,0 +1,1112 @@
+//! The data plane: bytes between two daemons' pools, behind one [`Transport`] trait.
+//!
+//! - [`Grants`]: what a remote daemon may read from (an export) or write into (a push
+//!   registration) this pool: a handle, a token, byte ranges, an expiry. The server
+//!   thread creates, extends and revokes grants; data-plane threads check every request
+//!   against them and hold a guard while bytes move, so a grant's slots are never freed
+//!   under a transfer: [`Grants::revoke`] says whether one is still active, and the owner
+//!   waits for it ([`Grants::quiet`]) before freeing.
+//! - [`DataServer`]: a TCP listener serving one-sided reads and writes straight from and
+//!   into pool slots (one thread per connection, bounded).
+//! - [`TcpTransport`]: the client side: a connection pool per peer, a transfer's ranges
+//!   coalesced and split over several parallel streams; bytes go from the socket straight
+//!   into the pool and back, with no staging copy.
+//! - [`ShmTransport`]: same host: map the peer's pool file read-only and copy.
+//! - [`DataPlane`]: worker threads that run transfer jobs and report completions to the
+//!   server thread through a channel and a wake-up socket it polls.
+//!
+//! Wire format of a TCP data connection (all integers little-endian), one request at a
+//! time per connection:
+//!
+//! ```text
+//! request  = "KVDX" u8:version=1 u8:op(1 read, 2 write) u16:0 u64:handle u64:token
+//!            u64:src_incarnation u64:dst_incarnation u32:nranges u32:0      (48 bytes)
+//!            nranges × (u64:offset u64:len)   -- offsets in the server's pool
+//!            [write: the ranges' bytes, in order]
+//! response = u8:status(0 ok, 1 error) [3]u8:0 u32:msg_len msg   -- msg "code: text"
+//!            [read and ok: the ranges' bytes, in order]
+//! ```
+//!
+//! A refused write closes the connection (its bytes are not drained).
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvd_protocol::{ErrorCode, Incarnation, PeerRef, WireError};
+
+use crate::pool::{Pool, RemotePool};
+
+const MAGIC: &[u8; 4] = b"KVDX";
+const VERSION: u8 = 1;
+const HEADER_BYTES: usize = 48;
+/// Most ranges in one data-plane request.
+pub const MAX_RANGES: u32 = 65_536;
+/// Ranges of a job are split into pieces of at least this size to spread them over
+/// streams.
+const MIN_PIECE: u64 = 256 * 1024;
+
+fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
+    WireError::new(code, msg)
+}
+
+/// Read or write.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dir {
+    /// Remote → local.
+    Read = 1,
+    /// Local → remote.
+    Write = 2,
+}
+
+/// One contiguous copy: `len` bytes between `remote` (the peer's pool) and `local`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Op {
+    /// Offset in the peer's pool.
+    pub remote: u64,
+    /// Offset in this pool.
+    pub local: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Merges ops whose remote and local ranges both continue the previous one (adjacent
+/// slots move as one range), keeping order.
+pub fn coalesce(ops: &[Op]) -> Vec<Op> {
+    let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+    for op in ops {
+        if let Some(last) = out.last_mut() {
+            if last.remote + last.len == op.remote && last.local + last.len == op.local {
+                last.len += op.len;
+                continue;
+            }
+        }
+        out.push(*op);
+    }
+    out
+}
+
+/// Splits `ops` into at most `streams` groups of about equal bytes (cutting large ops).
+pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
+    let total: u64 = ops.iter().map(|o| o.len).sum();
+    let streams = streams.max(1);
+    let share = (total.div_ceil(streams as u64)).max(MIN_PIECE);
+    let mut groups: Vec<Vec<Op>> = vec![Vec::new()];
+    let mut filled = 0u64;
+    for op in ops {
+        let mut op = *op;
+        while op.len > 0 {
+            if filled >= share && groups.len() < streams {
+                groups.push(Vec::new());
+                filled = 0;
+            }
+            let room = if groups.len() < streams {
+                share - filled.min(share)
+            } else {
+                u64::MAX
+            };
+            let take = op.len.min(room.max(1));
+            groups.last_mut().expect("one group at least").push(Op {
+                remote: op.remote,
+                local: op.local,
+                len: take,
+            });
+            filled += take;
+            op.remote += take;
+            op.local += take;
+            op.len -= take;
+        }
+    }
+    groups.retain(|g| !g.is_empty());
+    groups
+}
+
+// ----- grants -----
+
+/// What a grant allows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GrantKind {
+    /// Remote reads (an export).
+    Read,
+    /// Remote writes (a push registration).
+    Write,
+}
+
+#[derive(Debug)]
+struct Grant {
+    token: u64,
+    kind: GrantKind,
+    /// Sorted, merged `[start, end)` ranges.
+    ranges: Vec<(u64, u64)>,
+    expires: Instant,
+    /// Why later requests are refused (a revoked grant stays as a tombstone until
+    /// [`Grants::remove`], so late requests hear why).
+    revoked: Option<ErrorCode>,
+    active: u32,
+    bytes: u64,
+}
+
+/// Grants of this daemon's pool to remote daemons. See the module docs.
+#[derive(Debug)]
+pub struct Grants {
+    incarnation: Incarnation,
+    map: Mutex<HashMap<u64, Grant>>,
+    refused: AtomicUsize,
+}
+
+/// Held while a request moves bytes under a grant.
+pub struct GrantGuard<'a> {
+    grants: &'a Grants,
+    handle: u64,
+    planned: u64,
+    bytes: u64,
+}
+
+impl GrantGuard<'_> {
+    /// Every byte of the request moved: count them when the guard drops.
+    pub fn complete(&mut self) {
+        self.bytes = self.planned;
+    }
+}
+
+impl Drop for GrantGuard<'_> {
+    fn drop(&mut self) {
+        let mut map = self.grants.lock();
+        if let Some(g) = map.get_mut(&self.handle) {
+            g.active -= 1;
+            g.bytes += self.bytes;
+        }
+    }
+}
+
+impl Grants {
+    /// An empty table for the daemon of `incarnation`.
+    pub fn new(incarnation: Incarnation) -> Self {
+        Grants {
+            incarnation,
+            map: Mutex::new(HashMap::new()),
+            refused: AtomicUsize::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Grant>> {
+        // A panic while holding this lock leaves plain data behind: keep serving.
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a grant over `ranges` (`(offset, len)`).
+    pub fn insert(
+        &self,
+        handle: u64,
+        token: u64,
+        kind: GrantKind,
+        ranges: &[(u64, u64)],
+        expires: Instant,
+    ) {
+        let mut r: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (o, o + l)).collect();
+        r.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+        for (s, e) in r {
+            match merged.last_mut() {
+                Some(last) if last.1 >= s => last.1 = last.1.max(e),
+                _ => merged.push((s, e)),
+            }
+        }
+        self.lock().insert(
+            handle,
+            Grant {
+                token,
+                kind,
+                ranges: merged,
+                expires,
+                revoked: None,
+                active: 0,
+                bytes: 0,
+            },
+        );
+    }
+
+    /// Moves a grant's expiry (the lease was renewed).
+    pub fn extend(&self, handle: u64, expires: Instant) {
+        if let Some(g) = self.lock().get_mut(&handle) {
+            g.expires = g.expires.max(expires);
+        }
+    }
+
+    /// Refuses every later request under `handle` with `why` (`lease_expired`,
+    /// `aborted`, ...). Returns whether no request is active (the slots may be freed
+    /// now); otherwise call again later.
+    pub fn revoke(&self, handle: u64, why: ErrorCode) -> bool {
+        let mut map = self.lock();
+        match map.get_mut(&handle) {
+            Some(g) => {
+                g.revoked.get_or_insert(why);
+                g.active == 0
+            }
+            None => true,
+        }
+    }
+
+    /// Forgets a grant (its tombstone included).
+    pub fn remove(&self, handle: u64) {
+        self.lock().remove(&handle);
+    }
+
+    /// Bytes moved under a grant so far.
+    pub fn bytes(&self, handle: u64) -> u64 {
+        self.lock().get(&handle).map(|g| g.bytes).unwrap_or(0)
+    }
+
+    /// Requests refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed) as u64
+    }
+
+    /// Checks a request and, when allowed, marks it active until the guard drops.
+    pub fn begin(
+        &self,
+        kind: GrantKind,
+        handle: u64,
+        token: u64,
+        dst_incarnation: Incarnation,
+        ranges: &[(u64, u64)],
+        now: Instant,
+    ) -> Result<GrantGuard<'_>, WireError> {
+        let r = self.check(kind, handle, token, dst_incarnation, ranges, now);
+        if r.is_err() {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn check(
+        &self,
+        kind: GrantKind,
+        handle: u64,
+        token: u64,
+        dst_incarnation: Incarnation,
+        ranges: &[(u64, u64)],
+        now: Instant,
+    ) -> Result<GrantGuard<'_>, WireError> {
+        if dst_incarnation != self.incarnation {
+            return Err(werr(
+                ErrorCode::StaleIncarnation,
+                format!(
+                    "request names incarnation {dst_incarnation}; this daemon is {}",
+                    self.incarnation
+                ),
+            ));
+        }
+        let mut map = self.lock();
+        let g = map.get_mut(&handle).ok_or_else(|| {
+            werr(
+                ErrorCode::UnknownTransfer,
+                format!("no grant {handle} (never issued, finished, or expired)"),
+            )
+        })?;
+        if g.token != token {
+            return Err(werr(
+                ErrorCode::NotOwner,
+                format!("wrong token for grant {handle}"),
+            ));
+        }
+        if let Some(why) = g.revoked {
+            return Err(werr(
+                why,
+                format!("grant {handle} was revoked: the transfer ended ({why})"),
+            ));
+        }
+        if now >= g.expires {
+            return Err(werr(
+                ErrorCode::LeaseExpired,
+                format!("grant {handle}'s lease expired"),
+            ));
+        }
+        if g.kind != kind {
+            return Err(werr(
+                ErrorCode::InvalidArgument,
+                format!("grant {handle} is for {:?}, not {kind:?}", g.kind),
+            ));
+        }
+        let mut total = 0u64;
+        for &(off, len) in ranges {
+            let end = off
+                .checked_add(len)
+                .ok_or_else(|| werr(ErrorCode::InvalidArgument, "range overflows".to_string()))?;
+            // The merged range that starts at or before `off`.
+            let i = g.ranges.partition_point(|&(s, _)| s <= off);
+            let inside = i > 0 && g.ranges[i - 1].1 >= end && len > 0;
+            if !inside {
+                return Err(werr(
+                    ErrorCode::InvalidArgument,
+                    format!("range {off}+{len} is outside what grant {handle} covers"),
+                ));
+            }
+            total += len;
+        }
+        g.active += 1;
+        Ok(GrantGuard {
+            grants: self,
+            handle,
+            planned: total,
+            bytes: 0,
+        })
+    }
+}
+
+// ----- wire -----
+
+struct Header {
+    op: u8,
+    handle: u64,
+    token: u64,
+    src_inc: u64,
+    dst_inc: u64,
+    nranges: u32,
+}
+
+impl Header {
+    fn encode(&self, ranges: &[Op], out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(MAGIC);
+        out.push(VERSION);
+        out.push(self.op);
+        out.extend_from_slice(&0u16.to_le_bytes());
+        for v in [self.handle, self.token, self.src_inc, self.dst_inc] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.nranges.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        for r in ranges {
+            out.extend_from_slice(&r.remote.to_le_bytes());
+            out.extend_from_slice(&r.len.to_le_bytes());
+        }
+    }
+
+    fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, String> {
+        if &b[0..4] != MAGIC {
+            return Err("bad magic".into());
+        }
+        if b[4] != VERSION {
+            return Err(format!("data-plane version {} not supported", b[4]));
+        }
+        let u64at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Ok(Header {
+            op: b[5],
+            handle: u64at(8),
+            token: u64at(16),
+            src_inc: u64at(24),
+            dst_inc: u64at(32),
+            nranges: u32::from_le_bytes(b[40..44].try_into().expect("4 bytes")),
+        })
+    }
+}
+
+fn write_status(w: &mut impl Write, err: Option<&WireError>) -> io::Result<()> {
+    let msg = err.map(|e| e.to_string()).unwrap_or_default();
+    let mut b = Vec::with_capacity(8 + msg.len());
+    b.push(u8::from(err.is_some()));
+    b.extend_from_slice(&[0, 0, 0]);
+    b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    b.extend_from_slice(msg.as_bytes());
+    w.write_all(&b)
+}
+
+/// Reads a response status; `Err(Ok(e))` is the peer's refusal, `Err(Err(io))` a broken
+/// connection.
+fn read_status(r: &mut impl Read) -> Result<(), Result<WireError, io::Error>> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b).map_err(Err)?;
+    if b[0] == 0 {
+        return Ok(());
+    }
+    let len = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")).min(4096) as usize;
+    let mut msg = vec![0u8; len];
+    r.read_exact(&mut msg).map_err(Err)?;
+    let text = String::from_utf8_lossy(&msg).into_owned();
+    // "code: message"
+    let (code, rest) = text.split_once(": ").unwrap_or(("transfer_failed", &text));
+    let code = match ErrorCode::from_name(code) {
+        ErrorCode::Other => ErrorCode::TransferFailed,
+        c => c,
+    };
+    Err(Ok(werr(code, format!("peer refused: {rest}"))))
+}
+
+// ----- server -----
+
+/// Settings of the data plane.
+#[derive(Debug, Clone)]
+pub struct DataOptions {
+    /// Parallel TCP streams per transfer.
+    pub streams: usize,
+    /// Worker threads running transfers.
+    pub workers: usize,
+    /// Socket read/write timeout.
+    pub io_timeout: Duration,
+    /// Most concurrent inbound data connections.
+    pub max_connections: usize,
+    /// Whether same-host pulls may map the peer's pool.
+    pub shm: bool,
+}
+
+/// The TCP listener serving remote reads and writes of this pool.
+pub struct DataServer {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DataServer {
+    /// Binds `addr` (port 0: any free port) and starts accepting.
+    pub fn start(
+        addr: &str,
+        pool: Arc<Pool>,
+        grants: Arc<Grants>,
+        opts: &DataOptions,
+    ) -> io::Result<DataServer> {
+        let listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(AtomicUsize::new(0));
+        let (st, timeout, max) = (stop.clone(), opts.io_timeout, opts.max_connections);
+        let thread = std::thread::Builder::new()
+            .name("kvd-data-accept".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if st.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(sock) = conn else { continue };
+                    if conns.load(Ordering::Relaxed) >= max {
+                        tracing::warn!(max, "data-plane connection refused: too many");
+                        continue;
+                    }
+                    conns.fetch_add(1, Ordering::Relaxed);
+                    let (pool, grants, conns) = (pool.clone(), grants.clone(), conns.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("kvd-data-conn".into())
+                        .spawn(move || {
+                            let peer = sock.peer_addr().ok();
+                            if let Err(e) = serve_conn(sock, &pool, &grants, timeout) {
+                                tracing::debug!(?peer, error = %e, "data connection closed");
+                            }
+                            conns.fetch_sub(1, Ordering::Relaxed);
+                        });
+                    if spawned.is_err() {
+                        tracing::warn!("cannot spawn a data-plane connection thread");
+                    }
+                }
+            })?;
+        Ok(DataServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for DataServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_conn(
+    mut sock: TcpStream,
+    pool: &Pool,
+    grants: &Grants,
+    timeout: Duration,
+) -> io::Result<()> {
+    sock.set_nodelay(true)?;
+    sock.set_write_timeout(Some(timeout))?;
+    // Idle connections are closed after a minute; the client reconnects.
+    sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
+    let mut hdr = [0u8; HEADER_BYTES];
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    loop {
+        match sock.read_exact(&mut hdr) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        sock.set_read_timeout(Some(timeout))?;
+        let h = match Header::decode(&hdr) {
+            Ok(h) => h,
+            Err(m) => {
+                let _ = write_status(&mut sock, Some(&werr(ErrorCode::Malformed, m)));
+                return Ok(());
+            }
+        };
+        let kind = match h.op {
+            1 => GrantKind::Read,
+            2 => GrantKind::Write,
+            other => {
+                let e = werr(ErrorCode::UnknownOp, format!("data-plane op {other}"));
+                let _ = write_status(&mut sock, Some(&e));
+                return Ok(());
+            }
+        };
+        if h.nranges == 0 || h.nranges > MAX_RANGES {
+            let e = werr(
+                ErrorCode::TooLarge,
+                format!("{} ranges (1..={MAX_RANGES})", h.nranges),
+            );
+            let _ = write_status(&mut sock, Some(&e));
+            return Ok(());
+        }
+        let mut rb = vec![0u8; h.nranges as usize * 16];
+        sock.read_exact(&mut rb)?;
+        ranges.clear();
+        for c in rb.chunks_exact(16) {
+            let off = u64::from_le_bytes(c[0..8].try_into().expect("8 bytes"));
+            let len = u64::from_le_bytes(c[8..16].try_into().expect("8 bytes"));
+            ranges.push((off, len));
+        }
+        let mut guard = match grants.begin(
+            kind,
+            h.handle,
+            h.token,
+            Incarnation(h.dst_inc),
+            &ranges,
+            Instant::now(),
+        ) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::info!(handle = h.handle, src = h.src_inc, error = %e, "data-plane request refused");
+                write_status(&mut sock, Some(&e))?;
+                if kind == GrantKind::Write {
+                    return Ok(()); // its bytes follow; do not read them
+                }
+                continue;
+            }
+        };
+        match kind {
+            GrantKind::Read => {
+                write_status(&mut sock, None)?;
+                for &(off, len) in &ranges {
+                    pool.send_from(off, len as usize, &mut sock)?;
+                }
+                guard.complete();
+            }
+            GrantKind::Write => {
+                for &(off, len) in &ranges {
+                    pool.recv_into(off, len as usize, &mut sock)?;
+                }
+                // Counted before the writer hears "ok", so its `peer_push_done` finds
+                // every byte accounted for.
+                guard.complete();
+                drop(guard);
+                write_status(&mut sock, None)?;
+                sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
+                continue;
+            }
+        }
+        drop(guard);
+        sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
+    }
+}
+
+// ----- transports -----
+
+/// Who to talk to and with which rights.
+#[derive(Clone, Debug)]
+pub struct Access {
+    /// The peer.
+    pub peer: PeerRef,
+    /// The grant's handle on the peer.
+    pub handle: u64,
+    /// Its token.
+    pub token: u64,
+}
+
+/// A way to move bytes between this pool and a peer's.
+pub trait Transport: Send + Sync {
+    /// `tcp`, `shm`, `rdma`.
+    fn name(&self) -> &'static str;
+    /// Copies the peer's ranges into local slots; returns bytes moved.
+    fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError>;
+    /// Copies local slots into the peer's ranges; returns bytes moved.
+    fn write(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError>;
+}
+
+/// TCP: several parallel streams per transfer, pooled connections.
+pub struct TcpTransport {
+    pool: Arc<Pool>,
+    incarnation: Incarnation,
+    streams: usize,
+    timeout: Duration,
+    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+}
+
+impl TcpTransport {
+    /// A transport over `pool` for the daemon of `incarnation`.
+    pub fn new(pool: Arc<Pool>, incarnation: Incarnation, opts: &DataOptions) -> Self {
+        TcpTransport {
+            pool,
+            incarnation,
+            streams: opts.streams.max(1),
+            timeout: opts.io_timeout,
+            idle: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn connect(&self, addr: &str) -> Result<(TcpStream, bool), WireError> {
+        let pooled = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let list = idle.entry(addr.to_string()).or_default();
+            list.retain(|(_, t)| t.elapsed() < Duration::from_secs(30));
+            list.pop()
+        };
+        if let Some((s, _)) = pooled {
+            return Ok((s, true));
+        }
+        let unreachable = |e: io::Error| {
+            werr(
+                ErrorCode::PeerUnreachable,
+                format!("data plane {addr}: {e}"),
+            )
+        };
+        let sa = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .map_err(unreachable)?
+            .next()
+            .ok_or_else(|| {
+                werr(
+                    ErrorCode::PeerUnreachable,
+                    format!("{addr} resolves to nothing"),
+                )
+            })?;
+        let s = TcpStream::connect_timeout(&sa, self.timeout).map_err(unreachable)?;
+        s.set_nodelay(true).map_err(unreachable)?;
+        s.set_read_timeout(Some(self.timeout))
+            .map_err(unreachable)?;
+        s.set_write_timeout(Some(self.timeout))
+            .map_err(unreachable)?;
+        Ok((s, false))
+    }
+
+    fn put_back(&self, addr: &str, s: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.entry(addr.to_string())
+            .or_default()
+            .push((s, Instant::now()));
+    }
+
+    /// One request on one connection; a pooled connection that turns out dead before
+    /// any byte of the answer arrived is retried once on a fresh one.
+    fn one(&self, dir: Dir, a: &Access, ops: &[Op]) -> Result<u64, WireError> {
+        let addr = &a.peer.data;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (mut s, pooled) = self.connect(addr)?;
+            match self.exchange(&mut s, dir, a, ops) {
+                Ok(n) => {
+                    self.put_back(addr, s);
+                    return Ok(n);
+                }
+                Err(Ok(refused)) => {
+                    if dir == Dir::Read {
+                        self.put_back(addr, s);
+                    }
+                    return Err(refused);
+                }
+                Err(Err((e, started))) => {
+                    if pooled && !started && attempt == 1 {
+                        continue;
+                    }
+                    return Err(werr(
+                        ErrorCode::PeerUnreachable,
+                        format!("data plane {addr}: {e}"),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// `Err(Ok)`: refused by the peer; `Err(Err((io, answered)))`: the connection broke,
+    /// `answered` telling whether part of the answer had arrived.
+    #[allow(clippy::type_complexity)]
+    fn exchange(
+        &self,
+        s: &mut TcpStream,
+        dir: Dir,
+        a: &Access,
+        ops: &[Op],
+    ) -> Result<u64, Result<WireError, (io::Error, bool)>> {
+        let mut buf = Vec::with_capacity(HEADER_BYTES + ops.len() * 16);
+        Header {
+            op: dir as u8,
+            handle: a.handle,
+            token: a.token,
+            src_inc: self.incarnation.0,
+            dst_inc: a.peer.incarnation.0,
+            nranges: ops.len() as u32,
+        }
+        .encode(ops, &mut buf);
+        s.write_all(&buf).map_err(|e| Err((e, false)))?;
+        let mut bytes = 0;
+        match dir {
+            Dir::Read => {
+                read_status(s).map_err(|r| r.map_err(|e| (e, false)))?;
+                for op in ops {
+                    self.pool
+                        .recv_into(op.local, op.len as usize, s)
+                        .map_err(|e| Err((e, true)))?;
+                    bytes += op.len;
+                }
+            }
+            Dir::Write => {
+                for op in ops {
+                    self.pool
+                        .send_from(op.local, op.len as usize, s)
+                        .map_err(|e| Err((e, true)))?;
+                    bytes += op.len;
+                }
+                read_status(s).map_err(|r| r.map_err(|e| (e, true)))?;
+            }
+        }
+        Ok(bytes)
+    }
+
+    fn run(&self, dir: Dir, a: &Access, ops: &[Op]) -> Result<u64, WireError> {
+        let ops = coalesce(ops);
+        let groups = split(&ops, self.streams);
+        if groups.len() <= 1 {
+            return groups.first().map_or(Ok(0), |g| self.one(dir, a, g));
+        }
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = groups[1..]
+                .iter()
+                .map(|g| sc.spawn(move || self.one(dir, a, g)))
+                .collect();
+            let mut total = self.one(dir, a, &groups[0]);
+            for h in handles {
+                let r = h
+                    .join()
+                    .unwrap_or_else(|_| Err(werr(ErrorCode::Internal, "stream panicked")));
+                total = match (total, r) {
+                    (Ok(x), Ok(y)) => Ok(x + y),
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                };
+            }
+            total
+        })
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+    fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
+        self.run(Dir::Read, access, ops)
+    }
+    fn write(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
+        self.run(Dir::Write, access, ops)
+    }
+}
+
+/// Same host: the peer's pool file mapped read-only. Pulls only: the importer confirms
+/// the export's lease (`peer_done`) before it commits what it copied.
+pub struct ShmTransport {
+    pool: Arc<Pool>,
+    maps: Mutex<HashMap<(PathBuf, u64), Arc<RemotePool>>>,
+}
+
+impl ShmTransport {
+    /// A transport copying into `pool`.
+    pub fn new(pool: Arc<Pool>) -> Self {
+        ShmTransport {
+            pool,
+            maps: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn map(&self, peer: &PeerRef) -> Result<Arc<RemotePool>, WireError> {
+        let path = PathBuf::from(
+            peer.shm
+                .as_deref()
+                .ok_or_else(|| werr(ErrorCode::Internal, "peer has no shm pool"))?,
+        );
+        let key = (path.clone(), peer.incarnation.0);
+        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = maps.get(&key) {
+            return Ok(m.clone());
+        }
+        // Mappings of older incarnations of this path are stale.
+        maps.retain(|(p, _), _| *p != path);
+        let m = Arc::new(
+            RemotePool::open(&path, peer.incarnation)
+                .map_err(|e| werr(ErrorCode::PeerUnreachable, e.to_string()))?,
+        );
+        maps.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// Whether `peer`'s pool can be mapped from here.
+    pub fn usable(&self, peer: &PeerRef, my_host: &str) -> bool {
+        !peer.host.is_empty() && peer.host == my_host && self.map(peer).is_ok()
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+    fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
+        let m = self.map(&access.peer)?;
+        let mut bytes = 0;
+        for op in coalesce(ops) {
+            m.copy_to(op.remote, op.len as usize, &self.pool, op.local)
+                .map_err(|e| werr(ErrorCode::InvalidArgument, e.to_string()))?;
+            bytes += op.len;
+        }
+        Ok(bytes)
+    }
+    fn write(&self, _access: &Access, _ops: &[Op]) -> Result<u64, WireError> {
+        Err(werr(
+            ErrorCode::Internal,
+            "the shm transport does not write into a peer's pool",
+        ))
+    }
+}
+
+// ----- workers -----
+
+/// A transfer for the workers.
+pub struct Job {
+    /// Reported back with the result.
+    pub id: u64,
+    /// How.
+    pub transport: Arc<dyn Transport>,
+    /// Which way.
+    pub dir: Dir,
+    /// With whom, under which grant.
+    pub access: Access,
+    /// What.
+    pub ops: Vec<Op>,
+}
+
+/// A finished job.
+#[derive(Debug)]
+pub struct JobDone {
+    /// The job's id.
+    pub id: u64,
+    /// Bytes moved, or why not.
+    pub result: Result<u64, WireError>,
+    /// How long it took.
+    pub elapsed: Duration,
+}
+
+/// Worker threads running [`Job`]s. See the module docs.
+pub struct DataPlane {
+    tx: Option<mpsc::Sender<Job>>,
+    done: mpsc::Receiver<JobDone>,
+    wake: UnixStream,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl DataPlane {
+    /// Starts `workers` threads.
+    pub fn start(workers: usize) -> io::Result<DataPlane> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (dtx, drx) = mpsc::channel::<JobDone>();
+        let (wake_rx, wake_tx) = UnixStream::pair()?;
+        wake_rx.set_nonblocking(true)?;
+        wake_tx.set_nonblocking(true)?;
+        let rx = Arc::new(Mutex::new(rx));
+        let wake_tx = Arc::new(wake_tx);
+        let mut threads = Vec::new();
+        for i in 0..workers.max(1) {
+            let (rx, dtx, wake_tx) = (rx.clone(), dtx.clone(), wake_tx.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvd-xfer-{i}"))
+                    .spawn(move || loop {
+                        let job = {
+                            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+                            match rx.recv() {
+                                Ok(j) => j,
+                                Err(_) => return,
+                            }
+                        };
+                        let t0 = Instant::now();
+                        let result = match job.dir {
+                            Dir::Read => job.transport.read(&job.access, &job.ops),
+                            Dir::Write => job.transport.write(&job.access, &job.ops),
+                        };
+                        let done = JobDone {
+                            id: job.id,
+                            result,
+                            elapsed: t0.elapsed(),
+                        };
+                        if dtx.send(done).is_err() {
+                            return;
+                        }
+                        let _ = (&*wake_tx).write(&[1]);
+                    })?,
+            );
+        }
+        Ok(DataPlane {
+            tx: Some(tx),
+            done: drx,
+            wake: wake_rx,
+            workers: threads,
+        })
+    }
+
+    /// Queues a job.
+    pub fn submit(&self, job: Job) {
+        if let Some(tx) = &self.tx {
+            // The workers live as long as `self`.
+            let _ = tx.send(job);
+        }
+    }
+
+    /// The fd the server polls for completions.
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.wake)
+    }
+
+    /// Finished jobs so far.
+    pub fn completed(&self) -> Vec<JobDone> {
+        let mut buf = [0u8; 256];
+        while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+        self.done.try_iter().collect()
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.tx.take();
+        for t in self.workers.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(r: u64, l: u64, n: u64) -> Op {
+        Op {
+            remote: r,
+            local: l,
+            len: n,
+        }
+    }
+
+    #[test]
+    fn coalesces_only_when_both_sides_continue() {
+        let ops = [
+            op(0, 100, 10),
+            op(10, 110, 10),
+            op(20, 200, 10),
+            op(40, 210, 10),
+        ];
+        assert_eq!(
+            coalesce(&ops),
+            vec![op(0, 100, 20), op(20, 200, 10), op(40, 210, 10)]
+        );
+    }
+
+    #[test]
+    fn split_covers_every_byte_once() {
+        let ops = [op(0, 0, 3 << 20), op(10 << 20, 5 << 20, 1 << 20)];
+        for streams in 1..6 {
+            let groups = split(&ops, streams);
+            assert!(groups.len() <= streams);
+            let mut all: Vec<Op> = groups.concat();
+            all.sort_by_key(|o| o.remote);
+            assert_eq!(coalesce(&all), ops.to_vec(), "streams {streams}");
+        }
+        assert_eq!(split(&[op(0, 0, 4096)], 4).len(), 1);
+    }
+
+    #[test]
+    fn grants_check_token_expiry_bounds_and_incarnation() {
+        let g = Grants::new(Incarnation(7));
+        let now = Instant::now();
+        g.insert(
+            1,
+            99,
+            GrantKind::Read,
+            &[(4096, 4096), (8192, 4096)],
+            now + Duration::from_secs(5),
+        );
+        // spanning two adjacent granted blocks is fine
+        assert!(g
+            .begin(GrantKind::Read, 1, 99, Incarnation(7), &[(4096, 8192)], now)
+            .is_ok());
+        let code = |r: Result<GrantGuard<'_>, WireError>| r.err().map(|e| e.code);
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 98, Incarnation(7), &[(4096, 1)], now)),
+            Some(ErrorCode::NotOwner)
+        );
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 99, Incarnation(8), &[(4096, 1)], now)),
+            Some(ErrorCode::StaleIncarnation)
+        );
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 99, Incarnation(7), &[(4096, 8193)], now)),
+            Some(ErrorCode::InvalidArgument)
+        );
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 99, Incarnation(7), &[(0, 4096)], now)),
+            Some(ErrorCode::InvalidArgument)
+        );
+        assert_eq!(
+            code(g.begin(GrantKind::Write, 1, 99, Incarnation(7), &[(4096, 1)], now)),
+            Some(ErrorCode::InvalidArgument)
+        );
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 2, 99, Incarnation(7), &[(4096, 1)], now)),
+            Some(ErrorCode::UnknownTransfer)
+        );
+        assert_eq!(
+            code(g.begin(
+                GrantKind::Read,
+                1,
+                99,
+                Incarnation(7),
+                &[(4096, 1)],
+                now + Duration::from_secs(6)
+            )),
+            Some(ErrorCode::LeaseExpired)
+        );
+        // an active guard keeps revoke from reporting quiet
+        let guard = g
+            .begin(GrantKind::Read, 1, 99, Incarnation(7), &[(4096, 4096)], now)
+            .unwrap();
+        assert!(!g.revoke(1, ErrorCode::Aborted));
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 99, Incarnation(7), &[(4096, 1)], now)),
+            Some(ErrorCode::Aborted)
+        );
+        drop(guard);
+        assert!(g.revoke(1, ErrorCode::Aborted));
+        g.remove(1);
+        assert_eq!(
+            code(g.begin(GrantKind::Read, 1, 99, Incarnation(7), &[(4096, 1)], now)),
+            Some(ErrorCode::UnknownTransfer)
+        );
+        assert_eq!(g.refused(), 9);
+    }
+}

@@ -1,0 +1,486 @@
+//! Prefill → decode handoff between real daemon processes on loopback: pull (TCP and
+//! same-host shm), push in both orders, leases and heartbeats, peers killed or stopped
+//! mid-transfer, forged params and raw data-plane requests.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvd_client::{Client, Error};
+use kvd_protocol::{
+    transfer_tag, ChunkHash, ErrorCode, LayoutId, TransferParams, TransferResp, TransferState,
+};
+use nix::sys::signal::Signal;
+
+/// A daemon with transfers configured by a TOML file.
+struct Node {
+    d: Daemon,
+    _cfg: tempfile::NamedTempFile,
+}
+
+impl Node {
+    fn start(lease_ms: u64, shm: bool) -> Node {
+        let mut cfg = tempfile::NamedTempFile::new().unwrap();
+        writeln!(
+            cfg,
+            "[transfer]\nlease_ms = {lease_ms}\nshm = {shm}\npeer_timeout_ms = 2000\nio_timeout_ms = 3000"
+        )
+        .unwrap();
+        let path = cfg.path().display().to_string();
+        let d = Daemon::start(&["--config", &path, "--pool-size", "96MiB"]);
+        Node { d, _cfg: cfg }
+    }
+
+    fn client(&self) -> Client {
+        self.d.client()
+    }
+}
+
+/// The control endpoint of the daemon `c` talks to.
+fn node_of(c: &Client) -> String {
+    c.hello_info().node.expect("transfers are on").node
+}
+
+fn xstats(c: &Client) -> kvd_protocol::TransferStats {
+    c.stats().unwrap().transfers.expect("transfer stats")
+}
+
+/// Stores `n` random blocks of `kib` KiB on `c`; returns the layout, keys, contents.
+fn fill(c: &Client, seed: u32, n: usize, kib: u64) -> (LayoutId, Vec<ChunkHash>, Vec<Vec<u8>>) {
+    let info = register(c, kib);
+    let ks = keys(seed, n);
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| block(u64::from(seed) * 1000 + i as u64, info.block_bytes as usize))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(info.id, &ks, &refs).unwrap();
+    (info.id, ks, data)
+}
+
+/// Asserts the done transfer `r` gives exactly `data` on `c`, then releases it.
+fn verify(c: &Client, layout: LayoutId, r: &TransferResp, data: &[Vec<u8>]) {
+    assert_eq!(r.state, TransferState::Done, "transfer not done: {r:?}");
+    let pinned = c.pinned(layout, r).unwrap();
+    for (i, want) in data.iter().enumerate() {
+        let got = pinned.block(i).unwrap().expect("block present");
+        assert!(got == &want[..], "block {i} differs after transfer");
+    }
+    pinned.release().unwrap();
+}
+
+fn state_and_code(r: Result<TransferResp, Error>) -> (TransferState, Option<ErrorCode>) {
+    match r {
+        Ok(r) => (r.state, r.error.map(|e| e.code)),
+        Err(e) => (TransferState::Failed, e.code()),
+    }
+}
+
+fn assert_absent(c: &Client, layout: LayoutId, ks: &[ChunkHash]) {
+    let l = c.lookup(layout, ks).unwrap();
+    assert_eq!(l.prefix, 0, "a block of a failed transfer became visible");
+    let s = c.stats().unwrap();
+    assert_eq!(s.pending, 0, "a failed transfer left slots allocated");
+}
+
+#[test]
+fn pull_moves_blocks_byte_for_byte_over_tcp_and_shm() {
+    for shm in [false, true] {
+        let (a, b) = (Node::start(5000, shm), Node::start(5000, shm));
+        let (ca, cb) = (a.client(), b.client());
+        // 24 blocks of 256 KiB: several parallel streams, coalesced ranges.
+        let (layout, ks, data) = fill(&ca, 1, 24, 256);
+        register(&cb, 256);
+        let params = ca.export("req-1", layout, &ks, None).unwrap();
+        assert_eq!(params.keys.len(), 24);
+        assert_eq!(xstats(&ca).pinned_exports, 1);
+        // the params survive a round trip through bytes (what a router forwards)
+        let params = TransferParams::from_msgpack(&params.to_msgpack()).unwrap();
+        let r = cb.pull(&params, None, true).unwrap();
+        assert_eq!(r.transport, if shm { "shm" } else { "tcp" });
+        assert_eq!(r.bytes, 24 * 256 * 1024);
+        verify(&cb, layout, &r, &data);
+        // the decode node now serves the prefix itself
+        assert_eq!(cb.lookup(layout, &ks).unwrap().prefix, 24);
+        // the exporter released at once ("done" message), no lease wait
+        eventually(3, "exporter released the export", || {
+            let s = ca.stats().unwrap();
+            s.pinned_blocks == 0 && s.transfers.unwrap().done == 1
+        });
+        let st = cb.transfer_status("req-1", Duration::ZERO).unwrap();
+        assert_eq!(st.state, TransferState::Done);
+        // a second export of the same id is fine once the first ended
+        ca.export("req-1", layout, &ks[..2], None).unwrap();
+    }
+}
+
+#[test]
+fn push_works_in_both_orders() {
+    let (a, b) = (Node::start(5000, true), Node::start(5000, true));
+    let (ca, cb) = (a.client(), b.client());
+    let a_node = node_of(&ca);
+    // registration first, then the prefill side finishes
+    let info = register(&ca, 64);
+    register(&cb, 64);
+    let ks = keys(7, 6);
+    let r = cb
+        .push_register("push-1", info.id, &ks, &a_node, None)
+        .unwrap();
+    assert!(!r.state.is_final());
+    eventually(5, "registration reached the prefill node", || {
+        xstats(&ca).registrations == 1
+    });
+    let data: Vec<Vec<u8>> = (0..6)
+        .map(|i| block(70 + i, info.block_bytes as usize))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    ca.store(info.id, &ks, &refs).unwrap();
+    ca.export("push-1", info.id, &ks, None).unwrap();
+    let r = cb
+        .transfer_status("push-1", Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(r.transport, "tcp");
+    verify(&cb, info.id, &r, &data);
+
+    // export first, registration later
+    let (layout, ks2, data2) = fill(&ca, 8, 5, 64);
+    ca.export("push-2", layout, &ks2, None).unwrap();
+    cb.push_register("push-2", layout, &ks2, &a_node, None)
+        .unwrap();
+    let r = cb
+        .transfer_status("push-2", Duration::from_secs(10))
+        .unwrap();
+    verify(&cb, layout, &r, &data2);
+    eventually(3, "prefill side released both exports", || {
+        ca.stats().unwrap().pinned_blocks == 0
+    });
+    assert_eq!(xstats(&ca).done, 2);
+}
+
+#[test]
+fn push_registration_without_export_expires_and_says_so() {
+    let (a, b) = (Node::start(600, true), Node::start(600, true));
+    let (ca, cb) = (a.client(), b.client());
+    let info = register(&cb, 64);
+    register(&ca, 64);
+    let ks = keys(9, 3);
+    cb.push_register("lonely", info.id, &ks, &node_of(&ca), None)
+        .unwrap();
+    // heartbeats keep it for a while...
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        xstats(&ca).registrations,
+        1,
+        "heartbeats keep the registration"
+    );
+    // ...an abort on the decode side tells the prefill side at once
+    let ab = cb.abort_transfer("lonely").unwrap();
+    assert!(ab.aborted);
+    eventually(3, "prefill dropped the registration", || {
+        xstats(&ca).registrations == 0
+    });
+    assert_absent(&cb, info.id, &ks);
+}
+
+#[test]
+fn unpulled_export_expires_frees_and_refuses_late_pulls() {
+    let (a, b) = (Node::start(600, false), Node::start(600, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 2, 4, 64);
+    register(&cb, 64);
+    let params = ca.export("late", layout, &ks, None).unwrap();
+    assert_eq!(ca.stats().unwrap().pinned_blocks, 4);
+    eventually(3, "lease expiry frees the blocks", || {
+        ca.stats().unwrap().pinned_blocks == 0
+    });
+    assert_eq!(xstats(&ca).expired, 1);
+    let st = ca.transfer_status("late", Duration::ZERO).unwrap();
+    assert_eq!(st.state, TransferState::Expired);
+    // a pull after expiry fails loudly and leaves nothing behind
+    let (state, code) = state_and_code(cb.pull(&params, None, true));
+    assert_eq!(state, TransferState::Expired);
+    assert_eq!(code, Some(ErrorCode::LeaseExpired));
+    assert_absent(&cb, layout, &ks);
+}
+
+#[test]
+fn heartbeats_keep_an_admitted_transfer_alive_past_its_lease() {
+    let (a, b) = (Node::start(600, false), Node::start(600, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 3, 5, 64);
+    register(&cb, 64);
+    let params = ca.export("queued", layout, &ks, None).unwrap();
+    let r = cb.admit(&params, None).unwrap();
+    assert_eq!(r.state, TransferState::Queued);
+    std::thread::sleep(Duration::from_millis(2400)); // four leases
+    assert_eq!(
+        ca.transfer_status("queued", Duration::ZERO).unwrap().state,
+        TransferState::Exported
+    );
+    let x = xstats(&ca);
+    assert_eq!(x.expired, 0);
+    assert!(
+        x.renewals >= 8,
+        "heartbeats every lease/6: {} renewals",
+        x.renewals
+    );
+    let r = cb.pull(&params, None, true).unwrap();
+    verify(&cb, layout, &r, &data);
+}
+
+#[test]
+fn decode_killed_mid_transfer_frees_the_prefill_side_within_a_lease() {
+    let (a, mut b) = (Node::start(800, false), Node::start(800, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 4, 16, 256);
+    register(&cb, 256);
+    let queued = ca.export("k-queued", layout, &ks[..8], None).unwrap();
+    let running = ca.export("k-running", layout, &ks[8..], None).unwrap();
+    cb.admit(&queued, None).unwrap();
+    cb.pull(&running, None, false).unwrap();
+    b.d.signal(Signal::SIGKILL);
+    let t0 = Instant::now();
+    eventually(5, "prefill frees every pinned block", || {
+        ca.stats().unwrap().pinned_blocks == 0
+    });
+    assert!(t0.elapsed() < Duration::from_millis(800 + 1500));
+    assert!(
+        xstats(&ca).expired >= 1,
+        "the admitted transfer's lease ran out"
+    );
+    // and keeps serving
+    let (l2, k2, d2) = fill(&ca, 5, 2, 64);
+    let mut out = vec![vec![0u8; d2[0].len()]; 2];
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(ca.load(l2, &k2, &mut outs).unwrap(), vec![true, true]);
+    assert_eq!(out, d2);
+}
+
+#[test]
+fn stopped_decode_expires_and_its_late_messages_are_refused() {
+    let (a, mut b) = (Node::start(600, false), Node::start(600, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 6, 4, 64);
+    register(&cb, 64);
+    let params = ca.export("stopped", layout, &ks, None).unwrap();
+    cb.admit(&params, None).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = nix::unistd::Pid::from_raw(b.d.child.id() as i32);
+    nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();
+    eventually(4, "silent peer: lease expiry frees the blocks", || {
+        ca.stats().unwrap().pinned_blocks == 0
+    });
+    let refused_before = xstats(&ca).refused;
+    nix::sys::signal::kill(pid, Signal::SIGCONT).unwrap();
+    // the resumed decode learns the lease ended (the exporter's failure message, or the
+    // answer to its late heartbeat)
+    eventually(4, "decode learns the lease ended", || {
+        cb.transfer_status("stopped", Duration::ZERO).unwrap().state == TransferState::Expired
+    });
+    // its late start reads under a revoked grant: refused, counted, nothing served
+    let (state, code) = state_and_code(cb.pull(&params, None, true));
+    assert_eq!(state, TransferState::Expired);
+    assert_eq!(code, Some(ErrorCode::LeaseExpired));
+    assert!(
+        xstats(&ca).refused > refused_before,
+        "late read counted as refused"
+    );
+    assert_absent(&cb, layout, &ks);
+    let _ = &mut b;
+}
+
+#[test]
+fn prefill_killed_mid_pull_fails_cleanly_and_shows_nothing_half_written() {
+    // admitted, then the prefill dies: the start fails fast with a clear error
+    let (mut a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 10, 32, 512);
+    register(&cb, 512);
+    let p1 = ca.export("dead-1", layout, &ks[..4], None).unwrap();
+    let p2 = ca.export("dead-2", layout, &ks[4..], None).unwrap();
+    cb.admit(&p1, None).unwrap();
+    // a 14 MiB pull racing the kill
+    cb.pull(&p2, None, false).unwrap();
+    a.d.signal(Signal::SIGKILL);
+    let t0 = Instant::now();
+    let (state, code) = state_and_code(cb.pull(&p1, None, true));
+    assert_eq!(state, TransferState::Failed);
+    assert_eq!(code, Some(ErrorCode::PeerUnreachable));
+    assert!(
+        t0.elapsed() < Duration::from_secs(8),
+        "failure took {:?}",
+        t0.elapsed()
+    );
+    assert_absent(&cb, layout, &ks[..4]);
+    let r = cb
+        .transfer_status("dead-2", Duration::from_secs(8))
+        .unwrap();
+    assert!(r.state.is_final());
+    if r.state == TransferState::Done {
+        verify(&cb, layout, &r, &data[4..]); // finished before the kill: must be intact
+    } else {
+        assert_absent(&cb, layout, &ks[4..]);
+    }
+}
+
+#[test]
+fn forged_or_stale_params_are_refused() {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 11, 6, 64);
+    register(&cb, 64);
+    let base = ca.export("real", layout, &ks[..3], None).unwrap();
+
+    let forged = |f: &dyn Fn(&mut TransferParams), id: &str| {
+        let p0 = ca.export(id, layout, &ks[..3], None).unwrap();
+        let mut p = p0.clone();
+        f(&mut p);
+        let (state, code) = state_and_code(cb.pull(&p, None, true));
+        assert_eq!(state, TransferState::Failed, "{id} was not refused");
+        assert_absent(&cb, layout, &ks);
+        code
+    };
+    // another transfer id over a real export's handle and token
+    let code = forged(&|p| p.transfer_id = "not-exported".into(), "f1");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    // keys that were not exported (the holder has them, under other offsets)
+    let code = forged(&|p| p.keys[1] = ks[5], "f2");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    // offsets moved to another block the export does not cover
+    let other = ca.export("other", layout, &ks[4..5], None).unwrap();
+    let code = forged(&|p| p.offsets[0] = other.offsets[0], "f3");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    // a wrong token
+    let code = forged(&|p| p.token ^= 1, "f4");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+
+    // raw data-plane requests: right token, range outside the export; and wrong handle
+    let tag = transfer_tag(
+        &base.transfer_id,
+        &base.keys,
+        base.offsets.iter().map(|&o| Some(o)),
+    );
+    let outside = other.offsets[0];
+    assert_eq!(
+        raw_read(&base, base.handle, base.token ^ tag, outside, 4096).unwrap_err(),
+        "invalid_argument"
+    );
+    assert_eq!(
+        raw_read(
+            &base,
+            base.handle ^ 2,
+            base.token ^ tag,
+            base.offsets[0],
+            4096
+        )
+        .unwrap_err(),
+        "unknown_transfer"
+    );
+    assert_eq!(
+        raw_read(
+            &base,
+            base.handle,
+            base.token ^ tag,
+            base.offsets[0] - 4096,
+            8192
+        )
+        .unwrap_err(),
+        "invalid_argument"
+    );
+    // the same request inside the export works: it reads the real bytes
+    let got = raw_read(&base, base.handle, base.token ^ tag, base.offsets[1], 4096).unwrap();
+    assert_eq!(&got[..], &data[1][..4096]);
+
+    // the untouched export still transfers
+    let r = cb.pull(&base, None, true).unwrap();
+    verify(&cb, layout, &r, &data[..3]);
+    assert!(xstats(&ca).refused >= 4 + 3);
+}
+
+/// A data-plane read written from the wire format in `transfer/dataplane.rs`.
+fn raw_read(
+    p: &TransferParams,
+    handle: u64,
+    token: u64,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>, String> {
+    let mut s = std::net::TcpStream::connect(&p.from.data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut req = Vec::new();
+    req.extend_from_slice(b"KVDX");
+    req.extend_from_slice(&[1, 1, 0, 0]);
+    for v in [handle, token, 1, p.from.incarnation.0] {
+        req.extend_from_slice(&v.to_le_bytes());
+    }
+    req.extend_from_slice(&1u32.to_le_bytes());
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(&off.to_le_bytes());
+    req.extend_from_slice(&len.to_le_bytes());
+    s.write_all(&req).unwrap();
+    let mut hdr = [0u8; 8];
+    s.read_exact(&mut hdr).unwrap();
+    let mlen = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
+    let mut msg = vec![0u8; mlen];
+    s.read_exact(&mut msg).unwrap();
+    if hdr[0] != 0 {
+        let text = String::from_utf8(msg).unwrap();
+        return Err(text.split(':').next().unwrap().to_string());
+    }
+    let mut body = vec![0u8; len as usize];
+    s.read_exact(&mut body).unwrap();
+    Ok(body)
+}
+
+#[test]
+fn bad_transfer_requests_get_clear_errors() {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 12, 2, 64);
+    let code = |r: Result<TransferParams, Error>| r.err().and_then(|e| e.code());
+    // keys that are not committed here
+    assert_eq!(
+        code(ca.export("x", layout, &keys(99, 2), None)),
+        Some(ErrorCode::InvalidState)
+    );
+    assert_eq!(
+        code(ca.export("", layout, &ks, None)),
+        Some(ErrorCode::InvalidArgument)
+    );
+    assert_eq!(
+        code(ca.export(&"x".repeat(129), layout, &ks, None)),
+        Some(ErrorCode::InvalidArgument)
+    );
+    ca.export("dup", layout, &ks, None).unwrap();
+    assert_eq!(
+        code(ca.export("dup", layout, &ks, None)),
+        Some(ErrorCode::InvalidState)
+    );
+    // decode side without the layout registered
+    let p = ca.export("nolayout", layout, &ks, None).unwrap();
+    let e = cb.pull(&p, None, true).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownLayout));
+    // params whose block size differs from the local layout's
+    register(&cb, 64);
+    let mut wrong = p.clone();
+    wrong.block_bytes *= 2;
+    let e = cb.pull(&wrong, None, true).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidArgument));
+    // unknown transfer
+    let e = cb.transfer_status("never", Duration::ZERO).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownTransfer));
+    let e = cb.abort_transfer("never").unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownTransfer));
+    // push to a node that is not there: fails within the peer timeout
+    cb.push_register("nowhere", layout, &ks, "tcp://127.0.0.1:9", None)
+        .unwrap();
+    let r = cb
+        .transfer_status("nowhere", Duration::from_secs(6))
+        .unwrap();
+    assert_eq!(r.state, TransferState::Failed);
+    assert_eq!(r.error.unwrap().code, ErrorCode::PeerUnreachable);
+    assert_absent(&cb, layout, &ks);
+    // the daemons keep serving
+    assert_eq!(ca.lookup(layout, &ks).unwrap().prefix, 2);
+}

@@ -1,0 +1,438 @@
+//! Prefill → decode handoff: the client ops (`export`, `pull`, `push_register`,
+//! `transfer_status`, `abort`), the `kv_transfer_params` map, and the daemon-to-daemon
+//! ops (`peer_*`) that travel over a daemon's control endpoint.
+//!
+//! Every daemon-to-daemon message names the sender ([`PeerRef`], with its incarnation)
+//! and the incarnation the sender believes the receiver has (`to_incarnation`; 0 only in
+//! a first contact that does not know it yet). A receiver refuses a message whose
+//! `to_incarnation` is not its own (`stale_incarnation`), and a message about a transfer
+//! whose recorded peer incarnation differs from the sender's: a restarted peer's leftovers
+//! are refused, never half-served.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ChunkHash, ClientId, ErrorCode, Incarnation, LayoutId, PinId, WireError};
+
+/// Longest transfer id accepted (bytes).
+pub const MAX_TRANSFER_ID_BYTES: usize = 128;
+
+/// The op names of this module.
+pub mod op {
+    /// `export`
+    pub const EXPORT: &str = "export";
+    /// `pull`
+    pub const PULL: &str = "pull";
+    /// `push_register`
+    pub const PUSH_REGISTER: &str = "push_register";
+    /// `transfer_status`
+    pub const TRANSFER_STATUS: &str = "transfer_status";
+    /// `abort`
+    pub const ABORT: &str = "abort";
+    /// `peer_push_reg`
+    pub const PEER_PUSH_REG: &str = "peer_push_reg";
+    /// `peer_push_done`
+    pub const PEER_PUSH_DONE: &str = "peer_push_done";
+    /// `peer_done`
+    pub const PEER_DONE: &str = "peer_done";
+    /// `peer_fail`
+    pub const PEER_FAIL: &str = "peer_fail";
+    /// `peer_heartbeat`
+    pub const PEER_HEARTBEAT: &str = "peer_heartbeat";
+}
+
+/// How a daemon is reached by its peers.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerRef {
+    /// Control endpoint (ZMQ, e.g. `tcp://10.0.0.5:7101`).
+    pub node: String,
+    /// Data-plane address (`host:port`) for TCP transfers.
+    pub data: String,
+    /// The daemon's incarnation.
+    pub incarnation: Incarnation,
+    /// Identity of the host (its boot id): equal on both sides means same machine.
+    #[serde(default)]
+    pub host: String,
+    /// Path of the daemon's pool file, for same-host (`shm`) transfers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<String>,
+}
+
+/// `kv_transfer_params`: what `export` returns and `pull` takes. Engines pass it along
+/// opaquely (the router hands it from the prefill leg to the decode leg).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct TransferParams {
+    /// The exporting daemon.
+    pub from: PeerRef,
+    /// The transfer id given to `export`.
+    pub transfer_id: String,
+    /// Data-plane handle of the export.
+    pub handle: u64,
+    /// Access token: reads must present it.
+    pub token: u64,
+    /// The layout of the blocks.
+    pub layout_id: LayoutId,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// The exported keys, in order.
+    pub keys: Vec<ChunkHash>,
+    /// Pool offsets of the keys on the exporting node (one per key).
+    pub offsets: Vec<u64>,
+    /// Lease length in ms (heartbeats extend it).
+    pub lease_ms: u64,
+    /// Initial expiry, Unix time in ms (informational: the exporter's clock decides).
+    pub expires_unix_ms: u64,
+}
+
+impl TransferParams {
+    /// The msgpack map engines and routers pass along (`kv_transfer_params`).
+    pub fn to_msgpack(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).expect("msgpack encoding of protocol types is infallible")
+    }
+
+    /// Parses [`TransferParams::to_msgpack`]'s output.
+    pub fn from_msgpack(b: &[u8]) -> Result<Self, WireError> {
+        rmp_serde::from_slice(b).map_err(|e| {
+            WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("kv_transfer_params: {e}"),
+            )
+        })
+    }
+}
+
+/// `export`: pin committed blocks under a lease for a decode node to take.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ExportReq {
+    /// The session.
+    pub client: ClientId,
+    /// Caller-chosen id, unique among this daemon's live exports (e.g. the request id).
+    pub transfer_id: String,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Committed blocks to export, in order.
+    pub keys: Vec<ChunkHash>,
+    /// Lease length; default the daemon's `transfer.lease_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+}
+
+/// Reply to `export`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ExportResp {
+    /// Hand this to the decode side.
+    pub params: TransferParams,
+}
+
+/// `pull`: fetch an export into this node's pool.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PullReq {
+    /// The session (it gets the pin on the pulled blocks).
+    pub client: ClientId,
+    /// From the prefill side's `export`.
+    pub params: TransferParams,
+    /// Pin TTL of the result (as in `get`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Answer when the transfer ends (default), or at once (then `transfer_status`).
+    #[serde(default = "yes")]
+    pub wait: bool,
+    /// Admit only: the daemon holds the transfer queued (heartbeating the exporter, so
+    /// its lease stays alive while the request waits in the engine's queue) until a
+    /// second `pull` of the same params without `defer` starts it.
+    #[serde(default)]
+    pub defer: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `push_register`: pre-allocate slots for a transfer and ask the prefill node to write
+/// into them once its blocks are exported.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PushRegisterReq {
+    /// The session (it gets the pin on the received blocks).
+    pub client: ClientId,
+    /// The id the prefill side will `export` under.
+    pub transfer_id: String,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Blocks expected, in order.
+    pub keys: Vec<ChunkHash>,
+    /// The prefill node's control endpoint.
+    pub node: String,
+    /// Pin TTL of the result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Answer when the transfer ends, or at once (default: at once).
+    #[serde(default)]
+    pub wait: bool,
+}
+
+/// `transfer_status`: where a transfer is; optionally wait for it to end.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct TransferStatusReq {
+    /// The session.
+    pub client: ClientId,
+    /// The transfer.
+    pub transfer_id: String,
+    /// Wait up to this long for the transfer to end (0: answer now).
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// `abort`: end a transfer now; the other side is told.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct AbortReq {
+    /// The session.
+    pub client: ClientId,
+    /// The transfer.
+    pub transfer_id: String,
+}
+
+/// Where a transfer is.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TransferState {
+    /// Accepted, waiting for pool room or a data-plane worker.
+    Queued,
+    /// Push: slots registered, waiting for the prefill side's export.
+    Waiting,
+    /// Exported, waiting for the decode side (exporter's view).
+    Exported,
+    /// Bytes are moving.
+    Running,
+    /// Finished: on the decode side the blocks are committed and pinned for the client.
+    Done,
+    /// Failed; `error` says why.
+    Failed,
+    /// Aborted by a client on either side.
+    Aborted,
+    /// The lease ran out.
+    Expired,
+    /// A state this build does not know.
+    #[serde(other)]
+    Other,
+}
+
+impl TransferState {
+    /// Whether the transfer has ended.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            TransferState::Done
+                | TransferState::Failed
+                | TransferState::Aborted
+                | TransferState::Expired
+        )
+    }
+}
+
+/// Which side of a transfer this daemon is.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferRole {
+    /// The prefill side.
+    Exporter,
+    /// The decode side.
+    Importer,
+}
+
+/// Reply to `pull`, `push_register` and `transfer_status`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct TransferResp {
+    /// The transfer.
+    pub transfer_id: String,
+    /// Which side answered.
+    pub role: TransferRole,
+    /// Where it is.
+    pub state: TransferState,
+    /// Importer, when done: one per key, the local pool offset (nil: not available).
+    #[serde(default)]
+    pub offsets: Vec<Option<u64>>,
+    /// Importer, when done: the pin on those blocks (release it like a `get` pin).
+    #[serde(default)]
+    pub pin: Option<PinId>,
+    /// The pin's TTL.
+    #[serde(default)]
+    pub ttl_ms: u64,
+    /// Bytes moved over the data plane.
+    #[serde(default)]
+    pub bytes: u64,
+    /// Blocks moved (keys the importer already held are not moved).
+    #[serde(default)]
+    pub blocks_moved: u64,
+    /// Transport used: `tcp`, `shm`, `rdma` or `local`.
+    #[serde(default)]
+    pub transport: String,
+    /// Microseconds from acceptance to the end (or to now).
+    #[serde(default)]
+    pub elapsed_us: u64,
+    /// Why it failed, expired or was aborted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<WireError>,
+}
+
+/// Reply to `abort`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct AbortResp {
+    /// Whether a live transfer was ended (false: it had already ended).
+    pub aborted: bool,
+    /// Its state now.
+    pub state: TransferState,
+}
+
+/// `peer_push_reg` (decode → prefill): slots for a push.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerPushRegReq {
+    /// The decode daemon.
+    pub from: PeerRef,
+    /// The prefill daemon's incarnation, 0 when not known yet.
+    pub to_incarnation: Incarnation,
+    /// The transfer.
+    pub transfer_id: String,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// The keys, in order.
+    pub keys: Vec<ChunkHash>,
+    /// One per key: the decode slot to write, nil when decode already has the block.
+    pub offsets: Vec<Option<u64>>,
+    /// Data-plane handle of the decode side's write grant.
+    pub handle: u64,
+    /// Its access token.
+    pub token: u64,
+    /// Lease length in ms.
+    pub lease_ms: u64,
+}
+
+/// `peer_push_done` (prefill → decode): every registered slot is written.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerPushDoneReq {
+    /// The prefill daemon.
+    pub from: PeerRef,
+    /// The decode daemon's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The transfer.
+    pub transfer_id: String,
+    /// The decode side's grant handle.
+    pub handle: u64,
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+/// `peer_done` (decode → prefill): the pull finished; release the export.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerDoneReq {
+    /// The decode daemon.
+    pub from: PeerRef,
+    /// The prefill daemon's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The transfer.
+    pub transfer_id: String,
+    /// The export's handle.
+    pub handle: u64,
+}
+
+/// `peer_fail` (either way): the sender ended the transfer; the receiver ends its half.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerFailReq {
+    /// The sender.
+    pub from: PeerRef,
+    /// The receiver's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The transfer.
+    pub transfer_id: String,
+    /// Why.
+    pub error: WireError,
+}
+
+/// `peer_heartbeat` (decode → prefill): renews every listed transfer's lease.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerHeartbeatReq {
+    /// The decode daemon.
+    pub from: PeerRef,
+    /// The prefill daemon's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The transfers to renew.
+    pub transfers: Vec<String>,
+}
+
+/// Reply to every `peer_*` op.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerAck {
+    /// The answering daemon's incarnation.
+    pub incarnation: Incarnation,
+    /// `peer_heartbeat`: listed transfers the receiver does not hold (ended or unknown).
+    #[serde(default)]
+    pub unknown: Vec<String>,
+}
+
+/// The integrity tag of a transfer's description: BLAKE2b-64 (little-endian) over
+/// `"kvd.transfer.v1" || len(id) as u32 LE || id || each key || each offset as u64 LE`
+/// (an absent offset as `u64::MAX`). Data-plane requests present `token XOR tag`, so
+/// params whose id, keys or offsets were altered fail the token check.
+pub fn transfer_tag(
+    id: &str,
+    keys: &[ChunkHash],
+    offsets: impl Iterator<Item = Option<u64>>,
+) -> u64 {
+    use blake2::digest::consts::U8;
+    use blake2::{Blake2b, Digest};
+    let mut h = Blake2b::<U8>::new();
+    h.update(b"kvd.transfer.v1");
+    h.update((id.len() as u32).to_le_bytes());
+    h.update(id.as_bytes());
+    for k in keys {
+        h.update(k.0);
+    }
+    for o in offsets {
+        h.update(o.unwrap_or(u64::MAX).to_le_bytes());
+    }
+    u64::from_le_bytes(h.finalize().into())
+}
+
+/// Checks a transfer id's length and content.
+pub fn check_transfer_id(id: &str) -> Result<(), WireError> {
+    if id.is_empty() || id.len() > MAX_TRANSFER_ID_BYTES {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "transfer_id must be 1..={MAX_TRANSFER_ID_BYTES} bytes ({} given)",
+                id.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The handoff's counters and gauges, in `stats` (absent when transfers are off).
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct TransferStats {
+    /// Exports not yet ended.
+    pub exports_live: u64,
+    /// Imports (pulls, push registrations) not yet ended.
+    pub imports_live: u64,
+    /// Push registrations waiting for their export.
+    pub registrations: u64,
+    /// Exports still holding their blocks pinned.
+    pub pinned_exports: u64,
+    /// Exports created.
+    pub exports: u64,
+    /// Imports accepted.
+    pub imports: u64,
+    /// Transfers (either side) that ended done.
+    pub done: u64,
+    /// ... failed (including expired).
+    pub failed: u64,
+    /// ... aborted.
+    pub aborted: u64,
+    /// Leases that ran out.
+    pub expired: u64,
+    /// Lease renewals by heartbeats (per transfer).
+    pub renewals: u64,
+    /// Peer messages and data-plane requests refused.
+    pub refused: u64,
+    /// Bytes moved by this daemon's data-plane jobs.
+    pub bytes: u64,
+}
