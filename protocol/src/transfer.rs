@@ -436,3 +436,72 @@ pub struct TransferStats {
     /// Bytes moved by this daemon's data-plane jobs.
     pub bytes: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_vector() {
+        let t = transfer_tag(
+            "req-1",
+            &[ChunkHash([0xab; 16])],
+            [Some(4096), None].into_iter(),
+        );
+        assert_eq!(t, TAG_VECTOR);
+        // any change of id, key or offset changes it
+        assert_ne!(
+            t,
+            transfer_tag(
+                "req-2",
+                &[ChunkHash([0xab; 16])],
+                [Some(4096), None].into_iter()
+            )
+        );
+        assert_ne!(
+            t,
+            transfer_tag(
+                "req-1",
+                &[ChunkHash([0xac; 16])],
+                [Some(4096), None].into_iter()
+            )
+        );
+        assert_ne!(
+            t,
+            transfer_tag(
+                "req-1",
+                &[ChunkHash([0xab; 16])],
+                [Some(8192), None].into_iter()
+            )
+        );
+    }
+
+    const TAG_VECTOR: u64 = 0x78fd_41d8_5841_6c65;
+
+    #[test]
+    fn params_round_trip() {
+        let p = TransferParams {
+            from: PeerRef {
+                node: "tcp://10.0.0.1:7101".into(),
+                data: "10.0.0.1:7102".into(),
+                incarnation: Incarnation(5),
+                host: "h".into(),
+                shm: None,
+            },
+            transfer_id: "r".into(),
+            handle: 1,
+            token: 2,
+            layout_id: LayoutId(3),
+            block_bytes: 4096,
+            keys: vec![ChunkHash([1; 16])],
+            offsets: vec![8192],
+            lease_ms: 30000,
+            expires_unix_ms: 9,
+        };
+        assert_eq!(TransferParams::from_msgpack(&p.to_msgpack()).unwrap(), p);
+        assert_eq!(
+            TransferParams::from_msgpack(b"\x01").unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+    }
+}
