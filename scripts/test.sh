@@ -28,6 +28,8 @@ step "bench smoke run (tiny sizes)"
 cargo build --release --locked -q -p kvd-daemon -p kvd-bench
 ./target/release/kvd-bench store --total 16MiB --sizes 64KiB,1MiB --lookup-keys 4096 --json > /dev/null
 ./target/release/kvd-bench nvme --dir target/kvd-bench-nvme-smoke --total 64MiB --sizes 1MiB --qd 4 --pool 64MiB --json > /dev/null
+./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
+./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
 echo "bench smoke: ok"
 
 step "cargo test"

@@ -10,10 +10,14 @@
 //! - `kvd-bench index`: bytes of daemon memory per indexed block, with 1M blocks.
 //! - `kvd-bench nvme`: NVMe tier write/read bandwidth through the daemon against raw
 //!   O_DIRECT io_uring I/O on the same directory, same block size and queue depth.
+//! - `kvd-bench transport`: the daemon-to-daemon data plane (export + pull, 64 KiB..64 MiB,
+//!   1..8 in flight) against a loopback TCP socket pair (best of 1..4 streams).
+//! - `kvd-bench pd`: export → usable on the decode side, 1..256 blocks, pull and push.
 
 mod daemon;
 mod nvme;
 mod report;
+mod transport;
 
 use std::time::{Duration, Instant};
 
@@ -46,6 +50,10 @@ enum Cmd {
     Index(IndexArgs),
     /// NVMe tier bandwidth through the daemon vs raw O_DIRECT on the same directory.
     Nvme(nvme::NvmeArgs),
+    /// Daemon-to-daemon data plane (export + pull) vs loopback TCP.
+    Transport(transport::TransportArgs),
+    /// Prefill → decode handoff latency (export → usable), pull and push.
+    Pd(transport::PdArgs),
 }
 
 #[derive(clap::Args)]
@@ -94,6 +102,8 @@ fn main() -> Result<()> {
         Cmd::Store(a) => store(a),
         Cmd::Index(a) => index(a),
         Cmd::Nvme(a) => nvme::run(a),
+        Cmd::Transport(a) => transport::transport(a),
+        Cmd::Pd(a) => transport::pd(a),
     }
 }
 

@@ -1,0 +1,385 @@
+//! `kvd-bench transport` and `kvd-bench pd`: the prefill → decode data plane between two
+//! daemons on this machine, against a plain TCP socket pair on loopback measured in the
+//! same run (the best of 1..4 streams with 1 MiB writes, so the ceiling is honest).
+//!
+//! - `transport`: bandwidth and latency of `export` + `pull` for 64 KiB..64 MiB transfers,
+//!   1..8 in flight (one client thread each). Every iteration moves the bytes again: the
+//!   decode side releases and deletes what it pulled.
+//! - `pd`: time from `export` on the prefill side to blocks pinned and usable on the
+//!   decode side, for 1..256 blocks, by pull and by push (registration made first, as a
+//!   decode engine does at admission).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytesize::ByteSize;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvd_client::{Client, MapPool};
+use kvd_protocol::{ChunkHash, LayoutId, TransferState};
+
+use crate::daemon::BenchDaemon;
+use crate::report::{percentiles, CaseResult, Ceiling, Report};
+use crate::{gb, keys_for, layout_of};
+
+#[derive(clap::Args)]
+pub struct TransportArgs {
+    /// Bytes per transfer.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "64KiB,1MiB,4MiB,16MiB,64MiB"
+    )]
+    sizes: Vec<ByteSize>,
+    /// Transfers in flight (client threads).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    inflight: Vec<usize>,
+    /// Bytes moved per case (at least 4 transfers per thread).
+    #[arg(long, default_value = "1GiB")]
+    total: ByteSize,
+    /// Data plane: `tcp` (default) or `shm` (same-host copy from the peer's pool).
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// Parallel TCP streams per transfer.
+    #[arg(long, default_value_t = 4)]
+    streams: u32,
+    /// Bytes sent per ceiling configuration (8 configurations).
+    #[arg(long, default_value = "1GiB")]
+    ceiling_bytes: ByteSize,
+    /// Print one JSON document instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct PdArgs {
+    /// Block counts per request.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    blocks: Vec<usize>,
+    /// Block size (a multiple of 64 KiB).
+    #[arg(long, default_value = "256KiB")]
+    block: ByteSize,
+    /// Requests timed per case.
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Bytes sent per ceiling configuration (8 configurations).
+    #[arg(long, default_value = "1GiB")]
+    ceiling_bytes: ByteSize,
+    /// Print one JSON document instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Loopback TCP with `streams` sockets, `write` bytes per call, `bytes` per stream; `hot`:
+/// both ends reuse one `write`-sized buffer (cache-resident, like iperf3) instead of
+/// walking 60 MiB buffers (like a pool).
+fn tcp_pair(streams: usize, write: usize, bytes: u64, hot: bool) -> Result<f64> {
+    let span = if hot { write } else { 60 << 20 };
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let start = std::sync::Barrier::new(streams * 2);
+    let t0 = std::sync::Mutex::new(None::<Instant>);
+    let t = std::thread::scope(|s| -> Result<Duration> {
+        let mut rx = Vec::new();
+        // Connect, then accept, so each pair is known.
+        let mut pairs = Vec::new();
+        for _ in 0..streams {
+            let c = TcpStream::connect(addr)?;
+            let (srv, _) = listener.accept()?;
+            c.set_nodelay(true)?;
+            pairs.push((c, srv));
+        }
+        for (mut c, mut srv) in pairs {
+            let (start, t0) = (&start, &t0);
+            rx.push(s.spawn(move || -> std::io::Result<Instant> {
+                let mut buf = vec![0u8; 64 << 20];
+                start.wait();
+                let mut got = 0u64;
+                while got < bytes {
+                    let n = srv.read(&mut buf[(got as usize) % span..][..write])?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n as u64;
+                }
+                Ok(Instant::now())
+            }));
+            s.spawn(move || -> std::io::Result<()> {
+                let buf = vec![7u8; 64 << 20];
+                start.wait();
+                {
+                    let mut g = t0.lock().expect("not poisoned");
+                    g.get_or_insert_with(Instant::now);
+                }
+                let mut sent = 0u64;
+                while sent < bytes {
+                    let off = (sent as usize) % span;
+                    let n = write.min((bytes - sent) as usize);
+                    c.write_all(&buf[off..off + n])?;
+                    sent += n as u64;
+                }
+                Ok(())
+            });
+        }
+        let mut end = None::<Instant>;
+        for h in rx {
+            let e = h.join().expect("receiver thread").context("receiver")?;
+            end = Some(end.map_or(e, |x: Instant| x.max(e)));
+        }
+        let t0 = t0
+            .lock()
+            .expect("not poisoned")
+            .context("no sender started")?;
+        Ok(end.context("no receiver")? - t0)
+    })?;
+    Ok(gb(bytes * streams as u64, t))
+}
+
+/// The loopback ceiling: best of 1..4 streams, 1 MiB writes, hot or walking buffers,
+/// `bytes` in all per configuration.
+pub fn tcp_ceiling(bytes: u64) -> Result<(f64, usize)> {
+    let mut best = (0.0, 1);
+    for streams in 1..=4 {
+        for hot in [false, true] {
+            let g = tcp_pair(streams, 1 << 20, bytes / streams as u64, hot)?;
+            if g > best.0 {
+                best = (g, streams);
+            }
+        }
+    }
+    Ok(best)
+}
+
+fn connect(d: &BenchDaemon) -> Result<Client> {
+    Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_timeout(Duration::from_secs(60))
+        .with_map_pool(MapPool::Always)
+        .connect()
+        .context("connecting to kvd")
+}
+
+fn node_pair(pool: u64, block: u64, extra: &str) -> Result<(BenchDaemon, BenchDaemon)> {
+    let seg = block.max(1 << 20).next_power_of_two().max(32 << 20);
+    let a = BenchDaemon::start_with(pool, seg, true, 60_000, extra)?;
+    let b = BenchDaemon::start_with(pool, seg, true, 60_000, extra)?;
+    Ok((a, b))
+}
+
+static IDS: AtomicU64 = AtomicU64::new(1);
+
+fn next_id(tag: &str) -> String {
+    format!("{tag}-{}", IDS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// One pull of `keys` from `a` to `b`; returns the latency of export → usable.
+fn pull_once(a: &Client, b: &Client, layout: LayoutId, keys: &[ChunkHash]) -> Result<Duration> {
+    let t0 = Instant::now();
+    let params = a.export(&next_id("x"), layout, keys, None)?;
+    let r = b.pull(&params, None, true)?;
+    let dt = t0.elapsed();
+    if r.state != TransferState::Done {
+        bail!("pull ended {:?}: {:?}", r.state, r.error);
+    }
+    if let Some(p) = r.pin {
+        b.release(p)?;
+    }
+    b.delete(layout, keys)?;
+    Ok(dt)
+}
+
+pub fn transport(a: TransportArgs) -> Result<()> {
+    let shm = match a.transport.as_str() {
+        "tcp" => false,
+        "shm" => true,
+        other => bail!("--transport {other}: use tcp or shm"),
+    };
+    let max_threads = a.inflight.iter().copied().max().unwrap_or(1);
+    let max_size = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(1 << 20);
+    // Each thread owns its keys for the largest transfer, on both pools.
+    let pool = max_size * max_threads as u64 * 2 + (256 << 20);
+    let extra = format!(
+        "[transfer]\nshm = {shm}\nstreams = {}\nworkers = 8\n",
+        a.streams
+    );
+    let (da, db) = node_pair(pool, 1 << 20, &extra)?;
+    let (ca, cb) = (connect(&da)?, connect(&db)?);
+    let pb = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new((a.sizes.len() * a.inflight.len() + 1) as u64)
+    };
+    pb.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
+    pb.set_message("loopback TCP ceiling");
+    let (ceil, ceil_streams) = tcp_ceiling(a.ceiling_bytes.as_u64())?;
+    pb.inc(1);
+    let mut results = Vec::new();
+    for size in &a.sizes {
+        let size = size.as_u64();
+        let block = size.min(1 << 20);
+        let n = (size / block) as usize;
+        let lay = ca.register_layout(&layout_of(block, "transport")?)?;
+        cb.register_layout(&layout_of(block, "transport")?)?;
+        let per_thread: Vec<Vec<ChunkHash>> = (0..max_threads)
+            .map(|t| keys_for(1000 + t as u32 + (size >> 16) as u32 * 16, n))
+            .collect();
+        for keys in &per_thread {
+            let data = vec![0x5au8; block as usize];
+            let refs: Vec<&[u8]> = (0..n).map(|_| &data[..]).collect();
+            ca.store(lay.id, keys, &refs)?;
+        }
+        for &t in &a.inflight {
+            pb.set_message(format!("{} x{t}", ByteSize(size)));
+            let iters = (a.total.as_u64() / size / t as u64).max(4) as usize;
+            // warm the connections
+            pull_once(&ca, &cb, lay.id, &per_thread[0])?;
+            let start = Instant::now();
+            let lats = std::thread::scope(|s| -> Result<Vec<Duration>> {
+                let hs: Vec<_> = (0..t)
+                    .map(|i| {
+                        let (ca, cb, keys) = (ca.clone(), cb.clone(), &per_thread[i]);
+                        s.spawn(move || -> Result<Vec<Duration>> {
+                            (0..iters)
+                                .map(|_| pull_once(&ca, &cb, lay.id, keys))
+                                .collect()
+                        })
+                    })
+                    .collect();
+                let mut all = Vec::new();
+                for h in hs {
+                    all.extend(h.join().expect("bench thread")?);
+                }
+                Ok(all)
+            })?;
+            let elapsed = start.elapsed();
+            let mut lats = lats;
+            let (p50, p99) = percentiles(&mut lats);
+            let g = gb(size * (iters * t) as u64, elapsed);
+            results.push(CaseResult {
+                case: format!("pull {}", a.transport),
+                block_bytes: size,
+                threads: t as u64,
+                gbps: g,
+                ratio: g / ceil,
+                ceiling_gbps: ceil,
+                ops_per_s: (iters * t) as f64 / elapsed.as_secs_f64(),
+                p50_us: p50,
+                p99_us: p99,
+            });
+            pb.inc(1);
+        }
+    }
+    pb.finish_and_clear();
+    let mut extra = serde_json::Map::new();
+    extra.insert("ceiling_streams".into(), ceil_streams.into());
+    extra.insert(
+        "note".into(),
+        "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export + pull round trips".into(),
+    );
+    Report {
+        bench: "transport".into(),
+        ceiling: Ceiling {
+            what: format!(
+                "loopback TCP, best of 1..4 streams x hot/walking buffers, 1 MiB writes (best: {ceil_streams} streams)"
+            ),
+            gbps: ceil,
+        },
+        results,
+        extra,
+    }
+    .print(a.json);
+    Ok(())
+}
+
+pub fn pd(a: PdArgs) -> Result<()> {
+    let block = a.block.as_u64();
+    let max_blocks = a.blocks.iter().copied().max().unwrap_or(1) as u64;
+    let pool = block * max_blocks * 3 + (256 << 20);
+    let (da, db) = node_pair(pool, block, "[transfer]\nshm = false\nworkers = 8\n")?;
+    let (ca, cb) = (connect(&da)?, connect(&db)?);
+    let a_node = ca.hello_info().node.context("transfers are off")?.node;
+    let lay = ca.register_layout(&layout_of(block, "pd")?)?;
+    cb.register_layout(&layout_of(block, "pd")?)?;
+    let pb = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new((a.blocks.len() * 2 + 1) as u64)
+    };
+    pb.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
+    pb.set_message("loopback TCP ceiling");
+    let (ceil, _) = tcp_ceiling(a.ceiling_bytes.as_u64())?;
+    pb.inc(1);
+    let mut results = Vec::new();
+    for &n in &a.blocks {
+        let keys = keys_for(5000 + n as u32, n);
+        let data = vec![0x3cu8; block as usize];
+        let refs: Vec<&[u8]> = (0..n).map(|_| &data[..]).collect();
+        ca.store(lay.id, &keys, &refs)?;
+        for mode in ["pull", "push"] {
+            pb.set_message(format!("{n} blocks {mode}"));
+            let mut lats = Vec::with_capacity(a.reps);
+            for rep in 0..=a.reps {
+                let id = next_id(mode);
+                let dt = if mode == "pull" {
+                    pull_once(&ca, &cb, lay.id, &keys)?
+                } else {
+                    let r = cb.push_register(&id, lay.id, &keys, &a_node, None)?;
+                    if r.state.is_final() {
+                        bail!("push registration ended {:?}: {:?}", r.state, r.error);
+                    }
+                    // the registration reaches the prefill node before prefill finishes
+                    std::thread::sleep(Duration::from_millis(2));
+                    let t0 = Instant::now();
+                    ca.export(&id, lay.id, &keys, None)?;
+                    let r = cb.transfer_status(&id, Duration::from_secs(30))?;
+                    let dt = t0.elapsed();
+                    if r.state != TransferState::Done {
+                        bail!("push ended {:?}: {:?}", r.state, r.error);
+                    }
+                    if let Some(p) = r.pin {
+                        cb.release(p)?;
+                    }
+                    cb.delete(lay.id, &keys)?;
+                    dt
+                };
+                if rep > 0 {
+                    lats.push(dt); // the first run warms connections
+                }
+            }
+            let (p50, p99) = percentiles(&mut lats);
+            let bytes = block * n as u64;
+            let g = bytes as f64 / (p50 / 1e6) / 1e9;
+            results.push(CaseResult {
+                case: format!("{mode} {n} blocks"),
+                block_bytes: block,
+                threads: 1,
+                gbps: g,
+                ratio: g / ceil,
+                ceiling_gbps: ceil,
+                ops_per_s: 1e6 / p50,
+                p50_us: p50,
+                p99_us: p99,
+            });
+            pb.inc(1);
+        }
+    }
+    pb.finish_and_clear();
+    let mut extra = serde_json::Map::new();
+    extra.insert(
+        "note".into(),
+        "latency = export on the prefill side until the blocks are committed and pinned on the decode side; GB/s from the p50".into(),
+    );
+    Report {
+        bench: "pd".into(),
+        ceiling: Ceiling {
+            what: "loopback TCP, best of 1..4 streams x hot/walking buffers, 1 MiB writes".into(),
+            gbps: ceil,
+        },
+        results,
+        extra,
+    }
+    .print(a.json);
+    Ok(())
+}
