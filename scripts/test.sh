@@ -18,11 +18,18 @@ if ! .venv/bin/python -c 'import zmq, msgpack' 2>/dev/null; then
 fi
 export KVD_PYTHON="$PWD/.venv/bin/python"
 
+step "system packages for the rdma feature (libibverbs-dev, librdmacm-dev, libclang-dev)"
+if ! pkg-config --exists libibverbs librdmacm 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    libibverbs-dev librdmacm-dev libclang-dev pkg-config) >/dev/null
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy -p kvd-daemon --all-targets --locked --features rdma -- -D warnings
 
 step "bench smoke run (tiny sizes)"
 cargo build --release --locked -q -p kvd-daemon -p kvd-bench
@@ -35,5 +42,7 @@ echo "bench smoke: ok"
 step "cargo test"
 log=$(mktemp)
 timeout 1800 cargo test --workspace --locked 2>&1 | tee "$log"
+# The rdma build's own tests: with no RDMA device they say so in one line.
+timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff rdma -- --nocapture 2>&1 | tee -a "$log"
 # One closing line for the whole suite.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "\nall tests: %d passed, %d failed\n", p, f; exit (f > 0) }' "$log"

@@ -620,6 +620,7 @@ impl Server {
             Request::PeerDone(r) => Answer::Now(Body::from(t.peer_done(s, r, now)?)),
             Request::PeerFail(r) => Answer::Now(Body::from(t.peer_fail(s, r, now)?)),
             Request::PeerHeartbeat(r) => Answer::Now(Body::from(t.peer_heartbeat(r, now)?)),
+            Request::PeerRdmaConnect(r) => Answer::Now(Body::from(t.peer_rdma_connect(r)?)),
             other => {
                 return Err(WireError::new(
                     ErrorCode::Internal,

@@ -484,3 +484,33 @@ fn bad_transfer_requests_get_clear_errors() {
     // the daemons keep serving
     assert_eq!(ca.lookup(layout, &ks).unwrap().prefix, 2);
 }
+
+/// With the `rdma` feature: pull and push go over RDMA when both daemons have a device.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_pull_and_push_when_a_device_is_present() {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    if ca.hello_info().node.unwrap().rdma.is_none() {
+        eprintln!(
+            "rdma: no RDMA device on this machine; RDMA pull/push not run (TCP is tested above)"
+        );
+        return;
+    }
+    let (layout, ks, data) = fill(&ca, 20, 8, 256);
+    register(&cb, 256);
+    let p = ca.export("rdma-pull", layout, &ks, None).unwrap();
+    let r = cb.pull(&p, None, true).unwrap();
+    assert_eq!(r.transport, "rdma");
+    verify(&cb, layout, &r, &data);
+    let (l2, k2, d2) = fill(&ca, 21, 8, 256);
+    cb.push_register("rdma-push", l2, &k2, &node_of(&ca), None)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    ca.export("rdma-push", l2, &k2, None).unwrap();
+    let r = cb
+        .transfer_status("rdma-push", Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(r.transport, "rdma");
+    verify(&cb, l2, &r, &d2);
+}

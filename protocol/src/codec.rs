@@ -16,7 +16,7 @@ use crate::msg::*;
 use crate::transfer::op as xop;
 use crate::transfer::{
     AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerPushDoneReq,
-    PeerPushRegReq, PullReq, PushRegisterReq, TransferStatusReq,
+    PeerPushRegReq, PeerRdmaConnectReq, PullReq, PushRegisterReq, TransferStatusReq,
 };
 
 /// The protocol version this crate speaks.
@@ -45,6 +45,7 @@ pub enum Request {
     PeerDone(PeerDoneReq),
     PeerFail(PeerFailReq),
     PeerHeartbeat(PeerHeartbeatReq),
+    PeerRdmaConnect(PeerRdmaConnectReq),
 }
 
 impl Request {
@@ -70,6 +71,7 @@ impl Request {
             Request::PeerDone(_) => xop::PEER_DONE,
             Request::PeerFail(_) => xop::PEER_FAIL,
             Request::PeerHeartbeat(_) => xop::PEER_HEARTBEAT,
+            Request::PeerRdmaConnect(_) => xop::PEER_RDMA_CONNECT,
         }
     }
 
@@ -136,6 +138,7 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PeerDone(b) => env(id, op, b),
         Request::PeerFail(b) => env(id, op, b),
         Request::PeerHeartbeat(b) => env(id, op, b),
+        Request::PeerRdmaConnect(b) => env(id, op, b),
     }
 }
 
@@ -227,6 +230,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         xop::PEER_DONE => body(frame, xop::PEER_DONE).map(Request::PeerDone),
         xop::PEER_FAIL => body(frame, xop::PEER_FAIL).map(Request::PeerFail),
         xop::PEER_HEARTBEAT => body(frame, xop::PEER_HEARTBEAT).map(Request::PeerHeartbeat),
+        xop::PEER_RDMA_CONNECT => body(frame, xop::PEER_RDMA_CONNECT).map(Request::PeerRdmaConnect),
         other => {
             let mut name = other.to_string();
             name.truncate(64);

@@ -38,6 +38,8 @@ pub mod op {
     pub const PEER_FAIL: &str = "peer_fail";
     /// `peer_heartbeat`
     pub const PEER_HEARTBEAT: &str = "peer_heartbeat";
+    /// `peer_rdma_connect`
+    pub const PEER_RDMA_CONNECT: &str = "peer_rdma_connect";
 }
 
 /// How a daemon is reached by its peers.
@@ -55,6 +57,49 @@ pub struct PeerRef {
     /// Path of the daemon's pool file, for same-host (`shm`) transfers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shm: Option<String>,
+    /// How to address the pool over RDMA; absent without an RDMA device (or the
+    /// `rdma` feature).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaRef>,
+}
+
+/// A pool as RDMA peers address it.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct RdmaRef {
+    /// Port LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// Port GID (16 bytes).
+    #[serde(with = "serde_bytes")]
+    pub gid: Vec<u8>,
+    /// Virtual address of the pool's first byte (RDMA addresses = base + offset).
+    pub base: u64,
+    /// The pool's registrations.
+    pub regions: Vec<RdmaRegion>,
+}
+
+/// One memory registration of a pool.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct RdmaRegion {
+    /// First pool offset covered.
+    pub offset: u64,
+    /// Bytes covered.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+/// `peer_rdma_connect`: the sender created an RC queue pair for the receiver; the
+/// receiver creates its own, connects it, and answers with its number and PSN.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerRdmaConnectReq {
+    /// The sender (with its `rdma` description).
+    pub from: PeerRef,
+    /// The receiver's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The sender's queue pair number.
+    pub qpn: u32,
+    /// Its initial packet sequence number.
+    pub psn: u32,
 }
 
 /// `kv_transfer_params`: what `export` returns and `pull` takes. Engines pass it along
@@ -366,6 +411,12 @@ pub struct PeerAck {
     /// `peer_heartbeat`: listed transfers the receiver does not hold (ended or unknown).
     #[serde(default)]
     pub unknown: Vec<String>,
+    /// `peer_rdma_connect`: the receiver's queue pair number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma_qpn: Option<u32>,
+    /// `peer_rdma_connect`: its initial packet sequence number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma_psn: Option<u32>,
 }
 
 /// The integrity tag of a transfer's description: BLAKE2b-64 (little-endian) over
@@ -487,6 +538,7 @@ mod tests {
                 incarnation: Incarnation(5),
                 host: "h".into(),
                 shm: None,
+                rdma: None,
             },
             transfer_id: "r".into(),
             handle: 1,

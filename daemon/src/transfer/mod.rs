@@ -29,6 +29,8 @@
 //! - adjacent blocks move as one range ([`dataplane::coalesce`]).
 
 pub mod dataplane;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -245,6 +247,10 @@ pub struct Transfers {
     plane: DataPlane,
     tcp: Arc<TcpTransport>,
     shm: Option<Arc<ShmTransport>>,
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<rdma::RdmaTransport>>,
+    /// Push grant handles (low 32 bits) whose RDMA writes have all landed.
+    landed: std::collections::HashSet<u32>,
     _server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
@@ -286,14 +292,32 @@ impl Transfers {
             Some(h) => replace_host(&control, h),
             None => control,
         };
-        let me = PeerRef {
+        #[allow(unused_mut)] // without the rdma feature
+        let mut me = PeerRef {
             node,
             data,
             incarnation,
             host: host_id(),
             shm: Some(pool.path().display().to_string()),
+            rdma: None,
         };
-        tracing::info!(node = %me.node, data = %me.data, "transfer endpoints ready");
+        #[cfg(feature = "rdma")]
+        let rdma = match rdma::RdmaTransport::open(&pool, cfg.data.io_timeout) {
+            Ok(Some(t)) => {
+                me.rdma = Some(t.describe());
+                t.set_me(me.clone());
+                Some(Arc::new(t))
+            }
+            Ok(None) => {
+                tracing::info!("rdma: no RDMA device on this machine; transfers use tcp");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "rdma: device present but unusable; transfers use tcp");
+                None
+            }
+        };
+        tracing::info!(node = %me.node, data = %me.data, rdma = me.rdma.is_some(), "transfer endpoints ready");
         let plane = DataPlane::start(cfg.data.workers)?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, &cfg.data));
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
@@ -305,6 +329,9 @@ impl Transfers {
             plane,
             tcp,
             shm,
+            #[cfg(feature = "rdma")]
+            rdma,
+            landed: Default::default(),
             _server: server,
             system: store.system_session(now),
             exports: HashMap::new(),
@@ -619,6 +646,7 @@ impl Transfers {
                     incarnation: Incarnation(0),
                     host: String::new(),
                     shm: None,
+                    rdma: None,
                 },
                 handle: rand::random::<u64>() | 1,
                 token: rand::random(),
@@ -975,7 +1003,7 @@ impl Transfers {
         }
         let transport: Arc<dyn Transport> = match &self.shm {
             Some(shm) if shm.usable(&imp.peer, &self.me.host) => shm.clone(),
-            _ => self.tcp.clone(),
+            _ => self.remote_transport(&imp.peer),
         };
         let job = self.new_id();
         let imp = self.imports.get_mut(id).expect("present");
@@ -1158,8 +1186,17 @@ impl Transfers {
             .error
             .as_ref()
             .map_or(ErrorCode::InvalidState, |e| e.code);
-        let quiet =
-            imp.job.is_none() && (imp.mode == Mode::Pull || self.grants.revoke(imp.handle, why));
+        // A push registered with RDMA may still be written by the peer's NIC, which no
+        // grant check stops: keep the slots out of use until the writer's queue pair
+        // has timed out and been reset.
+        let quarantined = imp.mode == Mode::Push
+            && self.me.rdma.is_some()
+            && imp
+                .ended
+                .is_some_and(|t| Instant::now() < t + self.cfg.data.io_timeout * 2);
+        let quiet = !quarantined
+            && imp.job.is_none()
+            && (imp.mode == Mode::Pull || self.grants.revoke(imp.handle, why));
         if !quiet {
             if !self
                 .unsettled
@@ -1248,9 +1285,10 @@ impl Transfers {
             return;
         }
         let job = self.new_id();
+        let transport = self.remote_transport(&reg.from);
         let exp = self.exports.get_mut(id).expect("checked");
         exp.state = TransferState::Running;
-        exp.transport = "tcp";
+        exp.transport = transport.name();
         exp.job = Some(job);
         let tag = transfer_tag(id, &reg.keys, reg.offsets.iter().copied());
         let access = Access {
@@ -1261,7 +1299,7 @@ impl Transfers {
         self.jobs.insert(job, (Timer::Export, id.to_string()));
         self.plane.submit(Job {
             id: job,
-            transport: self.tcp.clone(),
+            transport,
             dir: Dir::Write,
             access,
             ops,
@@ -1400,6 +1438,8 @@ impl Transfers {
         Reply::Ack(PeerAck {
             incarnation: self.me.incarnation,
             unknown: Vec::new(),
+            rdma_qpn: None,
+            rdma_psn: None,
         })
     }
 
@@ -1474,11 +1514,26 @@ impl Transfers {
             return Err(self.unknown(&r.transfer_id));
         }
         let imp = &self.imports[&r.transfer_id];
-        let want = imp.local.iter().flatten().count() as u64 * imp.block_bytes;
-        let got = self.grants.bytes(imp.handle);
+        let (want, handle) = (
+            imp.local.iter().flatten().count() as u64 * imp.block_bytes,
+            imp.handle,
+        );
+        let by_rdma = self.rdma_with(&r.from);
+        let got = if by_rdma {
+            // RC ordering: the WRITE_WITH_IMM naming the handle completes after every
+            // byte before it landed.
+            self.collect_landed();
+            if self.landed.remove(&(handle as u32)) {
+                want
+            } else {
+                0
+            }
+        } else {
+            self.grants.bytes(handle)
+        };
         let imp = self.imports.get_mut(&r.transfer_id).expect("checked");
         imp.bytes = got;
-        imp.transport = "tcp";
+        imp.transport = if by_rdma { "rdma" } else { "tcp" };
         imp.peer.data = r.from.data.clone();
         if got < want {
             let e = werr(
@@ -1584,6 +1639,49 @@ impl Transfers {
         Err(self.unknown(id))
     }
 
+    /// The transport to a remote peer: RDMA when both sides have it, else TCP.
+    fn remote_transport(&self, peer: &PeerRef) -> Arc<dyn Transport> {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            if peer.rdma.is_some() {
+                return r.clone();
+            }
+        }
+        let _ = peer;
+        self.tcp.clone()
+    }
+
+    /// Whether transfers with `peer` go over RDMA.
+    fn rdma_with(&self, peer: &PeerRef) -> bool {
+        self.remote_transport(peer).name() == "rdma"
+    }
+
+    fn collect_landed(&mut self) {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            self.landed.extend(r.landed());
+        }
+    }
+
+    /// `peer_rdma_connect`.
+    pub fn peer_rdma_connect(&mut self, r: &PeerRdmaConnectReq) -> Result<Reply, WireError> {
+        self.check_to(r.to_incarnation, false)?;
+        #[cfg(feature = "rdma")]
+        if let Some(t) = &self.rdma {
+            let (qpn, psn) = t.accept(&r.from, r.qpn, r.psn)?;
+            return Ok(Reply::Ack(PeerAck {
+                incarnation: self.me.incarnation,
+                unknown: Vec::new(),
+                rdma_qpn: Some(qpn),
+                rdma_psn: Some(psn),
+            }));
+        }
+        Err(werr(
+            ErrorCode::InvalidState,
+            "this daemon has no RDMA device (or was built without the rdma feature)",
+        ))
+    }
+
     /// `peer_heartbeat`.
     pub fn peer_heartbeat(
         &mut self,
@@ -1623,6 +1721,8 @@ impl Transfers {
         Ok(Reply::Ack(PeerAck {
             incarnation: self.me.incarnation,
             unknown,
+            rdma_qpn: None,
+            rdma_psn: None,
         }))
     }
 
@@ -1908,8 +2008,9 @@ impl Transfers {
                     Ok(bytes) => {
                         imp.bytes = bytes;
                         tracing::debug!(transfer = %id, bytes, us = done.elapsed.as_micros() as u64, transport = imp.transport, "pulled");
-                        if imp.transport == "shm" {
-                            // Trust the copy only if the lease held throughout.
+                        if imp.transport == "shm" || imp.transport == "rdma" {
+                            // Nobody checked the lease during a one-sided copy: trust
+                            // the bytes only if the exporter confirms it held throughout.
                             let req = Request::PeerDone(PeerDoneReq {
                                 from: self.me.clone(),
                                 to_incarnation: imp.peer.incarnation,
