@@ -42,8 +42,8 @@ pub struct TransportArgs {
     /// Data plane: `tcp` (default) or `shm` (same-host copy from the peer's pool).
     #[arg(long, default_value = "tcp")]
     transport: String,
-    /// Parallel TCP streams per transfer.
-    #[arg(long, default_value_t = 4)]
+    /// Parallel TCP streams per transfer (0: the daemon's default, min(4, CPUs)).
+    #[arg(long, default_value_t = 0)]
     streams: u32,
     /// Bytes sent per ceiling configuration (8 configurations).
     #[arg(long, default_value = "1GiB")]
@@ -235,8 +235,9 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             let iters = (a.total.as_u64() / size / t as u64).max(4) as usize;
             // warm the connections
             pull_once(&ca, &cb, lay.id, &per_thread[0])?;
-            let start = Instant::now();
-            let lats = std::thread::scope(|s| -> Result<Vec<Duration>> {
+            // Each thread's busy time is the sum of its transfers' latencies (the
+            // decode side's cleanup between them, release + delete, is not timed).
+            let lats = std::thread::scope(|s| -> Result<Vec<Vec<Duration>>> {
                 let hs: Vec<_> = (0..t)
                     .map(|i| {
                         let (ca, cb, keys) = (ca.clone(), cb.clone(), &per_thread[i]);
@@ -247,14 +248,16 @@ pub fn transport(a: TransportArgs) -> Result<()> {
                         })
                     })
                     .collect();
-                let mut all = Vec::new();
-                for h in hs {
-                    all.extend(h.join().expect("bench thread")?);
-                }
-                Ok(all)
+                hs.into_iter()
+                    .map(|h| h.join().expect("bench thread"))
+                    .collect()
             })?;
-            let elapsed = start.elapsed();
-            let mut lats = lats;
+            let elapsed = lats
+                .iter()
+                .map(|l| l.iter().sum::<Duration>())
+                .max()
+                .unwrap_or_default();
+            let mut lats: Vec<Duration> = lats.concat();
             let (p50, p99) = percentiles(&mut lats);
             let g = gb(size * (iters * t) as u64, elapsed);
             results.push(CaseResult {
@@ -276,7 +279,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     extra.insert("ceiling_streams".into(), ceil_streams.into());
     extra.insert(
         "note".into(),
-        "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export + pull round trips".into(),
+        "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export + pull until usable; GB/s = bytes / the busiest thread's summed latencies (the decode side's release + delete between transfers is not timed)".into(),
     );
     Report {
         bench: "transport".into(),

@@ -38,7 +38,7 @@
 //! | `transfer.peer_timeout_ms` | int | `5000` | | wait for a peer's reply to a control message |
 //! | `transfer.retain_ms` | int | `60000` | | ended transfers stay visible to `transfer_status` this long |
 //! | `transfer.max_transfers` | int | `65536` | | live transfers |
-//! | `transfer.streams` | int | `4` | | parallel TCP streams per transfer |
+//! | `transfer.streams` | int | `0` (= min(4, CPUs)) | | parallel TCP streams per transfer (each carries ≥ 4 MiB) |
 //! | `transfer.workers` | int | `4` | | data-plane worker threads |
 //! | `transfer.io_timeout_ms` | int | `10000` | | data-plane socket timeout |
 //! | `transfer.max_connections` | int | `256` | | inbound data connections |
@@ -249,7 +249,7 @@ impl Default for TransferSection {
             peer_timeout_ms: 5_000,
             retain_ms: 60_000,
             max_transfers: 65_536,
-            streams: 4,
+            streams: 0,
             workers: 4,
             io_timeout_ms: 10_000,
             max_connections: 256,
@@ -281,7 +281,10 @@ impl TransferSection {
             retain: Duration::from_millis(self.retain_ms),
             max_transfers: self.max_transfers as usize,
             data: crate::transfer::dataplane::DataOptions {
-                streams: self.streams as usize,
+                streams: match self.streams {
+                    0 => std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+                    n => n as usize,
+                },
                 workers: self.workers as usize,
                 io_timeout: Duration::from_millis(self.io_timeout_ms),
                 max_connections: self.max_connections as usize,
@@ -604,8 +607,8 @@ impl DaemonConfig {
             if t.lease_ms < 100 || t.lease_ms > 3_600_000 {
                 return bad("transfer.lease_ms must be 100..=3600000".into());
             }
-            if t.streams == 0 || t.streams > 64 || t.workers == 0 || t.workers > 256 {
-                return bad("transfer.streams must be 1..=64 and transfer.workers 1..=256".into());
+            if t.streams > 64 || t.workers == 0 || t.workers > 256 {
+                return bad("transfer.streams must be 0..=64 and transfer.workers 1..=256".into());
             }
             if t.io_timeout_ms == 0 || t.peer_timeout_ms == 0 || t.max_connections == 0 {
                 return bad("transfer timeouts and max_connections must be positive".into());

@@ -11,13 +11,17 @@
 //! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
 //! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
 //! | [`io`] | the io_uring engine thread (the only io_uring user) |
-//! | [`server`] | the ZMQ ROUTER loop, request dispatch, deferred replies, signals |
+//! | [`server`] | the ZMQ ROUTER loop, request dispatch, deferred replies, signals, peer links |
+//! | [`transfer`] | prefill → decode handoff: exports, pulls, pushes, leases, heartbeats |
+//! | [`transfer::dataplane`] | grants, the TCP data server and transport, shm pulls, workers |
+//! | `transfer::rdma` | (feature `rdma`) the verbs boundary: registration, RC queue pairs, READ/WRITE |
 //!
 //! Workflow of [`run`]:
 //! 1. set the umask to 077 so the socket and the pool are created owner-only;
 //! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;
 //!    open the NVMe tier when configured (replaying its journal);
-//! 3. bind the ROUTER on every endpoint (creating the ipc directory 0700);
+//! 3. bind the ROUTER on every endpoint (creating the ipc directory 0700) and, with
+//!    transfers on, on the control endpoint; start the data server and its workers;
 //! 4. serve until SIGTERM/SIGINT, then answer what is queued, close the socket, remove
 //!    the ipc socket files and the pool file, and return.
 
@@ -210,7 +214,10 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     }
     let st = store.stats(Instant::now());
     tracing::info!(requests = st.requests, blocks = st.blocks, "kvd stopped");
-    drop(store); // unmaps and unlinks the pool
+    let pool_path = store.pool().path().to_path_buf();
+    drop(store); // unmaps and unlinks the pool...
+                 // ...unless a data-plane connection thread still holds it: unlink it anyway.
+    let _ = std::fs::remove_file(pool_path);
     Ok(())
 }
 

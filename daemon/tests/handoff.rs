@@ -206,11 +206,16 @@ fn unpulled_export_expires_frees_and_refuses_late_pulls() {
 
 #[test]
 fn heartbeats_keep_an_admitted_transfer_alive_past_its_lease() {
-    let (a, b) = (Node::start(600, false), Node::start(600, false));
+    // The daemons' own lease is 5 s; this export asks for 600 ms, so the decode side
+    // must beat at a sixth of the export's lease, not of its own.
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
     let (ca, cb) = (a.client(), b.client());
     let (layout, ks, data) = fill(&ca, 3, 5, 64);
     register(&cb, 64);
-    let params = ca.export("queued", layout, &ks, None).unwrap();
+    let params = ca
+        .export("queued", layout, &ks, Some(Duration::from_millis(600)))
+        .unwrap();
+    assert_eq!(params.lease_ms, 600);
     let r = cb.admit(&params, None).unwrap();
     assert_eq!(r.state, TransferState::Queued);
     std::thread::sleep(Duration::from_millis(2400)); // four leases

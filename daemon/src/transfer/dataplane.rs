@@ -48,8 +48,9 @@ const HEADER_BYTES: usize = 48;
 /// Most ranges in one data-plane request.
 pub const MAX_RANGES: u32 = 65_536;
 /// Ranges of a job are split into pieces of at least this size to spread them over
-/// streams.
-const MIN_PIECE: u64 = 256 * 1024;
+/// streams (a smaller transfer goes on one stream: a second one costs more than it
+/// saves).
+const MIN_PIECE: u64 = 4 << 20;
 
 fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
     WireError::new(code, msg)
@@ -1038,6 +1039,8 @@ mod tests {
             assert_eq!(coalesce(&all), ops.to_vec(), "streams {streams}");
         }
         assert_eq!(split(&[op(0, 0, 4096)], 4).len(), 1);
+        assert_eq!(split(&[op(0, 0, 4 << 20)], 4).len(), 1);
+        assert_eq!(split(&[op(0, 0, 16 << 20)], 4).len(), 4);
     }
 
     #[test]

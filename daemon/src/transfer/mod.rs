@@ -1844,7 +1844,16 @@ impl Transfers {
             self.on_timer(store, timer, id, now);
         }
         if now >= self.next_heartbeat {
-            self.next_heartbeat = now + self.cfg.heartbeat;
+            // An export may carry a shorter lease than ours: beat at a sixth of the
+            // shortest live one.
+            let period = self
+                .imports
+                .values()
+                .filter(|i| !i.state.is_final())
+                .map(|i| i.lease / 6)
+                .min()
+                .map_or(self.cfg.heartbeat, |p| p.min(self.cfg.heartbeat));
+            self.next_heartbeat = now + period;
             self.send_heartbeats();
         }
         // Imports waiting for room.
