@@ -457,3 +457,177 @@ fn a_flood_from_one_client_does_not_starve_another() {
     assert!(st.requests >= N);
     assert_eq!(st.dropped_replies, 0);
 }
+
+/// Transfer and daemon-to-daemon ops with bad, stale or forged contents: each gets a clear
+/// error, nothing is left behind, and the daemon keeps serving.
+#[test]
+fn bad_transfer_and_peer_messages_are_refused() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16).id;
+    let me = good.hello_info().node.expect("transfers are on by default");
+    let raw = Raw::new(&d.endpoint, zmq::DEALER);
+    let client = good.hello_info().client;
+    let stranger = PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(77),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    };
+    let ks = keys(900, 2);
+    let mut id = 0;
+    let mut call = |op: &str, body: &dyn erased::Body| {
+        id += 1;
+        raw.call(&[&body.frame(id, op)]).1
+    };
+    // a restarted (or forged) peer's view of our incarnation
+    let hb = PeerHeartbeatReq {
+        from: stranger.clone(),
+        to_incarnation: Incarnation(me.incarnation.0 ^ 1),
+        transfers: vec!["t".into()],
+    };
+    assert_eq!(
+        call("peer_heartbeat", &hb),
+        Some(ErrorCode::StaleIncarnation)
+    );
+    // 0 is accepted only as a first contact (push registration)
+    let hb0 = PeerHeartbeatReq {
+        to_incarnation: Incarnation(0),
+        ..hb.clone()
+    };
+    assert_eq!(
+        call("peer_heartbeat", &hb0),
+        Some(ErrorCode::StaleIncarnation)
+    );
+    // heartbeats for transfers we do not hold: answered, listed as unknown (not an error)
+    let hb_ok = PeerHeartbeatReq {
+        to_incarnation: me.incarnation,
+        ..hb
+    };
+    assert_eq!(call("peer_heartbeat", &hb_ok), None);
+    let done = PeerDoneReq {
+        from: stranger.clone(),
+        to_incarnation: me.incarnation,
+        transfer_id: "nope".into(),
+        handle: 1,
+    };
+    assert_eq!(call("peer_done", &done), Some(ErrorCode::UnknownTransfer));
+    let fail = PeerFailReq {
+        from: stranger.clone(),
+        to_incarnation: me.incarnation,
+        transfer_id: "nope".into(),
+        error: WireError::new(ErrorCode::Aborted, "x"),
+    };
+    assert_eq!(call("peer_fail", &fail), Some(ErrorCode::UnknownTransfer));
+    let pushed = PeerPushDoneReq {
+        from: stranger.clone(),
+        to_incarnation: me.incarnation,
+        transfer_id: "nope".into(),
+        handle: 1,
+        bytes: 1 << 40,
+    };
+    assert_eq!(
+        call("peer_push_done", &pushed),
+        Some(ErrorCode::UnknownTransfer)
+    );
+    let mut reg = PeerPushRegReq {
+        from: stranger.clone(),
+        to_incarnation: Incarnation(0),
+        transfer_id: "r1".into(),
+        layout_id: l,
+        keys: ks.clone(),
+        offsets: vec![Some(4096)],
+        handle: 5,
+        token: 6,
+        lease_ms: 300,
+    };
+    assert_eq!(
+        call("peer_push_reg", &reg),
+        Some(ErrorCode::InvalidArgument)
+    );
+    reg.offsets = vec![Some(4096), None];
+    reg.transfer_id = "x".repeat(200);
+    assert_eq!(
+        call("peer_push_reg", &reg),
+        Some(ErrorCode::InvalidArgument)
+    );
+    reg.transfer_id = "r1".into();
+    assert_eq!(call("peer_push_reg", &reg), None);
+    assert_eq!(call("peer_push_reg", &reg), Some(ErrorCode::InvalidState));
+    let rc = PeerRdmaConnectReq {
+        from: stranger.clone(),
+        to_incarnation: me.incarnation,
+        qpn: 1,
+        psn: 2,
+    };
+    assert_eq!(
+        call("peer_rdma_connect", &rc),
+        Some(ErrorCode::InvalidState)
+    );
+    // client ops: wrong shapes and unknown names
+    let bad_export = ExportReq {
+        client,
+        transfer_id: "e".into(),
+        layout_id: l,
+        keys: ks.clone(),
+        lease_ms: None,
+    };
+    assert_eq!(call("export", &bad_export), Some(ErrorCode::InvalidState)); // not stored
+    let params = TransferParams {
+        from: stranger.clone(),
+        transfer_id: "p".into(),
+        handle: 1,
+        token: 2,
+        layout_id: l,
+        block_bytes: 16 * 1024,
+        keys: ks.clone(),
+        offsets: vec![4096],
+        lease_ms: 1000,
+        expires_unix_ms: 0,
+    };
+    let pull = PullReq {
+        client,
+        params,
+        ttl_ms: None,
+        wait: true,
+        defer: false,
+    };
+    assert_eq!(call("pull", &pull), Some(ErrorCode::InvalidArgument));
+    let st = TransferStatusReq {
+        client,
+        transfer_id: "nope".into(),
+        wait_ms: 0,
+    };
+    assert_eq!(
+        call("transfer_status", &st),
+        Some(ErrorCode::UnknownTransfer)
+    );
+    assert_eq!(
+        call("export", &"not a map"),
+        Some(ErrorCode::InvalidArgument)
+    );
+    // the registration to a node that does not exist expires and is counted
+    eventually(5, "registration expired", || {
+        let s = good.stats().unwrap().transfers.unwrap();
+        s.registrations == 0 && s.expired == 1
+    });
+    good_round_trip(&good, l, 901);
+    let s = good.stats().unwrap();
+    assert_eq!(s.pinned_blocks, 0);
+    assert_eq!(s.pending, 0);
+    assert!(s.transfers.unwrap().refused >= 5);
+}
+
+/// Object-safe serialization of a request body, so one helper sends any op.
+mod erased {
+    pub trait Body {
+        fn frame(&self, id: u64, op: &str) -> Vec<u8>;
+    }
+    impl<T: serde::Serialize> Body for T {
+        fn frame(&self, id: u64, op: &str) -> Vec<u8> {
+            super::frame(1, id, op, self)
+        }
+    }
+}

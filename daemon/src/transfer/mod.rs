@@ -946,6 +946,8 @@ impl Transfers {
 
     fn arm_import_timer(&mut self, id: &str) {
         let i = &self.imports[id];
+        // Heartbeats start now: beat within a sixth of this transfer's lease.
+        self.next_heartbeat = self.next_heartbeat.min(i.last_heard + i.lease / 6);
         self.timers.push(Reverse((
             i.last_heard + i.lease,
             Timer::Import,
