@@ -22,10 +22,14 @@ struct Node {
 
 impl Node {
     fn start(lease_ms: u64, shm: bool) -> Node {
+        Self::start_with(lease_ms, shm, "")
+    }
+
+    fn start_with(lease_ms: u64, shm: bool, extra: &str) -> Node {
         let mut cfg = tempfile::NamedTempFile::new().unwrap();
         writeln!(
             cfg,
-            "[transfer]\nlease_ms = {lease_ms}\nshm = {shm}\npeer_timeout_ms = 2000\nio_timeout_ms = 3000"
+            "[transfer]\nlease_ms = {lease_ms}\nshm = {shm}\npeer_timeout_ms = 2000\nio_timeout_ms = 3000\n{extra}"
         )
         .unwrap();
         let path = cfg.path().display().to_string();
@@ -518,4 +522,49 @@ fn rdma_pull_and_push_when_a_device_is_present() {
         .unwrap();
     assert_eq!(r.transport, "rdma");
     verify(&cb, l2, &r, &d2);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn a_restarted_prefill_refuses_the_old_incarnations_params() {
+    let (cp, dp) = (free_port(), free_port());
+    let extra = format!("control = \"tcp://127.0.0.1:{cp}\"\ndata = \"127.0.0.1:{dp}\"");
+    let (mut a, b) = (
+        Node::start_with(5000, false, &extra),
+        Node::start(5000, false),
+    );
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 30, 3, 64);
+    register(&cb, 64);
+    let old = ca.export("restart", layout, &ks, None).unwrap();
+    cb.admit(&old, None).unwrap();
+    a.d.restart(); // same endpoints, new incarnation, empty pool
+    let ca = a.client();
+    let (layout2, ks2, data2) = fill(&ca, 30, 3, 64);
+    assert_eq!((layout2, &ks2), (layout, &ks));
+    assert_eq!(data2, data);
+    // a new export under the same id on the new daemon: the old params must not reach it
+    let new = ca.export("restart", layout, &ks, None).unwrap();
+    assert_ne!(new.from.incarnation, old.from.incarnation);
+    let (state, code) = state_and_code(cb.pull(&old, None, true));
+    assert_eq!(state, TransferState::Failed);
+    assert!(
+        matches!(code, Some(ErrorCode::StaleIncarnation)),
+        "old params after a restart: {code:?}"
+    );
+    assert_absent(&cb, layout, &ks);
+    // the new export is untouched by the stale attempt and still transfers
+    assert_eq!(
+        ca.transfer_status("restart", Duration::ZERO).unwrap().state,
+        TransferState::Exported
+    );
+    let r = cb.pull(&new, None, true).unwrap();
+    verify(&cb, layout, &r, &data);
 }
