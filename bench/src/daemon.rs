@@ -53,7 +53,7 @@ impl BenchDaemon {
         std::fs::write(
             &cfg,
             format!(
-                "[server]\nendpoints = [\"{endpoint}\"]\n[pool]\npath = \"{}\"\nsize = {pool_bytes}\n\
+                "[server]\nendpoints = [\"{endpoint}\"]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\npath = \"{}\"\nsize = {pool_bytes}\n\
                  segment_size = {segment_bytes}\nprefault = {prefault}\n[limits]\nalloc_ttl_ms = {alloc_ttl_ms}\n[log]\nlevel = \"warn\"\n",
                 dir.path().join("kvd.pool").display()
             ) + extra_toml,

@@ -10,6 +10,8 @@
 //! | `server.max_envelope_bytes` | size | `4MiB` | | largest request envelope frame |
 //! | `server.max_keys_per_request` | int | `65536` | | largest key list |
 //! | `server.group` | string | none | `KVD_GROUP` / `--group` | group (name or gid) that may use the socket and pool besides the owner (modes 0660 instead of 0600) |
+//! | `server.metrics_addr` | string | `127.0.0.1:9750` | `KVD_METRICS_ADDR` / `--metrics-addr` | HTTP address of `/metrics`, `/healthz`, `/readyz` (`""` turns it off) |
+//! | `server.drain_grace_ms` | int | `30000` | `KVD_DRAIN_GRACE_MS` / `--drain-grace-ms` | after SIGTERM, in-flight transfers may take this long before the daemon exits (a second signal exits at once) |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
 //! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
@@ -132,6 +134,10 @@ pub struct ServerConfig {
     /// Group allowed besides the owner.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
+    /// HTTP address of the ops endpoint (`None` or empty: off).
+    pub metrics_addr: Option<String>,
+    /// Drain grace period after SIGTERM.
+    pub drain_grace_ms: u64,
 }
 
 /// `[pool]`
@@ -362,6 +368,8 @@ impl Default for ServerConfig {
             max_envelope_bytes: Size(4 << 20),
             max_keys_per_request: 65536,
             group: None,
+            metrics_addr: Some("127.0.0.1:9750".into()),
+            drain_grace_ms: 30_000,
         }
     }
 }
@@ -444,6 +452,12 @@ pub struct Cli {
     /// Use buffered I/O where O_DIRECT is refused (tmpfs).
     #[arg(long)]
     pub nvme_allow_buffered: bool,
+    /// Address of /metrics, /healthz, /readyz (e.g. 0.0.0.0:9750; "" turns it off).
+    #[arg(long, env = "KVD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
+    /// After SIGTERM, how long in-flight transfers may take (ms).
+    #[arg(long, env = "KVD_DRAIN_GRACE_MS")]
+    pub drain_grace_ms: Option<u64>,
     /// Turn the prefill → decode handoff off.
     #[arg(long)]
     pub no_transfers: bool,
@@ -523,6 +537,12 @@ impl DaemonConfig {
         }
         if let Some(v) = &cli.group {
             cfg.server.group = Some(v.clone());
+        }
+        if let Some(v) = &cli.metrics_addr {
+            cfg.server.metrics_addr = Some(v.clone());
+        }
+        if let Some(v) = cli.drain_grace_ms {
+            cfg.server.drain_grace_ms = v;
         }
         if cli.no_transfers {
             cfg.transfer.enabled = false;

@@ -6,6 +6,8 @@
 //! | module | what it owns |
 //! |---|---|
 //! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table |
+//! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
+//! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
 //! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
@@ -27,7 +29,9 @@
 
 pub mod alloc;
 pub mod config;
+pub mod http;
 pub mod io;
+pub mod metrics;
 pub mod nvme;
 pub mod pool;
 pub mod server;
@@ -99,6 +103,22 @@ pub fn ipc_path(endpoint: &str) -> Option<PathBuf> {
 /// Runs the daemon until SIGTERM or SIGINT. See the crate docs for the workflow.
 pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
+    // The ops endpoint first: /readyz says "starting" while the pool is prefaulted.
+    let metrics = std::sync::Arc::new(metrics::Metrics::new());
+    let health = std::sync::Arc::new(http::Health::new());
+    let _ops = match cfg.server.metrics_addr.as_deref() {
+        Some(addr) if !addr.is_empty() => {
+            let s = http::OpsServer::start(addr, metrics.clone(), health.clone()).map_err(|e| {
+                DaemonError::Setup {
+                    what: e,
+                    source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+                }
+            })?;
+            tracing::info!(addr = %s.addr(), "metrics, /healthz and /readyz served");
+            Some(s)
+        }
+        _ => None,
+    };
     let group = cfg.server.group.as_deref().map(resolve_group).transpose()?;
     let incarnation = Incarnation(loop {
         let v: u64 = rand::random();
@@ -198,15 +218,24 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             alloc_ttl_ms: lim.alloc_ttl_ms,
             max_layouts: lim.max_layouts,
         },
+        drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
     };
     let transfers = cfg.transfer.resolved().map(|t| (t, shared_pool));
-    let server = Server::bind(store, opts, sig_rx, transfers)?;
+    let server = Server::bind(
+        store,
+        opts,
+        sig_rx,
+        transfers,
+        metrics.clone(),
+        health.clone(),
+    )?;
     if let Some(me) = server.peer_ref() {
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
     }
     for p in &ipc_paths {
         share_with_group(p, group, 0o660, 0o600)?;
     }
+    health.set(http::Phase::Ready, "ready");
     tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
     let store = server.run()?;
     for p in &ipc_paths {

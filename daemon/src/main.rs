@@ -1,10 +1,22 @@
 //! `kvd`: parses flags, loads the configuration, installs logging, runs the daemon.
+//! `kvd ctl ...` runs a command against a running daemon instead (see `ctl.rs`).
+
+mod ctl;
 
 use anyhow::Context;
 use clap::Parser;
 use kvd_daemon::config::{Cli, DaemonConfig, LogFormat};
 
 fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1).peekable();
+    if args.peek().map(String::as_str) == Some("ctl") {
+        args.next();
+        if let Err(e) = ctl::main(args) {
+            eprintln!("kvd ctl: {e:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let cli = Cli::parse();
     let cfg = DaemonConfig::load(&cli)?;
     if cli.print_config {

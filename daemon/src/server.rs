@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
+use crate::http::{Health, Phase};
+use crate::metrics::{Metrics, PeerCounts};
 use crate::store::{Answer, Completed, Store};
 use crate::transfer::{self, Outgoing, Reply, Then, TransferConfig, Transfers, TOKEN_BIT};
 
@@ -29,6 +31,8 @@ struct ReplyTo {
     identity: Vec<u8>,
     req_style: bool,
     id: u64,
+    op: &'static str,
+    since: Instant,
 }
 
 /// Requests served per loop turn before timers run.
@@ -45,6 +49,8 @@ pub struct ServerOptions {
     pub max_keys_per_request: u64,
     /// Limits reported by `hello`.
     pub limits: Limits,
+    /// After SIGTERM, how long in-flight transfers may take before the daemon exits.
+    pub drain_grace: Duration,
 }
 
 /// Why the server stopped with an error.
@@ -80,7 +86,14 @@ pub struct Server {
     transfers: Option<Transfers>,
     links: PeerLinks,
     next_token: u64,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    /// Set by the first SIGTERM/SIGINT: exit when idle or at this instant.
+    draining: Option<Instant>,
+    last_refresh: Instant,
 }
+
+use std::sync::Arc;
 
 /// One DEALER per peer daemon this one sends control messages to.
 struct PeerLinks {
@@ -92,6 +105,18 @@ struct PeerLinks {
 struct Link {
     socket: zmq::Socket,
     pending: std::collections::HashMap<u64, (Then, Instant)>,
+    last_ok: Option<Instant>,
+    last_fail: Option<Instant>,
+}
+
+impl Link {
+    fn up(&self) -> bool {
+        match (self.last_ok, self.last_fail) {
+            (Some(ok), Some(fail)) => ok > fail,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
 }
 
 impl PeerLinks {
@@ -119,6 +144,8 @@ impl PeerLinks {
                         Link {
                             socket,
                             pending: Default::default(),
+                            last_ok: None,
+                            last_fail: None,
                         },
                     );
                 }
@@ -134,8 +161,36 @@ impl PeerLinks {
                 link.pending.insert(id, (out.then, now + self.timeout));
                 Ok(())
             }
-            Err(e) => Err(fail(out.then, format!("sending to {}: {e}", out.node))),
+            Err(e) => {
+                link.last_fail = Some(now);
+                Err(fail(out.then, format!("sending to {}: {e}", out.node)))
+            }
         }
+    }
+
+    fn counts(&self) -> PeerCounts {
+        let up = self.links.values().filter(|l| l.up()).count() as u64;
+        PeerCounts {
+            up,
+            down: self.links.len() as u64 - up,
+        }
+    }
+
+    fn describe(&self, now: Instant) -> Vec<PeerStat> {
+        let mut v: Vec<PeerStat> = self
+            .links
+            .iter()
+            .map(|(node, l)| PeerStat {
+                node: node.clone(),
+                up: l.up(),
+                last_ok_ms_ago: l
+                    .last_ok
+                    .map(|t| now.saturating_duration_since(t).as_millis() as u64),
+                in_flight: l.pending.len() as u64,
+            })
+            .collect();
+        v.sort_by(|a, b| a.node.cmp(&b.node));
+        v
     }
 
     /// Replies received, and requests that timed out.
@@ -166,6 +221,7 @@ impl PeerLinks {
                 .map(|(k, _)| *k)
                 .collect();
             for id in late {
+                link.last_fail = Some(now);
                 let (then, _) = link.pending.remove(&id).expect("listed");
                 out.push((
                     then,
@@ -197,6 +253,8 @@ impl Server {
         opts: ServerOptions,
         signals: UnixStream,
         transfers: Option<(TransferConfig, std::sync::Arc<crate::pool::Pool>)>,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
     ) -> Result<Self, ServerError> {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
@@ -250,6 +308,10 @@ impl Server {
                 timeout,
             },
             next_token: 0,
+            metrics,
+            health,
+            draining: None,
+            last_refresh: Instant::now(),
         })
     }
 
@@ -270,10 +332,15 @@ impl Server {
             .into_iter()
             .flatten()
             .min();
+            let cap = if self.draining.is_some() {
+                Duration::from_millis(50)
+            } else {
+                Duration::from_millis(250) // metrics refresh
+            };
             let timeout = next
                 .map(|d| d.saturating_duration_since(now))
-                .unwrap_or(Duration::from_secs(1))
-                .min(Duration::from_secs(1));
+                .unwrap_or(cap)
+                .min(cap);
             // Round up so that a deadline 0.4 ms away does not spin.
             let timeout_ms = timeout.as_micros().div_ceil(1000) as i64;
             let (sock_ready, sig_ready) = {
@@ -309,16 +376,50 @@ impl Server {
             self.answer_deferred();
             if sig_ready {
                 let mut buf = [0u8; 16];
-                let _ = self.signals.read(&mut buf);
-                tracing::info!("signal received: answering queued requests, then stopping");
-                // Finish what is already queued, bounded in time.
-                let until = Instant::now() + Duration::from_secs(2);
-                while Instant::now() < until && (self.serve_one()? || !self.waiting.is_empty()) {
-                    self.answer_deferred();
+                let n = self.signals.read(&mut buf).unwrap_or(0);
+                if self.draining.is_some() || n >= 2 {
+                    tracing::warn!("second signal: exiting now");
+                    return Ok(self.store);
                 }
-                return Ok(self.store);
+                let grace = self.opts.drain_grace;
+                self.draining = Some(Instant::now() + grace);
+                self.health.set(Phase::Draining, "draining");
+                tracing::info!(
+                    grace_ms = grace.as_millis() as u64,
+                    "signal received: draining (new stores and transfers refused; a second signal exits now)"
+                );
+            }
+            self.refresh_metrics(false);
+            if let Some(deadline) = self.draining {
+                let busy = self.transfers.as_ref().is_some_and(Transfers::busy);
+                if !busy || Instant::now() >= deadline {
+                    if busy {
+                        tracing::warn!("grace period over with transfers in flight: exiting");
+                    }
+                    // Finish what is already queued, bounded in time.
+                    let until = Instant::now() + Duration::from_secs(2);
+                    while Instant::now() < until && (self.serve_one()? || !self.waiting.is_empty())
+                    {
+                        self.answer_deferred();
+                    }
+                    tracing::info!("drained");
+                    return Ok(self.store);
+                }
             }
         }
+    }
+
+    /// Hands fresh `stats` to the metrics (at most every 100 ms unless `force`).
+    fn refresh_metrics(&mut self, force: bool) {
+        let now = Instant::now();
+        if !force && now < self.last_refresh + Duration::from_millis(100) {
+            return;
+        }
+        self.last_refresh = now;
+        let mut st = self.store.stats(now);
+        st.transfers = self.transfers.as_ref().map(Transfers::stats);
+        let ready = self.health.phase() == Phase::Ready;
+        self.metrics.refresh(&st, self.links.counts(), ready);
     }
 
     /// Serves one request if one is queued. Returns whether one was.
@@ -347,6 +448,8 @@ impl Server {
             Some(env) => self.dispatch(env, &parts[env_at + 1..], now),
             None => {
                 self.store.count_request(Some(ErrorCode::Malformed));
+                self.metrics
+                    .observe_request("invalid", Some(ErrorCode::Malformed), now.elapsed());
                 let e = WireError::new(ErrorCode::Malformed, "message has no envelope frame");
                 Outcome::Reply(encode_err(0, &e), Vec::new())
             }
@@ -355,13 +458,15 @@ impl Server {
             Outcome::Reply(reply, payloads) => {
                 self.send_reply(&parts[0], req_style, reply, payloads)
             }
-            Outcome::Later(token, id) => {
+            Outcome::Later(token, id, op) => {
                 self.waiting.insert(
                     token,
                     ReplyTo {
                         identity: parts[0].to_vec(),
                         req_style,
                         id,
+                        op,
+                        since: now,
                     },
                 );
             }
@@ -381,6 +486,9 @@ impl Server {
             t.on_peer_reply(&mut self.store, then, r, now);
         }
         t.maintain(&mut self.store, now);
+        for f in t.take_finished() {
+            self.metrics.observe_transfer(&f);
+        }
         // Sending can fail at once (a peer that cannot be connected): feed those back
         // until the outbox is empty.
         for _ in 0..4 {
@@ -398,7 +506,8 @@ impl Server {
             let Some(to) = self.waiting.remove(&token) else {
                 continue;
             };
-            let (reply, payloads) = self.finish(to.id, r.map(Body::from), Vec::new());
+            let (reply, payloads) =
+                self.finish(to.id, to.op, to.since, r.map(Body::from), Vec::new());
             self.send_reply(&to.identity, to.req_style, reply, payloads);
         }
     }
@@ -410,15 +519,19 @@ impl Server {
                 continue;
             };
             let (reply, payloads) = match done {
-                Completed::Alloc(r) => self.finish(to.id, r.map(Body::Alloc), Vec::new()),
+                Completed::Alloc(r) => {
+                    self.finish(to.id, to.op, to.since, r.map(Body::Alloc), Vec::new())
+                }
                 Completed::Get(Ok(resp), inline, layout) => {
                     let mut out = Vec::new();
                     match self.inline_payloads(inline, layout, &resp, &mut out) {
-                        Ok(()) => self.finish(to.id, Ok(Body::Get(resp)), out),
-                        Err(e) => self.finish(to.id, Err(e), Vec::new()),
+                        Ok(()) => self.finish(to.id, to.op, to.since, Ok(Body::Get(resp)), out),
+                        Err(e) => self.finish(to.id, to.op, to.since, Err(e), Vec::new()),
                     }
                 }
-                Completed::Get(Err(e), _, _) => self.finish(to.id, Err(e), Vec::new()),
+                Completed::Get(Err(e), _, _) => {
+                    self.finish(to.id, to.op, to.since, Err(e), Vec::new())
+                }
             };
             self.send_reply(&to.identity, to.req_style, reply, payloads);
         }
@@ -427,18 +540,17 @@ impl Server {
     fn finish(
         &mut self,
         id: u64,
+        op: &'static str,
+        since: Instant,
         r: Result<Body, WireError>,
         out: Vec<zmq::Message>,
     ) -> (Vec<u8>, Vec<zmq::Message>) {
+        let code = r.as_ref().err().map(|e| e.code);
+        self.store.count_request(code);
+        self.metrics.observe_request(op, code, since.elapsed());
         match r {
-            Ok(body) => {
-                self.store.count_request(None);
-                (body_with_id(id, body), out)
-            }
-            Err(e) => {
-                self.store.count_request(Some(e.code));
-                (encode_err(id, &e), Vec::new())
-            }
+            Ok(body) => (body_with_id(id, body), out),
+            Err(e) => (encode_err(id, &e), Vec::new()),
         }
     }
 
@@ -499,6 +611,8 @@ impl Server {
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "undecodable request");
                 self.store.count_request(Some(e.code()));
+                self.metrics
+                    .observe_request("invalid", Some(e.code()), now.elapsed());
                 return Outcome::Reply(
                     encode_err(id, &WireError::new(e.code(), e.to_string())),
                     Vec::new(),
@@ -506,15 +620,16 @@ impl Server {
             }
         };
         let mut out = Vec::new();
+        let op = req.op();
         match self.execute(&req, payloads, &mut out, now) {
-            Ok(Answer::Later(token)) => Outcome::Later(token, id),
+            Ok(Answer::Later(token)) => Outcome::Later(token, id, op),
             Ok(Answer::Now(body)) => {
-                let (r, p) = self.finish(id, Ok(body), out);
+                let (r, p) = self.finish(id, op, now, Ok(body), out);
                 Outcome::Reply(r, p)
             }
             Err(e) => {
-                tracing::debug!(id, op = req.op(), error = %e, "request failed");
-                let (r, p) = self.finish(id, Err(e), Vec::new());
+                tracing::debug!(id, op, error = %e, "request failed");
+                let (r, p) = self.finish(id, op, now, Err(e), Vec::new());
                 Outcome::Reply(r, p)
             }
         }
@@ -534,6 +649,24 @@ impl Server {
                 format!(
                     "{n} keys in one request (limit {})",
                     self.opts.max_keys_per_request
+                ),
+            ));
+        }
+        if self.draining.is_some()
+            && matches!(
+                req,
+                Request::Alloc(_)
+                    | Request::Export(_)
+                    | Request::Pull(_)
+                    | Request::PushRegister(_)
+                    | Request::PeerPushReg(_)
+            )
+        {
+            return Err(WireError::new(
+                ErrorCode::ShuttingDown,
+                format!(
+                    "op {} refused: the daemon is draining before it exits",
+                    req.op()
                 ),
             ));
         }
@@ -589,6 +722,8 @@ impl Server {
             Request::Stats(_) => {
                 let mut st = s.stats(now);
                 st.transfers = self.transfers.as_ref().map(Transfers::stats);
+                st.peers = self.links.describe(now);
+                st.draining = self.draining.is_some();
                 Body::Stats(st)
             }
             _ => return self.execute_transfer(req, now),
@@ -636,8 +771,9 @@ impl Server {
 enum Outcome {
     /// Send this now.
     Reply(Vec<u8>, Vec<zmq::Message>),
-    /// The store answers later under this token; the request id is kept for the reply.
-    Later(u64, u64),
+    /// The store answers later under this token; the request id and op are kept for the
+    /// reply.
+    Later(u64, u64, &'static str),
 }
 
 /// A reply body of any op.

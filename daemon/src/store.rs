@@ -1252,6 +1252,8 @@ impl Store {
             waiting: self.deferred.len() as u64,
             nvme: self.nvme.as_ref().map(NvmeTier::stats),
             transfers: None,
+            peers: Vec::new(),
+            draining: false,
             errors: self
                 .counters
                 .errors

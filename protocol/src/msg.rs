@@ -404,4 +404,24 @@ pub struct StatsResp {
     /// Prefill → decode transfers; absent when they are off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfers: Option<crate::transfer::TransferStats>,
+    /// Peer daemons this one has sent control messages to.
+    #[serde(default)]
+    pub peers: Vec<PeerStat>,
+    /// SIGTERM received: new stores and transfers are refused until the daemon exits.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+/// A peer daemon, in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct PeerStat {
+    /// Its control endpoint.
+    pub node: String,
+    /// Whether it answered the last message that was due.
+    pub up: bool,
+    /// When it last answered.
+    #[serde(default)]
+    pub last_ok_ms_ago: Option<u64>,
+    /// Messages awaiting its answer.
+    pub in_flight: u64,
 }

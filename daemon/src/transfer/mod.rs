@@ -107,6 +107,33 @@ pub struct Outgoing {
     pub then: Then,
 }
 
+/// An ended transfer, for metrics.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// `importer` or `exporter`.
+    pub role: &'static str,
+    /// `done`, `failed`, `aborted`, `expired`.
+    pub outcome: &'static str,
+    /// `tcp`, `shm`, `rdma`, `local`, `remote_read` (an export read by its importer), or
+    /// `none`.
+    pub transport: &'static str,
+    /// `in` (bytes received) or `out` (bytes sent or served).
+    pub direction: &'static str,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// From acceptance to the end.
+    pub took: Duration,
+}
+
+fn outcome(state: TransferState) -> &'static str {
+    match state {
+        TransferState::Done => "done",
+        TransferState::Aborted => "aborted",
+        TransferState::Expired => "expired",
+        _ => "failed",
+    }
+}
+
 /// Counters, for `stats`.
 #[derive(Debug, Default, Clone)]
 pub struct TransferCounters {
@@ -265,6 +292,7 @@ pub struct Transfers {
     answers: Vec<(u64, Result<Reply, WireError>)>,
     unsettled: Vec<(Timer, String)>,
     counters: TransferCounters,
+    finished: Vec<Finished>,
 }
 
 /// Tokens of deferred transfer replies have this bit set (the store's do not).
@@ -345,6 +373,7 @@ impl Transfers {
             answers: Vec::new(),
             unsettled: Vec::new(),
             counters: TransferCounters::default(),
+            finished: Vec::new(),
         })
     }
 
@@ -376,6 +405,17 @@ impl Transfers {
             refused: self.counters.refused + self.grants.refused(),
             bytes: self.counters.bytes,
         }
+    }
+
+    /// Transfers that ended since the last call (for metrics).
+    pub fn take_finished(&mut self) -> Vec<Finished> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Whether anything is in flight: live exports, imports or registrations, slots
+    /// still being released, or data-plane jobs (a draining daemon waits for these).
+    pub fn busy(&self) -> bool {
+        self.live_count() > 0 || !self.unsettled.is_empty() || !self.jobs.is_empty()
     }
 
     /// Control messages to send.
@@ -1156,6 +1196,22 @@ impl Transfers {
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "import ended");
         }
+        self.finished.push(Finished {
+            role: "importer",
+            outcome: outcome(state),
+            transport: if imp.transport.is_empty() {
+                "none"
+            } else {
+                imp.transport
+            },
+            direction: "in",
+            bytes: if state == TransferState::Done {
+                imp.bytes
+            } else {
+                0
+            },
+            took: now.saturating_duration_since(imp.created),
+        });
         imp.error = error.clone();
         if notify && imp.peer.incarnation.0 != 0 {
             let (peer, e) = (
@@ -1347,6 +1403,22 @@ impl Transfers {
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "export ended");
         }
+        self.finished.push(Finished {
+            role: "exporter",
+            outcome: outcome(state),
+            transport: if exp.transport.is_empty() {
+                "none"
+            } else {
+                exp.transport
+            },
+            direction: "out",
+            bytes: if state == TransferState::Done {
+                exp.bytes
+            } else {
+                0
+            },
+            took: now.saturating_duration_since(exp.created),
+        });
         exp.error = error.clone();
         let importer = exp.importer.clone();
         if notify {
@@ -1591,7 +1663,7 @@ impl Transfers {
         let exp = self.exports.get_mut(&r.transfer_id).expect("checked");
         exp.importer = Some(r.from.clone());
         exp.bytes = bytes;
-        exp.transport = "pull";
+        exp.transport = "remote_read";
         self.end_export(store, &r.transfer_id, TransferState::Done, None, false, now);
         Ok(self.ack())
     }

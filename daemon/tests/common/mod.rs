@@ -37,6 +37,9 @@ impl Daemon {
             "--log-level".into(),
             "warn".into(),
         ];
+        if !extra.contains(&"--metrics-addr") {
+            args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+        }
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size".into(), "64MiB".into()]);
         }

@@ -1,0 +1,201 @@
+//! `kvd ctl`: commands against a running daemon, for the person on call.
+//!
+//! ```text
+//! kvd ctl [--endpoint E] stats [--json]            counters and gauges
+//! kvd ctl [--endpoint E] peers [--json]            peer daemons and transfers
+//! kvd ctl [--endpoint E] lookup --layout-id N KEY...   cached prefix of the keys (hex)
+//! kvd ctl [--endpoint E] evict --layout-id N KEY...    drop blocks (pinned ones stay)
+//! kvd ctl [--endpoint E] transfer ID               a transfer's status
+//! ```
+//!
+//! The endpoint defaults to `$KVD_ENDPOINT`, else the node's default (as for engines).
+//! Exit status: 0 on success, 1 when the daemon refused, 2 on bad arguments.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use kvd_client::{Client, MapPool};
+use kvd_protocol::{ChunkHash, LayoutId, CHUNK_HASH_BYTES};
+
+/// `kvd ctl` arguments.
+#[derive(Parser, Debug)]
+#[command(name = "kvd ctl", about = "Commands against a running kvd")]
+pub struct CtlCli {
+    /// The daemon's endpoint (default: $KVD_ENDPOINT or the node default).
+    #[arg(long, env = "KVD_ENDPOINT")]
+    endpoint: Option<String>,
+    /// Reply timeout in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Counters and gauges.
+    Stats {
+        /// Print the whole reply as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Peer daemons this one talks to, and its transfers.
+    Peers {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The cached prefix of keys (32 hex digits each) of a registered layout.
+    Lookup {
+        /// The layout id (as `register_layout` returned it).
+        #[arg(long)]
+        layout_id: u64,
+        /// Keys, in prefix order.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Drops blocks from every tier (pinned and in-flight blocks are left in place).
+    Evict {
+        /// The layout id.
+        #[arg(long)]
+        layout_id: u64,
+        /// Keys to drop.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// A transfer's status.
+    Transfer {
+        /// The transfer id.
+        id: String,
+    },
+}
+
+fn parse_key(s: &str) -> Result<ChunkHash> {
+    let s = s.trim();
+    if s.len() != CHUNK_HASH_BYTES * 2 {
+        bail!("key {s:?}: want {} hex digits", CHUNK_HASH_BYTES * 2);
+    }
+    let mut out = [0u8; CHUNK_HASH_BYTES];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+            .with_context(|| format!("key {s:?} is not hex"))?;
+    }
+    Ok(ChunkHash(out))
+}
+
+/// Runs `kvd ctl` with the arguments after `ctl`.
+pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
+    let cli = CtlCli::parse_from(std::iter::once("kvd ctl".to_string()).chain(args));
+    let mut b = Client::builder()
+        .with_name("kvd-ctl")
+        .with_timeout(Duration::from_millis(cli.timeout_ms))
+        .with_map_pool(MapPool::Never);
+    if let Some(e) = &cli.endpoint {
+        b = b.with_endpoint(e);
+    }
+    let c = b.connect().context("connecting to kvd")?;
+    match cli.cmd {
+        Cmd::Stats { json } => {
+            let s = c.stats()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                println!("incarnation   {}", s.incarnation);
+                println!("uptime        {:.1} s", s.uptime_ms as f64 / 1000.0);
+                println!(
+                    "pool          {:.2} / {:.2} GiB used, {:.2} GiB fragmented",
+                    gib(s.pool.used_bytes),
+                    gib(s.pool.capacity_bytes),
+                    gib(s.pool.fragmented_bytes)
+                );
+                println!(
+                    "blocks        {} committed, {} pending, {} pinned ({} pins)",
+                    s.blocks, s.pending, s.pinned_blocks, s.pins
+                );
+                println!(
+                    "get           {} hits, {} misses; {} evictions, {} demotions, {} promotions",
+                    s.hits, s.misses, s.evictions, s.demotions, s.promotions
+                );
+                println!("sessions      {}  layouts {}", s.clients, s.layouts);
+                if let Some(n) = &s.nvme {
+                    println!(
+                        "nvme          {} blocks, {:.2} / {:.2} GiB, {} read / {} checksum errors",
+                        n.blocks,
+                        gib(n.used_bytes),
+                        gib(n.capacity_bytes),
+                        n.read_errors,
+                        n.checksum_errors
+                    );
+                }
+                if let Some(t) = &s.transfers {
+                    println!(
+                        "transfers     {} exports, {} imports, {} registrations live; {} done, {} failed, {} expired",
+                        t.exports_live, t.imports_live, t.registrations, t.done, t.failed, t.expired
+                    );
+                }
+                if s.draining {
+                    println!("state         DRAINING");
+                }
+                let errs: Vec<String> = s.errors.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                println!(
+                    "errors        {}",
+                    if errs.is_empty() {
+                        "none".into()
+                    } else {
+                        errs.join(" ")
+                    }
+                );
+            }
+        }
+        Cmd::Peers { json } => {
+            let s = c.stats()?;
+            let me = c.hello_info().node.clone();
+            if json {
+                let v =
+                    serde_json::json!({ "node": me, "peers": s.peers, "transfers": s.transfers });
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                match &me {
+                    Some(m) => println!("this node     {} (data {})", m.node, m.data),
+                    None => println!("this node     transfers are off"),
+                }
+                if s.peers.is_empty() {
+                    println!("no peers contacted yet");
+                }
+                for p in &s.peers {
+                    println!(
+                        "{:<32} {:<5} last answer {}  in flight {}",
+                        p.node,
+                        if p.up { "up" } else { "DOWN" },
+                        p.last_ok_ms_ago
+                            .map(|ms| format!("{ms} ms ago"))
+                            .unwrap_or_else(|| "never".into()),
+                        p.in_flight
+                    );
+                }
+            }
+        }
+        Cmd::Lookup { layout_id, keys } => {
+            let keys: Vec<ChunkHash> = keys.iter().map(|k| parse_key(k)).collect::<Result<_>>()?;
+            let r = c.lookup(LayoutId(layout_id), &keys)?;
+            println!("prefix {} of {}", r.prefix, keys.len());
+            for (k, t) in keys.iter().zip(&r.tiers) {
+                println!("{k} {t:?}");
+            }
+        }
+        Cmd::Evict { layout_id, keys } => {
+            let keys: Vec<ChunkHash> = keys.iter().map(|k| parse_key(k)).collect::<Result<_>>()?;
+            let st = c.delete(LayoutId(layout_id), &keys)?;
+            for (k, s) in keys.iter().zip(&st) {
+                println!("{k} {s:?}");
+            }
+        }
+        Cmd::Transfer { id } => {
+            let r = c.transfer_status(&id, Duration::ZERO)?;
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,518 @@
+//! Prometheus metrics: one [`Metrics`] struct creates every handle at start.
+//!
+//! Names follow `kvd_<subsystem>_<what>_<unit>`; counters end in `_total`. Three sources
+//! feed them:
+//! - the server thread observes every request (`kvd_requests_total{op}`,
+//!   `kvd_request_errors_total{code}`, `kvd_request_duration_seconds{op}`) and every ended
+//!   transfer ([`Metrics::observe_transfer`]);
+//! - after each loop turn (at most every 100 ms) it hands the store's and the transfers'
+//!   `stats` to [`Metrics::refresh`], which sets the gauges and advances the counters the
+//!   store already keeps (a counter only ever moves by the difference, so it stays
+//!   monotonic);
+//! - the HTTP thread renders the registry on each scrape (`/metrics`).
+//!
+//! Label values are static strings (op names, error code names, tiers, transports).
+
+use std::time::Duration;
+
+use kvd_protocol::{ErrorCode, StatsResp};
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Every metric the daemon exports. See the module docs.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    errors: IntCounterVec,
+    request_seconds: HistogramVec,
+    pool_capacity: IntGauge,
+    pool_used: IntGauge,
+    pool_fragmented: IntGauge,
+    pool_free_segments: IntGauge,
+    tier_blocks: IntGaugeVec,
+    tier_used: IntGaugeVec,
+    tier_capacity: IntGaugeVec,
+    pinned_blocks: IntGauge,
+    pins: IntGauge,
+    pending: IntGauge,
+    sessions: IntGauge,
+    waiting: IntGauge,
+    hits: IntCounterVec,
+    misses: IntCounter,
+    evictions: IntCounter,
+    demotions: IntCounter,
+    promotions: IntCounter,
+    prefetches: IntCounter,
+    dropped_blocks: IntCounter,
+    expired_pins: IntCounter,
+    expired_allocs: IntCounter,
+    dropped_replies: IntCounter,
+    nvme_ops: IntCounterVec,
+    nvme_errors: IntCounterVec,
+    transfer_bytes: IntCounterVec,
+    transfer_seconds: HistogramVec,
+    transfers: IntCounterVec,
+    leases_active: IntGauge,
+    imports_active: IntGauge,
+    lease_renewals: IntCounter,
+    lease_expirations: IntCounter,
+    transfer_refused: IntCounter,
+    peers: IntGaugeVec,
+    ready: IntGauge,
+}
+
+fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
+    r.register(Box::new(m.clone()))
+        .expect("metric names are unique and valid");
+    m
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    reg(r, IntCounter::new(name, help).expect("valid metric"))
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    reg(
+        r,
+        IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+    )
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    reg(r, IntGauge::new(name, help).expect("valid metric"))
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    reg(
+        r,
+        IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+    )
+}
+
+fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    // 50 µs .. ~13 s
+    let buckets = prometheus::exponential_buckets(50e-6, 4.0, 10).expect("valid buckets");
+    reg(
+        r,
+        HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)
+            .expect("valid metric"),
+    )
+}
+
+/// Advances a counter fed from a cumulative count to `now`.
+fn advance(c: &IntCounter, now: u64) {
+    let cur = c.get();
+    if now > cur {
+        c.inc_by(now - cur);
+    }
+}
+
+/// The transfer ops, for pre-created series.
+const TRANSFER_OPS: [&str; 11] = [
+    kvd_protocol::transfer::op::EXPORT,
+    kvd_protocol::transfer::op::PULL,
+    kvd_protocol::transfer::op::PUSH_REGISTER,
+    kvd_protocol::transfer::op::TRANSFER_STATUS,
+    kvd_protocol::transfer::op::ABORT,
+    kvd_protocol::transfer::op::PEER_PUSH_REG,
+    kvd_protocol::transfer::op::PEER_PUSH_DONE,
+    kvd_protocol::transfer::op::PEER_DONE,
+    kvd_protocol::transfer::op::PEER_FAIL,
+    kvd_protocol::transfer::op::PEER_HEARTBEAT,
+    kvd_protocol::transfer::op::PEER_RDMA_CONNECT,
+];
+
+/// Peers of the transfer links, for `kvd_peers{state}`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PeerCounts {
+    /// Answered their last message.
+    pub up: u64,
+    /// Did not.
+    pub down: u64,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let m = Metrics {
+            requests: counter_vec(
+                &r,
+                "kvd_requests_total",
+                "Requests handled, by op.",
+                &["op"],
+            ),
+            errors: counter_vec(
+                &r,
+                "kvd_request_errors_total",
+                "Error replies, by error code.",
+                &["code"],
+            ),
+            request_seconds: histogram(
+                &r,
+                "kvd_request_duration_seconds",
+                "Time from receiving a request to sending its reply, by op.",
+                &["op"],
+            ),
+            pool_capacity: gauge(
+                &r,
+                "kvd_pool_capacity_bytes",
+                "Bytes of the DRAM pool usable for slots.",
+            ),
+            pool_used: gauge(
+                &r,
+                "kvd_pool_used_bytes",
+                "Bytes of the DRAM pool in allocated slots.",
+            ),
+            pool_fragmented: gauge(
+                &r,
+                "kvd_pool_fragmented_bytes",
+                "Bytes in segments assigned to a block size but not in a slot.",
+            ),
+            pool_free_segments: gauge(
+                &r,
+                "kvd_pool_free_segments",
+                "Segments not assigned to any block size.",
+            ),
+            tier_blocks: gauge_vec(&r, "kvd_tier_blocks", "Blocks held, by tier.", &["tier"]),
+            tier_used: gauge_vec(&r, "kvd_tier_used_bytes", "Bytes held, by tier.", &["tier"]),
+            tier_capacity: gauge_vec(
+                &r,
+                "kvd_tier_capacity_bytes",
+                "Capacity, by tier.",
+                &["tier"],
+            ),
+            pinned_blocks: gauge(
+                &r,
+                "kvd_store_pinned_blocks",
+                "Blocks with at least one pin.",
+            ),
+            pins: gauge(&r, "kvd_store_pins", "Live pins."),
+            pending: gauge(
+                &r,
+                "kvd_store_pending_blocks",
+                "Allocated, uncommitted blocks.",
+            ),
+            sessions: gauge(&r, "kvd_sessions", "Live client sessions."),
+            waiting: gauge(
+                &r,
+                "kvd_store_waiting_requests",
+                "Requests waiting for NVMe I/O.",
+            ),
+            hits: counter_vec(
+                &r,
+                "kvd_store_hits_total",
+                "Blocks found by get, by the tier they came from.",
+                &["tier"],
+            ),
+            misses: counter(&r, "kvd_store_misses_total", "Blocks get did not find."),
+            evictions: counter(&r, "kvd_store_evictions_total", "Blocks evicted from DRAM."),
+            demotions: counter(
+                &r,
+                "kvd_store_demotions_total",
+                "Blocks written back to NVMe on eviction.",
+            ),
+            promotions: counter(
+                &r,
+                "kvd_store_promotions_total",
+                "Blocks read back from NVMe into DRAM.",
+            ),
+            prefetches: counter(
+                &r,
+                "kvd_store_prefetches_total",
+                "Promotions started by a lookup.",
+            ),
+            dropped_blocks: counter(
+                &r,
+                "kvd_store_dropped_blocks_total",
+                "Blocks evicted without a copy on NVMe.",
+            ),
+            expired_pins: counter(
+                &r,
+                "kvd_store_expired_pins_total",
+                "Pins that reached their TTL.",
+            ),
+            expired_allocs: counter(
+                &r,
+                "kvd_store_expired_allocs_total",
+                "Allocations reclaimed after their TTL.",
+            ),
+            dropped_replies: counter(
+                &r,
+                "kvd_dropped_replies_total",
+                "Replies dropped (client gone or not reading).",
+            ),
+            nvme_ops: counter_vec(
+                &r,
+                "kvd_nvme_ops_total",
+                "Blocks written to / read from the NVMe tier.",
+                &["op"],
+            ),
+            nvme_errors: counter_vec(
+                &r,
+                "kvd_nvme_errors_total",
+                "NVMe tier failures, by kind (write, read, checksum).",
+                &["kind"],
+            ),
+            transfer_bytes: counter_vec(
+                &r,
+                "kvd_transfer_bytes_total",
+                "Bytes moved by finished transfers, by transport and direction.",
+                &["transport", "direction"],
+            ),
+            transfer_seconds: histogram(
+                &r,
+                "kvd_transfer_duration_seconds",
+                "Time from accepting a transfer to its end, by transport and direction.",
+                &["transport", "direction"],
+            ),
+            transfers: counter_vec(
+                &r,
+                "kvd_transfers_total",
+                "Ended transfers, by role and outcome.",
+                &["role", "outcome"],
+            ),
+            leases_active: gauge(
+                &r,
+                "kvd_transfer_leases_active",
+                "Live exports and push registrations (leases held).",
+            ),
+            imports_active: gauge(
+                &r,
+                "kvd_transfer_imports_active",
+                "Live imports (pulls and pushes received).",
+            ),
+            lease_renewals: counter(
+                &r,
+                "kvd_transfer_lease_renewals_total",
+                "Lease renewals by heartbeats.",
+            ),
+            lease_expirations: counter(
+                &r,
+                "kvd_transfer_lease_expirations_total",
+                "Leases that ran out.",
+            ),
+            transfer_refused: counter(
+                &r,
+                "kvd_transfer_refused_total",
+                "Peer messages and data-plane requests refused (stale, forged, late).",
+            ),
+            peers: gauge_vec(
+                &r,
+                "kvd_peers",
+                "Peer daemons this one talks to, by state.",
+                &["state"],
+            ),
+            ready: gauge(&r, "kvd_ready", "1 when /readyz would answer 200."),
+            registry: r,
+        };
+        let info = gauge_vec(
+            &m.registry,
+            "kvd_build_info",
+            "Build information (value 1).",
+            &["version"],
+        );
+        info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        for tier in ["dram", "nvme"] {
+            m.hits.with_label_values(&[tier]);
+            m.tier_blocks.with_label_values(&[tier]);
+            m.tier_used.with_label_values(&[tier]);
+            m.tier_capacity.with_label_values(&[tier]);
+        }
+        for state in ["up", "down"] {
+            m.peers.with_label_values(&[state]);
+        }
+        for op in ["write", "read"] {
+            m.nvme_ops.with_label_values(&[op]);
+        }
+        // Every series a dashboard names exists from the start (at 0).
+        for op in kvd_protocol::msg::op::ALL
+            .iter()
+            .chain(&TRANSFER_OPS)
+            .chain(&["invalid"])
+        {
+            m.requests.with_label_values(&[op]);
+            m.request_seconds.with_label_values(&[op]);
+        }
+        for code in ErrorCode::ALL {
+            m.errors.with_label_values(&[code.as_str()]);
+        }
+        for (transport, direction) in [
+            ("tcp", "in"),
+            ("tcp", "out"),
+            ("shm", "in"),
+            ("rdma", "in"),
+            ("rdma", "out"),
+            ("local", "in"),
+            ("remote_read", "out"),
+        ] {
+            m.transfer_bytes.with_label_values(&[transport, direction]);
+            m.transfer_seconds
+                .with_label_values(&[transport, direction]);
+        }
+        for role in ["importer", "exporter"] {
+            for outcome in ["done", "failed", "aborted", "expired"] {
+                m.transfers.with_label_values(&[role, outcome]);
+            }
+        }
+        for kind in ["write", "read", "checksum"] {
+            m.nvme_errors.with_label_values(&[kind]);
+        }
+        m
+    }
+
+    /// One handled request.
+    pub fn observe_request(&self, op: &'static str, error: Option<ErrorCode>, took: Duration) {
+        self.requests.with_label_values(&[op]).inc();
+        if let Some(code) = error {
+            self.errors.with_label_values(&[code.as_str()]).inc();
+        }
+        self.request_seconds
+            .with_label_values(&[op])
+            .observe(took.as_secs_f64());
+    }
+
+    /// One ended transfer.
+    pub fn observe_transfer(&self, t: &crate::transfer::Finished) {
+        self.transfers.with_label_values(&[t.role, t.outcome]).inc();
+        if t.bytes > 0 {
+            self.transfer_bytes
+                .with_label_values(&[t.transport, t.direction])
+                .inc_by(t.bytes);
+            self.transfer_seconds
+                .with_label_values(&[t.transport, t.direction])
+                .observe(t.took.as_secs_f64());
+        }
+    }
+
+    /// Gauges and cumulative counters from a `stats` snapshot.
+    pub fn refresh(&self, s: &StatsResp, peers: PeerCounts, ready: bool) {
+        self.pool_capacity.set(s.pool.capacity_bytes as i64);
+        self.pool_used.set(s.pool.used_bytes as i64);
+        self.pool_fragmented.set(s.pool.fragmented_bytes as i64);
+        self.pool_free_segments.set(s.pool.free_segments as i64);
+        self.tier_blocks
+            .with_label_values(&["dram"])
+            .set(s.blocks as i64);
+        self.tier_used
+            .with_label_values(&["dram"])
+            .set(s.pool.used_bytes as i64);
+        self.tier_capacity
+            .with_label_values(&["dram"])
+            .set(s.pool.capacity_bytes as i64);
+        self.pinned_blocks.set(s.pinned_blocks as i64);
+        self.pins.set(s.pins as i64);
+        self.pending.set(s.pending as i64);
+        self.sessions.set(s.clients as i64);
+        self.waiting.set(s.waiting as i64);
+        advance(
+            &self.hits.with_label_values(&["dram"]),
+            s.hits.saturating_sub(s.promotions),
+        );
+        advance(&self.hits.with_label_values(&["nvme"]), s.promotions);
+        advance(&self.misses, s.misses);
+        advance(&self.evictions, s.evictions);
+        advance(&self.demotions, s.demotions);
+        advance(&self.promotions, s.promotions);
+        advance(&self.prefetches, s.prefetches);
+        advance(&self.dropped_blocks, s.dropped);
+        advance(&self.expired_pins, s.expired_pins);
+        advance(&self.expired_allocs, s.expired_allocs);
+        advance(&self.dropped_replies, s.dropped_replies);
+        if let Some(n) = &s.nvme {
+            self.tier_blocks
+                .with_label_values(&["nvme"])
+                .set(n.blocks as i64);
+            self.tier_used
+                .with_label_values(&["nvme"])
+                .set(n.used_bytes as i64);
+            self.tier_capacity
+                .with_label_values(&["nvme"])
+                .set(n.capacity_bytes as i64);
+            advance(&self.nvme_ops.with_label_values(&["write"]), n.writes);
+            advance(&self.nvme_ops.with_label_values(&["read"]), n.reads);
+            advance(
+                &self.nvme_errors.with_label_values(&["write"]),
+                n.write_errors,
+            );
+            advance(
+                &self.nvme_errors.with_label_values(&["read"]),
+                n.read_errors,
+            );
+            advance(
+                &self.nvme_errors.with_label_values(&["checksum"]),
+                n.checksum_errors,
+            );
+        }
+        if let Some(t) = &s.transfers {
+            self.leases_active
+                .set((t.exports_live + t.registrations) as i64);
+            self.imports_active.set(t.imports_live as i64);
+            advance(&self.lease_renewals, t.renewals);
+            advance(&self.lease_expirations, t.expired);
+            advance(&self.transfer_refused, t.refused);
+        }
+        self.peers.with_label_values(&["up"]).set(peers.up as i64);
+        self.peers
+            .with_label_values(&["down"])
+            .set(peers.down as i64);
+        self.ready.set(i64::from(ready));
+    }
+
+    /// Sets `kvd_ready` (the HTTP thread does, from the readiness phase, on each scrape).
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.set(i64::from(ready));
+    }
+
+    /// The exposition in Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("encoding to a Vec cannot fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_advance_by_differences_only() {
+        let m = Metrics::new();
+        let mut s = StatsResp {
+            hits: 10,
+            promotions: 3,
+            evictions: 5,
+            ..Default::default()
+        };
+        m.refresh(&s, PeerCounts::default(), true);
+        m.refresh(&s, PeerCounts::default(), true);
+        s.evictions = 7;
+        m.refresh(&s, PeerCounts { up: 2, down: 1 }, false);
+        let text = m.render();
+        assert!(text.contains("kvd_store_evictions_total 7"), "{text}");
+        assert!(text.contains("kvd_store_hits_total{tier=\"dram\"} 7"));
+        assert!(text.contains("kvd_store_hits_total{tier=\"nvme\"} 3"));
+        assert!(text.contains("kvd_peers{state=\"up\"} 2"));
+        assert!(text.contains("kvd_ready 0"));
+        m.observe_request(
+            "get",
+            Some(ErrorCode::UnknownPin),
+            Duration::from_micros(80),
+        );
+        let text = m.render();
+        assert!(text.contains("kvd_requests_total{op=\"get\"} 1"));
+        assert!(text.contains("kvd_request_errors_total{code=\"unknown_pin\"} 1"));
+        assert!(text.contains("kvd_request_duration_seconds_bucket{op=\"get\",le=\"0.0002\"} 1"));
+    }
+}
