@@ -333,7 +333,22 @@ fn threads_share_one_client() {
                     assert_eq!(c.load(l.id, &ks, &mut outs).unwrap(), vec![true; 4]);
                     assert!(bufs == data);
                     if round % 5 == 0 {
-                        assert_eq!(c.delete(l.id, &ks).unwrap(), vec![DeleteStatus::Deleted; 4]);
+                        // `load` releases its pin without waiting, possibly on another
+                        // pooled socket than this delete: until that release lands the
+                        // blocks read as pinned.
+                        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                        loop {
+                            let st = c.delete(l.id, &ks).unwrap();
+                            if st == vec![DeleteStatus::Deleted; 4] {
+                                break;
+                            }
+                            assert!(
+                                st.iter().all(|s| *s == DeleteStatus::Pinned)
+                                    && std::time::Instant::now() < until,
+                                "delete after load: {st:?}"
+                            );
+                            std::thread::sleep(std::time::Duration::from_millis(2));
+                        }
                     }
                 }
             })
