@@ -45,6 +45,11 @@
 //! | `transfer.io_timeout_ms` | int | `10000` | | data-plane socket timeout |
 //! | `transfer.max_connections` | int | `256` | | inbound data connections |
 //! | `transfer.shm` | bool | `true` | | same-host pulls copy from the peer's pool file |
+//! | `peers.mode` | `off` \| `lookup` \| `fetch` | `off` | `KVD_PEERS` / `--peers` | share caches with peer daemons: `lookup` also asks peers, `fetch` also reads their blocks on a `get` miss |
+//! | `peers.static` | list of strings | `[]` | `KVD_PEER` (comma-separated) / `--peer` (repeatable) | peers' control endpoints (`tcp://host:port`) for static discovery |
+//! | `peers.lookup_timeout_ms` | int | `200` | | a peer slower than this is skipped (and counted) |
+//! | `peers.down_backoff_ms` | int | `5000` | | a peer that did not answer is not asked again for this long |
+//! | `peers.lock_ttl_ms` | int | `5000` | | lock TTL on a peer's blocks while they are read (renewed by heartbeats) |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 
@@ -265,8 +270,8 @@ impl Default for TransferSection {
 }
 
 impl TransferSection {
-    /// The typed settings, or `None` when off.
-    pub fn resolved(&self) -> Option<crate::transfer::TransferConfig> {
+    /// The typed settings (with the peers section), or `None` when off.
+    pub fn resolved(&self, peers: &PeersSection) -> Option<crate::transfer::TransferConfig> {
         use std::time::Duration;
         if !self.enabled {
             return None;
@@ -286,6 +291,13 @@ impl TransferSection {
             peer_timeout: Duration::from_millis(self.peer_timeout_ms),
             retain: Duration::from_millis(self.retain_ms),
             max_transfers: self.max_transfers as usize,
+            peers: crate::transfer::PeerConfig {
+                mode: peers.mode,
+                static_peers: peers.static_peers.clone(),
+                lookup_timeout: Duration::from_millis(peers.lookup_timeout_ms),
+                down_backoff: Duration::from_millis(peers.down_backoff_ms),
+                lock_ttl: Duration::from_millis(peers.lock_ttl_ms),
+            },
             data: crate::transfer::dataplane::DataOptions {
                 streams: match self.streams {
                     0 => std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
@@ -297,6 +309,48 @@ impl TransferSection {
                 shm: self.shm,
             },
         })
+    }
+}
+
+/// `peers.mode`
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PeerMode {
+    /// No sharing.
+    #[default]
+    Off,
+    /// `lookup` also reports blocks peers hold.
+    Lookup,
+    /// ...and a `get` miss reads them from the peer.
+    Fetch,
+}
+
+/// `[peers]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeersSection {
+    /// Sharing mode.
+    pub mode: PeerMode,
+    /// Static discovery: peers' control endpoints.
+    #[serde(rename = "static")]
+    pub static_peers: Vec<String>,
+    /// Lookup timeout per peer.
+    pub lookup_timeout_ms: u64,
+    /// Skip a silent peer this long.
+    pub down_backoff_ms: u64,
+    /// Lock TTL.
+    pub lock_ttl_ms: u64,
+}
+
+impl Default for PeersSection {
+    fn default() -> Self {
+        PeersSection {
+            mode: PeerMode::Off,
+            static_peers: Vec::new(),
+            lookup_timeout_ms: 200,
+            down_backoff_ms: 5000,
+            lock_ttl_ms: 5000,
+        }
     }
 }
 
@@ -325,6 +379,8 @@ pub struct DaemonConfig {
     pub nvme: Option<NvmeConfig>,
     /// `[transfer]`
     pub transfer: TransferSection,
+    /// `[peers]`
+    pub peers: PeersSection,
     /// `[log]`
     pub log: LogConfig,
 }
@@ -458,6 +514,12 @@ pub struct Cli {
     /// After SIGTERM, how long in-flight transfers may take (ms).
     #[arg(long, env = "KVD_DRAIN_GRACE_MS")]
     pub drain_grace_ms: Option<u64>,
+    /// Cache sharing with peers: off, lookup, fetch.
+    #[arg(long, env = "KVD_PEERS")]
+    pub peers: Option<PeerMode>,
+    /// A peer's control endpoint (repeatable; static discovery).
+    #[arg(long = "peer", env = "KVD_PEER", value_delimiter = ',')]
+    pub peer: Vec<String>,
     /// Turn the prefill → decode handoff off.
     #[arg(long)]
     pub no_transfers: bool,
@@ -543,6 +605,12 @@ impl DaemonConfig {
         }
         if let Some(v) = cli.drain_grace_ms {
             cfg.server.drain_grace_ms = v;
+        }
+        if let Some(v) = cli.peers {
+            cfg.peers.mode = v;
+        }
+        if !cli.peer.is_empty() {
+            cfg.peers.static_peers = cli.peer.clone();
         }
         if cli.no_transfers {
             cfg.transfer.enabled = false;
@@ -632,6 +700,24 @@ impl DaemonConfig {
             }
             if t.io_timeout_ms == 0 || t.peer_timeout_ms == 0 || t.max_connections == 0 {
                 return bad("transfer timeouts and max_connections must be positive".into());
+            }
+        }
+        if self.peers.mode != PeerMode::Off {
+            if !t.enabled {
+                return bad("peers.mode needs transfers (transfer.enabled = true)".into());
+            }
+            if let Some(p) = self
+                .peers
+                .static_peers
+                .iter()
+                .find(|p| !p.starts_with("tcp://"))
+            {
+                return bad(format!("peers.static entry {p:?} is not a tcp:// endpoint"));
+            }
+            if self.peers.lookup_timeout_ms == 0 || self.peers.lock_ttl_ms < 100 {
+                return bad(
+                    "peers.lookup_timeout_ms must be > 0 and peers.lock_ttl_ms >= 100".into(),
+                );
             }
         }
         if let Some(n) = &self.nvme {

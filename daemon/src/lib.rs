@@ -220,7 +220,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         },
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
     };
-    let transfers = cfg.transfer.resolved().map(|t| (t, shared_pool));
+    let transfers = cfg.transfer.resolved(&cfg.peers).map(|t| (t, shared_pool));
     let server = Server::bind(
         store,
         opts,

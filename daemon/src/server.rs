@@ -158,7 +158,8 @@ impl PeerLinks {
         let frame = encode_request(id, &out.req);
         match link.socket.send(frame, zmq::DONTWAIT) {
             Ok(()) => {
-                link.pending.insert(id, (out.then, now + self.timeout));
+                let wait = out.timeout.unwrap_or(self.timeout);
+                link.pending.insert(id, (out.then, now + wait));
                 Ok(())
             }
             Err(e) => {
@@ -701,7 +702,19 @@ impl Server {
                 })
             }
             Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
-            Request::Lookup(r) => Body::Lookup(s.lookup(r, now)?),
+            Request::Lookup(r) => {
+                let local = s.lookup(r, now)?;
+                match self.transfers.as_mut() {
+                    Some(t) if t.peers_on() => {
+                        self.next_token += 1;
+                        match t.remote_lookup(r, local, TOKEN_BIT | self.next_token, now) {
+                            transfer::Answer::Now(b) => Body::from(*b),
+                            transfer::Answer::Later(tok) => return Ok(Answer::Later(tok)),
+                        }
+                    }
+                    _ => Body::Lookup(local),
+                }
+            }
             Request::Alloc(r) => match s.alloc(r, now)? {
                 Answer::Now(a) => Body::Alloc(a),
                 Answer::Later(t) => return Ok(Answer::Later(t)),
@@ -709,6 +722,28 @@ impl Server {
             Request::Commit(r) => {
                 let slices: Vec<&[u8]> = payloads.iter().map(|m| &m[..]).collect();
                 Body::Commit(s.commit(r, &slices, now)?)
+            }
+            Request::Get(r)
+                if !r.inline && self.transfers.as_ref().is_some_and(Transfers::fetch_on) =>
+            {
+                // Keys no local tier holds are fetched from peers first.
+                s.check_session(r.client, now)?;
+                let missing: Vec<bool> = s
+                    .holds(r.layout_id, &r.keys)
+                    .into_iter()
+                    .map(|h| !h)
+                    .collect();
+                self.next_token += 1;
+                let token = TOKEN_BIT | self.next_token;
+                let t = self.transfers.as_mut().expect("checked");
+                if let Some(transfer::Answer::Later(tok)) = t.fetch_for_get(r, &missing, token, now)
+                {
+                    return Ok(Answer::Later(tok));
+                }
+                match self.store.get(r, now)? {
+                    Answer::Now(resp) => Body::Get(resp),
+                    Answer::Later(t) => return Ok(Answer::Later(t)),
+                }
             }
             Request::Get(r) => match s.get(r, now)? {
                 Answer::Now(resp) => {
@@ -756,6 +791,8 @@ impl Server {
             Request::PeerFail(r) => Answer::Now(Body::from(t.peer_fail(s, r, now)?)),
             Request::PeerHeartbeat(r) => Answer::Now(Body::from(t.peer_heartbeat(r, now)?)),
             Request::PeerRdmaConnect(r) => Answer::Now(Body::from(t.peer_rdma_connect(r)?)),
+            Request::PeerLookup(r) => Answer::Now(Body::from(t.peer_lookup(s, r)?)),
+            Request::PeerLock(r) => Answer::Now(Body::from(t.peer_lock(s, r, now)?)),
             other => {
                 return Err(WireError::new(
                     ErrorCode::Internal,
@@ -800,6 +837,8 @@ impl From<Reply> for Body {
             Reply::Transfer(b) => Body::Transfer(b),
             Reply::Abort(b) => Body::Abort(b),
             Reply::Ack(b) => Body::Ack(b),
+            Reply::Lookup(b) => Body::Lookup(b),
+            Reply::Get(b) => Body::Get(b),
         }
     }
 }

@@ -684,6 +684,7 @@ impl Store {
         Ok(LookupResp {
             prefix: tiers.len() as u64,
             tiers,
+            holders: Vec::new(),
         })
     }
 
@@ -1352,6 +1353,22 @@ impl Store {
             .pin
             .ok_or_else(|| err(ErrorCode::Internal, "export pinned nothing"))?;
         Ok((pin, r.offsets.into_iter().flatten().collect()))
+    }
+
+    /// Per key: whether a tier holds it committed (DRAM, or NVMe). No side effects.
+    pub fn holds(&self, layout: LayoutId, keys: &[ChunkHash]) -> Vec<bool> {
+        keys.iter()
+            .map(
+                |k| match self.find(layout, k).map(|i| self.nodes[i as usize].state) {
+                    Some(State::Committed | State::Demoting | State::Promoting) => true,
+                    Some(_) => false,
+                    None => self
+                        .nvme
+                        .as_ref()
+                        .is_some_and(|t| t.has(&BlockKey { layout, hash: *k })),
+                },
+            )
+            .collect()
     }
 
     /// Checks that `client` is a live session (and marks it seen).

@@ -15,8 +15,9 @@ use crate::msg::op;
 use crate::msg::*;
 use crate::transfer::op as xop;
 use crate::transfer::{
-    AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerPushDoneReq,
-    PeerPushRegReq, PeerRdmaConnectReq, PullReq, PushRegisterReq, TransferStatusReq,
+    AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq, PeerLookupReq,
+    PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PullReq, PushRegisterReq,
+    TransferStatusReq,
 };
 
 /// The protocol version this crate speaks.
@@ -46,6 +47,8 @@ pub enum Request {
     PeerFail(PeerFailReq),
     PeerHeartbeat(PeerHeartbeatReq),
     PeerRdmaConnect(PeerRdmaConnectReq),
+    PeerLookup(PeerLookupReq),
+    PeerLock(PeerLockReq),
 }
 
 impl Request {
@@ -72,6 +75,8 @@ impl Request {
             Request::PeerFail(_) => xop::PEER_FAIL,
             Request::PeerHeartbeat(_) => xop::PEER_HEARTBEAT,
             Request::PeerRdmaConnect(_) => xop::PEER_RDMA_CONNECT,
+            Request::PeerLookup(_) => xop::PEER_LOOKUP,
+            Request::PeerLock(_) => xop::PEER_LOCK,
         }
     }
 
@@ -89,6 +94,8 @@ impl Request {
             Request::PushRegister(r) => r.keys.len(),
             Request::PeerPushReg(r) => r.keys.len(),
             Request::PeerHeartbeat(r) => r.transfers.len(),
+            Request::PeerLookup(r) => r.keys.len(),
+            Request::PeerLock(r) => r.keys.len(),
             _ => 0,
         }
     }
@@ -139,6 +146,8 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PeerFail(b) => env(id, op, b),
         Request::PeerHeartbeat(b) => env(id, op, b),
         Request::PeerRdmaConnect(b) => env(id, op, b),
+        Request::PeerLookup(b) => env(id, op, b),
+        Request::PeerLock(b) => env(id, op, b),
     }
 }
 
@@ -231,6 +240,8 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         xop::PEER_FAIL => body(frame, xop::PEER_FAIL).map(Request::PeerFail),
         xop::PEER_HEARTBEAT => body(frame, xop::PEER_HEARTBEAT).map(Request::PeerHeartbeat),
         xop::PEER_RDMA_CONNECT => body(frame, xop::PEER_RDMA_CONNECT).map(Request::PeerRdmaConnect),
+        xop::PEER_LOOKUP => body(frame, xop::PEER_LOOKUP).map(Request::PeerLookup),
+        xop::PEER_LOCK => body(frame, xop::PEER_LOCK).map(Request::PeerLock),
         other => {
             let mut name = other.to_string();
             name.truncate(64);
@@ -355,6 +366,7 @@ mod tests {
             &LookupResp {
                 prefix: 0,
                 tiers: vec![],
+                holders: vec![],
             },
         );
         assert_eq!(
@@ -491,7 +503,7 @@ mod tests {
 
         #[test]
         fn reply_round_trip(id in any::<u64>(), prefix in any::<u64>(), n in 0usize..10) {
-            let body = LookupResp { prefix, tiers: vec![crate::Tier::Dram; n] };
+            let body = LookupResp { prefix, tiers: vec![crate::Tier::Dram; n], holders: Vec::new() };
             let (id2, got) = decode_reply::<LookupResp>(&encode_ok(id, &body)).unwrap();
             prop_assert_eq!(id, id2);
             prop_assert_eq!(got.unwrap(), body);

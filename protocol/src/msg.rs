@@ -157,6 +157,10 @@ pub struct LookupResp {
     pub prefix: u64,
     /// For each of the first `prefix` keys, the fastest tier that holds it.
     pub tiers: Vec<Tier>,
+    /// With peers on: for each of the first `prefix` keys, the control endpoint of the
+    /// peer that holds it (`nil` for local tiers); empty when no key came from a peer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<Option<String>>,
 }
 
 /// `alloc`: first phase of a store.

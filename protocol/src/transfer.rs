@@ -40,6 +40,10 @@ pub mod op {
     pub const PEER_HEARTBEAT: &str = "peer_heartbeat";
     /// `peer_rdma_connect`
     pub const PEER_RDMA_CONNECT: &str = "peer_rdma_connect";
+    /// `peer_lookup`
+    pub const PEER_LOOKUP: &str = "peer_lookup";
+    /// `peer_lock`
+    pub const PEER_LOCK: &str = "peer_lock";
 }
 
 /// How a daemon is reached by its peers.
@@ -404,7 +408,7 @@ pub struct PeerHeartbeatReq {
 }
 
 /// Reply to every `peer_*` op.
-#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
 pub struct PeerAck {
     /// The answering daemon's incarnation.
     pub incarnation: Incarnation,
@@ -417,6 +421,44 @@ pub struct PeerAck {
     /// `peer_rdma_connect`: its initial packet sequence number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma_psn: Option<u32>,
+    /// `peer_lookup`: per key asked, whether the receiver holds it (DRAM or NVMe).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub present: Vec<bool>,
+    /// `peer_lock`: the lock, as an export of the locked blocks (read it like a pull).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<Box<TransferParams>>,
+    /// `peer_lock`: CRC-32C of each locked block, for the reader to verify.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub crcs: Vec<u32>,
+}
+
+/// `peer_lookup`: which of `keys` the receiver holds.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerLookupReq {
+    /// The asking daemon.
+    pub from: PeerRef,
+    /// The receiver's incarnation, 0 when not known (lookups are read-only).
+    pub to_incarnation: Incarnation,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Keys to check.
+    pub keys: Vec<ChunkHash>,
+}
+
+/// `peer_lock`: pin blocks for a reader for `ttl_ms` (renewed by its heartbeats), and
+/// say where they are.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerLockReq {
+    /// The reading daemon.
+    pub from: PeerRef,
+    /// The holder's incarnation (as its `peer_lookup` answer gave it).
+    pub to_incarnation: Incarnation,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Keys to lock (all must be in the holder's DRAM).
+    pub keys: Vec<ChunkHash>,
+    /// Lock TTL.
+    pub ttl_ms: u64,
 }
 
 /// The integrity tag of a transfer's description: BLAKE2b-64 (little-endian) over
@@ -486,6 +528,24 @@ pub struct TransferStats {
     pub refused: u64,
     /// Bytes moved by this daemon's data-plane jobs.
     pub bytes: u64,
+    /// Lookups extended by asking peers.
+    #[serde(default)]
+    pub peer_lookups: u64,
+    /// Peers skipped for not answering a lookup in time.
+    #[serde(default)]
+    pub peer_skipped: u64,
+    /// Block groups fetched from peers (verified and committed).
+    #[serde(default)]
+    pub peer_fetches: u64,
+    /// Peer fetches that failed (lock refused, read failed, bad checksum).
+    #[serde(default)]
+    pub peer_fetch_failures: u64,
+    /// Locks granted to peers reading this daemon's blocks.
+    #[serde(default)]
+    pub locks: u64,
+    /// Peers currently skipped after a timeout.
+    #[serde(default)]
+    pub peers_down: u64,
 }
 
 #[cfg(test)]

@@ -29,6 +29,8 @@
 //! - adjacent blocks move as one range ([`dataplane::coalesce`]).
 
 pub mod dataplane;
+mod p2p;
+pub use p2p::PeerConfig;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 
@@ -65,6 +67,8 @@ pub struct TransferConfig {
     pub retain: Duration,
     /// Most live transfers (exports + imports + registrations).
     pub max_transfers: usize,
+    /// Cache sharing with peers.
+    pub peers: PeerConfig,
     /// The data plane.
     pub data: DataOptions,
 }
@@ -80,6 +84,10 @@ pub enum Reply {
     Abort(AbortResp),
     /// Every `peer_*` op.
     Ack(PeerAck),
+    /// `lookup` extended with the peers' blocks.
+    Lookup(LookupResp),
+    /// `get` after fetching from peers.
+    Get(GetResp),
 }
 
 /// What to do with a peer's reply to a control message.
@@ -94,6 +102,10 @@ pub enum Then {
     /// `peer_done` of a pull whose bytes are committed only once the exporter confirms
     /// the lease still held (shm copies).
     Confirmed(String),
+    /// `peer_lookup` of query `.0` answered by node `.1`.
+    Looked(u64, String),
+    /// `peer_lock` of fetch `.0` answered.
+    Locked(u64),
 }
 
 /// A control message for another daemon.
@@ -105,6 +117,8 @@ pub struct Outgoing {
     pub req: Request,
     /// What its reply means.
     pub then: Then,
+    /// How long to wait for the reply (default `transfer.peer_timeout_ms`).
+    pub timeout: Option<Duration>,
 }
 
 /// An ended transfer, for metrics.
@@ -155,6 +169,18 @@ pub struct TransferCounters {
     pub refused: u64,
     /// Bytes moved by this daemon's data-plane jobs.
     pub bytes: u64,
+    /// Peer reads whose checksum did not match (dropped, never committed).
+    pub checksum_errors: u64,
+    /// Lookups extended by asking peers.
+    pub peer_lookups: u64,
+    /// Peers skipped for not answering a lookup in time.
+    pub peer_skipped: u64,
+    /// Block groups fetched from peers (verified and committed).
+    pub peer_fetches: u64,
+    /// Peer fetches that failed (lock refused, read failed, bad checksum).
+    pub peer_fetch_failures: u64,
+    /// Locks granted to peers reading this daemon's blocks.
+    pub locks: u64,
 }
 
 #[derive(Debug)]
@@ -226,6 +252,12 @@ struct Import {
     job: Option<u64>,
     /// Pending slots freed (or committed) and grant gone.
     settled: bool,
+    /// A peer fetch's read: the fetch to step when it ends.
+    fetch: Option<u64>,
+    /// Expected CRC-32C per key (peer fetches), checked before commit.
+    crcs: Vec<u32>,
+    /// Nobody waits for a pin on the result (peer fetches pin for their `get`).
+    internal: bool,
     created: Instant,
     ended: Option<Instant>,
     bytes: u64,
@@ -293,6 +325,10 @@ pub struct Transfers {
     unsettled: Vec<(Timer, String)>,
     counters: TransferCounters,
     finished: Vec<Finished>,
+    queries: HashMap<u64, p2p::Query>,
+    fetches: HashMap<u64, p2p::Fetch>,
+    /// Peers that did not answer in time, skipped until then.
+    down_until: HashMap<String, Instant>,
 }
 
 /// Tokens of deferred transfer replies have this bit set (the store's do not).
@@ -374,6 +410,9 @@ impl Transfers {
             unsettled: Vec::new(),
             counters: TransferCounters::default(),
             finished: Vec::new(),
+            queries: HashMap::new(),
+            fetches: HashMap::new(),
+            down_until: HashMap::new(),
         })
     }
 
@@ -404,6 +443,16 @@ impl Transfers {
             renewals: self.counters.renewals,
             refused: self.counters.refused + self.grants.refused(),
             bytes: self.counters.bytes,
+            peer_lookups: self.counters.peer_lookups,
+            peer_skipped: self.counters.peer_skipped,
+            peer_fetches: self.counters.peer_fetches,
+            peer_fetch_failures: self.counters.peer_fetch_failures,
+            locks: self.counters.locks,
+            peers_down: self
+                .down_until
+                .values()
+                .filter(|t| **t > Instant::now())
+                .count() as u64,
         }
     }
 
@@ -635,6 +684,9 @@ impl Transfers {
                 result: None,
                 job: None,
                 settled: false,
+                fetch: None,
+                crcs: Vec::new(),
+                internal: false,
                 created: now,
                 ended: None,
                 bytes: 0,
@@ -704,6 +756,9 @@ impl Transfers {
                 result: None,
                 job: None,
                 settled: false,
+                fetch: None,
+                crcs: Vec::new(),
+                internal: false,
                 created: now,
                 ended: None,
                 bytes: 0,
@@ -895,6 +950,72 @@ impl Transfers {
             elapsed_us: now.saturating_duration_since(t0).as_micros() as u64,
             error: None,
         }))
+    }
+
+    /// A peer fetch's read of a lock's params into this pool (no client pin: the fetch
+    /// pins for its `get` when every group is in).
+    #[allow(clippy::too_many_arguments)]
+    fn start_internal_pull(
+        &mut self,
+        store: &mut Store,
+        p: TransferParams,
+        crcs: Vec<u32>,
+        client: ClientId,
+        ttl_ms: Option<u64>,
+        fetch: u64,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        if p.keys.len() != p.offsets.len() || p.keys.is_empty() {
+            return Err(werr(
+                ErrorCode::InvalidArgument,
+                "lock params: keys and offsets differ",
+            ));
+        }
+        self.check_import(
+            store,
+            client,
+            &p.transfer_id,
+            p.layout_id,
+            Some(p.block_bytes),
+            now,
+        )?;
+        let id = p.transfer_id.clone();
+        self.imports.insert(
+            id.clone(),
+            Import {
+                client,
+                ttl_ms,
+                mode: Mode::Pull,
+                peer: p.from.clone(),
+                handle: p.handle,
+                token: p.token,
+                layout: p.layout_id,
+                keys: p.keys.clone(),
+                block_bytes: p.block_bytes,
+                remote: p.offsets.clone(),
+                local: Vec::new(),
+                allocated: false,
+                held: false,
+                lease: self.lease_of(Some(p.lease_ms)),
+                last_heard: now,
+                state: TransferState::Queued,
+                error: None,
+                result: None,
+                job: None,
+                settled: false,
+                fetch: Some(fetch),
+                crcs,
+                internal: true,
+                created: now,
+                ended: None,
+                bytes: 0,
+                transport: "",
+            },
+        );
+        self.counters.imports += 1;
+        self.arm_import_timer(&id);
+        self.advance_import(store, &id, now);
+        Ok(())
     }
 
     fn answer_or_wait(
@@ -1103,6 +1224,7 @@ impl Transfers {
             node: imp.peer.node.clone(),
             req,
             then: Then::PushRegistered(id.to_string()),
+            timeout: None,
         });
     }
 
@@ -1127,6 +1249,23 @@ impl Transfers {
             self.end_import(store, id, TransferState::Failed, Some(e), true, now);
             return;
         }
+        if !imp.crcs.is_empty() {
+            let len = imp.block_bytes as usize;
+            let bad = imp.local.iter().zip(&imp.crcs).position(|(l, crc)| {
+                l.is_some_and(|off| {
+                    store.pool().read(off, len).map(crc32c::crc32c).ok() != Some(*crc)
+                })
+            });
+            if let Some(i) = bad {
+                let e = werr(
+                    ErrorCode::TransferFailed,
+                    format!("block #{i} read from {} failed its checksum", imp.peer.node),
+                );
+                self.counters.checksum_errors += 1;
+                self.end_import(store, id, TransferState::Failed, Some(e), true, now);
+                return;
+            }
+        }
         if !new_keys.is_empty() {
             let c = CommitReq {
                 client: self.system,
@@ -1141,16 +1280,25 @@ impl Transfers {
             }
         }
         let imp = &self.imports[id];
-        let got = store.pin_now(
-            &GetReq {
-                client: imp.client,
-                layout_id: imp.layout,
-                keys: imp.keys.clone(),
-                ttl_ms: imp.ttl_ms,
-                inline: false,
-            },
-            now,
-        );
+        let got = if imp.internal {
+            Ok(GetResp {
+                offsets: Vec::new(),
+                pin: None,
+                ttl_ms: 0,
+                waited_ms: 0,
+            })
+        } else {
+            store.pin_now(
+                &GetReq {
+                    client: imp.client,
+                    layout_id: imp.layout,
+                    keys: imp.keys.clone(),
+                    ttl_ms: imp.ttl_ms,
+                    inline: false,
+                },
+                now,
+            )
+        };
         if send_done {
             self.outbox.push(Outgoing {
                 node: imp.peer.node.clone(),
@@ -1161,6 +1309,7 @@ impl Transfers {
                     handle: imp.handle,
                 }),
                 then: Then::Nothing,
+                timeout: None,
             });
         }
         let imp = self.imports.get_mut(id).expect("present");
@@ -1213,6 +1362,7 @@ impl Transfers {
             took: now.saturating_duration_since(imp.created),
         });
         imp.error = error.clone();
+        let imp_fetch = imp.fetch;
         if notify && imp.peer.incarnation.0 != 0 {
             let (peer, e) = (
                 imp.peer.clone(),
@@ -1230,6 +1380,9 @@ impl Transfers {
         )));
         self.settle_import(store, id);
         self.wake_waiters(id, now);
+        if let Some(fid) = imp_fetch {
+            self.fetch_import_ended(store, fid, state == TransferState::Done, now);
+        }
     }
 
     /// Frees an ended import's PENDING slots once no job and no remote write uses them.
@@ -1379,6 +1532,7 @@ impl Transfers {
                 bytes,
             }),
             then: Then::Nothing,
+            timeout: None,
         });
         self.end_export(store, id, TransferState::Done, None, false, now);
     }
@@ -1489,6 +1643,7 @@ impl Transfers {
                 error,
             }),
             then: Then::Nothing,
+            timeout: None,
         });
     }
 
@@ -1514,6 +1669,7 @@ impl Transfers {
             unknown: Vec::new(),
             rdma_qpn: None,
             rdma_psn: None,
+            ..Default::default()
         })
     }
 
@@ -1748,6 +1904,7 @@ impl Transfers {
                 unknown: Vec::new(),
                 rdma_qpn: Some(qpn),
                 rdma_psn: Some(psn),
+                ..Default::default()
             }));
         }
         Err(werr(
@@ -1797,6 +1954,7 @@ impl Transfers {
             unknown,
             rdma_qpn: None,
             rdma_psn: None,
+            ..Default::default()
         }))
     }
 
@@ -1878,6 +2036,8 @@ impl Transfers {
                 }
                 Err(e) => tracing::debug!(node = %node, error = %e, "heartbeat not answered"),
             },
+            Then::Looked(q, node) => self.on_looked(store, q, node, r, now),
+            Then::Locked(f) => self.on_locked(store, f, r, now),
             Then::Confirmed(id) => {
                 let live = self.imports.get(&id).is_some_and(|i| !i.state.is_final());
                 if !live {
@@ -2065,6 +2225,7 @@ impl Transfers {
                     transfers: ids.clone(),
                 }),
                 then: Then::Heartbeat(node, ids),
+                timeout: None,
             });
         }
     }
@@ -2104,6 +2265,7 @@ impl Transfers {
                                 node: imp.peer.node.clone(),
                                 req,
                                 then: Then::Confirmed(id),
+                                timeout: None,
                             });
                         } else {
                             self.finish_import(store, &id, true, now);

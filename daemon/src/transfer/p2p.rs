@@ -1,0 +1,416 @@
+//! Peer-to-peer cache sharing on top of the handoff machinery.
+//!
+//! - **Remote lookup**: a `lookup` whose prefix stops short locally asks every live peer
+//!   (`peer_lookup`, in parallel, `peers.lookup_timeout_ms` each) which of the remaining
+//!   keys it holds, and extends the prefix with theirs (`tier: peer`, `holders`). A peer
+//!   that does not answer in time is skipped, counted, and not asked again for
+//!   `peers.down_backoff_ms`, so a dead peer costs one timeout, not one per lookup.
+//! - **Lock-and-locate + one-sided read** (`peers.mode = fetch`): a `get` that misses
+//!   locally looks the missing keys up at the peers, asks each holder for a lock
+//!   (`peer_lock`: the holder exports the blocks under a lease of `peers.lock_ttl_ms`,
+//!   with a read grant and the blocks' CRC-32C), reads them through the data plane into
+//!   local PENDING slots as an internal pull, verifies each checksum, commits, and tells
+//!   the holder (which unlocks at once). Then the `get` pins what is local. The holder's
+//!   engines are not involved; its access control is the export's grant (lock, token,
+//!   expiry, bounds).
+//!
+//! Keys a peer lost in between, a lock refused, a failed read or a bad checksum are
+//! simply misses: the engine recomputes them.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use super::{werr, Outgoing, Reply, Then, Transfers};
+use crate::config::PeerMode;
+use crate::store::Store;
+
+/// What a peer query is for.
+#[derive(Debug)]
+pub(super) enum Purpose {
+    /// Answer a `lookup`.
+    Lookup,
+    /// Fetch for a `get`, then answer it.
+    Fetch(GetReq),
+}
+
+/// A query to the peers in flight.
+#[derive(Debug)]
+pub(super) struct Query {
+    token: u64,
+    layout: LayoutId,
+    keys: Vec<ChunkHash>,
+    /// Local answer (lookup: its tiers; fetch: which keys are already here).
+    local: Vec<Tier>,
+    /// Keys asked of the peers: `keys[from..]`.
+    from: usize,
+    answers: Vec<(String, Incarnation, Vec<bool>)>,
+    waiting: usize,
+    purpose: Purpose,
+}
+
+/// A fetch waiting for its locks and reads.
+#[derive(Debug)]
+pub(super) struct Fetch {
+    token: u64,
+    req: GetReq,
+    /// Locks asked and not answered, plus imports not ended.
+    outstanding: usize,
+}
+
+/// Peer sharing settings.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// off / lookup / fetch.
+    pub mode: PeerMode,
+    /// Static discovery.
+    pub static_peers: Vec<String>,
+    /// Per-peer lookup timeout.
+    pub lookup_timeout: Duration,
+    /// How long a silent peer is skipped.
+    pub down_backoff: Duration,
+    /// Lock TTL.
+    pub lock_ttl: Duration,
+}
+
+impl Transfers {
+    /// Whether `lookup` asks peers.
+    pub fn peers_on(&self) -> bool {
+        self.cfg.peers.mode != PeerMode::Off
+    }
+
+    /// Whether a `get` miss is fetched from peers.
+    pub fn fetch_on(&self) -> bool {
+        self.cfg.peers.mode == PeerMode::Fetch
+    }
+
+    fn live_peers(&self, now: Instant) -> Vec<String> {
+        self.cfg
+            .peers
+            .static_peers
+            .iter()
+            .filter(|p| **p != self.me.node)
+            .filter(|p| self.down_until.get(*p).is_none_or(|t| *t <= now))
+            .cloned()
+            .collect()
+    }
+
+    /// A `lookup` whose local prefix is `local`: extends it with the peers' blocks
+    /// (answers later) or returns it as it is.
+    pub fn remote_lookup(
+        &mut self,
+        req: &LookupReq,
+        local: LookupResp,
+        token: u64,
+        now: Instant,
+    ) -> super::Answer {
+        let from = local.prefix as usize;
+        if from >= req.keys.len() {
+            return super::Answer::Now(Box::new(Reply::Lookup(local)));
+        }
+        self.ask_peers(
+            Query {
+                token,
+                layout: req.layout_id,
+                keys: req.keys.clone(),
+                local: local.tiers.clone(),
+                from,
+                answers: Vec::new(),
+                waiting: 0,
+                purpose: Purpose::Lookup,
+            },
+            now,
+        )
+        .unwrap_or_else(|| super::Answer::Now(Box::new(Reply::Lookup(local))))
+    }
+
+    /// A `get` in fetch mode, with `missing` the keys not cached locally: fetches them
+    /// from peers first, then answers the `get` (later).
+    pub fn fetch_for_get(
+        &mut self,
+        req: &GetReq,
+        missing: &[bool],
+        token: u64,
+        now: Instant,
+    ) -> Option<super::Answer> {
+        let first = missing.iter().position(|m| *m)?;
+        let local = missing
+            .iter()
+            .map(|m| if *m { Tier::Peer } else { Tier::Dram })
+            .collect();
+        self.ask_peers(
+            Query {
+                token,
+                layout: req.layout_id,
+                keys: req.keys.clone(),
+                local,
+                from: first,
+                answers: Vec::new(),
+                waiting: 0,
+                purpose: Purpose::Fetch(req.clone()),
+            },
+            now,
+        )
+    }
+
+    /// Sends `peer_lookup` to every live peer; `None` when there is none to ask.
+    fn ask_peers(&mut self, mut q: Query, now: Instant) -> Option<super::Answer> {
+        let peers = self.live_peers(now);
+        if peers.is_empty() {
+            return None;
+        }
+        let id = self.new_id();
+        q.waiting = peers.len();
+        let token = q.token;
+        for node in peers {
+            self.outbox.push(Outgoing {
+                node: node.clone(),
+                req: Request::PeerLookup(PeerLookupReq {
+                    from: self.me.clone(),
+                    to_incarnation: Incarnation(0),
+                    layout_id: q.layout,
+                    keys: q.keys[q.from..].to_vec(),
+                }),
+                then: Then::Looked(id, node),
+                timeout: Some(self.cfg.peers.lookup_timeout),
+            });
+        }
+        self.queries.insert(id, q);
+        Some(super::Answer::Later(token))
+    }
+
+    /// A peer's answer to `peer_lookup` (or its timeout).
+    pub(super) fn on_looked(
+        &mut self,
+        store: &mut Store,
+        id: u64,
+        node: String,
+        r: Result<PeerAck, WireError>,
+        now: Instant,
+    ) {
+        let Some(q) = self.queries.get_mut(&id) else {
+            return;
+        };
+        q.waiting -= 1;
+        match r {
+            Ok(ack) if ack.present.len() == q.keys.len() - q.from => {
+                self.down_until.remove(&node);
+                q.answers.push((node, ack.incarnation, ack.present));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // unknown_layout and the like: the peer is up, it just has nothing
+                if matches!(e.code, ErrorCode::PeerUnreachable) {
+                    self.counters.peer_skipped += 1;
+                    self.down_until
+                        .insert(node.clone(), now + self.cfg.peers.down_backoff);
+                    tracing::info!(peer = %node, "peer skipped: no answer in time");
+                }
+            }
+        }
+        if q.waiting > 0 {
+            return;
+        }
+        let q = self.queries.remove(&id).expect("present");
+        // Per key from `from`: the first peer holding it.
+        let holder = |i: usize| {
+            q.answers
+                .iter()
+                .find(|(_, _, p)| p.get(i - q.from).copied().unwrap_or(false))
+                .map(|(n, inc, _)| (n.clone(), *inc))
+        };
+        match q.purpose {
+            Purpose::Lookup => {
+                let mut tiers = q.local.clone();
+                let mut holders: Vec<Option<String>> = vec![None; tiers.len()];
+                for i in q.from..q.keys.len() {
+                    match holder(i) {
+                        Some((n, _)) => {
+                            tiers.push(Tier::Peer);
+                            holders.push(Some(n));
+                        }
+                        None => break,
+                    }
+                }
+                if tiers.len() == q.local.len() {
+                    holders.clear();
+                }
+                self.counters.peer_lookups += 1;
+                self.answers.push((
+                    q.token,
+                    Ok(Reply::Lookup(LookupResp {
+                        prefix: tiers.len() as u64,
+                        tiers,
+                        holders,
+                    })),
+                ));
+            }
+            Purpose::Fetch(req) => {
+                // Group the missing keys by holder; lock each group.
+                let mut groups: HashMap<(String, Incarnation), Vec<ChunkHash>> = HashMap::new();
+                for i in q.from..q.keys.len() {
+                    if q.local[i] != Tier::Peer {
+                        continue; // already local
+                    }
+                    if let Some(h) = holder(i) {
+                        groups.entry(h).or_default().push(q.keys[i]);
+                    }
+                }
+                let fid = self.new_id();
+                let outstanding = groups.len();
+                for ((node, inc), keys) in groups {
+                    self.outbox.push(Outgoing {
+                        node: node.clone(),
+                        req: Request::PeerLock(PeerLockReq {
+                            from: self.me.clone(),
+                            to_incarnation: inc,
+                            layout_id: req.layout_id,
+                            keys,
+                            ttl_ms: self.cfg.peers.lock_ttl.as_millis() as u64,
+                        }),
+                        then: Then::Locked(fid),
+                        timeout: None,
+                    });
+                }
+                self.fetches.insert(
+                    fid,
+                    Fetch {
+                        token: q.token,
+                        req,
+                        outstanding,
+                    },
+                );
+                self.fetch_step(store, fid, now);
+            }
+        }
+    }
+
+    /// A holder's answer to `peer_lock`: pull the locked blocks.
+    pub(super) fn on_locked(
+        &mut self,
+        store: &mut Store,
+        fid: u64,
+        r: Result<PeerAck, WireError>,
+        now: Instant,
+    ) {
+        let Some(f) = self.fetches.get_mut(&fid) else {
+            return;
+        };
+        match r.map(|a| (a.params, a.crcs)) {
+            Ok((Some(params), crcs)) if crcs.len() == params.keys.len() => {
+                let system = self.system;
+                let ttl = f.req.ttl_ms;
+                match self.start_internal_pull(store, *params, crcs, system, ttl, fid, now) {
+                    Ok(()) => return, // the import's end steps the fetch
+                    Err(e) => tracing::info!(error = %e, "peer fetch: pull refused"),
+                }
+            }
+            Ok(_) => tracing::info!("peer fetch: lock answer without params"),
+            Err(e) => tracing::info!(error = %e, "peer fetch: lock refused"),
+        }
+        self.counters.peer_fetch_failures += 1;
+        if let Some(f) = self.fetches.get_mut(&fid) {
+            f.outstanding -= 1;
+        }
+        self.fetch_step(store, fid, now);
+    }
+
+    /// One group of a fetch ended (an import finished or a lock failed).
+    pub(super) fn fetch_import_ended(
+        &mut self,
+        store: &mut Store,
+        fid: u64,
+        ok: bool,
+        now: Instant,
+    ) {
+        if let Some(f) = self.fetches.get_mut(&fid) {
+            f.outstanding -= 1;
+            if ok {
+                self.counters.peer_fetches += 1;
+            } else {
+                self.counters.peer_fetch_failures += 1;
+            }
+        }
+        self.fetch_step(store, fid, now);
+    }
+
+    /// Answers the fetch's `get` once nothing is outstanding.
+    fn fetch_step(&mut self, store: &mut Store, fid: u64, now: Instant) {
+        if self.fetches.get(&fid).is_none_or(|f| f.outstanding > 0) {
+            return;
+        }
+        let f = self.fetches.remove(&fid).expect("checked");
+        let r = store.pin_now(&f.req, now).map(Reply::Get);
+        self.answers.push((f.token, r));
+    }
+
+    /// `peer_lookup` (this daemon is asked).
+    pub fn peer_lookup(
+        &mut self,
+        store: &mut Store,
+        r: &PeerLookupReq,
+    ) -> Result<Reply, WireError> {
+        self.check_to(r.to_incarnation, true)?;
+        store.block_bytes(r.layout_id).ok_or_else(|| {
+            werr(
+                ErrorCode::UnknownLayout,
+                format!("layout {} is not registered here", r.layout_id),
+            )
+        })?;
+        let present = store.holds(r.layout_id, &r.keys);
+        Ok(Reply::Ack(PeerAck {
+            incarnation: self.me.incarnation,
+            present,
+            ..Default::default()
+        }))
+    }
+
+    /// `peer_lock` (this daemon holds the blocks): an export under the lock's TTL.
+    pub fn peer_lock(
+        &mut self,
+        store: &mut Store,
+        r: &PeerLockReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        self.check_to(r.to_incarnation, false)?;
+        if r.keys.is_empty() {
+            return Err(werr(ErrorCode::InvalidArgument, "lock of no keys"));
+        }
+        let id = format!("lock-{:016x}", rand::random::<u64>());
+        let ttl = Duration::from_millis(r.ttl_ms)
+            .clamp(Duration::from_millis(100), Duration::from_secs(60));
+        let export = ExportReq {
+            client: self.system,
+            transfer_id: id.clone(),
+            layout_id: r.layout_id,
+            keys: r.keys.clone(),
+            lease_ms: Some(ttl.as_millis() as u64),
+        };
+        let Reply::Export(e) = self.export(store, &export, now)? else {
+            return Err(werr(ErrorCode::Internal, "export answered something else"));
+        };
+        if let Some(x) = self.exports.get_mut(&id) {
+            x.importer = Some(r.from.clone());
+        }
+        let crcs = e
+            .params
+            .offsets
+            .iter()
+            .map(|&o| {
+                store
+                    .pool()
+                    .read(o, e.params.block_bytes as usize)
+                    .map(crc32c::crc32c)
+                    .unwrap_or(0)
+            })
+            .collect();
+        self.counters.locks += 1;
+        Ok(Reply::Ack(PeerAck {
+            incarnation: self.me.incarnation,
+            params: Some(Box::new(e.params)),
+            crcs,
+            ..Default::default()
+        }))
+    }
+}

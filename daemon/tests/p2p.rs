@@ -1,0 +1,305 @@
+//! Peer-to-peer cache sharing with static discovery: three real daemons on loopback.
+//! A block stored on A is found by C's lookup and loaded by C (verified), then served by
+//! C itself; a killed peer is skipped and its blocks become misses; a lock whose reader
+//! goes silent expires and its late read is refused; forged reads are refused.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvd_client::Client;
+use kvd_protocol::*;
+use nix::sys::signal::Signal;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Three daemons that know each other statically (each lists all three, itself included).
+fn cluster(mode: &str, extra: &str) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::NamedTempFile>) {
+    let nodes: Vec<String> = (0..3)
+        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
+        .collect();
+    let mut daemons = Vec::new();
+    let mut cfgs = Vec::new();
+    for node in &nodes {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let list: Vec<String> = nodes.iter().map(|n| format!("\"{n}\"")).collect();
+        writeln!(
+            f,
+            "[transfer]\ncontrol = \"{node}\"\nlease_ms = 5000\n[peers]\nmode = \"{mode}\"\nstatic = [{}]\nlookup_timeout_ms = 300\ndown_backoff_ms = 3000\n{extra}",
+            list.join(", ")
+        )
+        .unwrap();
+        daemons.push(Daemon::start(&[
+            "--config",
+            &f.path().display().to_string(),
+        ]));
+        cfgs.push(f);
+    }
+    (daemons, nodes, cfgs)
+}
+
+fn fill(c: &Client, seed: u32, n: usize) -> (LayoutId, Vec<ChunkHash>, Vec<Vec<u8>>) {
+    let info = register(c, 64);
+    let ks = keys(seed, n);
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| block(u64::from(seed) * 100 + i as u64, info.block_bytes as usize))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(info.id, &ks, &refs).unwrap();
+    (info.id, ks, data)
+}
+
+fn load(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> (Vec<bool>, Vec<Vec<u8>>) {
+    let mut bufs = vec![vec![0u8; 64 * 1024]; ks.len()];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let hit = c.load(l, ks, &mut outs).unwrap();
+    (hit, bufs)
+}
+
+#[test]
+fn a_block_on_a_is_found_and_loaded_by_c_then_served_locally() {
+    let (d, nodes, _cfg) = cluster("fetch", "");
+    let (ca, cb, cc) = (d[0].client(), d[1].client(), d[2].client());
+    let (l, ks, data) = fill(&ca, 1, 4);
+    register(&cb, 64);
+    register(&cc, 64);
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(r.prefix, 4);
+    assert_eq!(r.tiers, vec![Tier::Peer; 4]);
+    assert_eq!(r.holders, vec![Some(nodes[0].clone()); 4]);
+    // a get on C reads the blocks from A, verifies them, commits them on C
+    let (hit, bufs) = load(&cc, l, &ks);
+    assert_eq!(hit, vec![true; 4]);
+    assert_eq!(bufs, data);
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert_eq!((x.peer_fetches, x.peer_fetch_failures), (1, 0));
+    // C now serves them itself
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(r.tiers, vec![Tier::Dram; 4]);
+    assert!(r.holders.is_empty());
+    eventually(3, "A unlocked its blocks", || {
+        let s = ca.stats().unwrap();
+        s.pinned_blocks == 0 && s.transfers.unwrap().locks == 1
+    });
+    // a prefix split across nodes: 2 on A, then 2 only on B
+    let mut all = keys(2, 4);
+    let (_, k_b, d_b) = fill(&cb, 3, 2);
+    let refs: Vec<&[u8]> = d_b.iter().map(|b| &b[..]).collect();
+    ca.store(l, &all[..2], &[&data[0][..], &data[1][..]])
+        .unwrap();
+    cb.store(l, &all[2..], &refs).unwrap();
+    let _ = k_b;
+    let r = cc.lookup(l, &all).unwrap();
+    assert_eq!(r.prefix, 4);
+    assert_eq!(
+        r.holders,
+        vec![
+            Some(nodes[0].clone()),
+            Some(nodes[0].clone()),
+            Some(nodes[1].clone()),
+            Some(nodes[1].clone())
+        ]
+    );
+    let (hit, bufs) = load(&cc, l, &all);
+    assert_eq!(hit, vec![true; 4]);
+    assert_eq!(&bufs[2..], &d_b[..]);
+    all.clear();
+}
+
+#[test]
+fn lookup_mode_reports_peers_without_fetching() {
+    let (d, nodes, _cfg) = cluster("lookup", "");
+    let (ca, cc) = (d[0].client(), d[2].client());
+    let (l, ks, _) = fill(&ca, 4, 2);
+    register(&cc, 64);
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(r.holders, vec![Some(nodes[0].clone()); 2]);
+    let (hit, _) = load(&cc, l, &ks);
+    assert_eq!(hit, vec![false; 2], "lookup mode must not fetch");
+}
+
+#[test]
+fn a_killed_peer_is_skipped_and_its_blocks_become_misses() {
+    let (mut d, _nodes, _cfg) = cluster("fetch", "");
+    let (ca, cb, cc) = (d[0].client(), d[1].client(), d[2].client());
+    let (l, ks, _) = fill(&ca, 5, 3);
+    register(&cb, 64);
+    register(&cc, 64);
+    let (_, kb, db) = fill(&cb, 6, 2);
+    d[0].signal(Signal::SIGKILL);
+    // the first lookup waits for A at most the lookup timeout, then skips it
+    let t0 = Instant::now();
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(r.prefix, 0);
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "lookup took {:?}",
+        t0.elapsed()
+    );
+    // later lookups do not wait for it (down for the backoff)
+    let t1 = Instant::now();
+    for _ in 0..10 {
+        assert_eq!(cc.lookup(l, &ks).unwrap().prefix, 0);
+    }
+    assert!(
+        t1.elapsed() < Duration::from_millis(1500),
+        "10 lookups took {:?}",
+        t1.elapsed()
+    );
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert!(x.peer_skipped >= 1 && x.peers_down == 1, "{x:?}");
+    // B is still found; A's blocks are misses (the engine recomputes)
+    let r = cc.lookup(l, &kb).unwrap();
+    assert_eq!(r.prefix, 2);
+    let (hit, bufs) = load(&cc, l, &kb);
+    assert_eq!(hit, vec![true; 2]);
+    assert_eq!(bufs, db);
+    let (hit, _) = load(&cc, l, &ks);
+    assert_eq!(hit, vec![false; 3]);
+}
+
+/// A raw DEALER to a daemon's control endpoint, speaking as a (fake) peer.
+fn raw_call(node: &str, op: &str, body: &impl serde::Serialize) -> Result<PeerAck, WireError> {
+    #[derive(serde::Serialize)]
+    struct Env<'a, B> {
+        v: u32,
+        id: u64,
+        op: &'a str,
+        body: B,
+    }
+    let ctx = zmq::Context::new();
+    let s = ctx.socket(zmq::DEALER).unwrap();
+    s.set_linger(0).unwrap();
+    s.set_rcvtimeo(5000).unwrap();
+    s.connect(node).unwrap();
+    s.send(
+        rmp_serde::to_vec_named(&Env {
+            v: 1,
+            id: 9,
+            op,
+            body,
+        })
+        .unwrap(),
+        0,
+    )
+    .unwrap();
+    let frame = s.recv_bytes(0).expect("an answer within 5 s");
+    decode_reply::<PeerAck>(&frame).unwrap().1
+}
+
+fn raw_read(p: &TransferParams, token: u64, off: u64, len: u64) -> Result<Vec<u8>, String> {
+    let mut s = std::net::TcpStream::connect(&p.from.data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut req = Vec::new();
+    req.extend_from_slice(b"KVDX");
+    req.extend_from_slice(&[1, 1, 0, 0]);
+    for v in [p.handle, token, 1, p.from.incarnation.0] {
+        req.extend_from_slice(&v.to_le_bytes());
+    }
+    req.extend_from_slice(&1u32.to_le_bytes());
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(&off.to_le_bytes());
+    req.extend_from_slice(&len.to_le_bytes());
+    s.write_all(&req).unwrap();
+    let mut hdr = [0u8; 8];
+    s.read_exact(&mut hdr).unwrap();
+    let mlen = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
+    let mut msg = vec![0u8; mlen];
+    s.read_exact(&mut msg).unwrap();
+    if hdr[0] != 0 {
+        return Err(String::from_utf8(msg)
+            .unwrap()
+            .split(':')
+            .next()
+            .unwrap()
+            .to_string());
+    }
+    let mut body = vec![0u8; len as usize];
+    s.read_exact(&mut body).unwrap();
+    Ok(body)
+}
+
+#[test]
+fn a_silent_readers_lock_expires_and_forged_reads_are_refused() {
+    let (d, nodes, _cfg) = cluster("fetch", "");
+    let ca = d[0].client();
+    let (l, ks, data) = fill(&ca, 7, 2);
+    let a = ca.hello_info().node.unwrap();
+    let me = PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(42),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    };
+    // a reader locks, then goes silent (no heartbeat, no read)
+    let lock = PeerLockReq {
+        from: me.clone(),
+        to_incarnation: a.incarnation,
+        layout_id: l,
+        keys: ks.clone(),
+        ttl_ms: 400,
+    };
+    let ack = raw_call(&nodes[0], "peer_lock", &lock).unwrap();
+    let p = *ack.params.unwrap();
+    assert_eq!(
+        ack.crcs,
+        data.iter().map(|b| crc32c::crc32c(b)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ca.stats().unwrap().pinned_blocks,
+        2,
+        "locked blocks are pinned"
+    );
+    let tag = transfer_tag(&p.transfer_id, &p.keys, p.offsets.iter().map(|&o| Some(o)));
+    // while the lock holds: forged reads are refused, the right one is served
+    assert_eq!(
+        raw_read(&p, p.token ^ tag ^ 1, p.offsets[0], 4096).unwrap_err(),
+        "not_owner"
+    );
+    let mut other = p.clone();
+    other.handle ^= 2;
+    assert_eq!(
+        raw_read(&other, p.token ^ tag, p.offsets[0], 4096).unwrap_err(),
+        "unknown_transfer"
+    );
+    let end = p.offsets.iter().max().unwrap() + p.block_bytes;
+    assert_eq!(
+        raw_read(&p, p.token ^ tag, end - 4096, 8192).unwrap_err(),
+        "invalid_argument",
+        "a read past the locked slots"
+    );
+    assert_eq!(
+        raw_read(&p, p.token ^ tag, p.offsets[0], 4096).unwrap(),
+        data[0][..4096]
+    );
+    // the TTL passes: the holder can evict again; the late read is refused
+    eventually(3, "lock expired", || ca.stats().unwrap().pinned_blocks == 0);
+    assert_eq!(
+        raw_read(&p, p.token ^ tag, p.offsets[0], 4096).unwrap_err(),
+        "lease_expired"
+    );
+    assert_eq!(ca.delete(l, &ks).unwrap(), vec![DeleteStatus::Deleted; 2]);
+    // a lock on keys the holder does not have is refused
+    let e = raw_call(&nodes[0], "peer_lock", &lock).unwrap_err();
+    assert_eq!(e.code, ErrorCode::InvalidState);
+    // a lock for another incarnation is refused
+    let stale = PeerLockReq {
+        to_incarnation: Incarnation(a.incarnation.0 ^ 1),
+        ..lock
+    };
+    assert_eq!(
+        raw_call(&nodes[0], "peer_lock", &stale).unwrap_err().code,
+        ErrorCode::StaleIncarnation
+    );
+    assert!(ca.stats().unwrap().transfers.unwrap().refused >= 4);
+}
