@@ -20,13 +20,16 @@ if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev
 fi
 export KVD_PYTHON="$PWD/.venv/bin/python"
 
-step "system packages (rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"
+step "system packages (protoc for etcd-client; etcd; rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"
 if ! pkg-config --exists libibverbs librdmacm 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 \
-   || ! command -v promtool >/dev/null || ! command -v systemd-analyze >/dev/null; then
+   || ! command -v promtool >/dev/null || ! command -v systemd-analyze >/dev/null \
+   || ! command -v protoc >/dev/null || [ ! -x /usr/bin/etcd ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-    libibverbs-dev librdmacm-dev libclang-dev pkg-config prometheus systemd) >/dev/null
+    libibverbs-dev librdmacm-dev libclang-dev pkg-config prometheus systemd \
+    protobuf-compiler etcd-server) >/dev/null
 fi
-export KVD_REQUIRE_PROMTOOL=1
+# The tests that use these fail (rather than skip) when they are missing.
+export KVD_REQUIRE_PROMTOOL=1 KVD_REQUIRE_ETCD=1
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

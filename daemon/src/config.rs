@@ -46,6 +46,11 @@
 //! | `transfer.max_connections` | int | `256` | | inbound data connections |
 //! | `transfer.shm` | bool | `true` | | same-host pulls copy from the peer's pool file |
 //! | `peers.mode` | `off` \| `lookup` \| `fetch` | `off` | `KVD_PEERS` / `--peers` | share caches with peer daemons: `lookup` also asks peers, `fetch` also reads their blocks on a `get` miss |
+//! | `peers.discovery` | `static` \| `etcd` | `static` | `KVD_DISCOVERY` / `--discovery` | where the peer list comes from |
+//! | `peers.etcd_endpoints` | list of strings | `["http://127.0.0.1:2379"]` | `KVD_ETCD` (comma-separated) / `--etcd` (repeatable) | etcd client URLs |
+//! | `peers.etcd_prefix` | string | `/kvd/nodes/` | | key prefix of the registrations |
+//! | `peers.etcd_lease_ttl_s` | int | `5` | | a node that stops renewing drops out after this |
+//! | `peers.node_id` | string | the control endpoint's host:port | | this node's key under the prefix |
 //! | `peers.static` | list of strings | `[]` | `KVD_PEER` (comma-separated) / `--peer` (repeatable) | peers' control endpoints (`tcp://host:port`) for static discovery |
 //! | `peers.lookup_timeout_ms` | int | `200` | | a peer slower than this is skipped (and counted) |
 //! | `peers.down_backoff_ms` | int | `5000` | | a peer that did not answer is not asked again for this long |
@@ -297,6 +302,14 @@ impl TransferSection {
                 lookup_timeout: Duration::from_millis(peers.lookup_timeout_ms),
                 down_backoff: Duration::from_millis(peers.down_backoff_ms),
                 lock_ttl: Duration::from_millis(peers.lock_ttl_ms),
+                etcd: (peers.discovery == DiscoveryMode::Etcd).then(|| {
+                    crate::transfer::discovery::EtcdConfig {
+                        endpoints: peers.etcd_endpoints.clone(),
+                        prefix: peers.etcd_prefix.clone(),
+                        node_id: peers.node_id.clone(),
+                        ttl: Duration::from_secs(peers.etcd_lease_ttl_s),
+                    }
+                }),
             },
             data: crate::transfer::dataplane::DataOptions {
                 streams: match self.streams {
@@ -325,12 +338,33 @@ pub enum PeerMode {
     Fetch,
 }
 
+/// `peers.discovery`
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryMode {
+    /// `peers.static`.
+    #[default]
+    Static,
+    /// Registrations under `peers.etcd_prefix` in etcd.
+    Etcd,
+}
+
 /// `[peers]`
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct PeersSection {
     /// Sharing mode.
     pub mode: PeerMode,
+    /// Where the peer list comes from.
+    pub discovery: DiscoveryMode,
+    /// etcd client URLs.
+    pub etcd_endpoints: Vec<String>,
+    /// etcd key prefix.
+    pub etcd_prefix: String,
+    /// etcd lease TTL (seconds).
+    pub etcd_lease_ttl_s: u64,
+    /// This node's key (default: control host:port).
+    pub node_id: String,
     /// Static discovery: peers' control endpoints.
     #[serde(rename = "static")]
     pub static_peers: Vec<String>,
@@ -346,6 +380,11 @@ impl Default for PeersSection {
     fn default() -> Self {
         PeersSection {
             mode: PeerMode::Off,
+            discovery: DiscoveryMode::Static,
+            etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+            etcd_prefix: "/kvd/nodes/".into(),
+            etcd_lease_ttl_s: 5,
+            node_id: String::new(),
             static_peers: Vec::new(),
             lookup_timeout_ms: 200,
             down_backoff_ms: 5000,
@@ -517,6 +556,12 @@ pub struct Cli {
     /// Cache sharing with peers: off, lookup, fetch.
     #[arg(long, env = "KVD_PEERS")]
     pub peers: Option<PeerMode>,
+    /// Peer discovery: static or etcd.
+    #[arg(long, env = "KVD_DISCOVERY")]
+    pub discovery: Option<DiscoveryMode>,
+    /// etcd client URL (repeatable).
+    #[arg(long = "etcd", env = "KVD_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
     /// A peer's control endpoint (repeatable; static discovery).
     #[arg(long = "peer", env = "KVD_PEER", value_delimiter = ',')]
     pub peer: Vec<String>,
@@ -611,6 +656,12 @@ impl DaemonConfig {
         }
         if !cli.peer.is_empty() {
             cfg.peers.static_peers = cli.peer.clone();
+        }
+        if let Some(v) = cli.discovery {
+            cfg.peers.discovery = v;
+        }
+        if !cli.etcd.is_empty() {
+            cfg.peers.etcd_endpoints = cli.etcd.clone();
         }
         if cli.no_transfers {
             cfg.transfer.enabled = false;
@@ -713,6 +764,11 @@ impl DaemonConfig {
                 .find(|p| !p.starts_with("tcp://"))
             {
                 return bad(format!("peers.static entry {p:?} is not a tcp:// endpoint"));
+            }
+            if self.peers.discovery == DiscoveryMode::Etcd
+                && (self.peers.etcd_endpoints.is_empty() || self.peers.etcd_lease_ttl_s == 0)
+            {
+                return bad("etcd discovery needs peers.etcd_endpoints and a positive peers.etcd_lease_ttl_s".into());
             }
             if self.peers.lookup_timeout_ms == 0 || self.peers.lock_ttl_ms < 100 {
                 return bad(

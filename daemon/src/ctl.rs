@@ -161,6 +161,9 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
                     Some(m) => println!("this node     {} (data {})", m.node, m.data),
                     None => println!("this node     transfers are off"),
                 }
+                if !s.discovered.is_empty() {
+                    println!("discovered    {}", s.discovered.join(" "));
+                }
                 if s.peers.is_empty() {
                     println!("no peers contacted yet");
                 }

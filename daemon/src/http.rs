@@ -28,6 +28,8 @@ pub enum Phase {
 pub struct Health {
     phase: AtomicU8,
     detail: Mutex<String>,
+    /// Conditions readiness also needs (e.g. the etcd registration), by name.
+    gates: Mutex<Vec<(String, Arc<std::sync::atomic::AtomicBool>)>>,
 }
 
 impl Health {
@@ -36,6 +38,7 @@ impl Health {
         Health {
             phase: AtomicU8::new(Phase::Starting as u8),
             detail: Mutex::new("starting".into()),
+            gates: Mutex::new(Vec::new()),
         }
     }
 
@@ -43,6 +46,27 @@ impl Health {
     pub fn set(&self, phase: Phase, detail: impl Into<String>) {
         *self.detail.lock().unwrap_or_else(|p| p.into_inner()) = detail.into();
         self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// Readiness also waits for `gate` (named in `/readyz` while false).
+    pub fn add_gate(&self, name: impl Into<String>, gate: Arc<std::sync::atomic::AtomicBool>) {
+        self.gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name.into(), gate));
+    }
+
+    /// Whether `/readyz` answers 200, else why not.
+    pub fn ready(&self) -> Result<(), String> {
+        if self.phase() != Phase::Ready {
+            return Err(self.detail());
+        }
+        for (name, g) in self.gates.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if !g.load(Ordering::Acquire) {
+                return Err(format!("waiting for {name}"));
+            }
+        }
+        Ok(())
     }
 
     /// The current phase.
@@ -133,17 +157,13 @@ fn answer(url: &str, metrics: &Metrics, health: &Health) -> (u16, &'static str, 
     let path = url.split('?').next().unwrap_or(url);
     match path {
         "/metrics" => {
-            metrics.set_ready(health.phase() == Phase::Ready);
+            metrics.set_ready(health.ready().is_ok());
             (200, "text/plain; version=0.0.4", metrics.render())
         }
         "/healthz" => (200, "text/plain", "ok\n".into()),
-        "/readyz" => match health.phase() {
-            Phase::Ready => (200, "text/plain", "ready\n".into()),
-            _ => (
-                503,
-                "text/plain",
-                format!("not ready: {}\n", health.detail()),
-            ),
+        "/readyz" => match health.ready() {
+            Ok(()) => (200, "text/plain", "ready\n".into()),
+            Err(why) => (503, "text/plain", format!("not ready: {why}\n")),
         },
         _ => (
             404,

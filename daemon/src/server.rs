@@ -291,6 +291,9 @@ impl Server {
                 timeout = cfg.peer_timeout;
                 let t = Transfers::start(cfg, bound, pool, &mut store, Instant::now())
                     .map_err(|e| ServerError::Transfer(e.to_string()))?;
+                if let Some(g) = t.ready_gate() {
+                    health.add_gate("the etcd registration", g);
+                }
                 Some(t)
             }
         };
@@ -419,7 +422,7 @@ impl Server {
         self.last_refresh = now;
         let mut st = self.store.stats(now);
         st.transfers = self.transfers.as_ref().map(Transfers::stats);
-        let ready = self.health.phase() == Phase::Ready;
+        let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }
 
@@ -758,8 +761,13 @@ impl Server {
                 let mut st = s.stats(now);
                 st.transfers = self.transfers.as_ref().map(Transfers::stats);
                 st.peers = self.links.describe(now);
+                st.discovered = self
+                    .transfers
+                    .as_ref()
+                    .map(Transfers::known_peers)
+                    .unwrap_or_default();
                 st.draining = self.draining.is_some();
-                Body::Stats(st)
+                Body::Stats(Box::new(st))
             }
             _ => return self.execute_transfer(req, now),
         }))
@@ -823,7 +831,7 @@ enum Body {
     Get(GetResp),
     Release(ReleaseResp),
     Delete(DeleteResp),
-    Stats(StatsResp),
+    Stats(Box<StatsResp>),
     Export(ExportResp),
     Transfer(TransferResp),
     Abort(AbortResp),
@@ -853,7 +861,7 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::Get(b) => encode_ok(id, &b),
         Body::Release(b) => encode_ok(id, &b),
         Body::Delete(b) => encode_ok(id, &b),
-        Body::Stats(b) => encode_ok(id, &b),
+        Body::Stats(b) => encode_ok(id, &*b),
         Body::Export(b) => encode_ok(id, &b),
         Body::Transfer(b) => encode_ok(id, &b),
         Body::Abort(b) => encode_ok(id, &b),

@@ -1255,6 +1255,7 @@ impl Store {
             transfers: None,
             peers: Vec::new(),
             draining: false,
+            discovered: Vec::new(),
             errors: self
                 .counters
                 .errors

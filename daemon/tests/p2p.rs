@@ -303,3 +303,175 @@ fn a_silent_readers_lock_expires_and_forged_reads_are_refused() {
     );
     assert!(ca.stats().unwrap().transfers.unwrap().refused >= 4);
 }
+
+/// A real etcd on loopback (the test command installs Debian's `etcd-server`).
+struct Etcd {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    fn start_at(client: u16) -> Option<Etcd> {
+        if !std::path::Path::new("/usr/bin/etcd").exists() {
+            assert!(
+                std::env::var_os("KVD_REQUIRE_ETCD").is_none(),
+                "etcd is required (KVD_REQUIRE_ETCD) but /usr/bin/etcd is missing"
+            );
+            eprintln!("etcd: /usr/bin/etcd not installed; etcd discovery test not run (scripts/test.sh installs it)");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let peer = free_port();
+        let url = format!("http://127.0.0.1:{client}");
+        let purl = format!("http://127.0.0.1:{peer}");
+        let child = std::process::Command::new("/usr/bin/etcd")
+            .args([
+                "--name",
+                "kvd-test",
+                "--data-dir",
+                &dir.path().display().to_string(),
+            ])
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &purl,
+                "--initial-advertise-peer-urls",
+                &purl,
+            ])
+            .args(["--initial-cluster", &format!("kvd-test={purl}")])
+            .args(["--log-level", "error"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let e = Etcd {
+            child,
+            url,
+            _dir: dir,
+        };
+        eventually(20, "etcd accepts connections", || {
+            std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
+        });
+        Some(e)
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn etcd_cluster(etcd: &Etcd) -> (Vec<Daemon>, Vec<tempfile::NamedTempFile>) {
+    let mut daemons = Vec::new();
+    let mut cfgs = Vec::new();
+    for _ in 0..3 {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        writeln!(
+            f,
+            "[transfer]\nlease_ms = 5000\n[peers]\nmode = \"fetch\"\ndiscovery = \"etcd\"\netcd_endpoints = [\"{}\"]\netcd_lease_ttl_s = 2\nlookup_timeout_ms = 300",
+            etcd.url
+        )
+        .unwrap();
+        daemons.push(Daemon::start(&[
+            "--config",
+            &f.path().display().to_string(),
+        ]));
+        cfgs.push(f);
+    }
+    (daemons, cfgs)
+}
+
+#[test]
+fn etcd_discovery_finds_peers_and_drops_a_killed_one() {
+    let Some(etcd) = Etcd::start_at(free_port()) else {
+        return;
+    };
+    let (mut d, _cfg) = etcd_cluster(&etcd);
+    let clients: Vec<Client> = d.iter().map(|x| x.client()).collect();
+    let nodes: Vec<String> = clients
+        .iter()
+        .map(|c| c.hello_info().node.unwrap().node)
+        .collect();
+    eventually(15, "every daemon discovered the two others", || {
+        clients
+            .iter()
+            .all(|c| c.stats().unwrap().discovered.len() == 2)
+    });
+    let (ca, cb, cc) = (&clients[0], &clients[1], &clients[2]);
+    let (l, ks, data) = fill(ca, 11, 3);
+    register(cb, 64);
+    register(cc, 64);
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(r.prefix, 3);
+    assert_eq!(r.holders, vec![Some(nodes[0].clone()); 3]);
+    let (hit, bufs) = load(cc, l, &ks);
+    assert_eq!(hit, vec![true; 3]);
+    assert_eq!(bufs, data);
+    assert_eq!(cc.lookup(l, &ks).unwrap().tiers, vec![Tier::Dram; 3]);
+    // A dies: its etcd lease lapses (2 s), B and C stop asking it
+    let (_, only_a, _) = fill(ca, 12, 2);
+    d[0].signal(Signal::SIGKILL);
+    eventually(10, "A dropped out of B's and C's membership", || {
+        [cb, cc].iter().all(|c| {
+            let s = c.stats().unwrap();
+            s.discovered.len() == 1 && !s.discovered.contains(&nodes[0])
+        })
+    });
+    let skipped = cc.stats().unwrap().transfers.unwrap().peer_skipped;
+    let t0 = Instant::now();
+    for _ in 0..10 {
+        assert_eq!(cc.lookup(l, &only_a).unwrap().prefix, 0);
+    }
+    assert!(
+        t0.elapsed() < Duration::from_millis(1000),
+        "10 lookups took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        cc.stats().unwrap().transfers.unwrap().peer_skipped,
+        skipped,
+        "A was still asked"
+    );
+    let (hit, _) = load(cc, l, &only_a);
+    assert_eq!(hit, vec![false; 2], "blocks only A had are misses");
+}
+
+#[test]
+fn readyz_waits_for_the_etcd_registration() {
+    let client_port = free_port();
+    let metrics = free_port();
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    writeln!(
+        f,
+        "[peers]\nmode = \"lookup\"\ndiscovery = \"etcd\"\netcd_endpoints = [\"http://127.0.0.1:{client_port}\"]\netcd_lease_ttl_s = 2"
+    )
+    .unwrap();
+    let _d = Daemon::start(&[
+        "--config",
+        &f.path().display().to_string(),
+        "--metrics-addr",
+        &format!("127.0.0.1:{metrics}"),
+    ]);
+    let readyz = || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics)).unwrap();
+        write!(s, "GET /readyz HTTP/1.0\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    // etcd is not there yet
+    let r = readyz();
+    assert!(r.contains(" 503 ") && r.contains("etcd"), "{r}");
+    let Some(_etcd) = Etcd::start_at(client_port) else {
+        return;
+    };
+    eventually(15, "ready once registered", || readyz().contains(" 200 "));
+}

@@ -414,6 +414,9 @@ pub struct StatsResp {
     /// SIGTERM received: new stores and transfers are refused until the daemon exits.
     #[serde(default)]
     pub draining: bool,
+    /// Peers discovery knows of (static list or etcd membership), control endpoints.
+    #[serde(default)]
+    pub discovered: Vec<String>,
 }
 
 /// A peer daemon, in `stats`.

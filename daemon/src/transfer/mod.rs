@@ -29,6 +29,7 @@
 //! - adjacent blocks move as one range ([`dataplane::coalesce`]).
 
 pub mod dataplane;
+pub mod discovery;
 mod p2p;
 pub use p2p::PeerConfig;
 #[cfg(feature = "rdma")]
@@ -308,6 +309,9 @@ pub struct Transfers {
     shm: Option<Arc<ShmTransport>>,
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<rdma::RdmaTransport>>,
+    /// Peers found by etcd (None: static discovery).
+    directory: Option<Arc<discovery::Directory>>,
+    _discovery: Option<discovery::Discovery>,
     /// Push grant handles (low 32 bits) whose RDMA writes have all landed.
     landed: std::collections::HashSet<u32>,
     _server: DataServer,
@@ -382,6 +386,18 @@ impl Transfers {
             }
         };
         tracing::info!(node = %me.node, data = %me.data, rdma = me.rdma.is_some(), "transfer endpoints ready");
+        let (directory, disc) = match &cfg.peers.etcd {
+            Some(etcd) if cfg.peers.mode != crate::config::PeerMode::Off => {
+                let dir = Arc::new(discovery::Directory::default());
+                let mut etcd = etcd.clone();
+                if etcd.node_id.is_empty() {
+                    etcd.node_id = me.node.trim_start_matches("tcp://").to_string();
+                }
+                let d = discovery::start(etcd, me.clone(), pool.size(), dir.clone())?;
+                (Some(dir), Some(d))
+            }
+            _ => (None, None),
+        };
         let plane = DataPlane::start(cfg.data.workers)?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, &cfg.data));
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
@@ -395,6 +411,8 @@ impl Transfers {
             shm,
             #[cfg(feature = "rdma")]
             rdma,
+            directory,
+            _discovery: disc,
             landed: Default::default(),
             _server: server,
             system: store.system_session(now),
@@ -419,6 +437,26 @@ impl Transfers {
     /// How peers reach this daemon.
     pub fn me(&self) -> &PeerRef {
         &self.me
+    }
+
+    /// With etcd discovery: true while this node is registered (a readiness gate).
+    pub fn ready_gate(&self) -> Option<Arc<std::sync::atomic::AtomicBool>> {
+        self.directory.as_ref().map(|d| d.registered())
+    }
+
+    /// The peers discovery knows of now (static list or etcd membership).
+    pub fn known_peers(&self) -> Vec<String> {
+        match &self.directory {
+            Some(d) => d.peers(),
+            None => self
+                .cfg
+                .peers
+                .static_peers
+                .iter()
+                .filter(|p| **p != self.me.node)
+                .cloned()
+                .collect(),
+        }
     }
 
     /// The fd that becomes readable when data-plane jobs finish.

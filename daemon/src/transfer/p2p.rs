@@ -72,6 +72,8 @@ pub struct PeerConfig {
     pub down_backoff: Duration,
     /// Lock TTL.
     pub lock_ttl: Duration,
+    /// etcd discovery (instead of the static list).
+    pub etcd: Option<super::discovery::EtcdConfig>,
 }
 
 impl Transfers {
@@ -86,13 +88,10 @@ impl Transfers {
     }
 
     fn live_peers(&self, now: Instant) -> Vec<String> {
-        self.cfg
-            .peers
-            .static_peers
-            .iter()
-            .filter(|p| **p != self.me.node)
-            .filter(|p| self.down_until.get(*p).is_none_or(|t| *t <= now))
-            .cloned()
+        self.known_peers()
+            .into_iter()
+            .filter(|p| *p != self.me.node)
+            .filter(|p| self.down_until.get(p).is_none_or(|t| *t <= now))
             .collect()
     }
 
