@@ -13,9 +13,12 @@
 //! - `kvd-bench transport`: the daemon-to-daemon data plane (export + pull, 64 KiB..64 MiB,
 //!   1..8 in flight) against a loopback TCP socket pair (best of 1..4 streams).
 //! - `kvd-bench pd`: export → usable on the decode side, 1..256 blocks, pull and push.
+//! - `kvd-bench p2p`: a load served by a peer vs export + pull of the same bytes; the
+//!   latency a remote lookup over three peers adds.
 
 mod daemon;
 mod nvme;
+mod p2p;
 mod report;
 mod transport;
 
@@ -54,6 +57,8 @@ enum Cmd {
     Transport(transport::TransportArgs),
     /// Prefill → decode handoff latency (export → usable), pull and push.
     Pd(transport::PdArgs),
+    /// Loads served by a peer vs the data plane; remote lookup latency.
+    P2p(p2p::P2pArgs),
 }
 
 #[derive(clap::Args)]
@@ -104,6 +109,7 @@ fn main() -> Result<()> {
         Cmd::Nvme(a) => nvme::run(a),
         Cmd::Transport(a) => transport::transport(a),
         Cmd::Pd(a) => transport::pd(a),
+        Cmd::P2p(a) => p2p::run(a),
     }
 }
 

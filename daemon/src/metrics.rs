@@ -60,6 +60,10 @@ pub struct Metrics {
     lease_expirations: IntCounter,
     transfer_refused: IntCounter,
     peers: IntGaugeVec,
+    peer_lookups: IntCounter,
+    peer_skipped: IntCounter,
+    peer_fetches: IntCounterVec,
+    peer_locks: IntCounter,
     ready: IntGauge,
 }
 
@@ -305,6 +309,27 @@ impl Metrics {
                 "Peer daemons this one talks to, by state.",
                 &["state"],
             ),
+            peer_lookups: counter(
+                &r,
+                "kvd_peer_lookups_total",
+                "Lookups extended by asking peers.",
+            ),
+            peer_skipped: counter(
+                &r,
+                "kvd_peer_skipped_total",
+                "Peers skipped for not answering a lookup in time.",
+            ),
+            peer_fetches: counter_vec(
+                &r,
+                "kvd_peer_fetches_total",
+                "Block groups fetched from peers on get misses, by outcome.",
+                &["outcome"],
+            ),
+            peer_locks: counter(
+                &r,
+                "kvd_peer_locks_total",
+                "Locks granted to peers reading this node's blocks.",
+            ),
             ready: gauge(&r, "kvd_ready", "1 when /readyz would answer 200."),
             registry: r,
         };
@@ -323,6 +348,9 @@ impl Metrics {
         }
         for state in ["up", "down"] {
             m.peers.with_label_values(&[state]);
+        }
+        for outcome in ["ok", "failed"] {
+            m.peer_fetches.with_label_values(&[outcome]);
         }
         for op in ["write", "read"] {
             m.nvme_ops.with_label_values(&[op]);
@@ -453,6 +481,17 @@ impl Metrics {
             advance(&self.lease_renewals, t.renewals);
             advance(&self.lease_expirations, t.expired);
             advance(&self.transfer_refused, t.refused);
+            advance(&self.peer_lookups, t.peer_lookups);
+            advance(&self.peer_skipped, t.peer_skipped);
+            advance(
+                &self.peer_fetches.with_label_values(&["ok"]),
+                t.peer_fetches,
+            );
+            advance(
+                &self.peer_fetches.with_label_values(&["failed"]),
+                t.peer_fetch_failures,
+            );
+            advance(&self.peer_locks, t.locks);
         }
         self.peers.with_label_values(&["up"]).set(peers.up as i64);
         self.peers

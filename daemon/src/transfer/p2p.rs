@@ -208,7 +208,13 @@ impl Transfers {
                 }
             }
         }
-        if q.waiting > 0 {
+        // A fetch need not wait for the other peers once one answer covers every key it
+        // misses (the slowest peer stays off the critical path).
+        let covered = matches!(q.purpose, Purpose::Fetch(_))
+            && q.answers.last().is_some_and(|(_, _, present)| {
+                (q.from..q.keys.len()).all(|i| q.local[i] != Tier::Peer || present[i - q.from])
+            });
+        if q.waiting > 0 && !covered {
             return;
         }
         let q = self.queries.remove(&id).expect("present");
