@@ -362,8 +362,13 @@ impl Grants {
 
 // ----- wire -----
 
+/// Request flag: after each range's bytes, the sender appends its CRC-32C (u32 LE),
+/// which the receiver checks (end-to-end integrity, computed on the data-plane threads).
+const FLAG_CRC: u16 = 1;
+
 struct Header {
     op: u8,
+    flags: u16,
     handle: u64,
     token: u64,
     src_inc: u64,
@@ -377,7 +382,7 @@ impl Header {
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
         out.push(self.op);
-        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&self.flags.to_le_bytes());
         for v in [self.handle, self.token, self.src_inc, self.dst_inc] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -399,6 +404,7 @@ impl Header {
         let u64at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         Ok(Header {
             op: b[5],
+            flags: u16::from_le_bytes([b[6], b[7]]),
             handle: u64at(8),
             token: u64at(16),
             src_inc: u64at(24),
@@ -602,6 +608,13 @@ fn serve_conn(
                 write_status(&mut sock, None)?;
                 for &(off, len) in &ranges {
                     pool.send_from(off, len as usize, &mut sock)?;
+                    if h.flags & FLAG_CRC != 0 {
+                        let crc = pool
+                            .read(off, len as usize)
+                            .map(crc32c::crc32c)
+                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                        sock.write_all(&crc.to_le_bytes())?;
+                    }
                 }
                 guard.complete();
             }
@@ -634,6 +647,8 @@ pub struct Access {
     pub handle: u64,
     /// Its token.
     pub token: u64,
+    /// Check a CRC-32C of every range read (TCP: computed by the sender as it sends).
+    pub verify: bool,
 }
 
 /// A way to move bytes between this pool and a peer's.
@@ -751,8 +766,10 @@ impl TcpTransport {
         ops: &[Op],
     ) -> Result<u64, Result<WireError, (io::Error, bool)>> {
         let mut buf = Vec::with_capacity(HEADER_BYTES + ops.len() * 16);
+        let verify = a.verify && dir == Dir::Read;
         Header {
             op: dir as u8,
+            flags: if verify { FLAG_CRC } else { 0 },
             handle: a.handle,
             token: a.token,
             src_inc: self.incarnation.0,
@@ -765,11 +782,30 @@ impl TcpTransport {
         match dir {
             Dir::Read => {
                 read_status(s).map_err(|r| r.map_err(|e| (e, false)))?;
+                let mut bad = None;
                 for op in ops {
                     self.pool
                         .recv_into(op.local, op.len as usize, s)
                         .map_err(|e| Err((e, true)))?;
+                    if verify {
+                        let mut c = [0u8; 4];
+                        s.read_exact(&mut c).map_err(|e| Err((e, true)))?;
+                        let got = self
+                            .pool
+                            .read(op.local, op.len as usize)
+                            .map(crc32c::crc32c)
+                            .ok();
+                        if got != Some(u32::from_le_bytes(c)) && bad.is_none() {
+                            bad = Some(op.remote);
+                        }
+                    }
                     bytes += op.len;
+                }
+                if let Some(at) = bad {
+                    return Err(Ok(werr(
+                        ErrorCode::TransferFailed,
+                        format!("checksum mismatch reading the range at {at}"),
+                    )));
                 }
             }
             Dir::Write => {

@@ -255,8 +255,8 @@ struct Import {
     settled: bool,
     /// A peer fetch's read: the fetch to step when it ends.
     fetch: Option<u64>,
-    /// Expected CRC-32C per key (peer fetches), checked before commit.
-    crcs: Vec<u32>,
+    /// Check a CRC-32C of every range read (peer fetches; on TCP).
+    verify: bool,
     /// Nobody waits for a pin on the result (peer fetches pin for their `get`).
     internal: bool,
     created: Instant,
@@ -723,7 +723,7 @@ impl Transfers {
                 job: None,
                 settled: false,
                 fetch: None,
-                crcs: Vec::new(),
+                verify: false,
                 internal: false,
                 created: now,
                 ended: None,
@@ -795,7 +795,7 @@ impl Transfers {
                 job: None,
                 settled: false,
                 fetch: None,
-                crcs: Vec::new(),
+                verify: false,
                 internal: false,
                 created: now,
                 ended: None,
@@ -997,7 +997,6 @@ impl Transfers {
         &mut self,
         store: &mut Store,
         p: TransferParams,
-        crcs: Vec<u32>,
         client: ClientId,
         ttl_ms: Option<u64>,
         fetch: u64,
@@ -1042,7 +1041,7 @@ impl Transfers {
                 job: None,
                 settled: false,
                 fetch: Some(fetch),
-                crcs,
+                verify: true,
                 internal: true,
                 created: now,
                 ended: None,
@@ -1216,6 +1215,7 @@ impl Transfers {
             peer: imp.peer.clone(),
             handle: imp.handle,
             token: imp.token ^ tag,
+            verify: imp.verify,
         };
         self.jobs.insert(job, (Timer::Import, id.to_string()));
         self.plane.submit(Job {
@@ -1286,23 +1286,6 @@ impl Transfers {
             );
             self.end_import(store, id, TransferState::Failed, Some(e), true, now);
             return;
-        }
-        if !imp.crcs.is_empty() {
-            let len = imp.block_bytes as usize;
-            let bad = imp.local.iter().zip(&imp.crcs).position(|(l, crc)| {
-                l.is_some_and(|off| {
-                    store.pool().read(off, len).map(crc32c::crc32c).ok() != Some(*crc)
-                })
-            });
-            if let Some(i) = bad {
-                let e = werr(
-                    ErrorCode::TransferFailed,
-                    format!("block #{i} read from {} failed its checksum", imp.peer.node),
-                );
-                self.counters.checksum_errors += 1;
-                self.end_import(store, id, TransferState::Failed, Some(e), true, now);
-                return;
-            }
         }
         if !new_keys.is_empty() {
             let c = CommitReq {
@@ -1544,6 +1527,7 @@ impl Transfers {
             peer: reg.from,
             handle: reg.handle,
             token: reg.token ^ tag,
+            verify: false,
         };
         self.jobs.insert(job, (Timer::Export, id.to_string()));
         self.plane.submit(Job {

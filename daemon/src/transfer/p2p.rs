@@ -8,9 +8,10 @@
 //! - **Lock-and-locate + one-sided read** (`peers.mode = fetch`): a `get` that misses
 //!   locally looks the missing keys up at the peers, asks each holder for a lock
 //!   (`peer_lock`: the holder exports the blocks under a lease of `peers.lock_ttl_ms`,
-//!   with a read grant and the blocks' CRC-32C), reads them through the data plane into
-//!   local PENDING slots as an internal pull, verifies each checksum, commits, and tells
-//!   the holder (which unlocks at once). Then the `get` pins what is local. The holder's
+//!   with a read grant), reads them through the data plane into local PENDING slots as
+//!   an internal pull with CRC-32C checks (the holder's data server computes each
+//!   range's checksum as it sends it, the reader checks it as it lands: off the server
+//!   threads, cache-warm), commits, and tells the holder (which unlocks at once). Then the `get` pins what is local. The holder's
 //!   engines are not involved; its access control is the export's grant (lock, token,
 //!   expiry, bounds).
 //!
@@ -302,11 +303,11 @@ impl Transfers {
         let Some(f) = self.fetches.get_mut(&fid) else {
             return;
         };
-        match r.map(|a| (a.params, a.crcs)) {
-            Ok((Some(params), crcs)) if crcs.len() == params.keys.len() => {
+        match r.map(|a| a.params) {
+            Ok(Some(params)) => {
                 let system = self.system;
                 let ttl = f.req.ttl_ms;
-                match self.start_internal_pull(store, *params, crcs, system, ttl, fid, now) {
+                match self.start_internal_pull(store, *params, system, ttl, fid, now) {
                     Ok(()) => return, // the import's end steps the fetch
                     Err(e) => tracing::info!(error = %e, "peer fetch: pull refused"),
                 }
@@ -398,23 +399,10 @@ impl Transfers {
         if let Some(x) = self.exports.get_mut(&id) {
             x.importer = Some(r.from.clone());
         }
-        let crcs = e
-            .params
-            .offsets
-            .iter()
-            .map(|&o| {
-                store
-                    .pool()
-                    .read(o, e.params.block_bytes as usize)
-                    .map(crc32c::crc32c)
-                    .unwrap_or(0)
-            })
-            .collect();
         self.counters.locks += 1;
         Ok(Reply::Ack(PeerAck {
             incarnation: self.me.incarnation,
             params: Some(Box::new(e.params)),
-            crcs,
             ..Default::default()
         }))
     }
