@@ -13,13 +13,14 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use bytesize::ByteSize;
-use kvd_client::{Client, MapPool};
+use kvd_client::Client;
 use kvd_protocol::{ChunkHash, LayoutId, TransferState};
 
 use crate::daemon::BenchDaemon;
 use crate::report::{percentiles, CaseResult, Ceiling, Report};
+use crate::transport::connect;
 use crate::{keys_for, layout_of};
 
 #[derive(clap::Args)]
@@ -45,15 +46,6 @@ fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
-}
-
-fn connect(d: &BenchDaemon) -> Result<Client> {
-    Client::builder()
-        .with_endpoint(&d.endpoint)
-        .with_timeout(Duration::from_secs(60))
-        .with_map_pool(MapPool::Always)
-        .connect()
-        .context("connecting to kvd")
 }
 
 fn delete_all(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> Result<()> {

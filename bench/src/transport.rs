@@ -152,7 +152,8 @@ pub fn tcp_ceiling(bytes: u64) -> Result<(f64, usize)> {
     Ok(best)
 }
 
-fn connect(d: &BenchDaemon) -> Result<Client> {
+/// A client of a bench daemon (pool mapped, long timeout).
+pub fn connect(d: &BenchDaemon) -> Result<Client> {
     Client::builder()
         .with_endpoint(&d.endpoint)
         .with_timeout(Duration::from_secs(60))

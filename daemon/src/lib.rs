@@ -221,19 +221,15 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
     };
     let transfers = cfg.transfer.resolved(&cfg.peers).map(|t| (t, shared_pool));
-    let server = Server::bind(
-        store,
-        opts,
-        sig_rx,
-        transfers,
-        metrics.clone(),
-        health.clone(),
-    )?;
-    if let Some(me) = server.peer_ref() {
-        tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
-    }
+    let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
     for p in &ipc_paths {
         share_with_group(p, group, 0o660, 0o600)?;
+    }
+    if let Some((t, pool)) = transfers {
+        server.start_transfers(t, pool)?;
+    }
+    if let Some(me) = server.peer_ref() {
+        tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
     }
     health.set(http::Phase::Ready, "ready");
     tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");

@@ -250,10 +250,9 @@ impl PeerLinks {
 impl Server {
     /// Creates the ROUTER socket and binds every endpoint.
     pub fn bind(
-        mut store: Store,
+        store: Store,
         opts: ServerOptions,
         signals: UnixStream,
-        transfers: Option<(TransferConfig, std::sync::Arc<crate::pool::Pool>)>,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
     ) -> Result<Self, ServerError> {
@@ -278,25 +277,6 @@ impl Server {
         signals
             .set_nonblocking(true)
             .expect("setting O_NONBLOCK on a socketpair cannot fail");
-        let mut timeout = Duration::from_secs(5);
-        let transfers = match transfers {
-            None => None,
-            Some((cfg, pool)) => {
-                let e = cfg.control_endpoint.clone();
-                socket.bind(&e).map_err(zerr(format!("bind {e}")))?;
-                let bound = socket
-                    .get_last_endpoint()
-                    .map_err(zerr("LAST_ENDPOINT"))?
-                    .unwrap_or(e);
-                timeout = cfg.peer_timeout;
-                let t = Transfers::start(cfg, bound, pool, &mut store, Instant::now())
-                    .map_err(|e| ServerError::Transfer(e.to_string()))?;
-                if let Some(g) = t.ready_gate() {
-                    health.add_gate("the etcd registration", g);
-                }
-                Some(t)
-            }
-        };
         Ok(Server {
             ctx,
             socket,
@@ -305,11 +285,11 @@ impl Server {
             signals,
             parts: Vec::new(),
             waiting: std::collections::HashMap::new(),
-            transfers,
+            transfers: None,
             links: PeerLinks {
                 links: Default::default(),
                 next_id: 0,
-                timeout,
+                timeout: Duration::from_secs(5),
             },
             next_token: 0,
             metrics,
@@ -317,6 +297,30 @@ impl Server {
             draining: None,
             last_refresh: Instant::now(),
         })
+    }
+
+    /// Binds the control endpoint on the ROUTER and starts the transfer machinery (data
+    /// server, workers, discovery).
+    pub fn start_transfers(
+        &mut self,
+        cfg: TransferConfig,
+        pool: std::sync::Arc<crate::pool::Pool>,
+    ) -> Result<(), ServerError> {
+        let e = cfg.control_endpoint.clone();
+        self.socket.bind(&e).map_err(zerr(format!("bind {e}")))?;
+        let bound = self
+            .socket
+            .get_last_endpoint()
+            .map_err(zerr("LAST_ENDPOINT"))?
+            .unwrap_or(e);
+        self.links.timeout = cfg.peer_timeout;
+        let t = Transfers::start(cfg, bound, pool, &mut self.store, Instant::now())
+            .map_err(|e| ServerError::Transfer(e.to_string()))?;
+        if let Some(g) = t.ready_gate() {
+            self.health.add_gate("the etcd registration", g);
+        }
+        self.transfers = Some(t);
+        Ok(())
     }
 
     /// How peers reach this daemon, when transfers are on.

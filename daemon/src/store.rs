@@ -580,26 +580,10 @@ impl Store {
                 format!("{} sessions are open (limit)", self.cfg.max_clients),
             ));
         }
-        let id = loop {
-            let id = ClientId(rand::random());
-            if id.0 != 0 && !self.clients.contains_key(&id) {
-                break id;
-            }
-        };
         let mut name = req.client_name.clone();
         name.truncate(128);
+        let id = self.open_session(name.clone(), req.pid, false, now);
         tracing::info!(client = %id, name = %name, pid = req.pid, "session opened");
-        self.clients.insert(
-            id,
-            Session {
-                system: false,
-                name,
-                pid: req.pid,
-                last_seen: now,
-                pins: 0,
-                pending: 0,
-            },
-        );
         Ok(id)
     }
 
@@ -1270,6 +1254,10 @@ impl Store {
     /// Opens the daemon's own session, which transfers allocate and pin under. It is
     /// never dropped for being idle.
     pub fn system_session(&mut self, now: Instant) -> ClientId {
+        self.open_session("kvd-transfers".into(), std::process::id(), true, now)
+    }
+
+    fn open_session(&mut self, name: String, pid: u32, system: bool, now: Instant) -> ClientId {
         let id = loop {
             let id = ClientId(rand::random());
             if id.0 != 0 && !self.clients.contains_key(&id) {
@@ -1279,9 +1267,9 @@ impl Store {
         self.clients.insert(
             id,
             Session {
-                system: true,
-                name: "kvd-transfers".into(),
-                pid: std::process::id(),
+                system,
+                name,
+                pid,
                 last_seen: now,
                 pins: 0,
                 pending: 0,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -84,8 +84,10 @@ fn state_and_code(r: Result<TransferResp, Error>) -> (TransferState, Option<Erro
 fn assert_absent(c: &Client, layout: LayoutId, ks: &[ChunkHash]) {
     let l = c.lookup(layout, ks).unwrap();
     assert_eq!(l.prefix, 0, "a block of a failed transfer became visible");
-    let s = c.stats().unwrap();
-    assert_eq!(s.pending, 0, "a failed transfer left slots allocated");
+    // slots a failed transfer reserved are freed once no read is landing in them
+    eventually(3, "a failed transfer's slots freed", || {
+        c.stats().unwrap().pending == 0
+    });
 }
 
 #[test]
@@ -407,41 +409,6 @@ fn forged_or_stale_params_are_refused() {
     assert!(xstats(&ca).refused >= 4 + 3);
 }
 
-/// A data-plane read written from the wire format in `transfer/dataplane.rs`.
-fn raw_read(
-    p: &TransferParams,
-    handle: u64,
-    token: u64,
-    off: u64,
-    len: u64,
-) -> Result<Vec<u8>, String> {
-    let mut s = std::net::TcpStream::connect(&p.from.data).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut req = Vec::new();
-    req.extend_from_slice(b"KVDX");
-    req.extend_from_slice(&[1, 1, 0, 0]);
-    for v in [handle, token, 1, p.from.incarnation.0] {
-        req.extend_from_slice(&v.to_le_bytes());
-    }
-    req.extend_from_slice(&1u32.to_le_bytes());
-    req.extend_from_slice(&0u32.to_le_bytes());
-    req.extend_from_slice(&off.to_le_bytes());
-    req.extend_from_slice(&len.to_le_bytes());
-    s.write_all(&req).unwrap();
-    let mut hdr = [0u8; 8];
-    s.read_exact(&mut hdr).unwrap();
-    let mlen = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
-    let mut msg = vec![0u8; mlen];
-    s.read_exact(&mut msg).unwrap();
-    if hdr[0] != 0 {
-        let text = String::from_utf8(msg).unwrap();
-        return Err(text.split(':').next().unwrap().to_string());
-    }
-    let mut body = vec![0u8; len as usize];
-    s.read_exact(&mut body).unwrap();
-    Ok(body)
-}
-
 #[test]
 fn bad_transfer_requests_get_clear_errors() {
     let (a, b) = (Node::start(5000, false), Node::start(5000, false));
@@ -522,14 +489,6 @@ fn rdma_pull_and_push_when_a_device_is_present() {
         .unwrap();
     assert_eq!(r.transport, "rdma");
     verify(&cb, l2, &r, &d2);
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

@@ -13,14 +13,6 @@ use common::*;
 use kvd_protocol::{ErrorCode, TransferState};
 use nix::sys::signal::Signal;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `GET path` → (status, body); `None` when nothing listens yet.
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;

@@ -265,6 +265,72 @@ struct Import {
     transport: &'static str,
 }
 
+impl Import {
+    /// A new import, queued: `who` = (client, pin TTL), `grant` = (handle, token),
+    /// `what` = (layout, keys, block size), `remote` = the exporter's offsets (pull).
+    #[allow(clippy::too_many_arguments)]
+    fn queued(
+        who: (ClientId, Option<u64>),
+        mode: Mode,
+        peer: PeerRef,
+        grant: (u64, u64),
+        what: (LayoutId, Vec<ChunkHash>, u64),
+        remote: Vec<u64>,
+        lease: Duration,
+        now: Instant,
+    ) -> Import {
+        Import {
+            client: who.0,
+            ttl_ms: who.1,
+            mode,
+            peer,
+            handle: grant.0,
+            token: grant.1,
+            layout: what.0,
+            keys: what.1,
+            block_bytes: what.2,
+            remote,
+            local: Vec::new(),
+            allocated: false,
+            held: false,
+            lease,
+            last_heard: now,
+            state: TransferState::Queued,
+            error: None,
+            result: None,
+            job: None,
+            settled: false,
+            fetch: None,
+            verify: false,
+            internal: false,
+            created: now,
+            ended: None,
+            bytes: 0,
+            transport: "",
+        }
+    }
+
+    /// A pull of the export `p`.
+    fn pull(
+        p: &TransferParams,
+        client: ClientId,
+        ttl_ms: Option<u64>,
+        lease: Duration,
+        now: Instant,
+    ) -> Import {
+        Import::queued(
+            (client, ttl_ms),
+            Mode::Pull,
+            p.from.clone(),
+            (p.handle, p.token),
+            (p.layout_id, p.keys.clone(), p.block_bytes),
+            p.offsets.clone(),
+            lease,
+            now,
+        )
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     Export,
@@ -699,41 +765,12 @@ impl Transfers {
                 .map(|r| Answer::Now(Box::new(r)));
         }
         let id = p.transfer_id.clone();
-        self.imports.insert(
-            id.clone(),
-            Import {
-                client: req.client,
-                ttl_ms: req.ttl_ms,
-                mode: Mode::Pull,
-                peer: p.from.clone(),
-                handle: p.handle,
-                token: p.token,
-                layout: p.layout_id,
-                keys: p.keys.clone(),
-                block_bytes: p.block_bytes,
-                remote: p.offsets.clone(),
-                local: Vec::new(),
-                allocated: false,
-                held: req.defer,
-                lease: self.lease_of(Some(p.lease_ms)),
-                last_heard: now,
-                state: TransferState::Queued,
-                error: None,
-                result: None,
-                job: None,
-                settled: false,
-                fetch: None,
-                verify: false,
-                internal: false,
-                created: now,
-                ended: None,
-                bytes: 0,
-                transport: "",
-            },
-        );
-        self.counters.imports += 1;
-        self.arm_import_timer(&id);
-        self.advance_import(store, &id, now);
+        let lease = self.lease_of(Some(p.lease_ms));
+        let imp = Import {
+            held: req.defer,
+            ..Import::pull(p, req.client, req.ttl_ms, lease, now)
+        };
+        self.accept_import(store, &id, imp, now);
         self.answer_or_wait(&id, req.wait && !req.defer, token, now)
     }
 
@@ -764,48 +801,25 @@ impl Transfers {
             now,
         )?;
         let id = req.transfer_id.clone();
-        self.imports.insert(
-            id.clone(),
-            Import {
-                client: req.client,
-                ttl_ms: req.ttl_ms,
-                mode: Mode::Push,
-                peer: PeerRef {
-                    node: req.node.clone(),
-                    data: String::new(),
-                    incarnation: Incarnation(0),
-                    host: String::new(),
-                    shm: None,
-                    rdma: None,
-                },
-                handle: rand::random::<u64>() | 1,
-                token: rand::random(),
-                layout: req.layout_id,
-                keys: req.keys.clone(),
-                block_bytes,
-                remote: Vec::new(),
-                local: Vec::new(),
-                allocated: false,
-                held: false,
-                lease: self.cfg.lease,
-                last_heard: now,
-                state: TransferState::Queued,
-                error: None,
-                result: None,
-                job: None,
-                settled: false,
-                fetch: None,
-                verify: false,
-                internal: false,
-                created: now,
-                ended: None,
-                bytes: 0,
-                transport: "",
-            },
+        let peer = PeerRef {
+            node: req.node.clone(),
+            data: String::new(),
+            incarnation: Incarnation(0),
+            host: String::new(),
+            shm: None,
+            rdma: None,
+        };
+        let imp = Import::queued(
+            (req.client, req.ttl_ms),
+            Mode::Push,
+            peer,
+            (rand::random::<u64>() | 1, rand::random()),
+            (req.layout_id, req.keys.clone(), block_bytes),
+            Vec::new(),
+            self.cfg.lease,
+            now,
         );
-        self.counters.imports += 1;
-        self.arm_import_timer(&id);
-        self.advance_import(store, &id, now);
+        self.accept_import(store, &id, imp, now);
         self.answer_or_wait(&id, req.wait, token, now)
     }
 
@@ -1017,41 +1031,14 @@ impl Transfers {
             now,
         )?;
         let id = p.transfer_id.clone();
-        self.imports.insert(
-            id.clone(),
-            Import {
-                client,
-                ttl_ms,
-                mode: Mode::Pull,
-                peer: p.from.clone(),
-                handle: p.handle,
-                token: p.token,
-                layout: p.layout_id,
-                keys: p.keys.clone(),
-                block_bytes: p.block_bytes,
-                remote: p.offsets.clone(),
-                local: Vec::new(),
-                allocated: false,
-                held: false,
-                lease: self.lease_of(Some(p.lease_ms)),
-                last_heard: now,
-                state: TransferState::Queued,
-                error: None,
-                result: None,
-                job: None,
-                settled: false,
-                fetch: Some(fetch),
-                verify: true,
-                internal: true,
-                created: now,
-                ended: None,
-                bytes: 0,
-                transport: "",
-            },
-        );
-        self.counters.imports += 1;
-        self.arm_import_timer(&id);
-        self.advance_import(store, &id, now);
+        let lease = self.lease_of(Some(p.lease_ms));
+        let imp = Import {
+            fetch: Some(fetch),
+            verify: true,
+            internal: true,
+            ..Import::pull(&p, client, ttl_ms, lease, now)
+        };
+        self.accept_import(store, &id, imp, now);
         Ok(())
     }
 
@@ -1141,6 +1128,14 @@ impl Transfers {
     }
 
     // ----- the importer's life cycle -----
+
+    /// Records a new import, arms its timers and moves it forward.
+    fn accept_import(&mut self, store: &mut Store, id: &str, imp: Import, now: Instant) {
+        self.imports.insert(id.to_string(), imp);
+        self.counters.imports += 1;
+        self.arm_import_timer(id);
+        self.advance_import(store, id, now);
+    }
 
     fn arm_import_timer(&mut self, id: &str) {
         let i = &self.imports[id];
@@ -1947,6 +1942,11 @@ impl Transfers {
         for id in &r.transfers {
             if let Some(e) = self.exports.get_mut(id) {
                 let ours = e.importer.as_ref().is_none_or(|p| p.incarnation == from);
+                if ours && e.state == TransferState::Done {
+                    // Finished: the importer hears it from `peer_push_done` / its own
+                    // pull, which may still be on their way; not "unknown".
+                    continue;
+                }
                 if ours && !e.state.is_final() {
                     let renewed = now + e.lease * 2 / 3;
                     if renewed > e.expires {

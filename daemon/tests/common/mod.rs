@@ -180,3 +180,50 @@ pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A free TCP port on loopback (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A data-plane read (`daemon/src/transfer/dataplane.rs` wire format) of `len` bytes at
+/// `off` of the exporter named by `p`, under `handle` and `token`: the bytes, or the
+/// refusal's code.
+pub fn raw_read(
+    p: &kvd_protocol::TransferParams,
+    handle: u64,
+    token: u64,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(&p.from.data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut req = Vec::new();
+    req.extend_from_slice(b"KVDX");
+    req.extend_from_slice(&[1, 1, 0, 0]);
+    for v in [handle, token, 1, p.from.incarnation.0] {
+        req.extend_from_slice(&v.to_le_bytes());
+    }
+    req.extend_from_slice(&1u32.to_le_bytes());
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(&off.to_le_bytes());
+    req.extend_from_slice(&len.to_le_bytes());
+    s.write_all(&req).unwrap();
+    let mut hdr = [0u8; 8];
+    s.read_exact(&mut hdr).unwrap();
+    let mlen = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
+    let mut msg = vec![0u8; mlen];
+    s.read_exact(&mut msg).unwrap();
+    if hdr[0] != 0 {
+        let text = String::from_utf8(msg).unwrap();
+        return Err(text.split(':').next().unwrap().to_string());
+    }
+    let mut body = vec![0u8; len as usize];
+    s.read_exact(&mut body).unwrap();
+    Ok(body)
+}
