@@ -51,8 +51,13 @@ step "deploy/ validates offline (k8s schemas, helm, hadolint, systemd, dashboard
 
 step "cargo test"
 log=$(mktemp)
-timeout 1800 cargo test --workspace --locked 2>&1 | tee "$log"
+set +e
+timeout 1800 cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
+s1=${PIPESTATUS[0]}
 # The rdma build's own tests: with no RDMA device they say so in one line.
 timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff rdma -- --nocapture 2>&1 | tee -a "$log"
-# One closing line for the whole suite.
+s2=${PIPESTATUS[0]}
+set -e
+# One closing line for the whole suite (also when something failed).
 awk '/^test result:/ { p += $4; f += $6 } END { printf "\nall tests: %d passed, %d failed\n", p, f; exit (f > 0) }' "$log"
+[ "$s1" -eq 0 ] && [ "$s2" -eq 0 ]

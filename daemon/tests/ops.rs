@@ -114,11 +114,12 @@ fn readyz_is_not_ready_while_the_pool_is_prepared_nor_once_drain_begins() {
     let port = free_port();
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let sock = dir.path().join("kvd.sock");
-    // A 2 GiB prefaulted pool takes a while to map: /readyz must say so meanwhile.
+    // A 3 GiB prefaulted pool takes a while to map (~1 s here): /readyz must say so
+    // meanwhile.
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvd"))
         .args(["--endpoint", &format!("ipc://{}", sock.display())])
         .args(["--pool-path", &dir.path().join("p").display().to_string()])
-        .args(["--pool-size", "2GiB", "--log-level", "warn"])
+        .args(["--pool-size", "3GiB", "--log-level", "warn"])
         .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
         .args(["--drain-grace-ms", "20000"])
         .stdin(Stdio::null())
