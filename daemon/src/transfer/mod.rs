@@ -140,6 +140,34 @@ pub struct Finished {
     pub took: Duration,
 }
 
+impl Finished {
+    /// The event of a transfer that ended in `state` (`side` = role, direction).
+    fn of(
+        side: (&'static str, &'static str),
+        state: TransferState,
+        transport: &'static str,
+        bytes: u64,
+        took: Duration,
+    ) -> Finished {
+        Finished {
+            role: side.0,
+            outcome: outcome(state),
+            transport: if transport.is_empty() {
+                "none"
+            } else {
+                transport
+            },
+            direction: side.1,
+            bytes: if state == TransferState::Done {
+                bytes
+            } else {
+                0
+            },
+            took,
+        }
+    }
+}
+
 fn outcome(state: TransferState) -> &'static str {
     match state {
         TransferState::Done => "done",
@@ -1361,22 +1389,13 @@ impl Transfers {
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "import ended");
         }
-        self.finished.push(Finished {
-            role: "importer",
-            outcome: outcome(state),
-            transport: if imp.transport.is_empty() {
-                "none"
-            } else {
-                imp.transport
-            },
-            direction: "in",
-            bytes: if state == TransferState::Done {
-                imp.bytes
-            } else {
-                0
-            },
-            took: now.saturating_duration_since(imp.created),
-        });
+        self.finished.push(Finished::of(
+            ("importer", "in"),
+            state,
+            imp.transport,
+            imp.bytes,
+            now.saturating_duration_since(imp.created),
+        ));
         imp.error = error.clone();
         let imp_fetch = imp.fetch;
         if notify && imp.peer.incarnation.0 != 0 {
@@ -1574,22 +1593,13 @@ impl Transfers {
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "export ended");
         }
-        self.finished.push(Finished {
-            role: "exporter",
-            outcome: outcome(state),
-            transport: if exp.transport.is_empty() {
-                "none"
-            } else {
-                exp.transport
-            },
-            direction: "out",
-            bytes: if state == TransferState::Done {
-                exp.bytes
-            } else {
-                0
-            },
-            took: now.saturating_duration_since(exp.created),
-        });
+        self.finished.push(Finished::of(
+            ("exporter", "out"),
+            state,
+            exp.transport,
+            exp.bytes,
+            now.saturating_duration_since(exp.created),
+        ));
         exp.error = error.clone();
         let importer = exp.importer.clone();
         if notify {
