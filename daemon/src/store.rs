@@ -1104,16 +1104,7 @@ impl Store {
 
     fn unpin(&mut self, pin: Pin) {
         for i in pin.nodes {
-            let n = &mut self.nodes[i as usize];
-            debug_assert!(n.pins > 0);
-            n.pins -= 1;
-            if n.pins == 0 {
-                self.pinned_blocks -= 1;
-                // A block still being demoted is freed (or relisted) when that completes.
-                if n.state == State::Committed {
-                    self.lru_push_head(i);
-                }
-            }
+            self.unhold(i);
         }
         if let Some(s) = self.clients.get_mut(&pin.owner) {
             s.pins = s.pins.saturating_sub(1);
@@ -1582,13 +1573,15 @@ impl Store {
         }
     }
 
-    /// Drops a deferred get's hold on a block it promoted.
+    /// Drops one pin (or a deferred get's hold) on a block; the last one returns it to
+    /// the LRU.
     fn unhold(&mut self, idx: u32) {
         let n = &mut self.nodes[idx as usize];
         debug_assert!(n.pins > 0);
         n.pins -= 1;
         if n.pins == 0 {
             self.pinned_blocks -= 1;
+            // A block still being demoted is freed (or relisted) when that completes.
             if n.state == State::Committed {
                 self.lru_push_head(idx);
             }

@@ -177,41 +177,6 @@ fn outcome(state: TransferState) -> &'static str {
     }
 }
 
-/// Counters, for `stats`.
-#[derive(Debug, Default, Clone)]
-pub struct TransferCounters {
-    /// Exports created.
-    pub exports: u64,
-    /// Imports (pulls and push registrations) accepted.
-    pub imports: u64,
-    /// Transfers that ended done (either side).
-    pub done: u64,
-    /// ... failed.
-    pub failed: u64,
-    /// ... aborted.
-    pub aborted: u64,
-    /// Leases that ran out.
-    pub expired: u64,
-    /// Lease renewals (per transfer).
-    pub renewals: u64,
-    /// Peer messages refused (stale incarnation, unknown transfer, wrong handle).
-    pub refused: u64,
-    /// Bytes moved by this daemon's data-plane jobs.
-    pub bytes: u64,
-    /// Peer reads whose checksum did not match (dropped, never committed).
-    pub checksum_errors: u64,
-    /// Lookups extended by asking peers.
-    pub peer_lookups: u64,
-    /// Peers skipped for not answering a lookup in time.
-    pub peer_skipped: u64,
-    /// Block groups fetched from peers (verified and committed).
-    pub peer_fetches: u64,
-    /// Peer fetches that failed (lock refused, read failed, bad checksum).
-    pub peer_fetch_failures: u64,
-    /// Locks granted to peers reading this daemon's blocks.
-    pub locks: u64,
-}
-
 #[derive(Debug)]
 struct Export {
     handle: u64,
@@ -421,7 +386,8 @@ pub struct Transfers {
     outbox: Vec<Outgoing>,
     answers: Vec<(u64, Result<Reply, WireError>)>,
     unsettled: Vec<(Timer, String)>,
-    counters: TransferCounters,
+    /// The cumulative counters (gauges are filled in by [`Transfers::stats`]).
+    counters: TransferStats,
     finished: Vec<Finished>,
     queries: HashMap<u64, p2p::Query>,
     fetches: HashMap<u64, p2p::Fetch>,
@@ -520,7 +486,7 @@ impl Transfers {
             outbox: Vec::new(),
             answers: Vec::new(),
             unsettled: Vec::new(),
-            counters: TransferCounters::default(),
+            counters: TransferStats::default(),
             finished: Vec::new(),
             queries: HashMap::new(),
             fetches: HashMap::new(),
@@ -566,25 +532,13 @@ impl Transfers {
             imports_live: self.imports.values().filter(|i| live(i.state)).count() as u64,
             registrations: self.regs.len() as u64,
             pinned_exports: self.exports.values().filter(|e| e.pin.is_some()).count() as u64,
-            exports: self.counters.exports,
-            imports: self.counters.imports,
-            done: self.counters.done,
-            failed: self.counters.failed,
-            aborted: self.counters.aborted,
-            expired: self.counters.expired,
-            renewals: self.counters.renewals,
             refused: self.counters.refused + self.grants.refused(),
-            bytes: self.counters.bytes,
-            peer_lookups: self.counters.peer_lookups,
-            peer_skipped: self.counters.peer_skipped,
-            peer_fetches: self.counters.peer_fetches,
-            peer_fetch_failures: self.counters.peer_fetch_failures,
-            locks: self.counters.locks,
             peers_down: self
                 .down_until
                 .values()
                 .filter(|t| **t > Instant::now())
                 .count() as u64,
+            ..self.counters.clone()
         }
     }
 
@@ -2351,14 +2305,9 @@ impl Transfers {
     }
 }
 
-/// An answer that may come later (under the given token).
-#[derive(Debug)]
-pub enum Answer {
-    /// Now.
-    Now(Box<Reply>),
-    /// Later, under this token.
-    Later(u64),
-}
+/// An answer that may come later (under the given token): the store's, for transfer
+/// replies.
+pub type Answer = crate::store::Answer<Box<Reply>>;
 
 /// `tcp://host:port` with its host replaced.
 fn replace_host(endpoint: &str, host: &str) -> String {
