@@ -1,0 +1,225 @@
+// kvd-cuda kernels, compiled at run time with NVRTC (see src/cuda.rs).
+// Each kernel has a CPU reference in src/cpu.rs with the same meaning; the tests
+// compare them. All tensors are f32, row-major; the paged KV cache is
+// [layer][part][block][token][kv_head][head_dim].
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ size_t cache_index(int layer, int part, int block, int token, int head,
+                                              int num_blocks, int bt, int kvh, int hd) {
+    return ((((size_t)(layer * 2 + part) * num_blocks + block) * bt + token) * kvh + head) * hd;
+}
+
+extern "C" __global__ void embedding(const float* table, const unsigned* tokens, float* out, int n, int dim) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * dim) return;
+    size_t t = i / dim, d = i % dim;
+    out[i] = table[(size_t)tokens[t] * dim + d];
+}
+
+// One block (256 threads) per row.
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float* out, int rows, int dim, float eps) {
+    __shared__ float part[256];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (size_t)r * dim;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) part[threadIdx.x] += part[threadIdx.x + o];
+        __syncthreads();
+    }
+    float inv = rsqrtf(part[0] / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)r * dim + i] = xr[i] * inv * w[i];
+}
+
+// out[m][n] = x[m][k] . w[n][k]; 16x16 tiles (used when cuBLAS is not there).
+extern "C" __global__ void matmul(const float* x, const float* w, float* out, int m, int n, int k) {
+    __shared__ float xs[16][17];
+    __shared__ float ws[16][17];
+    int row = blockIdx.y * 16 + threadIdx.y;
+    int col = blockIdx.x * 16 + threadIdx.x;
+    float acc = 0.f;
+    for (int k0 = 0; k0 < k; k0 += 16) {
+        int kx = k0 + threadIdx.x;
+        xs[threadIdx.y][threadIdx.x] = (row < m && kx < k) ? x[(size_t)row * k + kx] : 0.f;
+        int wrow = blockIdx.x * 16 + threadIdx.y;
+        ws[threadIdx.y][threadIdx.x] = (wrow < n && kx < k) ? w[(size_t)wrow * k + kx] : 0.f;
+        __syncthreads();
+        for (int i = 0; i < 16; i++) acc += xs[threadIdx.y][i] * ws[threadIdx.x][i];
+        __syncthreads();
+    }
+    if (row < m && col < n) out[(size_t)row * n + col] = acc;
+}
+
+extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, float theta) {
+    int half = hd / 2;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)tokens * heads * half) return;
+    int p = i % half;
+    size_t th = i / half;
+    int t = th / heads;
+    float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)hd);
+    float s, c;
+    sincosf((float)pos[t] * inv_freq, &s, &c);
+    float* base = x + th * hd;
+    float a = base[p], b = base[p + half];
+    base[p] = a * c - b * s;
+    base[p + half] = b * c + a * s;
+}
+
+extern "C" __global__ void write_kv(float* cache, const float* k, const float* v, const unsigned* slots, int n,
+                                   int layer, int num_blocks, int bt, int kvh, int hd) {
+    size_t row = (size_t)kvh * hd;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * row) return;
+    int t = i / row;
+    size_t e = i % row;
+    unsigned slot = slots[t];
+    int blk = slot / bt, off = slot % bt;
+    cache[cache_index(layer, 0, blk, off, 0, num_blocks, bt, kvh, hd) + e] = k[i];
+    cache[cache_index(layer, 1, blk, off, 0, num_blocks, bt, kvh, hd) + e] = v[i];
+}
+
+// One warp per (token, head): each lane keeps an online softmax over its keys, then the
+// lanes are merged with shuffles. head_dim <= 256.
+extern "C" __global__ void attention(const float* q, const float* cache, const unsigned* block_table, const unsigned* pos,
+                                    float* out, int tokens, int heads, int kvh, int hd, int bt, int num_blocks, int layer) {
+    int th = blockIdx.x;
+    if (th >= tokens * heads) return;
+    int t = th / heads, h = th % heads;
+    int g = kvh ? heads / kvh : 1;
+    int kh = h / g;
+    int lane = threadIdx.x;
+    const float* qr = q + (size_t)th * hd;
+    float scale = rsqrtf((float)hd);
+    float m = -INFINITY, l = 0.f;
+    float acc[256];
+    for (int d = 0; d < hd; d++) acc[d] = 0.f;
+    int n = pos[t] + 1;
+    for (int j = lane; j < n; j += 32) {
+        int blk = block_table[j / bt];
+        const float* kr = cache + cache_index(layer, 0, blk, j % bt, kh, num_blocks, bt, kvh, hd);
+        const float* vr = cache + cache_index(layer, 1, blk, j % bt, kh, num_blocks, bt, kvh, hd);
+        float s = 0.f;
+        for (int d = 0; d < hd; d++) s += qr[d] * kr[d];
+        s *= scale;
+        float mn = fmaxf(m, s);
+        float corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+        for (int d = 0; d < hd; d++) acc[d] = acc[d] * corr + p * vr[d];
+        m = mn;
+    }
+    float M = m;
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
+    float f = (m == -INFINITY) ? 0.f : expf(m - M);
+    float L = l * f;
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
+    for (int d = 0; d < hd; d++) {
+        float a = acc[d] * f;
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
+        if (lane == 0) out[(size_t)th * hd + d] = a / L;
+    }
+}
+
+extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, int n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n) return;
+    float g = gate[i];
+    out[i] = g / (1.f + expf(-g)) * up[i];
+}
+
+extern "C" __global__ void add(float* x, const float* y, int n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (size_t)n) x[i] += y[i];
+}
+
+__device__ __forceinline__ float uniform(u64 seed, u64 step, u64 i) {
+    u64 z = seed ^ (step * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return ((float)(z >> 40) + 0.5f) / 16777216.f;
+}
+
+// Greedy or Gumbel-max sampling; one block of 1024 threads; ties to the lowest index.
+extern "C" __global__ void sample(const float* logits, int vocab, float temperature, u64 seed, u64 step, unsigned* out) {
+    __shared__ float bs[1024];
+    __shared__ int bi[1024];
+    float best = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float s = temperature <= 0.f ? logits[i] : logits[i] / temperature - logf(-logf(uniform(seed, step, (u64)i)));
+        if (s > best) { best = s; idx = i; }
+    }
+    bs[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) {
+            float s2 = bs[threadIdx.x + o];
+            int i2 = bi[threadIdx.x + o];
+            if (s2 > bs[threadIdx.x] || (s2 == bs[threadIdx.x] && i2 < bi[threadIdx.x])) {
+                bs[threadIdx.x] = s2;
+                bi[threadIdx.x] = i2;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = bi[0] == 0x7fffffff ? 0 : bi[0];
+}
+
+// Paged blocks -> transfer blocks [layer][part][token][hs][hd], one destination pointer
+// per block (device memory or a mapped, registered host pool).
+extern "C" __global__ void gather(const float* cache, const unsigned* blocks, const u64* dst, int nblocks, int layers,
+                                  int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
+    size_t per = (size_t)layers * 2 * bt * hs * hd;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= per * nblocks) return;
+    int b = i / per;
+    size_t o = i % per;
+    int d = o % hd;
+    size_t r = o / hd;
+    int h = r % hs; r /= hs;
+    int t = r % bt; r /= bt;
+    int part = r % 2;
+    int layer = r / 2;
+    ((float*)dst[b])[o] = cache[cache_index(layer, part, blocks[b], t, h0 + h, num_blocks, bt, kvh, hd) + d];
+}
+
+extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u64* src, int nblocks, int layers,
+                                   int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
+    size_t per = (size_t)layers * 2 * bt * hs * hd;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= per * nblocks) return;
+    int b = i / per;
+    size_t o = i % per;
+    int d = o % hd;
+    size_t r = o / hd;
+    int h = r % hs; r /= hs;
+    int t = r % bt; r /= bt;
+    int part = r % 2;
+    int layer = r / 2;
+    cache[cache_index(layer, part, blocks[b], t, h0 + h, num_blocks, bt, kvh, hd) + d] = ((const float*)src[b])[o];
+}
+
+// Re-slices n logical blocks from src_tp shards ([block][rank] pointers) to dst_tp shards.
+extern "C" __global__ void reslice(const u64* src, const u64* dst, int n, int layers, int bt, int kvh, int hd,
+                                   int src_tp, int dst_tp) {
+    size_t per = (size_t)layers * 2 * bt * kvh * hd;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= per * n) return;
+    int b = i / per;
+    size_t e = i % per;
+    int d = e % hd;
+    size_t r = e / hd;
+    int h = r % kvh;
+    size_t row = r / kvh;
+    int hs_in = kvh / src_tp, hs_out = kvh / dst_tp;
+    const float* s = (const float*)src[(size_t)b * src_tp + h / hs_in];
+    float* o = (float*)dst[(size_t)b * dst_tp + h / hs_out];
+    o[(row * hs_out + h % hs_out) * hd + d] = s[(row * hs_in + h % hs_in) * hd + d];
+}

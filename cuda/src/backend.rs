@@ -1,0 +1,675 @@
+//! The [`Backend`] trait the model and the engine run on, the CPU backend, and
+//! [`AnyBackend`], which is whichever one [`select_backend`] found.
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::{cpu, KvGeometry};
+
+/// One set of kernels over one kind of buffer. Row counts are explicit, so a buffer may
+/// be larger than the rows a call uses (the model reuses scratch buffers).
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// A buffer of f32 on the backend's device.
+    type Buf;
+    /// `"cpu"` or `"cuda"`.
+    fn name(&self) -> &'static str;
+    /// A zeroed buffer of `n` elements.
+    fn zeros(&self, n: usize) -> Result<Self::Buf>;
+    /// A buffer holding `data`.
+    fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
+    /// The first `n` elements of `b`.
+    fn download(&self, b: &Self::Buf, n: usize) -> Result<Vec<f32>>;
+    /// See [`cpu::embedding`].
+    fn embedding(
+        &self,
+        table: &Self::Buf,
+        dim: usize,
+        tokens: &[u32],
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::rmsnorm`]; `rows` rows.
+    fn rmsnorm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::matmul`].
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::rope`].
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()>;
+    /// See [`cpu::write_kv`].
+    fn write_kv(
+        &self,
+        cache: &mut Self::Buf,
+        g: &KvGeometry,
+        layer: usize,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        slots: &[u32],
+    ) -> Result<()>;
+    /// See [`cpu::attention`].
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        cache: &Self::Buf,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::swiglu`]; `n` elements.
+    fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, n: usize, out: &mut Self::Buf)
+        -> Result<()>;
+    /// `x[..n] += y[..n]`.
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;
+    /// See [`cpu::sample`]: the first `vocab` elements of `logits`.
+    fn sample(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        temperature: f32,
+        seed: u64,
+        step: u64,
+    ) -> Result<u32>;
+    /// See [`cpu::gather`]: `out` holds `blocks.len()` transfer blocks back to back.
+    fn gather(
+        &self,
+        cache: &Self::Buf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::scatter`]: `src` holds `blocks.len()` transfer blocks back to back.
+    fn scatter(
+        &self,
+        cache: &mut Self::Buf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        src: &Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::reslice`], for `n` logical blocks: `src` is `[block][src rank]`, `out`
+    /// is `[block][dst rank]`, shard blocks back to back.
+    fn reslice(
+        &self,
+        src: &Self::Buf,
+        g: &KvGeometry,
+        n: usize,
+        src_tp: usize,
+        dst_tp: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    /// Gathers physical `blocks` (heads `h0..h0+hs`) straight into host memory (kvd pool
+    /// slots), one slot per block, as little-endian f32.
+    fn gather_to_host(
+        &self,
+        cache: &Self::Buf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()>;
+    /// Loads transfer blocks from host memory (kvd pool slots) into physical `blocks`:
+    /// `src` holds `src_tp` shard blocks per logical block (`[block][rank]`), re-sliced
+    /// to this cache's full set of heads.
+    fn scatter_from_host(
+        &self,
+        cache: &mut Self::Buf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()>;
+}
+
+/// Reinterprets pool bytes as f32 (pool slots are page-aligned; anything else is refused).
+pub fn as_f32(b: &[u8]) -> Result<&[f32]> {
+    bytemuck::try_cast_slice(b)
+        .map_err(|e| anyhow::anyhow!("block bytes are not f32-aligned: {e:?}"))
+}
+
+/// Mutable [`as_f32`].
+pub fn as_f32_mut(b: &mut [u8]) -> Result<&mut [f32]> {
+    bytemuck::try_cast_slice_mut(b)
+        .map_err(|e| anyhow::anyhow!("block bytes are not f32-aligned: {e:?}"))
+}
+
+/// Checks a transfer block's size.
+pub(crate) fn check_block(len_bytes: usize, g: &KvGeometry, heads: usize) -> Result<()> {
+    ensure!(
+        len_bytes == g.block_elems(heads) * 4,
+        "transfer block of {len_bytes} bytes, expected {} ({heads} heads)",
+        g.block_elems(heads) * 4
+    );
+    Ok(())
+}
+
+/// Checks a TP size against the geometry.
+pub(crate) fn check_tp(g: &KvGeometry, tp: usize) -> Result<()> {
+    ensure!(
+        tp > 0 && g.kv_heads % tp == 0,
+        "tp size {tp} does not divide {} KV heads",
+        g.kv_heads
+    );
+    Ok(())
+}
+
+/// The CPU backend: [`cpu`]'s kernels over `Vec<f32>`. Large matmuls split their rows
+/// over the machine's cores (rows are independent, so the bits do not change).
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend {
+    threads: usize,
+}
+
+impl CpuBackend {
+    /// Uses every core for large matmuls.
+    pub fn new() -> Self {
+        CpuBackend {
+            threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(16),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn zeros(&self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+    fn download(&self, b: &Vec<f32>, n: usize) -> Result<Vec<f32>> {
+        Ok(b[..n].to_vec())
+    }
+    fn embedding(
+        &self,
+        table: &Vec<f32>,
+        dim: usize,
+        tokens: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let vocab = table.len() / dim;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token {t} outside the vocabulary of {vocab}");
+        }
+        cpu::embedding(table, dim, tokens, out);
+        Ok(())
+    }
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        cpu::rmsnorm(&x[..rows * dim], w, dim, eps, &mut out[..rows * dim]);
+        Ok(())
+    }
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let threads = if m * n * k >= 1 << 22 {
+            self.threads.min(m)
+        } else {
+            1
+        };
+        if threads <= 1 {
+            cpu::matmul(x, w, m, n, k, out);
+            return Ok(());
+        }
+        let rows = m.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (i, o) in out[..m * n].chunks_mut(rows * n).enumerate() {
+                let r = o.len() / n;
+                let xs = &x[i * rows * k..(i * rows + r) * k];
+                s.spawn(move || cpu::matmul(xs, w, r, n, k, o));
+            }
+        });
+        Ok(())
+    }
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        cpu::rope(x, positions, heads, head_dim, theta);
+        Ok(())
+    }
+    fn write_kv(
+        &self,
+        cache: &mut Vec<f32>,
+        g: &KvGeometry,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[u32],
+    ) -> Result<()> {
+        cpu::write_kv(cache, g, layer, k, v, slots);
+        Ok(())
+    }
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        cache: &Vec<f32>,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        cpu::attention(q, cache, g, layer, heads, block_table, positions, out);
+        Ok(())
+    }
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<()> {
+        cpu::swiglu(&gate[..n], &up[..n], &mut out[..n]);
+        Ok(())
+    }
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) -> Result<()> {
+        cpu::add(&mut x[..n], &y[..n]);
+        Ok(())
+    }
+    fn sample(
+        &self,
+        logits: &Vec<f32>,
+        vocab: usize,
+        temperature: f32,
+        seed: u64,
+        step: u64,
+    ) -> Result<u32> {
+        Ok(cpu::sample(&logits[..vocab], temperature, seed, step))
+    }
+    fn gather(
+        &self,
+        cache: &Vec<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let be = g.block_elems(hs);
+        let mut dst: Vec<&mut [f32]> = out[..be * blocks.len()].chunks_mut(be).collect();
+        cpu::gather(cache, g, blocks, h0, hs, &mut dst);
+        Ok(())
+    }
+    fn scatter(
+        &self,
+        cache: &mut Vec<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        src: &Vec<f32>,
+    ) -> Result<()> {
+        let be = g.block_elems(hs);
+        let src: Vec<&[f32]> = src[..be * blocks.len()].chunks(be).collect();
+        cpu::scatter(cache, g, blocks, h0, hs, &src);
+        Ok(())
+    }
+    fn reslice(
+        &self,
+        src: &Vec<f32>,
+        g: &KvGeometry,
+        n: usize,
+        src_tp: usize,
+        dst_tp: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        check_tp(g, src_tp)?;
+        check_tp(g, dst_tp)?;
+        let (bi, bo) = (
+            g.block_elems(g.kv_heads / src_tp),
+            g.block_elems(g.kv_heads / dst_tp),
+        );
+        for b in 0..n {
+            let s: Vec<&[f32]> = src[b * bi * src_tp..(b + 1) * bi * src_tp]
+                .chunks(bi)
+                .collect();
+            let mut d: Vec<&mut [f32]> = out[b * bo * dst_tp..(b + 1) * bo * dst_tp]
+                .chunks_mut(bo)
+                .collect();
+            cpu::reslice(&s, g, src_tp, dst_tp, &mut d);
+        }
+        Ok(())
+    }
+    fn gather_to_host(
+        &self,
+        cache: &Vec<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
+        ensure!(
+            dst.len() == blocks.len(),
+            "{} slots for {} blocks",
+            dst.len(),
+            blocks.len()
+        );
+        let mut outs = Vec::with_capacity(dst.len());
+        for d in dst.iter_mut() {
+            check_block(d.len(), g, hs)?;
+            outs.push(as_f32_mut(d)?);
+        }
+        cpu::gather(cache, g, blocks, h0, hs, &mut outs);
+        Ok(())
+    }
+    fn scatter_from_host(
+        &self,
+        cache: &mut Vec<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()> {
+        check_tp(g, src_tp)?;
+        ensure!(
+            src.len() == blocks.len() * src_tp,
+            "{} shard blocks for {} blocks at tp {src_tp}",
+            src.len(),
+            blocks.len()
+        );
+        let hs = g.kv_heads / src_tp;
+        let mut shards = Vec::with_capacity(src.len());
+        for s in src {
+            check_block(s.len(), g, hs)?;
+            shards.push(as_f32(s).context("source block")?);
+        }
+        if src_tp == 1 {
+            cpu::scatter(cache, g, blocks, 0, g.kv_heads, &shards);
+            return Ok(());
+        }
+        // Re-slice each logical block to the full set of heads, then scatter.
+        let mut full = vec![0f32; g.block_elems(g.kv_heads)];
+        for (b, &blk) in blocks.iter().enumerate() {
+            cpu::reslice(
+                &shards[b * src_tp..(b + 1) * src_tp],
+                g,
+                src_tp,
+                1,
+                &mut [&mut full[..]],
+            );
+            cpu::scatter(cache, g, &[blk], 0, g.kv_heads, &[&full[..]]);
+        }
+        Ok(())
+    }
+}
+
+/// Whichever backend [`select_backend`] found.
+pub enum AnyBackend {
+    /// The CPU.
+    Cpu(CpuBackend),
+    /// A CUDA device.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaBackend),
+}
+
+/// A buffer of [`AnyBackend`].
+pub enum AnyBuf {
+    /// Host memory.
+    Cpu(Vec<f32>),
+    /// Device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaSlice<f32>),
+}
+
+/// Picks the backend: `"cuda"` (fails if there is no usable device), `"cpu"`, or
+/// `"auto"` (CUDA when a device is usable, else CPU). Logs the choice in one line.
+pub fn select_backend(want: &str) -> Result<AnyBackend> {
+    let b = match want {
+        "cpu" => AnyBackend::Cpu(CpuBackend::new()),
+        #[cfg(feature = "cuda")]
+        "cuda" => AnyBackend::Cuda(crate::cuda::CudaBackend::new(0)?),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => bail!("backend `cuda` asked for, but this build has no `cuda` feature"),
+        "auto" => {
+            #[cfg(feature = "cuda")]
+            match crate::cuda::CudaBackend::new(0) {
+                Ok(c) => AnyBackend::Cuda(c),
+                Err(e) => {
+                    tracing::info!("no usable CUDA device ({e:#}); using the CPU");
+                    AnyBackend::Cpu(CpuBackend::new())
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            AnyBackend::Cpu(CpuBackend::new())
+        }
+        other => bail!("unknown backend `{other}` (cpu, cuda or auto)"),
+    };
+    match &b {
+        AnyBackend::Cpu(c) => {
+            tracing::info!(backend = "cpu", threads = c.threads, "compute backend: cpu")
+        }
+        #[cfg(feature = "cuda")]
+        AnyBackend::Cuda(c) => {
+            tracing::info!(backend = "cuda", device = %c.device_name(), cublas = c.has_cublas(), "compute backend: cuda")
+        }
+    }
+    Ok(b)
+}
+
+macro_rules! dispatch {
+    ($self:ident, $b:ident => $body:expr, [$($buf:ident),*], [$($mbuf:ident),*]) => {
+        match $self {
+            AnyBackend::Cpu($b) => {
+                $(let AnyBuf::Cpu($buf) = $buf else { bail!("buffer of another backend") };)*
+                $(let AnyBuf::Cpu($mbuf) = $mbuf else { bail!("buffer of another backend") };)*
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda($b) => {
+                $(let AnyBuf::Cuda($buf) = $buf else { bail!("buffer of another backend") };)*
+                $(let AnyBuf::Cuda($mbuf) = $mbuf else { bail!("buffer of another backend") };)*
+                $body
+            }
+        }
+    };
+}
+
+#[allow(irrefutable_let_patterns)] // without `cuda` there is one variant
+impl Backend for AnyBackend {
+    type Buf = AnyBuf;
+    fn name(&self) -> &'static str {
+        match self {
+            AnyBackend::Cpu(b) => b.name(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.name(),
+        }
+    }
+    fn zeros(&self, n: usize) -> Result<AnyBuf> {
+        Ok(match self {
+            AnyBackend::Cpu(b) => AnyBuf::Cpu(b.zeros(n)?),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => AnyBuf::Cuda(b.zeros(n)?),
+        })
+    }
+    fn upload(&self, data: &[f32]) -> Result<AnyBuf> {
+        Ok(match self {
+            AnyBackend::Cpu(b) => AnyBuf::Cpu(b.upload(data)?),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => AnyBuf::Cuda(b.upload(data)?),
+        })
+    }
+    fn download(&self, x: &AnyBuf, n: usize) -> Result<Vec<f32>> {
+        dispatch!(self, b => b.download(x, n), [x], [])
+    }
+    fn embedding(
+        &self,
+        table: &AnyBuf,
+        dim: usize,
+        tokens: &[u32],
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.embedding(table, dim, tokens, out), [table], [out])
+    }
+    fn rmsnorm(
+        &self,
+        x: &AnyBuf,
+        w: &AnyBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.rmsnorm(x, w, rows, dim, eps, out), [x, w], [out])
+    }
+    fn matmul(
+        &self,
+        x: &AnyBuf,
+        w: &AnyBuf,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.matmul(x, w, m, n, k, out), [x, w], [out])
+    }
+    fn rope(
+        &self,
+        x: &mut AnyBuf,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        dispatch!(self, b => b.rope(x, positions, heads, head_dim, theta), [], [x])
+    }
+    fn write_kv(
+        &self,
+        cache: &mut AnyBuf,
+        g: &KvGeometry,
+        layer: usize,
+        k: &AnyBuf,
+        v: &AnyBuf,
+        slots: &[u32],
+    ) -> Result<()> {
+        dispatch!(self, b => b.write_kv(cache, g, layer, k, v, slots), [k, v], [cache])
+    }
+    fn attention(
+        &self,
+        q: &AnyBuf,
+        cache: &AnyBuf,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.attention(q, cache, g, layer, heads, block_table, positions, out), [q, cache], [out])
+    }
+    fn swiglu(&self, gate: &AnyBuf, up: &AnyBuf, n: usize, out: &mut AnyBuf) -> Result<()> {
+        dispatch!(self, b => b.swiglu(gate, up, n, out), [gate, up], [out])
+    }
+    fn add(&self, x: &mut AnyBuf, y: &AnyBuf, n: usize) -> Result<()> {
+        dispatch!(self, b => b.add(x, y, n), [y], [x])
+    }
+    fn sample(
+        &self,
+        logits: &AnyBuf,
+        vocab: usize,
+        temperature: f32,
+        seed: u64,
+        step: u64,
+    ) -> Result<u32> {
+        dispatch!(self, b => b.sample(logits, vocab, temperature, seed, step), [logits], [])
+    }
+    fn gather(
+        &self,
+        cache: &AnyBuf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.gather(cache, g, blocks, h0, hs, out), [cache], [out])
+    }
+    fn scatter(
+        &self,
+        cache: &mut AnyBuf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        src: &AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.scatter(cache, g, blocks, h0, hs, src), [src], [cache])
+    }
+    fn reslice(
+        &self,
+        src: &AnyBuf,
+        g: &KvGeometry,
+        n: usize,
+        src_tp: usize,
+        dst_tp: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.reslice(src, g, n, src_tp, dst_tp, out), [src], [out])
+    }
+    fn gather_to_host(
+        &self,
+        cache: &AnyBuf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
+        dispatch!(self, b => b.gather_to_host(cache, g, blocks, h0, hs, dst), [cache], [])
+    }
+    fn scatter_from_host(
+        &self,
+        cache: &mut AnyBuf,
+        g: &KvGeometry,
+        blocks: &[u32],
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()> {
+        dispatch!(self, b => b.scatter_from_host(cache, g, blocks, src_tp, src), [], [cache])
+    }
+}

@@ -1,0 +1,287 @@
+//! CPU kernels: the reference every CUDA kernel is compared against, and the engine's
+//! CPU path.
+//!
+//! Every kernel computes each output row from its own input row in a fixed order (dot
+//! products in eight interleaved partial sums added in one order, attention over keys in
+//! position order), so a row's result does not depend on which other rows were computed
+//! with it. That is what makes a prefill that starts from cached KV produce the same bits
+//! as one that computes the whole prompt, and so disaggregated tokens equal aggregated
+//! ones.
+
+use crate::KvGeometry;
+
+/// Dot product in a fixed order: eight partial sums, combined pairwise, then the tail.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// `out[t] = table[tokens[t]]`; rows of `dim`. Tokens past the table are an error.
+pub fn embedding(table: &[f32], dim: usize, tokens: &[u32], out: &mut [f32]) {
+    for (t, &tok) in tokens.iter().enumerate() {
+        let row = tok as usize * dim;
+        out[t * dim..(t + 1) * dim].copy_from_slice(&table[row..row + dim]);
+    }
+}
+
+/// RMSNorm of each row of `dim`: `out = x / sqrt(mean(x²) + eps) * w`.
+pub fn rmsnorm(x: &[f32], w: &[f32], dim: usize, eps: f32, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let ss = dot(xr, xr) / dim as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for i in 0..dim {
+            or[i] = xr[i] * inv * w[i];
+        }
+    }
+}
+
+/// `out[m×n] = x[m×k] · w[n×k]ᵀ` (weights stored row per output, as PyTorch's Linear).
+pub fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, out: &mut [f32]) {
+    assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n);
+    for i in 0..m {
+        let xr = &x[i * k..(i + 1) * k];
+        let or = &mut out[i * n..(i + 1) * n];
+        for (j, o) in or.iter_mut().enumerate() {
+            *o = dot(xr, &w[j * k..(j + 1) * k]);
+        }
+    }
+}
+
+/// The rotation angle of pair `i` at `pos`: `pos · theta^(-2i/head_dim)`.
+#[inline]
+pub fn rope_angle(pos: u32, i: usize, head_dim: usize, theta: f32) -> f32 {
+    let inv_freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+    pos as f32 * inv_freq
+}
+
+/// Rotary embedding in place, "rotate half" convention (Llama as in Hugging Face): for
+/// each head, element `i` pairs with `i + head_dim/2`. `x` is `[tokens][heads][head_dim]`.
+pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, theta: f32) {
+    let half = head_dim / 2;
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..heads {
+            let base = (t * heads + h) * head_dim;
+            for i in 0..half {
+                let (s, c) = rope_angle(pos, i, head_dim, theta).sin_cos();
+                let (a, b) = (x[base + i], x[base + i + half]);
+                x[base + i] = a * c - b * s;
+                x[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// `out = silu(gate) * up`.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for i in 0..out.len() {
+        let g = gate[i];
+        out[i] = g / (1.0 + (-g).exp()) * up[i];
+    }
+}
+
+/// `x += y`.
+pub fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += *b;
+    }
+}
+
+/// Writes the K and V rows of new tokens into the paged cache. `k`, `v` are
+/// `[tokens][kv_heads][head_dim]`; `slots[t] = block * tokens_per_block + offset`.
+pub fn write_kv(
+    cache: &mut [f32],
+    g: &KvGeometry,
+    layer: usize,
+    k: &[f32],
+    v: &[f32],
+    slots: &[u32],
+) {
+    let row = g.kv_heads * g.head_dim;
+    for (t, &slot) in slots.iter().enumerate() {
+        let (blk, off) = (
+            slot as usize / g.block_tokens,
+            slot as usize % g.block_tokens,
+        );
+        for (part, src) in [k, v].into_iter().enumerate() {
+            let at = g.index(layer, part, blk, off, 0);
+            cache[at..at + row].copy_from_slice(&src[t * row..(t + 1) * row]);
+        }
+    }
+}
+
+/// Causal attention of new queries over a paged cache that already holds their own K/V.
+///
+/// `q` is `[tokens][heads][head_dim]`; query `t` at `positions[t]` attends to positions
+/// `0..=positions[t]`, found through `block_table` (logical block → physical block).
+/// Grouped-query: head `h` reads KV head `h / (heads / kv_heads)`. Softmax with the max
+/// subtracted, sums in position order. `out` has `q`'s shape.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    cache: &[f32],
+    g: &KvGeometry,
+    layer: usize,
+    heads: usize,
+    block_table: &[u32],
+    positions: &[u32],
+    out: &mut [f32],
+) {
+    let hd = g.head_dim;
+    let group = heads / g.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = Vec::new();
+    for (t, &pos) in positions.iter().enumerate() {
+        let n = pos as usize + 1;
+        for h in 0..heads {
+            let kvh = h / group;
+            let qr = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..n {
+                let blk = block_table[j / g.block_tokens] as usize;
+                let at = g.index(layer, 0, blk, j % g.block_tokens, kvh);
+                let s = dot(qr, &cache[at..at + hd]) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let or = &mut out[(t * heads + h) * hd..(t * heads + h + 1) * hd];
+            or.fill(0.0);
+            for (j, &w) in scores.iter().enumerate() {
+                let blk = block_table[j / g.block_tokens] as usize;
+                let at = g.index(layer, 1, blk, j % g.block_tokens, kvh);
+                let p = w / sum;
+                for d in 0..hd {
+                    or[d] += p * cache[at + d];
+                }
+            }
+        }
+    }
+}
+
+/// The uniform in (0, 1) that sampling uses for vocabulary entry `i` at decode `step`:
+/// SplitMix64 of `seed`, `step` and `i`, top 24 bits. The CUDA kernel computes the same.
+#[inline]
+pub fn uniform(seed: u64, step: u64, i: u64) -> f32 {
+    let mut z =
+        seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z >> 40) as f32 + 0.5) / 16_777_216.0
+}
+
+/// Greedy (`temperature <= 0`) or seeded sampling by the Gumbel-max trick:
+/// `argmax(logits / T - ln(-ln u_i))` is a draw from `softmax(logits / T)`, and needs no
+/// sort or prefix sum, so the GPU computes the same draw. Ties go to the lowest index.
+pub fn sample(logits: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (i, &l) in logits.iter().enumerate() {
+        let s = if temperature <= 0.0 {
+            l
+        } else {
+            l / temperature - (-(uniform(seed, step, i as u64)).ln()).ln()
+        };
+        if s > best.0 {
+            best = (s, i as u32);
+        }
+    }
+    best.1
+}
+
+/// Gathers physical blocks (every layer, K and V) into contiguous transfer blocks holding
+/// heads `h0..h0 + hs`, in kvd's `layer_part_token_head` order:
+/// `dst[b][layer][part][token][head][dim]`. Each `dst[b]` is one block.
+pub fn gather(
+    cache: &[f32],
+    g: &KvGeometry,
+    blocks: &[u32],
+    h0: usize,
+    hs: usize,
+    dst: &mut [&mut [f32]],
+) {
+    let hd = g.head_dim;
+    for (b, &blk) in blocks.iter().enumerate() {
+        let out = &mut *dst[b];
+        let mut o = 0;
+        for layer in 0..g.layers {
+            for part in 0..2 {
+                for t in 0..g.block_tokens {
+                    let at = g.index(layer, part, blk as usize, t, h0);
+                    out[o..o + hs * hd].copy_from_slice(&cache[at..at + hs * hd]);
+                    o += hs * hd;
+                }
+            }
+        }
+    }
+}
+
+/// The inverse of [`gather`]: writes transfer blocks back into physical blocks.
+pub fn scatter(
+    cache: &mut [f32],
+    g: &KvGeometry,
+    blocks: &[u32],
+    h0: usize,
+    hs: usize,
+    src: &[&[f32]],
+) {
+    let hd = g.head_dim;
+    for (b, &blk) in blocks.iter().enumerate() {
+        let inp = src[b];
+        let mut o = 0;
+        for layer in 0..g.layers {
+            for part in 0..2 {
+                for t in 0..g.block_tokens {
+                    let at = g.index(layer, part, blk as usize, t, h0);
+                    cache[at..at + hs * hd].copy_from_slice(&inp[o..o + hs * hd]);
+                    o += hs * hd;
+                }
+            }
+        }
+    }
+}
+
+/// Re-slices one logical block between tensor-parallel sizes: `src` holds `src_tp` shard
+/// blocks (rank order), each with `kv_heads / src_tp` heads; `dst` gets `dst_tp` shard
+/// blocks with `kv_heads / dst_tp` heads each. Both in `layer_part_token_head` order.
+pub fn reslice(
+    src: &[&[f32]],
+    g: &KvGeometry,
+    src_tp: usize,
+    dst_tp: usize,
+    dst: &mut [&mut [f32]],
+) {
+    let (hs_in, hs_out, hd) = (g.kv_heads / src_tp, g.kv_heads / dst_tp, g.head_dim);
+    for layer in 0..g.layers {
+        for part in 0..2 {
+            for t in 0..g.block_tokens {
+                let row = (layer * 2 + part) * g.block_tokens + t;
+                for h in 0..g.kv_heads {
+                    let (ri, hi) = (h / hs_in, h % hs_in);
+                    let (ro, ho) = (h / hs_out, h % hs_out);
+                    let i = (row * hs_in + hi) * hd;
+                    let o = (row * hs_out + ho) * hd;
+                    dst[ro][o..o + hd].copy_from_slice(&src[ri][i..i + hd]);
+                }
+            }
+        }
+    }
+}

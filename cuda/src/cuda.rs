@@ -1,0 +1,729 @@
+//! The CUDA backend (feature `cuda`): `kernels/kvd_kernels.cu` compiled at run time with
+//! NVRTC, cuBLAS SGEMM for matmul when `libcublas` is found (else the tiled kernel), one
+//! stream. `cudarc` loads every library at run time and panics when one is missing, so
+//! [`CudaBackend::new`] checks that each is present first and returns an error instead.
+//!
+//! Pool DMA: [`CudaBackend::register_host`] pins a host mapping (the kvd pool) with
+//! `cuMemHostRegister(DEVICEMAP)`; gathers into and scatters from slots inside it then run
+//! as one kernel reading/writing the mapped pages over PCIe — no host bounce buffer and no
+//! per-layer copies. Slots outside a registered range go through a device buffer and one
+//! copy (counted in [`CudaBackend::bounced`]).
+//!
+//! This module owns the CUDA FFI boundary: its `unsafe` blocks are kernel launches (whose
+//! arguments match the kernel signatures in the `.cu` file and whose index ranges are
+//! checked before launch) and the host-registration calls.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+
+use crate::backend::{check_block, check_tp, Backend};
+use crate::KvGeometry;
+
+/// The kernels' source.
+pub const KERNELS: &str = include_str!("../kernels/kvd_kernels.cu");
+
+const NAMES: &[&str] = &[
+    "embedding",
+    "rmsnorm",
+    "matmul",
+    "rope",
+    "write_kv",
+    "attention",
+    "swiglu",
+    "add",
+    "sample",
+    "gather",
+    "scatter",
+    "reslice",
+];
+
+/// A CUDA device with the kernels loaded.
+pub struct CudaBackend {
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    blas: Option<CudaBlas>,
+    device: String,
+    /// Registered host ranges: (host address, length, device address).
+    registered: Mutex<Vec<(usize, usize, u64)>>,
+    bounced: AtomicU64,
+}
+
+enum Dir<'a> {
+    Gather(&'a CudaSlice<f32>),
+    Scatter(&'a mut CudaSlice<f32>),
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles and loads the kernels. Errors (never panics) when
+    /// the driver, NVRTC or a device is missing.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: these only try to dlopen the libraries; nothing is called through them.
+        let (driver, nvrtc, cublas) = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        ensure!(driver, "libcuda not found");
+        ensure!(nvrtc, "libnvrtc not found");
+        let n = CudaContext::device_count().context("counting CUDA devices")?;
+        ensure!((ordinal as i32) < n, "no CUDA device {ordinal} ({n} found)");
+        let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
+        let stream = ctx.default_stream();
+        let ptx =
+            cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
+        let module = ctx.load_module(ptx).context("loading the kernels")?;
+        let mut funcs = HashMap::new();
+        for &name in NAMES {
+            funcs.insert(
+                name,
+                module
+                    .load_function(name)
+                    .with_context(|| format!("kernel {name}"))?,
+            );
+        }
+        let blas = if cublas {
+            Some(CudaBlas::new(stream.clone()).context("cuBLAS")?)
+        } else {
+            None
+        };
+        let device = ctx.name().unwrap_or_else(|_| "unknown".into());
+        Ok(CudaBackend {
+            _ctx: ctx,
+            stream,
+            funcs,
+            blas,
+            device,
+            registered: Mutex::new(Vec::new()),
+            bounced: AtomicU64::new(0),
+        })
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    /// Whether matmul runs on cuBLAS.
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// Drops cuBLAS so matmul uses the NVRTC kernel (tests compare both).
+    pub fn without_cublas(mut self) -> Self {
+        self.blas = None;
+        self
+    }
+
+    /// Pool transfers that went through a device buffer because their slots were not in a
+    /// registered range.
+    pub fn bounced(&self) -> u64 {
+        self.bounced.load(Ordering::Relaxed)
+    }
+
+    /// Page-locks `len` bytes at `ptr` and maps them for the device, so gathers and
+    /// scatters reach them directly.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a live mapping that stays mapped until the backend is
+    /// dropped.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        use cudarc::driver::sys;
+        // SAFETY: the caller guarantees the range is mapped for the backend's life.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr.cast(),
+                len,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        ensure!(
+            r == sys::CUresult::CUDA_SUCCESS,
+            "cuMemHostRegister of {len} bytes: {r:?}"
+        );
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` was just registered; `dev` is a valid out pointer.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr.cast(), 0) };
+        ensure!(
+            r == sys::CUresult::CUDA_SUCCESS,
+            "cuMemHostGetDevicePointer: {r:?}"
+        );
+        self.registered
+            .lock()
+            .unwrap()
+            .push((ptr as usize, len, dev));
+        tracing::info!(
+            bytes = len,
+            "pool registered with the GPU (DMA to and from slots)"
+        );
+        Ok(())
+    }
+
+    /// Device addresses of host slices, if all of them lie in registered ranges.
+    fn mapped(&self, ptrs: impl Iterator<Item = (usize, usize)>) -> Option<Vec<u64>> {
+        let reg = self.registered.lock().unwrap();
+        ptrs.map(|(p, len)| {
+            reg.iter()
+                .find(|&&(h, l, _)| p >= h && p + len <= h + l)
+                .map(|&(h, _, d)| d + (p - h) as u64)
+        })
+        .collect()
+    }
+
+    fn f(&self, name: &str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    fn ptrs_of(&self, buf: &CudaSlice<f32>, count: usize, elems: usize) -> Result<CudaSlice<u64>> {
+        use cudarc::driver::DevicePtr;
+        ensure!(
+            buf.len() >= count * elems,
+            "buffer of {} elements, {} needed",
+            buf.len(),
+            count * elems
+        );
+        let (base, _sync) = buf.device_ptr(&self.stream);
+        let v: Vec<u64> = (0..count).map(|i| base + (i * elems * 4) as u64).collect();
+        Ok(self.stream.clone_htod(&v)?)
+    }
+
+    fn u32s(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
+        Ok(self.stream.clone_htod(v)?)
+    }
+
+    /// Gathers from the cache to the blocks at `ptrs`, or scatters from them into it.
+    fn launch_gather(
+        &self,
+        dir: Dir<'_>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        ptrs: &CudaSlice<u64>,
+    ) -> Result<()> {
+        ensure!(
+            h0 + hs <= g.kv_heads,
+            "heads {h0}..{} past {}",
+            h0 + hs,
+            g.kv_heads
+        );
+        ensure!(
+            blocks.iter().all(|&b| (b as usize) < g.num_blocks),
+            "block id past the cache"
+        );
+        let bl = self.u32s(blocks)?;
+        let per = g.block_elems(hs);
+        let (n, layers, nb, bt, kvh, hd, h0, hs) = (
+            blocks.len() as i32,
+            g.layers as i32,
+            g.num_blocks as i32,
+            g.block_tokens as i32,
+            g.kv_heads as i32,
+            g.head_dim as i32,
+            h0 as i32,
+            hs as i32,
+        );
+        let cfg = grid(per * blocks.len());
+        match dir {
+            Dir::Gather(cache) => {
+                let mut l = self.stream.launch_builder(self.f("gather"));
+                l.arg(cache)
+                    .arg(&bl)
+                    .arg(ptrs)
+                    .arg(&n)
+                    .arg(&layers)
+                    .arg(&nb)
+                    .arg(&bt)
+                    .arg(&kvh)
+                    .arg(&hd)
+                    .arg(&h0)
+                    .arg(&hs);
+                // SAFETY: arguments match `gather`'s signature; block ids and heads were
+                // checked against the cache; `ptrs` holds one pointer per block to `per`
+                // writable floats.
+                unsafe { l.launch(cfg) }?;
+            }
+            Dir::Scatter(cache) => {
+                let mut l = self.stream.launch_builder(self.f("scatter"));
+                l.arg(cache)
+                    .arg(&bl)
+                    .arg(ptrs)
+                    .arg(&n)
+                    .arg(&layers)
+                    .arg(&nb)
+                    .arg(&bt)
+                    .arg(&kvh)
+                    .arg(&hd)
+                    .arg(&h0)
+                    .arg(&hs);
+                // SAFETY: as above, with `ptrs` the readable source blocks.
+                unsafe { l.launch(cfg) }?;
+            }
+        }
+        Ok(())
+    }
+
+    fn launch_reslice(
+        &self,
+        src: &CudaSlice<u64>,
+        dst: &CudaSlice<u64>,
+        g: &KvGeometry,
+        n: usize,
+        src_tp: usize,
+        dst_tp: usize,
+    ) -> Result<()> {
+        check_tp(g, src_tp)?;
+        check_tp(g, dst_tp)?;
+        let (ni, layers, bt, kvh, hd, st, dt) = (
+            n as i32,
+            g.layers as i32,
+            g.block_tokens as i32,
+            g.kv_heads as i32,
+            g.head_dim as i32,
+            src_tp as i32,
+            dst_tp as i32,
+        );
+        let mut l = self.stream.launch_builder(self.f("reslice"));
+        l.arg(src)
+            .arg(dst)
+            .arg(&ni)
+            .arg(&layers)
+            .arg(&bt)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&st)
+            .arg(&dt);
+        // SAFETY: matches `reslice`; `src`/`dst` hold n*tp pointers to whole shard blocks.
+        unsafe { l.launch(grid(n * g.block_elems(g.kv_heads))) }?;
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
+        Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>> {
+        if data.is_empty() {
+            return self.zeros(1);
+        }
+        Ok(self.stream.clone_htod(data)?)
+    }
+    fn download(&self, b: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
+        ensure!(n <= b.len(), "download of {n} from {}", b.len());
+        let mut v = self.stream.clone_dtoh(b)?;
+        v.truncate(n);
+        Ok(v)
+    }
+    fn embedding(
+        &self,
+        table: &CudaSlice<f32>,
+        dim: usize,
+        tokens: &[u32],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let vocab = table.len() / dim;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token {t} outside the vocabulary of {vocab}");
+        }
+        ensure!(
+            out.len() >= tokens.len() * dim,
+            "embedding output too small"
+        );
+        let tk = self.u32s(tokens)?;
+        let (n, d) = (tokens.len() as i32, dim as i32);
+        let mut l = self.stream.launch_builder(self.f("embedding"));
+        l.arg(table).arg(&tk).arg(out).arg(&n).arg(&d);
+        // SAFETY: matches `embedding`; tokens checked, out sized.
+        unsafe { l.launch(grid(tokens.len() * dim)) }?;
+        Ok(())
+    }
+    fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            x.len() >= rows * dim && out.len() >= rows * dim && w.len() >= dim,
+            "rmsnorm sizes"
+        );
+        let (r, d) = (rows as i32, dim as i32);
+        let mut l = self.stream.launch_builder(self.f("rmsnorm"));
+        l.arg(x).arg(w).arg(out).arg(&r).arg(&d).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `rmsnorm`; sizes checked; 256 threads as the kernel's shared array.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            x.len() >= m * k && w.len() >= n * k && out.len() >= m * n,
+            "matmul sizes"
+        );
+        if let Some(blas) = &self.blas {
+            // Row-major out[m×n] = x·wᵀ is column-major outᵀ[n×m] = wᵀ(k×n as stored)ᵀ · x.
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: n as i32,
+                n: m as i32,
+                k: k as i32,
+                alpha: 1.0f32,
+                lda: k as i32,
+                ldb: k as i32,
+                beta: 0.0f32,
+                ldc: n as i32,
+            };
+            // SAFETY: sizes checked above for these leading dimensions.
+            unsafe { blas.gemm(cfg, w, x, out) }?;
+            return Ok(());
+        }
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let mut l = self.stream.launch_builder(self.f("matmul"));
+        l.arg(x).arg(w).arg(out).arg(&mi).arg(&ni).arg(&ki);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+            block_dim: (16, 16, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `matmul`; sizes checked; 16×16 threads as its tiles.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &[u32],
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        ensure!(x.len() >= positions.len() * heads * head_dim, "rope sizes");
+        let p = self.u32s(positions)?;
+        let (t, h, d) = (positions.len() as i32, heads as i32, head_dim as i32);
+        let mut l = self.stream.launch_builder(self.f("rope"));
+        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&theta);
+        // SAFETY: matches `rope`; sizes checked.
+        unsafe { l.launch(grid(positions.len() * heads * head_dim / 2)) }?;
+        Ok(())
+    }
+    fn write_kv(
+        &self,
+        cache: &mut CudaSlice<f32>,
+        g: &KvGeometry,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &[u32],
+    ) -> Result<()> {
+        ensure!(
+            slots
+                .iter()
+                .all(|&s| (s as usize) < g.num_blocks * g.block_tokens)
+                && layer < g.layers,
+            "slot past the cache"
+        );
+        let row = g.kv_heads * g.head_dim;
+        ensure!(
+            k.len() >= slots.len() * row && v.len() >= slots.len() * row,
+            "write_kv sizes"
+        );
+        let s = self.u32s(slots)?;
+        let (n, li, nb, bt, kvh, hd) = (
+            slots.len() as i32,
+            layer as i32,
+            g.num_blocks as i32,
+            g.block_tokens as i32,
+            g.kv_heads as i32,
+            g.head_dim as i32,
+        );
+        let mut l = self.stream.launch_builder(self.f("write_kv"));
+        l.arg(cache)
+            .arg(k)
+            .arg(v)
+            .arg(&s)
+            .arg(&n)
+            .arg(&li)
+            .arg(&nb)
+            .arg(&bt)
+            .arg(&kvh)
+            .arg(&hd);
+        // SAFETY: matches `write_kv`; slots and sizes checked.
+        unsafe { l.launch(grid(slots.len() * row)) }?;
+        Ok(())
+    }
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        cache: &CudaSlice<f32>,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            g.head_dim <= 256,
+            "attention kernel supports head_dim up to 256"
+        );
+        ensure!(
+            block_table.iter().all(|&b| (b as usize) < g.num_blocks) && layer < g.layers,
+            "block past the cache"
+        );
+        let max_pos = positions.iter().copied().max().unwrap_or(0) as usize;
+        ensure!(
+            max_pos < block_table.len() * g.block_tokens,
+            "position {max_pos} past the block table"
+        );
+        ensure!(
+            q.len() >= positions.len() * heads * g.head_dim
+                && out.len() >= positions.len() * heads * g.head_dim,
+            "attention sizes"
+        );
+        let bt_ = self.u32s(block_table)?;
+        let p = self.u32s(positions)?;
+        let (t, h, kvh, hd, bt, nb, li) = (
+            positions.len() as i32,
+            heads as i32,
+            g.kv_heads as i32,
+            g.head_dim as i32,
+            g.block_tokens as i32,
+            g.num_blocks as i32,
+            layer as i32,
+        );
+        let mut l = self.stream.launch_builder(self.f("attention"));
+        l.arg(q)
+            .arg(cache)
+            .arg(&bt_)
+            .arg(&p)
+            .arg(out)
+            .arg(&t)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&bt)
+            .arg(&nb)
+            .arg(&li);
+        let cfg = LaunchConfig {
+            grid_dim: ((positions.len() * heads) as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `attention`; block table, positions and sizes checked; one warp
+        // per (token, head) as the kernel's shuffles expect.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            gate.len() >= n && up.len() >= n && out.len() >= n,
+            "swiglu sizes"
+        );
+        let ni = n as i32;
+        let mut l = self.stream.launch_builder(self.f("swiglu"));
+        l.arg(gate).arg(up).arg(out).arg(&ni);
+        // SAFETY: matches `swiglu`; sizes checked.
+        unsafe { l.launch(grid(n)) }?;
+        Ok(())
+    }
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+        ensure!(x.len() >= n && y.len() >= n, "add sizes");
+        let ni = n as i32;
+        let mut l = self.stream.launch_builder(self.f("add"));
+        l.arg(x).arg(y).arg(&ni);
+        // SAFETY: matches `add`; sizes checked.
+        unsafe { l.launch(grid(n)) }?;
+        Ok(())
+    }
+    fn sample(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        temperature: f32,
+        seed: u64,
+        step: u64,
+    ) -> Result<u32> {
+        ensure!(logits.len() >= vocab, "sample sizes");
+        let mut out = self.stream.alloc_zeros::<u32>(1)?;
+        let v = vocab as i32;
+        let mut l = self.stream.launch_builder(self.f("sample"));
+        l.arg(logits)
+            .arg(&v)
+            .arg(&temperature)
+            .arg(&seed)
+            .arg(&step)
+            .arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `sample`; 1024 threads as its shared arrays; out holds one u32.
+        unsafe { l.launch(cfg) }?;
+        Ok(self.stream.clone_dtoh(&out)?[0])
+    }
+    fn gather(
+        &self,
+        cache: &CudaSlice<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let ptrs = self.ptrs_of(out, blocks.len(), g.block_elems(hs))?;
+        self.launch_gather(Dir::Gather(cache), g, blocks, h0, hs, &ptrs)
+    }
+    fn scatter(
+        &self,
+        cache: &mut CudaSlice<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        src: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let ptrs = self.ptrs_of(src, blocks.len(), g.block_elems(hs))?;
+        self.launch_gather(Dir::Scatter(cache), g, blocks, h0, hs, &ptrs)
+    }
+    fn reslice(
+        &self,
+        src: &CudaSlice<f32>,
+        g: &KvGeometry,
+        n: usize,
+        src_tp: usize,
+        dst_tp: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_tp(g, src_tp)?;
+        check_tp(g, dst_tp)?;
+        let s = self.ptrs_of(src, n * src_tp, g.block_elems(g.kv_heads / src_tp))?;
+        let d = self.ptrs_of(out, n * dst_tp, g.block_elems(g.kv_heads / dst_tp))?;
+        self.launch_reslice(&s, &d, g, n, src_tp, dst_tp)
+    }
+    fn gather_to_host(
+        &self,
+        cache: &CudaSlice<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
+        ensure!(
+            dst.len() == blocks.len(),
+            "{} slots for {} blocks",
+            dst.len(),
+            blocks.len()
+        );
+        for d in dst.iter() {
+            check_block(d.len(), g, hs)?;
+        }
+        if let Some(ptrs) = self.mapped(dst.iter().map(|d| (d.as_ptr() as usize, d.len()))) {
+            let p = self.stream.clone_htod(&ptrs)?;
+            self.launch_gather(Dir::Gather(cache), g, blocks, h0, hs, &p)?;
+            self.stream.synchronize()?;
+            return Ok(());
+        }
+        self.bounced.fetch_add(1, Ordering::Relaxed);
+        let per = g.block_elems(hs);
+        let mut tmp = self.zeros(per * blocks.len())?;
+        self.gather(cache, g, blocks, h0, hs, &mut tmp)?;
+        let host = self.download(&tmp, per * blocks.len())?;
+        for (d, chunk) in dst.iter_mut().zip(host.chunks(per)) {
+            d.copy_from_slice(bytemuck::cast_slice(chunk));
+        }
+        Ok(())
+    }
+    fn scatter_from_host(
+        &self,
+        cache: &mut CudaSlice<f32>,
+        g: &KvGeometry,
+        blocks: &[u32],
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()> {
+        check_tp(g, src_tp)?;
+        ensure!(
+            src.len() == blocks.len() * src_tp,
+            "{} shard blocks for {} blocks at tp {src_tp}",
+            src.len(),
+            blocks.len()
+        );
+        let hs = g.kv_heads / src_tp;
+        for s in src {
+            check_block(s.len(), g, hs)?;
+        }
+        let n = blocks.len();
+        let full = g.block_elems(g.kv_heads);
+        let (src_ptrs, _keep) =
+            match self.mapped(src.iter().map(|s| (s.as_ptr() as usize, s.len()))) {
+                Some(p) => (self.stream.clone_htod(&p)?, None),
+                None => {
+                    self.bounced.fetch_add(1, Ordering::Relaxed);
+                    let mut host = Vec::with_capacity(n * full);
+                    for s in src {
+                        host.extend_from_slice(crate::backend::as_f32(s)?);
+                    }
+                    let dev = self.upload(&host)?;
+                    (self.ptrs_of(&dev, src.len(), g.block_elems(hs))?, Some(dev))
+                }
+            };
+        let staged = if src_tp == 1 {
+            None
+        } else {
+            let out = self.zeros(n * full)?;
+            let d = self.ptrs_of(&out, n, full)?;
+            self.launch_reslice(&src_ptrs, &d, g, n, src_tp, 1)?;
+            Some((out, d))
+        };
+        let ptrs = staged.as_ref().map_or(&src_ptrs, |(_, d)| d);
+        self.launch_gather(Dir::Scatter(cache), g, blocks, 0, g.kv_heads, ptrs)?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+}

@@ -1,0 +1,71 @@
+//! # kvd-cuda
+//!
+//! Owns the compute side of the reference engine:
+//!
+//! - **KV layout kernels**: [`Backend::gather`] a request's paged KV blocks (every layer,
+//!   K and V, a range of heads) into contiguous transfer blocks in kvd's
+//!   `layer_part_token_head` order, [`Backend::scatter`] them back, and
+//!   [`Backend::reslice`] heads between tensor-parallel sizes.
+//! - **Model kernels** for a small Llama-style decoder: embedding, RMSNorm, RoPE, matmul,
+//!   paged attention (prefill and decode are the same kernel), SwiGLU, greedy/seeded
+//!   sampling.
+//! - **Backends**: [`cpu`] (always; it is the reference) and `cuda` (feature `cuda`):
+//!   `.cu` sources in `kernels/` compiled at run time with NVRTC, cuBLAS for matmul when
+//!   the library is found, everything loaded at run time by `cudarc` so building needs no
+//!   toolkit. [`select_backend`] picks `cuda` when a device is usable, else `cpu`, and
+//!   logs which.
+//! - **The model** ([`model`]): weights from safetensors or generated from a seed, a
+//!   paged KV cache whose blocks are kvd's blocks, and the tokenizer ([`tokenizer`]).
+
+pub mod backend;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod model;
+pub mod tokenizer;
+
+pub use backend::{select_backend, AnyBackend, Backend, CpuBackend};
+pub use model::{Model, ModelConfig, Sequence};
+
+/// Shape of a paged KV cache: `[layer][part (K, V)][block][token][kv_head][head_dim]`, f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Layers.
+    pub layers: usize,
+    /// KV heads (all of them: the cache holds the whole model's heads).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// Physical blocks.
+    pub num_blocks: usize,
+}
+
+impl KvGeometry {
+    /// Index of `(layer, part, block, token, head, 0)`.
+    #[inline]
+    pub fn index(
+        &self,
+        layer: usize,
+        part: usize,
+        block: usize,
+        token: usize,
+        head: usize,
+    ) -> usize {
+        ((((layer * 2 + part) * self.num_blocks + block) * self.block_tokens + token)
+            * self.kv_heads
+            + head)
+            * self.head_dim
+    }
+
+    /// Elements of the whole cache.
+    pub fn cache_elems(&self) -> usize {
+        self.layers * 2 * self.num_blocks * self.block_tokens * self.kv_heads * self.head_dim
+    }
+
+    /// Elements of one transfer block holding `heads` heads.
+    pub fn block_elems(&self, heads: usize) -> usize {
+        self.layers * 2 * self.block_tokens * heads * self.head_dim
+    }
+}

@@ -1,0 +1,537 @@
+//! The small Llama-style decoder the reference engine runs, over any [`Backend`].
+//!
+//! Pre-norm blocks (RMSNorm → attention with RoPE and grouped-query heads → residual →
+//! RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an untied LM head. Weights come
+//! from a safetensors file with Hugging Face Llama names, or are generated from a seed.
+//! The KV cache is paged: fixed blocks of `block_tokens` tokens, one physical block per
+//! kvd block, so moving a block between the cache and kvd is one gather or scatter.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::{cpu, KvGeometry};
+
+/// Shape of the model. Defaults: a 4-layer, 256-wide model over the byte vocabulary.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelConfig {
+    /// Name used in kvd layouts (blocks of different models never mix).
+    pub name: String,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// MLP hidden size.
+    pub ffn: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Tokens per KV block.
+    pub block_tokens: usize,
+    /// Seed of generated weights (ignored with a weights file).
+    pub seed: u64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: "kvd-ref-tiny".into(),
+            vocab: 256,
+            dim: 256,
+            layers: 4,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 32,
+            ffn: 512,
+            rope_theta: 10_000.0,
+            eps: 1e-5,
+            block_tokens: 16,
+            seed: 0,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Checks the shape.
+    pub fn validate(&self) -> Result<()> {
+        for (n, v) in [
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("ffn", self.ffn),
+            ("block_tokens", self.block_tokens),
+        ] {
+            ensure!(v > 0 && v <= 1 << 20, "model `{n}` = {v} out of range");
+        }
+        ensure!(
+            self.heads % self.kv_heads == 0,
+            "heads {} not a multiple of kv_heads {}",
+            self.heads,
+            self.kv_heads
+        );
+        ensure!(self.head_dim % 2 == 0, "head_dim must be even (RoPE pairs)");
+        Ok(())
+    }
+
+    /// Reads a Hugging Face `config.json` (Llama fields).
+    pub fn from_hf_json(path: &Path, name: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+        )?;
+        let get = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .with_context(|| format!("{}: no `{k}`", path.display()))
+        };
+        let heads = get("num_attention_heads")?;
+        let dim = get("hidden_size")?;
+        Ok(ModelConfig {
+            name: name.to_string(),
+            vocab: get("vocab_size")?,
+            dim,
+            layers: get("num_hidden_layers")?,
+            heads,
+            kv_heads: get("num_key_value_heads").unwrap_or(heads),
+            head_dim: get("head_dim").unwrap_or(dim / heads),
+            ffn: get("intermediate_size")?,
+            rope_theta: v
+                .get("rope_theta")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(10_000.0) as f32,
+            eps: v
+                .get("rms_norm_eps")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(1e-5) as f32,
+            ..Default::default()
+        })
+    }
+
+    /// Query width.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// K (or V) width.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// Host copies of the weights, f32, PyTorch `Linear` orientation (`[out][in]`).
+pub struct Weights {
+    tensors: HashMap<String, Vec<f32>>,
+}
+
+impl Weights {
+    /// Deterministic weights from `cfg.seed`: uniform with unit-variance outputs, norms 1.
+    pub fn seeded(cfg: &ModelConfig) -> Self {
+        let mut tensors = HashMap::new();
+        let mut n = 0u64;
+        let mut gen = |rows: usize, cols: usize, scale: f32| {
+            n += 1;
+            let s = cfg.seed ^ n.wrapping_mul(0xA076_1D64_78BD_642F);
+            (0..rows * cols)
+                .map(|i| (cpu::uniform(s, n, i as u64) * 2.0 - 1.0) * scale)
+                .collect::<Vec<f32>>()
+        };
+        let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+        tensors.insert(
+            "model.embed_tokens.weight".into(),
+            gen(cfg.vocab, cfg.dim, 1.0),
+        );
+        for l in 0..cfg.layers {
+            let p = format!("model.layers.{l}");
+            tensors.insert(
+                format!("{p}.self_attn.q_proj.weight"),
+                gen(cfg.q_dim(), cfg.dim, lin(cfg.dim)),
+            );
+            tensors.insert(
+                format!("{p}.self_attn.k_proj.weight"),
+                gen(cfg.kv_dim(), cfg.dim, lin(cfg.dim)),
+            );
+            tensors.insert(
+                format!("{p}.self_attn.v_proj.weight"),
+                gen(cfg.kv_dim(), cfg.dim, lin(cfg.dim)),
+            );
+            tensors.insert(
+                format!("{p}.self_attn.o_proj.weight"),
+                gen(cfg.dim, cfg.q_dim(), lin(cfg.q_dim()) * 0.5),
+            );
+            tensors.insert(
+                format!("{p}.mlp.gate_proj.weight"),
+                gen(cfg.ffn, cfg.dim, lin(cfg.dim)),
+            );
+            tensors.insert(
+                format!("{p}.mlp.up_proj.weight"),
+                gen(cfg.ffn, cfg.dim, lin(cfg.dim)),
+            );
+            tensors.insert(
+                format!("{p}.mlp.down_proj.weight"),
+                gen(cfg.dim, cfg.ffn, lin(cfg.ffn) * 0.5),
+            );
+            tensors.insert(format!("{p}.input_layernorm.weight"), vec![1.0; cfg.dim]);
+            tensors.insert(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![1.0; cfg.dim],
+            );
+        }
+        tensors.insert("model.norm.weight".into(), vec![1.0; cfg.dim]);
+        tensors.insert(
+            "lm_head.weight".into(),
+            gen(cfg.vocab, cfg.dim, lin(cfg.dim) * 2.0),
+        );
+        Weights { tensors }
+    }
+
+    /// Reads a safetensors file (f32, f16 or bf16) with Hugging Face Llama names. A missing
+    /// `lm_head.weight` means tied embeddings.
+    pub fn from_safetensors(path: &Path, cfg: &ModelConfig) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .with_context(|| format!("parsing {}", path.display()))?;
+        let mut tensors = HashMap::new();
+        for (name, t) in st.tensors() {
+            let data = t.data();
+            let v: Vec<f32> = match t.dtype() {
+                safetensors::Dtype::F32 => data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                safetensors::Dtype::F16 => data
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                safetensors::Dtype::BF16 => data
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                other => bail!("tensor {name}: dtype {other:?} not supported"),
+            };
+            tensors.insert(name, v);
+        }
+        if !tensors.contains_key("lm_head.weight") {
+            let e = tensors
+                .get("model.embed_tokens.weight")
+                .cloned()
+                .context("no model.embed_tokens.weight")?;
+            tensors.insert("lm_head.weight".into(), e);
+        }
+        let w = Weights { tensors };
+        w.check(cfg)?;
+        Ok(w)
+    }
+
+    fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        let want = |n: &str, len: usize| -> Result<()> {
+            let t = self
+                .tensors
+                .get(n)
+                .with_context(|| format!("weights have no `{n}`"))?;
+            ensure!(
+                t.len() == len,
+                "`{n}` has {} elements, the config wants {len}",
+                t.len()
+            );
+            Ok(())
+        };
+        want("model.embed_tokens.weight", cfg.vocab * cfg.dim)?;
+        want("lm_head.weight", cfg.vocab * cfg.dim)?;
+        want("model.norm.weight", cfg.dim)?;
+        for l in 0..cfg.layers {
+            let p = format!("model.layers.{l}");
+            want(
+                &format!("{p}.self_attn.q_proj.weight"),
+                cfg.q_dim() * cfg.dim,
+            )?;
+            want(
+                &format!("{p}.self_attn.k_proj.weight"),
+                cfg.kv_dim() * cfg.dim,
+            )?;
+            want(
+                &format!("{p}.self_attn.v_proj.weight"),
+                cfg.kv_dim() * cfg.dim,
+            )?;
+            want(
+                &format!("{p}.self_attn.o_proj.weight"),
+                cfg.dim * cfg.q_dim(),
+            )?;
+            want(&format!("{p}.mlp.gate_proj.weight"), cfg.ffn * cfg.dim)?;
+            want(&format!("{p}.mlp.up_proj.weight"), cfg.ffn * cfg.dim)?;
+            want(&format!("{p}.mlp.down_proj.weight"), cfg.dim * cfg.ffn)?;
+            want(&format!("{p}.input_layernorm.weight"), cfg.dim)?;
+            want(&format!("{p}.post_attention_layernorm.weight"), cfg.dim)?;
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, n: &str) -> Result<Vec<f32>> {
+        self.tensors
+            .remove(n)
+            .with_context(|| format!("weights have no `{n}`"))
+    }
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Buf,
+    wq: B::Buf,
+    wk: B::Buf,
+    wv: B::Buf,
+    wo: B::Buf,
+    mlp_norm: B::Buf,
+    w_gate: B::Buf,
+    w_up: B::Buf,
+    w_down: B::Buf,
+}
+
+/// One request's tokens and the physical KV blocks that hold them.
+#[derive(Clone, Debug, Default)]
+pub struct Sequence {
+    /// Every known token (prompt, then generated).
+    pub tokens: Vec<u32>,
+    /// Physical block of each logical block.
+    pub blocks: Vec<u32>,
+    /// Tokens whose KV is in the cache (the next forward computes the rest).
+    pub computed: usize,
+}
+
+/// The model, its weights and its paged KV cache on one backend.
+pub struct Model<B: Backend> {
+    backend: B,
+    cfg: ModelConfig,
+    geo: KvGeometry,
+    embed: B::Buf,
+    layers: Vec<Layer<B>>,
+    norm: B::Buf,
+    lm_head: B::Buf,
+    cache: B::Buf,
+    free: Vec<u32>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Uploads the weights and allocates a cache of `num_blocks` blocks.
+    pub fn new(backend: B, cfg: ModelConfig, mut w: Weights, num_blocks: usize) -> Result<Self> {
+        cfg.validate()?;
+        w.check(&cfg)?;
+        ensure!(num_blocks > 0, "the KV cache needs at least one block");
+        let mut up = |n: &str| -> Result<B::Buf> { backend.upload(&w.take(n)?) };
+        let embed = up("model.embed_tokens.weight")?;
+        let norm = up("model.norm.weight")?;
+        let lm_head = up("lm_head.weight")?;
+        let mut layers = Vec::new();
+        for l in 0..cfg.layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                attn_norm: up(&format!("{p}.input_layernorm.weight"))?,
+                wq: up(&format!("{p}.self_attn.q_proj.weight"))?,
+                wk: up(&format!("{p}.self_attn.k_proj.weight"))?,
+                wv: up(&format!("{p}.self_attn.v_proj.weight"))?,
+                wo: up(&format!("{p}.self_attn.o_proj.weight"))?,
+                mlp_norm: up(&format!("{p}.post_attention_layernorm.weight"))?,
+                w_gate: up(&format!("{p}.mlp.gate_proj.weight"))?,
+                w_up: up(&format!("{p}.mlp.up_proj.weight"))?,
+                w_down: up(&format!("{p}.mlp.down_proj.weight"))?,
+            });
+        }
+        let geo = KvGeometry {
+            layers: cfg.layers,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            block_tokens: cfg.block_tokens,
+            num_blocks,
+        };
+        let cache = backend.zeros(geo.cache_elems())?;
+        Ok(Model {
+            backend,
+            cfg,
+            geo,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cache,
+            free: (0..num_blocks as u32).rev().collect(),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The cache's shape.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geo
+    }
+
+    /// Free physical blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Makes `seq` hold blocks for `tokens` tokens; fails (taking nothing) when the cache
+    /// is short.
+    pub fn reserve(&mut self, seq: &mut Sequence, tokens: usize) -> Result<()> {
+        let need = tokens
+            .div_ceil(self.cfg.block_tokens)
+            .saturating_sub(seq.blocks.len());
+        ensure!(
+            need <= self.free.len(),
+            "KV cache full: {need} blocks needed, {} free",
+            self.free.len()
+        );
+        for _ in 0..need {
+            seq.blocks.push(self.free.pop().expect("checked"));
+        }
+        Ok(())
+    }
+
+    /// Gives a sequence's blocks back.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        self.free.append(&mut seq.blocks);
+        seq.computed = 0;
+    }
+
+    /// Computes the KV of `seq.tokens[seq.computed..]` and returns the logits of the last
+    /// token (a buffer of at least `vocab` elements).
+    pub fn forward(&mut self, seq: &mut Sequence) -> Result<B::Buf> {
+        let (start, end) = (seq.computed, seq.tokens.len());
+        ensure!(end > start, "nothing to compute");
+        self.reserve(seq, end)?;
+        let cfg = &self.cfg;
+        let n = end - start;
+        let b = &self.backend;
+        let positions: Vec<u32> = (start as u32..end as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| {
+                seq.blocks[p as usize / cfg.block_tokens] * cfg.block_tokens as u32
+                    + p % cfg.block_tokens as u32
+            })
+            .collect();
+        let (d, qd, kvd, f) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let mut x = b.zeros(n * d)?;
+        b.embedding(&self.embed, d, &seq.tokens[start..end], &mut x)?;
+        let mut h = b.zeros(n * d)?;
+        let mut q = b.zeros(n * qd)?;
+        let mut k = b.zeros(n * kvd)?;
+        let mut v = b.zeros(n * kvd)?;
+        let mut att = b.zeros(n * qd)?;
+        let mut o = b.zeros(n * d)?;
+        let mut gate = b.zeros(n * f)?;
+        let mut up = b.zeros(n * f)?;
+        let mut act = b.zeros(n * f)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            b.rmsnorm(&x, &l.attn_norm, n, d, cfg.eps, &mut h)?;
+            b.matmul(&h, &l.wq, n, qd, d, &mut q)?;
+            b.matmul(&h, &l.wk, n, kvd, d, &mut k)?;
+            b.matmul(&h, &l.wv, n, kvd, d, &mut v)?;
+            b.rope(&mut q, &positions, cfg.heads, cfg.head_dim, cfg.rope_theta)?;
+            b.rope(
+                &mut k,
+                &positions,
+                cfg.kv_heads,
+                cfg.head_dim,
+                cfg.rope_theta,
+            )?;
+            b.write_kv(&mut self.cache, &self.geo, li, &k, &v, &slots)?;
+            b.attention(
+                &q,
+                &self.cache,
+                &self.geo,
+                li,
+                cfg.heads,
+                &seq.blocks,
+                &positions,
+                &mut att,
+            )?;
+            b.matmul(&att, &l.wo, n, d, qd, &mut o)?;
+            b.add(&mut x, &o, n * d)?;
+            b.rmsnorm(&x, &l.mlp_norm, n, d, cfg.eps, &mut h)?;
+            b.matmul(&h, &l.w_gate, n, f, d, &mut gate)?;
+            b.matmul(&h, &l.w_up, n, f, d, &mut up)?;
+            b.swiglu(&gate, &up, n * f, &mut act)?;
+            b.matmul(&act, &l.w_down, n, d, f, &mut o)?;
+            b.add(&mut x, &o, n * d)?;
+        }
+        // Only the last token's logits are needed.
+        let last = b.download(&x, n * d)?;
+        let xl = b.upload(&last[(n - 1) * d..])?;
+        let mut hl = b.zeros(d)?;
+        b.rmsnorm(&xl, &self.norm, 1, d, cfg.eps, &mut hl)?;
+        let mut logits = b.zeros(cfg.vocab)?;
+        b.matmul(&hl, &self.lm_head, 1, cfg.vocab, d, &mut logits)?;
+        seq.computed = end;
+        Ok(logits)
+    }
+
+    /// Samples the next token from `logits` (see [`cpu::sample`]); `step` is the index of
+    /// the generated token (0 for the first).
+    pub fn sample(&self, logits: &B::Buf, temperature: f32, seed: u64, step: u64) -> Result<u32> {
+        self.backend
+            .sample(logits, self.cfg.vocab, temperature, seed, step)
+    }
+
+    /// Writes logical blocks `range` of `seq` (heads `h0..h0+hs`) into host slots.
+    pub fn save_blocks(
+        &self,
+        seq: &Sequence,
+        range: std::ops::Range<usize>,
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
+        ensure!(
+            range.end * self.cfg.block_tokens <= seq.computed,
+            "blocks {range:?} are not computed yet"
+        );
+        self.backend
+            .gather_to_host(&self.cache, &self.geo, &seq.blocks[range], h0, hs, dst)
+    }
+
+    /// Loads the first `n` logical blocks of `seq` from host slots written by an engine
+    /// with TP size `src_tp` (`src`: `[block][rank]`) and marks them computed.
+    pub fn load_prefix(
+        &mut self,
+        seq: &mut Sequence,
+        n: usize,
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()> {
+        ensure!(
+            n * self.cfg.block_tokens <= seq.tokens.len(),
+            "{n} blocks is past the known tokens"
+        );
+        self.reserve(seq, n * self.cfg.block_tokens)?;
+        self.backend.scatter_from_host(
+            &mut self.cache,
+            &self.geo,
+            &seq.blocks[..n],
+            src_tp,
+            src,
+        )?;
+        seq.computed = n * self.cfg.block_tokens;
+        Ok(())
+    }
+}
