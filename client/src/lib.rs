@@ -182,7 +182,8 @@ impl ClientBuilder {
     }
 }
 
-fn default_endpoint() -> String {
+/// The endpoint [`Client::connect_default`] uses: `$KVD_ENDPOINT`, else the node default.
+pub fn default_endpoint() -> String {
     if let Some(e) = std::env::var_os("KVD_ENDPOINT") {
         return e.to_string_lossy().into_owned();
     }
@@ -226,6 +227,29 @@ struct Inner {
     next_id: AtomicU64,
     session: RwLock<Option<Arc<Session>>>,
     layouts: Mutex<HashMap<LayoutId, (Layout, LayoutInfo)>>,
+}
+
+/// A live mapping of the daemon's pool (see [`Client::pool_region`]).
+#[derive(Clone)]
+pub struct PoolRegion {
+    map: Arc<PoolMap>,
+}
+
+impl PoolRegion {
+    /// Start of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the mapping is empty (never, for a real pool).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A connection to a node's daemon. Cheap to clone; usable from any thread.
@@ -306,6 +330,12 @@ impl Client {
     /// Whether this client maps the pool (zero-copy) or sends payload frames.
     pub fn is_mapped(&self) -> bool {
         self.session().pool.is_some()
+    }
+
+    /// The current pool mapping, kept mapped for as long as the returned value lives
+    /// (e.g. to register it with a GPU for DMA to and from slots). `None` when unmapped.
+    pub fn pool_region(&self) -> Option<PoolRegion> {
+        self.session().pool.clone().map(|map| PoolRegion { map })
     }
 
     // ----- transport -----

@@ -19,6 +19,16 @@ pub(crate) struct PoolMap {
 }
 
 impl PoolMap {
+    /// Start of the mapping.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.size as usize
+    }
+
     /// Maps `info.path` and checks its header against what `hello` said.
     pub(crate) fn open(
         info: &PoolInfo,

@@ -173,7 +173,7 @@ pub(crate) fn check_block(len_bytes: usize, g: &KvGeometry, heads: usize) -> Res
 /// Checks a TP size against the geometry.
 pub(crate) fn check_tp(g: &KvGeometry, tp: usize) -> Result<()> {
     ensure!(
-        tp > 0 && g.kv_heads % tp == 0,
+        tp > 0 && g.kv_heads.is_multiple_of(tp),
         "tp size {tp} does not divide {} KV heads",
         g.kv_heads
     );

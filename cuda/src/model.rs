@@ -80,12 +80,15 @@ impl ModelConfig {
             ensure!(v > 0 && v <= 1 << 20, "model `{n}` = {v} out of range");
         }
         ensure!(
-            self.heads % self.kv_heads == 0,
+            self.heads.is_multiple_of(self.kv_heads),
             "heads {} not a multiple of kv_heads {}",
             self.heads,
             self.kv_heads
         );
-        ensure!(self.head_dim % 2 == 0, "head_dim must be even (RoPE pairs)");
+        ensure!(
+            self.head_dim.is_multiple_of(2),
+            "head_dim must be even (RoPE pairs)"
+        );
         Ok(())
     }
 
@@ -493,21 +496,26 @@ impl<B: Backend> Model<B> {
             .sample(logits, self.cfg.vocab, temperature, seed, step)
     }
 
-    /// Writes logical blocks `range` of `seq` (heads `h0..h0+hs`) into host slots.
+    /// Writes logical blocks `logical` of `seq` (heads `h0..h0+hs`) into host slots, one
+    /// slot per block.
     pub fn save_blocks(
         &self,
         seq: &Sequence,
-        range: std::ops::Range<usize>,
+        logical: &[usize],
         h0: usize,
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
-        ensure!(
-            range.end * self.cfg.block_tokens <= seq.computed,
-            "blocks {range:?} are not computed yet"
-        );
+        let mut phys = Vec::with_capacity(logical.len());
+        for &l in logical {
+            ensure!(
+                (l + 1) * self.cfg.block_tokens <= seq.computed,
+                "block {l} is not computed yet"
+            );
+            phys.push(seq.blocks[l]);
+        }
         self.backend
-            .gather_to_host(&self.cache, &self.geo, &seq.blocks[range], h0, hs, dst)
+            .gather_to_host(&self.cache, &self.geo, &phys, h0, hs, dst)
     }
 
     /// Loads the first `n` logical blocks of `seq` from host slots written by an engine

@@ -1,1 +1,20 @@
-//! placeholder
+//! # kvd-engine
+//!
+//! The reference engines and router that show and test kvd end to end:
+//!
+//! - [`worker`]: the engine core — the small transformer of `kvd-cuda` with its paged KV
+//!   cache on a scheduler thread, and the kvd connector (prefix hits from kvd, storing
+//!   computed blocks, export for a remote decode, pull or push for a decode).
+//! - [`server`]: the engine's OpenAI-style HTTP front (`kvd-engine --role
+//!   prefill|decode|both`).
+//! - [`router`]: `kvd-router`, which runs a prefill leg and a decode leg per request.
+//! - [`api`]: the JSON both speak, including `kv_transfer_params`.
+//!
+//! Invariant the tests hold: a disaggregated request produces the tokens the same
+//! request produces on one aggregated engine.
+
+pub mod api;
+pub mod router;
+pub mod server;
+pub mod sse;
+pub mod worker;

@@ -1,0 +1,121 @@
+//! `kvd-engine`: the reference engine. See the crate docs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use kvd_cuda::ModelConfig;
+use kvd_engine::worker::{Engine, EngineConfig, Role};
+
+/// Reference LLM engine over kvd: OpenAI-style completions with SSE.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// prefill, decode or both.
+    #[arg(long, value_enum, default_value = "both")]
+    role: Role,
+    /// HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1:8100")]
+    listen: SocketAddr,
+    /// kvd endpoint (default: $KVD_ENDPOINT or the node default). `none`: no kvd (role both only).
+    #[arg(long, env = "KVD_ENDPOINT")]
+    kvd: Option<String>,
+    /// KV shards (simulated tensor-parallel size): divides the model's KV heads.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// auto (CUDA when a device is usable), cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Model shape as JSON (kvd-cuda ModelConfig fields), or a Hugging Face config.json
+    /// next to --weights.
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+    /// Safetensors weights (Hugging Face Llama names). Default: generated from --seed.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Seed of generated weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// KV cache size in blocks.
+    #[arg(long, default_value_t = 4096)]
+    kv_blocks: usize,
+    /// Timeout of one kvd call, ms.
+    #[arg(long, default_value_t = 5000)]
+    kvd_timeout_ms: u64,
+    /// Lease of exports, ms.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u64,
+    /// How long a decode waits for its KV transfer, ms.
+    #[arg(long, default_value_t = 30_000)]
+    transfer_timeout_ms: u64,
+    /// Log as JSON.
+    #[arg(long)]
+    log_json: bool,
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    if a.log_json {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let mut model = match &a.model_config {
+        None => ModelConfig::default(),
+        Some(p) => {
+            let text = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+            match serde_json::from_slice::<ModelConfig>(&text) {
+                Ok(m) if !String::from_utf8_lossy(&text).contains("hidden_size") => m,
+                _ => ModelConfig::from_hf_json(
+                    p,
+                    &p.parent()
+                        .and_then(|d| d.file_name())
+                        .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+                )?,
+            }
+        }
+    };
+    if a.model_config.is_none() || a.weights.is_none() {
+        model.seed = a.seed;
+    }
+    let kvd = match a.kvd.as_deref() {
+        Some("none") => None,
+        Some(e) => Some(e.to_string()),
+        None => Some(kvd_client::default_endpoint()),
+    };
+    let engine = Engine::start(EngineConfig {
+        role: a.role,
+        tp: a.tp,
+        backend: a.backend,
+        model,
+        weights: a.weights,
+        num_blocks: a.kv_blocks,
+        kvd,
+        kvd_timeout: Duration::from_millis(a.kvd_timeout_ms),
+        lease: Duration::from_millis(a.lease_ms),
+        transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
+    })?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("binding {}", a.listen))?;
+        println!("kvd-engine listening on http://{}", listener.local_addr()?);
+        axum::serve(listener, kvd_engine::server::router(engine))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    })
+}

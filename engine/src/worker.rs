@@ -1,0 +1,845 @@
+//! The engine core: a scheduler thread that owns the model and its paged KV cache, and
+//! the kvd connector that fills the cache from kvd (local prefix hits, pulls, pushes) and
+//! stores and exports what prefill computed.
+//!
+//! Network waits (lookup, get, pull, push) run on the caller's (blocking) thread before a
+//! request reaches the scheduler, so one request's transfer never stalls another's
+//! decode. The scheduler admits requests between decode steps and runs one step of every
+//! active sequence per round (round-robin: fair, not batched).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use kvd_client::{Client, LayoutInfo, PinnedBlocks};
+use kvd_cuda::backend::{AnyBackend, Backend};
+use kvd_cuda::model::Weights;
+use kvd_cuda::tokenizer::Tokenizer;
+use kvd_cuda::{Model, ModelConfig, Sequence};
+use kvd_protocol::transfer::{TransferParams, TransferState};
+use kvd_protocol::{hash, ChunkHash, Dtype, Layout, MemoryOrder};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::{KvTransferParams, KvdInfo};
+
+/// What an engine does with a request by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Computes prompts and exports their KV (answers `do_remote_decode` requests).
+    Prefill,
+    /// Loads KV handed over by a prefill worker and generates.
+    Decode,
+    /// Both in one process (aggregated serving).
+    Both,
+}
+
+impl Role {
+    /// The name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+}
+
+/// How to build an [`Engine`].
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Role.
+    pub role: Role,
+    /// KV shards: blocks are stored and exported as `tp` layouts of `kv_heads / tp` heads.
+    pub tp: usize,
+    /// `auto`, `cpu` or `cuda`.
+    pub backend: String,
+    /// Model shape.
+    pub model: ModelConfig,
+    /// Safetensors weights (else generated from `model.seed`).
+    pub weights: Option<std::path::PathBuf>,
+    /// Physical KV blocks of the cache.
+    pub num_blocks: usize,
+    /// kvd endpoint (`None`: no kvd; only `both` can run so).
+    pub kvd: Option<String>,
+    /// Timeout of one kvd call.
+    pub kvd_timeout: Duration,
+    /// Lease of exports.
+    pub lease: Duration,
+    /// How long a decode waits for a pull or push to finish.
+    pub transfer_timeout: Duration,
+}
+
+/// What a request produces, in order: tokens, then `Done` or `Error`.
+#[derive(Debug)]
+pub enum Event {
+    /// One generated token.
+    Token {
+        /// Token id.
+        id: u32,
+        /// Its text.
+        text: String,
+    },
+    /// The end.
+    Done(Box<Done>),
+    /// Failed (before or after tokens).
+    Error(String),
+}
+
+/// The end of a request.
+#[derive(Debug, Default)]
+pub struct Done {
+    /// `"length"`.
+    pub finish_reason: String,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// For the decode side (prefill answers).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// What kvd did.
+    pub kvd: KvdInfo,
+}
+
+/// A request as the engine runs it.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// Request id (transfer ids derive from it when the router gives none).
+    pub id: String,
+    /// Prompt.
+    pub prompt: String,
+    /// Tokens to generate.
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Sampling seed.
+    pub seed: u64,
+    /// Disaggregation.
+    pub kv: Option<KvTransferParams>,
+}
+
+/// An error with the HTTP status it deserves.
+#[derive(Debug)]
+pub struct ApiError {
+    /// 400, 500, 502, 503.
+    pub status: u16,
+    /// `invalid_request`, `kvd_error`, `engine_error`.
+    pub kind: &'static str,
+    /// What happened.
+    pub error: anyhow::Error,
+}
+
+impl ApiError {
+    fn bad(e: anyhow::Error) -> Self {
+        ApiError {
+            status: 400,
+            kind: "invalid_request",
+            error: e,
+        }
+    }
+    fn kvd(e: anyhow::Error) -> Self {
+        ApiError {
+            status: 502,
+            kind: "kvd_error",
+            error: e,
+        }
+    }
+}
+
+/// KV blocks ready to load into the cache: `pins[rank].block(b)` for `b < n`.
+struct Loaded {
+    n: usize,
+    src_tp: usize,
+    pins: Vec<PinnedBlocks>,
+}
+
+struct Job {
+    req: GenRequest,
+    tokens: Vec<u32>,
+    prefix: Option<Loaded>,
+    source: &'static str,
+    events: UnboundedSender<Event>,
+    t0: Instant,
+}
+
+struct Kv {
+    client: Client,
+    /// This engine's shard layouts.
+    layouts: Vec<LayoutInfo>,
+    node: Option<String>,
+    /// Keeps the pool mapped while the GPU has it registered.
+    _region: Option<kvd_client::PoolRegion>,
+}
+
+/// A running engine: cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: EngineConfig,
+    backend: String,
+    tokenizer: Tokenizer,
+    kv: Option<Arc<Kv>>,
+    jobs: mpsc::Sender<Job>,
+    load: Arc<AtomicUsize>,
+    max_tokens_total: usize,
+}
+
+fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
+    Layout {
+        model: m.name.clone(),
+        num_layers: m.layers as u64,
+        kv_parts: 2,
+        num_kv_heads: m.kv_heads as u64,
+        head_dim: m.head_dim as u64,
+        dtype: Dtype::F32,
+        tokens_per_block: m.block_tokens as u64,
+        tp_size: tp as u64,
+        tp_rank: rank as u64,
+        order: MemoryOrder::LayerPartTokenHead,
+    }
+}
+
+impl Engine {
+    /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
+    pub fn start(cfg: EngineConfig) -> Result<Engine> {
+        let tokenizer = Tokenizer::Bytes;
+        ensure!(
+            cfg.model.vocab >= tokenizer.vocab(),
+            "the byte tokenizer needs a vocabulary of at least 256"
+        );
+        ensure!(
+            cfg.tp > 0 && cfg.model.kv_heads.is_multiple_of(cfg.tp),
+            "--tp {} must divide the model's {} KV heads",
+            cfg.tp,
+            cfg.model.kv_heads
+        );
+        ensure!(
+            cfg.role == Role::Both || cfg.kvd.is_some(),
+            "role {} needs kvd",
+            cfg.role.name()
+        );
+        let backend = kvd_cuda::select_backend(&cfg.backend)?;
+        let weights = match &cfg.weights {
+            Some(p) => Weights::from_safetensors(p, &cfg.model)?,
+            None => Weights::seeded(&cfg.model),
+        };
+        let kv = match &cfg.kvd {
+            None => None,
+            Some(ep) => {
+                let client = Client::builder()
+                    .with_endpoint(ep.clone())
+                    .with_name(format!("kvd-engine-{}", cfg.role.name()))
+                    .with_timeout(cfg.kvd_timeout)
+                    .connect()
+                    .with_context(|| format!("connecting to kvd at {ep}"))?;
+                ensure!(
+                    client.is_mapped(),
+                    "kvd's pool is not mapped (the engine needs a same-node daemon)"
+                );
+                let mut layouts = Vec::new();
+                for r in 0..cfg.tp {
+                    layouts.push(client.register_layout(&layout_of(&cfg.model, cfg.tp, r))?);
+                }
+                let node = client.hello_info().node.map(|n| n.node);
+                let region = client.pool_region();
+                #[cfg(feature = "cuda")]
+                if let (AnyBackend::Cuda(c), Some(r)) = (&backend, &region) {
+                    // SAFETY: `region` keeps the mapping alive and is stored beside the
+                    // backend for the engine's life.
+                    if let Err(e) = unsafe { c.register_host(r.as_ptr(), r.len()) } {
+                        tracing::warn!("registering the pool with the GPU failed ({e:#}); blocks go through a device buffer");
+                    }
+                }
+                Some(Arc::new(Kv {
+                    client,
+                    layouts,
+                    node,
+                    _region: region,
+                }))
+            }
+        };
+        let backend_name = backend.name().to_string();
+        let model = Model::new(backend, cfg.model.clone(), weights, cfg.num_blocks)?;
+        let (tx, rx) = mpsc::channel();
+        let load = Arc::new(AtomicUsize::new(0));
+        let sched = Scheduler {
+            model,
+            kv: kv.clone(),
+            cfg: cfg.clone(),
+            tokenizer: tokenizer.clone(),
+            load: load.clone(),
+            active: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("kvd-engine-sched".into())
+            .spawn(move || sched.run(rx))?;
+        tracing::info!(role = cfg.role.name(), tp = cfg.tp, backend = %backend_name, model = %cfg.model.name, kvd = ?cfg.kvd, "engine ready");
+        let max_tokens_total = cfg.num_blocks * cfg.model.block_tokens;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                cfg,
+                backend: backend_name,
+                tokenizer,
+                kv,
+                jobs: tx,
+                load,
+                max_tokens_total,
+            }),
+        })
+    }
+
+    /// Role.
+    pub fn role(&self) -> Role {
+        self.inner.cfg.role
+    }
+
+    /// KV shards.
+    pub fn tp(&self) -> usize {
+        self.inner.cfg.tp
+    }
+
+    /// Model name.
+    pub fn model_name(&self) -> &str {
+        &self.inner.cfg.model.name
+    }
+
+    /// Compute backend name.
+    pub fn backend(&self) -> &str {
+        &self.inner.backend
+    }
+
+    /// This node's kvd control endpoint for peers.
+    pub fn kvd_node(&self) -> Option<String> {
+        self.inner.kv.as_ref().and_then(|k| k.node.clone())
+    }
+
+    /// Requests queued or running.
+    pub fn load(&self) -> usize {
+        self.inner.load.load(Ordering::Relaxed)
+    }
+
+    fn keys(&self, tokens: &[u32]) -> Vec<ChunkHash> {
+        hash::chunk_hashes(tokens, self.inner.cfg.model.block_tokens, b"")
+    }
+
+    /// Prompt tokens kvd could serve for `prompt` (the router's KV-aware choice).
+    pub fn cached_tokens(&self, prompt: &str) -> Result<usize> {
+        let Some(kv) = &self.inner.kv else {
+            return Ok(0);
+        };
+        let keys = self.keys(&self.inner.tokenizer.encode(prompt));
+        let mut n = keys.len();
+        for l in &kv.layouts {
+            n = n.min(kv.client.lookup(l.id, &keys)?.prefix as usize);
+        }
+        Ok(n * self.inner.cfg.model.block_tokens)
+    }
+
+    /// Starts a request: checks it, brings its cached or transferred KV into reach (this
+    /// blocks on kvd), and queues it. Events arrive on the returned channel.
+    pub fn submit(
+        &self,
+        req: GenRequest,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+        let t0 = Instant::now();
+        let tokens = self.inner.tokenizer.encode(&req.prompt);
+        if tokens.is_empty() {
+            return Err(ApiError::bad(anyhow!("the prompt is empty")));
+        }
+        if req.max_tokens == 0 {
+            return Err(ApiError::bad(anyhow!("max_tokens must be at least 1")));
+        }
+        if !req.temperature.is_finite() || req.temperature < 0.0 {
+            return Err(ApiError::bad(anyhow!(
+                "temperature must be a finite number >= 0"
+            )));
+        }
+        if tokens.len() + req.max_tokens > self.inner.max_tokens_total {
+            return Err(ApiError::bad(anyhow!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the KV cache ({} tokens)",
+                tokens.len(),
+                req.max_tokens,
+                self.inner.max_tokens_total
+            )));
+        }
+        let kvp = req.kv.clone().unwrap_or_default();
+        if kvp.do_remote_decode && self.inner.kv.is_none() {
+            return Err(ApiError::bad(anyhow!(
+                "do_remote_decode needs an engine connected to kvd"
+            )));
+        }
+        let (prefix, source) = if kvp.do_remote_prefill {
+            let kv = self.inner.kv.as_ref().ok_or_else(|| {
+                ApiError::bad(anyhow!(
+                    "do_remote_prefill needs an engine connected to kvd"
+                ))
+            })?;
+            if let Some(push) = &kvp.push {
+                (
+                    self.push_load(kv, &tokens, &kvp, push)
+                        .map_err(ApiError::kvd)?,
+                    "push",
+                )
+            } else {
+                (
+                    self.pull_load(kv, &tokens, &kvp).map_err(ApiError::kvd)?,
+                    "pull",
+                )
+            }
+        } else if let Some(kv) = &self.inner.kv {
+            match self.local_load(kv, &tokens) {
+                Ok(p) => (p, "local"),
+                Err(e) => {
+                    // The cache is an optimisation: compute everything.
+                    tracing::warn!("kvd prefix lookup failed ({e:#}); computing the whole prompt");
+                    (None, "none")
+                }
+            }
+        } else {
+            (None, "none")
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.inner.load.fetch_add(1, Ordering::Relaxed);
+        let source = if prefix.as_ref().is_some_and(|p| p.n > 0) {
+            source
+        } else {
+            "none"
+        };
+        self.inner
+            .jobs
+            .send(Job {
+                req,
+                tokens,
+                prefix,
+                source,
+                events: tx,
+                t0,
+            })
+            .map_err(|_| ApiError {
+                status: 503,
+                kind: "engine_error",
+                error: anyhow!("the scheduler has stopped"),
+            })?;
+        Ok(rx)
+    }
+
+    /// Blocks usable as a prefix: at least one prompt token is always computed (its logits
+    /// give the first token).
+    fn usable(&self, tokens: &[u32]) -> usize {
+        (tokens.len() - 1) / self.inner.cfg.model.block_tokens
+    }
+
+    fn local_load(&self, kv: &Kv, tokens: &[u32]) -> Result<Option<Loaded>> {
+        let keys = self.keys(tokens);
+        let mut n = self.usable(tokens).min(keys.len());
+        for l in &kv.layouts {
+            if n == 0 {
+                break;
+            }
+            n = n.min(kv.client.lookup(l.id, &keys[..n])?.prefix as usize);
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let mut pins = Vec::new();
+        for l in &kv.layouts {
+            let p = kv
+                .client
+                .get(l.id, &keys[..n], Some(Duration::from_secs(30)))?;
+            n = n.min(p.hits().iter().take_while(|h| **h).count());
+            pins.push(p);
+        }
+        Ok(Some(Loaded {
+            n,
+            src_tp: kv.layouts.len(),
+            pins,
+        }))
+    }
+
+    fn src_layouts(&self, kv: &Kv, src_tp: usize) -> Result<Vec<LayoutInfo>> {
+        ensure!(
+            src_tp > 0 && self.inner.cfg.model.kv_heads.is_multiple_of(src_tp),
+            "prefill_tp {src_tp} does not divide {} KV heads",
+            self.inner.cfg.model.kv_heads
+        );
+        (0..src_tp)
+            .map(|r| {
+                Ok(kv
+                    .client
+                    .register_layout(&layout_of(&self.inner.cfg.model, src_tp, r))?)
+            })
+            .collect()
+    }
+
+    fn pull_load(&self, kv: &Kv, tokens: &[u32], p: &KvTransferParams) -> Result<Option<Loaded>> {
+        if p.ranks.is_empty() {
+            return Ok(None); // the prompt had no full block
+        }
+        let src_tp = p.prefill_tp.unwrap_or(p.ranks.len());
+        ensure!(
+            p.ranks.len() == src_tp,
+            "{} transfer params for prefill_tp {src_tp}",
+            p.ranks.len()
+        );
+        let layouts = self.src_layouts(kv, src_tp)?;
+        let keys = self.keys(tokens);
+        let mut params = Vec::new();
+        for (r, h) in p.ranks.iter().enumerate() {
+            let bytes = hex::decode(h).context("kv_transfer_params.ranks: not hex")?;
+            let tp = TransferParams::from_msgpack(&bytes)
+                .map_err(|e| anyhow!("kv_transfer_params.ranks[{r}]: {e}"))?;
+            ensure!(
+                tp.layout_id == layouts[r].id,
+                "kv_transfer_params.ranks[{r}] is for another layout (model or shard)"
+            );
+            ensure!(
+                tp.keys.len() <= keys.len() && tp.keys[..] == keys[..tp.keys.len()],
+                "kv_transfer_params do not match this prompt"
+            );
+            params.push(tp);
+        }
+        // Start every shard's pull, then wait for all.
+        for tp in &params {
+            kv.client
+                .pull(tp, Some(Duration::from_secs(30)), false)
+                .with_context(|| format!("pull of {}", tp.transfer_id))?;
+        }
+        self.wait_all(
+            kv,
+            params.iter().map(|t| t.transfer_id.clone()).collect(),
+            &layouts,
+            tokens,
+        )
+    }
+
+    fn push_load(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        p: &KvTransferParams,
+        push: &crate::api::PushParams,
+    ) -> Result<Option<Loaded>> {
+        let keys = self.keys(tokens);
+        if keys.is_empty() {
+            return Ok(None); // the prefill exports nothing for a prompt without a full block
+        }
+        let src_tp = p.prefill_tp.context("push needs prefill_tp")?;
+        let layouts = self.src_layouts(kv, src_tp)?;
+        let mut ids = Vec::new();
+        for (r, l) in layouts.iter().enumerate() {
+            let id = format!("{}.r{r}", push.transfer_id);
+            kv.client
+                .push_register(
+                    &id,
+                    l.id,
+                    &keys,
+                    &push.prefill_node,
+                    Some(Duration::from_secs(30)),
+                )
+                .with_context(|| format!("push registration of {id} with {}", push.prefill_node))?;
+            ids.push(id);
+        }
+        self.wait_all(kv, ids, &layouts, tokens)
+    }
+
+    fn wait_all(
+        &self,
+        kv: &Kv,
+        ids: Vec<String>,
+        layouts: &[LayoutInfo],
+        tokens: &[u32],
+    ) -> Result<Option<Loaded>> {
+        let deadline = Instant::now() + self.inner.cfg.transfer_timeout;
+        let mut pins = Vec::new();
+        let mut n = self.usable(tokens);
+        for (id, l) in ids.iter().zip(layouts) {
+            let done = loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    let _ = kv.client.abort_transfer(id);
+                    bail!(
+                        "transfer {id} did not finish within {:?}",
+                        self.inner.cfg.transfer_timeout
+                    );
+                }
+                let r = kv
+                    .client
+                    .transfer_status(id, left.min(Duration::from_millis(500)))?;
+                match r.state {
+                    TransferState::Done => break r,
+                    TransferState::Failed
+                    | TransferState::Aborted
+                    | TransferState::Expired
+                    | TransferState::Other => {
+                        let why = r
+                            .error
+                            .map(|e| e.to_string())
+                            .unwrap_or_else(|| format!("{:?}", r.state));
+                        bail!("transfer {id} ended {:?}: {why}", r.state);
+                    }
+                    _ => continue,
+                }
+            };
+            let p = kv.client.pinned(l.id, &done)?;
+            n = n.min(p.hits().iter().take_while(|h| **h).count());
+            pins.push(p);
+        }
+        Ok(Some(Loaded {
+            n,
+            src_tp: layouts.len(),
+            pins,
+        }))
+    }
+}
+
+struct Active {
+    req: GenRequest,
+    seq: Sequence,
+    prompt_len: usize,
+    generated: Vec<u32>,
+    events: UnboundedSender<Event>,
+    info: KvdInfo,
+    kv_params: Option<KvTransferParams>,
+}
+
+struct Scheduler {
+    model: Model<AnyBackend>,
+    kv: Option<Arc<Kv>>,
+    cfg: EngineConfig,
+    tokenizer: Tokenizer,
+    load: Arc<AtomicUsize>,
+    active: Vec<Active>,
+}
+
+impl Scheduler {
+    fn run(mut self, rx: mpsc::Receiver<Job>) {
+        loop {
+            if self.active.is_empty() {
+                match rx.recv() {
+                    Ok(j) => self.start(j),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(j) = rx.try_recv() {
+                self.start(j);
+            }
+            let mut active = std::mem::take(&mut self.active);
+            active.retain_mut(|a| self.step(a));
+            self.active.append(&mut active);
+        }
+    }
+
+    fn end(&mut self, a: &mut Active) {
+        self.model.release(&mut a.seq);
+        self.load.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn start(&mut self, job: Job) {
+        let events = job.events.clone();
+        match self.prefill(job) {
+            Ok(Some(mut a)) => {
+                if a.generated.len() >= a.req.max_tokens || a.kv_params.is_some() {
+                    self.finish(&mut a);
+                } else {
+                    self.active.push(a);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("request failed: {e:#}");
+                let _ = events.send(Event::Error(format!("{e:#}")));
+                self.load.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Loads the prefix, computes the rest of the prompt, stores new blocks, exports when
+    /// asked, and emits the first token. `Ok(None)`: the client went away.
+    fn prefill(&mut self, job: Job) -> Result<Option<Active>> {
+        let bt = self.cfg.model.block_tokens;
+        let mut seq = Sequence {
+            tokens: job.tokens.clone(),
+            ..Default::default()
+        };
+        let mut cached = 0;
+        let res = (|| -> Result<(kvd_cuda::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
+            if let Some(p) = &job.prefix {
+                if p.n > 0 {
+                    let mut src = Vec::with_capacity(p.n * p.src_tp);
+                    for b in 0..p.n {
+                        for pin in &p.pins {
+                            src.push(
+                                pin.block(b)?
+                                    .ok_or_else(|| anyhow!("block {b} missing from the pin"))?,
+                            );
+                        }
+                    }
+                    self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)?;
+                    cached = p.n * bt;
+                }
+            }
+            let logits = self.model.forward(&mut seq)?;
+            let keys = hash::chunk_hashes(&job.tokens, bt, b"");
+            let stored = match &self.kv {
+                Some(kv) => match self.store(kv, &seq, &keys, cached / bt) {
+                    Ok(n) => n,
+                    Err(e) if job.req.kv.as_ref().is_some_and(|k| k.do_remote_decode) => {
+                        return Err(e.context("storing the prompt's KV"))
+                    }
+                    Err(e) => {
+                        tracing::warn!("storing blocks in kvd failed: {e:#}");
+                        0
+                    }
+                },
+                None => 0,
+            };
+            let mut kvp = None;
+            if let (Some(kv), Some(k)) = (&self.kv, &job.req.kv) {
+                if k.do_remote_decode {
+                    let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
+                    let mut ranks = Vec::new();
+                    if !keys.is_empty() {
+                        for (r, l) in kv.layouts.iter().enumerate() {
+                            let p = kv
+                                .client
+                                .export(&format!("{base}.r{r}"), l.id, &keys, Some(self.cfg.lease))
+                                .with_context(|| format!("export of {base}.r{r}"))?;
+                            ranks.push(hex::encode(p.to_msgpack()));
+                        }
+                    }
+                    kvp = Some(KvTransferParams {
+                        do_remote_prefill: true,
+                        prefill_tp: Some(self.cfg.tp),
+                        ranks,
+                        ..Default::default()
+                    });
+                }
+            }
+            let info = KvdInfo {
+                cached_tokens: cached,
+                source: job.source.to_string(),
+                computed_tokens: job.tokens.len() - cached,
+                stored_blocks: stored,
+                ttft_ms: 0.0,
+                backend: self.model.backend().name().to_string(),
+            };
+            Ok((logits, info, kvp))
+        })();
+        drop(job.prefix); // releases the pins
+        let (logits, mut info, kv_params) = match res {
+            Ok(x) => x,
+            Err(e) => {
+                self.model.release(&mut seq);
+                return Err(e);
+            }
+        };
+        let tok = match self
+            .model
+            .sample(&logits, job.req.temperature, job.req.seed, 0)
+        {
+            Ok(t) => t,
+            Err(e) => {
+                self.model.release(&mut seq);
+                return Err(e);
+            }
+        };
+        info.ttft_ms = job.t0.elapsed().as_secs_f64() * 1e3;
+        let mut a = Active {
+            prompt_len: job.tokens.len(),
+            req: job.req,
+            seq,
+            generated: vec![tok],
+            events: job.events,
+            info,
+            kv_params,
+        };
+        if a.events
+            .send(Event::Token {
+                id: tok,
+                text: self.tokenizer.decode(&[tok]),
+            })
+            .is_err()
+        {
+            self.end(&mut a);
+            return Ok(None);
+        }
+        Ok(Some(a))
+    }
+
+    /// Stores the full prompt blocks from `from` on into kvd (every shard). Returns how
+    /// many blocks were written.
+    fn store(&self, kv: &Kv, seq: &Sequence, keys: &[ChunkHash], from: usize) -> Result<usize> {
+        if from >= keys.len() {
+            return Ok(0);
+        }
+        let shards = kv.layouts.len();
+        let hs = self.cfg.model.kv_heads / shards;
+        let mut written = 0;
+        for (r, l) in kv.layouts.iter().enumerate() {
+            let mut batch = kv.client.alloc(l.id, &keys[from..])?;
+            let mut slots = batch.slots_mut()?;
+            if !slots.is_empty() {
+                let logical: Vec<usize> = slots.iter().map(|(i, _)| from + i).collect();
+                let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                self.model
+                    .save_blocks(seq, &logical, r * hs, hs, &mut dst)?;
+                written = written.max(logical.len());
+            }
+            drop(slots);
+            batch.commit()?;
+        }
+        Ok(written)
+    }
+
+    /// One decode step. `false`: the sequence is over.
+    fn step(&mut self, a: &mut Active) -> bool {
+        let last = *a.generated.last().expect("at least one token");
+        a.seq.tokens.push(last);
+        let r = self.model.forward(&mut a.seq).and_then(|l| {
+            self.model
+                .sample(&l, a.req.temperature, a.req.seed, a.generated.len() as u64)
+        });
+        match r {
+            Ok(tok) => {
+                a.generated.push(tok);
+                if a.events
+                    .send(Event::Token {
+                        id: tok,
+                        text: self.tokenizer.decode(&[tok]),
+                    })
+                    .is_err()
+                {
+                    self.end(a);
+                    return false;
+                }
+                if a.generated.len() >= a.req.max_tokens {
+                    self.finish(a);
+                    return false;
+                }
+                true
+            }
+            Err(e) => {
+                let _ = a
+                    .events
+                    .send(Event::Error(format!("decode step failed: {e:#}")));
+                self.end(a);
+                false
+            }
+        }
+    }
+
+    fn finish(&mut self, a: &mut Active) {
+        let done = Done {
+            finish_reason: "length".into(),
+            prompt_tokens: a.prompt_len,
+            completion_tokens: a.generated.len(),
+            kv_transfer_params: a.kv_params.take(),
+            kvd: std::mem::take(&mut a.info),
+        };
+        let _ = a.events.send(Event::Done(Box::new(done)));
+        self.end(a);
+    }
+}

@@ -1,0 +1,313 @@
+//! End to end on loopback with real processes: `router → prefill engine → kvd → kvd →
+//! decode engine` produces exactly the tokens of one aggregated engine (pull, push, a
+//! prefix served from kvd's cache, different KV shard counts), and faults give clear
+//! errors within a bound.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn req(prompt: &str, max_tokens: usize, temperature: f32, seed: u64) -> serde_json::Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed})
+}
+
+/// The reference: one aggregated engine without kvd.
+fn reference() -> (Proc, String) {
+    engine("both", None, &[])
+}
+
+fn check_equal(router_url: &str, reference_url: &str, what: &str) {
+    for p in prompts() {
+        for (t, seed) in [(0.0, 0), (0.8, 7)] {
+            let body = req(&p, 12, t, seed);
+            let (s1, want) = complete(reference_url, body.clone());
+            assert_eq!(s1, 200, "{want}");
+            let (s2, got) = complete(router_url, body.clone());
+            assert_eq!(s2, 200, "{what}: {got}");
+            assert_eq!(tokens(&got), tokens(&want), "{what}: prompt {p:?} t={t}");
+            // The streamed answer carries the same tokens.
+            let st =
+                stream(router_url, body).unwrap_or_else(|e| panic!("{what}: stream failed {e:?}"));
+            assert!(st.done && st.error.is_none(), "{what}: {st:?}");
+            assert_eq!(st.token_ids, tokens(&want), "{what} (stream): prompt {p:?}");
+            // Where the prompt has a full block, the decode side got KV from kvd.
+            let kvd = &got["kvd"];
+            if p.len() > 16 {
+                assert!(
+                    kvd["cached_tokens"].as_u64().unwrap() >= 16,
+                    "{what}: decode computed everything: {got}"
+                );
+                assert!(
+                    kvd["computed_tokens"].as_u64().unwrap() <= 16,
+                    "{what}: decode recomputed too much: {got}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
+    let (a, b) = (Node::start(), Node::start());
+    let (_r, reference) = reference();
+    let (_p, prefill) = engine("prefill", Some(&a), &[]);
+    let (_d, decode) = engine("decode", Some(&b), &[]);
+    let (_router, url) = router(&[&prefill], &[&decode], "pull");
+    check_equal(&url, &reference, "pull");
+    // A repeated prompt: the prefill leg loads its prefix from node A's kvd.
+    let p = "the same long prompt, sent twice; its blocks are cached in kvd after the first time";
+    let (_, first) = complete(&url, req(p, 8, 0.0, 0));
+    let (s, second) = complete(&url, req(p, 8, 0.0, 0));
+    assert_eq!(s, 200, "{second}");
+    assert_eq!(first["prefill_kvd"]["source"], "none", "{first}");
+    assert_eq!(second["prefill_kvd"]["source"], "local", "{second}");
+    assert!(
+        second["prefill_kvd"]["cached_tokens"].as_u64().unwrap() >= 64,
+        "{second}"
+    );
+    assert_eq!(tokens(&first), tokens(&second));
+    let (_, want) = complete(&reference, req(p, 8, 0.0, 0));
+    assert_eq!(tokens(&second), tokens(&want));
+    // An aggregated engine with kvd also serves a repeated prompt from the cache.
+    let (_both, both) = engine("both", Some(&a), &[]);
+    let (_, c) = complete(&both, req(p, 8, 0.0, 0));
+    assert_eq!(c["kvd"]["source"], "local", "{c}");
+    assert_eq!(tokens(&c), tokens(&want));
+}
+
+#[test]
+fn disaggregated_push_equals_aggregated() {
+    let (a, b) = (Node::start(), Node::start());
+    let (_r, reference) = reference();
+    let (_p, prefill) = engine("prefill", Some(&a), &[]);
+    let (_d, decode) = engine("decode", Some(&b), &[]);
+    let (_router, url) = router(&[&prefill], &[&decode], "push");
+    check_equal(&url, &reference, "push");
+    let (_, got) = complete(&url, req(&"y".repeat(100), 4, 0.0, 0));
+    assert_eq!(got["kvd"]["source"], "push", "{got}");
+}
+
+/// Prefill with 2 KV shards, decode with 1, and the reverse: the re-slicing kernel makes
+/// the tokens identical.
+#[test]
+fn heterogeneous_kv_shards_reslice_to_the_same_tokens() {
+    let (a, b) = (Node::start(), Node::start());
+    let (_r, reference) = reference();
+    for (ptp, dtp, mode) in [("2", "1", "pull"), ("1", "2", "pull"), ("4", "2", "push")] {
+        let (_p, prefill) = engine("prefill", Some(&a), &["--tp", ptp]);
+        let (_d, decode) = engine("decode", Some(&b), &["--tp", dtp]);
+        let (_router, url) = router(&[&prefill], &[&decode], mode);
+        let p =
+            format!("heterogeneous layouts: prefill tp {ptp}, decode tp {dtp}, moved by {mode}");
+        for (t, seed) in [(0.0, 0), (1.0, 3)] {
+            let (_, want) = complete(&reference, req(&p, 10, t, seed));
+            let (s, got) = complete(&url, req(&p, 10, t, seed));
+            assert_eq!(s, 200, "{got}");
+            assert_eq!(got["kvd"]["source"], mode, "{got}");
+            assert_eq!(
+                tokens(&got),
+                tokens(&want),
+                "prefill tp {ptp} → decode tp {dtp}"
+            );
+        }
+    }
+}
+
+/// KV-aware choice: of two prefill workers, the one whose kvd holds the prompt's prefix
+/// gets the request.
+#[test]
+fn router_prefers_the_prefill_worker_with_the_cached_prefix() {
+    let (a, b, c) = (Node::start(), Node::start(), Node::start());
+    let (_p1, p1) = engine("prefill", Some(&a), &[]);
+    let (_p2, p2) = engine("prefill", Some(&b), &[]);
+    let (_d, decode) = engine("decode", Some(&c), &[]);
+    let prompt = "a prompt whose blocks only the second prefill worker has cached already";
+    // Warm node B's cache through the second worker directly.
+    let (s, _) = complete(&p2, req(prompt, 1, 0.0, 0));
+    assert_eq!(s, 200);
+    let (_router, url) = router(&[&p1, &p2], &[&decode], "pull");
+    for _ in 0..3 {
+        let (s, got) = complete(&url, req(prompt, 4, 0.0, 0));
+        assert_eq!(s, 200, "{got}");
+        assert_eq!(
+            got["prefill_kvd"]["source"], "local",
+            "router did not pick the worker with the prefix: {got}"
+        );
+    }
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    let (a, b) = (Node::start(), Node::start());
+    let (_p, prefill) = engine("prefill", Some(&a), &[]);
+    let (_d, decode) = engine("decode", Some(&b), &[]);
+    let (_router, url) = router(&[&prefill], &[&decode], "pull");
+    let bad = |target: &str, body: serde_json::Value, status: u16, needle: &str| {
+        let (s, v) = complete(target, body);
+        assert_eq!(s, status, "{v}");
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(msg.contains(needle), "`{msg}` lacks `{needle}`");
+    };
+    bad(&url, json!({"max_tokens": 3}), 400, "prompt");
+    bad(&prefill, json!({"prompt": ""}), 400, "empty");
+    bad(
+        &prefill,
+        json!({"prompt": "x", "max_tokens": 0}),
+        400,
+        "max_tokens",
+    );
+    bad(
+        &prefill,
+        json!({"prompt": "x".repeat(9000)}),
+        400,
+        "exceeds",
+    );
+    bad(
+        &url,
+        json!({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": true}}),
+        400,
+        "router",
+    );
+    // Params that are not hex, that belong to another prompt, or a push from nowhere.
+    bad(
+        &decode,
+        json!({"prompt": "x".repeat(40), "kv_transfer_params": {"do_remote_prefill": true, "prefill_tp": 1, "ranks": ["zz"]}}),
+        502,
+        "hex",
+    );
+    let (_, pre) = complete(
+        &prefill,
+        json!({"prompt": "y".repeat(40), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-bad-1"}}),
+    );
+    let kvp = pre["kv_transfer_params"].clone();
+    assert_eq!(kvp["ranks"].as_array().map(Vec::len), Some(1), "{pre}");
+    bad(
+        &decode,
+        json!({"prompt": "x".repeat(40), "kv_transfer_params": kvp}),
+        502,
+        "do not match",
+    );
+    let t0 = Instant::now();
+    bad(
+        &decode,
+        json!({"prompt": "x".repeat(40), "kv_transfer_params": {"do_remote_prefill": true, "prefill_tp": 1, "push": {"transfer_id": "never", "prefill_node": "tcp://127.0.0.1:9"}}}),
+        502,
+        "",
+    );
+    assert!(t0.elapsed() < Duration::from_secs(15));
+    // The engines still serve.
+    let (s, v) = complete(&url, req("still fine after all that", 3, 0.0, 0));
+    assert_eq!(s, 200, "{v}");
+}
+
+/// Kills one part at a time; every request gets an answer or a clear error, fast.
+#[test]
+fn router_faults_end_in_clear_errors_within_a_bound() {
+    let bound = Duration::from_secs(20);
+    let prompt = "a prompt that needs both legs and spans more than one block of KV";
+    // Prefill engine killed.
+    {
+        let (a, b) = (Node::start(), Node::start());
+        let (mut p, prefill) = engine("prefill", Some(&a), &[]);
+        let (_d, decode) = engine("decode", Some(&b), &[]);
+        let (_router, url) = router(&[&prefill], &[&decode], "pull");
+        assert_eq!(complete(&url, req(prompt, 4, 0.0, 0)).0, 200);
+        p.kill();
+        let t0 = Instant::now();
+        let (s, v) = complete(&url, req(prompt, 4, 0.0, 0));
+        assert!(s == 502 || s == 503, "{s} {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("prefill"),
+            "{v}"
+        );
+        assert!(t0.elapsed() < bound);
+    }
+    // Decode engine killed (pull and push).
+    for mode in ["pull", "push"] {
+        let (a, b) = (Node::start(), Node::start());
+        let (_p, prefill) = engine("prefill", Some(&a), &[]);
+        let (mut d, decode) = engine("decode", Some(&b), &[]);
+        let (_router, url) = router(&[&prefill], &[&decode], mode);
+        d.kill();
+        let t0 = Instant::now();
+        let (s, v) = complete(&url, req(prompt, 4, 0.0, 0));
+        assert_eq!(s, 502, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("decode"),
+            "{mode}: {v}"
+        );
+        assert!(t0.elapsed() < bound, "{mode}: {:?}", t0.elapsed());
+    }
+    // The kvd of one node killed: the prefill's (A), then the decode's (B).
+    for victim in ["a", "b"] {
+        let (mut a, mut b) = (Node::start(), Node::start());
+        let (_p, prefill) = engine("prefill", Some(&a), &[]);
+        let (_d, decode) = engine("decode", Some(&b), &[]);
+        let (_router, url) = router(&[&prefill], &[&decode], "pull");
+        assert_eq!(complete(&url, req(prompt, 4, 0.0, 0)).0, 200);
+        if victim == "a" {
+            a.proc.kill()
+        } else {
+            b.proc.kill()
+        }
+        let t0 = Instant::now();
+        let (s, v) = complete(&url, req(&format!("{prompt} ({victim})"), 4, 0.0, 0));
+        // Without its kvd the decode side cannot receive KV: an error. Without the
+        // prefill node's kvd, lookups fail over to computing, but the export cannot
+        // happen: an error too. Either way clear and bounded.
+        // (A's death also fails the router's lookup there: no prefill worker is usable, 503.)
+        assert!(s == 502 || s == 503, "kvd {victim} killed: {s} {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+        assert!(t0.elapsed() < bound, "kvd {victim}: {:?}", t0.elapsed());
+    }
+    // Decode engine killed after the first token: the stream ends with an error event.
+    {
+        let (a, b) = (Node::start(), Node::start());
+        let (_p, prefill) = engine("prefill", Some(&a), &[]);
+        let (mut d, decode) = engine("decode", Some(&b), &["--kv-blocks", "1024"]);
+        let (_router, url) = router(&[&prefill], &[&decode], "pull");
+        let t0 = Instant::now();
+        let body = json!({"prompt": prompt, "max_tokens": 8000, "stream": true});
+        let got = rt().block_on(async {
+            let r = reqwest::Client::new()
+                .post(format!("{url}/v1/completions"))
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200);
+            let mut s = r.bytes_stream();
+            use futures_util::StreamExt;
+            let first = s.next().await.expect("first chunk").expect("bytes");
+            assert!(String::from_utf8_lossy(&first).contains("token_ids"));
+            d.kill();
+            let mut rest = String::new();
+            while let Some(Ok(b)) = tokio::time::timeout(Duration::from_secs(15), s.next())
+                .await
+                .expect("stream hung")
+            {
+                rest.push_str(&String::from_utf8_lossy(&b));
+            }
+            rest
+        });
+        assert!(
+            got.contains("\"error\""),
+            "no error event after the decode worker died: …{}",
+            &got[got.len().saturating_sub(300)..]
+        );
+        assert!(got.trim_end().ends_with("data: [DONE]"));
+        assert!(t0.elapsed() < bound);
+    }
+}
