@@ -13,10 +13,13 @@
 //! - `kvd-bench transport`: the daemon-to-daemon data plane (export + pull, 64 KiB..64 MiB,
 //!   1..8 in flight) against a loopback TCP socket pair (best of 1..4 streams).
 //! - `kvd-bench pd`: export → usable on the decode side, 1..256 blocks, pull and push.
+//! - `kvd-bench pd-e2e`: end-to-end TTFT and tokens/s through real engines and the
+//!   router (aggregated, pull, push, prefix hit) against the model's own prefill time.
 //! - `kvd-bench p2p`: a load served by a peer vs export + pull of the same bytes; the
 //!   latency a remote lookup over three peers adds.
 
 mod daemon;
+mod e2e;
 mod nvme;
 mod p2p;
 mod report;
@@ -59,6 +62,9 @@ enum Cmd {
     Pd(transport::PdArgs),
     /// Loads served by a peer vs the data plane; remote lookup latency.
     P2p(p2p::P2pArgs),
+    /// End-to-end TTFT and tokens/s through engines and the router vs the model's own
+    /// prefill time (needs kvd-engine and kvd-router built beside kvd-bench).
+    PdE2e(e2e::E2eArgs),
 }
 
 #[derive(clap::Args)]
@@ -110,6 +116,7 @@ fn main() -> Result<()> {
         Cmd::Transport(a) => transport::transport(a),
         Cmd::Pd(a) => transport::pd(a),
         Cmd::P2p(a) => p2p::run(a),
+        Cmd::PdE2e(a) => e2e::run(a),
     }
 }
 

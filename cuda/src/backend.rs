@@ -188,7 +188,14 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Uses every core for large matmuls.
+    /// Uses `threads` threads for large matmuls and long prefills.
+    pub fn with_threads(threads: usize) -> Self {
+        CpuBackend {
+            threads: threads.max(1),
+        }
+    }
+
+    /// Uses every core for large matmuls and long prefills.
     pub fn new() -> Self {
         CpuBackend {
             threads: std::thread::available_parallelism()
@@ -300,7 +307,53 @@ impl Backend for CpuBackend {
         positions: &[u32],
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        cpu::attention(q, cache, g, layer, heads, block_table, positions, out);
+        let row = heads * g.head_dim;
+        let n = positions.len();
+        // Rows are independent: split long prefills over the cores (same bits).
+        let threads = if n >= 64 { self.threads.min(n) } else { 1 };
+        if threads <= 1 {
+            cpu::attention(q, cache, g, layer, heads, block_table, positions, out);
+            return Ok(());
+        }
+        // Later rows attend to more keys: deal stripes of rows round-robin so threads get
+        // equal work.
+        let stripe = 16;
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(stripe)
+            .map(|s| (s, (s + stripe).min(n)))
+            .collect();
+        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mine: Vec<(usize, usize)> =
+                        chunks.iter().copied().skip(t).step_by(threads).collect();
+                    sc.spawn(move || {
+                        mine.into_iter()
+                            .map(|(a, b)| {
+                                let mut o = vec![0f32; (b - a) * row];
+                                cpu::attention(
+                                    &q[a * row..b * row],
+                                    cache,
+                                    g,
+                                    layer,
+                                    heads,
+                                    block_table,
+                                    &positions[a..b],
+                                    &mut o,
+                                );
+                                (a, o)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("attention thread"))
+                .collect()
+        });
+        for (a, o) in results.into_iter().flatten() {
+            out[a * row..a * row + o.len()].copy_from_slice(&o);
+        }
         Ok(())
     }
     fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<()> {

@@ -143,6 +143,16 @@ fn paged_attention_matches_dense_softmax() {
     let positions: Vec<u32> = (0..n as u32).collect();
     let mut out = vec![0.0; n * heads * hd];
     cpu::attention(&q, &cache, &g, 1, heads, &table, &positions, &mut out);
+    // The threaded backend gives the same bits (64+ rows split over cores).
+    let long: Vec<u32> = (0..96).map(|i| i % n as u32).collect();
+    let ql = rand_vec(96 * heads * hd, 15);
+    let mut one = vec![0.0; ql.len()];
+    cpu::attention(&ql, &cache, &g, 1, heads, &table, &long, &mut one);
+    let mut many = vec![0.0; ql.len()];
+    CpuBackend::with_threads(3)
+        .attention(&ql, &cache, &g, 1, heads, &table, &long, &mut many)
+        .unwrap();
+    assert_eq!(one, many);
     for t in 0..n {
         for h in 0..heads {
             let kh = h / 2;

@@ -9,11 +9,13 @@
 //!   prefill|decode|both`).
 //! - [`router`]: `kvd-router`, which runs a prefill leg and a decode leg per request.
 //! - [`api`]: the JSON both speak, including `kv_transfer_params`.
+//! - [`local`]: spawning a local deployment (tests, bench, `deploy/local`).
 //!
 //! Invariant the tests hold: a disaggregated request produces the tokens the same
 //! request produces on one aggregated engine.
 
 pub mod api;
+pub mod local;
 pub mod router;
 pub mod server;
 pub mod sse;

@@ -51,7 +51,7 @@ fn check_equal(router_url: &str, reference_url: &str, what: &str) {
 
 #[test]
 fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
-    let (a, b) = (Node::start(), Node::start());
+    let (a, b) = (node(), node());
     let (_r, reference) = reference();
     let (_p, prefill) = engine("prefill", Some(&a), &[]);
     let (_d, decode) = engine("decode", Some(&b), &[]);
@@ -80,7 +80,7 @@ fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
 
 #[test]
 fn disaggregated_push_equals_aggregated() {
-    let (a, b) = (Node::start(), Node::start());
+    let (a, b) = (node(), node());
     let (_r, reference) = reference();
     let (_p, prefill) = engine("prefill", Some(&a), &[]);
     let (_d, decode) = engine("decode", Some(&b), &[]);
@@ -94,7 +94,7 @@ fn disaggregated_push_equals_aggregated() {
 /// the tokens identical.
 #[test]
 fn heterogeneous_kv_shards_reslice_to_the_same_tokens() {
-    let (a, b) = (Node::start(), Node::start());
+    let (a, b) = (node(), node());
     let (_r, reference) = reference();
     for (ptp, dtp, mode) in [("2", "1", "pull"), ("1", "2", "pull"), ("4", "2", "push")] {
         let (_p, prefill) = engine("prefill", Some(&a), &["--tp", ptp]);
@@ -120,7 +120,7 @@ fn heterogeneous_kv_shards_reslice_to_the_same_tokens() {
 /// gets the request.
 #[test]
 fn router_prefers_the_prefill_worker_with_the_cached_prefix() {
-    let (a, b, c) = (Node::start(), Node::start(), Node::start());
+    let (a, b, c) = (node(), node(), node());
     let (_p1, p1) = engine("prefill", Some(&a), &[]);
     let (_p2, p2) = engine("prefill", Some(&b), &[]);
     let (_d, decode) = engine("decode", Some(&c), &[]);
@@ -141,7 +141,7 @@ fn router_prefers_the_prefill_worker_with_the_cached_prefix() {
 
 #[test]
 fn bad_requests_get_clear_errors() {
-    let (a, b) = (Node::start(), Node::start());
+    let (a, b) = (node(), node());
     let (_p, prefill) = engine("prefill", Some(&a), &[]);
     let (_d, decode) = engine("decode", Some(&b), &[]);
     let (_router, url) = router(&[&prefill], &[&decode], "pull");
@@ -213,7 +213,7 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
     let prompt = "a prompt that needs both legs and spans more than one block of KV";
     // Prefill engine killed.
     {
-        let (a, b) = (Node::start(), Node::start());
+        let (a, b) = (node(), node());
         let (mut p, prefill) = engine("prefill", Some(&a), &[]);
         let (_d, decode) = engine("decode", Some(&b), &[]);
         let (_router, url) = router(&[&prefill], &[&decode], "pull");
@@ -230,7 +230,7 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
     }
     // Decode engine killed (pull and push).
     for mode in ["pull", "push"] {
-        let (a, b) = (Node::start(), Node::start());
+        let (a, b) = (node(), node());
         let (_p, prefill) = engine("prefill", Some(&a), &[]);
         let (mut d, decode) = engine("decode", Some(&b), &[]);
         let (_router, url) = router(&[&prefill], &[&decode], mode);
@@ -246,7 +246,7 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
     }
     // The kvd of one node killed: the prefill's (A), then the decode's (B).
     for victim in ["a", "b"] {
-        let (mut a, mut b) = (Node::start(), Node::start());
+        let (mut a, mut b) = (node(), node());
         let (_p, prefill) = engine("prefill", Some(&a), &[]);
         let (_d, decode) = engine("decode", Some(&b), &[]);
         let (_router, url) = router(&[&prefill], &[&decode], "pull");
@@ -273,7 +273,7 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
     }
     // Decode engine killed after the first token: the stream ends with an error event.
     {
-        let (a, b) = (Node::start(), Node::start());
+        let (a, b) = (node(), node());
         let (_p, prefill) = engine("prefill", Some(&a), &[]);
         let (mut d, decode) = engine("decode", Some(&b), &["--kv-blocks", "1024"]);
         let (_router, url) = router(&[&prefill], &[&decode], "pull");

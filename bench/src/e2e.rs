@@ -1,0 +1,225 @@
+//! `kvd-bench pd-e2e`: end-to-end TTFT and decode speed through real engines and the
+//! router, for prompts of 128..8192 tokens: aggregated (one engine, no kvd),
+//! disaggregated with pull, with push, and a repeated prompt (prefix hit on the prefill
+//! node). The reference is the model's own prefill time of the same prompt, measured by
+//! the aggregated engine in the same run (its internal time to first token), so the
+//! ratios say what the handoff costs on top of the compute this machine has.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use kvd_engine::local::{self, Bins, Node};
+use serde::Serialize;
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct E2eArgs {
+    /// Prompt lengths in tokens (bytes: the tokenizer is byte-level).
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048,8192")]
+    tokens: Vec<usize>,
+    /// Tokens generated per request (decode speed is measured over them).
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Requests per case (fresh prompts; medians reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Compute backend of the engines: auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Directory of kvd, kvd-engine and kvd-router (default: this binary's).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Default, Clone)]
+struct Row {
+    prompt_tokens: usize,
+    /// The aggregated engine's own time from arrival to first token (prefill compute).
+    prefill_ms: f64,
+    aggregated_ttft_ms: f64,
+    pull_ttft_ms: f64,
+    push_ttft_ms: f64,
+    prefix_hit_ttft_ms: f64,
+    aggregated_tok_s: f64,
+    pull_tok_s: f64,
+    push_tok_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// A printable prompt of `n` bytes, different for every `salt`.
+fn prompt(n: usize, salt: u64) -> String {
+    let mut x = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (b'a' + (x % 26) as u8) as char
+        })
+        .collect()
+}
+
+/// (TTFT ms, decode tokens/s) of one streamed request.
+fn timed(url: &str, p: &str, max_tokens: usize) -> Result<(f64, f64, serde_json::Value)> {
+    let t0 = std::time::Instant::now();
+    let c = local::stream(url, &json!({"prompt": p, "max_tokens": max_tokens}))?;
+    let total = t0.elapsed().as_secs_f64();
+    if let Some(e) = c.error {
+        bail!("request failed: {e}");
+    }
+    let ttft = c.ttft.context("no token")?;
+    let rest = (c.token_ids.len().saturating_sub(1)) as f64 / (total - ttft).max(1e-9);
+    let kvd = c
+        .last
+        .and_then(|l| l.kvd)
+        .map(|k| serde_json::to_value(k).unwrap_or_default())
+        .unwrap_or_default();
+    Ok((ttft * 1e3, rest, kvd))
+}
+
+pub fn run(a: E2eArgs) -> Result<()> {
+    let dir = match a.bin_dir {
+        Some(d) => d,
+        None => std::env::current_exe()?
+            .parent()
+            .context("exe dir")?
+            .to_path_buf(),
+    };
+    let bins = Bins::in_dir(&dir);
+    for b in [&bins.kvd, &bins.engine, &bins.router] {
+        if !b.exists() {
+            bail!(
+                "{} not found: build with `cargo build --release -p kvd-daemon -p kvd-engine`",
+                b.display()
+            );
+        }
+    }
+    let longest = a.tokens.iter().copied().max().unwrap_or(128) + a.max_tokens;
+    let blocks = (longest.div_ceil(16) * 3).max(512).to_string();
+    let (na, nb) = (Node::start(&bins, "2GiB")?, Node::start(&bins, "2GiB")?);
+    let flags = [
+        "--backend",
+        a.backend.as_str(),
+        "--kv-blocks",
+        blocks.as_str(),
+        "--transfer-timeout-ms",
+        "60000",
+        "--kvd-timeout-ms",
+        "10000",
+    ];
+    let (_agg, agg) = local::engine(&bins, "both", None, &flags)?;
+    let (_pre, pre) = local::engine(&bins, "prefill", Some(&na), &flags)?;
+    let (_dec, dec) = local::engine(&bins, "decode", Some(&nb), &flags)?;
+    let (_rpull, rpull) = local::router(&bins, &[&pre], &[&dec], "pull")?;
+    let (_rpush, rpush) = local::router(&bins, &[&pre], &[&dec], "push")?;
+    let info: serde_json::Value = {
+        let (_, v) = local::complete(&agg, &json!({"prompt": "warm up", "max_tokens": 2}))?;
+        v
+    };
+    let backend = info["kvd"]["backend"].as_str().unwrap_or("?").to_string();
+    // Warm every path once.
+    for u in [&rpull, &rpush] {
+        timed(u, &prompt(64, 1), 2)?;
+    }
+    let mut rows = Vec::new();
+    let mut salt = 100;
+    for &n in &a.tokens {
+        let mut r = Row {
+            prompt_tokens: n,
+            ..Default::default()
+        };
+        let (mut pf, mut at, mut pt, mut ps, mut hit, mut ar, mut pr, mut sr) = (
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+        );
+        for _ in 0..a.reps {
+            salt += 1;
+            let p = prompt(n, salt);
+            let (t, rate, kvd) = timed(&agg, &p, a.max_tokens)?;
+            at.push(t);
+            ar.push(rate);
+            pf.push(kvd["ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            let (t, rate, _) = timed(&rpull, &p, a.max_tokens)?;
+            pt.push(t);
+            pr.push(rate);
+            // The same prompt again: node A now holds its blocks.
+            let (t, _, _) = timed(&rpull, &p, a.max_tokens)?;
+            hit.push(t);
+            salt += 1;
+            let p = prompt(n, salt);
+            let (t, rate, _) = timed(&rpush, &p, a.max_tokens)?;
+            ps.push(t);
+            sr.push(rate);
+        }
+        r.prefill_ms = median(pf);
+        r.aggregated_ttft_ms = median(at);
+        r.pull_ttft_ms = median(pt);
+        r.push_ttft_ms = median(ps);
+        r.prefix_hit_ttft_ms = median(hit);
+        r.aggregated_tok_s = median(ar);
+        r.pull_tok_s = median(pr);
+        r.push_tok_s = median(sr);
+        rows.push(r);
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"bench": "pd-e2e", "backend": backend, "max_tokens": a.max_tokens, "reps": a.reps, "rows": rows})
+            )?
+        );
+        return Ok(());
+    }
+    println!(
+        "kvd-bench pd-e2e — backend {backend}, {} generated tokens, median of {} requests",
+        a.max_tokens, a.reps
+    );
+    println!(
+        "reference: the model's own prefill time of the same prompt (aggregated engine, same run)"
+    );
+    println!(
+        "{:>7} {:>10} | {:>22} {:>22} {:>22} {:>22} | {:>8} {:>8} {:>8}",
+        "tokens",
+        "prefill",
+        "aggregated TTFT",
+        "pull TTFT",
+        "push TTFT",
+        "prefix-hit TTFT",
+        "agg t/s",
+        "pull t/s",
+        "push t/s"
+    );
+    for r in &rows {
+        let c = |v: f64| format!("{v:9.1} ms ({:5.2}x)", v / r.prefill_ms);
+        println!(
+            "{:>7} {:>7.1} ms | {:>22} {:>22} {:>22} {:>22} | {:>8.0} {:>8.0} {:>8.0}",
+            r.prompt_tokens,
+            r.prefill_ms,
+            c(r.aggregated_ttft_ms),
+            c(r.pull_ttft_ms),
+            c(r.push_ttft_ms),
+            c(r.prefix_hit_ttft_ms),
+            r.aggregated_tok_s,
+            r.pull_tok_s,
+            r.push_tok_s
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,247 @@
+//! Spawning a local deployment's processes — `kvd` daemons, `kvd-engine`s and
+//! `kvd-router`s on loopback — and talking to them: the end-to-end tests and
+//! `kvd-bench pd-e2e` use this. Every process is killed when its guard drops.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+
+use crate::sse::{collect, Collected};
+
+/// Where the three binaries are.
+#[derive(Clone, Debug)]
+pub struct Bins {
+    /// `kvd`.
+    pub kvd: PathBuf,
+    /// `kvd-engine`.
+    pub engine: PathBuf,
+    /// `kvd-router`.
+    pub router: PathBuf,
+}
+
+impl Bins {
+    /// The binaries in `dir` (e.g. `target/release`).
+    pub fn in_dir(dir: &Path) -> Bins {
+        Bins {
+            kvd: dir.join("kvd"),
+            engine: dir.join("kvd-engine"),
+            router: dir.join("kvd-router"),
+        }
+    }
+}
+
+/// A child process, SIGKILLed on drop.
+pub struct Proc {
+    /// The process.
+    pub child: Child,
+}
+
+impl Proc {
+    /// SIGKILL now and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `kvd` daemon on a private ipc socket and pool file in `/dev/shm`.
+pub struct Node {
+    /// The daemon.
+    pub proc: Proc,
+    /// Holds the socket and pool.
+    pub dir: tempfile::TempDir,
+    /// Its `ipc://` endpoint.
+    pub endpoint: String,
+}
+
+impl Node {
+    /// Starts a daemon with a pool of `pool` (e.g. `"128MiB"`) and waits for its socket.
+    pub fn start(bins: &Bins, pool: &str) -> Result<Node> {
+        let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
+        let sock = dir.path().join("kvd.sock");
+        let endpoint = format!("ipc://{}", sock.display());
+        let child = Command::new(&bins.kvd)
+            .args(["--endpoint", &endpoint, "--pool-path"])
+            .arg(dir.path().join("pool"))
+            .args([
+                "--pool-size",
+                pool,
+                "--segment-size",
+                "4MiB",
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--log-level",
+                "warn",
+            ])
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("spawning {}", bins.kvd.display()))?;
+        let mut proc = Proc { child };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !sock.exists() {
+            if let Some(st) = proc.child.try_wait()? {
+                bail!("kvd exited at start: {st}");
+            }
+            if Instant::now() > deadline {
+                proc.kill();
+                bail!("kvd did not start within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Node {
+            proc,
+            dir,
+            endpoint,
+        })
+    }
+}
+
+/// Spawns a binary that prints `... listening on http://ADDR`; returns it and its URL.
+pub fn spawn_http(bin: &Path, args: &[String]) -> Result<(Proc, String)> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {}", bin.display()))?;
+    let out = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(url) = line.split("listening on ").nth(1) {
+                let _ = tx.send(url.trim().to_string());
+            }
+        }
+    });
+    let mut proc = Proc { child };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(url) = rx.recv_timeout(Duration::from_millis(50)) {
+            return Ok((proc, url));
+        }
+        if let Some(st) = proc.child.try_wait()? {
+            bail!("{} exited at start: {st}", bin.display());
+        }
+        if Instant::now() > deadline {
+            proc.kill();
+            bail!("{} did not start within 60 s", bin.display());
+        }
+    }
+}
+
+/// Starts a `kvd-engine` of `role` on an ephemeral port (`kvd` None: no kvd), with
+/// `extra` flags (which override the defaults given here).
+pub fn engine(
+    bins: &Bins,
+    role: &str,
+    kvd: Option<&Node>,
+    extra: &[&str],
+) -> Result<(Proc, String)> {
+    let mut args: Vec<String> = vec![
+        "--role".into(),
+        role.into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+    ];
+    args.extend([
+        "--kvd".into(),
+        kvd.map_or("none".into(), |n| n.endpoint.clone()),
+    ]);
+    for (flag, default) in [
+        ("--backend", "cpu"),
+        ("--kvd-timeout-ms", "1500"),
+        ("--transfer-timeout-ms", "8000"),
+        ("--kv-blocks", "512"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend([flag.to_string(), default.to_string()]);
+        }
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    spawn_http(&bins.engine, &args)
+}
+
+/// Starts a `kvd-router` (mode `pull` or `push`) on an ephemeral port.
+pub fn router(
+    bins: &Bins,
+    prefill: &[&str],
+    decode: &[&str],
+    mode: &str,
+) -> Result<(Proc, String)> {
+    let mut args: Vec<String> = vec![
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--mode".into(),
+        mode.into(),
+        "--leg-timeout-ms".into(),
+        "60000".into(),
+    ];
+    args.push("--prefill".into());
+    args.extend(prefill.iter().map(|s| s.to_string()));
+    args.push("--decode".into());
+    args.extend(decode.iter().map(|s| s.to_string()));
+    spawn_http(&bins.router, &args)
+}
+
+fn rt() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// POSTs a completion (not streamed); returns the status and the JSON body (a JSON
+/// string when the body is not JSON).
+pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
+    rt()?.block_on(async {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .header("content-type", "application/json")
+            .timeout(Duration::from_secs(120))
+            .body(body.to_string())
+            .send()
+            .await?;
+        let status = r.status().as_u16();
+        let text = r.text().await?;
+        Ok((
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        ))
+    })
+}
+
+/// POSTs a streamed completion and collects it (TTFT measured from the send). A non-200
+/// answer is an error carrying the status and body.
+pub fn stream(url: &str, body: &Value) -> Result<Collected> {
+    let mut body = body.clone();
+    body["stream"] = Value::Bool(true);
+    rt()?.block_on(async {
+        let t0 = Instant::now();
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .header("content-type", "application/json")
+            .timeout(Duration::from_secs(120))
+            .body(body.to_string())
+            .send()
+            .await?;
+        if !r.status().is_success() {
+            let s = r.status().as_u16();
+            return Err(anyhow!("HTTP {s}: {}", r.text().await.unwrap_or_default()));
+        }
+        collect(r.bytes_stream(), t0).await
+    })
+}
