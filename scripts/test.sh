@@ -37,14 +37,19 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p kvd-daemon --all-targets --locked --features rdma -- -D warnings
+cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
 
 step "bench smoke run (tiny sizes)"
-cargo build --release --locked -q -p kvd-daemon -p kvd-bench
+cargo build --release --locked -q -p kvd-daemon -p kvd-bench -p kvd-engine
 ./target/release/kvd-bench store --total 16MiB --sizes 64KiB,1MiB --lookup-keys 4096 --json > /dev/null
 ./target/release/kvd-bench nvme --dir target/kvd-bench-nvme-smoke --total 64MiB --sizes 1MiB --qd 4 --pool 64MiB --json > /dev/null
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
+./target/release/kvd-bench pd-e2e --tokens 128 --reps 1 --max-tokens 4 --backend cpu --json > /dev/null
 echo "bench smoke: ok"
+
+step "deploy/local/run.sh (two nodes, prefill, decode, router on loopback)"
+KVD_BIN=target/release timeout 300 deploy/local/run.sh
 
 step "deploy/ validates offline (k8s schemas, helm, hadolint, systemd, dashboard JSON)"
 ./scripts/validate-deploy.sh
@@ -57,7 +62,10 @@ s1=${PIPESTATUS[0]}
 # The rdma build's own tests: with no RDMA device they say so in one line.
 timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff rdma -- --nocapture 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
+# The cuda build's GPU tests: with no GPU they say so in one line.
+timeout 900 cargo test -p kvd-cuda -p kvd-engine --locked --features kvd-cuda/cuda,kvd-engine/cuda --test kernels --test gpu -- --nocapture 2>&1 | tee -a "$log"
+s3=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite (also when something failed).
 awk '/^test result:/ { p += $4; f += $6 } END { printf "\nall tests: %d passed, %d failed\n", p, f; exit (f > 0) }' "$log"
-[ "$s1" -eq 0 ] && [ "$s2" -eq 0 ]
+[ "$s1" -eq 0 ] && [ "$s2" -eq 0 ] && [ "$s3" -eq 0 ]

@@ -46,7 +46,7 @@ const NAMES: &[&str] = &[
 
 /// A CUDA device with the kernels loaded.
 pub struct CudaBackend {
-    _ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     blas: Option<CudaBlas>,
@@ -106,7 +106,7 @@ impl CudaBackend {
         };
         let device = ctx.name().unwrap_or_else(|_| "unknown".into());
         Ok(CudaBackend {
-            _ctx: ctx,
+            ctx,
             stream,
             funcs,
             blas,
@@ -146,6 +146,7 @@ impl CudaBackend {
     /// dropped.
     pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
         use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
         // SAFETY: the caller guarantees the range is mapped for the backend's life.
         let r = unsafe {
             sys::cuMemHostRegister_v2(
@@ -398,6 +399,8 @@ impl Backend for CudaBackend {
             "matmul sizes"
         );
         if let Some(blas) = &self.blas {
+            // cuBLAS runs in the calling thread's current context.
+            self.ctx.bind_to_thread()?;
             // Row-major out[m×n] = x·wᵀ is column-major outᵀ[n×m] = wᵀ(k×n as stored)ᵀ · x.
             let cfg = GemmConfig {
                 transa: cublasOperation_t::CUBLAS_OP_T,

@@ -22,7 +22,7 @@ cleanup() {
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { for _ in $(seq 1 200); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; return 1; }
+wait_http() { for _ in $(seq 1 400); do python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)' "$1" 2>/dev/null && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; return 1; }
 wait_file() { for _ in $(seq 1 200); do [[ -S "$1" ]] && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; return 1; }
 
 for n in a b; do

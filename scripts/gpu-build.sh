@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs on a GPU machine that has CUDA but no Rust
+# toolchain: stripped release binaries with the `cuda` feature (cudarc loads CUDA at run
+# time, so no toolkit is needed here), copied to gpu-bin/ (git-ignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
+FEAT=kvd-engine/cuda,kvd-cuda/cuda
+cargo build --release -p kvd-daemon -p kvd-engine -p kvd-bench --features "$FEAT"
+cargo test --release -p kvd-cuda -p kvd-engine --features "$FEAT" --no-run
+rm -rf gpu-bin && mkdir gpu-bin
+cp target/gpu/release/{kvd,kvd-engine,kvd-router,kvd-bench} gpu-bin/
+newest() { ls -t target/gpu/release/deps/"$1"-* | grep -v '\.d$' | head -1; }
+cp "$(newest kernels)" gpu-bin/kernels-test
+cp "$(newest gpu)" gpu-bin/gpu-test
+cp scripts/gpu-check.sh gpu-bin/
+du -sh gpu-bin
