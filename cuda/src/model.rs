@@ -241,6 +241,55 @@ impl Weights {
         Ok(w)
     }
 
+    /// Writes the weights as a safetensors file (f32, Hugging Face Llama names and
+    /// shapes), e.g. to hand the generated weights to another tool.
+    pub fn save_safetensors(&self, cfg: &ModelConfig, path: &Path) -> Result<()> {
+        self.check(cfg)?;
+        let cols = |name: &str| -> usize {
+            if name.ends_with("o_proj.weight") {
+                cfg.q_dim()
+            } else if name.ends_with("down_proj.weight") {
+                cfg.ffn
+            } else {
+                cfg.dim
+            }
+        };
+        let mut names: Vec<&String> = self.tensors.keys().collect();
+        names.sort();
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = names
+            .into_iter()
+            .map(|n| {
+                let t = &self.tensors[n];
+                let shape = if n.ends_with("norm.weight") {
+                    vec![t.len()]
+                } else {
+                    vec![t.len() / cols(n), cols(n)]
+                };
+                (
+                    n.clone(),
+                    t.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    shape,
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, b, shape)| {
+                Ok((
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        shape.clone(),
+                        b,
+                    )?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        safetensors::serialize_to_file(views, None, path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(())
+    }
+
     fn check(&self, cfg: &ModelConfig) -> Result<()> {
         let want = |n: &str, len: usize| -> Result<()> {
             let t = self

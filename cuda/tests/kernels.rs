@@ -367,6 +367,50 @@ fn model_rows_are_independent_and_blocks_move_exactly() {
     );
 }
 
+/// Weights written as safetensors and read back (with a Hugging Face config.json) give
+/// the same model; a file for another shape is refused.
+#[test]
+fn safetensors_weights_and_hf_config_load() {
+    let cfg = tiny();
+    let dir = tempfile::tempdir().unwrap();
+    let st = dir.path().join("model.safetensors");
+    Weights::seeded(&cfg).save_safetensors(&cfg, &st).unwrap();
+    let hf = dir.path().join("config.json");
+    std::fs::write(
+        &hf,
+        serde_json::json!({"hidden_size": cfg.dim, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.ffn, "vocab_size": cfg.vocab,
+            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.eps})
+        .to_string(),
+    )
+    .unwrap();
+    let mut read = ModelConfig::from_hf_json(&hf, &cfg.name).unwrap();
+    read.block_tokens = cfg.block_tokens;
+    assert_eq!(read, cfg);
+    let tokens: Vec<u32> = b"weights from a file".iter().map(|&b| b as u32).collect();
+    let run = |w| {
+        let mut m = Model::new(CpuBackend::new(), cfg.clone(), w, 16).unwrap();
+        m.forward(&mut Sequence {
+            tokens: tokens.clone(),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    assert_eq!(
+        run(Weights::from_safetensors(&st, &cfg).unwrap()),
+        run(Weights::seeded(&cfg))
+    );
+    let other = ModelConfig {
+        dim: 32,
+        ..cfg.clone()
+    };
+    let e = Weights::from_safetensors(&st, &other)
+        .err()
+        .expect("shape mismatch refused")
+        .to_string();
+    assert!(e.contains("elements"), "{e}");
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;

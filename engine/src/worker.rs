@@ -58,6 +58,8 @@ pub struct EngineConfig {
     pub model: ModelConfig,
     /// Safetensors weights (else generated from `model.seed`).
     pub weights: Option<std::path::PathBuf>,
+    /// A Hugging Face `tokenizer.json` (else byte-level).
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Physical KV blocks of the cache.
     pub num_blocks: usize,
     /// kvd endpoint (`None`: no kvd; only `both` can run so).
@@ -205,10 +207,15 @@ fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
 impl Engine {
     /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
     pub fn start(cfg: EngineConfig) -> Result<Engine> {
-        let tokenizer = Tokenizer::Bytes;
+        let tokenizer = match &cfg.tokenizer {
+            Some(p) => Tokenizer::from_file(p)?,
+            None => Tokenizer::Bytes,
+        };
         ensure!(
             cfg.model.vocab >= tokenizer.vocab(),
-            "the byte tokenizer needs a vocabulary of at least 256"
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            tokenizer.vocab(),
+            cfg.model.vocab
         );
         ensure!(
             cfg.tp > 0 && cfg.model.kv_heads.is_multiple_of(cfg.tp),
@@ -234,7 +241,7 @@ impl Engine {
                     .with_name(format!("kvd-engine-{}", cfg.role.name()))
                     .with_timeout(cfg.kvd_timeout)
                     .connect()
-                    .with_context(|| format!("connecting to kvd at {ep}"))?;
+                    .with_context(|| format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)"))?;
                 ensure!(
                     client.is_mapped(),
                     "kvd's pool is not mapped (the engine needs a same-node daemon)"
@@ -330,7 +337,7 @@ impl Engine {
         let Some(kv) = &self.inner.kv else {
             return Ok(0);
         };
-        let keys = self.keys(&self.inner.tokenizer.encode(prompt));
+        let keys = self.keys(&self.inner.tokenizer.encode(prompt)?);
         let mut n = keys.len();
         for l in &kv.layouts {
             n = n.min(kv.client.lookup(l.id, &keys)?.prefix as usize);
@@ -345,7 +352,11 @@ impl Engine {
         req: GenRequest,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
         let t0 = Instant::now();
-        let tokens = self.inner.tokenizer.encode(&req.prompt);
+        let tokens = self
+            .inner
+            .tokenizer
+            .encode(&req.prompt)
+            .map_err(ApiError::bad)?;
         if tokens.is_empty() {
             return Err(ApiError::bad(anyhow!("the prompt is empty")));
         }

@@ -311,3 +311,76 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
         assert!(t0.elapsed() < bound);
     }
 }
+
+/// Weights, model shape and tokenizer from files: the engine uses them (same tokens as
+/// the seeded weights they were written from), and refuses a tokenizer larger than the
+/// model's vocabulary.
+#[test]
+fn engine_runs_weights_config_and_tokenizer_from_files() {
+    use kvd_cuda::model::Weights;
+    use kvd_cuda::ModelConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig {
+        dim: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        seed: 5,
+        ..Default::default()
+    };
+    let (w, c, t) = (
+        dir.path().join("w.safetensors"),
+        dir.path().join("model.json"),
+        dir.path().join("tokenizer.json"),
+    );
+    Weights::seeded(&cfg).save_safetensors(&cfg, &w).unwrap();
+    std::fs::write(&c, serde_json::to_string(&cfg).unwrap()).unwrap();
+    std::fs::write(
+        &t,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"[UNK]":0,"hello":1,"world":2,"kvd":3},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let (w, c, t) = (
+        w.to_str().unwrap(),
+        c.to_str().unwrap(),
+        t.to_str().unwrap(),
+    );
+    let (_e1, from_files) = engine(
+        "both",
+        None,
+        &["--weights", w, "--model-config", c, "--tokenizer", t],
+    );
+    let (_e2, seeded) = engine(
+        "both",
+        None,
+        &["--model-config", c, "--seed", "5", "--tokenizer", t],
+    );
+    let body = json!({"prompt": "hello kvd world hello", "max_tokens": 6});
+    let (s1, a) = complete(&from_files, body.clone());
+    let (s2, b) = complete(&seeded, body);
+    assert_eq!((s1, s2), (200, 200), "{a} {b}");
+    assert_eq!(a["usage"]["prompt_tokens"], 4, "{a}");
+    assert_eq!(tokens(&a), tokens(&b));
+    // A tokenizer with more tokens than the model has is refused at start.
+    let big: serde_json::Map<String, serde_json::Value> =
+        (0..300).map(|i| (format!("w{i}"), json!(i))).collect();
+    std::fs::write(
+        t,
+        json!({"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab": big,"unk_token":"w0"}})
+        .to_string(),
+    )
+    .unwrap();
+    assert!(kvd_engine::local::engine(
+        &bins(),
+        "both",
+        None,
+        &["--model-config", c, "--tokenizer", t]
+    )
+    .is_err());
+}

@@ -35,6 +35,9 @@ struct Args {
     /// Safetensors weights (Hugging Face Llama names). Default: generated from --seed.
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// Hugging Face tokenizer.json (default: byte-level).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Seed of generated weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -96,6 +99,7 @@ fn main() -> Result<()> {
         backend: a.backend,
         model,
         weights: a.weights,
+        tokenizer: a.tokenizer,
         num_blocks: a.kv_blocks,
         kvd,
         kvd_timeout: Duration::from_millis(a.kvd_timeout_ms),
