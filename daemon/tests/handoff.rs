@@ -164,6 +164,32 @@ fn push_works_in_both_orders() {
     assert_eq!(xstats(&ca).done, 2);
 }
 
+/// The decode node already holds every key (a repeated prompt): the push moves nothing
+/// and still ends, whichever side comes first.
+#[test]
+fn push_of_keys_the_decode_node_already_holds_ends_in_both_orders() {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let a_node = node_of(&ca);
+    for (round, export_first) in [(0u32, false), (1, true), (2, false), (3, true)] {
+        let (layout, ks, data) = fill(&ca, 40 + round, 3, 64);
+        let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+        register(&cb, 64);
+        cb.store(layout, &ks, &refs).unwrap();
+        let id = format!("held-{round}");
+        if export_first {
+            ca.export(&id, layout, &ks, None).unwrap();
+            cb.push_register(&id, layout, &ks, &a_node, None).unwrap();
+        } else {
+            cb.push_register(&id, layout, &ks, &a_node, None).unwrap();
+            ca.export(&id, layout, &ks, None).unwrap();
+        }
+        let r = cb.transfer_status(&id, Duration::from_secs(10)).unwrap();
+        assert_eq!(r.state, TransferState::Done, "round {round}: {r:?}");
+        verify(&cb, layout, &r, &data);
+    }
+}
+
 #[test]
 fn push_registration_without_export_expires_and_says_so() {
     let (a, b) = (Node::start(600, true), Node::start(600, true));

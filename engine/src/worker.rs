@@ -677,8 +677,8 @@ impl Scheduler {
         };
         let mut cached = 0;
         let res = (|| -> Result<(kvd_cuda::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
-            if let Some(p) = &job.prefix {
-                if p.n > 0 {
+            if let Some(p) = job.prefix.as_ref().filter(|p| p.n > 0) {
+                let loaded = (|| -> Result<()> {
                     let mut src = Vec::with_capacity(p.n * p.src_tp);
                     for b in 0..p.n {
                         for pin in &p.pins {
@@ -688,8 +688,17 @@ impl Scheduler {
                             );
                         }
                     }
-                    self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)?;
-                    cached = p.n * bt;
+                    self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)
+                })();
+                match loaded {
+                    Ok(()) => cached = p.n * bt,
+                    // A local cache hit that lapsed while queued (pin expired) is only an
+                    // optimisation lost: compute the prompt instead.
+                    Err(e) if job.source == "local" => {
+                        tracing::warn!("cached prefix unusable ({e:#}); computing it");
+                        seq.computed = 0;
+                    }
+                    Err(e) => return Err(e.context("loading the transferred KV")),
                 }
             }
             let logits = self.model.forward(&mut seq)?;
@@ -731,7 +740,7 @@ impl Scheduler {
             }
             let info = KvdInfo {
                 cached_tokens: cached,
-                source: job.source.to_string(),
+                source: if cached > 0 { job.source } else { "none" }.to_string(),
                 computed_tokens: job.tokens.len() - cached,
                 stored_blocks: stored,
                 ttft_ms: 0.0,

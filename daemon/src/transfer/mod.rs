@@ -1718,7 +1718,12 @@ impl Transfers {
             i.mode == Mode::Push
                 && !i.state.is_final()
                 && i.handle == r.handle
-                && i.peer.incarnation == r.from.incarnation
+                && (i.peer.incarnation == r.from.incarnation
+                    // The done can overtake the acknowledgement of the registration (an
+                    // exporter with nothing to write answers a registration that matches
+                    // its export at once), so the peer's incarnation may not be known
+                    // yet: then the sender must be the node the registration went to.
+                    || (i.peer.incarnation == Incarnation(0) && i.peer.node == r.from.node))
         });
         if !ok {
             self.counters.refused += 1;
@@ -1743,6 +1748,7 @@ impl Transfers {
             self.grants.bytes(handle)
         };
         let imp = self.imports.get_mut(&r.transfer_id).expect("checked");
+        imp.peer.incarnation = r.from.incarnation;
         imp.bytes = got;
         imp.transport = if by_rdma { "rdma" } else { "tcp" };
         imp.peer.data = r.from.data.clone();
