@@ -222,11 +222,12 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     };
     let transfers = cfg.transfer.resolved(&cfg.peers).map(|t| (t, shared_pool));
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
-    for p in &ipc_paths {
-        share_with_group(p, group, 0o660, 0o600)?;
-    }
     if let Some((t, pool)) = transfers {
         server.start_transfers(t, pool)?;
+    }
+    server.bind_client_endpoints()?;
+    for p in &ipc_paths {
+        share_with_group(p, group, 0o660, 0o600)?;
     }
     if let Some(me) = server.peer_ref() {
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");

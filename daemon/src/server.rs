@@ -248,7 +248,8 @@ impl PeerLinks {
 }
 
 impl Server {
-    /// Creates the ROUTER socket and binds every endpoint.
+    /// Creates the ROUTER socket (clients' endpoints are bound by
+    /// [`Server::bind_client_endpoints`], after the transfer endpoints).
     pub fn bind(
         store: Store,
         opts: ServerOptions,
@@ -271,9 +272,6 @@ impl Server {
         socket
             .set_maxmsgsize(i64::try_from(hard_cap).unwrap_or(i64::MAX))
             .map_err(zerr("MAXMSGSIZE"))?;
-        for e in &opts.endpoints {
-            socket.bind(e).map_err(zerr(format!("bind {e}")))?;
-        }
         signals
             .set_nonblocking(true)
             .expect("setting O_NONBLOCK on a socketpair cannot fail");
@@ -320,6 +318,16 @@ impl Server {
             self.health.add_gate("the etcd registration", g);
         }
         self.transfers = Some(t);
+        Ok(())
+    }
+
+    /// Binds the clients' endpoints. Called last, so that an ipc socket file appears only
+    /// once everything else is bound: a daemon that cannot bind its peer endpoints exits
+    /// before any client could connect.
+    pub fn bind_client_endpoints(&mut self) -> Result<(), ServerError> {
+        for e in &self.opts.endpoints {
+            self.socket.bind(e).map_err(zerr(format!("bind {e}")))?;
+        }
         Ok(())
     }
 

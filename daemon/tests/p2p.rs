@@ -15,27 +15,37 @@ use nix::sys::signal::Signal;
 
 /// Three daemons that know each other statically (each lists all three, itself included).
 fn cluster(mode: &str, shm: bool) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::NamedTempFile>) {
-    let nodes: Vec<String> = (0..3)
-        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
-        .collect();
-    let mut daemons = Vec::new();
-    let mut cfgs = Vec::new();
-    for node in &nodes {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        let list: Vec<String> = nodes.iter().map(|n| format!("\"{n}\"")).collect();
-        writeln!(
-            f,
-            "[transfer]\ncontrol = \"{node}\"\nlease_ms = 5000\nshm = {shm}\n[peers]\nmode = \"{mode}\"\nstatic = [{}]\nlookup_timeout_ms = 300\ndown_backoff_ms = 3000",
-            list.join(", ")
-        )
-        .unwrap();
-        daemons.push(Daemon::start(&[
-            "--config",
-            &f.path().display().to_string(),
-        ]));
-        cfgs.push(f);
+    // The control ports are picked before the daemons bind them; another process may
+    // take one meanwhile (the daemon then exits at start): pick again.
+    for _attempt in 0..3 {
+        let nodes: Vec<String> = (0..3)
+            .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
+            .collect();
+        let mut daemons = Vec::new();
+        let mut cfgs = Vec::new();
+        for node in &nodes {
+            let mut f = tempfile::NamedTempFile::new().unwrap();
+            let list: Vec<String> = nodes.iter().map(|n| format!("\"{n}\"")).collect();
+            writeln!(
+                f,
+                "[transfer]\ncontrol = \"{node}\"\nlease_ms = 5000\nshm = {shm}\n[peers]\nmode = \"{mode}\"\nstatic = [{}]\nlookup_timeout_ms = 300\ndown_backoff_ms = 3000",
+                list.join(", ")
+            )
+            .unwrap();
+            match Daemon::try_start(&["--config", &f.path().display().to_string()]) {
+                Ok(d) => daemons.push(d),
+                Err(e) => {
+                    eprintln!("cluster start failed ({e}); picking new ports");
+                    break;
+                }
+            }
+            cfgs.push(f);
+        }
+        if daemons.len() == nodes.len() {
+            return (daemons, nodes, cfgs);
+        }
     }
-    (daemons, nodes, cfgs)
+    panic!("could not start a 3-daemon cluster in 3 attempts");
 }
 
 fn fill(c: &Client, seed: u32, n: usize) -> (LayoutId, Vec<ChunkHash>, Vec<Vec<u8>>) {

@@ -206,7 +206,13 @@ fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
 
 impl Engine {
     /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
-    pub fn start(cfg: EngineConfig) -> Result<Engine> {
+    pub fn start(mut cfg: EngineConfig) -> Result<Engine> {
+        // The name is half of every kvd block key: engines with other weights must not
+        // share blocks. Generated weights are named by their seed; a weights file keeps
+        // the name its config gives (name your models).
+        if cfg.weights.is_none() {
+            cfg.model.name = format!("{}/seed-{}", cfg.model.name, cfg.model.seed);
+        }
         let tokenizer = match &cfg.tokenizer {
             Some(p) => Tokenizer::from_file(p)?,
             None => Tokenizer::Bytes,

@@ -384,3 +384,20 @@ fn engine_runs_weights_config_and_tokenizer_from_files() {
     )
     .is_err());
 }
+
+/// Blocks are keyed by the model too: an engine with other (generated) weights on the same
+/// kvd does not get the first engine's blocks.
+#[test]
+fn engines_with_other_weights_do_not_share_blocks() {
+    let a = node();
+    let (_e0, e0) = engine("both", Some(&a), &["--seed", "0"]);
+    let (_e1, e1) = engine("both", Some(&a), &["--seed", "1"]);
+    let p = "the same prompt on two different models, long enough for a few blocks";
+    for url in [&e0, &e0] {
+        assert_eq!(complete(url, req(p, 2, 0.0, 0)).0, 200);
+    }
+    let (_, again) = complete(&e0, req(p, 2, 0.0, 0));
+    assert_eq!(again["kvd"]["source"], "local", "{again}");
+    let (_, other) = complete(&e1, req(p, 2, 0.0, 0));
+    assert_eq!(other["kvd"]["source"], "none", "{other}");
+}

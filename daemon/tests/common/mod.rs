@@ -23,6 +23,12 @@ impl Daemon {
     /// Starts `kvd` with a 64 MiB pool (unless `extra` sets one) of 1 MiB segments, plus
     /// `extra` flags.
     pub fn start(extra: &[&str]) -> Daemon {
+        Self::try_start(extra).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Daemon::start`], but a daemon that exits at start (e.g. a port another process
+    /// took meanwhile) is an error the caller can retry.
+    pub fn try_start(extra: &[&str]) -> Result<Daemon, String> {
         let dir = tempfile::tempdir_in("/dev/shm").expect("tempdir in /dev/shm");
         let socket_path = dir.path().join("kvd.sock");
         let pool_path = dir.path().join("kvd.pool");
@@ -45,7 +51,7 @@ impl Daemon {
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = spawn(&args);
-        let d = Daemon {
+        let mut d = Daemon {
             child,
             dir,
             endpoint,
@@ -53,19 +59,23 @@ impl Daemon {
             socket_path,
             args,
         };
-        d.wait_ready();
-        d
+        d.wait_ready()?;
+        Ok(d)
     }
 
-    fn wait_ready(&self) {
+    /// Waits for the socket: the daemon creates it last, once every endpoint is bound.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let until = Instant::now() + Duration::from_secs(20);
         while !self.socket_path.exists() {
-            assert!(
-                Instant::now() < until,
-                "kvd did not create its socket in 20 s"
-            );
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return Err(format!("kvd exited at start: {st}"));
+            }
+            if Instant::now() > until {
+                return Err("kvd did not create its socket in 20 s".into());
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
+        Ok(())
     }
 
     /// A client that maps the pool.
@@ -107,7 +117,7 @@ impl Daemon {
         self.signal(nix::sys::signal::Signal::SIGKILL);
         let _ = std::fs::remove_file(&self.socket_path);
         self.child = spawn(&self.args);
-        self.wait_ready();
+        self.wait_ready().unwrap_or_else(|e| panic!("{e}"));
     }
 }
 
