@@ -39,6 +39,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p kvd-daemon --all-targets --locked --features rdma -- -D warnings
 cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
 
+step "CUDA kernels parse (host compiler + shim; NVRTC compiles them where there is a GPU)"
+g++ -fsyntax-only -include cuda/kernels/host-syntax-shim.h -x c++ cuda/kernels/kvd_kernels.cu
+echo "kernels parse: ok"
+
 step "bench smoke run (tiny sizes)"
 cargo build --release --locked -q -p kvd-daemon -p kvd-bench -p kvd-engine
 ./target/release/kvd-bench store --total 16MiB --sizes 64KiB,1MiB --lookup-keys 4096 --json > /dev/null

@@ -172,8 +172,21 @@ extern "C" __global__ void sample(const float* logits, int vocab, float temperat
     if (threadIdx.x == 0) *out = bi[0] == 0x7fffffff ? 0 : bi[0];
 }
 
-// Paged blocks -> transfer blocks [layer][part][token][hs][hd], one destination pointer
-// per block (device memory or a mapped, registered host pool).
+// Element o of a transfer block [layer][part][token][hs][hd] holding heads h0.. of
+// physical block `block`: its index in the paged cache.
+__device__ __forceinline__ size_t transfer_elem(size_t o, unsigned block, int num_blocks, int bt, int kvh,
+                                                int hd, int h0, int hs) {
+    int d = o % hd;
+    size_t r = o / hd;
+    int h = r % hs; r /= hs;
+    int t = r % bt; r /= bt;
+    int part = r % 2;
+    int layer = r / 2;
+    return cache_index(layer, part, block, t, h0 + h, num_blocks, bt, kvh, hd) + d;
+}
+
+// Paged blocks -> transfer blocks, one destination pointer per block (device memory or a
+// mapped, registered host pool).
 extern "C" __global__ void gather(const float* cache, const unsigned* blocks, const u64* dst, int nblocks, int layers,
                                   int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
     size_t per = (size_t)layers * 2 * bt * hs * hd;
@@ -181,15 +194,10 @@ extern "C" __global__ void gather(const float* cache, const unsigned* blocks, co
     if (i >= per * nblocks) return;
     int b = i / per;
     size_t o = i % per;
-    int d = o % hd;
-    size_t r = o / hd;
-    int h = r % hs; r /= hs;
-    int t = r % bt; r /= bt;
-    int part = r % 2;
-    int layer = r / 2;
-    ((float*)dst[b])[o] = cache[cache_index(layer, part, blocks[b], t, h0 + h, num_blocks, bt, kvh, hd) + d];
+    ((float*)dst[b])[o] = cache[transfer_elem(o, blocks[b], num_blocks, bt, kvh, hd, h0, hs)];
 }
 
+// Transfer blocks -> paged blocks (the inverse of gather).
 extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u64* src, int nblocks, int layers,
                                    int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
     size_t per = (size_t)layers * 2 * bt * hs * hd;
@@ -197,13 +205,7 @@ extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u
     if (i >= per * nblocks) return;
     int b = i / per;
     size_t o = i % per;
-    int d = o % hd;
-    size_t r = o / hd;
-    int h = r % hs; r /= hs;
-    int t = r % bt; r /= bt;
-    int part = r % 2;
-    int layer = r / 2;
-    cache[cache_index(layer, part, blocks[b], t, h0 + h, num_blocks, bt, kvh, hd) + d] = ((const float*)src[b])[o];
+    cache[transfer_elem(o, blocks[b], num_blocks, bt, kvh, hd, h0, hs)] = ((const float*)src[b])[o];
 }
 
 // Re-slices n logical blocks from src_tp shards ([block][rank] pointers) to dst_tp shards.

@@ -170,6 +170,42 @@ pub(crate) fn check_block(len_bytes: usize, g: &KvGeometry, heads: usize) -> Res
     Ok(())
 }
 
+/// Checks the slots of a [`Backend::gather_to_host`]: one per block, each one block of
+/// `hs` heads.
+pub(crate) fn check_host_dst(
+    g: &KvGeometry,
+    blocks: &[u32],
+    hs: usize,
+    dst: &[&mut [u8]],
+) -> Result<()> {
+    ensure!(
+        dst.len() == blocks.len(),
+        "{} slots for {} blocks",
+        dst.len(),
+        blocks.len()
+    );
+    dst.iter().try_for_each(|d| check_block(d.len(), g, hs))
+}
+
+/// Checks the sources of a [`Backend::scatter_from_host`]; returns the heads per shard.
+pub(crate) fn check_host_src(
+    g: &KvGeometry,
+    blocks: &[u32],
+    src_tp: usize,
+    src: &[&[u8]],
+) -> Result<usize> {
+    check_tp(g, src_tp)?;
+    ensure!(
+        src.len() == blocks.len() * src_tp,
+        "{} shard blocks for {} blocks at tp {src_tp}",
+        src.len(),
+        blocks.len()
+    );
+    let hs = g.kv_heads / src_tp;
+    src.iter().try_for_each(|s| check_block(s.len(), g, hs))?;
+    Ok(hs)
+}
+
 /// Checks a TP size against the geometry.
 pub(crate) fn check_tp(g: &KvGeometry, tp: usize) -> Result<()> {
     ensure!(
@@ -437,15 +473,9 @@ impl Backend for CpuBackend {
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
-        ensure!(
-            dst.len() == blocks.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            blocks.len()
-        );
+        check_host_dst(g, blocks, hs, dst)?;
         let mut outs = Vec::with_capacity(dst.len());
         for d in dst.iter_mut() {
-            check_block(d.len(), g, hs)?;
             outs.push(as_f32_mut(d)?);
         }
         cpu::gather(cache, g, blocks, h0, hs, &mut outs);
@@ -459,17 +489,9 @@ impl Backend for CpuBackend {
         src_tp: usize,
         src: &[&[u8]],
     ) -> Result<()> {
-        check_tp(g, src_tp)?;
-        ensure!(
-            src.len() == blocks.len() * src_tp,
-            "{} shard blocks for {} blocks at tp {src_tp}",
-            src.len(),
-            blocks.len()
-        );
-        let hs = g.kv_heads / src_tp;
+        check_host_src(g, blocks, src_tp, src)?;
         let mut shards = Vec::with_capacity(src.len());
         for s in src {
-            check_block(s.len(), g, hs)?;
             shards.push(as_f32(s).context("source block")?);
         }
         if src_tp == 1 {

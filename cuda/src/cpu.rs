@@ -207,6 +207,26 @@ pub fn sample(logits: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
     best.1
 }
 
+/// The rows of one transfer block holding heads `h0..h0 + hs` of physical block `blk`,
+/// in kvd's `layer_part_token_head` order: `(index in the cache, index in the block)`,
+/// each `hs * head_dim` elements long.
+fn block_rows(
+    g: &KvGeometry,
+    blk: usize,
+    h0: usize,
+    hs: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let row = hs * g.head_dim;
+    (0..g.layers * 2 * g.block_tokens).map(move |r| {
+        let (layer, part, t) = (
+            r / (2 * g.block_tokens),
+            (r / g.block_tokens) % 2,
+            r % g.block_tokens,
+        );
+        (g.index(layer, part, blk, t, h0), r * row)
+    })
+}
+
 /// Gathers physical blocks (every layer, K and V) into contiguous transfer blocks holding
 /// heads `h0..h0 + hs`, in kvd's `layer_part_token_head` order:
 /// `dst[b][layer][part][token][head][dim]`. Each `dst[b]` is one block.
@@ -218,18 +238,10 @@ pub fn gather(
     hs: usize,
     dst: &mut [&mut [f32]],
 ) {
-    let hd = g.head_dim;
+    let n = hs * g.head_dim;
     for (b, &blk) in blocks.iter().enumerate() {
-        let out = &mut *dst[b];
-        let mut o = 0;
-        for layer in 0..g.layers {
-            for part in 0..2 {
-                for t in 0..g.block_tokens {
-                    let at = g.index(layer, part, blk as usize, t, h0);
-                    out[o..o + hs * hd].copy_from_slice(&cache[at..at + hs * hd]);
-                    o += hs * hd;
-                }
-            }
+        for (at, o) in block_rows(g, blk as usize, h0, hs) {
+            dst[b][o..o + n].copy_from_slice(&cache[at..at + n]);
         }
     }
 }
@@ -243,18 +255,10 @@ pub fn scatter(
     hs: usize,
     src: &[&[f32]],
 ) {
-    let hd = g.head_dim;
+    let n = hs * g.head_dim;
     for (b, &blk) in blocks.iter().enumerate() {
-        let inp = src[b];
-        let mut o = 0;
-        for layer in 0..g.layers {
-            for part in 0..2 {
-                for t in 0..g.block_tokens {
-                    let at = g.index(layer, part, blk as usize, t, h0);
-                    cache[at..at + hs * hd].copy_from_slice(&inp[o..o + hs * hd]);
-                    o += hs * hd;
-                }
-            }
+        for (at, o) in block_rows(g, blk as usize, h0, hs) {
+            cache[at..at + n].copy_from_slice(&src[b][o..o + n]);
         }
     }
 }

@@ -23,7 +23,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{check_block, check_tp, Backend};
+use crate::backend::{check_host_dst, check_host_src, check_tp, Backend};
 use crate::KvGeometry;
 
 /// The kernels' source.
@@ -242,42 +242,29 @@ impl CudaBackend {
             hs as i32,
         );
         let cfg = grid(per * blocks.len());
+        let name = match dir {
+            Dir::Gather(_) => "gather",
+            Dir::Scatter(_) => "scatter",
+        };
+        let mut l = self.stream.launch_builder(self.f(name));
         match dir {
-            Dir::Gather(cache) => {
-                let mut l = self.stream.launch_builder(self.f("gather"));
-                l.arg(cache)
-                    .arg(&bl)
-                    .arg(ptrs)
-                    .arg(&n)
-                    .arg(&layers)
-                    .arg(&nb)
-                    .arg(&bt)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&h0)
-                    .arg(&hs);
-                // SAFETY: arguments match `gather`'s signature; block ids and heads were
-                // checked against the cache; `ptrs` holds one pointer per block to `per`
-                // writable floats.
-                unsafe { l.launch(cfg) }?;
-            }
-            Dir::Scatter(cache) => {
-                let mut l = self.stream.launch_builder(self.f("scatter"));
-                l.arg(cache)
-                    .arg(&bl)
-                    .arg(ptrs)
-                    .arg(&n)
-                    .arg(&layers)
-                    .arg(&nb)
-                    .arg(&bt)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&h0)
-                    .arg(&hs);
-                // SAFETY: as above, with `ptrs` the readable source blocks.
-                unsafe { l.launch(cfg) }?;
-            }
-        }
+            Dir::Gather(cache) => l.arg(cache),
+            Dir::Scatter(cache) => l.arg(cache),
+        };
+        l.arg(&bl)
+            .arg(ptrs)
+            .arg(&n)
+            .arg(&layers)
+            .arg(&nb)
+            .arg(&bt)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&h0)
+            .arg(&hs);
+        // SAFETY: arguments match the `gather`/`scatter` signatures; block ids and heads
+        // were checked against the cache; `ptrs` holds one pointer per block to `per`
+        // floats (writable for a gather, readable for a scatter).
+        unsafe { l.launch(cfg) }?;
         Ok(())
     }
 
@@ -657,15 +644,7 @@ impl Backend for CudaBackend {
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
-        ensure!(
-            dst.len() == blocks.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            blocks.len()
-        );
-        for d in dst.iter() {
-            check_block(d.len(), g, hs)?;
-        }
+        check_host_dst(g, blocks, hs, dst)?;
         if let Some(ptrs) = self.mapped(dst.iter().map(|d| (d.as_ptr() as usize, d.len()))) {
             let p = self.stream.clone_htod(&ptrs)?;
             self.launch_gather(Dir::Gather(cache), g, blocks, h0, hs, &p)?;
@@ -690,17 +669,7 @@ impl Backend for CudaBackend {
         src_tp: usize,
         src: &[&[u8]],
     ) -> Result<()> {
-        check_tp(g, src_tp)?;
-        ensure!(
-            src.len() == blocks.len() * src_tp,
-            "{} shard blocks for {} blocks at tp {src_tp}",
-            src.len(),
-            blocks.len()
-        );
-        let hs = g.kv_heads / src_tp;
-        for s in src {
-            check_block(s.len(), g, hs)?;
-        }
+        let hs = check_host_src(g, blocks, src_tp, src)?;
         let n = blocks.len();
         let full = g.block_elems(g.kv_heads);
         let (src_ptrs, _keep) =

@@ -204,17 +204,21 @@ fn rt() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
+    Ok(reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json")
+        .timeout(Duration::from_secs(120))
+        .body(body.to_string())
+        .send()
+        .await?)
+}
+
 /// POSTs a completion (not streamed); returns the status and the JSON body (a JSON
 /// string when the body is not JSON).
 pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
     rt()?.block_on(async {
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/completions"))
-            .header("content-type", "application/json")
-            .timeout(Duration::from_secs(120))
-            .body(body.to_string())
-            .send()
-            .await?;
+        let r = post_completion(url, body).await?;
         let status = r.status().as_u16();
         let text = r.text().await?;
         Ok((
@@ -231,13 +235,7 @@ pub fn stream(url: &str, body: &Value) -> Result<Collected> {
     body["stream"] = Value::Bool(true);
     rt()?.block_on(async {
         let t0 = Instant::now();
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/completions"))
-            .header("content-type", "application/json")
-            .timeout(Duration::from_secs(120))
-            .body(body.to_string())
-            .send()
-            .await?;
+        let r = post_completion(url, &body).await?;
         if !r.status().is_success() {
             let s = r.status().as_u16();
             return Err(anyhow!("HTTP {s}: {}", r.text().await.unwrap_or_default()));

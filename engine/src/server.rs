@@ -27,6 +27,28 @@ pub fn router(engine: Engine) -> Router {
         .with_state(engine)
 }
 
+/// Serves `app` on `listen` (two runtime threads) until Ctrl-C; prints
+/// `<name> listening on http://ADDR` once bound (scripts and tests read it).
+pub fn serve(name: &str, listen: std::net::SocketAddr, app: Router) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding {listen}"))?;
+        println!("{name} listening on http://{}", listener.local_addr()?);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    })
+}
+
 /// A JSON error response.
 pub fn error_response(status: u16, kind: &str, message: impl Into<String>) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

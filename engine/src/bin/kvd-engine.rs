@@ -106,20 +106,5 @@ fn main() -> Result<()> {
         lease: Duration::from_millis(a.lease_ms),
         transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
     })?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(a.listen)
-            .await
-            .with_context(|| format!("binding {}", a.listen))?;
-        println!("kvd-engine listening on http://{}", listener.local_addr()?);
-        axum::serve(listener, kvd_engine::server::router(engine))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
-        Ok(())
-    })
+    kvd_engine::server::serve("kvd-engine", a.listen, kvd_engine::server::router(engine))
 }

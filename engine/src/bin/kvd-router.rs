@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
 use kvd_engine::router::{Mode, RouterConfig, RouterState};
 
@@ -39,20 +39,5 @@ fn main() -> Result<()> {
         mode: a.mode,
         leg_timeout: Duration::from_millis(a.leg_timeout_ms),
     })?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(a.listen)
-            .await
-            .with_context(|| format!("binding {}", a.listen))?;
-        println!("kvd-router listening on http://{}", listener.local_addr()?);
-        axum::serve(listener, state.router())
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
-        Ok(())
-    })
+    kvd_engine::server::serve("kvd-router", a.listen, state.router())
 }
