@@ -19,6 +19,8 @@ pub trait Backend {
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
     /// The first `n` elements of `b`.
     fn download(&self, b: &Self::Buf, n: usize) -> Result<Vec<f32>>;
+    /// A new buffer holding row `row` (of `dim` elements) of `x`, copied on the device.
+    fn row(&self, x: &Self::Buf, row: usize, dim: usize) -> Result<Self::Buf>;
     /// See [`cpu::embedding`].
     fn embedding(
         &self,
@@ -254,6 +256,10 @@ impl Backend for CpuBackend {
     }
     fn download(&self, b: &Vec<f32>, n: usize) -> Result<Vec<f32>> {
         Ok(b[..n].to_vec())
+    }
+    fn row(&self, x: &Vec<f32>, row: usize, dim: usize) -> Result<Vec<f32>> {
+        ensure!(x.len() >= (row + 1) * dim, "row {row} past the buffer");
+        Ok(x[row * dim..(row + 1) * dim].to_vec())
     }
     fn embedding(
         &self,
@@ -607,6 +613,15 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(b) => AnyBuf::Cpu(b.upload(data)?),
             #[cfg(feature = "cuda")]
             AnyBackend::Cuda(b) => AnyBuf::Cuda(b.upload(data)?),
+        })
+    }
+    fn row(&self, x: &AnyBuf, row: usize, dim: usize) -> Result<AnyBuf> {
+        Ok(match (self, x) {
+            (AnyBackend::Cpu(b), AnyBuf::Cpu(x)) => AnyBuf::Cpu(b.row(x, row, dim)?),
+            #[cfg(feature = "cuda")]
+            (AnyBackend::Cuda(b), AnyBuf::Cuda(x)) => AnyBuf::Cuda(b.row(x, row, dim)?),
+            #[allow(unreachable_patterns)] // without `cuda` every pair matches above
+            _ => bail!("buffer of another backend"),
         })
     }
     fn download(&self, x: &AnyBuf, n: usize) -> Result<Vec<f32>> {

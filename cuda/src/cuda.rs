@@ -324,6 +324,12 @@ impl Backend for CudaBackend {
         v.truncate(n);
         Ok(v)
     }
+    fn row(&self, x: &CudaSlice<f32>, row: usize, dim: usize) -> Result<CudaSlice<f32>> {
+        ensure!(x.len() >= (row + 1) * dim, "row {row} past the buffer");
+        Ok(self
+            .stream
+            .clone_dtod(&x.slice(row * dim..(row + 1) * dim))?)
+    }
     fn embedding(
         &self,
         table: &CudaSlice<f32>,

@@ -352,6 +352,43 @@ struct Layer<B: Backend> {
     w_down: B::Buf,
 }
 
+/// Rows of activation buffers kept between forwards.
+const SCRATCH_ROWS: usize = 64;
+
+/// Activation buffers of one forward, for up to `rows` tokens.
+struct Scratch<B: Backend> {
+    rows: usize,
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    o: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    act: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(b: &B, cfg: &ModelConfig, rows: usize) -> Result<Self> {
+        let (d, qd, kvd, f) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        Ok(Scratch {
+            rows,
+            x: b.zeros(rows * d)?,
+            h: b.zeros(rows * d)?,
+            q: b.zeros(rows * qd)?,
+            k: b.zeros(rows * kvd)?,
+            v: b.zeros(rows * kvd)?,
+            att: b.zeros(rows * qd)?,
+            o: b.zeros(rows * d)?,
+            gate: b.zeros(rows * f)?,
+            up: b.zeros(rows * f)?,
+            act: b.zeros(rows * f)?,
+        })
+    }
+}
+
 /// One request's tokens and the physical KV blocks that hold them.
 #[derive(Clone, Debug, Default)]
 pub struct Sequence {
@@ -374,6 +411,7 @@ pub struct Model<B: Backend> {
     lm_head: B::Buf,
     cache: B::Buf,
     free: Vec<u32>,
+    scratch: Option<Scratch<B>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -419,6 +457,7 @@ impl<B: Backend> Model<B> {
             lm_head,
             cache,
             free: (0..num_blocks as u32).rev().collect(),
+            scratch: None,
         })
     }
 
@@ -483,57 +522,62 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         let (d, qd, kvd, f) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
-        let mut x = b.zeros(n * d)?;
-        b.embedding(&self.embed, d, &seq.tokens[start..end], &mut x)?;
-        let mut h = b.zeros(n * d)?;
-        let mut q = b.zeros(n * qd)?;
-        let mut k = b.zeros(n * kvd)?;
-        let mut v = b.zeros(n * kvd)?;
-        let mut att = b.zeros(n * qd)?;
-        let mut o = b.zeros(n * d)?;
-        let mut gate = b.zeros(n * f)?;
-        let mut up = b.zeros(n * f)?;
-        let mut act = b.zeros(n * f)?;
+        // Decode steps and short prefills reuse one set of buffers; a long prefill gets
+        // its own (kept only up to SCRATCH_ROWS, so a long prompt does not pin its
+        // activations' memory).
+        let mut sc = match self.scratch.take() {
+            Some(sc) if sc.rows >= n => sc,
+            _ => Scratch::new(b, cfg, n.max(SCRATCH_ROWS))?,
+        };
+        let Scratch {
+            x,
+            h,
+            q,
+            k,
+            v,
+            att,
+            o,
+            gate,
+            up,
+            act,
+            ..
+        } = &mut sc;
+        b.embedding(&self.embed, d, &seq.tokens[start..end], x)?;
         for (li, l) in self.layers.iter().enumerate() {
-            b.rmsnorm(&x, &l.attn_norm, n, d, cfg.eps, &mut h)?;
-            b.matmul(&h, &l.wq, n, qd, d, &mut q)?;
-            b.matmul(&h, &l.wk, n, kvd, d, &mut k)?;
-            b.matmul(&h, &l.wv, n, kvd, d, &mut v)?;
-            b.rope(&mut q, &positions, cfg.heads, cfg.head_dim, cfg.rope_theta)?;
-            b.rope(
-                &mut k,
-                &positions,
-                cfg.kv_heads,
-                cfg.head_dim,
-                cfg.rope_theta,
-            )?;
-            b.write_kv(&mut self.cache, &self.geo, li, &k, &v, &slots)?;
+            b.rmsnorm(x, &l.attn_norm, n, d, cfg.eps, h)?;
+            b.matmul(h, &l.wq, n, qd, d, q)?;
+            b.matmul(h, &l.wk, n, kvd, d, k)?;
+            b.matmul(h, &l.wv, n, kvd, d, v)?;
+            b.rope(q, &positions, cfg.heads, cfg.head_dim, cfg.rope_theta)?;
+            b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, cfg.rope_theta)?;
+            b.write_kv(&mut self.cache, &self.geo, li, k, v, &slots)?;
             b.attention(
-                &q,
+                q,
                 &self.cache,
                 &self.geo,
                 li,
                 cfg.heads,
                 &seq.blocks,
                 &positions,
-                &mut att,
+                att,
             )?;
-            b.matmul(&att, &l.wo, n, d, qd, &mut o)?;
-            b.add(&mut x, &o, n * d)?;
-            b.rmsnorm(&x, &l.mlp_norm, n, d, cfg.eps, &mut h)?;
-            b.matmul(&h, &l.w_gate, n, f, d, &mut gate)?;
-            b.matmul(&h, &l.w_up, n, f, d, &mut up)?;
-            b.swiglu(&gate, &up, n * f, &mut act)?;
-            b.matmul(&act, &l.w_down, n, d, f, &mut o)?;
-            b.add(&mut x, &o, n * d)?;
+            b.matmul(att, &l.wo, n, d, qd, o)?;
+            b.add(x, o, n * d)?;
+            b.rmsnorm(x, &l.mlp_norm, n, d, cfg.eps, h)?;
+            b.matmul(h, &l.w_gate, n, f, d, gate)?;
+            b.matmul(h, &l.w_up, n, f, d, up)?;
+            b.swiglu(gate, up, n * f, act)?;
+            b.matmul(act, &l.w_down, n, d, f, o)?;
+            b.add(x, o, n * d)?;
         }
         // Only the last token's logits are needed.
-        let last = b.download(&x, n * d)?;
-        let xl = b.upload(&last[(n - 1) * d..])?;
-        let mut hl = b.zeros(d)?;
-        b.rmsnorm(&xl, &self.norm, 1, d, cfg.eps, &mut hl)?;
+        let xl = b.row(x, n - 1, d)?;
+        b.rmsnorm(&xl, &self.norm, 1, d, cfg.eps, h)?;
         let mut logits = b.zeros(cfg.vocab)?;
-        b.matmul(&hl, &self.lm_head, 1, cfg.vocab, d, &mut logits)?;
+        b.matmul(h, &self.lm_head, 1, cfg.vocab, d, &mut logits)?;
+        if sc.rows <= SCRATCH_ROWS {
+            self.scratch = Some(sc);
+        }
         seq.computed = end;
         Ok(logits)
     }

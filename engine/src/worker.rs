@@ -169,6 +169,9 @@ struct Kv {
     /// This engine's shard layouts.
     layouts: Vec<LayoutInfo>,
     node: Option<String>,
+    /// Layouts of other engines' shard counts, registered once per count (the client
+    /// registers them again itself after a daemon restart).
+    src_layouts: std::sync::Mutex<std::collections::HashMap<usize, Vec<LayoutInfo>>>,
     /// Keeps the pool mapped while the GPU has it registered.
     _region: Option<kvd_client::PoolRegion>,
 }
@@ -266,10 +269,12 @@ impl Engine {
                         tracing::warn!("registering the pool with the GPU failed ({e:#}); blocks go through a device buffer");
                     }
                 }
+                let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
                 Some(Arc::new(Kv {
                     client,
                     layouts,
                     node,
+                    src_layouts,
                     _region: region,
                 }))
             }
@@ -482,13 +487,21 @@ impl Engine {
             "prefill_tp {src_tp} does not divide {} KV heads",
             self.inner.cfg.model.kv_heads
         );
-        (0..src_tp)
+        if let Some(l) = kv.src_layouts.lock().expect("layout cache").get(&src_tp) {
+            return Ok(l.clone());
+        }
+        let l = (0..src_tp)
             .map(|r| {
                 Ok(kv
                     .client
                     .register_layout(&layout_of(&self.inner.cfg.model, src_tp, r))?)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        kv.src_layouts
+            .lock()
+            .expect("layout cache")
+            .insert(src_tp, l.clone());
+        Ok(l)
     }
 
     fn pull_load(&self, kv: &Kv, tokens: &[u32], p: &KvTransferParams) -> Result<Option<Loaded>> {
