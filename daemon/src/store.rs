@@ -834,14 +834,29 @@ impl Store {
                 )
             })?;
             let n = &self.nodes[idx as usize];
-            if n.state == State::Committed {
+            let owner = match n.state {
+                State::Pending => self.pending.get(&idx).map(|p| p.owner),
+                State::Committed | State::Demoting => {
+                    return Err(err(
+                        ErrorCode::InvalidState,
+                        format!("key #{i} ({k}) is already committed"),
+                    ))
+                }
+                State::Promoting => {
+                    return Err(err(
+                        ErrorCode::InvalidState,
+                        format!("key #{i} ({k}) is being read back from NVMe, not allocated"),
+                    ))
+                }
+                State::Free => None,
+            };
+            let Some(owner) = owner else {
                 return Err(err(
                     ErrorCode::InvalidState,
-                    format!("key #{i} ({k}) is already committed"),
+                    format!("key #{i} ({k}) is not allocated"),
                 ));
-            }
-            let p = &self.pending[&idx];
-            if p.owner != req.client {
+            };
+            if owner != req.client {
                 return Err(err(
                     ErrorCode::NotOwner,
                     format!("key #{i} ({k}) was allocated by another client"),
@@ -1162,7 +1177,9 @@ impl Store {
                             self.remove_node(i);
                             DeleteStatus::Deleted
                         }
-                        State::Pending if self.pending[&i].owner == req.client => {
+                        State::Pending
+                            if self.pending.get(&i).is_some_and(|p| p.owner == req.client) =>
+                        {
                             self.pending.remove(&i);
                             self.remove_node(i);
                             aborted += 1;

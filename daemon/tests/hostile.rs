@@ -7,58 +7,6 @@ mod common;
 use common::*;
 use kvd_client::Client;
 use kvd_protocol::*;
-use serde::de::IgnoredAny;
-use serde::Serialize;
-
-struct Raw {
-    sock: zmq::Socket,
-    _ctx: zmq::Context,
-}
-
-impl Raw {
-    fn new(ep: &str, kind: zmq::SocketType) -> Raw {
-        let ctx = zmq::Context::new();
-        let sock = ctx.socket(kind).unwrap();
-        sock.set_linger(0).unwrap();
-        sock.set_rcvtimeo(5000).unwrap();
-        sock.set_sndhwm(0).unwrap();
-        sock.set_rcvhwm(0).unwrap();
-        sock.connect(ep).unwrap();
-        Raw { sock, _ctx: ctx }
-    }
-
-    fn send(&self, frames: &[&[u8]]) {
-        self.sock.send_multipart(frames.iter().copied(), 0).unwrap();
-    }
-
-    /// The next reply: (id, error code or None for ok, payload frame count).
-    fn recv(&self) -> (u64, Option<ErrorCode>, usize) {
-        let mut parts = self.sock.recv_multipart(0).expect("a reply within 5 s");
-        if parts[0].is_empty() {
-            parts.remove(0); // REQ-style delimiter
-        }
-        let (id, r) = decode_reply::<IgnoredAny>(&parts[0]).expect("replies always decode");
-        (id, r.err().map(|e| e.code), parts.len() - 1)
-    }
-
-    fn call(&self, frames: &[&[u8]]) -> (u64, Option<ErrorCode>) {
-        self.send(frames);
-        let (id, code, _) = self.recv();
-        (id, code)
-    }
-}
-
-#[derive(Serialize)]
-struct Env<'a, B: Serialize> {
-    v: u64,
-    id: u64,
-    op: &'a str,
-    body: B,
-}
-
-fn frame<B: Serialize>(v: u64, id: u64, op: &str, body: B) -> Vec<u8> {
-    rmp_serde::to_vec_named(&Env { v, id, op, body }).unwrap()
-}
 
 /// The well-behaved client: a full store/load round trip, verified.
 fn good_round_trip(c: &Client, l: LayoutId, seed: u32) {

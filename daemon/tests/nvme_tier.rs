@@ -429,3 +429,94 @@ fn one_get_promotes_many_blocks_at_once() {
         "holds released: {st:?}"
     );
 }
+
+/// Finding: a `commit` naming a key that is being demoted or promoted killed the daemon
+/// (the server thread looked the key up among pending allocations). Now it is refused
+/// with `invalid_state` and the daemon keeps serving.
+#[test]
+fn commit_of_a_key_in_flight_to_or_from_nvme_is_refused_not_fatal() {
+    use kvd_protocol::*;
+    let dir = disk_dir();
+    let d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let raw = Raw::new(&d.endpoint, zmq::DEALER);
+    let hello = encode_request(1, &Request::Hello(HelloReq::default()));
+    raw.send(&[&hello]);
+    let parts = raw.sock.recv_multipart(0).unwrap();
+    let (_, r) = decode_reply::<HelloResp>(&parts[0]).unwrap();
+    let me = r.unwrap().client;
+    let commit = |id: u64, ks: &[ChunkHash]| {
+        encode_request(
+            id,
+            &Request::Commit(CommitReq {
+                client: me,
+                layout_id: l,
+                keys: ks.to_vec(),
+                offsets: None,
+            }),
+        )
+    };
+    // Demoting: store past the watermark; after every store, commit the keys just pushed
+    // out of DRAM (they are being written to NVMe).
+    let n = 3 * 64;
+    let ks = keys(31, n);
+    let mut refused = 0;
+    let mut id = 100;
+    for (i, chunk) in ks.chunks(4).enumerate() {
+        let data: Vec<Vec<u8>> = (0..chunk.len())
+            .map(|j| block(content_seed(31, i * 4 + j), BLOCK))
+            .collect();
+        let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+        c.store(l, chunk, &refs).unwrap();
+        for k in ks[..(i + 1) * 4].iter().rev().take(64) {
+            id += 1;
+            let (got, code) = raw.call(&[&commit(id, std::slice::from_ref(k))]);
+            assert_eq!(got, id);
+            assert!(
+                matches!(
+                    code,
+                    Some(ErrorCode::InvalidState) | Some(ErrorCode::NotOwner)
+                ),
+                "{code:?}"
+            );
+            refused += 1;
+        }
+    }
+    assert!(refused > 0);
+    let st = settled(&c);
+    assert!(st.demotions > 0, "{st:?}");
+    // Promoting: a get of NVMe-only keys and, in the same breath, commits of those keys.
+    let get = encode_request(
+        2,
+        &Request::Get(GetReq {
+            client: me,
+            layout_id: l,
+            keys: ks[..8].to_vec(),
+            ttl_ms: None,
+            inline: false,
+        }),
+    );
+    raw.send(&[&get]);
+    for (j, k) in ks[..8].iter().enumerate() {
+        raw.send(&[&commit(1000 + j as u64, std::slice::from_ref(k))]);
+    }
+    let mut codes = Vec::new();
+    for _ in 0..9 {
+        let (id, code, _) = raw.recv();
+        codes.push((id, code));
+    }
+    for (id, code) in &codes {
+        if *id != 2 {
+            assert!(
+                matches!(
+                    code,
+                    Some(ErrorCode::InvalidState) | Some(ErrorCode::NotOwner)
+                ),
+                "{code:?}"
+            );
+        }
+    }
+    // Still serving, with every byte right.
+    assert_eq!(verify(&c, l, 31, &ks, &shuffled(n, 3)), n);
+}

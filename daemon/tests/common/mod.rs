@@ -7,7 +7,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvd_client::{Client, LayoutInfo, MapPool};
-use kvd_protocol::{Dtype, Layout, MemoryOrder};
+use kvd_protocol::{decode_reply, Dtype, ErrorCode, Layout, MemoryOrder};
+use serde::de::IgnoredAny;
+use serde::Serialize;
 
 /// A running daemon. Killed (SIGKILL) on drop if still running.
 pub struct Daemon {
@@ -236,4 +238,56 @@ pub fn raw_read(
     let mut body = vec![0u8; len as usize];
     s.read_exact(&mut body).unwrap();
     Ok(body)
+}
+
+/// A raw ZMQ socket speaking the wire by hand (hostile and race tests).
+pub struct Raw {
+    pub sock: zmq::Socket,
+    _ctx: zmq::Context,
+}
+
+impl Raw {
+    pub fn new(ep: &str, kind: zmq::SocketType) -> Raw {
+        let ctx = zmq::Context::new();
+        let sock = ctx.socket(kind).unwrap();
+        sock.set_linger(0).unwrap();
+        sock.set_rcvtimeo(5000).unwrap();
+        sock.set_sndhwm(0).unwrap();
+        sock.set_rcvhwm(0).unwrap();
+        sock.connect(ep).unwrap();
+        Raw { sock, _ctx: ctx }
+    }
+
+    pub fn send(&self, frames: &[&[u8]]) {
+        self.sock.send_multipart(frames.iter().copied(), 0).unwrap();
+    }
+
+    /// The next reply: (id, error code or None for ok, payload frame count).
+    pub fn recv(&self) -> (u64, Option<ErrorCode>, usize) {
+        let mut parts = self.sock.recv_multipart(0).expect("a reply within 5 s");
+        if parts[0].is_empty() {
+            parts.remove(0); // REQ-style delimiter
+        }
+        let (id, r) = decode_reply::<IgnoredAny>(&parts[0]).expect("replies always decode");
+        (id, r.err().map(|e| e.code), parts.len() - 1)
+    }
+
+    pub fn call(&self, frames: &[&[u8]]) -> (u64, Option<ErrorCode>) {
+        self.send(frames);
+        let (id, code, _) = self.recv();
+        (id, code)
+    }
+}
+
+#[derive(Serialize)]
+pub struct Env<'a, B: Serialize> {
+    pub v: u64,
+    pub id: u64,
+    pub op: &'a str,
+    pub body: B,
+}
+
+/// An envelope frame, encoded as the SPEC says (a map).
+pub fn frame<B: Serialize>(v: u64, id: u64, op: &str, body: B) -> Vec<u8> {
+    rmp_serde::to_vec_named(&Env { v, id, op, body }).unwrap()
 }
