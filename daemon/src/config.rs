@@ -45,6 +45,7 @@
 //! | `transfer.io_timeout_ms` | int | `10000` | | data-plane socket timeout |
 //! | `transfer.max_connections` | int | `256` | | inbound data connections |
 //! | `transfer.shm` | bool | `true` | | same-host pulls copy from the peer's pool file |
+//! | `transfer.secret_file` | path | `cluster.key` beside the default ipc socket, created (0600) when missing | `KVD_CLUSTER_SECRET_FILE` / `--cluster-secret-file` | the cluster secret (≥ 32 bytes, any encoding) every daemon of the cluster shares; peer messages and data-plane requests carry a MAC made with it. A configured file must exist |
 //! | `peers.mode` | `off` \| `lookup` \| `fetch` | `off` | `KVD_PEERS` / `--peers` | share caches with peer daemons: `lookup` also asks peers, `fetch` also reads their blocks on a `get` miss |
 //! | `peers.discovery` | `static` \| `etcd` | `static` | `KVD_DISCOVERY` / `--discovery` | where the peer list comes from |
 //! | `peers.etcd_endpoints` | list of strings | `["http://127.0.0.1:2379"]` | `KVD_ETCD` (comma-separated) / `--etcd` (repeatable) | etcd client URLs |
@@ -251,6 +252,10 @@ pub struct TransferSection {
     pub max_connections: u32,
     /// Same-host pulls through the peer's pool file.
     pub shm: bool,
+    /// The cluster secret shared by every daemon of the cluster (none: the default path,
+    /// created when missing; see `auth.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
 }
 
 impl Default for TransferSection {
@@ -270,6 +275,7 @@ impl Default for TransferSection {
             io_timeout_ms: 10_000,
             max_connections: 256,
             shm: true,
+            secret_file: None,
         }
     }
 }
@@ -287,7 +293,13 @@ impl TransferSection {
         } else {
             Duration::from_millis(self.heartbeat_ms)
         };
+        let (secret_file, create_secret) = match &self.secret_file {
+            Some(p) => (p.clone(), false),
+            None => (crate::auth::default_secret_path(), true),
+        };
         Some(crate::transfer::TransferConfig {
+            secret_file,
+            create_secret,
             control_endpoint: self.control.clone(),
             data_bind: self.data.clone(),
             advertise_host: self.advertise_host.clone(),
@@ -580,6 +592,9 @@ pub struct Cli {
     /// Initial lease of a transfer, in milliseconds.
     #[arg(long, env = "KVD_LEASE_MS")]
     pub lease_ms: Option<u64>,
+    /// The cluster secret file every daemon of the cluster shares.
+    #[arg(long, env = "KVD_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -677,6 +692,9 @@ impl DaemonConfig {
         }
         if let Some(v) = cli.lease_ms {
             cfg.transfer.lease_ms = v;
+        }
+        if let Some(v) = &cli.cluster_secret_file {
+            cfg.transfer.secret_file = Some(v.clone());
         }
         if let Some(v) = cli.log_format {
             cfg.log.format = v;

@@ -9,6 +9,7 @@
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
 //! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
+//! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
 //! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
@@ -28,6 +29,7 @@
 //!    the ipc socket files and the pool file, and return.
 
 pub mod alloc;
+pub mod auth;
 pub mod config;
 pub mod http;
 pub mod io;

@@ -19,7 +19,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use kvd_protocol::auth::{ClusterKey, Stamp};
 use kvd_protocol::*;
+use serde::de::IgnoredAny;
 
 use crate::http::{Health, Phase};
 use crate::metrics::{Metrics, PeerCounts};
@@ -27,7 +29,17 @@ use crate::store::{Answer, Completed, Store};
 use crate::transfer::{self, Outgoing, Reply, Then, TransferConfig, Transfers, TOKEN_BIT};
 
 /// Where a deferred request's reply goes.
+/// Which socket a reply goes out on.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    /// The clients' socket.
+    Client,
+    /// The peer socket; sealed with the request's stamp when it was authenticated.
+    Peer(Option<Stamp>),
+}
+
 struct ReplyTo {
+    via: Via,
     identity: Vec<u8>,
     req_style: bool,
     id: u64,
@@ -37,6 +49,9 @@ struct ReplyTo {
 
 /// Requests served per loop turn before timers run.
 pub const BATCH: usize = 256;
+
+/// Most peer-request stamps remembered for replay protection.
+const PEER_REPLAY_MAX: usize = 1 << 20;
 
 /// Server settings derived from the configuration.
 #[derive(Debug, Clone)]
@@ -77,7 +92,12 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
 /// The server. See the module docs.
 pub struct Server {
     ctx: zmq::Context,
+    /// Clients' endpoints (ipc, tcp): client ops only.
     socket: zmq::Socket,
+    /// The control endpoint, with transfers on: peer ops only, each with a valid MAC.
+    peer_socket: Option<zmq::Socket>,
+    /// Stamps of peer requests accepted (none is accepted twice).
+    replay: crate::auth::ReplayGuard,
     store: Store,
     opts: ServerOptions,
     signals: UnixStream,
@@ -97,6 +117,10 @@ use std::sync::Arc;
 
 /// One DEALER per peer daemon this one sends control messages to.
 struct PeerLinks {
+    /// The cluster key every message is sealed with (set with transfers).
+    key: Option<ClusterKey>,
+    /// Replies dropped for a bad MAC.
+    forged_replies: u64,
     links: std::collections::HashMap<String, Link>,
     next_id: u64,
     timeout: Duration,
@@ -104,7 +128,7 @@ struct PeerLinks {
 
 struct Link {
     socket: zmq::Socket,
-    pending: std::collections::HashMap<u64, (Then, Instant)>,
+    pending: std::collections::HashMap<u64, (Then, Instant, Stamp)>,
     last_ok: Option<Instant>,
     last_fail: Option<Instant>,
 }
@@ -154,12 +178,23 @@ impl PeerLinks {
         }
         self.next_id += 1;
         let id = self.next_id;
-        let link = self.links.get_mut(&out.node).expect("inserted above");
+        let Some(key) = self.key.as_ref() else {
+            return Err(fail(out.then, "no cluster key: transfers are off".into()));
+        };
+        let Some(link) = self.links.get_mut(&out.node) else {
+            return Err(fail(out.then, format!("no link to {}", out.node)));
+        };
         let frame = encode_request(id, &out.req);
-        match link.socket.send(frame, zmq::DONTWAIT) {
+        let stamp = crate::auth::stamp();
+        let auth = key.seal_request(stamp, &frame);
+        let sent = link
+            .socket
+            .send(frame, zmq::DONTWAIT | zmq::SNDMORE)
+            .and_then(|()| link.socket.send(&auth[..], zmq::DONTWAIT));
+        match sent {
             Ok(()) => {
                 let wait = out.timeout.unwrap_or(self.timeout);
-                link.pending.insert(id, (out.then, now + wait));
+                link.pending.insert(id, (out.then, now + wait, stamp));
                 Ok(())
             }
             Err(e) => {
@@ -198,14 +233,35 @@ impl PeerLinks {
     fn collect(&mut self, now: Instant) -> Vec<(Then, Result<PeerAck, WireError>)> {
         let mut out = Vec::new();
         for (node, link) in &mut self.links {
-            while let Ok(frame) = link.socket.recv_bytes(zmq::DONTWAIT) {
-                let Ok(id) = codec::reply_id(&frame) else {
+            while let Ok(parts) = link.socket.recv_multipart(zmq::DONTWAIT) {
+                let Some(frame) = parts.first() else { continue };
+                let Ok(id) = codec::reply_id(frame) else {
                     continue;
                 };
-                let Some((then, _)) = link.pending.remove(&id) else {
+                let Some((_, _, stamp)) = link.pending.get(&id) else {
                     continue;
                 };
-                let r = match decode_reply::<PeerAck>(&frame) {
+                let sealed = match (self.key.as_ref(), parts.get(1)) {
+                    (Some(k), Some(auth)) => k.open_reply(*stamp, frame, auth).is_ok(),
+                    _ => false,
+                };
+                // An unsealed reply is believed only when it says our MAC was refused
+                // (the peer has another secret and cannot seal): the request fails now
+                // with that reason instead of timing out.
+                let refusal = !sealed
+                    && matches!(
+                        decode_reply::<IgnoredAny>(frame),
+                        Ok((_, Err(ref e))) if e.code == ErrorCode::Unauthenticated
+                    );
+                if !sealed && !refusal {
+                    self.forged_replies += 1;
+                    tracing::warn!(%node, "reply with a bad MAC dropped");
+                    continue;
+                }
+                let Some((then, _, _)) = link.pending.remove(&id) else {
+                    continue;
+                };
+                let r = match decode_reply::<PeerAck>(frame) {
                     Ok((_, Ok(ack))) => Ok(ack),
                     Ok((_, Err(e))) => Err(e),
                     Err(e) => Err(WireError::new(
@@ -218,12 +274,14 @@ impl PeerLinks {
             let late: Vec<u64> = link
                 .pending
                 .iter()
-                .filter(|(_, (_, d))| *d <= now)
+                .filter(|(_, (_, d, _))| *d <= now)
                 .map(|(k, _)| *k)
                 .collect();
             for id in late {
                 link.last_fail = Some(now);
-                let (then, _) = link.pending.remove(&id).expect("listed");
+                let Some((then, _, _)) = link.pending.remove(&id) else {
+                    continue;
+                };
                 out.push((
                     then,
                     Err(WireError::new(
@@ -242,7 +300,7 @@ impl PeerLinks {
     fn next_deadline(&self) -> Option<Instant> {
         self.links
             .values()
-            .flat_map(|l| l.pending.values().map(|(_, d)| *d))
+            .flat_map(|l| l.pending.values().map(|(_, d, _)| *d))
             .min()
     }
 }
@@ -278,6 +336,8 @@ impl Server {
         Ok(Server {
             ctx,
             socket,
+            peer_socket: None,
+            replay: crate::auth::ReplayGuard::new(PEER_REPLAY_MAX),
             store,
             opts,
             signals,
@@ -285,6 +345,8 @@ impl Server {
             waiting: std::collections::HashMap::new(),
             transfers: None,
             links: PeerLinks {
+                key: None,
+                forged_replies: 0,
                 links: Default::default(),
                 next_id: 0,
                 timeout: Duration::from_secs(5),
@@ -304,15 +366,29 @@ impl Server {
         cfg: TransferConfig,
         pool: std::sync::Arc<crate::pool::Pool>,
     ) -> Result<(), ServerError> {
+        let key = crate::auth::load_key(&cfg.secret_file, cfg.create_secret)
+            .map_err(ServerError::Transfer)?;
         let e = cfg.control_endpoint.clone();
-        self.socket.bind(&e).map_err(zerr(format!("bind {e}")))?;
-        let bound = self
-            .socket
+        let peer = self.ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
+        peer.set_router_mandatory(true)
+            .map_err(zerr("ROUTER_MANDATORY"))?;
+        peer.set_sndhwm(16384).map_err(zerr("SNDHWM"))?;
+        peer.set_rcvhwm(16384).map_err(zerr("RCVHWM"))?;
+        peer.set_linger(1000).map_err(zerr("LINGER"))?;
+        peer.set_maxmsgsize(
+            i64::try_from(self.opts.max_envelope_bytes.saturating_add(64 * 1024))
+                .unwrap_or(i64::MAX),
+        )
+        .map_err(zerr("MAXMSGSIZE"))?;
+        peer.bind(&e).map_err(zerr(format!("bind {e}")))?;
+        let bound = peer
             .get_last_endpoint()
             .map_err(zerr("LAST_ENDPOINT"))?
             .unwrap_or(e);
+        self.peer_socket = Some(peer);
         self.links.timeout = cfg.peer_timeout;
-        let t = Transfers::start(cfg, bound, pool, &mut self.store, Instant::now())
+        self.links.key = Some(key.clone());
+        let t = Transfers::start(cfg, bound, pool, key, &mut self.store, Instant::now())
             .map_err(|e| ServerError::Transfer(e.to_string()))?;
         if let Some(g) = t.ready_gate() {
             self.health.add_gate("the etcd registration", g);
@@ -367,6 +443,10 @@ impl Server {
                 if let Some(fd) = self.store.io_fd() {
                     items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
                 }
+                let peer_at = items.len();
+                if let Some(p) = &self.peer_socket {
+                    items.push(p.as_poll_item(zmq::POLLIN));
+                }
                 if let Some(t) = &self.transfers {
                     items.push(zmq::PollItem::from_fd(t.wake_fd(), zmq::POLLIN));
                 }
@@ -378,11 +458,20 @@ impl Server {
                     Err(zmq::Error::EINTR) => continue,
                     Err(e) => return Err(zerr("poll")(e)),
                 }
-                (items[0].is_readable(), items[1].is_readable())
+                let peer_ready = self.peer_socket.is_some() && items[peer_at].is_readable();
+                ((items[0].is_readable(), peer_ready), items[1].is_readable())
             };
+            let (sock_ready, peer_ready) = sock_ready;
             if sock_ready {
                 for _ in 0..BATCH {
-                    if !self.serve_one()? {
+                    if !self.serve_one(false)? {
+                        break;
+                    }
+                }
+            }
+            if peer_ready {
+                for _ in 0..BATCH {
+                    if !self.serve_one(true)? {
                         break;
                     }
                 }
@@ -414,7 +503,10 @@ impl Server {
                     }
                     // Finish what is already queued, bounded in time.
                     let until = Instant::now() + Duration::from_secs(2);
-                    while Instant::now() < until && (self.serve_one()? || !self.waiting.is_empty())
+                    while Instant::now() < until
+                        && (self.serve_one(false)?
+                            || self.serve_one(true)?
+                            || !self.waiting.is_empty())
                     {
                         self.answer_deferred();
                     }
@@ -425,6 +517,16 @@ impl Server {
         }
     }
 
+    /// The transfers' stats, with the replies the peer links dropped for a bad MAC.
+    fn transfer_stats(&self) -> Option<TransferStats> {
+        self.transfers.as_ref().map(|t| {
+            let mut st = t.stats();
+            st.unauthenticated += self.links.forged_replies;
+            st.refused += self.links.forged_replies;
+            st
+        })
+    }
+
     /// Hands fresh `stats` to the metrics (at most every 100 ms unless `force`).
     fn refresh_metrics(&mut self, force: bool) {
         let now = Instant::now();
@@ -433,17 +535,23 @@ impl Server {
         }
         self.last_refresh = now;
         let mut st = self.store.stats(now);
-        st.transfers = self.transfers.as_ref().map(Transfers::stats);
+        st.transfers = self.transfer_stats();
         let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }
 
-    /// Serves one request if one is queued. Returns whether one was.
-    fn serve_one(&mut self) -> Result<bool, ServerError> {
+    /// Serves one request if one is queued on the client socket (or, with `from_peer`,
+    /// the peer socket). Returns whether one was.
+    fn serve_one(&mut self, from_peer: bool) -> Result<bool, ServerError> {
         self.parts.clear();
+        let sock = match (from_peer, &self.peer_socket) {
+            (false, _) => &self.socket,
+            (true, Some(p)) => p,
+            (true, None) => return Ok(false),
+        };
         loop {
             let mut msg = zmq::Message::new();
-            match self.socket.recv(&mut msg, zmq::DONTWAIT) {
+            match sock.recv(&mut msg, zmq::DONTWAIT) {
                 Ok(()) => {}
                 Err(zmq::Error::EAGAIN) if self.parts.is_empty() => return Ok(false),
                 Err(zmq::Error::EINTR) if self.parts.is_empty() => return Ok(false),
@@ -456,28 +564,37 @@ impl Server {
             }
         }
         let now = Instant::now();
-        // [identity] [empty delimiter, from REQ sockets] envelope [payload...]
-        let req_style = self.parts.len() >= 2 && self.parts[1].is_empty();
-        let env_at = if req_style { 2 } else { 1 };
         let parts = std::mem::take(&mut self.parts);
+        if from_peer {
+            self.serve_peer(&parts, now);
+            self.parts = parts;
+            return Ok(true);
+        }
+        // [identity] [empty delimiter, from REQ sockets] envelope [payload...]
+        let req_style = parts.len() >= 2 && parts[1].is_empty();
+        let env_at = if req_style { 2 } else { 1 };
         let outcome = match parts.get(env_at) {
-            Some(env) => self.dispatch(env, &parts[env_at + 1..], now),
-            None => {
-                self.store.count_request(Some(ErrorCode::Malformed));
-                self.metrics
-                    .observe_request("invalid", Some(ErrorCode::Malformed), now.elapsed());
-                let e = WireError::new(ErrorCode::Malformed, "message has no envelope frame");
-                Outcome::Reply(encode_err(0, &e), Vec::new())
-            }
+            Some(env) => self.dispatch(env, &parts[env_at + 1..], None, now),
+            None => Outcome::Reply(
+                self.refuse(
+                    "invalid",
+                    ErrorCode::Malformed,
+                    0,
+                    "message has no envelope frame",
+                    now,
+                ),
+                Vec::new(),
+            ),
         };
         match outcome {
             Outcome::Reply(reply, payloads) => {
-                self.send_reply(&parts[0], req_style, reply, payloads)
+                self.send_reply(&parts[0], req_style, Via::Client, reply, payloads)
             }
             Outcome::Later(token, id, op) => {
                 self.waiting.insert(
                     token,
                     ReplyTo {
+                        via: Via::Client,
                         identity: parts[0].to_vec(),
                         req_style,
                         id,
@@ -489,6 +606,68 @@ impl Server {
         }
         self.parts = parts;
         Ok(true)
+    }
+
+    /// Counts a request refused before it was decoded and encodes its error reply.
+    fn refuse(
+        &mut self,
+        op: &'static str,
+        code: ErrorCode,
+        id: u64,
+        why: &str,
+        now: Instant,
+    ) -> Vec<u8> {
+        self.store.count_request(Some(code));
+        self.metrics.observe_request(op, Some(code), now.elapsed());
+        encode_err(id, &WireError::new(code, why))
+    }
+
+    /// A message on the peer socket: `[identity] envelope auth`. Served only when its MAC
+    /// is right, it is fresh and new, and it is a peer op; the reply is sealed.
+    fn serve_peer(&mut self, parts: &[zmq::Message], now: Instant) {
+        let (Some(identity), Some(env)) = (parts.first(), parts.get(1)) else {
+            return;
+        };
+        let checked = match (self.links.key.as_ref(), parts.get(2), parts.len()) {
+            (Some(key), Some(auth), 3) => key
+                .open_request(env, auth)
+                .and_then(|st| self.replay.admit(st, crate::auth::unix_ms()).map(|()| st)),
+            _ => Err(kvd_protocol::auth::AuthError::Missing),
+        };
+        let stamp = match checked {
+            Ok(st) => st,
+            Err(e) => {
+                tracing::info!(error = %e, "unauthenticated peer message refused");
+                if let Some(t) = self.transfers.as_mut() {
+                    t.count_unauthenticated();
+                }
+                let id = codec::salvage_id(env);
+                let why = format!("peer message refused: {e}");
+                let reply = self.refuse("invalid", ErrorCode::Unauthenticated, id, &why, now);
+                // Unsealed: the sender may not share our key.
+                self.send_reply(identity, false, Via::Peer(None), reply, Vec::new());
+                return;
+            }
+        };
+        let outcome = self.dispatch(env, &[], Some(stamp), now);
+        match outcome {
+            Outcome::Reply(reply, payloads) => {
+                self.send_reply(identity, false, Via::Peer(Some(stamp)), reply, payloads)
+            }
+            Outcome::Later(token, id, op) => {
+                self.waiting.insert(
+                    token,
+                    ReplyTo {
+                        via: Via::Peer(Some(stamp)),
+                        identity: identity.to_vec(),
+                        req_style: false,
+                        id,
+                        op,
+                        since: now,
+                    },
+                );
+            }
+        }
     }
 
     /// Runs the transfers' time-driven work, feeds them peer replies, sends their
@@ -524,7 +703,7 @@ impl Server {
             };
             let (reply, payloads) =
                 self.finish(to.id, to.op, to.since, r.map(Body::from), Vec::new());
-            self.send_reply(&to.identity, to.req_style, reply, payloads);
+            self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
         }
     }
 
@@ -549,7 +728,7 @@ impl Server {
                     self.finish(to.id, to.op, to.since, Err(e), Vec::new())
                 }
             };
-            self.send_reply(&to.identity, to.req_style, reply, payloads);
+            self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
         }
     }
 
@@ -592,25 +771,37 @@ impl Server {
         Ok(())
     }
 
+    /// Sends a reply on the socket its request came from (sealed when it answers an
+    /// authenticated peer request).
     fn send_reply(
         &mut self,
         identity: &[u8],
         req_style: bool,
+        via: Via,
         reply: Vec<u8>,
         payloads: Vec<zmq::Message>,
     ) {
         let flags = zmq::DONTWAIT | zmq::SNDMORE;
+        let (sock, seal) = match (via, &self.peer_socket) {
+            (Via::Peer(stamp), Some(p)) => (
+                p,
+                stamp.and_then(|st| self.links.key.as_ref().map(|k| k.seal_reply(st, &reply))),
+            ),
+            _ => (&self.socket, None),
+        };
         let sent = (|| -> Result<(), zmq::Error> {
-            self.socket.send(identity, flags)?;
+            sock.send(identity, flags)?;
             if req_style {
-                self.socket.send(&[][..], flags)?;
+                sock.send(&[][..], flags)?;
             }
-            let last = payloads.len();
-            self.socket
-                .send(reply, if last == 0 { zmq::DONTWAIT } else { flags })?;
+            let last = payloads.len() + usize::from(seal.is_some());
+            sock.send(reply, if last == 0 { zmq::DONTWAIT } else { flags })?;
             for (i, p) in payloads.into_iter().enumerate() {
                 let f = if i + 1 == last { zmq::DONTWAIT } else { flags };
-                self.socket.send(p, f)?;
+                sock.send(p, f)?;
+            }
+            if let Some(a) = seal {
+                sock.send(&a[..], zmq::DONTWAIT)?;
             }
             Ok(())
         })();
@@ -621,7 +812,16 @@ impl Server {
         }
     }
 
-    fn dispatch(&mut self, env: &[u8], payloads: &[zmq::Message], now: Instant) -> Outcome {
+    /// Decodes and executes one request. `peer` is the stamp of an authenticated peer
+    /// request (peer socket) or `None` (client socket): each socket serves only its own
+    /// ops.
+    fn dispatch(
+        &mut self,
+        env: &[u8],
+        payloads: &[zmq::Message],
+        peer: Option<Stamp>,
+        now: Instant,
+    ) -> Outcome {
         let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
             Ok(x) => x,
             Err((id, e)) => {
@@ -637,6 +837,26 @@ impl Server {
         };
         let mut out = Vec::new();
         let op = req.op();
+        let wrong_socket = match (req.is_peer(), peer.is_some()) {
+            (true, false) => Some(WireError::new(
+                ErrorCode::Unauthenticated,
+                format!("{op} is a daemon-to-daemon op: served only on the control endpoint, to peers that sign it with the cluster secret"),
+            )),
+            (false, true) => Some(WireError::new(
+                ErrorCode::UnknownOp,
+                format!("{op} is a client op: the control endpoint serves only peer ops"),
+            )),
+            _ => None,
+        };
+        if let Some(e) = wrong_socket {
+            if e.code == ErrorCode::Unauthenticated {
+                if let Some(t) = self.transfers.as_mut() {
+                    t.count_unauthenticated();
+                }
+            }
+            let (r, p) = self.finish(id, op, now, Err(e), Vec::new());
+            return Outcome::Reply(r, p);
+        }
         match self.execute(&req, payloads, &mut out, now) {
             Ok(Answer::Later(token)) => Outcome::Later(token, id, op),
             Ok(Answer::Now(body)) => {
@@ -771,7 +991,7 @@ impl Server {
             Request::Delete(r) => Body::Delete(s.delete(r, now)?),
             Request::Stats(_) => {
                 let mut st = s.stats(now);
-                st.transfers = self.transfers.as_ref().map(Transfers::stats);
+                st.transfers = self.transfer_stats();
                 st.peers = self.links.describe(now);
                 st.discovered = self
                     .transfers

@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use kvd_client::Client;
 use kvd_protocol::*;
+use serde::Serialize;
 
 /// The well-behaved client: a full store/load round trip, verified.
 fn good_round_trip(c: &Client, l: LayoutId, seed: u32) {
@@ -425,10 +426,16 @@ fn bad_transfer_and_peer_messages_are_refused() {
         rdma: None,
     };
     let ks = keys(900, 2);
+    // peer ops go, signed, to the control endpoint; client ops to the client endpoint
+    let peer = PeerRaw::new(&me.node, Some(cluster_key()));
     let mut id = 0;
     let mut call = |op: &str, body: &dyn erased::Body| {
         id += 1;
-        raw.call(&[&body.frame(id, op)]).1
+        if op.starts_with("peer_") {
+            peer.call(&body.frame(id, op)).1
+        } else {
+            raw.call(&[&body.frame(id, op)]).1
+        }
     };
     // a restarted (or forged) peer's view of our incarnation
     let hb = PeerHeartbeatReq {
@@ -578,4 +585,106 @@ mod erased {
             super::frame(1, id, op, self)
         }
     }
+}
+
+/// Peer ops are served only on the control endpoint, only with a valid, fresh, unreplayed
+/// MAC; client ops are not served there; data-plane requests need the MAC too. Each
+/// refusal is counted and the daemon keeps serving.
+#[test]
+fn unauthenticated_peer_traffic_gets_nothing() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16).id;
+    let me = good.hello_info().node.expect("transfers are on by default");
+    let stranger = PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(77),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    };
+    let hb = |id: u64| {
+        frame(
+            1,
+            id,
+            "peer_heartbeat",
+            PeerHeartbeatReq {
+                from: stranger.clone(),
+                to_incarnation: me.incarnation,
+                transfers: vec!["t".into()],
+            },
+        )
+    };
+    let unauth = || good.stats().unwrap().transfers.unwrap().unauthenticated;
+    // 1. a peer op on the client endpoint, even signed
+    let client_side = PeerRaw {
+        raw: Raw::new(&d.endpoint, zmq::DEALER),
+        key: Some(cluster_key()),
+    };
+    assert_eq!(
+        client_side.call(&hb(1)),
+        (1, Some(ErrorCode::Unauthenticated))
+    );
+    assert_eq!(unauth(), 1);
+    // 2. on the control endpoint: unsigned, signed with another secret, garbage auth
+    let unsigned = PeerRaw::new(&me.node, None);
+    assert_eq!(unsigned.call(&hb(2)), (2, Some(ErrorCode::Unauthenticated)));
+    let other = auth::ClusterKey::from_secret(&[b'z'; 32]).unwrap();
+    let wrong = PeerRaw::new(&me.node, Some(other.clone()));
+    assert_eq!(wrong.call(&hb(3)), (3, Some(ErrorCode::Unauthenticated)));
+    assert_eq!(
+        unsigned.call_frames(&[hb(4), vec![0u8; 52]]),
+        (4, Some(ErrorCode::Unauthenticated))
+    );
+    // a MAC over another envelope
+    let signed = PeerRaw::new(&me.node, Some(cluster_key()));
+    let mut frames = signed.frames(&hb(5));
+    frames[0] = hb(6);
+    assert_eq!(
+        signed.call_frames(&frames),
+        (6, Some(ErrorCode::Unauthenticated))
+    );
+    // 3. the right MAC is served once; the same frames again are a replay
+    let frames = signed.frames(&hb(7));
+    assert_eq!(signed.call_frames(&frames), (7, None));
+    assert_eq!(
+        signed.call_frames(&frames),
+        (7, Some(ErrorCode::Unauthenticated))
+    );
+    // a stamp from the past (or future) beyond the skew window
+    let key = cluster_key();
+    let env = hb(8);
+    let old = auth::Stamp {
+        unix_ms: kvd_daemon::auth::unix_ms() - 10 * auth::MAX_SKEW_MS,
+        nonce: 1,
+    };
+    assert_eq!(
+        signed.call_frames(&[env.clone(), key.seal_request(old, &env).to_vec()]),
+        (8, Some(ErrorCode::Unauthenticated))
+    );
+    // 4. a client op on the control endpoint, signed
+    let stats = encode_request(9, &Request::Stats(StatsReq {}));
+    assert_eq!(signed.call(&stats), (9, Some(ErrorCode::UnknownOp)));
+    assert_eq!(unauth(), 7);
+    // 5. the data plane: an export's own handle and token, but no or a wrong MAC
+    let ks = keys(77, 1);
+    let data = block(77, 16 * 1024);
+    good.store(l, &ks, &[&data]).unwrap();
+    let p = good.export("x", l, &ks, None).unwrap();
+    let token = p.token ^ transfer_tag("x", &p.keys, p.offsets.iter().map(|&o| Some(o)));
+    assert_eq!(
+        raw_read_with(None, &p, p.handle, token, p.offsets[0], 4096).unwrap_err(),
+        "unauthenticated"
+    );
+    assert_eq!(
+        raw_read_with(Some(&other), &p, p.handle, token, p.offsets[0], 4096).unwrap_err(),
+        "unauthenticated"
+    );
+    assert_eq!(
+        raw_read(&p, p.handle, token, p.offsets[0], 16 * 1024).unwrap(),
+        data
+    );
+    assert_eq!(unauth(), 9);
+    good_round_trip(&good, l, 78);
 }

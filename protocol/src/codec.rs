@@ -52,6 +52,22 @@ pub enum Request {
 }
 
 impl Request {
+    /// Whether this is a daemon-to-daemon op (`peer_*`), served only on the control
+    /// endpoint to authenticated peers.
+    pub fn is_peer(&self) -> bool {
+        matches!(
+            self,
+            Request::PeerPushReg(_)
+                | Request::PeerPushDone(_)
+                | Request::PeerDone(_)
+                | Request::PeerFail(_)
+                | Request::PeerHeartbeat(_)
+                | Request::PeerRdmaConnect(_)
+                | Request::PeerLookup(_)
+                | Request::PeerLock(_)
+        )
+    }
+
     /// The op name of this request.
     pub fn op(&self) -> &'static str {
         match self {

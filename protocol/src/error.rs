@@ -49,6 +49,9 @@ pub enum ErrorCode {
     PeerUnreachable,
     /// A client on one side aborted the transfer.
     Aborted,
+    /// A daemon-to-daemon op without a valid MAC (SPEC §10.1), or sent on a client
+    /// endpoint: peer ops are served only on the control endpoint, to authenticated peers.
+    Unauthenticated,
     /// A code this build does not know.
     #[serde(other)]
     Other,
@@ -56,7 +59,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, for metrics labels and tests.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 21] = [
         ErrorCode::Malformed,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnknownOp,
@@ -77,6 +80,7 @@ impl ErrorCode {
         ErrorCode::TransferFailed,
         ErrorCode::PeerUnreachable,
         ErrorCode::Aborted,
+        ErrorCode::Unauthenticated,
     ];
 
     /// The code of a wire name (`Other` when unknown).
@@ -110,6 +114,7 @@ impl ErrorCode {
             ErrorCode::TransferFailed => "transfer_failed",
             ErrorCode::PeerUnreachable => "peer_unreachable",
             ErrorCode::Aborted => "aborted",
+            ErrorCode::Unauthenticated => "unauthenticated",
             ErrorCode::Other => "other",
         }
     }

@@ -7,6 +7,7 @@
 //!
 //! | module | what it owns |
 //! |---|---|
+//! | [`auth`] | the cluster key and the MAC over daemon-to-daemon messages and data-plane requests |
 //! | [`ids`] | `ChunkHash`, `LayoutId`, `ClientId`, `PinId`, `Incarnation`, `BlockKey` |
 //! | [`layout`] | `Layout`, its validation, block size and stable id |
 //! | [`hash`] | the chained chunk hash `h_i = H(h_{i-1} \|\| tokens_i)` |
@@ -17,6 +18,7 @@
 //! | [`transfer`] | prefill → decode handoff ops, `kv_transfer_params`, daemon-to-daemon ops |
 #![deny(missing_docs)]
 
+pub mod auth;
 pub mod codec;
 pub mod error;
 pub mod hash;

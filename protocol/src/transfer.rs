@@ -546,6 +546,10 @@ pub struct TransferStats {
     /// Peers currently skipped after a timeout.
     #[serde(default)]
     pub peers_down: u64,
+    /// Peer messages and data-plane requests refused for a missing, wrong, stale or
+    /// replayed MAC, and peer ops sent to a client endpoint (also counted in `refused`).
+    #[serde(default)]
+    pub unauthenticated: u64,
 }
 
 #[cfg(test)]

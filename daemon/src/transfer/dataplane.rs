@@ -19,31 +19,40 @@
 //! time per connection:
 //!
 //! ```text
-//! request  = "KVDX" u8:version=1 u8:op(1 read, 2 write) u16:0 u64:handle u64:token
+//! request  = "KVDX" u8:version=2 u8:op(1 read, 2 write) u16:flags u64:handle u64:token
 //!            u64:src_incarnation u64:dst_incarnation u32:nranges u32:0      (48 bytes)
 //!            nranges × (u64:offset u64:len)   -- offsets in the server's pool
+//!            u64:unix_ms u64:nonce [32]u8:mac -- MAC over all of the above (SPEC §10.1)
 //!            [write: the ranges' bytes, in order]
 //! response = u8:status(0 ok, 1 error) [3]u8:0 u32:msg_len msg   -- msg "code: text"
 //!            [read and ok: the ranges' bytes, in order]
 //! ```
 //!
-//! A refused write closes the connection (its bytes are not drained).
+//! A refused write closes the connection (its bytes are not drained), and so does a
+//! request whose MAC is missing, wrong, stale or replayed: without the cluster secret a
+//! peer gets no byte, whatever params it holds. The MAC covers the request, not the
+//! bytes that follow it (their integrity on the wire is the crc flag's: accidental damage,
+//! not an on-path forger).
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvd_protocol::auth::{ClusterKey, DATA_TRAILER_BYTES};
 use kvd_protocol::{ErrorCode, Incarnation, PeerRef, WireError};
+
+use crate::auth::ReplayGuard;
 
 use crate::pool::{Pool, RemotePool};
 
 const MAGIC: &[u8; 4] = b"KVDX";
-const VERSION: u8 = 1;
+/// 2: requests end with the MAC trailer (SPEC §10.1); version 1 had none.
+const VERSION: u8 = 2;
 const HEADER_BYTES: usize = 48;
 /// Most ranges in one data-plane request.
 pub const MAX_RANGES: u32 = 65_536;
@@ -464,6 +473,7 @@ pub struct DataOptions {
 
 /// The TCP listener serving remote reads and writes of this pool.
 pub struct DataServer {
+    auth: Arc<DataAuth>,
     addr: std::net::SocketAddr,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -475,8 +485,15 @@ impl DataServer {
         addr: &str,
         pool: Arc<Pool>,
         grants: Arc<Grants>,
+        key: ClusterKey,
         opts: &DataOptions,
     ) -> io::Result<DataServer> {
+        let auth = Arc::new(DataAuth {
+            key,
+            replay: Mutex::new(ReplayGuard::new(REPLAY_MAX)),
+            refused: AtomicU64::new(0),
+        });
+        let refused = auth.clone();
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -496,11 +513,12 @@ impl DataServer {
                     }
                     conns.fetch_add(1, Ordering::Relaxed);
                     let (pool, grants, conns) = (pool.clone(), grants.clone(), conns.clone());
+                    let auth = auth.clone();
                     let spawned = std::thread::Builder::new()
                         .name("kvd-data-conn".into())
                         .spawn(move || {
                             let peer = sock.peer_addr().ok();
-                            if let Err(e) = serve_conn(sock, &pool, &grants, timeout) {
+                            if let Err(e) = serve_conn(sock, &pool, &grants, &auth, timeout) {
                                 tracing::debug!(?peer, error = %e, "data connection closed");
                             }
                             conns.fetch_sub(1, Ordering::Relaxed);
@@ -514,7 +532,13 @@ impl DataServer {
             addr: local,
             stop,
             thread: Some(thread),
+            auth: refused,
         })
+    }
+
+    /// Requests refused for a missing, wrong, stale or replayed MAC.
+    pub fn unauthenticated(&self) -> u64 {
+        self.auth.refused.load(Ordering::Relaxed)
     }
 
     /// The bound address.
@@ -534,10 +558,40 @@ impl Drop for DataServer {
     }
 }
 
+/// The data server's side of authentication: every request's trailer is checked.
+struct DataAuth {
+    key: ClusterKey,
+    replay: Mutex<ReplayGuard>,
+    refused: AtomicU64,
+}
+
+/// Most data-plane stamps remembered (a request is ~100 bytes: a flood that fills this
+/// is refused until its stamps age out).
+const REPLAY_MAX: usize = 1 << 20;
+
+impl DataAuth {
+    fn check(&self, head: &[u8], trailer: &[u8]) -> Result<(), WireError> {
+        let r = self.key.open_data(head, trailer).and_then(|stamp| {
+            self.replay
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .admit(stamp, crate::auth::unix_ms())
+        });
+        r.map_err(|e| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            werr(
+                ErrorCode::Unauthenticated,
+                format!("data-plane request: {e}"),
+            )
+        })
+    }
+}
+
 fn serve_conn(
     mut sock: TcpStream,
     pool: &Pool,
     grants: &Grants,
+    auth: &DataAuth,
     timeout: Duration,
 ) -> io::Result<()> {
     sock.set_nodelay(true)?;
@@ -577,10 +631,17 @@ fn serve_conn(
             let _ = write_status(&mut sock, Some(&e));
             return Ok(());
         }
-        let mut rb = vec![0u8; h.nranges as usize * 16];
-        sock.read_exact(&mut rb)?;
+        let mut rb = vec![0u8; HEADER_BYTES + h.nranges as usize * 16 + DATA_TRAILER_BYTES];
+        rb[..HEADER_BYTES].copy_from_slice(&hdr);
+        sock.read_exact(&mut rb[HEADER_BYTES..])?;
+        let (head, trailer) = rb.split_at(rb.len() - DATA_TRAILER_BYTES);
+        if let Err(e) = auth.check(head, trailer) {
+            tracing::info!(handle = h.handle, error = %e, "data-plane request refused");
+            let _ = write_status(&mut sock, Some(&e));
+            return Ok(()); // an unauthenticated peer gets nothing more on this connection
+        }
         ranges.clear();
-        for c in rb.chunks_exact(16) {
+        for c in head[HEADER_BYTES..].chunks_exact(16) {
             let off = u64::from_le_bytes(c[0..8].try_into().expect("8 bytes"));
             let len = u64::from_le_bytes(c[8..16].try_into().expect("8 bytes"));
             ranges.push((off, len));
@@ -663,6 +724,7 @@ pub trait Transport: Send + Sync {
 
 /// TCP: several parallel streams per transfer, pooled connections.
 pub struct TcpTransport {
+    key: ClusterKey,
     pool: Arc<Pool>,
     incarnation: Incarnation,
     streams: usize,
@@ -672,8 +734,14 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// A transport over `pool` for the daemon of `incarnation`.
-    pub fn new(pool: Arc<Pool>, incarnation: Incarnation, opts: &DataOptions) -> Self {
+    pub fn new(
+        pool: Arc<Pool>,
+        incarnation: Incarnation,
+        key: ClusterKey,
+        opts: &DataOptions,
+    ) -> Self {
         TcpTransport {
+            key,
             pool,
             incarnation,
             streams: opts.streams.max(1),
@@ -765,7 +833,7 @@ impl TcpTransport {
         a: &Access,
         ops: &[Op],
     ) -> Result<u64, Result<WireError, (io::Error, bool)>> {
-        let mut buf = Vec::with_capacity(HEADER_BYTES + ops.len() * 16);
+        let mut buf = Vec::with_capacity(HEADER_BYTES + ops.len() * 16 + DATA_TRAILER_BYTES);
         let verify = a.verify && dir == Dir::Read;
         Header {
             op: dir as u8,
@@ -777,6 +845,8 @@ impl TcpTransport {
             nranges: ops.len() as u32,
         }
         .encode(ops, &mut buf);
+        let trailer = self.key.data_trailer(crate::auth::stamp(), &buf);
+        buf.extend_from_slice(&trailer);
         s.write_all(&buf).map_err(|e| Err((e, false)))?;
         let mut bytes = 0;
         match dir {

@@ -52,6 +52,10 @@ use dataplane::{
 /// Settings of the handoff (see `config.rs` for defaults).
 #[derive(Debug, Clone)]
 pub struct TransferConfig {
+    /// The cluster secret file.
+    pub secret_file: std::path::PathBuf,
+    /// Create it when missing (the default path only).
+    pub create_secret: bool,
     /// ZMQ endpoint peers send control messages to (bound by the server).
     pub control_endpoint: String,
     /// TCP address the data server binds.
@@ -405,12 +409,19 @@ impl Transfers {
         cfg: TransferConfig,
         control: String,
         pool: Arc<Pool>,
+        key: kvd_protocol::auth::ClusterKey,
         store: &mut Store,
         now: Instant,
     ) -> std::io::Result<Transfers> {
         let incarnation = store.incarnation();
         let grants = Arc::new(Grants::new(incarnation));
-        let server = DataServer::start(&cfg.data_bind, pool.clone(), grants.clone(), &cfg.data)?;
+        let server = DataServer::start(
+            &cfg.data_bind,
+            pool.clone(),
+            grants.clone(),
+            key.clone(),
+            &cfg.data,
+        )?;
         let data_host = match &cfg.advertise_host {
             Some(h) => h.clone(),
             None => server.addr().ip().to_string(),
@@ -459,7 +470,7 @@ impl Transfers {
             _ => (None, None),
         };
         let plane = DataPlane::start(cfg.data.workers)?;
-        let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, &cfg.data));
+        let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
         Ok(Transfers {
             next_heartbeat: now + cfg.heartbeat,
@@ -532,7 +543,8 @@ impl Transfers {
             imports_live: self.imports.values().filter(|i| live(i.state)).count() as u64,
             registrations: self.regs.len() as u64,
             pinned_exports: self.exports.values().filter(|e| e.pin.is_some()).count() as u64,
-            refused: self.counters.refused + self.grants.refused(),
+            refused: self.counters.refused + self.grants.refused() + self._server.unauthenticated(),
+            unauthenticated: self.counters.unauthenticated + self._server.unauthenticated(),
             peers_down: self
                 .down_until
                 .values()
@@ -540,6 +552,13 @@ impl Transfers {
                 .count() as u64,
             ..self.counters.clone()
         }
+    }
+
+    /// Counts a peer message refused as unauthenticated (by the server, which checks
+    /// MACs before anything here sees the message).
+    pub fn count_unauthenticated(&mut self) {
+        self.counters.unauthenticated += 1;
+        self.counters.refused += 1;
     }
 
     /// Transfers that ended since the last call (for metrics).

@@ -202,10 +202,28 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The cluster key the tests' daemons use (the default secret file, which the first
+/// daemon created).
+pub fn cluster_key() -> kvd_protocol::auth::ClusterKey {
+    kvd_daemon::auth::load_key(&kvd_daemon::auth::default_secret_path(), true).unwrap()
+}
+
 /// A data-plane read (`daemon/src/transfer/dataplane.rs` wire format) of `len` bytes at
-/// `off` of the exporter named by `p`, under `handle` and `token`: the bytes, or the
-/// refusal's code.
+/// `off` of the exporter named by `p`, under `handle` and `token`, signed with the
+/// cluster key: the bytes, or the refusal's code.
 pub fn raw_read(
+    p: &kvd_protocol::TransferParams,
+    handle: u64,
+    token: u64,
+    off: u64,
+    len: u64,
+) -> Result<Vec<u8>, String> {
+    raw_read_with(Some(&cluster_key()), p, handle, token, off, len)
+}
+
+/// [`raw_read`] signed with `key` (or unsigned).
+pub fn raw_read_with(
+    key: Option<&kvd_protocol::auth::ClusterKey>,
     p: &kvd_protocol::TransferParams,
     handle: u64,
     token: u64,
@@ -217,7 +235,7 @@ pub fn raw_read(
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut req = Vec::new();
     req.extend_from_slice(b"KVDX");
-    req.extend_from_slice(&[1, 1, 0, 0]);
+    req.extend_from_slice(&[2, 1, 0, 0]);
     for v in [handle, token, 1, p.from.incarnation.0] {
         req.extend_from_slice(&v.to_le_bytes());
     }
@@ -225,6 +243,11 @@ pub fn raw_read(
     req.extend_from_slice(&0u32.to_le_bytes());
     req.extend_from_slice(&off.to_le_bytes());
     req.extend_from_slice(&len.to_le_bytes());
+    let trailer = match key {
+        Some(k) => k.data_trailer(kvd_daemon::auth::stamp(), &req).to_vec(),
+        None => vec![0u8; kvd_protocol::auth::DATA_TRAILER_BYTES],
+    };
+    req.extend_from_slice(&trailer);
     s.write_all(&req).unwrap();
     let mut hdr = [0u8; 8];
     s.read_exact(&mut hdr).unwrap();
@@ -290,4 +313,40 @@ pub struct Env<'a, B: Serialize> {
 /// An envelope frame, encoded as the SPEC says (a map).
 pub fn frame<B: Serialize>(v: u64, id: u64, op: &str, body: B) -> Vec<u8> {
     rmp_serde::to_vec_named(&Env { v, id, op, body }).unwrap()
+}
+
+/// A raw DEALER on a daemon's control endpoint that signs what it sends (or not).
+pub struct PeerRaw {
+    pub raw: Raw,
+    pub key: Option<kvd_protocol::auth::ClusterKey>,
+}
+
+impl PeerRaw {
+    /// Connects to `control` (a `PeerRef::node`), signing with `key`.
+    pub fn new(control: &str, key: Option<kvd_protocol::auth::ClusterKey>) -> PeerRaw {
+        PeerRaw {
+            raw: Raw::new(control, zmq::DEALER),
+            key,
+        }
+    }
+
+    /// The frames of an envelope, with its auth frame when a key is set.
+    pub fn frames(&self, env: &[u8]) -> Vec<Vec<u8>> {
+        let mut v = vec![env.to_vec()];
+        if let Some(k) = &self.key {
+            v.push(k.seal_request(kvd_daemon::auth::stamp(), env).to_vec());
+        }
+        v
+    }
+
+    /// Sends `frames` and returns the reply's (id, code).
+    pub fn call_frames(&self, frames: &[Vec<u8>]) -> (u64, Option<ErrorCode>) {
+        let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+        self.raw.call(&refs)
+    }
+
+    /// Signs and sends one envelope; returns the reply's (id, code).
+    pub fn call(&self, env: &[u8]) -> (u64, Option<ErrorCode>) {
+        self.call_frames(&self.frames(env))
+    }
 }
