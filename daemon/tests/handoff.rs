@@ -363,7 +363,17 @@ fn prefill_killed_mid_pull_fails_cleanly_and_shows_nothing_half_written() {
 
 #[test]
 fn forged_or_stale_params_are_refused() {
-    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    for shm in [false, true] {
+        forged_params_are_refused_over(shm);
+    }
+}
+
+/// Finding: over shm, altered params ended `done` and the decode side served the wrong
+/// bytes under the keys. Now every transport refuses them: TCP at the data plane, shm at
+/// the exporter's confirmation (`peer_done` proves the params; its ack names the
+/// exporter's own pool file).
+fn forged_params_are_refused_over(shm: bool) {
+    let (a, b) = (Node::start(5000, shm), Node::start(5000, shm));
     let (ca, cb) = (a.client(), b.client());
     let (layout, ks, data) = fill(&ca, 11, 6, 64);
     register(&cb, 64);
@@ -373,14 +383,28 @@ fn forged_or_stale_params_are_refused() {
         let p0 = ca.export(id, layout, &ks[..3], None).unwrap();
         let mut p = p0.clone();
         f(&mut p);
-        let (state, code) = state_and_code(cb.pull(&p, None, true));
-        assert_eq!(state, TransferState::Failed, "{id} was not refused");
+        let r = cb.pull(&p, None, true);
+        if let Ok(r) = &r {
+            assert_eq!(r.transport, if shm { "shm" } else { "tcp" }, "{id}");
+        }
+        let (state, code) = state_and_code(r);
+        assert_eq!(
+            state,
+            TransferState::Failed,
+            "{id} was not refused (shm {shm})"
+        );
         assert_absent(&cb, layout, &ks);
         code
     };
-    // another transfer id over a real export's handle and token
+    // another transfer id over a real export's handle and token (over shm the exporter
+    // is asked about that id, which it never exported)
     let code = forged(&|p| p.transfer_id = "not-exported".into(), "f1");
-    assert_eq!(code, Some(ErrorCode::NotOwner));
+    let want = if shm {
+        ErrorCode::UnknownTransfer
+    } else {
+        ErrorCode::NotOwner
+    };
+    assert_eq!(code, Some(want));
     // keys that were not exported (the holder has them, under other offsets)
     let code = forged(&|p| p.keys[1] = ks[5], "f2");
     assert_eq!(code, Some(ErrorCode::NotOwner));
@@ -391,6 +415,34 @@ fn forged_or_stale_params_are_refused() {
     // a wrong token
     let code = forged(&|p| p.token ^= 1, "f4");
     assert_eq!(code, Some(ErrorCode::NotOwner));
+    // two offsets swapped
+    let code = forged(&|p| p.offsets.swap(0, 1), "f5");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    // a key replaced by zeros
+    let code = forged(&|p| p.keys[2] = ChunkHash([0; 16]), "f6");
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    if shm {
+        // a pool file someone made: the exporter's magic and incarnation, other bytes
+        let fake = a.d.dir.path().join("fake.pool");
+        std::fs::copy(&a.d.pool_path, &fake).unwrap();
+        let p0 = ca.export("f7", layout, &ks[..3], None).unwrap();
+        {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&fake).unwrap();
+            use std::io::{Seek, SeekFrom};
+            f.seek(SeekFrom::Start(p0.offsets[0])).unwrap();
+            f.write_all(&vec![0x5a; 4096]).unwrap();
+        }
+        let mut p = p0.clone();
+        p.from.shm = Some(fake.display().to_string());
+        let (state, code) = state_and_code(cb.pull(&p, None, true));
+        assert_eq!(
+            state,
+            TransferState::Failed,
+            "a foreign pool file was trusted"
+        );
+        assert_eq!(code, Some(ErrorCode::NotOwner));
+        assert_absent(&cb, layout, &ks);
+    }
 
     // raw data-plane requests: right token, range outside the export; and wrong handle
     let tag = transfer_tag(
@@ -433,6 +485,22 @@ fn forged_or_stale_params_are_refused() {
     let r = cb.pull(&base, None, true).unwrap();
     verify(&cb, layout, &r, &data[..3]);
     assert!(xstats(&ca).refused >= 4 + 3);
+    good_after(&cb, layout, &ks, &data);
+}
+
+/// After the refusals: the decode side serves the real bytes under every key it holds.
+fn good_after(cb: &Client, layout: LayoutId, ks: &[ChunkHash], data: &[Vec<u8>]) {
+    let mut bufs: Vec<Vec<u8>> = data.iter().map(|d| vec![0u8; d.len()]).collect();
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let found = cb.load(layout, ks, &mut outs).unwrap();
+    for (i, hit) in found.iter().enumerate() {
+        if *hit {
+            assert!(
+                bufs[i] == data[i],
+                "key {i} serves bytes it was not stored under"
+            );
+        }
+    }
 }
 
 #[test]
@@ -552,4 +620,36 @@ fn a_restarted_prefill_refuses_the_old_incarnations_params() {
     );
     let r = cb.pull(&new, None, true).unwrap();
     verify(&cb, layout, &r, &data);
+}
+
+/// Daemons with different cluster secrets cannot move a byte between them: the pull's
+/// data-plane request (TCP) and its control messages are refused as unauthenticated,
+/// the decode side shows nothing, and both keep serving.
+#[test]
+fn daemons_of_another_cluster_get_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ka, kb) = (dir.path().join("a.key"), dir.path().join("b.key"));
+    std::fs::write(&ka, "a".repeat(64)).unwrap();
+    std::fs::write(&kb, "b".repeat(64)).unwrap();
+    let with = |k: &std::path::Path| format!("secret_file = {:?}", k.display().to_string());
+    for shm in [false, true] {
+        let a = Node::start_with(5000, shm, &with(&ka));
+        let b = Node::start_with(5000, shm, &with(&kb));
+        let (ca, cb) = (a.client(), b.client());
+        let (layout, ks, data) = fill(&ca, 21, 3, 64);
+        register(&cb, 64);
+        let p = ca.export("other-cluster", layout, &ks, None).unwrap();
+        let (state, code) = state_and_code(cb.pull(&p, None, true));
+        assert_eq!(state, TransferState::Failed, "shm {shm}");
+        assert_eq!(code, Some(ErrorCode::Unauthenticated), "shm {shm}");
+        assert_absent(&cb, layout, &ks);
+        assert!(xstats(&ca).unauthenticated >= 1);
+        // a node of the same cluster still pulls from a
+        let c = Node::start_with(5000, shm, &with(&ka));
+        let cc = c.client();
+        register(&cc, 64);
+        let p = ca.export("same-cluster", layout, &ks, None).unwrap();
+        let r = cc.pull(&p, None, true).unwrap();
+        verify(&cc, layout, &r, &data);
+    }
 }

@@ -381,6 +381,11 @@ pub struct PeerDoneReq {
     pub transfer_id: String,
     /// The export's handle.
     pub handle: u64,
+    /// The params' `token XOR transfer_tag(transfer_id, keys, offsets)`, as on the data
+    /// plane: the exporter checks it against its grant, so params whose id, keys, offsets
+    /// or token were altered are refused (`not_owner`) on every transport.
+    #[serde(default)]
+    pub token: u64,
 }
 
 /// `peer_fail` (either way): the sender ended the transfer; the receiver ends its half.
@@ -427,6 +432,10 @@ pub struct PeerAck {
     /// `peer_lock`: the lock, as an export of the locked blocks (read it like a pull).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<Box<TransferParams>>,
+    /// `peer_done`: the exporter's own pool file, so a same-host reader can check that it
+    /// copied from that file and not from one the params named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<String>,
     /// `peer_lock`: CRC-32C of each locked block, for the reader to verify.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub crcs: Vec<u32>,

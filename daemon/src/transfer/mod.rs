@@ -307,6 +307,11 @@ impl Import {
         }
     }
 
+    /// Pull: what `peer_done` proves the params with (the token the data plane checks).
+    fn proof(&self, id: &str) -> u64 {
+        self.token ^ transfer_tag(id, &self.keys, self.remote.iter().map(|&o| Some(o)))
+    }
+
     /// A pull of the export `p`.
     fn pull(
         p: &TransferParams,
@@ -1324,6 +1329,7 @@ impl Transfers {
                     to_incarnation: imp.peer.incarnation,
                     transfer_id: id.to_string(),
                     handle: imp.handle,
+                    token: imp.proof(id),
                 }),
                 then: Then::Nothing,
                 timeout: None,
@@ -1809,7 +1815,23 @@ impl Transfers {
             self.counters.refused += 1;
             return Err(self.unknown(&r.transfer_id));
         }
-        let e = &self.exports[&r.transfer_id];
+        let Some(e) = exp else {
+            return Err(self.unknown(&r.transfer_id));
+        };
+        let want =
+            e.token ^ transfer_tag(&r.transfer_id, &e.keys, e.offsets.iter().map(|&o| Some(o)));
+        if r.token != want {
+            // Params altered on their way to the importer (id, keys, offsets or token):
+            // whatever it copied is not this export. The export itself lives on.
+            self.counters.refused += 1;
+            return Err(werr(
+                ErrorCode::NotOwner,
+                format!(
+                    "peer_done for {:?} does not prove the exported keys and offsets",
+                    r.transfer_id
+                ),
+            ));
+        }
         if e.state.is_final() {
             self.counters.refused += 1;
             return Err(werr(
@@ -1827,7 +1849,11 @@ impl Transfers {
         exp.bytes = bytes;
         exp.transport = "remote_read";
         self.end_export(store, &r.transfer_id, TransferState::Done, None, false, now);
-        Ok(self.ack())
+        let mut ack = self.ack();
+        if let Reply::Ack(a) = &mut ack {
+            a.shm = self.me.shm.clone();
+        }
+        Ok(ack)
     }
 
     /// `peer_fail`.
@@ -2054,9 +2080,29 @@ impl Transfers {
                 if !live {
                     return;
                 }
+                let copied_from = self
+                    .imports
+                    .get(&id)
+                    .filter(|i| i.transport == "shm")
+                    .and_then(|i| i.peer.shm.clone());
                 match r {
+                    Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
+                        // The params named a pool file that is not the exporter's (as
+                        // the exporter says, over the authenticated channel).
+                        let e = werr(
+                            ErrorCode::NotOwner,
+                            format!(
+                                "copied from {:?}, but the exporter's pool is {:?}",
+                                copied_from.unwrap_or_default(),
+                                ack.shm.unwrap_or_default()
+                            ),
+                        );
+                        self.counters.refused += 1;
+                        self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
+                    }
                     Ok(_) => {
-                        // The lease held through the copy: the bytes are the export's.
+                        // The lease held through the copy, and the exporter confirmed
+                        // these exact params: the bytes are the export's.
                         self.finish_import(store, &id, false, now);
                     }
                     Err(e) => {
@@ -2271,6 +2317,7 @@ impl Transfers {
                                 to_incarnation: imp.peer.incarnation,
                                 transfer_id: id.clone(),
                                 handle: imp.handle,
+                                token: imp.proof(&id),
                             });
                             self.outbox.push(Outgoing {
                                 node: imp.peer.node.clone(),
