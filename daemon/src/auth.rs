@@ -124,7 +124,6 @@ impl ReplayGuard {
 
     /// Accepts `stamp` once if it is fresh at `now_ms`.
     pub fn admit(&mut self, stamp: Stamp, now_ms: u64) -> Result<(), AuthError> {
-        check_fresh(stamp, now_ms)?;
         while let Some(std::cmp::Reverse((exp, nonce))) = self.by_expiry.peek().copied() {
             if exp >= now_ms {
                 break;
@@ -132,6 +131,7 @@ impl ReplayGuard {
             self.by_expiry.pop();
             self.seen.remove(&nonce);
         }
+        check_fresh(stamp, now_ms)?;
         if self.seen.contains(&stamp.nonce) {
             return Err(AuthError::Replayed(stamp.nonce));
         }

@@ -36,6 +36,7 @@
 //! | `transfer.data` | string | `127.0.0.1:0` | `KVD_TRANSFER_DATA` / `--transfer-data` | TCP address of the data plane (port 0: any free port) |
 //! | `transfer.advertise_host` | string | none (the bind address) | `KVD_ADVERTISE_HOST` / `--advertise-host` | host name or IP peers use to reach this node (set it when binding `0.0.0.0`) |
 //! | `transfer.lease_ms` | int | `30000` | `KVD_LEASE_MS` / `--lease-ms` | initial lease of a transfer |
+//! | `transfer.max_hold_ms` | int | `300000` | | the longest any transfer lives, heartbeats or not (an admitted pull or a push registration whose request never runs, an export nobody finishes): then it expires, its pins and slots are freed, and the other side is told |
 //! | `transfer.heartbeat_ms` | int | `0` (= lease/6) | | decode-side heartbeat period |
 //! | `transfer.peer_timeout_ms` | int | `5000` | | wait for a peer's reply to a control message |
 //! | `transfer.retain_ms` | int | `60000` | | ended transfers stay visible to `transfer_status` this long |
@@ -234,6 +235,8 @@ pub struct TransferSection {
     pub advertise_host: Option<String>,
     /// Initial lease.
     pub lease_ms: u64,
+    /// Longest life of any transfer.
+    pub max_hold_ms: u64,
     /// Heartbeat period (0: lease/6).
     pub heartbeat_ms: u64,
     /// Control reply timeout.
@@ -266,6 +269,7 @@ impl Default for TransferSection {
             data: "127.0.0.1:0".into(),
             advertise_host: None,
             lease_ms: 30_000,
+            max_hold_ms: 300_000,
             heartbeat_ms: 0,
             peer_timeout_ms: 5_000,
             retain_ms: 60_000,
@@ -304,6 +308,7 @@ impl TransferSection {
             data_bind: self.data.clone(),
             advertise_host: self.advertise_host.clone(),
             lease,
+            max_hold: Duration::from_millis(self.max_hold_ms),
             heartbeat,
             peer_timeout: Duration::from_millis(self.peer_timeout_ms),
             retain: Duration::from_millis(self.retain_ms),
@@ -763,6 +768,12 @@ impl DaemonConfig {
             }
             if t.lease_ms < 100 || t.lease_ms > 3_600_000 {
                 return bad("transfer.lease_ms must be 100..=3600000".into());
+            }
+            if t.max_hold_ms < t.lease_ms || t.max_hold_ms > 86_400_000 {
+                return bad(format!(
+                    "transfer.max_hold_ms must be at least transfer.lease_ms ({}) and at most a day",
+                    t.lease_ms
+                ));
             }
             if t.streams > 64 || t.workers == 0 || t.workers > 256 {
                 return bad("transfer.streams must be 0..=64 and transfer.workers 1..=256".into());

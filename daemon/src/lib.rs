@@ -6,6 +6,7 @@
 //! | module | what it owns |
 //! |---|---|
 //! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table |
+//! | [`deadline`] | the one deadline queue (lazy cancellation, compacted: bounded by live work) for pins, reservations and transfer timers |
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
 //! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
@@ -31,6 +32,7 @@
 pub mod alloc;
 pub mod auth;
 pub mod config;
+pub mod deadline;
 pub mod http;
 pub mod io;
 pub mod metrics;

@@ -1023,7 +1023,7 @@ impl Server {
             Request::Export(r) => Answer::Now(Body::from(t.export(s, r, now)?)),
             Request::Pull(r) => later(t.pull(s, r, token, now)?),
             Request::PushRegister(r) => later(t.push_register(s, r, token, now)?),
-            Request::TransferStatus(r) => later(t.status(r, token, now)?),
+            Request::TransferStatus(r) => later(t.status(s, r, token, now)?),
             Request::Abort(r) => Answer::Now(Body::from(t.abort(s, r, now)?)),
             Request::PeerPushReg(r) => Answer::Now(Body::from(t.peer_push_reg(s, r, now)?)),
             Request::PeerPushDone(r) => Answer::Now(Body::from(t.peer_push_done(s, r, now)?)),

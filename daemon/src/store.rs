@@ -36,8 +36,7 @@
 //! (`kvd-bench index`), 84 during an insert burst while the reservation-deadline heap
 //! still holds an entry per new block (drained after `alloc_ttl`).
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +45,7 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 use kvd_protocol::*;
 
 use crate::alloc::{ClassId, SlabAllocator};
+use crate::deadline::DeadlineQueue;
 use crate::nvme::NvmeTier;
 use crate::pool::{Pool, SLOT_ALIGN};
 
@@ -226,9 +226,9 @@ pub struct Store {
     lru: Vec<List>,
     layouts: HashMap<LayoutId, LayoutEntry>,
     pending: HashMap<u32, Pending>,
-    pending_heap: BinaryHeap<Reverse<(Instant, u32)>>,
+    pending_deadlines: DeadlineQueue<u32>,
     pins: HashMap<PinId, Pin>,
-    pin_heap: BinaryHeap<Reverse<(Instant, PinId)>>,
+    pin_deadlines: DeadlineQueue<PinId>,
     next_pin: u64,
     pinned_blocks: u64,
     committed: u64,
@@ -273,9 +273,9 @@ impl Store {
             lru: Vec::new(),
             layouts: HashMap::new(),
             pending: HashMap::new(),
-            pending_heap: BinaryHeap::new(),
+            pending_deadlines: DeadlineQueue::default(),
             pins: HashMap::new(),
-            pin_heap: BinaryHeap::new(),
+            pin_deadlines: DeadlineQueue::default(),
             next_pin: rand::random::<u32>() as u64 + 1,
             pinned_blocks: 0,
             committed: 0,
@@ -781,7 +781,7 @@ impl Store {
                             deadline,
                         },
                     );
-                    self.pending_heap.push(Reverse((deadline, idx)));
+                    self.pending_deadlines.push(deadline, idx);
                     status.push(AllocStatus::New);
                     offsets.push(Some(off));
                 }
@@ -1103,7 +1103,7 @@ impl Store {
                     nodes: pinned,
                 },
             );
-            self.pin_heap.push(Reverse((deadline, id)));
+            self.pin_deadlines.push(deadline, id);
             if let Some(s) = self.clients.get_mut(&req.client) {
                 s.pins += 1;
             }
@@ -1373,6 +1373,14 @@ impl Store {
         self.session(client, now).map(|_| ())
     }
 
+    /// Marks `client` seen now (if it has a session): its transfers keep it from being
+    /// dropped as idle while they live.
+    pub fn touch_session(&mut self, client: ClientId, now: Instant) {
+        if let Some(s) = self.clients.get_mut(&client) {
+            s.last_seen = now;
+        }
+    }
+
     /// `get` without NVMe promotion: pins what DRAM holds now (misses are `nil`).
     pub fn pin_now(&mut self, req: &GetReq, now: Instant) -> Result<GetResp, WireError> {
         self.session(req.client, now)?;
@@ -1396,29 +1404,24 @@ impl Store {
     /// Expires pins and allocations whose deadline passed, drops idle sessions, and
     /// evicts down to the low watermark when above the high one.
     pub fn maintain(&mut self, now: Instant) {
-        while let Some(Reverse((deadline, id))) = self.pin_heap.peek().copied() {
-            if deadline > now {
-                break;
-            }
-            self.pin_heap.pop();
+        while let Some((deadline, id)) = self.pin_deadlines.pop_due(now) {
             if self.pins.get(&id).is_some_and(|p| p.deadline == deadline) {
-                let pin = self.pins.remove(&id).expect("checked above");
-                tracing::debug!(pin = id.0, owner = %pin.owner, "pin expired");
-                self.unpin(pin);
-                self.counters.expired_pins += 1;
+                if let Some(pin) = self.pins.remove(&id) {
+                    tracing::debug!(pin = id.0, owner = %pin.owner, "pin expired");
+                    self.unpin(pin);
+                    self.counters.expired_pins += 1;
+                }
             }
         }
-        while let Some(Reverse((deadline, idx))) = self.pending_heap.peek().copied() {
-            if deadline > now {
-                break;
-            }
-            self.pending_heap.pop();
-            if self
+        while let Some((deadline, idx)) = self.pending_deadlines.pop_due(now) {
+            if !self
                 .pending
                 .get(&idx)
                 .is_some_and(|p| p.deadline == deadline)
             {
-                let p = self.pending.remove(&idx).expect("checked above");
+                continue; // committed, deleted, or re-reserved since
+            }
+            if let Some(p) = self.pending.remove(&idx) {
                 if let Some(s) = self.clients.get_mut(&p.owner) {
                     s.pending = s.pending.saturating_sub(1);
                 }
@@ -1426,10 +1429,16 @@ impl Store {
                 self.counters.expired_allocs += 1;
             }
         }
-        // Deadline heaps keep entries of committed allocations and released pins until
-        // their deadline; give the memory back once a burst has drained.
-        shrink_drained(&mut self.pin_heap);
-        shrink_drained(&mut self.pending_heap);
+        // Released pins and committed allocations leave cancelled entries behind: drop
+        // them once they outnumber the live ones (the queues stay bounded by live work).
+        let pins = &self.pins;
+        self.pin_deadlines.compact(pins.len(), |t, id| {
+            pins.get(id).is_some_and(|p| p.deadline == t)
+        });
+        let pending = &self.pending;
+        self.pending_deadlines.compact(pending.len(), |t, idx| {
+            pending.get(idx).is_some_and(|p| p.deadline == t)
+        });
         if now >= self.next_client_sweep {
             self.sweep_clients(now);
             self.next_client_sweep = now + Duration::from_secs(1);
@@ -1652,16 +1661,10 @@ impl Store {
 
     /// The earliest pin, allocation or waiting-request deadline.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let a = self.pin_heap.peek().map(|r| r.0 .0);
-        let b = self.pending_heap.peek().map(|r| r.0 .0);
+        let a = self.pin_deadlines.next();
+        let b = self.pending_deadlines.next();
         let c = self.deferred.iter().map(|d| d.deadline).min();
         [a, b, c].into_iter().flatten().min()
-    }
-}
-
-fn shrink_drained<T: Ord>(h: &mut BinaryHeap<T>) {
-    if h.capacity() > 4096 && h.capacity() > 4 * h.len() {
-        h.shrink_to(2 * h.len());
     }
 }
 

@@ -653,3 +653,107 @@ fn daemons_of_another_cluster_get_nothing() {
         verify(&cc, layout, &r, &data);
     }
 }
+
+/// Finding: an admitted pull was heartbeated forever, so a decode engine that never ran
+/// the request (or crashed without a word) kept the prefill side's pins; a push
+/// registration with no export lived as long as it was heartbeated. Now no transfer
+/// outlives `transfer.max_hold_ms`: both sides end it, the other side is told, and both
+/// daemons' holds return to baseline by themselves.
+#[test]
+fn admissions_and_registrations_end_by_max_hold() {
+    // 1 s leases (heartbeats every ~170 ms), 3 s max hold on the decode side only: the
+    // exporter learns of the end from the decode side's peer_fail, not from its lease.
+    let a = Node::start_with(1000, false, "max_hold_ms = 30000");
+    let b = Node::start_with(1000, false, "max_hold_ms = 3000");
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 31, 4, 64);
+    register(&cb, 64);
+    let base = ca.stats().unwrap();
+    let params = ca.export("never-runs", layout, &ks[..2], None).unwrap();
+    assert_eq!(
+        cb.admit(&params, None).unwrap().state,
+        TransferState::Queued
+    );
+    // a push registration to a with no export ever
+    cb.push_register("never-exported", layout, &keys(32, 2), &node_of(&ca), None)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500)); // past a lease: heartbeats keep both
+    assert_eq!(xstats(&ca).exports_live, 1);
+    assert_eq!(xstats(&ca).registrations, 1);
+    let t0 = Instant::now();
+    eventually(6, "both transfers ended by max_hold on both sides", || {
+        let (xa, xb) = (xstats(&ca), xstats(&cb));
+        xa.exports_live == 0 && xa.registrations == 0 && xb.imports_live == 0
+    });
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    for id in ["never-runs", "never-exported"] {
+        let r = cb.transfer_status(id, Duration::ZERO).unwrap();
+        assert_eq!(r.state, TransferState::Expired, "{id}: {r:?}");
+    }
+    let st = ca.stats().unwrap();
+    assert_eq!(st.pinned_blocks, base.pinned_blocks);
+    assert_eq!(cb.stats().unwrap().pending, 0);
+}
+
+/// A transfer belongs to the session that made it: another session can neither abort it
+/// nor read its status. And waiting in `transfer_status` keeps the waiter's session alive
+/// (it was dropped as idle, so the next call failed with `unknown_client`).
+#[test]
+fn transfers_belong_to_their_session_and_waiting_keeps_it() {
+    let a = Node::start_with(5000, false, "\n[limits]\nclient_idle_ttl_ms = 1000");
+    let owner = a.client();
+    let other = a.client();
+    let (layout, ks, _) = fill(&owner, 41, 2, 64);
+    owner.export("mine", layout, &ks, None).unwrap();
+    let code = |r: Result<kvd_protocol::AbortResp, Error>| r.err().and_then(|e| e.code());
+    assert_eq!(
+        code(other.abort_transfer("mine")),
+        Some(ErrorCode::NotOwner)
+    );
+    // another session sees the state, not what would let it act on the transfer
+    let seen = other.transfer_status("mine", Duration::ZERO).unwrap();
+    assert_eq!(seen.state, TransferState::Exported);
+    assert!(seen.offsets.is_empty() && seen.pin.is_none(), "{seen:?}");
+    // A raw session (the Rust client would say hello again by itself) that exports, then
+    // only waits in transfer_status, past the idle TTL: its session is still there.
+    use kvd_protocol::*;
+    let raw = Raw::new(&a.d.endpoint, zmq::DEALER);
+    raw.send(&[&encode_request(1, &Request::Hello(HelloReq::default()))]);
+    let parts = raw.sock.recv_multipart(0).unwrap();
+    let me = decode_reply::<HelloResp>(&parts[0])
+        .unwrap()
+        .1
+        .unwrap()
+        .client;
+    let export = ExportReq {
+        client: me,
+        transfer_id: "raw".into(),
+        layout_id: layout,
+        keys: ks.clone(),
+        lease_ms: None,
+    };
+    assert_eq!(
+        raw.call(&[&encode_request(2, &Request::Export(export))]).1,
+        None
+    );
+    for i in 0..4 {
+        let st = TransferStatusReq {
+            client: me,
+            transfer_id: "raw".into(),
+            wait_ms: 500,
+        };
+        let got = raw.call(&[&encode_request(10 + i, &Request::TransferStatus(st))]);
+        assert_eq!(got, (10 + i, None));
+    }
+    let nothing = DeleteReq {
+        client: me,
+        layout_id: layout,
+        keys: Vec::new(),
+    };
+    assert_eq!(
+        raw.call(&[&encode_request(20, &Request::Delete(nothing))]),
+        (20, None),
+        "the waiting session was dropped as idle"
+    );
+    assert!(owner.abort_transfer("mine").unwrap().aborted);
+}

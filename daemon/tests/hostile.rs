@@ -467,6 +467,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
         to_incarnation: me.incarnation,
         transfer_id: "nope".into(),
         handle: 1,
+        token: 0,
     };
     assert_eq!(call("peer_done", &done), Some(ErrorCode::UnknownTransfer));
     let fail = PeerFailReq {

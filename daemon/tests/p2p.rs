@@ -170,32 +170,14 @@ fn a_killed_peer_is_skipped_and_its_blocks_become_misses() {
 }
 
 /// A raw DEALER to a daemon's control endpoint, speaking as a (fake) peer.
+/// A peer op sent by hand to `node`'s control endpoint, signed with the cluster key.
 fn raw_call(node: &str, op: &str, body: &impl serde::Serialize) -> Result<PeerAck, WireError> {
-    #[derive(serde::Serialize)]
-    struct Env<'a, B> {
-        v: u32,
-        id: u64,
-        op: &'a str,
-        body: B,
-    }
-    let ctx = zmq::Context::new();
-    let s = ctx.socket(zmq::DEALER).unwrap();
-    s.set_linger(0).unwrap();
-    s.set_rcvtimeo(5000).unwrap();
-    s.connect(node).unwrap();
-    s.send(
-        rmp_serde::to_vec_named(&Env {
-            v: 1,
-            id: 9,
-            op,
-            body,
-        })
-        .unwrap(),
-        0,
-    )
-    .unwrap();
-    let frame = s.recv_bytes(0).expect("an answer within 5 s");
-    decode_reply::<PeerAck>(&frame).unwrap().1
+    let p = PeerRaw::new(node, Some(cluster_key()));
+    let frames = p.frames(&frame(1, 9, op, body));
+    let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+    p.raw.send(&refs);
+    let parts = p.raw.sock.recv_multipart(0).expect("an answer within 5 s");
+    decode_reply::<PeerAck>(&parts[0]).unwrap().1
 }
 
 #[test]

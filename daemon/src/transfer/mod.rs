@@ -35,13 +35,13 @@ pub use p2p::PeerConfig;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use kvd_protocol::*;
 
+use crate::deadline::DeadlineQueue;
 use crate::pool::Pool;
 use crate::store::Store;
 use dataplane::{
@@ -64,6 +64,9 @@ pub struct TransferConfig {
     pub advertise_host: Option<String>,
     /// Initial lease of a transfer.
     pub lease: Duration,
+    /// The longest any transfer (export, import, admission, push registration) lives,
+    /// heartbeats or not; past it, it expires and the other side is told.
+    pub max_hold: Duration,
     /// Heartbeat period (default lease/6).
     pub heartbeat: Duration,
     /// How long to wait for a peer's reply to a control message.
@@ -183,6 +186,8 @@ fn outcome(state: TransferState) -> &'static str {
 
 #[derive(Debug)]
 struct Export {
+    /// The session that exported (the system session for peer locks).
+    client: ClientId,
     handle: u64,
     token: u64,
     layout: LayoutId,
@@ -214,6 +219,7 @@ struct Reg {
     token: u64,
     lease: Duration,
     expires: Instant,
+    created: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -387,8 +393,10 @@ pub struct Transfers {
     exports: HashMap<String, Export>,
     regs: HashMap<String, Reg>,
     imports: HashMap<String, Import>,
-    timers: BinaryHeap<Reverse<(Instant, Timer, String)>>,
+    timers: DeadlineQueue<(Timer, String)>,
     next_heartbeat: Instant,
+    /// When the owners of live transfers are next marked seen.
+    next_touch: Instant,
     jobs: HashMap<u64, (Timer, String)>,
     next_id: u64,
     waiters: Vec<Waiter>,
@@ -479,6 +487,7 @@ impl Transfers {
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
         Ok(Transfers {
             next_heartbeat: now + cfg.heartbeat,
+            next_touch: now,
             cfg,
             me,
             grants,
@@ -495,7 +504,7 @@ impl Transfers {
             exports: HashMap::new(),
             regs: HashMap::new(),
             imports: HashMap::new(),
-            timers: BinaryHeap::new(),
+            timers: DeadlineQueue::default(),
             jobs: HashMap::new(),
             next_id: 1,
             waiters: Vec::new(),
@@ -589,7 +598,7 @@ impl Transfers {
 
     /// The next time [`Transfers::maintain`] has work.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let t = self.timers.peek().map(|Reverse((t, _, _))| *t);
+        let t = self.timers.next();
         let w = self.waiters.iter().map(|w| w.deadline).min();
         let hb = (!self.imports.is_empty()).then_some(self.next_heartbeat);
         let settle =
@@ -666,12 +675,13 @@ impl Transfers {
         })?;
         store.check_session(req.client, now)?;
         let lease = self.lease_of(req.lease_ms);
-        // The pin outlives any lease; the export releases it.
+        // The export releases the pin; its TTL is only the backstop (the export itself
+        // ends by `max_hold`).
         let (pin, offsets) = store.pin_for_export(
             self.system,
             req.layout_id,
             &req.keys,
-            Duration::from_secs(365 * 24 * 3600),
+            self.cfg.max_hold + lease,
             now,
         )?;
         let handle = rand::random::<u64>() | 1;
@@ -701,6 +711,7 @@ impl Transfers {
         self.exports.insert(
             req.transfer_id.clone(),
             Export {
+                client: req.client,
                 handle,
                 token,
                 layout: req.layout_id,
@@ -723,7 +734,7 @@ impl Transfers {
         );
         self.counters.exports += 1;
         self.timers
-            .push(Reverse((expires, Timer::Export, req.transfer_id.clone())));
+            .push(expires, (Timer::Export, req.transfer_id.clone()));
         self.try_push(store, &req.transfer_id, now);
         Ok(Reply::Export(ExportResp { params }))
     }
@@ -829,17 +840,53 @@ impl Transfers {
         self.answer_or_wait(&id, req.wait, token, now)
     }
 
-    /// `transfer_status`.
+    /// Checks that `client` (a live session, refreshed by this call) owns transfer `id`:
+    /// the session that exported or imported it. Push registrations from peers belong to
+    /// no client here.
+    fn check_owner(
+        &self,
+        store: &mut Store,
+        client: ClientId,
+        id: &str,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        store.check_session(client, now)?;
+        let owner = match (self.imports.get(id), self.exports.get(id)) {
+            (Some(i), _) => Some(i.client),
+            (None, Some(e)) => Some(e.client),
+            (None, None) if self.regs.contains_key(id) => None,
+            (None, None) => return Err(self.unknown(id)),
+        };
+        if owner != Some(client) {
+            return Err(werr(
+                ErrorCode::NotOwner,
+                format!("transfer {id:?} belongs to another session"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `transfer_status` (refreshes the caller's session). Another session's transfer is
+    /// described at once without what would let the caller act on it (offsets, pin):
+    /// operators (`kvd ctl transfer`) see its state, only its owner waits on it or uses it.
     pub fn status(
         &mut self,
+        store: &mut Store,
         req: &TransferStatusReq,
         token: u64,
         now: Instant,
     ) -> Result<Answer, WireError> {
-        if !self.imports.contains_key(&req.transfer_id)
-            && !self.exports.contains_key(&req.transfer_id)
-        {
-            return Err(self.unknown(&req.transfer_id));
+        match self.check_owner(store, req.client, &req.transfer_id, now) {
+            Ok(()) => {}
+            Err(e) if e.code == ErrorCode::NotOwner => {
+                let mut r = self
+                    .describe(&req.transfer_id, now)
+                    .ok_or_else(|| self.unknown(&req.transfer_id))?;
+                r.offsets.clear();
+                r.pin = None;
+                return Ok(Answer::Now(Box::new(Reply::Transfer(r))));
+            }
+            Err(e) => return Err(e),
         }
         self.answer_or_wait(&req.transfer_id, req.wait_ms > 0, token, now)
             .map(|a| match a {
@@ -862,6 +909,7 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         let id = &req.transfer_id;
+        self.check_owner(store, req.client, id, now)?;
         let aborted_err = || werr(ErrorCode::Aborted, "aborted by a client");
         if let Some(i) = self.imports.get(id) {
             let live = !i.state.is_final();
@@ -899,15 +947,19 @@ impl Transfers {
                 state,
             }));
         }
-        if let Some(r) = self.regs.remove(id) {
-            self.fail_peer(&r.from, id, aborted_err());
-            self.counters.aborted += 1;
-            return Ok(Reply::Abort(AbortResp {
-                aborted: true,
-                state: TransferState::Aborted,
-            }));
-        }
+        // A peer's push registration with no export here: `check_owner` refused it.
         Err(self.unknown(id))
+    }
+
+    /// The error of a transfer that reached `max_hold`.
+    fn held_too_long(&self, what: &str) -> WireError {
+        werr(
+            ErrorCode::LeaseExpired,
+            format!(
+                "{what} held for transfer.max_hold_ms ({} ms), the longest any transfer lives",
+                self.cfg.max_hold.as_millis()
+            ),
+        )
     }
 
     fn unknown(&self, id: &str) -> WireError {
@@ -1147,11 +1199,8 @@ impl Transfers {
         let i = &self.imports[id];
         // Heartbeats start now: beat within a sixth of this transfer's lease.
         self.next_heartbeat = self.next_heartbeat.min(i.last_heard + i.lease / 6);
-        self.timers.push(Reverse((
-            i.last_heard + i.lease,
-            Timer::Import,
-            id.to_string(),
-        )));
+        self.timers
+            .push(i.last_heard + i.lease, (Timer::Import, id.to_string()));
     }
 
     /// Moves an import forward: allocate (or retry), then start its transfer.
@@ -1163,8 +1212,8 @@ impl Transfers {
             return;
         }
         let (layout, keys) = (imp.layout, imp.keys.clone());
-        // Reservations last as long as the transfer might: it frees them itself.
-        let ttl = imp.lease * 1000;
+        // Reservations last as long as the transfer may (it frees them itself).
+        let ttl = self.cfg.max_hold + imp.lease;
         match store.alloc_for_transfer(self.system, layout, &keys, ttl, now) {
             Ok(None) => {} // room is coming (demotions in flight): retried from maintain
             Err(e) => {
@@ -1237,14 +1286,14 @@ impl Transfers {
             .map(|&o| (o, imp.block_bytes))
             .collect();
         if !ranges.is_empty() {
-            // The grant lives as long as the import; ending the import revokes it.
+            // The grant lives as long as the import may; ending the import revokes it.
             let tag = transfer_tag(id, &imp.keys, imp.local.iter().copied());
             self.grants.insert(
                 imp.handle,
                 imp.token ^ tag,
                 GrantKind::Write,
                 &ranges,
-                Instant::now() + Duration::from_secs(365 * 24 * 3600),
+                imp.created + self.cfg.max_hold + imp.lease,
             );
         }
         imp.state = TransferState::Waiting;
@@ -1387,11 +1436,8 @@ impl Transfers {
             self.fail_peer(&peer, id, e);
         }
         self.count_end(state);
-        self.timers.push(Reverse((
-            now + self.cfg.retain,
-            Timer::ForgetImport,
-            id.to_string(),
-        )));
+        self.timers
+            .push(now + self.cfg.retain, (Timer::ForgetImport, id.to_string()));
         self.settle_import(store, id);
         self.wake_waiters(id, now);
         if let Some(fid) = imp_fetch {
@@ -1591,11 +1637,8 @@ impl Transfers {
             }
         }
         self.count_end(state);
-        self.timers.push(Reverse((
-            now + self.cfg.retain,
-            Timer::ForgetExport,
-            id.to_string(),
-        )));
+        self.timers
+            .push(now + self.cfg.retain, (Timer::ForgetExport, id.to_string()));
         self.settle_export(store, id);
         self.wake_waiters(id, now);
     }
@@ -1723,10 +1766,11 @@ impl Transfers {
                 token: r.token,
                 lease,
                 expires,
+                created: now,
             },
         );
         self.timers
-            .push(Reverse((expires, Timer::Reg, r.transfer_id.clone())));
+            .push(expires, (Timer::Reg, r.transfer_id.clone()));
         self.try_push(store, &r.transfer_id, now);
         Ok(self.ack())
     }
@@ -2127,12 +2171,28 @@ impl Transfers {
         for done in self.plane.completed() {
             self.on_job(store, done, now);
         }
-        while let Some(Reverse((at, _, _))) = self.timers.peek() {
-            if *at > now {
-                break;
-            }
-            let Reverse((_, timer, id)) = self.timers.pop().expect("peeked");
+        while let Some((_, (timer, id))) = self.timers.pop_due(now) {
             self.on_timer(store, timer, id, now);
+        }
+        if now >= self.next_touch {
+            // A session that owns a live transfer is not idle (transfers end by
+            // `max_hold` at the latest, so this keeps no session forever).
+            self.next_touch =
+                now + (store.config().client_idle_ttl / 3).min(Duration::from_secs(1));
+            let owners = self
+                .exports
+                .values()
+                .filter(|e| !e.state.is_final())
+                .map(|e| e.client)
+                .chain(
+                    self.imports
+                        .values()
+                        .filter(|i| !i.state.is_final())
+                        .map(|i| i.client),
+                );
+            for c in owners {
+                store.touch_session(c, now);
+            }
         }
         if now >= self.next_heartbeat {
             // An export may carry a shorter lease than ours: beat at a sixth of the
@@ -2187,28 +2247,40 @@ impl Transfers {
                 if e.state.is_final() {
                     return;
                 }
-                if e.expires > now {
-                    self.timers.push(Reverse((e.expires, Timer::Export, id)));
+                let hard = e.created + self.cfg.max_hold;
+                if e.expires > now && hard > now {
+                    self.timers.push(e.expires.min(hard), (Timer::Export, id));
                     return;
                 }
-                let e = werr(
-                    ErrorCode::LeaseExpired,
-                    format!("export lease of {} ms ran out", e.lease.as_millis()),
-                );
+                let e = if hard <= now {
+                    self.held_too_long("export")
+                } else {
+                    werr(
+                        ErrorCode::LeaseExpired,
+                        format!("export lease of {} ms ran out", e.lease.as_millis()),
+                    )
+                };
                 self.end_export(store, &id, TransferState::Expired, Some(e), true, now);
             }
             Timer::Reg => {
                 let Some(g) = self.regs.get(&id) else { return };
-                if g.expires > now {
-                    self.timers.push(Reverse((g.expires, Timer::Reg, id)));
+                let hard = g.created + self.cfg.max_hold;
+                if g.expires > now && hard > now {
+                    self.timers.push(g.expires.min(hard), (Timer::Reg, id));
                     return;
                 }
-                let g = self.regs.remove(&id).expect("checked");
+                let e = if hard <= now {
+                    self.held_too_long("push registration (no export)")
+                } else {
+                    werr(
+                        ErrorCode::LeaseExpired,
+                        "push registration expired: no export for this transfer within its lease",
+                    )
+                };
+                let Some(g) = self.regs.remove(&id) else {
+                    return;
+                };
                 self.counters.expired += 1;
-                let e = werr(
-                    ErrorCode::LeaseExpired,
-                    "push registration expired: no export for this transfer within its lease",
-                );
                 self.fail_peer(&g.from, &id, e);
             }
             Timer::Import => {
@@ -2219,8 +2291,15 @@ impl Transfers {
                     return;
                 }
                 let silent_until = i.last_heard + i.lease;
+                let hard = i.created + self.cfg.max_hold;
+                if hard <= now {
+                    let e = self.held_too_long("import");
+                    self.end_import(store, &id, TransferState::Expired, Some(e), true, now);
+                    return;
+                }
                 if silent_until > now {
-                    self.timers.push(Reverse((silent_until, Timer::Import, id)));
+                    self.timers
+                        .push(silent_until.min(hard), (Timer::Import, id));
                     return;
                 }
                 let e = werr(
@@ -2240,7 +2319,7 @@ impl Transfers {
                 if e.ended.is_some_and(|t| t + self.cfg.retain > now) || e.pin.is_some() {
                     // Re-exported since, or still winding down: later.
                     self.timers
-                        .push(Reverse((now + self.cfg.retain, Timer::ForgetExport, id)));
+                        .push(now + self.cfg.retain, (Timer::ForgetExport, id));
                 } else if e.state.is_final() {
                     let e = self.exports.remove(&id).expect("checked");
                     self.grants.remove(e.handle);
@@ -2252,7 +2331,7 @@ impl Transfers {
                 };
                 if i.ended.is_some_and(|t| t + self.cfg.retain > now) || !i.settled {
                     self.timers
-                        .push(Reverse((now + self.cfg.retain, Timer::ForgetImport, id)));
+                        .push(now + self.cfg.retain, (Timer::ForgetImport, id));
                 } else if i.state.is_final() {
                     let i = self.imports.remove(&id).expect("checked");
                     if i.mode == Mode::Push {
