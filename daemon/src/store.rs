@@ -1414,10 +1414,10 @@ impl Store {
             }
         }
         while let Some((deadline, idx)) = self.pending_deadlines.pop_due(now) {
-            if !self
+            if self
                 .pending
                 .get(&idx)
-                .is_some_and(|p| p.deadline == deadline)
+                .is_none_or(|p| p.deadline != deadline)
             {
                 continue; // committed, deleted, or re-reserved since
             }
