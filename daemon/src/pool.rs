@@ -240,9 +240,13 @@ impl Pool {
     pub fn read(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
         let off = self.check(offset, len)?;
         // SAFETY: in bounds (checked above) of a mapping that lives as long as `self`, to
-        // which the returned borrow is tied. The daemon reads only committed slots, which
-        // by protocol nobody writes until they are freed, and they are not freed while
-        // the caller (the single server thread) holds this borrow.
+        // which the returned borrow is tied, so it cannot dangle. The bytes are shared:
+        // the server, data-plane, io_uring and worker threads of this process and the
+        // local clients that map the pool all reach them. The daemon hands readers only
+        // committed (pinned or granted) slots, which no daemon thread writes and which are
+        // not freed while a pin or grant guard holds them; local clients are trusted with
+        // the pool's bytes (SPEC threat model), so one that scribbles on a committed slot
+        // can change what this borrow reads, but not its bounds or lifetime.
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
     }
 }

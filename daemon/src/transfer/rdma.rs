@@ -57,6 +57,9 @@ pub struct Verbs {
     gid: [u8; 16],
     mtu: ibv_mtu::Type,
     name: String,
+    /// The registered pool: held so that its mapping outlives the registrations (`Drop`
+    /// deregisters them; this field is dropped after that).
+    _pool: Arc<Pool>,
 }
 
 // SAFETY: libibverbs objects (context, PD, MRs) may be used from any thread; this struct
@@ -67,7 +70,7 @@ unsafe impl Sync for Verbs {}
 
 impl Verbs {
     /// Opens the first RDMA device and registers `pool`. `Ok(None)`: no device here.
-    pub fn open(pool: &Pool) -> Result<Option<Verbs>, WireError> {
+    pub fn open(pool: &Arc<Pool>) -> Result<Option<Verbs>, WireError> {
         let mut n: i32 = 0;
         // SAFETY: `n` is a valid out-pointer; the returned list (maybe NULL, e.g. ENOSYS
         // without the kernel module) is freed below.
@@ -102,6 +105,7 @@ impl Verbs {
             gid: [0; 16],
             mtu: ibv_mtu::IBV_MTU_1024,
             name,
+            _pool: pool.clone(),
         };
         // SAFETY: `ctx` is an open context; the attribute structs are plain C data we
         // own, zero-initialised as the verbs API expects, and outlive the calls.
@@ -130,8 +134,8 @@ impl Verbs {
         while off < pool.size() {
             let len = (pool.size() - off).min(MR_SLICE);
             // SAFETY: `[base + off, base + off + len)` lies inside the pool mapping, which
-            // outlives the registration (the transport holds the pool; `Drop` deregisters
-            // before the pool can be unmapped).
+            // outlives the registration: `Verbs` holds an `Arc` of the pool (`_pool`),
+            // dropped only after `Drop` has deregistered every MR.
             let mr = unsafe {
                 ibv_reg_mr(
                     v.pd,
@@ -517,7 +521,7 @@ pub struct RdmaTransport {
 
 impl RdmaTransport {
     /// Opens the device; `None` when there is none.
-    pub fn open(pool: &Pool, timeout: Duration) -> Result<Option<RdmaTransport>, WireError> {
+    pub fn open(pool: &Arc<Pool>, timeout: Duration) -> Result<Option<RdmaTransport>, WireError> {
         Ok(Verbs::open(pool)?.map(|v| RdmaTransport {
             verbs: Arc::new(v),
             me: Mutex::new(None),
@@ -709,6 +713,7 @@ mod tests {
             kvd_protocol::Incarnation(1),
         )
         .unwrap();
+        let pool = Arc::new(pool);
         match Verbs::open(&pool) {
             Ok(None) => {
                 eprintln!("rdma: no RDMA device on this machine; verbs registration not exercised")
