@@ -156,6 +156,12 @@ impl SlabAllocator {
         c.free_slots + self.free_segments.len() as u64 * u64::from(c.slots_per_segment)
     }
 
+    /// Live slots of `class`.
+    pub fn live_slots(&self, class: ClassId) -> u64 {
+        let c = &self.classes[class.0 as usize];
+        u64::from(c.segments) * u64::from(c.slots_per_segment) - c.free_slots
+    }
+
     /// Bytes in live slots.
     pub fn used_bytes(&self) -> u64 {
         self.used_bytes

@@ -497,6 +497,11 @@ impl Store {
     fn make_room(&mut self, class: ClassId, k: u64, now: Instant) -> Room {
         let c = class.0 as usize;
         let slot = self.alloc.slot_bytes(class);
+        if self.alloc.available(class) < k && self.reachable_slots(class) < k {
+            // Even evicting every evictable block would not make room: refuse now rather
+            // than empty the cache first.
+            return Room::Full;
+        }
         loop {
             let have = self.alloc.available(class);
             if have >= k {
@@ -519,6 +524,20 @@ impl Store {
             };
             self.evict(victim, now);
         }
+    }
+
+    /// An upper bound on the slots of `class` an allocation could get by evicting every
+    /// evictable block and waiting for every demotion: the pool's capacity less the bytes
+    /// of blocks that cannot go (pinned, pending, promoting), in slots of `class`.
+    fn reachable_slots(&self, class: ClassId) -> u64 {
+        let mut stuck = 0u64;
+        for i in 0..self.alloc.class_count() {
+            let ci = ClassId(i as u16);
+            let goes =
+                self.lru.get(i).map_or(0, |l| l.len) + self.demoting.get(i).copied().unwrap_or(0);
+            stuck += self.alloc.live_slots(ci).saturating_sub(goes) * self.alloc.slot_bytes(ci);
+        }
+        self.alloc.capacity_bytes().saturating_sub(stuck) / self.alloc.slot_bytes(class)
     }
 
     fn pool_full(&self, class: ClassId, needed: u64) -> WireError {

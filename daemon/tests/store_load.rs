@@ -414,3 +414,29 @@ fn a_configured_group_gets_mode_0660_and_a_live_socket_is_not_taken_over() {
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("no-such-group-kvd"));
 }
+
+/// Finding: an `alloc` that could never fit (more blocks than the pool holds, or than it
+/// holds beside what is pinned) evicted the whole cache before failing with `pool_full`.
+/// Now it fails at once and the cache keeps every block.
+#[test]
+fn an_alloc_that_can_never_fit_evicts_nothing() {
+    let d = Daemon::start(&[]); // 64 MiB pool, 1 MiB segments
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = keys(5, 40);
+    let data: Vec<Vec<u8>> = (0..40).map(|i| block(500 + i, 256 * 1024)).collect();
+    c.store(l, &ks, &refs(&data)).unwrap();
+    assert_eq!(c.lookup(l, &ks).unwrap().prefix, 40);
+    // 64 MiB of 256 KiB slots is at most 256 of them: 400 can never fit
+    let e = c.alloc(l, &keys(6, 400)).err().expect("pool_full");
+    assert_eq!(e.code(), Some(kvd_protocol::ErrorCode::PoolFull), "{e}");
+    assert_eq!(
+        c.lookup(l, &ks).unwrap().prefix,
+        40,
+        "the cache was evicted"
+    );
+    assert_eq!(c.stats().unwrap().evictions, 0);
+    // one that fits by evicting still does
+    let w = c.alloc(l, &keys(7, 240)).unwrap();
+    w.abort().unwrap();
+}
