@@ -131,7 +131,7 @@ pub fn run(a: P2pArgs) -> Result<()> {
             if pinned.hits().iter().any(|h| !h) {
                 bail!("a peer get missed blocks");
             }
-            if round == 0 && pinned.block(n - 1)?.is_none_or(|b| b != &data[..]) {
+            if round == 0 && pinned.with_block(n - 1, |b| b == &data[..])? != Some(true) {
                 bail!("bytes fetched from the peer differ");
             }
             pinned.release()?;

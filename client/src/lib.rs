@@ -93,6 +93,10 @@ pub enum Error {
     /// The pin's TTL may have passed: the bytes can no longer be trusted.
     #[error("pin expired before the blocks were read")]
     PinExpired,
+    /// The allocation's TTL may have passed: the daemon may have given the slots to
+    /// another block, so they must not be written (nor the batch committed).
+    #[error("the allocation's TTL passed: its slots are no longer this batch's")]
+    AllocExpired,
     /// The layout was not registered through this client.
     #[error("layout {0} was not registered through this client")]
     UnknownLayout(LayoutId),
@@ -752,6 +756,7 @@ impl Client {
     pub fn alloc(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<WriteBatch> {
         let info = self.layout_info(layout)?;
         let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        let sent = Instant::now();
         let a = self.alloc_raw(layout, keys)?;
         Ok(WriteBatch {
             client: self.clone(),
@@ -762,6 +767,8 @@ impl Client {
             pool,
             block_bytes: info.block_bytes as usize,
             done: false,
+            // The daemon's TTL starts after we sent: this deadline is never later.
+            deadline: sent + Duration::from_millis(a.ttl_ms),
         })
     }
 
@@ -1091,6 +1098,7 @@ pub struct WriteBatch {
     pool: Arc<PoolMap>,
     block_bytes: usize,
     done: bool,
+    deadline: Instant,
 }
 
 impl WriteBatch {
@@ -1099,23 +1107,44 @@ impl WriteBatch {
         &self.status
     }
 
-    /// The writable slots of the `New` keys, as `(key index, slot)`. The slices are
-    /// disjoint (the daemon never hands out one slot twice).
-    pub fn slots_mut(&mut self) -> Result<Vec<(usize, &mut [u8])>> {
+    /// How long the slots stay this batch's (0 once the allocation's TTL may have
+    /// passed). A write must finish within it.
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// Runs `f` over the writable slots of the `New` keys, as `(key index, slot)`. The
+    /// slices are disjoint (the daemon never hands out one slot twice) and cannot escape
+    /// `f`. Refused with [`Error::AllocExpired`] once the allocation's TTL may have
+    /// passed, when the daemon may have handed the slots to another block; if the TTL
+    /// passed while `f` ran, the result is [`Error::AllocExpired`] too (do not commit:
+    /// [`WriteBatch::commit`] refuses).
+    pub fn with_slots<R>(&mut self, f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R) -> Result<R> {
+        if self.remaining().is_zero() {
+            return Err(Error::AllocExpired);
+        }
         let mut out = Vec::new();
         for (i, off) in self.offsets.iter().enumerate() {
             if let Some(off) = off {
-                // SAFETY: the slot is allocated to this batch and uncommitted; `&mut self`
-                // makes this the only live set of borrows, and slots are disjoint.
+                // SAFETY: the slot is allocated to this batch and uncommitted (its TTL
+                // checked above); `&mut self` makes this the only live set of borrows,
+                // slots are disjoint, and the borrows end when `f` returns.
                 out.push((i, unsafe { self.pool.slice_mut(*off, self.block_bytes)? }));
             }
         }
-        Ok(out)
+        let r = f(&mut out);
+        if self.remaining().is_zero() {
+            return Err(Error::AllocExpired);
+        }
+        Ok(r)
     }
 
     /// Commits every `New` key. Returns how many were committed.
     pub fn commit(mut self) -> Result<u64> {
         self.done = true;
+        if self.remaining().is_zero() {
+            return Err(Error::AllocExpired);
+        }
         let (keys, offs): (Vec<ChunkHash>, Vec<u64>) = self
             .keys
             .iter()
@@ -1184,19 +1213,75 @@ impl PinnedBlocks {
         Instant::now() < self.deadline
     }
 
-    /// The bytes of key `i`: `None` for a miss, [`Error::PinExpired`] once the pin may
-    /// have lapsed. Check [`PinnedBlocks::is_valid`] again after reading if the read
-    /// took long.
-    pub fn block(&self, i: usize) -> Result<Option<&[u8]>> {
+    /// Runs `f` over the bytes of key `i` (`Ok(None)` for a miss). The slice cannot
+    /// escape `f`, so it cannot outlive the pin: refused with [`Error::PinExpired`] once
+    /// the pin may have lapsed, and if it lapsed while `f` ran the result is
+    /// [`Error::PinExpired`] too (whatever `f` read may have been overwritten).
+    pub fn with_block<R>(&self, i: usize, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
         if !self.is_valid() {
             return Err(Error::PinExpired);
         }
-        match self.offsets.get(i).copied().flatten() {
-            // SAFETY: the block is committed and pinned by `self.pin`, which is held until
-            // `self` is dropped or the deadline (checked above) passes.
-            Some(off) => Ok(Some(unsafe { self.pool.slice(off, self.block_bytes)? })),
-            None => Ok(None),
+        let Some(off) = self.offsets.get(i).copied().flatten() else {
+            return Ok(None);
+        };
+        // SAFETY: the block is committed and pinned by `self.pin`, held until `self` is
+        // dropped or the deadline (checked above) passes; the borrow ends when `f`
+        // returns, and its result is thrown away if the deadline passed meanwhile.
+        let bytes = unsafe { self.pool.slice(off, self.block_bytes)? };
+        let r = f(bytes);
+        if !self.is_valid() {
+            return Err(Error::PinExpired);
         }
+        Ok(Some(r))
+    }
+
+    /// Runs `f` over the bytes of every key (`None` for a miss), under the same rules as
+    /// [`PinnedBlocks::with_block`].
+    pub fn with_blocks<R>(&self, f: impl FnOnce(&[Option<&[u8]>]) -> R) -> Result<R> {
+        PinnedBlocks::with_all(&[self], |all| f(&all[0]))
+    }
+
+    /// Runs `f` over the blocks of several pins at once (`all[p][i]`: key `i` of
+    /// `pins[p]`), e.g. one pin per tensor-parallel shard; refused, or its result thrown
+    /// away, if any of the pins may have lapsed (see [`PinnedBlocks::with_block`]).
+    pub fn with_all<R>(
+        pins: &[&PinnedBlocks],
+        f: impl FnOnce(&[Vec<Option<&[u8]>>]) -> R,
+    ) -> Result<R> {
+        if !pins.iter().all(|p| p.is_valid()) {
+            return Err(Error::PinExpired);
+        }
+        let mut all = Vec::with_capacity(pins.len());
+        for p in pins {
+            let mut v = Vec::with_capacity(p.offsets.len());
+            for off in &p.offsets {
+                v.push(match off {
+                    // SAFETY: as in `with_block`: committed, pinned (checked above), and
+                    // borrowed only until `f` returns.
+                    Some(off) => Some(unsafe { p.pool.slice(*off, p.block_bytes)? }),
+                    None => None,
+                });
+            }
+            all.push(v);
+        }
+        let r = f(&all);
+        if !pins.iter().all(|p| p.is_valid()) {
+            return Err(Error::PinExpired);
+        }
+        Ok(r)
+    }
+
+    /// Copies the bytes of key `i` into `out` (its length must be the block size):
+    /// `Ok(false)` for a miss.
+    pub fn read_into(&self, i: usize, out: &mut [u8]) -> Result<bool> {
+        if out.len() != self.block_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "buffer of {} bytes for blocks of {}",
+                out.len(),
+                self.block_bytes
+            )));
+        }
+        Ok(self.with_block(i, |b| out.copy_from_slice(b))?.is_some())
     }
 
     /// Releases the pin now.

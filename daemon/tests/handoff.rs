@@ -68,8 +68,11 @@ fn verify(c: &Client, layout: LayoutId, r: &TransferResp, data: &[Vec<u8>]) {
     assert_eq!(r.state, TransferState::Done, "transfer not done: {r:?}");
     let pinned = c.pinned(layout, r).unwrap();
     for (i, want) in data.iter().enumerate() {
-        let got = pinned.block(i).unwrap().expect("block present");
-        assert!(got == &want[..], "block {i} differs after transfer");
+        let same = pinned.with_block(i, |got| got == &want[..]).unwrap();
+        assert!(
+            same.expect("block present"),
+            "block {i} differs after transfer"
+        );
     }
     pinned.release().unwrap();
 }

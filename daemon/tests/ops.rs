@@ -269,7 +269,10 @@ fn sigterm_during_a_transfer_lets_it_finish_then_exits_and_a_second_signal_exits
     assert_eq!(r.state, TransferState::Done);
     let pinned = cb.pinned(la.id, &r).unwrap();
     for (i, want) in data.iter().enumerate() {
-        assert!(pinned.block(i).unwrap().unwrap() == &want[..], "block {i}");
+        assert!(
+            pinned.with_block(i, |b| b == &want[..]).unwrap().unwrap(),
+            "block {i}"
+        );
     }
     pinned.release().unwrap();
     let st = a.signal(Signal::SIGTERM); // waits for the exit (already on its way)

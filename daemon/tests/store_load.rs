@@ -58,9 +58,14 @@ fn zero_copy_alloc_and_get() {
     let ks = keys(3, 4);
     let mut batch = c.alloc(l.id, &ks).unwrap();
     assert_eq!(batch.status(), &[AllocStatus::New; 4]);
-    for (i, slot) in batch.slots_mut().unwrap() {
-        slot.copy_from_slice(&block(i as u64, slot.len()));
-    }
+    assert!(batch.remaining() > Duration::from_secs(1));
+    batch
+        .with_slots(|slots| {
+            for (i, slot) in slots.iter_mut() {
+                slot.copy_from_slice(&block(*i as u64, slot.len()));
+            }
+        })
+        .unwrap();
     assert_eq!(
         c.lookup(l.id, &ks).unwrap().prefix,
         0,
@@ -70,10 +75,8 @@ fn zero_copy_alloc_and_get() {
     let pinned = c.get(l.id, &ks, Some(Duration::from_secs(5))).unwrap();
     assert_eq!(pinned.hits(), vec![true; 4]);
     for i in 0..4 {
-        assert_eq!(
-            pinned.block(i).unwrap().unwrap(),
-            &block(i as u64, 64 * 1024)[..]
-        );
+        let want = block(i as u64, 64 * 1024);
+        assert!(pinned.with_block(i, |b| b == &want[..]).unwrap().unwrap());
     }
     assert_eq!(c.stats().unwrap().pinned_blocks, 4);
     pinned.release().unwrap();
@@ -141,9 +144,8 @@ fn pins_hold_off_eviction_and_a_full_pool_loses_nothing() {
     let st = c.stats().unwrap();
     assert!(st.evictions > 400, "evictions: {}", st.evictions);
     for (i, want) in first_data.iter().enumerate() {
-        assert_eq!(
-            pinned.block(i).unwrap().unwrap(),
-            &want[..],
+        assert!(
+            pinned.with_block(i, |b| b == &want[..]).unwrap().unwrap(),
             "pinned block {i} changed"
         );
     }
@@ -204,9 +206,18 @@ fn pins_expire_by_ttl_and_late_reads_are_refused() {
     let data: Vec<Vec<u8>> = (0..2).map(|i| block(i, 16 * 1024)).collect();
     c.store(l.id, &ks, &refs(&data)).unwrap();
     let pinned = c.get(l.id, &ks, Some(Duration::from_millis(300))).unwrap();
-    assert!(pinned.block(0).unwrap().is_some());
+    assert!(pinned.with_block(0, |_| ()).unwrap().is_some());
+    // a read that outlasts the pin: its result is refused
+    let slow = pinned.with_block(0, |b| {
+        std::thread::sleep(Duration::from_millis(400));
+        b.to_vec()
+    });
+    assert!(matches!(slow, Err(Error::PinExpired)));
     eventually(10, "pin expiry", || c.stats().unwrap().expired_pins == 1);
-    assert!(matches!(pinned.block(0), Err(Error::PinExpired)));
+    assert!(matches!(
+        pinned.with_block(0, |_| ()),
+        Err(Error::PinExpired)
+    ));
     let e = pinned.release().unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::UnknownPin));
     let st = c.stats().unwrap();
@@ -259,9 +270,13 @@ fn child_allocates_then_hangs() {
     let c = kvd_client::Client::connect(&ep).unwrap();
     let l = register(&c, 64);
     let mut batch = c.alloc(l.id, &keys(77, 4)).unwrap();
-    for (_, slot) in batch.slots_mut().unwrap() {
-        slot[..1000].fill(0xEE);
-    }
+    batch
+        .with_slots(|slots| {
+            for (_, slot) in slots.iter_mut() {
+                slot[..1000].fill(0xEE);
+            }
+        })
+        .unwrap();
     std::mem::forget(batch);
     std::thread::sleep(Duration::from_secs(60));
 }
@@ -439,4 +454,28 @@ fn an_alloc_that_can_never_fit_evicts_nothing() {
     // one that fits by evicting still does
     let w = c.alloc(l, &keys(7, 240)).unwrap();
     w.abort().unwrap();
+}
+
+/// Finding: `WriteBatch::slots_mut` handed out slots after the allocation's TTL, when the
+/// daemon may have given them to another block (a slow GPU copy would then overwrite a
+/// committed block). Now the slots are reachable only inside `with_slots`, which refuses
+/// once the TTL may have passed, as does `commit`.
+#[test]
+fn a_write_batch_refuses_writes_after_its_ttl() {
+    let d = Daemon::start(&["--alloc-ttl-ms", "300"]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let mut batch = c.alloc(l.id, &keys(8, 2)).unwrap();
+    assert!(batch.remaining() <= Duration::from_millis(300));
+    // a write that outlasts the TTL is reported
+    let slow = batch.with_slots(|_| std::thread::sleep(Duration::from_millis(350)));
+    assert!(matches!(slow, Err(Error::AllocExpired)), "{slow:?}");
+    assert!(matches!(
+        batch.with_slots(|s| s.len()),
+        Err(Error::AllocExpired)
+    ));
+    assert!(matches!(batch.commit(), Err(Error::AllocExpired)));
+    eventually(5, "the reservation reclaimed", || {
+        c.stats().unwrap().pending == 0
+    });
 }

@@ -148,7 +148,8 @@ impl ApiError {
     }
 }
 
-/// KV blocks ready to load into the cache: `pins[rank].block(b)` for `b < n`.
+/// KV blocks ready to load into the cache: block `b < n` of `pins[rank]` (read inside
+/// `PinnedBlocks::with_all`).
 struct Loaded {
     n: usize,
     src_tp: usize,
@@ -697,18 +698,23 @@ impl Scheduler {
         let mut cached = 0;
         let res = (|| -> Result<(kvd_cuda::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
             if let Some(p) = job.prefix.as_ref().filter(|p| p.n > 0) {
-                let loaded = (|| -> Result<()> {
-                    let mut src = Vec::with_capacity(p.n * p.src_tp);
-                    for b in 0..p.n {
-                        for pin in &p.pins {
-                            src.push(
-                                pin.block(b)?
-                                    .ok_or_else(|| anyhow!("block {b} missing from the pin"))?,
-                            );
-                        }
-                    }
-                    self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)
-                })();
+                let loaded =
+                    (|| -> Result<()> {
+                        let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
+                        // The slices live only inside the closure, and its result is refused
+                        // if a pin lapsed while the blocks were read.
+                        kvd_client::PinnedBlocks::with_all(&pins, |all| {
+                            let mut src = Vec::with_capacity(p.n * p.src_tp);
+                            for b in 0..p.n {
+                                for pin in all {
+                                    src.push(pin.get(b).copied().flatten().ok_or_else(|| {
+                                        anyhow!("block {b} missing from the pin")
+                                    })?);
+                                }
+                            }
+                            self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)
+                        })?
+                    })();
                 match loaded {
                     Ok(()) => cached = p.n * bt,
                     // A local cache hit that lapsed while queued (pin expired) is only an
@@ -819,15 +825,19 @@ impl Scheduler {
         let mut written = 0;
         for (r, l) in kv.layouts.iter().enumerate() {
             let mut batch = kv.client.alloc(l.id, &keys[from..])?;
-            let mut slots = batch.slots_mut()?;
-            if !slots.is_empty() {
+            // The slots are this batch's only until its TTL: written inside the closure,
+            // refused (and not committed) if the TTL passed meanwhile.
+            let n = batch.with_slots(|slots| -> Result<usize> {
+                if slots.is_empty() {
+                    return Ok(0);
+                }
                 let logical: Vec<usize> = slots.iter().map(|(i, _)| from + i).collect();
                 let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
                 self.model
                     .save_blocks(seq, &logical, r * hs, hs, &mut dst)?;
-                written = written.max(logical.len());
-            }
-            drop(slots);
+                Ok(logical.len())
+            })??;
+            written = written.max(n);
             batch.commit()?;
         }
         Ok(written)
