@@ -25,8 +25,12 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 wait_http() { for _ in $(seq 1 400); do python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)' "$1" 2>/dev/null && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; return 1; }
 wait_file() { for _ in $(seq 1 200); do [[ -S "$1" ]] && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; return 1; }
 
+# The two "nodes" share a cluster secret, as every node of a real cluster must.
+python3 -c 'import secrets; print(secrets.token_hex(32))' >"$WORK/cluster.key"
+chmod 600 "$WORK/cluster.key"
 for n in a b; do
   "$BIN/kvd" --endpoint "ipc://$WORK/kvd-$n.sock" --pool-path "/dev/shm/kvd-local-$n-$$" \
+    --cluster-secret-file "$WORK/cluster.key" \
     --pool-size 256MiB --metrics-addr 127.0.0.1:0 --log-level warn >"$WORK/kvd-$n.log" 2>&1 &
   PIDS+=($!)
 done

@@ -12,3 +12,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "kvd.poolPath" -}}
 {{- if .Values.hugepages.enabled -}}/dev/hugepages/kvd.pool{{- else -}}/dev/shm/kvd/kvd.pool{{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the cluster secret. */}}
+{{- define "kvd.secretName" -}}
+{{- if .Values.clusterSecret.existingSecret -}}
+{{- .Values.clusterSecret.existingSecret -}}
+{{- else -}}
+{{- printf "%s-cluster-secret" .Release.Name -}}
+{{- end -}}
+{{- end -}}
