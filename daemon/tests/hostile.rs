@@ -689,3 +689,109 @@ fn unauthenticated_peer_traffic_gets_nothing() {
     assert_eq!(unauth(), 9);
     good_round_trip(&good, l, 78);
 }
+
+/// Finding: the wire was looser than SPEC §2 says: positional arrays were accepted for
+/// envelopes and bodies, integers for enum fields (`dtype: 2`), bin for `op` and `model`.
+/// Each is refused now, from a raw socket, and the daemon keeps serving.
+#[test]
+fn the_wire_is_as_strict_as_the_spec() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16).id;
+    let raw = Raw::new(&d.endpoint, zmq::DEALER);
+    // a positional envelope [v, id, op, body]
+    let positional = rmp_serde::to_vec(&(1u32, 41u64, "stats", ())).unwrap();
+    assert_eq!(raw.call(&[&positional]).1, Some(ErrorCode::Malformed));
+    // op as bin
+    #[derive(Serialize)]
+    struct BinOp<'a> {
+        v: u32,
+        id: u64,
+        #[serde(with = "serde_bytes")]
+        op: &'a [u8],
+    }
+    let bin_op = rmp_serde::to_vec_named(&BinOp {
+        v: 1,
+        id: 42,
+        op: b"stats",
+    })
+    .unwrap();
+    assert_eq!(raw.call(&[&bin_op]), (42, Some(ErrorCode::Malformed)));
+    // a positional body
+    let layout = layout(16);
+    let body = rmp_serde::to_vec(&RegisterLayoutReq {
+        layout: layout.clone(),
+    })
+    .unwrap();
+    let mut env = Vec::new();
+    env.extend_from_slice(&[0x84]); // map of 4
+    for (k, v) in [
+        ("v", &rmp_serde::to_vec(&1u32).unwrap()),
+        ("id", &rmp_serde::to_vec(&43u64).unwrap()),
+        ("op", &rmp_serde::to_vec("register_layout").unwrap()),
+    ] {
+        env.extend_from_slice(&rmp_serde::to_vec(k).unwrap());
+        env.extend_from_slice(v);
+    }
+    env.extend_from_slice(&rmp_serde::to_vec("body").unwrap());
+    env.extend_from_slice(&body);
+    assert_eq!(raw.call(&[&env]), (43, Some(ErrorCode::InvalidArgument)));
+    // dtype as an integer, model as bin (named maps otherwise)
+    #[derive(Serialize)]
+    struct RawLayout {
+        model: Either,
+        num_layers: u64,
+        kv_parts: u64,
+        num_kv_heads: u64,
+        head_dim: u64,
+        dtype: Either,
+        tokens_per_block: u64,
+        tp_size: u64,
+        tp_rank: u64,
+        order: MemoryOrder,
+    }
+    #[derive(Serialize)]
+    struct Reg {
+        layout: RawLayout,
+    }
+    let spelled = |id: u64, model: Either, dtype: Either| {
+        let layout = RawLayout {
+            model,
+            num_layers: layout.num_layers,
+            kv_parts: layout.kv_parts,
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+            dtype,
+            tokens_per_block: layout.tokens_per_block,
+            tp_size: 1,
+            tp_rank: 0,
+            order: layout.order,
+        };
+        frame(1, id, "register_layout", Reg { layout })
+    };
+    let model = || Either::Str(layout.model.clone());
+    let f16 = || Either::Str("f16".into());
+    assert_eq!(
+        raw.call(&[&spelled(44, model(), Either::Int(2))]),
+        (44, Some(ErrorCode::InvalidArgument))
+    );
+    let bin_model = Either::Bin(layout.model.as_bytes().to_vec());
+    assert_eq!(
+        raw.call(&[&spelled(45, bin_model, f16())]),
+        (45, Some(ErrorCode::InvalidArgument))
+    );
+    assert_eq!(raw.call(&[&spelled(47, model(), f16())]), (47, None));
+    // the same layout, spelled as SPEC says, is accepted
+    let ok = frame(1, 46, "register_layout", RegisterLayoutReq { layout });
+    assert_eq!(raw.call(&[&ok]), (46, None));
+    good_round_trip(&good, l, 950);
+}
+
+/// A value spelled as a msgpack str, int or bin, for the strictness test.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Either {
+    Str(String),
+    Int(u64),
+    Bin(#[serde(with = "serde_bytes")] Vec<u8>),
+}

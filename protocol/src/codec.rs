@@ -203,7 +203,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
             },
         ));
     }
-    let header: Header = rmp_serde::from_slice(frame)
+    let header: Header = crate::strict::from_slice(frame)
         .map_err(|e| (salvage_id(frame), DecodeError::Malformed(e.to_string())))?;
     let id = header.id;
     if header.v != u64::from(PROTOCOL_VERSION) {
@@ -216,7 +216,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         ));
     }
     fn body<T: DeserializeOwned>(frame: &[u8], op: &'static str) -> Result<T, DecodeError> {
-        let b: BodyOf<T> = rmp_serde::from_slice(frame).map_err(|e| DecodeError::Body {
+        let b: BodyOf<T> = crate::strict::from_slice(frame).map_err(|e| DecodeError::Body {
             op,
             detail: e.to_string(),
         })?;
@@ -229,7 +229,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         frame: &[u8],
         op: &'static str,
     ) -> Result<T, DecodeError> {
-        let b: BodyOf<T> = rmp_serde::from_slice(frame).map_err(|e| DecodeError::Body {
+        let b: BodyOf<T> = crate::strict::from_slice(frame).map_err(|e| DecodeError::Body {
             op,
             detail: e.to_string(),
         })?;

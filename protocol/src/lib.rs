@@ -15,6 +15,7 @@
 //! | [`codec`] | envelope encode/decode (`{v, id, op, body}` / `{v, id, ok \| err}`) |
 //! | [`error`] | `ErrorCode`, `WireError`, `DecodeError` |
 //! | [`pool`] | the header at the start of the shared pool file |
+//! | [`strict`] | decoding exactly as strict as SPEC §2 (maps for structs, strings for names and enums) |
 //! | [`transfer`] | prefill → decode handoff ops, `kv_transfer_params`, daemon-to-daemon ops |
 #![deny(missing_docs)]
 
@@ -26,6 +27,7 @@ pub mod ids;
 pub mod layout;
 pub mod msg;
 pub mod pool;
+pub mod strict;
 pub mod transfer;
 
 pub use codec::{

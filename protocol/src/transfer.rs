@@ -140,7 +140,7 @@ impl TransferParams {
 
     /// Parses [`TransferParams::to_msgpack`]'s output.
     pub fn from_msgpack(b: &[u8]) -> Result<Self, WireError> {
-        rmp_serde::from_slice(b).map_err(|e| {
+        crate::strict::from_slice(b).map_err(|e| {
             WireError::new(
                 ErrorCode::InvalidArgument,
                 format!("kv_transfer_params: {e}"),
