@@ -39,6 +39,15 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p kvd-daemon --all-targets --locked --features rdma -- -D warnings
 cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
 
+step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-30} s"
+command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz
+cargo +nightly fuzz build -O
+for t in $(cargo +nightly fuzz list); do
+  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-30}" -rss_limit_mb=4096 2>&1) \
+    || { printf '%s\n' "$out" | tail -40; echo "fuzz target $t failed"; exit 1; }
+  printf 'fuzz %-16s %s\n' "$t" "$(printf '%s\n' "$out" | grep -E '^Done [0-9]+ runs' | tail -1)"
+done
+
 step "CUDA kernels parse (host compiler + shim; NVRTC compiles them where there is a GPU)"
 g++ -fsyntax-only -include cuda/kernels/host-syntax-shim.h -x c++ cuda/kernels/kvd_kernels.cu
 echo "kernels parse: ok"

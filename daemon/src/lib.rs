@@ -33,6 +33,8 @@ pub mod alloc;
 pub mod auth;
 pub mod config;
 pub mod deadline;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 pub mod http;
 pub mod io;
 pub mod metrics;

@@ -146,6 +146,12 @@ fn record(kind: u8, key: &BlockKey, e: &Entry) -> [u8; REC] {
     r
 }
 
+/// Decodes one journal record (for the fuzz target: whether it parses, and its key).
+#[cfg(fuzzing)]
+pub(crate) fn parse_record(r: &[u8]) -> Option<(u8, BlockKey)> {
+    parse(r).map(|(k, key, _)| (k, key))
+}
+
 fn parse(r: &[u8]) -> Option<(u8, BlockKey, Entry)> {
     if r.len() < REC || &r[0..4] != MAGIC {
         return None;

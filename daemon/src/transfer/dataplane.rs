@@ -423,6 +423,44 @@ impl Header {
     }
 }
 
+/// Parses a whole data-plane request head as the server does (header, ranges, trailer),
+/// checking its MAC with `key` (no replay check): what the fuzz target runs.
+#[cfg(fuzzing)]
+pub(crate) fn parse_request(
+    b: &[u8],
+    key: &ClusterKey,
+) -> Result<(u8, Vec<(u64, u64)>), WireError> {
+    let malformed = |m: String| werr(ErrorCode::Malformed, m);
+    let hdr: &[u8; HEADER_BYTES] = b
+        .get(..HEADER_BYTES)
+        .and_then(|h| h.try_into().ok())
+        .ok_or_else(|| malformed("short header".into()))?;
+    let h = Header::decode(hdr).map_err(malformed)?;
+    if h.nranges == 0 || h.nranges > MAX_RANGES {
+        return Err(werr(ErrorCode::TooLarge, "ranges"));
+    }
+    let end = HEADER_BYTES + h.nranges as usize * 16;
+    let head = b
+        .get(..end)
+        .ok_or_else(|| malformed("short ranges".into()))?;
+    let trailer = b
+        .get(end..end + DATA_TRAILER_BYTES)
+        .ok_or_else(|| malformed("short trailer".into()))?;
+    key.open_data(head, trailer)
+        .map_err(|e| werr(ErrorCode::Unauthenticated, e.to_string()))?;
+    let ranges = head[HEADER_BYTES..]
+        .chunks_exact(16)
+        .map(|c| {
+            let mut o = [0u8; 8];
+            let mut l = [0u8; 8];
+            o.copy_from_slice(&c[..8]);
+            l.copy_from_slice(&c[8..]);
+            (u64::from_le_bytes(o), u64::from_le_bytes(l))
+        })
+        .collect();
+    Ok((h.op, ranges))
+}
+
 fn write_status(w: &mut impl Write, err: Option<&WireError>) -> io::Result<()> {
     let msg = err.map(|e| e.to_string()).unwrap_or_default();
     let mut b = Vec::with_capacity(8 + msg.len());
