@@ -2071,3 +2071,7 @@ mod tests {
         assert_eq!(t.prefix(&keys(50..53)), 3);
     }
 }
+
+#[cfg(test)]
+#[path = "store_model_test.rs"]
+mod model_test;
