@@ -737,13 +737,26 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<Option<AllocResp>, WireError> {
+        self.try_alloc_in(req, ttl, now, false)
+    }
+
+    /// [`Store::try_alloc`]; with `dram_only`, a key only the NVMe tier holds gets a new
+    /// DRAM slot too (a transfer fills it: its importer must end with every block in DRAM,
+    /// pinned, and a promotion would be a second, slower path to the same bytes).
+    fn try_alloc_in(
+        &mut self,
+        req: &AllocReq,
+        ttl: Duration,
+        now: Instant,
+        dram_only: bool,
+    ) -> Result<Option<AllocResp>, WireError> {
         let (_, class) = self.layout(req.layout_id)?;
+        let elsewhere =
+            |s: &Self, k: &ChunkHash| !dram_only && s.cached_elsewhere(req.layout_id, k);
         let needed = req
             .keys
             .iter()
-            .filter(|k| {
-                self.find(req.layout_id, k).is_none() && !self.cached_elsewhere(req.layout_id, k)
-            })
+            .filter(|k| self.find(req.layout_id, k).is_none() && !elsewhere(self, k))
             .count() as u64;
         match self.make_room(class, needed, now) {
             Room::Ready => {}
@@ -757,6 +770,11 @@ impl Store {
         let mut created: Vec<u32> = Vec::new();
         for k in &req.keys {
             match self.find(req.layout_id, k) {
+                // Being read back from NVMe: there, but not readable yet.
+                Some(i) if dram_only && self.nodes[i as usize].state == State::Promoting => {
+                    status.push(AllocStatus::Busy);
+                    offsets.push(None);
+                }
                 Some(i) if self.nodes[i as usize].state != State::Pending => {
                     self.touch(i, now);
                     status.push(AllocStatus::Exists);
@@ -766,7 +784,7 @@ impl Store {
                     status.push(AllocStatus::Busy);
                     offsets.push(None);
                 }
-                None if self.cached_elsewhere(req.layout_id, k) => {
+                None if elsewhere(self, k) => {
                     status.push(AllocStatus::Exists);
                     offsets.push(None);
                 }
@@ -1306,8 +1324,9 @@ impl Store {
     }
 
     /// `alloc` for a transfer: its reservations last `ttl` (the transfer frees them
-    /// itself when it ends), and it never waits. `Ok(None)`: no room yet, demotions are
-    /// in flight; try again later.
+    /// itself when it ends), and it never waits. A key only the NVMe tier holds gets a
+    /// slot like a missing one (the transfer moves its bytes again). `Ok(None)`: no room
+    /// yet, demotions are in flight; try again later.
     pub fn alloc_for_transfer(
         &mut self,
         client: ClientId,
@@ -1322,7 +1341,7 @@ impl Store {
             layout_id: layout,
             keys: keys.to_vec(),
         };
-        self.try_alloc(&req, ttl, now)
+        self.try_alloc_in(&req, ttl, now, true)
     }
 
     /// Pins every key (all must be committed in DRAM) for `ttl`, not clamped: an export's

@@ -760,3 +760,49 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
     );
     assert!(owner.abort_transfer("mine").unwrap().aborted);
 }
+
+/// Issue "handoffs that end right", 1: when the importing node held the keys only on its
+/// NVMe tier, a pull ended `done` with every offset nil and no pin. Now the blocks come
+/// to DRAM (moved again) and "done" means every block is there, pinned, byte for byte.
+#[test]
+fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let nvme = format!(
+        "\n[nvme]\npaths = [{:?}]\nsize = \"256MiB\"\nallow_buffered = true",
+        disk.path().display().to_string()
+    );
+    let a = Node::start(5000, false);
+    let ca = a.client();
+    // twice (a fresh b each time): with the keys on b's NVMe only, then with a lookup's
+    // prefetch of them in flight (promoting) when the pull starts
+    for (round, prefetch) in [(0u32, false), (1, true)] {
+        let b = Node::start_with(5000, false, &nvme);
+        let cb = b.client();
+        register(&cb, 1024);
+        let (layout, ks, data) = fill(&ca, 51 + round, 4, 1024);
+        // the same blocks on b, then pushed out to its NVMe tier by 120 others
+        let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+        cb.store(layout, &ks, &refs).unwrap();
+        let before = cb.stats().unwrap().demotions;
+        for (i, k) in keys(60 + round, 120).iter().enumerate() {
+            let b = block(9000 + u64::from(round) * 1000 + i as u64, 1 << 20);
+            cb.store(layout, std::slice::from_ref(k), &[&b]).unwrap();
+        }
+        eventually(30, "the first blocks demoted to NVMe", || {
+            let st = cb.stats().unwrap();
+            st.waiting == 0 && st.demotions >= before + 20
+        });
+        if prefetch {
+            let l = cb.lookup(layout, &ks).unwrap();
+            assert_eq!(l.prefix, 4);
+        }
+        let p = ca
+            .export(&format!("from-nvme-{round}"), layout, &ks, None)
+            .unwrap();
+        let r = cb.pull(&p, None, true).unwrap();
+        assert_eq!(r.state, TransferState::Done, "round {round}: {r:?}");
+        assert!(r.offsets.iter().all(Option::is_some), "{r:?}");
+        assert!(r.pin.is_some(), "{r:?}");
+        verify(&cb, layout, &r, &data);
+    }
+}

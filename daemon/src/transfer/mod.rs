@@ -1220,8 +1220,31 @@ impl Transfers {
                 let e = werr(e.code, format!("allocating local slots: {}", e.message));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
             }
+            Ok(Some(a)) if busy_elsewhere(&keys, &a.status) => {
+                // A key is being written by another allocation or read back from NVMe: its
+                // block cannot be promised yet. Give the new slots back and try again from
+                // `maintain` (bounded by the import's lease and max_hold).
+                let new_keys: Vec<ChunkHash> = keys
+                    .iter()
+                    .zip(&a.status)
+                    .filter(|(_, st)| **st == AllocStatus::New)
+                    .map(|(k, _)| *k)
+                    .collect();
+                if !new_keys.is_empty() {
+                    let d = DeleteReq {
+                        client: self.system,
+                        layout_id: layout,
+                        keys: new_keys,
+                    };
+                    if let Err(e) = store.delete(&d, now) {
+                        tracing::warn!(transfer = %id, error = %e, "giving back an import's slots");
+                    }
+                }
+            }
             Ok(Some(a)) => {
-                let imp = self.imports.get_mut(id).expect("checked above");
+                let Some(imp) = self.imports.get_mut(id) else {
+                    return;
+                };
                 imp.allocated = true;
                 imp.local = a.offsets.clone();
                 match imp.mode {
@@ -1386,6 +1409,20 @@ impl Transfers {
         }
         let imp = self.imports.get_mut(id).expect("present");
         imp.settled = true; // committed: nothing of ours left to free
+                            // "done" promises every block, pinned: a key that left DRAM meanwhile (evicted
+                            // between the allocation and now) fails the import instead.
+        let got = got.and_then(|g| match g.offsets.iter().position(Option::is_none) {
+            Some(i) if !imp.internal => {
+                if let Some(p) = g.pin {
+                    store.unpin_by_id(p);
+                }
+                Err(werr(
+                    ErrorCode::TransferFailed,
+                    format!("key #{i} of the transfer is no longer in DRAM; retry the pull"),
+                ))
+            }
+            _ => Ok(g),
+        });
         match got {
             Ok(g) => {
                 imp.result = Some(g);
@@ -2454,6 +2491,23 @@ impl Transfers {
             }
         }
     }
+}
+
+/// Whether an allocation found a key `Busy` because another allocation (or a promotion)
+/// holds it, not because the same key appeared earlier in this request.
+fn busy_elsewhere(keys: &[ChunkHash], status: &[AllocStatus]) -> bool {
+    if !status.contains(&AllocStatus::Busy) {
+        return false;
+    }
+    let mine: std::collections::HashSet<&ChunkHash> = keys
+        .iter()
+        .zip(status)
+        .filter(|(_, st)| **st == AllocStatus::New)
+        .map(|(k, _)| k)
+        .collect();
+    keys.iter()
+        .zip(status)
+        .any(|(k, st)| *st == AllocStatus::Busy && !mine.contains(k))
 }
 
 /// An answer that may come later (under the given token): the store's, for transfer
