@@ -806,3 +806,31 @@ fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
         verify(&cb, layout, &r, &data);
     }
 }
+
+/// Issue "handoffs that end right", 4: the first pull after the exporter restarted (same
+/// ports) failed with `peer_unreachable … failed to fill whole buffer`: its one retry
+/// took another stale pooled connection of the old incarnation. Now a changed
+/// incarnation drops them all, and a retry always uses a fresh connection.
+#[test]
+fn the_first_pull_after_an_exporter_restart_works() {
+    let (cp, dp) = (free_port(), free_port());
+    let extra =
+        format!("control = \"tcp://127.0.0.1:{cp}\"\ndata = \"127.0.0.1:{dp}\"\nstreams = 4");
+    let (mut a, b) = (
+        Node::start_with(5000, false, &extra),
+        Node::start_with(5000, false, "streams = 4"),
+    );
+    let cb = b.client();
+    register(&cb, 1024);
+    for round in 0..3u32 {
+        let ca = a.client();
+        // 12 MiB in 1 MiB blocks over several streams: several pooled connections
+        let (layout, ks, data) = fill(&ca, 70 + round, 12, 1024);
+        let p = ca.export(&format!("r{round}"), layout, &ks, None).unwrap();
+        let r = cb.pull(&p, None, true).unwrap();
+        assert_eq!(r.state, TransferState::Done, "round {round}: {r:?}");
+        verify(&cb, layout, &r, &data);
+        cb.delete(layout, &ks).unwrap();
+        a.d.restart(); // same ports, new incarnation
+    }
+}

@@ -767,7 +767,16 @@ pub struct TcpTransport {
     incarnation: Incarnation,
     streams: usize,
     timeout: Duration,
-    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+    /// Idle connections per peer address, with the incarnation they were made to: a peer
+    /// seen with another incarnation has restarted and its old connections are dead.
+    idle: Mutex<HashMap<String, Idle>>,
+}
+
+/// Idle connections to one peer address.
+#[derive(Default)]
+struct Idle {
+    incarnation: u64,
+    conns: Vec<(TcpStream, Instant)>,
 }
 
 impl TcpTransport {
@@ -788,12 +797,23 @@ impl TcpTransport {
         }
     }
 
-    fn connect(&self, addr: &str) -> Result<(TcpStream, bool), WireError> {
+    /// A connection to `addr` (of the peer's incarnation `inc`): a pooled one unless
+    /// `fresh`. Pooled connections to another incarnation are dropped.
+    fn connect(&self, addr: &str, inc: u64, fresh: bool) -> Result<(TcpStream, bool), WireError> {
         let pooled = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             let list = idle.entry(addr.to_string()).or_default();
-            list.retain(|(_, t)| t.elapsed() < Duration::from_secs(30));
-            list.pop()
+            if list.incarnation != inc {
+                list.conns.clear();
+                list.incarnation = inc;
+            }
+            list.conns
+                .retain(|(_, t)| t.elapsed() < Duration::from_secs(30));
+            if fresh {
+                None
+            } else {
+                list.conns.pop()
+            }
         };
         if let Some((s, _)) = pooled {
             return Ok((s, true));
@@ -822,29 +842,32 @@ impl TcpTransport {
         Ok((s, false))
     }
 
-    fn put_back(&self, addr: &str, s: TcpStream) {
+    fn put_back(&self, addr: &str, inc: u64, s: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        idle.entry(addr.to_string())
-            .or_default()
-            .push((s, Instant::now()));
+        let list = idle.entry(addr.to_string()).or_default();
+        if list.incarnation == inc {
+            list.conns.push((s, Instant::now()));
+        }
     }
 
     /// One request on one connection; a pooled connection that turns out dead before
-    /// any byte of the answer arrived is retried once on a fresh one.
+    /// any byte of the answer arrived is retried once on a fresh one (never another
+    /// pooled one: they may all have died with the peer).
     fn one(&self, dir: Dir, a: &Access, ops: &[Op]) -> Result<u64, WireError> {
         let addr = &a.peer.data;
+        let inc = a.peer.incarnation.0;
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut s, pooled) = self.connect(addr)?;
+            let (mut s, pooled) = self.connect(addr, inc, attempt > 1)?;
             match self.exchange(&mut s, dir, a, ops) {
                 Ok(n) => {
-                    self.put_back(addr, s);
+                    self.put_back(addr, inc, s);
                     return Ok(n);
                 }
                 Err(Ok(refused)) => {
                     if dir == Dir::Read {
-                        self.put_back(addr, s);
+                        self.put_back(addr, inc, s);
                     }
                     return Err(refused);
                 }
