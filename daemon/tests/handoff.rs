@@ -834,3 +834,57 @@ fn the_first_pull_after_an_exporter_restart_works() {
         a.d.restart(); // same ports, new incarnation
     }
 }
+
+/// Finding: `peer_done`, `peer_push_done` and `peer_fail` were fire-and-forget, so one
+/// lost message left the other side to learn only by timeout (a finished pull recorded as
+/// an expired export). Now a notification nobody answers is sent again until answered or a
+/// lease has passed. Here the exporter's control endpoint is a stand-in (a raw ROUTER with
+/// the cluster key, in front of a real exporter's data plane) that drops the first
+/// `peer_done` and answers the second.
+#[test]
+fn an_unanswered_peer_done_is_sent_again() {
+    use kvd_protocol::*;
+    let a = Node::start(5000, false);
+    let b = Node::start(5000, false);
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 80, 2, 64);
+    register(&cb, 64);
+    let mut p = ca.export("lost-done", layout, &ks, None).unwrap();
+    let ctx = zmq::Context::new();
+    let fake = ctx.socket(zmq::ROUTER).unwrap();
+    fake.set_linger(0).unwrap();
+    fake.bind("tcp://127.0.0.1:*").unwrap();
+    p.from.node = fake.get_last_endpoint().unwrap().unwrap();
+    let r = cb.pull(&p, None, true).unwrap();
+    verify(&cb, layout, &r, &data);
+    let key = cluster_key();
+    let mut dones = 0;
+    let until = Instant::now() + Duration::from_secs(8);
+    fake.set_rcvtimeo(200).unwrap();
+    while dones < 2 && Instant::now() < until {
+        let Ok(parts) = fake.recv_multipart(0) else {
+            continue;
+        };
+        let (Ok((id, req)), Some(auth)) = (decode_request(&parts[1], 1 << 20), parts.get(2)) else {
+            continue;
+        };
+        if !matches!(req, Request::PeerDone(_)) {
+            continue; // heartbeats
+        }
+        let stamp = key.open_request(&parts[1], auth).expect("signed by b");
+        dones += 1;
+        if dones == 2 {
+            let ack = encode_ok(
+                id,
+                &PeerAck {
+                    incarnation: p.from.incarnation,
+                    ..Default::default()
+                },
+            );
+            let seal = key.seal_reply(stamp, &ack);
+            fake.send_multipart([&parts[0][..], &ack[..], &seal[..]], 0)
+                .unwrap();
+        }
+    }
+    assert_eq!(dones, 2, "the unanswered peer_done was not sent again");
+}

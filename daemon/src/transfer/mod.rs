@@ -101,8 +101,12 @@ pub enum Reply {
 /// What to do with a peer's reply to a control message.
 #[derive(Debug, Clone)]
 pub enum Then {
-    /// Nothing (the message was a notification).
+    /// Nothing.
     Nothing,
+    /// A notification (`peer_done`, `peer_push_done`, `peer_fail`): sent again, until
+    /// `.2`, while the peer does not answer (a lost message must not leave the other side
+    /// to learn only by timeout).
+    Notify(String, Box<Request>, Instant),
     /// `peer_push_reg` answered.
     PushRegistered(String),
     /// `peer_heartbeat` answered (node, the transfers it named).
@@ -1394,18 +1398,17 @@ impl Transfers {
             )
         };
         if send_done {
-            self.outbox.push(Outgoing {
-                node: imp.peer.node.clone(),
-                req: Request::PeerDone(PeerDoneReq {
+            let (node, req) = (
+                imp.peer.node.clone(),
+                Request::PeerDone(PeerDoneReq {
                     from: self.me.clone(),
                     to_incarnation: imp.peer.incarnation,
                     transfer_id: id.to_string(),
                     handle: imp.handle,
                     token: imp.proof(id),
                 }),
-                then: Then::Nothing,
-                timeout: None,
-            });
+            );
+            self.notify(&node, req);
         }
         let imp = self.imports.get_mut(id).expect("present");
         imp.settled = true; // committed: nothing of ours left to free
@@ -1620,18 +1623,14 @@ impl Transfers {
         let (Some(peer), Some((handle, _))) = (exp.importer.clone(), exp.push) else {
             return;
         };
-        self.outbox.push(Outgoing {
-            node: peer.node.clone(),
-            req: Request::PeerPushDone(PeerPushDoneReq {
-                from: self.me.clone(),
-                to_incarnation: peer.incarnation,
-                transfer_id: id.to_string(),
-                handle,
-                bytes,
-            }),
-            then: Then::Nothing,
-            timeout: None,
+        let req = Request::PeerPushDone(PeerPushDoneReq {
+            from: self.me.clone(),
+            to_incarnation: peer.incarnation,
+            transfer_id: id.to_string(),
+            handle,
+            bytes,
         });
+        self.notify(&peer.node, req);
         self.end_export(store, id, TransferState::Done, None, false, now);
     }
 
@@ -1720,15 +1719,23 @@ impl Transfers {
     }
 
     fn fail_peer(&mut self, peer: &PeerRef, id: &str, error: WireError) {
+        let req = Request::PeerFail(PeerFailReq {
+            from: self.me.clone(),
+            to_incarnation: peer.incarnation,
+            transfer_id: id.to_string(),
+            error,
+        });
+        self.notify(&peer.node, req);
+    }
+
+    /// Sends a notification to `node`, again and again while it does not answer, for up
+    /// to a lease.
+    fn notify(&mut self, node: &str, req: Request) {
+        let until = Instant::now() + self.cfg.lease;
         self.outbox.push(Outgoing {
-            node: peer.node.clone(),
-            req: Request::PeerFail(PeerFailReq {
-                from: self.me.clone(),
-                to_incarnation: peer.incarnation,
-                transfer_id: id.to_string(),
-                error,
-            }),
-            then: Then::Nothing,
+            node: node.to_string(),
+            then: Then::Notify(node.to_string(), Box::new(req.clone()), until),
+            req,
             timeout: None,
         });
     }
@@ -2085,11 +2092,23 @@ impl Transfers {
         now: Instant,
     ) {
         match then {
-            Then::Nothing => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "peer notification not acknowledged");
+            Then::Nothing => {}
+            Then::Notify(node, req, until) => match r {
+                Err(e) if e.code == ErrorCode::PeerUnreachable && now < until => {
+                    tracing::debug!(%node, op = req.op(), "notification not answered: sending again");
+                    let again = Then::Notify(node.clone(), req.clone(), until);
+                    self.outbox.push(Outgoing {
+                        node,
+                        req: *req,
+                        then: again,
+                        timeout: None,
+                    });
                 }
-            }
+                Err(e) => {
+                    tracing::debug!(%node, op = req.op(), error = %e, "peer notification refused or abandoned");
+                }
+                Ok(_) => {}
+            },
             Then::PushRegistered(id) => {
                 let live = self.imports.get(&id).is_some_and(|i| !i.state.is_final());
                 match r {
