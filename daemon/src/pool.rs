@@ -278,7 +278,7 @@ impl Pool {
 /// Another daemon's pool on the same host, mapped read-only for `shm` pulls.
 pub struct RemotePool {
     map: MmapRaw,
-    _file: File,
+    file: File,
     size: u64,
     data_offset: u64,
 }
@@ -297,7 +297,7 @@ impl RemotePool {
             .map_err(io_err("mapping peer pool", path))?;
         let rp = RemotePool {
             map,
-            _file: file,
+            file,
             size,
             data_offset: 0,
         };
@@ -316,6 +316,13 @@ impl RemotePool {
                 source: io::Error::from(io::ErrorKind::InvalidData),
             }),
         }
+    }
+
+    /// Whether the file was unlinked (its daemon exited or restarted): the mapping only
+    /// holds memory then.
+    pub fn unlinked(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.file.metadata().map_or(true, |m| m.nlink() == 0)
     }
 
     fn slice(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {

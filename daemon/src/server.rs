@@ -53,6 +53,12 @@ pub const BATCH: usize = 256;
 /// Most peer-request stamps remembered for replay protection.
 const PEER_REPLAY_MAX: usize = 1 << 20;
 
+/// Most open peer links (DEALER sockets to other daemons' control endpoints).
+const MAX_LINKS: usize = 4096;
+
+/// A link idle this long (and at least two peer timeouts) is closed.
+const LINK_IDLE: Duration = Duration::from_secs(10);
+
 /// Server settings derived from the configuration.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -128,6 +134,8 @@ struct PeerLinks {
 
 struct Link {
     socket: zmq::Socket,
+    /// Last message sent on it (idle links are closed: see [`PeerLinks::prune`]).
+    used: Instant,
     pending: std::collections::HashMap<u64, (Then, Instant, Stamp)>,
     last_ok: Option<Instant>,
     last_fail: Option<Instant>,
@@ -151,6 +159,15 @@ impl PeerLinks {
         now: Instant,
     ) -> Result<(), (Then, WireError)> {
         let fail = |then, what: String| (then, WireError::new(ErrorCode::PeerUnreachable, what));
+        if !self.links.contains_key(&out.node) && self.links.len() >= MAX_LINKS {
+            return Err(fail(
+                out.then,
+                format!(
+                    "{MAX_LINKS} peer links are open: not connecting to {}",
+                    out.node
+                ),
+            ));
+        }
         if !self.links.contains_key(&out.node) {
             let made = (|| -> Result<zmq::Socket, zmq::Error> {
                 let s = ctx.socket(zmq::DEALER)?;
@@ -167,6 +184,7 @@ impl PeerLinks {
                         out.node.clone(),
                         Link {
                             socket,
+                            used: now,
                             pending: Default::default(),
                             last_ok: None,
                             last_fail: None,
@@ -191,6 +209,7 @@ impl PeerLinks {
             .socket
             .send(frame, zmq::DONTWAIT | zmq::SNDMORE)
             .and_then(|()| link.socket.send(&auth[..], zmq::DONTWAIT));
+        link.used = now;
         match sent {
             Ok(()) => {
                 let wait = out.timeout.unwrap_or(self.timeout);
@@ -202,6 +221,15 @@ impl PeerLinks {
                 Err(fail(out.then, format!("sending to {}: {e}", out.node)))
             }
         }
+    }
+
+    /// Closes links with nothing in flight and nothing sent for a while: a client can
+    /// name any node (a push registration's target, a pull's exporter), and links to nodes
+    /// that are gone must not pile up. Live peers are heartbeated far more often.
+    fn prune(&mut self, now: Instant) {
+        let idle = (self.timeout * 2).max(LINK_IDLE);
+        self.links
+            .retain(|_, l| !l.pending.is_empty() || now.saturating_duration_since(l.used) < idle);
     }
 
     fn counts(&self) -> PeerCounts {
@@ -680,6 +708,7 @@ impl Server {
         for (then, r) in self.links.collect(now) {
             t.on_peer_reply(&mut self.store, then, r, now);
         }
+        self.links.prune(now);
         t.maintain(&mut self.store, now);
         for f in t.take_finished() {
             self.metrics.observe_transfer(&f);

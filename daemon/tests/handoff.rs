@@ -888,3 +888,46 @@ fn an_unanswered_peer_done_is_sent_again() {
     }
     assert_eq!(dones, 2, "the unanswered peer_done was not sent again");
 }
+
+/// Finding: the shm transport kept a departed peer's unlinked pool mapped for ever. Now a
+/// mapping whose file is gone is dropped within a second or two.
+#[test]
+fn a_departed_peers_pool_is_unmapped() {
+    let (mut a, b) = (Node::start(5000, true), Node::start(5000, true));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 90, 2, 64);
+    register(&cb, 64);
+    let p = ca.export("shm-leak", layout, &ks, None).unwrap();
+    let r = cb.pull(&p, None, true).unwrap();
+    assert_eq!(r.transport, "shm");
+    verify(&cb, layout, &r, &data);
+    let maps = format!("/proc/{}/maps", b.d.child.id());
+    let pool = a.d.pool_path.display().to_string();
+    let mapped = || std::fs::read_to_string(&maps).unwrap().contains(&pool);
+    assert!(mapped(), "b maps a's pool after the pull");
+    a.d.signal(Signal::SIGTERM); // a exits and unlinks its pool
+    eventually(5, "b unmapped the departed peer's pool", || !mapped());
+}
+
+/// Finding: a peer link (a DEALER socket) was created and kept for any node a client
+/// named. Now links with nothing in flight close after a short idle time.
+#[test]
+fn links_to_nodes_a_client_named_do_not_pile_up() {
+    let b = Node::start(5000, false);
+    let cb = b.client();
+    let l = register(&cb, 64).id;
+    for i in 0..40u16 {
+        let node = format!("tcp://127.0.0.1:{}", 1 + i);
+        let r = cb.push_register(
+            &format!("bogus-{i}"),
+            l,
+            &keys(95 + u32::from(i), 1),
+            &node,
+            None,
+        );
+        assert!(r.is_ok(), "{r:?}");
+    }
+    let links = || cb.stats().unwrap().peers.len();
+    assert!(links() >= 30, "{} links", links());
+    eventually(25, "idle links closed", || links() == 0);
+}

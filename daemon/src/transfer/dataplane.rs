@@ -994,8 +994,15 @@ impl Transport for TcpTransport {
 /// the export's lease (`peer_done`) before it commits what it copied.
 pub struct ShmTransport {
     pool: Arc<Pool>,
-    maps: Mutex<HashMap<(PathBuf, u64), Arc<RemotePool>>>,
+    /// Peers' pools mapped, by (path, incarnation).
+    maps: Mutex<HashMap<(PathBuf, u64), Mapped>>,
 }
+
+/// A peer's pool mapped, and when it was last used.
+type Mapped = (Arc<RemotePool>, Instant);
+
+/// A peer pool not used for this long is unmapped (mapped again on the next pull).
+const SHM_IDLE: Duration = Duration::from_secs(30);
 
 impl ShmTransport {
     /// A transport copying into `pool`.
@@ -1014,8 +1021,11 @@ impl ShmTransport {
         );
         let key = (path.clone(), peer.incarnation.0);
         let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = maps.get(&key) {
-            return Ok(m.clone());
+        if let Some((m, used)) = maps.get_mut(&key) {
+            if !m.unlinked() {
+                *used = Instant::now();
+                return Ok(m.clone());
+            }
         }
         // Mappings of older incarnations of this path are stale.
         maps.retain(|(p, _), _| *p != path);
@@ -1023,8 +1033,20 @@ impl ShmTransport {
             RemotePool::open(&path, peer.incarnation)
                 .map_err(|e| werr(ErrorCode::PeerUnreachable, e.to_string()))?,
         );
-        maps.insert(key, m.clone());
+        maps.insert(key, (m.clone(), Instant::now()));
         Ok(m)
+    }
+
+    /// Unmaps peers' pools whose file is gone (the peer exited) or that were not used for
+    /// a while; a pull still copying keeps its own reference until it ends.
+    pub fn sweep(&self) {
+        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
+        maps.retain(|_, (m, used)| !m.unlinked() && used.elapsed() < SHM_IDLE);
+    }
+
+    /// Peer pools mapped now.
+    pub fn mapped(&self) -> usize {
+        self.maps.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Whether `peer`'s pool can be mapped from here.

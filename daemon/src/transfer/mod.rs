@@ -2249,6 +2249,9 @@ impl Transfers {
             for c in owners {
                 store.touch_session(c, now);
             }
+            if let Some(shm) = &self.shm {
+                shm.sweep();
+            }
         }
         if now >= self.next_heartbeat {
             // An export may carry a shorter lease than ours: beat at a sixth of the
