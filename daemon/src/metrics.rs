@@ -59,6 +59,7 @@ pub struct Metrics {
     lease_renewals: IntCounter,
     lease_expirations: IntCounter,
     transfer_refused: IntCounter,
+    transfer_unauthenticated: IntCounter,
     peers: IntGaugeVec,
     peer_lookups: IntCounter,
     peer_skipped: IntCounter,
@@ -303,6 +304,11 @@ impl Metrics {
                 "kvd_transfer_refused_total",
                 "Peer messages and data-plane requests refused (stale, forged, late).",
             ),
+            transfer_unauthenticated: counter(
+                &r,
+                "kvd_transfer_unauthenticated_total",
+                "Peer messages and data-plane requests refused for a missing, wrong, stale or replayed MAC, and peer ops sent to a client endpoint.",
+            ),
             peers: gauge_vec(
                 &r,
                 "kvd_peers",
@@ -481,6 +487,7 @@ impl Metrics {
             advance(&self.lease_renewals, t.renewals);
             advance(&self.lease_expirations, t.expired);
             advance(&self.transfer_refused, t.refused);
+            advance(&self.transfer_unauthenticated, t.unauthenticated);
             advance(&self.peer_lookups, t.peer_lookups);
             advance(&self.peer_skipped, t.peer_skipped);
             advance(
