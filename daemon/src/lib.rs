@@ -15,7 +15,7 @@
 //! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
 //! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
 //! | [`io`] | the io_uring engine thread (the only io_uring user) |
-//! | [`server`] | the ZMQ ROUTER loop, request dispatch, deferred replies, signals, peer links |
+//! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | [`transfer`] | prefill → decode handoff: exports, pulls, pushes, leases, heartbeats |
 //! | [`transfer::dataplane`] | grants, the TCP data server and transport, shm pulls, workers |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: registration, RC queue pairs, READ/WRITE |
@@ -24,8 +24,9 @@
 //! 1. set the umask to 077 so the socket and the pool are created owner-only;
 //! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;
 //!    open the NVMe tier when configured (replaying its journal);
-//! 3. bind the ROUTER on every endpoint (creating the ipc directory 0700) and, with
-//!    transfers on, on the control endpoint; start the data server and its workers;
+//! 3. with transfers on, load the cluster secret, bind the peer ROUTER on the control
+//!    endpoint and start the data server and its workers; then bind the clients' ROUTER
+//!    on every client endpoint (creating the ipc directory 0700);
 //! 4. serve until SIGTERM/SIGINT, then answer what is queued, close the socket, remove
 //!    the ipc socket files and the pool file, and return.
 

@@ -1,11 +1,17 @@
-//! The ZMQ server: one ROUTER socket bound to every configured endpoint, driven by one
+//! The ZMQ server: one ROUTER socket bound to every client endpoint and, with transfers
+//! on, a second ROUTER on the control endpoint for other daemons, both driven by one
 //! thread that owns the [`Store`].
 //!
 //! ```text
-//!   engines (DEALER / REQ) ──ipc/tcp──► ROUTER ──► decode ──► Store (&mut) ──► reply
-//!                                         ▲                        │
+//!   engines (DEALER / REQ) ──ipc/tcp──► client ROUTER ──► decode ──► Store (&mut) ──► reply
+//!   peer daemons (DEALER) ──tcp──► peer ROUTER ──► MAC + replay check ──┘ (peer ops only,
+//!                                         ▲                              sealed replies)
 //!   SIGTERM/SIGINT ──► signal pipe ──► zmq_poll ◄── next pin/alloc deadline
 //! ```
+//!
+//! Each socket serves only its own ops: a `peer_*` op on a client endpoint is refused
+//! (`unauthenticated`), and so is anything on the peer socket without a valid, fresh,
+//! never-seen auth frame (SPEC §10.1); a client op there gets `unknown_op`.
 //!
 //! Each loop turn polls the socket and the signal pipe (timeout: the next deadline, at
 //! most 1 s), serves up to [`BATCH`] requests, then runs the store's time-driven work.
