@@ -39,6 +39,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p kvd-daemon --all-targets --locked --features rdma -- -D warnings
 cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
 
+step "loom models (cfg kvd_loom: the grants hand-off, with a negative control that must be caught)"
+RUSTFLAGS="--cfg kvd_loom" CARGO_TARGET_DIR=target/loom cargo test -p kvd-daemon --lib --locked -q loom
+
 step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-30} s"
 command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz
 cargo +nightly fuzz build -O

@@ -17,7 +17,9 @@
 //! | [`io`] | the io_uring engine thread (the only io_uring user) |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | [`transfer`] | prefill → decode handoff: exports, pulls, pushes, leases, heartbeats |
-//! | [`transfer::dataplane`] | grants, the TCP data server and transport, shm pulls, workers |
+//! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
+//! | [`transfer::dataplane`] | the TCP data server and transport, shm pulls, workers |
+//! | `sync` | std or loom primitives (`cfg(kvd_loom)`) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: registration, RC queue pairs, READ/WRITE |
 //!
 //! Workflow of [`run`]:
@@ -43,6 +45,7 @@ pub mod nvme;
 pub mod pool;
 pub mod server;
 pub mod store;
+mod sync;
 pub mod transfer;
 
 use std::os::unix::fs::PermissionsExt;

@@ -30,6 +30,7 @@
 
 pub mod dataplane;
 pub mod discovery;
+pub mod grants;
 mod p2p;
 pub use p2p::PeerConfig;
 #[cfg(feature = "rdma")]
@@ -45,9 +46,9 @@ use crate::deadline::DeadlineQueue;
 use crate::pool::Pool;
 use crate::store::Store;
 use dataplane::{
-    Access, DataOptions, DataPlane, DataServer, Dir, GrantKind, Grants, Job, Op, ShmTransport,
-    TcpTransport, Transport,
+    Access, DataOptions, DataPlane, DataServer, Dir, Job, Op, ShmTransport, TcpTransport, Transport,
 };
+use grants::{GrantKind, Grants};
 
 /// Settings of the handoff (see `config.rs` for defaults).
 #[derive(Debug, Clone)]
