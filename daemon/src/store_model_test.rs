@@ -184,6 +184,25 @@ impl World {
         }
     }
 
+    /// Client `c` pins `keys` (waiting for promotions); `None` when refused.
+    fn get(&mut self, c: usize, keys: &[u32]) -> Option<GetResp> {
+        let req = GetReq {
+            client: self.clients[c],
+            layout_id: self.layout,
+            keys: keys.iter().map(|&i| key(i)).collect(),
+            ttl_ms: None,
+            inline: false,
+        };
+        match self.s.get(&req, self.now) {
+            Ok(Answer::Now(r)) => Some(r),
+            Ok(Answer::Later(t)) => match self.wait(t) {
+                Completed::Get(r, _, _) => r.ok(),
+                other => panic!("get answered with {other:?}"),
+            },
+            Err(_) => None,
+        }
+    }
+
     fn check_bytes(&self, i: u32, off: u64) {
         let got = self.pool.read(off, BLOCK).unwrap();
         let v = u32::from_le_bytes(got[4..8].try_into().unwrap());
@@ -265,22 +284,7 @@ impl World {
                 }
             }
             Op::Get { c, keys } => {
-                let req = GetReq {
-                    client: self.clients[*c],
-                    layout_id: l,
-                    keys: keys.iter().map(|&i| key(i)).collect(),
-                    ttl_ms: None,
-                    inline: false,
-                };
-                let r = match self.s.get(&req, self.now) {
-                    Ok(Answer::Now(r)) => r,
-                    Ok(Answer::Later(t)) => match self.wait(t) {
-                        Completed::Get(Ok(r), _, _) => r,
-                        Completed::Get(Err(_), _, _) => return,
-                        other => panic!("get answered with {other:?}"),
-                    },
-                    Err(_) => return,
-                };
+                let Some(r) = self.get(*c, keys) else { return };
                 for (j, off) in r.offsets.iter().enumerate() {
                     if let Some(off) = off {
                         self.check_bytes(keys[j], *off);
@@ -375,21 +379,7 @@ impl World {
         }
         // what is still visible holds what was last committed
         for i in 0..KEYS {
-            let req = GetReq {
-                client: self.clients[0],
-                layout_id: self.layout,
-                keys: vec![key(i)],
-                ttl_ms: None,
-                inline: false,
-            };
-            let r = match self.s.get(&req, self.now) {
-                Ok(Answer::Now(r)) => r,
-                Ok(Answer::Later(t)) => match self.wait(t) {
-                    Completed::Get(Ok(r), _, _) => r,
-                    _ => continue,
-                },
-                Err(_) => continue,
-            };
+            let Some(r) = self.get(0, &[i]) else { continue };
             if let Some(Some(off)) = r.offsets.first() {
                 self.check_bytes(i, *off);
             }
