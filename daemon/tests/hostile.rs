@@ -9,6 +9,18 @@ use kvd_client::Client;
 use kvd_protocol::*;
 use serde::Serialize;
 
+/// A peer nobody knows (its endpoints lead nowhere).
+fn stranger() -> PeerRef {
+    PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(77),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    }
+}
+
 /// The well-behaved client: a full store/load round trip, verified.
 fn good_round_trip(c: &Client, l: LayoutId, seed: u32) {
     let ks = keys(seed, 2);
@@ -417,14 +429,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
     let me = good.hello_info().node.expect("transfers are on by default");
     let raw = Raw::new(&d.endpoint, zmq::DEALER);
     let client = good.hello_info().client;
-    let stranger = PeerRef {
-        node: "tcp://127.0.0.1:9".into(),
-        data: "127.0.0.1:9".into(),
-        incarnation: Incarnation(77),
-        host: String::new(),
-        shm: None,
-        rdma: None,
-    };
+    let stranger = stranger();
     let ks = keys(900, 2);
     // peer ops go, signed, to the control endpoint; client ops to the client endpoint
     let peer = PeerRaw::new(&me.node, Some(cluster_key()));
@@ -597,14 +602,7 @@ fn unauthenticated_peer_traffic_gets_nothing() {
     let good = d.client();
     let l = register(&good, 16).id;
     let me = good.hello_info().node.expect("transfers are on by default");
-    let stranger = PeerRef {
-        node: "tcp://127.0.0.1:9".into(),
-        data: "127.0.0.1:9".into(),
-        incarnation: Incarnation(77),
-        host: String::new(),
-        shm: None,
-        rdma: None,
-    };
+    let stranger = stranger();
     let hb = |id: u64| {
         frame(
             1,
