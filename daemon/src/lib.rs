@@ -16,6 +16,7 @@
 //! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
 //! | [`io`] | the io_uring engine thread (the only io_uring user) |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
+//! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | [`transfer`] | prefill → decode handoff: exports, pulls, pushes, leases, heartbeats |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
 //! | [`transfer::dataplane`] | the TCP data server and transport, shm pulls, workers |
@@ -40,6 +41,7 @@ pub mod deadline;
 pub mod fuzzing;
 pub mod http;
 pub mod io;
+mod links;
 pub mod metrics;
 pub mod nvme;
 pub mod pool;

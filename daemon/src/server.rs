@@ -25,14 +25,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use kvd_protocol::auth::{ClusterKey, Stamp};
+use kvd_protocol::auth::Stamp;
 use kvd_protocol::*;
-use serde::de::IgnoredAny;
 
 use crate::http::{Health, Phase};
-use crate::metrics::{Metrics, PeerCounts};
+use crate::metrics::Metrics;
 use crate::store::{Answer, Completed, Store};
-use crate::transfer::{self, Outgoing, Reply, Then, TransferConfig, Transfers, TOKEN_BIT};
+use crate::transfer::{self, Reply, TransferConfig, Transfers, TOKEN_BIT};
 
 /// Where a deferred request's reply goes.
 /// Which socket a reply goes out on.
@@ -58,12 +57,6 @@ pub const BATCH: usize = 256;
 
 /// Most peer-request stamps remembered for replay protection.
 const PEER_REPLAY_MAX: usize = 1 << 20;
-
-/// Most open peer links (DEALER sockets to other daemons' control endpoints).
-const MAX_LINKS: usize = 4096;
-
-/// A link idle this long (and at least two peer timeouts) is closed.
-const LINK_IDLE: Duration = Duration::from_secs(10);
 
 /// Server settings derived from the configuration.
 #[derive(Debug, Clone)]
@@ -127,217 +120,7 @@ pub struct Server {
 
 use std::sync::Arc;
 
-/// One DEALER per peer daemon this one sends control messages to.
-struct PeerLinks {
-    /// The cluster key every message is sealed with (set with transfers).
-    key: Option<ClusterKey>,
-    /// Replies dropped for a bad MAC.
-    forged_replies: u64,
-    links: std::collections::HashMap<String, Link>,
-    next_id: u64,
-    timeout: Duration,
-}
-
-struct Link {
-    socket: zmq::Socket,
-    /// Last message sent on it (idle links are closed: see [`PeerLinks::prune`]).
-    used: Instant,
-    pending: std::collections::HashMap<u64, (Then, Instant, Stamp)>,
-    last_ok: Option<Instant>,
-    last_fail: Option<Instant>,
-}
-
-impl Link {
-    fn up(&self) -> bool {
-        match (self.last_ok, self.last_fail) {
-            (Some(ok), Some(fail)) => ok > fail,
-            (Some(_), None) => true,
-            (None, _) => false,
-        }
-    }
-}
-
-impl PeerLinks {
-    fn send(
-        &mut self,
-        ctx: &zmq::Context,
-        out: Outgoing,
-        now: Instant,
-    ) -> Result<(), (Then, WireError)> {
-        let fail = |then, what: String| (then, WireError::new(ErrorCode::PeerUnreachable, what));
-        if !self.links.contains_key(&out.node) && self.links.len() >= MAX_LINKS {
-            return Err(fail(
-                out.then,
-                format!(
-                    "{MAX_LINKS} peer links are open: not connecting to {}",
-                    out.node
-                ),
-            ));
-        }
-        if !self.links.contains_key(&out.node) {
-            let made = (|| -> Result<zmq::Socket, zmq::Error> {
-                let s = ctx.socket(zmq::DEALER)?;
-                s.set_linger(0)?;
-                s.set_sndhwm(10_000)?;
-                s.set_reconnect_ivl(100)?;
-                s.set_reconnect_ivl_max(2000)?;
-                s.connect(&out.node)?;
-                Ok(s)
-            })();
-            match made {
-                Ok(socket) => {
-                    self.links.insert(
-                        out.node.clone(),
-                        Link {
-                            socket,
-                            used: now,
-                            pending: Default::default(),
-                            last_ok: None,
-                            last_fail: None,
-                        },
-                    );
-                }
-                Err(e) => return Err(fail(out.then, format!("connecting to {}: {e}", out.node))),
-            }
-        }
-        self.next_id += 1;
-        let id = self.next_id;
-        let Some(key) = self.key.as_ref() else {
-            return Err(fail(out.then, "no cluster key: transfers are off".into()));
-        };
-        let Some(link) = self.links.get_mut(&out.node) else {
-            return Err(fail(out.then, format!("no link to {}", out.node)));
-        };
-        let frame = encode_request(id, &out.req);
-        let stamp = crate::auth::stamp();
-        let auth = key.seal_request(stamp, &frame);
-        let sent = link
-            .socket
-            .send(frame, zmq::DONTWAIT | zmq::SNDMORE)
-            .and_then(|()| link.socket.send(&auth[..], zmq::DONTWAIT));
-        link.used = now;
-        match sent {
-            Ok(()) => {
-                let wait = out.timeout.unwrap_or(self.timeout);
-                link.pending.insert(id, (out.then, now + wait, stamp));
-                Ok(())
-            }
-            Err(e) => {
-                link.last_fail = Some(now);
-                Err(fail(out.then, format!("sending to {}: {e}", out.node)))
-            }
-        }
-    }
-
-    /// Closes links with nothing in flight and nothing sent for a while: a client can
-    /// name any node (a push registration's target, a pull's exporter), and links to nodes
-    /// that are gone must not pile up. Live peers are heartbeated far more often.
-    fn prune(&mut self, now: Instant) {
-        let idle = (self.timeout * 2).max(LINK_IDLE);
-        self.links
-            .retain(|_, l| !l.pending.is_empty() || now.saturating_duration_since(l.used) < idle);
-    }
-
-    fn counts(&self) -> PeerCounts {
-        let up = self.links.values().filter(|l| l.up()).count() as u64;
-        PeerCounts {
-            up,
-            down: self.links.len() as u64 - up,
-        }
-    }
-
-    fn describe(&self, now: Instant) -> Vec<PeerStat> {
-        let mut v: Vec<PeerStat> = self
-            .links
-            .iter()
-            .map(|(node, l)| PeerStat {
-                node: node.clone(),
-                up: l.up(),
-                last_ok_ms_ago: l
-                    .last_ok
-                    .map(|t| now.saturating_duration_since(t).as_millis() as u64),
-                in_flight: l.pending.len() as u64,
-            })
-            .collect();
-        v.sort_by(|a, b| a.node.cmp(&b.node));
-        v
-    }
-
-    /// Replies received, and requests that timed out.
-    fn collect(&mut self, now: Instant) -> Vec<(Then, Result<PeerAck, WireError>)> {
-        let mut out = Vec::new();
-        for (node, link) in &mut self.links {
-            while let Ok(parts) = link.socket.recv_multipart(zmq::DONTWAIT) {
-                let Some(frame) = parts.first() else { continue };
-                let Ok(id) = codec::reply_id(frame) else {
-                    continue;
-                };
-                let Some((_, _, stamp)) = link.pending.get(&id) else {
-                    continue;
-                };
-                let sealed = match (self.key.as_ref(), parts.get(1)) {
-                    (Some(k), Some(auth)) => k.open_reply(*stamp, frame, auth).is_ok(),
-                    _ => false,
-                };
-                // An unsealed reply is believed only when it says our MAC was refused
-                // (the peer has another secret and cannot seal): the request fails now
-                // with that reason instead of timing out.
-                let refusal = !sealed
-                    && matches!(
-                        decode_reply::<IgnoredAny>(frame),
-                        Ok((_, Err(ref e))) if e.code == ErrorCode::Unauthenticated
-                    );
-                if !sealed && !refusal {
-                    self.forged_replies += 1;
-                    tracing::warn!(%node, "reply with a bad MAC dropped");
-                    continue;
-                }
-                let Some((then, _, _)) = link.pending.remove(&id) else {
-                    continue;
-                };
-                let r = match decode_reply::<PeerAck>(frame) {
-                    Ok((_, Ok(ack))) => Ok(ack),
-                    Ok((_, Err(e))) => Err(e),
-                    Err(e) => Err(WireError::new(
-                        ErrorCode::Malformed,
-                        format!("reply from {node}: {e}"),
-                    )),
-                };
-                out.push((then, r));
-            }
-            let late: Vec<u64> = link
-                .pending
-                .iter()
-                .filter(|(_, (_, d, _))| *d <= now)
-                .map(|(k, _)| *k)
-                .collect();
-            for id in late {
-                link.last_fail = Some(now);
-                let Some((then, _, _)) = link.pending.remove(&id) else {
-                    continue;
-                };
-                out.push((
-                    then,
-                    Err(WireError::new(
-                        ErrorCode::PeerUnreachable,
-                        format!(
-                            "{node} did not answer within {} ms",
-                            self.timeout.as_millis()
-                        ),
-                    )),
-                ));
-            }
-        }
-        out
-    }
-
-    fn next_deadline(&self) -> Option<Instant> {
-        self.links
-            .values()
-            .flat_map(|l| l.pending.values().map(|(_, d, _)| *d))
-            .min()
-    }
-}
+use crate::links::PeerLinks;
 
 impl Server {
     /// Creates the ROUTER socket (clients' endpoints are bound by
@@ -378,13 +161,7 @@ impl Server {
             parts: Vec::new(),
             waiting: std::collections::HashMap::new(),
             transfers: None,
-            links: PeerLinks {
-                key: None,
-                forged_replies: 0,
-                links: Default::default(),
-                next_id: 0,
-                timeout: Duration::from_secs(5),
-            },
+            links: PeerLinks::new(Duration::from_secs(5)),
             next_token: 0,
             metrics,
             health,
