@@ -26,7 +26,20 @@
 //! - every failure or abort sends `peer_fail` to the other side;
 //! - slots a transfer reads from or writes into are freed only when no data-plane job
 //!   or remote request is using them (a revoked grant waits for its active requests);
-//! - adjacent blocks move as one range ([`dataplane::coalesce`]).
+//! - adjacent blocks move as one range ([`dataplane::coalesce`]);
+//! - no transfer outlives `max_hold`, heartbeats or not; a transfer belongs to the session
+//!   that made it (abort, status) and keeps that session from idling out;
+//! - "done" on the importer means every block committed in DRAM and pinned.
+//!
+//! | file | what it owns |
+//! |---|---|
+//! | `mod.rs` | the state machines: client ops, importer and exporter life cycles, timers |
+//! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
+//! | [`grants`] | what peers may read or write, and no slot freed under an active request |
+//! | [`dataplane`] | TCP data server and transport (MAC trailer), shm, worker threads |
+//! | `p2p.rs` | remote lookups and lock-and-read fetches between peers |
+//! | [`discovery`] | etcd membership |
+//! | `rdma.rs` | (feature `rdma`) the verbs boundary |
 
 pub mod dataplane;
 pub mod discovery;
