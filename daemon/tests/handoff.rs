@@ -762,8 +762,9 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
 }
 
 /// Issue "handoffs that end right", 1: when the importing node held the keys only on its
-/// NVMe tier, a pull ended `done` with every offset nil and no pin. Now the blocks come
-/// to DRAM (moved again) and "done" means every block is there, pinned, byte for byte.
+/// NVMe tier, a pull (or a push) ended `done` with every offset nil and no pin. Now the
+/// blocks come to DRAM (moved again) and "done" means every block is there, pinned, byte
+/// for byte.
 #[test]
 fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
     let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -773,9 +774,9 @@ fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
     );
     let a = Node::start(5000, false);
     let ca = a.client();
-    // twice (a fresh b each time): with the keys on b's NVMe only, then with a lookup's
-    // prefetch of them in flight (promoting) when the pull starts
-    for (round, prefetch) in [(0u32, false), (1, true)] {
+    // three times (a fresh b each time): with the keys on b's NVMe only, then with a
+    // lookup's prefetch of them in flight (promoting) when the pull starts, then as a push
+    for (round, prefetch, push) in [(0u32, false, false), (1, true, false), (2, false, true)] {
         let b = Node::start_with(5000, false, &nvme);
         let cb = b.client();
         register(&cb, 1024);
@@ -796,10 +797,16 @@ fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
             let l = cb.lookup(layout, &ks).unwrap();
             assert_eq!(l.prefix, 4);
         }
-        let p = ca
-            .export(&format!("from-nvme-{round}"), layout, &ks, None)
-            .unwrap();
-        let r = cb.pull(&p, None, true).unwrap();
+        let id = format!("from-nvme-{round}");
+        let r = if push {
+            cb.push_register(&id, layout, &ks, &node_of(&ca), None)
+                .unwrap();
+            ca.export(&id, layout, &ks, None).unwrap();
+            cb.transfer_status(&id, Duration::from_secs(10)).unwrap()
+        } else {
+            let p = ca.export(&id, layout, &ks, None).unwrap();
+            cb.pull(&p, None, true).unwrap()
+        };
         assert_eq!(r.state, TransferState::Done, "round {round}: {r:?}");
         assert!(r.offsets.iter().all(Option::is_some), "{r:?}");
         assert!(r.pin.is_some(), "{r:?}");
