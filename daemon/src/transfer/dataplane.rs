@@ -516,12 +516,31 @@ pub struct Access {
 
 /// A way to move bytes between this pool and a peer's.
 pub trait Transport: Send + Sync {
-    /// `tcp`, `shm`, `rdma`.
+    /// `tcp`, `shm`, `rdma` (for reports and metrics only: behaviour follows
+    /// [`Transport::caps`]).
     fn name(&self) -> &'static str;
+    /// What this transport does and does not check, which decides what the importer must
+    /// confirm before it commits.
+    fn caps(&self) -> Caps;
     /// Copies the peer's ranges into local slots; returns bytes moved.
     fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError>;
     /// Copies local slots into the peer's ranges; returns bytes moved.
     fn write(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError>;
+}
+
+/// What a transport vouches for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps {
+    /// The exporter checks nothing while the bytes move (a one-sided copy: shm, RDMA):
+    /// the importer commits only once the exporter confirms, over the authenticated
+    /// channel, that the lease held and the params were its own (`peer_done`).
+    pub one_sided: bool,
+    /// The bytes are copied from a file the params named (shm): the exporter's
+    /// confirmation must name the same file.
+    pub from_named_file: bool,
+    /// Writes complete on the remote side with no server-side check (RDMA): the writer's
+    /// immediate, not a byte count, says they all landed.
+    pub remote_completion: bool,
 }
 
 /// TCP: several parallel streams per transfer, pooled connections.
@@ -746,6 +765,10 @@ impl Transport for TcpTransport {
     fn name(&self) -> &'static str {
         "tcp"
     }
+    fn caps(&self) -> Caps {
+        // every request is checked by the exporter's data server against its grant
+        Caps::default()
+    }
     fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
         self.run(Dir::Read, access, ops)
     }
@@ -822,6 +845,13 @@ impl ShmTransport {
 impl Transport for ShmTransport {
     fn name(&self) -> &'static str {
         "shm"
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            one_sided: true,
+            from_named_file: true,
+            remote_completion: false,
+        }
     }
     fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
         let m = self.map(&access.peer)?;

@@ -285,6 +285,8 @@ struct Import {
     ended: Option<Instant>,
     bytes: u64,
     transport: &'static str,
+    /// What the transport that moved the bytes vouches for (decides the confirmation).
+    caps: dataplane::Caps,
 }
 
 impl Import {
@@ -329,6 +331,7 @@ impl Import {
             ended: None,
             bytes: 0,
             transport: "",
+            caps: dataplane::Caps::default(),
         }
     }
 
@@ -1301,6 +1304,7 @@ impl Transfers {
         let imp = self.imports.get_mut(id).expect("present");
         imp.state = TransferState::Running;
         imp.transport = transport.name();
+        imp.caps = transport.caps();
         imp.job = Some(job);
         let tag = transfer_tag(id, &imp.keys, imp.remote.iter().map(|&o| Some(o)));
         let access = Access {
@@ -1855,7 +1859,7 @@ impl Transfers {
                 let copied_from = self
                     .imports
                     .get(&id)
-                    .filter(|i| i.transport == "shm")
+                    .filter(|i| i.caps.from_named_file)
                     .and_then(|i| i.peer.shm.clone());
                 match r {
                     Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
@@ -2119,7 +2123,7 @@ impl Transfers {
                     Ok(bytes) => {
                         imp.bytes = bytes;
                         tracing::debug!(transfer = %id, bytes, us = done.elapsed.as_micros() as u64, transport = imp.transport, "pulled");
-                        if imp.transport == "shm" || imp.transport == "rdma" {
+                        if imp.caps.one_sided {
                             // Nobody checked the lease during a one-sided copy: trust
                             // the bytes only if the exporter confirms it held throughout.
                             let req = Request::PeerDone(PeerDoneReq {

@@ -276,9 +276,10 @@ impl Transfers {
         self.tcp.clone()
     }
 
-    /// Whether transfers with `peer` go over RDMA.
+    /// Whether pushes to `peer` complete on its side with no server check (RDMA): then
+    /// the writer's immediate, not a byte count, says every write landed.
     pub(super) fn rdma_with(&self, peer: &PeerRef) -> bool {
-        self.remote_transport(peer).name() == "rdma"
+        self.remote_transport(peer).caps().remote_completion
     }
 
     pub(super) fn collect_landed(&mut self) {

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::{ErrorCode, PeerRef, RdmaRef, RdmaRegion, WireError};
 use rdma_sys::*;
 
-use super::dataplane::{Access, Op, Transport};
+use super::dataplane::{Access, Caps, Op, Transport};
 use crate::pool::Pool;
 
 /// Largest registration (some NICs refuse larger ones).
@@ -636,6 +636,13 @@ impl RdmaTransport {
 impl Transport for RdmaTransport {
     fn name(&self) -> &'static str {
         "rdma"
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            one_sided: true,
+            from_named_file: false,
+            remote_completion: true,
+        }
     }
     fn read(&self, access: &Access, ops: &[Op]) -> Result<u64, WireError> {
         self.run(access, ops, true)
