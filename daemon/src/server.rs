@@ -246,7 +246,7 @@ impl Server {
                 .min(cap);
             // Round up so that a deadline 0.4 ms away does not spin.
             let timeout_ms = timeout.as_micros().div_ceil(1000) as i64;
-            let (sock_ready, sig_ready) = {
+            let (sock_ready, peer_ready, sig_ready) = {
                 let mut items = vec![
                     self.socket.as_poll_item(zmq::POLLIN),
                     zmq::PollItem::from_fd(self.signals.as_raw_fd(), zmq::POLLIN),
@@ -270,9 +270,8 @@ impl Server {
                     Err(e) => return Err(zerr("poll")(e)),
                 }
                 let peer_ready = self.peer_socket.is_some() && items[peer_at].is_readable();
-                ((items[0].is_readable(), peer_ready), items[1].is_readable())
+                (items[0].is_readable(), peer_ready, items[1].is_readable())
             };
-            let (sock_ready, peer_ready) = sock_ready;
             if sock_ready {
                 for _ in 0..BATCH {
                     if !self.serve_one(false)? {
