@@ -14,7 +14,7 @@
 //! A reply's auth frame repeats its request's `nonce` (and `unix_ms`), so a reply cannot
 //! be replayed as the answer to another request. Data-plane requests carry a 48-byte
 //! trailer, `u64 unix_ms, u64 nonce, [32] mac` with the label `"kvd.data.v1"` over the
-//! header and the ranges ([`data_mac`]).
+//! header and the ranges ([`ClusterKey::data_trailer`]).
 //!
 //! Replay protection is the receiver's: a request is accepted once, and only within
 //! [`MAX_SKEW_MS`] of the receiver's clock ([`check_fresh`]); the daemon remembers the
