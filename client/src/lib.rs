@@ -1271,19 +1271,6 @@ impl PinnedBlocks {
         Ok(r)
     }
 
-    /// Copies the bytes of key `i` into `out` (its length must be the block size):
-    /// `Ok(false)` for a miss.
-    pub fn read_into(&self, i: usize, out: &mut [u8]) -> Result<bool> {
-        if out.len() != self.block_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "buffer of {} bytes for blocks of {}",
-                out.len(),
-                self.block_bytes
-            )));
-        }
-        Ok(self.with_block(i, |b| out.copy_from_slice(b))?.is_some())
-    }
-
     /// Releases the pin now.
     pub fn release(mut self) -> Result<()> {
         match self.pin.take() {

@@ -637,13 +637,8 @@ impl Server {
             Ok(x) => x,
             Err((id, e)) => {
                 tracing::debug!(id, error = %e, "undecodable request");
-                self.store.count_request(Some(e.code()));
-                self.metrics
-                    .observe_request("invalid", Some(e.code()), now.elapsed());
-                return Outcome::Reply(
-                    encode_err(id, &WireError::new(e.code(), e.to_string())),
-                    Vec::new(),
-                );
+                let reply = self.refuse("invalid", e.code(), id, &e.to_string(), now);
+                return Outcome::Reply(reply, Vec::new());
             }
         };
         let mut out = Vec::new();

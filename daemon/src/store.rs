@@ -23,8 +23,9 @@
 //! Rules:
 //! - only COMMITTED (and DEMOTING) blocks are visible to `lookup` and `get` from DRAM;
 //! - eviction takes only COMMITTED blocks with no pin (the LRU lists hold exactly those);
-//! - every pin and every allocation carries a deadline; two deadline heaps (not
-//!   insertion order) reclaim them, so no pin outlives its TTL;
+//! - every pin and every allocation carries a deadline; two deadline queues
+//!   ([`crate::deadline::DeadlineQueue`], not insertion order) reclaim them, so no pin
+//!   outlives its TTL, and released pins' entries are compacted away;
 //! - above the high watermark, blocks are evicted in LRU order down to the low one
 //!   (without a tier to demote to, not blocks used in the current second: an
 //!   allocation still evicts those on demand);
@@ -742,7 +743,9 @@ impl Store {
 
     /// [`Store::try_alloc`]; with `dram_only`, a key only the NVMe tier holds gets a new
     /// DRAM slot too (a transfer fills it: its importer must end with every block in DRAM,
-    /// pinned, and a promotion would be a second, slower path to the same bytes).
+    /// pinned, and a promotion would be a second, slower path to the same bytes), and a
+    /// key another allocation is writing or a promotion is reading back makes the whole
+    /// request wait (`Ok(None)`) before anything is evicted or reserved.
     fn try_alloc_in(
         &mut self,
         req: &AllocReq,
@@ -751,6 +754,14 @@ impl Store {
         dram_only: bool,
     ) -> Result<Option<AllocResp>, WireError> {
         let (_, class) = self.layout(req.layout_id)?;
+        let in_flight = |s: &Self, k: &ChunkHash| {
+            s.find(req.layout_id, k).is_some_and(|i| {
+                matches!(s.nodes[i as usize].state, State::Pending | State::Promoting)
+            })
+        };
+        if dram_only && req.keys.iter().any(|k| in_flight(self, k)) {
+            return Ok(None);
+        }
         let elsewhere =
             |s: &Self, k: &ChunkHash| !dram_only && s.cached_elsewhere(req.layout_id, k);
         let needed = req
@@ -770,11 +781,6 @@ impl Store {
         let mut created: Vec<u32> = Vec::new();
         for k in &req.keys {
             match self.find(req.layout_id, k) {
-                // Being read back from NVMe: there, but not readable yet.
-                Some(i) if dram_only && self.nodes[i as usize].state == State::Promoting => {
-                    status.push(AllocStatus::Busy);
-                    offsets.push(None);
-                }
                 Some(i) if self.nodes[i as usize].state != State::Pending => {
                     self.touch(i, now);
                     status.push(AllocStatus::Exists);
@@ -1325,8 +1331,9 @@ impl Store {
 
     /// `alloc` for a transfer: its reservations last `ttl` (the transfer frees them
     /// itself when it ends), and it never waits. A key only the NVMe tier holds gets a
-    /// slot like a missing one (the transfer moves its bytes again). `Ok(None)`: no room
-    /// yet, demotions are in flight; try again later.
+    /// slot like a missing one (the transfer moves its bytes again). `Ok(None)`: not yet
+    /// (no room while demotions are in flight, or a key is being written by another
+    /// allocation or read back from NVMe); try again later.
     pub fn alloc_for_transfer(
         &mut self,
         client: ClientId,

@@ -187,42 +187,62 @@ impl Header {
     }
 }
 
-/// Parses a whole data-plane request head as the server does (header, ranges, trailer),
-/// checking its MAC with `key` (no replay check): what the fuzz target runs.
+/// Checks a request header as the server does: its grant kind, and how many bytes of
+/// ranges and MAC trailer follow it.
+fn check_header(hdr: &[u8; HEADER_BYTES]) -> Result<(Header, GrantKind, usize), WireError> {
+    let h = Header::decode(hdr).map_err(|m| werr(ErrorCode::Malformed, m))?;
+    let kind = match h.op {
+        1 => GrantKind::Read,
+        2 => GrantKind::Write,
+        other => return Err(werr(ErrorCode::UnknownOp, format!("data-plane op {other}"))),
+    };
+    if h.nranges == 0 || h.nranges > MAX_RANGES {
+        return Err(werr(
+            ErrorCode::TooLarge,
+            format!("{} ranges (1..={MAX_RANGES})", h.nranges),
+        ));
+    }
+    let rest = h.nranges as usize * 16 + DATA_TRAILER_BYTES;
+    Ok((h, kind, rest))
+}
+
+/// The `(offset, len)` ranges of a request head (header, then the ranges).
+fn ranges_of(head: &[u8], out: &mut Vec<(u64, u64)>) {
+    out.clear();
+    for c in head
+        .get(HEADER_BYTES..)
+        .unwrap_or_default()
+        .chunks_exact(16)
+    {
+        let (o, l) = c.split_at(8);
+        let le = |b: &[u8]| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            u64::from_le_bytes(a)
+        };
+        out.push((le(o), le(l)));
+    }
+}
+
+/// A whole request head (header, ranges, MAC trailer) through the server's own checks:
+/// what the fuzz target runs.
 #[cfg(fuzzing)]
 pub(crate) fn parse_request(
     b: &[u8],
     key: &ClusterKey,
-) -> Result<(u8, Vec<(u64, u64)>), WireError> {
-    let malformed = |m: String| werr(ErrorCode::Malformed, m);
+) -> Result<(GrantKind, Vec<(u64, u64)>), WireError> {
+    let short = || werr(ErrorCode::Malformed, "short request");
     let hdr: &[u8; HEADER_BYTES] = b
         .get(..HEADER_BYTES)
         .and_then(|h| h.try_into().ok())
-        .ok_or_else(|| malformed("short header".into()))?;
-    let h = Header::decode(hdr).map_err(malformed)?;
-    if h.nranges == 0 || h.nranges > MAX_RANGES {
-        return Err(werr(ErrorCode::TooLarge, "ranges"));
-    }
-    let end = HEADER_BYTES + h.nranges as usize * 16;
-    let head = b
-        .get(..end)
-        .ok_or_else(|| malformed("short ranges".into()))?;
-    let trailer = b
-        .get(end..end + DATA_TRAILER_BYTES)
-        .ok_or_else(|| malformed("short trailer".into()))?;
-    key.open_data(head, trailer)
-        .map_err(|e| werr(ErrorCode::Unauthenticated, e.to_string()))?;
-    let ranges = head[HEADER_BYTES..]
-        .chunks_exact(16)
-        .map(|c| {
-            let mut o = [0u8; 8];
-            let mut l = [0u8; 8];
-            o.copy_from_slice(&c[..8]);
-            l.copy_from_slice(&c[8..]);
-            (u64::from_le_bytes(o), u64::from_le_bytes(l))
-        })
-        .collect();
-    Ok((h.op, ranges))
+        .ok_or_else(short)?;
+    let (_, kind, rest) = check_header(hdr)?;
+    let all = b.get(..HEADER_BYTES + rest).ok_or_else(short)?;
+    let (head, trailer) = all.split_at(all.len() - DATA_TRAILER_BYTES);
+    DataAuth::new(key.clone()).check(head, trailer)?;
+    let mut ranges = Vec::new();
+    ranges_of(head, &mut ranges);
+    Ok((kind, ranges))
 }
 
 fn write_status(w: &mut impl Write, err: Option<&WireError>) -> io::Result<()> {
@@ -290,11 +310,7 @@ impl DataServer {
         key: ClusterKey,
         opts: &DataOptions,
     ) -> io::Result<DataServer> {
-        let auth = Arc::new(DataAuth {
-            key,
-            replay: Mutex::new(ReplayGuard::new(REPLAY_MAX)),
-            refused: AtomicU64::new(0),
-        });
+        let auth = Arc::new(DataAuth::new(key));
         let refused = auth.clone();
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
@@ -372,6 +388,14 @@ struct DataAuth {
 const REPLAY_MAX: usize = 1 << 20;
 
 impl DataAuth {
+    fn new(key: ClusterKey) -> Self {
+        DataAuth {
+            key,
+            replay: Mutex::new(ReplayGuard::new(REPLAY_MAX)),
+            refused: AtomicU64::new(0),
+        }
+    }
+
     fn check(&self, head: &[u8], trailer: &[u8]) -> Result<(), WireError> {
         let r = self.key.open_data(head, trailer).and_then(|stamp| {
             self.replay
@@ -409,31 +433,14 @@ fn serve_conn(
             Err(e) => return Err(e),
         }
         sock.set_read_timeout(Some(timeout))?;
-        let h = match Header::decode(&hdr) {
-            Ok(h) => h,
-            Err(m) => {
-                let _ = write_status(&mut sock, Some(&werr(ErrorCode::Malformed, m)));
-                return Ok(());
-            }
-        };
-        let kind = match h.op {
-            1 => GrantKind::Read,
-            2 => GrantKind::Write,
-            other => {
-                let e = werr(ErrorCode::UnknownOp, format!("data-plane op {other}"));
+        let (h, kind, rest) = match check_header(&hdr) {
+            Ok(x) => x,
+            Err(e) => {
                 let _ = write_status(&mut sock, Some(&e));
                 return Ok(());
             }
         };
-        if h.nranges == 0 || h.nranges > MAX_RANGES {
-            let e = werr(
-                ErrorCode::TooLarge,
-                format!("{} ranges (1..={MAX_RANGES})", h.nranges),
-            );
-            let _ = write_status(&mut sock, Some(&e));
-            return Ok(());
-        }
-        let mut rb = vec![0u8; HEADER_BYTES + h.nranges as usize * 16 + DATA_TRAILER_BYTES];
+        let mut rb = vec![0u8; HEADER_BYTES + rest];
         rb[..HEADER_BYTES].copy_from_slice(&hdr);
         sock.read_exact(&mut rb[HEADER_BYTES..])?;
         let (head, trailer) = rb.split_at(rb.len() - DATA_TRAILER_BYTES);
@@ -442,12 +449,7 @@ fn serve_conn(
             let _ = write_status(&mut sock, Some(&e));
             return Ok(()); // an unauthenticated peer gets nothing more on this connection
         }
-        ranges.clear();
-        for c in head[HEADER_BYTES..].chunks_exact(16) {
-            let off = u64::from_le_bytes(c[0..8].try_into().expect("8 bytes"));
-            let len = u64::from_le_bytes(c[8..16].try_into().expect("8 bytes"));
-            ranges.push((off, len));
-        }
+        ranges_of(head, &mut ranges);
         let mut guard = match grants.begin(
             kind,
             h.handle,

@@ -340,6 +340,17 @@ impl Import {
         self.token ^ transfer_tag(id, &self.keys, self.remote.iter().map(|&o| Some(o)))
     }
 
+    /// This pull's `peer_done` (sent by `me`): its handle and the params' proof.
+    fn done_message(&self, me: &PeerRef, id: &str) -> Request {
+        Request::PeerDone(PeerDoneReq {
+            from: me.clone(),
+            to_incarnation: self.peer.incarnation,
+            transfer_id: id.to_string(),
+            handle: self.handle,
+            token: self.proof(id),
+        })
+    }
+
     /// A pull of the export `p`.
     fn pull(
         p: &TransferParams,
@@ -410,7 +421,7 @@ pub struct Transfers {
     _discovery: Option<discovery::Discovery>,
     /// Push grant handles (low 32 bits) whose RDMA writes have all landed.
     landed: std::collections::HashSet<u32>,
-    _server: DataServer,
+    server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
     regs: HashMap<String, Reg>,
@@ -521,7 +532,7 @@ impl Transfers {
             directory,
             _discovery: disc,
             landed: Default::default(),
-            _server: server,
+            server,
             system: store.system_session(now),
             exports: HashMap::new(),
             regs: HashMap::new(),
@@ -579,8 +590,8 @@ impl Transfers {
             imports_live: self.imports.values().filter(|i| live(i.state)).count() as u64,
             registrations: self.regs.len() as u64,
             pinned_exports: self.exports.values().filter(|e| e.pin.is_some()).count() as u64,
-            refused: self.counters.refused + self.grants.refused() + self._server.unauthenticated(),
-            unauthenticated: self.counters.unauthenticated + self._server.unauthenticated(),
+            refused: self.counters.refused + self.grants.refused() + self.server.unauthenticated(),
+            unauthenticated: self.counters.unauthenticated + self.server.unauthenticated(),
             peers_down: self
                 .down_until
                 .values()
@@ -1237,31 +1248,12 @@ impl Transfers {
         // Reservations last as long as the transfer may (it frees them itself).
         let ttl = self.cfg.max_hold + imp.lease;
         match store.alloc_for_transfer(self.system, layout, &keys, ttl, now) {
-            Ok(None) => {} // room is coming (demotions in flight): retried from maintain
+            // not yet (room coming, or a key in flight): retried from maintain, bounded by
+            // the import's lease and max_hold
+            Ok(None) => {}
             Err(e) => {
                 let e = werr(e.code, format!("allocating local slots: {}", e.message));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
-            }
-            Ok(Some(a)) if busy_elsewhere(&keys, &a.status) => {
-                // A key is being written by another allocation or read back from NVMe: its
-                // block cannot be promised yet. Give the new slots back and try again from
-                // `maintain` (bounded by the import's lease and max_hold).
-                let new_keys: Vec<ChunkHash> = keys
-                    .iter()
-                    .zip(&a.status)
-                    .filter(|(_, st)| **st == AllocStatus::New)
-                    .map(|(k, _)| *k)
-                    .collect();
-                if !new_keys.is_empty() {
-                    let d = DeleteReq {
-                        client: self.system,
-                        layout_id: layout,
-                        keys: new_keys,
-                    };
-                    if let Err(e) = store.delete(&d, now) {
-                        tracing::warn!(transfer = %id, error = %e, "giving back an import's slots");
-                    }
-                }
             }
             Ok(Some(a)) => {
                 let Some(imp) = self.imports.get_mut(id) else {
@@ -1417,22 +1409,14 @@ impl Transfers {
             )
         };
         if send_done {
-            let (node, req) = (
-                imp.peer.node.clone(),
-                Request::PeerDone(PeerDoneReq {
-                    from: self.me.clone(),
-                    to_incarnation: imp.peer.incarnation,
-                    transfer_id: id.to_string(),
-                    handle: imp.handle,
-                    token: imp.proof(id),
-                }),
-            );
+            let (node, req) = (imp.peer.node.clone(), imp.done_message(&self.me, id));
             self.notify(&node, req);
         }
         let imp = self.imports.get_mut(id).expect("present");
-        imp.settled = true; // committed: nothing of ours left to free
-                            // "done" promises every block, pinned: a key that left DRAM meanwhile (evicted
-                            // between the allocation and now) fails the import instead.
+        // Committed: nothing of ours left to free. "done" promises every block, pinned: a
+        // key that left DRAM meanwhile (evicted between the allocation and now) fails the
+        // import instead.
+        imp.settled = true;
         let got = got.and_then(|g| match g.offsets.iter().position(Option::is_none) {
             Some(i) if !imp.internal => {
                 if let Some(p) = g.pin {
@@ -2126,13 +2110,7 @@ impl Transfers {
                         if imp.caps.one_sided {
                             // Nobody checked the lease during a one-sided copy: trust
                             // the bytes only if the exporter confirms it held throughout.
-                            let req = Request::PeerDone(PeerDoneReq {
-                                from: self.me.clone(),
-                                to_incarnation: imp.peer.incarnation,
-                                transfer_id: id.clone(),
-                                handle: imp.handle,
-                                token: imp.proof(&id),
-                            });
+                            let req = imp.done_message(&self.me, &id);
                             self.outbox.push(Outgoing {
                                 node: imp.peer.node.clone(),
                                 req,
@@ -2189,23 +2167,6 @@ impl Transfers {
             }
         }
     }
-}
-
-/// Whether an allocation found a key `Busy` because another allocation (or a promotion)
-/// holds it, not because the same key appeared earlier in this request.
-fn busy_elsewhere(keys: &[ChunkHash], status: &[AllocStatus]) -> bool {
-    if !status.contains(&AllocStatus::Busy) {
-        return false;
-    }
-    let mine: std::collections::HashSet<&ChunkHash> = keys
-        .iter()
-        .zip(status)
-        .filter(|(_, st)| **st == AllocStatus::New)
-        .map(|(k, _)| k)
-        .collect();
-    keys.iter()
-        .zip(status)
-        .any(|(k, st)| *st == AllocStatus::Busy && !mine.contains(k))
 }
 
 /// An answer that may come later (under the given token): the store's, for transfer
