@@ -284,64 +284,6 @@ impl Default for TransferSection {
     }
 }
 
-impl TransferSection {
-    /// The typed settings (with the peers section), or `None` when off.
-    pub fn resolved(&self, peers: &PeersSection) -> Option<crate::transfer::TransferConfig> {
-        use std::time::Duration;
-        if !self.enabled {
-            return None;
-        }
-        let lease = Duration::from_millis(self.lease_ms);
-        let heartbeat = if self.heartbeat_ms == 0 {
-            lease / 6
-        } else {
-            Duration::from_millis(self.heartbeat_ms)
-        };
-        let (secret_file, create_secret) = match &self.secret_file {
-            Some(p) => (p.clone(), false),
-            None => (crate::auth::default_secret_path(), true),
-        };
-        Some(crate::transfer::TransferConfig {
-            secret_file,
-            create_secret,
-            control_endpoint: self.control.clone(),
-            data_bind: self.data.clone(),
-            advertise_host: self.advertise_host.clone(),
-            lease,
-            max_hold: Duration::from_millis(self.max_hold_ms),
-            heartbeat,
-            peer_timeout: Duration::from_millis(self.peer_timeout_ms),
-            retain: Duration::from_millis(self.retain_ms),
-            max_transfers: self.max_transfers as usize,
-            peers: crate::transfer::PeerConfig {
-                mode: peers.mode,
-                static_peers: peers.static_peers.clone(),
-                lookup_timeout: Duration::from_millis(peers.lookup_timeout_ms),
-                down_backoff: Duration::from_millis(peers.down_backoff_ms),
-                lock_ttl: Duration::from_millis(peers.lock_ttl_ms),
-                etcd: (peers.discovery == DiscoveryMode::Etcd).then(|| {
-                    crate::transfer::discovery::EtcdConfig {
-                        endpoints: peers.etcd_endpoints.clone(),
-                        prefix: peers.etcd_prefix.clone(),
-                        node_id: peers.node_id.clone(),
-                        ttl: Duration::from_secs(peers.etcd_lease_ttl_s),
-                    }
-                }),
-            },
-            data: crate::transfer::dataplane::DataOptions {
-                streams: match self.streams {
-                    0 => std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
-                    n => n as usize,
-                },
-                workers: self.workers as usize,
-                io_timeout: Duration::from_millis(self.io_timeout_ms),
-                max_connections: self.max_connections as usize,
-                shm: self.shm,
-            },
-        })
-    }
-}
-
 /// `peers.mode`
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -443,22 +385,6 @@ pub struct DaemonConfig {
 
 /// The pool size when none is configured (less when the file system has less room).
 pub const DEFAULT_POOL_BYTES: u64 = 1 << 30;
-
-impl PoolConfig {
-    /// The size to create: the configured one, else [`DEFAULT_POOL_BYTES`] or half the
-    /// free space of the pool's file system, whichever is less, in whole segments.
-    pub fn resolved_size(&self) -> u64 {
-        if let Some(s) = self.size {
-            return s.0;
-        }
-        let dir = self.path.parent().unwrap_or(Path::new("/"));
-        let free = crate::pool::free_bytes(dir).unwrap_or(DEFAULT_POOL_BYTES);
-        let seg = self.segment_size.0.max(1);
-        let want = DEFAULT_POOL_BYTES.min(free / 2);
-        // at least one segment: if even that does not fit, pool creation says so
-        (want.saturating_sub(4096) / seg).max(1) * seg + 4096
-    }
-}
 
 fn uid() -> u32 {
     nix::unistd::getuid().as_raw()

@@ -142,7 +142,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     let pool = Pool::create(
         &PoolOptions {
             path: cfg.pool.path.clone(),
-            size_bytes: cfg.pool.resolved_size(),
+            size_bytes: pool::resolved_size(&cfg.pool),
             huge_pages: cfg.pool.huge_pages,
             prefault: cfg.pool.prefault,
             group,
@@ -232,7 +232,8 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         },
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
     };
-    let transfers = cfg.transfer.resolved(&cfg.peers).map(|t| (t, shared_pool));
+    let transfers =
+        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|t| (t, shared_pool));
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
     if let Some((t, pool)) = transfers {
         server.start_transfers(t, pool)?;

@@ -35,6 +35,7 @@ use kvd_protocol::{BlockKey, ChunkHash, LayoutId, NvmeStats};
 use crate::alloc::{ClassId, SlabAllocator};
 use crate::io::uring::{IoDone, IoKind, IoOp, UringEngine};
 use crate::pool::{Pool, SLOT_ALIGN};
+use crate::store::LowerTier;
 
 /// How to open the tier.
 #[derive(Debug, Clone)]
@@ -637,6 +638,57 @@ impl NvmeTier {
             evictions: c.evictions,
             recovered: c.recovered,
         }
+    }
+}
+
+/// The store's view of this tier: a [`LowerTier`] that takes every demotion it has room
+/// for.
+impl LowerTier for NvmeTier {
+    fn demotes(&self) -> bool {
+        true
+    }
+    fn has(&self, key: &BlockKey) -> bool {
+        NvmeTier::has(self, key)
+    }
+    fn knows(&self, key: &BlockKey) -> bool {
+        NvmeTier::knows(self, key)
+    }
+    fn touch(&mut self, key: &BlockKey) {
+        NvmeTier::touch(self, key)
+    }
+    fn begin_write(
+        &mut self,
+        key: BlockKey,
+        block_bytes: u64,
+        pool_offset: u64,
+        tag: u64,
+        now: Instant,
+    ) -> bool {
+        NvmeTier::begin_write(self, key, block_bytes, pool_offset, tag, now)
+    }
+    fn finish_write(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
+        NvmeTier::finish_write(self, key, result, now)
+    }
+    fn begin_read(&mut self, key: &BlockKey, pool_offset: u64, tag: u64) -> bool {
+        NvmeTier::begin_read(self, key, pool_offset, tag)
+    }
+    fn finish_read(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
+        NvmeTier::finish_read(self, key, result, now)
+    }
+    fn delete(&mut self, key: &BlockKey, now: Instant) -> bool {
+        NvmeTier::delete(self, key, now)
+    }
+    fn maintain(&mut self, now: Instant) {
+        NvmeTier::maintain(self, now)
+    }
+    fn stats(&self) -> Option<NvmeStats> {
+        Some(NvmeTier::stats(self))
+    }
+    fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(NvmeTier::wake_fd(self))
+    }
+    fn drain(&self) -> Vec<IoDone> {
+        NvmeTier::drain(self)
     }
 }
 

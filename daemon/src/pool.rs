@@ -16,6 +16,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use kvd_protocol::pool::PoolHeader;
+
+use crate::config::{PoolConfig, DEFAULT_POOL_BYTES};
 use kvd_protocol::Incarnation;
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -358,6 +360,21 @@ impl Drop for Pool {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// The size of pool to create for `cfg`: the configured one, else
+/// [`DEFAULT_POOL_BYTES`] or half the free space of the pool's file system, whichever is
+/// less, in whole segments.
+pub fn resolved_size(cfg: &PoolConfig) -> u64 {
+    if let Some(s) = cfg.size {
+        return s.0;
+    }
+    let dir = cfg.path.parent().unwrap_or(Path::new("/"));
+    let free = free_bytes(dir).unwrap_or(DEFAULT_POOL_BYTES);
+    let seg = cfg.segment_size.0.max(1);
+    let want = DEFAULT_POOL_BYTES.min(free / 2);
+    // at least one segment: if even that does not fit, pool creation says so
+    (want.saturating_sub(4096) / seg).max(1) * seg + 4096
 }
 
 /// Bytes available to unprivileged writers on the file system holding `dir`.

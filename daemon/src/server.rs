@@ -525,9 +525,13 @@ impl Server {
                 continue;
             };
             let (reply, payloads) = match done {
-                Completed::Alloc(r) => {
-                    self.finish(to.id, to.op, to.since, r.map(Body::Alloc), Vec::new())
-                }
+                Completed::Alloc(r) => self.finish(
+                    to.id,
+                    to.op,
+                    to.since,
+                    r.map(Body::Alloc).map_err(WireError::from),
+                    Vec::new(),
+                ),
                 Completed::Get(Ok(resp), inline, layout) => {
                     let mut out = Vec::new();
                     match self.inline_payloads(inline, layout, &resp, &mut out) {
@@ -536,7 +540,7 @@ impl Server {
                     }
                 }
                 Completed::Get(Err(e), _, _) => {
-                    self.finish(to.id, to.op, to.since, Err(e), Vec::new())
+                    self.finish(to.id, to.op, to.since, Err(e.into()), Vec::new())
                 }
             };
             self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);

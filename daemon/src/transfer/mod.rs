@@ -47,6 +47,8 @@ pub mod grants;
 mod p2p;
 mod peer_ops;
 pub use p2p::PeerConfig;
+mod settings;
+pub use settings::TransferConfig;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 
@@ -60,41 +62,9 @@ use crate::deadline::DeadlineQueue;
 use crate::pool::Pool;
 use crate::store::Store;
 use dataplane::{
-    Access, DataOptions, DataPlane, DataServer, Dir, Job, Op, ShmTransport, TcpTransport, Transport,
+    Access, DataPlane, DataServer, Dir, Job, Op, ShmTransport, TcpTransport, Transport,
 };
 use grants::{GrantKind, Grants};
-
-/// Settings of the handoff (see `config.rs` for defaults).
-#[derive(Debug, Clone)]
-pub struct TransferConfig {
-    /// The cluster secret file.
-    pub secret_file: std::path::PathBuf,
-    /// Create it when missing (the default path only).
-    pub create_secret: bool,
-    /// ZMQ endpoint peers send control messages to (bound by the server).
-    pub control_endpoint: String,
-    /// TCP address the data server binds.
-    pub data_bind: String,
-    /// Host name or address peers use to reach this node (default: the bind addresses').
-    pub advertise_host: Option<String>,
-    /// Initial lease of a transfer.
-    pub lease: Duration,
-    /// The longest any transfer (export, import, admission, push registration) lives,
-    /// heartbeats or not; past it, it expires and the other side is told.
-    pub max_hold: Duration,
-    /// Heartbeat period (default lease/6).
-    pub heartbeat: Duration,
-    /// How long to wait for a peer's reply to a control message.
-    pub peer_timeout: Duration,
-    /// How long ended transfers stay visible to `transfer_status`.
-    pub retain: Duration,
-    /// Most live transfers (exports + imports + registrations).
-    pub max_transfers: usize,
-    /// Cache sharing with peers.
-    pub peers: PeerConfig,
-    /// The data plane.
-    pub data: DataOptions,
-}
 
 /// A reply of a transfer op.
 #[derive(Debug)]
@@ -1252,7 +1222,7 @@ impl Transfers {
             // the import's lease and max_hold
             Ok(None) => {}
             Err(e) => {
-                let e = werr(e.code, format!("allocating local slots: {}", e.message));
+                let e = werr(e.code(), format!("allocating local slots: {e}"));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
             }
             Ok(Some(a)) => {
@@ -1383,7 +1353,7 @@ impl Transfers {
                 offsets: None,
             };
             if let Err(e) = store.commit(&c, &[], now) {
-                let e = werr(e.code, format!("committing received blocks: {}", e.message));
+                let e = werr(e.code(), format!("committing received blocks: {e}"));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
                 return;
             }
@@ -1397,16 +1367,18 @@ impl Transfers {
                 waited_ms: 0,
             })
         } else {
-            store.pin_now(
-                &GetReq {
-                    client: imp.client,
-                    layout_id: imp.layout,
-                    keys: imp.keys.clone(),
-                    ttl_ms: imp.ttl_ms,
-                    inline: false,
-                },
-                now,
-            )
+            store
+                .pin_now(
+                    &GetReq {
+                        client: imp.client,
+                        layout_id: imp.layout,
+                        keys: imp.keys.clone(),
+                        ttl_ms: imp.ttl_ms,
+                        inline: false,
+                    },
+                    now,
+                )
+                .map_err(WireError::from)
         };
         if send_done {
             let (node, req) = (imp.peer.node.clone(), imp.done_message(&self.me, id));

@@ -347,7 +347,10 @@ impl Transfers {
             return;
         }
         let f = self.fetches.remove(&fid).expect("checked");
-        let r = store.pin_now(&f.req, now).map(Reply::Get);
+        let r = store
+            .pin_now(&f.req, now)
+            .map(Reply::Get)
+            .map_err(WireError::from);
         self.answers.push((f.token, r));
     }
 

@@ -1,0 +1,164 @@
+//! Holds on blocks that end by themselves: pins (a reader's) and reservations (a
+//! writer's uncommitted allocation), each with an owner and a deadline.
+//!
+//! This module owns the rule that **no hold outlives its deadline**: every hold is
+//! entered in a [`DeadlineQueue`] when it is made, [`Holds::due_pins`] and
+//! [`Holds::due_reservations`] hand back the ones whose deadline passed, and
+//! [`Holds::compact`] drops the queue entries of holds that ended early, so the queues
+//! stay bounded by live holds. What a hold *does* to a block (pin counts, LRU) is the
+//! index's business; the store applies both.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvd_protocol::{ClientId, PinId};
+
+use crate::deadline::DeadlineQueue;
+
+/// An uncommitted allocation of one block.
+#[derive(Debug)]
+pub(super) struct Reservation {
+    pub owner: ClientId,
+    deadline: Instant,
+}
+
+/// A pin on some blocks.
+#[derive(Debug)]
+pub(super) struct Pin {
+    pub owner: ClientId,
+    deadline: Instant,
+    /// Index nodes (one pin count each).
+    pub nodes: Vec<u32>,
+}
+
+/// See the module docs.
+pub(super) struct Holds {
+    reservations: HashMap<u32, Reservation>,
+    reservation_deadlines: DeadlineQueue<u32>,
+    pins: HashMap<PinId, Pin>,
+    pin_deadlines: DeadlineQueue<PinId>,
+    next_pin: u64,
+}
+
+impl Holds {
+    pub fn new() -> Holds {
+        Holds {
+            reservations: HashMap::new(),
+            reservation_deadlines: DeadlineQueue::default(),
+            pins: HashMap::new(),
+            pin_deadlines: DeadlineQueue::default(),
+            // Pin ids start at a random point so that ids from a previous daemon are
+            // unlikely to name a live pin of this one.
+            next_pin: rand::random::<u32>() as u64 + 1,
+        }
+    }
+
+    // ----- reservations -----
+
+    /// Reserves node `idx` for `owner` until `deadline`.
+    pub fn reserve(&mut self, idx: u32, owner: ClientId, deadline: Instant) {
+        self.reservations
+            .insert(idx, Reservation { owner, deadline });
+        self.reservation_deadlines.push(deadline, idx);
+    }
+
+    /// Who reserved node `idx`.
+    pub fn reserved_by(&self, idx: u32) -> Option<ClientId> {
+        self.reservations.get(&idx).map(|r| r.owner)
+    }
+
+    /// Ends the reservation of node `idx` (committed, deleted, or rolled back).
+    pub fn unreserve(&mut self, idx: u32) -> Option<Reservation> {
+        self.reservations.remove(&idx)
+    }
+
+    /// Live reservations.
+    pub fn reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// The next reservation whose deadline passed, ended.
+    pub fn due_reservation(&mut self, now: Instant) -> Option<(u32, Reservation)> {
+        while let Some((deadline, idx)) = self.reservation_deadlines.pop_due(now) {
+            if self
+                .reservations
+                .get(&idx)
+                .is_some_and(|r| r.deadline == deadline)
+            {
+                if let Some(r) = self.reservations.remove(&idx) {
+                    return Some((idx, r));
+                }
+            }
+            // else: committed, deleted, or re-reserved since
+        }
+        None
+    }
+
+    // ----- pins -----
+
+    /// A new pin of `nodes` for `owner` until `deadline`.
+    pub fn pin(&mut self, owner: ClientId, deadline: Instant, nodes: Vec<u32>) -> PinId {
+        let id = PinId(self.next_pin);
+        self.next_pin += 1;
+        self.pins.insert(
+            id,
+            Pin {
+                owner,
+                deadline,
+                nodes,
+            },
+        );
+        self.pin_deadlines.push(deadline, id);
+        id
+    }
+
+    /// The owner of a live pin.
+    pub fn pin_owner(&self, id: &PinId) -> Option<ClientId> {
+        self.pins.get(id).map(|p| p.owner)
+    }
+
+    /// Ends a pin.
+    pub fn unpin(&mut self, id: &PinId) -> Option<Pin> {
+        self.pins.remove(id)
+    }
+
+    /// Live pins.
+    pub fn pins(&self) -> usize {
+        self.pins.len()
+    }
+
+    /// The next pin whose deadline passed, ended.
+    pub fn due_pin(&mut self, now: Instant) -> Option<(PinId, Pin)> {
+        while let Some((deadline, id)) = self.pin_deadlines.pop_due(now) {
+            if self.pins.get(&id).is_some_and(|p| p.deadline == deadline) {
+                if let Some(p) = self.pins.remove(&id) {
+                    return Some((id, p));
+                }
+            }
+        }
+        None
+    }
+
+    // ----- both -----
+
+    /// Drops queue entries of holds that ended before their deadline, once they
+    /// outnumber the live ones.
+    pub fn compact(&mut self) {
+        let pins = &self.pins;
+        self.pin_deadlines.compact(pins.len(), |t, id| {
+            pins.get(id).is_some_and(|p| p.deadline == t)
+        });
+        let res = &self.reservations;
+        self.reservation_deadlines.compact(res.len(), |t, idx| {
+            res.get(idx).is_some_and(|r| r.deadline == t)
+        });
+    }
+
+    /// The earliest deadline of any hold (possibly one that already ended).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        [self.pin_deadlines.next(), self.reservation_deadlines.next()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+}

@@ -1,0 +1,364 @@
+//! The index: which block lives where, in which state, and in what LRU order.
+//!
+//! It owns one invariant: **a block is on its class's LRU list exactly when it is
+//! `Committed` with no pin** (the evictable blocks). Every change of state or pin count
+//! goes through a method here that keeps that true; the store above decides *when*.
+//!
+//! Memory: a `hashbrown::HashTable<u32>` of node indices (4 bytes + 1 control byte per
+//! bucket) over a `Vec<Node>` of 48-byte nodes, recycled through a free list.
+//!
+//! Node indices come only from [`Index::find`] and [`Index::insert`] (never from a
+//! message), so indexing `nodes` by them cannot go out of bounds.
+
+use std::hash::BuildHasher;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+use kvd_protocol::{BlockKey, ChunkHash, LayoutId};
+
+use crate::alloc::ClassId;
+use crate::pool::SLOT_ALIGN;
+
+const NIL: u32 = u32::MAX;
+
+/// A block's state (see the store's module docs for the transitions).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+pub(super) enum State {
+    Free,
+    Pending,
+    Committed,
+    /// Committed, and being written to the lower tier; the DRAM slot is freed when that
+    /// completes.
+    Demoting,
+    /// Being read from the lower tier into its DRAM slot; invisible until verified.
+    Promoting,
+}
+
+/// One block. 48 bytes.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Node {
+    pub hash: ChunkHash,
+    pub layout: LayoutId,
+    /// Offset / SLOT_ALIGN.
+    slot: u32,
+    prev: u32,
+    next: u32,
+    pins: u32,
+    /// Seconds since start of the last use (orders LRU tails across classes).
+    pub last_use: u32,
+    class: u16,
+    state: State,
+    /// A write to the lower tier failed: evict by dropping, do not retry.
+    pub no_demote: bool,
+}
+
+impl Node {
+    /// A node for a block in the slot at `offset`.
+    pub fn new(key: BlockKey, offset: u64, class: ClassId, state: State, tick: u32) -> Node {
+        Node {
+            hash: key.hash,
+            layout: key.layout,
+            slot: (offset / SLOT_ALIGN) as u32,
+            prev: NIL,
+            next: NIL,
+            pins: 0,
+            last_use: tick,
+            class: class.0,
+            state,
+            no_demote: false,
+        }
+    }
+
+    pub fn key(&self) -> BlockKey {
+        BlockKey {
+            layout: self.layout,
+            hash: self.hash,
+        }
+    }
+
+    /// The slot's pool offset.
+    pub fn offset(&self) -> u64 {
+        u64::from(self.slot) * SLOT_ALIGN
+    }
+
+    pub fn class(&self) -> ClassId {
+        ClassId(self.class)
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    pub fn pins(&self) -> u32 {
+        self.pins
+    }
+
+    /// Visible to `lookup` and `get` from DRAM.
+    pub fn readable(&self) -> bool {
+        matches!(self.state, State::Committed | State::Demoting)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: u64,
+}
+
+const EMPTY: List = List {
+    head: NIL,
+    tail: NIL,
+    len: 0,
+};
+
+/// See the module docs.
+#[derive(Default)]
+pub(super) struct Index {
+    hasher: DefaultHashBuilder,
+    table: HashTable<u32>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// One per size class.
+    lru: Vec<List>,
+    /// Blocks in state `Committed` (or `Demoting`, which still counts as cached).
+    committed: u64,
+    /// Blocks with at least one pin.
+    pinned: u64,
+}
+
+impl Index {
+    fn hash_key(&self, layout: LayoutId, hash: &ChunkHash) -> u64 {
+        self.hasher.hash_one((layout.0, hash.0))
+    }
+
+    /// The node of a key, if it has one.
+    pub fn find(&self, layout: LayoutId, hash: &ChunkHash) -> Option<u32> {
+        let h = self.hash_key(layout, hash);
+        let nodes = &self.nodes;
+        self.table
+            .find(h, |&i| {
+                let n = &nodes[i as usize];
+                n.layout == layout && n.hash == *hash
+            })
+            .copied()
+    }
+
+    /// The node at `idx` (an index this index handed out).
+    pub fn node(&self, idx: u32) -> &Node {
+        &self.nodes[idx as usize]
+    }
+
+    /// The state of the key's node, if it has one.
+    pub fn state_of(&self, layout: LayoutId, hash: &ChunkHash) -> Option<State> {
+        self.find(layout, hash).map(|i| self.node(i).state)
+    }
+
+    /// Makes room for `classes` LRU lists.
+    pub fn ensure_classes(&mut self, classes: usize) {
+        while self.lru.len() < classes {
+            self.lru.push(EMPTY);
+        }
+    }
+
+    /// Adds a node (`Pending` or `Promoting`: not on a list yet).
+    pub fn insert(&mut self, node: Node) -> u32 {
+        debug_assert!(matches!(node.state, State::Pending | State::Promoting));
+        let idx = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        let h = self.hash_key(node.layout, &node.hash);
+        let (nodes, hasher) = (&self.nodes, &self.hasher);
+        self.table.insert_unique(h, idx, |&i| {
+            let n = &nodes[i as usize];
+            hasher.hash_one((n.layout.0, n.hash.0))
+        });
+        idx
+    }
+
+    /// Removes a node from the index (taking it off its list if it is on one) and
+    /// returns it; the caller frees its slot.
+    pub fn remove(&mut self, idx: u32) -> Node {
+        if self.listed(idx) {
+            self.unlink(idx);
+        }
+        let n = self.nodes[idx as usize];
+        let h = self.hash_key(n.layout, &n.hash);
+        if let Ok(e) = self.table.find_entry(h, |&i| i == idx) {
+            e.remove();
+        }
+        if matches!(n.state, State::Committed | State::Demoting) {
+            self.committed -= 1;
+        }
+        self.nodes[idx as usize].state = State::Free;
+        self.free.push(idx);
+        n
+    }
+
+    /// Blocks cached in DRAM (committed or being demoted).
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Blocks with a pin.
+    pub fn pinned(&self) -> u64 {
+        self.pinned
+    }
+
+    /// Evictable blocks of a class.
+    pub fn evictable(&self, class: usize) -> u64 {
+        self.lru.get(class).map_or(0, |l| l.len)
+    }
+
+    // ----- state changes -----
+
+    /// `Pending` or `Promoting` → `Committed`, evictable unless `pinned` (then it holds
+    /// one pin: a deferred `get` waiting for it).
+    pub fn commit(&mut self, idx: u32, tick: u32, pinned: bool) {
+        let n = &mut self.nodes[idx as usize];
+        debug_assert!(matches!(n.state, State::Pending | State::Promoting));
+        n.state = State::Committed;
+        n.last_use = tick;
+        self.committed += 1;
+        if pinned {
+            self.pin(idx);
+        } else {
+            self.push_head(idx);
+        }
+    }
+
+    /// Marks a use: moves an evictable block to the head of its list.
+    pub fn touch(&mut self, idx: u32, tick: u32) {
+        self.nodes[idx as usize].last_use = tick;
+        if self.listed(idx) {
+            self.unlink(idx);
+            self.push_head(idx);
+        }
+    }
+
+    /// One more pin: the block is no longer evictable.
+    pub fn pin(&mut self, idx: u32) {
+        if self.listed(idx) {
+            self.unlink(idx);
+        }
+        let n = &mut self.nodes[idx as usize];
+        n.pins += 1;
+        if n.pins == 1 {
+            self.pinned += 1;
+        }
+    }
+
+    /// One pin less; the last one makes a committed block evictable again (a block being
+    /// demoted is freed or relisted when its write completes).
+    pub fn unpin(&mut self, idx: u32) {
+        let n = &mut self.nodes[idx as usize];
+        debug_assert!(n.pins > 0);
+        n.pins = n.pins.saturating_sub(1);
+        if n.pins == 0 {
+            self.pinned -= 1;
+            if n.state == State::Committed {
+                self.push_head(idx);
+            }
+        }
+    }
+
+    /// Takes an evictable block off its list to be written to the lower tier: it stays
+    /// readable (and pinnable) until [`Index::end_demotion`].
+    pub fn begin_demotion(&mut self, idx: u32) {
+        debug_assert!(self.listed(idx));
+        self.unlink(idx);
+        self.nodes[idx as usize].state = State::Demoting;
+    }
+
+    /// A demotion's write finished. Returns whether the DRAM copy is to go now (written,
+    /// and nobody pins it); otherwise the block is `Committed` again (listed if unpinned;
+    /// marked never to be demoted again if the write failed).
+    pub fn end_demotion(&mut self, idx: u32, written: bool) -> bool {
+        let n = &mut self.nodes[idx as usize];
+        n.state = State::Committed;
+        if !written {
+            n.no_demote = true;
+        }
+        if n.pins > 0 {
+            return false;
+        }
+        if written {
+            return true;
+        }
+        self.push_head(idx);
+        false
+    }
+
+    /// The least recently used evictable block of `class`.
+    pub fn lru_tail(&self, class: usize) -> Option<u32> {
+        self.lru.get(class).map(|l| l.tail).filter(|&t| t != NIL)
+    }
+
+    /// The least recently used evictable block of any class other than `except`.
+    pub fn oldest_tail(&self, except: Option<usize>) -> Option<u32> {
+        self.lru
+            .iter()
+            .enumerate()
+            .filter(|(c, l)| Some(*c) != except && l.tail != NIL)
+            .min_by_key(|(_, l)| self.nodes[l.tail as usize].last_use)
+            .map(|(_, l)| l.tail)
+    }
+
+    // ----- the lists -----
+
+    /// On a list: committed, not pinned (the invariant).
+    fn listed(&self, idx: u32) -> bool {
+        let n = &self.nodes[idx as usize];
+        n.state == State::Committed && n.pins == 0 && (n.prev != NIL || self.is_head(idx))
+    }
+
+    fn is_head(&self, idx: u32) -> bool {
+        let c = self.nodes[idx as usize].class as usize;
+        self.lru.get(c).is_some_and(|l| l.head == idx)
+    }
+
+    fn push_head(&mut self, idx: u32) {
+        let c = self.nodes[idx as usize].class as usize;
+        let head = self.lru[c].head;
+        {
+            let n = &mut self.nodes[idx as usize];
+            n.prev = NIL;
+            n.next = head;
+        }
+        if head != NIL {
+            self.nodes[head as usize].prev = idx;
+        } else {
+            self.lru[c].tail = idx;
+        }
+        self.lru[c].head = idx;
+        self.lru[c].len += 1;
+    }
+
+    fn unlink(&mut self, idx: u32) {
+        let (c, prev, next) = {
+            let n = &self.nodes[idx as usize];
+            (n.class as usize, n.prev, n.next)
+        };
+        if prev != NIL {
+            self.nodes[prev as usize].next = next;
+        } else {
+            self.lru[c].head = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        } else {
+            self.lru[c].tail = prev;
+        }
+        let n = &mut self.nodes[idx as usize];
+        n.prev = NIL;
+        n.next = NIL;
+        self.lru[c].len -= 1;
+    }
+}

@@ -1,0 +1,393 @@
+//! Tiering: blocks moving between DRAM and a lower tier, and the requests that wait
+//! for them.
+//!
+//! The lower tier is a [`LowerTier`]: the NVMe tier ([`crate::nvme::NvmeTier`]) or
+//! [`NoTier`], which holds nothing (eviction then drops blocks). The store drives it:
+//! eviction of a block the tier lacks *demotes* it (DEMOTING: still readable; the DRAM
+//! slot is freed when the write completes); a `get` (or a `lookup`'s prefetch) of a block
+//! only the tier holds *promotes* it (PROMOTING: a DRAM slot being read into, invisible
+//! until the tier verified the bytes). Requests that need such I/O first are parked
+//! ([`Answer::Later`]) and answered by [`Store::poll_io`].
+//!
+//! Rules owned here: a promoted block is held (pinned) for the `get` that waits for it
+//! until that `get` answers, so promoting its later keys cannot evict it; a waiting
+//! request is answered at its deadline at the latest; nothing a tier did not verify
+//! becomes visible.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use super::index::{Node, State};
+use super::reclaim::Room;
+use super::{Answer, Completed, Store};
+use crate::alloc::ClassId;
+use crate::io::uring::IoDone;
+
+/// Most promotions one `lookup` starts as a prefetch.
+const PREFETCH_MAX: usize = 256;
+
+/// A tier below DRAM that blocks are demoted to and promoted from. Operations are
+/// asynchronous: `begin_*` starts one under a tag, its completion comes out of
+/// [`LowerTier::drain`] with that tag, and `finish_*` records it.
+pub trait LowerTier: Send {
+    /// Whether eviction may write blocks to this tier (a tier that holds nothing
+    /// says no, and evicted blocks are dropped).
+    fn demotes(&self) -> bool;
+    /// Whether the block is in the tier and readable.
+    fn has(&self, key: &BlockKey) -> bool;
+    /// Whether the block is in the tier or being written to it.
+    fn knows(&self, key: &BlockKey) -> bool;
+    /// Marks a use (for the tier's own eviction order).
+    fn touch(&mut self, key: &BlockKey);
+    /// Starts writing `block_bytes` from pool slot `pool_offset`; `false` if it cannot.
+    fn begin_write(
+        &mut self,
+        key: BlockKey,
+        block_bytes: u64,
+        pool_offset: u64,
+        tag: u64,
+        now: Instant,
+    ) -> bool;
+    /// Records a write's completion; whether the block is now in the tier.
+    fn finish_write(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool;
+    /// Starts reading the block into pool slot `pool_offset`; `false` if not readable.
+    fn begin_read(&mut self, key: &BlockKey, pool_offset: u64, tag: u64) -> bool;
+    /// Records a read's completion; whether the slot now holds the block's bytes,
+    /// verified.
+    fn finish_read(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool;
+    /// Removes the block; `false` while I/O on it is in flight (or it is absent).
+    fn delete(&mut self, key: &BlockKey, now: Instant) -> bool;
+    /// Time-driven work (journal syncs).
+    fn maintain(&mut self, now: Instant);
+    /// Figures for `stats` (`None`: no tier).
+    fn stats(&self) -> Option<NvmeStats>;
+    /// An fd that is readable when completions wait.
+    fn wake_fd(&self) -> Option<RawFd>;
+    /// Completions delivered so far.
+    fn drain(&self) -> Vec<IoDone>;
+}
+
+/// The lower tier of a daemon without one: holds nothing, accepts nothing.
+pub struct NoTier;
+
+impl LowerTier for NoTier {
+    fn demotes(&self) -> bool {
+        false
+    }
+    fn has(&self, _: &BlockKey) -> bool {
+        false
+    }
+    fn knows(&self, _: &BlockKey) -> bool {
+        false
+    }
+    fn touch(&mut self, _: &BlockKey) {}
+    fn begin_write(&mut self, _: BlockKey, _: u64, _: u64, _: u64, _: Instant) -> bool {
+        false
+    }
+    fn finish_write(&mut self, _: &BlockKey, _: io::Result<u32>, _: Instant) -> bool {
+        false
+    }
+    fn begin_read(&mut self, _: &BlockKey, _: u64, _: u64) -> bool {
+        false
+    }
+    fn finish_read(&mut self, _: &BlockKey, _: io::Result<u32>, _: Instant) -> bool {
+        false
+    }
+    fn delete(&mut self, _: &BlockKey, _: Instant) -> bool {
+        false
+    }
+    fn maintain(&mut self, _: Instant) {}
+    fn stats(&self) -> Option<NvmeStats> {
+        None
+    }
+    fn wake_fd(&self) -> Option<RawFd> {
+        None
+    }
+    fn drain(&self) -> Vec<IoDone> {
+        Vec::new()
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum Waiting {
+    Alloc(AllocReq),
+    /// The request, the promotions it waits for, and the promoted blocks it holds
+    /// (pinned until it answers, so that promoting its later keys cannot evict them).
+    Get(GetReq, Vec<u32>, Vec<u32>),
+}
+
+#[derive(Debug)]
+pub(super) struct Deferred {
+    pub token: u64,
+    pub since: Instant,
+    pub deadline: Instant,
+    pub what: Waiting,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Flight {
+    Demote(u32),
+    /// The node, and the token of the `get` that started it.
+    Promote(u32, u64),
+}
+
+impl Store {
+    /// A fresh tag for an I/O operation or a deferred request.
+    pub(super) fn new_token(&mut self) -> u64 {
+        let token = self.next_tag;
+        self.next_tag += 1;
+        token
+    }
+
+    /// Parks a request until [`Store::poll_io`] can answer it, at the latest after `wait`.
+    pub(super) fn defer<T>(
+        &mut self,
+        token: u64,
+        what: Waiting,
+        now: Instant,
+        wait: Duration,
+    ) -> Answer<T> {
+        self.deferred.push(Deferred {
+            token,
+            since: now,
+            deadline: now + wait,
+            what,
+        });
+        Answer::Later(token)
+    }
+
+    /// Starts writing an evictable block to the lower tier; `false` if the tier will not
+    /// take it (the caller drops it instead).
+    pub(super) fn begin_demotion(&mut self, idx: u32, now: Instant) -> bool {
+        let n = *self.index.node(idx);
+        let key = n.key();
+        if n.no_demote || self.tier.knows(&key) {
+            return false;
+        }
+        let block_bytes = self.sessions.layout(n.layout).map_or(0, |l| l.block_bytes);
+        let tag = self.next_tag;
+        if !self
+            .tier
+            .begin_write(key, block_bytes, n.offset(), tag, now)
+        {
+            return false;
+        }
+        self.next_tag += 1;
+        self.flights.insert(tag, Flight::Demote(idx));
+        self.index.begin_demotion(idx);
+        let c = n.class();
+        self.demoting[c.0 as usize] += 1;
+        self.demoting_bytes += self.alloc.slot_bytes(c);
+        true
+    }
+
+    /// Starts promotions for the keys only the lower tier holds; returns the blocks on
+    /// their way into DRAM, and whether some key waits for DRAM room (demotions in
+    /// flight).
+    pub(super) fn promote(&mut self, req: &GetReq, now: Instant, token: u64) -> (Vec<u32>, bool) {
+        let mut waits = Vec::new();
+        let mut blocked = false;
+        let Ok(layout) = self.sessions.layout(req.layout_id) else {
+            return (waits, false);
+        };
+        for k in &req.keys {
+            let key = BlockKey {
+                layout: req.layout_id,
+                hash: *k,
+            };
+            match self.index.find(req.layout_id, k) {
+                Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
+                Some(_) => {}
+                None => {
+                    if !self.tier.has(&key) {
+                        continue;
+                    }
+                    match self.make_room(layout.class, 1, now) {
+                        Room::Ready => {}
+                        Room::Wait => {
+                            blocked = true;
+                            continue;
+                        }
+                        Room::Full => {
+                            // everything in DRAM is pinned or in flight: a miss
+                            tracing::debug!("no DRAM room to promote a block");
+                            continue;
+                        }
+                    }
+                    if let Some(idx) = self.start_promotion(key, layout.class, now, token) {
+                        waits.push(idx);
+                    }
+                }
+            }
+        }
+        (waits, blocked)
+    }
+
+    /// Reads `key` from the lower tier into a free DRAM slot of `class`; the node is
+    /// `Promoting` until the read completes and verifies. `token` names the get waiting
+    /// for it (0: none, a prefetch).
+    fn start_promotion(
+        &mut self,
+        key: BlockKey,
+        class: ClassId,
+        now: Instant,
+        token: u64,
+    ) -> Option<u32> {
+        let off = self.alloc.alloc(class)?;
+        let tag = self.next_tag;
+        if !self.tier.begin_read(&key, off, tag) {
+            let _ = self.alloc.free(off);
+            return None;
+        }
+        self.next_tag += 1;
+        let tick = self.tick(now);
+        let idx = self
+            .index
+            .insert(Node::new(key, off, class, State::Promoting, tick));
+        self.flights.insert(tag, Flight::Promote(idx, token));
+        Some(idx)
+    }
+
+    /// Starts reading tier-only blocks of a looked-up prefix into DRAM slots that are
+    /// free now (it never evicts for a prefetch), so that the `get` that usually follows
+    /// a `lookup` finds them in DRAM or on their way.
+    pub(super) fn prefetch(&mut self, layout: LayoutId, keys: &[ChunkHash], now: Instant) {
+        let Ok(entry) = self.sessions.layout(layout) else {
+            return;
+        };
+        let class = entry.class;
+        let mut started = 0;
+        for k in keys {
+            if started >= PREFETCH_MAX || self.alloc.available(class) == 0 {
+                break;
+            }
+            let key = BlockKey { layout, hash: *k };
+            if self.index.find(layout, k).is_some() || !self.tier.has(&key) {
+                continue;
+            }
+            if self.start_promotion(key, class, now, 0).is_some() {
+                started += 1;
+                self.counters.prefetches += 1;
+            }
+        }
+    }
+
+    /// Handles I/O completions, retries waiting requests, and fails those past their
+    /// deadline. Returns the deferred requests that are now answered.
+    pub fn poll_io(&mut self, now: Instant) -> Vec<(u64, Completed)> {
+        let done = self.tier.drain();
+        let progressed = !done.is_empty();
+        for d in done {
+            self.complete(d, now);
+        }
+        let mut out = Vec::new();
+        if self.deferred.is_empty() {
+            return out;
+        }
+        let pending = std::mem::take(&mut self.deferred);
+        for d in pending {
+            match d.what {
+                Waiting::Alloc(req) => {
+                    let r = if progressed || d.deadline <= now {
+                        self.try_alloc(&req, self.cfg.alloc_ttl, now)
+                    } else {
+                        Ok(None)
+                    };
+                    match r {
+                        Ok(Some(resp)) => out.push((d.token, Completed::Alloc(Ok(resp)))),
+                        Ok(None) if d.deadline > now => self.deferred.push(Deferred {
+                            what: Waiting::Alloc(req),
+                            ..d
+                        }),
+                        Ok(None) => {
+                            let e = match self.sessions.layout(req.layout_id) {
+                                Ok(l) => self.pool_full(l.class, req.keys.len() as u64),
+                                Err(e) => e,
+                            };
+                            out.push((d.token, Completed::Alloc(Err(e))));
+                        }
+                        Err(e) => out.push((d.token, Completed::Alloc(Err(e)))),
+                    }
+                }
+                Waiting::Get(req, waits, held) => {
+                    let busy = waits
+                        .iter()
+                        .any(|&i| self.index.node(i).state() == State::Promoting);
+                    if busy && d.deadline > now {
+                        self.deferred.push(Deferred {
+                            what: Waiting::Get(req, waits, held),
+                            ..d
+                        });
+                        continue;
+                    }
+                    // Keys that waited for DRAM room get their promotion now.
+                    if d.deadline > now {
+                        let (more, blocked) = self.promote(&req, now, d.token);
+                        if !more.is_empty() || (blocked && self.demoting_bytes > 0) {
+                            self.deferred.push(Deferred {
+                                what: Waiting::Get(req, more, held),
+                                ..d
+                            });
+                            continue;
+                        }
+                    }
+                    let mut resp = self.pin_hits(&req, now);
+                    for idx in held {
+                        self.index.unpin(idx);
+                    }
+                    resp.waited_ms = now.saturating_duration_since(d.since).as_millis() as u64;
+                    out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
+                }
+            }
+        }
+        out
+    }
+
+    fn complete(&mut self, done: IoDone, now: Instant) {
+        let Some(flight) = self.flights.remove(&done.tag) else {
+            tracing::error!(tag = done.tag, "completion for an unknown operation");
+            return;
+        };
+        match flight {
+            Flight::Demote(idx) => {
+                let n = *self.index.node(idx);
+                let c = n.class();
+                self.demoting[c.0 as usize] -= 1;
+                self.demoting_bytes -= self.alloc.slot_bytes(c);
+                let on_disk = self.tier.finish_write(&n.key(), done.result, now);
+                if on_disk {
+                    self.counters.demotions += 1;
+                }
+                if self.index.end_demotion(idx, on_disk) {
+                    self.free_node(idx);
+                }
+            }
+            Flight::Promote(idx, token) => {
+                let key = self.index.node(idx).key();
+                if !self.tier.finish_read(&key, done.result, now) {
+                    // Never committed: nothing else to undo.
+                    self.free_node(idx);
+                    return;
+                }
+                self.counters.promotions += 1;
+                let tick = self.tick(now);
+                // Held for the get that asked for it until that get answers.
+                // (a prefetch, token 0, is held by the first get that waits for it)
+                let holder = self.deferred.iter_mut().find(|d| {
+                    d.token == token
+                        || matches!(&d.what, Waiting::Get(_, waits, _) if waits.contains(&idx))
+                });
+                match holder.map(|d| &mut d.what) {
+                    Some(Waiting::Get(_, _, held)) => {
+                        held.push(idx);
+                        self.index.commit(idx, tick, true);
+                    }
+                    _ => self.index.commit(idx, tick, false),
+                }
+            }
+        }
+    }
+}
