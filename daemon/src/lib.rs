@@ -45,6 +45,7 @@ mod links;
 pub mod metrics;
 pub mod nvme;
 pub mod pool;
+pub mod region;
 pub mod server;
 pub mod store;
 mod sync;

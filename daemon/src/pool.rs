@@ -1,9 +1,9 @@
 //! The shared DRAM pool: one file in shared memory (tmpfs by default, hugetlbfs when
 //! configured), mapped read-write and shared by the daemon and every local client.
 //!
-//! This module is the only place that touches the mapping's raw pointer. Everything
-//! above it goes through [`Pool::write`] and [`Pool::read`], which check bounds first
-//! (`offset.checked_add(len)`), then take one documented unsafe step.
+//! The mapping is a [`Region`], the only way to touch shared memory: everything above
+//! goes through [`Pool::write`], [`Pool::read`] and [`Pool::recv_into`], whose ranges the
+//! region checks before its one documented unsafe step.
 //!
 //! Life cycle: [`Pool::create`] takes an exclusive `flock` on the file (a second daemon
 //! on the same path is refused; a stale file from a crashed daemon is replaced), sizes
@@ -17,9 +17,11 @@ use std::path::{Path, PathBuf};
 
 use kvd_protocol::pool::PoolHeader;
 
-use crate::config::{PoolConfig, DEFAULT_POOL_BYTES};
 use kvd_protocol::Incarnation;
-use memmap2::{MmapOptions, MmapRaw};
+
+use crate::config::{PoolConfig, DEFAULT_POOL_BYTES};
+
+use crate::region::{OutOfBounds, Region};
 
 /// Slot offsets and sizes are multiples of this (O_DIRECT and DMA friendly).
 pub const SLOT_ALIGN: u64 = 4096;
@@ -82,7 +84,7 @@ pub struct PoolOptions {
 /// The mapped pool. See the module docs.
 #[derive(Debug)]
 pub struct Pool {
-    map: MmapRaw,
+    region: Region,
     _file: File,
     path: PathBuf,
     size: u64,
@@ -158,18 +160,12 @@ impl Pool {
         file.set_len(size)
             .map_err(io_err("sizing pool", path))
             .map_err(cleanup)?;
-        let mut mo = MmapOptions::new();
-        mo.len(size as usize);
-        if opts.prefault {
-            mo.populate();
-        }
-        let map = mo
-            .map_raw(&file)
+        let region = Region::map_shared(&file, size, opts.prefault)
             .map_err(io_err("mapping pool", path))
             .map_err(cleanup)?;
         let data_offset = page.max(SLOT_ALIGN);
         let pool = Pool {
-            map,
+            region,
             _file: file,
             path: path.clone(),
             size,
@@ -205,67 +201,33 @@ impl Pool {
         self.huge
     }
 
-    /// The mapping's base address, for I/O engines that hand slot addresses to the kernel
-    /// (using it is their unsafe step, bounded by [`Pool::size`]).
-    pub(crate) fn base_ptr(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
-    }
-
-    fn check(&self, offset: u64, len: usize) -> Result<usize, PoolError> {
-        let oob = || PoolError::OutOfBounds {
-            offset,
-            len: len as u64,
-            size: self.size,
-        };
-        let end = offset.checked_add(len as u64).ok_or_else(oob)?;
-        if end > self.size {
-            return Err(oob());
-        }
-        Ok(offset as usize)
+    /// The address of a checked range of the pool, for I/O engines that hand slot
+    /// addresses to the kernel or a NIC (using it is their unsafe step).
+    pub(crate) fn addr(&self, offset: u64, len: usize) -> Result<*mut u8, PoolError> {
+        Ok(self.region.addr(offset, len)?)
     }
 
     /// Copies `src` into the pool at `offset`.
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), PoolError> {
-        let off = self.check(offset, src.len())?;
-        // SAFETY: `check` proved `off + src.len() <= size`, the mapping's length, so the
-        // destination lies inside the live mapping (kept alive by `self`). `src` is a
-        // Rust slice in process memory and cannot overlap the shared mapping's range
-        // handed out for writing: the daemon writes only into slots that are allocated
-        // and not yet committed, which no reader has been given.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len());
-        }
-        Ok(())
+        self.region.check(offset, src.len())?;
+        self.region
+            .write(offset, src)
+            .map_err(|source| PoolError::Io {
+                what: "writing the pool",
+                path: self.path.clone(),
+                source,
+            })
     }
 
     /// Borrows `len` bytes at `offset`.
     pub fn read(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
-        let off = self.check(offset, len)?;
-        // SAFETY: in bounds (checked above) of a mapping that lives as long as `self`, to
-        // which the returned borrow is tied, so it cannot dangle. The bytes are shared:
-        // the server, data-plane, io_uring and worker threads of this process and the
-        // local clients that map the pool all reach them. The daemon hands readers only
-        // committed (pinned or granted) slots, which no daemon thread writes and which are
-        // not freed while a pin or grant guard holds them; local clients are trusted with
-        // the pool's bytes (SPEC threat model), so one that scribbles on a committed slot
-        // can change what this borrow reads, but not its bounds or lifetime.
-        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+        Ok(self.region.read(offset, len)?)
     }
-}
 
-impl Pool {
     /// Fills `len` bytes at `offset` from `r` (the TCP data plane receiving straight into
     /// a slot: no staging buffer).
     pub fn recv_into(&self, offset: u64, len: usize, r: &mut impl io::Read) -> io::Result<()> {
-        let off = self
-            .check(offset, len)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        // SAFETY: in bounds (checked above) of the live mapping. The data plane receives
-        // only into slots that are PENDING and owned by the transfer doing the receive
-        // (an import's allocation, guarded by its grant), which no reader has been given
-        // and no other transfer writes; the borrow ends when this call returns.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) };
-        r.read_exact(dst)
+        self.region.fill_from(offset, len, r)
     }
 
     /// Writes `len` bytes at `offset` to `w` (the data plane sending straight from a slot).
@@ -277,11 +239,20 @@ impl Pool {
     }
 }
 
+impl From<OutOfBounds> for PoolError {
+    fn from(e: OutOfBounds) -> PoolError {
+        PoolError::OutOfBounds {
+            offset: e.offset,
+            len: e.len,
+            size: e.size,
+        }
+    }
+}
+
 /// Another daemon's pool on the same host, mapped read-only for `shm` pulls.
 pub struct RemotePool {
-    map: MmapRaw,
+    region: Region,
     file: File,
-    size: u64,
     data_offset: u64,
 }
 
@@ -290,17 +261,11 @@ impl RemotePool {
     /// (a restarted peer's new pool is refused).
     pub fn open(path: &Path, incarnation: Incarnation) -> Result<RemotePool, PoolError> {
         let file = File::open(path).map_err(io_err("opening peer pool", path))?;
-        let size = file
-            .metadata()
-            .map_err(io_err("stat peer pool", path))?
-            .len();
-        let map = MmapOptions::new()
-            .map_raw_read_only(&file)
-            .map_err(io_err("mapping peer pool", path))?;
+        let region = Region::map_read_only(&file).map_err(io_err("mapping peer pool", path))?;
+        let size = region.size();
         let rp = RemotePool {
-            map,
+            region,
             file,
-            size,
             data_offset: 0,
         };
         let hdr = rp
@@ -327,21 +292,19 @@ impl RemotePool {
         self.file.metadata().map_or(true, |m| m.nlink() == 0)
     }
 
+    /// Borrows `len` bytes at `offset`, inside the peer's slots (the header is not
+    /// theirs to hand out). The peer may write these bytes concurrently only if it freed
+    /// the slot, which it does not while the export's lease holds it; the importer
+    /// confirms the lease with the exporter (peer_done) before trusting the bytes.
     fn slice(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
-        let oob = || PoolError::OutOfBounds {
-            offset,
-            len: len as u64,
-            size: self.size,
-        };
-        let end = offset.checked_add(len as u64).ok_or_else(oob)?;
-        if end > self.size || offset < self.data_offset {
-            return Err(oob());
+        if offset < self.data_offset {
+            return Err(PoolError::OutOfBounds {
+                offset,
+                len: len as u64,
+                size: self.region.size(),
+            });
         }
-        // SAFETY: `offset + len <= size`, the length of the live read-only mapping this
-        // borrow is tied to. The peer may write these bytes concurrently only if it freed
-        // the slot, which it does not while the export's lease holds it; the importer
-        // confirms the lease with the exporter (peer_done) before trusting the bytes.
-        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len) })
+        Ok(self.region.read(offset, len)?)
     }
 
     /// Copies `len` bytes at `remote` into the local pool at `local`.

@@ -113,8 +113,11 @@ impl UringEngine {
         let mut off = data;
         while off < pool.size() {
             let len = chunk.min(pool.size() - off);
+            let base = pool
+                .addr(off, len as usize)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
             iovecs.push(libc::iovec {
-                iov_base: pool.base_ptr().wrapping_add(off as usize).cast(),
+                iov_base: base.cast(),
                 iov_len: len as usize,
             });
             off += len;
@@ -290,19 +293,20 @@ impl Worker {
     }
 
     fn push(&mut self, op: IoOp) -> io::Result<()> {
-        if op.crc_len > op.len || self.pool.read(op.pool_offset, op.len as usize).is_err() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "operation outside the pool",
-            ));
+        let outside = || io::Error::new(io::ErrorKind::InvalidInput, "operation outside the pool");
+        if op.crc_len > op.len {
+            return Err(outside());
         }
+        let ptr = self
+            .pool
+            .addr(op.pool_offset, op.len as usize)
+            .map_err(|_| outside())?;
         // A write's checksum is taken before the bytes leave: the slot does not change
         // while its demotion is in flight (committed blocks are immutable).
         let write_crc = match op.kind {
             IoKind::Write => self.crc(&op)?,
             IoKind::Read => 0,
         };
-        let ptr = self.pool.base_ptr().wrapping_add(op.pool_offset as usize);
         let file = types::Fixed(op.file);
         let entry = match (op.kind, self.fixed) {
             (IoKind::Read, true) => opcode::ReadFixed::new(file, ptr, op.len, self.buf_index(&op))

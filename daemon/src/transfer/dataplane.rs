@@ -933,10 +933,21 @@ impl DataPlane {
                             }
                         };
                         let t0 = Instant::now();
-                        let result = match job.dir {
-                            Dir::Read => job.transport.read(&job.access, &job.ops),
-                            Dir::Write => job.transport.write(&job.access, &job.ops),
-                        };
+                        // A transport that panics fails its job, not the worker: a
+                        // dead worker would leave every later job waiting for its lease.
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            match job.dir {
+                                Dir::Read => job.transport.read(&job.access, &job.ops),
+                                Dir::Write => job.transport.write(&job.access, &job.ops),
+                            }
+                        }))
+                        .unwrap_or_else(|_| {
+                            tracing::error!(
+                                transport = job.transport.name(),
+                                "data-plane transport panicked; its job fails"
+                            );
+                            Err(werr(ErrorCode::Internal, "the transport panicked"))
+                        });
                         let done = JobDone {
                             id: job.id,
                             result,

@@ -100,7 +100,7 @@ impl Verbs {
             ctx,
             pd: std::ptr::null_mut(),
             mrs: Vec::new(),
-            base: pool.base_ptr() as u64,
+            base: pool.addr(0, 0).map_or(0, |p| p as u64),
             lid: 0,
             gid: [0; 16],
             mtu: ibv_mtu::IBV_MTU_1024,
@@ -133,17 +133,13 @@ impl Verbs {
         let mut off = 0u64;
         while off < pool.size() {
             let len = (pool.size() - off).min(MR_SLICE);
-            // SAFETY: `[base + off, base + off + len)` lies inside the pool mapping, which
-            // outlives the registration: `Verbs` holds an `Arc` of the pool (`_pool`),
-            // dropped only after `Drop` has deregistered every MR.
-            let mr = unsafe {
-                ibv_reg_mr(
-                    v.pd,
-                    pool.base_ptr().add(off as usize).cast(),
-                    len as usize,
-                    access,
-                )
-            };
+            let addr = pool
+                .addr(off, len as usize)
+                .map_err(|e| WireError::new(ErrorCode::Internal, e.to_string()))?;
+            // SAFETY: `addr` is a range of `len` bytes the pool's region checked lies inside
+            // its mapping, which outlives the registration: `Verbs` holds an `Arc` of the
+            // pool (`_pool`), dropped only after `Drop` has deregistered every MR.
+            let mr = unsafe { ibv_reg_mr(v.pd, addr.cast(), len as usize, access) };
             if mr.is_null() {
                 return Err(os("ibv_reg_mr"));
             }
@@ -727,7 +723,7 @@ mod tests {
             }
             Ok(Some(v)) => {
                 let d = v.describe();
-                assert_eq!(d.base, pool.base_ptr() as u64);
+                assert_eq!(d.base, pool.addr(0, 0).unwrap() as u64);
                 assert_eq!(d.regions.iter().map(|r| r.len).sum::<u64>(), pool.size());
                 let qp = Qp::create(&v).unwrap();
                 assert_ne!(qp.local().0, 0);

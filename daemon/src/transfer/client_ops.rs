@@ -1,0 +1,550 @@
+//! The client-facing transfer ops: `export`, `pull`, `push_register`,
+//! `transfer_status` and `abort`, with their checks (ownership, capacity, holds) and the
+//! waiters that `wait_ms` parks.
+
+use super::*;
+
+impl Transfers {
+    /// `export`.
+    pub fn export(
+        &mut self,
+        store: &mut Store,
+        req: &ExportReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        check_transfer_id(&req.transfer_id)?;
+        if let Some(e) = self.exports.get(&req.transfer_id) {
+            if !e.state.is_final() || e.pin.is_some() {
+                return Err(werr(
+                    ErrorCode::InvalidState,
+                    format!(
+                        "transfer {:?} is already exported (or still releasing)",
+                        req.transfer_id
+                    ),
+                ));
+            }
+            // The ended export's grant tombstone goes with its record.
+            self.grants.remove(e.handle);
+        }
+        if req.keys.is_empty() {
+            return Err(werr(ErrorCode::InvalidArgument, "export of no keys"));
+        }
+        self.check_capacity()?;
+        let block_bytes = store.block_bytes(req.layout_id).ok_or_else(|| {
+            werr(
+                ErrorCode::UnknownLayout,
+                format!("layout {} is not registered", req.layout_id),
+            )
+        })?;
+        store.check_session(req.client, now)?;
+        let lease = self.lease_of(req.lease_ms);
+        // The export releases the pin; its TTL is only the backstop (the export itself
+        // ends by `max_hold`).
+        let (pin, offsets) = store.pin_for_export(
+            self.system,
+            req.layout_id,
+            &req.keys,
+            self.cfg.max_hold + lease,
+            now,
+        )?;
+        let handle = rand::random::<u64>() | 1;
+        let token = rand::random::<u64>();
+        let expires = now + lease;
+        let ranges: Vec<(u64, u64)> = offsets.iter().map(|&o| (o, block_bytes)).collect();
+        let tag = transfer_tag(
+            &req.transfer_id,
+            &req.keys,
+            offsets.iter().map(|&o| Some(o)),
+        );
+        self.grants
+            .insert(handle, token ^ tag, GrantKind::Read, &ranges, expires);
+        let params = TransferParams {
+            from: self.me.clone(),
+            transfer_id: req.transfer_id.clone(),
+            handle,
+            token,
+            layout_id: req.layout_id,
+            block_bytes,
+            keys: req.keys.clone(),
+            offsets: offsets.clone(),
+            lease_ms: lease.as_millis() as u64,
+            expires_unix_ms: unix_ms(expires, now),
+        };
+        tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), "exported");
+        self.exports.insert(
+            req.transfer_id.clone(),
+            Export {
+                client: req.client,
+                handle,
+                token,
+                layout: req.layout_id,
+                keys: req.keys.clone(),
+                offsets,
+                block_bytes,
+                pin: Some(pin),
+                lease,
+                expires,
+                state: TransferState::Exported,
+                error: None,
+                importer: None,
+                push: None,
+                job: None,
+                created: now,
+                ended: None,
+                bytes: 0,
+                transport: "",
+            },
+        );
+        self.counters.exports += 1;
+        self.timers
+            .push(expires, (Timer::Export, req.transfer_id.clone()));
+        self.try_push(store, &req.transfer_id, now);
+        Ok(Reply::Export(ExportResp { params }))
+    }
+
+    /// `pull`.
+    pub fn pull(
+        &mut self,
+        store: &mut Store,
+        req: &PullReq,
+        token: u64,
+        now: Instant,
+    ) -> Result<Answer, WireError> {
+        let p = &req.params;
+        check_transfer_id(&p.transfer_id)?;
+        if p.keys.len() != p.offsets.len() || p.keys.is_empty() {
+            return Err(werr(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "params name {} keys and {} offsets",
+                    p.keys.len(),
+                    p.offsets.len()
+                ),
+            ));
+        }
+        if let Some(i) = self.imports.get_mut(&p.transfer_id) {
+            if i.held && !i.state.is_final() && i.handle == p.handle && i.client == req.client {
+                // The admitted transfer is scheduled now.
+                i.held = req.defer;
+                i.ttl_ms = req.ttl_ms;
+                self.advance_import(store, &p.transfer_id, now);
+                return self.answer_or_wait(&p.transfer_id, req.wait && !req.defer, token, now);
+            }
+        }
+        self.check_import(
+            store,
+            req.client,
+            &p.transfer_id,
+            p.layout_id,
+            Some(p.block_bytes),
+            now,
+        )?;
+        if p.from.incarnation == self.me.incarnation && !req.defer {
+            return self
+                .pull_local(store, req, now)
+                .map(|r| Answer::Now(Box::new(r)));
+        }
+        let id = p.transfer_id.clone();
+        let lease = self.lease_of(Some(p.lease_ms));
+        let imp = Import {
+            held: req.defer,
+            ..Import::pull(p, req.client, req.ttl_ms, lease, now)
+        };
+        self.accept_import(store, &id, imp, now);
+        self.answer_or_wait(&id, req.wait && !req.defer, token, now)
+    }
+
+    /// `push_register`.
+    pub fn push_register(
+        &mut self,
+        store: &mut Store,
+        req: &PushRegisterReq,
+        token: u64,
+        now: Instant,
+    ) -> Result<Answer, WireError> {
+        check_transfer_id(&req.transfer_id)?;
+        if req.keys.is_empty() {
+            return Err(werr(ErrorCode::InvalidArgument, "push_register of no keys"));
+        }
+        if !req.node.starts_with("tcp://") {
+            return Err(werr(
+                ErrorCode::InvalidArgument,
+                format!("node {:?} is not a tcp:// control endpoint", req.node),
+            ));
+        }
+        let block_bytes = self.check_import(
+            store,
+            req.client,
+            &req.transfer_id,
+            req.layout_id,
+            None,
+            now,
+        )?;
+        let id = req.transfer_id.clone();
+        let peer = PeerRef {
+            node: req.node.clone(),
+            data: String::new(),
+            incarnation: Incarnation(0),
+            host: String::new(),
+            shm: None,
+            rdma: None,
+        };
+        let imp = Import::queued(
+            (req.client, req.ttl_ms),
+            Mode::Push,
+            peer,
+            (rand::random::<u64>() | 1, rand::random()),
+            (req.layout_id, req.keys.clone(), block_bytes),
+            Vec::new(),
+            self.cfg.lease,
+            now,
+        );
+        self.accept_import(store, &id, imp, now);
+        self.answer_or_wait(&id, req.wait, token, now)
+    }
+
+    /// Checks that `client` (a live session, refreshed by this call) owns transfer `id`:
+    /// the session that exported or imported it. Push registrations from peers belong to
+    /// no client here.
+    pub(super) fn check_owner(
+        &self,
+        store: &mut Store,
+        client: ClientId,
+        id: &str,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        store.check_session(client, now)?;
+        let owner = match (self.imports.get(id), self.exports.get(id)) {
+            (Some(i), _) => Some(i.client),
+            (None, Some(e)) => Some(e.client),
+            (None, None) if self.regs.contains_key(id) => None,
+            (None, None) => return Err(self.unknown(id)),
+        };
+        if owner != Some(client) {
+            return Err(werr(
+                ErrorCode::NotOwner,
+                format!("transfer {id:?} belongs to another session"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `transfer_status` (refreshes the caller's session). Another session's transfer is
+    /// described at once without what would let the caller act on it (offsets, pin):
+    /// operators (`kvd ctl transfer`) see its state, only its owner waits on it or uses it.
+    pub fn status(
+        &mut self,
+        store: &mut Store,
+        req: &TransferStatusReq,
+        token: u64,
+        now: Instant,
+    ) -> Result<Answer, WireError> {
+        match self.check_owner(store, req.client, &req.transfer_id, now) {
+            Ok(()) => {}
+            Err(e) if e.code == ErrorCode::NotOwner => {
+                let mut r = self
+                    .describe(&req.transfer_id, now)
+                    .ok_or_else(|| self.unknown(&req.transfer_id))?;
+                r.offsets.clear();
+                r.pin = None;
+                return Ok(Answer::Now(Box::new(Reply::Transfer(r))));
+            }
+            Err(e) => return Err(e),
+        }
+        self.answer_or_wait(&req.transfer_id, req.wait_ms > 0, token, now)
+            .map(|a| match a {
+                Answer::Later(t) => {
+                    // `answer_or_wait` waits up to the lease; shorten to what was asked.
+                    if let Some(w) = self.waiters.iter_mut().find(|w| w.token == t) {
+                        w.deadline = now + Duration::from_millis(req.wait_ms);
+                    }
+                    Answer::Later(t)
+                }
+                now => now,
+            })
+    }
+
+    /// `abort`.
+    pub fn abort(
+        &mut self,
+        store: &mut Store,
+        req: &AbortReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        let id = &req.transfer_id;
+        self.check_owner(store, req.client, id, now)?;
+        let aborted_err = || werr(ErrorCode::Aborted, "aborted by a client");
+        if let Some(i) = self.imports.get(id) {
+            let live = !i.state.is_final();
+            if live {
+                self.end_import(
+                    store,
+                    id,
+                    TransferState::Aborted,
+                    Some(aborted_err()),
+                    true,
+                    now,
+                );
+            }
+            let state = self.imports[id].state;
+            return Ok(Reply::Abort(AbortResp {
+                aborted: live,
+                state,
+            }));
+        }
+        if let Some(e) = self.exports.get(id) {
+            let live = !e.state.is_final();
+            if live {
+                self.end_export(
+                    store,
+                    id,
+                    TransferState::Aborted,
+                    Some(aborted_err()),
+                    true,
+                    now,
+                );
+            }
+            let state = self.exports[id].state;
+            return Ok(Reply::Abort(AbortResp {
+                aborted: live,
+                state,
+            }));
+        }
+        // A peer's push registration with no export here: `check_owner` refused it.
+        Err(self.unknown(id))
+    }
+
+    /// The error of a transfer that reached `max_hold`.
+    pub(super) fn held_too_long(&self, what: &str) -> WireError {
+        werr(
+            ErrorCode::LeaseExpired,
+            format!(
+                "{what} held for transfer.max_hold_ms ({} ms), the longest any transfer lives",
+                self.cfg.max_hold.as_millis()
+            ),
+        )
+    }
+
+    pub(super) fn unknown(&self, id: &str) -> WireError {
+        werr(
+            ErrorCode::UnknownTransfer,
+            format!(
+                "transfer {id:?} is not known here (never created, or ended more than {} s ago)",
+                self.cfg.retain.as_secs()
+            ),
+        )
+    }
+
+    /// Validates an import request; returns the layout's block size.
+    pub(super) fn check_import(
+        &self,
+        store: &mut Store,
+        client: ClientId,
+        id: &str,
+        layout: LayoutId,
+        block_bytes: Option<u64>,
+        now: Instant,
+    ) -> Result<u64, WireError> {
+        if let Some(i) = self.imports.get(id) {
+            if !i.state.is_final() {
+                return Err(werr(
+                    ErrorCode::InvalidState,
+                    format!("transfer {id:?} is already being imported"),
+                ));
+            }
+            if !i.settled {
+                return Err(werr(
+                    ErrorCode::InvalidState,
+                    format!(
+                        "an earlier transfer {id:?} is still releasing its slots; retry shortly"
+                    ),
+                ));
+            }
+        }
+        self.check_capacity()?;
+        store.check_session(client, now)?;
+        let local = store.block_bytes(layout).ok_or_else(|| {
+            werr(
+                ErrorCode::UnknownLayout,
+                format!("layout {layout} is not registered"),
+            )
+        })?;
+        if let Some(b) = block_bytes {
+            if b != local {
+                return Err(werr(
+                    ErrorCode::InvalidArgument,
+                    format!("params say blocks of {b} bytes; layout {layout} has {local}"),
+                ));
+            }
+        }
+        Ok(local)
+    }
+
+    /// A pull of this daemon's own export: pin the blocks for the client, end the export.
+    pub(super) fn pull_local(
+        &mut self,
+        store: &mut Store,
+        req: &PullReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        let p = &req.params;
+        let ok = self.exports.get(&p.transfer_id).is_some_and(|e| {
+            !e.state.is_final() && e.handle == p.handle && e.token == p.token && e.keys == p.keys
+        });
+        if !ok {
+            self.counters.refused += 1;
+            return Err(werr(
+                ErrorCode::UnknownTransfer,
+                format!("no live export {:?} matches these params", p.transfer_id),
+            ));
+        }
+        let t0 = now;
+        let got = store.pin_now(
+            &GetReq {
+                client: req.client,
+                layout_id: p.layout_id,
+                keys: p.keys.clone(),
+                ttl_ms: req.ttl_ms,
+                inline: false,
+            },
+            now,
+        )?;
+        self.end_export(store, &p.transfer_id, TransferState::Done, None, false, now);
+        Ok(Reply::Transfer(TransferResp {
+            transfer_id: p.transfer_id.clone(),
+            role: TransferRole::Importer,
+            state: TransferState::Done,
+            offsets: got.offsets,
+            pin: got.pin,
+            ttl_ms: got.ttl_ms,
+            bytes: 0,
+            blocks_moved: 0,
+            transport: "local".into(),
+            elapsed_us: now.saturating_duration_since(t0).as_micros() as u64,
+            error: None,
+        }))
+    }
+
+    /// A peer fetch's read of a lock's params into this pool (no client pin: the fetch
+    /// pins for its `get` when every group is in).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn start_internal_pull(
+        &mut self,
+        store: &mut Store,
+        p: TransferParams,
+        client: ClientId,
+        ttl_ms: Option<u64>,
+        fetch: u64,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        if p.keys.len() != p.offsets.len() || p.keys.is_empty() {
+            return Err(werr(
+                ErrorCode::InvalidArgument,
+                "lock params: keys and offsets differ",
+            ));
+        }
+        self.check_import(
+            store,
+            client,
+            &p.transfer_id,
+            p.layout_id,
+            Some(p.block_bytes),
+            now,
+        )?;
+        let id = p.transfer_id.clone();
+        let lease = self.lease_of(Some(p.lease_ms));
+        let imp = Import {
+            fetch: Some(fetch),
+            verify: true,
+            internal: true,
+            ..Import::pull(&p, client, ttl_ms, lease, now)
+        };
+        self.accept_import(store, &id, imp, now);
+        Ok(())
+    }
+
+    pub(super) fn answer_or_wait(
+        &mut self,
+        id: &str,
+        wait: bool,
+        token: u64,
+        now: Instant,
+    ) -> Result<Answer, WireError> {
+        let resp = self.describe(id, now).ok_or_else(|| self.unknown(id))?;
+        if !wait || resp.state.is_final() {
+            return Ok(Answer::Now(Box::new(Reply::Transfer(resp))));
+        }
+        let lease = self
+            .imports
+            .get(id)
+            .map(|i| i.lease)
+            .unwrap_or(self.cfg.lease);
+        self.waiters.push(Waiter {
+            token,
+            transfer: id.to_string(),
+            // A waiting pull answers at the latest after a few leases (its state then).
+            deadline: now + lease * 4,
+        });
+        Ok(Answer::Later(token))
+    }
+
+    pub(super) fn describe(&self, id: &str, now: Instant) -> Option<TransferResp> {
+        if let Some(i) = self.imports.get(id) {
+            let r = i.result.as_ref();
+            return Some(TransferResp {
+                transfer_id: id.to_string(),
+                role: TransferRole::Importer,
+                state: i.state,
+                offsets: r.map(|r| r.offsets.clone()).unwrap_or_default(),
+                pin: r.and_then(|r| r.pin),
+                ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
+                bytes: i.bytes,
+                blocks_moved: (i.bytes / i.block_bytes.max(1)),
+                transport: i.transport.to_string(),
+                elapsed_us: i
+                    .ended
+                    .unwrap_or(now)
+                    .saturating_duration_since(i.created)
+                    .as_micros() as u64,
+                error: i.error.clone(),
+            });
+        }
+        let e = self.exports.get(id)?;
+        Some(TransferResp {
+            transfer_id: id.to_string(),
+            role: TransferRole::Exporter,
+            state: e.state,
+            offsets: Vec::new(),
+            pin: None,
+            ttl_ms: 0,
+            bytes: e.bytes,
+            blocks_moved: e.bytes / e.block_bytes.max(1),
+            transport: e.transport.to_string(),
+            elapsed_us: e
+                .ended
+                .unwrap_or(now)
+                .saturating_duration_since(e.created)
+                .as_micros() as u64,
+            error: e.error.clone(),
+        })
+    }
+
+    pub(super) fn wake_waiters(&mut self, id: &str, now: Instant) {
+        if !self.waiters.iter().any(|w| w.transfer == id) {
+            return;
+        }
+        let Some(resp) = self.describe(id, now) else {
+            return;
+        };
+        let mut i = 0;
+        while i < self.waiters.len() {
+            if self.waiters[i].transfer == id {
+                let w = self.waiters.swap_remove(i);
+                self.answers
+                    .push((w.token, Ok(Reply::Transfer(resp.clone()))));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Time and completions: lease expiries, `max_hold`, heartbeats, retries of
+//! notifications, waiter timeouts, and data-plane job completions.
+
+use super::*;
+
+impl Transfers {
+    /// Data-plane completions, lease expiries, heartbeats, waiter timeouts, retries.
+    pub fn maintain(&mut self, store: &mut Store, now: Instant) {
+        for done in self.plane.completed() {
+            self.on_job(store, done, now);
+        }
+        while let Some((_, (timer, id))) = self.timers.pop_due(now) {
+            self.on_timer(store, timer, id, now);
+        }
+        if now >= self.next_touch {
+            // A session that owns a live transfer is not idle (transfers end by
+            // `max_hold` at the latest, so this keeps no session forever).
+            self.next_touch =
+                now + (store.config().client_idle_ttl / 3).min(Duration::from_secs(1));
+            let owners = self
+                .exports
+                .values()
+                .filter(|e| !e.state.is_final())
+                .map(|e| e.client)
+                .chain(
+                    self.imports
+                        .values()
+                        .filter(|i| !i.state.is_final())
+                        .map(|i| i.client),
+                );
+            for c in owners {
+                store.touch_session(c, now);
+            }
+            if let Some(shm) = &self.shm {
+                shm.sweep();
+            }
+        }
+        if now >= self.next_heartbeat {
+            // An export may carry a shorter lease than ours: beat at a sixth of the
+            // shortest live one.
+            let period = self
+                .imports
+                .values()
+                .filter(|i| !i.state.is_final())
+                .map(|i| i.lease / 6)
+                .min()
+                .map_or(self.cfg.heartbeat, |p| p.min(self.cfg.heartbeat));
+            self.next_heartbeat = now + period;
+            self.send_heartbeats();
+        }
+        // Imports waiting for room.
+        let queued: Vec<String> = self
+            .imports
+            .iter()
+            .filter(|(_, i)| i.state == TransferState::Queued && !i.allocated && !i.held)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in queued {
+            self.advance_import(store, &id, now);
+        }
+        for (timer, id) in std::mem::take(&mut self.unsettled) {
+            match timer {
+                Timer::Import => self.settle_import(store, &id),
+                _ => self.settle_export(store, &id),
+            }
+        }
+        let mut i = 0;
+        while i < self.waiters.len() {
+            if self.waiters[i].deadline <= now {
+                let w = self.waiters.swap_remove(i);
+                let r = self
+                    .describe(&w.transfer, now)
+                    .map(Reply::Transfer)
+                    .ok_or_else(|| self.unknown(&w.transfer));
+                self.answers.push((w.token, r));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    pub(super) fn on_timer(&mut self, store: &mut Store, timer: Timer, id: String, now: Instant) {
+        match timer {
+            Timer::Export => {
+                let Some(e) = self.exports.get(&id) else {
+                    return;
+                };
+                if e.state.is_final() {
+                    return;
+                }
+                let hard = e.created + self.cfg.max_hold;
+                if e.expires > now && hard > now {
+                    self.timers.push(e.expires.min(hard), (Timer::Export, id));
+                    return;
+                }
+                let e = if hard <= now {
+                    self.held_too_long("export")
+                } else {
+                    werr(
+                        ErrorCode::LeaseExpired,
+                        format!("export lease of {} ms ran out", e.lease.as_millis()),
+                    )
+                };
+                self.end_export(store, &id, TransferState::Expired, Some(e), true, now);
+            }
+            Timer::Reg => {
+                let Some(g) = self.regs.get(&id) else { return };
+                let hard = g.created + self.cfg.max_hold;
+                if g.expires > now && hard > now {
+                    self.timers.push(g.expires.min(hard), (Timer::Reg, id));
+                    return;
+                }
+                let e = if hard <= now {
+                    self.held_too_long("push registration (no export)")
+                } else {
+                    werr(
+                        ErrorCode::LeaseExpired,
+                        "push registration expired: no export for this transfer within its lease",
+                    )
+                };
+                let Some(g) = self.regs.remove(&id) else {
+                    return;
+                };
+                self.counters.expired += 1;
+                self.fail_peer(&g.from, &id, e);
+            }
+            Timer::Import => {
+                let Some(i) = self.imports.get(&id) else {
+                    return;
+                };
+                if i.state.is_final() {
+                    return;
+                }
+                let silent_until = i.last_heard + i.lease;
+                let hard = i.created + self.cfg.max_hold;
+                if hard <= now {
+                    let e = self.held_too_long("import");
+                    self.end_import(store, &id, TransferState::Expired, Some(e), true, now);
+                    return;
+                }
+                if silent_until > now {
+                    self.timers
+                        .push(silent_until.min(hard), (Timer::Import, id));
+                    return;
+                }
+                let e = werr(
+                    ErrorCode::PeerUnreachable,
+                    format!(
+                        "exporter {} did not answer for a lease ({} ms)",
+                        i.peer.node,
+                        i.lease.as_millis()
+                    ),
+                );
+                self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
+            }
+            Timer::ForgetExport => {
+                let Some(e) = self.exports.get(&id) else {
+                    return;
+                };
+                if e.ended.is_some_and(|t| t + self.cfg.retain > now) || e.pin.is_some() {
+                    // Re-exported since, or still winding down: later.
+                    self.timers
+                        .push(now + self.cfg.retain, (Timer::ForgetExport, id));
+                } else if e.state.is_final() {
+                    let e = self.exports.remove(&id).expect("checked");
+                    self.grants.remove(e.handle);
+                }
+            }
+            Timer::ForgetImport => {
+                let Some(i) = self.imports.get(&id) else {
+                    return;
+                };
+                if i.ended.is_some_and(|t| t + self.cfg.retain > now) || !i.settled {
+                    self.timers
+                        .push(now + self.cfg.retain, (Timer::ForgetImport, id));
+                } else if i.state.is_final() {
+                    let i = self.imports.remove(&id).expect("checked");
+                    if i.mode == Mode::Push {
+                        self.grants.remove(i.handle);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn send_heartbeats(&mut self) {
+        let mut by_peer: HashMap<(String, Incarnation), Vec<String>> = HashMap::new();
+        for (id, i) in &self.imports {
+            if !i.state.is_final() && i.peer.incarnation.0 != 0 {
+                by_peer
+                    .entry((i.peer.node.clone(), i.peer.incarnation))
+                    .or_default()
+                    .push(id.clone());
+            }
+        }
+        for ((node, inc), ids) in by_peer {
+            self.outbox.push(Outgoing {
+                node: node.clone(),
+                req: Request::PeerHeartbeat(PeerHeartbeatReq {
+                    from: self.me.clone(),
+                    to_incarnation: inc,
+                    transfers: ids.clone(),
+                }),
+                then: Then::Heartbeat(node, ids),
+                timeout: None,
+            });
+        }
+    }
+
+    pub(super) fn on_job(&mut self, store: &mut Store, done: dataplane::JobDone, now: Instant) {
+        let Some((side, id)) = self.jobs.remove(&done.id) else {
+            return;
+        };
+        if let Ok(b) = &done.result {
+            self.counters.bytes += b;
+        }
+        match side {
+            Timer::Import => {
+                let Some(imp) = self.imports.get_mut(&id) else {
+                    return;
+                };
+                imp.job = None;
+                if imp.state.is_final() {
+                    // Aborted or expired while the bytes moved: free the slots now.
+                    self.settle_import(store, &id);
+                    return;
+                }
+                match done.result {
+                    Ok(bytes) => {
+                        imp.bytes = bytes;
+                        tracing::debug!(transfer = %id, bytes, us = done.elapsed.as_micros() as u64, transport = imp.transport, "pulled");
+                        if imp.caps.one_sided {
+                            // Nobody checked the lease during a one-sided copy: trust
+                            // the bytes only if the exporter confirms it held throughout.
+                            let req = imp.done_message(&self.me, &id);
+                            self.outbox.push(Outgoing {
+                                node: imp.peer.node.clone(),
+                                req,
+                                then: Then::Confirmed(id),
+                                timeout: None,
+                            });
+                        } else {
+                            self.finish_import(store, &id, true, now);
+                        }
+                    }
+                    Err(e) => {
+                        let state = if e.code == ErrorCode::LeaseExpired {
+                            TransferState::Expired
+                        } else {
+                            TransferState::Failed
+                        };
+                        let e = werr(
+                            e.code,
+                            format!("pull from {}: {}", imp.peer.node, e.message),
+                        );
+                        self.end_import(store, &id, state, Some(e), true, now);
+                    }
+                }
+            }
+            _ => {
+                let Some(exp) = self.exports.get_mut(&id) else {
+                    return;
+                };
+                exp.job = None;
+                if exp.state.is_final() {
+                    self.settle_export(store, &id);
+                    return;
+                }
+                match done.result {
+                    Ok(bytes) => {
+                        exp.bytes = bytes;
+                        self.push_written(store, &id, bytes, now);
+                    }
+                    Err(e) => {
+                        let e = werr(
+                            e.code,
+                            format!(
+                                "push to {}: {}",
+                                exp.importer
+                                    .as_ref()
+                                    .map(|p| p.node.as_str())
+                                    .unwrap_or("?"),
+                                e.message
+                            ),
+                        );
+                        self.end_export(store, &id, TransferState::Failed, Some(e), true, now);
+                    }
+                }
+            }
+        }
+    }
+}
