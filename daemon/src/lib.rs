@@ -5,21 +5,22 @@
 //!
 //! | module | what it owns |
 //! |---|---|
-//! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table |
+//! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table (imports no subsystem: each subsystem builds its typed settings from its section) |
 //! | [`deadline`] | the one deadline queue (lazy cancellation, compacted: bounded by live work) for pins, reservations and transfer timers |
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
-//! | [`pool`] | the shared-memory pool file: create, lock, map, bounds-checked access (the only mmap user) |
+//! | [`pool`] | the shared-memory pool file: create, lock, map; a peer's pool read-only |
+//! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
-//! | [`store`] | index, LRU, pins, two-phase writes, sessions, layouts, expiry, eviction |
-//! | [`nvme`] | the NVMe tier: striped block files, journal index, checksums, its LRU |
-//! | [`io`] | the io_uring engine thread (the only io_uring user) |
+//! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
+//! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU |
+//! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
-//! | [`transfer`] | prefill → decode handoff: exports, pulls, pushes, leases, heartbeats |
+//! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): `client_ops`, `importer`, `exporter`, `timers`, `peer_ops`, `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
-//! | [`transfer::dataplane`] | the TCP data server and transport, shm pulls, workers |
+//! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`), the TCP data server and transport, shm pulls, workers (a panicking transport fails its job, not its worker); an in-process double (`mem_transport`) for tests |
 //! | `sync` | std or loom primitives (`cfg(kvd_loom)`) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: registration, RC queue pairs, READ/WRITE |
 //!

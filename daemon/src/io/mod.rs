@@ -1,3 +1,5 @@
-//! Block I/O engines for the NVMe tier. `uring` is the only io_uring user.
+//! Block I/O engines for the NVMe tier (`uring`, the only io_uring user), and the
+//! completion hand-off from worker threads to the server thread (`completions`).
 
+pub mod completions;
 pub mod uring;

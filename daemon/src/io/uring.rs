@@ -4,7 +4,7 @@
 //! ```text
 //!  server thread ──IoOp (mpsc)──► kvd-uring thread ──SQEs──► io_uring ──► files (O_DIRECT)
 //!        ▲                              │  crc32c of the slot (before a write, after a read)
-//!        └── eventfd wake ◄── IoDone (mpsc) ◄── CQEs
+//!        └── eventfd wake ◄── IoDone (io::completions) ◄── CQEs
 //! ```
 //!
 //! - The pool is registered as fixed buffers (in chunks of at most 1 GiB that never split
@@ -20,13 +20,14 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
 
+use super::completions::Completions;
 use crate::pool::Pool;
 
 /// Direction of an operation.
@@ -70,29 +71,10 @@ pub struct IoDone {
 /// complete.
 pub struct UringEngine {
     tx: Option<mpsc::Sender<IoOp>>,
-    done: mpsc::Receiver<IoDone>,
-    wake: OwnedFd,
+    done: Arc<Completions<IoDone>>,
     thread: Option<JoinHandle<()>>,
     /// Whether the pool is registered as fixed buffers.
     pub fixed_buffers: bool,
-}
-
-fn eventfd() -> io::Result<OwnedFd> {
-    // SAFETY: plain syscall with constant flags; a non-negative result is a new fd that
-    // we own exclusively.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn signal(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live local to an eventfd we own; failure (counter
-    // overflow, impossible in practice) only loses a wake-up that a later one repeats.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
 impl UringEngine {
@@ -126,9 +108,8 @@ impl UringEngine {
         // (it holds the Arc) until the ring, and with it the registration, is dropped.
         let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
         let (tx, rx) = mpsc::channel::<IoOp>();
-        let (done_tx, done) = mpsc::channel::<IoDone>();
-        let wake = eventfd()?;
-        let wake_raw = wake.as_raw_fd();
+        let done = Arc::new(Completions::new()?);
+        let done_tx = done.clone();
         let thread = std::thread::Builder::new()
             .name("kvd-uring".into())
             .spawn(move || {
@@ -143,12 +124,11 @@ impl UringEngine {
                     inflight: std::collections::HashMap::new(),
                     next_user: 0,
                 };
-                w.run(rx, done_tx, wake_raw);
+                w.run(rx, &done_tx);
             })?;
         Ok(UringEngine {
             tx: Some(tx),
             done,
-            wake,
             thread: Some(thread),
             fixed_buffers: fixed,
         })
@@ -164,22 +144,18 @@ impl UringEngine {
 
     /// The fd that becomes readable when completions are waiting.
     pub fn wake_fd(&self) -> RawFd {
-        self.wake.as_raw_fd()
+        self.done.fd()
     }
 
     /// Takes every completion delivered so far (and clears the wake-up).
     pub fn drain(&self) -> Vec<IoDone> {
-        let mut buf = 0u64;
-        // SAFETY: reads 8 bytes into a live local from our eventfd (non-blocking; EAGAIN
-        // when nothing is pending is fine).
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
-        self.done.try_iter().collect()
+        self.done.take()
     }
 
     /// Blocks until at least one completion is delivered (tests and shutdown).
     #[cfg(test)]
     pub fn wait_one(&self) -> Option<IoDone> {
-        self.done.recv().ok()
+        self.done.wait_one(std::time::Duration::from_secs(30))
     }
 }
 
@@ -205,7 +181,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(&mut self, rx: mpsc::Receiver<IoOp>, done: mpsc::Sender<IoDone>, wake: RawFd) {
+    fn run(&mut self, rx: mpsc::Receiver<IoOp>, done: &Completions<IoDone>) {
         let mut open = true;
         let mut queued: std::collections::VecDeque<IoOp> = std::collections::VecDeque::new();
         loop {
@@ -229,15 +205,14 @@ impl Worker {
                     }
                 }
             }
-            let mut delivered = false;
+            let mut out = Vec::new();
             while self.inflight.len() < self.qd {
                 let Some(op) = queued.pop_front() else { break };
                 if let Err(e) = self.push(op) {
-                    let _ = done.send(IoDone {
+                    out.push(IoDone {
                         tag: op.tag,
                         result: Err(e),
                     });
-                    delivered = true;
                 }
             }
             if !self.inflight.is_empty() {
@@ -255,16 +230,14 @@ impl Worker {
                     let Some((op, write_crc)) = self.inflight.remove(&user) else {
                         continue;
                     };
-                    let _ = done.send(IoDone {
+                    out.push(IoDone {
                         tag: op.tag,
                         result: self.complete(&op, res, write_crc),
                     });
-                    delivered = true;
                 }
             }
-            if delivered {
-                signal(wake);
-            }
+            // queued, then one wake-up (see `completions`)
+            done.deliver(out);
         }
     }
 

@@ -33,7 +33,6 @@
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -45,6 +44,7 @@ use kvd_protocol::{ErrorCode, Incarnation, PeerRef, WireError};
 use super::grants::{GrantKind, Grants};
 use crate::auth::ReplayGuard;
 
+use crate::io::completions::Completions;
 use crate::pool::{Pool, RemotePool};
 
 const MAGIC: &[u8; 4] = b"KVDX";
@@ -903,8 +903,7 @@ pub struct JobDone {
 /// Worker threads running [`Job`]s. See the module docs.
 pub struct DataPlane {
     tx: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<JobDone>,
-    wake: UnixStream,
+    done: Arc<Completions<JobDone>>,
     workers: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -912,15 +911,11 @@ impl DataPlane {
     /// Starts `workers` threads.
     pub fn start(workers: usize) -> io::Result<DataPlane> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let (dtx, drx) = mpsc::channel::<JobDone>();
-        let (wake_rx, wake_tx) = UnixStream::pair()?;
-        wake_rx.set_nonblocking(true)?;
-        wake_tx.set_nonblocking(true)?;
+        let done = Arc::new(Completions::new()?);
         let rx = Arc::new(Mutex::new(rx));
-        let wake_tx = Arc::new(wake_tx);
         let mut threads = Vec::new();
         for i in 0..workers.max(1) {
-            let (rx, dtx, wake_tx) = (rx.clone(), dtx.clone(), wake_tx.clone());
+            let (rx, done) = (rx.clone(), done.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("kvd-xfer-{i}"))
@@ -948,22 +943,17 @@ impl DataPlane {
                             );
                             Err(werr(ErrorCode::Internal, "the transport panicked"))
                         });
-                        let done = JobDone {
+                        done.deliver([JobDone {
                             id: job.id,
                             result,
                             elapsed: t0.elapsed(),
-                        };
-                        if dtx.send(done).is_err() {
-                            return;
-                        }
-                        let _ = (&*wake_tx).write(&[1]);
+                        }]);
                     })?,
             );
         }
         Ok(DataPlane {
             tx: Some(tx),
-            done: drx,
-            wake: wake_rx,
+            done,
             workers: threads,
         })
     }
@@ -978,14 +968,12 @@ impl DataPlane {
 
     /// The fd the server polls for completions.
     pub fn wake_fd(&self) -> std::os::fd::RawFd {
-        std::os::fd::AsRawFd::as_raw_fd(&self.wake)
+        self.done.fd()
     }
 
     /// Finished jobs so far.
     pub fn completed(&self) -> Vec<JobDone> {
-        let mut buf = [0u8; 256];
-        while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
-        self.done.try_iter().collect()
+        self.done.take()
     }
 }
 
