@@ -588,6 +588,33 @@ fn rdma_pull_and_push_when_a_device_is_present() {
     verify(&cb, l2, &r, &d2);
 }
 
+/// With the `rdma` feature, no device needed: the queue-pair handshake is a peer op like
+/// any other, sealed with the cluster key, so a peer's handler answers it (here: "no RDMA
+/// device") instead of refusing it as unauthenticated; with another key it is refused.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_handshake_is_sealed_and_reaches_the_peer() {
+    let a = Node::start(5000, false);
+    let peer = a.client().hello_info().node.unwrap();
+    let me = kvd_protocol::PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: kvd_protocol::Incarnation(7),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    };
+    let ctx = zmq::Context::new();
+    let t = Duration::from_secs(5);
+    let e = kvd_daemon::transfer::rdma::handshake(&ctx, &cluster_key(), &me, &peer, 1, 2, t)
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::InvalidState, "{e}");
+    assert!(e.message.contains("no RDMA device"), "{e}");
+    let other = kvd_protocol::auth::ClusterKey::from_secret(&[b'x'; 64]).unwrap();
+    let e = kvd_daemon::transfer::rdma::handshake(&ctx, &other, &me, &peer, 1, 2, t).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}");
+}
+
 #[test]
 fn a_restarted_prefill_refuses_the_old_incarnations_params() {
     let (cp, dp) = (free_port(), free_port());

@@ -468,7 +468,7 @@ impl Transfers {
             rdma: None,
         };
         #[cfg(feature = "rdma")]
-        let rdma = match rdma::RdmaTransport::open(&pool, cfg.data.io_timeout) {
+        let rdma = match rdma::RdmaTransport::open(&pool, key.clone(), cfg.data.io_timeout) {
             Ok(Some(t)) => {
                 me.rdma = Some(t.describe());
                 t.set_me(me.clone());

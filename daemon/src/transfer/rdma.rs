@@ -25,6 +25,7 @@ use std::ffi::CStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvd_protocol::auth::ClusterKey;
 use kvd_protocol::{ErrorCode, PeerRef, RdmaRef, RdmaRegion, WireError};
 use rdma_sys::*;
 
@@ -512,13 +513,20 @@ pub struct RdmaTransport {
     qps: Mutex<HashMap<PeerKey, Arc<Mutex<Qp>>>>,
     timeout: Duration,
     zmq: zmq::Context,
+    /// Seals the queue-pair handshake (a peer op like any other: unsealed, it is refused).
+    key: ClusterKey,
     landed: Mutex<Vec<u32>>,
 }
 
 impl RdmaTransport {
     /// Opens the device; `None` when there is none.
-    pub fn open(pool: &Arc<Pool>, timeout: Duration) -> Result<Option<RdmaTransport>, WireError> {
+    pub fn open(
+        pool: &Arc<Pool>,
+        key: ClusterKey,
+        timeout: Duration,
+    ) -> Result<Option<RdmaTransport>, WireError> {
         Ok(Verbs::open(pool)?.map(|v| RdmaTransport {
+            key,
             verbs: Arc::new(v),
             me: Mutex::new(None),
             qps: Mutex::new(HashMap::new()),
@@ -590,7 +598,7 @@ impl RdmaTransport {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| werr(ErrorCode::Internal, "rdma transport has no identity"))?;
-        let (rq, rp) = handshake(&self.zmq, &me, peer, qpn, psn, self.timeout)?;
+        let (rq, rp) = handshake(&self.zmq, &self.key, &me, peer, qpn, psn, self.timeout)?;
         qp.connect(&self.verbs, r, rq, rp)?;
         let q = Arc::new(Mutex::new(qp));
         self.qps
@@ -648,9 +656,11 @@ impl Transport for RdmaTransport {
     }
 }
 
-/// `peer_rdma_connect` over a private DEALER: returns the peer's (qpn, psn).
-fn handshake(
+/// `peer_rdma_connect` over a private DEALER, sealed like every peer op (SPEC §10.1),
+/// its reply verified: returns the peer's (qpn, psn).
+pub fn handshake(
     ctx: &zmq::Context,
+    key: &ClusterKey,
     me: &PeerRef,
     peer: &PeerRef,
     qpn: u32,
@@ -673,7 +683,11 @@ fn handshake(
         qpn,
         psn,
     });
-    s.send(encode_request(1, &req), 0).map_err(unreachable)?;
+    let frame = encode_request(1, &req);
+    let stamp = crate::auth::stamp();
+    let auth = key.seal_request(stamp, &frame);
+    s.send(frame, zmq::SNDMORE).map_err(unreachable)?;
+    s.send(&auth[..], 0).map_err(unreachable)?;
     if s.poll(zmq::POLLIN, timeout.as_millis() as i64)
         .map_err(unreachable)?
         == 0
@@ -683,8 +697,20 @@ fn handshake(
             format!("{} did not answer the rdma handshake", peer.node),
         ));
     }
-    let frame = s.recv_bytes(0).map_err(unreachable)?;
-    match decode_reply::<PeerAck>(&frame) {
+    let parts = s.recv_multipart(0).map_err(unreachable)?;
+    let (Some(frame), Some(seal)) = (parts.first(), parts.get(1)) else {
+        return Err(werr(
+            ErrorCode::Unauthenticated,
+            format!("{} answered the rdma handshake unsealed", peer.node),
+        ));
+    };
+    key.open_reply(stamp, frame, seal).map_err(|e| {
+        werr(
+            ErrorCode::Unauthenticated,
+            format!("rdma handshake reply from {}: {e}", peer.node),
+        )
+    })?;
+    match decode_reply::<PeerAck>(frame) {
         Ok((_, Ok(ack))) => match (ack.rdma_qpn, ack.rdma_psn) {
             (Some(q), Some(p)) => Ok((q, p)),
             _ => Err(werr(
