@@ -41,6 +41,35 @@ done
 
 echo "Containerfile"
 "$bin/hadolint" deploy/container/Containerfile
+# What can be checked of its build without a container engine: the base's Rust satisfies
+# the workspace's rust-version, every apt package it installs exists in this Debian
+# release (the base's), the Cargo features it builds exist, and etcd comes with protoc.
+"$bin/python" - <<'PY'
+import re, subprocess, sys
+cf = open("deploy/container/Containerfile").read()
+need = re.search(r'^rust-version = "([0-9.]+)"', open("Cargo.toml").read(), re.M).group(1)
+base = re.search(r"^FROM rust:([0-9.]+)-(\w+) AS build", cf, re.M)
+assert base, "the build stage is not FROM rust:<version>-<debian>"
+ver = lambda v: tuple(int(x) for x in v.split("."))
+assert ver(base.group(1)) >= ver(need), f"base Rust {base.group(1)} < rust-version {need}"
+osr = open("/etc/os-release").read()
+if f"VERSION_CODENAME={base.group(2)}" in osr:
+    for line in re.findall(r"apt-get install [^\n]*", cf):
+        for pkg in line.split()[2:]:
+            if pkg.startswith("-") or pkg in ("&&", "\\"):
+                continue
+            r = subprocess.run(["apt-cache", "show", pkg], capture_output=True)
+            assert r.returncode == 0, f"package {pkg} is not in {base.group(2)}"
+else:
+    print(f"  (apt packages not checked: this host is not {base.group(2)})")
+features = re.search(r'^ARG FEATURES="([^"]*)"', cf, re.M).group(1)
+declared = re.search(r"^\[features\]\n(.*?)(^\[|\Z)", open("daemon/Cargo.toml").read(), re.M | re.S).group(1)
+for f in filter(None, re.split(r"[ ,]", features)):
+    assert re.search(rf"^{f} = ", declared, re.M), f"feature {f} is not a kvd-daemon feature"
+if "etcd" in features:
+    assert "protobuf-compiler" in cf, "the etcd feature needs protoc in the build stage"
+print(f"  base rust {base.group(1)} >= {need}; features {features!r}; packages ok")
+PY
 
 echo "systemd unit"
 sed "s#/usr/local/bin/kvd#$PWD/$kvd#" deploy/systemd/kvd.service > "$tmp/kvd.service"

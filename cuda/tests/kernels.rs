@@ -421,6 +421,10 @@ mod gpu {
         match CudaBackend::new(0) {
             Ok(b) => Some(b),
             Err(e) => {
+                assert!(
+                    std::env::var_os("KVD_REQUIRE_CUDA").is_none(),
+                    "a CUDA device is required (KVD_REQUIRE_CUDA) but: {e:#}"
+                );
                 println!("SKIP: no usable CUDA device ({e:#}); GPU kernels not compared");
                 None
             }

@@ -297,6 +297,12 @@ pub enum PeerMode {
     Fetch,
 }
 
+/// Why a daemon built without the `etcd` feature cannot do etcd discovery.
+pub const WITHOUT_ETCD: &str = "this kvd was built without etcd discovery (Cargo feature \
+     `etcd`, off by default because it needs protoc): install protoc (apt-get install \
+     protobuf-compiler) and build with `cargo build --release -p kvd-daemon --features etcd`, \
+     or use `peers.discovery = \"static\"`";
+
 /// `peers.discovery`
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -707,6 +713,11 @@ impl DaemonConfig {
             if t.io_timeout_ms == 0 || t.peer_timeout_ms == 0 || t.max_connections == 0 {
                 return bad("transfer timeouts and max_connections must be positive".into());
             }
+        }
+        // Asked for by name, refused by name, even where peers are off and it would
+        // not be used.
+        if self.peers.discovery == DiscoveryMode::Etcd && !cfg!(feature = "etcd") {
+            return bad(WITHOUT_ETCD.into());
         }
         if self.peers.mode != PeerMode::Off {
             if !t.enabled {

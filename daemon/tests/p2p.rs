@@ -252,12 +252,14 @@ fn a_silent_readers_lock_expires_and_forged_reads_are_refused() {
 }
 
 /// A real etcd on loopback (the test command installs Debian's `etcd-server`).
+#[cfg(feature = "etcd")]
 struct Etcd {
     child: std::process::Child,
     url: String,
     _dir: tempfile::TempDir,
 }
 
+#[cfg(feature = "etcd")]
 impl Etcd {
     fn start_at(client: u16) -> Option<Etcd> {
         if !std::path::Path::new("/usr/bin/etcd").exists() {
@@ -309,6 +311,7 @@ impl Etcd {
     }
 }
 
+#[cfg(feature = "etcd")]
 impl Drop for Etcd {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -316,6 +319,7 @@ impl Drop for Etcd {
     }
 }
 
+#[cfg(feature = "etcd")]
 fn etcd_cluster(etcd: &Etcd) -> (Vec<Daemon>, Vec<tempfile::NamedTempFile>) {
     let mut daemons = Vec::new();
     let mut cfgs = Vec::new();
@@ -336,6 +340,7 @@ fn etcd_cluster(etcd: &Etcd) -> (Vec<Daemon>, Vec<tempfile::NamedTempFile>) {
     (daemons, cfgs)
 }
 
+#[cfg(feature = "etcd")]
 #[test]
 fn etcd_discovery_finds_peers_and_drops_a_killed_one() {
     let Some(etcd) = Etcd::start_at(free_port()) else {
@@ -391,6 +396,7 @@ fn etcd_discovery_finds_peers_and_drops_a_killed_one() {
     assert_eq!(hit, vec![false; 2], "blocks only A had are misses");
 }
 
+#[cfg(feature = "etcd")]
 #[test]
 fn readyz_waits_for_the_etcd_registration() {
     let client_port = free_port();
@@ -421,4 +427,47 @@ fn readyz_waits_for_the_etcd_registration() {
         return;
     };
     eventually(15, "ready once registered", || readyz().contains(" 200 "));
+}
+
+/// Built without the `etcd` feature (the quick start's build), asking for etcd discovery
+/// is refused at start-up with how to get it, not half-started.
+#[cfg(not(feature = "etcd"))]
+#[test]
+fn etcd_discovery_without_the_feature_says_how_to_get_it() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args([
+            "--endpoint",
+            &format!("ipc://{}", dir.path().join("s").display()),
+        ])
+        .args(["--pool-path", &dir.path().join("p").display().to_string()])
+        .args(["--pool-size", "64MiB", "--metrics-addr", "127.0.0.1:0"])
+        .args(["--discovery", "etcd", "--etcd", "http://127.0.0.1:9"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = out;
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("a daemon without the etcd feature started with etcd discovery");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success(), "started with etcd discovery: {err}");
+    assert!(
+        err.contains("--features etcd") && err.contains("protoc"),
+        "{err}"
+    );
+    assert!(
+        !dir.path().join("s").exists(),
+        "refused before binding anything"
+    );
 }

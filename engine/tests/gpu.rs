@@ -11,6 +11,10 @@ fn cuda_engines_disaggregated_match_aggregated() {
     use common::*;
     use serde_json::json;
     if let Err(e) = kvd_cuda::cuda::CudaBackend::new(0) {
+        assert!(
+            std::env::var_os("KVD_REQUIRE_CUDA").is_none(),
+            "a CUDA device is required (KVD_REQUIRE_CUDA) but: {e:#}"
+        );
         println!("SKIP: no usable CUDA device ({e:#}); the CUDA engine path was not run");
         return;
     }

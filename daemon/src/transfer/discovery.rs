@@ -11,12 +11,19 @@
 //! etcd deletes its key and every watcher drops it. On any etcd error the session
 //! restarts with backoff (re-registering); while not registered, `/readyz` is not ready.
 //! On a clean stop the lease is revoked so peers drop this node at once.
+//!
+//! The etcd client is behind the `etcd` Cargo feature (its build needs `protoc`). A
+//! daemon built without it refuses `peers.discovery = "etcd"` at start-up, saying how to
+//! get it ([`crate::config::WITHOUT_ETCD`]); static discovery and everything else work the same.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
+#[cfg(feature = "etcd")]
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+#[cfg(feature = "etcd")]
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use kvd_protocol::PeerRef;
 
@@ -43,6 +50,7 @@ impl Directory {
         self.registered.clone()
     }
 
+    #[cfg(feature = "etcd")]
     fn set(&self, members: BTreeMap<String, String>) {
         *self.peers.write().unwrap_or_else(|p| p.into_inner()) = members;
     }
@@ -61,6 +69,20 @@ pub struct EtcdConfig {
     pub ttl: Duration,
 }
 
+#[cfg(not(feature = "etcd"))]
+/// Without the `etcd` feature there is no discovery thread.
+pub struct Discovery;
+
+#[cfg(not(feature = "etcd"))]
+/// Refuses: see [`crate::config::WITHOUT_ETCD`] (the configuration check refuses earlier).
+pub fn start(_: EtcdConfig, _: PeerRef, _: u64, _: Arc<Directory>) -> std::io::Result<Discovery> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        crate::config::WITHOUT_ETCD,
+    ))
+}
+
+#[cfg(feature = "etcd")]
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Registration {
     node: String,
@@ -70,11 +92,13 @@ struct Registration {
 }
 
 /// The discovery thread; stops (revoking its lease) when dropped.
+#[cfg(feature = "etcd")]
 pub struct Discovery {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+#[cfg(feature = "etcd")]
 impl Drop for Discovery {
     fn drop(&mut self) {
         if let Some(s) = self.stop.take() {
@@ -87,6 +111,7 @@ impl Drop for Discovery {
 }
 
 /// Starts registering `me` and watching the others.
+#[cfg(feature = "etcd")]
 pub fn start(
     cfg: EtcdConfig,
     me: PeerRef,
@@ -138,10 +163,12 @@ pub fn start(
     })
 }
 
+#[cfg(feature = "etcd")]
 type SessionEnd = Option<(Client, i64)>;
 
 /// One etcd session: `Ok(Some(..))` when asked to stop (the caller revokes the lease),
 /// `Err` when etcd failed (the caller retries).
+#[cfg(feature = "etcd")]
 async fn session(
     cfg: &EtcdConfig,
     me: &PeerRef,
@@ -226,6 +253,7 @@ async fn session(
     }
 }
 
+#[cfg(feature = "etcd")]
 fn add(members: &mut BTreeMap<String, String>, own: &str, key: &[u8], value: &[u8]) {
     let k = String::from_utf8_lossy(key).into_owned();
     if k == own {
