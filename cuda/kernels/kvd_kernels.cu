@@ -54,16 +54,16 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
 
-extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, float theta) {
+// `inv_freq[p]` turns pair p (the model computes the table: base, then llama3 scaling).
+extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, const float* inv_freq) {
     int half = hd / 2;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * heads * half) return;
     int p = i % half;
     size_t th = i / half;
     int t = th / heads;
-    float inv_freq = 1.f / powf(theta, (float)(2 * p) / (float)hd);
     float s, c;
-    sincosf((float)pos[t] * inv_freq, &s, &c);
+    sincosf((float)pos[t] * inv_freq[p], &s, &c);
     float* base = x + th * hd;
     float a = base[p], b = base[p + half];
     base[p] = a * c - b * s;

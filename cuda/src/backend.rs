@@ -56,7 +56,7 @@ pub trait Backend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<()>;
     /// See [`cpu::write_kv`].
     fn write_kv(
@@ -321,9 +321,13 @@ impl Backend for CpuBackend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<()> {
-        cpu::rope(x, positions, heads, head_dim, theta);
+        ensure!(
+            inv_freq.len() == head_dim / 2 && x.len() >= positions.len() * heads * head_dim,
+            "rope sizes"
+        );
+        cpu::rope(x, positions, heads, head_dim, inv_freq);
         Ok(())
     }
     fn write_kv(
@@ -664,9 +668,9 @@ impl Backend for AnyBackend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<()> {
-        dispatch!(self, b => b.rope(x, positions, heads, head_dim, theta), [], [x])
+        dispatch!(self, b => b.rope(x, positions, heads, head_dim, inv_freq), [], [x])
     }
     fn write_kv(
         &self,

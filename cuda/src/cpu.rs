@@ -60,22 +60,21 @@ pub fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, out: &mut [f32
     }
 }
 
-/// The rotation angle of pair `i` at `pos`: `pos · theta^(-2i/head_dim)`.
-#[inline]
-pub fn rope_angle(pos: u32, i: usize, head_dim: usize, theta: f32) -> f32 {
-    let inv_freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
-    pos as f32 * inv_freq
-}
-
 /// Rotary embedding in place, "rotate half" convention (Llama as in Hugging Face): for
-/// each head, element `i` pairs with `i + head_dim/2`. `x` is `[tokens][heads][head_dim]`.
-pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, theta: f32) {
+/// each head, element `i` pairs with `i + head_dim/2` and turns by `pos · inv_freq[i]`
+/// ([`crate::model::ModelConfig::inv_freq`]). `x` is `[tokens][heads][head_dim]`.
+pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, inv_freq: &[f32]) {
     let half = head_dim / 2;
+    debug_assert_eq!(
+        inv_freq.len(),
+        half,
+        "one inverse frequency per rotated pair"
+    );
     for (t, &pos) in positions.iter().enumerate() {
         for h in 0..heads {
             let base = (t * heads + h) * head_dim;
             for i in 0..half {
-                let (s, c) = rope_angle(pos, i, head_dim, theta).sin_cos();
+                let (s, c) = (pos as f32 * inv_freq[i]).sin_cos();
                 let (a, b) = (x[base + i], x[base + i + half]);
                 x[base + i] = a * c - b * s;
                 x[base + i + half] = b * c + a * s;

@@ -429,13 +429,17 @@ impl Backend for CudaBackend {
         positions: &[u32],
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        inv_freq: &[f32],
     ) -> Result<()> {
-        ensure!(x.len() >= positions.len() * heads * head_dim, "rope sizes");
+        ensure!(
+            x.len() >= positions.len() * heads * head_dim && inv_freq.len() == head_dim / 2,
+            "rope sizes"
+        );
         let p = self.u32s(positions)?;
+        let f = self.upload(inv_freq)?;
         let (t, h, d) = (positions.len() as i32, heads as i32, head_dim as i32);
         let mut l = self.stream.launch_builder(self.f("rope"));
-        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&theta);
+        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&f);
         // SAFETY: matches `rope`; sizes checked.
         unsafe { l.launch(grid(positions.len() * heads * head_dim / 2)) }?;
         Ok(())

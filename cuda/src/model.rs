@@ -1,7 +1,8 @@
 //! The small Llama-style decoder the reference engine runs, over any [`Backend`].
 //!
 //! Pre-norm blocks (RMSNorm → attention with RoPE and grouped-query heads → residual →
-//! RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an untied LM head. Weights come
+//! RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an LM head (tied or not), with
+//! plain or `llama3`-scaled RoPE ([`ModelConfig::inv_freq`]). Weights come
 //! from a safetensors file with Hugging Face Llama names, or are generated from a seed.
 //! The KV cache is paged: fixed blocks of `block_tokens` tokens, one physical block per
 //! kvd block, so moving a block between the cache and kvd is one gather or scatter.
@@ -37,6 +38,10 @@ pub struct ModelConfig {
     pub ffn: usize,
     /// RoPE base.
     pub rope_theta: f32,
+    /// RoPE frequency scaling (`None`: plain RoPE).
+    pub rope_scaling: Option<RopeScaling>,
+    /// The LM head is the embedding matrix (`tie_word_embeddings`).
+    pub tied_embeddings: bool,
     /// RMSNorm epsilon.
     pub eps: f32,
     /// Tokens per KV block.
@@ -57,6 +62,8 @@ impl Default for ModelConfig {
             head_dim: 32,
             ffn: 512,
             rope_theta: 10_000.0,
+            rope_scaling: None,
+            tied_embeddings: false,
             eps: 1e-5,
             block_tokens: 16,
             seed: 0,
@@ -92,38 +99,101 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Reads a Hugging Face `config.json` (Llama fields).
+    /// Reads a Hugging Face `config.json` of a Llama model, in either format:
+    /// transformers 4 (top-level `rope_theta`, `rope_scaling`) or transformers 5
+    /// (`rope_parameters`). What this engine does not implement is refused by name, never
+    /// approximated: other architectures, activations other than SiLU, attention or MLP
+    /// biases, sliding windows, RoPE types other than `default` and `llama3`, partial
+    /// rotary embeddings, quantized checkpoints.
     pub fn from_hf_json(path: &Path, name: &str) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_slice(
             &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
-        )?;
+        )
+        .with_context(|| format!("parsing {}", path.display()))?;
+        Self::from_hf_value(&v, name).with_context(|| format!("{}", path.display()))
+    }
+
+    /// [`ModelConfig::from_hf_json`] on a parsed `config.json`.
+    pub fn from_hf_value(v: &serde_json::Value, name: &str) -> Result<Self> {
         let get = |k: &str| {
             v.get(k)
                 .and_then(|x| x.as_u64())
                 .map(|x| x as usize)
-                .with_context(|| format!("{}: no `{k}`", path.display()))
+                .with_context(|| format!("no `{k}`"))
+        };
+        let flag = |k: &str| v.get(k).and_then(|x| x.as_bool()).unwrap_or(false);
+        let present = |k: &str| v.get(k).is_some_and(|x| !x.is_null());
+        if let Some(t) = v.get("model_type").and_then(|x| x.as_str()) {
+            ensure!(
+                t == "llama",
+                "model_type {t:?} is not implemented (only \"llama\")"
+            );
+        }
+        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
+            ensure!(
+                act == "silu",
+                "hidden_act {act:?} is not implemented (only \"silu\")"
+            );
+        }
+        ensure!(!flag("attention_bias"), "attention_bias is not implemented");
+        ensure!(!flag("mlp_bias"), "mlp_bias is not implemented");
+        for k in ["sliding_window", "quantization_config"] {
+            ensure!(!present(k), "`{k}` is not implemented");
+        }
+        if let Some(tp) = v.get("pretraining_tp").and_then(|x| x.as_u64()) {
+            ensure!(tp <= 1, "pretraining_tp {tp} is not implemented");
+        }
+        // RoPE: transformers 5 keeps everything in `rope_parameters`; 4 has `rope_theta`
+        // at the top level and the scaling (if any) in `rope_scaling`.
+        let rope = v
+            .get("rope_parameters")
+            .filter(|x| !x.is_null())
+            .or_else(|| v.get("rope_scaling").filter(|x| !x.is_null()));
+        let theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .or_else(|| v.get("rope_theta"))
+            .map(|x| x.as_f64().context("`rope_theta` is not a number"))
+            .transpose()?
+            .unwrap_or(10_000.0) as f32;
+        let rope_scaling = match rope {
+            None => None,
+            Some(r) => RopeScaling::from_hf(r)?,
         };
         let heads = get("num_attention_heads")?;
         let dim = get("hidden_size")?;
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             name: name.to_string(),
             vocab: get("vocab_size")?,
             dim,
             layers: get("num_hidden_layers")?,
             heads,
             kv_heads: get("num_key_value_heads").unwrap_or(heads),
-            head_dim: get("head_dim").unwrap_or(dim / heads),
+            head_dim: get("head_dim").unwrap_or(dim / heads.max(1)),
             ffn: get("intermediate_size")?,
-            rope_theta: v
-                .get("rope_theta")
-                .and_then(|x| x.as_f64())
-                .unwrap_or(10_000.0) as f32,
+            rope_theta: theta,
+            rope_scaling,
+            tied_embeddings: flag("tie_word_embeddings"),
             eps: v
                 .get("rms_norm_eps")
                 .and_then(|x| x.as_f64())
                 .unwrap_or(1e-5) as f32,
             ..Default::default()
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// RoPE inverse frequencies, one per rotated pair (`head_dim / 2`), as transformers
+    /// computes them in f32: `theta^(-2i/head_dim)`, then scaled (`llama3`).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let hd = self.head_dim;
+        let base: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f32 / hd as f32))
+            .collect();
+        match &self.rope_scaling {
+            None => base,
+            Some(s) => base.into_iter().map(|f| s.scale(f)).collect(),
+        }
     }
 
     /// Query width.
@@ -134,6 +204,103 @@ impl ModelConfig {
     /// K (or V) width.
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+}
+
+/// RoPE frequency scaling of Llama checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Llama 3.x (`rope_type: "llama3"`): low frequencies divided by `factor`, high ones
+    /// kept, a smooth blend between.
+    Llama3 {
+        /// Scale of the low frequencies.
+        factor: f32,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are low.
+        low_freq_factor: f32,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are high.
+        high_freq_factor: f32,
+        /// The context length the model was trained with before scaling.
+        original_max_position_embeddings: f32,
+    },
+}
+
+impl RopeScaling {
+    /// The scaling a config's `rope_parameters` / `rope_scaling` object names: `None` for
+    /// plain RoPE (`default`), an error for a type this engine does not implement.
+    pub fn from_hf(r: &serde_json::Value) -> Result<Option<RopeScaling>> {
+        let ty = r
+            .get("rope_type")
+            .or_else(|| r.get("type"))
+            .and_then(|x| x.as_str())
+            .unwrap_or("default");
+        if let Some(p) = r.get("partial_rotary_factor").and_then(|x| x.as_f64()) {
+            ensure!(
+                p == 1.0,
+                "partial_rotary_factor {p} is not implemented (only 1.0)"
+            );
+        }
+        let num = |k: &str| -> Result<f32> {
+            r.get(k)
+                .and_then(|x| x.as_f64())
+                .map(|x| x as f32)
+                .with_context(|| format!("rope type {ty:?} needs a numeric `{k}`"))
+        };
+        match ty {
+            "default" => Ok(None),
+            "llama3" => {
+                let s = RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: num("low_freq_factor")?,
+                    high_freq_factor: num("high_freq_factor")?,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                };
+                s.validate()?;
+                Ok(Some(s))
+            }
+            other => {
+                bail!("rope type {other:?} is not implemented (only \"default\" and \"llama3\")")
+            }
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = *self;
+        ensure!(
+            factor >= 1.0
+                && low_freq_factor > 0.0
+                && high_freq_factor > low_freq_factor
+                && original_max_position_embeddings >= 1.0,
+            "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor \
+             and original_max_position_embeddings >= 1"
+        );
+        Ok(())
+    }
+
+    /// One inverse frequency, scaled (transformers' `_compute_llama3_parameters`).
+    pub fn scale(&self, inv_freq: f32) -> f32 {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        } = *self;
+        let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+        let low_wavelen = old / low_freq_factor;
+        let high_wavelen = old / high_freq_factor;
+        if wavelen > low_wavelen {
+            inv_freq / factor
+        } else if wavelen < high_wavelen {
+            inv_freq
+        } else {
+            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+            (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+        }
     }
 }
 
@@ -203,8 +370,9 @@ impl Weights {
         Weights { tensors }
     }
 
-    /// Reads a safetensors file (f32, f16 or bf16) with Hugging Face Llama names. A missing
-    /// `lm_head.weight` means tied embeddings.
+    /// Reads a safetensors file (f32, f16 or bf16) with Hugging Face Llama names. With
+    /// `cfg.tied_embeddings` the LM head is the embedding matrix (a `lm_head.weight` in the
+    /// file, as some tools write, is ignored); untied, the file must have one.
     pub fn from_safetensors(path: &Path, cfg: &ModelConfig) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes)
@@ -229,13 +397,18 @@ impl Weights {
             };
             tensors.insert(name, v);
         }
-        if !tensors.contains_key("lm_head.weight") {
+        if cfg.tied_embeddings {
             let e = tensors
                 .get("model.embed_tokens.weight")
                 .cloned()
                 .context("no model.embed_tokens.weight")?;
             tensors.insert("lm_head.weight".into(), e);
         }
+        ensure!(
+            tensors.contains_key("lm_head.weight"),
+            "no lm_head.weight, and the config does not tie the embeddings \
+             (tie_word_embeddings)"
+        );
         let w = Weights { tensors };
         w.check(cfg)?;
         Ok(w)
@@ -409,6 +582,8 @@ pub struct Model<B: Backend> {
     layers: Vec<Layer<B>>,
     norm: B::Buf,
     lm_head: B::Buf,
+    /// RoPE inverse frequencies ([`ModelConfig::inv_freq`]).
+    inv_freq: Vec<f32>,
     cache: B::Buf,
     free: Vec<u32>,
     scratch: Option<Scratch<B>>,
@@ -449,6 +624,7 @@ impl<B: Backend> Model<B> {
         let cache = backend.zeros(geo.cache_elems())?;
         Ok(Model {
             backend,
+            inv_freq: cfg.inv_freq(),
             cfg,
             geo,
             embed,
@@ -548,8 +724,8 @@ impl<B: Backend> Model<B> {
             b.matmul(h, &l.wq, n, qd, d, q)?;
             b.matmul(h, &l.wk, n, kvd, d, k)?;
             b.matmul(h, &l.wv, n, kvd, d, v)?;
-            b.rope(q, &positions, cfg.heads, cfg.head_dim, cfg.rope_theta)?;
-            b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, cfg.rope_theta)?;
+            b.rope(q, &positions, cfg.heads, cfg.head_dim, &self.inv_freq)?;
+            b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, &self.inv_freq)?;
             b.write_kv(&mut self.cache, &self.geo, li, k, v, &slots)?;
             b.attention(
                 q,

@@ -100,12 +100,22 @@ fn rmsnorm_swiglu_add_embedding_match_naive() {
     assert_eq!(&e[4..], &table[..4]);
 }
 
+/// Plain RoPE inverse frequencies of a `head_dim` with base `theta`.
+fn freqs(head_dim: usize, theta: f32) -> Vec<f32> {
+    ModelConfig {
+        head_dim,
+        rope_theta: theta,
+        ..Default::default()
+    }
+    .inv_freq()
+}
+
 #[test]
 fn rope_is_a_rotation_by_position() {
     let (heads, hd) = (2, 8);
     let x = rand_vec(heads * hd, 10);
     let mut y = x.clone();
-    cpu::rope(&mut y, &[5], heads, hd, 10_000.0);
+    cpu::rope(&mut y, &[5], heads, hd, &freqs(hd, 10_000.0));
     for h in 0..heads {
         for i in 0..hd / 2 {
             let ang = 5.0f64 * 10_000f64.powf(-(2.0 * i as f64) / hd as f64);
@@ -121,7 +131,7 @@ fn rope_is_a_rotation_by_position() {
     }
     // Position 0 is the identity.
     let mut z = x.clone();
-    cpu::rope(&mut z, &[0], heads, hd, 10_000.0);
+    cpu::rope(&mut z, &[0], heads, hd, &freqs(hd, 10_000.0));
     assert_eq!(z, x);
 }
 
@@ -479,9 +489,10 @@ mod gpu {
             );
             let q = rand_vec(3 * 4 * 16, 27);
             let mut want = q.clone();
-            cpu::rope(&mut want, &[0, 7, 1000], 4, 16, 10_000.0);
+            cpu::rope(&mut want, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0));
             let mut out = d(&q);
-            dev.rope(&mut out, &[0, 7, 1000], 4, 16, 10_000.0).unwrap();
+            dev.rope(&mut out, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0))
+                .unwrap();
             close(&back(&out, q.len()), &want, 1e-3, "rope");
             // Paged KV write + attention (prefill rows and one decode row).
             let g = geo();

@@ -460,7 +460,12 @@ fn etcd_discovery_without_the_feature_says_how_to_get_it() {
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut err = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
     assert!(!status.success(), "started with etcd discovery: {err}");
     assert!(
         err.contains("--features etcd") && err.contains("protoc"),

@@ -6,6 +6,14 @@
 #
 #   deploy/local/run.sh            # builds release binaries first if needed
 #   KVD_BIN=target/debug deploy/local/run.sh
+#   KVD_MODEL_DIR=~/models/Llama-3.2-1B deploy/local/run.sh   # a real checkpoint
+#
+# Without KVD_MODEL_DIR the engines run a tiny Llama-style model with random (seeded)
+# weights: the generated text is noise, by design. What the demo shows is where each
+# request's KV came from (computed, kvd's local cache, a pull or a push from the other
+# node) and what reusing it saved in time to first token. KVD_MODEL_DIR names a Hugging
+# Face Llama checkpoint directory (config.json, one model.safetensors, tokenizer.json);
+# the engine reads it as transformers would, or refuses what it does not implement.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${KVD_BIN:-target/release}
@@ -36,12 +44,21 @@ for n in a b; do
 done
 wait_file "$WORK/kvd-a.sock"; wait_file "$WORK/kvd-b.sock"
 
+MODEL=()
+if [[ -n "${KVD_MODEL_DIR:-}" ]]; then
+  MODEL=(--model-config "$KVD_MODEL_DIR/config.json" --weights "$KVD_MODEL_DIR/model.safetensors")
+  [[ -f "$KVD_MODEL_DIR/tokenizer.json" ]] && MODEL+=(--tokenizer "$KVD_MODEL_DIR/tokenizer.json")
+  echo "model: $KVD_MODEL_DIR"
+else
+  echo "model: a tiny Llama-style model with random weights (the text below is noise; watch where the KV comes from and the TTFT)"
+fi
 PP=$(free_port); DP=$(free_port); RP=$(free_port)
-RUST_LOG=warn "$BIN/kvd-engine" --role prefill --listen "127.0.0.1:$PP" --kvd "ipc://$WORK/kvd-a.sock" >"$WORK/prefill.log" 2>&1 &
+RUST_LOG=warn "$BIN/kvd-engine" --role prefill --listen "127.0.0.1:$PP" --kvd "ipc://$WORK/kvd-a.sock" "${MODEL[@]}" >"$WORK/prefill.log" 2>&1 &
 PIDS+=($!)
-RUST_LOG=warn "$BIN/kvd-engine" --role decode --listen "127.0.0.1:$DP" --kvd "ipc://$WORK/kvd-b.sock" >"$WORK/decode.log" 2>&1 &
+RUST_LOG=warn "$BIN/kvd-engine" --role decode --listen "127.0.0.1:$DP" --kvd "ipc://$WORK/kvd-b.sock" "${MODEL[@]}" >"$WORK/decode.log" 2>&1 &
 PIDS+=($!)
-wait_http "http://127.0.0.1:$PP/health"; wait_http "http://127.0.0.1:$DP/health"
+wait_http "http://127.0.0.1:$PP/health" || { cat "$WORK/prefill.log"; exit 1; }
+wait_http "http://127.0.0.1:$DP/health" || { cat "$WORK/decode.log"; exit 1; }
 start_router() {
   RUST_LOG=warn "$BIN/kvd-router" --listen "127.0.0.1:$RP" --prefill "http://127.0.0.1:$PP" \
     --decode "http://127.0.0.1:$DP" --mode "$1" >"$WORK/router-$1.log" 2>&1 &
@@ -51,9 +68,13 @@ start_router() {
 }
 
 ask() { # prompt, label
-  python3 - "$RP" "$1" "$2" <<'PY'
+  python3 - "$RP" "$1" "$2" "$WORK/results" "$PP" <<'PY'
 import json, sys, time, urllib.request
-port, prompt, label = sys.argv[1], sys.argv[2], sys.argv[3]
+port, prompt, label, results, prefill = sys.argv[1:6]
+# What node A's kvd already holds of this prompt: the prefill worker reuses exactly that.
+look = urllib.request.Request(f"http://127.0.0.1:{prefill}/v1/lookup", json.dumps({"prompt": prompt}).encode(),
+                              {"Content-Type": "application/json"})
+reused = json.load(urllib.request.urlopen(look, timeout=10))["cached_tokens"]
 body = json.dumps({"prompt": prompt, "max_tokens": 24, "stream": True}).encode()
 req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
 t0 = time.time(); ttft = None; text = ""; last = {}
@@ -68,7 +89,10 @@ with urllib.request.urlopen(req, timeout=60) as r:
         if ttft is None and ev["choices"][0].get("token_ids"): ttft = time.time() - t0
         text += ev["choices"][0]["text"]; last = ev
 kvd = last.get("kvd", {})
-print(f"[{label}] TTFT {ttft*1e3:.1f} ms, KV from {kvd.get('source')} ({kvd.get('cached_tokens')} tokens cached), text: {text!r}")
+print(f"[{label}] TTFT {ttft*1e3:.1f} ms; prefill: {reused} prompt tokens reused from node A's kvd; "
+      f"decode: KV by {kvd.get('source')} ({kvd.get('cached_tokens')} tokens); text: {text!r}")
+with open(results, "a") as f:
+    f.write(json.dumps({"label": label, "ttft_ms": ttft * 1e3, "reused": reused}) + "\n")
 PY
 }
 
@@ -79,4 +103,11 @@ ask "$PROMPT" "pull, repeated (prefix hit on node A)"
 kill "$RPID"; wait "$RPID" 2>/dev/null || true
 start_router push
 ask "$PROMPT A different ending." "push"
+python3 - "$WORK/results" <<'PY'
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+cold, hit = r[0], r[1]
+print(f"reuse: the repeated prompt took {hit['reused']} prompt tokens from node A's kvd instead of "
+      f"computing them; TTFT {hit['ttft_ms']:.1f} ms against {cold['ttft_ms']:.1f} ms cold")
+PY
 echo "logs were in $WORK (removed on exit)"
