@@ -5,6 +5,9 @@
 
 typedef unsigned long long u64;
 
+// +inf without <math.h> (NVRTC has no INFINITY macro): the IEEE-754 bit pattern.
+#define KVD_INF __int_as_float(0x7f800000)
+
 __device__ __forceinline__ size_t cache_index(int layer, int part, int block, int token, int head,
                                               int num_blocks, int bt, int kvh, int hd) {
     return ((((size_t)(layer * 2 + part) * num_blocks + block) * bt + token) * kvh + head) * hd;
@@ -95,7 +98,7 @@ extern "C" __global__ void attention(const float* q, const float* cache, const u
     int lane = threadIdx.x;
     const float* qr = q + (size_t)th * hd;
     float scale = rsqrtf((float)hd);
-    float m = -INFINITY, l = 0.f;
+    float m = -KVD_INF, l = 0.f;
     float acc[256];
     for (int d = 0; d < hd; d++) acc[d] = 0.f;
     int n = pos[t] + 1;
@@ -114,7 +117,7 @@ extern "C" __global__ void attention(const float* q, const float* cache, const u
     }
     float M = m;
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
-    float f = (m == -INFINITY) ? 0.f : expf(m - M);
+    float f = (m == -KVD_INF) ? 0.f : expf(m - M);
     float L = l * f;
     for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
     for (int d = 0; d < hd; d++) {
@@ -149,7 +152,7 @@ __device__ __forceinline__ float uniform(u64 seed, u64 step, u64 i) {
 extern "C" __global__ void sample(const float* logits, int vocab, float temperature, u64 seed, u64 step, unsigned* out) {
     __shared__ float bs[1024];
     __shared__ int bi[1024];
-    float best = -INFINITY;
+    float best = -KVD_INF;
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float s = temperature <= 0.f ? logits[i] : logits[i] / temperature - logf(-logf(uniform(seed, step, (u64)i)));

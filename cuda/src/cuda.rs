@@ -29,7 +29,8 @@ use crate::KvGeometry;
 /// The kernels' source.
 pub const KERNELS: &str = include_str!("../kernels/kvd_kernels.cu");
 
-const NAMES: &[&str] = &[
+/// The kernels `CudaBackend::new` loads by name from the compiled module.
+pub const NAMES: &[&str] = &[
     "embedding",
     "rmsnorm",
     "matmul",
@@ -69,6 +70,32 @@ fn grid(n: usize) -> LaunchConfig {
     }
 }
 
+/// The architecture the kernels are compiled for: PTX for compute capability 9.0 (H100,
+/// H200), which newer drivers JIT for newer GPUs. Explicit, so that an NVRTC newer than
+/// the driver cannot emit PTX for an architecture the driver does not know.
+pub const ARCH: &str = "compute_90";
+
+/// Whether libnvrtc can be loaded (from `LD_LIBRARY_PATH` or the system).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: this only tries to dlopen libnvrtc; nothing is called through it.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles a `.cu` source with NVRTC exactly as [`CudaBackend::new`] does (the path
+/// that runs on the GPU; CI runs it on every kernel file, no GPU needed: only libnvrtc).
+pub fn compile(src: &str) -> Result<cudarc::nvrtc::Ptx> {
+    ensure!(!src.contains('\0'), "kernel source contains a NUL byte");
+    ensure!(nvrtc_present(), "libnvrtc not found");
+    cudarc::nvrtc::compile_ptx_with_opts(
+        src,
+        cudarc::nvrtc::CompileOptions {
+            arch: Some(ARCH),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("NVRTC ({ARCH}): {e:?}"))
+}
+
 impl CudaBackend {
     /// Opens device `ordinal`, compiles and loads the kernels. Errors (never panics) when
     /// the driver, NVRTC or a device is missing.
@@ -87,8 +114,7 @@ impl CudaBackend {
         ensure!((ordinal as i32) < n, "no CUDA device {ordinal} ({n} found)");
         let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
         let stream = ctx.default_stream();
-        let ptx =
-            cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
+        let ptx = compile(KERNELS)?;
         let module = ctx.load_module(ptx).context("loading the kernels")?;
         let mut funcs = HashMap::new();
         for &name in NAMES {
