@@ -13,5 +13,12 @@ cp target/gpu/release/{kvd,kvd-engine,kvd-router,kvd-bench} gpu-bin/
 newest() { ls -t target/gpu/release/deps/"$1"-* | grep -v '\.d$' | head -1; }
 cp "$(newest kernels)" gpu-bin/kernels-test
 cp "$(newest gpu)" gpu-bin/gpu-test
+cp "$(newest nvrtc)" gpu-bin/nvrtc-test
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
+# The GPU machine runs these as they are: say which glibc they need (its own must be at
+# least that), and keep the bundle within what the device tool carries (64 MiB).
+need=$(objdump -T gpu-bin/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+echo "gpu-bin needs ${need:-an unknown glibc} (this machine has $(ldd --version | head -1 | grep -o '[0-9.]*$'))"
+size=$(du -sm gpu-bin | cut -f1)
+[[ $size -le 64 ]] || { echo "gpu-bin is ${size} MiB: over the 64 MiB the device tool carries"; exit 1; }

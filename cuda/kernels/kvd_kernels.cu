@@ -149,7 +149,7 @@ __device__ __forceinline__ float uniform(u64 seed, u64 step, u64 i) {
 }
 
 // Greedy or Gumbel-max sampling; one block of 1024 threads; ties to the lowest index.
-extern "C" __global__ void sample(const float* logits, int vocab, float temperature, u64 seed, u64 step, unsigned* out) {
+extern "C" __global__ void __launch_bounds__(1024) sample(const float* logits, int vocab, float temperature, u64 seed, u64 step, unsigned* out) {
     __shared__ float bs[1024];
     __shared__ int bi[1024];
     float best = -KVD_INF;

@@ -11,8 +11,17 @@ use kvd_engine::sse::Collected;
 use serde_json::Value;
 
 /// This profile's binaries; `kvd` is built when missing (`cargo test -p kvd-engine`
-/// alone does not build other packages' binaries).
+/// alone does not build other packages' binaries). With `KVD_BIN_DIR` (the GPU machine,
+/// which has the bundle of `scripts/gpu-build.sh` and no cargo), that directory's.
 pub fn bins() -> Bins {
+    if let Some(dir) = std::env::var_os("KVD_BIN_DIR") {
+        let dir = PathBuf::from(dir);
+        return Bins {
+            kvd: dir.join("kvd"),
+            engine: dir.join("kvd-engine"),
+            router: dir.join("kvd-router"),
+        };
+    }
     let dir = PathBuf::from(env!("CARGO_BIN_EXE_kvd-engine"))
         .parent()
         .expect("bin dir")
