@@ -313,7 +313,9 @@ impl Index {
 
     // ----- the lists -----
 
-    /// On a list: committed, not pinned (the invariant).
+    /// On its list. The invariant says that is exactly "committed and unpinned"; the
+    /// structural half (linked, or the head) keeps the check true in the middle of a
+    /// transition, e.g. a promoted block committed straight into a pin.
     fn listed(&self, idx: u32) -> bool {
         let n = &self.nodes[idx as usize];
         n.state == State::Committed && n.pins == 0 && (n.prev != NIL || self.is_head(idx))
