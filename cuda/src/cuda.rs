@@ -81,6 +81,17 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// NVRTC's version, `(major, minor)`, when libnvrtc loads.
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: libnvrtc is loaded (checked above); both are valid out pointers.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
+}
+
 /// Compiles a `.cu` source with NVRTC exactly as [`CudaBackend::new`] does (the path
 /// that runs on the GPU; CI runs it on every kernel file, no GPU needed: only libnvrtc).
 pub fn compile(src: &str) -> Result<cudarc::nvrtc::Ptx> {
@@ -94,6 +105,21 @@ pub fn compile(src: &str) -> Result<cudarc::nvrtc::Ptx> {
         },
     )
     .map_err(|e| anyhow::anyhow!("NVRTC ({ARCH}): {e:?}"))
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let ranges: Vec<usize> = self
+            .registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|&(h, _, _)| h)
+            .collect();
+        for h in ranges {
+            self.unregister_host(h as *mut u8);
+        }
+    }
 }
 
 impl CudaBackend {
@@ -114,6 +140,15 @@ impl CudaBackend {
         ensure!((ordinal as i32) < n, "no CUDA device {ordinal} ({n} found)");
         let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
         let stream = ctx.default_stream();
+        let mut driver_version = 0;
+        // SAFETY: libcuda is loaded (checked above); a valid out pointer.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
+        tracing::info!(
+            driver = format!("{}.{}", driver_version / 1000, driver_version % 1000 / 10),
+            nvrtc = ?nvrtc_version(),
+            arch = ARCH,
+            "CUDA: compiling the kernels"
+        );
         let ptx = compile(KERNELS)?;
         let module = ctx.load_module(ptx).context("loading the kernels")?;
         let mut funcs = HashMap::new();
@@ -125,10 +160,15 @@ impl CudaBackend {
                     .with_context(|| format!("kernel {name}"))?,
             );
         }
-        let blas = if cublas {
-            Some(CudaBlas::new(stream.clone()).context("cuBLAS")?)
-        } else {
-            None
+        // A cuBLAS that loads but cannot start (a version the driver refuses, no memory)
+        // leaves matmul to the NVRTC kernel instead of failing the backend.
+        let blas = match cublas.then(|| CudaBlas::new(stream.clone())) {
+            Some(Ok(b)) => Some(b),
+            Some(Err(e)) => {
+                tracing::warn!(error = ?e, "cuBLAS did not initialise: matmul uses the NVRTC kernel");
+                None
+            }
+            None => None,
         };
         let device = ctx.name().unwrap_or_else(|_| "unknown".into());
         Ok(CudaBackend {
@@ -172,6 +212,20 @@ impl CudaBackend {
     /// dropped.
     pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
         use cudarc::driver::sys;
+        let start = ptr as usize;
+        let end = start.checked_add(len).context("range overflows")?;
+        ensure!(len > 0, "registering an empty range");
+        if let Some(&(h, l, _)) = self
+            .registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|&&(h, l, _)| start < h + l && h < end)
+        {
+            anyhow::bail!(
+                "range {start:#x}+{len} overlaps the registered {h:#x}+{l}: unregister it first"
+            );
+        }
         self.ctx.bind_to_thread()?;
         // SAFETY: the caller guarantees the range is mapped for the backend's life.
         let r = unsafe {
@@ -194,7 +248,7 @@ impl CudaBackend {
         );
         self.registered
             .lock()
-            .unwrap()
+            .unwrap_or_else(|p| p.into_inner())
             .push((ptr as usize, len, dev));
         tracing::info!(
             bytes = len,
@@ -203,12 +257,33 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Device addresses of host slices, if all of them lie in registered ranges.
+    /// Unregisters the range that starts at `ptr` (a pool remapped after its daemon
+    /// restarted is registered again). `false` if none starts there.
+    pub fn unregister_host(&self, ptr: *mut u8) -> bool {
+        let mut reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(i) = reg.iter().position(|&(h, _, _)| h == ptr as usize) else {
+            return false;
+        };
+        reg.remove(i);
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` starts a range this backend registered and nothing uses it
+            // from now on (it is out of the table, so no later transfer maps it).
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr.cast()) };
+        }
+        true
+    }
+
+    /// Device addresses of host slices, if all of them lie in registered ranges and
+    /// start 16-byte aligned (others take the bounce path rather than risk a misaligned
+    /// device access, which would poison the context).
     fn mapped(&self, ptrs: impl Iterator<Item = (usize, usize)>) -> Option<Vec<u64>> {
-        let reg = self.registered.lock().unwrap();
+        let reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
         ptrs.map(|(p, len)| {
+            if p % 16 != 0 {
+                return None;
+            }
             reg.iter()
-                .find(|&&(h, l, _)| p >= h && p + len <= h + l)
+                .find(|&&(h, l, _)| p >= h && p.checked_add(len).is_some_and(|e| e <= h + l))
                 .map(|&(h, _, d)| d + (p - h) as u64)
         })
         .collect()
