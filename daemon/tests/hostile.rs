@@ -527,6 +527,19 @@ fn bad_transfer_and_peer_messages_are_refused() {
         call("peer_rdma_connect", &rc),
         Some(ErrorCode::InvalidState)
     );
+    // Per-grant RDMA registration reaches its handler (sealed) and, without a device,
+    // registers nothing.
+    let rr = PeerRdmaRegisterReq {
+        from: stranger.clone(),
+        to_incarnation: me.incarnation,
+        handle: 1,
+        token: 2,
+        write: true,
+    };
+    assert_eq!(
+        call("peer_rdma_register", &rr),
+        Some(ErrorCode::InvalidState)
+    );
     // client ops: wrong shapes and unknown names
     let bad_export = ExportReq {
         client,

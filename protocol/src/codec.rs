@@ -16,8 +16,8 @@ use crate::msg::*;
 use crate::transfer::op as xop;
 use crate::transfer::{
     AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq, PeerLookupReq,
-    PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PullReq, PushRegisterReq,
-    TransferStatusReq,
+    PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq, PullReq,
+    PushRegisterReq, TransferStatusReq,
 };
 
 /// The protocol version this crate speaks.
@@ -47,6 +47,7 @@ pub enum Request {
     PeerFail(PeerFailReq),
     PeerHeartbeat(PeerHeartbeatReq),
     PeerRdmaConnect(PeerRdmaConnectReq),
+    PeerRdmaRegister(PeerRdmaRegisterReq),
     PeerLookup(PeerLookupReq),
     PeerLock(PeerLockReq),
 }
@@ -63,6 +64,7 @@ impl Request {
                 | Request::PeerFail(_)
                 | Request::PeerHeartbeat(_)
                 | Request::PeerRdmaConnect(_)
+                | Request::PeerRdmaRegister(_)
                 | Request::PeerLookup(_)
                 | Request::PeerLock(_)
         )
@@ -91,6 +93,7 @@ impl Request {
             Request::PeerFail(_) => xop::PEER_FAIL,
             Request::PeerHeartbeat(_) => xop::PEER_HEARTBEAT,
             Request::PeerRdmaConnect(_) => xop::PEER_RDMA_CONNECT,
+            Request::PeerRdmaRegister(_) => xop::PEER_RDMA_REGISTER,
             Request::PeerLookup(_) => xop::PEER_LOOKUP,
             Request::PeerLock(_) => xop::PEER_LOCK,
         }
@@ -162,6 +165,7 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PeerFail(b) => env(id, op, b),
         Request::PeerHeartbeat(b) => env(id, op, b),
         Request::PeerRdmaConnect(b) => env(id, op, b),
+        Request::PeerRdmaRegister(b) => env(id, op, b),
         Request::PeerLookup(b) => env(id, op, b),
         Request::PeerLock(b) => env(id, op, b),
     }
@@ -256,6 +260,9 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         xop::PEER_FAIL => body(frame, xop::PEER_FAIL).map(Request::PeerFail),
         xop::PEER_HEARTBEAT => body(frame, xop::PEER_HEARTBEAT).map(Request::PeerHeartbeat),
         xop::PEER_RDMA_CONNECT => body(frame, xop::PEER_RDMA_CONNECT).map(Request::PeerRdmaConnect),
+        xop::PEER_RDMA_REGISTER => {
+            body(frame, xop::PEER_RDMA_REGISTER).map(Request::PeerRdmaRegister)
+        }
         xop::PEER_LOOKUP => body(frame, xop::PEER_LOOKUP).map(Request::PeerLookup),
         xop::PEER_LOCK => body(frame, xop::PEER_LOCK).map(Request::PeerLock),
         other => {

@@ -40,8 +40,9 @@ pub use msg::*;
 pub use transfer::{
     check_transfer_id, transfer_tag, AbortReq, AbortResp, ExportReq, ExportResp, PeerAck,
     PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq, PeerLookupReq, PeerPushDoneReq,
-    PeerPushRegReq, PeerRdmaConnectReq, PeerRef, PullReq, PushRegisterReq, RdmaRef, RdmaRegion,
-    TransferParams, TransferResp, TransferRole, TransferState, TransferStats, TransferStatusReq,
+    PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq, PeerRef, PullReq, PushRegisterReq,
+    RdmaRef, RdmaRegion, TransferParams, TransferResp, TransferRole, TransferState, TransferStats,
+    TransferStatusReq,
 };
 
 /// The default endpoint of a node's daemon, shared by `kvd` and `kvd-client` so that

@@ -40,6 +40,8 @@ pub mod op {
     pub const PEER_HEARTBEAT: &str = "peer_heartbeat";
     /// `peer_rdma_connect`
     pub const PEER_RDMA_CONNECT: &str = "peer_rdma_connect";
+    /// `peer_rdma_register`
+    pub const PEER_RDMA_REGISTER: &str = "peer_rdma_register";
     /// `peer_lookup`
     pub const PEER_LOOKUP: &str = "peer_lookup";
     /// `peer_lock`
@@ -104,6 +106,25 @@ pub struct PeerRdmaConnectReq {
     pub qpn: u32,
     /// Its initial packet sequence number.
     pub psn: u32,
+}
+
+/// `peer_rdma_register`: the sender is about to move a transfer's bytes by RDMA under the
+/// receiver's grant `handle` (an export to read, `write` = false; a push registration to
+/// write, `write` = true). The receiver checks the grant (token, kind, lease), registers
+/// exactly its ranges with exactly that remote access, and answers their keys in
+/// `rdma_regions`; the registrations end with the grant.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PeerRdmaRegisterReq {
+    /// The sender.
+    pub from: PeerRef,
+    /// The receiver's incarnation.
+    pub to_incarnation: Incarnation,
+    /// The receiver's grant.
+    pub handle: u64,
+    /// Its token (from the params, or the push registration).
+    pub token: u64,
+    /// Remote writes (a push) rather than reads (a pull).
+    pub write: bool,
 }
 
 /// `kv_transfer_params`: what `export` returns and `pull` takes. Engines pass it along
@@ -426,6 +447,9 @@ pub struct PeerAck {
     /// `peer_rdma_connect`: its initial packet sequence number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma_psn: Option<u32>,
+    /// `peer_rdma_register`: the grant's ranges, registered, with their remote keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rdma_regions: Vec<RdmaRegion>,
     /// `peer_lookup`: per key asked, whether the receiver holds it (DRAM or NVMe).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub present: Vec<bool>,

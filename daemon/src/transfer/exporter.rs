@@ -151,6 +151,10 @@ impl Transfers {
         if exp.pin.is_none() || !exp.state.is_final() {
             return;
         }
+        // Ended: no peer's NIC may read these slots any more (before they are released).
+        if let Some(ra) = &self.remote {
+            ra.close(exp.handle);
+        }
         let why = exp
             .error
             .as_ref()

@@ -176,15 +176,38 @@ impl Grants {
         r
     }
 
-    fn check(
+    /// The `(offset, len)` ranges of a live grant, for the same checks as
+    /// [`Grants::begin`] (incarnation, token, not revoked, lease, kind): what a one-sided
+    /// transport may be given remote access to. Refusals count as refused requests.
+    pub fn ranges_for(
         &self,
         kind: GrantKind,
         handle: u64,
         token: u64,
         dst_incarnation: Incarnation,
-        ranges: &[(u64, u64)],
         now: Instant,
-    ) -> Result<GrantGuard<'_>, WireError> {
+    ) -> Result<Vec<(u64, u64)>, WireError> {
+        let mut map = self.lock();
+        let r = self
+            .valid(&mut map, kind, handle, token, dst_incarnation, now)
+            .map(|g| g.ranges.iter().map(|&(s, e)| (s, e - s)).collect());
+        if r.is_err() {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// The grant under `handle`, if a request of `kind` with `token` for `dst_incarnation`
+    /// may use it now.
+    fn valid<'m>(
+        &self,
+        map: &'m mut HashMap<u64, Grant>,
+        kind: GrantKind,
+        handle: u64,
+        token: u64,
+        dst_incarnation: Incarnation,
+        now: Instant,
+    ) -> Result<&'m mut Grant, WireError> {
         if dst_incarnation != self.incarnation {
             return Err(werr(
                 ErrorCode::StaleIncarnation,
@@ -194,7 +217,6 @@ impl Grants {
                 ),
             ));
         }
-        let mut map = self.lock();
         let g = map.get_mut(&handle).ok_or_else(|| {
             werr(
                 ErrorCode::UnknownTransfer,
@@ -225,6 +247,20 @@ impl Grants {
                 format!("grant {handle} is for {:?}, not {kind:?}", g.kind),
             ));
         }
+        Ok(g)
+    }
+
+    fn check(
+        &self,
+        kind: GrantKind,
+        handle: u64,
+        token: u64,
+        dst_incarnation: Incarnation,
+        ranges: &[(u64, u64)],
+        now: Instant,
+    ) -> Result<GrantGuard<'_>, WireError> {
+        let mut map = self.lock();
+        let g = self.valid(&mut map, kind, handle, token, dst_incarnation, now)?;
         let mut total = 0u64;
         for &(off, len) in ranges {
             let end = off

@@ -289,13 +289,18 @@ impl Transfers {
         if imp.settled || !imp.state.is_final() {
             return;
         }
+        // Ended: no peer's NIC may write these slots any more (a late RDMA write now fails
+        // at the NIC); they are freed below, later.
+        if let Some(ra) = &self.remote {
+            ra.close(imp.handle);
+        }
         let why = imp
             .error
             .as_ref()
             .map_or(ErrorCode::InvalidState, |e| e.code);
-        // A push registered with RDMA may still be written by the peer's NIC, which no
-        // grant check stops: keep the slots out of use until the writer's queue pair
-        // has timed out and been reset.
+        // Its RDMA registration is gone (above), so a late write fails at the NIC; the
+        // quarantine stays as a second guard until that is verified on hardware: the
+        // slots stay out of use until the writer's queue pair has timed out and reset.
         let quarantined = imp.mode == Mode::Push
             && self.me.rdma.is_some()
             && imp

@@ -51,6 +51,7 @@ pub mod discovery;
 pub mod grants;
 mod p2p;
 mod peer_ops;
+pub mod remote_access;
 pub use p2p::PeerConfig;
 mod settings;
 pub use settings::TransferConfig;
@@ -392,6 +393,8 @@ pub struct Transfers {
     cfg: TransferConfig,
     me: PeerRef,
     grants: Arc<Grants>,
+    /// Per-grant remote access for one-sided transports (with an RDMA device).
+    remote: Option<Arc<remote_access::RemoteAccess>>,
     plane: DataPlane,
     tcp: Arc<TcpTransport>,
     shm: Option<Arc<ShmTransport>>,
@@ -496,6 +499,12 @@ impl Transfers {
             }
             _ => (None, None),
         };
+        #[cfg(feature = "rdma")]
+        let remote = rdma
+            .as_ref()
+            .map(|t| Arc::new(remote_access::RemoteAccess::new(t.registrar())));
+        #[cfg(not(feature = "rdma"))]
+        let remote = None;
         let plane = DataPlane::start(cfg.data.workers)?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
@@ -505,6 +514,7 @@ impl Transfers {
             cfg,
             me,
             grants,
+            remote,
             plane,
             tcp,
             shm,

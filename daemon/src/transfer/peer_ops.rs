@@ -309,6 +309,35 @@ impl Transfers {
         ))
     }
 
+    /// `peer_rdma_register`: the peer is about to move bytes by RDMA under one of our
+    /// grants; register exactly that grant's slots for it ([`super::remote_access`]).
+    pub fn peer_rdma_register(
+        &mut self,
+        r: &PeerRdmaRegisterReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        self.check_to(r.to_incarnation, false)?;
+        let Some(ra) = &self.remote else {
+            return Err(werr(
+                ErrorCode::InvalidState,
+                "this daemon has no RDMA device (or was built without the rdma feature)",
+            ));
+        };
+        let regions = ra.open(
+            &self.grants,
+            r.handle,
+            r.token,
+            r.write,
+            r.to_incarnation,
+            now,
+        )?;
+        Ok(Reply::Ack(PeerAck {
+            incarnation: self.me.incarnation,
+            rdma_regions: regions,
+            ..Default::default()
+        }))
+    }
+
     /// `peer_heartbeat`.
     pub fn peer_heartbeat(
         &mut self,

@@ -3,10 +3,16 @@
 //!
 //! - At start, [`Verbs::open`] takes the first RDMA device (none: `Ok(None)`, and the
 //!   daemon says so in one line and uses TCP), allocates a protection domain and
-//!   registers the whole pool once, in slices of at most 3.5 GiB (never per transfer).
+//!   registers the whole pool once, in slices of at most 3.5 GiB, for **local** access
+//!   only (the lkeys of this side's scatter/gather entries). Peers get remote access per
+//!   grant: before moving a transfer's bytes the initiator asks the grant's owner
+//!   (`peer_rdma_register`, sealed), which registers exactly that grant's ranges with
+//!   exactly its access and answers their rkeys; they are deregistered when the transfer
+//!   frees its slots ([`super::remote_access`]). No rkey travels in a `PeerRef` or in
+//!   params.
 //! - One RC queue pair per peer, each with its own completion queue. Connection metadata
 //!   (QPN, PSN, LID, GID) is exchanged over the control channel (`peer_rdma_connect`); the
-//!   pool's address and rkeys travel in [`kvd_protocol::PeerRef::rdma`].
+//!   pool's base address travels in [`kvd_protocol::PeerRef::rdma`], its `regions` empty.
 //! - Pull = RDMA READ of the exporter's slots into local PENDING slots; push = RDMA WRITE
 //!   into the decode side's registered slots, the last work request WRITE_WITH_IMM
 //!   carrying the grant handle's low 32 bits (big-endian), so the receiver sees the
@@ -30,6 +36,7 @@ use kvd_protocol::{ErrorCode, PeerRef, RdmaRef, RdmaRegion, WireError};
 use rdma_sys::*;
 
 use super::dataplane::{Access, Caps, Op, Transport};
+use super::remote_access::{Registrar, Registration};
 use crate::pool::Pool;
 
 /// Largest registration (some NICs refuse larger ones).
@@ -127,10 +134,8 @@ impl Verbs {
             }
             v.gid = gid.raw;
         }
-        let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | ibv_access_flags::IBV_ACCESS_REMOTE_READ
-            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-            .0 as i32;
+        // Local access only: remote access is per grant (`register`).
+        let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32;
         let mut off = 0u64;
         while off < pool.size() {
             let len = (pool.size() - off).min(MR_SLICE);
@@ -151,22 +156,13 @@ impl Verbs {
         Ok(Some(v))
     }
 
-    /// What peers need to address this pool.
+    /// What peers need to address this pool: no keys (those come per grant).
     pub fn describe(&self) -> RdmaRef {
         RdmaRef {
             lid: self.lid,
             gid: self.gid.to_vec(),
             base: self.base,
-            regions: self
-                .mrs
-                .iter()
-                .map(|&(offset, len, mr)| RdmaRegion {
-                    offset,
-                    len,
-                    // SAFETY: `mr` is a live registration owned by `self`.
-                    rkey: unsafe { (*mr).rkey },
-                })
-                .collect(),
+            regions: Vec::new(),
         }
     }
 
@@ -191,6 +187,69 @@ impl Drop for Verbs {
             }
             ibv_close_device(self.ctx);
         }
+    }
+}
+
+/// Remote-access registrations of pool ranges ([`Registrar`] for
+/// [`super::remote_access::RemoteAccess`]).
+pub struct VerbsRegistrar(Arc<Verbs>);
+
+/// One registration; deregistered on drop (the `Arc` keeps the PD and the pool alive
+/// until then).
+struct Mr {
+    mr: *mut ibv_mr,
+    _verbs: Arc<Verbs>,
+}
+
+// SAFETY: an MR handle may be used and deregistered from any thread; only `Drop` uses it.
+unsafe impl Send for Mr {}
+// SAFETY: shared use only reads the rkey.
+unsafe impl Sync for Mr {}
+
+impl Registration for Mr {
+    fn rkey(&self) -> u32 {
+        // SAFETY: `self.mr` is a live registration until `Drop`.
+        unsafe { (*self.mr).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered by `VerbsRegistrar::register`, deregistered once, before the
+        // PD (held by `_verbs`) goes.
+        unsafe { ibv_dereg_mr(self.mr) };
+    }
+}
+
+impl Registrar for VerbsRegistrar {
+    fn register(
+        &self,
+        offset: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<Box<dyn Registration>, WireError> {
+        let v = &self.0;
+        let addr = v
+            ._pool
+            .addr(offset, len as usize)
+            .map_err(|e| werr(ErrorCode::InvalidArgument, e.to_string()))?;
+        let remote = if write {
+            ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+        } else {
+            ibv_access_flags::IBV_ACCESS_REMOTE_READ
+        };
+        // REMOTE_WRITE needs LOCAL_WRITE; reads get it too (the NIC's own access).
+        let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | remote).0 as i32;
+        // SAFETY: `addr..addr+len` is a range the pool's region checked lies inside its
+        // mapping, which outlives the MR (`Mr` holds the `Verbs`, which holds the pool).
+        let mr = unsafe { ibv_reg_mr(v.pd, addr.cast(), len as usize, access) };
+        if mr.is_null() {
+            return Err(os("ibv_reg_mr (per grant)"));
+        }
+        Ok(Box::new(Mr {
+            mr,
+            _verbs: v.clone(),
+        }))
     }
 }
 
@@ -344,11 +403,14 @@ impl Qp {
     }
 
     /// Posts one RDMA op per range (READ, or WRITE with the last one WRITE_WITH_IMM
-    /// carrying `imm`) and waits for them, up to `timeout`.
+    /// carrying `imm`) into the peer's `regions` (the grant's registrations) and waits for
+    /// them, up to `timeout`.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         v: &Verbs,
         peer: &RdmaRef,
+        regions: &[RdmaRegion],
         read: bool,
         imm: Option<u32>,
         ops: &[Op],
@@ -365,14 +427,19 @@ impl Qp {
                         "local range outside the registered pool",
                     )
                 })?;
-                let region = peer
-                    .regions
+                let region = regions
                     .iter()
-                    .find(|r| op.remote >= r.offset && op.remote + op.len <= r.offset + r.len)
+                    .find(|r| {
+                        op.remote >= r.offset
+                            && op
+                                .remote
+                                .checked_add(op.len)
+                                .is_some_and(|e| e <= r.offset + r.len)
+                    })
                     .ok_or_else(|| {
                         werr(
                             ErrorCode::InvalidArgument,
-                            "remote range outside the peer's registrations",
+                            "remote range outside what the peer registered for this grant",
                         )
                     })?;
                 let len = u32::try_from(op.len)
@@ -516,6 +583,9 @@ pub struct RdmaTransport {
     /// Seals the queue-pair handshake (a peer op like any other: unsealed, it is refused).
     key: ClusterKey,
     landed: Mutex<Vec<u32>>,
+    /// The registrations peers made for their grants: (control endpoint, incarnation,
+    /// handle) → ranges and rkeys.
+    regions: Mutex<HashMap<(String, u64, u64), Vec<RdmaRegion>>>,
 }
 
 impl RdmaTransport {
@@ -533,7 +603,13 @@ impl RdmaTransport {
             timeout,
             zmq: zmq::Context::new(),
             landed: Mutex::new(Vec::new()),
+            regions: Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// Per-grant remote access to this daemon's pool, through this device.
+    pub fn registrar(&self) -> Arc<dyn Registrar> {
+        Arc::new(VerbsRegistrar(self.verbs.clone()))
     }
 
     /// What this daemon advertises.
@@ -608,21 +684,62 @@ impl RdmaTransport {
         Ok(q)
     }
 
+    /// The peer's registrations for the grant in `a` (asked once per grant, sealed).
+    fn regions_for(&self, a: &Access, write: bool) -> Result<Vec<RdmaRegion>, WireError> {
+        let key = (a.peer.node.clone(), a.peer.incarnation.0, a.handle);
+        if let Some(r) = self
+            .regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(r.clone());
+        }
+        let me = self
+            .me
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| werr(ErrorCode::Internal, "rdma transport has no identity"))?;
+        let req = kvd_protocol::Request::PeerRdmaRegister(kvd_protocol::PeerRdmaRegisterReq {
+            from: me,
+            to_incarnation: a.peer.incarnation,
+            handle: a.handle,
+            token: a.token,
+            write,
+        });
+        let ack = peer_call(&self.zmq, &self.key, &a.peer, &req, self.timeout)?;
+        let mut cache = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        // Grants are short-lived: a bounded cache, dropped whole when full.
+        if cache.len() >= 4096 {
+            cache.clear();
+        }
+        cache.insert(key, ack.rdma_regions.clone());
+        Ok(ack.rdma_regions)
+    }
+
     fn run(&self, a: &Access, ops: &[Op], read: bool) -> Result<u64, WireError> {
         let q = self.qp_for(&a.peer)?;
-        let r = a.peer.rdma.as_ref().expect("qp_for checked it");
+        let r = a
+            .peer
+            .rdma
+            .as_ref()
+            .ok_or_else(|| werr(ErrorCode::InvalidArgument, "peer has no rdma description"))?;
+        let regions = self.regions_for(a, !read)?;
         let mut qp = q.lock().unwrap_or_else(|p| p.into_inner());
         let imm = (!read).then_some(a.handle as u32);
         let out = qp.run(
             &self.verbs,
             r,
+            &regions,
             read,
             imm,
             &super::dataplane::coalesce(ops),
             self.timeout,
         );
         if out.is_err() {
-            // Drop the queue pair (destroying it flushes outstanding requests).
+            // Drop the queue pair (destroying it flushes outstanding requests) and the
+            // grant's keys (the grant may have ended).
             self.landed
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -632,6 +749,10 @@ impl RdmaTransport {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&(a.peer.node.clone(), a.peer.incarnation.0));
+            self.regions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&(a.peer.node.clone(), a.peer.incarnation.0, a.handle));
         }
         out
     }
@@ -667,23 +788,43 @@ pub fn handshake(
     psn: u32,
     timeout: Duration,
 ) -> Result<(u32, u32), WireError> {
-    use kvd_protocol::{decode_reply, encode_request, PeerAck, PeerRdmaConnectReq, Request};
-    let unreachable = |e: zmq::Error| {
-        werr(
-            ErrorCode::PeerUnreachable,
-            format!("rdma handshake with {}: {e}", peer.node),
-        )
-    };
-    let s = ctx.socket(zmq::DEALER).map_err(unreachable)?;
-    s.set_linger(0).map_err(unreachable)?;
-    s.connect(&peer.node).map_err(unreachable)?;
-    let req = Request::PeerRdmaConnect(PeerRdmaConnectReq {
+    let req = kvd_protocol::Request::PeerRdmaConnect(kvd_protocol::PeerRdmaConnectReq {
         from: me.clone(),
         to_incarnation: peer.incarnation,
         qpn,
         psn,
     });
-    let frame = encode_request(1, &req);
+    let ack = peer_call(ctx, key, peer, &req, timeout)?;
+    match (ack.rdma_qpn, ack.rdma_psn) {
+        (Some(q), Some(p)) => Ok((q, p)),
+        _ => Err(werr(
+            ErrorCode::TransferFailed,
+            "rdma handshake reply without a queue pair",
+        )),
+    }
+}
+
+/// One peer op from a worker thread over a private DEALER, sealed, its reply verified
+/// (the server thread's peer links are not reachable from here): the peer's ack.
+pub fn peer_call(
+    ctx: &zmq::Context,
+    key: &ClusterKey,
+    peer: &PeerRef,
+    req: &kvd_protocol::Request,
+    timeout: Duration,
+) -> Result<kvd_protocol::PeerAck, WireError> {
+    use kvd_protocol::{decode_reply, encode_request, PeerAck};
+    let op = req.op();
+    let unreachable = |e: zmq::Error| {
+        werr(
+            ErrorCode::PeerUnreachable,
+            format!("{op} to {}: {e}", peer.node),
+        )
+    };
+    let s = ctx.socket(zmq::DEALER).map_err(unreachable)?;
+    s.set_linger(0).map_err(unreachable)?;
+    s.connect(&peer.node).map_err(unreachable)?;
+    let frame = encode_request(1, req);
     let stamp = crate::auth::stamp();
     let auth = key.seal_request(stamp, &frame);
     s.send(frame, zmq::SNDMORE).map_err(unreachable)?;
@@ -694,30 +835,24 @@ pub fn handshake(
     {
         return Err(werr(
             ErrorCode::PeerUnreachable,
-            format!("{} did not answer the rdma handshake", peer.node),
+            format!("{} did not answer {op}", peer.node),
         ));
     }
     let parts = s.recv_multipart(0).map_err(unreachable)?;
     let (Some(frame), Some(seal)) = (parts.first(), parts.get(1)) else {
         return Err(werr(
             ErrorCode::Unauthenticated,
-            format!("{} answered the rdma handshake unsealed", peer.node),
+            format!("{} answered {op} unsealed", peer.node),
         ));
     };
     key.open_reply(stamp, frame, seal).map_err(|e| {
         werr(
             ErrorCode::Unauthenticated,
-            format!("rdma handshake reply from {}: {e}", peer.node),
+            format!("{op} reply from {}: {e}", peer.node),
         )
     })?;
     match decode_reply::<PeerAck>(frame) {
-        Ok((_, Ok(ack))) => match (ack.rdma_qpn, ack.rdma_psn) {
-            (Some(q), Some(p)) => Ok((q, p)),
-            _ => Err(werr(
-                ErrorCode::TransferFailed,
-                "rdma handshake reply without a queue pair",
-            )),
-        },
+        Ok((_, Ok(ack))) => Ok(ack),
         Ok((_, Err(e))) => Err(e),
         Err(e) => Err(werr(ErrorCode::Malformed, e.to_string())),
     }
@@ -754,7 +889,10 @@ mod tests {
             Ok(Some(v)) => {
                 let d = v.describe();
                 assert_eq!(d.base, pool.addr(0, 0).unwrap() as u64);
-                assert_eq!(d.regions.iter().map(|r| r.len).sum::<u64>(), pool.size());
+                assert!(
+                    d.regions.is_empty(),
+                    "no pool-wide remote keys are advertised"
+                );
                 let qp = Qp::create(&v).unwrap();
                 assert_ne!(qp.local().0, 0);
             }
