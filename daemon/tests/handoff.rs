@@ -590,6 +590,47 @@ fn rdma_pull_and_push_when_a_device_is_present() {
     verify(&cb, l2, &r, &d2);
 }
 
+/// With the `rdma` feature and a device: forged params are refused over RDMA too — the
+/// exporter registers remote access only for a grant whose token the reader proves, and
+/// only that grant's ranges.
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_forged_params_are_refused_where_a_device_exists() {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    if ca.hello_info().node.unwrap().rdma.is_none() {
+        assert!(
+            std::env::var_os("KVD_REQUIRE_RDMA").is_none(),
+            "an RDMA device is required (KVD_REQUIRE_RDMA) but the daemon found none"
+        );
+        println!("SKIP: no RDMA device on this machine; forged params over RDMA not tried");
+        return;
+    }
+    let (layout, ks, _) = fill(&ca, 12, 6, 64);
+    register(&cb, 64);
+    let other = ca.export("rdma-other", layout, &ks[4..5], None).unwrap();
+    type Forgery<'a> = Box<dyn Fn(&mut TransferParams) + 'a>;
+    let forgeries: [(&str, Forgery); 3] = [
+        ("rdma-token", Box::new(|p| p.token ^= 1)),
+        (
+            "rdma-offsets",
+            Box::new(|p| p.offsets[0] = other.offsets[0]),
+        ),
+        ("rdma-handle", Box::new(|p| p.handle = other.handle)),
+    ];
+    for (id, f) in forgeries {
+        let mut p = ca.export(id, layout, &ks[..3], None).unwrap();
+        f(&mut p);
+        let (state, _) = state_and_code(cb.pull(&p, None, true));
+        assert_eq!(
+            state,
+            TransferState::Failed,
+            "{id} was not refused over rdma"
+        );
+        assert_absent(&cb, layout, &ks);
+    }
+}
+
 /// With the `rdma` feature, no device needed: the queue-pair handshake is a peer op like
 /// any other, sealed with the cluster key, so a peer's handler answers it (here: "no RDMA
 /// device") instead of refusing it as unauthenticated; with another key it is refused.
