@@ -12,52 +12,11 @@
 
 use std::path::{Path, PathBuf};
 
+mod hf_reference;
+use hf_reference::reference;
+
 use kvd_cuda::model::Weights;
 use kvd_cuda::{CpuBackend, Model, ModelConfig, Sequence};
-
-/// The reference checkpoints, written by transformers into a temporary directory.
-pub fn reference() -> Option<(tempfile::TempDir, Vec<String>)> {
-    let python = std::env::var("KVD_PYTHON").unwrap_or_else(|_| "python3".into());
-    let have = std::process::Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        assert!(
-            std::env::var_os("KVD_REQUIRE_HF").is_none(),
-            "torch and transformers are required (KVD_REQUIRE_HF) but {python} lacks them"
-        );
-        println!("SKIP: {python} has no torch/transformers; Hugging Face parity not checked");
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/hf_parity.py");
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(
-        out.stdout
-            .split(|&b| b == b'\n')
-            .rfind(|l| !l.is_empty())
-            .unwrap(),
-    )
-    .unwrap();
-    eprintln!("reference: transformers {}", v["transformers"]);
-    let names = v["variants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_str().unwrap().to_string())
-        .collect();
-    Some((dir, names))
-}
 
 struct Expected {
     prompt: Vec<u32>,
@@ -124,7 +83,7 @@ fn worst(ours: &[f32], hf: &[f32]) -> f32 {
 
 #[test]
 fn the_model_matches_transformers_on_every_config_form() {
-    let Some((dir, names)) = reference() else {
+    let Some((dir, names)) = reference("Hugging Face parity not checked") else {
         return;
     };
     assert_eq!(names.len(), 3);

@@ -558,20 +558,30 @@ fn bad_transfer_requests_get_clear_errors() {
     assert_eq!(ca.lookup(layout, &ks).unwrap().prefix, 2);
 }
 
+/// Two daemons that both found an RDMA device; without one, a `SKIP:` line saying what
+/// was `not_run` (with `KVD_REQUIRE_RDMA=1`, a failure instead).
+#[cfg(feature = "rdma")]
+fn rdma_nodes(not_run: &str) -> Option<(Node, Node)> {
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    if a.client().hello_info().node.unwrap().rdma.is_some() {
+        return Some((a, b));
+    }
+    assert!(
+        std::env::var_os("KVD_REQUIRE_RDMA").is_none(),
+        "an RDMA device is required (KVD_REQUIRE_RDMA) but the daemon found none"
+    );
+    println!("SKIP: no RDMA device on this machine; {not_run}");
+    None
+}
+
 /// With the `rdma` feature: pull and push go over RDMA when both daemons have a device.
 #[cfg(feature = "rdma")]
 #[test]
 fn rdma_pull_and_push_when_a_device_is_present() {
-    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
-    let (ca, cb) = (a.client(), b.client());
-    if ca.hello_info().node.unwrap().rdma.is_none() {
-        assert!(
-            std::env::var_os("KVD_REQUIRE_RDMA").is_none(),
-            "an RDMA device is required (KVD_REQUIRE_RDMA) but the daemon found none"
-        );
-        println!("SKIP: no RDMA device on this machine; RDMA pull/push not run (TCP is tested)");
+    let Some((a, b)) = rdma_nodes("RDMA pull/push not run (TCP is tested)") else {
         return;
-    }
+    };
+    let (ca, cb) = (a.client(), b.client());
     let (layout, ks, data) = fill(&ca, 20, 8, 256);
     register(&cb, 256);
     let p = ca.export("rdma-pull", layout, &ks, None).unwrap();
@@ -596,16 +606,10 @@ fn rdma_pull_and_push_when_a_device_is_present() {
 #[cfg(feature = "rdma")]
 #[test]
 fn rdma_forged_params_are_refused_where_a_device_exists() {
-    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
-    let (ca, cb) = (a.client(), b.client());
-    if ca.hello_info().node.unwrap().rdma.is_none() {
-        assert!(
-            std::env::var_os("KVD_REQUIRE_RDMA").is_none(),
-            "an RDMA device is required (KVD_REQUIRE_RDMA) but the daemon found none"
-        );
-        println!("SKIP: no RDMA device on this machine; forged params over RDMA not tried");
+    let Some((a, b)) = rdma_nodes("forged params over RDMA not tried") else {
         return;
-    }
+    };
+    let (ca, cb) = (a.client(), b.client());
     let (layout, ks, _) = fill(&ca, 12, 6, 64);
     register(&cb, 64);
     let other = ca.export("rdma-other", layout, &ks[4..5], None).unwrap();

@@ -9,8 +9,8 @@
 //! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
 
 mod common;
-
-use std::path::Path;
+#[path = "../../cuda/tests/hf_reference/mod.rs"]
+mod hf_reference;
 
 use common::*;
 use serde_json::json;
@@ -19,33 +19,10 @@ const VARIANT: &str = "mqa_f16_llama3_long";
 
 #[test]
 fn a_transformers_checkpoint_generates_transformers_tokens_on_every_path() {
-    let python = std::env::var("KVD_PYTHON").unwrap_or_else(|_| "python3".into());
-    let have = std::process::Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        assert!(
-            std::env::var_os("KVD_REQUIRE_HF").is_none(),
-            "torch and transformers are required (KVD_REQUIRE_HF) but {python} lacks them"
-        );
-        println!(
-            "SKIP: {python} has no torch/transformers; engine parity with transformers not checked"
-        );
+    let Some((dir, _)) = hf_reference::reference("engine parity with transformers not checked")
+    else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/hf_parity.py");
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    };
     let d = dir.path().join(VARIANT);
     let e: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d.join("expected.json")).unwrap()).unwrap();
