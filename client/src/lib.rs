@@ -1081,6 +1081,99 @@ impl Client {
         })
     }
 
+    // ----- the GPU tier (SPEC §13) -----
+
+    /// Registers engine memory (CUDA IPC handles, or files in the daemon's
+    /// `gpu.host_dir` for the host stand-in) with a block geometry. The registration lives
+    /// while this session keeps sending ops (see `idle_ttl_ms`; [`Client::gpu_list`] is a
+    /// cheap keep-alive).
+    pub fn gpu_register(
+        &self,
+        layout: LayoutId,
+        device: u32,
+        regions: &[GpuRegion],
+        num_blocks: u64,
+        segments: &[GpuSegment],
+    ) -> Result<GpuRegisterResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::GpuRegister(GpuRegisterReq {
+                        client,
+                        layout_id: layout,
+                        device,
+                        regions: regions.to_vec(),
+                        num_blocks,
+                        segments: segments.to_vec(),
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// Ends a registration.
+    pub fn gpu_unregister(&self, registration: u64) -> Result<GpuUnregisterResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::GpuUnregister(GpuUnregisterReq {
+                        client,
+                        registration,
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// This session's registrations (also keeps them alive).
+    pub fn gpu_list(&self) -> Result<GpuListResp> {
+        Ok(self
+            .call(|client| Request::GpuList(GpuListReq { client }), &[])?
+            .0)
+    }
+
+    /// Copies `blocks` of a registration into the cache under `keys` (one block per key);
+    /// answers when the copies are done and committed.
+    pub fn gpu_store(
+        &self,
+        registration: u64,
+        keys: &[ChunkHash],
+        blocks: &[u64],
+    ) -> Result<GpuStoreResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::GpuStore(GpuStoreReq {
+                        client,
+                        registration,
+                        keys: keys.to_vec(),
+                        blocks: blocks.to_vec(),
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
+    /// Copies the longest cached prefix of `keys` into `blocks` of a registration;
+    /// answers when the copies are done with how many leading keys were loaded.
+    pub fn gpu_load(&self, registration: u64, keys: &[ChunkHash], blocks: &[u64]) -> Result<u64> {
+        let (r, _): (GpuLoadResp, _) = self.call(
+            |client| {
+                Request::GpuLoad(GpuLoadReq {
+                    client,
+                    registration,
+                    keys: keys.to_vec(),
+                    blocks: blocks.to_vec(),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.loaded)
+    }
+
     /// The daemon's counters and gauges.
     pub fn stats(&self) -> Result<StatsResp> {
         Ok(self.raw_call(&Request::Stats(StatsReq {}), &[])?.0)

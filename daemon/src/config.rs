@@ -57,6 +57,10 @@
 //! | `peers.lookup_timeout_ms` | int | `200` | | a peer slower than this is skipped (and counted) |
 //! | `peers.down_backoff_ms` | int | `5000` | | a peer that did not answer is not asked again for this long |
 //! | `peers.lock_ttl_ms` | int | `5000` | | lock TTL on a peer's blocks while they are read (renewed by heartbeats) |
+//! | `gpu.device` | `auto` \| `off` \| `host` \| `cuda` | `auto` | `KVD_GPU_DEVICE` / `--gpu-device` | the GPU tier's device: `cuda` (needs the `cuda` feature and a device), `host` (the stand-in: engine memory is shared-memory files in `gpu.host_dir`), `off`; `auto` is `cuda` when built with it and a device answers, else off |
+//! | `gpu.host_dir` | path | the pool file's directory | `KVD_GPU_HOST_DIR` / `--gpu-host-dir` | where the host stand-in opens engines' memory files |
+//! | `gpu.idle_ttl_ms` | int | `30000` | | a registration ends when its session sent nothing for this long |
+//! | `gpu.max_registrations` | int | `64` | | registrations per session |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 
@@ -358,6 +362,52 @@ impl Default for PeersSection {
     }
 }
 
+/// `gpu.device`
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuDeviceMode {
+    /// `cuda` when built with it and a device answers, else off.
+    #[default]
+    Auto,
+    /// No GPU tier.
+    Off,
+    /// The host stand-in (shared-memory files as engine memory).
+    Host,
+    /// CUDA; refused at start without the `cuda` feature.
+    Cuda,
+}
+
+/// Why a daemon built without the `cuda` feature cannot have a CUDA GPU tier.
+pub const WITHOUT_CUDA: &str = "this kvd was built without the CUDA GPU tier (Cargo feature \
+     `cuda`; building needs no CUDA toolkit): build with `cargo build --release -p kvd-daemon \
+     --features cuda`, or use gpu.device = \"host\" or \"off\"";
+
+/// `[gpu]`
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GpuSection {
+    /// Which device.
+    pub device: GpuDeviceMode,
+    /// The host stand-in's directory (default: the pool file's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_dir: Option<PathBuf>,
+    /// Registration idle lease.
+    pub idle_ttl_ms: u64,
+    /// Registrations per session.
+    pub max_registrations: usize,
+}
+
+impl Default for GpuSection {
+    fn default() -> Self {
+        GpuSection {
+            device: GpuDeviceMode::Auto,
+            host_dir: None,
+            idle_ttl_ms: 30_000,
+            max_registrations: 64,
+        }
+    }
+}
+
 /// `[log]`
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -385,6 +435,8 @@ pub struct DaemonConfig {
     pub transfer: TransferSection,
     /// `[peers]`
     pub peers: PeersSection,
+    /// `[gpu]`
+    pub gpu: GpuSection,
     /// `[log]`
     pub log: LogConfig,
 }
@@ -517,6 +569,12 @@ pub struct Cli {
     /// Turn the prefill → decode handoff off.
     #[arg(long)]
     pub no_transfers: bool,
+    /// The GPU tier's device.
+    #[arg(long, env = "KVD_GPU_DEVICE", value_enum)]
+    pub gpu_device: Option<GpuDeviceMode>,
+    /// Where the host stand-in GPU device opens engines' memory files.
+    #[arg(long, env = "KVD_GPU_HOST_DIR")]
+    pub gpu_host_dir: Option<PathBuf>,
     /// Control endpoint peers use, e.g. tcp://0.0.0.0:7101.
     #[arg(long, env = "KVD_TRANSFER_CONTROL")]
     pub transfer_control: Option<String>,
@@ -614,6 +672,12 @@ impl DaemonConfig {
         }
         if !cli.etcd.is_empty() {
             cfg.peers.etcd_endpoints = cli.etcd.clone();
+        }
+        if let Some(v) = cli.gpu_device {
+            cfg.gpu.device = v;
+        }
+        if let Some(v) = &cli.gpu_host_dir {
+            cfg.gpu.host_dir = Some(v.clone());
         }
         if cli.no_transfers {
             cfg.transfer.enabled = false;
@@ -716,6 +780,12 @@ impl DaemonConfig {
         }
         // Asked for by name, refused by name, even where peers are off and it would
         // not be used.
+        if self.gpu.device == GpuDeviceMode::Cuda && !cfg!(feature = "cuda") {
+            return bad(WITHOUT_CUDA.into());
+        }
+        if self.gpu.idle_ttl_ms == 0 || self.gpu.max_registrations == 0 {
+            return bad("gpu: idle_ttl_ms and max_registrations must be > 0".into());
+        }
         if self.peers.discovery == DiscoveryMode::Etcd && !cfg!(feature = "etcd") {
             return bad(WITHOUT_ETCD.into());
         }

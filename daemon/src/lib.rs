@@ -14,6 +14,7 @@
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
+//! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread |
 //! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU |
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
@@ -41,6 +42,7 @@ pub mod config;
 pub mod deadline;
 #[cfg(fuzzing)]
 pub mod fuzzing;
+pub mod gpu;
 pub mod http;
 pub mod io;
 mod links;
@@ -235,9 +237,11 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         },
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
     };
+    let gpu = gpu::open(&cfg.gpu, &shared_pool).map_err(setup_err("the GPU tier"))?;
     let transfers =
         transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|t| (t, shared_pool));
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
+    server.set_gpu(gpu);
     if let Some((t, pool)) = transfers {
         server.start_transfers(t, pool)?;
     }

@@ -109,6 +109,8 @@ pub struct Server {
     parts: Vec<zmq::Message>,
     waiting: std::collections::HashMap<u64, ReplyTo>,
     transfers: Option<Transfers>,
+    /// The GPU tier (off unless configured).
+    gpu: crate::gpu::GpuTier,
     links: PeerLinks,
     next_token: u64,
     metrics: Arc<Metrics>,
@@ -161,6 +163,7 @@ impl Server {
             parts: Vec::new(),
             waiting: std::collections::HashMap::new(),
             transfers: None,
+            gpu: crate::gpu::GpuTier::off("not configured"),
             links: PeerLinks::new(Duration::from_secs(5)),
             next_token: 0,
             metrics,
@@ -168,6 +171,11 @@ impl Server {
             draining: None,
             last_refresh: Instant::now(),
         })
+    }
+
+    /// Puts the GPU tier in place (before [`Server::run`]).
+    pub fn set_gpu(&mut self, gpu: crate::gpu::GpuTier) {
+        self.gpu = gpu;
     }
 
     /// Binds the control endpoint on the ROUTER and starts the transfer machinery (data
@@ -254,6 +262,9 @@ impl Server {
                 if let Some(fd) = self.store.io_fd() {
                     items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
                 }
+                if let Some(fd) = self.gpu.fd() {
+                    items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                }
                 let peer_at = items.len();
                 if let Some(p) = &self.peer_socket {
                     items.push(p.as_poll_item(zmq::POLLIN));
@@ -287,8 +298,10 @@ impl Server {
                 }
             }
             self.store.maintain(Instant::now());
+            self.gpu.maintain(&self.store, Instant::now());
             self.drive_transfers();
             self.answer_deferred();
+            self.answer_gpu();
             if sig_ready {
                 let mut buf = [0u8; 16];
                 let n = self.signals.read(&mut buf).unwrap_or(0);
@@ -306,7 +319,7 @@ impl Server {
             }
             self.refresh_metrics(false);
             if let Some(deadline) = self.draining {
-                let busy = self.transfers.as_ref().is_some_and(Transfers::busy);
+                let busy = self.transfers.as_ref().is_some_and(Transfers::busy) || self.gpu.busy();
                 if !busy || Instant::now() >= deadline {
                     if busy {
                         tracing::warn!("grace period over with transfers in flight: exiting");
@@ -319,6 +332,7 @@ impl Server {
                             || !self.waiting.is_empty())
                     {
                         self.answer_deferred();
+                        self.answer_gpu();
                     }
                     tracing::info!("drained");
                     return Ok(self.store);
@@ -547,6 +561,21 @@ impl Server {
         }
     }
 
+    /// Sends the replies of GPU copies that finished.
+    fn answer_gpu(&mut self) {
+        for (token, r) in self.gpu.poll(&mut self.store, Instant::now()) {
+            let Some(to) = self.waiting.remove(&token) else {
+                continue;
+            };
+            let body = r.map(|r| match r {
+                crate::gpu::Reply::Store(b) => Body::GpuStore(b),
+                crate::gpu::Reply::Load(b) => Body::GpuLoad(b),
+            });
+            let (reply, payloads) = self.finish(to.id, to.op, to.since, body, Vec::new());
+            self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
+        }
+    }
+
     fn finish(
         &mut self,
         id: u64,
@@ -702,6 +731,8 @@ impl Server {
             && matches!(
                 req,
                 Request::Alloc(_)
+                    | Request::GpuStore(_)
+                    | Request::GpuRegister(_)
                     | Request::Export(_)
                     | Request::Pull(_)
                     | Request::PushRegister(_)
@@ -811,6 +842,23 @@ impl Server {
                 st.draining = self.draining.is_some();
                 Body::Stats(Box::new(st))
             }
+            Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),
+            Request::GpuUnregister(r) => Body::GpuUnregister(self.gpu.unregister(s, r, now)?),
+            Request::GpuList(r) => Body::GpuList(self.gpu.list(s, r, now)?),
+            Request::GpuStore(r) => {
+                self.next_token += 1;
+                match self.gpu.store(s, r, TOKEN_BIT | self.next_token, now)? {
+                    Answer::Now(b) => Body::GpuStore(b),
+                    Answer::Later(t) => return Ok(Answer::Later(t)),
+                }
+            }
+            Request::GpuLoad(r) => {
+                self.next_token += 1;
+                match self.gpu.load(s, r, TOKEN_BIT | self.next_token, now)? {
+                    Answer::Now(b) => Body::GpuLoad(b),
+                    Answer::Later(t) => return Ok(Answer::Later(t)),
+                }
+            }
             _ => return self.execute_transfer(req, now),
         }))
     }
@@ -879,6 +927,11 @@ enum Body {
     Transfer(TransferResp),
     Abort(AbortResp),
     Ack(PeerAck),
+    GpuRegister(GpuRegisterResp),
+    GpuUnregister(GpuUnregisterResp),
+    GpuList(GpuListResp),
+    GpuStore(GpuStoreResp),
+    GpuLoad(GpuLoadResp),
 }
 
 impl From<Reply> for Body {
@@ -909,5 +962,10 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::Transfer(b) => encode_ok(id, &b),
         Body::Abort(b) => encode_ok(id, &b),
         Body::Ack(b) => encode_ok(id, &b),
+        Body::GpuRegister(b) => encode_ok(id, &b),
+        Body::GpuUnregister(b) => encode_ok(id, &b),
+        Body::GpuList(b) => encode_ok(id, &b),
+        Body::GpuStore(b) => encode_ok(id, &b),
+        Body::GpuLoad(b) => encode_ok(id, &b),
     }
 }

@@ -11,6 +11,8 @@ use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{DecodeError, WireError};
+use crate::gpu::op as gop;
+use crate::gpu::{GpuListReq, GpuLoadReq, GpuRegisterReq, GpuStoreReq, GpuUnregisterReq};
 use crate::msg::op;
 use crate::msg::*;
 use crate::transfer::op as xop;
@@ -50,6 +52,11 @@ pub enum Request {
     PeerRdmaRegister(PeerRdmaRegisterReq),
     PeerLookup(PeerLookupReq),
     PeerLock(PeerLockReq),
+    GpuRegister(GpuRegisterReq),
+    GpuUnregister(GpuUnregisterReq),
+    GpuList(GpuListReq),
+    GpuStore(GpuStoreReq),
+    GpuLoad(GpuLoadReq),
 }
 
 impl Request {
@@ -96,6 +103,11 @@ impl Request {
             Request::PeerRdmaRegister(_) => xop::PEER_RDMA_REGISTER,
             Request::PeerLookup(_) => xop::PEER_LOOKUP,
             Request::PeerLock(_) => xop::PEER_LOCK,
+            Request::GpuRegister(_) => gop::GPU_REGISTER,
+            Request::GpuUnregister(_) => gop::GPU_UNREGISTER,
+            Request::GpuList(_) => gop::GPU_LIST,
+            Request::GpuStore(_) => gop::GPU_STORE,
+            Request::GpuLoad(_) => gop::GPU_LOAD,
         }
     }
 
@@ -115,6 +127,8 @@ impl Request {
             Request::PeerHeartbeat(r) => r.transfers.len(),
             Request::PeerLookup(r) => r.keys.len(),
             Request::PeerLock(r) => r.keys.len(),
+            Request::GpuStore(r) => r.keys.len().max(r.blocks.len()),
+            Request::GpuLoad(r) => r.keys.len().max(r.blocks.len()),
             _ => 0,
         }
     }
@@ -168,6 +182,11 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PeerRdmaRegister(b) => env(id, op, b),
         Request::PeerLookup(b) => env(id, op, b),
         Request::PeerLock(b) => env(id, op, b),
+        Request::GpuRegister(b) => env(id, op, b),
+        Request::GpuUnregister(b) => env(id, op, b),
+        Request::GpuList(b) => env(id, op, b),
+        Request::GpuStore(b) => env(id, op, b),
+        Request::GpuLoad(b) => env(id, op, b),
     }
 }
 
@@ -265,6 +284,11 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         }
         xop::PEER_LOOKUP => body(frame, xop::PEER_LOOKUP).map(Request::PeerLookup),
         xop::PEER_LOCK => body(frame, xop::PEER_LOCK).map(Request::PeerLock),
+        gop::GPU_REGISTER => body(frame, gop::GPU_REGISTER).map(Request::GpuRegister),
+        gop::GPU_UNREGISTER => body(frame, gop::GPU_UNREGISTER).map(Request::GpuUnregister),
+        gop::GPU_LIST => body(frame, gop::GPU_LIST).map(Request::GpuList),
+        gop::GPU_STORE => body(frame, gop::GPU_STORE).map(Request::GpuStore),
+        gop::GPU_LOAD => body(frame, gop::GPU_LOAD).map(Request::GpuLoad),
         other => {
             let mut name = other.to_string();
             name.truncate(64);

@@ -10,6 +10,7 @@
 //! | [`auth`] | the cluster key and the MAC over daemon-to-daemon messages and data-plane requests |
 //! | [`ids`] | `ChunkHash`, `LayoutId`, `ClientId`, `PinId`, `Incarnation`, `BlockKey` |
 //! | [`layout`] | `Layout`, its validation, block size and stable id |
+//! | [`gpu`] | the GPU tier's ops: registering engine memory (geometry of segments), copies on the engine's behalf |
 //! | [`hash`] | the chained chunk hash `h_i = H(h_{i-1} \|\| tokens_i)` |
 //! | [`msg`] | request and reply bodies, one pair per op |
 //! | [`codec`] | envelope encode/decode (`{v, id, op, body}` / `{v, id, ok \| err}`) |
@@ -22,6 +23,7 @@
 pub mod auth;
 pub mod codec;
 pub mod error;
+pub mod gpu;
 pub mod hash;
 pub mod ids;
 pub mod layout;
@@ -34,6 +36,11 @@ pub use codec::{
     decode_reply, decode_request, encode_err, encode_ok, encode_request, Request, PROTOCOL_VERSION,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
+pub use gpu::{
+    GpuListReq, GpuListResp, GpuLoadReq, GpuLoadResp, GpuRegion, GpuRegisterReq, GpuRegisterResp,
+    GpuRegistrationInfo, GpuSegment, GpuStoreReq, GpuStoreResp, GpuStoreStatus, GpuUnregisterReq,
+    GpuUnregisterResp,
+};
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
 pub use layout::{Dtype, Layout, LayoutError, MemoryOrder};
 pub use msg::*;

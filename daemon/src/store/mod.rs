@@ -814,6 +814,53 @@ impl Store {
         self.sessions.seen(client, now)
     }
 
+    /// When `client` last sent an op (`None`: it has no session).
+    pub fn session_last_seen(&self, client: ClientId) -> Option<Instant> {
+        self.sessions.last_seen(client)
+    }
+
+    /// The pool, shared (for the threads that copy into and out of its slots).
+    pub fn pool_arc(&self) -> Arc<Pool> {
+        Arc::clone(&self.pool)
+    }
+
+    /// Pins the longest prefix of `keys` that DRAM holds committed, for `ttl` (not
+    /// clamped: the caller releases it with [`Store::unpin_by_id`] as soon as its copy
+    /// is done). Returns the pin (`None` when the prefix is empty) and the prefix's slot
+    /// offsets. Counts hits and misses like `get`.
+    pub fn pin_prefix(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(Option<PinId>, Vec<u64>), StoreError> {
+        self.session_layout(client, layout, now)?;
+        let n = keys
+            .iter()
+            .take_while(|k| {
+                self.index
+                    .find(layout, k)
+                    .is_some_and(|i| self.index.node(i).readable())
+            })
+            .count();
+        self.counters.misses += (keys.len() - n) as u64;
+        if n == 0 {
+            return Ok((None, Vec::new()));
+        }
+        self.pin_room()?;
+        let req = GetReq {
+            client,
+            layout_id: layout,
+            keys: keys[..n].to_vec(),
+            ttl_ms: None,
+            inline: false,
+        };
+        let r = self.pin_hits_for(&req, ttl, now);
+        Ok((r.pin, r.offsets.into_iter().flatten().collect()))
+    }
+
     /// Marks `client` seen now (if it has a session): its transfers keep it from being
     /// dropped as idle while they live.
     pub fn touch_session(&mut self, client: ClientId, now: Instant) {

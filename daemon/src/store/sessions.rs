@@ -84,6 +84,11 @@ impl Sessions {
         }
     }
 
+    /// When `client` was last seen (`None`: no such session).
+    pub fn last_seen(&self, client: ClientId) -> Option<Instant> {
+        self.clients.get(&client).map(|s| s.last_seen)
+    }
+
     /// Marks `client` seen, if it has a session.
     pub fn touch(&mut self, client: ClientId, now: Instant) {
         if let Some(s) = self.clients.get_mut(&client) {

@@ -1,0 +1,266 @@
+//! The CUDA boundary of the GPU tier (feature `cuda`): opening engines' CUDA IPC
+//! handles, page-locking the pool so copies are DMA from and to its slots, and the
+//! copies themselves (async on one stream per device, then one synchronize per job).
+//!
+//! `cudarc` loads libcuda at run time and panics when it is missing, so [`CudaDevice::new`]
+//! checks first and returns why there is no device instead. Every `unsafe` block is a
+//! driver call whose pointer arguments are named below; device ranges are checked
+//! against the opened allocation's declared size and pool ranges by the pool's
+//! [`crate::region::Region`] before any call.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+
+use super::device::{Copy, Dir, Memory};
+use crate::pool::Pool;
+
+fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what}: {r:?}"))
+    }
+}
+
+struct Ctx {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+}
+
+/// The CUDA devices this daemon copies with (contexts opened on first use, the pool
+/// page-locked once).
+pub struct CudaDevice {
+    count: u32,
+    ctxs: Mutex<HashMap<u32, Arc<Ctx>>>,
+    pool_base: usize,
+    pool_len: usize,
+    registered: Mutex<bool>,
+}
+
+/// An opened IPC handle: the engine's allocation, mapped into the daemon's context.
+#[derive(Debug)]
+pub struct CudaMemory {
+    ordinal: u32,
+    ptr: sys::CUdeviceptr,
+    size: u64,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaMemory {
+    /// Bytes the registration may reach.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed
+            // once, here; no copy uses it any more (jobs hold the memory while they run).
+            let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!(result = ?r, "cuIpcCloseMemHandle");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+impl CudaDevice {
+    /// The node's CUDA devices, or why there are none. `pool` is page-locked on the
+    /// first registration.
+    pub fn new(pool: &Pool) -> Result<CudaDevice, String> {
+        // SAFETY: only tries to dlopen libcuda; nothing is called through it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcuda not found (no NVIDIA driver)".into());
+        }
+        let n = CudaContext::device_count().map_err(|e| format!("counting CUDA devices: {e:?}"))?;
+        if n < 1 {
+            return Err("no CUDA device".into());
+        }
+        let len = usize::try_from(pool.size()).map_err(|e| e.to_string())?;
+        let base = pool.addr(0, len).map_err(|e| e.to_string())? as usize;
+        Ok(CudaDevice {
+            count: n as u32,
+            ctxs: Mutex::new(HashMap::new()),
+            pool_base: base,
+            pool_len: len,
+            registered: Mutex::new(false),
+        })
+    }
+
+    /// One line for the log.
+    pub fn describe(&self) -> String {
+        let mut driver = 0;
+        // SAFETY: libcuda is loaded (checked in `new`); a valid out pointer.
+        unsafe { sys::cuDriverGetVersion(&mut driver) };
+        format!(
+            "cuda ({} devices, driver {}.{})",
+            self.count,
+            driver / 1000,
+            driver % 1000 / 10
+        )
+    }
+
+    fn ctx(&self, ordinal: u32) -> Result<Arc<Ctx>, String> {
+        if ordinal >= self.count {
+            return Err(format!("no CUDA device {ordinal} ({} found)", self.count));
+        }
+        let mut m = self.ctxs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = m.get(&ordinal) {
+            return Ok(Arc::clone(c));
+        }
+        let ctx = CudaContext::new(ordinal as usize)
+            .map_err(|e| format!("CUDA context {ordinal}: {e:?}"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| format!("CUDA stream: {e:?}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let c = Arc::new(Ctx { ctx, stream, name });
+        m.insert(ordinal, Arc::clone(&c));
+        drop(m);
+        self.register_pool(&c)?;
+        tracing::info!(ordinal, device = %c.name, "GPU tier: CUDA context open");
+        Ok(c)
+    }
+
+    /// Page-locks the pool once (portable: every context may DMA to and from it).
+    fn register_pool(&self, c: &Ctx) -> Result<(), String> {
+        let mut done = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        if *done {
+            return Ok(());
+        }
+        c.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        // SAFETY: `pool_base..+pool_len` is the daemon's pool mapping, which lives as long
+        // as the daemon (the tier, and so this device, is dropped before the pool).
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                self.pool_base as *mut std::ffi::c_void,
+                self.pool_len,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        check(r, "cuMemHostRegister of the pool")?;
+        *done = true;
+        tracing::info!(bytes = self.pool_len, "pool page-locked for GPU DMA");
+        Ok(())
+    }
+
+    /// Opens a 64-byte `cuIpcGetMemHandle` handle of device `ordinal`.
+    pub fn open(&self, ordinal: u32, handle: &[u8], size: u64) -> Result<CudaMemory, String> {
+        let bytes: [u8; 64] = handle
+            .try_into()
+            .map_err(|_| format!("a CUDA IPC handle is 64 bytes, not {}", handle.len()))?;
+        let c = self.ctx(ordinal)?;
+        c.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let h = sys::CUipcMemHandle {
+            reserved: bytes.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `h` is a plain 64-byte value; `ptr` a valid out pointer; the context is
+        // bound to this thread.
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        check(r, "cuIpcOpenMemHandle")?;
+        let mem = CudaMemory {
+            ordinal,
+            ptr,
+            size,
+            ctx: Arc::clone(&c.ctx),
+        };
+        // The allocation must hold the declared size: ask the driver for its extent.
+        let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: `ptr` is a live device pointer in this context; valid out pointers.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr) };
+        check(r, "cuMemGetAddressRange")?;
+        let avail = (base + len as u64).saturating_sub(ptr);
+        if avail < size {
+            return Err(format!(
+                "the allocation holds {avail} bytes; {size} declared"
+            ));
+        }
+        Ok(mem)
+    }
+
+    /// Queues every copy on the device's stream, then waits for them — also when one
+    /// fails to queue, so that nothing still moves when the job is reported.
+    pub fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), String> {
+        let mut used: Vec<Arc<Ctx>> = Vec::new();
+        let queued = copies
+            .iter()
+            .try_for_each(|c| self.queue(dir, pool, c, &mut used));
+        let mut synced = Ok(());
+        for c in used {
+            if let Err(e) = c.stream.synchronize() {
+                synced = Err(format!("stream synchronize: {e:?}"));
+            }
+        }
+        queued.and(synced)
+    }
+
+    fn queue(
+        &self,
+        dir: Dir,
+        pool: &Pool,
+        c: &Copy,
+        used: &mut Vec<Arc<Ctx>>,
+    ) -> Result<(), String> {
+        let Memory::Cuda(m) = &*c.mem else {
+            return Err("memory of another device".into());
+        };
+        let end = c.dev_offset.checked_add(c.len);
+        if end.is_none_or(|e| e > m.size) {
+            return Err(format!(
+                "device range {}+{} outside the registered {} bytes",
+                c.dev_offset, c.len, m.size
+            ));
+        }
+        let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
+        let host = pool.addr(c.pool_offset, len).map_err(|e| e.to_string())?;
+        let ctx = self.ctx(m.ordinal)?;
+        ctx.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        if !used.iter().any(|u| Arc::ptr_eq(u, &ctx)) {
+            used.push(Arc::clone(&ctx));
+        }
+        let dev = m.ptr + c.dev_offset;
+        // SAFETY: `host..+len` is inside the live, page-locked pool mapping and
+        // `dev..+len` inside the opened allocation (both checked above); the memory stays
+        // opened while this job holds it, and the slots stay held by the store until the
+        // job is reported, after `copy` synchronized the stream.
+        let r = unsafe {
+            match dir {
+                Dir::ToPool => {
+                    sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, len, ctx.stream.cu_stream())
+                }
+                Dir::FromPool => {
+                    sys::cuMemcpyHtoDAsync_v2(dev, host.cast(), len, ctx.stream.cu_stream())
+                }
+            }
+        };
+        check(r, "cuMemcpyAsync")
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if *self.registered.lock().unwrap_or_else(|p| p.into_inner()) {
+            // SAFETY: the pool range was registered in `register_pool` and no copy runs
+            // any more (the worker thread joined before the device is dropped).
+            unsafe { sys::cuMemHostUnregister(self.pool_base as *mut std::ffi::c_void) };
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! A registration's block geometry (SPEC §13): which bytes of which region make up each
+//! block. Owns the rule that **every extent of every block lies inside its region** and
+//! that a block's extents add up to the layout's block size — checked once, at
+//! registration, with checked arithmetic, so the copy paths index nothing unchecked.
+
+use kvd_protocol::gpu::{GpuSegment, MAX_GPU_BLOCKS, MAX_GPU_SEGMENTS};
+
+/// One contiguous piece of a block: `len` bytes at `offset` of region `region`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Extent {
+    /// Index of the region.
+    pub region: usize,
+    /// Byte offset in the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// See the module docs.
+#[derive(Clone, Debug)]
+pub struct Geometry {
+    num_blocks: u64,
+    segments: Vec<GpuSegment>,
+    block_bytes: u64,
+}
+
+impl Geometry {
+    /// Checks a registration's geometry against its regions' sizes and the layout's
+    /// block size. The error says which rule and which segment.
+    pub fn new(
+        region_sizes: &[u64],
+        num_blocks: u64,
+        segments: &[GpuSegment],
+        block_bytes: u64,
+    ) -> Result<Geometry, String> {
+        if num_blocks == 0 || num_blocks > MAX_GPU_BLOCKS {
+            return Err(format!(
+                "num_blocks {num_blocks} is outside 1..={MAX_GPU_BLOCKS}"
+            ));
+        }
+        if segments.is_empty() || segments.len() > MAX_GPU_SEGMENTS {
+            return Err(format!(
+                "{} segments: 1..={MAX_GPU_SEGMENTS} expected",
+                segments.len()
+            ));
+        }
+        let mut total: u64 = 0;
+        for (i, s) in segments.iter().enumerate() {
+            let size = *region_sizes.get(s.region as usize).ok_or_else(|| {
+                format!(
+                    "segment {i} names region {} of {}",
+                    s.region,
+                    region_sizes.len()
+                )
+            })?;
+            if s.len == 0 {
+                return Err(format!("segment {i} has length 0"));
+            }
+            // The last block's piece ends at offset + (n - 1) * stride + len.
+            let end = (num_blocks - 1)
+                .checked_mul(s.stride)
+                .and_then(|x| x.checked_add(s.offset))
+                .and_then(|x| x.checked_add(s.len));
+            match end {
+                Some(e) if e <= size => {}
+                _ => {
+                    return Err(format!(
+                        "segment {i} (offset {}, stride {}, len {}) reaches past region {} ({size} bytes) by block {}",
+                        s.offset,
+                        s.stride,
+                        s.len,
+                        s.region,
+                        num_blocks - 1
+                    ))
+                }
+            }
+            total = total
+                .checked_add(s.len)
+                .ok_or_else(|| "segment lengths overflow".to_string())?;
+        }
+        if total != block_bytes {
+            return Err(format!(
+                "the segments hold {total} bytes per block; the layout's block is {block_bytes}"
+            ));
+        }
+        Ok(Geometry {
+            num_blocks,
+            segments: segments.to_vec(),
+            block_bytes,
+        })
+    }
+
+    /// Blocks in the registration.
+    pub fn num_blocks(&self) -> u64 {
+        self.num_blocks
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// The extents of `block`, in slot order (`None`: no such block).
+    pub fn extents(&self, block: u64) -> Option<impl Iterator<Item = Extent> + '_> {
+        if block >= self.num_blocks {
+            return None;
+        }
+        // In range by `new`: offset + block * stride + len <= region size.
+        Some(self.segments.iter().map(move |s| Extent {
+            region: s.region as usize,
+            offset: s.offset + block * s.stride,
+            len: s.len,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn seg(region: u32, offset: u64, stride: u64, len: u64) -> GpuSegment {
+        GpuSegment {
+            region,
+            offset,
+            stride,
+            len,
+        }
+    }
+
+    #[test]
+    fn refusals_name_the_rule() {
+        let ok = [seg(0, 0, 64, 64)];
+        assert!(Geometry::new(&[640], 10, &ok, 64).is_ok());
+        let e = Geometry::new(&[639], 10, &ok, 64).unwrap_err();
+        assert!(e.contains("reaches past region 0"), "{e}");
+        let e = Geometry::new(&[640], 10, &ok, 32).unwrap_err();
+        assert!(e.contains("layout's block is 32"), "{e}");
+        let e = Geometry::new(&[640], 10, &[seg(1, 0, 64, 64)], 64).unwrap_err();
+        assert!(e.contains("names region 1 of 1"), "{e}");
+        let e = Geometry::new(&[640], 0, &ok, 64).unwrap_err();
+        assert!(e.contains("num_blocks 0"), "{e}");
+        let e = Geometry::new(&[640], 10, &[], 64).unwrap_err();
+        assert!(e.contains("0 segments"), "{e}");
+        let e = Geometry::new(&[u64::MAX], 3, &[seg(0, 1, u64::MAX / 2 + 1, 1)], 1).unwrap_err();
+        assert!(
+            e.contains("reaches past"),
+            "overflow is refused, not wrapped: {e}"
+        );
+        let e = Geometry::new(&[640], 10, &[seg(0, 0, 64, 0), seg(0, 0, 64, 64)], 64).unwrap_err();
+        assert!(e.contains("length 0"), "{e}");
+    }
+
+    #[test]
+    fn a_layer_major_cache_is_split_per_layer() {
+        // Two layers, K and V each, 4 blocks of 16 bytes per piece, one tensor per layer.
+        let segs = [
+            seg(0, 0, 16, 16),
+            seg(0, 64, 16, 16),
+            seg(1, 0, 16, 16),
+            seg(1, 64, 16, 16),
+        ];
+        let g = Geometry::new(&[128, 128], 4, &segs, 64).unwrap();
+        let e: Vec<_> = g.extents(2).unwrap().collect();
+        assert_eq!(
+            e,
+            vec![
+                Extent {
+                    region: 0,
+                    offset: 32,
+                    len: 16
+                },
+                Extent {
+                    region: 0,
+                    offset: 96,
+                    len: 16
+                },
+                Extent {
+                    region: 1,
+                    offset: 32,
+                    len: 16
+                },
+                Extent {
+                    region: 1,
+                    offset: 96,
+                    len: 16
+                },
+            ]
+        );
+        assert!(g.extents(4).is_none());
+    }
+
+    proptest! {
+        /// Whatever `new` accepts, every extent of every block lies inside its region and
+        /// a block's extents add up to the block size.
+        #[test]
+        fn accepted_geometries_stay_inside(
+            sizes in proptest::collection::vec(0u64..4096, 1..4),
+            n in 1u64..64,
+            segs in proptest::collection::vec((0u32..5, 0u64..4096, 0u64..512, 0u64..600), 1..6),
+        ) {
+            let segs: Vec<GpuSegment> = segs.into_iter().map(|(r, o, s, l)| seg(r, o, s, l)).collect();
+            let total: u64 = segs.iter().map(|s| s.len).sum();
+            if let Ok(g) = Geometry::new(&sizes, n, &segs, total) {
+                for b in 0..n {
+                    let mut sum = 0;
+                    for e in g.extents(b).unwrap() {
+                        prop_assert!(e.offset + e.len <= sizes[e.region]);
+                        sum += e.len;
+                    }
+                    prop_assert_eq!(sum, total);
+                }
+            }
+        }
+    }
+}

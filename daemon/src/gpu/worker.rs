@@ -1,0 +1,83 @@
+//! The copy thread: takes one job at a time (a direction and its copies), runs it on the
+//! device, and hands `(token, result)` back to the server thread through
+//! [`Completions`]. A job that panics fails with a message; the thread lives on. The
+//! thread ends when the tier (the sender) is dropped, after the jobs already queued.
+
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::device::{Copy, Device, Dir};
+use crate::io::completions::Completions;
+use crate::pool::Pool;
+
+/// One job.
+pub struct Job {
+    /// The server's token for the waiting request.
+    pub token: u64,
+    /// Which way.
+    pub dir: Dir,
+    /// What.
+    pub copies: Vec<Copy>,
+}
+
+/// A finished job.
+pub type Done = (u64, Result<(), String>);
+
+/// See the module docs.
+pub struct Worker {
+    jobs: Option<Sender<Job>>,
+    done: Arc<Completions<Done>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Starts the thread.
+    pub fn start(device: Arc<Device>, pool: Arc<Pool>) -> std::io::Result<Worker> {
+        let (tx, rx) = channel::<Job>();
+        let done = Arc::new(Completions::new()?);
+        let out = Arc::clone(&done);
+        let thread = std::thread::Builder::new()
+            .name("kvd-gpu-copy".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        device.copy(job.dir, &pool, &job.copies)
+                    }))
+                    .unwrap_or_else(|_| Err("the copy panicked".into()));
+                    // The job's memory references drop here, before the server hears.
+                    drop(job.copies);
+                    out.deliver([(job.token, r)]);
+                }
+            })?;
+        Ok(Worker {
+            jobs: Some(tx),
+            done,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a job; `false` when the thread is gone.
+    pub fn submit(&self, job: Job) -> bool {
+        self.jobs.as_ref().is_some_and(|t| t.send(job).is_ok())
+    }
+
+    /// The fd that polls readable when jobs finished.
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.done.fd()
+    }
+
+    /// The finished jobs.
+    pub fn take(&self) -> Vec<Done> {
+        self.done.take()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

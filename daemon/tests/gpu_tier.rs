@@ -1,0 +1,385 @@
+//! The GPU tier end to end, on the host stand-in device (`--gpu-device host`): a real
+//! daemon process opens "engine memory" files this test process creates, copies blocks
+//! between them and pool slots on the engine's behalf, and refuses what it must. The same
+//! daemon code serves CUDA IPC memory with `--features cuda`; only the copy calls differ.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use kvd_client::Client;
+use kvd_protocol::{ErrorCode, GpuRegion, GpuSegment, GpuStoreStatus};
+
+const KIB: u64 = 1024;
+/// Blocks per engine cache.
+const N: u64 = 8;
+
+/// An engine's layer-major KV cache for `layout(4)` (4 KiB blocks): two "tensors" (one
+/// per layer), each `[K | V]` with the blocks along the inner axis, so a block is four
+/// 1 KiB pieces: layer 0 K, layer 0 V, layer 1 K, layer 1 V.
+struct Cache {
+    files: Vec<std::fs::File>,
+    names: Vec<String>,
+}
+
+impl Cache {
+    fn create(dir: &Path, tag: &str, fill: bool) -> Cache {
+        let mut files = Vec::new();
+        let mut names = Vec::new();
+        for layer in 0..2 {
+            let name = format!("{tag}-layer{layer}");
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.join(&name))
+                .unwrap();
+            f.set_len(2 * N * KIB).unwrap();
+            if fill {
+                f.write_all_at(&block(layer + 100, (2 * N * KIB) as usize), 0)
+                    .unwrap();
+            }
+            files.push(f);
+            names.push(name);
+        }
+        Cache { files, names }
+    }
+
+    fn regions(&self) -> Vec<GpuRegion> {
+        self.names
+            .iter()
+            .map(|n| GpuRegion {
+                handle: n.as_bytes().to_vec(),
+                size: 2 * N * KIB,
+            })
+            .collect()
+    }
+
+    fn segments() -> Vec<GpuSegment> {
+        let mut s = Vec::new();
+        for region in 0..2 {
+            for part in 0..2 {
+                s.push(GpuSegment {
+                    region,
+                    offset: part * N * KIB,
+                    stride: KIB,
+                    len: KIB,
+                });
+            }
+        }
+        s
+    }
+
+    /// Block `b` as the pool holds it: the pieces in segment order.
+    fn block(&self, b: u64) -> Vec<u8> {
+        let mut out = vec![0u8; (4 * KIB) as usize];
+        for (i, piece) in out.chunks_mut(KIB as usize).enumerate() {
+            let (layer, part) = (i / 2, i as u64 % 2);
+            self.files[layer]
+                .read_exact_at(piece, part * N * KIB + b * KIB)
+                .unwrap();
+        }
+        out
+    }
+
+    fn register(&self, c: &Client, layout: kvd_protocol::LayoutId) -> u64 {
+        c.gpu_register(layout, 0, &self.regions(), N, &Self::segments())
+            .expect("gpu_register")
+            .registration
+    }
+}
+
+fn host_daemon(extra: &[&str]) -> (Daemon, tempfile::TempDir) {
+    let engine = tempfile::tempdir_in("/dev/shm").unwrap();
+    let dir = engine.path().display().to_string();
+    let mut args = vec!["--gpu-device", "host", "--gpu-host-dir", &dir];
+    args.extend_from_slice(extra);
+    (Daemon::start(&args), engine)
+}
+
+fn code(e: kvd_client::Error) -> (Option<ErrorCode>, String) {
+    (e.code(), e.to_string())
+}
+
+#[test]
+fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
+    let (d, engine) = host_daemon(&[]);
+    let c = d.client();
+    let info = register(&c, 4);
+    let src = Cache::create(engine.path(), "prefill", true);
+    let dst = Cache::create(engine.path(), "decode", false);
+    let rs = src.register(&c, info.id);
+    let rd = dst.register(&c, info.id);
+    assert_ne!(rs, rd);
+
+    let k = keys(7, 4);
+    let r = c.gpu_store(rs, &k[..3], &[3, 1, 6]).unwrap();
+    assert_eq!(r.stored, 3);
+    assert_eq!(r.status, vec![GpuStoreStatus::Stored; 3]);
+    // The pool holds each block as the concatenation of its pieces.
+    let got = c.get(info.id, &k[..3], None).unwrap();
+    for (i, b) in [3u64, 1, 6].iter().enumerate() {
+        let bytes = got.with_block(i, |s| s.to_vec()).unwrap().expect("a hit");
+        assert_eq!(bytes, src.block(*b), "block {b} in the pool");
+    }
+    got.release().unwrap();
+    // Stored twice: not copied again.
+    let again = c.gpu_store(rs, &k[..1], &[5]).unwrap();
+    assert_eq!((again.stored, again.status[0]), (0, GpuStoreStatus::Exists));
+
+    // Load the prefix (k0 k1 k2 cached, k3 not) into other blocks of another cache.
+    let loaded = c.gpu_load(rd, &k, &[0, 2, 4, 7]).unwrap();
+    assert_eq!(loaded, 3, "the cached prefix");
+    assert_eq!(dst.block(0), src.block(3));
+    assert_eq!(dst.block(2), src.block(1));
+    assert_eq!(dst.block(4), src.block(6));
+    assert_eq!(
+        dst.block(7),
+        vec![0u8; 4096],
+        "the block after the prefix is untouched"
+    );
+    // A miss first: nothing loaded, nothing written.
+    let none = c.gpu_load(rd, &[k[3], k[0]], &[5, 6]).unwrap();
+    assert_eq!(none, 0);
+    assert_eq!(dst.block(5), vec![0u8; 4096]);
+
+    // Nothing is left pinned or reserved by the copies.
+    let st = c.stats().unwrap();
+    assert_eq!((st.pinned_blocks, st.pending), (0, 0), "{st:?}");
+    let list = c.gpu_list().unwrap();
+    assert_eq!(list.registrations.len(), 2);
+    assert!(list.device.starts_with("host"), "{}", list.device);
+    assert_eq!(c.gpu_unregister(rs).unwrap().in_flight, 0);
+    let (code, msg) = code(c.gpu_store(rs, &k[..1], &[0]).unwrap_err());
+    assert_eq!(code, Some(ErrorCode::InvalidArgument), "{msg}");
+    assert!(msg.contains("no registration"), "{msg}");
+}
+
+#[test]
+fn bad_registrations_and_ops_are_refused_by_name_and_the_daemon_serves_on() {
+    let (d, engine) = host_daemon(&[]);
+    let c = d.client();
+    let info = register(&c, 4);
+    let lay = info.id;
+    let cache = Cache::create(engine.path(), "e", true);
+    let segs = Cache::segments();
+    let check =
+        |r: kvd_client::Result<kvd_protocol::GpuRegisterResp>, want: ErrorCode, text: &str| {
+            let (code, msg) = code(r.unwrap_err());
+            assert_eq!(code, Some(want), "{msg}");
+            assert!(msg.contains(text), "{msg:?} should say {text:?}");
+        };
+    // Geometry past the region: one block too many.
+    check(
+        c.gpu_register(lay, 0, &cache.regions(), N + 1, &segs),
+        ErrorCode::InvalidArgument,
+        "reaches past region",
+    );
+    // Pieces that do not add up to the layout's block.
+    check(
+        c.gpu_register(lay, 0, &cache.regions(), N, &segs[..3]),
+        ErrorCode::InvalidArgument,
+        "layout's block is 4096",
+    );
+    // A declared size larger than the file.
+    let mut big = cache.regions();
+    big[1].size = 1 << 30;
+    check(
+        c.gpu_register(lay, 0, &big, N, &segs),
+        ErrorCode::InvalidArgument,
+        "declares 1073741824",
+    );
+    // Paths out of the directory, and a symlink to a file in it.
+    for h in ["../kvd.pool", "/etc/passwd", ".hidden", ""] {
+        let mut r = cache.regions();
+        r[0].handle = h.as_bytes().to_vec();
+        check(
+            c.gpu_register(lay, 0, &r, N, &segs),
+            ErrorCode::InvalidArgument,
+            "host handle",
+        );
+    }
+    std::os::unix::fs::symlink(engine.path().join("e-layer0"), engine.path().join("link")).unwrap();
+    let mut r = cache.regions();
+    r[0].handle = b"link".to_vec();
+    check(
+        c.gpu_register(lay, 0, &r, N, &segs),
+        ErrorCode::InvalidArgument,
+        "opening",
+    );
+    // Unknown layout; a device the stand-in does not have.
+    check(
+        c.gpu_register(kvd_protocol::LayoutId(12345), 0, &cache.regions(), N, &segs),
+        ErrorCode::UnknownLayout,
+        "not registered",
+    );
+    check(
+        c.gpu_register(lay, 3, &cache.regions(), N, &segs),
+        ErrorCode::InvalidArgument,
+        "one device",
+    );
+
+    let reg = cache.register(&c, lay);
+    let k = keys(9, 3);
+    let op = |r: kvd_client::Result<kvd_protocol::GpuStoreResp>, want: ErrorCode, text: &str| {
+        let (code, msg) = code(r.unwrap_err());
+        assert_eq!(code, Some(want), "{msg}");
+        assert!(msg.contains(text), "{msg:?} should say {text:?}");
+    };
+    op(
+        c.gpu_store(reg, &k, &[0, 1]),
+        ErrorCode::InvalidArgument,
+        "one block per key",
+    );
+    op(
+        c.gpu_store(reg, &k, &[0, 1, N]),
+        ErrorCode::InvalidArgument,
+        "blocks[2] = 8",
+    );
+    op(
+        c.gpu_store(reg, &[k[0], k[1], k[0]], &[0, 1, 2]),
+        ErrorCode::InvalidArgument,
+        "repeats",
+    );
+    op(
+        c.gpu_store(reg + 100, &k, &[0, 1, 2]),
+        ErrorCode::InvalidArgument,
+        "no registration",
+    );
+    // Another session can neither use nor close it.
+    let other = d.client();
+    op(
+        other.gpu_store(reg, &k, &[0, 1, 2]),
+        ErrorCode::NotOwner,
+        "another session",
+    );
+    let (code, _) = code(other.gpu_unregister(reg).unwrap_err());
+    assert_eq!(code, Some(ErrorCode::NotOwner));
+    assert!(other.gpu_list().unwrap().registrations.is_empty());
+    assert_eq!(
+        other.gpu_load(reg, &k, &[0, 1, 2]).unwrap_err().code(),
+        Some(ErrorCode::NotOwner)
+    );
+
+    // Nothing of the above reserved, stored or broke anything.
+    assert_eq!(c.lookup(lay, &k).unwrap().prefix, 0);
+    let r = c.gpu_store(reg, &k, &[0, 1, 2]).unwrap();
+    assert_eq!(r.stored, 3);
+    assert_eq!(c.stats().unwrap().pending, 0);
+}
+
+#[test]
+fn a_copy_that_fails_loses_nothing_and_stores_nothing() {
+    let (d, engine) = host_daemon(&[]);
+    let c = d.client();
+    let info = register(&c, 4);
+    let cache = Cache::create(engine.path(), "e", true);
+    let reg = cache.register(&c, info.id);
+    let k = keys(11, 2);
+    // The engine shrinks its memory under the registration: the copy comes up short.
+    cache.files[1].set_len(KIB).unwrap();
+    let e = c.gpu_store(reg, &k, &[0, 5]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::TransferFailed), "{e}");
+    assert!(e.to_string().contains("gpu copy failed"), "{e}");
+    assert_eq!(
+        c.lookup(info.id, &k).unwrap().prefix,
+        0,
+        "nothing committed"
+    );
+    let st = c.stats().unwrap();
+    assert_eq!(st.pending, 0, "the reservations were given back: {st:?}");
+    // Storing from it keeps failing (and holding nothing); another cache works.
+    c.gpu_store(reg, &k[..1], &[5]).unwrap_err();
+    let other = Cache::create(engine.path(), "ok", true);
+    let ok = other.register(&c, info.id);
+    assert_eq!(c.gpu_store(ok, &k, &[0, 5]).unwrap().stored, 2);
+    // A load into the shrunk memory writes past its end, which grows the file back (a
+    // positional write, not a mapping): the bytes land where they belong.
+    assert_eq!(c.gpu_load(reg, &k, &[0, 5]).unwrap(), 2);
+    assert_eq!(cache.block(5), other.block(5));
+    assert_eq!(cache.block(0), other.block(0));
+    let st = c.stats().unwrap();
+    assert_eq!((st.pinned_blocks, st.pending), (0, 0), "{st:?}");
+}
+
+#[test]
+fn a_silent_session_leaves_nothing_mapped() {
+    let engine = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cfg = engine.path().join("kvd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[gpu]\ndevice = \"host\"\nhost_dir = \"{}\"\nidle_ttl_ms = 400\n",
+            engine.path().display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    let c = d.client();
+    let info = register(&c, 4);
+    let cache = Cache::create(engine.path(), "e", true);
+    let reg = cache.register(&c, info.id);
+    let open_files = || {
+        std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|p| p.starts_with(engine.path()))
+            .count()
+    };
+    assert_eq!(open_files(), 2, "both regions open");
+    // Kept alive while the session speaks...
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(c.gpu_list().unwrap().registrations.len(), 1);
+    }
+    // ...ended once it is silent for longer than the lease.
+    std::thread::sleep(Duration::from_millis(1500));
+    eventually(5, "the registration's files closed", || open_files() == 0);
+    assert!(c.gpu_list().unwrap().registrations.is_empty());
+    let e = c.gpu_store(reg, &keys(1, 1), &[0]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidArgument), "{e}");
+}
+
+#[test]
+fn without_a_device_gpu_ops_are_refused_with_the_reason() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let info = register(&c, 4);
+    let e = c
+        .gpu_register(
+            info.id,
+            0,
+            &[GpuRegion {
+                handle: vec![0; 64],
+                size: 4096,
+            }],
+            1,
+            &[GpuSegment {
+                region: 0,
+                offset: 0,
+                stride: 4096,
+                len: 4096,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{e}");
+    assert!(e.to_string().contains("GPU tier is off"), "{e}");
+    assert!(c.gpu_list().unwrap().device.starts_with("off"));
+    // Asked for CUDA by name in a build without it: refused at start, saying how.
+    if !cfg!(feature = "cuda") {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+            .args(["--gpu-device", "cuda", "--pool-size", "64MiB", "--endpoint"])
+            .arg(format!("ipc://{}/x.sock", d.dir.path().display()))
+            .arg("--pool-path")
+            .arg(d.dir.path().join("x.pool"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+}
