@@ -1174,6 +1174,70 @@ impl Client {
         Ok(r.loaded)
     }
 
+    /// Offers blocks of a registration to a [`Client::gpu_pull`] by another engine on
+    /// this node (device to device); keep them until [`Client::gpu_export_status`] says
+    /// a final state.
+    pub fn gpu_export(
+        &self,
+        registration: u64,
+        transfer_id: &str,
+        keys: &[ChunkHash],
+        blocks: &[u64],
+        lease: Option<Duration>,
+    ) -> Result<GpuTransferParams> {
+        let (r, _): (GpuExportResp, _) = self.call(
+            |client| {
+                Request::GpuExport(GpuExportReq {
+                    client,
+                    registration,
+                    transfer_id: transfer_id.to_string(),
+                    keys: keys.to_vec(),
+                    blocks: blocks.to_vec(),
+                    lease_ms: lease.map(|d| d.as_millis() as u64),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.params)
+    }
+
+    /// Copies an export's blocks into `blocks` of this session's registration; answers
+    /// when the copy is done.
+    pub fn gpu_pull(
+        &self,
+        registration: u64,
+        blocks: &[u64],
+        params: &GpuTransferParams,
+    ) -> Result<u64> {
+        let (r, _): (GpuPullResp, _) = self.call(
+            |client| {
+                Request::GpuPull(Box::new(GpuPullReq {
+                    client,
+                    registration,
+                    blocks: blocks.to_vec(),
+                    params: params.clone(),
+                }))
+            },
+            &[],
+        )?;
+        Ok(r.copied)
+    }
+
+    /// Where this session's `gpu_export` stands.
+    pub fn gpu_export_status(&self, transfer_id: &str) -> Result<GpuExportStatusResp> {
+        Ok(self
+            .call(
+                |client| {
+                    Request::GpuExportStatus(GpuExportStatusReq {
+                        client,
+                        transfer_id: transfer_id.to_string(),
+                    })
+                },
+                &[],
+            )?
+            .0)
+    }
+
     /// The daemon's counters and gauges.
     pub fn stats(&self) -> Result<StatsResp> {
         Ok(self.raw_call(&Request::Stats(StatsReq {}), &[])?.0)

@@ -570,6 +570,7 @@ impl Server {
             let body = r.map(|r| match r {
                 crate::gpu::Reply::Store(b) => Body::GpuStore(b),
                 crate::gpu::Reply::Load(b) => Body::GpuLoad(b),
+                crate::gpu::Reply::Pull(b) => Body::GpuPull(b),
             });
             let (reply, payloads) = self.finish(to.id, to.op, to.since, body, Vec::new());
             self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
@@ -733,6 +734,8 @@ impl Server {
                 Request::Alloc(_)
                     | Request::GpuStore(_)
                     | Request::GpuRegister(_)
+                    | Request::GpuExport(_)
+                    | Request::GpuPull(_)
                     | Request::Export(_)
                     | Request::Pull(_)
                     | Request::PushRegister(_)
@@ -852,6 +855,17 @@ impl Server {
                     Answer::Later(t) => return Ok(Answer::Later(t)),
                 }
             }
+            Request::GpuExport(r) => Body::GpuExport(self.gpu.export(s, r, now)?),
+            Request::GpuExportStatus(r) => {
+                Body::GpuExportStatus(self.gpu.export_status(s, r, now)?)
+            }
+            Request::GpuPull(r) => {
+                self.next_token += 1;
+                match self.gpu.pull(s, r, TOKEN_BIT | self.next_token, now)? {
+                    Answer::Now(b) => Body::GpuPull(b),
+                    Answer::Later(t) => return Ok(Answer::Later(t)),
+                }
+            }
             Request::GpuLoad(r) => {
                 self.next_token += 1;
                 match self.gpu.load(s, r, TOKEN_BIT | self.next_token, now)? {
@@ -932,6 +946,9 @@ enum Body {
     GpuList(GpuListResp),
     GpuStore(GpuStoreResp),
     GpuLoad(GpuLoadResp),
+    GpuExport(GpuExportResp),
+    GpuExportStatus(GpuExportStatusResp),
+    GpuPull(GpuPullResp),
 }
 
 impl From<Reply> for Body {
@@ -967,5 +984,8 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::GpuList(b) => encode_ok(id, &b),
         Body::GpuStore(b) => encode_ok(id, &b),
         Body::GpuLoad(b) => encode_ok(id, &b),
+        Body::GpuExport(b) => encode_ok(id, &b),
+        Body::GpuExportStatus(b) => encode_ok(id, &b),
+        Body::GpuPull(b) => encode_ok(id, &b),
     }
 }

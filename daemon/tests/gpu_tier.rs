@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use kvd_client::Client;
-use kvd_protocol::{ErrorCode, GpuRegion, GpuSegment, GpuStoreStatus};
+use kvd_protocol::{ErrorCode, GpuExportState, GpuRegion, GpuSegment, GpuStoreStatus};
 
 const KIB: u64 = 1024;
 /// Blocks per engine cache.
@@ -382,4 +382,153 @@ fn without_a_device_gpu_ops_are_refused_with_the_reason() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("--features cuda"), "{err}");
     }
+}
+
+/// A decode engine whose cache keeps each block contiguous (one segment), unlike the
+/// prefill's layer-major one: the handoff maps the same block bytes between geometries.
+fn contiguous(dir: &Path, name: &str) -> (std::fs::File, Vec<GpuRegion>, Vec<GpuSegment>) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.join(name))
+        .unwrap();
+    f.set_len(N * 4 * KIB).unwrap();
+    let regions = vec![GpuRegion {
+        handle: name.as_bytes().to_vec(),
+        size: N * 4 * KIB,
+    }];
+    let segments = vec![GpuSegment {
+        region: 0,
+        offset: 0,
+        stride: 4 * KIB,
+        len: 4 * KIB,
+    }];
+    (f, regions, segments)
+}
+
+fn read_block(f: &std::fs::File, b: u64) -> Vec<u8> {
+    let mut v = vec![0u8; (4 * KIB) as usize];
+    f.read_exact_at(&mut v, b * 4 * KIB).unwrap();
+    v
+}
+
+#[test]
+fn gpu_to_gpu_handoff_moves_every_byte_once_under_its_lease() {
+    let (d, engine) = host_daemon(&[]);
+    let (prefill, decode) = (d.client(), d.client());
+    let info = register(&prefill, 4);
+    register(&decode, 4);
+    let src = Cache::create(engine.path(), "prefill", true);
+    let rs = src.register(&prefill, info.id);
+    let (dst, regions, segs) = contiguous(engine.path(), "decode");
+    let rd = decode
+        .gpu_register(info.id, 0, &regions, N, &segs)
+        .unwrap()
+        .registration;
+
+    let k = keys(21, 3);
+    let params = prefill
+        .gpu_export(rs, "req-1", &k, &[5, 0, 2], None)
+        .unwrap();
+    assert_eq!(
+        prefill.gpu_export_status("req-1").unwrap().state,
+        GpuExportState::Live
+    );
+    // Params travel through a router as msgpack bytes.
+    let params = kvd_protocol::GpuTransferParams::from_msgpack(&params.to_msgpack()).unwrap();
+
+    // Forged params are refused and copy nothing.
+    let forged = |f: &dyn Fn(&mut kvd_protocol::GpuTransferParams), want: ErrorCode| {
+        let mut p = params.clone();
+        f(&mut p);
+        let e = decode.gpu_pull(rd, &[1, 2, 3], &p).unwrap_err();
+        assert_eq!(e.code(), Some(want), "{e}");
+    };
+    forged(&|p| p.token ^= 1, ErrorCode::NotOwner);
+    forged(&|p| p.handle ^= 2, ErrorCode::NotOwner);
+    forged(&|p| p.keys.swap(0, 1), ErrorCode::NotOwner);
+    forged(&|p| p.incarnation.0 ^= 1, ErrorCode::StaleIncarnation);
+    forged(
+        &|p| p.transfer_id = "other".into(),
+        ErrorCode::UnknownTransfer,
+    );
+    for b in 0..N {
+        assert_eq!(
+            read_block(&dst, b),
+            vec![0u8; 4096],
+            "block {b} untouched by a refused pull"
+        );
+    }
+    assert_eq!(
+        prefill.gpu_export_status("req-1").unwrap().state,
+        GpuExportState::Live
+    );
+
+    assert_eq!(decode.gpu_pull(rd, &[1, 2, 3], &params).unwrap(), 3);
+    assert_eq!(read_block(&dst, 1), src.block(5));
+    assert_eq!(read_block(&dst, 2), src.block(0));
+    assert_eq!(read_block(&dst, 3), src.block(2));
+    assert_eq!(read_block(&dst, 0), vec![0u8; 4096]);
+    assert_eq!(
+        prefill.gpu_export_status("req-1").unwrap().state,
+        GpuExportState::Done
+    );
+    // Once only; the status is the exporter's alone.
+    let e = decode.gpu_pull(rd, &[4, 5, 6], &params).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{e}");
+    assert_eq!(
+        decode.gpu_export_status("req-1").unwrap_err().code(),
+        Some(ErrorCode::NotOwner)
+    );
+    // Nothing went through the pool.
+    assert_eq!(prefill.lookup(info.id, &k).unwrap().prefix, 0);
+
+    // A lease that runs out unpulled: refused, and the exporter sees `expired`.
+    prefill
+        .gpu_export(
+            rs,
+            "req-2",
+            &k,
+            &[5, 0, 2],
+            Some(Duration::from_millis(100)),
+        )
+        .map(|p| {
+            std::thread::sleep(Duration::from_millis(400));
+            let e = decode.gpu_pull(rd, &[1, 2, 3], &p).unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::LeaseExpired), "{e}");
+        })
+        .unwrap();
+    assert_eq!(
+        prefill.gpu_export_status("req-2").unwrap().state,
+        GpuExportState::Expired
+    );
+    // A layout mismatch is refused before anything else.
+    let other = register(&decode, 8);
+    let (_f8, r8, _) = contiguous(engine.path(), "decode8"); // N * 4 KiB = 4 blocks of 8 KiB
+    let seg8 = GpuSegment {
+        region: 0,
+        offset: 0,
+        stride: 8 * KIB,
+        len: 8 * KIB,
+    };
+    let r8 = decode
+        .gpu_register(other.id, 0, &r8, N / 2, &[seg8])
+        .unwrap()
+        .registration;
+    let p3 = prefill
+        .gpu_export(rs, "req-3", &k[..1], &[1], None)
+        .unwrap();
+    let e = decode.gpu_pull(r8, &[0], &p3).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidArgument), "{e}");
+    assert!(e.to_string().contains("layout"), "{e}");
+    // The exporter's registration ending ends its live exports.
+    prefill
+        .gpu_export(rs, "req-4", &k[..1], &[1], None)
+        .unwrap();
+    prefill.gpu_unregister(rs).unwrap();
+    eventually(5, "the export ended with its registration", || {
+        prefill.gpu_export_status("req-4").unwrap().state == GpuExportState::Ended
+    });
 }

@@ -12,7 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{DecodeError, WireError};
 use crate::gpu::op as gop;
-use crate::gpu::{GpuListReq, GpuLoadReq, GpuRegisterReq, GpuStoreReq, GpuUnregisterReq};
+use crate::gpu::{
+    GpuExportReq, GpuExportStatusReq, GpuListReq, GpuLoadReq, GpuPullReq, GpuRegisterReq,
+    GpuStoreReq, GpuUnregisterReq,
+};
 use crate::msg::op;
 use crate::msg::*;
 use crate::transfer::op as xop;
@@ -57,6 +60,9 @@ pub enum Request {
     GpuList(GpuListReq),
     GpuStore(GpuStoreReq),
     GpuLoad(GpuLoadReq),
+    GpuExport(GpuExportReq),
+    GpuPull(Box<GpuPullReq>),
+    GpuExportStatus(GpuExportStatusReq),
 }
 
 impl Request {
@@ -108,6 +114,9 @@ impl Request {
             Request::GpuList(_) => gop::GPU_LIST,
             Request::GpuStore(_) => gop::GPU_STORE,
             Request::GpuLoad(_) => gop::GPU_LOAD,
+            Request::GpuExport(_) => gop::GPU_EXPORT,
+            Request::GpuPull(_) => gop::GPU_PULL,
+            Request::GpuExportStatus(_) => gop::GPU_EXPORT_STATUS,
         }
     }
 
@@ -129,6 +138,8 @@ impl Request {
             Request::PeerLock(r) => r.keys.len(),
             Request::GpuStore(r) => r.keys.len().max(r.blocks.len()),
             Request::GpuLoad(r) => r.keys.len().max(r.blocks.len()),
+            Request::GpuExport(r) => r.keys.len().max(r.blocks.len()),
+            Request::GpuPull(r) => r.params.keys.len().max(r.blocks.len()),
             _ => 0,
         }
     }
@@ -187,6 +198,9 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::GpuList(b) => env(id, op, b),
         Request::GpuStore(b) => env(id, op, b),
         Request::GpuLoad(b) => env(id, op, b),
+        Request::GpuExport(b) => env(id, op, b),
+        Request::GpuPull(b) => env(id, op, b),
+        Request::GpuExportStatus(b) => env(id, op, b),
     }
 }
 
@@ -289,6 +303,9 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         gop::GPU_LIST => body(frame, gop::GPU_LIST).map(Request::GpuList),
         gop::GPU_STORE => body(frame, gop::GPU_STORE).map(Request::GpuStore),
         gop::GPU_LOAD => body(frame, gop::GPU_LOAD).map(Request::GpuLoad),
+        gop::GPU_EXPORT => body(frame, gop::GPU_EXPORT).map(Request::GpuExport),
+        gop::GPU_PULL => body(frame, gop::GPU_PULL).map(|b| Request::GpuPull(Box::new(b))),
+        gop::GPU_EXPORT_STATUS => body(frame, gop::GPU_EXPORT_STATUS).map(Request::GpuExportStatus),
         other => {
             let mut name = other.to_string();
             name.truncate(64);

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ChunkHash, ClientId, LayoutId};
+use crate::{ChunkHash, ClientId, Incarnation, LayoutId};
 
 /// The op names of this module.
 pub mod op {
@@ -26,6 +26,12 @@ pub mod op {
     pub const GPU_STORE: &str = "gpu_store";
     /// `gpu_load`
     pub const GPU_LOAD: &str = "gpu_load";
+    /// `gpu_export`
+    pub const GPU_EXPORT: &str = "gpu_export";
+    /// `gpu_pull`
+    pub const GPU_PULL: &str = "gpu_pull";
+    /// `gpu_export_status`
+    pub const GPU_EXPORT_STATUS: &str = "gpu_export_status";
 }
 
 /// Most regions (memory handles) in one registration.
@@ -191,4 +197,128 @@ pub struct GpuLoadResp {
     /// The leading keys whose bytes are now in their blocks; blocks after them are
     /// untouched.
     pub loaded: u64,
+}
+
+/// `gpu_export`: offer blocks of a registration to another engine on this node, which
+/// copies them device to device with `gpu_pull` while the lease lives.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuExportReq {
+    /// The session (owner of the registration).
+    pub client: ClientId,
+    /// The registration holding the blocks.
+    pub registration: u64,
+    /// The request's transfer id (as for `export`).
+    pub transfer_id: String,
+    /// The blocks' keys, in order.
+    pub keys: Vec<ChunkHash>,
+    /// The block ids, one per key.
+    pub blocks: Vec<u64>,
+    /// Lease (default `transfer.lease_ms`-like 30 s, at most 300 s).
+    #[serde(default)]
+    pub lease_ms: Option<u64>,
+}
+
+/// What a decode engine needs to pull a `gpu_export` (routers carry its msgpack bytes
+/// like `kv_transfer_params`, and are not trusted with them: the daemon checks the
+/// params against its export).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuTransferParams {
+    /// The transfer id.
+    pub transfer_id: String,
+    /// The exporting daemon's incarnation (a pull after a restart is refused).
+    pub incarnation: Incarnation,
+    /// The export's handle.
+    pub handle: u64,
+    /// The export's secret.
+    pub token: u64,
+    /// The blocks' layout.
+    pub layout_id: LayoutId,
+    /// The blocks' keys.
+    pub keys: Vec<ChunkHash>,
+    /// The lease it was made with.
+    pub lease_ms: u64,
+}
+
+impl GpuTransferParams {
+    /// The msgpack map engines and routers pass along.
+    pub fn to_msgpack(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).expect("msgpack encoding of protocol types is infallible")
+    }
+
+    /// Parses [`GpuTransferParams::to_msgpack`]'s output.
+    pub fn from_msgpack(b: &[u8]) -> Result<Self, crate::WireError> {
+        crate::strict::from_slice(b).map_err(|e| {
+            crate::WireError::new(
+                crate::ErrorCode::InvalidArgument,
+                format!("gpu transfer params: {e}"),
+            )
+        })
+    }
+}
+
+/// Reply to `gpu_export`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuExportResp {
+    /// For the decode side.
+    pub params: GpuTransferParams,
+}
+
+/// `gpu_pull`: copy an export's blocks into blocks of this session's registration.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuPullReq {
+    /// The session (owner of the destination registration).
+    pub client: ClientId,
+    /// The destination registration (same layout as the export).
+    pub registration: u64,
+    /// Destination block ids, one per exported key.
+    pub blocks: Vec<u64>,
+    /// From the prefill side.
+    pub params: GpuTransferParams,
+}
+
+/// Reply to `gpu_pull` (sent when the copy is done).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuPullResp {
+    /// Blocks copied (all of them).
+    pub copied: u64,
+}
+
+/// `gpu_export_status`: whether the exporter may reuse its blocks.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuExportStatusReq {
+    /// The session that exported.
+    pub client: ClientId,
+    /// The transfer id.
+    pub transfer_id: String,
+}
+
+/// Where a `gpu_export` stands.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuExportState {
+    /// Waiting for its pull: keep the blocks.
+    Live,
+    /// Being copied: keep the blocks.
+    Pulling,
+    /// Copied: the blocks may be reused.
+    Done,
+    /// The pull failed (see `message`): the blocks may be reused.
+    Failed,
+    /// The lease ran out unpulled: the blocks may be reused.
+    Expired,
+    /// Its registration ended first: the blocks may be reused.
+    Ended,
+    /// A state this build does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// Reply to `gpu_export_status`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GpuExportStatusResp {
+    /// The state.
+    pub state: GpuExportState,
+    /// Why, for `failed`.
+    #[serde(default)]
+    pub message: String,
 }

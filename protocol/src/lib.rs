@@ -37,9 +37,10 @@ pub use codec::{
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use gpu::{
-    GpuListReq, GpuListResp, GpuLoadReq, GpuLoadResp, GpuRegion, GpuRegisterReq, GpuRegisterResp,
-    GpuRegistrationInfo, GpuSegment, GpuStoreReq, GpuStoreResp, GpuStoreStatus, GpuUnregisterReq,
-    GpuUnregisterResp,
+    GpuExportReq, GpuExportResp, GpuExportState, GpuExportStatusReq, GpuExportStatusResp,
+    GpuListReq, GpuListResp, GpuLoadReq, GpuLoadResp, GpuPullReq, GpuPullResp, GpuRegion,
+    GpuRegisterReq, GpuRegisterResp, GpuRegistrationInfo, GpuSegment, GpuStoreReq, GpuStoreResp,
+    GpuStoreStatus, GpuTransferParams, GpuUnregisterReq, GpuUnregisterResp,
 };
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
 pub use layout::{Dtype, Layout, LayoutError, MemoryOrder};

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use super::device::{Copy, Dir, Memory};
+use super::device::{Copy, DevCopy, Dir, Memory};
 use crate::pool::Pool;
 
 fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
@@ -210,6 +210,64 @@ impl CudaDevice {
             }
         }
         queued.and(synced)
+    }
+
+    /// Device-to-device: `cuMemcpyDtoDAsync` within a device, `cuMemcpyPeerAsync`
+    /// between two (over NVLink where the GPUs have it), on the destination's stream;
+    /// waits for all of it, also when one fails to queue.
+    pub fn copy_device(&self, copies: &[DevCopy]) -> Result<(), String> {
+        let mut used: Vec<Arc<Ctx>> = Vec::new();
+        let queued = copies
+            .iter()
+            .try_for_each(|c| self.queue_device(c, &mut used));
+        let mut synced = Ok(());
+        for c in used {
+            if let Err(e) = c.stream.synchronize() {
+                synced = Err(format!("stream synchronize: {e:?}"));
+            }
+        }
+        queued.and(synced)
+    }
+
+    fn queue_device(&self, c: &DevCopy, used: &mut Vec<Arc<Ctx>>) -> Result<(), String> {
+        let (Memory::Cuda(s), Memory::Cuda(d)) = (&*c.src, &*c.dst) else {
+            return Err("memory of another device".into());
+        };
+        for (what, off, size) in [
+            ("source", c.src_offset, s.size),
+            ("destination", c.dst_offset, d.size),
+        ] {
+            if off.checked_add(c.len).is_none_or(|e| e > size) {
+                return Err(format!(
+                    "{what} range {off}+{} outside the registered {size} bytes",
+                    c.len
+                ));
+            }
+        }
+        let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
+        let (sc, dc) = (self.ctx(s.ordinal)?, self.ctx(d.ordinal)?);
+        dc.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        if !used.iter().any(|u| Arc::ptr_eq(u, &dc)) {
+            used.push(Arc::clone(&dc));
+        }
+        let (src, dst) = (s.ptr + c.src_offset, d.ptr + c.dst_offset);
+        // SAFETY: both ranges lie inside opened allocations (checked above), which the
+        // job keeps open until `copy_device` has synchronized the stream.
+        let r = unsafe {
+            if s.ordinal == d.ordinal {
+                sys::cuMemcpyDtoDAsync_v2(dst, src, len, dc.stream.cu_stream())
+            } else {
+                sys::cuMemcpyPeerAsync(
+                    dst,
+                    dc.ctx.cu_ctx(),
+                    src,
+                    sc.ctx.cu_ctx(),
+                    len,
+                    dc.stream.cu_stream(),
+                )
+            }
+        };
+        check(r, "device-to-device cuMemcpyAsync")
     }
 
     fn queue(

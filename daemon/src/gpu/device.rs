@@ -47,6 +47,31 @@ pub struct Copy {
     pub len: u64,
 }
 
+/// One piece of a device-to-device job: `len` bytes from `src[src_offset..]` to
+/// `dst[dst_offset..]`.
+#[derive(Clone)]
+pub struct DevCopy {
+    /// The exporter's memory.
+    pub src: Arc<Memory>,
+    /// Offset in it.
+    pub src_offset: u64,
+    /// The importer's memory.
+    pub dst: Arc<Memory>,
+    /// Offset in it.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+fn inside(what: &str, off: u64, len: u64, size: u64) -> Result<(), String> {
+    if off.checked_add(len).is_none_or(|e| e > size) {
+        return Err(format!(
+            "{what} range {off}+{len} outside the registered {size} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// A file in `host_dir`, opened.
 #[derive(Debug)]
 pub struct HostMemory {
@@ -214,6 +239,35 @@ impl Device {
         }
     }
 
+    /// Runs a device-to-device job (same device, or between devices) and returns when
+    /// all of it is done. Every range is checked against its memory first.
+    pub fn copy_device(&self, copies: &[DevCopy]) -> Result<(), String> {
+        match self {
+            Device::Off(why) => Err(why.clone()),
+            #[cfg(test)]
+            Device::FailCopies(_) => Err("injected device fault".into()),
+            Device::Host(_) => {
+                let mut buf = Vec::new();
+                for c in copies {
+                    #[allow(irrefutable_let_patterns)] // without the `cuda` feature
+                    let (Memory::Host(s), Memory::Host(d)) = (&*c.src, &*c.dst) else {
+                        return Err("memory of another device".into());
+                    };
+                    inside("source", c.src_offset, c.len, s.size)?;
+                    inside("destination", c.dst_offset, c.len, d.size)?;
+                    buf.resize(usize::try_from(c.len).map_err(|e| e.to_string())?, 0);
+                    s.file
+                        .read_exact_at(&mut buf, c.src_offset)
+                        .and_then(|()| d.file.write_all_at(&buf, c.dst_offset))
+                        .map_err(|e| format!("engine memory: {e}"))?;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.copy_device(copies),
+        }
+    }
+
     /// Runs one job's copies and returns when all are done. Every range is checked
     /// (against the pool and against the memory) before its bytes move.
     pub fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), String> {
@@ -228,12 +282,7 @@ impl Device {
                     else {
                         return Err("memory of another device".into());
                     };
-                    if c.dev_offset.checked_add(c.len).is_none_or(|e| e > h.size) {
-                        return Err(format!(
-                            "range {}+{} outside the registered {} bytes",
-                            c.dev_offset, c.len, h.size
-                        ));
-                    }
+                    inside("engine", c.dev_offset, c.len, h.size)?;
                     let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
                     let r = match dir {
                         Dir::ToPool => pool.recv_into(

@@ -114,6 +114,46 @@ impl Geometry {
     }
 }
 
+/// Pairs two blocks' extents byte for byte (the same block bytes laid out by two
+/// geometries): pieces `(from, to)` of equal length, split where either side's extent
+/// ends, in block order. Both sides must hold the same total.
+pub fn pair(
+    from: impl Iterator<Item = Extent>,
+    to: impl Iterator<Item = Extent>,
+) -> Vec<(Extent, Extent)> {
+    let mut out = Vec::new();
+    let mut to = to.peekable();
+    let mut t_used = 0u64;
+    for f in from {
+        let mut f_used = 0u64;
+        while f_used < f.len {
+            let Some(t) = to.peek().copied() else {
+                return out; // unequal totals: `Geometry::new` makes them equal
+            };
+            let n = (f.len - f_used).min(t.len - t_used);
+            out.push((
+                Extent {
+                    region: f.region,
+                    offset: f.offset + f_used,
+                    len: n,
+                },
+                Extent {
+                    region: t.region,
+                    offset: t.offset + t_used,
+                    len: n,
+                },
+            ));
+            f_used += n;
+            t_used += n;
+            if t_used == t.len {
+                to.next();
+                t_used = 0;
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +228,87 @@ mod tests {
             ]
         );
         assert!(g.extents(4).is_none());
+    }
+
+    #[test]
+    fn pairing_splits_where_either_side_ends() {
+        let a = [
+            Extent {
+                region: 0,
+                offset: 0,
+                len: 3,
+            },
+            Extent {
+                region: 1,
+                offset: 10,
+                len: 5,
+            },
+        ];
+        let b = [
+            Extent {
+                region: 2,
+                offset: 100,
+                len: 4,
+            },
+            Extent {
+                region: 3,
+                offset: 0,
+                len: 4,
+            },
+        ];
+        let p = pair(a.into_iter(), b.into_iter());
+        let e = |region, offset, len| Extent {
+            region,
+            offset,
+            len,
+        };
+        assert_eq!(
+            p,
+            vec![
+                (e(0, 0, 3), e(2, 100, 3)),
+                (e(1, 10, 1), e(2, 103, 1)),
+                (e(1, 11, 4), e(3, 0, 4)),
+            ]
+        );
+    }
+
+    proptest! {
+        /// Pairing covers both sides exactly once, in order.
+        #[test]
+        fn pairs_cover_both_sides(
+            a in proptest::collection::vec(1u64..50, 1..8),
+            cuts in proptest::collection::vec(1u64..50, 1..8),
+        ) {
+            let total: u64 = a.iter().sum();
+            // b: the same total cut differently.
+            let mut b = Vec::new();
+            let mut left = total;
+            for c in cuts {
+                if left == 0 { break; }
+                let n = c.min(left);
+                b.push(n);
+                left -= n;
+            }
+            if left > 0 { b.push(left); }
+            let ext = |v: &[u64], region| {
+                let mut at = 0;
+                v.iter().map(|&len| { let e = Extent { region, offset: at * 7, len }; at += len; e }).collect::<Vec<_>>()
+            };
+            let (ea, eb) = (ext(&a, 0), ext(&b, 1));
+            let p = pair(ea.iter().copied(), eb.iter().copied());
+            prop_assert_eq!(p.iter().map(|(x, _)| x.len).sum::<u64>(), total);
+            for (x, y) in &p { prop_assert_eq!(x.len, y.len); }
+            // Every byte of a maps to the byte at the same block position in b.
+            let pos = |es: &[Extent], e: &Extent| -> u64 {
+                let mut at = 0;
+                for x in es {
+                    if e.offset >= x.offset && e.offset < x.offset + x.len { return at + e.offset - x.offset; }
+                    at += x.len;
+                }
+                u64::MAX
+            };
+            for (x, y) in &p { prop_assert_eq!(pos(&ea, x), pos(&eb, y)); }
+        }
     }
 
     proptest! {

@@ -9,6 +9,7 @@
 //! | [`geometry`] | the rule that every extent of every block lies inside its region |
 //! | [`device`] | what copies: CUDA (feature `cuda`), the host stand-in, or nothing and why |
 //! | [`worker`] | the copy thread and its hand-off back to the server thread |
+//! | [`handoff`] | same-node GPU-to-GPU handoff: exports, their leases and the checks on a pull's params |
 //! | `cuda` | (feature `cuda`) the CUDA boundary: IPC handles, the pinned pool, async copies |
 //!
 //! Rules this module keeps:
@@ -29,6 +30,7 @@
 
 pub mod device;
 pub mod geometry;
+pub mod handoff;
 pub mod worker;
 
 #[cfg(feature = "cuda")]
@@ -43,7 +45,7 @@ use kvd_protocol::*;
 
 use self::device::{Copy, Device, Dir, Memory};
 use self::geometry::Geometry;
-use self::worker::{Job, Worker};
+use self::worker::{Job, Work, Worker};
 use crate::pool::Pool;
 use crate::store::Store;
 
@@ -81,6 +83,11 @@ enum Pending {
         pin: PinId,
         loaded: u64,
     },
+    Pull {
+        registration: u64,
+        transfer_id: String,
+        copied: u64,
+    },
 }
 
 /// A finished op, for the server to answer.
@@ -89,6 +96,8 @@ pub enum Reply {
     Store(GpuStoreResp),
     /// `gpu_load`.
     Load(GpuLoadResp),
+    /// `gpu_pull`.
+    Pull(GpuPullResp),
 }
 
 /// Counters for `stats` and the log.
@@ -104,6 +113,8 @@ pub struct GpuCounters {
     pub failed_copies: u64,
     /// Registrations ended because their session went silent.
     pub expired: u64,
+    /// Blocks copied device to device by `gpu_pull`.
+    pub pulled_blocks: u64,
 }
 
 /// See the module docs.
@@ -116,6 +127,8 @@ pub struct GpuTier {
     pending: HashMap<u64, Pending>,
     system: Option<ClientId>,
     counters: GpuCounters,
+    exports: handoff::Exports,
+    next_sweep: Option<Instant>,
 }
 
 fn bad(m: impl Into<String>) -> WireError {
@@ -195,6 +208,8 @@ impl GpuTier {
             pending: HashMap::new(),
             system: None,
             counters: GpuCounters::default(),
+            exports: handoff::Exports::default(),
+            next_sweep: None,
         }
     }
 
@@ -215,6 +230,8 @@ impl GpuTier {
             pending: HashMap::new(),
             system: None,
             counters: GpuCounters::default(),
+            exports: handoff::Exports::default(),
+            next_sweep: None,
         })
     }
 
@@ -238,7 +255,7 @@ impl GpuTier {
 
     /// Whether copies are in flight.
     pub fn busy(&self) -> bool {
-        !self.pending.is_empty()
+        !self.pending.is_empty() || self.exports.pulling()
     }
 
     fn worker(&self) -> Result<&Worker, WireError> {
@@ -475,7 +492,11 @@ impl GpuTier {
         dir: Dir,
         copies: Vec<Copy>,
     ) -> Result<(), WireError> {
-        if !self.worker()?.submit(Job { token, dir, copies }) {
+        self.submit_work(token, registration, Work::Pool(dir, copies))
+    }
+
+    fn submit_work(&mut self, token: u64, registration: u64, work: Work) -> Result<(), WireError> {
+        if !self.worker()?.submit(Job { token, work }) {
             return Err(WireError::new(
                 ErrorCode::Internal,
                 "the GPU copy thread is gone",
@@ -597,9 +618,9 @@ impl GpuTier {
                 continue;
             };
             let reg_id = match &p {
-                Pending::Store { registration, .. } | Pending::Load { registration, .. } => {
-                    *registration
-                }
+                Pending::Store { registration, .. }
+                | Pending::Load { registration, .. }
+                | Pending::Pull { registration, .. } => *registration,
             };
             if let Some(g) = self.regs.get_mut(&reg_id) {
                 g.in_flight = g.in_flight.saturating_sub(1);
@@ -644,6 +665,29 @@ impl GpuTier {
                         ))
                     }
                 },
+                Pending::Pull {
+                    transfer_id,
+                    copied,
+                    ..
+                } => {
+                    self.exports.finish_pull(
+                        &transfer_id,
+                        result.as_ref().map(|_| ()).map_err(String::as_str),
+                        now,
+                    );
+                    match result {
+                        Ok(()) => {
+                            self.counters.pulled_blocks += copied;
+                            Ok(Reply::Pull(GpuPullResp { copied }))
+                        }
+                        Err(e) => Err(WireError::new(
+                            ErrorCode::TransferFailed,
+                            format!(
+                                "gpu copy failed: {e}; the blocks' bytes are not to be trusted"
+                            ),
+                        )),
+                    }
+                }
                 Pending::Load { pin, loaded, .. } => {
                     let held = store.unpin_by_id(pin);
                     match (result, held) {
@@ -667,8 +711,13 @@ impl GpuTier {
         out
     }
 
-    /// Ends registrations whose session is gone or was silent for `idle_ttl`.
+    /// Ends registrations whose session is gone or was silent for `idle_ttl` (and their
+    /// live exports), expires exports; at most every 100 ms.
     pub fn maintain(&mut self, store: &Store, now: Instant) {
+        if self.next_sweep.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_sweep = Some(now + Duration::from_millis(100));
         let ttl = self.settings.idle_ttl;
         let before = self.regs.len();
         self.regs.retain(|id, g| {
@@ -682,6 +731,149 @@ impl GpuTier {
             live
         });
         self.counters.expired += (before - self.regs.len()) as u64;
+        let regs = &self.regs;
+        self.exports
+            .end_registrations(|r| !regs.contains_key(&r), now);
+        self.exports.maintain(now);
+    }
+
+    /// `gpu_export`: offers blocks of the session's registration to a `gpu_pull` on this
+    /// node while the lease lives.
+    pub fn export(
+        &mut self,
+        store: &mut Store,
+        r: &GpuExportReq,
+        now: Instant,
+    ) -> Result<GpuExportResp, WireError> {
+        let layout = self.check_blocks(store, r.client, r.registration, &r.keys, &r.blocks, now)?;
+        let params = self.exports.insert(
+            r.client,
+            r.registration,
+            &r.transfer_id,
+            layout,
+            &r.keys,
+            &r.blocks,
+            r.lease_ms,
+            store.incarnation(),
+            now,
+        )?;
+        tracing::debug!(transfer = %r.transfer_id, blocks = r.keys.len(), "gpu export");
+        Ok(GpuExportResp { params })
+    }
+
+    /// `gpu_pull`: checks the params against the export, copies its blocks device to
+    /// device into the session's registration, and answers (later, under `token`) when
+    /// the copy is done; the export is then `done` (or `failed`).
+    pub fn pull(
+        &mut self,
+        store: &mut Store,
+        r: &GpuPullReq,
+        token: u64,
+        now: Instant,
+    ) -> Result<crate::store::Answer<GpuPullResp>, WireError> {
+        let layout = self.check_blocks(
+            store,
+            r.client,
+            r.registration,
+            &r.params.keys,
+            &r.blocks,
+            now,
+        )?;
+        if layout != r.params.layout_id {
+            return Err(bad(format!(
+                "the destination registration has layout {layout}, the export {}",
+                r.params.layout_id
+            )));
+        }
+        let e = self
+            .exports
+            .start_pull(&r.params, store.incarnation(), now)?;
+        let (src_id, src_blocks) = (e.registration, e.blocks.clone());
+        let planned = self.plan_device(src_id, &src_blocks, r.registration, &r.blocks);
+        let queued = planned
+            .and_then(|copies| self.submit_work(token, r.registration, Work::Device(copies)));
+        if let Err(err) = queued {
+            self.exports
+                .finish_pull(&r.params.transfer_id, Err(&err.message), now);
+            return Err(err);
+        }
+        self.pending.insert(
+            token,
+            Pending::Pull {
+                registration: r.registration,
+                transfer_id: r.params.transfer_id.clone(),
+                copied: r.blocks.len() as u64,
+            },
+        );
+        Ok(crate::store::Answer::Later(token))
+    }
+
+    /// `gpu_export_status`.
+    pub fn export_status(
+        &mut self,
+        store: &mut Store,
+        r: &GpuExportStatusReq,
+        now: Instant,
+    ) -> Result<GpuExportStatusResp, WireError> {
+        store.check_session(r.client, now)?;
+        let (state, message) = self.exports.status(r.client, &r.transfer_id)?;
+        Ok(GpuExportStatusResp { state, message })
+    }
+
+    /// The device-to-device copies moving `from_blocks` of `from` into `to_blocks` of
+    /// `to` (same layout: the same bytes per block, perhaps split differently).
+    fn plan_device(
+        &self,
+        from: u64,
+        from_blocks: &[u64],
+        to: u64,
+        to_blocks: &[u64],
+    ) -> Result<Vec<device::DevCopy>, WireError> {
+        let gone = |what: &str| {
+            WireError::new(
+                ErrorCode::TransferFailed,
+                format!("the {what} registration ended"),
+            )
+        };
+        let internal = |m: &str| WireError::new(ErrorCode::Internal, m.to_string());
+        let src = self.regs.get(&from).ok_or_else(|| gone("exporting"))?;
+        let dst = self.regs.get(&to).ok_or_else(|| gone("destination"))?;
+        if from_blocks.len() != to_blocks.len() {
+            return Err(bad(format!(
+                "{} blocks for the export's {}",
+                to_blocks.len(),
+                from_blocks.len()
+            )));
+        }
+        let mut out = Vec::new();
+        for (a, b) in from_blocks.iter().zip(to_blocks) {
+            let (ea, eb) = (
+                src.geometry
+                    .extents(*a)
+                    .ok_or_else(|| internal("source block checked"))?,
+                dst.geometry
+                    .extents(*b)
+                    .ok_or_else(|| internal("destination block checked"))?,
+            );
+            for (x, y) in geometry::pair(ea, eb) {
+                out.push(device::DevCopy {
+                    src: Arc::clone(
+                        src.memory
+                            .get(x.region)
+                            .ok_or_else(|| internal("region checked"))?,
+                    ),
+                    src_offset: x.offset,
+                    dst: Arc::clone(
+                        dst.memory
+                            .get(y.region)
+                            .ok_or_else(|| internal("region checked"))?,
+                    ),
+                    dst_offset: y.offset,
+                    len: x.len,
+                });
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -821,7 +1013,7 @@ mod tests {
             .registration
         };
         // The pool file itself is never engine memory, even when it sits in host_dir.
-        let e = host(&t).open(b"pool", 4096).err().expect("refused");
+        let e = host(&t).open(b"pool", 4096).expect_err("refused");
         assert!(e.contains("pool file"), "{e}");
         let keys: Vec<ChunkHash> = (0..3u32)
             .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))

@@ -7,18 +7,24 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::device::{Copy, Device, Dir};
+use super::device::{Copy, DevCopy, Device, Dir};
 use crate::io::completions::Completions;
 use crate::pool::Pool;
+
+/// What a job moves.
+pub enum Work {
+    /// Between engine memory and pool slots.
+    Pool(Dir, Vec<Copy>),
+    /// Between two engines' memory.
+    Device(Vec<DevCopy>),
+}
 
 /// One job.
 pub struct Job {
     /// The server's token for the waiting request.
     pub token: u64,
-    /// Which way.
-    pub dir: Dir,
     /// What.
-    pub copies: Vec<Copy>,
+    pub work: Work,
 }
 
 /// A finished job.
@@ -42,11 +48,14 @@ impl Worker {
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        device.copy(job.dir, &pool, &job.copies)
+                        match &job.work {
+                            Work::Pool(dir, copies) => device.copy(*dir, &pool, copies),
+                            Work::Device(copies) => device.copy_device(copies),
+                        }
                     }))
                     .unwrap_or_else(|_| Err("the copy panicked".into()));
                     // The job's memory references drop here, before the server hears.
-                    drop(job.copies);
+                    drop(job.work);
                     out.deliver([(job.token, r)]);
                 }
             })?;
