@@ -532,3 +532,117 @@ fn gpu_to_gpu_handoff_moves_every_byte_once_under_its_lease() {
         prefill.gpu_export_status("req-4").unwrap().state == GpuExportState::Ended
     });
 }
+
+/// Hostile GPU-op bodies from a raw socket: each gets its error, nothing is registered or
+/// held, and another engine's copies keep working throughout.
+#[test]
+fn malformed_gpu_ops_get_errors_and_copies_go_on() {
+    use serde_json::json;
+    let (d, engine) = host_daemon(&[]);
+    let good = d.client();
+    let info = register(&good, 4);
+    let cache = Cache::create(engine.path(), "good", true);
+    let reg = cache.register(&good, info.id);
+    let raw = Raw::new(&d.endpoint, zmq::DEALER);
+    let hello = kvd_protocol::encode_request(1, &kvd_protocol::Request::Hello(Default::default()));
+    raw.send(&[&hello]);
+    let parts = raw.sock.recv_multipart(0).unwrap();
+    let (_, r) = kvd_protocol::decode_reply::<kvd_protocol::HelloResp>(&parts[0]).unwrap();
+    let me = r.unwrap().client.0;
+    let lay = info.id.0;
+    let mut round = 0u32;
+    let mut check = |body: serde_json::Value, op: &str, want: ErrorCode| {
+        round += 1;
+        // serde_json values encode as msgpack maps/strings/ints; bytes as arrays of ints
+        // (refused: a handle must be `bin`).
+        let (id, code) = raw.call(&[&frame(1, u64::from(round) + 10, op, &body)]);
+        assert_eq!(
+            (id, code),
+            (u64::from(round) + 10, Some(want)),
+            "{op} {body}"
+        );
+        let k = keys(1000 + round, 1);
+        assert_eq!(
+            good.gpu_store(reg, &k, &[u64::from(round) % N])
+                .unwrap()
+                .stored,
+            1
+        );
+        assert_eq!(
+            good.gpu_load(reg, &k, &[u64::from(round + 1) % N]).unwrap(),
+            1
+        );
+    };
+    let seg = json!([{"region": 0, "offset": 0, "stride": 4096, "len": 4096}]);
+    // A handle as an array of ints, as a string; segments as arrays; huge and negative.
+    check(
+        json!({"client": me, "layout_id": lay, "regions": [{"handle": [1, 2], "size": 4096}], "num_blocks": 1, "segments": seg}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "layout_id": lay, "regions": [{"handle": "good-layer0", "size": 4096}], "num_blocks": 1, "segments": seg}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "layout_id": lay, "regions": [], "num_blocks": 1, "segments": [[0, 0, 4096, 4096]]}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "layout_id": lay, "regions": [], "num_blocks": -1, "segments": seg}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "layout_id": lay, "regions": [], "num_blocks": 1, "segments": seg}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "layout_id": lay, "num_blocks": 1}),
+        "gpu_register",
+        ErrorCode::InvalidArgument,
+    );
+    // Another session's registration, by id; blocks as strings; a u64::MAX block.
+    check(
+        json!({"client": me, "registration": reg, "keys": [], "blocks": []}),
+        "gpu_store",
+        ErrorCode::NotOwner,
+    );
+    check(
+        json!({"client": me, "registration": reg, "keys": [], "blocks": ["0"]}),
+        "gpu_load",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "registration": 0, "keys": [], "blocks": [u64::MAX]}),
+        "gpu_load",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": 12345, "registration": reg}),
+        "gpu_unregister",
+        ErrorCode::UnknownClient,
+    );
+    check(
+        json!({"client": me, "registration": reg, "blocks": [], "params": {"transfer_id": "x"}}),
+        "gpu_pull",
+        ErrorCode::InvalidArgument,
+    );
+    check(
+        json!({"client": me, "transfer_id": ""}),
+        "gpu_export_status",
+        ErrorCode::UnknownTransfer,
+    );
+    check(
+        json!({"client": me, "registration": reg, "transfer_id": "t", "keys": [], "blocks": []}),
+        "gpu_export",
+        ErrorCode::NotOwner,
+    );
+    // Nothing was registered for the hostile session, nothing is held.
+    let st = good.stats().unwrap();
+    assert_eq!((st.pending, st.pinned_blocks), (0, 0), "{st:?}");
+    assert_eq!(good.gpu_list().unwrap().registrations.len(), 1);
+}

@@ -10,6 +10,8 @@
 //! - a struct (any `deserialize_struct`) must be a map;
 //! - a string, a map key naming a field, and an enum's variant must be a msgpack `str`
 //!   (not `bin`, not an integer);
+//! - a byte string (`serde_bytes` fields: handles, GIDs) must be a msgpack `bin`, not a
+//!   `str`;
 //! - everything else decodes as before, with nested values decoded strictly too.
 //!
 //! The adapter wraps the deserializer, every visitor it hands out, and every access object
@@ -40,6 +42,8 @@ enum Rule {
     Map,
     /// A string or identifier: `str` only.
     Text,
+    /// A byte string: `bin` only.
+    Bin,
 }
 
 struct V<Vi> {
@@ -66,12 +70,20 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Strict<D> {
         deserialize_any deserialize_bool deserialize_i8 deserialize_i16 deserialize_i32
         deserialize_i64 deserialize_i128 deserialize_u8 deserialize_u16 deserialize_u32
         deserialize_u64 deserialize_u128 deserialize_f32 deserialize_f64 deserialize_char
-        deserialize_bytes deserialize_byte_buf deserialize_option deserialize_unit
+        deserialize_option deserialize_unit
         deserialize_seq deserialize_map deserialize_ignored_any
     }
 
     fn deserialize_str<Vi: Visitor<'de>>(self, visitor: Vi) -> Result<Vi::Value, D::Error> {
         self.0.deserialize_str(v(visitor, Rule::Text))
+    }
+
+    fn deserialize_bytes<Vi: Visitor<'de>>(self, visitor: Vi) -> Result<Vi::Value, D::Error> {
+        self.0.deserialize_bytes(v(visitor, Rule::Bin))
+    }
+
+    fn deserialize_byte_buf<Vi: Visitor<'de>>(self, visitor: Vi) -> Result<Vi::Value, D::Error> {
+        self.0.deserialize_byte_buf(v(visitor, Rule::Bin))
     }
 
     fn deserialize_string<Vi: Visitor<'de>>(self, visitor: Vi) -> Result<Vi::Value, D::Error> {
@@ -220,14 +232,23 @@ impl<'de, Vi: Visitor<'de>> Visitor<'de> for V<Vi> {
     }
 
     fn visit_str<E: de::Error>(self, x: &str) -> Result<Self::Value, E> {
+        if self.rule == Rule::Bin {
+            return Err(E::custom("a msgpack str where SPEC §2 wants bin"));
+        }
         self.inner.visit_str(x)
     }
 
     fn visit_borrowed_str<E: de::Error>(self, x: &'de str) -> Result<Self::Value, E> {
+        if self.rule == Rule::Bin {
+            return Err(E::custom("a msgpack str where SPEC §2 wants bin"));
+        }
         self.inner.visit_borrowed_str(x)
     }
 
     fn visit_string<E: de::Error>(self, x: String) -> Result<Self::Value, E> {
+        if self.rule == Rule::Bin {
+            return Err(E::custom("a msgpack str where SPEC §2 wants bin"));
+        }
         self.inner.visit_string(x)
     }
 
@@ -422,6 +443,28 @@ mod tests {
 
     /// The lenient decodings rmp_serde accepts on its own: each is refused here, and the
     /// negative control shows plain rmp_serde takes it (so the test tests the adapter).
+    #[test]
+    fn byte_strings_must_be_bin() {
+        use crate::gpu::GpuRegion;
+        #[derive(serde::Serialize)]
+        struct AsStr<'a> {
+            handle: &'a str,
+            size: u64,
+        }
+        let r = GpuRegion {
+            handle: b"abc".to_vec(),
+            size: 3,
+        };
+        assert_eq!(from_slice::<GpuRegion>(&named(&r)).unwrap(), r);
+        let s = rmp_serde::to_vec_named(&AsStr {
+            handle: "abc",
+            size: 3,
+        })
+        .unwrap();
+        let e = from_slice::<GpuRegion>(&s).unwrap_err().to_string();
+        assert!(e.contains("wants bin"), "{e}");
+    }
+
     #[test]
     fn positional_structs_integer_enums_and_bin_strings_are_refused() {
         let l = layout();
