@@ -46,6 +46,9 @@ pub struct Metrics {
     promotions: IntCounter,
     prefetches: IntCounter,
     dropped_blocks: IntCounter,
+    gpu_registrations: IntGauge,
+    gpu_blocks: IntCounterVec,
+    gpu_failed: IntCounter,
     expired_pins: IntCounter,
     expired_allocs: IntCounter,
     dropped_replies: IntCounter,
@@ -233,6 +236,22 @@ impl Metrics {
                 &r,
                 "kvd_store_dropped_blocks_total",
                 "Blocks evicted without a copy on NVMe.",
+            ),
+            gpu_registrations: gauge(
+                &r,
+                "kvd_gpu_registrations",
+                "Engine memory registrations open in the GPU tier.",
+            ),
+            gpu_blocks: counter_vec(
+                &r,
+                "kvd_gpu_copied_blocks_total",
+                "Blocks the GPU tier copied: store (engine to pool), load (pool to engine), pull (engine to engine).",
+                &["op"],
+            ),
+            gpu_failed: counter(
+                &r,
+                "kvd_gpu_failed_copies_total",
+                "GPU tier copy jobs that failed.",
             ),
             expired_pins: counter(
                 &r,
@@ -452,6 +471,22 @@ impl Metrics {
         advance(&self.promotions, s.promotions);
         advance(&self.prefetches, s.prefetches);
         advance(&self.dropped_blocks, s.dropped);
+        if let Some(g) = &s.gpu {
+            self.gpu_registrations.set(g.registrations as i64);
+            advance(
+                &self.gpu_blocks.with_label_values(&["store"]),
+                g.stored_blocks,
+            );
+            advance(
+                &self.gpu_blocks.with_label_values(&["load"]),
+                g.loaded_blocks,
+            );
+            advance(
+                &self.gpu_blocks.with_label_values(&["pull"]),
+                g.pulled_blocks,
+            );
+            advance(&self.gpu_failed, g.failed_copies);
+        }
         advance(&self.expired_pins, s.expired_pins);
         advance(&self.expired_allocs, s.expired_allocs);
         advance(&self.dropped_replies, s.dropped_replies);

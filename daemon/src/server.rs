@@ -360,6 +360,7 @@ impl Server {
         self.last_refresh = now;
         let mut st = self.store.stats(now);
         st.transfers = self.transfer_stats();
+        st.gpu = self.gpu.stats();
         let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }
@@ -843,6 +844,7 @@ impl Server {
                     .map(Transfers::known_peers)
                     .unwrap_or_default();
                 st.draining = self.draining.is_some();
+                st.gpu = self.gpu.stats();
                 Body::Stats(Box::new(st))
             }
             Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),

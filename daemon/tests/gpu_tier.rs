@@ -101,13 +101,26 @@ fn host_daemon(extra: &[&str]) -> (Daemon, tempfile::TempDir) {
     (Daemon::start(&args), engine)
 }
 
+/// `/metrics` of the daemon on `port` (refreshed at most every 100 ms: waits that long).
+fn metrics(port: u16) -> String {
+    use std::io::{Read, Write};
+    std::thread::sleep(Duration::from_millis(300));
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 fn code(e: kvd_client::Error) -> (Option<ErrorCode>, String) {
     (e.code(), e.to_string())
 }
 
 #[test]
 fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
-    let (d, engine) = host_daemon(&[]);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let (d, engine) = host_daemon(&["--metrics-addr", &addr]);
     let c = d.client();
     let info = register(&c, 4);
     let src = Cache::create(engine.path(), "prefill", true);
@@ -147,9 +160,25 @@ fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
     assert_eq!(none, 0);
     assert_eq!(dst.block(5), vec![0u8; 4096]);
 
-    // Nothing is left pinned or reserved by the copies.
+    // Nothing is left pinned or reserved by the copies; stats count the blocks.
     let st = c.stats().unwrap();
     assert_eq!((st.pinned_blocks, st.pending), (0, 0), "{st:?}");
+    let g = st.gpu.expect("the tier's stats");
+    assert_eq!(
+        (
+            g.registrations,
+            g.stored_blocks,
+            g.loaded_blocks,
+            g.failed_copies
+        ),
+        (2, 3, 3, 0),
+        "{g:?}"
+    );
+    let metrics = metrics(port);
+    assert!(
+        metrics.contains("kvd_gpu_copied_blocks_total{op=\"store\"} 3"),
+        "{metrics}"
+    );
     let list = c.gpu_list().unwrap();
     assert_eq!(list.registrations.len(), 2);
     assert!(list.device.starts_with("host"), "{}", list.device);
@@ -369,6 +398,10 @@ fn without_a_device_gpu_ops_are_refused_with_the_reason() {
     assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{e}");
     assert!(e.to_string().contains("GPU tier is off"), "{e}");
     assert!(c.gpu_list().unwrap().device.starts_with("off"));
+    assert!(
+        c.stats().unwrap().gpu.is_none(),
+        "no gpu stats when the tier is off"
+    );
     // Asked for CUDA by name in a build without it: refused at start, saying how.
     if !cfg!(feature = "cuda") {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))

@@ -417,6 +417,28 @@ pub struct StatsResp {
     /// Peers discovery knows of (static list or etcd membership), control endpoints.
     #[serde(default)]
     pub discovered: Vec<String>,
+    /// The GPU tier; absent when it is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuStats>,
+}
+
+/// The GPU tier, in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct GpuStats {
+    /// What copies (`"host (stand-in …)"`, `"cuda (…)"`).
+    pub device: String,
+    /// Registrations open.
+    pub registrations: u64,
+    /// Blocks copied engine memory → pool (`gpu_store`).
+    pub stored_blocks: u64,
+    /// Blocks copied pool → engine memory (`gpu_load`).
+    pub loaded_blocks: u64,
+    /// Blocks copied device to device (`gpu_pull`).
+    pub pulled_blocks: u64,
+    /// Copy jobs that failed.
+    pub failed_copies: u64,
+    /// Registrations ended because their session went silent.
+    pub expired_registrations: u64,
 }
 
 /// A peer daemon, in `stats`.

@@ -253,6 +253,23 @@ impl GpuTier {
         }
     }
 
+    /// The tier in `stats` (`None` when it is off).
+    pub fn stats(&self) -> Option<GpuStats> {
+        if self.device.off().is_some() {
+            return None;
+        }
+        let c = self.counters();
+        Some(GpuStats {
+            device: self.device.describe(),
+            registrations: c.registrations,
+            stored_blocks: c.stored_blocks,
+            loaded_blocks: c.loaded_blocks,
+            pulled_blocks: c.pulled_blocks,
+            failed_copies: c.failed_copies,
+            expired_registrations: c.expired,
+        })
+    }
+
     /// Whether copies are in flight.
     pub fn busy(&self) -> bool {
         !self.pending.is_empty() || self.exports.pulling()

@@ -723,6 +723,7 @@ impl Store {
             peers: Vec::new(),
             draining: false,
             discovered: Vec::new(),
+            gpu: None,
             errors: self
                 .counters
                 .errors
