@@ -65,7 +65,7 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The daemon's optional features in one run (the default set is covered above).
-cargo clippy -p kvd-daemon --all-targets --locked --features etcd,rdma -- -D warnings
+cargo clippy -p kvd-daemon --all-targets --locked --features etcd,rdma,cuda -- -D warnings
 cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
 
 step "loom models (cfg kvd_loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
@@ -107,11 +107,12 @@ s1=${PIPESTATUS[0]}
 timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
-# required: no GPU needed); the GPU tests say so in one `SKIP:` line without a GPU (with
-# KVD_REQUIRE_CUDA=1 they fail instead).
+# required: no GPU needed); the GPU tests (kernels, engines, the daemon's CUDA GPU tier)
+# say so in one `SKIP:` line without a GPU (with KVD_REQUIRE_CUDA=1 they fail instead).
 nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/lib/libnvrtc.so*")[0].rsplit("/", 1)[0])')
 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVD_REQUIRE_NVRTC=1 \
-  timeout 900 cargo test -p kvd-cuda -p kvd-engine --locked --features kvd-cuda/cuda,kvd-engine/cuda --test nvrtc --test kernels --test gpu -- --nocapture 2>&1 | tee -a "$log"
+  timeout 900 cargo test -p kvd-cuda -p kvd-engine -p kvd-daemon --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-daemon/cuda \
+    --test nvrtc --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
 s3=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite (also when something failed). A test that found

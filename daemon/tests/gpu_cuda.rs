@@ -1,0 +1,276 @@
+//! The GPU tier on a real CUDA device (feature `cuda`): this process allocates device
+//! memory with `cuMemAlloc`, exports CUDA IPC handles, and a real `kvd --gpu-device cuda`
+//! opens them and copies between them and the pinned pool (`gpu_store`, `gpu_load`) and
+//! device to device (`gpu_pull`); every byte is checked by copying it back to the host.
+//! Without a device: one `SKIP:` line (a failure with `KVD_REQUIRE_CUDA=1`).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::time::Instant;
+
+use common::*;
+use cudarc::driver::{sys, CudaContext};
+use kvd_protocol::{GpuRegion, GpuSegment};
+
+const BLOCK: u64 = 64 * 1024;
+const N: u64 = 64;
+
+fn ok(r: sys::CUresult, what: &str) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
+}
+
+/// A device allocation of this process, with its IPC handle.
+struct DevBuf {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    handle: Vec<u8>,
+}
+
+impl DevBuf {
+    fn new(len: usize) -> DevBuf {
+        let mut ptr = 0;
+        // SAFETY: a valid out pointer; the context is current (bound by the caller).
+        ok(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc");
+        // SAFETY: `ptr..+len` was just allocated.
+        ok(unsafe { sys::cuMemsetD8_v2(ptr, 0, len) }, "cuMemset");
+        let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+        // SAFETY: `ptr` is a cuMemAlloc allocation; a valid out pointer.
+        ok(
+            unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) },
+            "cuIpcGetMemHandle",
+        );
+        // SAFETY: initialised by the call above.
+        let h = unsafe { h.assume_init() };
+        DevBuf {
+            ptr,
+            len,
+            handle: h.reserved.iter().map(|&c| c as u8).collect(),
+        }
+    }
+
+    fn write(&self, off: u64, data: &[u8]) {
+        assert!(off as usize + data.len() <= self.len);
+        // SAFETY: in bounds of the allocation (checked above); `data` is live.
+        ok(
+            unsafe { sys::cuMemcpyHtoD_v2(self.ptr + off, data.as_ptr().cast(), data.len()) },
+            "HtoD",
+        );
+    }
+
+    fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        assert!(off as usize + len <= self.len);
+        let mut v = vec![0u8; len];
+        // SAFETY: in bounds (checked above); `v` holds `len` bytes.
+        ok(
+            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), self.ptr + off, len) },
+            "DtoH",
+        );
+        v
+    }
+
+    fn region(&self) -> GpuRegion {
+        GpuRegion {
+            handle: self.handle.clone(),
+            size: self.len as u64,
+        }
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once.
+        unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+fn device() -> Option<std::sync::Arc<CudaContext>> {
+    let required = std::env::var_os("KVD_REQUIRE_CUDA").is_some();
+    // SAFETY: only tries to dlopen libcuda.
+    let present = unsafe { sys::is_culib_present() };
+    let ctx = present
+        .then(|| {
+            CudaContext::device_count()
+                .ok()
+                .filter(|n| *n > 0)
+                .and_then(|_| CudaContext::new(0).ok())
+        })
+        .flatten();
+    match ctx {
+        Some(c) => Some(c),
+        None if required => panic!("KVD_REQUIRE_CUDA=1 but no CUDA device answers"),
+        None => {
+            println!(
+                "SKIP: no CUDA device (the GPU tier's CUDA path runs in scripts/gpu-check.sh)"
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device() {
+    let Some(ctx) = device() else { return };
+    ctx.bind_to_thread().unwrap();
+    let d = Daemon::start(&[
+        "--gpu-device",
+        "cuda",
+        "--pool-size",
+        "256MiB",
+        "--segment-size",
+        "1MiB",
+    ]);
+    let (prefill, decode) = (d.client(), d.client());
+    // A 64 KiB block: 32 layers of K and V at 1 KiB each (layout(64)).
+    let info = register(&prefill, 64);
+    register(&decode, 64);
+    assert_eq!(info.block_bytes, BLOCK);
+    // Prefill: one contiguous allocation; decode: K and V in two allocations.
+    let src = DevBuf::new((N * BLOCK) as usize);
+    let (dk, dv) = (
+        DevBuf::new((N * BLOCK / 2) as usize),
+        DevBuf::new((N * BLOCK / 2) as usize),
+    );
+    let data = block(42, (N * BLOCK) as usize);
+    src.write(0, &data);
+    let rs = prefill
+        .gpu_register(
+            info.id,
+            0,
+            &[src.region()],
+            N,
+            &[GpuSegment {
+                region: 0,
+                offset: 0,
+                stride: BLOCK,
+                len: BLOCK,
+            }],
+        )
+        .unwrap();
+    println!("device: {}", rs.device);
+    let half = BLOCK / 2;
+    let rd = decode
+        .gpu_register(
+            info.id,
+            0,
+            &[dk.region(), dv.region()],
+            N,
+            &[
+                GpuSegment {
+                    region: 0,
+                    offset: 0,
+                    stride: half,
+                    len: half,
+                },
+                GpuSegment {
+                    region: 1,
+                    offset: 0,
+                    stride: half,
+                    len: half,
+                },
+            ],
+        )
+        .unwrap()
+        .registration;
+    let k = keys(5, N as usize);
+    let blocks: Vec<u64> = (0..N).collect();
+    let t = Instant::now();
+    assert_eq!(
+        prefill
+            .gpu_store(rs.registration, &k, &blocks)
+            .unwrap()
+            .stored,
+        N
+    );
+    let dt = t.elapsed();
+    println!(
+        "gpu_store {} MiB: {:.2} GB/s (first touch included)",
+        N * BLOCK >> 20,
+        (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
+    );
+    let got = prefill.get(info.id, &k[..4], None).unwrap();
+    for i in 0..4 {
+        let b = got.with_block(i, |s| s.to_vec()).unwrap().unwrap();
+        assert!(
+            b == data[i * BLOCK as usize..(i + 1) * BLOCK as usize],
+            "pool block {i}"
+        );
+    }
+    got.release().unwrap();
+    // Load into the decode cache, reversed: block i of the prefill into N-1-i.
+    let rev: Vec<u64> = (0..N).rev().collect();
+    let t = Instant::now();
+    assert_eq!(decode.gpu_load(rd, &k, &rev).unwrap(), N);
+    let dt = t.elapsed();
+    println!(
+        "gpu_load {} MiB: {:.2} GB/s",
+        N * BLOCK >> 20,
+        (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
+    );
+    let check = |what: &str| {
+        let (kk, vv) = (dk.read(0, dk.len), dv.read(0, dv.len));
+        for i in 0..N as usize {
+            let j = N as usize - 1 - i;
+            let want = &data[i * BLOCK as usize..(i + 1) * BLOCK as usize];
+            let h = half as usize;
+            assert!(
+                kk[j * h..(j + 1) * h] == want[..h] && vv[j * h..(j + 1) * h] == want[h..],
+                "{what}: block {i}"
+            );
+        }
+    };
+    check("gpu_load");
+    // Device to device: zero the decode cache, pull the export.
+    dk.write(0, &vec![0; dk.len]);
+    dv.write(0, &vec![0; dv.len]);
+    let p = prefill
+        .gpu_export(rs.registration, "cuda-1", &k, &blocks, None)
+        .unwrap();
+    let t = Instant::now();
+    assert_eq!(decode.gpu_pull(rd, &rev, &p).unwrap(), N);
+    let dt = t.elapsed();
+    println!(
+        "gpu_pull {} MiB: {:.2} GB/s",
+        N * BLOCK >> 20,
+        (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
+    );
+    check("gpu_pull");
+    assert_eq!(
+        prefill.gpu_export_status("cuda-1").unwrap().state,
+        kvd_protocol::GpuExportState::Done
+    );
+    let st = prefill.stats().unwrap().gpu.unwrap();
+    assert_eq!(
+        (
+            st.stored_blocks,
+            st.loaded_blocks,
+            st.pulled_blocks,
+            st.failed_copies
+        ),
+        (N, N, N, 0)
+    );
+    // A forged handle is refused by the driver, not fatal.
+    let mut bad = src.region();
+    bad.handle[0] ^= 0xff;
+    bad.handle[8] ^= 0xff;
+    let e = prefill
+        .gpu_register(
+            info.id,
+            0,
+            &[bad],
+            1,
+            &[GpuSegment {
+                region: 0,
+                offset: 0,
+                stride: BLOCK,
+                len: BLOCK,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Some(kvd_protocol::ErrorCode::InvalidArgument),
+        "{e}"
+    );
+    assert!(prefill.stats().is_ok(), "the daemon serves on");
+}
