@@ -185,7 +185,7 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     let dt = t.elapsed();
     println!(
         "gpu_store {} MiB: {:.2} GB/s (first touch included)",
-        N * BLOCK >> 20,
+        (N * BLOCK) >> 20,
         (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
     );
     let got = prefill.get(info.id, &k[..4], None).unwrap();
@@ -204,7 +204,7 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     let dt = t.elapsed();
     println!(
         "gpu_load {} MiB: {:.2} GB/s",
-        N * BLOCK >> 20,
+        (N * BLOCK) >> 20,
         (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
     );
     let check = |what: &str| {
@@ -231,7 +231,7 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     let dt = t.elapsed();
     println!(
         "gpu_pull {} MiB: {:.2} GB/s",
-        N * BLOCK >> 20,
+        (N * BLOCK) >> 20,
         (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
     );
     check("gpu_pull");
