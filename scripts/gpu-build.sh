@@ -5,15 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
-FEAT=kvd-engine/cuda,kvd-cuda/cuda
+FEAT=kvd-engine/cuda,kvd-cuda/cuda,kvd-daemon/cuda,kvd-bench/cuda
 cargo build --release -p kvd-daemon -p kvd-engine -p kvd-bench --features "$FEAT"
-cargo test --release -p kvd-cuda -p kvd-engine --features "$FEAT" --no-run
+cargo test --release -p kvd-cuda -p kvd-engine -p kvd-daemon --features "$FEAT" --no-run \
+  --test kernels --test gpu --test nvrtc --test gpu_cuda
 rm -rf gpu-bin && mkdir gpu-bin
 cp target/gpu/release/{kvd,kvd-engine,kvd-router,kvd-bench} gpu-bin/
 newest() { ls -t target/gpu/release/deps/"$1"-* | grep -v '\.d$' | head -1; }
 cp "$(newest kernels)" gpu-bin/kernels-test
 cp "$(newest gpu)" gpu-bin/gpu-test
 cp "$(newest nvrtc)" gpu-bin/nvrtc-test
+cp "$(newest gpu_cuda)" gpu-bin/gpu-tier-test
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
 # The GPU machine runs these as they are: say which glibc they need (its own must be at

@@ -5,7 +5,10 @@
 # 1. every CUDA kernel against the CPU reference (kvd-cuda tests/kernels.rs);
 # 2. CUDA engines disaggregated through two kvd daemons vs a CUDA aggregated engine
 #    (kvd-engine tests/gpu.rs);
-# 3. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
+# 3. the daemon's GPU tier on the device: IPC memory of the test process, gpu_store /
+#    gpu_load through the pinned pool and gpu_pull device to device, byte for byte
+#    (kvd-daemon tests/gpu_cuda.rs), then kvd-bench gpu against in-process cuMemcpy;
+# 4. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
 # Every GPU test runs with KVD_REQUIRE_CUDA=1 (no device is a failure, not a skip). Each
 # step's whole output goes to its own file under the out-dir; the script goes on after a
 # failed step, prints a summary, and exits non-zero if any step failed.
@@ -39,6 +42,8 @@ step() { # name, timeout, command...
 step nvrtc 60 "$B/nvrtc-test" --nocapture
 step kernels 120 "$B/kernels-test" --nocapture --test-threads 1
 RUST_LOG=info step gpu-e2e 180 "$B/gpu-test" --nocapture
+step gpu-tier 120 "$B/gpu-tier-test" --nocapture
+step bench-gpu 180 "$B/kvd-bench" gpu --device cuda --sizes 64KiB,1MiB,16MiB --batch 1GiB --reps 3
 step bench-cuda 180 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2
 step bench-cpu 60 "$B/kvd-bench" pd-e2e --backend cpu --bin-dir "$B" --tokens 128,512 --reps 1
 if [[ ${#failed[@]} -gt 0 ]]; then

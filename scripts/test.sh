@@ -86,6 +86,7 @@ step "bench smoke run (tiny sizes)"
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd-e2e --tokens 128 --reps 1 --max-tokens 4 --backend cpu --json > /dev/null
+./target/release/kvd-bench gpu --device host --sizes 64KiB,1MiB --batch 4MiB --reps 1 --json > /dev/null
 echo "bench smoke: ok"
 
 step "deploy/local/run.sh (two nodes, prefill, decode, router on loopback)"

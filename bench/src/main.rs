@@ -15,11 +15,15 @@
 //! - `kvd-bench pd`: export → usable on the decode side, 1..256 blocks, pull and push.
 //! - `kvd-bench pd-e2e`: end-to-end TTFT and tokens/s through real engines and the
 //!   router (aggregated, pull, push, prefix hit) against the model's own prefill time.
+//! - `kvd-bench gpu`: the GPU tier's copies through the daemon (`gpu_store`, `gpu_load`,
+//!   device-to-device `gpu_pull`) against the same copies in-process: `cuMemcpy` with a
+//!   pinned buffer (`--device cuda`), or pread/pwrite on the host stand-in.
 //! - `kvd-bench p2p`: a load served by a peer vs export + pull of the same bytes; the
 //!   latency a remote lookup over three peers adds.
 
 mod daemon;
 mod e2e;
+mod gpu;
 mod nvme;
 mod p2p;
 mod report;
@@ -65,6 +69,9 @@ enum Cmd {
     /// End-to-end TTFT and tokens/s through engines and the router vs the model's own
     /// prefill time (needs kvd-engine and kvd-router built beside kvd-bench).
     PdE2e(e2e::E2eArgs),
+    /// The GPU tier's copies (store, load, device-to-device pull) through the daemon vs
+    /// the same copies in-process (`--device host` stand-in, or `cuda`).
+    Gpu(gpu::GpuArgs),
 }
 
 #[derive(clap::Args)]
@@ -117,6 +124,7 @@ fn main() -> Result<()> {
         Cmd::Pd(a) => transport::pd(a),
         Cmd::P2p(a) => p2p::run(a),
         Cmd::PdE2e(a) => e2e::run(a),
+        Cmd::Gpu(a) => gpu::run(a),
     }
 }
 

@@ -123,8 +123,17 @@ impl Daemon {
     }
 }
 
+/// The `kvd` to run: `$KVD_BIN_DIR/kvd` when set (a bundle run on another machine, e.g.
+/// the GPU check), else the one cargo built for this test.
+pub fn kvd_bin() -> PathBuf {
+    match std::env::var_os("KVD_BIN_DIR") {
+        Some(d) => PathBuf::from(d).join("kvd"),
+        None => PathBuf::from(env!("CARGO_BIN_EXE_kvd")),
+    }
+}
+
 fn spawn(args: &[String]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_kvd"))
+    Command::new(kvd_bin())
         .args(args)
         .stdin(Stdio::null())
         .spawn()
