@@ -173,8 +173,20 @@ struct Kv {
     /// Layouts of other engines' shard counts, registered once per count (the client
     /// registers them again itself after a daemon restart).
     src_layouts: std::sync::Mutex<std::collections::HashMap<usize, Vec<LayoutInfo>>>,
-    /// Keeps the pool mapped while the GPU has it registered.
-    _region: Option<kvd_client::PoolRegion>,
+    /// The pool mapping the GPU has registered (kept mapped while it is): replaced, and
+    /// the new one registered, when the daemon restarted and the client mapped its new
+    /// pool ([`Scheduler::refresh_pool`]).
+    region: std::sync::Mutex<Option<kvd_client::PoolRegion>>,
+}
+
+/// Registers the pool mapping with the GPU for DMA (a failure leaves the bounce path).
+#[cfg(feature = "cuda")]
+fn register_pool(c: &kvd_cuda::cuda::CudaBackend, r: &kvd_client::PoolRegion) {
+    // SAFETY: `r` keeps the mapping alive; it is stored in `Kv::region` for as long as
+    // it stays registered, and unregistered (`refresh_pool`) before it is dropped.
+    if let Err(e) = unsafe { c.register_host(r.as_ptr(), r.len()) } {
+        tracing::warn!("registering the pool with the GPU failed ({e:#}); blocks go through a device buffer");
+    }
 }
 
 /// A running engine: cheap to clone, usable from any thread.
@@ -264,11 +276,7 @@ impl Engine {
                 let region = client.pool_region();
                 #[cfg(feature = "cuda")]
                 if let (AnyBackend::Cuda(c), Some(r)) = (&backend, &region) {
-                    // SAFETY: `region` keeps the mapping alive and is stored beside the
-                    // backend for the engine's life.
-                    if let Err(e) = unsafe { c.register_host(r.as_ptr(), r.len()) } {
-                        tracing::warn!("registering the pool with the GPU failed ({e:#}); blocks go through a device buffer");
-                    }
+                    register_pool(c, r);
                 }
                 let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
                 Some(Arc::new(Kv {
@@ -276,7 +284,7 @@ impl Engine {
                     layouts,
                     node,
                     src_layouts,
-                    _region: region,
+                    region: std::sync::Mutex::new(region),
                 }))
             }
         };
@@ -646,8 +654,37 @@ struct Scheduler {
 }
 
 impl Scheduler {
+    /// After a daemon restart the client maps the new pool: register that one with the
+    /// GPU (and drop the old registration and mapping), so transfers stay DMA instead of
+    /// bouncing through a device buffer. A pointer compare when nothing changed.
+    fn refresh_pool(&self) {
+        let Some(kv) = &self.kv else { return };
+        let now = kv.client.pool_region();
+        let mut held = kv.region.lock().unwrap_or_else(|p| p.into_inner());
+        let same = match (&*held, &now) {
+            (Some(a), Some(b)) => a.as_ptr() == b.as_ptr(),
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        if let AnyBackend::Cuda(c) = self.model.backend() {
+            if let Some(old) = &*held {
+                c.unregister_host(old.as_ptr());
+            }
+            if let Some(r) = &now {
+                register_pool(c, r);
+            }
+        }
+        tracing::info!("the daemon's pool was remapped (daemon restart): registration renewed");
+        *held = now;
+    }
+
     fn run(mut self, rx: mpsc::Receiver<Job>) {
         loop {
+            self.refresh_pool();
             if self.active.is_empty() {
                 match rx.recv() {
                     Ok(j) => self.start(j),
