@@ -80,13 +80,20 @@ impl HostMem {
             .truncate(true)
             .open(dir.join(name))?;
         file.set_len(len)?;
-        Ok(HostMem { file, name: name.into(), len })
+        Ok(HostMem {
+            file,
+            name: name.into(),
+            len,
+        })
     }
 }
 
 impl EngineMem for HostMem {
     fn region(&self) -> GpuRegion {
-        GpuRegion { handle: self.name.as_bytes().to_vec(), size: self.len }
+        GpuRegion {
+            handle: self.name.as_bytes().to_vec(),
+            size: self.len,
+        }
     }
     fn fill(&self, byte: u8) {
         let chunk = vec![byte; 1 << 20];
@@ -113,7 +120,10 @@ struct HostCeilings {
 
 impl HostCeilings {
     fn new(dir: &std::path::Path, len: u64) -> Result<HostCeilings> {
-        let (a, b) = (HostMem::new(dir, "ceil-a", len)?, HostMem::new(dir, "ceil-b", len)?);
+        let (a, b) = (
+            HostMem::new(dir, "ceil-a", len)?,
+            HostMem::new(dir, "ceil-b", len)?,
+        );
         a.fill(1);
         let f = std::fs::OpenOptions::new()
             .read(true)
@@ -124,7 +134,12 @@ impl HostCeilings {
         f.set_len(len)?;
         // SAFETY: a private file of this process, mapped once and not resized.
         let host = unsafe { memmap2::MmapOptions::new().populate().map_mut(&f)? };
-        Ok(HostCeilings { a, b, host, _file: f })
+        Ok(HostCeilings {
+            a,
+            b,
+            host,
+            _file: f,
+        })
     }
 }
 
@@ -199,9 +214,18 @@ pub fn run(a: GpuArgs) -> Result<()> {
         }
         let layout = client.register_layout(&layout_of(block, &format!("gpu-{block}"))?)?;
         let n = batch / block;
-        let seg = [GpuSegment { region: 0, offset: 0, stride: block, len: block }];
-        let rs = client.gpu_register(layout.id, 0, &[src.region()], n, &seg)?.registration;
-        let rd = client.gpu_register(layout.id, 0, &[dst.region()], n, &seg)?.registration;
+        let seg = [GpuSegment {
+            region: 0,
+            offset: 0,
+            stride: block,
+            len: block,
+        }];
+        let rs = client
+            .gpu_register(layout.id, 0, &[src.region()], n, &seg)?
+            .registration;
+        let rd = client
+            .gpu_register(layout.id, 0, &[dst.region()], n, &seg)?
+            .registration;
         let blocks: Vec<u64> = (0..n).collect();
         let bytes = n * block;
         let (mut c_st, mut c_ld, mut c_dd) = (vec![], vec![], vec![]);
@@ -224,7 +248,8 @@ pub fn run(a: GpuArgs) -> Result<()> {
                 bail!("loaded {loaded} of {n}, or the bytes differ");
             }
             c_dd.push(ceil.device_to_device(block as usize)?);
-            let p = client.gpu_export(rs, &format!("bench-{case_id}-{rep}"), &keys, &blocks, None)?;
+            let p =
+                client.gpu_export(rs, &format!("bench-{case_id}-{rep}"), &keys, &blocks, None)?;
             let t = Instant::now();
             let copied = client.gpu_pull(rd, &blocks, &p)?;
             pl.push(t.elapsed());
@@ -261,7 +286,10 @@ pub fn run(a: GpuArgs) -> Result<()> {
     extra.insert("bytes_per_call".into(), batch.into());
     Report {
         bench: "gpu".into(),
-        ceiling: Ceiling { what: ceil.describe(), gbps: headline },
+        ceiling: Ceiling {
+            what: ceil.describe(),
+            gbps: headline,
+        },
         results,
         extra,
     }
@@ -305,13 +333,24 @@ mod cuda {
             ctx.bind_to_thread()?;
             let mut ptr = 0;
             // SAFETY: a valid out pointer; the context is bound.
-            ok(unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) }, "cuMemAlloc")?;
+            ok(
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) },
+                "cuMemAlloc",
+            )?;
             let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
             // SAFETY: `ptr` is a cuMemAlloc allocation; a valid out pointer.
-            ok(unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }, "cuIpcGetMemHandle")?;
+            ok(
+                unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) },
+                "cuIpcGetMemHandle",
+            )?;
             // SAFETY: initialised by the successful call above.
             let h = unsafe { h.assume_init() };
-            Ok(DevMem { ptr, len, handle: h.reserved.iter().map(|&c| c as u8).collect(), _ctx: ctx.clone() })
+            Ok(DevMem {
+                ptr,
+                len,
+                handle: h.reserved.iter().map(|&c| c as u8).collect(),
+                _ctx: ctx.clone(),
+            })
         }
     }
 
@@ -324,7 +363,10 @@ mod cuda {
 
     impl EngineMem for DevMem {
         fn region(&self) -> GpuRegion {
-            GpuRegion { handle: self.handle.clone(), size: self.len }
+            GpuRegion {
+                handle: self.handle.clone(),
+                size: self.len,
+            }
         }
         fn fill(&self, byte: u8) {
             // SAFETY: the whole allocation.
@@ -370,20 +412,27 @@ mod cuda {
         fn to_host(&mut self, block: usize) -> Result<Duration> {
             let (h, d) = (self.host as usize, self.a.ptr);
             // SAFETY: `at + block <= len` for both the pinned buffer and the allocation.
-            self.each(block, |at| unsafe { sys::cuMemcpyDtoH_v2((h + at as usize) as *mut _, d + at, block) })
+            self.each(block, |at| unsafe {
+                sys::cuMemcpyDtoH_v2((h + at as usize) as *mut _, d + at, block)
+            })
         }
         fn from_host(&mut self, block: usize) -> Result<Duration> {
             let (h, d) = (self.host as usize, self.b.ptr);
             // SAFETY: as above.
-            self.each(block, |at| unsafe { sys::cuMemcpyHtoD_v2(d + at, (h + at as usize) as *const _, block) })
+            self.each(block, |at| unsafe {
+                sys::cuMemcpyHtoD_v2(d + at, (h + at as usize) as *const _, block)
+            })
         }
         fn device_to_device(&mut self, block: usize) -> Result<Duration> {
             let (s, d) = (self.a.ptr, self.b.ptr);
             // SAFETY: both allocations hold `len` bytes.
-            self.each(block, |at| unsafe { sys::cuMemcpyDtoD_v2(d + at, s + at, block) })
+            self.each(block, |at| unsafe {
+                sys::cuMemcpyDtoD_v2(d + at, s + at, block)
+            })
         }
         fn describe(&self) -> String {
-            "cuMemcpy between device memory and a pinned host buffer (DtoD for pulls), in-process".into()
+            "cuMemcpy between device memory and a pinned host buffer (DtoD for pulls), in-process"
+                .into()
         }
     }
 
@@ -398,8 +447,20 @@ mod cuda {
         ctx.bind_to_thread()?;
         let mut host = std::ptr::null_mut();
         // SAFETY: a valid out pointer; the context is bound.
-        ok(unsafe { sys::cuMemHostAlloc(&mut host, len as usize, 0) }, "cuMemHostAlloc")?;
-        let ceil = CudaCeilings { a: DevMem::new(&ctx, len)?, b: DevMem::new(&ctx, len)?, host, len };
-        Ok((Box::new(DevMem::new(&ctx, len)?), Box::new(DevMem::new(&ctx, len)?), Box::new(ceil)))
+        ok(
+            unsafe { sys::cuMemHostAlloc(&mut host, len as usize, 0) },
+            "cuMemHostAlloc",
+        )?;
+        let ceil = CudaCeilings {
+            a: DevMem::new(&ctx, len)?,
+            b: DevMem::new(&ctx, len)?,
+            host,
+            len,
+        };
+        Ok((
+            Box::new(DevMem::new(&ctx, len)?),
+            Box::new(DevMem::new(&ctx, len)?),
+            Box::new(ceil),
+        ))
     }
 }

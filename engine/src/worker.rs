@@ -185,7 +185,9 @@ fn register_pool(c: &kvd_cuda::cuda::CudaBackend, r: &kvd_client::PoolRegion) {
     // SAFETY: `r` keeps the mapping alive; it is stored in `Kv::region` for as long as
     // it stays registered, and unregistered (`refresh_pool`) before it is dropped.
     if let Err(e) = unsafe { c.register_host(r.as_ptr(), r.len()) } {
-        tracing::warn!("registering the pool with the GPU failed ({e:#}); blocks go through a device buffer");
+        tracing::warn!(
+            "registering the pool with the GPU failed ({e:#}); blocks go through a device buffer"
+        );
     }
 }
 

@@ -245,3 +245,109 @@ impl Exports {
             .any(|e| e.state == GpuExportState::Pulling)
     }
 }
+
+#[cfg(test)]
+mod model_test {
+    //! The export state machine against its rules, under random operation sequences.
+    use super::*;
+    use kvd_protocol::Incarnation;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Export { id: u8, lease_ms: u64 },
+        Pull { id: u8, forge: bool },
+        Finish { id: u8, ok: bool },
+        EndRegistration,
+        Advance { ms: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..4, 1u64..300).prop_map(|(id, lease_ms)| Op::Export { id, lease_ms }),
+            (0u8..4, any::<bool>()).prop_map(|(id, forge)| Op::Pull { id, forge }),
+            (0u8..4, any::<bool>()).prop_map(|(id, ok)| Op::Finish { id, ok }),
+            Just(Op::EndRegistration),
+            (1u64..200).prop_map(|ms| Op::Advance { ms }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn exports_keep_their_rules(ops in proptest::collection::vec(op(), 1..80)) {
+            let inc = Incarnation(9);
+            let me = ClientId(1);
+            let mut x = Exports::default();
+            let mut now = Instant::now();
+            let mut params: HashMap<u8, GpuTransferParams> = HashMap::new();
+            // Per id: successful pull starts since its last export; deadline; registration.
+            let mut started: HashMap<u8, u32> = HashMap::new();
+            let mut deadline: HashMap<u8, Instant> = HashMap::new();
+            let mut reg_of: HashMap<u8, u64> = HashMap::new();
+            let mut next_reg = 1u64;
+            let key = ChunkHash([3; 16]);
+            for o in ops {
+                let before: HashMap<u8, GpuExportState> = params
+                    .keys()
+                    .filter_map(|id| x.status(me, &format!("t{id}")).ok().map(|(s, _)| (*id, s)))
+                    .collect();
+                match o {
+                    Op::Export { id, lease_ms } => {
+                        let live = matches!(before.get(&id), Some(GpuExportState::Live | GpuExportState::Pulling));
+                        let r = x.insert(me, next_reg, &format!("t{id}"), LayoutId(5), &[key], &[0], Some(lease_ms), inc, now);
+                        prop_assert_eq!(r.is_ok(), !live, "an id is exported again only once final");
+                        if let Ok(p) = r {
+                            params.insert(id, p);
+                            started.insert(id, 0);
+                            deadline.insert(id, now + Duration::from_millis(lease_ms));
+                            reg_of.insert(id, next_reg);
+                            next_reg += 1;
+                        }
+                    }
+                    Op::Pull { id, forge } => {
+                        let Some(mut p) = params.get(&id).cloned() else { continue };
+                        if forge { p.token ^= 1; }
+                        let r = x.start_pull(&p, inc, now).map(|_| ());
+                        if r.is_ok() {
+                            prop_assert!(!forge, "forged params never start a pull");
+                            prop_assert_eq!(before.get(&id), Some(&GpuExportState::Live));
+                            prop_assert!(now < deadline[&id], "no pull starts after the lease");
+                            *started.get_mut(&id).unwrap() += 1;
+                            prop_assert_eq!(started[&id], 1, "one pull per export");
+                        }
+                    }
+                    Op::Finish { id, ok } => {
+                        x.finish_pull(&format!("t{id}"), if ok { Ok(()) } else { Err("boom") }, now);
+                    }
+                    Op::EndRegistration => {
+                        // The oldest live registration ends.
+                        let oldest = reg_of.values().min().copied();
+                        if let Some(r) = oldest {
+                            x.end_registrations(|g| g == r, now);
+                            reg_of.retain(|_, g| *g != r);
+                        }
+                    }
+                    Op::Advance { ms } => {
+                        now += Duration::from_millis(ms);
+                        x.maintain(now);
+                    }
+                }
+                // Final states never change back, except by a new export of the id.
+                for (id, s) in &before {
+                    if final_state(*s) {
+                        if let Ok((after, _)) = x.status(me, &format!("t{id}")) {
+                            let re_exported = matches!(o, Op::Export { id: i, .. } if i == *id);
+                            prop_assert!(final_state(after) || re_exported, "{s:?} became {after:?}");
+                        }
+                    }
+                    if *s == GpuExportState::Pulling {
+                        let after = x.status(me, &format!("t{id}")).map(|(s, _)| s);
+                        let finished = matches!(o, Op::Finish { id: i, .. } if i == *id);
+                        prop_assert!(after == Ok(GpuExportState::Pulling) || finished,
+                            "a pull in flight ends only by finishing: {after:?}");
+                    }
+                }
+            }
+        }
+    }
+}
