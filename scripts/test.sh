@@ -75,7 +75,8 @@ step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SE
 command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz
 cargo +nightly fuzz build -O
 for t in $(cargo +nightly fuzz list); do
-  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-30}" -rss_limit_mb=4096 2>&1) \
+  dict=(); [ -f "fuzz/$t.dict" ] && dict=(-dict="fuzz/$t.dict")  # op and field names
+  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-30}" -rss_limit_mb=4096 "${dict[@]}" 2>&1) \
     || { printf '%s\n' "$out" | tail -40; echo "fuzz target $t failed"; exit 1; }
   printf 'fuzz %-16s %s\n' "$t" "$(printf '%s\n' "$out" | grep -E '^Done [0-9]+ runs' | tail -1)"
 done
