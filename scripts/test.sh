@@ -66,7 +66,7 @@ step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The daemon's optional features in one run (the default set is covered above).
 cargo clippy -p kvd-daemon --all-targets --locked --features etcd,rdma,cuda -- -D warnings
-cargo clippy -p kvd-cuda -p kvd-engine --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda -- -D warnings
+cargo clippy -p kvd-cuda -p kvd-engine -p kvd-bench --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
 
 step "loom models (cfg kvd_loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
 RUSTFLAGS="--cfg kvd_loom" CARGO_TARGET_DIR=target/loom cargo test -p kvd-daemon --lib --locked -q loom

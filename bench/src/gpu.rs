@@ -13,7 +13,9 @@
 //!   files for the pull. This measures the daemon's overhead around the copy, not a GPU.
 //!
 //! Each call moves `--batch` bytes in blocks of each `--sizes`; repetitions alternate
-//! ceiling and daemon; medians.
+//! ceiling and daemon; medians. With `--device cuda` also the engine's gather and scatter
+//! kernels (paged cache ⇄ contiguous transfer blocks, 4 MiB blocks) against an
+//! in-process `cuMemcpyDtoD` of the same bytes.
 
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
@@ -57,11 +59,11 @@ trait EngineMem {
 /// The copies the ceiling makes, on this device.
 trait Ceilings {
     /// `len` bytes engine → host memory like the pool's; returns the time.
-    fn to_host(&mut self, block: usize) -> Result<Duration>;
+    fn engine_to_host(&mut self, block: usize) -> Result<Duration>;
     /// host → engine.
-    fn from_host(&mut self, block: usize) -> Result<Duration>;
+    fn host_to_engine(&mut self, block: usize) -> Result<Duration>;
     /// engine → engine.
-    fn device_to_device(&mut self, block: usize) -> Result<Duration>;
+    fn engine_to_engine(&mut self, block: usize) -> Result<Duration>;
     fn describe(&self) -> String;
 }
 
@@ -144,21 +146,21 @@ impl HostCeilings {
 }
 
 impl Ceilings for HostCeilings {
-    fn to_host(&mut self, block: usize) -> Result<Duration> {
+    fn engine_to_host(&mut self, block: usize) -> Result<Duration> {
         let t = Instant::now();
         for (i, c) in self.host.chunks_mut(block).enumerate() {
             self.a.file.read_exact_at(c, (i * block) as u64)?;
         }
         Ok(t.elapsed())
     }
-    fn from_host(&mut self, block: usize) -> Result<Duration> {
+    fn host_to_engine(&mut self, block: usize) -> Result<Duration> {
         let t = Instant::now();
         for (i, c) in self.host.chunks(block).enumerate() {
             self.b.file.write_all_at(c, (i * block) as u64)?;
         }
         Ok(t.elapsed())
     }
-    fn device_to_device(&mut self, block: usize) -> Result<Duration> {
+    fn engine_to_engine(&mut self, block: usize) -> Result<Duration> {
         let mut buf = vec![0u8; block];
         let t = Instant::now();
         let mut at = 0;
@@ -233,21 +235,21 @@ pub fn run(a: GpuArgs) -> Result<()> {
         for rep in 0..reps {
             case_id += 1;
             let keys = keys_for(case_id, n as usize);
-            c_st.push(ceil.to_host(block as usize)?);
+            c_st.push(ceil.engine_to_host(block as usize)?);
             let t = Instant::now();
             let r = client.gpu_store(rs, &keys, &blocks)?;
             st.push(t.elapsed());
             if r.stored != n {
                 bail!("stored {} of {n}", r.stored);
             }
-            c_ld.push(ceil.from_host(block as usize)?);
+            c_ld.push(ceil.host_to_engine(block as usize)?);
             let t = Instant::now();
             let loaded = client.gpu_load(rd, &keys, &blocks)?;
             ld.push(t.elapsed());
             if loaded != n || dst.first_bytes(16) != vec![7u8; 16] {
                 bail!("loaded {loaded} of {n}, or the bytes differ");
             }
-            c_dd.push(ceil.device_to_device(block as usize)?);
+            c_dd.push(ceil.engine_to_engine(block as usize)?);
             let p =
                 client.gpu_export(rs, &format!("bench-{case_id}-{rep}"), &keys, &blocks, None)?;
             let t = Instant::now();
@@ -281,6 +283,9 @@ pub fn run(a: GpuArgs) -> Result<()> {
         client.gpu_unregister(rs)?;
         client.gpu_unregister(rd)?;
     }
+    if a.device == "cuda" {
+        results.extend(cuda::kernels(a.reps.max(1))?);
+    }
     let mut extra = serde_json::Map::new();
     extra.insert("device".into(), client.gpu_list()?.device.into());
     extra.insert("bytes_per_call".into(), batch.into());
@@ -302,6 +307,9 @@ mod cuda {
     use super::*;
     pub fn open(_: u64) -> Result<(Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>)> {
         bail!("--device cuda: this kvd-bench was built without the `cuda` feature (cargo build --release -p kvd-bench --features cuda)")
+    }
+    pub fn kernels(_: usize) -> Result<Vec<CaseResult>> {
+        Ok(Vec::new())
     }
 }
 
@@ -333,16 +341,12 @@ mod cuda {
             ctx.bind_to_thread()?;
             let mut ptr = 0;
             // SAFETY: a valid out pointer; the context is bound.
-            ok(
-                unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) },
-                "cuMemAlloc",
-            )?;
+            let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) };
+            ok(r, "cuMemAlloc")?;
             let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
             // SAFETY: `ptr` is a cuMemAlloc allocation; a valid out pointer.
-            ok(
-                unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) },
-                "cuIpcGetMemHandle",
-            )?;
+            let r = unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) };
+            ok(r, "cuIpcGetMemHandle")?;
             // SAFETY: initialised by the successful call above.
             let h = unsafe { h.assume_init() };
             Ok(DevMem {
@@ -409,21 +413,21 @@ mod cuda {
     }
 
     impl Ceilings for CudaCeilings {
-        fn to_host(&mut self, block: usize) -> Result<Duration> {
+        fn engine_to_host(&mut self, block: usize) -> Result<Duration> {
             let (h, d) = (self.host as usize, self.a.ptr);
             // SAFETY: `at + block <= len` for both the pinned buffer and the allocation.
             self.each(block, |at| unsafe {
                 sys::cuMemcpyDtoH_v2((h + at as usize) as *mut _, d + at, block)
             })
         }
-        fn from_host(&mut self, block: usize) -> Result<Duration> {
+        fn host_to_engine(&mut self, block: usize) -> Result<Duration> {
             let (h, d) = (self.host as usize, self.b.ptr);
             // SAFETY: as above.
             self.each(block, |at| unsafe {
                 sys::cuMemcpyHtoD_v2(d + at, (h + at as usize) as *const _, block)
             })
         }
-        fn device_to_device(&mut self, block: usize) -> Result<Duration> {
+        fn engine_to_engine(&mut self, block: usize) -> Result<Duration> {
             let (s, d) = (self.a.ptr, self.b.ptr);
             // SAFETY: both allocations hold `len` bytes.
             self.each(block, |at| unsafe {
@@ -434,6 +438,67 @@ mod cuda {
             "cuMemcpy between device memory and a pinned host buffer (DtoD for pulls), in-process"
                 .into()
         }
+    }
+
+    /// The gather and scatter kernels against `cuMemcpyDtoD` of the same bytes.
+    pub fn kernels(reps: usize) -> Result<Vec<CaseResult>> {
+        use kvd_cuda::backend::Backend;
+        use kvd_cuda::KvGeometry;
+        let be = kvd_cuda::cuda::CudaBackend::new(0)?;
+        let g = KvGeometry {
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            block_tokens: 16,
+            num_blocks: 64,
+        };
+        let per_block = g.layers * 2 * g.block_tokens * g.kv_heads * g.head_dim; // f32s
+        let n = 32usize;
+        let mut cache = be.zeros(per_block * g.num_blocks)?;
+        let mut out = be.zeros(per_block * n)?;
+        let blocks: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 7) % g.num_blocks as u32)
+            .collect();
+        let bytes = (per_block * n * 4) as u64;
+        // The ceiling: one DtoD of the same bytes between two plain allocations.
+        let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let (a, b) = (DevMem::new(&ctx, bytes)?, DevMem::new(&ctx, bytes)?);
+        let (mut cg, mut gt, mut sc) = (vec![], vec![], vec![]);
+        for _ in 0..reps {
+            ctx.bind_to_thread()?;
+            let t = Instant::now();
+            // SAFETY: both allocations hold `bytes`.
+            let r = unsafe { sys::cuMemcpyDtoD_v2(b.ptr, a.ptr, bytes as usize) };
+            ok(r, "cuMemcpyDtoD")?;
+            // SAFETY: a plain synchronize of the bound context.
+            ok(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+            cg.push(t.elapsed());
+            let t = Instant::now();
+            be.gather(&cache, &g, &blocks, 0, g.kv_heads, &mut out)?;
+            be.download(&out, 1)?; // waits for the stream
+            gt.push(t.elapsed());
+            let t = Instant::now();
+            be.scatter(&mut cache, &g, &blocks, 0, g.kv_heads, &out)?;
+            be.download(&cache, 1)?;
+            sc.push(t.elapsed());
+        }
+        let c = gb(bytes, median(&mut cg));
+        Ok([("gather kernel", &mut gt), ("scatter kernel", &mut sc)]
+            .into_iter()
+            .map(|(case, t)| {
+                let g = gb(bytes, median(t));
+                CaseResult {
+                    case: case.into(),
+                    block_bytes: (per_block * 4) as u64,
+                    threads: 1,
+                    gbps: g,
+                    ratio: g / c,
+                    ceiling_gbps: c,
+                    ops_per_s: n as f64 / median(t).as_secs_f64(),
+                    ..Default::default()
+                }
+            })
+            .collect())
     }
 
     type Opened = (Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>);
@@ -447,10 +512,8 @@ mod cuda {
         ctx.bind_to_thread()?;
         let mut host = std::ptr::null_mut();
         // SAFETY: a valid out pointer; the context is bound.
-        ok(
-            unsafe { sys::cuMemHostAlloc(&mut host, len as usize, 0) },
-            "cuMemHostAlloc",
-        )?;
+        let r = unsafe { sys::cuMemHostAlloc(&mut host, len as usize, 0) };
+        ok(r, "cuMemHostAlloc")?;
         let ceil = CudaCeilings {
             a: DevMem::new(&ctx, len)?,
             b: DevMem::new(&ctx, len)?,
