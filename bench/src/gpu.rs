@@ -49,6 +49,9 @@ pub struct GpuArgs {
     json: bool,
 }
 
+/// A source and a destination engine memory, and the device's ceilings.
+type Opened = (Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>);
+
 /// An engine's memory of `len` bytes that the daemon can open.
 trait EngineMem {
     fn region(&self) -> GpuRegion;
@@ -180,16 +183,15 @@ impl Ceilings for HostCeilings {
 pub fn run(a: GpuArgs) -> Result<()> {
     let batch = a.batch.as_u64();
     let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
-    let (src, dst, mut ceil): (Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>) =
-        match a.device.as_str() {
-            "host" => (
-                Box::new(HostMem::new(dir.path(), "engine-a", batch)?),
-                Box::new(HostMem::new(dir.path(), "engine-b", batch)?),
-                Box::new(HostCeilings::new(dir.path(), batch)?),
-            ),
-            "cuda" => cuda::open(batch)?,
-            d => bail!("--device {d}: host or cuda"),
-        };
+    let (src, dst, mut ceil): Opened = match a.device.as_str() {
+        "host" => (
+            Box::new(HostMem::new(dir.path(), "engine-a", batch)?),
+            Box::new(HostMem::new(dir.path(), "engine-b", batch)?),
+            Box::new(HostCeilings::new(dir.path(), batch)?),
+        ),
+        "cuda" => cuda::open(batch)?,
+        d => bail!("--device {d}: host or cuda"),
+    };
     let device_toml = format!(
         "[gpu]\ndevice = \"{}\"\nhost_dir = \"{}\"\n",
         a.device,
@@ -305,7 +307,7 @@ pub fn run(a: GpuArgs) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::*;
-    pub fn open(_: u64) -> Result<(Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>)> {
+    pub fn open(_: u64) -> Result<Opened> {
         bail!("--device cuda: this kvd-bench was built without the `cuda` feature (cargo build --release -p kvd-bench --features cuda)")
     }
     pub fn kernels(_: usize) -> Result<Vec<CaseResult>> {
@@ -500,8 +502,6 @@ mod cuda {
             })
             .collect())
     }
-
-    type Opened = (Box<dyn EngineMem>, Box<dyn EngineMem>, Box<dyn Ceilings>);
 
     pub fn open(len: u64) -> Result<Opened> {
         // SAFETY: only tries to dlopen libcuda.
