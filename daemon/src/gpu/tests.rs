@@ -1,0 +1,189 @@
+//! The tier's own rules with a device that fails (the end-to-end tests are
+//! `daemon/tests/gpu_tier.rs`).
+use super::*;
+use crate::pool::PoolOptions;
+use crate::store::StoreConfig;
+
+struct T {
+    store: Store,
+    client: ClientId,
+    layout: LayoutId,
+    dir: tempfile::TempDir,
+}
+
+fn setup() -> T {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let pool = Arc::new(
+        Pool::create(
+            &PoolOptions {
+                path: dir.path().join("pool"),
+                size_bytes: 8 << 20,
+                huge_pages: false,
+                prefault: false,
+                group: None,
+            },
+            Incarnation(1),
+        )
+        .unwrap(),
+    );
+    let now = Instant::now();
+    let mut store = Store::new(
+        pool,
+        StoreConfig {
+            segment_bytes: 1 << 20,
+            high_watermark: 1.0,
+            low_watermark: 0.9,
+            default_pin_ttl: Duration::from_secs(10),
+            max_pin_ttl: Duration::from_secs(60),
+            alloc_ttl: Duration::from_secs(30),
+            max_layouts: 8,
+            max_pins: 1000,
+            max_clients: 16,
+            client_idle_ttl: Duration::from_secs(600),
+            alloc_wait: Duration::from_secs(5),
+        },
+        Incarnation(1),
+        now,
+    );
+    let client = store.hello(&HelloReq::default(), now).unwrap();
+    let layout = Layout {
+        model: "m".into(),
+        num_layers: 1,
+        kv_parts: 2,
+        num_kv_heads: 1,
+        head_dim: 32,
+        dtype: Dtype::F16,
+        tokens_per_block: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::LayerPartTokenHead,
+    };
+    let layout = store.register_layout(&layout).unwrap().layout_id;
+    std::fs::write(dir.path().join("mem"), vec![7u8; 8 * 2048]).unwrap();
+    T {
+        store,
+        client,
+        layout,
+        dir,
+    }
+}
+
+fn wait(tier: &mut GpuTier, store: &mut Store) -> Result<Reply, WireError> {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some((_, r)) = tier.poll(store, Instant::now()).pop() {
+            return r;
+        }
+        assert!(Instant::now() < until, "no completion");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A device fault fails the op and gives back everything the copy held: a failed
+/// store commits nothing and frees its slots; a failed load releases its pin and says
+/// the blocks are not to be trusted.
+#[test]
+fn a_device_fault_fails_the_op_and_holds_nothing() {
+    let mut t = setup();
+    let pool = t.store.pool_arc();
+    let host = |t: &T| {
+        device::HostDevice::new(t.dir.path().to_path_buf(), &t.dir.path().join("pool")).unwrap()
+    };
+    let settings = GpuSettings {
+        idle_ttl: Duration::from_secs(60),
+        max_per_session: 4,
+    };
+    let now = Instant::now();
+    let reg = |tier: &mut GpuTier, t: &mut T| {
+        tier.register(
+            &mut t.store,
+            &GpuRegisterReq {
+                client: t.client,
+                layout_id: t.layout,
+                device: 0,
+                regions: vec![GpuRegion {
+                    handle: b"mem".to_vec(),
+                    size: 8 * 2048,
+                }],
+                num_blocks: 8,
+                segments: vec![GpuSegment {
+                    region: 0,
+                    offset: 0,
+                    stride: 2048,
+                    len: 2048,
+                }],
+            },
+            now,
+        )
+        .unwrap()
+        .registration
+    };
+    // The pool file itself is never engine memory, even when it sits in host_dir.
+    let e = host(&t).open(b"pool", 4096).expect_err("refused");
+    assert!(e.contains("pool file"), "{e}");
+    let keys: Vec<ChunkHash> = (0..3u32)
+        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
+        .collect();
+
+    // A working tier stores three blocks (for the failing load below).
+    let mut good =
+        GpuTier::new(Device::Host(host(&t)), Arc::clone(&pool), settings.clone()).unwrap();
+    let g = reg(&mut good, &mut t);
+    let req = GpuStoreReq {
+        client: t.client,
+        registration: g,
+        keys: keys.clone(),
+        blocks: vec![0, 1, 2],
+    };
+    assert!(matches!(
+        good.store(&mut t.store, &req, 1, now).unwrap(),
+        crate::store::Answer::Later(1)
+    ));
+    assert!(matches!(
+        wait(&mut good, &mut t.store),
+        Ok(Reply::Store(GpuStoreResp { stored: 3, .. }))
+    ));
+
+    let mut bad = GpuTier::new(Device::FailCopies(host(&t)), pool, settings).unwrap();
+    let b = reg(&mut bad, &mut t);
+    let more: Vec<ChunkHash> = (10..12u32)
+        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
+        .collect();
+    let req = GpuStoreReq {
+        client: t.client,
+        registration: b,
+        keys: more.clone(),
+        blocks: vec![3, 4],
+    };
+    bad.store(&mut t.store, &req, 2, now).unwrap();
+    assert_eq!(
+        t.store.stats(now).pending,
+        2,
+        "reserved while the copy runs"
+    );
+    let e = wait(&mut bad, &mut t.store).err().expect("the store fails");
+    assert_eq!(e.code, ErrorCode::TransferFailed, "{e}");
+    let st = t.store.stats(now);
+    assert_eq!(
+        (st.pending, st.blocks),
+        (0, 3),
+        "nothing reserved, nothing new committed"
+    );
+
+    let req = GpuLoadReq {
+        client: t.client,
+        registration: b,
+        keys: keys.clone(),
+        blocks: vec![5, 6, 7],
+    };
+    bad.load(&mut t.store, &req, 3, now).unwrap();
+    assert_eq!(
+        t.store.stats(now).pinned_blocks,
+        3,
+        "pinned while the copy runs"
+    );
+    let e = wait(&mut bad, &mut t.store).err().expect("the load fails");
+    assert!(e.message.contains("not to be trusted"), "{e}");
+    assert_eq!(t.store.stats(now).pinned_blocks, 0, "the pin is released");
+    assert_eq!(bad.counters().failed_copies, 2);
+}
