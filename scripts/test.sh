@@ -46,6 +46,10 @@ fi
 if ! compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so*" >/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check nvidia-cuda-nvrtc
 fi
+# The real ptxas (nvidia-cuda-nvcc wheel, ~50 MB): the PTX assembles for sm_90, no spills.
+if ! compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/bin/ptxas" >/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check nvidia-cuda-nvcc
+fi
 export KVD_PYTHON="$PWD/.venv/bin/python" KVD_REQUIRE_HF=1
 
 step "system packages (protoc for etcd-client; etcd; rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"
@@ -109,10 +113,13 @@ s1=${PIPESTATUS[0]}
 timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
-# required: no GPU needed); the GPU tests (kernels, engines, the daemon's CUDA GPU tier)
-# say so in one `SKIP:` line without a GPU (with KVD_REQUIRE_CUDA=1 they fail instead).
+# required: no GPU needed) and assembles for sm_90 under the real ptxas without spills
+# (the nvidia-cuda-nvcc wheel's); the GPU tests (kernels, engines, the daemon's CUDA GPU
+# tier) say so in one `SKIP:` line without a GPU (KVD_REQUIRE_CUDA=1: they fail instead).
 nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/lib/libnvrtc.so*")[0].rsplit("/", 1)[0])')
+ptxas=$(compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/bin/ptxas" | head -1)
 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVD_REQUIRE_NVRTC=1 \
+  KVD_PTXAS="$PWD/$ptxas" KVD_REQUIRE_PTXAS=1 \
   timeout 900 cargo test -p kvd-cuda -p kvd-engine -p kvd-daemon --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-daemon/cuda \
     --test nvrtc --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
 s3=${PIPESTATUS[0]}
