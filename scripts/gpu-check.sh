@@ -23,6 +23,9 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
   [[ -d $d ]] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
 export LD_LIBRARY_PATH
+# The machine's own ptxas (CUDA toolkit) for the sm_90 assembly check, when it has one.
+KVD_PTXAS=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || true)
+[[ -n $KVD_PTXAS ]] && export KVD_PTXAS
 {
   nvidia-smi -L
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
