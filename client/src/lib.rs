@@ -1264,6 +1264,13 @@ impl WriteBatch {
         &self.status
     }
 
+    /// Per key: the slot's offset in the pool mapping ([`Client::pool_region`]) for
+    /// `New` keys, `None` otherwise (for callers that write through their own view of
+    /// the mapping, e.g. a Python `memoryview`).
+    pub fn offsets(&self) -> &[Option<u64>] {
+        &self.offsets
+    }
+
     /// How long the slots stay this batch's (0 once the allocation's TTL may have
     /// passed). A write must finish within it.
     pub fn remaining(&self) -> Duration {
@@ -1354,6 +1361,11 @@ pub struct PinnedBlocks {
 }
 
 impl PinnedBlocks {
+    /// Per key: the pinned block's offset in the pool mapping, `None` for a miss.
+    pub fn offsets(&self) -> &[Option<u64>] {
+        &self.offsets
+    }
+
     /// Per key: whether it hit.
     pub fn hits(&self) -> Vec<bool> {
         self.offsets.iter().map(Option::is_some).collect()

@@ -1,0 +1,509 @@
+//! # kvd-python
+//!
+//! The `kvd` Python package's native module (`kvd._native`): [`kvd_client::Client`]
+//! wrapped with PyO3 — not a second client. Every call that waits for the daemon
+//! releases the GIL (`Python::detach`); daemon errors are `kvd.KvdError` with the wire
+//! `code` (SPEC §5) and `message`; the pool is exposed zero-copy through the buffer
+//! protocol ([`Pool`]: `memoryview(client.pool())`, `numpy.frombuffer`,
+//! `torch.frombuffer`). Keys are 16-byte `bytes`; layouts are dicts with the SPEC §3.1
+//! field names; replies are plain dicts and lists.
+//!
+//! This module owns the Python boundary; its one `unsafe` block fills a `Py_buffer`
+//! for the pool mapping.
+
+use std::ffi::c_int;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvd_client::{Client as RsClient, MapPool, PinnedBlocks, PoolRegion, WriteBatch};
+use kvd_protocol::{AllocStatus, ChunkHash, Layout, LayoutId, PinId, TransferParams};
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+pyo3::create_exception!(
+    _native,
+    KvdError,
+    PyException,
+    "A daemon error: `code` is the wire code (e.g. 'pool_full'), `message` says why."
+);
+
+/// A client error as `KvdError` (daemon errors carry their wire code; others `code`
+/// is `None`).
+fn err(e: kvd_client::Error) -> PyErr {
+    let code = e.code().map(|c| c.as_str());
+    let msg = e.to_string();
+    Python::attach(|py| {
+        let pe = KvdError::new_err(msg.clone());
+        let v = pe.value(py);
+        let _ = v.setattr("code", code);
+        let _ = v.setattr("message", msg);
+        pe
+    })
+}
+
+fn keys_of(keys: Vec<Vec<u8>>) -> PyResult<Vec<ChunkHash>> {
+    keys.into_iter()
+        .enumerate()
+        .map(|(i, k)| {
+            <[u8; 16]>::try_from(k.as_slice())
+                .map(ChunkHash)
+                .map_err(|_| {
+                    PyValueError::new_err(format!("keys[{i}] is {} bytes, not 16", k.len()))
+                })
+        })
+        .collect()
+}
+
+/// A serde value as Python objects (through JSON: replies hold no bytes).
+fn to_py<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
+    let s = serde_json::to_string(v).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (s,))
+}
+
+fn secs(s: Option<f64>) -> PyResult<Option<Duration>> {
+    s.map(|x| Duration::try_from_secs_f64(x).map_err(|e| PyValueError::new_err(e.to_string())))
+        .transpose()
+}
+
+fn status_str(s: &AllocStatus) -> &'static str {
+    match s {
+        AllocStatus::New => "new",
+        AllocStatus::Exists => "exists",
+        AllocStatus::Busy => "busy",
+    }
+}
+
+/// A session with the node's daemon.
+#[pyclass(module = "kvd._native")]
+struct Client {
+    inner: RsClient,
+}
+
+#[pymethods]
+impl Client {
+    /// Connects (says `hello`, maps the pool when `map_pool`). `endpoint` defaults to the
+    /// daemon's default ipc socket.
+    #[new]
+    #[pyo3(signature = (endpoint=None, name="kvd-python", timeout_s=10.0, map_pool=true))]
+    fn new(
+        py: Python<'_>,
+        endpoint: Option<String>,
+        name: &str,
+        timeout_s: f64,
+        map_pool: bool,
+    ) -> PyResult<Self> {
+        let timeout = secs(Some(timeout_s))?.unwrap_or_default();
+        let mut b = RsClient::builder()
+            .with_name(name)
+            .with_timeout(timeout)
+            .with_map_pool(if map_pool {
+                MapPool::Always
+            } else {
+                MapPool::Never
+            });
+        if let Some(e) = endpoint {
+            b = b.with_endpoint(e);
+        }
+        let inner = py.detach(|| b.connect()).map_err(err)?;
+        Ok(Client { inner })
+    }
+
+    /// The daemon's incarnation (new at every daemon start).
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation().0
+    }
+
+    /// The `hello` reply (pool, limits, node).
+    fn hello_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_py(py, &self.inner.hello_info())
+    }
+
+    /// Registers a layout (a dict with SPEC §3.1's fields); returns
+    /// `{"layout_id", "block_bytes", "slot_bytes"}`.
+    fn register_layout<'py>(
+        &self,
+        py: Python<'py>,
+        layout: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let s: String = py
+            .import("json")?
+            .call_method1("dumps", (layout,))?
+            .extract()?;
+        let l: Layout =
+            serde_json::from_str(&s).map_err(|e| PyValueError::new_err(format!("layout: {e}")))?;
+        let info = py.detach(|| self.inner.register_layout(&l)).map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("layout_id", info.id.0)?;
+        d.set_item("block_bytes", info.block_bytes)?;
+        d.set_item("slot_bytes", info.slot_bytes)?;
+        Ok(d)
+    }
+
+    /// The number of leading keys cached (no side effects beyond LRU touches and an
+    /// NVMe prefetch), and the tier of each.
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let r = py
+            .detach(|| self.inner.lookup(LayoutId(layout_id), &keys))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Reserves slots (write them through `pool()` at `WriteBatch.offsets`, then
+    /// `commit()`).
+    fn alloc(&self, py: Python<'_>, layout_id: u64, keys: Vec<Vec<u8>>) -> PyResult<Batch> {
+        let keys = keys_of(keys)?;
+        let b = py
+            .detach(|| self.inner.alloc(LayoutId(layout_id), &keys))
+            .map_err(err)?;
+        Ok(Batch {
+            inner: Mutex::new(Some(b)),
+        })
+    }
+
+    /// Stores blocks (each exactly the layout's block size; any bytes-like object):
+    /// copies them into slots and commits. Returns per key "new" (stored), "exists" or
+    /// "busy".
+    fn store(
+        &self,
+        py: Python<'_>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<Vec<u8>>,
+    ) -> PyResult<Vec<&'static str>> {
+        let keys = keys_of(keys)?;
+        let out = py
+            .detach(|| {
+                let refs: Vec<&[u8]> = blocks.iter().map(|b| b.as_slice()).collect();
+                self.inner.store(LayoutId(layout_id), &keys, &refs)
+            })
+            .map_err(err)?;
+        Ok(out.status.iter().map(status_str).collect())
+    }
+
+    /// Pins the cached keys; read them through `pool()` at `Pinned.offsets`, then
+    /// `release()` (before `ttl_s`).
+    #[pyo3(signature = (layout_id, keys, ttl_s=None))]
+    fn get(
+        &self,
+        py: Python<'_>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+        ttl_s: Option<f64>,
+    ) -> PyResult<Pinned> {
+        let keys = keys_of(keys)?;
+        let ttl = secs(ttl_s)?;
+        let p = py
+            .detach(|| self.inner.get(LayoutId(layout_id), &keys, ttl))
+            .map_err(err)?;
+        Ok(Pinned {
+            inner: Mutex::new(Some(p)),
+        })
+    }
+
+    /// Releases a pin by id (`Pinned.release()` is the usual way).
+    fn release(&self, py: Python<'_>, pin: u64) -> PyResult<()> {
+        py.detach(|| self.inner.release(PinId(pin))).map_err(err)
+    }
+
+    /// Deletes blocks; per key "deleted", "missing", "pinned" or "busy".
+    fn delete<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let r = py
+            .detach(|| self.inner.delete(LayoutId(layout_id), &keys))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// The daemon's counters (SPEC §4 `stats`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let r = py.detach(|| self.inner.stats()).map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Prefill side: pins committed blocks under a lease; returns the
+    /// `kv_transfer_params` as msgpack bytes (what a router forwards).
+    #[pyo3(signature = (transfer_id, layout_id, keys, lease_s=None))]
+    fn export<'py>(
+        &self,
+        py: Python<'py>,
+        transfer_id: &str,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+        lease_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let keys = keys_of(keys)?;
+        let lease = secs(lease_s)?;
+        let p = py
+            .detach(|| {
+                self.inner
+                    .export(transfer_id, LayoutId(layout_id), &keys, lease)
+            })
+            .map_err(err)?;
+        Ok(PyBytes::new(py, &p.to_msgpack()))
+    }
+
+    /// Decode side: admits a transfer at scheduling time (its lease heartbeats from now).
+    #[pyo3(signature = (params, ttl_s=None))]
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        params: &[u8],
+        ttl_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let p =
+            TransferParams::from_msgpack(params).map_err(|e| PyValueError::new_err(e.message))?;
+        let ttl = secs(ttl_s)?;
+        let r = py.detach(|| self.inner.admit(&p, ttl)).map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Decode side: pulls an export into this node's pool (`wait`: until it ends).
+    #[pyo3(signature = (params, ttl_s=None, wait=true))]
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        params: &[u8],
+        ttl_s: Option<f64>,
+        wait: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let p =
+            TransferParams::from_msgpack(params).map_err(|e| PyValueError::new_err(e.message))?;
+        let ttl = secs(ttl_s)?;
+        let r = py.detach(|| self.inner.pull(&p, ttl, wait)).map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Decode side: pre-allocates slots the prefill node (`node`, its control endpoint)
+    /// writes into once it exports `transfer_id`.
+    #[pyo3(signature = (transfer_id, layout_id, keys, node, ttl_s=None))]
+    fn push_register<'py>(
+        &self,
+        py: Python<'py>,
+        transfer_id: &str,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+        node: &str,
+        ttl_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let ttl = secs(ttl_s)?;
+        let r = py
+            .detach(|| {
+                self.inner
+                    .push_register(transfer_id, LayoutId(layout_id), &keys, node, ttl)
+            })
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// A transfer's state (waits up to `wait_s` for it to end).
+    #[pyo3(signature = (transfer_id, wait_s=0.0))]
+    fn transfer_status<'py>(
+        &self,
+        py: Python<'py>,
+        transfer_id: &str,
+        wait_s: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let wait = secs(Some(wait_s))?.unwrap_or_default();
+        let r = py
+            .detach(|| self.inner.transfer_status(transfer_id, wait))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Aborts a transfer this session owns.
+    fn abort<'py>(&self, py: Python<'py>, transfer_id: &str) -> PyResult<Bound<'py, PyAny>> {
+        let r = py
+            .detach(|| self.inner.abort_transfer(transfer_id))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// The shared pool, as a writable buffer (`memoryview(client.pool())`); `None` when
+    /// the pool is not mapped. Valid until the daemon restarts (`incarnation` changes).
+    fn pool(&self) -> Option<Pool> {
+        self.inner.pool_region().map(|region| Pool { region })
+    }
+}
+
+/// Slots reserved by `Client.alloc`.
+#[pyclass(module = "kvd._native")]
+struct Batch {
+    inner: Mutex<Option<WriteBatch>>,
+}
+
+impl Batch {
+    fn with<R>(&self, f: impl FnOnce(&WriteBatch) -> R) -> PyResult<R> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref()
+            .map(f)
+            .ok_or_else(|| PyValueError::new_err("the batch was committed or aborted"))
+    }
+
+    fn take(&self) -> PyResult<WriteBatch> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| PyValueError::new_err("the batch was committed or aborted"))
+    }
+}
+
+#[pymethods]
+impl Batch {
+    /// Per key: "new" (write it), "exists", "busy".
+    #[getter]
+    fn status(&self) -> PyResult<Vec<&'static str>> {
+        self.with(|b| b.status().iter().map(status_str).collect())
+    }
+
+    /// Per key: the slot's offset in `pool()` for "new" keys, else `None`.
+    #[getter]
+    fn offsets(&self) -> PyResult<Vec<Option<u64>>> {
+        self.with(|b| b.offsets().to_vec())
+    }
+
+    /// Commits the written slots; returns how many.
+    fn commit(&self, py: Python<'_>) -> PyResult<u64> {
+        let b = self.take()?;
+        py.detach(|| b.commit()).map_err(err)
+    }
+
+    /// Gives the slots back.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        let b = self.take()?;
+        py.detach(|| b.abort()).map_err(err)
+    }
+}
+
+/// Blocks pinned by `Client.get`.
+#[pyclass(module = "kvd._native")]
+struct Pinned {
+    inner: Mutex<Option<PinnedBlocks>>,
+}
+
+#[pymethods]
+impl Pinned {
+    /// Per key: the block's offset in `pool()`, `None` for a miss.
+    #[getter]
+    fn offsets(&self) -> PyResult<Vec<Option<u64>>> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref()
+            .map(|p| p.offsets().to_vec())
+            .ok_or_else(|| PyValueError::new_err("released"))
+    }
+
+    /// The pin's id (`None` when nothing was pinned).
+    #[getter]
+    fn pin(&self) -> Option<u64> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().and_then(|p| p.pin()).map(|p| p.0)
+    }
+
+    /// Whether the pin still holds (bytes read after it lapsed must be discarded).
+    #[getter]
+    fn valid(&self) -> bool {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().is_some_and(|p| p.is_valid())
+    }
+
+    /// Releases the pin.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match p {
+            Some(p) => py.detach(|| p.release()).map_err(err),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The pool mapping, exposed through the buffer protocol (writable, bytes).
+#[pyclass(module = "kvd._native")]
+struct Pool {
+    region: PoolRegion,
+}
+
+#[pymethods]
+impl Pool {
+    fn __len__(&self) -> usize {
+        self.region.len()
+    }
+
+    /// # Safety
+    /// Called by Python with a valid `Py_buffer` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let b = slf.borrow();
+            (b.region.as_ptr(), b.region.len())
+        };
+        let len = pyo3::ffi::Py_ssize_t::try_from(len)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        // SAFETY: `view` is the buffer Python asked us to fill; `ptr..+len` is the live
+        // pool mapping, which `slf` (referenced by `view.obj`, so alive as long as any
+        // view) keeps mapped through its `PoolRegion`. Writable (readonly = 0): the pool
+        // is shared memory engines write by design (SPEC §8).
+        let r =
+            unsafe { pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len, 0, flags) };
+        if r != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// The SPEC §3.2 chained chunk hashes of `tokens`, one per full block of
+/// `tokens_per_block` (a trailing partial block has none).
+#[pyfunction]
+fn chunk_hashes<'py>(
+    py: Python<'py>,
+    tokens: Vec<u32>,
+    tokens_per_block: usize,
+    seed: &[u8],
+) -> PyResult<Bound<'py, PyList>> {
+    if tokens_per_block == 0 {
+        return Err(PyValueError::new_err("tokens_per_block must be > 0"));
+    }
+    let hs = kvd_protocol::hash::chunk_hashes(&tokens, tokens_per_block, seed);
+    PyList::new(py, hs.iter().map(|h| PyBytes::new(py, &h.0)))
+}
+
+/// A layout's stable id (what `register_layout` answers), computed locally.
+#[pyfunction]
+fn layout_id(py: Python<'_>, layout: &Bound<'_, PyDict>) -> PyResult<u64> {
+    let s: String = py
+        .import("json")?
+        .call_method1("dumps", (layout,))?
+        .extract()?;
+    let l: Layout =
+        serde_json::from_str(&s).map_err(|e| PyValueError::new_err(format!("layout: {e}")))?;
+    Ok(l.id().0)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add_class::<Batch>()?;
+    m.add_class::<Pinned>()?;
+    m.add_class::<Pool>()?;
+    m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(layout_id, m)?)?;
+    m.add("KvdError", m.py().get_type::<KvdError>())?;
+    Ok(())
+}

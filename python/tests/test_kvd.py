@@ -1,0 +1,180 @@
+"""The kvd Python package against a real daemon (endpoint in argv[1]).
+
+Run by daemon/tests/python_package.rs after `maturin develop` installed the package
+into the test venv. Prints "N passed, M failed" like the spec client's test.
+"""
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+import kvd
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "python"))
+import kvd_spec_client as spec  # noqa: E402  (written from SPEC.md alone: an independent check)
+
+EP = sys.argv[1]
+LAYOUT = {"model": "kvd-py/test", "num_layers": 2, "kv_parts": 2, "num_kv_heads": 1, "head_dim": 32,
+          "dtype": "f16", "tokens_per_block": 16, "tp_size": 1, "tp_rank": 0,
+          "order": "layer_part_token_head"}
+CHECKS = []
+
+
+def check(name):
+    def deco(f):
+        CHECKS.append((name, f))
+        return f
+    return deco
+
+
+def keys(seed, n):
+    return kvd.chunk_hashes([(seed * 7919 + t) % 50000 for t in range(16 * n)], 16, seed.to_bytes(4, "little"))
+
+
+@check("hashes and layout ids agree with the SPEC's own Python implementation")
+def _():
+    toks = list(range(40))
+    assert kvd.chunk_hashes(toks, 16, b"s") == spec.chunk_hashes(toks, 16, b"s")
+    assert len(kvd.chunk_hashes(toks, 16, b"")) == 2, "a partial block has no key"
+    assert kvd.layout_id(LAYOUT) == spec.layout_id(LAYOUT)
+
+
+@check("register_layout, alloc, write through a memoryview of the pool, commit, get, read back")
+def _():
+    c = kvd.Client(EP)
+    info = c.register_layout(LAYOUT)
+    assert info["layout_id"] == kvd.layout_id(LAYOUT)
+    bb = info["block_bytes"]
+    ks = keys(1, 3)
+    pool = memoryview(c.pool())
+    assert pool.nbytes == len(c.pool()) > 0 and not pool.readonly
+    batch = c.alloc(info["layout_id"], ks)
+    assert batch.status == ["new"] * 3
+    for i, off in enumerate(batch.offsets):
+        pool[off:off + bb] = bytes([i + 1]) * bb
+    assert batch.commit() == 3
+    assert c.lookup(info["layout_id"], ks)["prefix"] == 3
+    pin = c.get(info["layout_id"], ks + keys(99, 1))
+    assert pin.valid and pin.pin is not None
+    offs = pin.offsets
+    assert offs[3] is None, "a miss"
+    for i in range(3):
+        assert bytes(pool[offs[i]:offs[i] + bb]) == bytes([i + 1]) * bb
+    pin.release()
+    assert not pin.valid
+    assert c.stats()["pinned_blocks"] == 0
+
+
+@check("zero copy: numpy and torch views of the pool see the daemon's bytes")
+def _():
+    import numpy as np
+    import torch
+    c = kvd.Client(EP)
+    lid = c.register_layout(LAYOUT)["layout_id"]
+    bb = c.register_layout(LAYOUT)["block_bytes"]
+    ks = keys(2, 1)
+    data = bytes(range(256)) * (bb // 256)
+    assert c.store(lid, ks, [data]) == ["new"]
+    pin = c.get(lid, ks)
+    off = pin.offsets[0]
+    arr = np.frombuffer(c.pool(), dtype=np.uint8, count=bb, offset=off)
+    assert arr.tobytes() == data
+    t = torch.frombuffer(c.pool(), dtype=torch.uint8, count=bb, offset=off)
+    assert t[:4].tolist() == [0, 1, 2, 3]
+    # A write through the numpy view lands in the pool itself (same memory).
+    batch = c.alloc(lid, keys(3, 1))
+    w = np.frombuffer(c.pool(), dtype=np.uint8, count=bb, offset=batch.offsets[0])
+    w[:] = 7
+    batch.commit()
+    assert c.get(lid, keys(3, 1)).offsets[0] is not None
+    pin.release()
+
+
+@check("daemon errors are KvdError with the wire code")
+def _():
+    c = kvd.Client(EP)
+    try:
+        c.lookup(12345, keys(1, 1))
+        raise AssertionError("no error")
+    except kvd.KvdError as e:
+        assert e.code == "unknown_layout", e.code
+        assert "12345" in e.message or "layout" in e.message
+    try:
+        c.transfer_status("never-exported")
+        raise AssertionError("no error")
+    except kvd.KvdError as e:
+        assert e.code == "unknown_transfer", e.code
+    try:
+        c.lookup(1, [b"short"])
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "16" in str(e)
+
+
+@check("delete, stats, store status")
+def _():
+    c = kvd.Client(EP)
+    lid = c.register_layout(LAYOUT)["layout_id"]
+    bb = c.register_layout(LAYOUT)["block_bytes"]
+    ks = keys(4, 2)
+    assert c.store(lid, ks, [b"\x01" * bb, b"\x02" * bb]) == ["new", "new"]
+    assert c.store(lid, ks, [b"\x01" * bb, b"\x02" * bb]) == ["exists", "exists"]
+    assert c.delete(lid, ks + keys(5, 1)) == ["deleted", "deleted", "missing"]
+    assert c.stats()["incarnation"] == c.incarnation
+
+
+@check("export, transfer_status, abort (prefill side)")
+def _():
+    c = kvd.Client(EP)
+    lid = c.register_layout(LAYOUT)["layout_id"]
+    bb = c.register_layout(LAYOUT)["block_bytes"]
+    ks = keys(6, 2)
+    c.store(lid, ks, [b"\x03" * bb] * 2)
+    params = c.export("py-req-1", lid, ks, lease_s=5.0)
+    assert isinstance(params, bytes) and len(params) > 0
+    st = c.transfer_status("py-req-1")
+    assert st["role"] == "exporter" and st["state"] == "exported", st
+    r = c.abort("py-req-1")
+    assert r["aborted"] is True and r["state"] == "aborted", r
+
+
+@check("calls that wait release the GIL")
+def _():
+    # A daemon that never answers: the hello waits for its 1 s timeout. Meanwhile this
+    # thread must keep running Python.
+    ticks = [0]
+    done = threading.Event()
+
+    def wait():
+        try:
+            kvd.Client("ipc:///tmp/kvd-py-nobody-%d.sock" % os.getpid(), timeout_s=1.0)
+        except kvd.KvdError:
+            pass
+        finally:
+            done.set()
+
+    t = threading.Thread(target=wait)
+    t0 = time.monotonic()
+    t.start()
+    while not done.is_set():
+        ticks[0] += 1
+        time.sleep(0.001)
+    t.join()
+    assert time.monotonic() - t0 >= 0.9
+    assert ticks[0] > 100, f"only {ticks[0]} ticks while the client waited: the GIL was held"
+
+
+passed = failed = 0
+for name, f in CHECKS:
+    try:
+        f()
+        passed += 1
+        print(f"ok    {name}")
+    except Exception:
+        failed += 1
+        print(f"FAIL  {name}")
+        traceback.print_exc()
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
