@@ -16,7 +16,11 @@ cp "$(newest kernels)" gpu-bin/kernels-test
 cp "$(newest gpu)" gpu-bin/gpu-test
 cp "$(newest nvrtc)" gpu-bin/nvrtc-test
 cp "$(newest gpu_cuda)" gpu-bin/gpu-tier-test
-cp scripts/gpu-check.sh gpu-bin/
+cp scripts/gpu-check.sh scripts/gpu-torch-dma.py gpu-bin/
+# The Python package as an abi3 wheel (the GPU machine has torch but no registry: it
+# installs this file with --no-deps).
+VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin build --release --locked -q \
+  -m python/Cargo.toml -o gpu-bin
 du -sh gpu-bin
 # The GPU machine runs these as they are: say which glibc they need (its own must be at
 # least that), and keep the bundle within what the device tool carries (64 MiB).

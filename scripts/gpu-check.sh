@@ -8,7 +8,9 @@
 # 3. the daemon's GPU tier on the device: IPC memory of the test process, gpu_store /
 #    gpu_load through the pinned pool and gpu_pull device to device, byte for byte
 #    (kvd-daemon tests/gpu_cuda.rs), then kvd-bench gpu against in-process cuMemcpy;
-# 4. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
+# 4. the Python package's DMA path with torch CUDA tensors (GPU -> registered pool ->
+#    GPU, byte-identical) against torch's pinned-memory copies (scripts/gpu-torch-dma.py);
+# 5. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
 # Every GPU test runs with KVD_REQUIRE_CUDA=1 (no device is a failure, not a skip). Each
 # step's whole output goes to its own file under the out-dir; the script goes on after a
 # failed step, prints a summary, and exits non-zero if any step failed.
@@ -47,6 +49,19 @@ step kernels 120 "$B/kernels-test" --nocapture --test-threads 1
 RUST_LOG=info step gpu-e2e 180 "$B/gpu-test" --nocapture
 step gpu-tier 120 "$B/gpu-tier-test" --nocapture
 step bench-gpu 180 "$B/kvd-bench" gpu --device cuda --sizes 64KiB,1MiB,16MiB --batch 1GiB --reps 3
+torch_dma() {
+  local d; d=$(mktemp -d)
+  python3 -m venv --system-site-packages "$d/venv" && "$d/venv/bin/pip" install -q --no-deps --no-index "$B"/kvd-*.whl || return 1
+  "$B/kvd" --endpoint "ipc://$d/kvd.sock" --pool-path "$d/kvd.pool" --pool-size 1GiB --metrics-addr 127.0.0.1:0 --gpu-device off &
+  local pid=$!
+  for _ in $(seq 100); do [[ -S $d/kvd.sock ]] && break; sleep 0.1; done
+  "$d/venv/bin/python" "$B/gpu-torch-dma.py" "ipc://$d/kvd.sock"
+  local rc=$?
+  kill "$pid"; wait "$pid"; rm -rf "$d"
+  return $rc
+}
+export -f torch_dma; export B
+step torch-dma 120 bash -c torch_dma
 step bench-cuda 180 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2
 step bench-cpu 60 "$B/kvd-bench" pd-e2e --backend cpu --bin-dir "$B" --tokens 128,512 --reps 1
 if [[ ${#failed[@]} -gt 0 ]]; then

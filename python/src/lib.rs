@@ -16,7 +16,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvd_client::{Client as RsClient, MapPool, PinnedBlocks, PoolRegion, WriteBatch};
-use kvd_protocol::{AllocStatus, ChunkHash, Layout, LayoutId, PinId, TransferParams};
+use kvd_protocol::{
+    AllocStatus, ChunkHash, GpuRegion, GpuSegment, GpuTransferParams, Layout, LayoutId, PinId,
+    TransferParams,
+};
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -332,6 +335,140 @@ impl Client {
         to_py(py, &r)
     }
 
+    // ----- the GPU tier (SPEC §13) -----
+
+    /// Registers engine memory: `regions` is a list of `(handle: bytes, size: int)` (a
+    /// CUDA IPC handle, or a file name in the daemon's `gpu.host_dir` for the host
+    /// stand-in), `segments` a list of `(region, offset, stride, len)`. Returns
+    /// `{"registration", "device", "idle_ttl_ms"}`.
+    #[pyo3(signature = (layout_id, regions, num_blocks, segments, device=0))]
+    fn gpu_register<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        regions: Vec<(Vec<u8>, u64)>,
+        num_blocks: u64,
+        segments: Vec<(u32, u64, u64, u64)>,
+        device: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let regions: Vec<GpuRegion> = regions
+            .into_iter()
+            .map(|(handle, size)| GpuRegion { handle, size })
+            .collect();
+        let segments: Vec<GpuSegment> = segments
+            .into_iter()
+            .map(|(region, offset, stride, len)| GpuSegment {
+                region,
+                offset,
+                stride,
+                len,
+            })
+            .collect();
+        let r = py
+            .detach(|| {
+                self.inner.gpu_register(
+                    LayoutId(layout_id),
+                    device,
+                    &regions,
+                    num_blocks,
+                    &segments,
+                )
+            })
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Ends a registration; returns the copies still in flight.
+    fn gpu_unregister(&self, py: Python<'_>, registration: u64) -> PyResult<u64> {
+        py.detach(|| self.inner.gpu_unregister(registration))
+            .map(|r| r.in_flight)
+            .map_err(err)
+    }
+
+    /// This session's registrations (also a keep-alive).
+    fn gpu_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let r = py.detach(|| self.inner.gpu_list()).map_err(err)?;
+        to_py(py, &r)
+    }
+
+    /// Copies `blocks` of a registration into the cache under `keys`; per key "stored",
+    /// "exists" or "busy".
+    fn gpu_store<'py>(
+        &self,
+        py: Python<'py>,
+        registration: u64,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let r = py
+            .detach(|| self.inner.gpu_store(registration, &keys, &blocks))
+            .map_err(err)?;
+        to_py(py, &r.status)
+    }
+
+    /// Copies the longest cached prefix of `keys` into `blocks`; returns how many.
+    fn gpu_load(
+        &self,
+        py: Python<'_>,
+        registration: u64,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+    ) -> PyResult<u64> {
+        let keys = keys_of(keys)?;
+        py.detach(|| self.inner.gpu_load(registration, &keys, &blocks))
+            .map_err(err)
+    }
+
+    /// Offers blocks to a `gpu_pull` by another engine on this node; returns the params
+    /// as msgpack bytes.
+    #[pyo3(signature = (registration, transfer_id, keys, blocks, lease_s=None))]
+    fn gpu_export<'py>(
+        &self,
+        py: Python<'py>,
+        registration: u64,
+        transfer_id: &str,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        lease_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let keys = keys_of(keys)?;
+        let lease = secs(lease_s)?;
+        let p = py
+            .detach(|| {
+                self.inner
+                    .gpu_export(registration, transfer_id, &keys, &blocks, lease)
+            })
+            .map_err(err)?;
+        Ok(PyBytes::new(py, &p.to_msgpack()))
+    }
+
+    /// Copies an export's blocks into `blocks` of this session's registration.
+    fn gpu_pull(
+        &self,
+        py: Python<'_>,
+        registration: u64,
+        blocks: Vec<u64>,
+        params: &[u8],
+    ) -> PyResult<u64> {
+        let p = GpuTransferParams::from_msgpack(params)
+            .map_err(|e| PyValueError::new_err(e.message))?;
+        py.detach(|| self.inner.gpu_pull(registration, &blocks, &p))
+            .map_err(err)
+    }
+
+    /// Where this session's `gpu_export` stands: `{"state", "message"}`.
+    fn gpu_export_status<'py>(
+        &self,
+        py: Python<'py>,
+        transfer_id: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let r = py
+            .detach(|| self.inner.gpu_export_status(transfer_id))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
     /// The shared pool, as a writable buffer (`memoryview(client.pool())`); `None` when
     /// the pool is not mapped. Valid until the daemon restarts (`incarnation` changes).
     fn pool(&self) -> Option<Pool> {
@@ -440,6 +577,13 @@ struct Pool {
 impl Pool {
     fn __len__(&self) -> usize {
         self.region.len()
+    }
+
+    /// The mapping's address in this process (for `cudaHostRegister`; see
+    /// `kvd.torch_pool`).
+    #[getter]
+    fn address(&self) -> usize {
+        self.region.as_ptr() as usize
     }
 
     /// # Safety

@@ -15,7 +15,7 @@ import kvd
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "python"))
 import kvd_spec_client as spec  # noqa: E402  (written from SPEC.md alone: an independent check)
 
-EP = sys.argv[1]
+EP, EP2, HOST_DIR = sys.argv[1], sys.argv[2], sys.argv[3]
 LAYOUT = {"model": "kvd-py/test", "num_layers": 2, "kv_parts": 2, "num_kv_heads": 1, "head_dim": 32,
           "dtype": "f16", "tokens_per_block": 16, "tp_size": 1, "tp_rank": 0,
           "order": "layer_part_token_head"}
@@ -164,6 +164,99 @@ def _():
     t.join()
     assert time.monotonic() - t0 >= 0.9
     assert ticks[0] > 100, f"only {ticks[0]} ticks while the client waited: the GIL was held"
+
+
+@check("the GPU tier on the host stand-in: numpy caches in shared memory, store, load, GPU-to-GPU pull")
+def _():
+    import numpy as np
+    c, d = kvd.Client(EP), kvd.Client(EP)
+    info = c.register_layout(LAYOUT)
+    lid, bb = info["layout_id"], info["block_bytes"]
+    d.register_layout(LAYOUT)
+    n = 8
+
+    def cache(name, fill):
+        m = np.memmap(os.path.join(HOST_DIR, name), dtype=np.uint8, mode="w+", shape=(n, bb))
+        m[:] = (np.arange(n * bb, dtype=np.uint64) * 7 % 251).astype(np.uint8).reshape(n, bb) if fill else 0
+        m.flush()
+        return m
+
+    src, dst, dst2 = cache("py-src", True), cache("py-dst", False), cache("py-dst2", False)
+    whole = [(0, 0, bb, bb)]
+    rs = c.gpu_register(lid, [(b"py-src", n * bb)], n, whole)["registration"]
+    rd = c.gpu_register(lid, [(b"py-dst", n * bb)], n, whole)["registration"]
+    # The decode engine splits each block in two halves over two offsets of its file.
+    half = bb // 2
+    r2 = d.gpu_register(lid, [(b"py-dst2", n * bb)], n, [(0, 0, half, half), (0, n * half, half, half)])["registration"]
+    ks = keys(8, 3)
+    assert c.gpu_store(rs, ks, [5, 1, 2]) == ["stored"] * 3
+    assert c.gpu_store(rs, ks[:1], [0]) == ["exists"]
+    assert c.gpu_load(rd, ks + keys(9, 1), [0, 1, 2, 3]) == 3
+    for i, b in enumerate([5, 1, 2]):
+        assert (dst[i] == src[b]).all(), f"block {b}"
+    assert (dst[3] == 0).all(), "after the prefix: untouched"
+    p = c.gpu_export(rs, "py-gpu-1", ks, [5, 1, 2], lease_s=5.0)
+    assert d.gpu_pull(r2, [4, 6, 7], p) == 3
+    flat = np.asarray(dst2).reshape(-1)
+    for i, b in zip([5, 1, 2], [4, 6, 7]):
+        got = np.concatenate([flat[b * half:(b + 1) * half], flat[n * half + b * half:n * half + (b + 1) * half]])
+        assert (got == src[i]).all(), f"pulled block {i}"
+    assert c.gpu_export_status("py-gpu-1")["state"] == "done"
+    try:
+        d.gpu_pull(r2, [4, 6, 7], p)
+        raise AssertionError("a second pull")
+    except kvd.KvdError as e:
+        assert e.code == "invalid_state", e.code
+    assert [r["registration"] for r in c.gpu_list()["registrations"]] == [rs, rd]
+    assert c.gpu_unregister(rd) == 0
+
+
+@check("prefill -> decode across two daemons from Python: pull, then push")
+def _():
+    a, b = kvd.Client(EP), kvd.Client(EP2)
+    info = a.register_layout(LAYOUT)
+    lid, bb = info["layout_id"], info["block_bytes"]
+    b.register_layout(LAYOUT)
+    ks = keys(10, 3)
+    blocks = [bytes([40 + i]) * bb for i in range(3)]
+    assert a.store(lid, ks, blocks) == ["new"] * 3
+    params = a.export("py-pd-1", lid, ks, lease_s=10.0)
+    done = b.pull(params, wait=True)
+    assert done["state"] == "done", done
+    pool = memoryview(b.pool())
+    for i, off in enumerate(done["offsets"]):
+        assert bytes(pool[off:off + bb]) == blocks[i], f"block {i}"
+    b.release(done["pin"])
+    assert b.lookup(lid, ks)["prefix"] == 3, "committed on the decode node"
+    # Push: the decode side registers first, the prefill's export writes into its slots.
+    ks2 = keys(11, 2)
+    a.store(lid, ks2, [b"\x09" * bb, b"\x0a" * bb])
+    node = a.hello_info()["node"]["node"]
+    b.push_register("py-pd-2", lid, ks2, node, ttl_s=10.0)
+    a.export("py-pd-2", lid, ks2, lease_s=10.0)
+    st = b.transfer_status("py-pd-2", wait_s=10.0)
+    assert st["state"] == "done", st
+    for off, want in zip(st["offsets"], [b"\x09" * bb, b"\x0a" * bb]):
+        assert bytes(pool[off:off + bb]) == want
+    b.release(st["pin"])
+
+
+@check("torch_pool: a flat uint8 tensor over the pool, the same memory")
+def _():
+    import torch
+    c = kvd.Client(EP)
+    info = c.register_layout(LAYOUT)
+    lid, bb = info["layout_id"], info["block_bytes"]
+    t = kvd.torch_pool(c)
+    assert t.dtype == torch.uint8 and t.numel() == len(c.pool())
+    ks = keys(12, 1)
+    batch = c.alloc(lid, ks)
+    o = batch.offsets[0]
+    t[o:o + bb] = 5
+    batch.commit()
+    pin = c.get(lid, ks)
+    assert bytes(memoryview(c.pool())[pin.offsets[0]:pin.offsets[0] + 4]) == b"\x05" * 4
+    pin.release()
 
 
 passed = failed = 0

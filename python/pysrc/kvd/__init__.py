@@ -20,4 +20,32 @@ Errors the daemon answers are :class:`KvdError` with ``code`` (the wire code, e.
 
 from ._native import Batch, Client, KvdError, Pinned, Pool, chunk_hashes, layout_id
 
-__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id"]
+__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id", "torch_pool"]
+
+
+def torch_pool(client, register_cuda=True):
+    """The pool as a flat ``torch.uint8`` tensor, without a copy.
+
+    With CUDA available (and ``register_cuda``), the mapping is page-locked once with
+    ``cudaHostRegister``, so ``gpu_tensor.copy_(pool_tensor[off:off + n], non_blocking=True)``
+    and back are DMA between GPU memory and pool slots, with no bounce buffer. The
+    tensor (and its registration) is valid until the daemon restarts
+    (``client.incarnation`` changes): call this again then.
+    """
+    import torch
+
+    pool = client.pool()
+    if pool is None:
+        raise KvdError("the pool is not mapped (Client(map_pool=True) on the daemon's node)")
+    t = torch.frombuffer(pool, dtype=torch.uint8)
+    if register_cuda and torch.cuda.is_available():
+        addr, size = pool.address, len(pool)
+        if (addr, size) not in _registered:
+            rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+            if int(rc) != 0:
+                raise KvdError(f"cudaHostRegister of the pool ({size} bytes) failed: {rc}")
+            _registered.add((addr, size))
+    return t
+
+
+_registered = set()
