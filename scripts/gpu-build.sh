@@ -25,6 +25,6 @@ du -sh gpu-bin
 # The GPU machine runs these as they are: say which glibc they need (its own must be at
 # least that), and keep the bundle within what the device tool carries (64 MiB).
 need=$(for f in gpu-bin/*; do objdump -T "$f" 2>/dev/null || true; done | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1 || true)
-echo "gpu-bin needs ${need:-an unknown glibc} (this machine has $(ldd --version | head -1 | grep -o '[0-9.]*$'))"
+echo "gpu-bin needs ${need:-an unknown glibc} (this machine has $(ldd --version | head -1 | grep -o '[0-9.]*$')); the wheel: $(cd gpu-bin && ls ./*.whl)"
 size=$(du -sm gpu-bin | cut -f1)
 [[ $size -le 64 ]] || { echo "gpu-bin is ${size} MiB: over the 64 MiB the device tool carries"; exit 1; }
