@@ -128,7 +128,11 @@ impl CudaDevice {
         let c = Arc::new(Ctx { ctx, stream, name });
         m.insert(ordinal, Arc::clone(&c));
         drop(m);
-        self.register_pool(&c)?;
+        // Without the page-locked pool the copies still work (staged by the driver), only
+        // slower: say so and go on.
+        if let Err(e) = self.register_pool(&c) {
+            tracing::warn!(error = %e, "the pool is not page-locked: GPU copies go through driver staging");
+        }
         tracing::info!(ordinal, device = %c.name, "GPU tier: CUDA context open");
         Ok(c)
     }
@@ -315,6 +319,17 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        // Unregistering needs a current context: any of ours.
+        let any = self
+            .ctxs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .next()
+            .map(Arc::clone);
+        if let Some(c) = any {
+            let _ = c.ctx.bind_to_thread();
+        }
         if *self.registered.lock().unwrap_or_else(|p| p.into_inner()) {
             // SAFETY: the pool range was registered in `register_pool` and no copy runs
             // any more (the worker thread joined before the device is dropped).
