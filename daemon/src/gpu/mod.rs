@@ -539,11 +539,11 @@ impl GpuTier {
         let layout = self.check_blocks(store, r.client, r.registration, &r.keys, &r.blocks, now)?;
         let sys = self.system(store, now);
         let a = store
-            .alloc_for_transfer(sys, layout, &r.keys, COPY_HOLD, now)?
+            .alloc_for_copy(sys, layout, &r.keys, COPY_HOLD, now)?
             .ok_or_else(|| {
                 WireError::new(
                     ErrorCode::PoolFull,
-                    "no slot free now: blocks are being written back to NVMe or read from it; retry",
+                    "no slot free until evicted blocks are written back to NVMe; retry",
                 )
             })?;
         let mut status = Vec::with_capacity(r.keys.len());

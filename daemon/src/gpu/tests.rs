@@ -187,3 +187,69 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
     assert_eq!(t.store.stats(now).pinned_blocks, 0, "the pin is released");
     assert_eq!(bad.counters().failed_copies, 2);
 }
+
+/// Two engines storing the same prefix at once (prefix sharing): the second finds the
+/// keys `busy` — not `pool_full` — while the first's copy is in flight, then `exists`.
+#[test]
+fn a_key_another_copy_is_storing_is_busy_not_pool_full() {
+    let mut t = setup();
+    let pool = t.store.pool_arc();
+    let host =
+        device::HostDevice::new(t.dir.path().to_path_buf(), &t.dir.path().join("pool")).unwrap();
+    let settings = GpuSettings {
+        idle_ttl: Duration::from_secs(60),
+        max_per_session: 4,
+    };
+    let mut tier = GpuTier::new(Device::Host(host), pool, settings).unwrap();
+    let now = Instant::now();
+    let reg = tier
+        .register(
+            &mut t.store,
+            &GpuRegisterReq {
+                client: t.client,
+                layout_id: t.layout,
+                device: 0,
+                regions: vec![GpuRegion {
+                    handle: b"mem".to_vec(),
+                    size: 8 * 2048,
+                }],
+                num_blocks: 8,
+                segments: vec![GpuSegment {
+                    region: 0,
+                    offset: 0,
+                    stride: 2048,
+                    len: 2048,
+                }],
+            },
+            now,
+        )
+        .unwrap()
+        .registration;
+    let keys: Vec<ChunkHash> = (0..2u32)
+        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
+        .collect();
+    let req = |blocks: Vec<u64>| GpuStoreReq {
+        client: t.client,
+        registration: reg,
+        keys: keys.clone(),
+        blocks,
+    };
+    let first = tier.store(&mut t.store, &req(vec![0, 1]), 1, now).unwrap();
+    assert!(matches!(first, crate::store::Answer::Later(1)));
+    // Before the first's completion is handled its keys are still being written.
+    match tier.store(&mut t.store, &req(vec![2, 3]), 2, now).unwrap() {
+        crate::store::Answer::Now(r) => {
+            assert_eq!(r.status, vec![GpuStoreStatus::Busy; 2]);
+            assert_eq!(r.stored, 0);
+        }
+        crate::store::Answer::Later(_) => panic!("the busy keys were copied again"),
+    }
+    assert!(matches!(
+        wait(&mut tier, &mut t.store),
+        Ok(Reply::Store(GpuStoreResp { stored: 2, .. }))
+    ));
+    match tier.store(&mut t.store, &req(vec![2, 3]), 3, now).unwrap() {
+        crate::store::Answer::Now(r) => assert_eq!(r.status, vec![GpuStoreStatus::Exists; 2]),
+        crate::store::Answer::Later(_) => panic!("stored keys were copied again"),
+    }
+}

@@ -763,6 +763,27 @@ impl Store {
         self.try_alloc_in(&req, ttl, now, true)
     }
 
+    /// `alloc` for a copy the daemon makes itself (the GPU tier's `gpu_store`): like a
+    /// client's `alloc` — keys another writer is storing are `Busy`, keys a lower tier
+    /// holds `Exists` — but its reservations last `ttl` (the copy frees them itself) and
+    /// it never waits: `Ok(None)` means no room until demotions in flight complete.
+    pub fn alloc_for_copy(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<Option<AllocResp>, StoreError> {
+        self.sessions.seen(client, now)?;
+        let req = AllocReq {
+            client,
+            layout_id: layout,
+            keys: keys.to_vec(),
+        };
+        self.try_alloc_in(&req, ttl, now, false)
+    }
+
     /// Pins every key (all must be committed in DRAM) for `ttl`, not clamped: an export's
     /// lease governs it and releases it with [`Store::unpin_by_id`].
     pub fn pin_for_export(
