@@ -213,7 +213,7 @@ pub struct GpuExportReq {
     pub keys: Vec<ChunkHash>,
     /// The block ids, one per key.
     pub blocks: Vec<u64>,
-    /// Lease (default `transfer.lease_ms`-like 30 s, at most 300 s).
+    /// Lease in ms (default 30 s, at most 300 s).
     #[serde(default)]
     pub lease_ms: Option<u64>,
 }
