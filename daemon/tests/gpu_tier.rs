@@ -103,13 +103,8 @@ fn host_daemon(extra: &[&str]) -> (Daemon, tempfile::TempDir) {
 
 /// `/metrics` of the daemon on `port` (refreshed at most every 100 ms: waits that long).
 fn metrics(port: u16) -> String {
-    use std::io::{Read, Write};
     std::thread::sleep(Duration::from_millis(300));
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    http_get(port, "/metrics").expect("/metrics answers").1
 }
 
 fn code(e: kvd_client::Error) -> (Option<ErrorCode>, String) {

@@ -7,20 +7,9 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-fn python() -> String {
-    if let Ok(p) = std::env::var("KVD_PYTHON") {
-        return p;
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if venv.exists() {
-        return venv.display().to_string();
-    }
-    "python3".into()
-}
-
 #[test]
 fn python_client_written_from_the_spec() {
-    let py = python();
+    let py = common::python();
     let probe = Command::new(&py)
         .args(["-c", "import zmq, msgpack"])
         .status();

@@ -9,21 +9,10 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::http_get as get;
 use common::*;
 use kvd_protocol::{ErrorCode, TransferState};
 use nix::sys::signal::Signal;
-
-/// `GET path` → (status, body); `None` when nothing listens yet.
-fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    let status = out.split(' ').nth(1)?.parse().ok()?;
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-    Some((status, body))
-}
 
 /// The value of one series (exact name with labels) in an exposition.
 fn value(text: &str, series: &str) -> Option<f64> {

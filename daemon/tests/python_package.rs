@@ -12,12 +12,7 @@ use std::process::Command;
 
 #[test]
 fn the_python_package_against_a_real_daemon() {
-    let py = std::env::var("KVD_PYTHON").unwrap_or_else(|_| {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../.venv/bin/python")
-            .display()
-            .to_string()
-    });
+    let py = common::python();
     let probe = Command::new(&py)
         .args(["-c", "import kvd, numpy, torch"])
         .status();

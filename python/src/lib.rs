@@ -22,6 +22,7 @@ use kvd_protocol::{
 };
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 pyo3::create_exception!(
@@ -62,6 +63,15 @@ fn keys_of(keys: Vec<Vec<u8>>) -> PyResult<Vec<ChunkHash>> {
 fn to_py<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
     let s = serde_json::to_string(v).map_err(|e| PyValueError::new_err(e.to_string()))?;
     py.import("json")?.call_method1("loads", (s,))
+}
+
+/// A layout dict (SPEC §3.1 field names) as a [`Layout`] (through JSON, as `to_py`).
+fn layout_of(py: Python<'_>, layout: &Bound<'_, PyDict>) -> PyResult<Layout> {
+    let s: String = py
+        .import("json")?
+        .call_method1("dumps", (layout,))?
+        .extract()?;
+    serde_json::from_str(&s).map_err(|e| PyValueError::new_err(format!("layout: {e}")))
 }
 
 fn secs(s: Option<f64>) -> PyResult<Option<Duration>> {
@@ -130,12 +140,7 @@ impl Client {
         py: Python<'py>,
         layout: &Bound<'py, PyDict>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let s: String = py
-            .import("json")?
-            .call_method1("dumps", (layout,))?
-            .extract()?;
-        let l: Layout =
-            serde_json::from_str(&s).map_err(|e| PyValueError::new_err(format!("layout: {e}")))?;
+        let l = layout_of(py, layout)?;
         let info = py.detach(|| self.inner.register_layout(&l)).map_err(err)?;
         let d = PyDict::new(py);
         d.set_item("layout_id", info.id.0)?;
@@ -171,7 +176,7 @@ impl Client {
         })
     }
 
-    /// Stores blocks (each exactly the layout's block size; any bytes-like object):
+    /// Stores blocks (each exactly the layout's block size; `bytes` or `bytearray`):
     /// copies them into slots and commits. Returns per key "new" (stored), "exists" or
     /// "busy".
     fn store(
@@ -179,12 +184,14 @@ impl Client {
         py: Python<'_>,
         layout_id: u64,
         keys: Vec<Vec<u8>>,
-        blocks: Vec<Vec<u8>>,
+        blocks: Vec<PyBackedBytes>,
     ) -> PyResult<Vec<&'static str>> {
         let keys = keys_of(keys)?;
         let out = py
             .detach(|| {
-                let refs: Vec<&[u8]> = blocks.iter().map(|b| b.as_slice()).collect();
+                // Borrowed from the Python objects (bytes are not copied here): the one
+                // copy is kvd-client's, into the slots.
+                let refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
                 self.inner.store(LayoutId(layout_id), &keys, &refs)
             })
             .map_err(err)?;
@@ -631,13 +638,7 @@ fn chunk_hashes<'py>(
 /// A layout's stable id (what `register_layout` answers), computed locally.
 #[pyfunction]
 fn layout_id(py: Python<'_>, layout: &Bound<'_, PyDict>) -> PyResult<u64> {
-    let s: String = py
-        .import("json")?
-        .call_method1("dumps", (layout,))?
-        .extract()?;
-    let l: Layout =
-        serde_json::from_str(&s).map_err(|e| PyValueError::new_err(format!("layout: {e}")))?;
-    Ok(l.id().0)
+    Ok(layout_of(py, layout)?.id().0)
 }
 
 #[pymodule]

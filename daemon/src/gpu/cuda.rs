@@ -13,8 +13,20 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use super::device::{Copy, DevCopy, Dir, Memory};
+use super::device::{inside, Copy, DevCopy, Dir, Memory};
 use crate::pool::Pool;
+
+/// Waits for every stream a job queued on (all of them, also after one fails), so that
+/// nothing still moves when the job is reported.
+fn sync_all(used: &[Arc<Ctx>]) -> Result<(), String> {
+    let mut synced = Ok(());
+    for c in used {
+        if let Err(e) = c.stream.synchronize() {
+            synced = Err(format!("stream synchronize: {e:?}"));
+        }
+    }
+    synced
+}
 
 fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -207,13 +219,7 @@ impl CudaDevice {
         let queued = copies
             .iter()
             .try_for_each(|c| self.queue(dir, pool, c, &mut used));
-        let mut synced = Ok(());
-        for c in used {
-            if let Err(e) = c.stream.synchronize() {
-                synced = Err(format!("stream synchronize: {e:?}"));
-            }
-        }
-        queued.and(synced)
+        queued.and(sync_all(&used))
     }
 
     /// Device-to-device: `cuMemcpyDtoDAsync` within a device, `cuMemcpyPeerAsync`
@@ -224,30 +230,15 @@ impl CudaDevice {
         let queued = copies
             .iter()
             .try_for_each(|c| self.queue_device(c, &mut used));
-        let mut synced = Ok(());
-        for c in used {
-            if let Err(e) = c.stream.synchronize() {
-                synced = Err(format!("stream synchronize: {e:?}"));
-            }
-        }
-        queued.and(synced)
+        queued.and(sync_all(&used))
     }
 
     fn queue_device(&self, c: &DevCopy, used: &mut Vec<Arc<Ctx>>) -> Result<(), String> {
         let (Memory::Cuda(s), Memory::Cuda(d)) = (&*c.src, &*c.dst) else {
             return Err("memory of another device".into());
         };
-        for (what, off, size) in [
-            ("source", c.src_offset, s.size),
-            ("destination", c.dst_offset, d.size),
-        ] {
-            if off.checked_add(c.len).is_none_or(|e| e > size) {
-                return Err(format!(
-                    "{what} range {off}+{} outside the registered {size} bytes",
-                    c.len
-                ));
-            }
-        }
+        inside("source", c.src_offset, c.len, s.size)?;
+        inside("destination", c.dst_offset, c.len, d.size)?;
         let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
         let (sc, dc) = (self.ctx(s.ordinal)?, self.ctx(d.ordinal)?);
         dc.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
@@ -284,13 +275,7 @@ impl CudaDevice {
         let Memory::Cuda(m) = &*c.mem else {
             return Err("memory of another device".into());
         };
-        let end = c.dev_offset.checked_add(c.len);
-        if end.is_none_or(|e| e > m.size) {
-            return Err(format!(
-                "device range {}+{} outside the registered {} bytes",
-                c.dev_offset, c.len, m.size
-            ));
-        }
+        inside("device", c.dev_offset, c.len, m.size)?;
         let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
         let host = pool.addr(c.pool_offset, len).map_err(|e| e.to_string())?;
         let ctx = self.ctx(m.ordinal)?;

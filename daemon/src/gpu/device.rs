@@ -63,7 +63,8 @@ pub struct DevCopy {
     pub len: u64,
 }
 
-fn inside(what: &str, off: u64, len: u64, size: u64) -> Result<(), String> {
+/// Checks `off..off + len` lies inside a registration's `size` bytes (no overflow).
+pub(super) fn inside(what: &str, off: u64, len: u64, size: u64) -> Result<(), String> {
     if off.checked_add(len).is_none_or(|e| e > size) {
         return Err(format!(
             "{what} range {off}+{len} outside the registered {size} bytes"

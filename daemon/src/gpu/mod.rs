@@ -198,21 +198,11 @@ fn cuda_device(_pool: &Pool, _asked: bool) -> Device {
 impl GpuTier {
     /// A tier that refuses every op with `why`.
     pub fn off(why: &str) -> GpuTier {
-        GpuTier {
-            device: Arc::new(Device::Off(why.to_string())),
-            worker: None,
-            settings: GpuSettings {
-                idle_ttl: Duration::from_secs(30),
-                max_per_session: 0,
-            },
-            regs: HashMap::new(),
-            next_id: 1,
-            pending: HashMap::new(),
-            system: None,
-            counters: GpuCounters::default(),
-            exports: handoff::Exports::default(),
-            next_sweep: None,
-        }
+        let settings = GpuSettings {
+            idle_ttl: Duration::from_secs(30),
+            max_per_session: 0,
+        };
+        Self::with(Arc::new(Device::Off(why.to_string())), None, settings)
     }
 
     /// A tier over `device` (its copy thread starts unless the device is off).
@@ -223,7 +213,11 @@ impl GpuTier {
         } else {
             Some(Worker::start(Arc::clone(&device), pool)?)
         };
-        Ok(GpuTier {
+        Ok(Self::with(device, worker, settings))
+    }
+
+    fn with(device: Arc<Device>, worker: Option<Worker>, settings: GpuSettings) -> GpuTier {
+        GpuTier {
             device,
             worker,
             settings,
@@ -234,7 +228,7 @@ impl GpuTier {
             counters: GpuCounters::default(),
             exports: handoff::Exports::default(),
             next_sweep: None,
-        })
+        }
     }
 
     /// One line for the log.

@@ -27,24 +27,7 @@ fn setup() -> T {
         .unwrap(),
     );
     let now = Instant::now();
-    let mut store = Store::new(
-        pool,
-        StoreConfig {
-            segment_bytes: 1 << 20,
-            high_watermark: 1.0,
-            low_watermark: 0.9,
-            default_pin_ttl: Duration::from_secs(10),
-            max_pin_ttl: Duration::from_secs(60),
-            alloc_ttl: Duration::from_secs(30),
-            max_layouts: 8,
-            max_pins: 1000,
-            max_clients: 16,
-            client_idle_ttl: Duration::from_secs(600),
-            alloc_wait: Duration::from_secs(5),
-        },
-        Incarnation(1),
-        now,
-    );
+    let mut store = Store::new(pool, StoreConfig::for_tests(1 << 20), Incarnation(1), now);
     let client = store.hello(&HelloReq::default(), now).unwrap();
     let layout = Layout {
         model: "m".into(),
@@ -68,6 +51,51 @@ fn setup() -> T {
     }
 }
 
+impl T {
+    /// The host stand-in over the test's directory (which holds the pool file too).
+    fn host(&self) -> device::HostDevice {
+        device::HostDevice::new(self.dir.path().to_path_buf(), &self.dir.path().join("pool"))
+            .unwrap()
+    }
+
+    /// A tier over `device` sharing this store's pool.
+    fn tier(&self, device: Device) -> GpuTier {
+        let settings = GpuSettings {
+            idle_ttl: Duration::from_secs(60),
+            max_per_session: 4,
+        };
+        GpuTier::new(device, self.store.pool_arc(), settings).unwrap()
+    }
+
+    /// Registers the test's 8-block file `mem` (one contiguous 2 KiB block each).
+    fn register(&mut self, tier: &mut GpuTier, now: Instant) -> u64 {
+        let req = GpuRegisterReq {
+            client: self.client,
+            layout_id: self.layout,
+            device: 0,
+            regions: vec![GpuRegion {
+                handle: b"mem".to_vec(),
+                size: 8 * 2048,
+            }],
+            num_blocks: 8,
+            segments: vec![GpuSegment {
+                region: 0,
+                offset: 0,
+                stride: 2048,
+                len: 2048,
+            }],
+        };
+        tier.register(&mut self.store, &req, now)
+            .unwrap()
+            .registration
+    }
+}
+
+fn keys_in(r: std::ops::Range<u32>) -> Vec<ChunkHash> {
+    r.map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
+        .collect()
+}
+
 fn wait(tier: &mut GpuTier, store: &mut Store) -> Result<Reply, WireError> {
     let until = Instant::now() + Duration::from_secs(10);
     loop {
@@ -85,50 +113,15 @@ fn wait(tier: &mut GpuTier, store: &mut Store) -> Result<Reply, WireError> {
 #[test]
 fn a_device_fault_fails_the_op_and_holds_nothing() {
     let mut t = setup();
-    let pool = t.store.pool_arc();
-    let host = |t: &T| {
-        device::HostDevice::new(t.dir.path().to_path_buf(), &t.dir.path().join("pool")).unwrap()
-    };
-    let settings = GpuSettings {
-        idle_ttl: Duration::from_secs(60),
-        max_per_session: 4,
-    };
     let now = Instant::now();
-    let reg = |tier: &mut GpuTier, t: &mut T| {
-        tier.register(
-            &mut t.store,
-            &GpuRegisterReq {
-                client: t.client,
-                layout_id: t.layout,
-                device: 0,
-                regions: vec![GpuRegion {
-                    handle: b"mem".to_vec(),
-                    size: 8 * 2048,
-                }],
-                num_blocks: 8,
-                segments: vec![GpuSegment {
-                    region: 0,
-                    offset: 0,
-                    stride: 2048,
-                    len: 2048,
-                }],
-            },
-            now,
-        )
-        .unwrap()
-        .registration
-    };
     // The pool file itself is never engine memory, even when it sits in host_dir.
-    let e = host(&t).open(b"pool", 4096).expect_err("refused");
+    let e = t.host().open(b"pool", 4096).expect_err("refused");
     assert!(e.contains("pool file"), "{e}");
-    let keys: Vec<ChunkHash> = (0..3u32)
-        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
-        .collect();
+    let keys = keys_in(0..3);
 
     // A working tier stores three blocks (for the failing load below).
-    let mut good =
-        GpuTier::new(Device::Host(host(&t)), Arc::clone(&pool), settings.clone()).unwrap();
-    let g = reg(&mut good, &mut t);
+    let mut good = t.tier(Device::Host(t.host()));
+    let g = t.register(&mut good, now);
     let req = GpuStoreReq {
         client: t.client,
         registration: g,
@@ -144,11 +137,9 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
         Ok(Reply::Store(GpuStoreResp { stored: 3, .. }))
     ));
 
-    let mut bad = GpuTier::new(Device::FailCopies(host(&t)), pool, settings).unwrap();
-    let b = reg(&mut bad, &mut t);
-    let more: Vec<ChunkHash> = (10..12u32)
-        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
-        .collect();
+    let mut bad = t.tier(Device::FailCopies(t.host()));
+    let b = t.register(&mut bad, now);
+    let more = keys_in(10..12);
     let req = GpuStoreReq {
         client: t.client,
         registration: b,
@@ -193,41 +184,10 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
 #[test]
 fn a_key_another_copy_is_storing_is_busy_not_pool_full() {
     let mut t = setup();
-    let pool = t.store.pool_arc();
-    let host =
-        device::HostDevice::new(t.dir.path().to_path_buf(), &t.dir.path().join("pool")).unwrap();
-    let settings = GpuSettings {
-        idle_ttl: Duration::from_secs(60),
-        max_per_session: 4,
-    };
-    let mut tier = GpuTier::new(Device::Host(host), pool, settings).unwrap();
     let now = Instant::now();
-    let reg = tier
-        .register(
-            &mut t.store,
-            &GpuRegisterReq {
-                client: t.client,
-                layout_id: t.layout,
-                device: 0,
-                regions: vec![GpuRegion {
-                    handle: b"mem".to_vec(),
-                    size: 8 * 2048,
-                }],
-                num_blocks: 8,
-                segments: vec![GpuSegment {
-                    region: 0,
-                    offset: 0,
-                    stride: 2048,
-                    len: 2048,
-                }],
-            },
-            now,
-        )
-        .unwrap()
-        .registration;
-    let keys: Vec<ChunkHash> = (0..2u32)
-        .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i]))
-        .collect();
+    let mut tier = t.tier(Device::Host(t.host()));
+    let reg = t.register(&mut tier, now);
+    let keys = keys_in(0..2);
     let req = |blocks: Vec<u64>| GpuStoreReq {
         client: t.client,
         registration: reg,

@@ -63,6 +63,27 @@ use self::tiering::{Deferred, Flight, Waiting};
 use crate::alloc::SlabAllocator;
 use crate::pool::{Pool, SLOT_ALIGN};
 
+#[cfg(test)]
+impl StoreConfig {
+    /// Unit tests' tunables: small limits, `segment_bytes` segments, eviction only when
+    /// full.
+    pub(crate) fn for_tests(segment_bytes: u64) -> StoreConfig {
+        StoreConfig {
+            segment_bytes,
+            high_watermark: 1.0,
+            low_watermark: 0.9,
+            default_pin_ttl: Duration::from_secs(10),
+            max_pin_ttl: Duration::from_secs(60),
+            alloc_ttl: Duration::from_secs(30),
+            max_layouts: 8,
+            max_pins: 1000,
+            max_clients: 16,
+            client_idle_ttl: Duration::from_secs(600),
+            alloc_wait: Duration::from_secs(5),
+        }
+    }
+}
+
 /// Tunables of the store (see `config.rs` for their defaults).
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -754,13 +775,7 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<Option<AllocResp>, StoreError> {
-        self.sessions.seen(client, now)?;
-        let req = AllocReq {
-            client,
-            layout_id: layout,
-            keys: keys.to_vec(),
-        };
-        self.try_alloc_in(&req, ttl, now, true)
+        self.alloc_held(client, layout, keys, ttl, now, true)
     }
 
     /// `alloc` for a copy the daemon makes itself (the GPU tier's `gpu_store`): like a
@@ -775,13 +790,26 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<Option<AllocResp>, StoreError> {
+        self.alloc_held(client, layout, keys, ttl, now, false)
+    }
+
+    /// The daemon's own never-waiting `alloc` with reservations lasting `ttl`.
+    fn alloc_held(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+        dram_only: bool,
+    ) -> Result<Option<AllocResp>, StoreError> {
         self.sessions.seen(client, now)?;
         let req = AllocReq {
             client,
             layout_id: layout,
             keys: keys.to_vec(),
         };
-        self.try_alloc_in(&req, ttl, now, false)
+        self.try_alloc_in(&req, ttl, now, dram_only)
     }
 
     /// Pins every key (all must be committed in DRAM) for `ttl`, not clamped: an export's
@@ -983,24 +1011,7 @@ mod tests {
             .unwrap(),
         );
         let now = Instant::now();
-        let mut s = Store::new(
-            pool,
-            StoreConfig {
-                segment_bytes: SEG,
-                high_watermark: 1.0,
-                low_watermark: 0.9,
-                default_pin_ttl: Duration::from_secs(10),
-                max_pin_ttl: Duration::from_secs(60),
-                alloc_ttl: Duration::from_secs(30),
-                max_layouts: 8,
-                max_pins: 1000,
-                max_clients: 16,
-                client_idle_ttl: Duration::from_secs(600),
-                alloc_wait: Duration::from_secs(5),
-            },
-            Incarnation(1),
-            now,
-        );
+        let mut s = Store::new(pool, StoreConfig::for_tests(SEG), Incarnation(1), now);
         let c = s.hello(&HelloReq::default(), now).unwrap();
         let l = s.register_layout(&layout(16)).unwrap().layout_id;
         T {

@@ -359,3 +359,29 @@ impl PeerRaw {
         self.call_frames(&self.frames(env))
     }
 }
+
+/// `GET path` on 127.0.0.1:`port` → (status, body); `None` when nothing listens yet.
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let status = out.split(' ').nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((status, body))
+}
+
+/// The Python the tests run: `$KVD_PYTHON`, else the test command's `.venv`, else
+/// `python3`.
+pub fn python() -> String {
+    if let Ok(p) = std::env::var("KVD_PYTHON") {
+        return p;
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "python3".into()
+}
