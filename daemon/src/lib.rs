@@ -22,7 +22,7 @@
 //! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): `client_ops`, `importer`, `exporter`, `timers`, `peer_ops`, `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
 //! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`), the TCP data server and transport, shm pulls, workers (a panicking transport fails its job, not its worker); an in-process double (`mem_transport`) for tests |
-//! | `sync` | std or loom primitives (`cfg(kvd_loom)`) |
+//! | `sync` | std or loom primitives (the `loom` feature) |
 //! | `transfer::remote_access` | per-grant remote access for one-sided transports: only a live grant's ranges, with its access, until it ends (a `Registrar`: verbs, or a host stand-in in tests) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: local-only pool registration, per-grant MRs, RC queue pairs, READ/WRITE |
 //!

@@ -12,7 +12,7 @@
 //!   dequeuing would lose a completion queued in between (its raise cleared with the
 //!   old one); the loom model below catches exactly that order.
 //!
-//! The signal is an eventfd (readable while raised); under `cfg(kvd_loom)` an atomic
+//! The signal is an eventfd (readable while raised); under the `loom` feature an atomic
 //! counter, so the model checks the same code.
 
 use std::collections::VecDeque;
@@ -60,9 +60,9 @@ impl<T> Completions<T> {
     /// The fd that polls readable while the signal is raised (none, -1, in model
     /// builds, which run only the loom models).
     pub fn fd(&self) -> std::os::fd::RawFd {
-        #[cfg(not(kvd_loom))]
+        #[cfg(not(feature = "loom"))]
         return std::os::fd::AsRawFd::as_raw_fd(&self.signal.fd);
-        #[cfg(kvd_loom)]
+        #[cfg(feature = "loom")]
         return -1;
     }
 
@@ -87,12 +87,12 @@ impl<T> Completions<T> {
     }
 }
 
-#[cfg(not(kvd_loom))]
+#[cfg(not(feature = "loom"))]
 struct Signal {
     fd: std::os::fd::OwnedFd,
 }
 
-#[cfg(not(kvd_loom))]
+#[cfg(not(feature = "loom"))]
 impl Signal {
     fn new() -> io::Result<Signal> {
         use std::os::fd::FromRawFd;
@@ -124,12 +124,12 @@ impl Signal {
     }
 }
 
-#[cfg(kvd_loom)]
+#[cfg(feature = "loom")]
 struct Signal {
     raised: loom::sync::atomic::AtomicU64,
 }
 
-#[cfg(kvd_loom)]
+#[cfg(feature = "loom")]
 impl Signal {
     fn new() -> io::Result<Signal> {
         Ok(Signal {
@@ -145,8 +145,8 @@ impl Signal {
     }
 }
 
-/// `RUSTFLAGS="--cfg kvd_loom" cargo test -p kvd-daemon --lib loom`
-#[cfg(all(test, kvd_loom))]
+/// `cargo test -p kvd-daemon --lib --features loom loom`
+#[cfg(all(test, feature = "loom"))]
 mod loom_tests {
     use super::*;
     use loom::sync::atomic::Ordering;

@@ -287,7 +287,7 @@ impl Grants {
     }
 }
 
-#[cfg(all(test, not(kvd_loom)))]
+#[cfg(all(test, not(feature = "loom")))]
 mod tests {
     use super::*;
     use std::time::Duration;
@@ -363,8 +363,8 @@ mod tests {
     }
 }
 
-/// `RUSTFLAGS="--cfg kvd_loom" cargo test -p kvd-daemon --lib --release loom`
-#[cfg(all(test, kvd_loom))]
+/// `cargo test -p kvd-daemon --lib --release --features loom loom`
+#[cfg(all(test, feature = "loom"))]
 mod loom_tests {
     use super::*;
     use loom::sync::atomic::AtomicBool;
