@@ -1,0 +1,801 @@
+"""kvd as a vLLM KV connector (``KVConnectorBase_V1``, written against vLLM 0.33).
+
+One line turns it on::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd.vllm_connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"endpoint": "ipc:///run/kvd/kvd.sock"}}'
+
+What it does
+------------
+* **Prefix caching.** The scheduler-side connector asks the node's daemon, without side
+  effects (``lookup``), for the longest prefix of each prompt it holds under *every* TP
+  rank's layout (the minimum counts) and reports those tokens as external hits. The
+  worker-side connector loads them into vLLM's paged KV cache before the forward
+  (synchronous loads), and saves every newly computed *full prompt block* after it
+  (``alloc`` → copy into the slots → ``commit``). A block that vanished between the
+  lookup and the load is reported through ``get_block_ids_with_load_errors``: vLLM
+  recomputes it (``kv_load_failure_policy: recompute``; with vLLM's default ``fail``
+  the request fails instead, and the connector says so once at start).
+* **Prefill/decode disaggregation.** On the prefill side (``kv_producer`` or ``kv_both``),
+  ``request_finished`` of a request sent with ``{"do_remote_decode": true}`` exports its
+  prompt blocks (one transfer per TP rank, the daemon pins them under a lease) and returns
+  JSON-serialisable ``kv_transfer_params``; vLLM frees its own blocks at once, because the
+  KV lives in the daemon's pool. On the decode side, ``get_num_new_matched_tokens``
+  *admits* the transfer (``extra_config.mode = "pull"``, the default: the decode daemon
+  heartbeats the exporter from then on) or registers its slots for a push (``"push"``), and
+  answers "load asynchronously"; once vLLM allocated the blocks the pull starts; the
+  worker waits for the transfer, loads the blocks **by the keys it computed from its own
+  prompt** (a mixed-up or forged ``kv_transfer_params`` can only miss, never load another
+  prompt's KV) and reports the request in ``finished_recving`` — or in
+  ``failed_recving`` (a killed prefill daemon, an expired lease, a missing block), which
+  vLLM turns into a local recompute.
+* **Data path.** Pool slots are viewed through ``kvd.torch_pool`` (page-locked with
+  ``cudaHostRegister`` on CUDA): a save gathers the blocks into a device staging tensor and
+  copies each slot device → pinned pool; a load copies pinned pool → device and scatters.
+  Those are DMA copies, with no host bounce. On CPU tensors the same code is plain copies.
+
+The block format
+----------------
+A kvd block is one vLLM block of ``block_size`` tokens, all layers: layout order
+``layer_part_head_token`` (``[layer][K|V][head][token][head_dim]``), one layout per TP
+rank (``tp_rank`` is in the layout id), the model named by ``extra_config.model_id``
+(default: vLLM's ``model``; **set it when prefill and decode load the same weights from
+different paths, and never share it between different weights**). Keys are SPEC §3.2
+chunk hashes of the prompt tokens, salted with the LoRA adapter's name and the request's
+``cache_salt`` — so tenants and adapters never share blocks.
+
+What it refuses (with the reason, at start)
+-------------------------------------------
+MLA (latent) caches, quantized KV (``kv_quant_mode``), padded or packed pages, K and V of
+different sizes, dtypes kvd has no name for, and more than one KV cache group (hybrid
+models: vLLM turns its hybrid allocator off for connectors without ``SupportsHMA``, and
+hybrid SSM models then do not start; should a config still reach the connector with
+several groups, it logs that it will report no external hits and saves nothing).
+Requests with multimodal inputs or prompt embeddings are neither loaded nor saved (their
+KV is not a function of the token ids alone). Prefill and decode must use the same TP
+size and block size (the params say theirs; a mismatch is a miss and a local prefill).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+
+import kvd
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+PARAMS_VERSION = 1
+_DTYPES = {
+    torch.float16: ("f16", 2),
+    torch.bfloat16: ("bf16", 2),
+    torch.float32: ("f32", 4),
+    torch.float8_e4m3fn: ("fp8_e4m3", 1),
+    torch.float8_e5m2: ("fp8_e5m2", 1),
+    torch.uint8: ("u8", 1),
+}
+_FINAL = {"done", "failed", "aborted", "expired"}
+
+
+class KvdConfigError(ValueError):
+    """The engine's KV cache is one the connector cannot store faithfully."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one kvd block of this engine is, derived from vLLM's own config."""
+
+    model_id: str
+    layer_names: tuple[str, ...]
+    heads: int  # KV heads of this rank
+    total_heads: int  # KV heads of the model
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+    tp_size: int
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return len(self.layer_names) * 2 * self.heads * self.block_size * self.head_size * _DTYPES[self.dtype][1]
+
+    def layout(self, rank: int) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "num_layers": len(self.layer_names),
+            "kv_parts": 2,
+            "num_kv_heads": self.total_heads,
+            "head_dim": self.head_size,
+            "dtype": self.dtype_name,
+            "tokens_per_block": self.block_size,
+            "tp_size": self.tp_size,
+            "tp_rank": rank,
+            "order": "layer_part_head_token",
+        }
+
+
+def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[Optional[Geometry], Optional[str]]:
+    """The block geometry, or why this engine's cache is served without kvd.
+
+    Raises :class:`KvdConfigError` for caches the connector must not pretend to handle.
+    Returns ``(None, reason)`` for hybrid configurations (no hits reported, nothing saved).
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        return None, f"{len(groups)} KV cache groups ({kinds}): a hybrid model; kvd restores only one full-attention group"
+    spec = groups[0].kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    specs = list(inner.values()) if inner else [spec]
+    first = specs[0]
+    for s in specs:
+        if isinstance(s, MLAAttentionSpec):
+            raise KvdConfigError(
+                f"kvd connector: MLA (latent) KV caches are not supported ({type(s).__name__}); "
+                "use a model with separate K and V, or run without the kvd connector"
+            )
+        if not isinstance(s, AttentionSpec) or not isinstance(s, FullAttentionSpec):
+            raise KvdConfigError(f"kvd connector: KV cache spec {type(s).__name__} is not supported (full attention only)")
+        if s != first and (s.num_kv_heads, s.head_size, s.dtype) != (first.num_kv_heads, first.head_size, first.dtype):
+            raise KvdConfigError("kvd connector: layers with different KV shapes are not supported")
+        if s.kv_quant_mode != KVQuantMode.NONE:
+            raise KvdConfigError(f"kvd connector: quantized KV caches ({s.kv_quant_mode.name}) are not supported")
+        if s.head_size_v != s.head_size:
+            raise KvdConfigError(f"kvd connector: K and V of different sizes ({s.head_size} vs {s.head_size_v}) are not supported")
+        if s.page_size_padded is not None or s.num_head_slots is not None or s.state_content_bytes is not None:
+            raise KvdConfigError("kvd connector: padded or packed KV pages are not supported")
+        if s.tokens_per_state != 1:
+            raise KvdConfigError("kvd connector: compressed KV states (tokens_per_state != 1) are not supported")
+        if s.dtype not in _DTYPES:
+            raise KvdConfigError(f"kvd connector: KV dtype {s.dtype} has no kvd name (supported: {sorted(v[0] for v in _DTYPES.values())})")
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    model_id = str(extra.get("model_id") or vllm_config.model_config.model)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    return (
+        Geometry(
+            model_id=model_id,
+            layer_names=tuple(groups[0].layer_names),
+            heads=first.num_kv_heads,
+            total_heads=total,
+            head_size=first.head_size,
+            dtype=first.dtype,
+            block_size=first.block_size,
+            num_blocks=kv_cache_config.num_blocks,
+            tp_size=tp,
+        ),
+        None,
+    )
+
+
+def request_salt(request: "Request") -> bytes:
+    """SPEC §3.2's salt: blocks of one LoRA adapter or cache salt never meet another's."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    return "\n".join(parts).encode()
+
+
+# --- metadata (scheduler -> workers; pickled) ---------------------------------------
+
+
+@dataclass
+class Load:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class Pull:
+    req_id: str
+    transfer_ids: list[str]  # per TP rank
+    keys: list[bytes]  # this engine's keys of the blocks to load
+    block_ids: list[int]
+    failed: Optional[str] = None  # the pull could not even start
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Load] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+
+
+# --- scheduler-side state ----------------------------------------------------------
+
+
+@dataclass
+class _Req:
+    tokens: list[int]
+    keys: list[bytes]  # full prompt blocks
+    saved: int = 0  # leading blocks known to be in kvd (saved, loaded or pulled)
+    matched: Optional[tuple[int, int]] = None  # (num_computed_tokens, external tokens)
+
+
+@dataclass
+class _Remote:
+    answer: tuple[int, bool]
+    transfers: list[dict[str, Any]]
+    started: bool = False
+
+
+class KvdConnector(KVConnectorBase_V1):
+    """The kvd daemon behind vLLM's KV connector interface (see the module's doc)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = ktc.kv_connector_extra_config or {}
+        self._endpoint = extra.get("endpoint") or os.environ.get("KVD_ENDPOINT")
+        self._mode = str(extra.get("mode", "pull"))
+        if self._mode not in ("pull", "push"):
+            raise KvdConfigError(f"kvd connector: mode must be 'pull' or 'push', not {self._mode!r}")
+        self._lease_s = float(extra.get("lease_s", 30.0))
+        self._pin_ttl_s = float(extra.get("pin_ttl_s", 60.0))
+        self._timeout_s = float(extra.get("timeout_s", 10.0))
+        self._transfer_timeout_s = float(extra.get("transfer_timeout_s", 120.0))
+        self._save = bool(extra.get("save", True))
+        self._load = bool(extra.get("load", True))
+        self._geo, self._off = geometry(vllm_config, kv_cache_config)
+        if self._off:
+            logger.warning("kvd connector: %s; no external hits will be reported and nothing is saved", self._off)
+        if ktc.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kvd connector: kv_load_failure_policy is %r: a block evicted between lookup and load, or a "
+                "failed handoff, fails the request; set \"kv_load_failure_policy\": \"recompute\" to recompute it",
+                ktc.kv_load_failure_policy,
+            )
+        self._producer = ktc.is_kv_producer
+        self._consumer = ktc.is_kv_consumer
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched_init()
+        else:
+            self._worker_init()
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def _sched_init(self) -> None:
+        self._reqs: dict[str, _Req] = {}
+        self._remote: dict[str, _Remote] = {}
+        self._gave_up: set[str] = set()  # handoffs that failed: prefilled here instead
+        self._pending_loads: list[Load] = []
+        self._pending_pulls: list[Pull] = []
+        self._lids: list[int] = []
+        self._client: Optional[kvd.Client] = None
+        self._warned: set[str] = set()
+        if self._geo is not None:
+            self._connect_sched()
+
+    def _connect_sched(self) -> kvd.Client:
+        c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
+        self._lids = [c.register_layout(self._geo.layout(r))["layout_id"] for r in range(self._geo.tp_size)]
+        self._client = c
+        return c
+
+    def _sched_client(self) -> kvd.Client:
+        return self._client if self._client is not None else self._connect_sched()
+
+    def _warn(self, what: str, e: BaseException) -> None:
+        # One line per kind of failure: a daemon that is down must not flood the log.
+        key = f"{what}:{getattr(e, 'code', type(e).__name__)}"
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("kvd connector: %s: %s (repeats are not logged)", what, e)
+
+    def _state(self, request: "Request") -> Optional[_Req]:
+        st = self._reqs.get(request.request_id)
+        if st is not None or self._geo is None:
+            return st
+        if request.prompt_token_ids is None or getattr(request, "mm_features", None):
+            return None  # KV is not a function of the token ids alone
+        tokens = list(request.prompt_token_ids)
+        st = _Req(tokens=tokens, keys=kvd.chunk_hashes(tokens, self._geo.block_size, request_salt(request)))
+        self._reqs[request.request_id] = st
+        return st
+
+    def _prefix(self, keys: list[bytes]) -> int:
+        c = self._sched_client()
+        return min(int(c.lookup(lid, keys)["prefix"]) for lid in self._lids)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        b = self._geo.block_size
+        if num_computed_tokens % b:
+            return 0, False
+        remote = _remote_params(request)
+        if remote is not None and self._consumer:
+            return self._match_remote(request, st, remote, num_computed_tokens)
+        if not self._load:
+            return 0, False
+        usable = (len(st.tokens) - 1) // b  # at least one token must be computed here
+        if usable * b <= num_computed_tokens:
+            return 0, False
+        try:
+            hit = self._prefix(st.keys[:usable])
+        except (kvd.KvdError, OSError) as e:
+            self._warn("lookup failed, serving without external hits", e)
+            self._client = None
+            return 0, False
+        n = hit * b - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        st.matched = (num_computed_tokens, n)
+        return n, False
+
+    def _match_remote(self, request: "Request", st: _Req, remote: dict, num_computed: int) -> tuple[Optional[int], bool]:
+        rid = request.request_id
+        if rid in self._remote:
+            return self._remote[rid].answer
+        if rid in self._gave_up:
+            return 0, False  # vLLM recomputes after a failed handoff: never retry it
+        b = self._geo.block_size
+        transfers = remote.get("transfers") or []
+        try:
+            blocks = int(remote["blocks"])
+            ok = (
+                int(remote.get("v", 0)) == PARAMS_VERSION
+                and int(remote["block_size"]) == b
+                and len(transfers) == self._geo.tp_size
+                and [int(t["rank"]) for t in transfers] == list(range(self._geo.tp_size))
+                and 0 < blocks <= len(st.keys)
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            logger.warning("kvd connector: request %s: kv_transfer_params do not match this engine (block size, TP size or version); prefilling here", rid)
+            return 0, False
+        usable = min(blocks, (len(st.tokens) - 1) // b)
+        if usable * b <= num_computed:
+            return 0, False
+        accepted = []
+        try:
+            c = self._sched_client()
+            for r, t in enumerate(transfers):
+                if self._mode == "pull":
+                    c.admit(base64.b64decode(t["params"]), ttl_s=self._pin_ttl_s)
+                else:
+                    c.push_register(t["transfer_id"], self._lids[r], st.keys[:blocks], remote["node"], ttl_s=self._pin_ttl_s)
+                accepted.append(t)
+        except (kvd.KvdError, OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("kvd connector: request %s: could not accept the handoff (%s); prefilling here", rid, e)
+            self._abort(accepted)
+            return 0, False
+        answer = (usable * b - num_computed, True)
+        self._remote[rid] = _Remote(answer=answer, transfers=list(transfers))
+        st.matched = (num_computed, answer[0])
+        return answer
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        if num_external_tokens == 0:
+            return
+        st = self._reqs.get(request.request_id)
+        if st is None or st.matched is None:
+            return
+        computed, n = st.matched
+        b = self._geo.block_size
+        first, count = computed // b, min(n, num_external_tokens) // b
+        ids = list(blocks.get_block_ids()[0])[first : first + count]
+        keys = st.keys[first : first + count]
+        st.saved = max(st.saved, first + count)
+        st.matched = None
+        remote = self._remote.get(request.request_id)
+        if remote is not None:
+            tids = [t["transfer_id"] for t in remote.transfers]
+            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=tids, keys=keys, block_ids=ids))
+        else:
+            self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvdConnectorMetadata(loads=self._pending_loads, pulls=self._pending_pulls)
+        self._pending_loads, self._pending_pulls = [], []
+        for p in meta.pulls:
+            self._start_pull(p)
+        if self._save and self._geo is not None:
+            n = scheduler_output.num_scheduled_tokens
+            for r in scheduler_output.scheduled_new_reqs:
+                self._saves(meta, r.req_id, r.num_computed_tokens + n.get(r.req_id, 0))
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                self._saves(meta, rid, cached.num_computed_tokens[i] + n.get(rid, 0))
+        return meta
+
+    def _start_pull(self, p: Pull) -> None:
+        remote = self._remote.get(p.req_id)
+        if remote is None or remote.started or self._mode != "pull":
+            return
+        remote.started = True
+        try:
+            c = self._sched_client()
+            for t in remote.transfers:
+                c.pull(base64.b64decode(t["params"]), ttl_s=self._pin_ttl_s, wait=False)
+        except (kvd.KvdError, OSError, ValueError) as e:
+            p.failed = f"the pull did not start: {e}"
+
+    def _saves(self, meta: KvdConnectorMetadata, rid: str, done_tokens: int) -> None:
+        st = self._reqs.get(rid)
+        if st is None or self._kv_cache_manager is None:
+            return
+        upto = min(done_tokens, len(st.tokens)) // self._geo.block_size
+        if upto <= st.saved:
+            return
+        ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+        upto = min(upto, len(ids), len(st.keys))
+        if upto > st.saved:
+            meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids[st.saved : upto]))
+            st.saved = upto
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        failed = connector_output.failed_recving or set()
+        for rid in connector_output.finished_recving or ():
+            remote = self._remote.pop(rid, None)
+            if remote is not None:
+                self._finish(remote.transfers)
+            if rid in failed:
+                self._gave_up.add(rid)
+
+    def _finish(self, transfers: list[dict]) -> None:
+        """Drops the scheduler session's hold on ended transfers (pins, live imports)."""
+        try:
+            c = self._sched_client()
+            for t in transfers:
+                try:
+                    s = c.transfer_status(t["transfer_id"])
+                except kvd.KvdError:
+                    continue
+                if s.get("state") not in _FINAL:
+                    c.abort(t["transfer_id"])
+                elif s.get("pin") is not None:
+                    c.release(s["pin"])
+        except (kvd.KvdError, OSError) as e:
+            self._warn("releasing a handoff", e)
+
+    def _abort(self, transfers: list[dict]) -> None:
+        for t in transfers:
+            try:
+                self._sched_client().abort(t["transfer_id"])
+            except (kvd.KvdError, OSError):
+                pass
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._gave_up.discard(rid)
+        remote = self._remote.get(rid)
+        if remote is not None and not remote.started:
+            # Admitted, never pulled (aborted while waiting): let the exporter go now.
+            self._remote.pop(rid)
+            self._abort(remote.transfers)
+        params = request.kv_transfer_params or {}
+        if st is None or not self._producer or not params.get("do_remote_decode"):
+            return False, None
+        return False, self._export(rid, st)
+
+    def _export(self, rid: str, st: _Req) -> Optional[dict[str, Any]]:
+        keys = st.keys
+        try:
+            blocks = self._prefix(keys) if keys else 0
+        except (kvd.KvdError, OSError) as e:
+            self._warn("export lookup failed; the decode side will prefill", e)
+            return None
+        if blocks == 0:
+            logger.warning("kvd connector: request %s: no prompt block is in kvd; nothing to hand off", rid)
+            return None
+        c = self._sched_client()
+        transfers = []
+        try:
+            node = c.hello_info().get("node") or {}
+            for r, lid in enumerate(self._lids):
+                tid = f"{rid}.tp{r}"
+                params = c.export(tid, lid, keys[:blocks], lease_s=self._lease_s)
+                transfers.append({"rank": r, "transfer_id": tid, "params": base64.b64encode(params).decode()})
+        except (kvd.KvdError, OSError) as e:
+            logger.warning("kvd connector: request %s: export failed (%s); the decode side will prefill", rid, e)
+            self._abort(transfers)
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvd": {"v": PARAMS_VERSION, "blocks": blocks, "block_size": self._geo.block_size, "node": node.get("node"), "transfers": transfers},
+        }
+
+    # ------------------------------------------------------------------- worker side
+
+    def _worker_init(self) -> None:
+        self._layers: list[torch.Tensor] = []
+        self._errors: set[int] = set()
+        self._wclient: Optional[kvd.Client] = None
+        self._pool: Optional[torch.Tensor] = None
+        self._mover: Optional[_Mover] = None
+        self._rank = 0
+        if self._geo is not None and self._geo.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        g = self._geo
+        if g is None:
+            return
+        missing = [n for n in g.layer_names if n not in kv_caches]
+        if missing:
+            raise KvdConfigError(f"kvd connector: no KV cache tensor for layers {missing[:4]}")
+        layers = [kv_caches[n] for n in g.layer_names]
+        t0 = layers[0]
+        for name, t in zip(g.layer_names, layers):
+            if t.dim() != 4:
+                raise KvdConfigError(f"kvd connector: layer {name}: a {t.dim()}-dimensional KV cache {tuple(t.shape)}; expected vLLM's [blocks, heads, tokens, K|V]")
+            if t.dtype != g.dtype or t.device != t0.device or t.shape != t0.shape:
+                raise KvdConfigError(f"kvd connector: layer {name}: {tuple(t.shape)} {t.dtype} on {t.device} differs from the other layers")
+        nb, heads, kb, content = t0.shape
+        if heads != g.heads or content != 2 * g.head_size:
+            raise KvdConfigError(
+                f"kvd connector: KV cache shape {tuple(t0.shape)} does not match the model ({g.heads} KV heads, "
+                f"K|V of {2 * g.head_size}); unsupported layout"
+            )
+        if nb % g.num_blocks or kb * (nb // g.num_blocks) != g.block_size:
+            raise KvdConfigError(
+                f"kvd connector: {nb} kernel blocks of {kb} tokens do not split {g.num_blocks} blocks of {g.block_size} tokens"
+            )
+        self._layers = layers
+        self._ratio = nb // g.num_blocks
+        self._device = t0.device
+        self._connect_worker()
+        self._mover = _Mover(self)
+        self._mover.start()
+
+    def _connect_worker(self) -> None:
+        c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s)
+        info = c.register_layout(self._geo.layout(self._rank))
+        if info["block_bytes"] != self._geo.block_bytes:
+            raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
+        self._lid = info["layout_id"]
+        self._pool = kvd.torch_pool(c, register_cuda=self._device.type == "cuda")
+        self._wclient = c
+
+    def _client_w(self) -> kvd.Client:
+        # Dropped after a failure (a restarted daemon voids the session and the pool
+        # mapping): the next use says hello again and maps the new pool.
+        if self._wclient is None:
+            self._connect_worker()
+        return self._wclient
+
+    def _slot(self, off: int) -> torch.Tensor:
+        g = self._geo
+        return self._pool[off : off + g.block_bytes].view(g.dtype).view(len(g.layer_names), 2, g.heads, g.block_size, g.head_size)
+
+    def _kidx(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self._ratio > 1:
+            ids = (ids[:, None] * self._ratio + torch.arange(self._ratio)).reshape(-1)
+        return ids.to(self._device)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of the paged cache as ``[n, layer, K|V, head, token, dim]`` on its device."""
+        g, n, r = self._geo, len(block_ids), self._ratio
+        idx = self._kidx(block_ids)
+        out = torch.empty((n, len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
+        kb = g.block_size // r
+        for l, t in enumerate(self._layers):
+            x = t.index_select(0, idx).view(n, r, g.heads, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n, g.heads, g.block_size, 2 * g.head_size)
+            out[:, l, 0].copy_(x[..., : g.head_size])
+            out[:, l, 1].copy_(x[..., g.head_size :])
+        return out
+
+    def _scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
+        g, n, r = self._geo, len(block_ids), self._ratio
+        idx = self._kidx(block_ids)
+        kb = g.block_size // r
+        for l, t in enumerate(self._layers):
+            x = torch.cat([src[:, l, 0], src[:, l, 1]], dim=-1)
+            x = x.view(n, g.heads, r, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n * r, g.heads, kb, 2 * g.head_size)
+            t.index_copy_(0, idx, x)
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def _load_pinned(self, client: kvd.Client, keys: list[bytes], block_ids: list[int]) -> int:
+        """Loads the leading blocks kvd holds into ``block_ids``; how many it loaded."""
+        pin = client.get(self._lid, keys, ttl_s=self._pin_ttl_s)
+        try:
+            offs = pin.offsets
+            good = next((i for i, o in enumerate(offs) if o is None), len(offs))
+            if good:
+                g = self._geo
+                staging = torch.empty((good, len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
+                for j in range(good):
+                    staging[j].copy_(self._slot(offs[j]), non_blocking=True)
+                self._scatter(block_ids[:good], staging)
+                self._sync()
+            return good
+        finally:
+            pin.release()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if not self.has_connector_metadata() or self._geo is None or not self._layers:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdConnectorMetadata)
+        for ld in meta.loads:
+            try:
+                good = self._load_pinned(self._client_w(), ld.keys, ld.block_ids)
+            except (kvd.KvdError, OSError) as e:
+                logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
+                self._wclient = None
+                good = 0
+            if good < len(ld.block_ids):
+                self._errors.update(ld.block_ids[good:])
+        for p in meta.pulls:
+            self._mover.submit(p)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # synchronous loads are in place when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved after the forward, in wait_for_save, from the registered tensors
+
+    def wait_for_save(self):
+        if not self.has_connector_metadata() or not self._layers:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdConnectorMetadata)
+        for s in meta.saves:
+            try:
+                self._save_blocks(s)
+            except (kvd.KvdError, OSError) as e:
+                # A save that fails is a future miss, never a wrong hit: nothing was committed.
+                logger.debug("kvd connector: save of request %s skipped: %s", s.req_id, e)
+                if not isinstance(e, kvd.KvdError) or e.code in (None, "unknown_client"):
+                    self._wclient = None
+
+    def _save_blocks(self, s: Load) -> None:
+        batch = self._client_w().alloc(self._lid, s.keys)
+        try:
+            todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
+            if todo:
+                staging = self._gather([s.block_ids[i] for i, _ in todo])
+                for j, (_, off) in enumerate(todo):
+                    self._slot(off).copy_(staging[j], non_blocking=True)
+                self._sync()
+            batch.commit()
+        except BaseException:
+            batch.abort()
+            raise
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._mover.take() if self._mover is not None else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def shutdown(self):
+        if getattr(self, "_mover", None) is not None:
+            self._mover.stop()
+
+
+def _remote_params(request: "Request") -> Optional[dict]:
+    p = request.kv_transfer_params
+    if isinstance(p, dict) and p.get("do_remote_prefill") and isinstance(p.get("kvd"), dict):
+        return p["kvd"]
+    return None
+
+
+class _Mover(threading.Thread):
+    """The worker's handoff thread: waits for each admitted transfer to land in this
+    node's pool, then loads its blocks (by this engine's own keys) into the paged cache on
+    a stream of its own. The blocks belong to a request vLLM holds back until it is
+    reported, so nothing else reads or writes them meanwhile."""
+
+    def __init__(self, conn: KvdConnector):
+        super().__init__(name="kvd-connector-mover", daemon=True)
+        self._conn = conn
+        self._jobs: "queue.Queue[Optional[Pull]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
+        self._client: Optional[kvd.Client] = None
+        self._stream = torch.cuda.Stream(conn._device) if conn._device.type == "cuda" else None
+
+    def submit(self, p: Pull) -> None:
+        self._jobs.put(p)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def take(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def run(self) -> None:
+        while True:
+            p = self._jobs.get()
+            if p is None:
+                return
+            try:
+                ok = self._move(p)
+            except Exception as e:  # never lose the request: report it failed
+                logger.warning("kvd connector: handoff of request %s failed: %s", p.req_id, e)
+                self._client = None
+                ok = False
+            with self._lock:
+                (self._done if ok else self._failed).add(p.req_id)
+
+    def _move(self, p: Pull) -> bool:
+        conn = self._conn
+        if p.failed:
+            logger.warning("kvd connector: request %s: %s; recomputing", p.req_id, p.failed)
+            return False
+        if self._client is None:
+            # Its own session and mapping (`get` wants one); the copies read the worker's
+            # registered mapping: offsets are the same in every mapping.
+            c = kvd.Client(conn._endpoint, name=f"vllm-mover-tp{conn._rank}", timeout_s=conn._timeout_s)
+            c.register_layout(conn._geo.layout(conn._rank))
+            self._client = c
+        tid = p.transfer_ids[conn._rank]
+        deadline = time.monotonic() + conn._transfer_timeout_s
+        pause = 0.001
+        while True:
+            # Another session's transfer: the reply comes at once, with its state.
+            state = self._client.transfer_status(tid).get("state")
+            if state == "done":
+                break
+            if state in _FINAL:
+                logger.warning("kvd connector: request %s: handoff %s ended %s; recomputing", p.req_id, tid, state)
+                return False
+            if time.monotonic() > deadline:
+                logger.warning("kvd connector: request %s: handoff %s still %s after %.0f s; recomputing", p.req_id, tid, state, conn._transfer_timeout_s)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                good = conn._load_pinned(self._client, p.keys, p.block_ids)
+                self._stream.synchronize()
+        else:
+            good = conn._load_pinned(self._client, p.keys, p.block_ids)
+        if good < len(p.block_ids):
+            logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
+            return False
+        return True

@@ -1,0 +1,333 @@
+"""The kvd vLLM connector inside vLLM 0.33's own scheduler, against real daemons.
+
+argv: PREFILL_ENDPOINT DECODE_ENDPOINT DOOMED_ENDPOINT DOOMED_PID
+(the third daemon is a prefill node this script kills mid-handoff).
+Run by daemon/tests/vllm_connector.rs. Prints "N passed, M failed".
+"""
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+import vllm_engine as ve  # noqa: E402
+
+import kvd  # noqa: E402
+import torch  # noqa: E402
+from kvd.vllm_connector import KvdConfigError, KvdConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+P, D, DOOMED, DOOMED_PID = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+CHECKS = []
+_n = [0]
+
+
+def check(name):
+    def deco(f):
+        CHECKS.append((name, f))
+        return f
+    return deco
+
+
+RUN = int.from_bytes(os.urandom(4), "little")  # daemons may outlive a run: fresh prompts
+
+
+def prompt(seed, n=100):
+    return [(RUN + seed * 7919 + 13 * t) % 997 + 1 for t in range(n)]
+
+
+def prefilled(e, r, n):
+    """Steps until ``r`` computed its ``n`` prompt tokens (its blocks still allocated)."""
+    if e.scheduler.requests[r].num_computed_tokens < n:
+        e.run(lambda so, out: e.scheduler.requests[r].num_computed_tokens >= n)
+
+
+def rid(tag):
+    _n[0] += 1
+    return f"{tag}-{os.getpid()}-{_n[0]}"
+
+
+def finished(e, r):
+    return lambda so, out: r in e.outputs and e.outputs[r].finish_reason is not None
+
+
+def first_schedule(e, r):
+    """Steps until ``r`` is scheduled; returns (num_computed_tokens, num_scheduled_tokens)."""
+    for _ in range(400):
+        so, _ = e.step()
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id == r:
+                return nr.num_computed_tokens, so.num_scheduled_tokens[r]
+        c = so.scheduled_cached_reqs
+        for i, x in enumerate(c.req_ids):
+            if x == r and x in c.resumed_req_ids:
+                return c.num_computed_tokens[i], so.num_scheduled_tokens[r]
+        time.sleep(0.005)
+    raise AssertionError(f"{r} was never scheduled")
+
+
+@check("prefix caching: a prompt kvd holds is scheduled with its blocks as external hits and loads byte-identical KV")
+def _():
+    toks = prompt(1)
+    a = ve.Engine(P)
+    r1 = rid("a")
+    a.add(r1, toks)
+    computed, n = first_schedule(a, r1)
+    assert (computed, n) == (0, 100), "a cold prompt: nothing external"
+    a.run(finished(a, r1))
+    # A second engine on the same node (fresh, zeroed KV cache): the 6 full prompt blocks
+    # (96 tokens; the 7th is partial) come from kvd; vLLM computes the last 4 tokens.
+    b = ve.Engine(P)
+    r2 = rid("b")
+    b.add(r2, toks)
+    computed, n = first_schedule(b, r2)
+    assert (computed, n) == (96, 4), (computed, n)
+    assert not (b.computed_by_forward[r2] & set(range(96))), "loaded positions were not recomputed"
+    b.check_blocks(r2, toks, 6)
+    b.run(finished(b, r2))
+    # A prompt that shares three blocks, then differs: three blocks hit.
+    c = ve.Engine(P)
+    r3 = rid("c")
+    t3 = toks[:48] + prompt(2, 60)
+    c.add(r3, t3)
+    assert first_schedule(c, r3) == (48, 60)
+    c.check_blocks(r3, t3, 3)
+    for e in (a, b, c):
+        e.close()
+
+
+@check("prefix caching on a block-outermost KV layout (BLNHC) and with a LoRA-like cache salt")
+def _():
+    toks = prompt(3)
+    a = ve.Engine(P, layout=KVCacheLayout.BLNHC)
+    r1 = rid("a")
+    a.add(r1, toks)
+    a.run(finished(a, r1))
+    b = ve.Engine(P, layout=KVCacheLayout.BLNHC)
+    r2 = rid("b")
+    b.add(r2, toks)
+    assert first_schedule(b, r2) == (96, 4)
+    b.check_blocks(r2, toks, 6)
+    # The same tokens under another cache salt never meet the first's blocks.
+    r3 = rid("salted")
+    b.add(r3, toks, cache_salt="tenant-2")
+    assert first_schedule(b, r3) == (0, 100)
+    a.close()
+    b.close()
+
+
+@check("a block evicted between lookup and load is reported and recomputed (kv_load_failure_policy=recompute)")
+def _():
+    toks = prompt(4)
+    a = ve.Engine(P)
+    r1 = rid("a")
+    a.add(r1, toks)
+    a.run(finished(a, r1))
+    b = ve.Engine(P)
+    sc = b.sconn
+    r2 = rid("b")
+    b.add(r2, toks)
+    # Schedule (lookup says 6 blocks), then delete blocks 3.. before the worker loads.
+    so = b.scheduler.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 96
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    cl = kvd.Client(P)
+    assert cl.delete(sc._lids[0], keys[3:6]) == ["deleted"] * 3
+    w = b.worker
+    w.bind_connector_metadata(so.kv_connector_metadata)
+    w.start_load_kv(None)
+    bad = w.get_block_ids_with_load_errors()
+    ids = b.block_ids(r2)
+    assert bad == set(ids[3:6]), (bad, ids)
+    w.clear_connector_metadata()
+    # vLLM takes the failure: the request keeps the 3 good blocks and recomputes the rest.
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
+                            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad))
+    b.scheduler.update_from_output(so, mro)
+    assert b.scheduler.requests[r2].num_computed_tokens == 48, b.scheduler.requests[r2].num_computed_tokens
+    prefilled(b, r2, 100)
+    b.check_blocks(r2, toks, 6)
+    assert set(range(48, 100)) <= b.computed_by_forward[r2]
+    a.close()
+    b.close()
+
+
+@check("every TP rank's layout is asked: the shortest prefix counts")
+def _():
+    cfg = ve.vllm_config(P)
+    cfg.parallel_config.tensor_parallel_size = 2
+    kvcc = ve.kv_cache_config()
+    s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, kvcc)
+    assert len(s._lids) == 2 and s._lids[0] != s._lids[1]
+    toks = prompt(5)
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    cl = kvd.Client(P)
+    for lid, n in zip(s._lids, (5, 2)):
+        bb = cl.register_layout(s._geo.layout(s._lids.index(lid)))["block_bytes"]
+        assert cl.store(lid, keys[:n], [b"\0" * bb] * n) == ["new"] * n
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    req = Request(rid("tp"), toks, SamplingParams(max_tokens=1), None)
+    assert s.get_num_new_matched_tokens(req, 0) == (32, False)
+
+
+@check("unsupported KV caches are refused with the reason (MLA, K/V sizes, shapes); hybrid configs report no hits")
+def _():
+    cfg = ve.vllm_config(P)
+    mla = MLAAttentionSpec(block_size=ve.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    try:
+        KvdConnector(cfg, KVConnectorRole.WORKER, ve.kv_cache_config(spec=mla))
+        raise AssertionError("MLA accepted")
+    except KvdConfigError as e:
+        assert "MLA" in str(e), e
+    odd = FullAttentionSpec(block_size=ve.BLOCK, num_kv_heads=ve.KV_HEADS, head_size=16, head_size_v=8, dtype=torch.float16)
+    try:
+        KvdConnector(cfg, KVConnectorRole.WORKER, ve.kv_cache_config(spec=odd))
+        raise AssertionError("K/V of different sizes accepted")
+    except KvdConfigError as e:
+        assert "different sizes" in str(e), e
+    # A worker handed tensors that do not match the model's heads.
+    kvcc = ve.kv_cache_config()
+    w = KvdConnector(cfg, KVConnectorRole.WORKER, kvcc)
+    wrong = {n: torch.zeros((64, 4, ve.BLOCK, 2 * ve.HEAD), dtype=torch.float16) for n in kvcc.kv_cache_groups[0].layer_names}
+    try:
+        w.register_kv_caches(wrong)
+        raise AssertionError("wrong shape accepted")
+    except KvdConfigError as e:
+        assert "does not match the model" in str(e), e
+    # Two groups (a hybrid model): no external hits, nothing saved, said in a log line.
+    names = kvcc.kv_cache_groups[0].layer_names
+    full = kvcc.kv_cache_groups[0].kv_cache_spec
+    swa = SlidingWindowSpec(block_size=ve.BLOCK, num_kv_heads=ve.KV_HEADS, head_size=ve.HEAD, dtype=torch.float16, sliding_window=32)
+    hybrid = ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full),
+                                        KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)])
+    s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    assert s.get_num_new_matched_tokens(Request(rid("h"), prompt(1), SamplingParams(max_tokens=1), None), 0) == (0, False)
+    assert s._off and "hybrid" in s._off
+
+
+def prefill(endpoint, toks, **extra):
+    """A prefill engine's request with do_remote_decode; returns its JSON params and the engine."""
+    p = ve.Engine(endpoint, role="kv_producer", **extra)
+    r = rid("prefill")
+    p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run(finished(p, r))
+    params = p.outputs[r].kv_transfer_params
+    assert params and params["kvd"]["blocks"] == 6, params
+    return p, r, json.loads(json.dumps(params))  # what a proxy forwards
+
+
+def decode_handoff(mode):
+    toks = prompt(10 + len(mode))
+    p, _, params = prefill(P, toks)
+    d = ve.Engine(D, role="kv_consumer", mode=mode)
+    r = rid("decode")
+    d.add(r, toks, max_tokens=3, kv_transfer_params=params)
+    d.step()
+    assert d.scheduler.requests[r].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    computed, n = first_schedule(d, r)
+    assert (computed, n) == (96, 4), (computed, n)
+    # Byte for byte what the prefill engine computed, by the decode engine's block ids.
+    d.check_blocks(r, toks, 6)
+    assert not (d.computed_by_forward[r] & set(range(96)))
+    d.run(finished(d, r))
+    # The prefill node's export is done and let go; nothing stays pinned on either side.
+    tid = params["kvd"]["transfers"][0]["transfer_id"]
+    assert kvd.Client(P).transfer_status(tid)["state"] == "done"
+    deadline = time.time() + 5
+    while kvd.Client(D).stats()["pinned_blocks"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert kvd.Client(D).stats()["pinned_blocks"] == 0, kvd.Client(D).stats()
+    p.close()
+    d.close()
+
+
+@check("P/D: prefill connector -> kv_transfer_params (JSON) -> decode connector across two daemons, by pull")
+def _():
+    decode_handoff("pull")
+
+
+@check("P/D: the same handoff by push (the decode daemon registers its slots, the prefill daemon writes them)")
+def _():
+    decode_handoff("push")
+
+
+@check("P/D: an expired lease is a clean miss: the decode engine prefills itself")
+def _():
+    toks = prompt(20)
+    p, _, params = prefill(P, toks, lease_s=0.5)
+    time.sleep(1.5)
+    d = ve.Engine(D, role="kv_consumer")
+    r = rid("late")
+    d.add(r, toks, max_tokens=2, kv_transfer_params=params)
+    assert first_schedule(d, r) == (0, 100)
+    prefilled(d, r, 100)
+    d.check_blocks(r, toks, 6)
+    p.close()
+    d.close()
+
+
+@check("P/D: a prefill daemon killed after admission is a load failure vLLM recomputes (failed_recving)")
+def _():
+    toks = prompt(30)
+    p, _, params = prefill(DOOMED, toks)
+    d = ve.Engine(D, role="kv_consumer")
+    r = rid("orphan")
+    d.add(r, toks, max_tokens=2, kv_transfer_params=params)
+    # The prefill node dies the moment the pull is to start: admitted (the decode daemon
+    # heartbeats the exporter), blocks allocated, nothing moved yet.
+    start = d.sconn._start_pull
+
+    def kill_then_start(pull):
+        os.kill(DOOMED_PID, signal.SIGKILL)
+        start(pull)
+
+    d.sconn._start_pull = kill_then_start
+    failed = []
+    for _ in range(2000):
+        so, out = d.step()
+        failed += list(out.failed_recving or ())
+        if any(nr.req_id == r for nr in so.scheduled_new_reqs) or r in so.scheduled_cached_reqs.req_ids:
+            break
+        time.sleep(0.01)
+    assert failed == [r], failed
+    # Recomputed from scratch: every prompt position by the forward, byte-identical.
+    prefilled(d, r, 100)
+    assert set(range(100)) <= d.computed_by_forward[r]
+    d.check_blocks(r, toks, 6)
+    p.close()
+    d.close()
+
+
+def main():
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    passed = failed = 0
+    for name, f in CHECKS:
+        t0 = time.monotonic()
+        try:
+            f()
+            passed += 1
+            print(f"ok   {name} ({time.monotonic() - t0:.1f} s)")
+        except Exception:
+            failed += 1
+            print(f"FAIL {name}")
+            traceback.print_exc()
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""A vLLM engine without a model, for the connector's tests: vLLM's own config, its real
+``Scheduler`` (which builds the scheduler-side connector from the module path, as ``vllm
+serve`` does), the KV cache tensors made by vLLM's own ``allocate_kv_cache`` (the exact
+views a worker hands ``register_kv_caches``), and a worker-side connector driven in the
+order vLLM's model runner drives it. The "forward" writes a deterministic KV for every
+computed token (a function of the whole prefix, the position, the layer, K or V, the
+head and the dimension), so a test can tell byte for byte whether a block holds what
+the prompt's own computation would have written.
+"""
+
+import hashlib
+import os
+import tempfile
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 16
+DTYPE = torch.float16
+
+_model_dir = None
+
+
+def model_dir():
+    """A tiny Llama config.json (no weights: nothing here runs the model)."""
+    global _model_dir
+    if _model_dir is None:
+        _model_dir = tempfile.mkdtemp(prefix="kvd-vllm-model-")
+        with open(os.path.join(_model_dir, "config.json"), "w") as f:
+            f.write(
+                '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,'
+                ' "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": %d,'
+                ' "head_dim": %d, "num_hidden_layers": %d, "vocab_size": 1000,'
+                ' "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float16",'
+                ' "rope_theta": 10000.0}' % (KV_HEADS, HEAD, LAYERS)
+            )
+    return _model_dir
+
+
+def vllm_config(endpoint, role="kv_both", **extra):
+    ktc = KVTransferConfig(
+        kv_connector="KvdConnector",
+        kv_connector_module_path="kvd.vllm_connector",
+        kv_role=role,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"endpoint": endpoint, "model_id": "kvd-test/tiny-llama", **extra},
+    )
+    ea = EngineArgs(
+        model=model_dir(),
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="float16",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=512,
+        kv_transfer_config=ktc,
+    )
+    return ea.create_engine_config()
+
+
+def kv_cache_config(num_blocks=64, layout=KVCacheLayout.LBNHC, spec=None, groups=None):
+    spec = spec or FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=DTYPE)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes
+    if layout.is_layer_compact:
+        layer_stride, block_stride = page * num_blocks, page
+    else:
+        layer_stride, block_stride = page, page * LAYERS
+    tensor = KVCacheTensor(size=page * num_blocks * LAYERS, layers=names, layer_stride=layer_stride, block_stride=block_stride)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=groups or [KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+    )
+
+
+def expected_kv(tokens, pos, layer):
+    """The KV a token's computation writes: [heads, 2*head] of the layer at ``pos``."""
+    h = hashlib.blake2b(bytes(str(tokens[: pos + 1]), "ascii") + bytes([layer]), digest_size=8).digest()
+    seed = int.from_bytes(h, "little") % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand((KV_HEADS, 2 * HEAD), generator=g) * 4 - 2).to(DTYPE)
+
+
+class Engine:
+    """One engine: scheduler + one worker (TP 1) on CPU KV tensors."""
+
+    def __init__(self, endpoint, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, **extra):
+        from kvd.vllm_connector import KvdConnector
+
+        self.config = vllm_config(endpoint, role, **extra)
+        self.config.cache_config.kv_cache_layout = layout.name
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self.kvcc = kv_cache_config(num_blocks, layout)
+        # vLLM's order: the worker's connector and its caches first, then the scheduler.
+        self.kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK])
+        self.worker = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
+        self.worker.register_kv_caches(self.kv)
+        self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK)
+        self.sconn = self.scheduler.connector
+        self.outputs = {}  # req id -> EngineCoreOutput of the last step that had one
+        self.computed_by_forward = {}  # req id -> positions the fake forward computed
+
+    def add(self, rid, prompt, max_tokens=2, kv_transfer_params=None, **kw):
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra, ignore_eos=True)
+        req = Request(rid, list(prompt), sp, None, **kw)
+        self.scheduler.add_request(req)
+        return req
+
+    def block_ids(self, rid):
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def block(self, block_id, layer):
+        """One block of one layer as [heads, tokens, 2*head] (vLLM's logical view)."""
+        return self.kv[self.kvcc.kv_cache_groups[0].layer_names[layer]][block_id]
+
+    def step(self):
+        so = self.scheduler.schedule()
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        # The "forward": KV of every scheduled token, into its slot.
+        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        c = so.scheduled_cached_reqs
+        starts.update(zip(c.req_ids, c.num_computed_tokens))
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            start = starts[rid]
+            ids = self.block_ids(rid)
+            toks = list(self.scheduler.requests[rid].all_token_ids)
+            for pos in range(start, start + n):
+                for layer in range(LAYERS):
+                    self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv(toks, pos, layer)
+            self.computed_by_forward.setdefault(rid, set()).update(range(start, start + n))
+            req_ids.append(rid)
+            if start + n >= len(toks):
+                nxt = (sum(toks) * 31 + len(toks)) % 1000
+                sampled.append([nxt])
+            else:
+                sampled.append([])
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+        )
+        w.clear_connector_metadata()
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=out,
+        )
+        outs = self.scheduler.update_from_output(so, mro)
+        for eco in outs.values():
+            for o in eco.outputs:
+                self.outputs[o.request_id] = o
+        return so, out
+
+    def run(self, until, steps=200, sleep=0.005):
+        import time
+
+        for _ in range(steps):
+            so, out = self.step()
+            if until(so, out):
+                return so, out
+            time.sleep(sleep)
+        raise AssertionError("the engine did not get there")
+
+    def check_blocks(self, rid, tokens, nblocks):
+        """Every position of the first ``nblocks`` blocks of ``rid`` holds the KV the prompt's
+        own computation writes."""
+        ids = self.block_ids(rid)
+        for b in range(nblocks):
+            for layer in range(LAYERS):
+                got = self.block(ids[b], layer)
+                for t in range(BLOCK):
+                    want = expected_kv(tokens, b * BLOCK + t, layer)
+                    assert torch.equal(got[:, t, :], want), f"block {b} layer {layer} token {t} differs"
+
+    def close(self):
+        self.worker.shutdown()
