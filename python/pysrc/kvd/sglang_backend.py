@@ -1,0 +1,246 @@
+"""kvd as an SGLang HiCache storage backend (``HiCacheStorage``, written against SGLang
+0.5.23).
+
+One flag turns it on::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvd",
+            "module_path": "kvd.sglang_backend", "class_name": "KvdHiCacheStorage",
+            "interface_v1": 1, "endpoint": "ipc:///run/kvd/kvd.sock"}'
+
+SGLang's host pool (L2) pages move to and from kvd slots (L3) with one copy each, page
+view to slot view, no intermediate buffer: ``batch_set_v1`` allocates slots for the pages
+kvd lacks, copies them in and commits; ``batch_get_v1`` pins, copies out, releases;
+``batch_exists`` is one ``lookup``. The plain variants (``get``/``set``/``batch_*``) take
+and give pages in the host pool's own flat page order (``get_data_page``), stored in the
+same canonical block as the v1 calls, so both interfaces read each other's pages.
+
+**Blocks and keys.** A kvd block is one SGLang page of all this rank's layers, in layout
+order ``layer_part_token_head``; the layout names the model (``extra_config.model_id``,
+default SGLang's ``model_name``; a pipeline stage adds ``#ppR/N``), the rank's heads and
+dtype, and ``tp_rank``, so keys are namespaced by layout: another model, rank, stage or
+dtype can never read these pages. SGLang's page keys (its own chained prefix hashes) map to
+kvd keys by ``BLAKE2b-128("kvd.sglang.v1\\0" || key)``.
+
+**Refused at registration, with the reason:** MLA pools, K and V of different widths,
+split-head (heterogeneous TP) storage, host layouts other than ``layer_first``,
+``page_first``, ``page_first_direct`` and ``page_head``, and dtypes kvd has no name for.
+``clear()`` is a no-op: pages are content-addressed (never stale) and kvd evicts by LRU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+import kvd
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.uint8: "u8",
+}
+# Each host layout's page, as a 5-d tensor in its natural order, permuted to the block's
+# [layer, K|V, token, head, dim].
+_TO_BLOCK = {
+    "layer_first": (1, 0, 2, 3, 4),  # [2, L, T, H, D]
+    "page_first": (2, 0, 1, 3, 4),  # [2, T, L, H, D]
+    "page_first_direct": (1, 0, 2, 3, 4),  # [2, L, T, H, D] (one page)
+    "page_head": (3, 0, 2, 1, 4),  # [2, H, T, L, D] (one page)
+}
+
+
+def kvd_key(key: str) -> bytes:
+    return hashlib.blake2b(b"kvd.sglang.v1\0" + key.encode(), digest_size=16).digest()
+
+
+class KvdHiCacheStorage(HiCacheStorage):
+    """kvd behind SGLang's HiCache L3 interface (see the module's doc)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        extra = storage_config.extra_config or {}
+        if storage_config.is_mla_model:
+            raise ValueError("kvd HiCache backend: MLA models are not supported (kvd stores separate K and V pages here)")
+        if storage_config.should_split_heads:
+            raise ValueError("kvd HiCache backend: split-head storage (prefill and decode of different TP sizes) is not supported")
+        self._endpoint = extra.get("endpoint") or os.environ.get("KVD_ENDPOINT")
+        self._model = str(extra.get("model_id") or storage_config.model_name or "")
+        if not self._model:
+            raise ValueError("kvd HiCache backend: no model name; set extra_config.model_id")
+        if storage_config.pp_size > 1:
+            self._model += f"#pp{storage_config.pp_rank}/{storage_config.pp_size}"
+        self._client = kvd.Client(self._endpoint, name=f"sglang-tp{storage_config.tp_rank}", timeout_s=float(extra.get("timeout_s", 10.0)))
+        self._pool = kvd.torch_pool(self._client, register_cuda=False)  # host to host: plain copies
+        self.mem_pool_host = None
+        self._lid: Optional[int] = None
+
+    # ------------------------------------------------------------------ the geometry
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        p = mem_pool_host
+        layout = getattr(p, "layout", None)
+        if layout not in _TO_BLOCK or getattr(p, "kv_buffer", None) is None:
+            raise ValueError(f"kvd HiCache backend: host pool layout {layout!r} ({type(p).__name__}) is not supported; use one of {sorted(_TO_BLOCK)}")
+        if not hasattr(p, "head_num") or p.head_dim != getattr(p, "v_head_dim", p.head_dim):
+            raise ValueError(f"kvd HiCache backend: {type(p).__name__} has no separate K and V of one width (MLA or packed pools are not supported)")
+        if p.dtype not in _DTYPES:
+            raise ValueError(f"kvd HiCache backend: KV dtype {p.dtype} has no kvd name")
+        cfg = self.storage_config
+        self._layout = {
+            "model": self._model,
+            "num_layers": p.layer_num,
+            "kv_parts": 2,
+            "num_kv_heads": p.head_num * cfg.tp_size,
+            "head_dim": p.head_dim,
+            "dtype": _DTYPES[p.dtype],
+            "tokens_per_block": p.page_size,
+            "tp_size": cfg.tp_size,
+            "tp_rank": cfg.tp_rank,
+            "order": "layer_part_token_head",
+        }
+        info = self._client.register_layout(self._layout)
+        self._shape = (p.layer_num, 2, p.page_size, p.head_num, p.head_dim)
+        want = p.layer_num * 2 * p.page_size * p.head_num * p.head_dim * p.dtype.itemsize
+        if info["block_bytes"] != want:
+            raise ValueError(f"kvd HiCache backend: the daemon sizes a page at {info['block_bytes']} bytes, the pool at {want}")
+        self._bytes = want
+        self._lid = info["layout_id"]
+        super().register_mem_pool_host(mem_pool_host)
+
+    def _slot(self, off: int) -> torch.Tensor:
+        return self._pool[off : off + self._bytes].view(self.mem_pool_host.dtype).view(self._shape)
+
+    def _natural(self, x: torch.Tensor) -> torch.Tensor:
+        """A page in the host layout's natural 5-d order, as the block's [L, 2, T, H, D]."""
+        p = self.mem_pool_host
+        L, _, T, H, D = self._shape
+        dims = {
+            "layer_first": (2, L, T, H, D),
+            "page_first": (2, T, L, H, D),
+            "page_first_direct": (2, L, T, H, D),
+            "page_head": (2, H, T, L, D),
+        }[p.layout]
+        return x.reshape(dims).permute(_TO_BLOCK[p.layout])
+
+    def _page(self, index: int) -> torch.Tensor:
+        """The host pool's page starting at token ``index``, as a [L, 2, T, H, D] view."""
+        p = self.mem_pool_host
+        kb, ps = p.kv_buffer, p.page_size
+        if p.layout == "layer_first":
+            x = kb[:, :, index : index + ps]
+        elif p.layout == "page_first":
+            x = kb[:, index : index + ps]
+        else:  # one page per index along dim 1
+            x = kb[:, index // ps]
+        return x.permute(_TO_BLOCK[p.layout])
+
+    def _pages(self, keys: List[str], host_indices: torch.Tensor) -> List[int]:
+        ps = self.mem_pool_host.page_size
+        if len(host_indices) != len(keys) * ps:
+            raise ValueError(f"kvd HiCache backend: {len(keys)} keys for {len(host_indices)} host indices (page size {ps})")
+        starts = host_indices[::ps].tolist()
+        if any(s % ps for s in starts):
+            raise ValueError("kvd HiCache backend: host indices do not start at page boundaries")
+        return starts
+
+    def _ready(self) -> bool:
+        if self._lid is None:
+            logger.warning("kvd HiCache backend: used before register_mem_pool_host")
+            return False
+        return True
+
+    # --------------------------------------------------------------- v1 (zero copy)
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        if not keys or not self._ready():
+            return 0
+        try:
+            return int(self._client.lookup(self._lid, [kvd_key(k) for k in keys])["prefix"])
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: lookup failed: %s", e)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        if not keys or not self._ready():
+            return [False] * len(keys)
+        starts = self._pages(keys, host_indices)
+        return self._store(keys, [self._page(s) for s in starts])
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        if not keys or not self._ready():
+            return [False] * len(keys)
+        starts = self._pages(keys, host_indices)
+        return self._load(keys, [self._page(s) for s in starts])
+
+    def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        try:
+            batch = self._client.alloc(self._lid, [kvd_key(k) for k in keys])
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: alloc failed: %s", e)
+            return [False] * len(keys)
+        try:
+            ok = []
+            for page, state, off in zip(pages, batch.status, batch.offsets):
+                if state == "new" and off is not None:
+                    self._slot(off).copy_(page)
+                ok.append(state in ("new", "exists"))
+            batch.commit()
+            return ok
+        except BaseException:
+            batch.abort()
+            raise
+
+    def _load(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        try:
+            pin = self._client.get(self._lid, [kvd_key(k) for k in keys])
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: get failed: %s", e)
+            return [False] * len(keys)
+        try:
+            ok = []
+            for page, off in zip(pages, pin.offsets):
+                if off is not None:
+                    page.copy_(self._slot(off))
+                ok.append(off is not None)
+            return ok
+        finally:
+            pin.release()
+
+    # ------------------------------------------- plain variants (flat host pages)
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        if not keys or not self._ready() or values is None or len(values) != len(keys):
+            return False
+        return all(self._store(keys, [self._natural(v) for v in values]))
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        if not keys or not self._ready():
+            return [None] * len(keys)
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        ok = self._load(keys, [self._natural(t) for t in target_locations])
+        return [t if good else None for t, good in zip(target_locations, ok)]
+
+    def clear(self) -> None:
+        return None  # content-addressed pages are never stale; kvd evicts by LRU

@@ -1,0 +1,211 @@
+"""The kvd SGLang HiCache backend, built by SGLang 0.5.23's own StorageBackendFactory over
+SGLang's real MHA host pool (on CPU), against a real daemon (endpoint in argv[1]).
+
+Pages go through the backend the way SGLang's HiCacheController moves them: its own
+``_page_set_zero_copy`` / ``_page_get_zero_copy`` (interface_v1) and ``_generic_page_set``
+/ ``_generic_page_get`` (the plain variants), called on a stand-in holding just the fields
+they read. Prints "N passed, M failed".
+"""
+
+import os
+import sys
+import time
+import traceback
+import uuid
+
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+EP = sys.argv[1]
+L, H, D, PS, N = 2, 2, 16, 16, 256
+CHECKS = []
+RUN = uuid.uuid4().hex[:8]  # a daemon may outlive a run: fresh keys
+
+
+def check(name):
+    def deco(f):
+        CHECKS.append((name, f))
+        return f
+    return deco
+
+
+def host_pool(layout):
+    """SGLang's real MHA host pool on CPU, its device side a pair of per-layer tensors."""
+    k = tuple(torch.zeros((N, H, D), dtype=torch.float16) for _ in range(L))
+    v = tuple(torch.zeros((N, H, D), dtype=torch.float16) for _ in range(L))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PS, head_num=H, head_dim=D, v_head_dim=D, dtype=torch.float16, device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(info, 2.0, 0, PS, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=N, start_layer=0, end_layer=L)
+
+
+def backend(pool, model="kvd-test/sglang-tiny", tp_rank=0, tp_size=1, mla=False, v1=True):
+    extra = {"backend_name": "kvd", "module_path": "kvd.sglang_backend", "class_name": "KvdHiCacheStorage",
+             "interface_v1": int(v1), "endpoint": EP}
+    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
+                               model_name=model, extra_config=extra)
+    # What HiCacheController does: the factory, then the pool.
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+class Controller:
+    """The fields HiCacheController's page movers read."""
+
+    def __init__(self, b, pool):
+        self.storage_backend, self.storage_host_pool, self.mem_pool_host, self.page_size = b, pool, pool, PS
+
+
+class Op:
+    request_id = "test"
+
+    def is_terminated(self):
+        return False
+
+
+def fill(pool, pages, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in pages:
+        page = pool.get_data_page(p * PS, flat=False)
+        pool.set_from_flat_data_page(p * PS, (torch.rand(page.shape, generator=g) * 8 - 4).to(torch.float16).flatten())
+
+
+def canonical(pool, page):
+    """A page as [layer, K|V, token, head, dim], read with the pool's own accessors."""
+    x = pool.get_data_page(page * PS, flat=True)
+    dims = {"layer_first": (2, L, PS, H, D), "page_first": (2, PS, L, H, D),
+            "page_first_direct": (2, L, PS, H, D), "page_head": (2, H, PS, L, D)}[pool.layout]
+    perm = {"layer_first": (1, 0, 2, 3, 4), "page_first": (2, 0, 1, 3, 4),
+            "page_first_direct": (1, 0, 2, 3, 4), "page_head": (3, 0, 2, 1, 4)}[pool.layout]
+    return x.reshape(dims).permute(perm).contiguous()
+
+
+def indices(pages):
+    return torch.cat([torch.arange(p * PS, (p + 1) * PS) for p in pages])
+
+
+def keys(tag, n):
+    return [f"{RUN}-{tag}-{i}" for i in range(n)]
+
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+
+
+@check("each host layout: set -> exists -> get round-trips byte for byte (SGLang's zero-copy movers)")
+def _():
+    for layout in LAYOUTS:
+        pool = host_pool(layout)
+        b = backend(pool)
+        c = Controller(b, pool)
+        src = [1, 2, 3, 5]
+        fill(pool, src, seed=len(layout))
+        want = [canonical(pool, p) for p in src]
+        ks = keys(layout, 4)
+        assert HiCacheController._page_set_zero_copy(c, ks, indices(src)) is True, layout
+        assert b.batch_exists(ks) == 4
+        assert b.batch_exists(ks[:2] + keys("missing", 1) + ks[3:]) == 2, "the leading run only"
+        assert b.exists(ks[0]) and not b.exists(keys("missing", 1)[0])
+        # Into other pages of the same pool.
+        dst = [7, 8, 9, 10]
+        assert HiCacheController._page_get_zero_copy(c, Op(), ks, indices(dst)) == 4
+        for p, w in zip(dst, want):
+            assert torch.equal(canonical(pool, p), w), f"{layout}: page {p}"
+        # A miss stops the run: SGLang loads the leading pages only.
+        assert b.batch_get_v1(ks[:1] + keys("missing", 1), indices([11, 12])) == [True, False]
+
+
+@check("pages are stored canonically: a layer_first pool reads what a page_head pool wrote")
+def _():
+    a, z = host_pool("page_head"), host_pool("layer_first")
+    ba, bz = backend(a), backend(z)
+    fill(a, [4, 6], seed=9)
+    ks = keys("cross", 2)
+    assert all(ba.batch_set_v1(ks, indices([4, 6])))
+    assert bz.batch_get_v1(ks, indices([0, 1])) == [True, True]
+    assert torch.equal(canonical(z, 0), canonical(a, 4)) and torch.equal(canonical(z, 1), canonical(a, 6))
+
+
+@check("the plain variants (SGLang's generic movers) read and write the same pages as v1")
+def _():
+    for layout in ("page_first", "layer_first"):
+        pool = host_pool(layout)
+        b = backend(pool, v1=False)
+        c = Controller(b, pool)
+        fill(pool, [2, 3], seed=3)
+        ks = keys("plain-" + layout, 2)
+        assert HiCacheController._generic_page_set(c, ks, indices([2, 3])) is True
+        assert HiCacheController._generic_page_get(c, Op(), ks, indices([12, 13])) == 2
+        assert torch.equal(canonical(pool, 12), canonical(pool, 2)) and torch.equal(canonical(pool, 13), canonical(pool, 3))
+        # ... and v1 reads what the plain set wrote.
+        assert b.batch_get_v1(ks, indices([20, 21])) == [True, True]
+        assert torch.equal(canonical(pool, 20), canonical(pool, 2))
+        assert b.get(keys("missing", 1)[0]) is None
+        got = b.get(ks[1])
+        assert got is not None and torch.equal(got, pool.get_data_page(3 * PS))
+
+
+@check("keys are namespaced by layout: another model or TP rank never sees them")
+def _():
+    pool = host_pool("page_first")
+    b = backend(pool)
+    fill(pool, [1], seed=1)
+    ks = keys("ns", 1)
+    assert b.batch_set_v1(ks, indices([1])) == [True]
+    assert backend(host_pool("page_first"), model="kvd-test/other").batch_exists(ks) == 0
+    assert backend(host_pool("page_first"), tp_rank=1, tp_size=2).batch_exists(ks) == 0
+    assert b.batch_set_v1(ks, indices([1])) == [True], "a page kvd already holds is a success"
+
+
+@check("refusals name the reason: MLA, a host pool without separate K and V, mismatched indices")
+def _():
+    pool = host_pool("layer_first")
+    try:
+        backend(pool, mla=True)
+        raise AssertionError("MLA accepted")
+    except ValueError as e:
+        assert "MLA" in str(e), e
+    b = backend(pool)
+    try:
+        b.batch_set_v1(keys("bad", 2), indices([1]))
+        raise AssertionError("2 keys for one page accepted")
+    except ValueError as e:
+        assert "2 keys for 16 host indices" in str(e), e
+
+    class Packed:
+        layout, kv_buffer = "page_unified", torch.zeros(1)
+
+    try:
+        b.register_mem_pool_host(Packed())
+        raise AssertionError("page_unified accepted")
+    except ValueError as e:
+        assert "page_unified" in str(e), e
+
+
+def main():
+    passed = failed = 0
+    for name, f in CHECKS:
+        t0 = time.monotonic()
+        try:
+            f()
+            passed += 1
+            print(f"ok   {name} ({time.monotonic() - t0:.1f} s)")
+        except Exception:
+            failed += 1
+            print(f"FAIL {name}")
+            traceback.print_exc()
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
+    main()
