@@ -29,6 +29,7 @@ fn the_sglang_backend_from_sglangs_own_factory() {
     let out = Command::new(&py)
         .arg(&script)
         .arg(&d.endpoint)
+        .arg(common::kvd_bin().display().to_string())
         .output()
         .expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -32,6 +32,7 @@ fn the_vllm_connector_in_vllms_own_scheduler() {
         .arg(&decode.endpoint)
         .arg(&doomed.endpoint)
         .arg(doomed.child.id().to_string())
+        .arg(common::kvd_bin().display().to_string())
         .env("VLLM_LOGGING_LEVEL", "WARNING")
         .output()
         .expect("run python");

@@ -8,7 +8,9 @@ they read. Prints "N passed, M failed".
 """
 
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -20,7 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-EP = sys.argv[1]
+EP, KVD_BIN = sys.argv[1], sys.argv[2]
 L, H, D, PS, N = 2, 2, 16, 16, 256
 CHECKS = []
 RUN = uuid.uuid4().hex[:8]  # a daemon may outlive a run: fresh keys
@@ -46,9 +48,9 @@ def host_pool(layout):
                                 device_capacity_tokens=N, start_layer=0, end_layer=L)
 
 
-def backend(pool, model="kvd-test/sglang-tiny", tp_rank=0, tp_size=1, mla=False, v1=True):
+def backend(pool, model="kvd-test/sglang-tiny", tp_rank=0, tp_size=1, mla=False, v1=True, endpoint=None):
     extra = {"backend_name": "kvd", "module_path": "kvd.sglang_backend", "class_name": "KvdHiCacheStorage",
-             "interface_v1": int(v1), "endpoint": EP}
+             "interface_v1": int(v1), "endpoint": endpoint or EP}
     cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
                                model_name=model, extra_config=extra)
@@ -188,6 +190,43 @@ def _():
         raise AssertionError("page_unified accepted")
     except ValueError as e:
         assert "page_unified" in str(e), e
+
+
+def start_daemon(d):
+    proc = subprocess.Popen([KVD_BIN, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
+                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
+                             "--log-level", "warn", "--no-transfers"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if os.path.exists(f"{d}/kvd.sock"):
+            return proc
+        time.sleep(0.05)
+    raise AssertionError("the daemon did not start")
+
+
+@check("a daemon restart: pages go to the new pool, never through the old mapping")
+def _():
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-sgl-restart-")
+    proc = start_daemon(d)
+    try:
+        pool = host_pool("page_first")
+        b = backend(pool, endpoint=f"ipc://{d}/kvd.sock")
+        fill(pool, [1, 2], seed=5)
+        assert all(b.batch_set_v1(keys("r1", 2), indices([1, 2])))
+        proc.kill()
+        proc.wait()
+        os.unlink(f"{d}/kvd.sock")
+        proc = start_daemon(d)
+        assert b.batch_exists(keys("r1", 2)) == 0, "the new daemon holds nothing"
+        assert b.batch_exists(keys("r1", 2)) == 0 and b._client.lookup(b._lid, []) is not None, "the layout is registered again"
+        ks = keys("r2", 2)
+        for _ in range(3):  # the first call after the restart may fail, saying so
+            if all(b.batch_set_v1(ks, indices([1, 2]))):
+                break
+        assert b.batch_get_v1(ks, indices([30, 31])) == [True, True]
+        assert torch.equal(canonical(pool, 30), canonical(pool, 1)) and torch.equal(canonical(pool, 31), canonical(pool, 2))
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main():

@@ -1,7 +1,8 @@
 """The kvd vLLM connector inside vLLM 0.33's own scheduler, against real daemons.
 
-argv: PREFILL_ENDPOINT DECODE_ENDPOINT DOOMED_ENDPOINT DOOMED_PID
-(the third daemon is a prefill node this script kills mid-handoff).
+argv: PREFILL_ENDPOINT DECODE_ENDPOINT DOOMED_ENDPOINT DOOMED_PID KVD_BINARY
+(the third daemon is a prefill node this script kills mid-handoff; with the binary it
+starts and restarts a daemon of its own).
 Run by daemon/tests/vllm_connector.rs. Prints "N passed, M failed".
 """
 
@@ -9,7 +10,9 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -24,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAA
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-P, D, DOOMED, DOOMED_PID = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+P, D, DOOMED, DOOMED_PID, KVD_BIN = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 CHECKS = []
 _n = [0]
 
@@ -217,6 +220,54 @@ def _():
 
     assert s.get_num_new_matched_tokens(Request(rid("h"), prompt(1), SamplingParams(max_tokens=1), None), 0) == (0, False)
     assert s._off and "hybrid" in s._off
+
+
+def start_daemon(d):
+    proc = subprocess.Popen([KVD_BIN, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
+                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
+                             "--log-level", "warn", "--no-transfers"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if os.path.exists(f"{d}/kvd.sock"):
+            return proc
+        time.sleep(0.05)
+    raise AssertionError("the daemon did not start")
+
+
+@check("a daemon restart: the connector maps the new pool and never uses offsets across incarnations")
+def _():
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-vllm-restart-")
+    ep = f"ipc://{d}/kvd.sock"
+    proc = start_daemon(d)
+    try:
+        a = ve.Engine(ep)
+        r1 = rid("before")
+        a.add(r1, prompt(40))
+        a.run(finished(a, r1))
+        old = a.worker._inc
+        proc.kill()
+        proc.wait()
+        os.unlink(f"{d}/kvd.sock")
+        proc = start_daemon(d)
+        # The new daemon holds nothing: no hits; the first save learns of the restart.
+        r2 = rid("after")
+        a.add(r2, prompt(40))
+        assert first_schedule(a, r2) == (0, 100)
+        a.run(finished(a, r2))
+        toks = prompt(41)
+        r3 = rid("saved")
+        a.add(r3, toks)
+        a.run(finished(a, r3))
+        assert a.worker._inc != old, "the worker views the new daemon's pool"
+        b = ve.Engine(ep)
+        r4 = rid("hit")
+        b.add(r4, toks)
+        assert first_schedule(b, r4) == (96, 4)
+        b.check_blocks(r4, toks, 6)
+        a.close()
+        b.close()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def prefill(endpoint, toks, **extra):

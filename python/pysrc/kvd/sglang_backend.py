@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from typing import Any, List, Optional
 
 import torch
@@ -83,6 +84,8 @@ class KvdHiCacheStorage(HiCacheStorage):
             self._model += f"#pp{storage_config.pp_rank}/{storage_config.pp_size}"
         self._client = kvd.Client(self._endpoint, name=f"sglang-tp{storage_config.tp_rank}", timeout_s=float(extra.get("timeout_s", 10.0)))
         self._pool = kvd.torch_pool(self._client, register_cuda=False)  # host to host: plain copies
+        self._inc = self._client.incarnation
+        self._lock = threading.Lock()  # SGLang's prefetch and backup threads share this
         self.mem_pool_host = None
         self._lid: Optional[int] = None
 
@@ -119,8 +122,17 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._lid = info["layout_id"]
         super().register_mem_pool_host(mem_pool_host)
 
-    def _slot(self, off: int) -> torch.Tensor:
-        return self._pool[off : off + self._bytes].view(self.mem_pool_host.dtype).view(self._shape)
+    def _view(self) -> tuple[torch.Tensor, int]:
+        """The pool view and the daemon incarnation it maps. After a daemon restart the
+        client maps the new pool (and fails one call saying so): view that one then."""
+        with self._lock:
+            if self._client.incarnation != self._inc:
+                self._pool = kvd.torch_pool(self._client, register_cuda=False)
+                self._inc = self._client.incarnation
+            return self._pool, self._inc
+
+    def _slot(self, pool: torch.Tensor, off: int) -> torch.Tensor:
+        return pool[off : off + self._bytes].view(self.mem_pool_host.dtype).view(self._shape)
 
     def _natural(self, x: torch.Tensor) -> torch.Tensor:
         """A page in the host layout's natural 5-d order, as the block's [L, 2, T, H, D]."""
@@ -166,8 +178,17 @@ class KvdHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         if not keys or not self._ready():
             return 0
+        ks = [kvd_key(k) for k in keys]
         try:
-            return int(self._client.lookup(self._lid, [kvd_key(k) for k in keys])["prefix"])
+            try:
+                return int(self._client.lookup(self._lid, ks)["prefix"])
+            except kvd.KvdError as e:
+                if e.code != "unknown_layout":
+                    raise
+                # A restarted daemon forgot the layout (lookup has no session to notice
+                # the restart by): register it again, once.
+                self._client.register_layout(self._layout)
+                return int(self._client.lookup(self._lid, ks)["prefix"])
         except kvd.KvdError as e:
             logger.warning("kvd HiCache backend: lookup failed: %s", e)
             return 0
@@ -188,16 +209,20 @@ class KvdHiCacheStorage(HiCacheStorage):
         return self._load(keys, [self._page(s) for s in starts])
 
     def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        pool, inc = self._view()
         try:
             batch = self._client.alloc(self._lid, [kvd_key(k) for k in keys])
         except kvd.KvdError as e:
             logger.warning("kvd HiCache backend: alloc failed: %s", e)
             return [False] * len(keys)
         try:
+            if self._client.incarnation != inc:  # offsets of a pool this view does not map
+                batch.abort()
+                return [False] * len(keys)
             ok = []
             for page, state, off in zip(pages, batch.status, batch.offsets):
                 if state == "new" and off is not None:
-                    self._slot(off).copy_(page)
+                    self._slot(pool, off).copy_(page)
                 ok.append(state in ("new", "exists"))
             batch.commit()
             return ok
@@ -206,16 +231,19 @@ class KvdHiCacheStorage(HiCacheStorage):
             raise
 
     def _load(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        pool, inc = self._view()
         try:
             pin = self._client.get(self._lid, [kvd_key(k) for k in keys])
         except kvd.KvdError as e:
             logger.warning("kvd HiCache backend: get failed: %s", e)
             return [False] * len(keys)
         try:
+            if self._client.incarnation != inc:
+                return [False] * len(keys)
             ok = []
             for page, off in zip(pages, pin.offsets):
                 if off is not None:
-                    page.copy_(self._slot(off))
+                    page.copy_(self._slot(pool, off))
                 ok.append(off is not None)
             return ok
         finally:

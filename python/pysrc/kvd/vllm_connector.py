@@ -543,6 +543,9 @@ class KvdConnector(KVConnectorBase_V1):
         self._errors: set[int] = set()
         self._wclient: Optional[kvd.Client] = None
         self._pool: Optional[torch.Tensor] = None
+        self._old_pools: list[torch.Tensor] = []
+        self._inc = 0
+        self._lock = threading.Lock()
         self._mover: Optional[_Mover] = None
         self._rank = 0
         if self._geo is not None and self._geo.tp_size > 1:
@@ -588,18 +591,33 @@ class KvdConnector(KVConnectorBase_V1):
             raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
         self._lid = info["layout_id"]
         self._pool = kvd.torch_pool(c, register_cuda=self._device.type == "cuda")
+        self._inc = c.incarnation
         self._wclient = c
 
     def _client_w(self) -> kvd.Client:
-        # Dropped after a failure (a restarted daemon voids the session and the pool
-        # mapping): the next use says hello again and maps the new pool.
+        with self._lock:  # the mover thread shares this client and mapping
+            return self._client_w_locked()
+
+    def _client_w_locked(self) -> kvd.Client:
         if self._wclient is None:
             self._connect_worker()
+        elif self._wclient.incarnation != self._inc:
+            # The daemon restarted (the client said so once, with DaemonRestarted, and
+            # mapped the new pool): view the new mapping. The old view stays referenced,
+            # so a page-locked mapping is never unmapped under CUDA.
+            self._old_pools.append(self._pool)
+            self._pool = kvd.torch_pool(self._wclient, register_cuda=self._device.type == "cuda")
+            self._inc = self._wclient.incarnation
         return self._wclient
 
-    def _slot(self, off: int) -> torch.Tensor:
+    def _view(self) -> tuple[torch.Tensor, int]:
+        """The pool view and the incarnation it maps, read together."""
+        with self._lock:
+            return self._pool, self._inc
+
+    def _slot(self, pool: torch.Tensor, off: int) -> torch.Tensor:
         g = self._geo
-        return self._pool[off : off + g.block_bytes].view(g.dtype).view(len(g.layer_names), 2, g.heads, g.block_size, g.head_size)
+        return pool[off : off + g.block_bytes].view(g.dtype).view(len(g.layer_names), 2, g.heads, g.block_size, g.head_size)
 
     def _kidx(self, block_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
@@ -634,15 +652,19 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _load_pinned(self, client: kvd.Client, keys: list[bytes], block_ids: list[int]) -> int:
         """Loads the leading blocks kvd holds into ``block_ids``; how many it loaded."""
+        pool, inc = self._view()
         pin = client.get(self._lid, keys, ttl_s=self._pin_ttl_s)
         try:
+            if client.incarnation != inc:
+                # Offsets of another daemon incarnation than the mapping: never read them.
+                raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
             offs = pin.offsets
             good = next((i for i, o in enumerate(offs) if o is None), len(offs))
             if good:
                 g = self._geo
                 staging = torch.empty((good, len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
                 for j in range(good):
-                    staging[j].copy_(self._slot(offs[j]), non_blocking=True)
+                    staging[j].copy_(self._slot(pool, offs[j]), non_blocking=True)
                 self._scatter(block_ids[:good], staging)
                 self._sync()
             return good
@@ -659,7 +681,6 @@ class KvdConnector(KVConnectorBase_V1):
                 good = self._load_pinned(self._client_w(), ld.keys, ld.block_ids)
             except (kvd.KvdError, OSError) as e:
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
-                self._wclient = None
                 good = 0
             if good < len(ld.block_ids):
                 self._errors.update(ld.block_ids[good:])
@@ -683,17 +704,19 @@ class KvdConnector(KVConnectorBase_V1):
             except (kvd.KvdError, OSError) as e:
                 # A save that fails is a future miss, never a wrong hit: nothing was committed.
                 logger.debug("kvd connector: save of request %s skipped: %s", s.req_id, e)
-                if not isinstance(e, kvd.KvdError) or e.code in (None, "unknown_client"):
-                    self._wclient = None
 
     def _save_blocks(self, s: Load) -> None:
-        batch = self._client_w().alloc(self._lid, s.keys)
+        client = self._client_w()
+        pool, inc = self._view()
+        batch = client.alloc(self._lid, s.keys)
         try:
+            if client.incarnation != inc:
+                raise kvd.KvdError("the daemon restarted; this save is skipped")
             todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
             if todo:
                 staging = self._gather([s.block_ids[i] for i, _ in todo])
                 for j, (_, off) in enumerate(todo):
-                    self._slot(off).copy_(staging[j], non_blocking=True)
+                    self._slot(pool, off).copy_(staging[j], non_blocking=True)
                 self._sync()
             batch.commit()
         except BaseException:
@@ -723,7 +746,7 @@ def _remote_params(request: "Request") -> Optional[dict]:
 class _Mover(threading.Thread):
     """The worker's handoff thread: waits for each admitted transfer to land in this
     node's pool, then loads its blocks (by this engine's own keys) into the paged cache on
-    a stream of its own. The blocks belong to a request vLLM holds back until it is
+    a stream of its own, through the worker's client (thread-safe) and mapping. The blocks belong to a request vLLM holds back until it is
     reported, so nothing else reads or writes them meanwhile."""
 
     def __init__(self, conn: KvdConnector):
@@ -733,7 +756,6 @@ class _Mover(threading.Thread):
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        self._client: Optional[kvd.Client] = None
         self._stream = torch.cuda.Stream(conn._device) if conn._device.type == "cuda" else None
 
     def submit(self, p: Pull) -> None:
@@ -757,7 +779,6 @@ class _Mover(threading.Thread):
                 ok = self._move(p)
             except Exception as e:  # never lose the request: report it failed
                 logger.warning("kvd connector: handoff of request %s failed: %s", p.req_id, e)
-                self._client = None
                 ok = False
             with self._lock:
                 (self._done if ok else self._failed).add(p.req_id)
@@ -767,18 +788,12 @@ class _Mover(threading.Thread):
         if p.failed:
             logger.warning("kvd connector: request %s: %s; recomputing", p.req_id, p.failed)
             return False
-        if self._client is None:
-            # Its own session and mapping (`get` wants one); the copies read the worker's
-            # registered mapping: offsets are the same in every mapping.
-            c = kvd.Client(conn._endpoint, name=f"vllm-mover-tp{conn._rank}", timeout_s=conn._timeout_s)
-            c.register_layout(conn._geo.layout(conn._rank))
-            self._client = c
         tid = p.transfer_ids[conn._rank]
         deadline = time.monotonic() + conn._transfer_timeout_s
         pause = 0.001
         while True:
             # Another session's transfer: the reply comes at once, with its state.
-            state = self._client.transfer_status(tid).get("state")
+            state = conn._client_w().transfer_status(tid).get("state")
             if state == "done":
                 break
             if state in _FINAL:
@@ -791,10 +806,10 @@ class _Mover(threading.Thread):
             pause = min(pause * 2, 0.02)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                good = conn._load_pinned(self._client, p.keys, p.block_ids)
+                good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
                 self._stream.synchronize()
         else:
-            good = conn._load_pinned(self._client, p.keys, p.block_ids)
+            good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
         if good < len(p.block_ids):
             logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
             return False
