@@ -110,6 +110,12 @@ echo "bench smoke: ok"
 step "deploy/local/run.sh (two nodes, prefill, decode, router on loopback)"
 KVD_BIN=target/release timeout 300 deploy/local/run.sh
 
+step "deploy/local/engines.sh --check (the daemons serve; vLLM's and SGLang's own config code accept the README's flags)"
+for m in prefix pd sglang; do
+  KVD_BIN=target/release KVD_POOL_SIZE=64MiB timeout 300 deploy/local/engines.sh "$m" --check 2>&1 | grep -E 'accepts the flags|^kvd node|not installed' \
+    || { echo "engines.sh $m --check failed"; exit 1; }
+done
+
 step "deploy/ validates offline (k8s schemas, helm, hadolint, systemd, dashboard JSON)"
 ./scripts/validate-deploy.sh
 

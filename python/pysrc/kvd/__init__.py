@@ -16,6 +16,10 @@ client the Rust engines link, with the GIL released while it waits for the daemo
 
 Errors the daemon answers are :class:`KvdError` with ``code`` (the wire code, e.g.
 ``"pool_full"``) and ``message``.
+
+Engine integrations (imported only by the engines that load them):
+``kvd.vllm_connector.KvdConnector`` (vLLM's ``--kv-transfer-config``) and
+``kvd.sglang_backend.KvdHiCacheStorage`` (SGLang's ``--hicache-storage-backend dynamic``).
 """
 
 from ._native import Batch, Client, KvdError, Pinned, Pool, chunk_hashes, layout_id

@@ -49,7 +49,8 @@ chunk hashes of the prompt tokens, salted with the LoRA adapter's name and the r
 What it refuses (with the reason, at start)
 -------------------------------------------
 MLA (latent) caches, quantized KV (``kv_quant_mode``), padded or packed pages, K and V of
-different sizes, dtypes kvd has no name for, and more than one KV cache group (hybrid
+different sizes, dtypes kvd has no name for, pipeline and decode-context parallelism,
+and more than one KV cache group (hybrid
 models: vLLM turns its hybrid allocator off for connectors without ``SupportsHMA``, and
 hybrid SSM models then do not start; should a config still reach the connector with
 several groups, it logs that it will report no external hits and saves nothing).
@@ -179,6 +180,11 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tup
             raise KvdConfigError("kvd connector: compressed KV states (tokens_per_state != 1) are not supported")
         if s.dtype not in _DTYPES:
             raise KvdConfigError(f"kvd connector: KV dtype {s.dtype} has no kvd name (supported: {sorted(v[0] for v in _DTYPES.values())})")
+    par = vllm_config.parallel_config
+    if getattr(par, "pipeline_parallel_size", 1) > 1:
+        raise KvdConfigError("kvd connector: pipeline parallelism is not supported (each stage holds other layers; kvd's blocks hold all of them)")
+    if getattr(par, "decode_context_parallel_size", 1) > 1:
+        raise KvdConfigError("kvd connector: decode context parallelism is not supported (blocks are sharded by token across ranks)")
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     model_id = str(extra.get("model_id") or vllm_config.model_config.model)
     tp = vllm_config.parallel_config.tensor_parallel_size
