@@ -316,6 +316,46 @@ def _():
     decode_handoff("push")
 
 
+@check("P/D: malformed, tampered or mixed-up kv_transfer_params never load wrong KV: the decode engine prefills itself")
+def _():
+    import base64
+
+    toks = prompt(25)
+    p, _, good = prefill(P, toks)
+    t0 = good["kvd"]["transfers"][0]
+    raw = bytearray(base64.b64decode(t0["params"]))
+    raw[len(raw) // 2] ^= 0xFF
+    tampered = json.loads(json.dumps(good))
+    tampered["kvd"]["transfers"][0]["params"] = base64.b64encode(bytes(raw)).decode()
+    bad = [
+        {"do_remote_prefill": True, "kvd": {"v": 1, "blocks": "many", "block_size": 16, "transfers": []}},
+        {"do_remote_prefill": True, "kvd": {"v": 1, "blocks": 6, "block_size": 16, "transfers": "tp0"}},
+        {"do_remote_prefill": True, "kvd": {"v": 1, "blocks": 6, "block_size": 16, "transfers": [{"rank": 0, "transfer_id": "x", "params": "!!!"}]}},
+        {"do_remote_prefill": True, "kvd": {"v": 1, "blocks": 6, "block_size": 32, "transfers": good["kvd"]["transfers"]}},
+        {"do_remote_prefill": True, "kvd": {"v": 2, "blocks": 6, "block_size": 16, "transfers": good["kvd"]["transfers"]}},
+        {"do_remote_prefill": True, "kvd": None},
+        tampered,
+    ]
+    d = ve.Engine(D, role="kv_consumer", save=False)  # each attempt starts from nothing
+    for params in bad:
+        r = rid("bad")
+        d.add(r, toks, max_tokens=2, kv_transfer_params=params)
+        assert first_schedule(d, r) == (0, 100), params
+        prefilled(d, r, 100)
+        d.check_blocks(r, toks, 6)
+    # Valid params of another prompt (a proxy that mixed two requests up): the transfer
+    # itself succeeds, but the decode side loads by its own prompt's keys, misses, and
+    # recomputes everything.
+    other = prompt(26)
+    r = rid("mixed")
+    d.add(r, other, max_tokens=2, kv_transfer_params=good)
+    prefilled(d, r, 100)
+    assert set(range(100)) <= d.computed_by_forward[r]
+    d.check_blocks(r, other, 6)
+    p.close()
+    d.close()
+
+
 @check("P/D: an expired lease is a clean miss: the decode engine prefills itself")
 def _():
     toks = prompt(20)

@@ -512,6 +512,10 @@ class KvdConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if st is None or not self._producer or not params.get("do_remote_decode"):
             return False, None
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            return False, None  # nobody decodes an aborted request
         return False, self._export(rid, st)
 
     def _export(self, rid: str, st: _Req) -> Optional[dict[str, Any]]:
@@ -730,8 +734,19 @@ class KvdConnector(KVConnectorBase_V1):
             raise
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self._mover.take() if self._mover is not None else (set(), set())
-        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+        """vLLM 0.33's call: finished handoffs, the failed ones also in ``failed_recving``
+        (vLLM then recomputes the request). Nothing is ever sent asynchronously: the
+        prefill side's blocks live in the daemon, so vLLM frees its own at once."""
+        done, failed = self._mover.take() if self._mover is not None else ({}, {})
+        return KVConnectorTransferResults(finished_recving=set(done) | set(failed), failed_recving=set(failed))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """The older form of the same report: a failed handoff's blocks are reported as
+        load errors (``get_block_ids_with_load_errors``) instead."""
+        done, failed = self._mover.take() if self._mover is not None else ({}, {})
+        for ids in failed.values():
+            self._errors.update(ids)
+        return None, (set(done) | set(failed)) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -760,8 +775,8 @@ class _Mover(threading.Thread):
         self._conn = conn
         self._jobs: "queue.Queue[Optional[Pull]]" = queue.Queue()
         self._lock = threading.Lock()
-        self._done: set[str] = set()
-        self._failed: set[str] = set()
+        self._done: dict[str, list[int]] = {}  # req id -> its block ids
+        self._failed: dict[str, list[int]] = {}
         self._stream = torch.cuda.Stream(conn._device) if conn._device.type == "cuda" else None
 
     def submit(self, p: Pull) -> None:
@@ -770,10 +785,10 @@ class _Mover(threading.Thread):
     def stop(self) -> None:
         self._jobs.put(None)
 
-    def take(self) -> tuple[set[str], set[str]]:
+    def take(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         with self._lock:
             done, failed = self._done, self._failed
-            self._done, self._failed = set(), set()
+            self._done, self._failed = {}, {}
         return done, failed
 
     def run(self) -> None:
@@ -787,7 +802,7 @@ class _Mover(threading.Thread):
                 logger.warning("kvd connector: handoff of request %s failed: %s", p.req_id, e)
                 ok = False
             with self._lock:
-                (self._done if ok else self._failed).add(p.req_id)
+                (self._done if ok else self._failed)[p.req_id] = p.block_ids
 
     def _move(self, p: Pull) -> bool:
         conn = self._conn
