@@ -27,7 +27,7 @@ fi
 rm -rf "$qs"
 echo "quick start: ok"
 
-step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/; torch, transformers for the engine parity tests; the kvd package)"
+step "python venv (.venv: pyzmq, msgpack for the interop test; validators for deploy/; vLLM (with torch, transformers) and SGLang for the connectors' and the engine parity tests; the kvd package)"
 if ! .venv/bin/python -c 'import zmq, msgpack, yaml, kubernetes_validate' 2>/dev/null \
    || [ ! -x .venv/bin/helm ] || [ ! -x .venv/bin/hadolint ]; then
   if ! python3 -m venv .venv 2>/dev/null; then
@@ -99,7 +99,10 @@ for t in $(cargo +nightly fuzz list); do
 done
 
 step "bench smoke run (tiny sizes)"
-./target/release/kvd-bench store --total 16MiB --sizes 64KiB,1MiB --lookup-keys 4096 --json > /dev/null
+plots=$(mktemp -d)
+./target/release/kvd-bench store --total 16MiB --sizes 64KiB,1MiB --lookup-keys 4096 --json --plot "$plots/store.svg" > /dev/null
+grep -q '<svg' "$plots/store.svg" || { echo "bench smoke: --plot wrote no chart"; exit 1; }
+rm -rf "$plots"
 ./target/release/kvd-bench nvme --dir target/kvd-bench-nvme-smoke --total 64MiB --sizes 1MiB --qd 4 --pool 64MiB --json > /dev/null
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
@@ -111,7 +114,7 @@ step "deploy/local/run.sh (two nodes, prefill, decode, router on loopback)"
 KVD_BIN=target/release timeout 300 deploy/local/run.sh
 
 step "deploy/local/engines.sh --check (the daemons serve; vLLM's and SGLang's own config code accept the README's flags)"
-for m in prefix pd sglang; do
+for m in pd sglang; do  # (prefix differs from pd only in kv_role)
   KVD_BIN=target/release KVD_POOL_SIZE=64MiB timeout 300 deploy/local/engines.sh "$m" --check 2>&1 | grep -E 'accepts the flags|^kvd node|not installed' \
     || { echo "engines.sh $m --check failed"; exit 1; }
 done

@@ -26,6 +26,7 @@ mod e2e;
 mod gpu;
 mod nvme;
 mod p2p;
+mod plot;
 mod report;
 mod transport;
 
@@ -50,6 +51,10 @@ use crate::report::{percentiles, CaseResult, Ceiling, Report};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Also draw the report as an SVG chart (GB/s against block size, one line per case,
+    /// its same-run ceiling dashed): for the bandwidth benches.
+    #[arg(long, global = true, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -116,7 +121,11 @@ struct IndexArgs {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    if let Some(p) = cli.plot {
+        plot::set(p);
+    }
+    match cli.cmd {
         Cmd::Store(a) => store(a),
         Cmd::Index(a) => index(a),
         Cmd::Nvme(a) => nvme::run(a),
@@ -296,11 +305,27 @@ fn store(a: StoreArgs) -> Result<()> {
     pb.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"),
     );
-    let mut region = memmap2::MmapOptions::new()
-        .len((total + max_size) as usize)
+    // The ceiling copies into the same kind of mapping as the pool: a shared mapping of a
+    // tmpfs file in /dev/shm (4 KiB pages wherever /dev/shm is not mounted `huge=`), not
+    // anonymous memory, which transparent huge pages make faster than any pool file.
+    // The anonymous figure is reported beside it.
+    let region_len = (total + max_size) as usize;
+    let ceil_file = tempfile::tempfile_in("/dev/shm").context("a ceiling file in /dev/shm")?;
+    ceil_file.set_len(region_len as u64)?;
+    // SAFETY: an unlinked file of this process alone, mapped once, never resized.
+    let mut region = unsafe {
+        memmap2::MmapOptions::new()
+            .len(region_len)
+            .populate()
+            .map_mut(&ceil_file)
+    }
+    .context("mapping the ceiling region")?;
+    let mut anon = memmap2::MmapOptions::new()
+        .len(region_len)
         .populate()
         .map_anon()
-        .context("mapping the ceiling region")?;
+        .context("mapping the anonymous ceiling region")?;
+    let mut anon_in = Vec::new();
     let mut results = Vec::new();
     let mut headline = 0.0f64;
     let mut case_id = 0u32;
@@ -327,6 +352,9 @@ fn store(a: StoreArgs) -> Result<()> {
                 pb.set_message(format!("{} x{t} rep {rep}: memcpy", ByteSize(size)));
                 cins.push(memcpy_ceiling(&mut src, &mut region, slot, t, true));
                 couts.push(memcpy_ceiling(&mut dst, &mut region, slot, t, false));
+                if t == 1 && size == max_size {
+                    anon_in.push(memcpy_ceiling(&mut src, &mut anon, slot, t, true));
+                }
                 pb.set_message(format!("{} x{t} rep {rep}: store", ByteSize(size)));
                 let srcs = &src;
                 let st = run_threads(n, t, batch, &|r| {
@@ -455,6 +483,14 @@ fn store(a: StoreArgs) -> Result<()> {
         "rtt_floor".into(),
         "1-byte ping-pong over a Unix socketpair between two threads".into(),
     );
+    if !anon_in.is_empty() {
+        let n = (total / max_size).max(1);
+        let g = gb(n * max_size, median(&mut anon_in));
+        extra.insert(
+            "memcpy_into_anonymous_memory_gbps".into(),
+            format!("{g:.2} (1 thread, {} blocks; THP-backed where the machine has it; the ceilings above use a /dev/shm file like the pool)", ByteSize(max_size)).into(),
+        );
+    }
     extra.insert("rtt_floor_p50_us".into(), floor50.into());
     extra.insert("rtt_floor_p99_us".into(), floor99.into());
     extra.insert(
@@ -465,7 +501,7 @@ fn store(a: StoreArgs) -> Result<()> {
         bench: "store".into(),
         ceiling: Ceiling {
             what: format!(
-                "memcpy, 1 thread, {} working set into a pool-sized region, {} blocks (median of {})",
+                "memcpy, 1 thread, {} working set into a pool-sized shared /dev/shm mapping (the pool's kind), {} blocks (median of {})",
                 ByteSize(total),
                 ByteSize(max_size),
                 a.reps

@@ -49,8 +49,14 @@ pub struct Report {
 }
 
 impl Report {
-    /// Prints JSON or a table.
+    /// Prints JSON or a table (and draws the chart `--plot` asked for).
     pub fn print(&self, json: bool) {
+        if let Some(path) = crate::plot::target() {
+            match crate::plot::write(self, path) {
+                Ok(()) => eprintln!("plot: {}", path.display()),
+                Err(e) => eprintln!("plot not written: {e:#}"),
+            }
+        }
         if json {
             println!(
                 "{}",

@@ -83,28 +83,25 @@ for c in "${CMDS[@]}"; do echo "  $c"; echo; done
 echo "$NOTE"
 case "$RUN" in
   --check)
-    for c in "${CONFIGS[@]}"; do
-      "$PY" - "${c%%:*}" "${c#*:}" <<'PYEOF'
+    "$PY" - "${CONFIGS[@]}" <<'PYEOF'
 import json, sys
-engine, cfg = sys.argv[1], json.loads(sys.argv[2])
-try:
+for arg in sys.argv[1:]:
+    engine, cfg = arg.split(":", 1)
+    cfg = json.loads(cfg)
+    try:
+        __import__(engine)
+    except ImportError:
+        print(f"{engine} not installed here: flags checked as JSON only")
+        continue
     if engine == "vllm":
-        import vllm  # noqa: F401
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**cfg))
     else:
-        import sglang  # noqa: F401
-except ImportError:
-    print(f"{engine} not installed here: flags checked as JSON only")
-    sys.exit(0)
-if engine == "vllm":
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**cfg))
-else:
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-    cls = StorageBackendFactory._load_backend_class(cfg["module_path"], cfg["class_name"], cfg["backend_name"])
-print(f"{engine} accepts the flags: {cls.__module__}.{cls.__name__}")
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+        cls = StorageBackendFactory._load_backend_class(cfg["module_path"], cfg["class_name"], cfg["backend_name"])
+    print(f"{engine} accepts the flags: {cls.__module__}.{cls.__name__} ({cfg.get('kv_role', 'storage backend')})")
 PYEOF
-    done
     ;;
   --run)
     for c in "${CMDS[@]}"; do
