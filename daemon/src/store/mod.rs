@@ -316,27 +316,30 @@ impl Store {
         self.sessions.layout(req.layout_id)?;
         let tick = self.tick(now);
         let mut tiers = Vec::new();
-        for k in &req.keys {
-            let key = BlockKey {
-                layout: req.layout_id,
-                hash: *k,
-            };
-            match self
-                .index
-                .find(req.layout_id, k)
-                .map(|i| (i, self.index.node(i).state()))
-            {
-                Some((i, State::Committed | State::Demoting)) => {
-                    self.index.touch(i, tick);
-                    tiers.push(Tier::Dram);
+        // Keys are found a chunk at a time (their cache misses overlap), then walked in
+        // order; a miss ends the prefix, so at most one chunk is probed past it.
+        const CHUNK: usize = 32;
+        let mut found = Vec::with_capacity(CHUNK);
+        'chunks: for chunk in req.keys.chunks(CHUNK) {
+            self.index.find_many(req.layout_id, chunk, &mut found);
+            for (k, f) in chunk.iter().zip(&found) {
+                let key = BlockKey {
+                    layout: req.layout_id,
+                    hash: *k,
+                };
+                match f.map(|i| (i, self.index.node(i).state())) {
+                    Some((i, State::Committed | State::Demoting)) => {
+                        self.index.touch(i, tick);
+                        tiers.push(Tier::Dram);
+                    }
+                    Some((_, State::Promoting)) => tiers.push(Tier::Nvme),
+                    Some(_) => break 'chunks,
+                    None if self.tier.has(&key) => {
+                        self.tier.touch(&key);
+                        tiers.push(Tier::Nvme);
+                    }
+                    None => break 'chunks,
                 }
-                Some((_, State::Promoting)) => tiers.push(Tier::Nvme),
-                Some(_) => break,
-                None if self.tier.has(&key) => {
-                    self.tier.touch(&key);
-                    tiers.push(Tier::Nvme);
-                }
-                None => break,
             }
         }
         if tiers.contains(&Tier::Nvme) {
@@ -1125,6 +1128,23 @@ mod tests {
         let mut with_hole = ks.clone();
         with_hole.insert(1, key(99));
         assert_eq!(t.prefix(&with_hole), 1);
+    }
+
+    #[test]
+    fn lookup_prefixes_across_probe_chunks() {
+        // Lookups probe 32 keys at a time: a hole at, just past or well past a chunk
+        // boundary still ends the prefix exactly there.
+        let mut t = setup(100);
+        let ks = keys(0..100);
+        t.alloc(&ks).unwrap();
+        t.commit(&ks).unwrap();
+        assert_eq!(t.prefix(&ks), 100);
+        for hole in [0usize, 31, 32, 33, 70, 99] {
+            let mut with_hole = ks.clone();
+            with_hole[hole] = key(1000 + hole as u32);
+            assert_eq!(t.prefix(&with_hole), hole as u64, "hole at {hole}");
+        }
+        assert_eq!(t.prefix(&[]), 0);
     }
 
     #[test]
