@@ -455,24 +455,38 @@ fn store(a: StoreArgs) -> Result<()> {
     pb.inc(1);
 
     pb.set_message("round trips");
-    let mut lat = Vec::with_capacity(a.round_trips);
-    let start = Instant::now();
-    for _ in 0..a.round_trips {
-        let t0 = Instant::now();
-        client.stats()?;
-        lat.push(t0.elapsed());
+    // `stats` builds a report; a one-key `lookup` is the lightest op there is (one index
+    // probe): the "ping-weight" round trip the floor is compared with.
+    let one = &lkeys[..1];
+    let mut rtts = Vec::new();
+    let stats_op = || client.stats().map(drop);
+    let lookup_op = || client.lookup(small.id, one).map(drop);
+    let ops: [(&str, &dyn Fn() -> kvd_client::Result<()>); 2] = [
+        ("round trip (stats)", &stats_op),
+        ("round trip (lookup, 1 key)", &lookup_op),
+    ];
+    for (name, op) in ops {
+        let mut lat = Vec::with_capacity(a.round_trips);
+        let start = Instant::now();
+        for _ in 0..a.round_trips {
+            let t0 = Instant::now();
+            op()?;
+            lat.push(t0.elapsed());
+        }
+        let el = start.elapsed();
+        let (p50, p99) = percentiles(&mut lat);
+        rtts.push(p50);
+        results.push(CaseResult {
+            case: name.into(),
+            threads: 1,
+            ops_per_s: a.round_trips as f64 / el.as_secs_f64(),
+            p50_us: p50,
+            p99_us: p99,
+            ..Default::default()
+        });
     }
-    let el = start.elapsed();
-    let (p50, p99) = percentiles(&mut lat);
     let (floor50, floor99) = uds_ping_pong(a.round_trips);
-    results.push(CaseResult {
-        case: "round trip (stats)".into(),
-        threads: 1,
-        ops_per_s: a.round_trips as f64 / el.as_secs_f64(),
-        p50_us: p50,
-        p99_us: p99,
-        ..Default::default()
-    });
+    let (zmq50, zmq99) = zmq_ping_pong(a.round_trips)?;
     pb.inc(1);
     pb.finish_and_clear();
 
@@ -491,11 +505,21 @@ fn store(a: StoreArgs) -> Result<()> {
             format!("{g:.2} (1 thread, {} blocks; THP-backed where the machine has it; the ceilings above use a /dev/shm file like the pool)", ByteSize(max_size)).into(),
         );
     }
+    extra.insert(
+        "zmq_floor".into(),
+        "1-byte DEALER/ROUTER ping-pong over ipc://, two contexts (libzmq's own I/O threads, no kvd)".into(),
+    );
+    extra.insert("zmq_floor_p50_us".into(), zmq50.into());
+    extra.insert("zmq_floor_p99_us".into(), zmq99.into());
     extra.insert("rtt_floor_p50_us".into(), floor50.into());
     extra.insert("rtt_floor_p99_us".into(), floor99.into());
     extra.insert(
         "rtt_p50_over_floor".into(),
-        (results.last().map(|r| r.p50_us).unwrap_or(0.0) / floor50).into(),
+        (rtts.last().copied().unwrap_or(0.0) / floor50).into(),
+    );
+    extra.insert(
+        "rtt_stats_p50_over_floor".into(),
+        (rtts.first().copied().unwrap_or(0.0) / floor50).into(),
     );
     Report {
         bench: "store".into(),
@@ -515,6 +539,42 @@ fn store(a: StoreArgs) -> Result<()> {
     drop(client);
     drop(own);
     Ok(())
+}
+
+/// What libzmq alone costs for a round trip here: a 1-byte DEALER → ROUTER → DEALER
+/// ping-pong over `ipc://` between two threads, each side with its own context (and so its
+/// own I/O thread), as between a client and the daemon. Returns (p50, p99) in µs.
+fn zmq_ping_pong(n: usize) -> Result<(f64, f64)> {
+    let dir = tempfile::tempdir_in("/dev/shm")?;
+    let ep = format!("ipc://{}/ping.sock", dir.path().display());
+    let server_ctx = zmq::Context::new();
+    let router = server_ctx.socket(zmq::ROUTER)?;
+    router.bind(&ep)?;
+    let echo = std::thread::spawn(move || -> zmq::Result<()> {
+        loop {
+            let msg = router.recv_multipart(0)?;
+            if msg.last().is_some_and(|m| m.is_empty()) {
+                return Ok(());
+            }
+            router.send_multipart(msg, 0)?;
+        }
+    });
+    let ctx = zmq::Context::new();
+    let dealer = ctx.socket(zmq::DEALER)?;
+    dealer.connect(&ep)?;
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n + 100 {
+        let t0 = Instant::now();
+        dealer.send(&[1u8][..], 0)?;
+        dealer.recv_bytes(0)?;
+        if i >= 100 {
+            lat.push(t0.elapsed());
+        }
+    }
+    dealer.send(&[][..], 0)?;
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(percentiles(&mut lat))
 }
 
 /// The machine's floor for a control round trip: a 1-byte ping-pong between two threads
