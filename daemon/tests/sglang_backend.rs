@@ -8,37 +8,15 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
 #[test]
 fn the_sglang_backend_from_sglangs_own_factory() {
-    let py = common::python();
-    let probe = Command::new(&py)
-        .args([
-            "-c",
-            "import kvd, sglang.srt.mem_cache.storage.backend_factory",
-        ])
-        .status();
-    assert!(
-        matches!(probe, Ok(s) if s.success()),
-        "{py} cannot import kvd and SGLang's storage modules: run ./scripts/test.sh, which installs sglang 0.5.23 and builds kvd with `maturin develop`"
-    );
     let d = common::Daemon::start(&[]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/tests/test_sglang.py");
-    let out = Command::new(&py)
-        .arg(&script)
-        .arg(&d.endpoint)
-        .arg(common::kvd_bin().display().to_string())
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success(),
-        "the SGLang backend's tests failed:\n{stdout}"
+    common::python_checks(
+        "test_sglang.py",
+        "kvd, sglang.srt.mem_cache.storage.backend_factory",
+        "run ./scripts/test.sh, which installs sglang 0.5.23 and builds kvd with `maturin develop`",
+        &[d.endpoint.clone(), common::kvd_bin().display().to_string()],
     );
-    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
     let st = kvd_client::Client::connect(&d.endpoint)
         .and_then(|c| c.stats())
         .expect("daemon still serving");

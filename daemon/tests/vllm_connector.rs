@@ -8,41 +8,24 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
 #[test]
 fn the_vllm_connector_in_vllms_own_scheduler() {
-    let py = common::python();
-    let probe = Command::new(&py)
-        .args(["-c", "import kvd, vllm, torch"])
-        .status();
-    assert!(
-        matches!(probe, Ok(s) if s.success()),
-        "{py} cannot import kvd and vllm: run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`"
-    );
     let prefill = common::Daemon::start(&["--pool-size", "128MiB"]);
     let decode = common::Daemon::start(&["--pool-size", "128MiB"]);
     // A prefill node the script kills with SIGKILL once the decode side admitted its export.
     let doomed = common::Daemon::start(&[]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/tests/test_vllm.py");
-    let out = Command::new(&py)
-        .arg(&script)
-        .arg(&prefill.endpoint)
-        .arg(&decode.endpoint)
-        .arg(&doomed.endpoint)
-        .arg(doomed.child.id().to_string())
-        .arg(common::kvd_bin().display().to_string())
-        .env("VLLM_LOGGING_LEVEL", "WARNING")
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success(),
-        "the vLLM connector's tests failed:\n{stdout}"
+    common::python_checks(
+        "test_vllm.py",
+        "kvd, vllm, torch",
+        "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
+        &[
+            prefill.endpoint.clone(),
+            decode.endpoint.clone(),
+            doomed.endpoint.clone(),
+            doomed.child.id().to_string(),
+            common::kvd_bin().display().to_string(),
+        ],
     );
-    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
     // The survivors kept serving: nothing the engines did stopped them.
     for d in [&prefill, &decode] {
         let st = kvd_client::Client::connect(&d.endpoint)

@@ -8,25 +8,19 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 import kvd
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "python"))
 import kvd_spec_client as spec  # noqa: E402  (written from SPEC.md alone: an independent check)
 
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import check, run  # noqa: E402
+
 EP, EP2, HOST_DIR = sys.argv[1], sys.argv[2], sys.argv[3]
 LAYOUT = {"model": "kvd-py/test", "num_layers": 2, "kv_parts": 2, "num_kv_heads": 1, "head_dim": 32,
           "dtype": "f16", "tokens_per_block": 16, "tp_size": 1, "tp_rank": 0,
           "order": "layer_part_token_head"}
-CHECKS = []
-
-
-def check(name):
-    def deco(f):
-        CHECKS.append((name, f))
-        return f
-    return deco
 
 
 def keys(seed, n):
@@ -259,15 +253,4 @@ def _():
     pin.release()
 
 
-passed = failed = 0
-for name, f in CHECKS:
-    try:
-        f()
-        passed += 1
-        print(f"ok    {name}")
-    except Exception:
-        failed += 1
-        print(f"FAIL  {name}")
-        traceback.print_exc()
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+run()

@@ -8,11 +8,8 @@ they read. Prints "N passed, M failed".
 """
 
 import os
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
 import uuid
 
 import torch
@@ -22,17 +19,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import check, run, start_daemon  # noqa: E402
+
 EP, KVD_BIN = sys.argv[1], sys.argv[2]
 L, H, D, PS, N = 2, 2, 16, 16, 256
-CHECKS = []
 RUN = uuid.uuid4().hex[:8]  # a daemon may outlive a run: fresh keys
-
-
-def check(name):
-    def deco(f):
-        CHECKS.append((name, f))
-        return f
-    return deco
 
 
 def host_pool(layout):
@@ -192,21 +184,10 @@ def _():
         assert "page_unified" in str(e), e
 
 
-def start_daemon(d):
-    proc = subprocess.Popen([KVD_BIN, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
-                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
-                             "--log-level", "warn", "--no-transfers"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        if os.path.exists(f"{d}/kvd.sock"):
-            return proc
-        time.sleep(0.05)
-    raise AssertionError("the daemon did not start")
-
-
 @check("a daemon restart: pages go to the new pool, never through the old mapping")
 def _():
     d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-sgl-restart-")
-    proc = start_daemon(d)
+    proc = start_daemon(KVD_BIN, d)
     try:
         pool = host_pool("page_first")
         b = backend(pool, endpoint=f"ipc://{d}/kvd.sock")
@@ -215,7 +196,7 @@ def _():
         proc.kill()
         proc.wait()
         os.unlink(f"{d}/kvd.sock")
-        proc = start_daemon(d)
+        proc = start_daemon(KVD_BIN, d)
         assert b.batch_exists(keys("r1", 2)) == 0, "the new daemon holds nothing"
         assert b.batch_exists(keys("r1", 2)) == 0 and b._client.lookup(b._lid, []) is not None, "the layout is registered again"
         ks = keys("r2", 2)
@@ -229,22 +210,6 @@ def _():
         proc.wait()
 
 
-def main():
-    passed = failed = 0
-    for name, f in CHECKS:
-        t0 = time.monotonic()
-        try:
-            f()
-            passed += 1
-            print(f"ok   {name} ({time.monotonic() - t0:.1f} s)")
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
     os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
-    main()
+    run()

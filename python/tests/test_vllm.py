@@ -10,14 +10,13 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_engine as ve  # noqa: E402
+from checks import check, run, start_daemon  # noqa: E402
 
 import kvd  # noqa: E402
 import torch  # noqa: E402
@@ -28,15 +27,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 P, D, DOOMED, DOOMED_PID, KVD_BIN = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-CHECKS = []
 _n = [0]
-
-
-def check(name):
-    def deco(f):
-        CHECKS.append((name, f))
-        return f
-    return deco
 
 
 RUN = int.from_bytes(os.urandom(4), "little")  # daemons may outlive a run: fresh prompts
@@ -222,22 +213,11 @@ def _():
     assert s._off and "hybrid" in s._off
 
 
-def start_daemon(d):
-    proc = subprocess.Popen([KVD_BIN, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
-                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
-                             "--log-level", "warn", "--no-transfers"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        if os.path.exists(f"{d}/kvd.sock"):
-            return proc
-        time.sleep(0.05)
-    raise AssertionError("the daemon did not start")
-
-
 @check("a daemon restart: the connector maps the new pool and never uses offsets across incarnations")
 def _():
     d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-vllm-restart-")
     ep = f"ipc://{d}/kvd.sock"
-    proc = start_daemon(d)
+    proc = start_daemon(KVD_BIN, d)
     try:
         a = ve.Engine(ep)
         r1 = rid("before")
@@ -247,7 +227,7 @@ def _():
         proc.kill()
         proc.wait()
         os.unlink(f"{d}/kvd.sock")
-        proc = start_daemon(d)
+        proc = start_daemon(KVD_BIN, d)
         # The new daemon holds nothing: no hits; the first save learns of the restart.
         r2 = rid("after")
         a.add(r2, prompt(40))
@@ -403,22 +383,6 @@ def _():
     d.close()
 
 
-def main():
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    passed = failed = 0
-    for name, f in CHECKS:
-        t0 = time.monotonic()
-        try:
-            f()
-            passed += 1
-            print(f"ok   {name} ({time.monotonic() - t0:.1f} s)")
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}")
-            traceback.print_exc()
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    run()

@@ -375,6 +375,34 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 
 /// The Python the tests run: `$KVD_PYTHON`, else the test command's `.venv`, else
 /// `python3`.
+/// Runs one of python/tests/'s check scripts with `args` under [`python`], after checking
+/// that it can import `imports` (else fails saying `how` to get them); asserts every check
+/// passed ("N passed, 0 failed") and returns the script's output.
+#[allow(dead_code)] // not every test binary runs Python
+pub fn python_checks(script: &str, imports: &str, how: &str, args: &[String]) -> String {
+    let py = python();
+    let probe = Command::new(&py)
+        .args(["-c", &format!("import {imports}")])
+        .status();
+    assert!(
+        matches!(probe, Ok(s) if s.success()),
+        "{py} cannot import {imports}: {how}"
+    );
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../python/tests")
+        .join(script);
+    let out = Command::new(&py)
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script} failed:\n{stdout}");
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+    stdout
+}
+
 pub fn python() -> String {
     if let Ok(p) = std::env::var("KVD_PYTHON") {
         return p;

@@ -1,0 +1,48 @@
+"""What the package's test scripts share: named checks, their runner (prints "ok"/"FAIL"
+per check and a closing "N passed, M failed" line the Rust side reads), and a daemon of
+the script's own for the checks that restart one."""
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+CHECKS = []
+
+
+def check(name):
+    """Registers the decorated function as a check named ``name``."""
+    def deco(f):
+        CHECKS.append((name, f))
+        return f
+    return deco
+
+
+def run():
+    passed = failed = 0
+    for name, f in CHECKS:
+        t0 = time.monotonic()
+        try:
+            f()
+            passed += 1
+            print(f"ok   {name} ({time.monotonic() - t0:.1f} s)")
+        except Exception:
+            failed += 1
+            print(f"FAIL {name}")
+            traceback.print_exc()
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+def start_daemon(kvd_bin, d):
+    """A kvd (no transfers, 64 MiB pool) on ``ipc://{d}/kvd.sock``; the caller kills it."""
+    proc = subprocess.Popen([kvd_bin, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
+                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
+                             "--log-level", "warn", "--no-transfers"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if os.path.exists(f"{d}/kvd.sock"):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the daemon did not start")
