@@ -43,12 +43,14 @@ fi
 # LlamaForCausalLM: one install (~4.6 GB download, ~4 min the first time) serves both.
 # SGLang's storage backend interface, without its dependencies (its torch pin differs).
 if ! .venv/bin/python -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"; import torch, transformers, safetensors' 2>/dev/null; then
-  .venv/bin/pip install --quiet --disable-pip-version-check vllm==0.33.0 safetensors
+  # --no-compile: Python byte-compiles what the tests import, lazily, instead of every
+  # one of the ~10k files of vLLM and torch at install time.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-compile vllm==0.33.0 safetensors
 fi
 # (plus the two modules its storage imports pull in that vLLM does not bring).
 if ! .venv/bin/python -c 'import importlib.metadata as m; assert m.version("sglang") == "0.5.23"; import IPython, gguf' 2>/dev/null; then
-  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps sglang==0.5.23
-  .venv/bin/pip install --quiet --disable-pip-version-check ipython gguf
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-compile --no-deps sglang==0.5.23
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-compile ipython gguf
 fi
 # The real NVRTC for the kernel compile check (torch brings it too; named so it stays).
 if ! compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so*" >/dev/null; then
