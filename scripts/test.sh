@@ -90,12 +90,12 @@ cargo clippy -p kvd-daemon -p kvd-cuda -p kvd-engine -p kvd-bench --all-targets 
 step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
 cargo test -p kvd-daemon --lib --locked -q --features loom loom
 
-step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-15} s"
+step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-10} s"
 command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz
 cargo +nightly fuzz build -O
 for t in $(cargo +nightly fuzz list); do
   dict=(); [ -f "fuzz/$t.dict" ] && dict=(-dict="fuzz/$t.dict")  # op and field names
-  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-15}" -rss_limit_mb=4096 "${dict[@]}" 2>&1) \
+  out=$(cargo +nightly fuzz run -O "$t" -- -max_total_time="${KVD_FUZZ_SECS:-10}" -rss_limit_mb=4096 "${dict[@]}" 2>&1) \
     || { printf '%s\n' "$out" | tail -40; echo "fuzz target $t failed"; exit 1; }
   printf 'fuzz %-16s %s\n' "$t" "$(printf '%s\n' "$out" | grep -E '^Done [0-9]+ runs' | tail -1)"
 done
