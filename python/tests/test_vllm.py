@@ -155,6 +155,30 @@ def _():
     b.close()
 
 
+@check("the CUDA path's staged gather/scatter moves the same bytes as the CPU path's direct copies (both layouts)")
+def _():
+    # The CUDA path (one DMA per slot + a device gather/scatter) runs here on CPU tensors:
+    # without a GPU it is the only way its index arithmetic is checked.
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC):
+        e = ve.Engine(P, layout=layout)
+        w = e.worker
+        g = torch.Generator().manual_seed(7)
+        for t in e.kv.values():
+            t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+        ids = [5, 1, 9]
+        staged = w._gather(ids)
+        direct = torch.zeros_like(staged)
+        for j, b in enumerate(ids):
+            for src, dst in w._pieces(direct[j], b):
+                dst.copy_(src)
+        assert torch.equal(staged, direct), layout
+        before = {n: t.clone() for n, t in e.kv.items()}
+        w._scatter([20, 21, 22], staged)
+        for n, t in e.kv.items():
+            assert torch.equal(t[[20, 21, 22]], before[n][ids]), (layout, n)
+        e.close()
+
+
 @check("every TP rank's layout is asked: the shortest prefix counts")
 def _():
     cfg = ve.vllm_config(P)

@@ -34,7 +34,8 @@ What it does
 * **Data path.** Pool slots are viewed through ``kvd.torch_pool`` (page-locked with
   ``cudaHostRegister`` on CUDA): a save gathers the blocks into a device staging tensor and
   copies each slot device → pinned pool; a load copies pinned pool → device and scatters.
-  Those are DMA copies, with no host bounce. On CPU tensors the same code is plain copies.
+  Those are DMA copies, with no host bounce. On CPU tensors each piece of a block (a
+  layer's K or V) is copied straight between the slot and the paged cache.
 
 The block format
 ----------------
@@ -516,6 +517,46 @@ class KvdConnector(KVConnectorBase_V1):
             ids = (ids[:, None] * self._ratio + torch.arange(self._ratio)).reshape(-1)
         return ids.to(self._device)
 
+    def _pieces(self, slot: torch.Tensor, block_id: int):
+        """(paged-cache view, slot view) pairs that together are one block: per layer, per
+        kernel block, K and V. Copying each pair moves the block with no intermediate."""
+        g, r = self._geo, self._ratio
+        kb, d = g.block_size // r, g.head_size
+        for l, t in enumerate(self._layers):
+            for i in range(r):
+                page = t[block_id * r + i]  # [heads, kb, K|V]
+                for part in (0, 1):
+                    yield page[..., part * d : (part + 1) * d], slot[l, part, :, i * kb : (i + 1) * kb]
+
+    def _copy_in(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
+        """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: one DMA per
+        slot from the page-locked pool into a device staging tensor, then one scatter; on
+        the CPU: straight from each slot into the cache, one copy per piece."""
+        if self._device.type != "cuda":
+            for off, b in zip(offs, block_ids):
+                for dst, src in self._pieces(self._slot(pool, off), b):
+                    dst.copy_(src)
+            return
+        g = self._geo
+        staging = torch.empty((len(offs), len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
+        for j, off in enumerate(offs):
+            staging[j].copy_(self._slot(pool, off), non_blocking=True)
+        self._scatter(block_ids, staging)
+        self._sync()
+
+    def _copy_out(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
+        """Paged-cache blocks ``block_ids`` → pool slots ``offs`` (the reverse of
+        :meth:`_copy_in`: on CUDA one gather, then one DMA per slot)."""
+        if self._device.type != "cuda":
+            for off, b in zip(offs, block_ids):
+                for src, dst in self._pieces(self._slot(pool, off), b):
+                    dst.copy_(src)
+            return
+        staging = self._gather(block_ids)
+        for j, off in enumerate(offs):
+            self._slot(pool, off).copy_(staging[j], non_blocking=True)
+        self._sync()
+
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """Blocks of the paged cache as ``[n, layer, K|V, head, token, dim]`` on its device."""
         g, n, r = self._geo, len(block_ids), self._ratio
@@ -552,12 +593,7 @@ class KvdConnector(KVConnectorBase_V1):
             offs = pin.offsets
             good = next((i for i, o in enumerate(offs) if o is None), len(offs))
             if good:
-                g = self._geo
-                staging = torch.empty((good, len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
-                for j in range(good):
-                    staging[j].copy_(self._slot(pool, offs[j]), non_blocking=True)
-                self._scatter(block_ids[:good], staging)
-                self._sync()
+                self._copy_in(pool, offs[:good], block_ids[:good])
             return good
         finally:
             pin.release()
@@ -605,10 +641,7 @@ class KvdConnector(KVConnectorBase_V1):
                 raise kvd.KvdError("the daemon restarted; this save is skipped")
             todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
             if todo:
-                staging = self._gather([s.block_ids[i] for i, _ in todo])
-                for j, (_, off) in enumerate(todo):
-                    self._slot(pool, off).copy_(staging[j], non_blocking=True)
-                self._sync()
+                self._copy_out(pool, [off for _, off in todo], [s.block_ids[i] for i, _ in todo])
             batch.commit()
         except BaseException:
             batch.abort()
@@ -618,16 +651,8 @@ class KvdConnector(KVConnectorBase_V1):
         """vLLM 0.33's call: finished handoffs, the failed ones also in ``failed_recving``
         (vLLM then recomputes the request). Nothing is ever sent asynchronously: the
         prefill side's blocks live in the daemon, so vLLM frees its own at once."""
-        done, failed = self._mover.take() if self._mover is not None else ({}, {})
-        return KVConnectorTransferResults(finished_recving=set(done) | set(failed), failed_recving=set(failed))
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """The older form of the same report: a failed handoff's blocks are reported as
-        load errors (``get_block_ids_with_load_errors``) instead."""
-        done, failed = self._mover.take() if self._mover is not None else ({}, {})
-        for ids in failed.values():
-            self._errors.update(ids)
-        return None, (set(done) | set(failed)) or None
+        done, failed = self._mover.take() if self._mover is not None else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -656,8 +681,8 @@ class _Mover(threading.Thread):
         self._conn = conn
         self._jobs: "queue.Queue[Optional[Pull]]" = queue.Queue()
         self._lock = threading.Lock()
-        self._done: dict[str, list[int]] = {}  # req id -> its block ids
-        self._failed: dict[str, list[int]] = {}
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
         self._stream = torch.cuda.Stream(conn._device) if conn._device.type == "cuda" else None
 
     def submit(self, p: Pull) -> None:
@@ -666,10 +691,10 @@ class _Mover(threading.Thread):
     def stop(self) -> None:
         self._jobs.put(None)
 
-    def take(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    def take(self) -> tuple[set[str], set[str]]:
         with self._lock:
             done, failed = self._done, self._failed
-            self._done, self._failed = {}, {}
+            self._done, self._failed = set(), set()
         return done, failed
 
     def run(self) -> None:
@@ -683,7 +708,7 @@ class _Mover(threading.Thread):
                 logger.warning("kvd connector: handoff of request %s failed: %s", p.req_id, e)
                 ok = False
             with self._lock:
-                (self._done if ok else self._failed)[p.req_id] = p.block_ids
+                (self._done if ok else self._failed).add(p.req_id)
 
     def _move(self, p: Pull) -> bool:
         conn = self._conn
