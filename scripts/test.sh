@@ -5,8 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Each step says how long the suite has run so far (CI's budget is the sum).
-step() { printf '\n==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
+# Each step says how long the suite has run so far (CI's budget is the sum)
+# and how much disk is left (CI's disk is finite: a full one fails the build, not a test).
+step() {
+  printf '\n==> [%dm%02ds, %s free] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) \
+    "$(df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' ')" "$*"
+}
+# A fresh checkout gains nothing from incremental compilation and its caches are the
+# larger part of target/ (set CARGO_INCREMENTAL=1 for edit-test loops). pip's wheel cache
+# would keep a second copy of vLLM and torch (~4.6 GB).
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" PIP_NO_CACHE_DIR=1
 
 step "quick start: the README's first command builds with nothing installed (PROTOC points nowhere) and serves"
 # The release binaries later steps use (bench smoke, deploy/local) come from this build.
