@@ -38,6 +38,11 @@ impl BenchDaemon {
         Self::start_with(pool_bytes, segment_bytes, prefault, alloc_ttl_ms, "")
     }
 
+    /// A small daemon in busy-poll mode (`server.busy_poll`: its serving thread spins).
+    pub fn start_busy_poll(pool_bytes: u64, segment_bytes: u64) -> Result<BenchDaemon> {
+        Self::spawn(pool_bytes, segment_bytes, false, 30_000, "", true)
+    }
+
     /// Like [`BenchDaemon::start`], with extra TOML appended to the config file.
     pub fn start_with(
         pool_bytes: u64,
@@ -45,6 +50,24 @@ impl BenchDaemon {
         prefault: bool,
         alloc_ttl_ms: u64,
         extra_toml: &str,
+    ) -> Result<BenchDaemon> {
+        Self::spawn(
+            pool_bytes,
+            segment_bytes,
+            prefault,
+            alloc_ttl_ms,
+            extra_toml,
+            false,
+        )
+    }
+
+    fn spawn(
+        pool_bytes: u64,
+        segment_bytes: u64,
+        prefault: bool,
+        alloc_ttl_ms: u64,
+        extra_toml: &str,
+        busy_poll: bool,
     ) -> Result<BenchDaemon> {
         let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
         let sock = dir.path().join("kvd.sock");
@@ -61,6 +84,7 @@ impl BenchDaemon {
         let child = Command::new(kvd_binary()?)
             .arg("--config")
             .arg(&cfg)
+            .env("KVD_BUSY_POLL", busy_poll.to_string())
             .stdin(Stdio::null())
             .spawn()
             .context("spawning kvd")?;

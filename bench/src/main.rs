@@ -459,12 +459,49 @@ fn store(a: StoreArgs) -> Result<()> {
     // probe): the "ping-weight" round trip the floor is compared with.
     let one = &lkeys[..1];
     let mut rtts = Vec::new();
+    let transport = if client.hello_info().stream.is_some() && endpoint.starts_with("ipc://") {
+        "stream"
+    } else {
+        "ZMQ"
+    };
+    // The same op over ZMQ, and (with a daemon of its own) in busy-poll mode on both sides.
+    let over_zmq = Client::builder()
+        .with_endpoint(&endpoint)
+        .with_stream(false)
+        .with_timeout(Duration::from_secs(60))
+        .connect()?;
+    over_zmq.register_layout(&layout_of(4096, "lookup")?)?;
+    let busy = match &own {
+        Some(_) => {
+            let d = BenchDaemon::start_busy_poll(64 << 20, 1 << 20)?;
+            let c = Client::builder()
+                .with_endpoint(&d.endpoint)
+                .with_busy_poll(true)
+                .with_timeout(Duration::from_secs(60))
+                .connect()?;
+            let l = c.register_layout(&layout_of(4096, "lookup")?)?;
+            Some((d, c, l))
+        }
+        None => None,
+    };
     let stats_op = || client.stats().map(drop);
     let lookup_op = || client.lookup(small.id, one).map(drop);
-    let ops: [(&str, &dyn Fn() -> kvd_client::Result<()>); 2] = [
-        ("round trip (stats)", &stats_op),
-        ("round trip (lookup, 1 key)", &lookup_op),
+    let zmq_op = || over_zmq.lookup(small.id, one).map(drop);
+    let busy_op = || match &busy {
+        Some((_, c, l)) => c.lookup(l.id, one).map(drop),
+        None => Ok(()),
+    };
+    let stats_name = format!("round trip (stats, {transport})");
+    let lookup_name = format!("round trip (lookup, 1 key, {transport})");
+    let mut ops: Vec<(&str, &dyn Fn() -> kvd_client::Result<()>)> = vec![
+        (&stats_name, &stats_op),
+        ("round trip (lookup, 1 key, ZMQ)", &zmq_op),
     ];
+    if busy.is_some() {
+        ops.push(("round trip (lookup, 1 key, busy-poll)", &busy_op));
+    }
+    // Last: the headline (`rtt_p50_over_floor`).
+    ops.push((&lookup_name, &lookup_op));
     for (name, op) in ops {
         let mut lat = Vec::with_capacity(a.round_trips);
         let start = Instant::now();
@@ -485,6 +522,7 @@ fn store(a: StoreArgs) -> Result<()> {
             ..Default::default()
         });
     }
+    drop(busy); // its spinning daemon stops before the floors are measured
     let (floor50, floor99) = uds_ping_pong(a.round_trips);
     let (zmq50, zmq99) = zmq_ping_pong(a.round_trips)?;
     pb.inc(1);
@@ -521,6 +559,14 @@ fn store(a: StoreArgs) -> Result<()> {
         "rtt_stats_p50_over_floor".into(),
         (rtts.first().copied().unwrap_or(0.0) / floor50).into(),
     );
+    extra.insert(
+        "rtt_zmq_p50_over_floor".into(),
+        (rtts.get(1).copied().unwrap_or(0.0) / floor50).into(),
+    );
+    extra.insert("rtt_transport".into(), transport.into());
+    if rtts.len() == 4 {
+        extra.insert("rtt_busy_poll_p50_us".into(), rtts[2].into());
+    }
     Report {
         bench: "store".into(),
         ceiling: Ceiling {

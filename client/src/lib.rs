@@ -28,10 +28,17 @@
 //!
 //! Design:
 //! - **Threads**: every method takes `&self`; `Client` is `Clone + Send + Sync`. Each
-//!   call checks a DEALER socket out of a small pool (creating one when all are busy),
-//!   sends, waits for the reply with the same request id, and checks the socket back in.
-//!   So calls from many engine threads run in parallel with no hop through a helper
+//!   call checks a connection out of a small pool (creating one when all are busy),
+//!   sends, waits for the reply with the same request id, and checks the connection back
+//!   in. So calls from many engine threads run in parallel with no hop through a helper
 //!   thread.
+//! - **Transport**: `hello` goes over ZMQ (a DEALER). When the daemon offers the local
+//!   stream transport (SPEC §1.1) and the endpoint is `ipc://`, every later call goes
+//!   over a Unix stream socket instead (same envelopes, no libzmq I/O threads: about a
+//!   third of the round trip), each connection checked against the daemon's incarnation
+//!   by its greeting; ZMQ is the fallback whenever the stream socket cannot be used.
+//!   [`ClientBuilder::with_stream`] turns it off, [`ClientBuilder::with_busy_poll`] spins
+//!   instead of sleeping while a reply is due.
 //! - **Data**: with the pool mapped (the default on the same node), `store` copies the
 //!   caller's bytes straight into pool slots and `load` copies straight out: one copy
 //!   each way, the daemon touches no data. [`Client::alloc`] and [`Client::get`] hand out
@@ -50,9 +57,10 @@
 #![deny(missing_docs)]
 
 mod shm;
+mod stream;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -60,6 +68,7 @@ use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
 use crate::shm::PoolMap;
+use crate::stream::{StreamConn, StreamError};
 
 /// Errors of the client API.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +118,9 @@ pub enum Error {
     /// A ZMQ call failed.
     #[error("zmq: {0}")]
     Zmq(#[from] zmq::Error),
+    /// The local stream transport's connection broke (after one retry on a new one).
+    #[error("stream transport: {0}")]
+    Stream(std::io::Error),
 }
 
 impl Error {
@@ -145,6 +157,8 @@ pub struct ClientBuilder {
     name: String,
     timeout: Duration,
     map_pool: MapPool,
+    stream: bool,
+    busy_poll: bool,
 }
 
 impl ClientBuilder {
@@ -169,6 +183,19 @@ impl ClientBuilder {
         self.map_pool = m;
         self
     }
+    /// Whether to use the daemon's local stream transport (SPEC §1.1) when it offers one
+    /// and the endpoint is `ipc://` (same node). Default: on, unless `$KVD_STREAM` is `0`.
+    pub fn with_stream(mut self, on: bool) -> Self {
+        self.stream = on;
+        self
+    }
+    /// Spin on the stream socket instead of sleeping while a reply is due: the lowest
+    /// round trip, at the cost of a core busy for as long as each call waits. Default:
+    /// off, unless `$KVD_BUSY_POLL` is `1`. Pair it with the daemon's `--busy-poll`.
+    pub fn with_busy_poll(mut self, on: bool) -> Self {
+        self.busy_poll = on;
+        self
+    }
     /// Connects and says hello. A daemon that is still starting is waited for, up to the
     /// timeout (ZMQ holds the hello until the socket appears).
     pub fn connect(self) -> Result<Client> {
@@ -176,6 +203,7 @@ impl ClientBuilder {
             ctx: zmq::Context::new(),
             opts: self,
             sockets: Mutex::new(Vec::new()),
+            streams: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             session: RwLock::new(None),
             layouts: Mutex::new(HashMap::new()),
@@ -222,15 +250,32 @@ struct Session {
     client: ClientId,
     hello: HelloResp,
     pool: Option<Arc<PoolMap>>,
+    /// Set when the stream transport failed to connect for this session: ZMQ only
+    /// until the next `hello`.
+    stream_failed: AtomicBool,
 }
 
 struct Inner {
     ctx: zmq::Context,
     opts: ClientBuilder,
     sockets: Mutex<Vec<zmq::Socket>>,
+    /// Idle stream connections, each with the incarnation that greeted it.
+    streams: Mutex<Vec<(StreamConn, Incarnation)>>,
     next_id: AtomicU64,
     session: RwLock<Option<Arc<Session>>>,
     layouts: Mutex<HashMap<LayoutId, (Layout, LayoutInfo)>>,
+}
+
+/// A connection to the daemon, checked out for one call.
+enum Conn {
+    Zmq(zmq::Socket),
+    /// With the incarnation that greeted it.
+    Stream((StreamConn, Incarnation)),
+}
+
+/// Whether an error leaves the connection it happened on unusable.
+fn fatal(e: &Error) -> bool {
+    matches!(e, Error::Timeout { .. } | Error::Zmq(_) | Error::Stream(_))
 }
 
 /// A live mapping of the daemon's pool (see [`Client::pool_region`]).
@@ -299,6 +344,8 @@ impl Client {
                 .unwrap_or_else(|| "kvd-client".into()),
             timeout: Duration::from_secs(5),
             map_pool: MapPool::Auto,
+            stream: std::env::var("KVD_STREAM").map_or(true, |v| v != "0"),
+            busy_poll: std::env::var("KVD_BUSY_POLL").is_ok_and(|v| v == "1"),
         }
     }
 
@@ -344,7 +391,8 @@ impl Client {
 
     // ----- transport -----
 
-    fn checkout(&self) -> Result<zmq::Socket> {
+    /// A ZMQ DEALER from the pool (or a new one).
+    fn checkout_zmq(&self) -> Result<zmq::Socket> {
         if let Some(s) = self
             .inner
             .sockets
@@ -362,54 +410,148 @@ impl Client {
         Ok(s)
     }
 
-    fn checkin(&self, s: zmq::Socket) {
-        let mut pool = self.inner.sockets.lock().expect("socket pool poisoned");
-        if pool.len() < 64 {
-            pool.push(s);
+    /// A connection for a request of `frames` frames and `bytes` bytes in all: a stream
+    /// connection when the transport is usable and the message fits its limits, else a
+    /// DEALER.
+    fn checkout_for(&self, frames: usize, bytes: u64) -> Result<Conn> {
+        if let Some(c) = self.checkout_stream(frames, bytes) {
+            return Ok(Conn::Stream(c));
+        }
+        self.checkout_zmq().map(Conn::Zmq)
+    }
+
+    fn checkout(&self) -> Result<Conn> {
+        self.checkout_for(1, 0)
+    }
+
+    /// An idle stream connection of this session's daemon, or a new one; `None` when the
+    /// transport is off, not offered, not same-node, too small for the message, or
+    /// failed to connect (then ZMQ only until the next `hello`).
+    fn checkout_stream(&self, frames: usize, bytes: u64) -> Option<(StreamConn, Incarnation)> {
+        let opts = &self.inner.opts;
+        if !opts.stream || !opts.endpoint.starts_with("ipc://") {
+            return None;
+        }
+        let s = self.session();
+        let info = s.hello.stream.as_ref()?;
+        let fits = frames as u64 <= u64::from(info.max_frames)
+            && bytes <= info.max_message_bytes
+            && bytes <= u64::from(info.max_frame_bytes) * frames as u64;
+        if !fits || s.stream_failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let inc = s.hello.incarnation;
+        {
+            let mut pool = self.inner.streams.lock().expect("stream pool poisoned");
+            pool.retain(|(_, i)| *i == inc);
+            if let Some(c) = pool.pop() {
+                return Some(c);
+            }
+        }
+        match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.timeout) {
+            Ok(c) => Some((c, inc)),
+            Err(_) => {
+                s.stream_failed.store(true, Ordering::Relaxed);
+                None
+            }
         }
     }
 
-    /// Sends a request on `sock`; returns its id.
-    fn send_on(&self, sock: &zmq::Socket, req: &Request, payloads: &[&[u8]]) -> Result<u64> {
+    fn checkin(&self, c: Conn) {
+        match c {
+            Conn::Zmq(s) => {
+                let mut pool = self.inner.sockets.lock().expect("socket pool poisoned");
+                if pool.len() < 64 {
+                    pool.push(s);
+                }
+            }
+            Conn::Stream(c) => {
+                let mut pool = self.inner.streams.lock().expect("stream pool poisoned");
+                if pool.len() < 64 {
+                    pool.push(c);
+                }
+            }
+        }
+    }
+
+    /// Sends a request on `conn`; returns its id.
+    fn send_on(&self, conn: &mut Conn, req: &Request, payloads: &[&[u8]]) -> Result<u64> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_request(id, req);
-        let more = if payloads.is_empty() { 0 } else { zmq::SNDMORE };
-        sock.send(frame, more)?;
-        for (i, p) in payloads.iter().enumerate() {
-            let last = i + 1 == payloads.len();
-            sock.send(*p, if last { 0 } else { zmq::SNDMORE })?;
+        match conn {
+            Conn::Zmq(sock) => {
+                let more = if payloads.is_empty() { 0 } else { zmq::SNDMORE };
+                sock.send(frame, more)?;
+                for (i, p) in payloads.iter().enumerate() {
+                    let last = i + 1 == payloads.len();
+                    sock.send(*p, if last { 0 } else { zmq::SNDMORE })?;
+                }
+            }
+            Conn::Stream((c, _)) => {
+                let mut frames: Vec<&[u8]> = Vec::with_capacity(1 + payloads.len());
+                frames.push(&frame);
+                frames.extend_from_slice(payloads);
+                c.send(&frames, Instant::now() + self.inner.opts.timeout)
+                    .map_err(|e| self.stream_error(e, req.op(), Duration::ZERO))?;
+            }
         }
         Ok(id)
     }
 
-    /// Waits on `sock` for the reply to `id`, skipping replies to earlier requests (ones
-    /// sent without waiting, or that timed out). After `Timeout` or `Zmq` errors the
-    /// socket must not be reused.
+    fn stream_error(&self, e: StreamError, op: &'static str, extra: Duration) -> Error {
+        match e {
+            StreamError::Timeout => Error::Timeout {
+                op,
+                after: self.inner.opts.timeout + extra,
+            },
+            StreamError::Broken(e) => Error::Stream(e),
+        }
+    }
+
+    /// Waits on `conn` for the reply to `id`, skipping replies to earlier requests (ones
+    /// sent without waiting, or that timed out). After `Timeout`, `Zmq` or `Stream`
+    /// errors the connection must not be reused.
     fn recv_on<T: DeserializeOwned>(
         &self,
-        sock: &zmq::Socket,
+        conn: &mut Conn,
         id: u64,
         op: &'static str,
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
         let deadline = Instant::now() + self.inner.opts.timeout + extra;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
-                return Err(Error::Timeout {
-                    op,
-                    after: self.inner.opts.timeout + extra,
-                });
-            }
-            let mut parts = Vec::new();
-            loop {
-                let mut m = zmq::Message::new();
-                sock.recv(&mut m, 0)?;
-                let more = m.get_more();
-                parts.push(m);
-                if !more {
-                    break;
+            let mut parts = match conn {
+                Conn::Zmq(sock) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero()
+                        || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0
+                    {
+                        return Err(Error::Timeout {
+                            op,
+                            after: self.inner.opts.timeout + extra,
+                        });
+                    }
+                    let mut parts = Vec::new();
+                    loop {
+                        let mut m = zmq::Message::new();
+                        sock.recv(&mut m, 0)?;
+                        let more = m.get_more();
+                        parts.push(m);
+                        if !more {
+                            break;
+                        }
+                    }
+                    parts
                 }
+                Conn::Stream((c, _)) => c
+                    .recv(deadline)
+                    .map_err(|e| self.stream_error(e, op, extra))?
+                    .into_iter()
+                    .map(zmq::Message::from)
+                    .collect(),
+            };
+            if parts.is_empty() {
+                continue;
             }
             let env = parts.remove(0);
             match decode_reply::<T>(&env) {
@@ -425,10 +567,10 @@ impl Client {
         }
     }
 
-    /// Returns a socket to the pool unless the error left it unusable.
-    fn finish<T>(&self, sock: zmq::Socket, r: Result<T>) -> Result<T> {
-        if !matches!(r, Err(Error::Timeout { .. } | Error::Zmq(_))) {
-            self.checkin(sock);
+    /// Returns a connection to the pool unless the error left it unusable.
+    fn finish<T>(&self, conn: Conn, r: Result<T>) -> Result<T> {
+        if !matches!(r, Err(ref e) if fatal(e)) {
+            self.checkin(conn);
         }
         r
     }
@@ -442,27 +584,49 @@ impl Client {
         self.raw_call_waiting(req, payloads, Duration::ZERO)
     }
 
-    /// A round trip whose answer the daemon may hold back up to `extra`.
+    /// A round trip whose answer the daemon may hold back up to `extra`. `hello` always
+    /// goes over ZMQ (its reply says whether there is a stream transport). A stream
+    /// connection that broke (the daemon restarted or closed it) is retried once on a
+    /// fresh connection, which may be ZMQ: the retry then meets `unknown_client` if the
+    /// daemon restarted, as over ZMQ.
     fn raw_call_waiting<T: DeserializeOwned>(
         &self,
         req: &Request,
         payloads: &[&[u8]],
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
-        let sock = self.checkout()?;
-        let r = self
-            .send_on(&sock, req, payloads)
-            .and_then(|id| self.recv_on(&sock, id, req.op(), extra));
-        self.finish(sock, r)
+        let bytes = payloads.iter().map(|p| p.len() as u64).sum::<u64>() + 64 * 1024;
+        let mut retried = false;
+        loop {
+            let mut conn = if matches!(req, Request::Hello(_)) {
+                Conn::Zmq(self.checkout_zmq()?)
+            } else {
+                self.checkout_for(1 + payloads.len(), bytes)?
+            };
+            let r = self
+                .send_on(&mut conn, req, payloads)
+                .and_then(|id| self.recv_on(&mut conn, id, req.op(), extra));
+            if matches!(r, Err(Error::Stream(_))) && !retried {
+                // Its siblings in the pool most likely broke the same way.
+                self.inner
+                    .streams
+                    .lock()
+                    .expect("stream pool poisoned")
+                    .clear();
+                retried = true;
+                continue;
+            }
+            return self.finish(conn, r);
+        }
     }
 
     /// Sends a request whose reply nobody waits for (it is skipped by the next call on
-    /// the same socket). For releases: their only failure, a pin already expired, needs
-    /// no action.
+    /// the same connection). For releases: their only failure, a pin already expired,
+    /// needs no action.
     fn send_forget(&self, req: &Request) -> Result<()> {
-        let sock = self.checkout()?;
-        let r = self.send_on(&sock, req, &[]).map(|_| ());
-        self.finish(sock, r)
+        let mut conn = self.checkout()?;
+        let r = self.send_on(&mut conn, req, &[]).map(|_| ());
+        self.finish(conn, r)
     }
 
     /// A call that needs a session: on `unknown_client`, says hello again and either
@@ -518,6 +682,7 @@ impl Client {
             client: hello.client,
             hello,
             pool,
+            stream_failed: AtomicBool::new(false),
         }));
         Ok(())
     }
@@ -712,7 +877,7 @@ impl Client {
     ) -> Result<()> {
         let per_chunk = (COMMIT_CHUNK_BYTES / block_bytes.max(1)).max(1) as usize;
         let client = self.session().client;
-        let sock = self.checkout()?;
+        let mut sock = self.checkout()?;
         let mut ids = Vec::new();
         let mut r: Result<()> = Ok(());
         for start in (0..keys.len()).step_by(per_chunk) {
@@ -727,7 +892,7 @@ impl Client {
                 keys: keys[start..end].to_vec(),
                 offsets: Some(offsets[start..end].to_vec()),
             });
-            match self.send_on(&sock, &req, &[]) {
+            match self.send_on(&mut sock, &req, &[]) {
                 Ok(id) => ids.push(id),
                 Err(e) => {
                     r = Err(e);
@@ -737,8 +902,8 @@ impl Client {
         }
         // Collect every reply sent (even after a failure) so the socket stays in step.
         for id in ids {
-            let got = self.recv_on::<CommitResp>(&sock, id, op::COMMIT, Duration::ZERO);
-            let fatal = matches!(got, Err(Error::Timeout { .. } | Error::Zmq(_)));
+            let got = self.recv_on::<CommitResp>(&mut sock, id, op::COMMIT, Duration::ZERO);
+            let fatal = matches!(got, Err(ref e) if fatal(e));
             if let Err(e) = got {
                 if r.is_ok() {
                     r = Err(e);

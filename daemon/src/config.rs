@@ -12,6 +12,8 @@
 //! | `server.group` | string | none | `KVD_GROUP` / `--group` | group (name or gid) that may use the socket and pool besides the owner (modes 0660 instead of 0600) |
 //! | `server.metrics_addr` | string | `127.0.0.1:9750` | `KVD_METRICS_ADDR` / `--metrics-addr` | HTTP address of `/metrics`, `/healthz`, `/readyz` (`""` turns it off) |
 //! | `server.drain_grace_ms` | int | `30000` | `KVD_DRAIN_GRACE_MS` / `--drain-grace-ms` | after SIGTERM, in-flight transfers may take this long before the daemon exits (a second signal exits at once) |
+//! | `server.stream` | bool | `true` | `KVD_STREAM` / `--stream` | offer the local stream transport (SPEC §1.1) on `<first ipc endpoint's path>.stream`: same messages, a Unix stream socket, no libzmq threads on the round trip |
+//! | `server.busy_poll` | bool | `false` | `KVD_BUSY_POLL` / `--busy-poll` | the serving thread never sleeps: lowest round trip, one core at 100 % all the time |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
 //! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
@@ -154,6 +156,10 @@ pub struct ServerConfig {
     pub metrics_addr: Option<String>,
     /// Drain grace period after SIGTERM.
     pub drain_grace_ms: u64,
+    /// Offer the local stream transport.
+    pub stream: bool,
+    /// Spin instead of sleeping between requests.
+    pub busy_poll: bool,
 }
 
 /// `[pool]`
@@ -466,6 +472,8 @@ impl Default for ServerConfig {
             group: None,
             metrics_addr: Some("127.0.0.1:9750".into()),
             drain_grace_ms: 30_000,
+            stream: true,
+            busy_poll: false,
         }
     }
 }
@@ -554,6 +562,12 @@ pub struct Cli {
     /// After SIGTERM, how long in-flight transfers may take (ms).
     #[arg(long, env = "KVD_DRAIN_GRACE_MS")]
     pub drain_grace_ms: Option<u64>,
+    /// Offer the local stream transport beside the ipc endpoint (true/false).
+    #[arg(long, env = "KVD_STREAM")]
+    pub stream: Option<bool>,
+    /// Spin instead of sleeping between requests (one core busy all the time).
+    #[arg(long, env = "KVD_BUSY_POLL", num_args = 0..=1, default_missing_value = "true")]
+    pub busy_poll: Option<bool>,
     /// Cache sharing with peers: off, lookup, fetch.
     #[arg(long, env = "KVD_PEERS")]
     pub peers: Option<PeerMode>,
@@ -660,6 +674,12 @@ impl DaemonConfig {
         }
         if let Some(v) = cli.drain_grace_ms {
             cfg.server.drain_grace_ms = v;
+        }
+        if let Some(v) = cli.stream {
+            cfg.server.stream = v;
+        }
+        if let Some(v) = cli.busy_poll {
+            cfg.server.busy_poll = v;
         }
         if let Some(v) = cli.peers {
             cfg.peers.mode = v;

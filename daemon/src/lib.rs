@@ -52,6 +52,7 @@ pub mod pool;
 pub mod region;
 pub mod server;
 pub mod store;
+pub mod stream;
 mod sync;
 pub mod transfer;
 
@@ -236,6 +237,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             max_layouts: lim.max_layouts,
         },
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
+        busy_poll: cfg.server.busy_poll,
     };
     let gpu = gpu::open(&cfg.gpu, &shared_pool).map_err(setup_err("the GPU tier"))?;
     let transfers =
@@ -248,6 +250,14 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     server.bind_client_endpoints()?;
     for p in &ipc_paths {
         share_with_group(p, group, 0o660, 0o600)?;
+    }
+    if let Some(p) = stream_path(cfg, &ipc_paths)? {
+        server.bind_stream(&p).map_err(setup_err(format!(
+            "binding the stream transport at {}",
+            p.display()
+        )))?;
+        share_with_group(&p, group, 0o660, 0o600)?;
+        tracing::info!(path = %p.display(), busy_poll = cfg.server.busy_poll, "stream transport offered");
     }
     if let Some(me) = server.peer_ref() {
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
@@ -265,6 +275,31 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
                  // ...unless a data-plane connection thread still holds it: unlink it anyway.
     let _ = std::fs::remove_file(pool_path);
     Ok(())
+}
+
+/// Where the local stream transport is offered: `<first ipc endpoint>.stream`, when it is
+/// on, there is an ipc endpoint, and the path fits a Unix socket address (else a warning
+/// and ZMQ only). A live socket there (another daemon's) is refused like the ipc path.
+fn stream_path(cfg: &DaemonConfig, ipc_paths: &[PathBuf]) -> Result<Option<PathBuf>, DaemonError> {
+    if !cfg.server.stream {
+        return Ok(None);
+    }
+    let Some(ipc) = ipc_paths.first() else {
+        tracing::info!("stream transport not offered: no ipc endpoint");
+        return Ok(None);
+    };
+    let mut p = ipc.clone().into_os_string();
+    p.push(".stream");
+    let p = PathBuf::from(p);
+    // sun_path holds 108 bytes with the terminating NUL.
+    if p.as_os_str().len() > 107 {
+        tracing::warn!(path = %p.display(), "stream transport not offered: the path is longer than a Unix socket address allows (clients use ZMQ)");
+        return Ok(None);
+    }
+    if p.exists() && std::os::unix::net::UnixStream::connect(&p).is_ok() {
+        return Err(DaemonError::SocketInUse(p));
+    }
+    Ok(Some(p))
 }
 
 /// Gives `path` to `group` with `group_mode`, or leaves it owner-only with `owner_mode`.

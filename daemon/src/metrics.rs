@@ -47,6 +47,8 @@ pub struct Metrics {
     prefetches: IntCounter,
     dropped_blocks: IntCounter,
     gpu_registrations: IntGauge,
+    stream_connections: IntGauge,
+    stream_closed_bad: IntCounter,
     gpu_blocks: IntCounterVec,
     gpu_failed: IntCounter,
     expired_pins: IntCounter,
@@ -236,6 +238,16 @@ impl Metrics {
                 &r,
                 "kvd_store_dropped_blocks_total",
                 "Blocks evicted without a copy on NVMe.",
+            ),
+            stream_connections: gauge(
+                &r,
+                "kvd_stream_connections",
+                "Connections open on the local stream transport.",
+            ),
+            stream_closed_bad: counter(
+                &r,
+                "kvd_stream_closed_connections_total",
+                "Stream transport connections closed for breaking the framing or a limit, or for not reading their replies.",
             ),
             gpu_registrations: gauge(
                 &r,
@@ -471,6 +483,10 @@ impl Metrics {
         advance(&self.promotions, s.promotions);
         advance(&self.prefetches, s.prefetches);
         advance(&self.dropped_blocks, s.dropped);
+        if let Some(t) = &s.stream {
+            self.stream_connections.set(t.connections as i64);
+            advance(&self.stream_closed_bad, t.closed_bad);
+        }
         if let Some(g) = &s.gpu {
             self.gpu_registrations.set(g.registrations as i64);
             advance(

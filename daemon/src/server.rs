@@ -31,6 +31,7 @@ use kvd_protocol::*;
 use crate::http::{Health, Phase};
 use crate::metrics::Metrics;
 use crate::store::{Answer, Completed, Store};
+use crate::stream::StreamServer;
 use crate::transfer::{self, Reply, TransferConfig, Transfers, TOKEN_BIT};
 
 /// Where a deferred request's reply goes.
@@ -41,6 +42,8 @@ enum Via {
     Client,
     /// The peer socket; sealed with the request's stamp when it was authenticated.
     Peer(Option<Stamp>),
+    /// A connection of the local stream transport.
+    Stream(u64),
 }
 
 struct ReplyTo {
@@ -71,6 +74,8 @@ pub struct ServerOptions {
     pub limits: Limits,
     /// After SIGTERM, how long in-flight transfers may take before the daemon exits.
     pub drain_grace: Duration,
+    /// Never sleep in poll (SPEC §1.1's busy-poll mode: one core spins).
+    pub busy_poll: bool,
 }
 
 /// Why the server stopped with an error.
@@ -111,6 +116,8 @@ pub struct Server {
     transfers: Option<Transfers>,
     /// The GPU tier (off unless configured).
     gpu: crate::gpu::GpuTier,
+    /// The local stream transport (SPEC §1.1), when offered.
+    stream: Option<StreamServer>,
     links: PeerLinks,
     next_token: u64,
     metrics: Arc<Metrics>,
@@ -164,6 +171,7 @@ impl Server {
             waiting: std::collections::HashMap::new(),
             transfers: None,
             gpu: crate::gpu::GpuTier::off("not configured"),
+            stream: None,
             links: PeerLinks::new(Duration::from_secs(5)),
             next_token: 0,
             metrics,
@@ -171,6 +179,31 @@ impl Server {
             draining: None,
             last_refresh: Instant::now(),
         })
+    }
+
+    /// Offers the local stream transport on `path` (after the client endpoints are
+    /// bound, so that `hello` can name it). Its limits: one frame as large as ZMQ's hard
+    /// cap, one payload frame per key, and a whole message of at most 64 MiB or one
+    /// frame, whichever is more (a client sends larger messages over ZMQ).
+    pub fn bind_stream(&mut self, path: &std::path::Path) -> std::io::Result<()> {
+        let frame = self.hard_cap();
+        let limits = kvd_protocol::stream::StreamLimits {
+            max_frames: u32::try_from(self.opts.max_keys_per_request.saturating_add(1))
+                .unwrap_or(u32::MAX),
+            max_frame_bytes: u32::try_from(frame).unwrap_or(u32::MAX),
+            max_message_bytes: frame.max(64 << 20),
+        };
+        self.stream = Some(StreamServer::bind(path, limits, self.store.incarnation())?);
+        Ok(())
+    }
+
+    /// ZMQ's per-frame cap on the clients' socket: the larger of an envelope and a block,
+    /// plus slack.
+    fn hard_cap(&self) -> u64 {
+        self.opts
+            .max_envelope_bytes
+            .max(self.opts.limits.max_block_bytes)
+            .saturating_add(64 * 1024)
     }
 
     /// Puts the GPU tier in place (before [`Server::run`]).
@@ -253,7 +286,13 @@ impl Server {
                 .unwrap_or(cap)
                 .min(cap);
             // Round up so that a deadline 0.4 ms away does not spin.
-            let timeout_ms = timeout.as_micros().div_ceil(1000) as i64;
+            let timeout_ms = if self.opts.busy_poll {
+                0
+            } else {
+                timeout.as_micros().div_ceil(1000) as i64
+            };
+            let mut stream_ready: Vec<(u64, bool, bool)> = Vec::new();
+            let mut accept_ready = false;
             let (sock_ready, peer_ready, sig_ready) = {
                 let mut items = vec![
                     self.socket.as_poll_item(zmq::POLLIN),
@@ -275,10 +314,36 @@ impl Server {
                 for l in self.links.links.values() {
                     items.push(l.socket.as_poll_item(zmq::POLLIN));
                 }
+                let stream_at = items.len();
+                let mut conn_ids = Vec::new();
+                if let Some(st) = &self.stream {
+                    items.push(zmq::PollItem::from_fd(st.listener_fd(), zmq::POLLIN));
+                    for (id, fd, writing) in st.conn_fds() {
+                        let ev = if writing {
+                            zmq::POLLIN | zmq::POLLOUT
+                        } else {
+                            zmq::POLLIN
+                        };
+                        items.push(zmq::PollItem::from_fd(fd, ev));
+                        conn_ids.push(id);
+                    }
+                }
                 match zmq::poll(&mut items, timeout_ms) {
                     Ok(_) => {}
                     Err(zmq::Error::EINTR) => continue,
                     Err(e) => return Err(zerr("poll")(e)),
+                }
+                if self.stream.is_some() {
+                    accept_ready = items.get(stream_at).is_some_and(|i| i.is_readable());
+                    for (k, id) in conn_ids.into_iter().enumerate() {
+                        if let Some(i) = items.get(stream_at + 1 + k) {
+                            // An error or hang-up reads as readable: the read finds it.
+                            let r = i.is_readable() || i.is_error();
+                            if r || i.is_writable() {
+                                stream_ready.push((id, r, i.is_writable()));
+                            }
+                        }
+                    }
                 }
                 let peer_ready = self.peer_socket.is_some() && items[peer_at].is_readable();
                 (items[0].is_readable(), peer_ready, items[1].is_readable())
@@ -295,6 +360,21 @@ impl Server {
                     if !self.serve_one(true)? {
                         break;
                     }
+                }
+            }
+            for (id, readable, writable) in stream_ready {
+                if writable {
+                    if let Some(st) = self.stream.as_mut() {
+                        st.flush(id);
+                    }
+                }
+                if readable {
+                    self.serve_stream(id);
+                }
+            }
+            if accept_ready {
+                if let Some(st) = self.stream.as_mut() {
+                    st.accept();
                 }
             }
             self.store.maintain(Instant::now());
@@ -361,6 +441,7 @@ impl Server {
         let mut st = self.store.stats(now);
         st.transfers = self.transfer_stats();
         st.gpu = self.gpu.stats();
+        st.stream = self.stream.as_ref().map(StreamServer::stats);
         let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }
@@ -431,6 +512,40 @@ impl Server {
         }
         self.parts = parts;
         Ok(true)
+    }
+
+    /// Serves the messages connection `id` of the stream transport has sent (at most
+    /// [`BATCH`]): the same envelopes and payload frames as on the client socket.
+    fn serve_stream(&mut self, id: u64) {
+        let Some(st) = self.stream.as_mut() else {
+            return;
+        };
+        for frames in st.read(id, BATCH) {
+            let now = Instant::now();
+            let mut frames = frames.into_iter();
+            let Some(env) = frames.next() else {
+                continue; // the decoder never yields a message without frames
+            };
+            let payloads: Vec<zmq::Message> = frames.map(zmq::Message::from).collect();
+            match self.dispatch(&env, &payloads, None, now) {
+                Outcome::Reply(reply, out) => {
+                    self.send_reply(&[], false, Via::Stream(id), reply, out)
+                }
+                Outcome::Later(token, rid, op) => {
+                    self.waiting.insert(
+                        token,
+                        ReplyTo {
+                            via: Via::Stream(id),
+                            identity: Vec::new(),
+                            req_style: false,
+                            id: rid,
+                            op,
+                            since: now,
+                        },
+                    );
+                }
+            }
+        }
     }
 
     /// Counts a request refused before it was decoded and encodes its error reply.
@@ -627,6 +742,20 @@ impl Server {
         reply: Vec<u8>,
         payloads: Vec<zmq::Message>,
     ) {
+        if let Via::Stream(conn) = via {
+            let mut frames: Vec<&[u8]> = Vec::with_capacity(1 + payloads.len());
+            frames.push(&reply);
+            frames.extend(payloads.iter().map(|p| &p[..]));
+            let sent = self
+                .stream
+                .as_mut()
+                .is_some_and(|st| st.send(conn, &frames));
+            if !sent {
+                tracing::debug!(conn, "reply dropped: stream connection gone");
+                self.store.count_dropped_reply();
+            }
+            return;
+        }
         let flags = zmq::DONTWAIT | zmq::SNDMORE;
         let (sock, seal) = match (via, &self.peer_socket) {
             (Via::Peer(stamp), Some(p)) => (
@@ -779,6 +908,15 @@ impl Server {
                     },
                     limits: self.opts.limits.clone(),
                     node: self.transfers.as_ref().map(|t| t.me().clone()),
+                    stream: self.stream.as_ref().map(|st| {
+                        let l = st.limits();
+                        StreamInfo {
+                            path: st.path().display().to_string(),
+                            max_frames: l.max_frames,
+                            max_frame_bytes: l.max_frame_bytes,
+                            max_message_bytes: l.max_message_bytes,
+                        }
+                    }),
                 })
             }
             Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
@@ -845,6 +983,7 @@ impl Server {
                     .unwrap_or_default();
                 st.draining = self.draining.is_some();
                 st.gpu = self.gpu.stats();
+                st.stream = self.stream.as_ref().map(StreamServer::stats);
                 Body::Stats(Box::new(st))
             }
             Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),

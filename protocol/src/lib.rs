@@ -17,6 +17,7 @@
 //! | [`error`] | `ErrorCode`, `WireError`, `DecodeError` |
 //! | [`pool`] | the header at the start of the shared pool file |
 //! | [`strict`] | decoding exactly as strict as SPEC §2 (maps for structs, strings for names and enums) |
+//! | [`stream`] | the framing of the local stream transport (Unix stream socket, negotiated in `hello`) |
 //! | [`transfer`] | prefill → decode handoff ops, `kv_transfer_params`, daemon-to-daemon ops |
 #![deny(missing_docs)]
 
@@ -29,6 +30,7 @@ pub mod ids;
 pub mod layout;
 pub mod msg;
 pub mod pool;
+pub mod stream;
 pub mod strict;
 pub mod transfer;
 

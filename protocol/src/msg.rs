@@ -121,6 +121,34 @@ pub struct HelloResp {
     /// decode side names in `push_register`); absent when transfers are off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<crate::transfer::PeerRef>,
+    /// The local stream transport (SPEC §1.1), when the daemon offers it: a client on
+    /// this node may send every later request there instead of over ZMQ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamInfo>,
+}
+
+/// Where and within what limits the local stream transport is served (SPEC §1.1).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct StreamInfo {
+    /// The Unix stream socket's path.
+    pub path: String,
+    /// Most frames in one message.
+    pub max_frames: u32,
+    /// Largest frame.
+    pub max_frame_bytes: u32,
+    /// Largest sum of one message's frames.
+    pub max_message_bytes: u64,
+}
+
+impl StreamInfo {
+    /// The limits a receiver applies.
+    pub fn limits(&self) -> crate::stream::StreamLimits {
+        crate::stream::StreamLimits {
+            max_frames: self.max_frames,
+            max_frame_bytes: self.max_frame_bytes,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
 }
 
 /// `register_layout`: idempotent; returns the id every later request names.
@@ -420,6 +448,21 @@ pub struct StatsResp {
     /// The GPU tier; absent when it is off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuStats>,
+    /// The local stream transport; absent when it is not offered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamStats>,
+}
+
+/// The local stream transport (SPEC §1.1), in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct StreamStats {
+    /// Connections open now.
+    pub connections: u64,
+    /// Connections accepted since the start.
+    pub accepted: u64,
+    /// Connections closed for breaking the framing or a limit, or for not reading
+    /// their replies.
+    pub closed_bad: u64,
 }
 
 /// The GPU tier, in `stats`.

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import mmap
 import os
+import socket
 import struct
 
 import msgpack
@@ -69,6 +70,30 @@ def encode_request(req_id, op, body=None):
     return msgpack.packb(env, use_bin_type=True)
 
 
+def encode_stream_message(frames):
+    """SPEC 1.1: frame count, then each frame's length and bytes (u32 little-endian)."""
+    out = [struct.pack("<I", len(frames))]
+    for f in frames:
+        out += [struct.pack("<I", len(f)), bytes(f)]
+    return b"".join(out)
+
+
+def decode_stream_message(buf):
+    """(frames, bytes used) of the first whole message in buf, or None if incomplete."""
+    if len(buf) < 4:
+        return None
+    (n,), at, frames = struct.unpack_from("<I", buf), 4, []
+    for _ in range(n):
+        if len(buf) < at + 4:
+            return None
+        (ln,) = struct.unpack_from("<I", buf, at)
+        if len(buf) < at + 4 + ln:
+            return None
+        frames.append(buf[at + 4:at + 4 + ln])
+        at += 4 + ln
+    return frames, at
+
+
 class Client:
     def __init__(self, endpoint, timeout_ms=10000):
         self.ctx = zmq.Context()
@@ -79,15 +104,58 @@ class Client:
         self.ids = itertools.count(1)
         self.pool = None
         self.hello_reply = None
+        self.stream = None  # SPEC 1.1, once use_stream() connected
+
+    # ----- SPEC section 1.1: the local stream transport -----
+
+    def use_stream(self):
+        """Sends every later request over the stream socket `hello` named, after checking
+        the greeting's incarnation. Returns the greeting."""
+        info = self.hello_reply["stream"]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_ms / 1000)
+        s.connect(info["path"])
+        self.stream, self.stream_buf = s, b""
+        (greeting,) = self.stream_recv()
+        greeting = msgpack.unpackb(greeting, raw=False)
+        assert greeting["v"] == PROTOCOL_VERSION
+        assert greeting["incarnation"] == self.hello_reply["incarnation"], "another daemon"
+        return greeting
+
+    def stream_send_raw(self, data):
+        self.stream.sendall(data)
+
+    def stream_send(self, frames):
+        self.stream_send_raw(encode_stream_message(frames))
+
+    def stream_recv(self):
+        """The next whole message's frames; EOFError when the daemon closed."""
+        while True:
+            frames = decode_stream_message(self.stream_buf)
+            if frames is not None:
+                frames, used = frames
+                self.stream_buf = self.stream_buf[used:]
+                return frames
+            chunk = self.stream.recv(1 << 16)
+            if not chunk:
+                raise EOFError("the daemon closed the stream connection")
+            self.stream_buf += chunk
 
     def call(self, op, body=None, payloads=()):
         """One round trip. Returns (ok body, payload frames); raises KvdError on `err`."""
         req_id = next(self.ids)
-        self.sock.send_multipart([encode_request(req_id, op, body), *payloads])
+        frames_out = [encode_request(req_id, op, body), *payloads]
+        if self.stream is not None:
+            self.stream_send(frames_out)
+        else:
+            self.sock.send_multipart(frames_out)
         while True:
-            if not self.sock.poll(self.timeout_ms):
-                raise TimeoutError(f"no reply to {op}")
-            frames = self.sock.recv_multipart()
+            if self.stream is not None:
+                frames = self.stream_recv()
+            else:
+                if not self.sock.poll(self.timeout_ms):
+                    raise TimeoutError(f"no reply to {op}")
+                frames = self.sock.recv_multipart()
             reply = msgpack.unpackb(frames[0], raw=False)
             if reply["id"] != req_id:
                 continue  # a late reply to an earlier request
@@ -150,5 +218,7 @@ class Client:
     def close(self):
         if self.pool is not None:
             self.pool.close()
+        if self.stream is not None:
+            self.stream.close()
         self.sock.close()
         self.ctx.term()

@@ -5,6 +5,7 @@ of the pool, the payload-frame path, and error replies. Prints `N passed, 0 fail
 """
 
 import os
+import struct
 import sys
 
 import msgpack
@@ -142,6 +143,43 @@ def _(c):
     c.sock.send(msgpack.packb({"v": 9, "id": 4242, "op": "stats"}))
     reply = msgpack.unpackb(c.sock.recv_multipart()[0])
     assert reply["id"] == 4242 and reply["err"]["code"] == "unsupported_version"
+
+
+@check("stream transport (SPEC 1.1): vectors, greeting, every op, bad framing closes")
+def _(c):
+    from kvd_spec_client import decode_stream_message, encode_stream_message
+    msg = encode_stream_message([bytes.fromhex("81a17601"), b"ab"])
+    assert msg.hex() == "020000000400000081a17601020000006162"
+    assert decode_stream_message(msg) == ([bytes.fromhex("81a17601"), b"ab"], len(msg))
+    assert decode_stream_message(msg[:-1]) is None
+    g = msgpack.packb({"v": 1, "incarnation": 0x0102030405060708})
+    assert g.hex() == "82a17601ab696e6361726e6174696f6ecf0102030405060708"
+    s = Client(sys.argv[1])
+    h = s.hello("stream")
+    assert h["stream"]["path"].endswith(".stream") and h["stream"]["max_frames"] >= 2
+    assert s.use_stream()["incarnation"] == h["incarnation"]
+    lid = layout_id(TINY)
+    assert s.register_layout(TINY)["layout_id"] == lid
+    bb = block_bytes(TINY)
+    keys = chunk_hashes(list(range(32)), 16, b"stream")
+    blobs = [os.urandom(bb) for _ in keys]
+    s.alloc(lid, keys)
+    assert s.commit(lid, keys, payloads=blobs)["committed"] == 2
+    ok, frames = s.get(lid, keys, inline=True)
+    assert [bytes(f) for f in frames] == blobs
+    try:
+        s.call("defragment")
+        raise AssertionError("unknown op accepted")
+    except KvdError as e:
+        assert e.code == "unknown_op"
+    assert s.delete(lid, keys) == {"status": ["deleted"] * 2}
+    s.stream_send_raw(struct.pack("<I", 0))  # a message of no frames: closed at once
+    try:
+        s.stream_recv()
+        raise AssertionError("the connection stayed open")
+    except (EOFError, ConnectionResetError):
+        pass
+    s.close()
 
 
 @check("stats back to baseline")

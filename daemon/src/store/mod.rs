@@ -748,6 +748,7 @@ impl Store {
             draining: false,
             discovered: Vec::new(),
             gpu: None,
+            stream: None,
             errors: self
                 .counters
                 .errors

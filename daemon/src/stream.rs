@@ -1,0 +1,370 @@
+//! The local stream transport (SPEC §1.1): a Unix stream socket beside the ipc endpoint
+//! that carries the same messages as the clients' ZMQ ROUTER, framed by
+//! [`kvd_protocol::stream`]. A round trip here is two socket wake-ups instead of libzmq's
+//! I/O threads on both sides.
+//!
+//! This module owns the listener and the connections: accepting (at most
+//! [`MAX_CONNECTIONS`]), reading whole messages, buffering replies the socket could not
+//! take at once. What a message means is the server's business: [`StreamServer::read`]
+//! hands it the frames, [`StreamServer::send`] takes the reply. A connection that breaks
+//! the framing or a limit, or does not read its replies (more than
+//! [`MAX_PENDING_OUT`] bytes waiting), is closed and counted; nobody else waits on it.
+//! Everything is non-blocking and single-threaded: the server's poll loop drives it.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+use kvd_protocol::stream::{self, StreamLimits};
+
+/// Most connections at once; one more is accepted and closed at once (its client keeps
+/// using ZMQ).
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// Reply bytes a connection may leave unread before it is closed (besides one message).
+pub const MAX_PENDING_OUT: usize = 64 << 20;
+
+/// Bytes read per `read` call at most, and a connection's receive buffer when idle.
+const READ_CHUNK: usize = 64 << 10;
+
+/// Why a connection was closed (for the log and the counters).
+#[derive(Debug)]
+pub enum Closed {
+    /// The client closed it (or it broke).
+    Gone,
+    /// It broke the framing or a limit.
+    Violation(stream::FrameError),
+    /// It left too many reply bytes unread.
+    NotReading,
+}
+
+struct Conn {
+    stream: UnixStream,
+    /// Receive buffer: `buf[start..filled]` is received and not yet consumed.
+    buf: Vec<u8>,
+    start: usize,
+    filled: usize,
+    /// Replies not yet written: `out[out_at..]`.
+    out: Vec<u8>,
+    out_at: usize,
+}
+
+impl Conn {
+    fn pending_out(&self) -> usize {
+        self.out.len() - self.out_at
+    }
+
+    /// Writes what the socket takes now. `Err` when the connection broke.
+    fn flush(&mut self) -> std::io::Result<()> {
+        while self.out_at < self.out.len() {
+            let rest = self.out.get(self.out_at..).unwrap_or_default();
+            match self.stream.write(rest) {
+                Ok(0) => return Err(ErrorKind::WriteZero.into()),
+                Ok(n) => self.out_at += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.out_at == self.out.len() {
+            self.out.clear();
+            self.out_at = 0;
+            if self.out.capacity() > 4 * READ_CHUNK {
+                self.out = Vec::new();
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes room to read at least one more chunk, keeping `buf[start..filled]`.
+    fn make_room(&mut self, limits: &StreamLimits) {
+        if self.start > 0
+            && (self.start == self.filled || self.buf.len() - self.filled < READ_CHUNK)
+        {
+            self.buf.copy_within(self.start..self.filled, 0);
+            self.filled -= self.start;
+            self.start = 0;
+        }
+        if self.filled == 0 && self.buf.len() > 16 * READ_CHUNK {
+            // Back to an idle-sized buffer after a large message.
+            self.buf = vec![0; READ_CHUNK];
+        }
+        if self.buf.len() - self.filled < READ_CHUNK {
+            // Never beyond one largest message (the decoder refuses anything larger
+            // before it is all here).
+            let cap = buffer_cap(limits);
+            let want = (self.buf.len() * 2).max(self.filled + READ_CHUNK).min(cap);
+            if want > self.buf.len() {
+                self.buf.resize(want, 0);
+            }
+        }
+    }
+}
+
+/// The largest receive buffer one connection ever needs: one message at the limits.
+fn buffer_cap(l: &StreamLimits) -> usize {
+    let prefixes = stream::prefix_bytes(l.max_frames as usize);
+    usize::try_from(l.max_message_bytes)
+        .unwrap_or(usize::MAX)
+        .saturating_add(prefixes)
+        .saturating_add(READ_CHUNK)
+}
+
+/// One complete message read from a connection: its frames, in order.
+pub type Frames = Vec<Vec<u8>>;
+
+/// The listener and its connections. See the module docs.
+pub struct StreamServer {
+    listener: UnixListener,
+    path: PathBuf,
+    conns: HashMap<u64, Conn>,
+    next: u64,
+    limits: StreamLimits,
+    /// The frame every connection gets first ([`kvd_protocol::stream::Greeting`]).
+    greeting: Vec<u8>,
+    /// Connections accepted since the start.
+    accepted: u64,
+    /// Connections closed for a violation or for not reading.
+    closed_bad: u64,
+}
+
+impl StreamServer {
+    /// Binds `path` (a stale socket file there is replaced; the caller has checked that
+    /// no live daemon answers on it). Every connection is greeted with `incarnation`.
+    pub fn bind(
+        path: &Path,
+        limits: StreamLimits,
+        incarnation: kvd_protocol::Incarnation,
+    ) -> std::io::Result<StreamServer> {
+        if path.exists() {
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        Ok(StreamServer {
+            listener,
+            path: path.to_path_buf(),
+            conns: HashMap::new(),
+            next: 1,
+            limits,
+            greeting: stream::Greeting {
+                v: kvd_protocol::PROTOCOL_VERSION,
+                incarnation,
+            }
+            .encode(),
+            accepted: 0,
+            closed_bad: 0,
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The limits messages are read under.
+    pub fn limits(&self) -> StreamLimits {
+        self.limits
+    }
+
+    /// The listener's fd (readable: connections to accept).
+    pub fn listener_fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
+    }
+
+    /// Every connection: its id, fd, and whether it has replies waiting to be written.
+    pub fn conn_fds(&self) -> impl Iterator<Item = (u64, RawFd, bool)> + '_ {
+        self.conns
+            .iter()
+            .map(|(id, c)| (*id, c.stream.as_raw_fd(), c.pending_out() > 0))
+    }
+
+    /// What `stats` reports.
+    pub fn stats(&self) -> kvd_protocol::StreamStats {
+        kvd_protocol::StreamStats {
+            connections: self.conns.len() as u64,
+            accepted: self.accepted,
+            closed_bad: self.closed_bad,
+        }
+    }
+
+    /// Accepts every connection waiting (beyond [`MAX_CONNECTIONS`]: closed at once).
+    pub fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    if self.conns.len() >= MAX_CONNECTIONS || s.set_nonblocking(true).is_err() {
+                        tracing::warn!(
+                            max = MAX_CONNECTIONS,
+                            "stream transport: connection refused (at the limit)"
+                        );
+                        continue;
+                    }
+                    let id = self.next;
+                    self.next += 1;
+                    self.accepted += 1;
+                    self.conns.insert(
+                        id,
+                        Conn {
+                            stream: s,
+                            buf: vec![0; READ_CHUNK],
+                            start: 0,
+                            filled: 0,
+                            out: Vec::new(),
+                            out_at: 0,
+                        },
+                    );
+                    let greeting = std::mem::take(&mut self.greeting);
+                    self.send(id, &[&greeting]);
+                    self.greeting = greeting;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    if e.kind() != ErrorKind::WouldBlock {
+                        tracing::warn!(error = %e, "stream transport: accept failed");
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads what connection `id` has sent and returns up to `max` complete messages.
+    /// A connection that is gone or broke a limit is closed here (and its partial
+    /// message dropped).
+    pub fn read(&mut self, id: u64, max: usize) -> Vec<Frames> {
+        let limits = self.limits;
+        let mut msgs = Vec::new();
+        let closed = {
+            let Some(c) = self.conns.get_mut(&id) else {
+                return msgs;
+            };
+            read_conn(c, &limits, max, &mut msgs).err()
+        };
+        if let Some(why) = closed {
+            self.close(id, why);
+        }
+        msgs
+    }
+
+    /// Queues a reply on connection `id` and writes what the socket takes now. Returns
+    /// `false` when the connection is gone (the reply is lost, as on ZMQ).
+    pub fn send(&mut self, id: u64, frames: &[&[u8]]) -> bool {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        if !stream::encode(frames, &mut c.out) {
+            return false;
+        }
+        let r = c.flush();
+        let over = c.pending_out() > MAX_PENDING_OUT;
+        match r {
+            Err(_) => {
+                self.close(id, Closed::Gone);
+                false
+            }
+            Ok(()) if over => {
+                self.close(id, Closed::NotReading);
+                false
+            }
+            Ok(()) => true,
+        }
+    }
+
+    /// Writes what connection `id` still owes (its socket became writable).
+    pub fn flush(&mut self, id: u64) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            if c.flush().is_err() {
+                self.close(id, Closed::Gone);
+            }
+        }
+    }
+
+    fn close(&mut self, id: u64, why: Closed) {
+        if self.conns.remove(&id).is_none() {
+            return;
+        }
+        match why {
+            Closed::Gone => tracing::debug!(conn = id, "stream transport: connection closed"),
+            Closed::Violation(e) => {
+                self.closed_bad += 1;
+                tracing::warn!(conn = id, error = %e, "stream transport: connection closed: it broke the framing");
+            }
+            Closed::NotReading => {
+                self.closed_bad += 1;
+                tracing::warn!(
+                    conn = id,
+                    max = MAX_PENDING_OUT,
+                    "stream transport: connection closed: it does not read its replies"
+                );
+            }
+        }
+    }
+}
+
+impl Drop for StreamServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Reads until the socket has nothing more or `max` messages are out. `Err`: close it.
+fn read_conn(
+    c: &mut Conn,
+    limits: &StreamLimits,
+    max: usize,
+    msgs: &mut Vec<Frames>,
+) -> Result<(), Closed> {
+    let mut drained = false;
+    loop {
+        // Whole messages already here first.
+        while msgs.len() < max {
+            let pending = c.buf.get(c.start..c.filled).unwrap_or_default();
+            match stream::decode(pending, limits) {
+                Ok(Some(f)) => {
+                    let frames = f
+                        .frames
+                        .iter()
+                        .map(|r| pending.get(r.clone()).unwrap_or_default().to_vec())
+                        .collect();
+                    msgs.push(frames);
+                    c.start += f.consumed;
+                    if c.start == c.filled {
+                        c.start = 0;
+                        c.filled = 0;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return Err(Closed::Violation(e)),
+            }
+        }
+        if msgs.len() >= max || drained {
+            return Ok(());
+        }
+        c.make_room(limits);
+        let room = c.buf.get_mut(c.filled..).unwrap_or_default();
+        if room.is_empty() {
+            // A full buffer the decoder neither accepts nor refuses cannot happen (the
+            // buffer holds one message at the limits); treat it as a violation anyway.
+            return Err(Closed::Violation(stream::FrameError::MessageTooLarge(
+                limits.max_message_bytes,
+            )));
+        }
+        let room_len = room.len();
+        match c.stream.read(room) {
+            Ok(0) => return Err(Closed::Gone),
+            // A short read drained the socket: decode what came, and let the next poll
+            // say when there is more (saves a read that would only say EAGAIN).
+            Ok(n) if n < room_len => {
+                c.filled += n;
+                drained = true;
+            }
+            Ok(n) => c.filled += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Err(Closed::Gone),
+        }
+    }
+}
