@@ -60,7 +60,7 @@ mod shm;
 mod stream;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -132,6 +132,10 @@ impl Error {
         }
     }
 }
+
+/// After the stream transport failed to connect, how long a session stays on ZMQ before
+/// it tries again.
+pub const STREAM_RETRY: Duration = Duration::from_secs(10);
 
 /// Stores commit in chunks of about this many bytes, overlapping round trips with copies.
 pub const COMMIT_CHUNK_BYTES: u64 = 4 << 20;
@@ -250,9 +254,10 @@ struct Session {
     client: ClientId,
     hello: HelloResp,
     pool: Option<Arc<PoolMap>>,
-    /// Set when the stream transport failed to connect for this session: ZMQ only
-    /// until the next `hello`.
-    stream_failed: AtomicBool,
+    /// When the stream transport last failed to connect for this session (ms after
+    /// `since`; 0: never): ZMQ only for [`STREAM_RETRY`] after that.
+    stream_failed_ms: AtomicU64,
+    since: Instant,
 }
 
 struct Inner {
@@ -410,7 +415,7 @@ impl Client {
         Ok(s)
     }
 
-    /// A connection for a request of `frames` frames and `bytes` bytes in all: a stream
+    /// A connection for a request of `frames` frames and `bytes` bytes of payload: a stream
     /// connection when the transport is usable and the message fits its limits, else a
     /// DEALER.
     fn checkout_for(&self, frames: usize, bytes: u64) -> Result<Conn> {
@@ -426,7 +431,7 @@ impl Client {
 
     /// An idle stream connection of this session's daemon, or a new one; `None` when the
     /// transport is off, not offered, not same-node, too small for the message, or
-    /// failed to connect (then ZMQ only until the next `hello`).
+    /// failed to connect (then ZMQ only for [`STREAM_RETRY`], or until the next `hello`).
     fn checkout_stream(&self, frames: usize, bytes: u64) -> Option<(StreamConn, Incarnation)> {
         let opts = &self.inner.opts;
         if !opts.stream || !opts.endpoint.starts_with("ipc://") {
@@ -434,10 +439,12 @@ impl Client {
         }
         let s = self.session();
         let info = s.hello.stream.as_ref()?;
-        let fits = frames as u64 <= u64::from(info.max_frames)
-            && bytes <= info.max_message_bytes
-            && bytes <= u64::from(info.max_frame_bytes) * frames as u64;
-        if !fits || s.stream_failed.load(Ordering::Relaxed) {
+        // The envelope counts at its largest (a key list can make it megabytes).
+        let all = bytes.saturating_add(s.hello.limits.max_envelope_bytes);
+        let fits = frames as u64 <= u64::from(info.max_frames) && all <= info.max_message_bytes;
+        let failed = s.stream_failed_ms.load(Ordering::Relaxed);
+        let now_ms = (s.since.elapsed().as_millis() as u64).max(1);
+        if !fits || (failed != 0 && now_ms < failed + STREAM_RETRY.as_millis() as u64) {
             return None;
         }
         let inc = s.hello.incarnation;
@@ -451,7 +458,7 @@ impl Client {
         match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.timeout) {
             Ok(c) => Some((c, inc)),
             Err(_) => {
-                s.stream_failed.store(true, Ordering::Relaxed);
+                s.stream_failed_ms.store(now_ms, Ordering::Relaxed);
                 None
             }
         }
@@ -595,7 +602,7 @@ impl Client {
         payloads: &[&[u8]],
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
-        let bytes = payloads.iter().map(|p| p.len() as u64).sum::<u64>() + 64 * 1024;
+        let bytes = payloads.iter().map(|p| p.len() as u64).sum::<u64>();
         let mut retried = false;
         loop {
             let mut conn = if matches!(req, Request::Hello(_)) {
@@ -682,7 +689,8 @@ impl Client {
             client: hello.client,
             hello,
             pool,
-            stream_failed: AtomicBool::new(false),
+            stream_failed_ms: AtomicU64::new(0),
+            since: Instant::now(),
         }));
         Ok(())
     }
