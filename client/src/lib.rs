@@ -188,14 +188,16 @@ impl ClientBuilder {
         self
     }
     /// Whether to use the daemon's local stream transport (SPEC §1.1) when it offers one
-    /// and the endpoint is `ipc://` (same node). Default: on, unless `$KVD_STREAM` is `0`.
+    /// and the endpoint is `ipc://` (same node). Default: on, unless `$KVD_STREAM` says
+    /// off (`0`, `false`, `off`, `no`: the words the daemon reads it with).
     pub fn with_stream(mut self, on: bool) -> Self {
         self.stream = on;
         self
     }
     /// Spin on the stream socket instead of sleeping while a reply is due: the lowest
     /// round trip, at the cost of a core busy for as long as each call waits. Default:
-    /// off, unless `$KVD_BUSY_POLL` is `1`. Pair it with the daemon's `--busy-poll`.
+    /// off, unless `$KVD_BUSY_POLL` says on (`1`, `true`, …). Pair it with the daemon's
+    /// `--busy-poll` (which reads the same variable).
     pub fn with_busy_poll(mut self, on: bool) -> Self {
         self.busy_poll = on;
         self
@@ -215,6 +217,18 @@ impl ClientBuilder {
         let client = Client { inner };
         client.hello_once()?;
         Ok(client)
+    }
+}
+
+/// A boolean environment variable, read as the daemon reads the same one (clap's
+/// "boolish" words): `1`/`true`/`yes`/`on`/`y`/`t` or `0`/`false`/`no`/`off`/`n`/`f`;
+/// `None` when unset or anything else.
+fn env_flag(name: &str) -> Option<bool> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" | "y" | "t" => Some(true),
+        "0" | "false" | "no" | "off" | "n" | "f" => Some(false),
+        _ => None,
     }
 }
 
@@ -349,8 +363,8 @@ impl Client {
                 .unwrap_or_else(|| "kvd-client".into()),
             timeout: Duration::from_secs(5),
             map_pool: MapPool::Auto,
-            stream: std::env::var("KVD_STREAM").map_or(true, |v| v != "0"),
-            busy_poll: std::env::var("KVD_BUSY_POLL").is_ok_and(|v| v == "1"),
+            stream: env_flag("KVD_STREAM").unwrap_or(true),
+            busy_poll: env_flag("KVD_BUSY_POLL").unwrap_or(false),
         }
     }
 

@@ -12,8 +12,8 @@
 //! | `server.group` | string | none | `KVD_GROUP` / `--group` | group (name or gid) that may use the socket and pool besides the owner (modes 0660 instead of 0600) |
 //! | `server.metrics_addr` | string | `127.0.0.1:9750` | `KVD_METRICS_ADDR` / `--metrics-addr` | HTTP address of `/metrics`, `/healthz`, `/readyz` (`""` turns it off) |
 //! | `server.drain_grace_ms` | int | `30000` | `KVD_DRAIN_GRACE_MS` / `--drain-grace-ms` | after SIGTERM, in-flight transfers may take this long before the daemon exits (a second signal exits at once) |
-//! | `server.stream` | bool | `true` | `KVD_STREAM` / `--stream` | offer the local stream transport (SPEC §1.1) on `<first ipc endpoint's path>.stream`: same messages, a Unix stream socket, no libzmq threads on the round trip |
-//! | `server.busy_poll` | bool | `false` | `KVD_BUSY_POLL` / `--busy-poll` | the serving thread never sleeps: lowest round trip, one core at 100 % all the time |
+//! | `server.stream` | bool | `true` | `KVD_STREAM` / `--stream` (`true`/`false`, `1`/`0`, `on`/`off`: the same variable turns it off in `kvd-client`) | offer the local stream transport (SPEC §1.1) on `<first ipc endpoint's path>.stream`: same messages, a Unix stream socket, no libzmq threads on the round trip |
+//! | `server.busy_poll` | bool | `false` | `KVD_BUSY_POLL` / `--busy-poll` (also read by `kvd-client`) | the serving thread never sleeps: lowest round trip, one core at 100 % all the time |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
 //! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
@@ -563,10 +563,11 @@ pub struct Cli {
     #[arg(long, env = "KVD_DRAIN_GRACE_MS")]
     pub drain_grace_ms: Option<u64>,
     /// Offer the local stream transport beside the ipc endpoint (true/false).
-    #[arg(long, env = "KVD_STREAM")]
+    #[arg(long, env = "KVD_STREAM", value_parser = clap::builder::BoolishValueParser::new())]
     pub stream: Option<bool>,
     /// Spin instead of sleeping between requests (one core busy all the time).
-    #[arg(long, env = "KVD_BUSY_POLL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "KVD_BUSY_POLL", num_args = 0..=1, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub busy_poll: Option<bool>,
     /// Cache sharing with peers: off, lookup, fetch.
     #[arg(long, env = "KVD_PEERS")]
@@ -920,5 +921,26 @@ mod tests {
         c = DaemonConfig::default();
         c.server.endpoints = vec!["udp://x".into()];
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn stream_and_busy_poll_read_the_words_kvd_client_reads() {
+        let load = |args: &[&str]| {
+            let mut all = vec!["kvd"];
+            all.extend_from_slice(args);
+            let c = DaemonConfig::load(&Cli::try_parse_from(all).unwrap()).unwrap();
+            (c.server.stream, c.server.busy_poll)
+        };
+        assert_eq!(load(&[]), (true, false));
+        assert_eq!(load(&["--stream", "0", "--busy-poll"]), (false, true));
+        assert_eq!(
+            load(&["--stream", "off", "--busy-poll", "1"]),
+            (false, true)
+        );
+        assert_eq!(
+            load(&["--stream", "true", "--busy-poll", "no"]),
+            (true, false)
+        );
+        assert!(Cli::try_parse_from(["kvd", "--stream", "maybe"]).is_err());
     }
 }
