@@ -74,6 +74,11 @@ impl Conn {
             if self.out.capacity() > 4 * READ_CHUNK {
                 self.out = Vec::new();
             }
+        } else if self.out_at > READ_CHUNK && self.out_at * 2 > self.out.len() {
+            // A reader that keeps lagging a little never lets the buffer empty: drop what
+            // was written so that memory follows what is pending, not all ever queued.
+            self.out.drain(..self.out_at);
+            self.out_at = 0;
         }
         Ok(())
     }
@@ -366,5 +371,48 @@ fn read_conn(
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(_) => return Err(Closed::Gone),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lagging_reader_does_not_grow_the_reply_buffer() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut c = Conn {
+            stream: a,
+            buf: vec![0; READ_CHUNK],
+            start: 0,
+            filled: 0,
+            out: vec![7u8; 8 << 20],
+            out_at: 0,
+        };
+        c.flush().unwrap();
+        assert!(
+            c.out_at > 0 && c.pending_out() > 0,
+            "the socket took part of it"
+        );
+        // The reader catches up by more than half, never all the way.
+        let mut sink = vec![0u8; 1 << 20];
+        let mut read = 0;
+        while read < (5 << 20) {
+            read += b.read(&mut sink).unwrap();
+            c.flush().unwrap();
+        }
+        assert!(c.pending_out() > 0);
+        assert!(
+            c.out.len() < (8 << 20) - read + (4 << 20),
+            "written bytes are dropped from the buffer: {} queued for {} pending",
+            c.out.len(),
+            c.pending_out()
+        );
+        while c.pending_out() > 0 {
+            let _ = b.read(&mut sink).unwrap();
+            c.flush().unwrap();
+        }
+        assert_eq!((c.out.len(), c.out_at), (0, 0));
     }
 }
