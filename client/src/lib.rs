@@ -224,7 +224,10 @@ impl ClientBuilder {
 /// "boolish" words): `1`/`true`/`yes`/`on`/`y`/`t` or `0`/`false`/`no`/`off`/`n`/`f`;
 /// `None` when unset or anything else.
 fn env_flag(name: &str) -> Option<bool> {
-    let v = std::env::var(name).ok()?;
+    parse_flag(&std::env::var(name).ok()?)
+}
+
+fn parse_flag(v: &str) -> Option<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" | "y" | "t" => Some(true),
         "0" | "false" | "no" | "off" | "n" | "f" => Some(false),
@@ -1651,6 +1654,18 @@ impl Drop for PinnedBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flags_read_the_daemons_words() {
+        for on in ["1", "true", "TRUE", "yes", "on", " y ", "t"] {
+            assert_eq!(parse_flag(on), Some(true), "{on}");
+        }
+        for off in ["0", "false", "no", "Off", "n", "f"] {
+            assert_eq!(parse_flag(off), Some(false), "{off}");
+        }
+        assert_eq!(parse_flag("maybe"), None);
+        assert_eq!(parse_flag(""), None);
+    }
 
     #[test]
     fn public_types_are_send_sync() {

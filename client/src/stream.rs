@@ -10,7 +10,7 @@ use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use kvd_protocol::stream::{self, Greeting, StreamLimits};
+use kvd_protocol::stream::{self, Greeting, RecvBuffer, StreamLimits};
 use kvd_protocol::Incarnation;
 
 /// What a reply may be: the daemon is trusted to send only what it means, so only the
@@ -41,9 +41,7 @@ pub(crate) struct StreamConn {
     /// `setsockopt` calls (a wait ends at most twice as late as its deadline).
     read_timeout: Duration,
     write_timeout: Duration,
-    buf: Vec<u8>,
-    start: usize,
-    filled: usize,
+    recv: RecvBuffer,
 }
 
 impl StreamConn {
@@ -65,9 +63,7 @@ impl StreamConn {
             busy: false,
             read_timeout: timeout,
             write_timeout: timeout,
-            buf: vec![0; 64 << 10],
-            start: 0,
-            filled: 0,
+            recv: RecvBuffer::default(),
         };
         let greeting = c
             .recv(Instant::now() + GREETING_WAIT)
@@ -94,26 +90,57 @@ impl StreamConn {
     /// Sends one message: `frames[0]` the envelope, the rest payloads (written from the
     /// caller's buffers, not copied).
     pub(crate) fn send(&mut self, frames: &[&[u8]], deadline: Instant) -> Result<(), StreamError> {
-        let mut prefixes = Vec::with_capacity(frames.len() + 1);
-        prefixes.push(stream::frame_count_prefix(frames.len()).ok_or_else(too_large)?);
-        for f in frames {
-            prefixes.push(stream::length_prefix(f.len()).ok_or_else(too_large)?);
-        }
-        if frames.len() == 1 || frames.iter().skip(1).all(|f| f.len() < 4096) {
+        if frames.iter().skip(1).all(|f| f.len() < 4096) {
             // One buffer, one write: the common case (an envelope only).
             let mut one = Vec::new();
-            stream::encode(frames, &mut one);
+            if !stream::encode(frames, &mut one) {
+                return Err(too_large());
+            }
             return self.write_all(&mut [IoSlice::new(&one)], deadline);
         }
+        let prefixes = std::iter::once(frames.len())
+            .chain(frames.iter().map(|f| f.len()))
+            .map(|n| stream::prefix(n).ok_or_else(too_large))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (count, lengths) = prefixes.split_first().ok_or_else(too_large)?;
         let mut slices = Vec::with_capacity(2 * frames.len() + 1);
-        if let Some(count) = prefixes.first() {
-            slices.push(IoSlice::new(count));
-        }
-        for (p, f) in prefixes.iter().skip(1).zip(frames) {
+        slices.push(IoSlice::new(count));
+        for (p, f) in lengths.iter().zip(frames) {
             slices.push(IoSlice::new(p));
             slices.push(IoSlice::new(f));
         }
         self.write_all(&mut slices, deadline)
+    }
+
+    /// Before a blocking read or write: `Timeout` when `deadline` has passed, else the
+    /// socket's timeout lowered if the deadline is less than half of it away.
+    fn near_deadline(&mut self, deadline: Instant, read: bool) -> Result<(), StreamError> {
+        if self.busy {
+            return Ok(());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(StreamError::Timeout);
+        }
+        let now = if read {
+            self.read_timeout
+        } else {
+            self.write_timeout
+        };
+        if left < now / 2 {
+            let set = if read {
+                self.sock.set_read_timeout(Some(left))
+            } else {
+                self.sock.set_write_timeout(Some(left))
+            };
+            set.map_err(StreamError::Broken)?;
+            if read {
+                self.read_timeout = left;
+            } else {
+                self.write_timeout = left;
+            }
+        }
+        Ok(())
     }
 
     fn write_all(
@@ -121,18 +148,7 @@ impl StreamConn {
         mut slices: &mut [IoSlice<'_>],
         deadline: Instant,
     ) -> Result<(), StreamError> {
-        if !self.busy {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(StreamError::Timeout);
-            }
-            if left < self.write_timeout / 2 {
-                self.sock
-                    .set_write_timeout(Some(left))
-                    .map_err(StreamError::Broken)?;
-                self.write_timeout = left;
-            }
-        }
+        self.near_deadline(deadline, false)?;
         while !slices.is_empty() {
             match self.sock.write_vectored(slices) {
                 Ok(0) => return Err(StreamError::Broken(ErrorKind::WriteZero.into())),
@@ -154,21 +170,8 @@ impl StreamConn {
     /// Waits for the next whole message, up to `deadline`.
     pub(crate) fn recv(&mut self, deadline: Instant) -> Result<Vec<Vec<u8>>, StreamError> {
         loop {
-            let pending = self.buf.get(self.start..self.filled).unwrap_or_default();
-            match stream::decode(pending, &REPLY_LIMITS) {
-                Ok(Some(f)) => {
-                    let frames = f
-                        .frames
-                        .iter()
-                        .map(|r| pending.get(r.clone()).unwrap_or_default().to_vec())
-                        .collect();
-                    self.start += f.consumed;
-                    if self.start == self.filled {
-                        self.start = 0;
-                        self.filled = 0;
-                    }
-                    return Ok(frames);
-                }
+            match self.recv.next(&REPLY_LIMITS) {
+                Ok(Some(frames)) => return Ok(frames),
                 Ok(None) => {}
                 Err(e) => {
                     return Err(StreamError::Broken(std::io::Error::new(
@@ -177,28 +180,15 @@ impl StreamConn {
                     )))
                 }
             }
-            self.make_room();
-            if !self.busy {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(StreamError::Timeout);
-                }
-                if left < self.read_timeout / 2 {
-                    self.sock
-                        .set_read_timeout(Some(left))
-                        .map_err(StreamError::Broken)?;
-                    self.read_timeout = left;
-                }
-            }
-            let room = self.buf.get_mut(self.filled..).unwrap_or_default();
-            match self.sock.read(room) {
+            self.near_deadline(deadline, true)?;
+            match self.sock.read(self.recv.room(usize::MAX)) {
                 Ok(0) => {
                     return Err(StreamError::Broken(std::io::Error::new(
                         ErrorKind::UnexpectedEof,
                         "the daemon closed the stream connection",
                     )))
                 }
-                Ok(n) => self.filled += n,
+                Ok(n) => self.recv.filled(n),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => {
                     if Instant::now() >= deadline {
@@ -210,22 +200,6 @@ impl StreamConn {
                 }
                 Err(e) => return Err(StreamError::Broken(e)),
             }
-        }
-    }
-
-    /// Room for at least 64 KiB more, keeping the unread bytes.
-    fn make_room(&mut self) {
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.filled, 0);
-            self.filled -= self.start;
-            self.start = 0;
-        }
-        if self.filled == 0 && self.buf.len() > (1 << 20) {
-            self.buf = vec![0; 64 << 10];
-        }
-        if self.buf.len() - self.filled < (64 << 10) {
-            let want = (self.buf.len() * 2).max(self.filled + (64 << 10));
-            self.buf.resize(want, 0);
         }
     }
 }

@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use kvd_protocol::stream::{self, StreamLimits};
+use kvd_protocol::stream::{self, RecvBuffer, StreamLimits, RECV_CHUNK};
 
 /// Most connections at once; one more is accepted and closed at once (its client keeps
 /// using ZMQ).
@@ -26,12 +26,9 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// Reply bytes a connection may leave unread before it is closed (besides one message).
 pub const MAX_PENDING_OUT: usize = 64 << 20;
 
-/// Bytes read per `read` call at most, and a connection's receive buffer when idle.
-const READ_CHUNK: usize = 64 << 10;
-
 /// Why a connection was closed (for the log and the counters).
 #[derive(Debug)]
-pub enum Closed {
+enum Closed {
     /// The client closed it (or it broke).
     Gone,
     /// It broke the framing or a limit.
@@ -42,10 +39,7 @@ pub enum Closed {
 
 struct Conn {
     stream: UnixStream,
-    /// Receive buffer: `buf[start..filled]` is received and not yet consumed.
-    buf: Vec<u8>,
-    start: usize,
-    filled: usize,
+    recv: RecvBuffer,
     /// Replies not yet written: `out[out_at..]`.
     out: Vec<u8>,
     out_at: usize,
@@ -71,40 +65,16 @@ impl Conn {
         if self.out_at == self.out.len() {
             self.out.clear();
             self.out_at = 0;
-            if self.out.capacity() > 4 * READ_CHUNK {
+            if self.out.capacity() > 4 * RECV_CHUNK {
                 self.out = Vec::new();
             }
-        } else if self.out_at > READ_CHUNK && self.out_at * 2 > self.out.len() {
+        } else if self.out_at > RECV_CHUNK && self.out_at * 2 > self.out.len() {
             // A reader that keeps lagging a little never lets the buffer empty: drop what
             // was written so that memory follows what is pending, not all ever queued.
             self.out.drain(..self.out_at);
             self.out_at = 0;
         }
         Ok(())
-    }
-
-    /// Makes room to read at least one more chunk, keeping `buf[start..filled]`.
-    fn make_room(&mut self, limits: &StreamLimits) {
-        if self.start > 0
-            && (self.start == self.filled || self.buf.len() - self.filled < READ_CHUNK)
-        {
-            self.buf.copy_within(self.start..self.filled, 0);
-            self.filled -= self.start;
-            self.start = 0;
-        }
-        if self.filled == 0 && self.buf.len() > 16 * READ_CHUNK {
-            // Back to an idle-sized buffer after a large message.
-            self.buf = vec![0; READ_CHUNK];
-        }
-        if self.buf.len() - self.filled < READ_CHUNK {
-            // Never beyond one largest message (the decoder refuses anything larger
-            // before it is all here).
-            let cap = buffer_cap(limits);
-            let want = (self.buf.len() * 2).max(self.filled + READ_CHUNK).min(cap);
-            if want > self.buf.len() {
-                self.buf.resize(want, 0);
-            }
-        }
     }
 }
 
@@ -114,7 +84,7 @@ fn buffer_cap(l: &StreamLimits) -> usize {
     usize::try_from(l.max_message_bytes)
         .unwrap_or(usize::MAX)
         .saturating_add(prefixes)
-        .saturating_add(READ_CHUNK)
+        .saturating_add(RECV_CHUNK)
 }
 
 /// One complete message read from a connection: its frames, in order.
@@ -207,23 +177,18 @@ impl StreamServer {
                         );
                         continue;
                     }
-                    let id = self.next;
-                    self.next += 1;
-                    self.accepted += 1;
-                    self.conns.insert(
-                        id,
-                        Conn {
-                            stream: s,
-                            buf: vec![0; READ_CHUNK],
-                            start: 0,
-                            filled: 0,
-                            out: Vec::new(),
-                            out_at: 0,
-                        },
-                    );
-                    let greeting = std::mem::take(&mut self.greeting);
-                    self.send(id, &[&greeting]);
-                    self.greeting = greeting;
+                    let mut c = Conn {
+                        stream: s,
+                        recv: RecvBuffer::default(),
+                        out: Vec::new(),
+                        out_at: 0,
+                    };
+                    stream::encode(&[&self.greeting], &mut c.out);
+                    if c.flush().is_ok() {
+                        self.conns.insert(self.next, c);
+                        self.next += 1;
+                        self.accepted += 1;
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -322,25 +287,13 @@ fn read_conn(
     max: usize,
     msgs: &mut Vec<Frames>,
 ) -> Result<(), Closed> {
+    let cap = buffer_cap(limits);
     let mut drained = false;
     loop {
         // Whole messages already here first.
         while msgs.len() < max {
-            let pending = c.buf.get(c.start..c.filled).unwrap_or_default();
-            match stream::decode(pending, limits) {
-                Ok(Some(f)) => {
-                    let frames = f
-                        .frames
-                        .iter()
-                        .map(|r| pending.get(r.clone()).unwrap_or_default().to_vec())
-                        .collect();
-                    msgs.push(frames);
-                    c.start += f.consumed;
-                    if c.start == c.filled {
-                        c.start = 0;
-                        c.filled = 0;
-                    }
-                }
+            match c.recv.next(limits) {
+                Ok(Some(frames)) => msgs.push(frames),
                 Ok(None) => break,
                 Err(e) => return Err(Closed::Violation(e)),
             }
@@ -348,25 +301,23 @@ fn read_conn(
         if msgs.len() >= max || drained {
             return Ok(());
         }
-        c.make_room(limits);
-        let room = c.buf.get_mut(c.filled..).unwrap_or_default();
-        if room.is_empty() {
+        let room = c.recv.room(cap);
+        let room_len = room.len();
+        if room_len == 0 {
             // A full buffer the decoder neither accepts nor refuses cannot happen (the
             // buffer holds one message at the limits); treat it as a violation anyway.
             return Err(Closed::Violation(stream::FrameError::MessageTooLarge(
                 limits.max_message_bytes,
             )));
         }
-        let room_len = room.len();
         match c.stream.read(room) {
             Ok(0) => return Err(Closed::Gone),
-            // A short read drained the socket: decode what came, and let the next poll
-            // say when there is more (saves a read that would only say EAGAIN).
-            Ok(n) if n < room_len => {
-                c.filled += n;
-                drained = true;
+            Ok(n) => {
+                c.recv.filled(n);
+                // A short read drained the socket: decode what came, and let the next
+                // poll say when there is more (saves a read that would only say EAGAIN).
+                drained = n < room_len;
             }
-            Ok(n) => c.filled += n,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(_) => return Err(Closed::Gone),
@@ -384,9 +335,7 @@ mod tests {
         a.set_nonblocking(true).unwrap();
         let mut c = Conn {
             stream: a,
-            buf: vec![0; READ_CHUNK],
-            start: 0,
-            filled: 0,
+            recv: RecvBuffer::default(),
             out: vec![7u8; 8 << 20],
             out_at: 0,
         };

@@ -21,21 +21,6 @@ fn stranger() -> PeerRef {
     }
 }
 
-/// The well-behaved client: a full store/load round trip, verified.
-fn good_round_trip(c: &Client, l: LayoutId, seed: u32) {
-    let ks = keys(seed, 2);
-    let data: Vec<Vec<u8>> = (0..2)
-        .map(|i| block(u64::from(seed) + i, 16 * 1024))
-        .collect();
-    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
-    c.store(l, &ks, &refs).unwrap();
-    let mut bufs = vec![vec![0u8; 16 * 1024]; 2];
-    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    assert_eq!(c.load(l, &ks, &mut outs).unwrap(), vec![true; 2]);
-    assert!(bufs == data);
-    c.delete(l, &ks).unwrap();
-}
-
 #[test]
 fn every_bad_message_gets_an_error_and_others_keep_being_served() {
     let d = Daemon::start(&[]);
@@ -50,7 +35,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
             assert_eq!(code, Some(want), "{what}");
             assert_eq!(id, want_id, "{what}: request id echoed");
             seed += 1;
-            good_round_trip(&good, l, seed);
+            round_trip(&good, l, seed);
         };
 
     check(
@@ -336,7 +321,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
         "no reply to a frame over the hard cap"
     );
     seed += 1;
-    good_round_trip(&good, l, seed);
+    round_trip(&good, l, seed);
 
     let st = good.stats().unwrap();
     assert_eq!(st.pins, 0);
@@ -395,7 +380,7 @@ fn a_flood_from_one_client_does_not_starve_another() {
     assert_eq!(sender as u64, N);
     // meanwhile the other client is served
     for s in 0..20 {
-        good_round_trip(&good, l, 10_000 + s);
+        round_trip(&good, l, 10_000 + s);
     }
     // every flood request is answered, in order, with the right outcome
     for i in 0..N {
@@ -587,7 +572,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
         let s = good.stats().unwrap().transfers.unwrap();
         s.registrations == 0 && s.expired == 1
     });
-    good_round_trip(&good, l, 901);
+    round_trip(&good, l, 901);
     let s = good.stats().unwrap();
     assert_eq!(s.pinned_blocks, 0);
     assert_eq!(s.pending, 0);
@@ -698,7 +683,7 @@ fn unauthenticated_peer_traffic_gets_nothing() {
         data
     );
     assert_eq!(unauth(), 9);
-    good_round_trip(&good, l, 78);
+    round_trip(&good, l, 78);
 }
 
 /// Finding: the wire was looser than SPEC §2 says: positional arrays were accepted for
@@ -795,7 +780,7 @@ fn the_wire_is_as_strict_as_the_spec() {
     // the same layout, spelled as SPEC says, is accepted
     let ok = frame(1, 46, "register_layout", RegisterLayoutReq { layout });
     assert_eq!(raw.call(&[&ok]), (46, None));
-    good_round_trip(&good, l, 950);
+    round_trip(&good, l, 950);
 }
 
 /// A value spelled as a msgpack str, int or bin, for the strictness test.

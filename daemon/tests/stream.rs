@@ -183,18 +183,6 @@ fn bad_framing_closes_that_connection_only() {
     let d = Daemon::start(&[]);
     let good = d.client();
     let l = register(&good, 16).id;
-    let round_trip = |seed: u32| {
-        let ks = keys(seed, 2);
-        let data: Vec<Vec<u8>> = (0..2)
-            .map(|i| block(u64::from(seed) + i, 16 * 1024))
-            .collect();
-        let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
-        good.store(l, &ks, &refs).unwrap();
-        let mut bufs = vec![vec![0u8; 16 * 1024]; 2];
-        let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-        assert_eq!(good.load(l, &ks, &mut outs).unwrap(), vec![true; 2]);
-        assert!(bufs == data);
-    };
 
     // A bad envelope inside good framing is an error reply; the connection goes on.
     let (mut s, _) = RawStream::connect(&d);
@@ -209,7 +197,7 @@ fn bad_framing_closes_that_connection_only() {
     assert_eq!(s.call(&[&big]).1, Some(ErrorCode::TooLarge));
     assert_eq!(s.call(&[&stats_frame(6)]), (6, None, 0));
     drop(s);
-    round_trip(1);
+    round_trip(&good, l, 1);
 
     // Framing that cannot be followed: the daemon closes the connection at once,
     // without waiting for (or allocating) what the prefix announced.
@@ -244,7 +232,7 @@ fn bad_framing_closes_that_connection_only() {
             t.elapsed() < Duration::from_secs(5),
             "{what}: closed at once"
         );
-        round_trip(10 + i as u32);
+        round_trip(&good, l, 10 + i as u32);
         still_serves(&d);
     }
     let st = good.stats().unwrap().stream.unwrap();
@@ -266,7 +254,7 @@ fn bad_framing_closes_that_connection_only() {
         (after.blocks, after.pins, after.pending),
         (before.blocks, before.pins, before.pending)
     );
-    round_trip(20);
+    round_trip(&good, l, 20);
 }
 
 #[test]
@@ -351,4 +339,36 @@ fn off_when_asked() {
     assert!(!stream_path(&d).exists());
     assert!(c.stats().unwrap().stream.is_none());
     register(&c, 16);
+}
+
+#[test]
+fn a_failed_connect_falls_back_to_zmq_and_is_retried_later() {
+    let d = Daemon::start(&[]);
+    let path = stream_path(&d);
+    let away = path.with_extension("away");
+    std::fs::rename(&path, &away).unwrap();
+    let c = d.client();
+    let accepted = |c: &Client| c.stats().unwrap().stream.unwrap().accepted;
+    assert_eq!(accepted(&c), 0, "no stream socket to connect to: ZMQ");
+    std::fs::rename(&away, &path).unwrap();
+    assert_eq!(accepted(&c), 0, "ZMQ for a while after the failure");
+    std::thread::sleep(kvd_client::STREAM_RETRY + Duration::from_millis(200));
+    assert_eq!(accepted(&c), 1, "then the stream socket again");
+}
+
+#[test]
+fn a_message_above_the_stream_cap_goes_over_zmq() {
+    // 4092 payload frames of 16 KiB: 64 KiB short of the stream's 64 MiB message cap,
+    // with a commit envelope (4092 keys) larger than 64 KiB: the whole message is above
+    // the cap only once the envelope counts, so the client must count it at its largest.
+    let d = Daemon::start(&["--pool-size", "256MiB"]);
+    let c = d.client_with(MapPool::Never);
+    let l = register(&c, 16).id;
+    let n = 4092;
+    let ks = keys(77, n);
+    let data: Vec<Vec<u8>> = (0..n as u64).map(|i| block(i, 16 * 1024)).collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    assert_eq!(c.store(l, &ks, &refs).unwrap().stored(), n);
+    assert_eq!(c.lookup(l, &ks).unwrap().prefix, n as u64);
+    assert_eq!(c.stats().unwrap().stream.unwrap().closed_bad, 0);
 }

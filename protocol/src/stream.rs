@@ -109,25 +109,18 @@ pub fn prefix_bytes(frames: usize) -> usize {
     PREFIX_BYTES * (frames + 1)
 }
 
-/// The prefixes of a message: `head` is the frame count and the first frame's length;
-/// the length of every later frame goes right before it (see [`encode`] for a one-buffer
-/// writer). Returns `None` when a count or length does not fit in 32 bits.
-pub fn frame_count_prefix(frames: usize) -> Option<[u8; PREFIX_BYTES]> {
-    u32::try_from(frames).ok().map(u32::to_le_bytes)
-}
-
-/// The length prefix of one frame, `None` above 4 GiB − 1.
-pub fn length_prefix(len: usize) -> Option<[u8; PREFIX_BYTES]> {
-    u32::try_from(len).ok().map(u32::to_le_bytes)
+/// A frame count or a frame length as its prefix, `None` above `u32::MAX`.
+pub fn prefix(n: usize) -> Option<[u8; PREFIX_BYTES]> {
+    u32::try_from(n).ok().map(u32::to_le_bytes)
 }
 
 /// Appends one whole message to `out`. Returns `false` (and appends nothing) when a
 /// count or length does not fit in 32 bits.
 pub fn encode(frames: &[&[u8]], out: &mut Vec<u8>) -> bool {
-    let Some(count) = frame_count_prefix(frames.len()) else {
+    let Some(count) = prefix(frames.len()) else {
         return false;
     };
-    if frames.iter().any(|f| length_prefix(f.len()).is_none()) {
+    if frames.iter().any(|f| prefix(f.len()).is_none()) {
         return false;
     }
     out.reserve(prefix_bytes(frames.len()) + frames.iter().map(|f| f.len()).sum::<usize>());
@@ -137,6 +130,82 @@ pub fn encode(frames: &[&[u8]], out: &mut Vec<u8>) -> bool {
         out.extend_from_slice(f);
     }
     true
+}
+
+/// Bytes a receive buffer reads at least per call, and its size when idle.
+pub const RECV_CHUNK: usize = 64 << 10;
+
+/// A connection's receive side, sans-IO: the caller reads the socket into [`room`],
+/// reports how much came with [`filled`], and takes whole messages out with [`next`].
+/// Both ends of the stream transport use it.
+///
+/// [`room`]: RecvBuffer::room
+/// [`filled`]: RecvBuffer::filled
+/// [`next`]: RecvBuffer::next
+#[derive(Debug)]
+pub struct RecvBuffer {
+    /// `buf[start..end]` is received and not yet taken.
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for RecvBuffer {
+    fn default() -> Self {
+        RecvBuffer {
+            buf: vec![0; RECV_CHUNK],
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+impl RecvBuffer {
+    /// The next whole message's frames, copied out (`Ok(None)`: not all here yet).
+    pub fn next(&mut self, limits: &StreamLimits) -> Result<Option<Vec<Vec<u8>>>, FrameError> {
+        let pending = self.buf.get(self.start..self.end).unwrap_or_default();
+        let Some(f) = decode(pending, limits)? else {
+            return Ok(None);
+        };
+        let frames = f
+            .frames
+            .iter()
+            .map(|r| pending.get(r.clone()).unwrap_or_default().to_vec())
+            .collect();
+        self.start += f.consumed;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        Ok(Some(frames))
+    }
+
+    /// Where the next read goes: at least [`RECV_CHUNK`] bytes, unless the buffer would
+    /// pass `cap` (then what is left below it, possibly nothing). Keeps what is pending,
+    /// moving it to the front when that makes room, and shrinks back to [`RECV_CHUNK`]
+    /// when empty after a large message.
+    pub fn room(&mut self, cap: usize) -> &mut [u8] {
+        if self.start > 0 && (self.start == self.end || self.buf.len() - self.end < RECV_CHUNK) {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        if self.end == 0 && self.buf.len() > 16 * RECV_CHUNK {
+            self.buf = vec![0; RECV_CHUNK];
+        }
+        if self.buf.len() - self.end < RECV_CHUNK {
+            let want = (self.buf.len() * 2).max(self.end + RECV_CHUNK).min(cap);
+            if want > self.buf.len() {
+                self.buf.resize(want, 0);
+            }
+        }
+        self.buf.get_mut(self.end..).unwrap_or_default()
+    }
+
+    /// `n` bytes were read into [`RecvBuffer::room`].
+    pub fn filled(&mut self, n: usize) {
+        self.end = (self.end + n).min(self.buf.len());
+    }
 }
 
 /// The one-frame message the daemon writes first on every accepted connection: which
@@ -190,6 +259,58 @@ mod tests {
         let g = decode(rest, &LIM).unwrap().unwrap();
         assert_eq!(&rest[g.frames[0].clone()], b"second");
         assert_eq!(g.consumed, rest.len());
+    }
+
+    #[test]
+    fn recv_buffer_hands_out_whole_messages_whatever_the_reads() {
+        let mut wire = Vec::new();
+        let big = vec![5u8; 20 * RECV_CHUNK];
+        for i in 0..20u8 {
+            assert!(encode(
+                &[&[i], if i % 7 == 0 { &big } else { b"x" }],
+                &mut wire
+            ));
+        }
+        let lim = StreamLimits {
+            max_frames: 2,
+            max_frame_bytes: u32::MAX,
+            max_message_bytes: u64::MAX,
+        };
+        let mut r = RecvBuffer::default();
+        let mut got = Vec::new();
+        let mut at = 0;
+        for step in [1usize, 3, 1000, 70_000, 5, 200_000].iter().cycle() {
+            while let Some(m) = r.next(&lim).unwrap() {
+                got.push(m);
+            }
+            if at == wire.len() {
+                break;
+            }
+            let room = r.room(usize::MAX);
+            let n = (*step).min(room.len()).min(wire.len() - at);
+            room[..n].copy_from_slice(&wire[at..at + n]);
+            r.filled(n);
+            at += n;
+        }
+        assert_eq!(got.len(), 20);
+        for (i, m) in got.iter().enumerate() {
+            assert_eq!(m[0], vec![i as u8]);
+            assert_eq!(m[1].len(), if i % 7 == 0 { big.len() } else { 1 });
+        }
+        assert!(
+            r.buf.len() > 16 * RECV_CHUNK,
+            "it grew for the large messages"
+        );
+        assert_eq!(
+            r.room(usize::MAX).len(),
+            RECV_CHUNK,
+            "and shrinks back once empty"
+        );
+        // The cap bounds the buffer: at the cap there is no room.
+        let mut r = RecvBuffer::default();
+        let n = r.room(RECV_CHUNK).len();
+        r.filled(n);
+        assert!(r.room(RECV_CHUNK).is_empty());
     }
 
     #[test]

@@ -413,3 +413,18 @@ pub fn python() -> String {
     }
     "python3".into()
 }
+
+/// The well-behaved client: a full store/load round trip, verified.
+pub fn round_trip(c: &Client, l: kvd_protocol::LayoutId, seed: u32) {
+    let ks = keys(seed, 2);
+    let data: Vec<Vec<u8>> = (0..2)
+        .map(|i| block(u64::from(seed) + i, 16 * 1024))
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(l, &ks, &refs).unwrap();
+    let mut bufs = vec![vec![0u8; 16 * 1024]; 2];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l, &ks, &mut outs).unwrap(), vec![true; 2]);
+    assert!(bufs == data);
+    c.delete(l, &ks).unwrap();
+}
