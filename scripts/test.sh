@@ -119,6 +119,18 @@ grep -q '<svg' "$plots/store.svg" || { echo "bench smoke: --plot wrote no chart"
 rm -rf "$plots"
 ./target/release/kvd-bench nvme --dir target/kvd-bench-nvme-smoke --total 64MiB --sizes 1MiB --qd 4 --pool 64MiB --json > /dev/null
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
+# The peers comparison: NIXL and Mooncake from PyPI (~0.5 GB, installed into
+# target/kvd-bench-peers once and reused), each measured between two processes.
+./target/release/kvd-bench transport --sizes 1MiB --inflight 1 --total 16MiB --ceiling-bytes 64MiB \
+  --compare nixl,mooncake --peers-venv target/kvd-bench-peers --json > target/kvd-bench-peers.json
+python3 - target/kvd-bench-peers.json <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+cases = {c["case"] for c in r["results"] if c["gbps"] > 0}
+want = {"pull tcp", "nixl read tcp", "nixl write tcp", "mooncake read tcp", "mooncake write tcp"}
+assert want <= cases, f"bench smoke: --compare measured {sorted(cases)}"
+assert all("kvd / nixl read tcp" in v for v in r["extra"]["vs_peers"]), r["extra"]
+PY
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench pd-e2e --tokens 128 --reps 1 --max-tokens 4 --backend cpu --json > /dev/null
 ./target/release/kvd-bench gpu --device host --sizes 64KiB,1MiB --batch 4MiB --reps 1 --json > /dev/null

@@ -26,6 +26,7 @@ mod e2e;
 mod gpu;
 mod nvme;
 mod p2p;
+mod peers;
 mod plot;
 mod report;
 mod transport;

@@ -51,6 +51,15 @@ pub struct TransportArgs {
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also measure these systems' TCP transfers with the same sizes, in-flight counts and
+    /// bytes per case, after kvd's (`nixl`, `mooncake`; installed from PyPI into
+    /// `--peers-venv` on first use), and print kvd's ratio to each.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// The venv the peers live in (default `$KVD_BENCH_PEERS_VENV`, else
+    /// `~/.cache/kvd-bench/peers`).
+    #[arg(long)]
+    peers_venv: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -197,6 +206,15 @@ pub fn transport(a: TransportArgs) -> Result<()> {
         "shm" => true,
         other => bail!("--transport {other}: use tcp or shm"),
     };
+    let peers = crate::peers::parse(&a.compare)?;
+    let venv = a
+        .peers_venv
+        .clone()
+        .unwrap_or_else(crate::peers::default_venv);
+    if !peers.is_empty() {
+        // Installed before anything is measured: a failed install costs no bench time.
+        crate::peers::ensure(&venv, &peers)?;
+    }
     let max_threads = a.inflight.iter().copied().max().unwrap_or(1);
     let max_size = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(1 << 20);
     // Each thread owns its keys for the largest transfer, on both pools.
@@ -275,9 +293,48 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             pb.inc(1);
         }
     }
+    // The daemons go before the peers run: nothing of kvd's competes with them.
+    drop((ca, cb, da, db));
+    let mut peer_results = Vec::new();
+    for system in &peers {
+        pb.set_message(format!("{system} (read and write)"));
+        let sizes: Vec<u64> = a.sizes.iter().map(|s| s.as_u64()).collect();
+        peer_results.extend(crate::peers::measure(
+            &venv,
+            system,
+            &sizes,
+            &a.inflight,
+            a.total.as_u64(),
+            ceil,
+        )?);
+    }
     pb.finish_and_clear();
     let mut extra = serde_json::Map::new();
     extra.insert("ceiling_streams".into(), ceil_streams.into());
+    let table = crate::peers::comparison(&results, &peer_results);
+    if a.json && !peer_results.is_empty() {
+        let mut names: Vec<String> = Vec::new();
+        for p in &peer_results {
+            if !names.contains(&p.case) {
+                names.push(p.case.clone());
+            }
+        }
+        let vs: Vec<serde_json::Value> = results
+            .iter()
+            .map(|k| {
+                let mut m = serde_json::Map::new();
+                m.insert("bytes".into(), k.block_bytes.into());
+                m.insert("inflight".into(), k.threads.into());
+                for n in &names {
+                    if let Some(r) = crate::peers::ratio(k, &peer_results, n) {
+                        m.insert(format!("kvd / {n}"), r.into());
+                    }
+                }
+                m.into()
+            })
+            .collect();
+        extra.insert("vs_peers".into(), vs.into());
+    }
     extra.insert(
         "note".into(),
         "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export + pull until usable; GB/s = bytes / the busiest thread's summed latencies (the decode side's release + delete between transfers is not timed)".into(),
@@ -290,10 +347,16 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             ),
             gbps: ceil,
         },
-        results,
+        results: results.into_iter().chain(peer_results).collect(),
         extra,
     }
     .print(a.json);
+    if !a.json && !peers.is_empty() {
+        println!("\nkvd pull against the peers (same sizes, in flight, bytes; TCP on loopback):");
+        for l in table {
+            println!("{l}");
+        }
+    }
     Ok(())
 }
 
