@@ -229,14 +229,6 @@ impl Pool {
     pub fn recv_into(&self, offset: u64, len: usize, r: &mut impl io::Read) -> io::Result<()> {
         self.region.fill_from(offset, len, r)
     }
-
-    /// Writes `len` bytes at `offset` to `w` (the data plane sending straight from a slot).
-    pub fn send_from(&self, offset: u64, len: usize, w: &mut impl io::Write) -> io::Result<()> {
-        let src = self
-            .read(offset, len)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        w.write_all(src)
-    }
 }
 
 impl From<OutOfBounds> for PoolError {

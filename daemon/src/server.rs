@@ -625,6 +625,12 @@ impl Server {
         for f in t.take_finished() {
             self.metrics.observe_transfer(&f);
         }
+        // Clients first: a finished pull's reply does not wait behind the encoding and
+        // sealing of its `peer_done` (nothing a client does next depends on the order).
+        self.answer_transfers();
+        let Some(t) = self.transfers.as_mut() else {
+            return;
+        };
         // Sending can fail at once (a peer that cannot be connected): feed those back
         // until the outbox is empty.
         for _ in 0..4 {
@@ -638,6 +644,15 @@ impl Server {
                 }
             }
         }
+        // What those failures finished.
+        self.answer_transfers();
+    }
+
+    /// Sends the replies of deferred transfer requests that are answered now.
+    fn answer_transfers(&mut self) {
+        let Some(t) = self.transfers.as_mut() else {
+            return;
+        };
         for (token, r) in t.take_answers() {
             let Some(to) = self.waiting.remove(&token) else {
                 continue;

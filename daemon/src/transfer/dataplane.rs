@@ -35,7 +35,7 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvd_protocol::auth::{ClusterKey, DATA_TRAILER_BYTES};
@@ -134,6 +134,10 @@ pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
 }
 
 // ----- wire -----
+
+/// Ranges up to this size have their CRC computed before they are sent, and go out in
+/// one `writev` with it; larger ones are sent first.
+const CRC_FIRST_MAX: u64 = 256 << 10;
 
 /// Request flag: after each range's bytes, the sender appends its CRC-32C (u32 LE),
 /// which the receiver checks (end-to-end integrity, computed on the data-plane threads).
@@ -253,6 +257,50 @@ fn write_status(w: &mut impl Write, err: Option<&WireError>) -> io::Result<()> {
     b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     b.extend_from_slice(msg.as_bytes());
     w.write_all(&b)
+}
+
+/// Writes all of `bufs` (one `writev` when the socket takes it all: a status and the
+/// bytes after it leave as one segment train and wake the reader once, not twice).
+/// On failure, also says how many bytes had been written.
+fn write_all_vectored(
+    w: &mut impl Write,
+    bufs: &mut [io::IoSlice<'_>],
+) -> Result<(), (io::Error, usize)> {
+    let mut bufs = bufs;
+    io::IoSlice::advance_slices(&mut bufs, 0);
+    let mut written = 0;
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err((io::ErrorKind::WriteZero.into(), written)),
+            Ok(n) => {
+                written += n;
+                io::IoSlice::advance_slices(&mut bufs, n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((e, written)),
+        }
+    }
+    Ok(())
+}
+
+/// Waits up to `idle` for the first bytes of the next request and reads them into
+/// `hdr` (the socket's read timeout, the per-request one, is shorter: each expiry
+/// while nothing has arrived is one more step of the idle wait, so no `setsockopt`
+/// per request switches between the two). `Ok(0)`: the peer closed.
+fn read_first(sock: &mut TcpStream, hdr: &mut [u8], idle: Duration) -> io::Result<usize> {
+    let since = Instant::now();
+    loop {
+        match sock.read(hdr) {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) && since.elapsed() < idle => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Reads a response status; `Err(Ok(e))` is the peer's refusal, `Err(Err(io))` a broken
@@ -422,17 +470,21 @@ fn serve_conn(
 ) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_write_timeout(Some(timeout))?;
+    sock.set_read_timeout(Some(timeout))?;
     // Idle connections are closed after a minute; the client reconnects.
-    sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
+    let idle = timeout.max(Duration::from_secs(60));
     let mut hdr = [0u8; HEADER_BYTES];
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     loop {
-        match sock.read_exact(&mut hdr) {
+        let first = read_first(&mut sock, &mut hdr, idle)?;
+        if first == 0 {
+            return Ok(());
+        }
+        match sock.read_exact(&mut hdr[first..]) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        sock.set_read_timeout(Some(timeout))?;
         let (h, kind, rest) = match check_header(&hdr) {
             Ok(x) => x,
             Err(e) => {
@@ -470,16 +522,36 @@ fn serve_conn(
         };
         match kind {
             GrantKind::Read => {
-                write_status(&mut sock, None)?;
+                // One `writev` per range: [status (first range only)] bytes [crc], so a
+                // small read leaves as one segment train and wakes the reader once. A
+                // large range's CRC is computed after its bytes are on their way (the
+                // reader copies them meanwhile), as its own 4-byte write.
+                let ok = [0u8; 8];
+                let mut status: &[u8] = &ok;
+                let with_crc = h.flags & FLAG_CRC != 0;
                 for &(off, len) in &ranges {
-                    pool.send_from(off, len as usize, &mut sock)?;
-                    if h.flags & FLAG_CRC != 0 {
-                        let crc = pool
-                            .read(off, len as usize)
-                            .map(crc32c::crc32c)
-                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                        sock.write_all(&crc.to_le_bytes())?;
+                    let src = pool
+                        .read(off, len as usize)
+                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                    let crc_first = with_crc && len <= CRC_FIRST_MAX;
+                    let crc = if crc_first { crc32c::crc32c(src) } else { 0 }.to_le_bytes();
+                    let crc_now: &[u8] = if crc_first { &crc } else { &[] };
+                    write_all_vectored(
+                        &mut sock,
+                        &mut [
+                            io::IoSlice::new(status),
+                            io::IoSlice::new(src),
+                            io::IoSlice::new(crc_now),
+                        ],
+                    )
+                    .map_err(|(e, _)| e)?;
+                    status = &[];
+                    if with_crc && !crc_first {
+                        sock.write_all(&crc32c::crc32c(src).to_le_bytes())?;
                     }
+                }
+                if !status.is_empty() {
+                    write_status(&mut sock, None)?; // no ranges
                 }
                 guard.complete();
             }
@@ -492,12 +564,10 @@ fn serve_conn(
                 guard.complete();
                 drop(guard);
                 write_status(&mut sock, None)?;
-                sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
                 continue;
             }
         }
         drop(guard);
-        sock.set_read_timeout(Some(timeout.max(Duration::from_secs(60))))?;
     }
 }
 
@@ -693,7 +763,9 @@ impl TcpTransport {
         .encode(ops, &mut buf);
         let trailer = self.key.data_trailer(crate::auth::stamp(), &buf);
         buf.extend_from_slice(&trailer);
-        s.write_all(&buf).map_err(|e| Err((e, false)))?;
+        if dir == Dir::Read {
+            s.write_all(&buf).map_err(|e| Err((e, false)))?;
+        }
         let mut bytes = 0;
         match dir {
             Dir::Read => {
@@ -725,11 +797,26 @@ impl TcpTransport {
                 }
             }
             Dir::Write => {
-                for op in ops {
-                    self.pool
-                        .send_from(op.local, op.len as usize, s)
-                        .map_err(|e| Err((e, true)))?;
-                    bytes += op.len;
+                // The request and the ranges' bytes in `writev`s of up to 64 slices: a
+                // small push is one segment train, not a request the peer wakes up for
+                // and then its bytes.
+                let mut first: &[u8] = &buf;
+                for chunk in ops.chunks(63) {
+                    let mut slices = Vec::with_capacity(chunk.len() + 1);
+                    slices.push(io::IoSlice::new(first));
+                    for op in chunk {
+                        let src = self.pool.read(op.local, op.len as usize).map_err(|e| {
+                            Err((io::Error::new(io::ErrorKind::InvalidInput, e), true))
+                        })?;
+                        slices.push(io::IoSlice::new(src));
+                        bytes += op.len;
+                    }
+                    // A pooled connection found dead before the whole request went out
+                    // is retried on a fresh one, as a read's is.
+                    let whole_request = first.len();
+                    write_all_vectored(s, &mut slices)
+                        .map_err(|(e, n)| Err((e, n >= whole_request)))?;
+                    first = &[];
                 }
                 read_status(s).map_err(|r| r.map_err(|e| (e, true)))?;
             }
@@ -901,8 +988,12 @@ pub struct JobDone {
 }
 
 /// Worker threads running [`Job`]s. See the module docs.
+///
+/// The queue is a multi-consumer channel: a job wakes one idle worker (a
+/// `Mutex<mpsc::Receiver>` woke one, which then woke the next waiter on the mutex as it
+/// let go: a second wake-up per job, competing for the same two cores as the transfer).
 pub struct DataPlane {
-    tx: Option<mpsc::Sender<Job>>,
+    tx: Option<crossbeam_channel::Sender<Job>>,
     done: Arc<Completions<JobDone>>,
     workers: Vec<std::thread::JoinHandle<()>>,
 }
@@ -910,9 +1001,8 @@ pub struct DataPlane {
 impl DataPlane {
     /// Starts `workers` threads.
     pub fn start(workers: usize) -> io::Result<DataPlane> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let done = Arc::new(Completions::new()?);
-        let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::new();
         for i in 0..workers.max(1) {
             let (rx, done) = (rx.clone(), done.clone());
@@ -920,12 +1010,8 @@ impl DataPlane {
                 std::thread::Builder::new()
                     .name(format!("kvd-xfer-{i}"))
                     .spawn(move || loop {
-                        let job = {
-                            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
-                            match rx.recv() {
-                                Ok(j) => j,
-                                Err(_) => return,
-                            }
+                        let Ok(job) = rx.recv() else {
+                            return; // the plane is gone
                         };
                         let t0 = Instant::now();
                         // A transport that panics fails its job, not the worker: a
