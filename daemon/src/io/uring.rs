@@ -13,7 +13,9 @@
 //!   `RLIMIT_MEMLOCK`), plain reads and writes into the same slots are used; `start`
 //!   reports which.
 //! - Submissions are batched: the thread drains the request channel up to the queue depth,
-//!   submits once, waits for at least one completion, reaps them all, and repeats.
+//!   submits once, waits for at least one completion, reaps them all, and repeats. Writes
+//!   are the exception: each is submitted as soon as its checksum is taken, so the disk
+//!   is busy with one while the next is checksummed.
 //! - Ownership: a request names a slot that the store keeps allocated (and unreadable to
 //!   clients for reads in progress) until its completion has been delivered, and the engine
 //!   holds an `Arc` of the pool, so the kernel never touches unmapped or reused memory.
@@ -206,15 +208,7 @@ impl Worker {
                 }
             }
             let mut out = Vec::new();
-            while self.inflight.len() < self.qd {
-                let Some(op) = queued.pop_front() else { break };
-                if let Err(e) = self.push(op) {
-                    out.push(IoDone {
-                        tag: op.tag,
-                        result: Err(e),
-                    });
-                }
-            }
+            self.fill(&mut queued, &mut out);
             if !self.inflight.is_empty() {
                 if let Err(e) = self.ring.submit_and_wait(1) {
                     if e.kind() != io::ErrorKind::Interrupted {
@@ -226,10 +220,19 @@ impl Worker {
                     .completion()
                     .map(|c| (c.user_data(), c.result()))
                     .collect();
-                for (user, res) in cqes {
-                    let Some((op, write_crc)) = self.inflight.remove(&user) else {
-                        continue;
-                    };
+                let finished: Vec<_> = cqes
+                    .into_iter()
+                    .filter_map(|(user, res)| self.inflight.remove(&user).map(|f| (f, res)))
+                    .collect();
+                // The freed queue slots are refilled before the reads just done are
+                // checksummed, so the disk is not idle meanwhile.
+                self.fill(&mut queued, &mut out);
+                if let Err(e) = self.ring.submit() {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        tracing::error!(error = %e, "io_uring submit failed");
+                    }
+                }
+                for ((op, write_crc), res) in finished {
                     out.push(IoDone {
                         tag: op.tag,
                         result: self.complete(&op, res, write_crc),
@@ -238,6 +241,30 @@ impl Worker {
             }
             // queued, then one wake-up (see `completions`)
             done.deliver(out);
+        }
+    }
+
+    /// Moves queued operations into the ring up to the queue depth (failures to `out`).
+    /// A write is handed to the kernel as soon as its checksum is taken, so the disk works
+    /// on it while the next one is checksummed (one submission for the whole batch left
+    /// the disk idle meanwhile); reads go in at the next submission.
+    fn fill(&mut self, queued: &mut std::collections::VecDeque<IoOp>, out: &mut Vec<IoDone>) {
+        while self.inflight.len() < self.qd {
+            let Some(op) = queued.pop_front() else { break };
+            match self.push(op) {
+                Ok(()) if op.kind == IoKind::Write => {
+                    if let Err(e) = self.ring.submit() {
+                        if e.kind() != io::ErrorKind::Interrupted {
+                            tracing::error!(error = %e, "io_uring submit failed");
+                        }
+                    }
+                }
+                Ok(()) => {}
+                Err(e) => out.push(IoDone {
+                    tag: op.tag,
+                    result: Err(e),
+                }),
+            }
         }
     }
 
