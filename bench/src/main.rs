@@ -11,7 +11,8 @@
 //! - `kvd-bench nvme`: NVMe tier write/read bandwidth through the daemon against raw
 //!   O_DIRECT io_uring I/O on the same directory, same block size and queue depth.
 //! - `kvd-bench transport`: the daemon-to-daemon data plane (export + pull, 64 KiB..64 MiB,
-//!   1..8 in flight) against a loopback TCP socket pair (best of 1..4 streams).
+//!   1..8 in flight) against a loopback TCP socket pair (best of 1..4 streams); with
+//!   `--compare nixl,mooncake`, the same cases through NIXL and Mooncake TE over TCP.
 //! - `kvd-bench pd`: export → usable on the decode side, 1..256 blocks, pull and push.
 //! - `kvd-bench pd-e2e`: end-to-end TTFT and tokens/s through real engines and the
 //!   router (aggregated, pull, push, prefix hit) against the model's own prefill time.
