@@ -122,12 +122,12 @@ rm -rf "$plots"
 # The peers comparison: NIXL and Mooncake from PyPI (~0.5 GB, installed into
 # target/kvd-bench-peers once and reused), each measured between two processes.
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1 --total 16MiB --ceiling-bytes 64MiB \
-  --compare nixl,mooncake --peers-venv target/kvd-bench-peers --json > target/kvd-bench-peers.json
+  --modes pull,push --compare nixl,mooncake --peers-venv target/kvd-bench-peers --json > target/kvd-bench-peers.json
 python3 - target/kvd-bench-peers.json <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 cases = {c["case"] for c in r["results"] if c["gbps"] > 0}
-want = {"pull tcp", "nixl read tcp", "nixl write tcp", "mooncake read tcp", "mooncake write tcp"}
+want = {"pull tcp", "push tcp", "nixl read tcp", "nixl write tcp", "mooncake read tcp", "mooncake write tcp"}
 assert want <= cases, f"bench smoke: --compare measured {sorted(cases)}"
 assert all("kvd / nixl read tcp" in v for v in r["extra"]["vs_peers"]), r["extra"]
 PY

@@ -198,8 +198,8 @@ pub fn ratio(k: &CaseResult, peers: &[CaseResult], peer: &str) -> Option<f64> {
         .map(|p| k.gbps / p.gbps)
 }
 
-/// kvd's pull against each peer's read and write, case by case: one line per
-/// (size, in flight), the peer's GB/s and kvd's GB/s divided by it.
+/// Each kvd case (pull, push) against each peer's read and write: one line per
+/// (kvd case, size, in flight), the peer's GB/s and kvd's GB/s divided by it.
 pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
     let mut names: Vec<&str> = Vec::new();
     for p in peers {
@@ -208,7 +208,8 @@ pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
         }
     }
     let mut lines = vec![format!(
-        "{:<10} {:>3} {:>9} {}",
+        "{:<10} {:<10} {:>3} {:>9} {}",
+        "kvd",
         "transfer",
         "thr",
         "kvd GB/s",
@@ -235,7 +236,8 @@ pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
             })
             .collect();
         lines.push(format!(
-            "{:<10} {:>3} {:>9.2} {cells}",
+            "{:<10} {:<10} {:>3} {:>9.2} {cells}",
+            k.case,
             bytesize::ByteSize(k.block_bytes).to_string(),
             k.threads,
             k.gbps

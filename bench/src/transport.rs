@@ -39,6 +39,12 @@ pub struct TransportArgs {
     /// Bytes moved per case (at least 4 transfers per thread).
     #[arg(long, default_value = "1GiB")]
     total: ByteSize,
+    /// How the bytes move: `pull` (export, then the decode side reads) and/or `push`
+    /// (the decode side registered first, as an engine does at admission; export, then
+    /// the prefill side writes). Push is timed from `export` until `transfer_status`
+    /// says done.
+    #[arg(long, value_delimiter = ',', default_value = "pull")]
+    modes: Vec<String>,
     /// Data plane: `tcp` (default) or `shm` (same-host copy from the peer's pool).
     #[arg(long, default_value = "tcp")]
     transport: String,
@@ -200,7 +206,40 @@ fn pull_once(a: &Client, b: &Client, layout: LayoutId, keys: &[ChunkHash]) -> Re
     Ok(dt)
 }
 
+/// One push of `keys` from `a` to `b` (registered on `b` first, untimed); returns the
+/// latency of export → usable on `b`.
+fn push_once(
+    a: &Client,
+    b: &Client,
+    a_node: &str,
+    layout: LayoutId,
+    keys: &[ChunkHash],
+) -> Result<Duration> {
+    let id = next_id("push");
+    let r = b.push_register(&id, layout, keys, a_node, None)?;
+    if r.state.is_final() {
+        bail!("push registration ended {:?}: {:?}", r.state, r.error);
+    }
+    let t0 = Instant::now();
+    a.export(&id, layout, keys, None)?;
+    let r = b.transfer_status(&id, Duration::from_secs(30))?;
+    let dt = t0.elapsed();
+    if r.state != TransferState::Done {
+        bail!("push ended {:?}: {:?}", r.state, r.error);
+    }
+    if let Some(p) = r.pin {
+        b.release(p)?;
+    }
+    b.delete(layout, keys)?;
+    Ok(dt)
+}
+
 pub fn transport(a: TransportArgs) -> Result<()> {
+    for m in &a.modes {
+        if m != "pull" && m != "push" {
+            bail!("--modes {m}: use pull and/or push");
+        }
+    }
     let shm = match a.transport.as_str() {
         "tcp" => false,
         "shm" => true,
@@ -225,10 +264,11 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     );
     let (da, db) = node_pair(pool, 1 << 20, &extra)?;
     let (ca, cb) = (connect(&da)?, connect(&db)?);
+    let a_node = ca.hello_info().node.context("transfers are off")?.node;
     let pb = if a.json {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new((a.sizes.len() * a.inflight.len() + 1) as u64)
+        ProgressBar::new((a.modes.len() * a.sizes.len() * a.inflight.len() + 1) as u64)
     };
     pb.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
     pb.set_message("loopback TCP ceiling");
@@ -249,21 +289,31 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             let refs: Vec<&[u8]> = (0..n).map(|_| &data[..]).collect();
             ca.store(lay.id, keys, &refs)?;
         }
-        for &t in &a.inflight {
-            pb.set_message(format!("{} x{t}", ByteSize(size)));
+        for (mode, &t) in a
+            .modes
+            .iter()
+            .flat_map(|m| a.inflight.iter().map(move |t| (m.as_str(), t)))
+        {
+            pb.set_message(format!("{mode} {} x{t}", ByteSize(size)));
             let iters = (a.total.as_u64() / size / t as u64).max(4) as usize;
+            let once = |ca: &Client, cb: &Client, keys: &[ChunkHash]| {
+                if mode == "push" {
+                    push_once(ca, cb, &a_node, lay.id, keys)
+                } else {
+                    pull_once(ca, cb, lay.id, keys)
+                }
+            };
             // warm the connections
-            pull_once(&ca, &cb, lay.id, &per_thread[0])?;
+            once(&ca, &cb, &per_thread[0])?;
             // Each thread's busy time is the sum of its transfers' latencies (the
             // decode side's cleanup between them, release + delete, is not timed).
             let lats = std::thread::scope(|s| -> Result<Vec<Vec<Duration>>> {
                 let hs: Vec<_> = (0..t)
                     .map(|i| {
                         let (ca, cb, keys) = (ca.clone(), cb.clone(), &per_thread[i]);
+                        let once = &once;
                         s.spawn(move || -> Result<Vec<Duration>> {
-                            (0..iters)
-                                .map(|_| pull_once(&ca, &cb, lay.id, keys))
-                                .collect()
+                            (0..iters).map(|_| once(&ca, &cb, keys)).collect()
                         })
                     })
                     .collect();
@@ -280,7 +330,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             let (p50, p99) = percentiles(&mut lats);
             let g = gb(size * (iters * t) as u64, elapsed);
             results.push(CaseResult {
-                case: format!("pull {}", a.transport),
+                case: format!("{mode} {}", a.transport),
                 block_bytes: size,
                 threads: t as u64,
                 gbps: g,
@@ -323,6 +373,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             .iter()
             .map(|k| {
                 let mut m = serde_json::Map::new();
+                m.insert("case".into(), k.case.clone().into());
                 m.insert("bytes".into(), k.block_bytes.into());
                 m.insert("inflight".into(), k.threads.into());
                 for n in &names {
@@ -337,7 +388,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     }
     extra.insert(
         "note".into(),
-        "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export + pull until usable; GB/s = bytes / the busiest thread's summed latencies (the decode side's release + delete between transfers is not timed)".into(),
+        "block_bytes = bytes per transfer (1 MiB blocks, fewer when smaller); latency = export until usable on the decode side (pull: export + pull; push: registered beforehand, untimed); GB/s = bytes / the busiest thread's summed latencies (the decode side's release + delete between transfers is not timed)".into(),
     );
     Report {
         bench: "transport".into(),
@@ -352,7 +403,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     }
     .print(a.json);
     if !a.json && !peers.is_empty() {
-        println!("\nkvd pull against the peers (same sizes, in flight, bytes; TCP on loopback):");
+        println!("\nkvd against the peers (same sizes, in flight, bytes; TCP on loopback):");
         for l in table {
             println!("{l}");
         }
