@@ -220,6 +220,8 @@ fn push_once(
     if r.state.is_final() {
         bail!("push registration ended {:?}: {:?}", r.state, r.error);
     }
+    // The registration reaches the prefill node before prefill finishes (as in `pd`).
+    std::thread::sleep(Duration::from_millis(2));
     let t0 = Instant::now();
     a.export(&id, layout, keys, None)?;
     let r = b.transfer_status(&id, Duration::from_secs(30))?;
