@@ -267,7 +267,6 @@ fn write_all_vectored(
     bufs: &mut [io::IoSlice<'_>],
 ) -> Result<(), (io::Error, usize)> {
     let mut bufs = bufs;
-    io::IoSlice::advance_slices(&mut bufs, 0);
     let mut written = 0;
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
@@ -763,7 +762,7 @@ impl TcpTransport {
         .encode(ops, &mut buf);
         let trailer = self.key.data_trailer(crate::auth::stamp(), &buf);
         buf.extend_from_slice(&trailer);
-        if dir == Dir::Read {
+        if dir == Dir::Read || ops.is_empty() {
             s.write_all(&buf).map_err(|e| Err((e, false)))?;
         }
         let mut bytes = 0;
