@@ -165,7 +165,6 @@ pub fn measure(
         if let Some(e) = l.error {
             bail!("{}: {e}", l.system);
         }
-        let secs_per = l.size as f64 / (l.gbps * 1e9);
         results.push(CaseResult {
             case: format!("{} {} tcp", l.system, l.op),
             block_bytes: l.size,
@@ -173,7 +172,7 @@ pub fn measure(
             gbps: l.gbps,
             ratio: l.gbps / ceiling,
             ceiling_gbps: ceiling,
-            ops_per_s: if secs_per > 0.0 { 1.0 / secs_per } else { 0.0 },
+            ops_per_s: l.gbps * 1e9 / l.size.max(1) as f64,
             p50_us: l.p50_us,
             p99_us: l.p99_us,
         });
@@ -189,24 +188,49 @@ pub fn measure(
     Ok(results)
 }
 
-/// kvd's ratio to `peer` for the same size and in-flight count, if it was measured.
-pub fn ratio(k: &CaseResult, peers: &[CaseResult], peer: &str) -> Option<f64> {
+/// The peer's case `name` measured with `k`'s size and in-flight count, if any.
+fn matching<'a>(k: &CaseResult, peers: &'a [CaseResult], name: &str) -> Option<&'a CaseResult> {
     peers
         .iter()
-        .find(|p| p.case == peer && p.block_bytes == k.block_bytes && p.threads == k.threads)
+        .find(|p| p.case == name && p.block_bytes == k.block_bytes && p.threads == k.threads)
         .filter(|p| p.gbps > 0.0)
-        .map(|p| k.gbps / p.gbps)
 }
 
-/// Each kvd case (pull, push) against each peer's read and write: one line per
-/// (kvd case, size, in flight), the peer's GB/s and kvd's GB/s divided by it.
-pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
+/// The peers' case names (system and direction), in the order measured.
+fn names(peers: &[CaseResult]) -> Vec<&str> {
     let mut names: Vec<&str> = Vec::new();
     for p in peers {
         if !names.contains(&p.case.as_str()) {
             names.push(&p.case);
         }
     }
+    names
+}
+
+/// `extra.vs_peers` of `--json`: per kvd case, kvd's ratio to each peer case measured
+/// with the same size and in-flight count.
+pub fn vs_json(kvd: &[CaseResult], peers: &[CaseResult]) -> serde_json::Value {
+    let names = names(peers);
+    kvd.iter()
+        .map(|k| {
+            let mut m = serde_json::Map::new();
+            m.insert("case".into(), k.case.clone().into());
+            m.insert("bytes".into(), k.block_bytes.into());
+            m.insert("inflight".into(), k.threads.into());
+            for n in &names {
+                if let Some(p) = matching(k, peers, n) {
+                    m.insert(format!("kvd / {n}"), (k.gbps / p.gbps).into());
+                }
+            }
+            serde_json::Value::Object(m)
+        })
+        .collect()
+}
+
+/// Each kvd case (pull, push) against each peer's read and write: one line per
+/// (kvd case, size, in flight), the peer's GB/s and kvd's GB/s divided by it.
+pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
+    let names = names(peers);
     let mut lines = vec![format!(
         "{:<10} {:<10} {:>3} {:>9} {}",
         "kvd",
@@ -222,17 +246,10 @@ pub fn comparison(kvd: &[CaseResult], peers: &[CaseResult]) -> Vec<String> {
         let cells: String = names
             .iter()
             .map(|n| {
-                match peers.iter().find(|p| {
-                    p.case == *n && p.block_bytes == k.block_bytes && p.threads == k.threads
-                }) {
-                    Some(p) if p.gbps > 0.0 => {
-                        format!(
-                            " {:>26}",
-                            format!("{:.2} ({:.2}×)", p.gbps, k.gbps / p.gbps)
-                        )
-                    }
-                    _ => format!(" {:>26}", "-"),
-                }
+                let cell = matching(k, peers, n).map_or("-".into(), |p| {
+                    format!("{:.2} ({:.2}×)", p.gbps, k.gbps / p.gbps)
+                });
+                format!(" {cell:>26}")
             })
             .collect();
         lines.push(format!(

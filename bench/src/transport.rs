@@ -44,7 +44,7 @@ pub struct TransportArgs {
     /// the prefill side writes). Push is timed from `export` until `transfer_status`
     /// says done.
     #[arg(long, value_delimiter = ',', default_value = "pull")]
-    modes: Vec<String>,
+    modes: Vec<Mode>,
     /// Data plane: `tcp` (default) or `shm` (same-host copy from the peer's pool).
     #[arg(long, default_value = "tcp")]
     transport: String,
@@ -206,6 +206,40 @@ fn pull_once(a: &Client, b: &Client, layout: LayoutId, keys: &[ChunkHash]) -> Re
     Ok(dt)
 }
 
+/// How a handoff moves the bytes.
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mode {
+    /// `export` on the prefill side, then `pull` on the decode side.
+    Pull,
+    /// `push_register` on the decode side first (untimed), then `export`.
+    Push,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Pull => "pull",
+            Mode::Push => "push",
+        }
+    }
+
+    /// One handoff of `keys` from `a` (node `a_node`) to `b`; the latency of export →
+    /// usable on `b`.
+    fn once(
+        self,
+        a: &Client,
+        b: &Client,
+        a_node: &str,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+    ) -> Result<Duration> {
+        match self {
+            Mode::Pull => pull_once(a, b, layout, keys),
+            Mode::Push => push_once(a, b, a_node, layout, keys),
+        }
+    }
+}
+
 /// One push of `keys` from `a` to `b` (registered on `b` first, untimed); returns the
 /// latency of export → usable on `b`.
 fn push_once(
@@ -237,11 +271,6 @@ fn push_once(
 }
 
 pub fn transport(a: TransportArgs) -> Result<()> {
-    for m in &a.modes {
-        if m != "pull" && m != "push" {
-            bail!("--modes {m}: use pull and/or push");
-        }
-    }
     let shm = match a.transport.as_str() {
         "tcp" => false,
         "shm" => true,
@@ -294,28 +323,23 @@ pub fn transport(a: TransportArgs) -> Result<()> {
         for (mode, &t) in a
             .modes
             .iter()
-            .flat_map(|m| a.inflight.iter().map(move |t| (m.as_str(), t)))
+            .flat_map(|&m| a.inflight.iter().map(move |t| (m, t)))
         {
-            pb.set_message(format!("{mode} {} x{t}", ByteSize(size)));
+            pb.set_message(format!("{} {} x{t}", mode.name(), ByteSize(size)));
             let iters = (a.total.as_u64() / size / t as u64).max(4) as usize;
-            let once = |ca: &Client, cb: &Client, keys: &[ChunkHash]| {
-                if mode == "push" {
-                    push_once(ca, cb, &a_node, lay.id, keys)
-                } else {
-                    pull_once(ca, cb, lay.id, keys)
-                }
-            };
             // warm the connections
-            once(&ca, &cb, &per_thread[0])?;
+            mode.once(&ca, &cb, &a_node, lay.id, &per_thread[0])?;
             // Each thread's busy time is the sum of its transfers' latencies (the
             // decode side's cleanup between them, release + delete, is not timed).
             let lats = std::thread::scope(|s| -> Result<Vec<Vec<Duration>>> {
                 let hs: Vec<_> = (0..t)
                     .map(|i| {
                         let (ca, cb, keys) = (ca.clone(), cb.clone(), &per_thread[i]);
-                        let once = &once;
+                        let a_node = &a_node;
                         s.spawn(move || -> Result<Vec<Duration>> {
-                            (0..iters).map(|_| once(&ca, &cb, keys)).collect()
+                            (0..iters)
+                                .map(|_| mode.once(&ca, &cb, a_node, lay.id, keys))
+                                .collect()
                         })
                     })
                     .collect();
@@ -332,7 +356,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             let (p50, p99) = percentiles(&mut lats);
             let g = gb(size * (iters * t) as u64, elapsed);
             results.push(CaseResult {
-                case: format!("{mode} {}", a.transport),
+                case: format!("{} {}", mode.name(), a.transport),
                 block_bytes: size,
                 threads: t as u64,
                 gbps: g,
@@ -365,28 +389,10 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     extra.insert("ceiling_streams".into(), ceil_streams.into());
     let table = crate::peers::comparison(&results, &peer_results);
     if a.json && !peer_results.is_empty() {
-        let mut names: Vec<String> = Vec::new();
-        for p in &peer_results {
-            if !names.contains(&p.case) {
-                names.push(p.case.clone());
-            }
-        }
-        let vs: Vec<serde_json::Value> = results
-            .iter()
-            .map(|k| {
-                let mut m = serde_json::Map::new();
-                m.insert("case".into(), k.case.clone().into());
-                m.insert("bytes".into(), k.block_bytes.into());
-                m.insert("inflight".into(), k.threads.into());
-                for n in &names {
-                    if let Some(r) = crate::peers::ratio(k, &peer_results, n) {
-                        m.insert(format!("kvd / {n}"), r.into());
-                    }
-                }
-                m.into()
-            })
-            .collect();
-        extra.insert("vs_peers".into(), vs.into());
+        extra.insert(
+            "vs_peers".into(),
+            crate::peers::vs_json(&results, &peer_results),
+        );
     }
     extra.insert(
         "note".into(),
@@ -437,33 +443,11 @@ pub fn pd(a: PdArgs) -> Result<()> {
         let data = vec![0x3cu8; block as usize];
         let refs: Vec<&[u8]> = (0..n).map(|_| &data[..]).collect();
         ca.store(lay.id, &keys, &refs)?;
-        for mode in ["pull", "push"] {
-            pb.set_message(format!("{n} blocks {mode}"));
+        for mode in [Mode::Pull, Mode::Push] {
+            pb.set_message(format!("{n} blocks {}", mode.name()));
             let mut lats = Vec::with_capacity(a.reps);
             for rep in 0..=a.reps {
-                let id = next_id(mode);
-                let dt = if mode == "pull" {
-                    pull_once(&ca, &cb, lay.id, &keys)?
-                } else {
-                    let r = cb.push_register(&id, lay.id, &keys, &a_node, None)?;
-                    if r.state.is_final() {
-                        bail!("push registration ended {:?}: {:?}", r.state, r.error);
-                    }
-                    // the registration reaches the prefill node before prefill finishes
-                    std::thread::sleep(Duration::from_millis(2));
-                    let t0 = Instant::now();
-                    ca.export(&id, lay.id, &keys, None)?;
-                    let r = cb.transfer_status(&id, Duration::from_secs(30))?;
-                    let dt = t0.elapsed();
-                    if r.state != TransferState::Done {
-                        bail!("push ended {:?}: {:?}", r.state, r.error);
-                    }
-                    if let Some(p) = r.pin {
-                        cb.release(p)?;
-                    }
-                    cb.delete(lay.id, &keys)?;
-                    dt
-                };
+                let dt = mode.once(&ca, &cb, &a_node, lay.id, &keys)?;
                 if rep > 0 {
                     lats.push(dt); // the first run warms connections
                 }
@@ -472,7 +456,7 @@ pub fn pd(a: PdArgs) -> Result<()> {
             let bytes = block * n as u64;
             let g = bytes as f64 / (p50 / 1e6) / 1e9;
             results.push(CaseResult {
-                case: format!("{mode} {n} blocks"),
+                case: format!("{} {n} blocks", mode.name()),
                 block_bytes: block,
                 threads: 1,
                 gbps: g,

@@ -227,11 +227,7 @@ impl Worker {
                 // The freed queue slots are refilled before the reads just done are
                 // checksummed, so the disk is not idle meanwhile.
                 self.fill(&mut queued, &mut out);
-                if let Err(e) = self.ring.submit() {
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        tracing::error!(error = %e, "io_uring submit failed");
-                    }
-                }
+                self.submit();
                 for ((op, write_crc), res) in finished {
                     out.push(IoDone {
                         tag: op.tag,
@@ -244,26 +240,28 @@ impl Worker {
         }
     }
 
-    /// Moves queued operations into the ring up to the queue depth (failures to `out`).
-    /// A write is handed to the kernel as soon as its checksum is taken, so the disk works
-    /// on it while the next one is checksummed (one submission for the whole batch left
-    /// the disk idle meanwhile); reads go in at the next submission.
+    /// Moves queued operations into the ring up to the queue depth (failures to `out`);
+    /// a write is submitted at once (see the module docs), reads at the next submission.
     fn fill(&mut self, queued: &mut std::collections::VecDeque<IoOp>, out: &mut Vec<IoDone>) {
         while self.inflight.len() < self.qd {
             let Some(op) = queued.pop_front() else { break };
             match self.push(op) {
-                Ok(()) if op.kind == IoKind::Write => {
-                    if let Err(e) = self.ring.submit() {
-                        if e.kind() != io::ErrorKind::Interrupted {
-                            tracing::error!(error = %e, "io_uring submit failed");
-                        }
-                    }
-                }
+                Ok(()) if op.kind == IoKind::Write => self.submit(),
                 Ok(()) => {}
                 Err(e) => out.push(IoDone {
                     tag: op.tag,
                     result: Err(e),
                 }),
+            }
+        }
+    }
+
+    /// Hands what is queued in the ring to the kernel without waiting (a failure is
+    /// logged; the entries go at the next submission).
+    fn submit(&mut self) {
+        if let Err(e) = self.ring.submit() {
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::error!(error = %e, "io_uring submit failed");
             }
         }
     }

@@ -135,11 +135,9 @@ pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
 
 // ----- wire -----
 
-/// Ranges up to this size have their CRC computed before they are sent, and go out in
-/// one `writev` with it; larger ones are checksummed and sent in pieces of
-/// [`CRC_PIECE`], and checked in such pieces as they land, each while it is in cache.
-const CRC_FIRST_MAX: u64 = 256 << 10;
-/// See [`CRC_FIRST_MAX`] (about half of a per-core L2).
+/// A checked range is checksummed by the sender in pieces of this size just before each
+/// goes out, and by the reader as each lands, each piece while it is in cache (about half
+/// a per-core L2); a range up to this size goes out whole, in one `writev` with its CRC.
 const CRC_PIECE: u64 = 256 << 10;
 
 /// Request flag: after each range's bytes, the sender appends its CRC-32C (u32 LE),
@@ -524,8 +522,10 @@ fn serve_conn(
         };
         match kind {
             GrantKind::Read => {
-                // One `writev` per range: [status (first range only)] bytes [crc], so a
-                // small read leaves as one segment train and wakes the reader once.
+                // One `writev` per piece: [status (first piece only)] bytes [crc (last
+                // piece of a checked range)], so a small read leaves as one segment train
+                // and wakes the reader once. A checked range goes in `CRC_PIECE`s, each
+                // checksummed just before the kernel copies it, while it is in cache.
                 let ok = [0u8; 8];
                 let mut status: &[u8] = &ok;
                 let with_crc = h.flags & FLAG_CRC != 0;
@@ -533,35 +533,37 @@ fn serve_conn(
                     let src = pool
                         .read(off, len as usize)
                         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                    if with_crc && len > CRC_FIRST_MAX {
-                        // Checksummed piece by piece just before each piece is sent, so
-                        // the kernel copies it from cache (one pass over the range, not
-                        // two).
-                        let mut crc = 0u32;
-                        for piece in src.chunks(CRC_PIECE as usize) {
-                            crc = crc32c::crc32c_append(crc, piece);
-                            write_all_vectored(
-                                &mut sock,
-                                &mut [io::IoSlice::new(status), io::IoSlice::new(piece)],
-                            )
-                            .map_err(|(e, _)| e)?;
-                            status = &[];
+                    let piece = if with_crc {
+                        CRC_PIECE as usize
+                    } else {
+                        src.len()
+                    };
+                    let mut crc = 0u32;
+                    let mut start = 0;
+                    loop {
+                        let end = (start + piece).min(src.len());
+                        let bytes = src.get(start..end).unwrap_or_default();
+                        let last = end == src.len();
+                        if with_crc {
+                            crc = crc32c::crc32c_append(crc, bytes);
                         }
-                        sock.write_all(&crc.to_le_bytes())?;
-                        continue;
+                        let crc_le = crc.to_le_bytes();
+                        let tail: &[u8] = if with_crc && last { &crc_le } else { &[] };
+                        write_all_vectored(
+                            &mut sock,
+                            &mut [
+                                io::IoSlice::new(status),
+                                io::IoSlice::new(bytes),
+                                io::IoSlice::new(tail),
+                            ],
+                        )
+                        .map_err(|(e, _)| e)?;
+                        status = &[];
+                        if last {
+                            break;
+                        }
+                        start = end;
                     }
-                    let crc = if with_crc { crc32c::crc32c(src) } else { 0 }.to_le_bytes();
-                    let crc_now: &[u8] = if with_crc { &crc } else { &[] };
-                    write_all_vectored(
-                        &mut sock,
-                        &mut [
-                            io::IoSlice::new(status),
-                            io::IoSlice::new(src),
-                            io::IoSlice::new(crc_now),
-                        ],
-                    )
-                    .map_err(|(e, _)| e)?;
-                    status = &[];
                 }
                 if !status.is_empty() {
                     write_status(&mut sock, None)?; // no ranges
@@ -785,28 +787,27 @@ impl TcpTransport {
                 read_status(s).map_err(|r| r.map_err(|e| (e, false)))?;
                 let mut bad = None;
                 for op in ops {
-                    if !verify {
+                    // A checked range is checksummed piece by piece as it lands, while
+                    // each piece is in cache (not in a second pass over the whole range).
+                    let piece = if verify { CRC_PIECE } else { op.len.max(1) };
+                    let mut got = Some(0u32);
+                    let mut done = 0;
+                    while done < op.len {
+                        let n = (op.len - done).min(piece);
                         self.pool
-                            .recv_into(op.local, op.len as usize, s)
+                            .recv_into(op.local + done, n as usize, s)
                             .map_err(|e| Err((e, true)))?;
-                    } else {
-                        // Checksummed piece by piece as it lands, while it is in cache
-                        // (a second pass over the whole range read it back from memory).
-                        let mut got = Some(0u32);
-                        let mut done = 0;
-                        while done < op.len {
-                            let n = (op.len - done).min(CRC_PIECE);
-                            self.pool
-                                .recv_into(op.local + done, n as usize, s)
-                                .map_err(|e| Err((e, true)))?;
+                        if verify {
                             got = got.and_then(|c| {
                                 self.pool
                                     .read(op.local + done, n as usize)
                                     .map(|b| crc32c::crc32c_append(c, b))
                                     .ok()
                             });
-                            done += n;
                         }
+                        done += n;
+                    }
+                    if verify {
                         let mut c = [0u8; 4];
                         s.read_exact(&mut c).map_err(|e| Err((e, true)))?;
                         if got != Some(u32::from_le_bytes(c)) && bad.is_none() {
