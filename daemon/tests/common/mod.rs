@@ -244,7 +244,7 @@ pub fn raw_read_with(
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut req = Vec::new();
     req.extend_from_slice(b"KVDX");
-    req.extend_from_slice(&[2, 1, 0, 0]);
+    req.extend_from_slice(&[3, 1, 0, 0]);
     for v in [handle, token, 1, p.from.incarnation.0] {
         req.extend_from_slice(&v.to_le_bytes());
     }
@@ -257,12 +257,14 @@ pub fn raw_read_with(
         None => vec![0u8; kvd_protocol::auth::DATA_TRAILER_BYTES],
     };
     req.extend_from_slice(&trailer);
+    req.resize(req.len().div_ceil(64) * 64, 0); // padded to 64 bytes (SPEC §10, "Data plane (TCP)")
     s.write_all(&req).unwrap();
-    let mut hdr = [0u8; 8];
+    let mut hdr = [0u8; 64];
     s.read_exact(&mut hdr).unwrap();
     let mlen = u32::from_le_bytes(hdr[4..8].try_into().unwrap()) as usize;
-    let mut msg = vec![0u8; mlen];
+    let mut msg = vec![0u8; mlen.div_ceil(64) * 64];
     s.read_exact(&mut msg).unwrap();
+    msg.truncate(mlen);
     if hdr[0] != 0 {
         let text = String::from_utf8(msg).unwrap();
         return Err(text.split(':').next().unwrap().to_string());
