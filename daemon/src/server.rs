@@ -309,7 +309,9 @@ impl Server {
                     items.push(p.as_poll_item(zmq::POLLIN));
                 }
                 if let Some(t) = &self.transfers {
-                    items.push(zmq::PollItem::from_fd(t.wake_fd(), zmq::POLLIN));
+                    for fd in t.wake_fds() {
+                        items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                    }
                 }
                 for l in self.links.links.values() {
                     items.push(l.socket.as_poll_item(zmq::POLLIN));

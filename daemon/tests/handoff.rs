@@ -165,6 +165,99 @@ fn push_works_in_both_orders() {
         ca.stats().unwrap().pinned_blocks == 0
     });
     assert_eq!(xstats(&ca).done, 2);
+    // The decode side finishes a push when its bytes land; the prefill side's
+    // `peer_push_done`, coming after, is a repeat it answers, not a refusal.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(xstats(&cb).refused, 0, "{:?}", xstats(&cb));
+}
+
+/// The decode side finishes a TCP push as soon as every byte of its registration has
+/// landed — not before (a part written is still waiting), and without waiting for the
+/// writer's `peer_push_done` (this writer never sends one, nor answers the
+/// registration): a fake prefill node that takes the registration and writes the bytes
+/// by hand, under the registration's handle and token.
+#[test]
+fn a_push_finishes_when_its_last_byte_lands() {
+    let b = Node::start(5000, false);
+    let cb = b.client();
+    let info = register(&cb, 64);
+    let bs = info.block_bytes;
+    let ks = keys(21, 3);
+    let data: Vec<Vec<u8>> = (0..3).map(|i| block(2100 + i, bs as usize)).collect();
+    let ctx = zmq::Context::new();
+    let fake = ctx.socket(zmq::ROUTER).unwrap();
+    fake.set_rcvtimeo(5000).unwrap();
+    let port = free_port();
+    fake.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let r = cb
+        .push_register(
+            "landed",
+            info.id,
+            &ks,
+            &format!("tcp://127.0.0.1:{port}"),
+            None,
+        )
+        .unwrap();
+    assert!(!r.state.is_final());
+    let frames = fake
+        .recv_multipart(0)
+        .expect("the registration reaches the fake");
+    let (env, auth) = (&frames[1], &frames[2]);
+    cluster_key().open_request(env, auth).expect("sealed");
+    let (_, req) = kvd_protocol::decode_request(env, 1 << 20).unwrap();
+    let kvd_protocol::Request::PeerPushReg(reg) = req else {
+        panic!("expected peer_push_reg, got {req:?}");
+    };
+    let token = reg.token ^ transfer_tag("landed", &reg.keys, reg.offsets.iter().copied());
+    let slots: Vec<u64> = reg.offsets.iter().map(|o| o.expect("all new")).collect();
+    let write = |idx: &[usize]| {
+        let ranges: Vec<(u64, u64)> = idx.iter().map(|&i| (slots[i], bs)).collect();
+        let payload: Vec<u8> = idx.iter().flat_map(|&i| data[i].clone()).collect();
+        raw_data(
+            Some(&cluster_key()),
+            &reg.from.data,
+            reg.from.incarnation.0,
+            (2, reg.handle, token),
+            &ranges,
+            &payload,
+        )
+        .expect("the write is accepted")
+    };
+    write(&[0, 2]);
+    let r = cb
+        .transfer_status("landed", Duration::from_millis(300))
+        .unwrap();
+    assert!(!r.state.is_final(), "two of three blocks written: {r:?}");
+    write(&[0]); // a block again: still not every byte
+    let r = cb
+        .transfer_status("landed", Duration::from_millis(300))
+        .unwrap();
+    assert!(!r.state.is_final(), "still two of three: {r:?}");
+    let t0 = Instant::now();
+    write(&[1]);
+    let r = cb
+        .transfer_status("landed", Duration::from_secs(5))
+        .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "done when the bytes landed, not at a timeout: {:?}",
+        t0.elapsed()
+    );
+    verify(&cb, info.id, &r, &data);
+    // The writer's done, arriving late, is answered as a repeat.
+    let done = kvd_protocol::PeerPushDoneReq {
+        from: kvd_protocol::PeerRef {
+            node: format!("tcp://127.0.0.1:{port}"),
+            ..reg.from.clone()
+        },
+        to_incarnation: reg.from.incarnation,
+        transfer_id: "landed".into(),
+        handle: reg.handle,
+        bytes: 3 * bs,
+    };
+    let peer = PeerRaw::new(&node_of(&cb), Some(cluster_key()));
+    assert_eq!(peer.call(&frame(1, 1, "peer_push_done", &done)), (1, None));
+    assert_eq!(xstats(&cb).refused, 0);
 }
 
 /// The decode node already holds every key (a repeated prompt): the push moves nothing

@@ -26,6 +26,12 @@ pub struct Completions<T> {
     signal: Signal,
 }
 
+impl<T> std::fmt::Debug for Completions<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completions").finish_non_exhaustive()
+    }
+}
+
 impl<T> Completions<T> {
     /// An empty hand-off with its signal clear.
     pub fn new() -> io::Result<Completions<T>> {

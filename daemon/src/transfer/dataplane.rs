@@ -12,7 +12,7 @@
 //!   server thread through a channel and a wake-up socket it polls.
 //!
 //! Wire format of a TCP data connection (all integers little-endian), one request at a
-//! time per connection; `pad` is zero bytes up to the next multiple of 64 ([`ALIGN`]):
+//! time per connection; `pad` is zero bytes up to the next multiple of 64 (`ALIGN`):
 //!
 //! ```text
 //! request  = "KVDX" u8:version=3 u8:op(1 read, 2 write) u16:flags u64:handle u64:token

@@ -8,12 +8,20 @@
 //! whether one is still active; the owner frees the slots only once it says none is
 //! (and asks again later otherwise). The loom model at the bottom checks that hand-off
 //! under every interleaving, with a negative control that frees without asking.
+//!
+//! It also says when a write grant has received all its bytes: the completed request
+//! whose ranges make the written ranges cover every granted byte queues the handle in
+//! the sink given to [`Grants::with_filled`] as its guard drops (once per grant), so the grant's owner can finish a TCP push as soon as
+//! the bytes are in, without waiting for the writer's `peer_push_done` to come round
+//! through the control plane.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
+use crate::io::completions::Completions;
 use crate::sync::{AtomicUsize, Mutex, MutexGuard, Ordering};
 
 fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
@@ -41,6 +49,27 @@ struct Grant {
     revoked: Option<ErrorCode>,
     active: u32,
     bytes: u64,
+    /// Bytes the ranges cover.
+    size: u64,
+    /// Write grants: the sorted, merged ranges that completed requests wrote.
+    written: Vec<(u64, u64)>,
+    /// Whether the handle was queued as filled.
+    filled: bool,
+}
+
+/// Adds `[s, e)` ranges to a sorted, merged list; returns the bytes it now covers.
+fn merge_into(list: &mut Vec<(u64, u64)>, add: &[(u64, u64)]) -> u64 {
+    list.extend_from_slice(add);
+    list.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(list.len());
+    for &(s, e) in list.iter() {
+        match merged.last_mut() {
+            Some(last) if last.1 >= s => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    *list = merged;
+    list.iter().map(|&(s, e)| e - s).sum()
 }
 
 /// Grants of this daemon's pool to remote daemons. See the module docs.
@@ -49,6 +78,7 @@ pub struct Grants {
     incarnation: Incarnation,
     map: Mutex<HashMap<u64, Grant>>,
     refused: AtomicUsize,
+    filled: Option<Arc<Completions<u64>>>,
 }
 
 /// Held while a request moves bytes under a grant.
@@ -57,6 +87,8 @@ pub struct GrantGuard<'a> {
     handle: u64,
     planned: u64,
     bytes: u64,
+    /// A write's `[s, e)` ranges (empty for reads).
+    writes: Vec<(u64, u64)>,
 }
 
 impl GrantGuard<'_> {
@@ -69,9 +101,23 @@ impl GrantGuard<'_> {
 impl Drop for GrantGuard<'_> {
     fn drop(&mut self) {
         let mut map = self.grants.lock();
+        let mut filled = false;
         if let Some(g) = map.get_mut(&self.handle) {
             g.active -= 1;
             g.bytes += self.bytes;
+            // Recorded in the same step as `active` falls, so every request whose bytes
+            // count has ended by the time the grant reads as filled.
+            if g.kind == GrantKind::Write && self.bytes > 0 && !g.filled {
+                let covered = merge_into(&mut g.written, &self.writes);
+                if covered >= g.size {
+                    g.filled = true;
+                    filled = true;
+                }
+            }
+        }
+        drop(map);
+        if let (true, Some(sink)) = (filled, &self.grants.filled) {
+            sink.deliver([self.handle]);
         }
     }
 }
@@ -83,7 +129,15 @@ impl Grants {
             incarnation,
             map: Mutex::new(HashMap::new()),
             refused: AtomicUsize::new(0),
+            filled: None,
         }
+    }
+
+    /// Queues into `sink` the handle of each write grant once all its bytes have been
+    /// written (see the module docs).
+    pub fn with_filled(mut self, sink: Arc<Completions<u64>>) -> Self {
+        self.filled = Some(sink);
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Grant>> {
@@ -109,6 +163,7 @@ impl Grants {
                 _ => merged.push((s, e)),
             }
         }
+        let size = merged.iter().map(|&(s, e)| e - s).sum();
         self.lock().insert(
             handle,
             Grant {
@@ -119,6 +174,9 @@ impl Grants {
                 revoked: None,
                 active: 0,
                 bytes: 0,
+                size,
+                written: Vec::new(),
+                filled: false,
             },
         );
     }
@@ -262,6 +320,7 @@ impl Grants {
         let mut map = self.lock();
         let g = self.valid(&mut map, kind, handle, token, dst_incarnation, now)?;
         let mut total = 0u64;
+        let mut writes = Vec::new();
         for &(off, len) in ranges {
             let end = off
                 .checked_add(len)
@@ -276,6 +335,9 @@ impl Grants {
                 ));
             }
             total += len;
+            if kind == GrantKind::Write {
+                writes.push((off, end));
+            }
         }
         g.active += 1;
         Ok(GrantGuard {
@@ -283,6 +345,7 @@ impl Grants {
             handle,
             planned: total,
             bytes: 0,
+            writes,
         })
     }
 }
@@ -291,6 +354,48 @@ impl Grants {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A write grant reads as filled once, when completed requests have written every
+    /// granted byte: not for a request that broke off, not for the same range written
+    /// twice, never for a read grant.
+    #[test]
+    fn a_write_grant_is_filled_once_every_byte_is_written() {
+        let sink = Arc::new(Completions::new().unwrap());
+        let g = Grants::new(Incarnation(7)).with_filled(sink.clone());
+        let now = Instant::now();
+        let later = now + Duration::from_secs(5);
+        g.insert(1, 9, GrantKind::Write, &[(0, 4096), (8192, 4096)], later);
+        g.insert(2, 9, GrantKind::Read, &[(0, 4096)], later);
+        let write = |r: &[(u64, u64)], complete: bool| {
+            let mut guard = g
+                .begin(GrantKind::Write, 1, 9, Incarnation(7), r, now)
+                .unwrap();
+            if complete {
+                guard.complete();
+            }
+        };
+        write(&[(0, 4096)], true);
+        write(&[(0, 4096)], true);
+        assert!(sink.take().is_empty(), "one range twice is not every byte");
+        write(&[(8192, 4096)], false);
+        assert!(
+            sink.take().is_empty(),
+            "a write that broke off counts nothing"
+        );
+        let mut read = g
+            .begin(GrantKind::Read, 2, 9, Incarnation(7), &[(0, 4096)], now)
+            .unwrap();
+        read.complete();
+        drop(read);
+        assert!(sink.take().is_empty(), "reads fill nothing");
+        write(&[(8192, 2048)], true);
+        assert!(sink.take().is_empty());
+        write(&[(10240, 2048)], true);
+        assert_eq!(sink.take(), vec![1], "every byte written");
+        write(&[(0, 4096)], true);
+        assert!(sink.take().is_empty(), "filled once");
+        assert_eq!(g.bytes(1), 4 * 4096, "bytes count every completed write");
+    }
 
     #[test]
     fn grants_check_token_expiry_bounds_and_incarnation() {

@@ -14,9 +14,15 @@
 //!  release at once
 //!
 //!  push_register (decode) ─► alloc + write grant ─► peer_push_reg ─► regs table
-//!  export (prefill) ─► exports table; both present ─► data-plane write ─► peer_push_done
-//!                                                        ─► commit, pin for the client
+//!  export (prefill) ─► exports table; both present ─► data-plane write ─► (TCP: every
+//!                  granted byte written ─► commit, pin for the client) ─► peer_push_done
+//!                                  (RDMA, or nothing to write: ─► commit, pin for the client)
 //! ```
+//!
+//! A TCP push is finished by the decode side as soon as completed writes cover its write
+//! grant ([`grants`] says so through a completion queue), a few thread hand-offs and a
+//! control-plane trip before the writer's `peer_push_done` arrives; that one is then
+//! answered as a repeat.
 //!
 //! Rules (the design's "lessons"):
 //! - every daemon-to-daemon message carries both incarnations; a mismatch is refused;
@@ -71,6 +77,7 @@ use std::time::{Duration, Instant, SystemTime};
 use kvd_protocol::*;
 
 use crate::deadline::DeadlineQueue;
+use crate::io::completions::Completions;
 use crate::pool::Pool;
 use crate::store::Store;
 use dataplane::{
@@ -405,6 +412,8 @@ pub struct Transfers {
     _discovery: Option<discovery::Discovery>,
     /// Push grant handles (low 32 bits) whose RDMA writes have all landed.
     landed: std::collections::HashSet<u32>,
+    /// Push grant handles whose TCP writes have all landed (queued by the data server).
+    filled: Arc<Completions<u64>>,
     server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
@@ -444,7 +453,8 @@ impl Transfers {
         now: Instant,
     ) -> std::io::Result<Transfers> {
         let incarnation = store.incarnation();
-        let grants = Arc::new(Grants::new(incarnation));
+        let filled = Arc::new(Completions::new()?);
+        let grants = Arc::new(Grants::new(incarnation).with_filled(filled.clone()));
         let server = DataServer::start(
             &cfg.data_bind,
             pool.clone(),
@@ -523,6 +533,7 @@ impl Transfers {
             directory,
             _discovery: disc,
             landed: Default::default(),
+            filled,
             server,
             system: store.system_session(now),
             exports: HashMap::new(),
@@ -568,9 +579,10 @@ impl Transfers {
         }
     }
 
-    /// The fd that becomes readable when data-plane jobs finish.
-    pub fn wake_fd(&self) -> std::os::fd::RawFd {
-        self.plane.wake_fd()
+    /// The fds that become readable when data-plane jobs finish and when pushed bytes
+    /// have all landed.
+    pub fn wake_fds(&self) -> [std::os::fd::RawFd; 2] {
+        [self.plane.wake_fd(), self.filled.fd()]
     }
 
     /// Counters and gauges for `stats`.

@@ -9,7 +9,7 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::dataplane::Transport;
-use super::{werr, Mode, Reg, Reply, Timer, Transfers};
+use super::{werr, Import, Mode, Reg, Reply, Timer, Transfers};
 use crate::store::Store;
 
 impl Transfers {
@@ -94,6 +94,32 @@ impl Transfers {
         Ok(self.ack())
     }
 
+    /// A TCP push whose bytes have all landed here (the data server saw its write grant
+    /// covered by completed writes): finished now, as `peer_push_done` would finish it —
+    /// the writer's `peer_push_done`, still on its way through the control plane, is then
+    /// answered as a repeat. Every byte was written under the grant's token by requests
+    /// that ended, so nothing is committed that `peer_push_done`'s byte check would not
+    /// have committed.
+    pub(super) fn on_push_filled(&mut self, store: &mut Store, handle: u64, now: Instant) {
+        let Some(id) = self
+            .imports
+            .iter()
+            .find(|(_, i)| i.mode == Mode::Push && i.handle == handle && !i.state.is_final())
+            .map(|(id, _)| id.clone())
+        else {
+            return; // ended meanwhile (aborted, timed out)
+        };
+        let imp = self.imports.get_mut(&id).expect("found");
+        let want = imp.local.iter().flatten().count() as u64 * imp.block_bytes;
+        let got = self.grants.bytes(handle);
+        if got < want {
+            return; // cannot be (filled means covered); peer_push_done decides
+        }
+        imp.bytes = got;
+        imp.transport = "tcp";
+        self.finish_import(store, &id, false, now);
+    }
+
     /// `peer_push_done`.
     pub fn peer_push_done(
         &mut self,
@@ -102,9 +128,8 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        let ok = self.imports.get(&r.transfer_id).is_some_and(|i| {
+        let from_its_peer = |i: &Import| {
             i.mode == Mode::Push
-                && !i.state.is_final()
                 && i.handle == r.handle
                 && (i.peer.incarnation == r.from.incarnation
                     // The done can overtake the acknowledgement of the registration (an
@@ -112,7 +137,16 @@ impl Transfers {
                     // its export at once), so the peer's incarnation may not be known
                     // yet: then the sender must be the node the registration went to.
                     || (i.peer.incarnation == Incarnation(0) && i.peer.node == r.from.node))
-        });
+        };
+        let Some(i) = self.imports.get(&r.transfer_id) else {
+            self.counters.refused += 1;
+            return Err(self.unknown(&r.transfer_id));
+        };
+        if from_its_peer(i) && i.state == TransferState::Done {
+            // Finished when its bytes landed (`on_push_filled`): a repeat.
+            return Ok(self.ack());
+        }
+        let ok = from_its_peer(i) && !i.state.is_final();
         if !ok {
             self.counters.refused += 1;
             return Err(self.unknown(&r.transfer_id));

@@ -9,6 +9,9 @@ impl Transfers {
         for done in self.plane.completed() {
             self.on_job(store, done, now);
         }
+        for handle in self.filled.take() {
+            self.on_push_filled(store, handle, now);
+        }
         while let Some((_, (timer, id))) = self.timers.pop_due(now) {
             self.on_timer(store, timer, id, now);
         }

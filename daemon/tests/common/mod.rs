@@ -239,25 +239,50 @@ pub fn raw_read_with(
     off: u64,
     len: u64,
 ) -> Result<Vec<u8>, String> {
+    raw_data(
+        key,
+        &p.from.data,
+        p.from.incarnation.0,
+        (1, handle, token),
+        &[(off, len)],
+        &[],
+    )
+}
+
+/// One data-plane request by hand (SPEC §10, "Data plane (TCP)"), signed with `key` (or
+/// not): `op` = (1 read | 2 write, handle, token) to the daemon of `incarnation` at `addr`,
+/// over `ranges`; a write sends `payload` after the request. Returns a read's bytes (a
+/// write's: none), or the refusal's code.
+pub fn raw_data(
+    key: Option<&kvd_protocol::auth::ClusterKey>,
+    addr: &str,
+    incarnation: u64,
+    (op, handle, token): (u8, u64, u64),
+    ranges: &[(u64, u64)],
+    payload: &[u8],
+) -> Result<Vec<u8>, String> {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(&p.from.data).unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut req = Vec::new();
     req.extend_from_slice(b"KVDX");
-    req.extend_from_slice(&[3, 1, 0, 0]);
-    for v in [handle, token, 1, p.from.incarnation.0] {
+    req.extend_from_slice(&[3, op, 0, 0]);
+    for v in [handle, token, 1, incarnation] {
         req.extend_from_slice(&v.to_le_bytes());
     }
-    req.extend_from_slice(&1u32.to_le_bytes());
+    req.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
     req.extend_from_slice(&0u32.to_le_bytes());
-    req.extend_from_slice(&off.to_le_bytes());
-    req.extend_from_slice(&len.to_le_bytes());
+    for (off, len) in ranges {
+        req.extend_from_slice(&off.to_le_bytes());
+        req.extend_from_slice(&len.to_le_bytes());
+    }
     let trailer = match key {
         Some(k) => k.data_trailer(kvd_daemon::auth::stamp(), &req).to_vec(),
         None => vec![0u8; kvd_protocol::auth::DATA_TRAILER_BYTES],
     };
     req.extend_from_slice(&trailer);
-    req.resize(req.len().div_ceil(64) * 64, 0); // padded to 64 bytes (SPEC §10, "Data plane (TCP)")
+    req.resize(req.len().div_ceil(64) * 64, 0); // padded to 64 bytes
+    req.extend_from_slice(payload);
     s.write_all(&req).unwrap();
     let mut hdr = [0u8; 64];
     s.read_exact(&mut hdr).unwrap();
@@ -269,7 +294,12 @@ pub fn raw_read_with(
         let text = String::from_utf8(msg).unwrap();
         return Err(text.split(':').next().unwrap().to_string());
     }
-    let mut body = vec![0u8; len as usize];
+    let want: u64 = if op == 1 {
+        ranges.iter().map(|r| r.1).sum()
+    } else {
+        0
+    };
+    let mut body = vec![0u8; want as usize];
     s.read_exact(&mut body).unwrap();
     Ok(body)
 }
