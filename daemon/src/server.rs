@@ -293,6 +293,7 @@ impl Server {
             };
             let mut stream_ready: Vec<(u64, bool, bool)> = Vec::new();
             let mut accept_ready = false;
+            let mut woken = [false; 2];
             let (sock_ready, peer_ready, sig_ready) = {
                 let mut items = vec![
                     self.socket.as_poll_item(zmq::POLLIN),
@@ -308,6 +309,7 @@ impl Server {
                 if let Some(p) = &self.peer_socket {
                     items.push(p.as_poll_item(zmq::POLLIN));
                 }
+                let wake_at = items.len();
                 if let Some(t) = &self.transfers {
                     for fd in t.wake_fds() {
                         items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
@@ -348,6 +350,13 @@ impl Server {
                     }
                 }
                 let peer_ready = self.peer_socket.is_some() && items[peer_at].is_readable();
+                if self.transfers.is_some() {
+                    // The completion queues are taken only when their signal polled
+                    // readable (an eventfd stays readable until taken): no `read` per
+                    // turn for queues with nothing in them.
+                    let ready = |k: usize| items.get(wake_at + k).is_some_and(|i| i.is_readable());
+                    woken = [ready(0), ready(1)];
+                }
                 (items[0].is_readable(), peer_ready, items[1].is_readable())
             };
             if sock_ready {
@@ -381,7 +390,7 @@ impl Server {
             }
             self.store.maintain(Instant::now());
             self.gpu.maintain(&self.store, Instant::now());
-            self.drive_transfers();
+            self.drive_transfers(woken);
             self.answer_deferred();
             self.answer_gpu();
             if sig_ready {
@@ -614,7 +623,9 @@ impl Server {
 
     /// Runs the transfers' time-driven work, feeds them peer replies, sends their
     /// outbox.
-    fn drive_transfers(&mut self) {
+    /// `woken`: which of the transfers' completion queues ([`Transfers::wake_fds`]) polled
+    /// readable this turn.
+    fn drive_transfers(&mut self, woken: [bool; 2]) {
         let Some(t) = self.transfers.as_mut() else {
             return;
         };
@@ -623,7 +634,7 @@ impl Server {
             t.on_peer_reply(&mut self.store, then, r, now);
         }
         self.links.prune(now);
-        t.maintain(&mut self.store, now);
+        t.maintain(&mut self.store, woken, now);
         for f in t.take_finished() {
             self.metrics.observe_transfer(&f);
         }

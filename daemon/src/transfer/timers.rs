@@ -5,12 +5,19 @@ use super::*;
 
 impl Transfers {
     /// Data-plane completions, lease expiries, heartbeats, waiter timeouts, retries.
-    pub fn maintain(&mut self, store: &mut Store, now: Instant) {
-        for done in self.plane.completed() {
-            self.on_job(store, done, now);
+    /// `woken`: which completion queues of [`Transfers::wake_fds`] polled readable (only
+    /// those are taken; the others' signals would have polled readable if raised, and a
+    /// raise after the poll makes the next poll return at once).
+    pub fn maintain(&mut self, store: &mut Store, woken: [bool; 2], now: Instant) {
+        if woken[0] {
+            for done in self.plane.completed() {
+                self.on_job(store, done, now);
+            }
         }
-        for handle in self.filled.take() {
-            self.on_push_filled(store, handle, now);
+        if woken[1] {
+            for handle in self.filled.take() {
+                self.on_push_filled(store, handle, now);
+            }
         }
         while let Some((_, (timer, id))) = self.timers.pop_due(now) {
             self.on_timer(store, timer, id, now);
