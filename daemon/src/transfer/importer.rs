@@ -118,6 +118,7 @@ impl Transfers {
                 &ranges,
                 imp.created + self.cfg.max_hold + imp.lease,
             );
+            self.pushes.insert(imp.handle, id.to_string());
         }
         imp.state = TransferState::Waiting;
         let req = Request::PeerPushReg(PeerPushRegReq {
@@ -250,6 +251,9 @@ impl Transfers {
         }
         imp.state = state;
         imp.ended = Some(now);
+        if imp.mode == Mode::Push {
+            self.pushes.remove(&imp.handle);
+        }
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "import ended");
         }

@@ -414,6 +414,8 @@ pub struct Transfers {
     landed: std::collections::HashSet<u32>,
     /// Push grant handles whose TCP writes have all landed (queued by the data server).
     filled: Arc<Completions<u64>>,
+    /// Live push imports with a write grant, by the grant's handle (what `filled` names).
+    pushes: HashMap<u64, String>,
     server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
@@ -534,6 +536,7 @@ impl Transfers {
             _discovery: disc,
             landed: Default::default(),
             filled,
+            pushes: HashMap::new(),
             server,
             system: store.system_session(now),
             exports: HashMap::new(),

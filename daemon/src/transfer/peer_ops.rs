@@ -101,15 +101,16 @@ impl Transfers {
     /// that ended, so nothing is committed that `peer_push_done`'s byte check would not
     /// have committed.
     pub(super) fn on_push_filled(&mut self, store: &mut Store, handle: u64, now: Instant) {
-        let Some(id) = self
-            .imports
-            .iter()
-            .find(|(_, i)| i.mode == Mode::Push && i.handle == handle && !i.state.is_final())
-            .map(|(id, _)| id.clone())
-        else {
-            return; // ended meanwhile (aborted, timed out)
+        let Some(id) = self.pushes.get(&handle).cloned() else {
+            return; // ended meanwhile (aborted, timed out, or its peer_push_done came first)
         };
-        let imp = self.imports.get_mut(&id).expect("found");
+        let Some(imp) = self
+            .imports
+            .get_mut(&id)
+            .filter(|i| i.mode == Mode::Push && i.handle == handle && !i.state.is_final())
+        else {
+            return;
+        };
         let want = imp.local.iter().flatten().count() as u64 * imp.block_bytes;
         let got = self.grants.bytes(handle);
         if got < want {
