@@ -82,19 +82,27 @@ impl Transfers {
         });
     }
 
+    /// The push's bytes are written (`bytes` of them): the export is done. The importer
+    /// hears it from `peer_push_done` when its own data server cannot tell: nothing was
+    /// written, or the bytes went by RDMA. Over TCP it finishes the push itself once the
+    /// writes cover its grant (`on_push_filled`), so no notification goes: on two vCPUs
+    /// its sealing, two libzmq I/O threads and the importer's handling competed with the
+    /// importer's own finishing for the CPUs.
     pub(super) fn push_written(&mut self, store: &mut Store, id: &str, bytes: u64, now: Instant) {
         let exp = &self.exports[id];
         let (Some(peer), Some((handle, _))) = (exp.importer.clone(), exp.push) else {
             return;
         };
-        let req = Request::PeerPushDone(PeerPushDoneReq {
-            from: self.me.clone(),
-            to_incarnation: peer.incarnation,
-            transfer_id: id.to_string(),
-            handle,
-            bytes,
-        });
-        self.notify(&peer.node, req);
+        if bytes == 0 || exp.transport != "tcp" {
+            let req = Request::PeerPushDone(PeerPushDoneReq {
+                from: self.me.clone(),
+                to_incarnation: peer.incarnation,
+                transfer_id: id.to_string(),
+                handle,
+                bytes,
+            });
+            self.notify(&peer.node, req);
+        }
         self.end_export(store, id, TransferState::Done, None, false, now);
     }
 

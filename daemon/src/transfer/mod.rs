@@ -14,15 +14,15 @@
 //!  release at once
 //!
 //!  push_register (decode) ─► alloc + write grant ─► peer_push_reg ─► regs table
-//!  export (prefill) ─► exports table; both present ─► data-plane write ─► (TCP: every
-//!                  granted byte written ─► commit, pin for the client) ─► peer_push_done
-//!                                  (RDMA, or nothing to write: ─► commit, pin for the client)
+//!  export (prefill) ─► exports table; both present ─► data-plane write
+//!        TCP: every granted byte written (the decode side's data server sees it)
+//!                                                        ─► commit, pin for the client
+//!        RDMA, or nothing to write: ─► peer_push_done ─► commit, pin for the client
 //! ```
 //!
 //! A TCP push is finished by the decode side as soon as completed writes cover its write
-//! grant ([`grants`] says so through a completion queue), a few thread hand-offs and a
-//! control-plane trip before the writer's `peer_push_done` arrives; that one is then
-//! answered as a repeat.
+//! grant ([`grants`] says so through a completion queue); the prefill side sends no
+//! `peer_push_done` for it (one that comes anyway is answered as a repeat).
 //!
 //! Rules (the design's "lessons"):
 //! - every daemon-to-daemon message carries both incarnations; a mismatch is refused;

@@ -95,11 +95,10 @@ impl Transfers {
     }
 
     /// A TCP push whose bytes have all landed here (the data server saw its write grant
-    /// covered by completed writes): finished now, as `peer_push_done` would finish it —
-    /// the writer's `peer_push_done`, still on its way through the control plane, is then
-    /// answered as a repeat. Every byte was written under the grant's token by requests
-    /// that ended, so nothing is committed that `peer_push_done`'s byte check would not
-    /// have committed.
+    /// covered by completed writes): finished now, as `peer_push_done` would finish it
+    /// (the writer sends none for a TCP push; one that comes is answered as a repeat).
+    /// Every byte was written under the grant's token by requests that ended, so nothing
+    /// is committed that `peer_push_done`'s byte check would not have committed.
     pub(super) fn on_push_filled(&mut self, store: &mut Store, handle: u64, now: Instant) {
         let Some(id) = self.pushes.get(&handle).cloned() else {
             return; // ended meanwhile (aborted, timed out, or its peer_push_done came first)
