@@ -1014,7 +1014,9 @@ fn the_first_pull_after_an_exporter_restart_works() {
 /// an expired export). Now a notification nobody answers is sent again until answered or a
 /// lease has passed. Here the exporter's control endpoint is a stand-in (a raw ROUTER with
 /// the cluster key, in front of a real exporter's data plane) that drops the first
-/// `peer_done` and answers the second.
+/// `peer_done` and answers the second. (The decode side holds one of the two blocks
+/// already, so the pull reads only the other and the exporter cannot tell from its reads
+/// that the pull is over: `peer_done` says so.)
 #[test]
 fn an_unanswered_peer_done_is_sent_again() {
     use kvd_protocol::*;
@@ -1023,6 +1025,7 @@ fn an_unanswered_peer_done_is_sent_again() {
     let (ca, cb) = (a.client(), b.client());
     let (layout, ks, data) = fill(&ca, 80, 2, 64);
     register(&cb, 64);
+    cb.store(layout, &ks[..1], &[&data[0][..]]).unwrap();
     let mut p = ca.export("lost-done", layout, &ks, None).unwrap();
     let ctx = zmq::Context::new();
     let fake = ctx.socket(zmq::ROUTER).unwrap();
@@ -1061,6 +1064,45 @@ fn an_unanswered_peer_done_is_sent_again() {
         }
     }
     assert_eq!(dones, 2, "the unanswered peer_done was not sent again");
+}
+
+/// A TCP pull that read every block: the exporter's data server saw every byte leave, so
+/// the export ends (done, pin released) with no `peer_done` — the importer sends none.
+/// The exporter's control endpoint in the params is a stand-in that records what comes.
+#[test]
+fn a_pull_that_read_everything_ends_the_export_without_peer_done() {
+    use kvd_protocol::*;
+    let a = Node::start(5000, false);
+    let b = Node::start(5000, false);
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 81, 3, 64);
+    register(&cb, 64);
+    let mut p = ca.export("read-all", layout, &ks, None).unwrap();
+    assert_eq!(ca.stats().unwrap().pinned_blocks, 3);
+    let ctx = zmq::Context::new();
+    let fake = ctx.socket(zmq::ROUTER).unwrap();
+    fake.set_linger(0).unwrap();
+    fake.bind("tcp://127.0.0.1:*").unwrap();
+    p.from.node = fake.get_last_endpoint().unwrap().unwrap();
+    let r = cb.pull(&p, None, true).unwrap();
+    verify(&cb, layout, &r, &data);
+    eventually(3, "the export ended by its reads", || {
+        xstats(&ca).done == 1 && ca.stats().unwrap().pinned_blocks == 0
+    });
+    fake.set_rcvtimeo(300).unwrap();
+    let until = Instant::now() + Duration::from_millis(600);
+    while Instant::now() < until {
+        let Ok(parts) = fake.recv_multipart(0) else {
+            continue;
+        };
+        if let Ok((_, req)) = decode_request(&parts[1], 1 << 20) {
+            assert!(
+                !matches!(req, Request::PeerDone(_)),
+                "a pull that read everything sent peer_done"
+            );
+        }
+    }
+    assert_eq!(xstats(&ca).done, 1);
 }
 
 /// Finding: the shm transport kept a departed peer's unlinked pool mapped for ever. Now a

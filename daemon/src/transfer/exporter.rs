@@ -123,6 +123,7 @@ impl Transfers {
         }
         exp.state = state;
         exp.ended = Some(now);
+        self.by_grant.remove(&exp.handle);
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "export ended");
         }

@@ -9,11 +9,12 @@
 //! (and asks again later otherwise). The loom model at the bottom checks that hand-off
 //! under every interleaving, with a negative control that frees without asking.
 //!
-//! It also says when a write grant has received all its bytes: the completed request
-//! whose ranges make the written ranges cover every granted byte queues the handle in
-//! the sink given to [`Grants::with_filled`] as its guard drops (once per grant), so the grant's owner can finish a TCP push as soon as
-//! the bytes are in, without waiting for the writer's `peer_push_done` to come round
-//! through the control plane.
+//! It also says when every byte of a grant has moved: the completed request whose ranges
+//! make the ranges moved so far cover the whole grant queues the handle in the sink given
+//! to [`Grants::with_filled`] as its guard drops (once per grant). So the grant's owner
+//! finishes a TCP push as soon as the bytes are in (a write grant), and ends a TCP pull's
+//! export as soon as every byte has gone out (a read grant), with no notification from
+//! the peer coming round through the control plane.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -51,8 +52,8 @@ struct Grant {
     bytes: u64,
     /// Bytes the ranges cover.
     size: u64,
-    /// Write grants: the sorted, merged ranges that completed requests wrote.
-    written: Vec<(u64, u64)>,
+    /// The sorted, merged ranges that completed requests moved.
+    moved: Vec<(u64, u64)>,
     /// Whether the handle was queued as filled.
     filled: bool,
 }
@@ -87,8 +88,8 @@ pub struct GrantGuard<'a> {
     handle: u64,
     planned: u64,
     bytes: u64,
-    /// A write's `[s, e)` ranges (empty for reads).
-    writes: Vec<(u64, u64)>,
+    /// The request's `[s, e)` ranges.
+    ranges: Vec<(u64, u64)>,
 }
 
 impl GrantGuard<'_> {
@@ -107,8 +108,8 @@ impl Drop for GrantGuard<'_> {
             g.bytes += self.bytes;
             // Recorded in the same step as `active` falls, so every request whose bytes
             // count has ended by the time the grant reads as filled.
-            if g.kind == GrantKind::Write && self.bytes > 0 && !g.filled {
-                let covered = merge_into(&mut g.written, &self.writes);
+            if self.bytes > 0 && !g.filled {
+                let covered = merge_into(&mut g.moved, &self.ranges);
                 if covered >= g.size {
                     g.filled = true;
                     filled = true;
@@ -175,7 +176,7 @@ impl Grants {
                 active: 0,
                 bytes: 0,
                 size,
-                written: Vec::new(),
+                moved: Vec::new(),
                 filled: false,
             },
         );
@@ -320,7 +321,7 @@ impl Grants {
         let mut map = self.lock();
         let g = self.valid(&mut map, kind, handle, token, dst_incarnation, now)?;
         let mut total = 0u64;
-        let mut writes = Vec::new();
+        let mut moved = Vec::with_capacity(ranges.len());
         for &(off, len) in ranges {
             let end = off
                 .checked_add(len)
@@ -335,9 +336,7 @@ impl Grants {
                 ));
             }
             total += len;
-            if kind == GrantKind::Write {
-                writes.push((off, end));
-            }
+            moved.push((off, end));
         }
         g.active += 1;
         Ok(GrantGuard {
@@ -345,7 +344,7 @@ impl Grants {
             handle,
             planned: total,
             bytes: 0,
-            writes,
+            ranges: moved,
         })
     }
 }
@@ -355,11 +354,11 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// A write grant reads as filled once, when completed requests have written every
-    /// granted byte: not for a request that broke off, not for the same range written
-    /// twice, never for a read grant.
+    /// A grant reads as filled once, when completed requests have moved every granted
+    /// byte: not for a request that broke off, not for the same range moved twice; read
+    /// grants alike.
     #[test]
-    fn a_write_grant_is_filled_once_every_byte_is_written() {
+    fn a_grant_is_filled_once_every_byte_has_moved() {
         let sink = Arc::new(Completions::new().unwrap());
         let g = Grants::new(Incarnation(7)).with_filled(sink.clone());
         let now = Instant::now();
@@ -382,12 +381,23 @@ mod tests {
             sink.take().is_empty(),
             "a write that broke off counts nothing"
         );
-        let mut read = g
-            .begin(GrantKind::Read, 2, 9, Incarnation(7), &[(0, 4096)], now)
-            .unwrap();
-        read.complete();
-        drop(read);
-        assert!(sink.take().is_empty(), "reads fill nothing");
+        let read = |complete: bool| {
+            let mut guard = g
+                .begin(GrantKind::Read, 2, 9, Incarnation(7), &[(0, 4096)], now)
+                .unwrap();
+            if complete {
+                guard.complete();
+            }
+        };
+        read(false);
+        assert!(
+            sink.take().is_empty(),
+            "a read that broke off moved nothing"
+        );
+        read(true);
+        assert_eq!(sink.take(), vec![2], "the read grant's only range was read");
+        read(true);
+        assert!(sink.take().is_empty(), "filled once");
         write(&[(8192, 2048)], true);
         assert!(sink.take().is_empty());
         write(&[(10240, 2048)], true);

@@ -10,7 +10,9 @@
 //!  prefill daemon (exporter)                       decode daemon (importer)
 //!  export ─► pin + read grant + lease ─ params ─►  pull ─► alloc (PENDING) ─► data-plane read
 //!                                                        ◄─ peer_heartbeat every lease/6
-//!         ◄──────────────── peer_done ───────────────── commit, pin for the client
+//!  TCP, every block read: release when the reads      commit, pin for the client
+//!  covered the grant
+//!  otherwise (shm, RDMA, some blocks held): ◄── peer_done ── commit, pin for the client
 //!  release at once
 //!
 //!  push_register (decode) ─► alloc + write grant ─► peer_push_reg ─► regs table
@@ -416,6 +418,8 @@ pub struct Transfers {
     filled: Arc<Completions<u64>>,
     /// Live push imports with a write grant, by the grant's handle (what `filled` names).
     pushes: HashMap<u64, String>,
+    /// Live exports, by their read grant's handle (what `filled` names).
+    by_grant: HashMap<u64, String>,
     server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
@@ -537,6 +541,7 @@ impl Transfers {
             landed: Default::default(),
             filled,
             pushes: HashMap::new(),
+            by_grant: HashMap::new(),
             server,
             system: store.system_session(now),
             exports: HashMap::new(),

@@ -193,6 +193,27 @@ impl Transfers {
         Ok(self.ack())
     }
 
+    /// An export whose every byte has been read over TCP by completed data-plane requests
+    /// (its read grant filled): done now, as the importer's `peer_done` would end it. An
+    /// importer that read every block sends none (it knows the exporter saw the reads);
+    /// one that read only some (it held the others) still does. The bytes left this pool
+    /// while the grant held, so releasing the pin now frees nothing a reader still needs.
+    pub(super) fn on_export_read(&mut self, store: &mut Store, handle: u64, now: Instant) {
+        let Some(id) = self.by_grant.get(&handle).cloned() else {
+            return; // ended meanwhile
+        };
+        let Some(exp) = self
+            .exports
+            .get_mut(&id)
+            .filter(|e| e.handle == handle && e.push.is_none() && !e.state.is_final())
+        else {
+            return;
+        };
+        exp.bytes = exp.keys.len() as u64 * exp.block_bytes;
+        exp.transport = "remote_read";
+        self.end_export(store, &id, TransferState::Done, None, false, now);
+    }
+
     /// `peer_done`.
     pub fn peer_done(
         &mut self,

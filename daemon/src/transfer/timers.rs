@@ -16,7 +16,11 @@ impl Transfers {
         }
         if woken[1] {
             for handle in self.filled.take() {
-                self.on_push_filled(store, handle, now);
+                if self.pushes.contains_key(&handle) {
+                    self.on_push_filled(store, handle, now);
+                } else {
+                    self.on_export_read(store, handle, now);
+                }
             }
         }
         while let Some((_, (timer, id))) = self.timers.pop_due(now) {
@@ -250,7 +254,12 @@ impl Transfers {
                                 timeout: None,
                             });
                         } else {
-                            self.finish_import(store, &id, true, now);
+                            // Over TCP the exporter's data server saw every read: when
+                            // they covered the whole export it ends the export itself
+                            // (`on_export_read`), and `peer_done` would be one more
+                            // round through both daemons' control planes for nothing.
+                            let everything = imp.local.iter().all(Option::is_some);
+                            self.finish_import(store, &id, !everything, now);
                         }
                     }
                     Err(e) => {
