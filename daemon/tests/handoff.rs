@@ -1009,6 +1009,16 @@ fn the_first_pull_after_an_exporter_restart_works() {
     }
 }
 
+/// A stand-in for a daemon's control endpoint: a ROUTER on loopback that the test reads
+/// (and answers) by hand.
+fn stand_in_control() -> (zmq::Context, zmq::Socket) {
+    let ctx = zmq::Context::new();
+    let sock = ctx.socket(zmq::ROUTER).unwrap();
+    sock.set_linger(0).unwrap();
+    sock.bind("tcp://127.0.0.1:*").unwrap();
+    (ctx, sock)
+}
+
 /// Finding: `peer_done`, `peer_push_done` and `peer_fail` were fire-and-forget, so one
 /// lost message left the other side to learn only by timeout (a finished pull recorded as
 /// an expired export). Now a notification nobody answers is sent again until answered or a
@@ -1027,10 +1037,7 @@ fn an_unanswered_peer_done_is_sent_again() {
     register(&cb, 64);
     cb.store(layout, &ks[..1], &[&data[0][..]]).unwrap();
     let mut p = ca.export("lost-done", layout, &ks, None).unwrap();
-    let ctx = zmq::Context::new();
-    let fake = ctx.socket(zmq::ROUTER).unwrap();
-    fake.set_linger(0).unwrap();
-    fake.bind("tcp://127.0.0.1:*").unwrap();
+    let (_ctx, fake) = stand_in_control();
     p.from.node = fake.get_last_endpoint().unwrap().unwrap();
     let r = cb.pull(&p, None, true).unwrap();
     verify(&cb, layout, &r, &data);
@@ -1079,10 +1086,7 @@ fn a_pull_that_read_everything_ends_the_export_without_peer_done() {
     register(&cb, 64);
     let mut p = ca.export("read-all", layout, &ks, None).unwrap();
     assert_eq!(ca.stats().unwrap().pinned_blocks, 3);
-    let ctx = zmq::Context::new();
-    let fake = ctx.socket(zmq::ROUTER).unwrap();
-    fake.set_linger(0).unwrap();
-    fake.bind("tcp://127.0.0.1:*").unwrap();
+    let (_ctx, fake) = stand_in_control();
     p.from.node = fake.get_last_endpoint().unwrap().unwrap();
     let r = cb.pull(&p, None, true).unwrap();
     verify(&cb, layout, &r, &data);

@@ -71,7 +71,8 @@ impl Transfers {
             expires_unix_ms: unix_ms(expires, now),
         };
         tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), "exported");
-        self.by_grant.insert(handle, req.transfer_id.clone());
+        self.by_grant
+            .insert(handle, (Timer::Export, req.transfer_id.clone()));
         self.exports.insert(
             req.transfer_id.clone(),
             Export {

@@ -58,18 +58,18 @@ struct Grant {
     filled: bool,
 }
 
-/// Adds `[s, e)` ranges to a sorted, merged list; returns the bytes it now covers.
+/// Adds `[s, e)` ranges to a sorted, merged list (in place); returns the bytes it now
+/// covers.
 fn merge_into(list: &mut Vec<(u64, u64)>, add: &[(u64, u64)]) -> u64 {
     list.extend_from_slice(add);
     list.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(list.len());
-    for &(s, e) in list.iter() {
-        match merged.last_mut() {
-            Some(last) if last.1 >= s => last.1 = last.1.max(e),
-            _ => merged.push((s, e)),
+    list.dedup_by(|next, kept| {
+        let touches = next.0 <= kept.1;
+        if touches {
+            kept.1 = kept.1.max(next.1);
         }
-    }
-    *list = merged;
+        touches
+    });
     list.iter().map(|&(s, e)| e - s).sum()
 }
 
@@ -134,8 +134,8 @@ impl Grants {
         }
     }
 
-    /// Queues into `sink` the handle of each write grant once all its bytes have been
-    /// written (see the module docs).
+    /// Queues into `sink` the handle of each grant once completed requests have moved
+    /// all its bytes (see the module docs).
     pub fn with_filled(mut self, sink: Arc<Completions<u64>>) -> Self {
         self.filled = Some(sink);
         self

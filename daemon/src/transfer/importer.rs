@@ -118,7 +118,8 @@ impl Transfers {
                 &ranges,
                 imp.created + self.cfg.max_hold + imp.lease,
             );
-            self.pushes.insert(imp.handle, id.to_string());
+            self.by_grant
+                .insert(imp.handle, (Timer::Import, id.to_string()));
         }
         imp.state = TransferState::Waiting;
         let req = Request::PeerPushReg(PeerPushRegReq {
@@ -252,7 +253,7 @@ impl Transfers {
         imp.state = state;
         imp.ended = Some(now);
         if imp.mode == Mode::Push {
-            self.pushes.remove(&imp.handle);
+            self.by_grant.remove(&imp.handle);
         }
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "import ended");

@@ -416,10 +416,9 @@ pub struct Transfers {
     landed: std::collections::HashSet<u32>,
     /// Push grant handles whose TCP writes have all landed (queued by the data server).
     filled: Arc<Completions<u64>>,
-    /// Live push imports with a write grant, by the grant's handle (what `filled` names).
-    pushes: HashMap<u64, String>,
-    /// Live exports, by their read grant's handle (what `filled` names).
-    by_grant: HashMap<u64, String>,
+    /// Live exports (read grants) and push imports (write grants) by the grant's handle:
+    /// what `filled` names.
+    by_grant: HashMap<u64, (Timer, String)>,
     server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
@@ -540,7 +539,6 @@ impl Transfers {
             _discovery: disc,
             landed: Default::default(),
             filled,
-            pushes: HashMap::new(),
             by_grant: HashMap::new(),
             server,
             system: store.system_session(now),

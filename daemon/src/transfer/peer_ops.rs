@@ -99,25 +99,23 @@ impl Transfers {
     /// (the writer sends none for a TCP push; one that comes is answered as a repeat).
     /// Every byte was written under the grant's token by requests that ended, so nothing
     /// is committed that `peer_push_done`'s byte check would not have committed.
-    pub(super) fn on_push_filled(&mut self, store: &mut Store, handle: u64, now: Instant) {
-        let Some(id) = self.pushes.get(&handle).cloned() else {
-            return; // ended meanwhile (aborted, timed out, or its peer_push_done came first)
-        };
+    pub(super) fn on_push_filled(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        handle: u64,
+        now: Instant,
+    ) {
         let Some(imp) = self
             .imports
-            .get_mut(&id)
+            .get_mut(id)
             .filter(|i| i.mode == Mode::Push && i.handle == handle && !i.state.is_final())
         else {
             return;
         };
-        let want = imp.local.iter().flatten().count() as u64 * imp.block_bytes;
-        let got = self.grants.bytes(handle);
-        if got < want {
-            return; // cannot be (filled means covered); peer_push_done decides
-        }
-        imp.bytes = got;
+        imp.bytes = self.grants.bytes(handle);
         imp.transport = "tcp";
-        self.finish_import(store, &id, false, now);
+        self.finish_import(store, id, false, now);
     }
 
     /// `peer_push_done`.
@@ -198,20 +196,23 @@ impl Transfers {
     /// importer that read every block sends none (it knows the exporter saw the reads);
     /// one that read only some (it held the others) still does. The bytes left this pool
     /// while the grant held, so releasing the pin now frees nothing a reader still needs.
-    pub(super) fn on_export_read(&mut self, store: &mut Store, handle: u64, now: Instant) {
-        let Some(id) = self.by_grant.get(&handle).cloned() else {
-            return; // ended meanwhile
-        };
+    pub(super) fn on_export_read(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        handle: u64,
+        now: Instant,
+    ) {
         let Some(exp) = self
             .exports
-            .get_mut(&id)
+            .get_mut(id)
             .filter(|e| e.handle == handle && e.push.is_none() && !e.state.is_final())
         else {
             return;
         };
         exp.bytes = exp.keys.len() as u64 * exp.block_bytes;
         exp.transport = "remote_read";
-        self.end_export(store, &id, TransferState::Done, None, false, now);
+        self.end_export(store, id, TransferState::Done, None, false, now);
     }
 
     /// `peer_done`.

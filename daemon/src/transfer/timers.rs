@@ -16,10 +16,10 @@ impl Transfers {
         }
         if woken[1] {
             for handle in self.filled.take() {
-                if self.pushes.contains_key(&handle) {
-                    self.on_push_filled(store, handle, now);
-                } else {
-                    self.on_export_read(store, handle, now);
+                match self.by_grant.get(&handle).cloned() {
+                    Some((Timer::Import, id)) => self.on_push_filled(store, &id, handle, now),
+                    Some((_, id)) => self.on_export_read(store, &id, handle, now),
+                    None => {} // ended meanwhile (aborted, timed out, peer_push_done)
                 }
             }
         }
