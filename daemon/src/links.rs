@@ -12,6 +12,7 @@ use kvd_protocol::*;
 use serde::de::IgnoredAny;
 
 use crate::metrics::PeerCounts;
+use crate::readiness::Watched;
 use crate::transfer::{Outgoing, Then};
 
 /// Most open peer links (DEALER sockets to other daemons' control endpoints).
@@ -32,7 +33,7 @@ pub(crate) struct PeerLinks {
 }
 
 pub(crate) struct Link {
-    pub(crate) socket: zmq::Socket,
+    pub(crate) socket: Watched,
     /// Last message sent on it (idle links are closed: see [`PeerLinks::prune`]).
     used: Instant,
     pending: std::collections::HashMap<u64, (Then, Instant, Stamp)>,
@@ -79,14 +80,14 @@ impl PeerLinks {
             ));
         }
         if !self.links.contains_key(&out.node) {
-            let made = (|| -> Result<zmq::Socket, zmq::Error> {
+            let made = (|| -> Result<Watched, zmq::Error> {
                 let s = ctx.socket(zmq::DEALER)?;
                 s.set_linger(0)?;
                 s.set_sndhwm(10_000)?;
                 s.set_reconnect_ivl(100)?;
                 s.set_reconnect_ivl_max(2000)?;
                 s.connect(&out.node)?;
-                Ok(s)
+                Watched::new(s)
             })();
             match made {
                 Ok(socket) => {
@@ -171,7 +172,12 @@ impl PeerLinks {
     pub(crate) fn collect(&mut self, now: Instant) -> Vec<(Then, Result<PeerAck, WireError>)> {
         let mut out = Vec::new();
         for (node, link) in &mut self.links {
-            while let Ok(parts) = link.socket.recv_multipart(zmq::DONTWAIT) {
+            // Only links whose descriptor polled readable, or that were used since they
+            // were last settled, are asked (each empty receive is a syscall).
+            while link.socket.may_have_message() {
+                let Ok(parts) = link.socket.recv_multipart() else {
+                    break;
+                };
                 let Some(frame) = parts.first() else { continue };
                 let Ok(id) = codec::reply_id(frame) else {
                     continue;

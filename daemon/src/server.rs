@@ -6,7 +6,7 @@
 //!   engines (DEALER / REQ) ──ipc/tcp──► client ROUTER ──► decode ──► Store (&mut) ──► reply
 //!   peer daemons (DEALER) ──tcp──► peer ROUTER ──► MAC + replay check ──┘ (peer ops only,
 //!                                         ▲                              sealed replies)
-//!   SIGTERM/SIGINT ──► signal pipe ──► zmq_poll ◄── next pin/alloc deadline
+//!   SIGTERM/SIGINT ──► signal pipe ──► poll(2) ◄── next pin/alloc deadline
 //! ```
 //!
 //! Each socket serves only its own ops: a `peer_*` op on a client endpoint is refused
@@ -30,6 +30,7 @@ use kvd_protocol::*;
 
 use crate::http::{Health, Phase};
 use crate::metrics::Metrics;
+use crate::readiness::{self, pollfd, Watched};
 use crate::store::{Answer, Completed, Store};
 use crate::stream::StreamServer;
 use crate::transfer::{self, Reply, TransferConfig, Transfers, TOKEN_BIT};
@@ -89,6 +90,9 @@ pub enum ServerError {
         /// The error.
         source: zmq::Error,
     },
+    /// `poll(2)` failed (not interrupted).
+    #[error("poll: {0}")]
+    Poll(std::io::Error),
     /// The transfer data plane could not start.
     #[error("transfers: {0}")]
     Transfer(String),
@@ -103,9 +107,9 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
 pub struct Server {
     ctx: zmq::Context,
     /// Clients' endpoints (ipc, tcp): client ops only.
-    socket: zmq::Socket,
+    socket: Watched,
     /// The control endpoint, with transfers on: peer ops only, each with a valid MAC.
-    peer_socket: Option<zmq::Socket>,
+    peer_socket: Option<Watched>,
     /// Stamps of peer requests accepted (none is accepted twice).
     replay: crate::auth::ReplayGuard,
     store: Store,
@@ -159,6 +163,7 @@ impl Server {
         signals
             .set_nonblocking(true)
             .expect("setting O_NONBLOCK on a socketpair cannot fail");
+        let socket = Watched::new(socket).map_err(zerr("ZMQ_FD"))?;
         Ok(Server {
             ctx,
             socket,
@@ -237,7 +242,7 @@ impl Server {
             .get_last_endpoint()
             .map_err(zerr("LAST_ENDPOINT"))?
             .unwrap_or(e);
-        self.peer_socket = Some(peer);
+        self.peer_socket = Some(Watched::new(peer).map_err(zerr("ZMQ_FD"))?);
         self.links.timeout = cfg.peer_timeout;
         self.links.key = Some(key.clone());
         let t = Transfers::start(cfg, bound, pool, key, &mut self.store, Instant::now())
@@ -254,7 +259,10 @@ impl Server {
     /// before any client could connect.
     pub fn bind_client_endpoints(&mut self) -> Result<(), ServerError> {
         for e in &self.opts.endpoints {
-            self.socket.bind(e).map_err(zerr(format!("bind {e}")))?;
+            self.socket
+                .setup()
+                .bind(e)
+                .map_err(zerr(format!("bind {e}")))?;
         }
         Ok(())
     }
@@ -285,80 +293,102 @@ impl Server {
                 .map(|d| d.saturating_duration_since(now))
                 .unwrap_or(cap)
                 .min(cap);
-            // Round up so that a deadline 0.4 ms away does not spin.
-            let timeout_ms = if self.opts.busy_poll {
-                0
-            } else {
-                timeout.as_micros().div_ceil(1000) as i64
-            };
             let mut stream_ready: Vec<(u64, bool, bool)> = Vec::new();
             let mut accept_ready = false;
             let mut woken = [false; 2];
-            let (sock_ready, peer_ready, sig_ready) = {
-                let mut items = vec![
-                    self.socket.as_poll_item(zmq::POLLIN),
-                    zmq::PollItem::from_fd(self.signals.as_raw_fd(), zmq::POLLIN),
+            let sig_ready = {
+                // A ZMQ socket that may hold a message makes this turn's poll return at
+                // once (see `readiness`).
+                let mut no_sleep = self.opts.busy_poll | self.socket.must_not_sleep();
+                if let Some(p) = self.peer_socket.as_mut() {
+                    no_sleep |= p.must_not_sleep();
+                }
+                for l in self.links.links.values_mut() {
+                    no_sleep |= l.socket.must_not_sleep();
+                }
+                // Round up so that a deadline 0.4 ms away does not spin.
+                let timeout_ms = if no_sleep {
+                    0
+                } else {
+                    i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
+                };
+                const IN: i16 = libc::POLLIN;
+                let mut fds = vec![
+                    pollfd(self.socket.fd(), IN),
+                    pollfd(self.signals.as_raw_fd(), IN),
                 ];
+                // The store's and the GPU tier's completions are taken every turn: their
+                // descriptors only wake the poll.
                 if let Some(fd) = self.store.io_fd() {
-                    items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                    fds.push(pollfd(fd, IN));
                 }
                 if let Some(fd) = self.gpu.fd() {
-                    items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                    fds.push(pollfd(fd, IN));
                 }
-                let peer_at = items.len();
+                let peer_at = fds.len();
                 if let Some(p) = &self.peer_socket {
-                    items.push(p.as_poll_item(zmq::POLLIN));
+                    fds.push(pollfd(p.fd(), IN));
                 }
-                let wake_at = items.len();
+                let wake_at = fds.len();
                 if let Some(t) = &self.transfers {
                     for fd in t.wake_fds() {
-                        items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+                        fds.push(pollfd(fd, IN));
                     }
                 }
+                let links_at = fds.len();
                 for l in self.links.links.values() {
-                    items.push(l.socket.as_poll_item(zmq::POLLIN));
+                    fds.push(pollfd(l.socket.fd(), IN));
                 }
-                let stream_at = items.len();
+                let stream_at = fds.len();
                 let mut conn_ids = Vec::new();
                 if let Some(st) = &self.stream {
-                    items.push(zmq::PollItem::from_fd(st.listener_fd(), zmq::POLLIN));
+                    fds.push(pollfd(st.listener_fd(), IN));
                     for (id, fd, writing) in st.conn_fds() {
-                        let ev = if writing {
-                            zmq::POLLIN | zmq::POLLOUT
-                        } else {
-                            zmq::POLLIN
-                        };
-                        items.push(zmq::PollItem::from_fd(fd, ev));
+                        let ev = if writing { IN | libc::POLLOUT } else { IN };
+                        fds.push(pollfd(fd, ev));
                         conn_ids.push(id);
                     }
                 }
-                match zmq::poll(&mut items, timeout_ms) {
+                match readiness::poll(&mut fds, timeout_ms) {
                     Ok(_) => {}
-                    Err(zmq::Error::EINTR) => continue,
-                    Err(e) => return Err(zerr("poll")(e)),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(ServerError::Poll(e)),
+                }
+                let ev = |k: usize| fds.get(k).map_or(0, |f| f.revents);
+                // Readable, or an error or hang-up (the read finds it).
+                let readable =
+                    |k: usize| ev(k) & (IN | libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
+                self.socket.polled(ev(0));
+                if let Some(p) = self.peer_socket.as_mut() {
+                    p.polled(ev(peer_at));
+                }
+                // Same map, not changed since the descriptors were listed: same order.
+                for (k, l) in self.links.links.values_mut().enumerate() {
+                    l.socket.polled(ev(links_at + k));
                 }
                 if self.stream.is_some() {
-                    accept_ready = items.get(stream_at).is_some_and(|i| i.is_readable());
+                    accept_ready = readable(stream_at);
                     for (k, id) in conn_ids.into_iter().enumerate() {
-                        if let Some(i) = items.get(stream_at + 1 + k) {
-                            // An error or hang-up reads as readable: the read finds it.
-                            let r = i.is_readable() || i.is_error();
-                            if r || i.is_writable() {
-                                stream_ready.push((id, r, i.is_writable()));
-                            }
+                        let at = stream_at + 1 + k;
+                        let w = ev(at) & libc::POLLOUT != 0;
+                        if readable(at) || w {
+                            stream_ready.push((id, readable(at), w));
                         }
                     }
                 }
-                let peer_ready = self.peer_socket.is_some() && items[peer_at].is_readable();
                 if self.transfers.is_some() {
                     // The completion queues are taken only when their signal polled
                     // readable (an eventfd stays readable until taken): no `read` per
                     // turn for queues with nothing in them.
-                    let ready = |k: usize| items.get(wake_at + k).is_some_and(|i| i.is_readable());
-                    woken = [ready(0), ready(1)];
+                    woken = [readable(wake_at), readable(wake_at + 1)];
                 }
-                (items[0].is_readable(), peer_ready, items[1].is_readable())
+                readable(1)
             };
+            let sock_ready = self.socket.may_have_message();
+            let peer_ready = self
+                .peer_socket
+                .as_ref()
+                .is_some_and(Watched::may_have_message);
             if sock_ready {
                 for _ in 0..BATCH {
                     if !self.serve_one(false)? {
@@ -461,14 +491,14 @@ impl Server {
     /// the peer socket). Returns whether one was.
     fn serve_one(&mut self, from_peer: bool) -> Result<bool, ServerError> {
         self.parts.clear();
-        let sock = match (from_peer, &self.peer_socket) {
-            (false, _) => &self.socket,
+        let sock = match (from_peer, self.peer_socket.as_mut()) {
+            (false, _) => &mut self.socket,
             (true, Some(p)) => p,
             (true, None) => return Ok(false),
         };
         loop {
             let mut msg = zmq::Message::new();
-            match sock.recv(&mut msg, zmq::DONTWAIT) {
+            match sock.recv(&mut msg) {
                 Ok(()) => {}
                 Err(zmq::Error::EAGAIN) if self.parts.is_empty() => return Ok(false),
                 Err(zmq::Error::EINTR) if self.parts.is_empty() => return Ok(false),
@@ -785,14 +815,14 @@ impl Server {
             return;
         }
         let flags = zmq::DONTWAIT | zmq::SNDMORE;
-        let (sock, seal) = match (via, &self.peer_socket) {
+        let (sock, seal) = match (via, self.peer_socket.as_mut()) {
             (Via::Peer(stamp), Some(p)) => (
                 p,
                 stamp.and_then(|st| self.links.key.as_ref().map(|k| k.seal_reply(st, &reply))),
             ),
-            _ => (&self.socket, None),
+            _ => (&mut self.socket, None),
         };
-        let sent = (|| -> Result<(), zmq::Error> {
+        let sent = || -> Result<(), zmq::Error> {
             sock.send(identity, flags)?;
             if req_style {
                 sock.send(&[][..], flags)?;
@@ -807,7 +837,8 @@ impl Server {
                 sock.send(&a[..], zmq::DONTWAIT)?;
             }
             Ok(())
-        })();
+        };
+        let sent = sent();
         if let Err(e) = sent {
             // EHOSTUNREACH: the client is gone; EAGAIN: it does not read its replies.
             tracing::debug!(error = %e, "reply dropped");
