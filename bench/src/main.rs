@@ -525,7 +525,13 @@ fn store(a: StoreArgs) -> Result<()> {
         });
     }
     drop(busy); // its spinning daemon stops before the floors are measured
-    let (floor50, floor99) = uds_ping_pong(a.round_trips);
+    let (floor50, floor99) = uds_ping_pong(a.round_trips, None);
+    // Where the two threads sit decides the floor on a VM: a wake-up on another vCPU is
+    // an inter-processor interrupt and an exit from the idle vCPU's halt, several times
+    // a same-CPU switch. Both are measured, so a ratio can be read against either.
+    let (cpu0, cpu1) = allowed_cpus();
+    let (same50, _) = uds_ping_pong(a.round_trips, Some((cpu0, cpu0)));
+    let cross = cpu1.map(|c| uds_ping_pong(a.round_trips, Some((cpu0, c))).0);
     let (zmq50, zmq99) = zmq_ping_pong(a.round_trips)?;
     pb.inc(1);
     pb.finish_and_clear();
@@ -535,7 +541,7 @@ fn store(a: StoreArgs) -> Result<()> {
     extra.insert("working_set_bytes".into(), total.into());
     extra.insert(
         "rtt_floor".into(),
-        "1-byte ping-pong over a Unix socketpair between two threads".into(),
+        "1-byte ping-pong over a Unix socketpair between two threads, unpinned (as kvd's client and daemon run); rtt_floor_same_cpu / _cross_cpu: the threads pinned to one CPU / to two".into(),
     );
     if !anon_in.is_empty() {
         let n = (total / max_size).max(1);
@@ -552,6 +558,14 @@ fn store(a: StoreArgs) -> Result<()> {
     extra.insert("zmq_floor_p50_us".into(), zmq50.into());
     extra.insert("zmq_floor_p99_us".into(), zmq99.into());
     extra.insert("rtt_floor_p50_us".into(), floor50.into());
+    extra.insert("rtt_floor_same_cpu_p50_us".into(), same50.into());
+    if let Some(c) = cross {
+        extra.insert("rtt_floor_cross_cpu_p50_us".into(), c.into());
+    }
+    extra.insert(
+        "rtt_p50_over_same_cpu_floor".into(),
+        (rtts.last().copied().unwrap_or(0.0) / same50).into(),
+    );
     extra.insert("rtt_floor_p99_us".into(), floor99.into());
     extra.insert(
         "rtt_p50_over_floor".into(),
@@ -626,17 +640,27 @@ fn zmq_ping_pong(n: usize) -> Result<(f64, f64)> {
 }
 
 /// The machine's floor for a control round trip: a 1-byte ping-pong between two threads
-/// over a Unix socketpair (two wake-ups, no framing). Returns (p50, p99) in microseconds.
-fn uds_ping_pong(n: usize) -> (f64, f64) {
+/// over a Unix socketpair (two wake-ups, no framing). `pin`: the CPUs the pinging and
+/// the echoing thread are bound to (`None`: wherever the scheduler puts them, as it puts
+/// kvd's client and daemon). Returns (p50, p99) in microseconds.
+fn uds_ping_pong(n: usize, pin: Option<(usize, usize)>) -> (f64, f64) {
     use std::io::{Read, Write};
     let (mut a, mut b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
     let echo = std::thread::spawn(move || {
+        if let Some((_, cpu)) = pin {
+            pin_this_thread(cpu);
+        }
         let mut buf = [0u8; 1];
         while b.read_exact(&mut buf).is_ok() && buf[0] != 0 {
             if b.write_all(&buf).is_err() {
                 break;
             }
         }
+    });
+    let mine = pin.map(|(cpu, _)| {
+        let was = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).ok();
+        pin_this_thread(cpu);
+        was
     });
     let mut lat = Vec::with_capacity(n);
     let mut buf = [0u8; 1];
@@ -648,7 +672,29 @@ fn uds_ping_pong(n: usize) -> (f64, f64) {
     }
     let _ = a.write_all(&[0]);
     let _ = echo.join();
+    if let Some(Some(was)) = mine {
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &was);
+    }
     percentiles(&mut lat)
+}
+
+/// Binds the calling thread to `cpu` (best effort: a CPU outside the allowed set leaves
+/// it where it was).
+fn pin_this_thread(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    if set.set(cpu).is_ok() {
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+    }
+}
+
+/// The first two CPUs this process may run on (the second is `None` on one CPU).
+fn allowed_cpus() -> (usize, Option<usize>) {
+    let Ok(set) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return (0, None);
+    };
+    let mut it = (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false));
+    let first = it.next().unwrap_or(0);
+    (first, it.next())
 }
 
 /// Private anonymous memory of a process (excludes the shared pool), from smaps_rollup.

@@ -19,7 +19,7 @@
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
-//! | `readiness` | what the server loop sleeps on: one `poll(2)`, ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); one documented unsafe call |
+//! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
 //! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): `client_ops`, `importer`, `exporter`, `timers`, `peer_ops`, `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
 //! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`), the TCP data server and transport, shm pulls, workers (a panicking transport fails its job, not its worker); an in-process double (`mem_transport`) for tests |

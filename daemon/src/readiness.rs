@@ -1,12 +1,12 @@
-//! What the server loop sleeps on: one `poll(2)` over every descriptor it waits for, the
-//! ZMQ sockets' included through their `ZMQ_FD`, and the rule that makes sleeping on a
-//! ZMQ socket's descriptor safe ([`Watched`]).
+//! What the server loop sleeps on: one `epoll_wait` over every descriptor it waits for
+//! ([`Interest`]), the ZMQ sockets' included through their `ZMQ_FD`, and the rule that
+//! makes sleeping on a ZMQ socket's descriptor safe ([`Watched`]).
 //!
 //! `zmq_poll` made every loop turn cost a non-blocking `poll` pass before the blocking
 //! one, and a `ZMQ_EVENTS` check (itself a `poll` of libzmq's mailbox) per ZMQ socket per
 //! pass, whether or not the turn had touched ZMQ; a request over the local stream
 //! transport paid three `poll` calls and a mailbox `read` for one `read` and one `write`
-//! of its own. Here a turn that did nothing on ZMQ costs one `poll(2)`.
+//! of its own. Here a turn that did nothing on ZMQ costs one `epoll_wait`.
 //!
 //! The rule. A ZMQ socket's `ZMQ_FD` is libzmq's command mailbox, not a readiness signal:
 //! it becomes readable when the socket has commands to process (a peer's pipe became
@@ -17,7 +17,7 @@
 //! without `POLLIN`), with nothing done on it since; from then on its descriptor turns
 //! readable with the next command, because only this thread's calls on the socket consume
 //! the signal. Before the loop sleeps, [`Watched::must_not_sleep`] settles a socket that
-//! is not; a socket that may hold a message makes the poll return at once, and the loop
+//! is not; a socket that may hold a message makes the wait return at once, and the loop
 //! receives from it until `EAGAIN` ([`Watched::may_have_message`]).
 
 use std::os::fd::RawFd;
@@ -27,6 +27,9 @@ use std::os::fd::RawFd;
 pub(crate) struct Watched {
     socket: zmq::Socket,
     fd: RawFd,
+    /// Unique to this socket in the process: its [`Interest`] key stays apart from a
+    /// later socket's that reuses the descriptor number.
+    serial: u64,
     /// Something may have processed commands since the socket was last settled.
     unsettled: bool,
     /// A message may be waiting (the descriptor polled readable, a settle saw `POLLIN`,
@@ -37,10 +40,12 @@ pub(crate) struct Watched {
 impl Watched {
     /// Watches `socket` (unsettled, a message possibly waiting: the first turn looks).
     pub(crate) fn new(socket: zmq::Socket) -> Result<Self, zmq::Error> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let fd = socket.get_fd()?;
         Ok(Watched {
             socket,
             fd,
+            serial: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             unsettled: true,
             maybe_message: true,
         })
@@ -53,9 +58,14 @@ impl Watched {
         &self.socket
     }
 
-    /// The descriptor to poll for `POLLIN`.
+    /// The descriptor to wait on for `IN`.
     pub(crate) fn fd(&self) -> RawFd {
         self.fd
+    }
+
+    /// A number no other `Watched` of this process has (for [`Interest`] keys).
+    pub(crate) fn serial(&self) -> u64 {
+        self.serial
     }
 
     /// Sends one frame (never waits: callers pass `DONTWAIT`).
@@ -105,8 +115,8 @@ impl Watched {
 
     /// Takes what `poll` said of the descriptor: readable means commands to process, so
     /// possibly a message.
-    pub(crate) fn polled(&mut self, revents: i16) {
-        if revents & (libc::POLLIN | libc::POLLERR) != 0 {
+    pub(crate) fn polled(&mut self, revents: u32) {
+        if revents & (IN | ERR_HUP) != 0 {
             self.unsettled = true;
             self.maybe_message = true;
         }
@@ -132,30 +142,192 @@ impl Watched {
     }
 }
 
-/// `poll(2)` over `fds`; `EINTR` is returned (the caller's loop recomputes its
-/// timeout). `timeout_ms` < 0 waits without limit.
-pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
-    let n = libc::nfds_t::try_from(fds.len())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `fds` is a live, exclusively borrowed slice of `n` initialised `pollfd`s;
-    // `poll` reads their `fd`/`events` and writes only their `revents` within the slice,
-    // and keeps no pointer after it returns. Closed or invalid descriptors are reported
-    // in `revents` (`POLLNVAL`), not undefined behaviour.
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), n, timeout_ms) };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(r as usize)
+/// Level-triggered `epoll` over the descriptors the loop waits for, re-declared every
+/// turn with [`Interest::want`]: what is unchanged since the last turn costs no syscall,
+/// so a quiet turn is one `epoll_wait`. (`poll(2)` over seven descriptors cost about 3 µs
+/// a turn here: it registers and unregisters a wait on every one of them each time.)
+///
+/// Each descriptor comes with a key the caller chooses, unique to what it stands for
+/// (a connection id, a socket's serial): a descriptor number reused by a new file with
+/// a new key is re-added, and events of a file that is gone carry its old key, which
+/// the caller no longer knows and skips. A descriptor not wanted in a turn is removed
+/// before the wait.
+pub(crate) struct Interest {
+    epoll: std::os::fd::OwnedFd,
+    /// fd → (key, events, the turn it was last wanted in).
+    registered: std::collections::HashMap<RawFd, (u64, u32, u64)>,
+    turn: u64,
+    /// How many of `registered` this turn has wanted so far.
+    wanted: usize,
+    buf: Vec<libc::epoll_event>,
+    ready: Vec<(u64, u32)>,
+}
+
+/// Readable (`EPOLLIN` = `POLLIN`).
+pub(crate) const IN: u32 = libc::EPOLLIN as u32;
+/// Writable.
+pub(crate) const OUT: u32 = libc::EPOLLOUT as u32;
+/// An error or hang-up (always reported).
+pub(crate) const ERR_HUP: u32 = (libc::EPOLLERR | libc::EPOLLHUP) as u32;
+
+/// Events one wait reports at most; level-triggered, the rest come the next turn.
+const MAX_EVENTS: usize = 64;
+
+impl Interest {
+    pub(crate) fn new() -> std::io::Result<Interest> {
+        // SAFETY: `epoll_create1` takes no pointers; a non-negative result is a new
+        // descriptor that nothing else owns, so `OwnedFd` may take it.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: as above: `fd` is open and owned by nobody else.
+        let epoll = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Interest {
+            epoll,
+            registered: std::collections::HashMap::new(),
+            turn: 0,
+            wanted: 0,
+            buf: Vec::with_capacity(MAX_EVENTS),
+            ready: Vec::with_capacity(MAX_EVENTS),
+        })
+    }
+
+    fn ctl(&self, op: i32, fd: RawFd, key: u64, events: u32) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: key };
+        // SAFETY: `ev` is a live, initialised `epoll_event` the kernel only reads during
+        // the call (and ignores for `EPOLL_CTL_DEL`); the epoll descriptor is ours and
+        // open. A bad `fd` is reported as an error, not undefined behaviour.
+        let r = unsafe {
+            libc::epoll_ctl(
+                std::os::fd::AsRawFd::as_raw_fd(&self.epoll),
+                op,
+                fd,
+                &mut ev,
+            )
+        };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Wants `events` on `fd` under `key` this turn. A negative `fd` (a tier without a
+    /// descriptor) is skipped.
+    pub(crate) fn want(&mut self, fd: RawFd, key: u64, events: u32) -> std::io::Result<()> {
+        if fd < 0 {
+            return Ok(());
+        }
+        let turn = self.turn;
+        match self.registered.get_mut(&fd) {
+            Some(r) if r.0 == key && r.1 == events => {
+                // The steady state: no syscall, no insert.
+                if r.2 != turn {
+                    r.2 = turn;
+                    self.wanted += 1;
+                }
+                return Ok(());
+            }
+            Some(_) => match self.ctl(libc::EPOLL_CTL_MOD, fd, key, events) {
+                // The old file closed (which unregistered it); this is a new one.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    self.ctl(libc::EPOLL_CTL_ADD, fd, key, events)?
+                }
+                r => r?,
+            },
+            None => match self.ctl(libc::EPOLL_CTL_ADD, fd, key, events) {
+                // Registered under this number by a file we lost track of: take it over.
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    self.ctl(libc::EPOLL_CTL_MOD, fd, key, events)?
+                }
+                r => r?,
+            },
+        }
+        if self.registered.insert(fd, (key, events, turn)).map(|r| r.2) != Some(turn) {
+            self.wanted += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops what this turn did not want, waits up to `timeout_ms` (< 0: no limit) and
+    /// returns the ready (key, events). `EINTR` is returned as an error.
+    pub(crate) fn wait(&mut self, timeout_ms: i32) -> std::io::Result<&[(u64, u32)]> {
+        let turn = self.turn;
+        self.turn += 1;
+        let all_wanted = self.wanted == self.registered.len();
+        self.wanted = 0;
+        let stale: Vec<RawFd> = if all_wanted {
+            Vec::new() // the common turn: no scan, no allocation
+        } else {
+            self.registered
+                .iter()
+                .filter(|(_, r)| r.2 != turn)
+                .map(|(fd, _)| *fd)
+                .collect()
+        };
+        for fd in stale {
+            self.registered.remove(&fd);
+            // A closed descriptor is already gone from the set (`EBADF`/`ENOENT`).
+            let _ = self.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0);
+        }
+        self.buf.clear();
+        // SAFETY: `buf` has capacity for `MAX_EVENTS` entries; the kernel writes at most
+        // that many `epoll_event`s into its spare capacity and returns how many, and
+        // keeps no pointer after the call. `set_len` below covers only those written.
+        let n = unsafe {
+            libc::epoll_wait(
+                std::os::fd::AsRawFd::as_raw_fd(&self.epoll),
+                self.buf.as_mut_ptr(),
+                MAX_EVENTS as i32,
+                timeout_ms,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the kernel initialised the first `n` (≤ MAX_EVENTS ≤ capacity) entries.
+        unsafe { self.buf.set_len(n as usize) };
+        self.ready.clear();
+        self.ready
+            .extend(self.buf.iter().map(|e| ({ e.u64 }, { e.events })));
+        Ok(&self.ready)
     }
 }
 
-/// A `pollfd` asking for `events` on `fd`.
-pub(crate) fn pollfd(fd: RawFd, events: i16) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events,
-        revents: 0,
+/// The server loop's [`Interest`] keys: a kind in the top byte, an id below it.
+pub(crate) mod key {
+    pub(crate) const SOCKET: u64 = 1;
+    pub(crate) const SIGNALS: u64 = 2;
+    pub(crate) const STORE_IO: u64 = 3;
+    pub(crate) const GPU: u64 = 4;
+    pub(crate) const PEER: u64 = 5;
+    pub(crate) const PLANE_WAKE: u64 = 6;
+    pub(crate) const FILLED_WAKE: u64 = 7;
+    pub(crate) const LISTENER: u64 = 8;
+    const LINK: u64 = 1 << 56;
+    const CONN: u64 = 2 << 56;
+    const ID: u64 = (1 << 56) - 1;
+
+    /// A peer link's socket, by its [`super::Watched::serial`].
+    pub(crate) fn link(serial: u64) -> u64 {
+        LINK | (serial & ID)
     }
+
+    /// A stream connection, by its id.
+    pub(crate) fn conn(id: u64) -> u64 {
+        CONN | (id & ID)
+    }
+
+    /// The connection id in a [`conn`] key.
+    pub(crate) fn conn_id(key: u64) -> Option<u64> {
+        (key & !ID == CONN).then_some(key & ID)
+    }
+}
+
+/// The events `ready` reports for `key` (0 when none).
+pub(crate) fn events_of(ready: &[(u64, u32)], key: u64) -> u32 {
+    ready.iter().find(|r| r.0 == key).map_or(0, |r| r.1)
 }
 
 #[cfg(test)]
@@ -195,6 +367,7 @@ mod tests {
     struct Pair {
         _ctx: zmq::Context,
         router: Watched,
+        interest: Interest,
         dealer: zmq::Socket,
         /// Messages sent by the peer and not yet received by the watched side.
         in_flight: usize,
@@ -214,6 +387,7 @@ mod tests {
             dealer.connect(&endpoint).expect("connect");
             Pair {
                 router: Watched::new(router).expect("watched"),
+                interest: Interest::new().expect("epoll"),
                 dealer,
                 _ctx: ctx,
                 in_flight: 0,
@@ -251,9 +425,11 @@ mod tests {
                     continue;
                 }
                 let left = deadline.saturating_duration_since(now).as_millis() as i32;
-                let mut fds = [pollfd(self.router.fd(), libc::POLLIN)];
-                poll(&mut fds, left.max(1)).expect("poll");
-                self.router.polled(fds[0].revents);
+                self.interest
+                    .want(self.router.fd(), 7, IN)
+                    .expect("epoll_ctl");
+                let ready = self.interest.wait(left.max(1)).expect("epoll_wait");
+                self.router.polled(events_of(ready, 7));
             }
             // And once everything is in, the loop may sleep: nothing claims a message.
             assert!(!self.router.must_not_sleep() || !self.take_one());
@@ -285,6 +461,63 @@ mod tests {
                 Step::Drain => self.drain_like_the_loop(),
             }
         }
+    }
+
+    /// Keys follow the descriptor's owner, not its number; what a turn does not want is
+    /// not waited on; a change of events takes effect.
+    #[test]
+    fn interest_tracks_what_each_turn_wants() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        use std::os::unix::net::UnixStream;
+        let mut int = Interest::new().expect("epoll");
+        let (a, mut a_peer) = UnixStream::pair().expect("socketpair");
+        int.want(a.as_raw_fd(), 10, IN).expect("want");
+        assert!(int.wait(0).expect("wait").is_empty(), "nothing written yet");
+        a_peer.write_all(b"x").expect("write");
+        int.want(a.as_raw_fd(), 10, IN).expect("want");
+        assert_eq!(events_of(int.wait(1000).expect("wait"), 10) & IN, IN);
+        // Not wanted this turn: readable, yet not reported.
+        assert!(int.wait(0).expect("wait").is_empty());
+        // Wanted again, and for writing too.
+        int.want(a.as_raw_fd(), 10, IN | OUT).expect("want");
+        assert_eq!(events_of(int.wait(0).expect("wait"), 10), IN | OUT);
+        // The file closes and a new one takes the same number under a new key. (Tests
+        // in other threads open descriptors too: try until the number is reused here.)
+        let old = a.as_raw_fd();
+        drop(a);
+        drop(a_peer);
+        let mut reused = None;
+        for _ in 0..50 {
+            let (b, b_peer) = UnixStream::pair().expect("socketpair");
+            if b.as_raw_fd() == old {
+                reused = Some((b, b_peer));
+                break;
+            }
+            if b_peer.as_raw_fd() == old {
+                reused = Some((b_peer, b));
+                break;
+            }
+        }
+        let (b, mut b_peer) = reused.expect("descriptor number reused within 50 tries");
+        int.want(b.as_raw_fd(), 11, IN)
+            .expect("want a reused number");
+        assert!(int.wait(0).expect("wait").is_empty());
+        b_peer.write_all(b"y").expect("write");
+        int.want(b.as_raw_fd(), 11, IN).expect("want");
+        let ready = int.wait(1000).expect("wait");
+        assert_eq!(events_of(ready, 11) & IN, IN);
+        assert_eq!(events_of(ready, 10), 0, "the old key is gone with its file");
+        // A descriptor-less tier is skipped, not an error.
+        int.want(-1, 12, IN).expect("negative fd skipped");
+    }
+
+    #[test]
+    fn keys_keep_kinds_apart() {
+        assert_eq!(key::conn_id(key::conn(42)), Some(42));
+        assert_eq!(key::conn_id(key::link(42)), None);
+        assert_eq!(key::conn_id(key::SOCKET), None);
+        assert_ne!(key::link(0), key::conn(0));
     }
 
     proptest! {

@@ -30,7 +30,7 @@ use kvd_protocol::*;
 
 use crate::http::{Health, Phase};
 use crate::metrics::Metrics;
-use crate::readiness::{self, pollfd, Watched};
+use crate::readiness::{self, Interest, Watched};
 use crate::store::{Answer, Completed, Store};
 use crate::stream::StreamServer;
 use crate::transfer::{self, Reply, TransferConfig, Transfers, TOKEN_BIT};
@@ -110,6 +110,8 @@ pub struct Server {
     socket: Watched,
     /// The control endpoint, with transfers on: peer ops only, each with a valid MAC.
     peer_socket: Option<Watched>,
+    /// What the loop waits on (every descriptor above and below).
+    interest: Interest,
     /// Stamps of peer requests accepted (none is accepted twice).
     replay: crate::auth::ReplayGuard,
     store: Store,
@@ -168,6 +170,7 @@ impl Server {
             ctx,
             socket,
             peer_socket: None,
+            interest: Interest::new().map_err(ServerError::Poll)?,
             replay: crate::auth::ReplayGuard::new(PEER_REPLAY_MAX),
             store,
             opts,
@@ -312,67 +315,67 @@ impl Server {
                 } else {
                     i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
                 };
-                const IN: i16 = libc::POLLIN;
-                let mut fds = vec![
-                    pollfd(self.socket.fd(), IN),
-                    pollfd(self.signals.as_raw_fd(), IN),
-                ];
+                use readiness::{events_of, key, ERR_HUP, IN, OUT};
+                let int = &mut self.interest;
+                let poll_err = ServerError::Poll;
+                int.want(self.socket.fd(), key::SOCKET, IN)
+                    .map_err(poll_err)?;
+                int.want(self.signals.as_raw_fd(), key::SIGNALS, IN)
+                    .map_err(poll_err)?;
                 // The store's and the GPU tier's completions are taken every turn: their
-                // descriptors only wake the poll.
+                // descriptors only wake the wait.
                 if let Some(fd) = self.store.io_fd() {
-                    fds.push(pollfd(fd, IN));
+                    int.want(fd, key::STORE_IO, IN).map_err(poll_err)?;
                 }
                 if let Some(fd) = self.gpu.fd() {
-                    fds.push(pollfd(fd, IN));
+                    int.want(fd, key::GPU, IN).map_err(poll_err)?;
                 }
-                let peer_at = fds.len();
                 if let Some(p) = &self.peer_socket {
-                    fds.push(pollfd(p.fd(), IN));
+                    int.want(p.fd(), key::PEER, IN).map_err(poll_err)?;
                 }
-                let wake_at = fds.len();
                 if let Some(t) = &self.transfers {
-                    for fd in t.wake_fds() {
-                        fds.push(pollfd(fd, IN));
-                    }
+                    let [plane, filled] = t.wake_fds();
+                    int.want(plane, key::PLANE_WAKE, IN).map_err(poll_err)?;
+                    int.want(filled, key::FILLED_WAKE, IN).map_err(poll_err)?;
                 }
-                let links_at = fds.len();
                 for l in self.links.links.values() {
-                    fds.push(pollfd(l.socket.fd(), IN));
+                    int.want(l.socket.fd(), key::link(l.socket.serial()), IN)
+                        .map_err(poll_err)?;
                 }
-                let stream_at = fds.len();
-                let mut conn_ids = Vec::new();
                 if let Some(st) = &self.stream {
-                    fds.push(pollfd(st.listener_fd(), IN));
+                    int.want(st.listener_fd(), key::LISTENER, IN)
+                        .map_err(poll_err)?;
                     for (id, fd, writing) in st.conn_fds() {
-                        let ev = if writing { IN | libc::POLLOUT } else { IN };
-                        fds.push(pollfd(fd, ev));
-                        conn_ids.push(id);
+                        let ev = if writing { IN | OUT } else { IN };
+                        int.want(fd, key::conn(id), ev).map_err(poll_err)?;
                     }
                 }
-                match readiness::poll(&mut fds, timeout_ms) {
-                    Ok(_) => {}
+                let ready = match int.wait(timeout_ms) {
+                    Ok(r) => r,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(ServerError::Poll(e)),
-                }
-                let ev = |k: usize| fds.get(k).map_or(0, |f| f.revents);
+                };
+                let ev = |k: u64| events_of(ready, k);
                 // Readable, or an error or hang-up (the read finds it).
-                let readable =
-                    |k: usize| ev(k) & (IN | libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
-                self.socket.polled(ev(0));
+                let readable = |k: u64| ev(k) & (IN | ERR_HUP) != 0;
+                self.socket.polled(ev(key::SOCKET));
                 if let Some(p) = self.peer_socket.as_mut() {
-                    p.polled(ev(peer_at));
+                    p.polled(ev(key::PEER));
                 }
-                // Same map, not changed since the descriptors were listed: same order.
-                for (k, l) in self.links.links.values_mut().enumerate() {
-                    l.socket.polled(ev(links_at + k));
+                if !ready.is_empty() {
+                    for l in self.links.links.values_mut() {
+                        l.socket.polled(ev(key::link(l.socket.serial())));
+                    }
                 }
                 if self.stream.is_some() {
-                    accept_ready = readable(stream_at);
-                    for (k, id) in conn_ids.into_iter().enumerate() {
-                        let at = stream_at + 1 + k;
-                        let w = ev(at) & libc::POLLOUT != 0;
-                        if readable(at) || w {
-                            stream_ready.push((id, readable(at), w));
+                    accept_ready = readable(key::LISTENER);
+                    for &(k, e) in ready {
+                        if let Some(id) = key::conn_id(k) {
+                            let w = e & OUT != 0;
+                            let r = e & (IN | ERR_HUP) != 0;
+                            if r || w {
+                                stream_ready.push((id, r, w));
+                            }
                         }
                     }
                 }
@@ -380,9 +383,9 @@ impl Server {
                     // The completion queues are taken only when their signal polled
                     // readable (an eventfd stays readable until taken): no `read` per
                     // turn for queues with nothing in them.
-                    woken = [readable(wake_at), readable(wake_at + 1)];
+                    woken = [readable(key::PLANE_WAKE), readable(key::FILLED_WAKE)];
                 }
-                readable(1)
+                readable(key::SIGNALS)
             };
             let sock_ready = self.socket.may_have_message();
             let peer_ready = self
