@@ -113,7 +113,7 @@ impl Watched {
         self.maybe_message
     }
 
-    /// Takes what `poll` said of the descriptor: readable means commands to process, so
+    /// Takes what the wait said of the descriptor: readable means commands to process, so
     /// possibly a message.
     pub(crate) fn polled(&mut self, revents: u32) {
         if revents & (IN | ERR_HUP) != 0 {

@@ -6,7 +6,7 @@
 //!   engines (DEALER / REQ) ──ipc/tcp──► client ROUTER ──► decode ──► Store (&mut) ──► reply
 //!   peer daemons (DEALER) ──tcp──► peer ROUTER ──► MAC + replay check ──┘ (peer ops only,
 //!                                         ▲                              sealed replies)
-//!   SIGTERM/SIGINT ──► signal pipe ──► poll(2) ◄── next pin/alloc deadline
+//!   SIGTERM/SIGINT ──► signal pipe ──► epoll_wait ◄── next pin/alloc deadline
 //! ```
 //!
 //! Each socket serves only its own ops: a `peer_*` op on a client endpoint is refused
@@ -90,7 +90,7 @@ pub enum ServerError {
         /// The error.
         source: zmq::Error,
     },
-    /// `poll(2)` failed (not interrupted).
+    /// Waiting for readiness (`epoll`) failed (not interrupted).
     #[error("poll: {0}")]
     Poll(std::io::Error),
     /// The transfer data plane could not start.
@@ -825,7 +825,7 @@ impl Server {
             ),
             _ => (&mut self.socket, None),
         };
-        let sent = || -> Result<(), zmq::Error> {
+        let sent = (|| -> Result<(), zmq::Error> {
             sock.send(identity, flags)?;
             if req_style {
                 sock.send(&[][..], flags)?;
@@ -840,8 +840,7 @@ impl Server {
                 sock.send(&a[..], zmq::DONTWAIT)?;
             }
             Ok(())
-        };
-        let sent = sent();
+        })();
         if let Err(e) = sent {
             // EHOSTUNREACH: the client is gone; EAGAIN: it does not read its replies.
             tracing::debug!(error = %e, "reply dropped");
