@@ -38,7 +38,11 @@
 //!   third of the round trip), each connection checked against the daemon's incarnation
 //!   by its greeting; ZMQ is the fallback whenever the stream socket cannot be used.
 //!   [`ClientBuilder::with_stream`] turns it off, [`ClientBuilder::with_busy_poll`] spins
-//!   instead of sleeping while a reply is due.
+//!   instead of sleeping while a reply is due. By default a wait for a reply polls for
+//!   [`DEFAULT_SPIN`] (yielding the CPU between tries) before it sleeps
+//!   ([`ClientBuilder::with_spin`], `$KVD_SPIN_US`): most replies come within that, and
+//!   waking a thread whose CPU went idle costs as much again on a VM (bench/README.md,
+//!   "Spinning a little before sleeping").
 //! - **Data**: with the pool mapped (the default on the same node), `store` copies the
 //!   caller's bytes straight into pool slots and `load` copies straight out: one copy
 //!   each way, the daemon touches no data. [`Client::alloc`] and [`Client::get`] hand out
@@ -140,6 +144,13 @@ pub const STREAM_RETRY: Duration = Duration::from_secs(10);
 /// Stores commit in chunks of about this many bytes, overlapping round trips with copies.
 pub const COMMIT_CHUNK_BYTES: u64 = 4 << 20;
 
+/// How long a wait for a reply polls before it sleeps, by default
+/// ([`ClientBuilder::with_spin`]).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// The longest spin `$KVD_SPIN_US` sets (past it, ask for busy-poll).
+pub const MAX_SPIN: Duration = Duration::from_millis(10);
+
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -163,6 +174,7 @@ pub struct ClientBuilder {
     map_pool: MapPool,
     stream: bool,
     busy_poll: bool,
+    spin: Duration,
 }
 
 impl ClientBuilder {
@@ -202,6 +214,13 @@ impl ClientBuilder {
         self.busy_poll = on;
         self
     }
+    /// How long a wait for a reply on the stream socket polls (non-blocking reads,
+    /// yielding the CPU between them) before it sleeps. Default: [`DEFAULT_SPIN`], or
+    /// `$KVD_SPIN_US` microseconds; zero sleeps at once.
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
+    }
     /// Connects and says hello. A daemon that is still starting is waited for, up to the
     /// timeout (ZMQ holds the hello until the socket appears).
     pub fn connect(self) -> Result<Client> {
@@ -225,6 +244,13 @@ impl ClientBuilder {
 /// `None` when unset or anything else.
 fn env_flag(name: &str) -> Option<bool> {
     parse_flag(&std::env::var(name).ok()?)
+}
+
+/// `$KVD_SPIN_US`: microseconds, at most [`MAX_SPIN`]; unset or not a number: the
+/// default.
+fn parse_spin(v: Option<&str>) -> Duration {
+    v.and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_SPIN, |us| Duration::from_micros(us).min(MAX_SPIN))
 }
 
 fn parse_flag(v: &str) -> Option<bool> {
@@ -368,6 +394,7 @@ impl Client {
             map_pool: MapPool::Auto,
             stream: env_flag("KVD_STREAM").unwrap_or(true),
             busy_poll: env_flag("KVD_BUSY_POLL").unwrap_or(false),
+            spin: parse_spin(std::env::var("KVD_SPIN_US").ok().as_deref()),
         }
     }
 
@@ -472,7 +499,7 @@ impl Client {
                 return Some(c);
             }
         }
-        match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.timeout) {
+        match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.spin, opts.timeout) {
             Ok(c) => Some((c, inc)),
             Err(_) => {
                 s.stream_failed_ms.store(now_ms, Ordering::Relaxed);
@@ -1665,6 +1692,15 @@ mod tests {
         }
         assert_eq!(parse_flag("maybe"), None);
         assert_eq!(parse_flag(""), None);
+    }
+
+    #[test]
+    fn spin_reads_microseconds_capped() {
+        assert_eq!(parse_spin(None), DEFAULT_SPIN);
+        assert_eq!(parse_spin(Some("0")), Duration::ZERO);
+        assert_eq!(parse_spin(Some(" 20 ")), Duration::from_micros(20));
+        assert_eq!(parse_spin(Some("99999999")), MAX_SPIN);
+        assert_eq!(parse_spin(Some("fast")), DEFAULT_SPIN);
     }
 
     #[test]

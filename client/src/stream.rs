@@ -7,6 +7,7 @@
 //! since, is never used for a request.
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,8 @@ pub(crate) enum StreamError {
 pub(crate) struct StreamConn {
     sock: UnixStream,
     busy: bool,
+    /// How long a wait for a reply polls before it sleeps (blocking connections).
+    spin: Duration,
     /// The socket's `SO_RCVTIMEO` / `SO_SNDTIMEO` now: set once at connect and lowered
     /// only when a deadline is less than half of it away, so that a round trip makes no
     /// `setsockopt` calls (a wait ends at most twice as late as its deadline).
@@ -52,6 +55,7 @@ impl StreamConn {
         path: &str,
         incarnation: Incarnation,
         busy: bool,
+        spin: Duration,
         timeout: Duration,
     ) -> std::io::Result<StreamConn> {
         let sock = UnixStream::connect(path)?;
@@ -61,6 +65,7 @@ impl StreamConn {
         let mut c = StreamConn {
             sock,
             busy: false,
+            spin: Duration::ZERO,
             read_timeout: timeout,
             write_timeout: timeout,
             recv: RecvBuffer::default(),
@@ -84,6 +89,7 @@ impl StreamConn {
             c.sock.set_nonblocking(true)?;
             c.busy = true;
         }
+        c.spin = spin;
         Ok(c)
     }
 
@@ -169,6 +175,7 @@ impl StreamConn {
 
     /// Waits for the next whole message, up to `deadline`.
     pub(crate) fn recv(&mut self, deadline: Instant) -> Result<Vec<Vec<u8>>, StreamError> {
+        let mut spin_end = (!self.busy && !self.spin.is_zero()).then(|| Instant::now() + self.spin);
         loop {
             match self.recv.next(&REPLY_LIMITS) {
                 Ok(Some(frames)) => return Ok(frames),
@@ -179,6 +186,12 @@ impl StreamConn {
                         e.to_string(),
                     )))
                 }
+            }
+            if let Some(end) = spin_end {
+                if self.spin_read(end.min(deadline))? {
+                    continue;
+                }
+                spin_end = None;
             }
             self.near_deadline(deadline, true)?;
             match self.sock.read(self.recv.room(usize::MAX)) {
@@ -204,9 +217,118 @@ impl StreamConn {
     }
 }
 
+impl StreamConn {
+    /// Non-blocking reads until some bytes arrive (`Ok(true)`) or `end` passes
+    /// (`Ok(false)`: the caller sleeps in a blocking read), yielding between tries so
+    /// that a task sharing this CPU (the daemon, about to answer) runs at once.
+    fn spin_read(&mut self, end: Instant) -> Result<bool, StreamError> {
+        use nix::errno::Errno;
+        use nix::sys::socket::{recv, MsgFlags};
+        let fd = self.sock.as_raw_fd();
+        loop {
+            match recv(fd, self.recv.room(usize::MAX), MsgFlags::MSG_DONTWAIT) {
+                Ok(0) => {
+                    return Err(StreamError::Broken(std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "the daemon closed the stream connection",
+                    )))
+                }
+                Ok(n) => {
+                    self.recv.filled(n);
+                    return Ok(true);
+                }
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) => {
+                    if Instant::now() >= end {
+                        return Ok(false);
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(StreamError::Broken(e.into())),
+            }
+        }
+    }
+}
+
 fn too_large() -> StreamError {
     StreamError::Broken(std::io::Error::new(
         ErrorKind::InvalidInput,
         "a frame of 4 GiB or more",
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection over one end of a socketpair (no greeting: built directly), the
+    /// other end playing the daemon.
+    fn pair(spin: Duration) -> (StreamConn, UnixStream) {
+        let (a, b) = UnixStream::pair().expect("socketpair");
+        a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let c = StreamConn {
+            sock: a,
+            busy: false,
+            spin,
+            read_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+            recv: RecvBuffer::default(),
+        };
+        (c, b)
+    }
+
+    fn message(frames: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        assert!(stream::encode(frames, &mut out));
+        out
+    }
+
+    #[test]
+    fn a_reply_within_the_spin_and_one_after_it_both_arrive_whole() {
+        for spin in [
+            Duration::ZERO,
+            Duration::from_micros(50),
+            Duration::from_secs(1),
+        ] {
+            let (mut c, mut d) = pair(spin);
+            // Already there when the wait starts.
+            d.write_all(&message(&[b"first", b"payload"])).unwrap();
+            let got = c.recv(Instant::now() + Duration::from_secs(5)).unwrap();
+            assert_eq!(
+                got,
+                vec![b"first".to_vec(), b"payload".to_vec()],
+                "{spin:?}"
+            );
+            // Half of it at once, the rest well after a 50 µs spin ended: the wait
+            // goes on in a blocking read and the message comes out whole.
+            let m = message(&[b"second"]);
+            let (head, tail) = m.split_at(m.len() / 2);
+            d.write_all(head).unwrap();
+            let tail = tail.to_vec();
+            let late = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                d.write_all(&tail).unwrap();
+                d
+            });
+            let got = c.recv(Instant::now() + Duration::from_secs(5)).unwrap();
+            assert_eq!(got, vec![b"second".to_vec()], "{spin:?}");
+            drop(late.join().unwrap());
+            // The daemon end closed: the connection reports it, spinning or not.
+            match c.recv(Instant::now() + Duration::from_secs(5)) {
+                Err(StreamError::Broken(e)) => assert_eq!(e.kind(), ErrorKind::UnexpectedEof),
+                other => panic!("{spin:?}: expected a broken connection, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_deadline_holds_while_spinning() {
+        // A spin longer than the deadline: the wait ends at the deadline, not the spin.
+        let (mut c, _d) = pair(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let r = c.recv(t0 + Duration::from_millis(20));
+        assert!(matches!(r, Err(StreamError::Timeout)), "{r:?}");
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(5), "waited {took:?}");
+    }
 }
