@@ -152,6 +152,36 @@ fn tcp_pair(streams: usize, write: usize, bytes: u64, hot: bool) -> Result<f64> 
     Ok(gb(bytes * streams as u64, t))
 }
 
+/// p50 of a 1-byte request/response over one loopback TCP connection (`TCP_NODELAY`),
+/// `n` round trips between two threads: the floor of any exchange between two daemons.
+pub fn tcp_round_trip(n: usize) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let mut c = TcpStream::connect(listener.local_addr()?)?;
+    let (mut srv, _) = listener.accept()?;
+    c.set_nodelay(true)?;
+    srv.set_nodelay(true)?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut b = [0u8; 1];
+        for _ in 0..n {
+            srv.read_exact(&mut b)?;
+            srv.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut lat = Vec::with_capacity(n);
+    let mut b = [1u8; 1];
+    for _ in 0..n {
+        let t0 = Instant::now();
+        c.write_all(&b)?;
+        c.read_exact(&mut b)?;
+        lat.push(t0.elapsed());
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))?
+        .context("echo")?;
+    Ok(percentiles(&mut lat).0)
+}
+
 /// The loopback ceiling: best of 1..4 streams, 1 MiB writes, hot or walking buffers,
 /// `bytes` in all per configuration.
 pub fn tcp_ceiling(bytes: u64) -> Result<(f64, usize)> {
@@ -436,8 +466,12 @@ pub fn pd(a: PdArgs) -> Result<()> {
     pb.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
     pb.set_message("loopback TCP ceiling");
     let (ceil, _) = tcp_ceiling(a.ceiling_bytes.as_u64())?;
+    let rtt = tcp_round_trip(5000)?;
     pb.inc(1);
     let mut results = Vec::new();
+    // The least any handoff could take here: one loopback round trip plus the bytes at
+    // the ceiling; each case's p50 is reported against it.
+    let mut over_bound = serde_json::Map::new();
     for &n in &a.blocks {
         let keys = keys_for(5000 + n as u32, n);
         let data = vec![0x3cu8; block as usize];
@@ -455,6 +489,11 @@ pub fn pd(a: PdArgs) -> Result<()> {
             let (p50, p99) = percentiles(&mut lats);
             let bytes = block * n as u64;
             let g = bytes as f64 / (p50 / 1e6) / 1e9;
+            let bound_us = rtt + bytes as f64 / (ceil * 1e9) * 1e6;
+            over_bound.insert(
+                format!("{} {n} blocks", mode.name()),
+                ((p50 / bound_us * 100.0).round() / 100.0).into(),
+            );
             results.push(CaseResult {
                 case: format!("{} {n} blocks", mode.name()),
                 block_bytes: block,
@@ -473,8 +512,10 @@ pub fn pd(a: PdArgs) -> Result<()> {
     let mut extra = serde_json::Map::new();
     extra.insert(
         "note".into(),
-        "latency = export on the prefill side until the blocks are committed and pinned on the decode side; GB/s from the p50".into(),
+        "latency = export on the prefill side until the blocks are committed and pinned on the decode side; GB/s from the p50; p50_over_bound: p50 / (loopback TCP round trip + bytes at the ceiling)".into(),
     );
+    extra.insert("tcp_round_trip_p50_us".into(), rtt.into());
+    extra.insert("p50_over_bound".into(), over_bound.into());
     Report {
         bench: "pd".into(),
         ceiling: Ceiling {
