@@ -144,6 +144,10 @@ pub const STREAM_RETRY: Duration = Duration::from_secs(10);
 /// Stores commit in chunks of about this many bytes, overlapping round trips with copies.
 pub const COMMIT_CHUNK_BYTES: u64 = 4 << 20;
 
+/// [`Client::load`] asks for blocks in chunks of about this many bytes, pipelined, when
+/// a call covers more than one.
+pub const LOAD_CHUNK_BYTES: u64 = 4 << 20;
+
 /// How long a wait for a reply polls before it sleeps, by default
 /// ([`ClientBuilder::with_spin`]).
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
@@ -569,6 +573,21 @@ impl Client {
         op: &'static str,
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
+        self.recv_one_of(conn, &[id], op, extra)?.1
+    }
+
+    /// Waits on `conn` for the reply to any of `ids` (requests sent on it and not yet
+    /// answered), skipping replies to other requests; returns whose it is and what it
+    /// says. The outer error is the connection's (after `Timeout`, `Zmq` or `Stream` it
+    /// must not be reused); the inner one is the daemon's answer to that request.
+    #[allow(clippy::type_complexity)]
+    fn recv_one_of<T: DeserializeOwned>(
+        &self,
+        conn: &mut Conn,
+        ids: &[u64],
+        op: &'static str,
+        extra: Duration,
+    ) -> Result<(u64, Result<(T, Vec<zmq::Message>)>)> {
         let deadline = Instant::now() + self.inner.opts.timeout + extra;
         loop {
             let mut parts = match conn {
@@ -606,12 +625,12 @@ impl Client {
             }
             let env = parts.remove(0);
             match decode_reply::<T>(&env) {
-                Ok((rid, _)) if rid != id => continue,
-                Ok((_, Ok(body))) => return Ok((body, parts)),
-                Ok((_, Err(e))) => return Err(Error::Daemon(e)),
+                Ok((rid, _)) if !ids.contains(&rid) => continue,
+                Ok((rid, Ok(body))) => return Ok((rid, Ok((body, parts)))),
+                Ok((rid, Err(e))) => return Ok((rid, Err(Error::Daemon(e)))),
                 Err(e) => {
-                    if codec::reply_id(&env).ok() == Some(id) {
-                        return Err(Error::Protocol(e.to_string()));
+                    if let Some(rid) = codec::reply_id(&env).ok().filter(|r| ids.contains(r)) {
+                        return Ok((rid, Err(Error::Protocol(e.to_string()))));
                     }
                 }
             }
@@ -1061,6 +1080,10 @@ impl Client {
             }
             return Ok(found);
         }
+        let per_chunk = (LOAD_CHUNK_BYTES / info.block_bytes.max(1)).max(1) as usize;
+        if keys.len() > per_chunk {
+            return self.load_pipelined(layout, keys, out, per_chunk);
+        }
         let pinned = self.get(layout, keys, None)?;
         for (i, o) in out.iter_mut().enumerate() {
             if let Some(off) = pinned.offsets[i] {
@@ -1074,6 +1097,118 @@ impl Client {
         // The copy is verified (the pin was valid throughout): release without waiting.
         drop(pinned);
         Ok(found)
+    }
+
+    /// [`Client::load`] of more than one chunk: one `get` per chunk of about
+    /// [`LOAD_CHUNK_BYTES`], all sent at once on one connection; each chunk is copied out
+    /// and released as its reply arrives, in whatever order the daemon answers (a chunk
+    /// whose blocks are read back from NVMe answers after one already in DRAM). So the
+    /// copy of one chunk overlaps the daemon's reads of the next, where one `get` for the
+    /// whole call would leave the disk idle during the copy. A chunk's error fails the
+    /// call, but every reply is still collected so that each pin is released at once.
+    fn load_pipelined(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+        per_chunk: usize,
+    ) -> Result<Vec<bool>> {
+        let session = self.session();
+        let pool = session.pool.clone().ok_or(Error::NotMapped)?;
+        let client = session.client;
+        let mut sock = self.checkout()?;
+        let sent = Instant::now();
+        // (request id, the chunk's keys)
+        let mut pending: Vec<(u64, std::ops::Range<usize>)> = Vec::new();
+        let mut r: Result<()> = Ok(());
+        for start in (0..keys.len()).step_by(per_chunk) {
+            let range = start..(start + per_chunk).min(keys.len());
+            let req = Request::Get(GetReq {
+                client,
+                layout_id: layout,
+                keys: keys[range.clone()].to_vec(),
+                ttl_ms: None,
+                inline: false,
+            });
+            match self.send_on(&mut sock, &req, &[]) {
+                Ok(id) => pending.push((id, range)),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        let mut found = vec![false; keys.len()];
+        while !pending.is_empty() {
+            let ids: Vec<u64> = pending.iter().map(|p| p.0).collect();
+            // A broken connection ends the call: the pins of replies not read expire
+            // with their TTL.
+            let (id, got) =
+                self.recv_one_of::<GetResp>(&mut sock, &ids, op::GET, Duration::ZERO)?;
+            let Some(at) = pending.iter().position(|p| p.0 == id) else {
+                continue;
+            };
+            let (_, range) = pending.swap_remove(at);
+            let resp = match got {
+                Ok((resp, _)) => resp,
+                Err(e) => {
+                    if r.is_ok() {
+                        r = Err(e);
+                    }
+                    continue;
+                }
+            };
+            let deadline =
+                sent + Duration::from_millis(resp.waited_ms) + Duration::from_millis(resp.ttl_ms);
+            if r.is_ok() {
+                r = if resp.offsets.len() != range.len() {
+                    Err(Error::Protocol(format!(
+                        "{} offsets for {} keys",
+                        resp.offsets.len(),
+                        range.len()
+                    )))
+                } else {
+                    let dst = out[range.clone()].iter_mut().zip(&mut found[range]);
+                    resp.offsets
+                        .iter()
+                        .zip(dst)
+                        .try_for_each(|(off, (o, hit))| {
+                            if let Some(off) = off {
+                                pool.read_into(*off, o)?;
+                                *hit = true;
+                            }
+                            Ok(())
+                        })
+                        .and_then(|()| {
+                            // The copy is good only if the pin held throughout.
+                            if Instant::now() < deadline {
+                                Ok(())
+                            } else {
+                                Err(Error::PinExpired)
+                            }
+                        })
+                };
+            }
+            if let Some(pin) = resp.pin {
+                // Released at once, on this connection (its reply is skipped), so that
+                // the daemon has the room back for the chunks still being read.
+                let rel = Request::Release(ReleaseReq {
+                    client,
+                    pins: vec![pin],
+                });
+                self.send_on(&mut sock, &rel, &[])?;
+            }
+        }
+        match self.finish(sock, r) {
+            Err(Error::Daemon(w)) if w.code == ErrorCode::UnknownClient => {
+                let old = session.hello.incarnation;
+                Err(match self.rehello() {
+                    Ok(new) if new != old => Error::DaemonRestarted { old, new },
+                    _ => Error::Daemon(w),
+                })
+            }
+            r => r.map(|()| found),
+        }
     }
 
     /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool

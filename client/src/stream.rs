@@ -215,9 +215,7 @@ impl StreamConn {
             }
         }
     }
-}
 
-impl StreamConn {
     /// Non-blocking reads until some bytes arrive (`Ok(true)`) or `end` passes
     /// (`Ok(false)`: the caller sleeps in a blocking read), yielding between tries so
     /// that a task sharing this CPU (the daemon, about to answer) runs at once.

@@ -430,6 +430,63 @@ fn one_get_promotes_many_blocks_at_once() {
     );
 }
 
+/// `load` of more than one chunk (`kvd_client::LOAD_CHUNK_BYTES`) pipelines one `get` per
+/// chunk and takes the replies in whatever order they come: here chunks mix blocks on
+/// NVMe only, blocks in DRAM and keys never stored, so they answer out of order.
+#[test]
+fn a_load_of_many_chunks_brings_back_each_tier_and_misses_in_place() {
+    let dir = disk_dir();
+    let d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let n = 3 * 64;
+    let ks = fill(&c, l, 43, n);
+    settled(&c);
+    let missing = keys(9999, 8);
+    // 4 chunks of 16 blocks: NVMe-only, DRAM, NVMe + misses, DRAM + misses + NVMe
+    let mut want: Vec<(ChunkHash, Option<usize>)> = Vec::new();
+    want.extend((0..16).map(|i| (ks[i], Some(i))));
+    want.extend((n - 16..n).map(|i| (ks[i], Some(i))));
+    for j in 0..16 {
+        match j % 4 {
+            0 => want.push((missing[j / 4], None)),
+            _ => want.push((ks[16 + j], Some(16 + j))),
+        }
+    }
+    for j in 0..12 {
+        match j % 3 {
+            0 => want.push((missing[4 + j / 3], None)),
+            1 => want.push((ks[n - 20 - j], Some(n - 20 - j))),
+            _ => want.push((ks[40 + j], Some(40 + j))),
+        }
+    }
+    assert!(want.len() * BLOCK > 3 * kvd_client::LOAD_CHUNK_BYTES as usize);
+    let before = c.stats().unwrap().promotions;
+    let wanted: Vec<ChunkHash> = want.iter().map(|w| w.0).collect();
+    let mut bufs = vec![vec![0u8; BLOCK]; want.len()];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let hits = c.load(l, &wanted, &mut outs).unwrap();
+    for (k, ((_, i), hit)) in want.iter().zip(&hits).enumerate() {
+        assert_eq!(*hit, i.is_some(), "key #{k}");
+        match i {
+            Some(i) => assert!(bufs[k] == block(content_seed(43, *i), BLOCK), "key #{k}"),
+            None => assert!(
+                bufs[k].iter().all(|&b| b == 0),
+                "a miss is left alone: #{k}"
+            ),
+        }
+    }
+    let st = c.stats().unwrap();
+    assert_eq!(
+        (st.pins, st.pinned_blocks, st.waiting),
+        (0, 0, 0),
+        "every chunk's pin released: {st:?}"
+    );
+    // the first chunk alone is 16 blocks on NVMe only
+    assert!(st.promotions >= before + 16, "{before} -> {st:?}");
+    assert_eq!(st.nvme.unwrap().checksum_errors, 0);
+}
+
 /// Finding: a `commit` naming a key that is being demoted or promoted killed the daemon
 /// (the server thread looked the key up among pending allocations). Now it is refused
 /// with `invalid_state` and the daemon keeps serving.
