@@ -677,17 +677,22 @@ impl Client {
                 .send_on(&mut conn, req, payloads)
                 .and_then(|id| self.recv_on(&mut conn, id, req.op(), extra));
             if matches!(r, Err(Error::Stream(_))) && !retried {
-                // Its siblings in the pool most likely broke the same way.
-                self.inner
-                    .streams
-                    .lock()
-                    .expect("stream pool poisoned")
-                    .clear();
+                self.forget_streams();
                 retried = true;
                 continue;
             }
             return self.finish(conn, r);
         }
+    }
+
+    /// Drops the pooled stream connections after one of them broke: its siblings most
+    /// likely broke the same way (the daemon went away).
+    fn forget_streams(&self) {
+        self.inner
+            .streams
+            .lock()
+            .expect("stream pool poisoned")
+            .clear();
     }
 
     /// Sends a request whose reply nobody waits for (it is skipped by the next call on
@@ -1106,7 +1111,37 @@ impl Client {
     /// copy of one chunk overlaps the daemon's reads of the next, where one `get` for the
     /// whole call would leave the disk idle during the copy. A chunk's error fails the
     /// call, but every reply is still collected so that each pin is released at once.
+    /// Like every call, it is retried once on a fresh connection when a pooled stream
+    /// connection turns out broken, and once after renewing a session the daemon forgot.
     fn load_pipelined(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+        per_chunk: usize,
+    ) -> Result<Vec<bool>> {
+        let old = self.session().hello.incarnation;
+        let first = match self.load_chunks(layout, keys, out, per_chunk) {
+            Err(Error::Stream(_)) => {
+                self.forget_streams();
+                self.load_chunks(layout, keys, out, per_chunk)
+            }
+            r => r,
+        };
+        match first {
+            Err(Error::Daemon(w)) if w.code == ErrorCode::UnknownClient => {
+                let new = self.rehello()?;
+                if new != old {
+                    return Err(Error::DaemonRestarted { old, new });
+                }
+                self.load_chunks(layout, keys, out, per_chunk)
+            }
+            r => r,
+        }
+    }
+
+    /// One attempt of [`Client::load_pipelined`].
+    fn load_chunks(
         &self,
         layout: LayoutId,
         keys: &[ChunkHash],
@@ -1199,16 +1234,7 @@ impl Client {
                 self.send_on(&mut sock, &rel, &[])?;
             }
         }
-        match self.finish(sock, r) {
-            Err(Error::Daemon(w)) if w.code == ErrorCode::UnknownClient => {
-                let old = session.hello.incarnation;
-                Err(match self.rehello() {
-                    Ok(new) if new != old => Error::DaemonRestarted { old, new },
-                    _ => Error::Daemon(w),
-                })
-            }
-            r => r.map(|()| found),
-        }
+        self.finish(sock, r).map(|()| found)
     }
 
     /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool

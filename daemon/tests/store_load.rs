@@ -312,6 +312,46 @@ fn a_restarted_daemon_is_detected_and_the_client_recovers() {
     assert!(bufs == data);
 }
 
+/// A load of several chunks (`kvd_client::LOAD_CHUNK_BYTES`, one `get` each) recovers
+/// like any call: a session the daemon dropped as idle is renewed and the load retried,
+/// and a restarted daemon is reported, not read from.
+#[test]
+fn a_pipelined_load_renews_a_dropped_session_and_reports_a_restart() {
+    let mut cfg = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut cfg, b"[limits]\nclient_idle_ttl_ms = 500\n").unwrap();
+    let path = cfg.path().display().to_string();
+    let mut d = Daemon::start(&["--config", &path]);
+    let c = d.client();
+    let l = register(&c, 256);
+    let n = 40; // 10 MiB: three chunks
+    assert!(n * 256 * 1024 > 2 * kvd_client::LOAD_CHUNK_BYTES as usize);
+    let ks = keys(31, n);
+    let data: Vec<Vec<u8>> = (0..n as u64).map(|i| block(i, 256 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    let mut bufs = vec![vec![0u8; 256 * 1024]; n];
+    // idle past the TTL: the daemon forgets the session (it holds nothing)
+    std::thread::sleep(Duration::from_millis(1500));
+    let old = c.incarnation();
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l.id, &ks, &mut outs).unwrap(), vec![true; n]);
+    assert!(bufs == data);
+    assert_eq!(c.incarnation(), old, "the same daemon");
+    let st = c.stats().unwrap();
+    assert_eq!((st.pins, st.pinned_blocks), (0, 0), "{st:?}");
+    d.restart();
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let e = loop {
+        match c.load(l.id, &ks, &mut outs) {
+            Err(Error::Timeout { .. }) => continue, // the socket was reconnecting
+            r => break r.unwrap_err(),
+        }
+    };
+    assert!(
+        matches!(e, Error::DaemonRestarted { old: o, .. } if o == old),
+        "{e}"
+    );
+}
+
 #[test]
 fn sigterm_exits_cleanly_and_removes_socket_and_pool() {
     let mut d = Daemon::start(&[]);
