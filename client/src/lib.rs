@@ -673,8 +673,7 @@ impl Client {
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
         let bytes = payloads.iter().map(|p| p.len() as u64).sum::<u64>();
-        let mut retried = false;
-        loop {
+        self.past_broken_streams(|| {
             let mut conn = if matches!(req, Request::Hello(_)) {
                 Conn::Zmq(self.checkout_zmq()?)
             } else {
@@ -683,23 +682,42 @@ impl Client {
             let r = self
                 .send_on(&mut conn, req, payloads)
                 .and_then(|id| self.recv_on(&mut conn, id, req.op(), extra));
-            if matches!(r, Err(Error::Stream(_))) && !retried {
-                self.forget_streams();
-                retried = true;
-                continue;
+            self.finish(conn, r)
+        })
+    }
+
+    /// Runs `attempt` (which checks a connection out and back in); when a pooled stream
+    /// connection turns out broken, drops the pool (its siblings most likely broke the
+    /// same way: the daemon went away) and tries once more on a fresh connection.
+    fn past_broken_streams<T>(&self, mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
+        match attempt() {
+            Err(Error::Stream(_)) => {
+                self.inner
+                    .streams
+                    .lock()
+                    .expect("stream pool poisoned")
+                    .clear();
+                attempt()
             }
-            return self.finish(conn, r);
+            r => r,
         }
     }
 
-    /// Drops the pooled stream connections after one of them broke: its siblings most
-    /// likely broke the same way (the daemon went away).
-    fn forget_streams(&self) {
-        self.inner
-            .streams
-            .lock()
-            .expect("stream pool poisoned")
-            .clear();
+    /// Runs `attempt` (which reads the session afresh); on `unknown_client` says hello
+    /// again and either retries once (same daemon: the session had idled out) or
+    /// reports the restart.
+    fn renewing<T>(&self, mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
+        let old = self.session().hello.incarnation;
+        match attempt() {
+            Err(Error::Daemon(e)) if e.code == ErrorCode::UnknownClient => {
+                let new = self.rehello()?;
+                if new != old {
+                    return Err(Error::DaemonRestarted { old, new });
+                }
+                attempt()
+            }
+            r => r,
+        }
     }
 
     /// Sends a request whose reply nobody waits for (it is skipped by the next call on
@@ -727,18 +745,7 @@ impl Client {
         payloads: &[&[u8]],
         extra: Duration,
     ) -> Result<(T, Vec<zmq::Message>)> {
-        let s = self.session();
-        match self.raw_call_waiting(&make(s.client), payloads, extra) {
-            Err(Error::Daemon(e)) if e.code == ErrorCode::UnknownClient => {
-                let old = s.hello.incarnation;
-                let new = self.rehello()?;
-                if new != old {
-                    return Err(Error::DaemonRestarted { old, new });
-                }
-                self.raw_call_waiting(&make(self.session().client), payloads, extra)
-            }
-            r => r,
-        }
+        self.renewing(|| self.raw_call_waiting(&make(self.session().client), payloads, extra))
     }
 
     fn hello_once(&self) -> Result<()> {
@@ -1127,24 +1134,9 @@ impl Client {
         out: &mut [&mut [u8]],
         per_chunk: usize,
     ) -> Result<Vec<bool>> {
-        let old = self.session().hello.incarnation;
-        let first = match self.load_chunks(layout, keys, out, per_chunk) {
-            Err(Error::Stream(_)) => {
-                self.forget_streams();
-                self.load_chunks(layout, keys, out, per_chunk)
-            }
-            r => r,
-        };
-        match first {
-            Err(Error::Daemon(w)) if w.code == ErrorCode::UnknownClient => {
-                let new = self.rehello()?;
-                if new != old {
-                    return Err(Error::DaemonRestarted { old, new });
-                }
-                self.load_chunks(layout, keys, out, per_chunk)
-            }
-            r => r,
-        }
+        self.renewing(|| {
+            self.past_broken_streams(|| self.load_chunks(layout, keys, &mut *out, per_chunk))
+        })
     }
 
     /// One attempt of [`Client::load_pipelined`].

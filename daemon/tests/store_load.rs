@@ -281,6 +281,27 @@ fn child_allocates_then_hangs() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// The first `load` after `d.restart()` fails with `DaemonRestarted` naming `old`
+/// (timeouts while the socket reconnects are waited out).
+fn assert_restart_reported(
+    c: &kvd_client::Client,
+    l: kvd_protocol::LayoutId,
+    ks: &[kvd_protocol::ChunkHash],
+    outs: &mut [&mut [u8]],
+    old: kvd_protocol::Incarnation,
+) {
+    let e = loop {
+        match c.load(l, ks, outs) {
+            Err(Error::Timeout { .. }) => continue, // the socket was reconnecting
+            r => break r.unwrap_err(),
+        }
+    };
+    assert!(
+        matches!(e, Error::DaemonRestarted { old: o, .. } if o == old),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_restarted_daemon_is_detected_and_the_client_recovers() {
     let mut d = Daemon::start(&[]);
@@ -294,16 +315,7 @@ fn a_restarted_daemon_is_detected_and_the_client_recovers() {
     // the first call that needs a session tells the caller what happened
     let mut bufs = vec![vec![0u8; 16 * 1024]; 2];
     let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    let e = loop {
-        match c.load(l.id, &ks, &mut outs) {
-            Err(Error::Timeout { .. }) => continue, // the socket was reconnecting
-            r => break r.unwrap_err(),
-        }
-    };
-    assert!(
-        matches!(e, Error::DaemonRestarted { old: o, .. } if o == old),
-        "{e}"
-    );
+    assert_restart_reported(&c, l.id, &ks, &mut outs, old);
     assert_ne!(c.incarnation(), old);
     // re-mapped and re-registered: it works again (the cache is empty)
     assert_eq!(c.load(l.id, &ks, &mut outs).unwrap(), vec![false; 2]);
@@ -340,16 +352,7 @@ fn a_pipelined_load_renews_a_dropped_session_and_reports_a_restart() {
     assert_eq!((st.pins, st.pinned_blocks), (0, 0), "{st:?}");
     d.restart();
     let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    let e = loop {
-        match c.load(l.id, &ks, &mut outs) {
-            Err(Error::Timeout { .. }) => continue, // the socket was reconnecting
-            r => break r.unwrap_err(),
-        }
-    };
-    assert!(
-        matches!(e, Error::DaemonRestarted { old: o, .. } if o == old),
-        "{e}"
-    );
+    assert_restart_reported(&c, l.id, &ks, &mut outs, old);
 }
 
 #[test]
