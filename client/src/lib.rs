@@ -67,6 +67,7 @@
 
 mod gpu;
 mod handoff;
+mod queue;
 mod shm;
 mod stream;
 
@@ -78,6 +79,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
+pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_QUEUE_DEPTH_BYTES};
 use crate::shm::PoolMap;
 use crate::stream::{StreamConn, StreamError};
 
@@ -597,35 +599,8 @@ impl Client {
     ) -> Result<(u64, Result<(T, Vec<zmq::Message>)>)> {
         let deadline = Instant::now() + self.inner.opts.timeout + extra;
         loop {
-            let mut parts = match conn {
-                Conn::Zmq(sock) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero()
-                        || sock.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0
-                    {
-                        return Err(Error::Timeout {
-                            op,
-                            after: self.inner.opts.timeout + extra,
-                        });
-                    }
-                    let mut parts = Vec::new();
-                    loop {
-                        let mut m = zmq::Message::new();
-                        sock.recv(&mut m, 0)?;
-                        let more = m.get_more();
-                        parts.push(m);
-                        if !more {
-                            break;
-                        }
-                    }
-                    parts
-                }
-                Conn::Stream((c, _)) => c
-                    .recv(deadline)
-                    .map_err(|e| self.stream_error(e, op, extra))?
-                    .into_iter()
-                    .map(zmq::Message::from)
-                    .collect(),
+            let Some(mut parts) = self.next_message(conn, Some(deadline), op, extra)? else {
+                continue;
             };
             if parts.is_empty() {
                 continue;
@@ -640,6 +615,60 @@ impl Client {
                         return Ok((rid, Err(Error::Protocol(e.to_string()))));
                     }
                 }
+            }
+        }
+    }
+
+    /// The next message on `conn`, whoever's reply it is: waits until `deadline`
+    /// (`Timeout` after it; `extra` only names the wait in the error), or with `None`
+    /// takes only what is already there (`Ok(None)`: nothing yet).
+    fn next_message(
+        &self,
+        conn: &mut Conn,
+        deadline: Option<Instant>,
+        op: &'static str,
+        extra: Duration,
+    ) -> Result<Option<Vec<zmq::Message>>> {
+        let timeout = || Error::Timeout {
+            op,
+            after: self.inner.opts.timeout + extra,
+        };
+        match conn {
+            Conn::Zmq(sock) => {
+                let wait_ms = match deadline {
+                    None => 0,
+                    Some(d) => {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Err(timeout());
+                        }
+                        left.as_millis().max(1) as i64
+                    }
+                };
+                if sock.poll(zmq::POLLIN, wait_ms)? == 0 {
+                    return match deadline {
+                        None => Ok(None),
+                        Some(_) => Err(timeout()),
+                    };
+                }
+                let mut parts = Vec::new();
+                loop {
+                    let mut m = zmq::Message::new();
+                    sock.recv(&mut m, 0)?;
+                    let more = m.get_more();
+                    parts.push(m);
+                    if !more {
+                        break;
+                    }
+                }
+                Ok(Some(parts))
+            }
+            Conn::Stream((c, _)) => {
+                let frames = match deadline {
+                    Some(d) => Some(c.recv(d).map_err(|e| self.stream_error(e, op, extra))?),
+                    None => c.try_recv().map_err(|e| self.stream_error(e, op, extra))?,
+                };
+                Ok(frames.map(|f| f.into_iter().map(zmq::Message::from).collect()))
             }
         }
     }
@@ -692,15 +721,20 @@ impl Client {
     fn past_broken_streams<T>(&self, mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
         match attempt() {
             Err(Error::Stream(_)) => {
-                self.inner
-                    .streams
-                    .lock()
-                    .expect("stream pool poisoned")
-                    .clear();
+                self.forget_streams();
                 attempt()
             }
             r => r,
         }
+    }
+
+    /// Drops the idle stream connections (after one turned out broken).
+    fn forget_streams(&self) {
+        self.inner
+            .streams
+            .lock()
+            .expect("stream pool poisoned")
+            .clear();
     }
 
     /// Runs `attempt` (which reads the session afresh); on `unknown_client` says hello

@@ -216,6 +216,38 @@ impl StreamConn {
         }
     }
 
+    /// The next whole message if one is already here (or arrives in one non-blocking
+    /// read), without waiting.
+    pub(crate) fn try_recv(&mut self) -> Result<Option<Vec<Vec<u8>>>, StreamError> {
+        use nix::errno::Errno;
+        use nix::sys::socket::{recv, MsgFlags};
+        loop {
+            match self.recv.next(&REPLY_LIMITS) {
+                Ok(Some(frames)) => return Ok(Some(frames)),
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(StreamError::Broken(std::io::Error::new(
+                        ErrorKind::InvalidData,
+                        e.to_string(),
+                    )))
+                }
+            }
+            let fd = self.sock.as_raw_fd();
+            match recv(fd, self.recv.room(usize::MAX), MsgFlags::MSG_DONTWAIT) {
+                Ok(0) => {
+                    return Err(StreamError::Broken(std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "the daemon closed the stream connection",
+                    )))
+                }
+                Ok(n) => self.recv.filled(n),
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) => return Ok(None),
+                Err(e) => return Err(StreamError::Broken(e.into())),
+            }
+        }
+    }
+
     /// Non-blocking reads until some bytes arrive (`Ok(true)`) or `end` passes
     /// (`Ok(false)`: the caller sleeps in a blocking read), yielding between tries so
     /// that a task sharing this CPU (the daemon, about to answer) runs at once.

@@ -733,6 +733,13 @@ impl Server {
                 Completed::Get(Err(e), _, _) => {
                     self.finish(to.id, to.op, to.since, Err(e.into()), Vec::new())
                 }
+                Completed::Reserve(r) => self.finish(
+                    to.id,
+                    to.op,
+                    to.since,
+                    r.map(Body::Reserve).map_err(WireError::from),
+                    Vec::new(),
+                ),
             };
             self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
         }
@@ -923,6 +930,7 @@ impl Server {
             && matches!(
                 req,
                 Request::Alloc(_)
+                    | Request::Reserve(_)
                     | Request::GpuStore(_)
                     | Request::GpuRegister(_)
                     | Request::GpuExport(_)
@@ -1033,6 +1041,12 @@ impl Server {
             },
             Request::Release(r) => Body::Release(s.release(r, now)?),
             Request::Delete(r) => Body::Delete(s.delete(r, now)?),
+            Request::Reserve(r) => match s.reserve(r, now)? {
+                Answer::Now(a) => Body::Reserve(a),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
+            Request::Put(r) => Body::Put(s.put(r, now)?),
+            Request::Unreserve(r) => Body::Unreserve(s.unreserve(r, now)?),
             Request::Stats(_) => {
                 let mut st = s.stats(now);
                 st.transfers = self.transfer_stats();
@@ -1138,6 +1152,9 @@ enum Body {
     Get(GetResp),
     Release(ReleaseResp),
     Delete(DeleteResp),
+    Reserve(ReserveResp),
+    Put(PutResp),
+    Unreserve(UnreserveResp),
     Stats(Box<StatsResp>),
     Export(ExportResp),
     Transfer(TransferResp),
@@ -1176,6 +1193,9 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::Get(b) => encode_ok(id, &b),
         Body::Release(b) => encode_ok(id, &b),
         Body::Delete(b) => encode_ok(id, &b),
+        Body::Reserve(b) => encode_ok(id, &b),
+        Body::Put(b) => encode_ok(id, &b),
+        Body::Unreserve(b) => encode_ok(id, &b),
         Body::Stats(b) => encode_ok(id, &*b),
         Body::Export(b) => encode_ok(id, &b),
         Body::Transfer(b) => encode_ok(id, &b),

@@ -41,6 +41,9 @@ pub enum Request {
     Release(ReleaseReq),
     Delete(DeleteReq),
     Stats(StatsReq),
+    Reserve(ReserveReq),
+    Put(PutReq),
+    Unreserve(UnreserveReq),
     Export(ExportReq),
     Pull(Box<PullReq>),
     PushRegister(PushRegisterReq),
@@ -95,6 +98,9 @@ impl Request {
             Request::Release(_) => op::RELEASE,
             Request::Delete(_) => op::DELETE,
             Request::Stats(_) => op::STATS,
+            Request::Reserve(_) => op::RESERVE,
+            Request::Put(_) => op::PUT,
+            Request::Unreserve(_) => op::UNRESERVE,
             Request::Export(_) => xop::EXPORT,
             Request::Pull(_) => xop::PULL,
             Request::PushRegister(_) => xop::PUSH_REGISTER,
@@ -126,6 +132,9 @@ impl Request {
             Request::Lookup(r) => r.keys.len(),
             Request::Alloc(r) => r.keys.len(),
             Request::Commit(r) => r.keys.len(),
+            Request::Reserve(r) => usize::try_from(r.count).unwrap_or(usize::MAX),
+            Request::Put(r) => r.keys.len().max(r.offsets.len()),
+            Request::Unreserve(r) => r.offsets.len(),
             Request::Get(r) => r.keys.len(),
             Request::Delete(r) => r.keys.len(),
             Request::Release(r) => r.pins.len(),
@@ -179,6 +188,9 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::Release(b) => env(id, op, b),
         Request::Delete(b) => env(id, op, b),
         Request::Stats(b) => env(id, op, b),
+        Request::Reserve(b) => env(id, op, b),
+        Request::Put(b) => env(id, op, b),
+        Request::Unreserve(b) => env(id, op, b),
         Request::Export(b) => env(id, op, b),
         Request::Pull(b) => env(id, op, b),
         Request::PushRegister(b) => env(id, op, b),
@@ -282,6 +294,9 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         op::RELEASE => body(frame, op::RELEASE).map(Request::Release),
         op::DELETE => body(frame, op::DELETE).map(Request::Delete),
         op::STATS => body_or_default(frame, op::STATS).map(Request::Stats),
+        op::RESERVE => body(frame, op::RESERVE).map(Request::Reserve),
+        op::PUT => body(frame, op::PUT).map(Request::Put),
+        op::UNRESERVE => body(frame, op::UNRESERVE).map(Request::Unreserve),
         xop::EXPORT => body(frame, xop::EXPORT).map(Request::Export),
         xop::PULL => body(frame, xop::PULL).map(|b| Request::Pull(Box::new(b))),
         xop::PUSH_REGISTER => body(frame, xop::PUSH_REGISTER).map(Request::PushRegister),
@@ -553,6 +568,31 @@ mod tests {
                 keys: k
             })),
             Just(Request::Stats(StatsReq {})),
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(c, l, n)| {
+                Request::Reserve(ReserveReq {
+                    client: ClientId(c),
+                    layout_id: LayoutId(l),
+                    count: n,
+                })
+            }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                keys(),
+                proptest::collection::vec(any::<u64>(), 0..20)
+            )
+                .prop_map(|(c, l, k, o)| Request::Put(PutReq {
+                    client: ClientId(c),
+                    layout_id: LayoutId(l),
+                    keys: k,
+                    offsets: o
+                })),
+            (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..20)).prop_map(|(c, o)| {
+                Request::Unreserve(UnreserveReq {
+                    client: ClientId(c),
+                    offsets: o,
+                })
+            }),
         ]
     }
 

@@ -27,8 +27,14 @@ pub mod op {
     pub const DELETE: &str = "delete";
     /// `stats`
     pub const STATS: &str = "stats";
+    /// `reserve`
+    pub const RESERVE: &str = "reserve";
+    /// `put`
+    pub const PUT: &str = "put";
+    /// `unreserve`
+    pub const UNRESERVE: &str = "unreserve";
     /// Every op, in spec order.
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 12] = [
         HELLO,
         REGISTER_LAYOUT,
         LOOKUP,
@@ -38,6 +44,9 @@ pub mod op {
         RELEASE,
         DELETE,
         STATS,
+        RESERVE,
+        PUT,
+        UNRESERVE,
     ];
 }
 
@@ -248,6 +257,78 @@ pub struct CommitResp {
     pub committed: u64,
 }
 
+/// `reserve`: slots of a layout's size for this session, not yet bound to keys — the
+/// first phase of a pipelined store (SPEC §4, "Pipelined stores"). The caller writes
+/// blocks into them ahead of time and binds keys with `put`, without an `alloc` round
+/// trip per store.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ReserveReq {
+    /// The session.
+    pub client: ClientId,
+    /// The layout whose slot size the slots have.
+    pub layout_id: LayoutId,
+    /// How many slots (1..=`max_keys_per_request`).
+    pub count: u64,
+}
+
+/// Reply to `reserve`. All-or-nothing: `err pool_full` reserves nothing.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ReserveResp {
+    /// The slots' pool offsets, `count` of them.
+    pub offsets: Vec<u64>,
+    /// Slots not `put` (or `unreserve`d) within this many ms are reclaimed.
+    pub ttl_ms: u64,
+}
+
+/// `put`: binds keys to slots this session reserved and wrote, making the blocks
+/// visible in one step (the second phase of a pipelined store).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PutReq {
+    /// The session that reserved the slots.
+    pub client: ClientId,
+    /// The layout of the blocks (its slot size must be the slots').
+    pub layout_id: LayoutId,
+    /// The blocks' keys.
+    pub keys: Vec<ChunkHash>,
+    /// One reserved slot per key, holding that key's bytes.
+    pub offsets: Vec<u64>,
+}
+
+/// Per-key outcome of `put`. Every slot named leaves the reservation either way.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PutStatus {
+    /// Committed from the slot: visible to `lookup` and `get` from now on.
+    Stored,
+    /// Already cached (in a tier, or earlier in this request): the slot was freed.
+    Exists,
+    /// Another writer's `alloc` holds the key: the slot was freed.
+    Busy,
+}
+
+/// Reply to `put`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct PutResp {
+    /// One per key.
+    pub status: Vec<PutStatus>,
+}
+
+/// `unreserve`: gives reserved, unused slots back.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct UnreserveReq {
+    /// The session that reserved them.
+    pub client: ClientId,
+    /// The slots.
+    pub offsets: Vec<u64>,
+}
+
+/// Reply to `unreserve`. All-or-nothing.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct UnreserveResp {
+    /// Slots given back.
+    pub released: u64,
+}
+
 /// `get`: pin cached blocks for reading.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct GetReq {
@@ -391,6 +472,9 @@ pub struct StatsResp {
     pub blocks: u64,
     /// Uncommitted allocations.
     pub pending: u64,
+    /// Slots reserved by `reserve`, not yet `put` or given back.
+    #[serde(default)]
+    pub reserved: u64,
     /// Blocks with at least one pin.
     pub pinned_blocks: u64,
     /// Live pins.

@@ -127,7 +127,7 @@ pub enum StoreError {
     #[error(
         "pool full: need {needed} slots of {slot_bytes} bytes but only {available} fit after \
          evicting every unpinned block; {used_bytes} of {capacity_bytes} bytes in use by \
-         {pinned_blocks} pinned blocks and {pending} uncommitted allocations"
+         {pinned_blocks} pinned blocks and {pending} uncommitted allocations or reserved slots"
     )]
     PoolFull {
         /// Slots asked for.
@@ -142,7 +142,7 @@ pub enum StoreError {
         capacity_bytes: u64,
         /// Blocks held by pins.
         pinned_blocks: u64,
-        /// Uncommitted allocations.
+        /// Uncommitted allocations and reserved slots.
         pending: usize,
     },
     /// A pin that does not exist.
@@ -171,6 +171,53 @@ pub enum StoreError {
         /// The key.
         key: ChunkHash,
     },
+    /// A slot that is not reserved (never was, was put or given back, or expired).
+    #[error(
+        "offset #{index} = {offset} is not a reserved slot (never reserved, already put or \
+         given back, or reclaimed after its TTL)"
+    )]
+    SlotNotReserved {
+        /// Position in the request.
+        index: usize,
+        /// The offset given.
+        offset: u64,
+    },
+    /// A slot another session reserved.
+    #[error("offset #{index} = {offset} is a slot reserved by another client")]
+    SlotOfOther {
+        /// Position in the request.
+        index: usize,
+        /// The offset given.
+        offset: u64,
+    },
+    /// A reserved slot of another size than the layout's blocks.
+    #[error(
+        "offset #{index} = {offset} is a slot of {slot_bytes} bytes; layout {layout} needs \
+         {want_bytes}-byte slots"
+    )]
+    SlotSize {
+        /// Position in the request.
+        index: usize,
+        /// The offset given.
+        offset: u64,
+        /// The slot's size.
+        slot_bytes: u64,
+        /// The layout named.
+        layout: LayoutId,
+        /// The layout's slot size.
+        want_bytes: u64,
+    },
+    /// The same slot twice in one request.
+    #[error("offset #{index} = {offset} appears twice in the request")]
+    DuplicateSlot {
+        /// Position in the request (the second occurrence).
+        index: usize,
+        /// The offset.
+        offset: u64,
+    },
+    /// A `reserve` of no slots.
+    #[error("reserve needs a count of at least 1")]
+    ZeroCount,
     /// A bug or an I/O failure of the daemon itself.
     #[error("{0}")]
     Internal(String),
@@ -187,14 +234,18 @@ impl StoreError {
             | CountMismatch { .. }
             | OffsetOutsidePool { .. }
             | WrongOffset { .. }
-            | PayloadSize { .. } => ErrorCode::InvalidArgument,
+            | PayloadSize { .. }
+            | SlotSize { .. }
+            | DuplicateSlot { .. }
+            | ZeroCount => ErrorCode::InvalidArgument,
             BlockTooLarge { .. } => ErrorCode::TooLarge,
             Limit { .. } | NoSizeClass(_) => ErrorCode::LimitReached,
             NotAllocated { .. }
             | AlreadyCommitted { .. }
             | BeingPromoted { .. }
-            | NotExportable { .. } => ErrorCode::InvalidState,
-            AllocatedByOther { .. } | PinOfOther { .. } => ErrorCode::NotOwner,
+            | NotExportable { .. }
+            | SlotNotReserved { .. } => ErrorCode::InvalidState,
+            AllocatedByOther { .. } | PinOfOther { .. } | SlotOfOther { .. } => ErrorCode::NotOwner,
             PoolFull { .. } => ErrorCode::PoolFull,
             UnknownPin { .. } => ErrorCode::UnknownPin,
             Internal(_) => ErrorCode::Internal,

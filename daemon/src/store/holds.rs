@@ -1,9 +1,10 @@
-//! Holds on blocks that end by themselves: pins (a reader's) and reservations (a
-//! writer's uncommitted allocation), each with an owner and a deadline.
+//! Holds on blocks that end by themselves: pins (a reader's), reservations (a
+//! writer's uncommitted allocation of a key) and reserved slots (a pipelined writer's
+//! slots, not yet bound to keys), each with an owner and a deadline.
 //!
 //! This module owns the rule that **no hold outlives its deadline**: every hold is
 //! entered in a [`DeadlineQueue`] when it is made, [`Holds::due_pins`] and
-//! [`Holds::due_reservations`] hand back the ones whose deadline passed, and
+//! [`Holds::due_reservation`] and [`Holds::due_slot`] hand back the ones whose deadline passed, and
 //! [`Holds::compact`] drops the queue entries of holds that ended early, so the queues
 //! stay bounded by live holds. What a hold *does* to a block (pin counts, LRU) is the
 //! index's business; the store applies both.
@@ -13,7 +14,18 @@ use std::time::Instant;
 
 use kvd_protocol::{ClientId, PinId};
 
+use crate::alloc::ClassId;
 use crate::deadline::DeadlineQueue;
+
+/// A reserved slot (`reserve`): owned by one session until it is `put`, given back, or
+/// its deadline passes. Not in the index: nothing can read it, evict it or hand it out.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SlotHold {
+    pub owner: ClientId,
+    /// The slot's size class (a `put` must name a layout of the same class).
+    pub class: ClassId,
+    deadline: Instant,
+}
 
 /// An uncommitted allocation of one block.
 #[derive(Debug)]
@@ -38,6 +50,9 @@ pub(super) struct Holds {
     pins: HashMap<PinId, Pin>,
     pin_deadlines: DeadlineQueue<PinId>,
     next_pin: u64,
+    /// Reserved slots by pool offset.
+    slots: HashMap<u64, SlotHold>,
+    slot_deadlines: DeadlineQueue<u64>,
 }
 
 impl Holds {
@@ -50,6 +65,8 @@ impl Holds {
             // Pin ids start at a random point so that ids from a previous daemon are
             // unlikely to name a live pin of this one.
             next_pin: rand::random::<u32>() as u64 + 1,
+            slots: HashMap::new(),
+            slot_deadlines: DeadlineQueue::default(),
         }
     }
 
@@ -90,6 +107,49 @@ impl Holds {
                 }
             }
             // else: committed, deleted, or re-reserved since
+        }
+        None
+    }
+
+    // ----- reserved slots -----
+
+    /// Reserves the slot at pool offset `off` (of `class`) for `owner` until `deadline`.
+    pub fn reserve_slot(&mut self, off: u64, class: ClassId, owner: ClientId, deadline: Instant) {
+        self.slots.insert(
+            off,
+            SlotHold {
+                owner,
+                class,
+                deadline,
+            },
+        );
+        self.slot_deadlines.push(deadline, off);
+    }
+
+    /// The hold on the slot at `off`, if it is reserved.
+    pub fn slot(&self, off: u64) -> Option<SlotHold> {
+        self.slots.get(&off).copied()
+    }
+
+    /// Ends the reservation of the slot at `off` (put, or given back).
+    pub fn unreserve_slot(&mut self, off: u64) -> Option<SlotHold> {
+        self.slots.remove(&off)
+    }
+
+    /// Reserved slots.
+    pub fn reserved_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The next reserved slot whose deadline passed, ended.
+    pub fn due_slot(&mut self, now: Instant) -> Option<(u64, SlotHold)> {
+        while let Some((deadline, off)) = self.slot_deadlines.pop_due(now) {
+            if self.slots.get(&off).is_some_and(|r| r.deadline == deadline) {
+                if let Some(r) = self.slots.remove(&off) {
+                    return Some((off, r));
+                }
+            }
+            // else: put, given back, or reserved again since
         }
         None
     }
@@ -152,13 +212,21 @@ impl Holds {
         self.reservation_deadlines.compact(res.len(), |t, idx| {
             res.get(idx).is_some_and(|r| r.deadline == t)
         });
+        let slots = &self.slots;
+        self.slot_deadlines.compact(slots.len(), |t, off| {
+            slots.get(off).is_some_and(|r| r.deadline == t)
+        });
     }
 
     /// The earliest deadline of any hold (possibly one that already ended).
     pub fn next_deadline(&self) -> Option<Instant> {
-        [self.pin_deadlines.next(), self.reservation_deadlines.next()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.pin_deadlines.next(),
+            self.reservation_deadlines.next(),
+            self.slot_deadlines.next(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 }

@@ -28,6 +28,7 @@
 //! | `holds` | pins and reservations with owners and deadlines: none outlives its deadline, and the deadline queues stay bounded by live holds |
 //! | `sessions` | sessions and layouts: idle sessions holding nothing are dropped; limits |
 //! | `reclaim` | eviction, watermarks, and refusing an allocation that cannot fit before evicting anything |
+//! | `reserved` | pipelined stores (`reserve`, `put`, `unreserve`): a reserved slot is seen by nothing but its owner's `put`, and a `put` never overwrites a cached key |
 //! | `tiering` | the [`LowerTier`] trait (NVMe, or [`NoTier`]), demotion, promotion, prefetch, and requests waiting for I/O |
 //! | `error` | [`StoreError`], and its mapping to wire codes (one function) |
 //!
@@ -43,6 +44,7 @@ mod error;
 mod holds;
 mod index;
 mod reclaim;
+mod reserved;
 mod sessions;
 mod tiering;
 
@@ -128,6 +130,8 @@ pub enum Completed {
     /// A `get` that waited for promotions (`inline` and the layout are given back so
     /// the server can attach payloads).
     Get(Result<GetResp, StoreError>, bool, LayoutId),
+    /// A `reserve` that waited for demotions.
+    Reserve(Result<ReserveResp, StoreError>),
 }
 
 #[derive(Debug, Default)]
@@ -726,6 +730,7 @@ impl Store {
             },
             blocks: self.index.committed(),
             pending: self.holds.reservations() as u64,
+            reserved: self.holds.reserved_slots() as u64,
             pinned_blocks: self.index.pinned(),
             pins: self.holds.pins() as u64,
             clients: self.sessions.len() as u64,
@@ -953,6 +958,7 @@ impl Store {
             self.free_node(idx);
             self.counters.expired_allocs += 1;
         }
+        self.expire_slots(now);
         self.holds.compact();
         self.sessions.maintain(now);
         self.evict_to_watermark(now);

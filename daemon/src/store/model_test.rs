@@ -2,7 +2,9 @@
 //! files): random interleavings of alloc, write, commit (also of keys the caller does not
 //! own, or that are being demoted or promoted), get, release, delete, lookup (prefetch),
 //! time passing (pin and allocation expiry), eviction and demotion (a pool of 32 slots
-//! under 48 keys), and promotion, against a reference model of what each key holds.
+//! under 48 keys), promotion, and pipelined stores (reserve, write, put; a put of
+//! another client's slot or of a slot never reserved; unreserve), against a reference
+//! model of what each key holds.
 //!
 //! Checked after every step: nothing panics; every block a `get` serves holds the bytes
 //! last committed under its key; the store's gauges agree with the pins the test holds;
@@ -45,6 +47,15 @@ enum Op {
     Lookup { keys: Vec<u32> },
     /// Time passes.
     Advance { ms: u64 },
+    /// Client `c` reserves `n` slots.
+    Reserve { c: usize, n: u64 },
+    /// Client `c` writes keys into slots it reserved and puts them.
+    Put { c: usize, keys: Vec<u32> },
+    /// Client `c` puts a key into a slot it does not hold: another client's reserved
+    /// slot if there is one, else the slot at `pick` (committed, free or pending).
+    Forge { c: usize, key: u32, pick: u64 },
+    /// Client `c` gives back its reserved slot `i` (modulo how many it holds).
+    Unreserve { c: usize, i: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -58,6 +69,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Delete { c, keys }),
         1 => ks().prop_map(|keys| Op::Lookup { keys }),
         1 => prop_oneof![Just(5u64), Just(2_000), Just(40_000)].prop_map(|ms| Op::Advance { ms }),
+        2 => (0..2usize, 1..4u64).prop_map(|(c, n)| Op::Reserve { c, n }),
+        3 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Put { c, keys }),
+        1 => (0..2usize, 0..KEYS, 0..32u64).prop_map(|(c, key, pick)| Op::Forge { c, key, pick }),
+        1 => (0..2usize, 0..4usize).prop_map(|(c, i)| Op::Unreserve { c, i }),
     ]
 }
 
@@ -89,6 +104,8 @@ struct World {
     next_version: u32,
     /// Pins held: owner, id, deadline.
     pins: Vec<(usize, PinId, Instant)>,
+    /// Reserved slots held, per client: offset, deadline.
+    slots: [Vec<(u64, Instant)>; 2],
     _dir: tempfile::TempDir,
 }
 
@@ -166,6 +183,7 @@ impl World {
             pending: HashMap::new(),
             next_version: 1,
             pins: Vec::new(),
+            slots: [Vec::new(), Vec::new()],
             _dir: dir,
         }
     }
@@ -340,11 +358,124 @@ impl World {
                     self.pending.clear();
                 }
             }
+            Op::Reserve { c, n } => {
+                let req = ReserveReq {
+                    client: self.clients[*c],
+                    layout_id: l,
+                    count: *n,
+                };
+                let r = match self.s.reserve(&req, self.now) {
+                    Ok(Answer::Now(r)) => Ok(r),
+                    Ok(Answer::Later(t)) => match self.wait(t) {
+                        Completed::Reserve(r) => r,
+                        other => panic!("reserve answered with {other:?}"),
+                    },
+                    Err(e) => Err(e),
+                };
+                let Ok(r) = r else { return };
+                assert_eq!(r.offsets.len() as u64, *n);
+                let deadline = self.now + Duration::from_millis(r.ttl_ms);
+                for off in r.offsets {
+                    let held = self.slots.iter().flatten().any(|(o, _)| *o == off);
+                    assert!(!held, "slot {off} reserved twice");
+                    self.slots[*c].push((off, deadline));
+                }
+            }
+            Op::Put { c, keys } => {
+                let n = keys.len().min(self.slots[*c].len());
+                if n == 0 {
+                    return;
+                }
+                let taken: Vec<(u64, Instant)> = self.slots[*c].drain(..n).collect();
+                let mut versions = Vec::new();
+                for (&i, (off, _)) in keys.iter().zip(&taken) {
+                    let v = self.next_version;
+                    self.next_version += 1;
+                    self.pool.write(*off, &content(i, v)).unwrap();
+                    versions.push(v);
+                }
+                let req = PutReq {
+                    client: self.clients[*c],
+                    layout_id: l,
+                    keys: keys[..n].iter().map(|&i| key(i)).collect(),
+                    offsets: taken.iter().map(|(o, _)| *o).collect(),
+                };
+                let r = self.s.put(&req, self.now);
+                let r = r.unwrap_or_else(|e| panic!("put of live reserved slots: {e}"));
+                for (j, st) in r.status.iter().enumerate() {
+                    let i = keys[j];
+                    match st {
+                        PutStatus::Stored => {
+                            assert!(
+                                !self.pending.contains_key(&i),
+                                "key {i} stored over a pending allocation"
+                            );
+                            self.committed.insert(i, versions[j]);
+                        }
+                        PutStatus::Busy => assert!(
+                            self.pending.contains_key(&i),
+                            "key {i} busy with no allocation pending"
+                        ),
+                        PutStatus::Exists => {}
+                    }
+                }
+            }
+            Op::Forge { c, key: i, pick } => {
+                let off = match self.slots[1 - *c].first() {
+                    Some((o, _)) => *o,
+                    None => self.pool.data_offset() + pick * BLOCK as u64,
+                };
+                if self.slots[*c].iter().any(|(o, _)| *o == off) {
+                    return;
+                }
+                let before = self.s.stats(self.now);
+                let req = PutReq {
+                    client: self.clients[*c],
+                    layout_id: l,
+                    keys: vec![key(*i)],
+                    offsets: vec![off],
+                };
+                let e = self
+                    .s
+                    .put(&req, self.now)
+                    .expect_err("a put of a slot the caller does not hold was accepted");
+                assert!(
+                    matches!(e.code(), ErrorCode::NotOwner | ErrorCode::InvalidState),
+                    "{e}"
+                );
+                let after = self.s.stats(self.now);
+                assert_eq!(
+                    (before.blocks, before.reserved, before.pool.used_bytes),
+                    (after.blocks, after.reserved, after.pool.used_bytes),
+                    "a refused put changed the store"
+                );
+            }
+            Op::Unreserve { c, i } => {
+                if self.slots[*c].is_empty() {
+                    return;
+                }
+                let (off, _) = self.slots[*c].remove(i % self.slots[*c].len());
+                let req = UnreserveReq {
+                    client: self.clients[*c],
+                    offsets: vec![off],
+                };
+                let r = self.s.unreserve(&req, self.now);
+                assert_eq!(r.map(|r| r.released).ok(), Some(1), "unreserve {off}");
+            }
         }
         let _ = self.s.poll_io(self.now);
         self.s.maintain(self.now);
         let now = self.now;
         self.pins.retain(|p| p.2 > now);
+        for held in &mut self.slots {
+            held.retain(|s| s.1 > now);
+        }
+        let st = self.s.stats(self.now);
+        assert_eq!(
+            st.reserved as usize,
+            self.slots.iter().map(Vec::len).sum::<usize>(),
+            "the store's reserved slots differ from those taken, unput and unexpired"
+        );
         let st = self.s.stats(self.now);
         assert_eq!(
             st.pins as usize,
@@ -370,7 +501,7 @@ impl World {
             let _ = self.s.poll_io(self.now);
             self.s.maintain(self.now);
             let st = self.s.stats(self.now);
-            if st.waiting == 0 && st.pending == 0 && st.pins == 0 {
+            if st.waiting == 0 && st.pending == 0 && st.pins == 0 && st.reserved == 0 {
                 assert_eq!(st.pinned_blocks, 0, "{st:?}");
                 break;
             }

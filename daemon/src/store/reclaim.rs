@@ -114,7 +114,7 @@ impl Store {
             used_bytes: st.used_bytes,
             capacity_bytes: st.capacity_bytes,
             pinned_blocks: self.index.pinned(),
-            pending: self.holds.reservations(),
+            pending: self.holds.reservations() + self.holds.reserved_slots(),
         }
     }
 

@@ -114,6 +114,7 @@ impl LowerTier for NoTier {
 #[derive(Debug)]
 pub(super) enum Waiting {
     Alloc(AllocReq),
+    Reserve(ReserveReq),
     /// The request, the promotions it waits for, and the promoted blocks it holds
     /// (pinned until it answers, so that promoting its later keys cannot evict them).
     Get(GetReq, Vec<u32>, Vec<u32>),
@@ -310,6 +311,28 @@ impl Store {
                             out.push((d.token, Completed::Alloc(Err(e))));
                         }
                         Err(e) => out.push((d.token, Completed::Alloc(Err(e)))),
+                    }
+                }
+                Waiting::Reserve(req) => {
+                    let r = if progressed || d.deadline <= now {
+                        self.try_reserve(&req, now)
+                    } else {
+                        Ok(None)
+                    };
+                    match r {
+                        Ok(Some(resp)) => out.push((d.token, Completed::Reserve(Ok(resp)))),
+                        Ok(None) if d.deadline > now => self.deferred.push(Deferred {
+                            what: Waiting::Reserve(req),
+                            ..d
+                        }),
+                        Ok(None) => {
+                            let e = match self.sessions.layout(req.layout_id) {
+                                Ok(l) => self.pool_full(l.class, req.count),
+                                Err(e) => e,
+                            };
+                            out.push((d.token, Completed::Reserve(Err(e))));
+                        }
+                        Err(e) => out.push((d.token, Completed::Reserve(Err(e)))),
                     }
                 }
                 Waiting::Get(req, waits, held) => {

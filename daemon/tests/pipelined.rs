@@ -1,0 +1,309 @@
+//! Pipelined stores (`reserve`, `put`, `unreserve`; `kvd-client`'s `StoreQueue`) against
+//! the real daemon: every byte arrives, replies are collected late, a restart is
+//! reported, and a session cannot put into or give back slots it does not hold.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvd_client::{Error, MapPool};
+use kvd_protocol::*;
+use serde::de::DeserializeOwned;
+
+fn refs(v: &[Vec<u8>]) -> Vec<&[u8]> {
+    v.iter().map(|b| &b[..]).collect()
+}
+
+fn load_all(c: &kvd_client::Client, l: &kvd_client::LayoutInfo, ks: &[ChunkHash]) -> Vec<Vec<u8>> {
+    let mut bufs = vec![vec![0u8; l.block_bytes as usize]; ks.len()];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let found = c.load(l.id, ks, &mut outs).unwrap();
+    assert!(found.iter().all(|f| *f), "every stored key is found");
+    bufs
+}
+
+#[test]
+fn a_queue_stores_small_batches_and_every_byte_arrives() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 64);
+    let mut q = c.store_queue(l.id).unwrap().with_depth(4 << 20);
+    let ks = keys(40, 200);
+    let data: Vec<Vec<u8>> = (0..200)
+        .map(|j| block(4000 + j, l.block_bytes as usize))
+        .collect();
+    for (k, b) in ks.chunks(4).zip(data.chunks(4)) {
+        q.store(k, &refs(b)).unwrap();
+    }
+    let r = q.flush().unwrap();
+    assert_eq!(
+        (r.stored, r.exists, r.busy, r.failed),
+        (200, 0, 0, 0),
+        "{r:?}"
+    );
+    assert!(
+        load_all(&c, &l, &ks) == data,
+        "bytes differ after a queued store"
+    );
+    // Half already cached: not written again, counted as such.
+    let more = keys(41, 10);
+    let mut mixed: Vec<ChunkHash> = ks[..10].to_vec();
+    mixed.extend_from_slice(&more);
+    let mixed_data: Vec<Vec<u8>> = (0..20)
+        .map(|j| block(5000 + j, l.block_bytes as usize))
+        .collect();
+    q.store(&mixed, &refs(&mixed_data)).unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.exists, r.failed), (10, 10, 0), "{r:?}");
+    assert!(
+        load_all(&c, &l, &ks[..10]) == data[..10],
+        "cached bytes kept"
+    );
+    assert!(load_all(&c, &l, &more) == mixed_data[10..]);
+    // A bad call is refused before anything is sent.
+    let short = [0u8; 10];
+    let e = q.store(&ks[..1], &[&short[..]]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(q.reserved() > 0, "the queue holds slots ahead");
+    drop(q);
+    eventually(10, "the dropped queue's slots given back", || {
+        let st = c.stats().unwrap();
+        st.reserved == 0 && st.pending == 0
+    });
+}
+
+#[test]
+fn a_queue_without_a_mapping_stores_through_payloads() {
+    let d = Daemon::start(&[]);
+    let c = d.client_with(MapPool::Never);
+    let l = register(&c, 16);
+    let mut q = c.store_queue(l.id).unwrap();
+    let ks = keys(50, 6);
+    let data: Vec<Vec<u8>> = (0..6).map(|j| block(60 + j, 16 * 1024)).collect();
+    q.store(&ks, &refs(&data)).unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (6, 0), "{r:?}");
+    assert!(load_all(&c, &l, &ks) == data);
+}
+
+#[test]
+fn a_queue_reports_a_restart_then_stores_into_the_new_daemon() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let old = c.incarnation();
+    let mut q = c.store_queue(l.id).unwrap();
+    let ks = keys(60, 8);
+    let data: Vec<Vec<u8>> = (0..8).map(|j| block(70 + j, 16 * 1024)).collect();
+    q.store(&ks[..4], &refs(&data[..4])).unwrap();
+    assert_eq!(q.flush().unwrap().stored, 4);
+    d.restart();
+    match q.store(&ks[4..], &refs(&data[4..])) {
+        Err(Error::DaemonRestarted { old: o, new }) => {
+            assert_eq!(o, old);
+            assert_ne!(new, old);
+        }
+        other => panic!("a store after a restart must report it, got {other:?}"),
+    }
+    // The queue starts again on the new daemon, with the new pool mapping.
+    q.store(&ks, &refs(&data)).unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (8, 0), "{r:?}");
+    assert!(load_all(&c, &l, &ks) == data);
+}
+
+/// One raw DEALER speaking the wire by hand, with its own session.
+struct RawSession {
+    raw: Raw,
+    client: ClientId,
+    next: u64,
+}
+
+impl RawSession {
+    fn new(ep: &str) -> RawSession {
+        let raw = Raw::new(ep, zmq::DEALER);
+        let mut s = RawSession {
+            raw,
+            client: ClientId(0),
+            next: 100,
+        };
+        let hello: HelloResp = s.call(&Request::Hello(HelloReq::default())).expect("hello");
+        s.client = hello.client;
+        s
+    }
+
+    fn call_frames<T: DeserializeOwned>(&mut self, frames: &[&[u8]]) -> Result<T, WireError> {
+        self.raw.send(frames);
+        let parts = self.raw.sock.recv_multipart(0).expect("a reply within 5 s");
+        let (_, r) = decode_reply::<T>(&parts[0]).expect("replies decode");
+        r
+    }
+
+    fn call<T: DeserializeOwned>(&mut self, req: &Request) -> Result<T, WireError> {
+        self.next += 1;
+        let f = encode_request(self.next, req);
+        self.call_frames(&[&f])
+    }
+
+    fn reserve(&mut self, l: LayoutId, count: u64) -> Result<ReserveResp, WireError> {
+        let client = self.client;
+        self.call(&Request::Reserve(ReserveReq {
+            client,
+            layout_id: l,
+            count,
+        }))
+    }
+
+    fn put(&mut self, l: LayoutId, keys: &[ChunkHash], offs: &[u64]) -> Result<PutResp, WireError> {
+        let client = self.client;
+        self.call(&Request::Put(PutReq {
+            client,
+            layout_id: l,
+            keys: keys.to_vec(),
+            offsets: offs.to_vec(),
+        }))
+    }
+}
+
+#[test]
+fn no_session_puts_into_or_gives_back_slots_it_does_not_hold() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let l = register(&good, 16);
+    // A victim's committed blocks.
+    let vk = keys(80, 2);
+    let vdata: Vec<Vec<u8>> = (0..2).map(|j| block(90 + j, 16 * 1024)).collect();
+    good.store(l.id, &vk, &refs(&vdata)).unwrap();
+    let committed = good.get(l.id, &vk, None).unwrap();
+    let committed_offs: Vec<u64> = committed.offsets().iter().map(|o| o.unwrap()).collect();
+    committed.release().unwrap();
+
+    let mut victim = RawSession::new(&d.endpoint);
+    let mut thief = RawSession::new(&d.endpoint);
+    let vslots = victim.reserve(l.id, 2).unwrap().offsets;
+    let tslots = thief.reserve(l.id, 1).unwrap().offsets;
+    let k = keys(81, 2);
+    let code = |r: Result<PutResp, WireError>| r.map(|_| ()).unwrap_err().code;
+
+    // Another session's reserved slot; a committed block's slot; a slot never reserved;
+    // one slot twice; the wrong number of offsets.
+    assert_eq!(
+        code(thief.put(l.id, &k[..1], &vslots[..1])),
+        ErrorCode::NotOwner
+    );
+    assert_eq!(
+        code(thief.put(l.id, &k[..1], &committed_offs[..1])),
+        ErrorCode::InvalidState
+    );
+    let never = d_pool_end_slot(&good);
+    assert_eq!(
+        code(thief.put(l.id, &k[..1], &[never])),
+        ErrorCode::InvalidState
+    );
+    assert_eq!(
+        code(thief.put(l.id, &k, &[tslots[0], tslots[0]])),
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        code(thief.put(l.id, &k, &tslots)),
+        ErrorCode::InvalidArgument
+    );
+    // A slot of another size than the layout's.
+    let big = register(&good, 64);
+    assert_eq!(
+        code(thief.put(big.id, &k[..1], &tslots)),
+        ErrorCode::InvalidArgument
+    );
+    // Giving back someone else's slot.
+    let client = thief.client;
+    let r: Result<UnreserveResp, WireError> = thief.call(&Request::Unreserve(UnreserveReq {
+        client,
+        offsets: vslots.clone(),
+    }));
+    assert_eq!(r.unwrap_err().code, ErrorCode::NotOwner);
+    // Counts out of range; payload frames.
+    assert_eq!(
+        thief.reserve(l.id, 0).unwrap_err().code,
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        thief.reserve(l.id, 1 << 40).unwrap_err().code,
+        ErrorCode::TooLarge
+    );
+    let f = encode_request(
+        7,
+        &Request::Put(PutReq {
+            client,
+            layout_id: l.id,
+            keys: k[..1].to_vec(),
+            offsets: tslots.clone(),
+        }),
+    );
+    let r: Result<PutResp, WireError> = thief.call_frames(&[&f, &[0u8; 16 * 1024]]);
+    assert_eq!(r.unwrap_err().code, ErrorCode::InvalidArgument);
+    // An unknown session.
+    let r: Result<PutResp, WireError> = thief.call(&Request::Put(PutReq {
+        client: ClientId(client.0 ^ 0x5555),
+        layout_id: l.id,
+        keys: k[..1].to_vec(),
+        offsets: tslots.clone(),
+    }));
+    assert_eq!(r.unwrap_err().code, ErrorCode::UnknownClient);
+
+    // Nothing moved: the victim's blocks read as stored, its slots are still its own,
+    // the thief's refused puts left no block.
+    assert!(load_all(&good, &l, &vk) == vdata);
+    assert_eq!(good.lookup(l.id, &k).unwrap().prefix, 0);
+    let st = good.stats().unwrap();
+    assert_eq!(st.reserved, 3);
+    let r = victim.put(l.id, &k, &vslots).unwrap();
+    assert_eq!(r.status, vec![PutStatus::Stored; 2]);
+    // A put of a key that is cached frees the slot and keeps the cached bytes.
+    let r = thief.put(l.id, &vk[..1], &tslots).unwrap();
+    assert_eq!(r.status, vec![PutStatus::Exists]);
+    assert!(load_all(&good, &l, &vk) == vdata);
+    // ...and the slot was put once: a second put of it fails.
+    assert_eq!(
+        code(thief.put(l.id, &k[..1], &tslots)),
+        ErrorCode::InvalidState
+    );
+    let st = good.stats().unwrap();
+    assert_eq!(st.reserved, 0);
+    round_trip(&good, l.id, 7);
+}
+
+#[test]
+fn reserve_is_refused_while_draining() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let mut s = RawSession::new(&d.endpoint);
+    let held = s.reserve(l.id, 1).unwrap().offsets;
+    // A live export keeps the draining daemon up (for its lease).
+    let ks = keys(91, 1);
+    c.store(l.id, &ks, &[&block(1, 16 * 1024)[..]]).unwrap();
+    c.export("keep", l.id, &ks, Some(Duration::from_millis(3000)))
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(d.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    eventually(10, "the daemon draining", || c.stats().unwrap().draining);
+    assert_eq!(
+        s.reserve(l.id, 1).unwrap_err().code,
+        ErrorCode::ShuttingDown
+    );
+    // A put of what was reserved before still lands.
+    let r = s.put(l.id, &keys(90, 1), &held).unwrap();
+    assert_eq!(r.status, vec![PutStatus::Stored]);
+    let _ = d.signal(nix::sys::signal::Signal::SIGKILL);
+}
+
+/// An offset inside the pool that no `reserve` gave out: the pool's last slot-aligned
+/// offset (64 MiB pool, mostly empty in these tests).
+fn d_pool_end_slot(c: &kvd_client::Client) -> u64 {
+    let h = c.hello_info();
+    h.pool.size_bytes - h.pool.slot_align
+}
