@@ -276,6 +276,54 @@ fn run_threads(
     Ok(Timed { elapsed, lat })
 }
 
+/// Stores `src` under `keys` through one [`kvd_client::StoreQueue`] per thread, `batch`
+/// blocks per call; the time includes every queue's final flush. Checks that every
+/// block was stored.
+fn store_queued(
+    client: &Client,
+    layout: kvd_protocol::LayoutId,
+    src: &[Vec<u8>],
+    keys: &[ChunkHash],
+    t: usize,
+    batch: usize,
+) -> Result<Timed> {
+    let start = Instant::now();
+    let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = split(src.len(), t)
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || -> Result<Vec<Duration>> {
+                    let mut q = client.store_queue(layout)?;
+                    let mut lat = Vec::new();
+                    let mut i = r.start;
+                    while i < r.end {
+                        let j = (i + batch).min(r.end);
+                        let refs: Vec<&[u8]> = src[i..j].iter().map(|b| &b[..]).collect();
+                        let t0 = Instant::now();
+                        q.store(&keys[i..j], &refs)?;
+                        lat.push(t0.elapsed());
+                        i = j;
+                    }
+                    let rep = q.flush()?;
+                    if rep.stored != r.len() as u64 {
+                        bail!("queued {} blocks, {rep:?}", r.len());
+                    }
+                    Ok(lat)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread panicked"))
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut lat = Vec::new();
+    for r in results {
+        lat.extend(r?);
+    }
+    Ok(Timed { elapsed, lat })
+}
+
 fn store(a: StoreArgs) -> Result<()> {
     const SEGMENT: u64 = 32 << 20;
     let total = a.total.as_u64();
@@ -298,7 +346,7 @@ fn store(a: StoreArgs) -> Result<()> {
         .with_map_pool(MapPool::Always)
         .connect()
         .context("connecting to kvd")?;
-    let cases = (a.sizes.len() * a.threads.len() * 2 + 2) as u64;
+    let cases = (a.sizes.len() * a.threads.len() * 3 + 2) as u64;
     let pb = if a.json {
         ProgressBar::hidden()
     } else {
@@ -348,6 +396,7 @@ fn store(a: StoreArgs) -> Result<()> {
             // machine; each figure is the median over the repetitions.
             let (mut cins, mut couts, mut sts, mut lds) = (vec![], vec![], vec![], vec![]);
             let (mut st_lat, mut ld_lat) = (vec![], vec![]);
+            let (mut qs, mut q_lat) = (vec![], vec![]);
             for rep in 0..a.reps {
                 case_id += 1;
                 let keys = keys_for(case_id, n);
@@ -396,14 +445,39 @@ fn store(a: StoreArgs) -> Result<()> {
                 lds.push(ld.elapsed);
                 st_lat.extend(st.lat);
                 ld_lat.extend(ld.lat);
+
+                // The same stores through a StoreQueue per thread (reserve ahead, put
+                // without waiting), the time including the final flush.
+                pb.set_message(format!("{} x{t} rep {rep}: queued store", ByteSize(size)));
+                case_id += 1;
+                let qkeys = keys_for(case_id, n);
+                let q = store_queued(&client, info.id, &src, &qkeys, t, batch)?;
+                let mut outs: Vec<&mut [u8]> = dst.iter_mut().map(|b| &mut b[..]).collect();
+                for (ks, os) in qkeys.chunks(256).zip(outs.chunks_mut(256)) {
+                    if client.load(info.id, ks, os)?.iter().any(|h| !h) {
+                        bail!("a queued block is missing: enlarge the pool");
+                    }
+                }
+                if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                    bail!("bytes loaded after a queued store differ from those stored");
+                }
+                for chunk in qkeys.chunks(8192) {
+                    client.delete(info.id, chunk)?;
+                }
+                for d in dst.iter_mut() {
+                    d.fill(0);
+                }
+                qs.push(q.elapsed);
+                q_lat.extend(q.lat);
             }
-            pb.inc(2);
+            pb.inc(3);
             let (cin, cout) = (gb(bytes, median(&mut cins)), gb(bytes, median(&mut couts)));
             if t == 1 && size == max_size {
                 headline = cin;
             }
             for (name, el, mut lat, ceil) in [
                 ("store", median(&mut sts), st_lat, cin),
+                ("store (queued)", median(&mut qs), q_lat, cin),
                 ("load", median(&mut lds), ld_lat, cout),
             ] {
                 let (p50, p99) = percentiles(&mut lat);

@@ -79,7 +79,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
-pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_QUEUE_DEPTH_BYTES};
+pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_PUT_BYTES, DEFAULT_QUEUE_DEPTH_BYTES};
 use crate::shm::PoolMap;
 use crate::stream::{StreamConn, StreamError};
 

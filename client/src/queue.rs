@@ -6,8 +6,17 @@
 //! 0.1 ms, a round trip between two processes 0.02–0.1 ms. A queue keeps slots reserved
 //! ahead (`reserve`), copies each call's blocks into slots it already holds, and sends
 //! `put` without waiting for its reply; replies are collected as they come, and
-//! [`StoreQueue::flush`] waits for the rest. So a store costs the copy plus one send,
-//! and the daemon's work overlaps the caller's next copy.
+//! [`StoreQueue::flush`] waits for the rest. So a store costs the copy, and the
+//! daemon's work overlaps the caller's next copy.
+//!
+//! Puts are coalesced: one `put` goes for every [`DEFAULT_PUT_BYTES`] of blocks written
+//! ([`StoreQueue::with_put_bytes`]), because each message wakes the daemon, and a
+//! wake-up costs about a tenth of a 1 MiB copy on a VM (bench/README.md, "Pipelined
+//! stores"). **Blocks become visible once the daemon takes their `put`**, which is sent
+//! when that threshold is reached, at [`StoreQueue::flush`] (which returns after the
+//! daemon answered every put), or at the next call once their slots near the end of
+//! their TTL (a queue left without calls and without a flush for that long loses them:
+//! the late `put` fails and counts as failed).
 //!
 //! A queue owns one connection (checked out of the client's pool for its life) and is
 //! used from one thread at a time (`&mut self`); make one per engine thread that stores.
@@ -23,6 +32,9 @@ use crate::{fatal, Client, Conn, Error, Result};
 
 /// Bytes of slots a queue keeps reserved ahead by default ([`StoreQueue::with_depth`]).
 pub const DEFAULT_QUEUE_DEPTH_BYTES: u64 = 64 << 20;
+
+/// Bytes of blocks one `put` carries by default ([`StoreQueue::with_put_bytes`]).
+pub const DEFAULT_PUT_BYTES: u64 = 4 << 20;
 
 /// What the puts of a queue came to (since the last [`StoreQueue::flush`]).
 #[derive(Debug, Default)]
@@ -68,6 +80,13 @@ pub struct StoreQueue {
     reserving: Option<(u64, Instant, u64)>,
     /// Puts in flight: id → number of keys.
     puts: HashMap<u64, usize>,
+    /// Written blocks whose `put` is not sent yet, with the earliest use-by of their
+    /// slots (the put must go before it).
+    unsent_keys: Vec<ChunkHash>,
+    unsent_offsets: Vec<u64>,
+    unsent_use_by: Option<Instant>,
+    /// Send a `put` once this many blocks are unsent.
+    put_blocks: usize,
     /// Slots to hold ahead.
     depth: u64,
     max_keys: usize,
@@ -94,6 +113,10 @@ impl Client {
             free: VecDeque::new(),
             reserving: None,
             puts: HashMap::new(),
+            unsent_keys: Vec::new(),
+            unsent_offsets: Vec::new(),
+            unsent_use_by: None,
+            put_blocks: (DEFAULT_PUT_BYTES / slot_bytes).clamp(1, max_keys as u64) as usize,
             // At most a sixteenth of the pool: slots held ahead are space nobody else
             // can use meanwhile.
             depth: (DEFAULT_QUEUE_DEPTH_BYTES.min(s.hello.pool.size_bytes / 16) / slot_bytes)
@@ -112,12 +135,24 @@ impl StoreQueue {
         self
     }
 
-    /// Copies each block into a reserved slot and sends the `put`s; returns without
-    /// waiting for their replies (see [`StoreQueue::flush`]). Waits only when it holds
+    /// Sends a `put` once about `bytes` of blocks are written (0: one at the end of
+    /// every [`StoreQueue::store`], so its blocks become visible soon after it returns,
+    /// at the cost of one daemon wake-up per call).
+    pub fn with_put_bytes(mut self, bytes: u64) -> Self {
+        self.put_blocks = (bytes / self.slot_bytes).clamp(1, self.max_keys as u64) as usize;
+        if bytes == 0 {
+            self.put_blocks = 0;
+        }
+        self
+    }
+
+    /// Copies each block into a reserved slot and sends `put`s as they fill up (module
+    /// docs); returns without waiting for their replies (see [`StoreQueue::flush`]). Waits only when it holds
     /// no free slot (for a `reserve`'s reply). `blocks[i]` is the block of `keys[i]`,
     /// exactly the layout's block size. Keys already cached are not written again by
     /// the daemon (their slot is given back), but their bytes are copied: look keys up
-    /// first when many may be cached.
+    /// first when many may be cached. On `Err`, blocks of this call written before the
+    /// failure may still be stored; the report says what happened to each put.
     pub fn store(&mut self, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<()> {
         if keys.len() != blocks.len() {
             return Err(Error::InvalidArgument(format!(
@@ -162,9 +197,11 @@ impl StoreQueue {
     }
 
     fn store_mapped(&mut self, pool: &PoolMap, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<()> {
+        if self.unsent_use_by.is_some_and(|u| u <= Instant::now()) {
+            self.send_put()?;
+        }
         let mut i = 0;
         while i < keys.len() {
-            self.collect(false)?;
             let now = Instant::now();
             while self.free.front().is_some_and(|(_, use_by)| *use_by <= now) {
                 // Too close to the daemon's deadline to write: it reclaims the slot.
@@ -183,34 +220,66 @@ impl StoreQueue {
                     Err(e) => return Err(e),
                 }
             }
-            let n = self.free.len().min(keys.len() - i).min(self.max_keys);
-            let mut offsets = Vec::with_capacity(n);
-            for (k, b) in blocks[i..i + n].iter().enumerate() {
-                let Some((off, _)) = self.free.pop_front() else {
-                    return Err(Error::Protocol(format!("slot {k} of {n} vanished")));
+            while i < keys.len() {
+                let Some((off, use_by)) = self.free.pop_front() else {
+                    break;
                 };
-                pool.write(off, b)?;
-                offsets.push(off);
+                pool.write(off, blocks[i])?;
+                self.unsent_keys.push(keys[i]);
+                self.unsent_offsets.push(off);
+                self.unsent_use_by = Some(self.unsent_use_by.map_or(use_by, |u| u.min(use_by)));
+                i += 1;
+                let limit = match self.put_blocks {
+                    0 => self.max_keys,
+                    n => n,
+                };
+                if self.unsent_keys.len() >= limit {
+                    self.send_put()?;
+                }
             }
-            let req = Request::Put(PutReq {
-                client: self.client.session().client,
-                layout_id: self.layout,
-                keys: keys[i..i + n].to_vec(),
-                offsets,
-            });
-            let id = self.send(&req)?;
-            self.puts.insert(id, n);
-            i += n;
+        }
+        if self.put_blocks == 0 {
+            self.send_put()?;
         }
         self.collect(false)
     }
 
-    /// Waits for every `put` sent and returns what they came to since the last flush
-    /// (the counts start again at zero). `Err` only when the queue could not learn the
-    /// outcome (the connection broke or timed out): those puts count as failed in the
-    /// next report.
+    /// Sends the `put` of the written blocks not yet put (if any).
+    fn send_put(&mut self) -> Result<()> {
+        if self.unsent_keys.is_empty() {
+            return Ok(());
+        }
+        let keys = std::mem::take(&mut self.unsent_keys);
+        let offsets = std::mem::take(&mut self.unsent_offsets);
+        self.unsent_use_by = None;
+        let n = keys.len();
+        let req = Request::Put(PutReq {
+            client: self.client.session().client,
+            layout_id: self.layout,
+            keys,
+            offsets,
+        });
+        match self.send(&req) {
+            Ok(id) => {
+                self.puts.insert(id, n);
+                Ok(())
+            }
+            Err(e) => {
+                self.report
+                    .fail(n, Error::Protocol(format!("the put was not sent: {e}")));
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends the blocks not yet put, waits for every `put`'s reply, and returns what
+    /// they came to since the last flush that returned `Ok` (the counts then start
+    /// again at zero). `Err` when the queue could not learn an outcome (the connection
+    /// broke or timed out; the daemon restarted: [`Error::DaemonRestarted`]): those
+    /// blocks count as failed in the next report.
     pub fn flush(&mut self) -> Result<QueueReport> {
         self.guard(|q| {
+            q.send_put()?;
             while !q.puts.is_empty() {
                 q.collect(true)?;
             }
@@ -248,6 +317,18 @@ impl StoreQueue {
             }
             Err(e) if fatal(&e) => {
                 self.reset();
+                // A broken connection is most often a daemon gone: say so when it was
+                // (`stats` needs no session, and names the incarnation).
+                if let Error::Stream(_) = e {
+                    let old = self.incarnation;
+                    if let Ok(st) = self.client.stats() {
+                        if st.incarnation != old {
+                            let new = self.client.rehello()?;
+                            self.reset();
+                            return Err(Error::DaemonRestarted { old, new });
+                        }
+                    }
+                }
                 Err(e)
             }
             r => r,
@@ -260,7 +341,11 @@ impl StoreQueue {
         self.conn = None;
         self.free.clear();
         self.reserving = None;
-        let lost: usize = self.puts.drain().map(|(_, n)| n).sum();
+        let unsent = self.unsent_keys.len();
+        self.unsent_keys.clear();
+        self.unsent_offsets.clear();
+        self.unsent_use_by = None;
+        let lost: usize = self.puts.drain().map(|(_, n)| n).sum::<usize>() + unsent;
         if lost > 0 {
             self.report.fail(
                 lost,
@@ -421,7 +506,7 @@ impl Drop for StoreQueue {
         if self.conn.is_none() {
             return;
         }
-        let mut healthy = true;
+        let mut healthy = self.send_put().is_ok();
         while healthy && (!self.puts.is_empty() || self.reserving.is_some()) {
             healthy = self.take_reply(true).is_ok();
         }

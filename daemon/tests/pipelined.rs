@@ -99,13 +99,23 @@ fn a_queue_reports_a_restart_then_stores_into_the_new_daemon() {
     q.store(&ks[..4], &refs(&data[..4])).unwrap();
     assert_eq!(q.flush().unwrap().stored, 4);
     d.restart();
-    match q.store(&ks[4..], &refs(&data[4..])) {
+    // Written into slots of the old daemon (coalesced, not yet put): the flush finds
+    // the daemon gone and says so; the next report counts the blocks as failed.
+    q.store(&ks[4..], &refs(&data[4..])).unwrap();
+    match q.flush() {
         Err(Error::DaemonRestarted { old: o, new }) => {
             assert_eq!(o, old);
             assert_ne!(new, old);
         }
-        other => panic!("a store after a restart must report it, got {other:?}"),
+        other => panic!("a flush after a restart must report it, got {other:?}"),
     }
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (0, 4), "{r:?}");
+    assert_eq!(
+        c.lookup(l.id, &ks).unwrap().prefix,
+        0,
+        "nothing of the old daemon"
+    );
     // The queue starts again on the new daemon, with the new pool mapping.
     q.store(&ks, &refs(&data)).unwrap();
     let r = q.flush().unwrap();
@@ -306,4 +316,28 @@ fn reserve_is_refused_while_draining() {
 fn d_pool_end_slot(c: &kvd_client::Client) -> u64 {
     let h = c.hello_info();
     h.pool.size_bytes - h.pool.slot_align
+}
+
+#[test]
+fn a_queue_in_a_nearly_full_pool_reserves_what_the_call_needs() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 1024); // 1 MiB blocks: one per segment
+    let slots = c.stats().unwrap().pool.capacity_bytes / l.slot_bytes;
+    // Another session holds all but two slots.
+    let mut hog = RawSession::new(&d.endpoint);
+    hog.reserve(l.id, slots - 2).unwrap();
+    // The queue's depth (4 slots here) does not fit: it falls back to the call's need.
+    let mut q = c.store_queue(l.id).unwrap().with_put_bytes(0);
+    let ks = keys(70, 3);
+    let data: Vec<Vec<u8>> = (0..3).map(|j| block(700 + j, 1 << 20)).collect();
+    q.store(&ks[..1], &refs(&data[..1])).unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (1, 0), "{r:?}");
+    assert!(load_all(&c, &l, &ks[..1]) == data[..1]);
+    // Three more cannot fit at all: the call says so.
+    let e = q.store(&ks, &refs(&data)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::PoolFull), "{e}");
+    let r = q.flush().unwrap();
+    assert_eq!(r.stored, 0, "{r:?}");
 }
