@@ -324,6 +324,73 @@ fn store_queued(
     Ok(Timed { elapsed, lat })
 }
 
+/// How far ahead of its copy a prefetched load sends each call's `get`.
+const LOAD_AHEAD_BYTES: u64 = 16 << 20;
+
+/// Loads `keys` into `dst` through one [`kvd_client::LoadQueue`] per thread, `batch`
+/// blocks per call, each call's keys prefetched `ahead` blocks before it is loaded.
+/// Checks that every block was found.
+#[allow(clippy::too_many_arguments)]
+fn load_prefetched(
+    client: &Client,
+    layout: kvd_protocol::LayoutId,
+    dst: &mut [Vec<u8>],
+    keys: &[ChunkHash],
+    t: usize,
+    batch: usize,
+    ahead: usize,
+) -> Result<Timed> {
+    let ranges = split(dst.len(), t);
+    let mut parts: Vec<&mut [Vec<u8>]> = Vec::new();
+    let mut rest = dst;
+    for r in &ranges {
+        let (a, b) = rest.split_at_mut(r.len());
+        parts.push(a);
+        rest = b;
+    }
+    let start = Instant::now();
+    let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = ranges
+            .into_iter()
+            .zip(parts)
+            .map(|(r, part)| {
+                s.spawn(move || -> Result<Vec<Duration>> {
+                    let mut q = client.load_queue(layout)?;
+                    let ks = &keys[r.clone()];
+                    q.prefetch(&ks[..ahead.min(ks.len())])?;
+                    let mut lat = Vec::new();
+                    let mut i = 0;
+                    while i < ks.len() {
+                        let j = (i + batch).min(ks.len());
+                        let (a0, a1) = ((i + ahead).min(ks.len()), (j + ahead).min(ks.len()));
+                        let t0 = Instant::now();
+                        q.prefetch(&ks[a0..a1])?;
+                        let mut outs: Vec<&mut [u8]> =
+                            part[i..j].iter_mut().map(|b| &mut b[..]).collect();
+                        if q.load(&ks[i..j], &mut outs)?.iter().any(|h| !h) {
+                            bail!(
+                                "a block was evicted during the prefetched load: enlarge the pool"
+                            );
+                        }
+                        lat.push(t0.elapsed());
+                        i = j;
+                    }
+                    Ok(lat)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread panicked"))
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut lat = Vec::new();
+    for r in results {
+        lat.extend(r?);
+    }
+    Ok(Timed { elapsed, lat })
+}
+
 fn store(a: StoreArgs) -> Result<()> {
     const SEGMENT: u64 = 32 << 20;
     let total = a.total.as_u64();
@@ -346,7 +413,7 @@ fn store(a: StoreArgs) -> Result<()> {
         .with_map_pool(MapPool::Always)
         .connect()
         .context("connecting to kvd")?;
-    let cases = (a.sizes.len() * a.threads.len() * 3 + 2) as u64;
+    let cases = (a.sizes.len() * a.threads.len() * 4 + 2) as u64;
     let pb = if a.json {
         ProgressBar::hidden()
     } else {
@@ -388,6 +455,11 @@ fn store(a: StoreArgs) -> Result<()> {
             .map(|i| vec![(i % 251) as u8 + 1; size as usize])
             .collect();
         let mut dst: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; size as usize]).collect();
+        // Fault the destination in before anything is timed (a fresh zeroed allocation
+        // is mapped lazily: the first copy out would pay a page fault per 4 KiB).
+        for d in dst.iter_mut() {
+            d.fill(1);
+        }
         let batch = ((a.batch.as_u64() / size).max(1)) as usize;
         for &t in &a.threads {
             let slot = info.slot_bytes as usize;
@@ -397,6 +469,7 @@ fn store(a: StoreArgs) -> Result<()> {
             let (mut cins, mut couts, mut sts, mut lds) = (vec![], vec![], vec![], vec![]);
             let (mut st_lat, mut ld_lat) = (vec![], vec![]);
             let (mut qs, mut q_lat) = (vec![], vec![]);
+            let (mut pls, mut pl_lat) = (vec![], vec![]);
             for rep in 0..a.reps {
                 case_id += 1;
                 let keys = keys_for(case_id, n);
@@ -427,7 +500,18 @@ fn store(a: StoreArgs) -> Result<()> {
                     let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
                     let hits = client.load(info.id, &keys[r], &mut outs)?;
                     if hits.iter().any(|h| !h) {
-                        bail!("a block was evicted during the load case: enlarge the pool");
+                        bail!(
+                            "a block was evicted during the load case: enlarge the pool ({:?})",
+                            client.stats().map(|s| (
+                                s.blocks,
+                                s.pins,
+                                s.pinned_blocks,
+                                s.reserved,
+                                s.pending,
+                                s.pool.used_bytes,
+                                s.pool.capacity_bytes
+                            ))
+                        );
                     }
                     Ok(())
                 })?;
@@ -469,8 +553,35 @@ fn store(a: StoreArgs) -> Result<()> {
                 }
                 qs.push(q.elapsed);
                 q_lat.extend(q.lat);
+
+                // Loads through a LoadQueue per thread, each call's `get` sent
+                // LOAD_AHEAD_BYTES ahead (an engine announcing a request's blocks before
+                // it copies them a layer or a chunk at a time).
+                pb.set_message(format!(
+                    "{} x{t} rep {rep}: prefetched load",
+                    ByteSize(size)
+                ));
+                case_id += 1;
+                let pkeys = keys_for(case_id, n);
+                for (ks, bs) in pkeys.chunks(256).zip(src.chunks(256)) {
+                    let refs: Vec<&[u8]> = bs.iter().map(|b| &b[..]).collect();
+                    client.store(info.id, ks, &refs)?;
+                }
+                let ahead = ((LOAD_AHEAD_BYTES / size) as usize).max(batch);
+                let pl = load_prefetched(&client, info.id, &mut dst, &pkeys, t, batch, ahead)?;
+                if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                    bail!("bytes of a prefetched load differ from those stored");
+                }
+                for chunk in pkeys.chunks(8192) {
+                    client.delete(info.id, chunk)?;
+                }
+                for d in dst.iter_mut() {
+                    d.fill(0);
+                }
+                pls.push(pl.elapsed);
+                pl_lat.extend(pl.lat);
             }
-            pb.inc(3);
+            pb.inc(4);
             let (cin, cout) = (gb(bytes, median(&mut cins)), gb(bytes, median(&mut couts)));
             if t == 1 && size == max_size {
                 headline = cin;
@@ -479,6 +590,7 @@ fn store(a: StoreArgs) -> Result<()> {
                 ("store", median(&mut sts), st_lat, cin),
                 ("store (queued)", median(&mut qs), q_lat, cin),
                 ("load", median(&mut lds), ld_lat, cout),
+                ("load (prefetched)", median(&mut pls), pl_lat, cout),
             ] {
                 let (p50, p99) = percentiles(&mut lat);
                 let g = gb(bytes, el);

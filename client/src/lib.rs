@@ -60,13 +60,15 @@
 //!   have been overwritten.
 //!
 //! Files: this one holds the client, its connections and the cache operations;
-//! `handoff.rs` the prefill → decode handoff calls, `gpu.rs` the GPU tier's, `stream.rs`
+//! `queue.rs` pipelined stores ([`StoreQueue`]), `prefetch.rs` prefetched loads
+//! ([`LoadQueue`]), `handoff.rs` the prefill → decode handoff calls, `gpu.rs` the GPU tier's, `stream.rs`
 //! one connection of the local stream transport, `shm.rs` the pool mapping (every raw
 //! pointer access).
 #![deny(missing_docs)]
 
 mod gpu;
 mod handoff;
+mod prefetch;
 mod queue;
 mod shm;
 mod stream;
@@ -79,6 +81,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
+pub use crate::prefetch::LoadQueue;
 pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_PUT_BYTES, DEFAULT_QUEUE_DEPTH_BYTES};
 use crate::shm::PoolMap;
 use crate::stream::{StreamConn, StreamError};

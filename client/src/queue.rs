@@ -303,36 +303,13 @@ impl StoreQueue {
     /// as failed), so the next call starts afresh. A session the daemon does not know
     /// is renewed: the daemon restarted ([`Error::DaemonRestarted`]) or dropped it.
     fn guard<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        let r = f(self);
-        match r {
-            Err(Error::Daemon(w)) if w.code == ErrorCode::UnknownClient => {
-                let old = self.incarnation;
-                let new = self.client.rehello();
+        f(self).map_err(|e| {
+            let (reset, e) = after_failure(&self.client, self.incarnation, e);
+            if reset {
                 self.reset();
-                match new {
-                    Ok(new) if new != old => Err(Error::DaemonRestarted { old, new }),
-                    Ok(_) => Err(Error::Daemon(w)),
-                    Err(e) => Err(e),
-                }
             }
-            Err(e) if fatal(&e) => {
-                self.reset();
-                // A broken connection is most often a daemon gone: say so when it was
-                // (`stats` needs no session, and names the incarnation).
-                if let Error::Stream(_) = e {
-                    let old = self.incarnation;
-                    if let Ok(st) = self.client.stats() {
-                        if st.incarnation != old {
-                            let new = self.client.rehello()?;
-                            self.reset();
-                            return Err(Error::DaemonRestarted { old, new });
-                        }
-                    }
-                }
-                Err(e)
-            }
-            r => r,
-        }
+            e
+        })
     }
 
     /// Drops the connection, the slots and the puts in flight (counted as failed), and
@@ -499,9 +476,33 @@ enum Got {
     ReserveFailed(Error),
 }
 
+/// Whether `e` leaves a queue's connection, and what it holds on the daemon (slots,
+/// pins), unusable — then the queue forgets them — and the error to report. A session
+/// the daemon does not know is renewed; a restart is reported as
+/// [`Error::DaemonRestarted`], also when it shows as a broken connection (`stats` needs
+/// no session and names the incarnation).
+pub(crate) fn after_failure(client: &Client, old: Incarnation, e: Error) -> (bool, Error) {
+    match e {
+        Error::Daemon(w) if w.code == ErrorCode::UnknownClient => match client.rehello() {
+            Ok(new) if new != old => (true, Error::DaemonRestarted { old, new }),
+            Ok(_) => (true, Error::Daemon(w)),
+            Err(e) => (true, e),
+        },
+        Error::Stream(io) => match client.stats() {
+            Ok(st) if st.incarnation != old => match client.rehello() {
+                Ok(new) => (true, Error::DaemonRestarted { old, new }),
+                Err(e) => (true, e),
+            },
+            _ => (true, Error::Stream(io)),
+        },
+        e => (fatal(&e), e),
+    }
+}
+
 impl Drop for StoreQueue {
-    /// Waits (up to the client's timeout each) for the puts in flight, gives the free
-    /// slots back, and returns the connection to the client's pool when it is healthy.
+    /// Sends what is not yet put, waits (up to the client's timeout each) for the puts in
+    /// flight, gives the free slots back (waiting for the daemon to have taken them),
+    /// and returns the connection to the client's pool when it is healthy.
     fn drop(&mut self) {
         if self.conn.is_none() {
             return;
@@ -516,9 +517,18 @@ impl Drop for StoreQueue {
                 client: self.client.session().client,
                 offsets,
             });
-            // Without waiting: a later call on this connection skips the reply, and
-            // slots not given back expire by their TTL.
-            healthy = self.send(&req).is_ok();
+            // Waited for, so that the room is back when the queue is gone (slots not
+            // given back expire by their TTL).
+            let client = self.client.clone();
+            healthy = match self.conn() {
+                Ok(conn) => client
+                    .send_on(conn, &req, &[])
+                    .and_then(|id| {
+                        client.recv_on::<UnreserveResp>(conn, id, op::UNRESERVE, Duration::ZERO)
+                    })
+                    .is_ok(),
+                Err(_) => false,
+            };
         }
         if let (true, Some(conn)) = (healthy, self.conn.take()) {
             self.client.checkin(conn);

@@ -341,3 +341,119 @@ fn a_queue_in_a_nearly_full_pool_reserves_what_the_call_needs() {
     let r = q.flush().unwrap();
     assert_eq!(r.stored, 0, "{r:?}");
 }
+
+#[test]
+fn prefetched_loads_copy_under_live_pins_and_release_them() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 64);
+    let ks = keys(100, 32);
+    let data: Vec<Vec<u8>> = (0..32).map(|j| block(1000 + j, 64 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    // Every announcement asked for at once (the default waits for 4 MiB of them).
+    let mut q = c.load_queue(l.id).unwrap().with_get_bytes(0);
+    let hits_before = c.stats().unwrap().hits;
+    let absent = keys(101, 2);
+    let mut announced = ks.clone();
+    announced.extend_from_slice(&absent);
+    q.prefetch(&announced).unwrap();
+    assert_eq!(q.prefetched(), 34);
+    eventually(10, "the prefetched blocks pinned", || {
+        c.stats().unwrap().pinned_blocks == 32
+    });
+    // Loads in small steps, in another order than announced, plus a key not announced.
+    let extra = keys(102, 1);
+    c.store(l.id, &extra, &refs(&data[..1])).unwrap();
+    let mut bufs = vec![vec![0u8; 64 * 1024]; 32];
+    for step in (0..32).rev().collect::<Vec<_>>().chunks(4) {
+        let ks_step: Vec<ChunkHash> = step.iter().map(|&i| ks[i]).collect();
+        let mut outs: Vec<Vec<u8>> = vec![vec![0u8; 64 * 1024]; step.len()];
+        let mut o: Vec<&mut [u8]> = outs.iter_mut().map(|b| &mut b[..]).collect();
+        assert_eq!(q.load(&ks_step, &mut o).unwrap(), vec![true; step.len()]);
+        for (&i, b) in step.iter().zip(outs) {
+            bufs[i] = b;
+        }
+    }
+    assert!(bufs == data, "bytes differ after prefetched loads");
+    let mut one = vec![0u8; 64 * 1024];
+    let mut two = vec![0u8; 64 * 1024];
+    let mut o: Vec<&mut [u8]> = vec![&mut one[..], &mut two[..]];
+    let got = q.load(&[absent[0], extra[0]], &mut o).unwrap();
+    assert_eq!(
+        got,
+        vec![false, true],
+        "a prefetched miss, a key loaded on demand"
+    );
+    assert!(two == data[0]);
+    assert_eq!(
+        c.stats().unwrap().hits - hits_before,
+        33,
+        "each block was pinned once: by the prefetch (32) or on demand (1)"
+    );
+    // Every pin whose blocks were all copied was released (well before the 10 s pin
+    // TTL); the unread miss holds none.
+    eventually(2, "every pin released", || {
+        let st = c.stats().unwrap();
+        st.pins == 0 && st.pinned_blocks == 0
+    });
+    // Pins held for blocks never loaded are released when the queue goes.
+    q.prefetch(&ks[..8]).unwrap();
+    eventually(10, "pinned again", || c.stats().unwrap().pinned_blocks == 8);
+    drop(q);
+    eventually(10, "released by the drop", || c.stats().unwrap().pins == 0);
+    // Coalesced (the default): a small announcement waits for the load that needs it.
+    let mut q = c.load_queue(l.id).unwrap();
+    q.prefetch(&ks[..2]).unwrap();
+    assert_eq!(c.stats().unwrap().pins, 0, "nothing asked for yet");
+    let mut o: Vec<&mut [u8]> = vec![&mut one[..], &mut two[..]];
+    assert_eq!(q.load(&ks[..2], &mut o).unwrap(), vec![true, true]);
+    assert!(one == data[0] && two == data[1]);
+}
+
+#[test]
+fn a_prefetch_whose_pin_lapsed_is_loaded_again() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 200\n").unwrap();
+    let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let ks = keys(110, 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|j| block(1100 + j, 16 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    let mut q = c.load_queue(l.id).unwrap();
+    q.prefetch(&ks).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(c.stats().unwrap().pins, 0, "the prefetch pin expired");
+    let mut bufs = vec![vec![0u8; 16 * 1024]; 4];
+    let mut o: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(q.load(&ks, &mut o).unwrap(), vec![true; 4]);
+    assert!(bufs == data);
+}
+
+#[test]
+fn a_load_queue_reports_a_restart_then_loads_from_the_new_daemon() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let ks = keys(120, 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|j| block(1200 + j, 16 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    let mut q = c.load_queue(l.id).unwrap();
+    q.prefetch(&ks).unwrap();
+    d.restart();
+    let mut bufs = vec![vec![0u8; 16 * 1024]; 4];
+    let mut o: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    // The prefetched pins were the old daemon's: nothing of it is read.
+    match q.load(&ks, &mut o) {
+        Err(Error::DaemonRestarted { .. }) => {}
+        other => panic!("a load after a restart must report it, got {other:?}"),
+    }
+    assert_eq!(
+        q.load(&ks, &mut o).unwrap(),
+        vec![false; 4],
+        "the new daemon is empty"
+    );
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    assert_eq!(q.load(&ks, &mut o).unwrap(), vec![true; 4]);
+    assert!(bufs == data);
+}
