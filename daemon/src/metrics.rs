@@ -37,6 +37,7 @@ pub struct Metrics {
     pinned_blocks: IntGauge,
     pins: IntGauge,
     pending: IntGauge,
+    reserved: IntGauge,
     sessions: IntGauge,
     waiting: IntGauge,
     hits: IntCounterVec,
@@ -204,6 +205,11 @@ impl Metrics {
                 &r,
                 "kvd_store_pending_blocks",
                 "Allocated, uncommitted blocks.",
+            ),
+            reserved: gauge(
+                &r,
+                "kvd_store_reserved_slots",
+                "Slots reserved by pipelined writers (reserve), not yet put or given back.",
             ),
             sessions: gauge(&r, "kvd_sessions", "Live client sessions."),
             waiting: gauge(
@@ -470,6 +476,7 @@ impl Metrics {
         self.pinned_blocks.set(s.pinned_blocks as i64);
         self.pins.set(s.pins as i64);
         self.pending.set(s.pending as i64);
+        self.reserved.set(s.reserved as i64);
         self.sessions.set(s.clients as i64);
         self.waiting.set(s.waiting as i64);
         advance(

@@ -212,6 +212,16 @@ class Client:
     def delete(self, lid, keys):
         return self.call("delete", {"client": self.client, "layout_id": lid, "keys": keys})[0]
 
+    def reserve(self, lid, count):
+        return self.call("reserve", {"client": self.client, "layout_id": lid, "count": count})[0]
+
+    def put(self, lid, keys, offsets):
+        body = {"client": self.client, "layout_id": lid, "keys": keys, "offsets": offsets}
+        return self.call("put", body)[0]
+
+    def unreserve(self, offsets):
+        return self.call("unreserve", {"client": self.client, "offsets": offsets})[0]
+
     def stats(self):
         return self.call("stats")[0]
 

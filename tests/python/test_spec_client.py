@@ -102,6 +102,34 @@ def _(c):
     assert c.delete(lid, keys[3:4]) == {"status": ["deleted"]}  # abort our reservation
 
 
+@check("pipelined store: reserve, write ahead, put (stored / exists), unreserve")
+def _(c):
+    lid = layout_id(TINY)
+    bb = block_bytes(TINY)
+    keys = chunk_hashes(list(range(5000, 5000 + 16 * 3)), 16, b"pipelined")
+    r = c.reserve(lid, 4)
+    assert len(r["offsets"]) == 4 and r["ttl_ms"] > 0
+    blobs = [os.urandom(bb) for _ in range(4)]
+    for off, blob in zip(r["offsets"], blobs):
+        c.pool[off:off + bb] = blob
+    assert c.stats()["reserved"] >= 4
+    assert c.lookup(lid, keys)["prefix"] == 0  # a reserved slot is no block
+    assert c.put(lid, keys[:2], r["offsets"][:2]) == {"status": ["stored", "stored"]}
+    # a key already cached keeps its bytes; the slot naming it is freed
+    assert c.put(lid, [keys[0], keys[2]], r["offsets"][2:4])["status"] == ["exists", "stored"]
+    ok, _ = c.get(lid, keys)
+    got = [bytes(c.pool[o:o + bb]) for o in ok["offsets"]]
+    assert got == [blobs[0], blobs[1], blobs[3]]
+    c.release([ok["pin"]])
+    try:
+        c.put(lid, keys[:1], r["offsets"][:1])  # put once
+        raise AssertionError("a slot put twice")
+    except KvdError as e:
+        assert e.code == "invalid_state"
+    more = c.reserve(lid, 2)["offsets"]
+    assert c.unreserve(more) == {"released": 2}
+
+
 @check("payload frames: commit with bytes, get inline")
 def _(c):
     lid = layout_id(TINY)
@@ -185,8 +213,8 @@ def _(c):
 @check("stats back to baseline")
 def _(c):
     s = c.stats()
-    assert s["pins"] == 0 and s["pending"] == 0, s
-    assert s["blocks"] == 3 + 4 + 1, s
+    assert s["pins"] == 0 and s["pending"] == 0 and s["reserved"] == 0, s
+    assert s["blocks"] == 3 + 3 + 4 + 1, s
     assert s["errors"]["unknown_op"] >= 1
 
 
