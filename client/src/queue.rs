@@ -183,20 +183,42 @@ impl StoreQueue {
             }
             return Ok(());
         };
-        match self.guard(|q| q.store_mapped(&pool, keys, blocks)) {
+        let mut copy = |i: usize, slot: &mut [u8]| -> Result<()> {
+            slot.copy_from_slice(blocks[i]);
+            Ok(())
+        };
+        match self.guard(|q| q.store_each(&pool, keys, &mut copy)) {
             // A pooled stream connection that broke (its daemon went away): once more on
             // a fresh one, as every call does. Keys put before the break are put again
             // (`exists` then), and a restarted daemon is reported as such.
             Err(Error::Stream(_)) => {
                 self.client.forget_streams();
                 let pool = self.pool.clone().ok_or(Error::NotMapped)?;
-                self.guard(|q| q.store_mapped(&pool, keys, blocks))
+                self.guard(|q| q.store_each(&pool, keys, &mut copy))
             }
             r => r,
         }
     }
 
-    fn store_mapped(&mut self, pool: &PoolMap, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<()> {
+    /// Zero-copy [`StoreQueue::store`]: `fill(i, slot)` writes the whole block of
+    /// `keys[i]` into its reserved slot (e.g. a DMA from GPU memory), in key order. A
+    /// `fill` that fails ends the call with its error (the slot is kept for the next
+    /// block); the blocks filled before it are stored. Needs the pool mapped.
+    pub fn store_with(
+        &mut self,
+        keys: &[ChunkHash],
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let pool = self.pool.clone().ok_or(Error::NotMapped)?;
+        self.guard(|q| q.store_each(&pool, keys, &mut fill))
+    }
+
+    fn store_each(
+        &mut self,
+        pool: &PoolMap,
+        keys: &[ChunkHash],
+        fill: &mut dyn FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         if self.unsent_use_by.is_some_and(|u| u <= Instant::now()) {
             self.send_put()?;
         }
@@ -224,7 +246,19 @@ impl StoreQueue {
                 let Some((off, use_by)) = self.free.pop_front() else {
                     break;
                 };
-                pool.write(off, blocks[i])?;
+                // SAFETY: the slot was reserved for this queue and is neither put nor
+                // given back (it just left `free`, which holds each reserved slot once;
+                // its use-by, well inside the daemon's TTL, had not passed); `&mut self`
+                // makes this the only borrow, and it ends when `fill` returns.
+                let slot = unsafe { pool.slice_mut(off, self.block_bytes as usize)? };
+                if let Err(e) = fill(i, slot) {
+                    self.free.push_front((off, use_by));
+                    return Err(e);
+                }
+                if Instant::now() >= use_by {
+                    // Written too late to be sure the daemon still held it for us.
+                    return Err(Error::AllocExpired);
+                }
                 self.unsent_keys.push(keys[i]);
                 self.unsent_offsets.push(off);
                 self.unsent_use_by = Some(self.unsent_use_by.map_or(use_by, |u| u.min(use_by)));

@@ -457,3 +457,38 @@ fn a_load_queue_reports_a_restart_then_loads_from_the_new_daemon() {
     assert_eq!(q.load(&ks, &mut o).unwrap(), vec![true; 4]);
     assert!(bufs == data);
 }
+
+#[test]
+fn a_queue_fills_slots_in_place() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let mut q = c.store_queue(l.id).unwrap();
+    let ks = keys(130, 6);
+    let data: Vec<Vec<u8>> = (0..6).map(|j| block(1300 + j, 16 * 1024)).collect();
+    // The fourth block's source fails: the call stops there, the first three are kept.
+    let e = q
+        .store_with(&ks, |i, slot| {
+            if i == 3 {
+                return Err(Error::InvalidArgument("the source is gone".into()));
+            }
+            slot.copy_from_slice(&data[i]);
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    q.store_with(&ks[3..], |i, slot| {
+        slot.copy_from_slice(&data[3 + i]);
+        Ok(())
+    })
+    .unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (6, 0), "{r:?}");
+    assert!(load_all(&c, &l, &ks) == data);
+    // Without a mapping there is no slot to fill.
+    let remote = d.client_with(MapPool::Never);
+    register(&remote, 16);
+    let mut rq = remote.store_queue(l.id).unwrap();
+    let e = rq.store_with(&ks[..1], |_, _| Ok(())).unwrap_err();
+    assert!(matches!(e, Error::NotMapped), "{e}");
+}
