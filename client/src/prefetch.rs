@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::queue::after_failure;
+use crate::queue::{after_failure, retriable};
 use crate::shm::PoolMap;
 use crate::{Client, Conn, Error, Result};
 
@@ -193,7 +193,16 @@ impl LoadQueue {
         let Some(pool) = self.pool.clone() else {
             return self.client.load(self.layout, keys, out);
         };
-        self.guard(|q| q.load_mapped(&pool, keys, out))
+        match self.guard(|q| q.load_mapped(&pool, keys, out)) {
+            // Once more after a broken connection (on a fresh one) or a session the
+            // daemon had dropped as idle (renewed by `guard`); a restart is reported.
+            Err(e) if retriable(&e) => {
+                self.client.forget_streams();
+                let pool = self.pool.clone().ok_or(Error::NotMapped)?;
+                self.guard(|q| q.load_mapped(&pool, keys, out))
+            }
+            r => r,
+        }
     }
 
     fn load_mapped(

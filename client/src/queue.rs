@@ -188,10 +188,11 @@ impl StoreQueue {
             Ok(())
         };
         match self.guard(|q| q.store_each(&pool, keys, &mut copy)) {
-            // A pooled stream connection that broke (its daemon went away): once more on
-            // a fresh one, as every call does. Keys put before the break are put again
-            // (`exists` then), and a restarted daemon is reported as such.
-            Err(Error::Stream(_)) => {
+            // Once more, as every call does, after a pooled stream connection that broke
+            // (on a fresh one) or a session the daemon had dropped as idle (renewed by
+            // `guard`). Keys put before are put again (`exists` then); a restarted
+            // daemon is reported as such, not retried.
+            Err(e) if retriable(&e) => {
                 self.client.forget_streams();
                 let pool = self.pool.clone().ok_or(Error::NotMapped)?;
                 self.guard(|q| q.store_each(&pool, keys, &mut copy))
@@ -508,6 +509,14 @@ enum Got {
     Other,
     /// The `reserve` in flight failed.
     ReserveFailed(Error),
+}
+
+/// Whether a queue's call that failed with `e` (as [`after_failure`] reported it) is
+/// worth one more try: a broken connection of a daemon that did not restart, or a
+/// session it had dropped as idle (renewed since).
+pub(crate) fn retriable(e: &Error) -> bool {
+    matches!(e, Error::Stream(_))
+        || matches!(e, Error::Daemon(w) if w.code == ErrorCode::UnknownClient)
 }
 
 /// Whether `e` leaves a queue's connection, and what it holds on the daemon (slots,

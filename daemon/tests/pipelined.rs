@@ -492,3 +492,28 @@ fn a_queue_fills_slots_in_place() {
     let e = rq.store_with(&ks[..1], |_, _| Ok(())).unwrap_err();
     assert!(matches!(e, Error::NotMapped), "{e}");
 }
+
+#[test]
+fn queues_renew_a_session_the_daemon_dropped_as_idle() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[limits]\nclient_idle_ttl_ms = 300\n").unwrap();
+    let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let old = c.incarnation();
+    // Idle past the TTL, holding nothing: the daemon forgets the session.
+    std::thread::sleep(Duration::from_millis(1200));
+    let ks = keys(140, 3);
+    let data: Vec<Vec<u8>> = (0..3).map(|j| block(1400 + j, 16 * 1024)).collect();
+    let mut q = c.store_queue(l.id).unwrap();
+    q.store(&ks, &refs(&data)).unwrap();
+    assert_eq!(q.flush().unwrap().stored, 3);
+    drop(q);
+    std::thread::sleep(Duration::from_millis(1200));
+    let mut lq = c.load_queue(l.id).unwrap();
+    let mut bufs = vec![vec![0u8; 16 * 1024]; 3];
+    let mut o: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(lq.load(&ks, &mut o).unwrap(), vec![true; 3]);
+    assert!(bufs == data);
+    assert_eq!(c.incarnation(), old, "the same daemon throughout");
+}
