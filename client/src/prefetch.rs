@@ -40,6 +40,9 @@ pub const DEFAULT_GET_BYTES: u64 = 4 << 20;
 /// Finished pins are released at the latest once they hold this many bytes of blocks.
 pub const RELEASE_AFTER_BYTES: u64 = 16 << 20;
 
+/// Pins this close to their deadline are not released but left to expire.
+const RELEASE_MARGIN: Duration = Duration::from_secs(1);
+
 /// `awaited`'s id of a key announced but not yet asked for.
 const UNSENT: u64 = u64::MAX;
 
@@ -48,6 +51,9 @@ const UNSENT: u64 = u64::MAX;
 struct Answered {
     /// Its slot, `None` for a miss.
     slot: Option<(u64, PinId)>,
+    /// When the answer stops being worth anything (the pin's deadline; for a miss, the
+    /// same instant): forgotten at the next sweep after it.
+    until: Instant,
 }
 
 /// A pin of the queue: its blocks, those not yet copied out, and its deadline.
@@ -76,7 +82,7 @@ pub struct LoadQueue {
     /// Send a `get` once this many keys are unsent.
     get_blocks: usize,
     /// Pins whose blocks were all copied out, not yet released, and their blocks.
-    finished: Vec<PinId>,
+    finished: Vec<(PinId, Instant)>,
     finished_blocks: usize,
     /// Keys answered and not yet loaded.
     answered: HashMap<ChunkHash, Answered>,
@@ -146,6 +152,7 @@ impl LoadQueue {
 
     /// Sends the finished pins' release and the `get`s of the unsent keys.
     fn send_gets(&mut self) -> Result<()> {
+        self.sweep();
         self.send_releases()?;
         let unsent = std::mem::take(&mut self.unsent);
         for chunk in unsent.chunks(self.max_keys) {
@@ -268,6 +275,14 @@ impl LoadQueue {
         Ok(found)
     }
 
+    /// Forgets answers and pins past their deadline (announced, never loaded: the
+    /// daemon let the pins go by themselves), so a long-lived queue does not grow.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        self.answered.retain(|_, a| a.until > now);
+        self.pins.retain(|_, p| p.deadline > now);
+    }
+
     /// One block of `pin` was copied out (or given up): once none is left, the pin is
     /// released with the next `get`, or now when finished pins hold
     /// [`RELEASE_AFTER_BYTES`].
@@ -283,7 +298,7 @@ impl LoadQueue {
             return Ok(());
         }
         if let Some(p) = self.pins.remove(&pin) {
-            self.finished.push(pin);
+            self.finished.push((pin, p.deadline));
             self.finished_blocks += p.blocks;
             if self.finished_blocks as u64 * self.block_bytes >= RELEASE_AFTER_BYTES {
                 self.send_releases()?;
@@ -292,21 +307,34 @@ impl LoadQueue {
         Ok(())
     }
 
-    /// Sends one `release` of the finished pins, whose reply is skipped (its only
-    /// failure, a pin already expired, needs nothing done).
+    /// Sends one `release` of the finished pins, whose reply is skipped.
     fn send_releases(&mut self) -> Result<()> {
-        if self.finished.is_empty() {
+        let Some(req) = self.release_req() else {
             return Ok(());
-        }
-        let pins = std::mem::take(&mut self.finished);
-        self.finished_blocks = 0;
-        let req = Request::Release(ReleaseReq {
-            client: self.client.session().client,
-            pins,
-        });
+        };
         let client = self.client.clone();
         let conn = self.conn()?;
         client.send_on(conn, &req, &[]).map(|_| ())
+    }
+
+    /// The `release` of the finished pins that surely still live. A release is
+    /// all-or-nothing: one pin that expired on the way would keep the daemon from
+    /// releasing the others, so pins within [`RELEASE_MARGIN`] of their deadline are
+    /// left to expire by themselves.
+    fn release_req(&mut self) -> Option<Request> {
+        let soon = Instant::now() + RELEASE_MARGIN;
+        let pins: Vec<PinId> = std::mem::take(&mut self.finished)
+            .into_iter()
+            .filter(|(_, deadline)| *deadline > soon)
+            .map(|(p, _)| p)
+            .collect();
+        self.finished_blocks = 0;
+        (!pins.is_empty()).then(|| {
+            Request::Release(ReleaseReq {
+                client: self.client.session().client,
+                pins,
+            })
+        })
     }
 
     /// Releases every pin the queue holds (waiting for the daemon to have done so) and
@@ -320,16 +348,13 @@ impl LoadQueue {
                 q.take_reply(true)?;
             }
             q.answered.clear();
-            q.finished.extend(q.pins.drain().map(|(p, _)| p));
-            if q.finished.is_empty() {
+            q.finished
+                .extend(q.pins.drain().map(|(p, held)| (p, held.deadline)));
+            let Some(req) = q.release_req() else {
                 return Ok(());
-            }
-            // Waits for the release: when this returns, the daemon holds no pin of ours.
-            let req = Request::Release(ReleaseReq {
-                client: q.client.session().client,
-                pins: std::mem::take(&mut q.finished),
-            });
-            q.finished_blocks = 0;
+            };
+            // Waits for the release: when this returns, the daemon holds no pin of ours
+            // (but those left to expire within the margin).
             let client = q.client.clone();
             let conn = q.conn()?;
             let id = client.send_on(conn, &req, &[])?;
@@ -445,7 +470,13 @@ impl LoadQueue {
                 (Some(off), Some(pin)) => Some((off, pin)),
                 _ => None,
             };
-            if let Some(old) = self.answered.insert(*k, Answered { slot }) {
+            if let Some(old) = self.answered.insert(
+                *k,
+                Answered {
+                    slot,
+                    until: deadline,
+                },
+            ) {
                 // Asked twice (after a lapse): the older answer's pin has one less.
                 if let Some((_, pin)) = old.slot {
                     self.used(pin)?;

@@ -147,9 +147,9 @@ impl StoreQueue {
     }
 
     /// Copies each block into a reserved slot and sends `put`s as they fill up (module
-    /// docs); returns without waiting for their replies (see [`StoreQueue::flush`]). Waits only when it holds
-    /// no free slot (for a `reserve`'s reply). `blocks[i]` is the block of `keys[i]`,
-    /// exactly the layout's block size. Keys already cached are not written again by
+    /// docs); returns without waiting for their replies (see [`StoreQueue::flush`]).
+    /// Waits only when it holds no free slot (for a `reserve`'s reply). `blocks[i]` is
+    /// the block of `keys[i]`, exactly the layout's block size. Keys already cached are not written again by
     /// the daemon (their slot is given back), but their bytes are copied: look keys up
     /// first when many may be cached. On `Err`, blocks of this call written before the
     /// failure may still be stored; the report says what happened to each put.
@@ -247,10 +247,14 @@ impl StoreQueue {
                 let Some((off, use_by)) = self.free.pop_front() else {
                     break;
                 };
+                if Instant::now() >= use_by {
+                    continue; // too late to write: the daemon reclaims it
+                }
                 // SAFETY: the slot was reserved for this queue and is neither put nor
-                // given back (it just left `free`, which holds each reserved slot once;
-                // its use-by, well inside the daemon's TTL, had not passed); `&mut self`
-                // makes this the only borrow, and it ends when `fill` returns.
+                // given back (it just left `free`, which holds each reserved slot once),
+                // and its use-by, a quarter of the daemon's TTL before the deadline, has
+                // not passed; `&mut self` makes this the only borrow, and it ends when
+                // `fill` returns.
                 let slot = unsafe { pool.slice_mut(off, self.block_bytes as usize)? };
                 if let Err(e) = fill(i, slot) {
                     self.free.push_front((off, use_by));
@@ -347,8 +351,9 @@ impl StoreQueue {
         })
     }
 
-    /// Drops the connection, the slots and the puts in flight (counted as failed), and
-    /// takes the client's current session and pool mapping.
+    /// Drops the connection, the slots (a daemon that is still there reclaims them at
+    /// their TTL) and the puts in flight (counted as failed), and takes the client's
+    /// current session and pool mapping.
     fn reset(&mut self) {
         self.conn = None;
         self.free.clear();
