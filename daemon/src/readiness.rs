@@ -482,24 +482,19 @@ mod tests {
         // Wanted again, and for writing too.
         int.want(a.as_raw_fd(), 10, IN | OUT).expect("want");
         assert_eq!(events_of(int.wait(0).expect("wait"), 10), IN | OUT);
-        // The file closes and a new one takes the same number under a new key. (Tests
-        // in other threads open descriptors too: try until the number is reused here.)
+        // The file closes and a new one takes the same number under a new key: `dup2`
+        // puts a new socket at `a`'s number, closing `a`'s file in the same step (no
+        // other thread's descriptor can take the number in between, as it could if we
+        // closed it and waited for reuse). `a` now owns the number, naming the new file.
         let old = a.as_raw_fd();
-        drop(a);
         drop(a_peer);
-        let mut reused = None;
-        for _ in 0..50 {
-            let (b, b_peer) = UnixStream::pair().expect("socketpair");
-            if b.as_raw_fd() == old {
-                reused = Some((b, b_peer));
-                break;
-            }
-            if b_peer.as_raw_fd() == old {
-                reused = Some((b_peer, b));
-                break;
-            }
-        }
-        let (b, mut b_peer) = reused.expect("descriptor number reused within 50 tries");
+        let (fresh, mut b_peer) = UnixStream::pair().expect("socketpair");
+        assert_eq!(
+            nix::unistd::dup2(fresh.as_raw_fd(), old).expect("dup2"),
+            old
+        );
+        drop(fresh); // its file lives on at `old`
+        let b = a;
         int.want(b.as_raw_fd(), 11, IN)
             .expect("want a reused number");
         assert!(int.wait(0).expect("wait").is_empty());
