@@ -156,9 +156,11 @@ impl Client {
             )));
         }
         let info = self.layout_info(layout)?;
-        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        let session = self.session();
+        let pool = session.pool.clone().ok_or(Error::NotMapped)?;
         Ok(PinnedBlocks {
             client: self.clone(),
+            session: session.client,
             pin: done.pin,
             offsets: done.offsets.clone(),
             pool,

@@ -785,6 +785,43 @@ impl Client {
         self.renewing(|| self.raw_call_waiting(&make(self.session().client), payloads, extra))
     }
 
+    /// A call that needs a session (renewed like [`Client::call`]), also returning the
+    /// session that made it. A caller that goes on to use what the reply names — slots
+    /// or pins at offsets in the pool, allocations to commit — must use *that* session's
+    /// pool mapping and id, not the client's current ones: another thread may have said
+    /// hello to a restarted daemon meanwhile, whose pool is another file.
+    fn call_in<T: DeserializeOwned>(
+        &self,
+        make: impl Fn(ClientId) -> Request,
+    ) -> Result<(T, Arc<Session>)> {
+        self.renewing(|| {
+            let s = self.session();
+            let (t, _) = self.raw_call(&make(s.client), &[])?;
+            Ok((t, s))
+        })
+    }
+
+    /// What a call under the session `s` that failed with `e` reports: a restart as
+    /// [`Error::DaemonRestarted`] (saying hello to the new daemon unless another call
+    /// already did), anything else as it is. No retry: what `s` held is gone with it.
+    fn session_lost(&self, s: &Session, e: Error) -> Error {
+        match e {
+            Error::Daemon(w) if w.code == ErrorCode::UnknownClient => {
+                let old = s.hello.incarnation;
+                let new = if self.session().client != s.client {
+                    Ok(self.incarnation())
+                } else {
+                    self.rehello()
+                };
+                match new {
+                    Ok(new) if new != old => Error::DaemonRestarted { old, new },
+                    _ => Error::Daemon(w),
+                }
+            }
+            e => e,
+        }
+    }
+
     fn hello_once(&self) -> Result<()> {
         let req = Request::Hello(HelloReq {
             client_name: self.inner.opts.name.clone(),
@@ -880,40 +917,33 @@ impl Client {
         Ok(self.raw_call(&req, &[])?.0)
     }
 
-    fn alloc_raw(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<AllocResp> {
-        Ok(self
-            .call(
-                |client| {
-                    Request::Alloc(AllocReq {
-                        client,
-                        layout_id: layout,
-                        keys: keys.to_vec(),
-                    })
-                },
-                &[],
-            )?
-            .0)
-    }
-
-    fn commit_raw(
+    /// A `commit` under the session `s` that allocated the keys (no renewal).
+    fn commit_as(
         &self,
+        s: &Session,
         layout: LayoutId,
         keys: Vec<ChunkHash>,
         offsets: Option<Vec<u64>>,
         payloads: &[&[u8]],
     ) -> Result<u64> {
-        let (r, _): (CommitResp, _) = self.call(
-            |client| {
-                Request::Commit(CommitReq {
-                    client,
-                    layout_id: layout,
-                    keys: keys.clone(),
-                    offsets: offsets.clone(),
-                })
-            },
-            payloads,
-        )?;
+        let req = Request::Commit(CommitReq {
+            client: s.client,
+            layout_id: layout,
+            keys,
+            offsets,
+        });
+        let (r, _): (CommitResp, _) = self.raw_call(&req, payloads)?;
         Ok(r.committed)
+    }
+
+    /// A `delete` under the session `s` (aborting its own allocations; no renewal).
+    fn delete_as(&self, s: &Session, layout: LayoutId, keys: &[ChunkHash]) -> Result<()> {
+        let req = Request::Delete(DeleteReq {
+            client: s.client,
+            layout_id: layout,
+            keys: keys.to_vec(),
+        });
+        self.raw_call::<DeleteResp>(&req, &[]).map(|_| ())
     }
 
     /// Stores blocks: reserves slots for the keys not yet cached, copies the caller's
@@ -945,7 +975,14 @@ impl Client {
                 info.block_bytes
             )));
         }
-        let a = self.alloc_raw(layout, keys)?;
+        // One session for the whole store: its allocation, its pool mapping, its commit.
+        let (a, session): (AllocResp, _) = self.call_in(|client| {
+            Request::Alloc(AllocReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+            })
+        })?;
         let mut new_keys = Vec::new();
         let mut new_offsets = Vec::new();
         let mut new_blocks = Vec::new();
@@ -959,9 +996,9 @@ impl Client {
         if new_keys.is_empty() {
             return Ok(StoreOutcome { status: a.status });
         }
-        let session = self.session();
         let result = match &session.pool {
             Some(pool) => self.copy_and_commit(
+                session.client,
                 pool,
                 layout,
                 &new_keys,
@@ -970,22 +1007,13 @@ impl Client {
                 info.block_bytes,
             ),
             None => self
-                .commit_raw(layout, new_keys.clone(), None, &new_blocks)
+                .commit_as(&session, layout, new_keys.clone(), None, &new_blocks)
                 .map(|_| ()),
         };
         if let Err(e) = result {
             // Give the reservations back rather than leave them to the TTL.
-            let _ = self.delete(layout, &new_keys);
-            return Err(match e {
-                Error::Daemon(w) if w.code == ErrorCode::UnknownClient => {
-                    let old = session.hello.incarnation;
-                    match self.rehello() {
-                        Ok(new) if new != old => Error::DaemonRestarted { old, new },
-                        _ => Error::Daemon(w),
-                    }
-                }
-                e => e,
-            });
+            let _ = self.delete_as(&session, layout, &new_keys);
+            return Err(self.session_lost(&session, e));
         }
         Ok(StoreOutcome { status: a.status })
     }
@@ -993,8 +1021,10 @@ impl Client {
     /// Copies blocks into their slots and commits them in chunks of about
     /// [`COMMIT_CHUNK_BYTES`], sending each chunk's commit as soon as its bytes are in
     /// place and collecting the replies at the end, so the round trips overlap the copy.
+    #[allow(clippy::too_many_arguments)]
     fn copy_and_commit(
         &self,
+        client: ClientId,
         pool: &PoolMap,
         layout: LayoutId,
         keys: &[ChunkHash],
@@ -1003,7 +1033,6 @@ impl Client {
         block_bytes: u64,
     ) -> Result<()> {
         let per_chunk = (COMMIT_CHUNK_BYTES / block_bytes.max(1)).max(1) as usize;
-        let client = self.session().client;
         let mut sock = self.checkout()?;
         let mut ids = Vec::new();
         let mut r: Result<()> = Ok(());
@@ -1047,11 +1076,24 @@ impl Client {
     /// mapped. Commit with [`WriteBatch::commit`]; dropping the batch aborts it.
     pub fn alloc(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<WriteBatch> {
         let info = self.layout_info(layout)?;
-        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        if !self.is_mapped() {
+            return Err(Error::NotMapped);
+        }
         let sent = Instant::now();
-        let a = self.alloc_raw(layout, keys)?;
+        let (a, session): (AllocResp, _) = self.call_in(|client| {
+            Request::Alloc(AllocReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+            })
+        })?;
+        let Some(pool) = session.pool.clone() else {
+            let _ = self.delete_as(&session, layout, keys);
+            return Err(Error::NotMapped);
+        };
         Ok(WriteBatch {
             client: self.clone(),
+            session,
             layout,
             keys: keys.to_vec(),
             status: a.status,
@@ -1283,9 +1325,23 @@ impl Client {
         ttl: Option<Duration>,
     ) -> Result<PinnedBlocks> {
         let info = self.layout_info(layout)?;
-        let pool = self.session().pool.clone().ok_or(Error::NotMapped)?;
+        if !self.is_mapped() {
+            return Err(Error::NotMapped);
+        }
         let sent = Instant::now();
-        let (r, _) = self.get_raw(layout, keys, ttl, false)?;
+        // The offsets are in the pool of the session that took the pin.
+        let (r, session): (GetResp, _) = self.call_in(|client| {
+            Request::Get(GetReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+                ttl_ms: ttl.map(|t| t.as_millis() as u64),
+                inline: false,
+            })
+        })?;
+        let Some(pool) = session.pool.clone() else {
+            return Err(Error::NotMapped);
+        };
         if r.offsets.len() != keys.len() {
             return Err(Error::Protocol(format!(
                 "{} offsets for {} keys",
@@ -1295,6 +1351,7 @@ impl Client {
         }
         Ok(PinnedBlocks {
             client: self.clone(),
+            session: session.client,
             pin: r.pin,
             offsets: r.offsets,
             pool,
@@ -1344,6 +1401,8 @@ impl Client {
 /// committing gives the slots back.
 pub struct WriteBatch {
     client: Client,
+    /// The session that allocated the slots, whose pool `pool` maps.
+    session: Arc<Session>,
     layout: LayoutId,
     keys: Vec<ChunkHash>,
     status: Vec<AllocStatus>,
@@ -1414,7 +1473,9 @@ impl WriteBatch {
         if keys.is_empty() {
             return Ok(0);
         }
-        self.client.commit_raw(self.layout, keys, Some(offs), &[])
+        self.client
+            .commit_as(&self.session, self.layout, keys, Some(offs), &[])
+            .map_err(|e| self.client.session_lost(&self.session, e))
     }
 
     /// Gives the slots back without committing.
@@ -1431,7 +1492,7 @@ impl WriteBatch {
             .filter_map(|(k, o)| o.map(|_| *k))
             .collect();
         if !keys.is_empty() {
-            self.client.delete(self.layout, &keys)?;
+            self.client.delete_as(&self.session, self.layout, &keys)?;
         }
         Ok(())
     }
@@ -1449,6 +1510,8 @@ impl Drop for WriteBatch {
 /// it releases the pin without waiting for the daemon's answer.
 pub struct PinnedBlocks {
     client: Client,
+    /// The session that holds the pin.
+    session: ClientId,
     pin: Option<PinId>,
     offsets: Vec<Option<u64>>,
     pool: Arc<PoolMap>,
@@ -1539,7 +1602,13 @@ impl PinnedBlocks {
     /// Releases the pin now.
     pub fn release(mut self) -> Result<()> {
         match self.pin.take() {
-            Some(p) => self.client.release(p),
+            Some(p) => {
+                let req = Request::Release(ReleaseReq {
+                    client: self.session,
+                    pins: vec![p],
+                });
+                self.client.raw_call::<ReleaseResp>(&req, &[]).map(|_| ())
+            }
             None => Ok(()),
         }
     }
@@ -1548,9 +1617,8 @@ impl PinnedBlocks {
 impl Drop for PinnedBlocks {
     fn drop(&mut self) {
         if let Some(p) = self.pin.take() {
-            let client = self.client.session().client;
             let _ = self.client.send_forget(&Request::Release(ReleaseReq {
-                client,
+                client: self.session,
                 pins: vec![p],
             }));
         }

@@ -69,6 +69,12 @@ pub struct LoadQueue {
     client: Client,
     layout: LayoutId,
     block_bytes: u64,
+    /// The session this queue's pins belong to, from the same `hello` as `pool` and
+    /// `incarnation`. Every request names it, never the client's current session: if
+    /// another call of the client said hello again (a restart), this one is unknown to
+    /// the daemon, the queue learns so and starts over, and it can never use slots or
+    /// pins of one daemon through the mapping of another's pool.
+    session_id: ClientId,
     /// `None`: the pool is not mapped; loads go through [`Client::load`].
     pool: Option<Arc<PoolMap>>,
     incarnation: Incarnation,
@@ -100,6 +106,7 @@ impl Client {
             client: self.clone(),
             layout,
             block_bytes: info.block_bytes,
+            session_id: s.client,
             pool: s.pool.clone(),
             incarnation: s.hello.incarnation,
             conn: None,
@@ -157,7 +164,7 @@ impl LoadQueue {
         let unsent = std::mem::take(&mut self.unsent);
         for chunk in unsent.chunks(self.max_keys) {
             let req = Request::Get(GetReq {
-                client: self.client.session().client,
+                client: self.session_id,
                 layout_id: self.layout,
                 keys: chunk.to_vec(),
                 ttl_ms: None,
@@ -329,12 +336,10 @@ impl LoadQueue {
             .map(|(p, _)| p)
             .collect();
         self.finished_blocks = 0;
-        (!pins.is_empty()).then(|| {
-            Request::Release(ReleaseReq {
-                client: self.client.session().client,
-                pins,
-            })
-        })
+        (!pins.is_empty()).then_some(Request::Release(ReleaseReq {
+            client: self.session_id,
+            pins,
+        }))
     }
 
     /// Releases every pin the queue holds (waiting for the daemon to have done so) and
@@ -382,7 +387,7 @@ impl LoadQueue {
 
     fn guard<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         f(self).map_err(|e| {
-            let (reset, e) = after_failure(&self.client, self.incarnation, e);
+            let (reset, e) = after_failure(&self.client, (self.session_id, self.incarnation), e);
             if reset {
                 self.reset();
             }
@@ -402,6 +407,7 @@ impl LoadQueue {
         self.finished.clear();
         self.finished_blocks = 0;
         let s = self.client.session();
+        self.session_id = s.client;
         self.pool = s.pool.clone();
         self.incarnation = s.hello.incarnation;
     }

@@ -68,6 +68,12 @@ pub struct StoreQueue {
     layout: LayoutId,
     block_bytes: u64,
     slot_bytes: u64,
+    /// The session this queue's slots belong to, from the same `hello` as `pool` and
+    /// `incarnation`. Every request names it, never the client's current session: if
+    /// another call of the client said hello again (a restart), this one is unknown to
+    /// the daemon, the queue learns so and starts over, and it can never use slots or
+    /// pins of one daemon through the mapping of another's pool.
+    session_id: ClientId,
     /// `None`: the pool is not mapped; stores go through [`Client::store`].
     pool: Option<Arc<PoolMap>>,
     incarnation: Incarnation,
@@ -107,6 +113,7 @@ impl Client {
             layout,
             block_bytes: info.block_bytes,
             slot_bytes,
+            session_id: s.client,
             pool: s.pool.clone(),
             incarnation: s.hello.incarnation,
             conn: None,
@@ -293,7 +300,7 @@ impl StoreQueue {
         self.unsent_use_by = None;
         let n = keys.len();
         let req = Request::Put(PutReq {
-            client: self.client.session().client,
+            client: self.session_id,
             layout_id: self.layout,
             keys,
             offsets,
@@ -343,7 +350,7 @@ impl StoreQueue {
     /// is renewed: the daemon restarted ([`Error::DaemonRestarted`]) or dropped it.
     fn guard<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         f(self).map_err(|e| {
-            let (reset, e) = after_failure(&self.client, self.incarnation, e);
+            let (reset, e) = after_failure(&self.client, (self.session_id, self.incarnation), e);
             if reset {
                 self.reset();
             }
@@ -370,6 +377,7 @@ impl StoreQueue {
             );
         }
         let s = self.client.session();
+        self.session_id = s.client;
         self.pool = s.pool.clone();
         self.incarnation = s.hello.incarnation;
     }
@@ -410,7 +418,7 @@ impl StoreQueue {
     fn reserve(&mut self, count: u64) -> Result<()> {
         let count = count.max(1);
         let req = Request::Reserve(ReserveReq {
-            client: self.client.session().client,
+            client: self.session_id,
             layout_id: self.layout,
             count,
         });
@@ -529,15 +537,29 @@ pub(crate) fn retriable(e: &Error) -> bool {
 /// the daemon does not know is renewed; a restart is reported as
 /// [`Error::DaemonRestarted`], also when it shows as a broken connection (`stats` needs
 /// no session and names the incarnation).
-pub(crate) fn after_failure(client: &Client, old: Incarnation, e: Error) -> (bool, Error) {
+pub(crate) fn after_failure(
+    client: &Client,
+    (session, old): (ClientId, Incarnation),
+    e: Error,
+) -> (bool, Error) {
+    // The client's session is newer than the queue's when another call already said
+    // hello again: the queue adopts it (at its reset) instead of saying hello once more
+    // — unless a restart is known and that session is of the old daemon too.
+    let renew = |restarted: bool| -> Result<Incarnation> {
+        if client.session().client != session && !(restarted && client.incarnation() == old) {
+            Ok(client.incarnation())
+        } else {
+            client.rehello()
+        }
+    };
     match e {
-        Error::Daemon(w) if w.code == ErrorCode::UnknownClient => match client.rehello() {
+        Error::Daemon(w) if w.code == ErrorCode::UnknownClient => match renew(false) {
             Ok(new) if new != old => (true, Error::DaemonRestarted { old, new }),
             Ok(_) => (true, Error::Daemon(w)),
             Err(e) => (true, e),
         },
         Error::Stream(io) => match client.stats() {
-            Ok(st) if st.incarnation != old => match client.rehello() {
+            Ok(st) if st.incarnation != old => match renew(true) {
                 Ok(new) => (true, Error::DaemonRestarted { old, new }),
                 Err(e) => (true, e),
             },
@@ -562,7 +584,7 @@ impl Drop for StoreQueue {
         if healthy && !self.free.is_empty() {
             let offsets: Vec<u64> = self.free.drain(..).map(|(o, _)| o).collect();
             let req = Request::Unreserve(UnreserveReq {
-                client: self.client.session().client,
+                client: self.session_id,
                 offsets,
             });
             // Waited for, so that the room is back when the queue is gone (slots not

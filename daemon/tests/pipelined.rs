@@ -517,3 +517,57 @@ fn queues_renew_a_session_the_daemon_dropped_as_idle() {
     assert!(bufs == data);
     assert_eq!(c.incarnation(), old, "the same daemon throughout");
 }
+
+/// A queue made before a restart, used after another call of the same client already
+/// said hello to the new daemon (so the client's session and pool mapping are the new
+/// daemon's, the queue's still the old one's): over ZMQ, whose sockets reconnect by
+/// themselves, and over the stream transport. The queue must never write or read one
+/// daemon's slots through another daemon's pool mapping: every byte stored or loaded
+/// afterwards is the key's. (The soak found this: queued stores committed slots the
+/// queue had written into the dead daemon's mapping.)
+#[test]
+fn queues_never_mix_one_daemons_slots_with_anothers_mapping() {
+    for stream in [false, true] {
+        let mut d = Daemon::start(&[]);
+        let c = kvd_client::Client::builder()
+            .with_endpoint(&d.endpoint)
+            .with_timeout(Duration::from_secs(10))
+            .with_map_pool(MapPool::Always)
+            .with_stream(stream)
+            .connect()
+            .unwrap();
+        let l = register(&c, 16);
+        let old = c.incarnation();
+        let ks = keys(150 + stream as u32, 4);
+        let data: Vec<Vec<u8>> = (0..4).map(|j| block(1500 + j, 16 * 1024)).collect();
+        let mut q = c.store_queue(l.id).unwrap();
+        let mut lq = c.load_queue(l.id).unwrap();
+        d.restart();
+        // Another call meets the new daemon first: the client says hello again.
+        let e = c.delete(l.id, &ks).unwrap_err();
+        assert!(matches!(e, Error::DaemonRestarted { .. }), "{e}");
+        assert_ne!(c.incarnation(), old);
+        // The queue's first call may report the restart; its next one stores.
+        if q.store(&ks, &refs(&data)).is_err() {
+            q.store(&ks, &refs(&data)).unwrap();
+        }
+        let r = q.flush().unwrap();
+        assert_eq!(r.stored, 4, "stream {stream}: {r:?}");
+        assert!(
+            load_all(&c, &l, &ks) == data,
+            "stream {stream}: a queued store committed bytes that are not the keys'"
+        );
+        // The load queue, made before the restart too.
+        let mut bufs = vec![vec![0u8; 16 * 1024]; 4];
+        let mut o: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let found = match lq.load(&ks, &mut o) {
+            Ok(f) => f,
+            Err(_) => lq.load(&ks, &mut o).unwrap(),
+        };
+        assert_eq!(found, vec![true; 4], "stream {stream}");
+        assert!(
+            bufs == data,
+            "stream {stream}: a prefetched load read another pool"
+        );
+    }
+}

@@ -1,7 +1,9 @@
 //! A bounded randomized soak: two real daemons with the NVMe tier on (A prefill, B
 //! decode, fixed ports so restarts keep their endpoints), several client threads storing,
 //! loading, exporting, pulling, pushing, admitting and abandoning, aborting at random,
-//! while a chaos thread SIGKILLs and restarts either daemon or SIGSTOPs the decode side.
+//! storing through a `StoreQueue` and loading through a `LoadQueue` (announced keys,
+//! loaded later or never), while a chaos thread SIGKILLs and restarts either daemon or
+//! SIGSTOPs the decode side.
 //!
 //! Every block is named by its content (the bytes are a function of the key), so the one
 //! hard rule is checkable at any moment: **every byte a daemon serves under a key is that
@@ -58,6 +60,7 @@ impl Node {
             cfg,
             "[transfer]\ncontrol = {control:?}\ndata = \"127.0.0.1:{}\"\nlease_ms = 2000\n\
              max_hold_ms = 8000\npeer_timeout_ms = 1000\nio_timeout_ms = 2000\nshm = false\n\
+             [limits]\nalloc_ttl_ms = 5000\n\
              [nvme]\npaths = [{:?}]\nsize = \"192MiB\"\nallow_buffered = true",
             free_port(),
             disk.path().display().to_string()
@@ -144,6 +147,10 @@ fn worker(
         };
         let (la, lb) = (la.id, lb.id);
         assert_eq!(la, lb);
+        // This session's queues on the prefill side (a queue that fails stays usable:
+        // it starts over at its next call).
+        let mut sq = ca.store_queue(la).ok();
+        let mut lq = ca.load_queue(la).ok();
         // a session lives for a while, then the client "crashes" (dropped mid-whatever)
         for _ in 0..rng.gen_range(5..40) {
             if stop.load(Ordering::Relaxed) {
@@ -157,7 +164,7 @@ fn worker(
             let data: Vec<Vec<u8>> = ks.iter().map(content).collect();
             let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
             let tid = format!("w{id}-{n}");
-            let ok = match rng.gen_range(0..10) {
+            let ok = match rng.gen_range(0..13) {
                 // pull
                 0..=2 => (|| {
                     ca.store(la, &ks, &refs).ok()?;
@@ -203,6 +210,37 @@ fn worker(
                         cb.abort_transfer(&tid).ok()?;
                     } else {
                         ca.abort_transfer(&tid).ok()?;
+                    }
+                    Some(())
+                })(),
+                // queued stores, flushed now and then
+                10 => (|| {
+                    let q = sq.as_mut()?;
+                    q.store(&ks, &refs).ok()?;
+                    if rng.gen_bool(0.3) {
+                        q.flush().ok()?;
+                    }
+                    Some(())
+                })(),
+                // announce keys; load them now, later (another op's keys), or never
+                11 => (|| {
+                    let q = lq.as_mut()?;
+                    q.prefetch(&ks).ok()?;
+                    if rng.gen_bool(0.6) {
+                        let mut bufs = vec![vec![0u8; BLOCK]; ks.len()];
+                        let mut outs: Vec<&mut [u8]> =
+                            bufs.iter_mut().map(|b| &mut b[..]).collect();
+                        let hit = q.load(&ks, &mut outs).ok()?;
+                        for (i, h) in hit.iter().enumerate() {
+                            if *h {
+                                assert!(
+                                    bufs[i] == data[i],
+                                    "a prefetched load served the wrong bytes under {}",
+                                    ks[i]
+                                );
+                                counts.verified.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                     }
                     Some(())
                 })(),
@@ -303,15 +341,18 @@ fn randomized_soak_with_restarts_serves_only_right_bytes_and_returns_to_baseline
                 && x.registrations == 0
                 && st.pinned_blocks == 0
                 && st.pending == 0
+                && st.reserved == 0
                 && st.waiting == 0;
             if !ok {
                 eprintln!(
-                    "soak: {name}: exports {} imports {} regs {} pinned {} pending {} waiting {}",
+                    "soak: {name}: exports {} imports {} regs {} pinned {} pending {} \
+                     reserved {} waiting {}",
                     x.exports_live,
                     x.imports_live,
                     x.registrations,
                     st.pinned_blocks,
                     st.pending,
+                    st.reserved,
                     st.waiting
                 );
             }

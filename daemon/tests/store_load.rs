@@ -522,3 +522,55 @@ fn a_write_batch_refuses_writes_after_its_ttl() {
         c.stats().unwrap().pending == 0
     });
 }
+
+/// A write batch allocated by the daemon before a restart commits under the session
+/// that allocated it, never under the one the client opened with the new daemon since:
+/// otherwise it would commit the new daemon's slots at the same offsets (a fresh
+/// allocator hands out the same ones), which another batch of this client reserved and
+/// has not written yet.
+#[test]
+fn a_batch_from_before_a_restart_never_commits_the_new_daemons_slots() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 64);
+    let old = c.incarnation();
+    let ks = keys(41, 2);
+    let data: Vec<Vec<u8>> = (0..2).map(|i| block(4100 + i, 64 * 1024)).collect();
+    let mut stale = c.alloc(l.id, &ks).unwrap();
+    d.restart();
+    let e = c.delete(l.id, &ks).unwrap_err();
+    assert!(matches!(e, Error::DaemonRestarted { .. }), "{e}");
+    let mut fresh = c.alloc(l.id, &ks).unwrap();
+    assert_eq!(
+        fresh.offsets(),
+        stale.offsets(),
+        "same offsets from a fresh allocator"
+    );
+    stale
+        .with_slots(|slots| {
+            for (_, s) in slots.iter_mut() {
+                s.fill(0xee);
+            }
+        })
+        .unwrap();
+    match stale.commit() {
+        Err(Error::DaemonRestarted { old: o, new }) => {
+            assert_eq!(o, old);
+            assert_eq!(new, c.incarnation());
+        }
+        other => panic!("a batch of the old daemon must not commit, got {other:?}"),
+    }
+    assert_eq!(c.lookup(l.id, &ks).unwrap().prefix, 0, "nothing committed");
+    fresh
+        .with_slots(|slots| {
+            for (i, s) in slots.iter_mut() {
+                s.copy_from_slice(&data[*i]);
+            }
+        })
+        .unwrap();
+    assert_eq!(fresh.commit().unwrap(), 2);
+    let mut bufs = vec![vec![0u8; 64 * 1024]; 2];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l.id, &ks, &mut outs).unwrap(), vec![true; 2]);
+    assert!(bufs == data);
+}
