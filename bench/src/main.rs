@@ -238,31 +238,20 @@ struct Timed {
     lat: Vec<Duration>,
 }
 
-/// Runs `op(thread, range)` over `n` items in batches, `t` threads; times each call.
-fn run_threads(
+/// Runs `per_thread(range, part)` on one thread per part, each over its range of
+/// `split(n, parts.len())`; each returns the latencies of its calls. Times the whole.
+fn run_split<P: Send>(
     n: usize,
-    t: usize,
-    batch: usize,
-    op: &(dyn Fn(std::ops::Range<usize>) -> Result<()> + Sync),
+    parts: Vec<P>,
+    per_thread: &(dyn Fn(std::ops::Range<usize>, P) -> Result<Vec<Duration>> + Sync),
 ) -> Result<Timed> {
+    let ranges = split(n, parts.len());
     let start = Instant::now();
     let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = split(n, t)
+        let hs: Vec<_> = ranges
             .into_iter()
-            .map(|r| {
-                s.spawn(move || -> Result<Vec<Duration>> {
-                    let mut lat = Vec::new();
-                    let mut i = r.start;
-                    while i < r.end {
-                        let j = (i + batch).min(r.end);
-                        let t0 = Instant::now();
-                        op(i..j)?;
-                        lat.push(t0.elapsed());
-                        i = j;
-                    }
-                    Ok(lat)
-                })
-            })
+            .zip(parts)
+            .map(|(r, part)| s.spawn(move || per_thread(r, part)))
             .collect();
         hs.into_iter()
             .map(|h| h.join().expect("bench thread panicked"))
@@ -276,6 +265,24 @@ fn run_threads(
     Ok(Timed { elapsed, lat })
 }
 
+/// Runs `op(range)` over `n` items in batches of `batch`, `t` threads; times each call.
+fn run_threads(
+    n: usize,
+    t: usize,
+    batch: usize,
+    op: &(dyn Fn(std::ops::Range<usize>) -> Result<()> + Sync),
+) -> Result<Timed> {
+    run_split(n, vec![(); t], &|r, ()| {
+        let mut lat = Vec::new();
+        for i in r.clone().step_by(batch.max(1)) {
+            let t0 = Instant::now();
+            op(i..(i + batch).min(r.end))?;
+            lat.push(t0.elapsed());
+        }
+        Ok(lat)
+    })
+}
+
 /// Stores `src` under `keys` through one [`kvd_client::StoreQueue`] per thread, `batch`
 /// blocks per call; the time includes every queue's final flush. Checks that every
 /// block was stored.
@@ -287,41 +294,22 @@ fn store_queued(
     t: usize,
     batch: usize,
 ) -> Result<Timed> {
-    let start = Instant::now();
-    let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = split(src.len(), t)
-            .into_iter()
-            .map(|r| {
-                s.spawn(move || -> Result<Vec<Duration>> {
-                    let mut q = client.store_queue(layout)?;
-                    let mut lat = Vec::new();
-                    let mut i = r.start;
-                    while i < r.end {
-                        let j = (i + batch).min(r.end);
-                        let refs: Vec<&[u8]> = src[i..j].iter().map(|b| &b[..]).collect();
-                        let t0 = Instant::now();
-                        q.store(&keys[i..j], &refs)?;
-                        lat.push(t0.elapsed());
-                        i = j;
-                    }
-                    let rep = q.flush()?;
-                    if rep.stored != r.len() as u64 {
-                        bail!("queued {} blocks, {rep:?}", r.len());
-                    }
-                    Ok(lat)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("bench thread panicked"))
-            .collect()
-    });
-    let elapsed = start.elapsed();
-    let mut lat = Vec::new();
-    for r in results {
-        lat.extend(r?);
-    }
-    Ok(Timed { elapsed, lat })
+    run_split(src.len(), vec![(); t], &|r, ()| {
+        let mut q = client.store_queue(layout)?;
+        let mut lat = Vec::new();
+        for i in r.clone().step_by(batch.max(1)) {
+            let j = (i + batch).min(r.end);
+            let refs: Vec<&[u8]> = src[i..j].iter().map(|b| &b[..]).collect();
+            let t0 = Instant::now();
+            q.store(&keys[i..j], &refs)?;
+            lat.push(t0.elapsed());
+        }
+        let rep = q.flush()?;
+        if rep.stored != r.len() as u64 {
+            bail!("queued {} blocks, {rep:?}", r.len());
+        }
+        Ok(lat)
+    })
 }
 
 /// How far ahead of its copy a prefetched load sends each call's `get`.
@@ -340,55 +328,32 @@ fn load_prefetched(
     batch: usize,
     ahead: usize,
 ) -> Result<Timed> {
-    let ranges = split(dst.len(), t);
+    let n = dst.len();
     let mut parts: Vec<&mut [Vec<u8>]> = Vec::new();
     let mut rest = dst;
-    for r in &ranges {
+    for r in split(n, t) {
         let (a, b) = rest.split_at_mut(r.len());
         parts.push(a);
         rest = b;
     }
-    let start = Instant::now();
-    let results: Vec<Result<Vec<Duration>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = ranges
-            .into_iter()
-            .zip(parts)
-            .map(|(r, part)| {
-                s.spawn(move || -> Result<Vec<Duration>> {
-                    let mut q = client.load_queue(layout)?;
-                    let ks = &keys[r.clone()];
-                    q.prefetch(&ks[..ahead.min(ks.len())])?;
-                    let mut lat = Vec::new();
-                    let mut i = 0;
-                    while i < ks.len() {
-                        let j = (i + batch).min(ks.len());
-                        let (a0, a1) = ((i + ahead).min(ks.len()), (j + ahead).min(ks.len()));
-                        let t0 = Instant::now();
-                        q.prefetch(&ks[a0..a1])?;
-                        let mut outs: Vec<&mut [u8]> =
-                            part[i..j].iter_mut().map(|b| &mut b[..]).collect();
-                        if q.load(&ks[i..j], &mut outs)?.iter().any(|h| !h) {
-                            bail!(
-                                "a block was evicted during the prefetched load: enlarge the pool"
-                            );
-                        }
-                        lat.push(t0.elapsed());
-                        i = j;
-                    }
-                    Ok(lat)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("bench thread panicked"))
-            .collect()
-    });
-    let elapsed = start.elapsed();
-    let mut lat = Vec::new();
-    for r in results {
-        lat.extend(r?);
-    }
-    Ok(Timed { elapsed, lat })
+    run_split(n, parts, &|r, part| {
+        let mut q = client.load_queue(layout)?;
+        let ks = &keys[r];
+        q.prefetch(&ks[..ahead.min(ks.len())])?;
+        let mut lat = Vec::new();
+        for i in (0..ks.len()).step_by(batch.max(1)) {
+            let j = (i + batch).min(ks.len());
+            let (a0, a1) = ((i + ahead).min(ks.len()), (j + ahead).min(ks.len()));
+            let t0 = Instant::now();
+            q.prefetch(&ks[a0..a1])?;
+            let mut outs: Vec<&mut [u8]> = part[i..j].iter_mut().map(|b| &mut b[..]).collect();
+            if q.load(&ks[i..j], &mut outs)?.iter().any(|h| !h) {
+                bail!("a block was evicted during the prefetched load: enlarge the pool");
+            }
+            lat.push(t0.elapsed());
+        }
+        Ok(lat)
+    })
 }
 
 fn store(a: StoreArgs) -> Result<()> {

@@ -337,6 +337,30 @@ enum Conn {
     Stream((StreamConn, Incarnation)),
 }
 
+/// Checks a call's blocks (`what`: "block") or buffers ("buffer") against its keys: one
+/// per key, each exactly `block_bytes` long.
+fn check_blocks(
+    keys: usize,
+    lens: impl ExactSizeIterator<Item = usize>,
+    block_bytes: u64,
+    what: &str,
+) -> Result<()> {
+    if lens.len() != keys {
+        return Err(Error::InvalidArgument(format!(
+            "{keys} keys but {} {what}s",
+            lens.len()
+        )));
+    }
+    for (i, len) in lens.enumerate() {
+        if len as u64 != block_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{what} #{i} has {len} bytes; the layout's blocks have {block_bytes}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Whether an error leaves the connection it happened on unusable.
 fn fatal(e: &Error) -> bool {
     matches!(e, Error::Timeout { .. } | Error::Zmq(_) | Error::Stream(_))
@@ -917,6 +941,17 @@ impl Client {
         Ok(self.raw_call(&req, &[])?.0)
     }
 
+    /// An `alloc`, with the session that made it (its pool holds the slots).
+    fn alloc_in(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<(AllocResp, Arc<Session>)> {
+        self.call_in(|client| {
+            Request::Alloc(AllocReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+            })
+        })
+    }
+
     /// A `commit` under the session `s` that allocated the keys (no renewal).
     fn commit_as(
         &self,
@@ -957,32 +992,14 @@ impl Client {
         blocks: &[&[u8]],
     ) -> Result<StoreOutcome> {
         let info = self.layout_info(layout)?;
-        if keys.len() != blocks.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} keys but {} blocks",
-                keys.len(),
-                blocks.len()
-            )));
-        }
-        if let Some((i, b)) = blocks
-            .iter()
-            .enumerate()
-            .find(|(_, b)| b.len() as u64 != info.block_bytes)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "block #{i} has {} bytes; the layout's blocks have {}",
-                b.len(),
-                info.block_bytes
-            )));
-        }
+        check_blocks(
+            keys.len(),
+            blocks.iter().map(|b| b.len()),
+            info.block_bytes,
+            "block",
+        )?;
         // One session for the whole store: its allocation, its pool mapping, its commit.
-        let (a, session): (AllocResp, _) = self.call_in(|client| {
-            Request::Alloc(AllocReq {
-                client,
-                layout_id: layout,
-                keys: keys.to_vec(),
-            })
-        })?;
+        let (a, session) = self.alloc_in(layout, keys)?;
         let mut new_keys = Vec::new();
         let mut new_offsets = Vec::new();
         let mut new_blocks = Vec::new();
@@ -1080,13 +1097,7 @@ impl Client {
             return Err(Error::NotMapped);
         }
         let sent = Instant::now();
-        let (a, session): (AllocResp, _) = self.call_in(|client| {
-            Request::Alloc(AllocReq {
-                client,
-                layout_id: layout,
-                keys: keys.to_vec(),
-            })
-        })?;
+        let (a, session) = self.alloc_in(layout, keys)?;
         let Some(pool) = session.pool.clone() else {
             let _ = self.delete_as(&session, layout, keys);
             return Err(Error::NotMapped);
@@ -1138,24 +1149,12 @@ impl Client {
         out: &mut [&mut [u8]],
     ) -> Result<Vec<bool>> {
         let info = self.layout_info(layout)?;
-        if keys.len() != out.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} keys but {} buffers",
-                keys.len(),
-                out.len()
-            )));
-        }
-        if let Some((i, b)) = out
-            .iter()
-            .enumerate()
-            .find(|(_, b)| b.len() as u64 != info.block_bytes)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{i} has {} bytes; the layout's blocks have {}",
-                b.len(),
-                info.block_bytes
-            )));
-        }
+        check_blocks(
+            keys.len(),
+            out.iter().map(|b| b.len()),
+            info.block_bytes,
+            "buffer",
+        )?;
         if self.session().pool.is_none() {
             let (r, frames) = self.get_raw(layout, keys, None, true)?;
             let mut frames = frames.into_iter();

@@ -32,7 +32,7 @@ use kvd_protocol::*;
 
 use crate::queue::{after_failure, retriable};
 use crate::shm::PoolMap;
-use crate::{Client, Conn, Error, Result};
+use crate::{check_blocks, Client, Conn, Error, Result};
 
 /// Bytes of blocks one prefetching `get` asks for by default.
 pub const DEFAULT_GET_BYTES: u64 = 4 << 20;
@@ -186,24 +186,12 @@ impl LoadQueue {
     /// key, whether it was found. Keys not prefetched are asked for now (one round
     /// trip). A prefetched key is answered as its `get` found it.
     pub fn load(&mut self, keys: &[ChunkHash], out: &mut [&mut [u8]]) -> Result<Vec<bool>> {
-        if keys.len() != out.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} keys but {} buffers",
-                keys.len(),
-                out.len()
-            )));
-        }
-        if let Some((i, b)) = out
-            .iter()
-            .enumerate()
-            .find(|(_, b)| b.len() as u64 != self.block_bytes)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{i} has {} bytes; the layout's blocks have {}",
-                b.len(),
-                self.block_bytes
-            )));
-        }
+        check_blocks(
+            keys.len(),
+            out.iter().map(|b| b.len()),
+            self.block_bytes,
+            "buffer",
+        )?;
         let Some(pool) = self.pool.clone() else {
             return self.client.load(self.layout, keys, out);
         };

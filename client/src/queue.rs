@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 use crate::shm::PoolMap;
-use crate::{fatal, Client, Conn, Error, Result};
+use crate::{check_blocks, fatal, Client, Conn, Error, Result};
 
 /// Bytes of slots a queue keeps reserved ahead by default ([`StoreQueue::with_depth`]).
 pub const DEFAULT_QUEUE_DEPTH_BYTES: u64 = 64 << 20;
@@ -161,24 +161,12 @@ impl StoreQueue {
     /// first when many may be cached. On `Err`, blocks of this call written before the
     /// failure may still be stored; the report says what happened to each put.
     pub fn store(&mut self, keys: &[ChunkHash], blocks: &[&[u8]]) -> Result<()> {
-        if keys.len() != blocks.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} keys but {} blocks",
-                keys.len(),
-                blocks.len()
-            )));
-        }
-        if let Some((i, b)) = blocks
-            .iter()
-            .enumerate()
-            .find(|(_, b)| b.len() as u64 != self.block_bytes)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "block #{i} has {} bytes; the layout's blocks have {}",
-                b.len(),
-                self.block_bytes
-            )));
-        }
+        check_blocks(
+            keys.len(),
+            blocks.iter().map(|b| b.len()),
+            self.block_bytes,
+            "block",
+        )?;
         let Some(pool) = self.pool.clone() else {
             let out = self.client.store(self.layout, keys, blocks)?;
             for s in out.status {

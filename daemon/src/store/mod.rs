@@ -988,7 +988,8 @@ mod tests {
         _dir: tempfile::TempDir,
     }
 
-    fn layout(block_kib: u64) -> Layout {
+    /// A layout of `block_kib` KiB blocks (its model names the size, so sizes differ in id).
+    pub(super) fn layout(block_kib: u64) -> Layout {
         // 1 layer * 2 parts * 16 tokens * 1 head * 32 dim * 2 bytes = 2 KiB per unit
         Layout {
             model: format!("test-{block_kib}"),
@@ -1004,8 +1005,9 @@ mod tests {
         }
     }
 
-    /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.
-    fn setup(segments: u64) -> T {
+    /// A store over a fresh pool in `/dev/shm` of `segments` segments of 64 KiB (the
+    /// test tunables), with no session and no layout yet.
+    pub(super) fn bare_store(segments: u64) -> (Store, Instant, tempfile::TempDir) {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let pool = Arc::new(
             Pool::create(
@@ -1021,7 +1023,13 @@ mod tests {
             .unwrap(),
         );
         let now = Instant::now();
-        let mut s = Store::new(pool, StoreConfig::for_tests(SEG), Incarnation(1), now);
+        let s = Store::new(pool, StoreConfig::for_tests(SEG), Incarnation(1), now);
+        (s, now, dir)
+    }
+
+    /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.
+    fn setup(segments: u64) -> T {
+        let (mut s, now, dir) = bare_store(segments);
         let c = s.hello(&HelloReq::default(), now).unwrap();
         let l = s.register_layout(&layout(16)).unwrap().layout_id;
         T {

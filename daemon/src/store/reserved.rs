@@ -204,30 +204,12 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
-    use crate::pool::{Pool, PoolOptions, SLOT_ALIGN};
-    use crate::store::StoreConfig;
+    use crate::store::tests::{bare_store, layout};
 
-    const SEG: u64 = 64 * 1024;
     const BLOCK: u64 = 16 * 1024;
-
-    fn layout(kib: u64, model: &str) -> Layout {
-        Layout {
-            model: model.into(),
-            num_layers: kib / 2,
-            kv_parts: 2,
-            num_kv_heads: 1,
-            head_dim: 32,
-            dtype: Dtype::F16,
-            tokens_per_block: 16,
-            tp_size: 1,
-            tp_rank: 0,
-            order: MemoryOrder::LayerPartTokenHead,
-        }
-    }
 
     struct T {
         s: Store,
@@ -238,27 +220,12 @@ mod tests {
         _dir: tempfile::TempDir,
     }
 
-    /// `segments` segments of 64 KiB (4 slots of 16 KiB each).
+    /// `segments` segments of 64 KiB (4 slots of 16 KiB each), two sessions.
     fn setup(segments: u64) -> T {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let pool = Arc::new(
-            Pool::create(
-                &PoolOptions {
-                    path: dir.path().join("r.pool"),
-                    size_bytes: SLOT_ALIGN + segments * SEG,
-                    huge_pages: false,
-                    prefault: false,
-                    group: None,
-                },
-                Incarnation(3),
-            )
-            .unwrap(),
-        );
-        let now = Instant::now();
-        let mut s = Store::new(pool, StoreConfig::for_tests(SEG), Incarnation(3), now);
+        let (mut s, now, dir) = bare_store(segments);
         let a = s.hello(&HelloReq::default(), now).unwrap();
         let b = s.hello(&HelloReq::default(), now).unwrap();
-        let l = s.register_layout(&layout(16, "r")).unwrap().layout_id;
+        let l = s.register_layout(&layout(16)).unwrap().layout_id;
         T {
             s,
             now,
@@ -380,7 +347,7 @@ mod tests {
             assert_eq!(e.code(), code, "{offs:?}: {e}");
         }
         // A slot of another size class cannot hold this layout's blocks.
-        let big = t.s.register_layout(&layout(32, "big")).unwrap().layout_id;
+        let big = t.s.register_layout(&layout(32)).unwrap().layout_id;
         let e =
             t.s.put(
                 &PutReq {
