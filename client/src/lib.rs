@@ -53,7 +53,11 @@
 //!   `unknown_client`, the client says hello again; if the incarnation changed it
 //!   re-maps the pool, re-registers its layouts and fails the call with
 //!   [`Error::DaemonRestarted`] (pins and allocations of the old daemon are gone); if
-//!   not (the session had idled out) it retries the call once.
+//!   not (the session had idled out) it retries the call once. An operation of several
+//!   steps (store, a [`WriteBatch`], a pin, a queue) keeps the session it began with —
+//!   its id for every request and the pool mapping of the same `hello` — so it never
+//!   uses one daemon's offsets through another daemon's pool, nor another session's
+//!   reservations (SPEC §4, "Sessions").
 //! - **Pins**: a pin's deadline is tracked locally from the moment the request was sent
 //!   (earlier than the daemon's own clock starts it), so [`PinnedBlocks`] refuses access
 //!   once the pin may have expired, and `load` fails rather than return bytes that may
