@@ -3,9 +3,9 @@
 //! slots, not yet bound to keys), each with an owner and a deadline.
 //!
 //! This module owns the rule that **no hold outlives its deadline**: every hold is
-//! entered in a [`DeadlineQueue`] when it is made, [`Holds::due_pins`] and
-//! [`Holds::due_reservation`] and [`Holds::due_slot`] hand back the ones whose deadline passed, and
-//! [`Holds::compact`] drops the queue entries of holds that ended early, so the queues
+//! entered in a [`DeadlineQueue`] when it is made, [`Holds::due_pin`],
+//! [`Holds::due_reservation`] and [`Holds::due_slot`] hand back the ones whose deadline
+//! passed, and [`Holds::compact`] drops the queue entries of holds that ended early, so the queues
 //! stay bounded by live holds. What a hold *does* to a block (pin counts, LRU) is the
 //! index's business; the store applies both.
 

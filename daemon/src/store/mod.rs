@@ -25,7 +25,7 @@
 //! | module | owns |
 //! |---|---|
 //! | `index` | where each block is, its state, pin count and LRU place: a block is on its class's LRU list exactly when it is committed and unpinned |
-//! | `holds` | pins and reservations with owners and deadlines: none outlives its deadline, and the deadline queues stay bounded by live holds |
+//! | `holds` | pins, reservations and reserved slots with owners and deadlines: none outlives its deadline, and the deadline queues stay bounded by live holds |
 //! | `sessions` | sessions and layouts: idle sessions holding nothing are dropped; limits |
 //! | `reclaim` | eviction, watermarks, and refusing an allocation that cannot fit before evicting anything |
 //! | `reserved` | pipelined stores (`reserve`, `put`, `unreserve`): a reserved slot is seen by nothing but its owner's `put`, and a `put` never overwrites a cached key |
