@@ -85,7 +85,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
-pub use crate::prefetch::LoadQueue;
+pub use crate::prefetch::{LoadQueue, DEFAULT_GET_BYTES, RELEASE_AFTER_BYTES};
 pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_PUT_BYTES, DEFAULT_QUEUE_DEPTH_BYTES};
 use crate::shm::PoolMap;
 use crate::stream::{StreamConn, StreamError};

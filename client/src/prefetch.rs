@@ -5,8 +5,8 @@
 //! prefix at scheduling time, then one layer or chunk at a time). A load queue sends
 //! the `get`s for keys as soon as they are announced ([`LoadQueue::prefetch`]), keeps
 //! the pins, and [`LoadQueue::load`] then only copies: the round trip overlapped the
-//! caller's earlier work. Each pin is released (without waiting) once every block it
-//! holds was copied out.
+//! caller's earlier work. Each pin is released (without waiting for the daemon) once
+//! every block it holds was copied out, together with others (below).
 //!
 //! Messages are coalesced, because each one that finds the daemon asleep wakes it (about
 //! a tenth of a 1 MiB copy on a VM, bench/README.md): announced keys go out in one `get`
