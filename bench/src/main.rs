@@ -356,6 +356,22 @@ fn load_prefetched(
     })
 }
 
+/// After a case: deletes its keys and zeroes the load destination.
+fn forget_case(
+    client: &Client,
+    layout: kvd_protocol::LayoutId,
+    keys: &[ChunkHash],
+    dst: &mut [Vec<u8>],
+) -> Result<()> {
+    for chunk in keys.chunks(8192) {
+        client.delete(layout, chunk)?;
+    }
+    for d in dst.iter_mut() {
+        d.fill(0);
+    }
+    Ok(())
+}
+
 fn store(a: StoreArgs) -> Result<()> {
     const SEGMENT: u64 = 32 << 20;
     let total = a.total.as_u64();
@@ -465,18 +481,7 @@ fn store(a: StoreArgs) -> Result<()> {
                     let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
                     let hits = client.load(info.id, &keys[r], &mut outs)?;
                     if hits.iter().any(|h| !h) {
-                        bail!(
-                            "a block was evicted during the load case: enlarge the pool ({:?})",
-                            client.stats().map(|s| (
-                                s.blocks,
-                                s.pins,
-                                s.pinned_blocks,
-                                s.reserved,
-                                s.pending,
-                                s.pool.used_bytes,
-                                s.pool.capacity_bytes
-                            ))
-                        );
+                        bail!("a block was evicted during the load case: enlarge the pool");
                     }
                     Ok(())
                 })?;
@@ -484,12 +489,7 @@ fn store(a: StoreArgs) -> Result<()> {
                 if dst.iter().zip(&src).any(|(d, s)| d != s) {
                     bail!("loaded bytes differ from stored bytes");
                 }
-                for chunk in keys.chunks(8192) {
-                    client.delete(info.id, chunk)?;
-                }
-                for d in dst.iter_mut() {
-                    d.fill(0);
-                }
+                forget_case(&client, info.id, &keys, &mut dst)?;
                 sts.push(st.elapsed);
                 lds.push(ld.elapsed);
                 st_lat.extend(st.lat);
@@ -510,12 +510,7 @@ fn store(a: StoreArgs) -> Result<()> {
                 if dst.iter().zip(&src).any(|(d, s)| d != s) {
                     bail!("bytes loaded after a queued store differ from those stored");
                 }
-                for chunk in qkeys.chunks(8192) {
-                    client.delete(info.id, chunk)?;
-                }
-                for d in dst.iter_mut() {
-                    d.fill(0);
-                }
+                forget_case(&client, info.id, &qkeys, &mut dst)?;
                 qs.push(q.elapsed);
                 q_lat.extend(q.lat);
 
@@ -537,12 +532,7 @@ fn store(a: StoreArgs) -> Result<()> {
                 if dst.iter().zip(&src).any(|(d, s)| d != s) {
                     bail!("bytes of a prefetched load differ from those stored");
                 }
-                for chunk in pkeys.chunks(8192) {
-                    client.delete(info.id, chunk)?;
-                }
-                for d in dst.iter_mut() {
-                    d.fill(0);
-                }
+                forget_case(&client, info.id, &pkeys, &mut dst)?;
                 pls.push(pl.elapsed);
                 pl_lat.extend(pl.lat);
             }

@@ -836,17 +836,29 @@ impl Client {
         match e {
             Error::Daemon(w) if w.code == ErrorCode::UnknownClient => {
                 let old = s.hello.incarnation;
-                let new = if self.session().client != s.client {
-                    Ok(self.incarnation())
-                } else {
-                    self.rehello()
-                };
-                match new {
+                match self.renewed_since(s.client, old, false) {
                     Ok(new) if new != old => Error::DaemonRestarted { old, new },
                     _ => Error::Daemon(w),
                 }
             }
             e => e,
+        }
+    }
+
+    /// The incarnation of a live session after `session` (of incarnation `old`) was
+    /// found gone: the client's current one when another call already said hello again
+    /// (unless `restarted` is known and that session is of the old daemon too), else a
+    /// new `hello`'s.
+    fn renewed_since(
+        &self,
+        session: ClientId,
+        old: Incarnation,
+        restarted: bool,
+    ) -> Result<Incarnation> {
+        if self.session().client != session && !(restarted && self.incarnation() == old) {
+            Ok(self.incarnation())
+        } else {
+            self.rehello()
         }
     }
 

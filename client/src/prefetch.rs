@@ -40,7 +40,8 @@ pub const DEFAULT_GET_BYTES: u64 = 4 << 20;
 /// Finished pins are released at the latest once they hold this many bytes of blocks.
 pub const RELEASE_AFTER_BYTES: u64 = 16 << 20;
 
-/// Pins this close to their deadline are not released but left to expire.
+/// Pins this close to their deadline (or a quarter of their TTL, when that is less) are
+/// not released but left to expire.
 const RELEASE_MARGIN: Duration = Duration::from_secs(1);
 
 /// `awaited`'s id of a key announced but not yet asked for.
@@ -56,11 +57,13 @@ struct Answered {
     until: Instant,
 }
 
-/// A pin of the queue: its blocks, those not yet copied out, and its deadline.
+/// A pin of the queue: its blocks, those not yet copied out, its deadline, and the last
+/// instant a release of it may be sent (see [`LoadQueue::release_req`]).
 struct HeldPin {
     blocks: usize,
     left: usize,
     deadline: Instant,
+    release_by: Instant,
 }
 
 /// Loads whose `get`s were sent ahead; see the module docs. Created by
@@ -88,6 +91,7 @@ pub struct LoadQueue {
     /// Send a `get` once this many keys are unsent.
     get_blocks: usize,
     /// Pins whose blocks were all copied out, not yet released, and their blocks.
+    /// With each pin's `release_by`.
     finished: Vec<(PinId, Instant)>,
     finished_blocks: usize,
     /// Keys answered and not yet loaded.
@@ -149,17 +153,20 @@ impl LoadQueue {
                 self.unsent.push(*k);
             }
         }
-        if self.unsent.len() >= self.get_blocks {
+        let asking = self.unsent.len() >= self.get_blocks;
+        if asking {
             self.send_gets()?;
         }
         // Take the answers already here, so pins are counted early.
         while !self.asked.is_empty() && self.take_reply(false)? {}
+        if asking {
+            self.sweep(); // once per `get`: amortized over the keys it asks for
+        }
         Ok(())
     }
 
     /// Sends the finished pins' release and the `get`s of the unsent keys.
     fn send_gets(&mut self) -> Result<()> {
-        self.sweep();
         self.send_releases()?;
         let unsent = std::mem::take(&mut self.unsent);
         for chunk in unsent.chunks(self.max_keys) {
@@ -293,7 +300,7 @@ impl LoadQueue {
             return Ok(());
         }
         if let Some(p) = self.pins.remove(&pin) {
-            self.finished.push((pin, p.deadline));
+            self.finished.push((pin, p.release_by));
             self.finished_blocks += p.blocks;
             if self.finished_blocks as u64 * self.block_bytes >= RELEASE_AFTER_BYTES {
                 self.send_releases()?;
@@ -314,13 +321,13 @@ impl LoadQueue {
 
     /// The `release` of the finished pins that surely still live. A release is
     /// all-or-nothing: one pin that expired on the way would keep the daemon from
-    /// releasing the others, so pins within [`RELEASE_MARGIN`] of their deadline are
-    /// left to expire by themselves.
+    /// releasing the others, so pins past their `release_by` ([`RELEASE_MARGIN`] before
+    /// the deadline) are left to expire by themselves.
     fn release_req(&mut self) -> Option<Request> {
-        let soon = Instant::now() + RELEASE_MARGIN;
+        let now = Instant::now();
         let pins: Vec<PinId> = std::mem::take(&mut self.finished)
             .into_iter()
-            .filter(|(_, deadline)| *deadline > soon)
+            .filter(|(_, release_by)| *release_by > now)
             .map(|(p, _)| p)
             .collect();
         self.finished_blocks = 0;
@@ -342,7 +349,7 @@ impl LoadQueue {
             }
             q.answered.clear();
             q.finished
-                .extend(q.pins.drain().map(|(p, held)| (p, held.deadline)));
+                .extend(q.pins.drain().map(|(p, held)| (p, held.release_by)));
             let Some(req) = q.release_req() else {
                 return Ok(());
             };
@@ -438,8 +445,8 @@ impl LoadQueue {
                 keys.len()
             )));
         }
-        let deadline =
-            sent + Duration::from_millis(resp.waited_ms) + Duration::from_millis(resp.ttl_ms);
+        let ttl = Duration::from_millis(resp.ttl_ms);
+        let deadline = sent + Duration::from_millis(resp.waited_ms) + ttl;
         let hits = resp.offsets.iter().filter(|o| o.is_some()).count();
         match (resp.pin, hits) {
             (Some(pin), n) if n > 0 => {
@@ -449,6 +456,7 @@ impl LoadQueue {
                         blocks: n,
                         left: n,
                         deadline,
+                        release_by: deadline - RELEASE_MARGIN.min(ttl / 4),
                     },
                 );
             }

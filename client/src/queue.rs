@@ -146,10 +146,10 @@ impl StoreQueue {
     /// every [`StoreQueue::store`], so its blocks become visible soon after it returns,
     /// at the cost of one daemon wake-up per call).
     pub fn with_put_bytes(mut self, bytes: u64) -> Self {
-        self.put_blocks = (bytes / self.slot_bytes).clamp(1, self.max_keys as u64) as usize;
-        if bytes == 0 {
-            self.put_blocks = 0;
-        }
+        self.put_blocks = match bytes {
+            0 => 0,
+            b => (b / self.slot_bytes).clamp(1, self.max_keys as u64) as usize,
+        };
         self
     }
 
@@ -530,24 +530,17 @@ pub(crate) fn after_failure(
     (session, old): (ClientId, Incarnation),
     e: Error,
 ) -> (bool, Error) {
-    // The client's session is newer than the queue's when another call already said
-    // hello again: the queue adopts it (at its reset) instead of saying hello once more
-    // — unless a restart is known and that session is of the old daemon too.
-    let renew = |restarted: bool| -> Result<Incarnation> {
-        if client.session().client != session && !(restarted && client.incarnation() == old) {
-            Ok(client.incarnation())
-        } else {
-            client.rehello()
-        }
-    };
+    // The queue adopts the client's current session at its reset.
     match e {
-        Error::Daemon(w) if w.code == ErrorCode::UnknownClient => match renew(false) {
-            Ok(new) if new != old => (true, Error::DaemonRestarted { old, new }),
-            Ok(_) => (true, Error::Daemon(w)),
-            Err(e) => (true, e),
-        },
+        Error::Daemon(w) if w.code == ErrorCode::UnknownClient => {
+            match client.renewed_since(session, old, false) {
+                Ok(new) if new != old => (true, Error::DaemonRestarted { old, new }),
+                Ok(_) => (true, Error::Daemon(w)),
+                Err(e) => (true, e),
+            }
+        }
         Error::Stream(io) => match client.stats() {
-            Ok(st) if st.incarnation != old => match renew(true) {
+            Ok(st) if st.incarnation != old => match client.renewed_since(session, old, true) {
                 Ok(new) => (true, Error::DaemonRestarted { old, new }),
                 Err(e) => (true, e),
             },

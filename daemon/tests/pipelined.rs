@@ -571,3 +571,49 @@ fn queues_never_mix_one_daemons_slots_with_anothers_mapping() {
         );
     }
 }
+
+/// A long-lived queue forgets announcements whose pins lapsed unread (the daemon let
+/// those pins go by themselves), so it does not grow with keys it never loads.
+#[test]
+fn a_queue_forgets_announcements_whose_pins_lapsed() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 300\n").unwrap();
+    let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let ks = keys(160, 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|j| block(1600 + j, 16 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    let mut q = c.load_queue(l.id).unwrap().with_get_bytes(0);
+    q.prefetch(&ks[..3]).unwrap(); // announced, never loaded
+    std::thread::sleep(Duration::from_millis(600));
+    q.prefetch(&ks[3..]).unwrap();
+    assert_eq!(q.prefetched(), 1, "only the live announcement is kept");
+    let mut one = vec![0u8; 16 * 1024];
+    assert_eq!(q.load(&ks[3..], &mut [&mut one[..]]).unwrap(), vec![true]);
+    assert!(one == data[3]);
+    eventually(5, "every pin gone", || c.stats().unwrap().pins == 0);
+}
+
+/// Slots held past their use-by (a quarter of the TTL before the daemon reclaims them)
+/// are never written: after a pause longer than the TTL the queue reserves fresh ones.
+#[test]
+fn a_queue_never_writes_slots_past_their_use_by() {
+    let d = Daemon::start(&["--alloc-ttl-ms", "400"]);
+    let c = d.client();
+    let l = register(&c, 16);
+    let ks = keys(170, 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|j| block(1700 + j, 16 * 1024)).collect();
+    let mut q = c.store_queue(l.id).unwrap();
+    q.store(&ks[..2], &refs(&data[..2])).unwrap();
+    assert_eq!(q.flush().unwrap().stored, 2);
+    assert!(q.reserved() > 0, "slots held ahead");
+    std::thread::sleep(Duration::from_millis(700)); // the daemon reclaimed them
+    eventually(5, "the held slots reclaimed", || {
+        c.stats().unwrap().reserved == 0
+    });
+    q.store(&ks[2..], &refs(&data[2..])).unwrap();
+    let r = q.flush().unwrap();
+    assert_eq!((r.stored, r.failed), (2, 0), "{r:?}");
+    assert!(load_all(&c, &l, &ks) == data);
+}
