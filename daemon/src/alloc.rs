@@ -49,6 +49,8 @@ struct Segment {
     live: Vec<u64>,
     prev: u32,
     next: u32,
+    /// Lent out (see [`SlabAllocator::lend_segment`]): in no class and not free.
+    lent: bool,
 }
 
 #[derive(Debug)]
@@ -103,6 +105,7 @@ impl SlabAllocator {
                 live: Vec::new(),
                 prev: NONE,
                 next: NONE,
+                lent: false,
             })
             .collect();
         SlabAllocator {
@@ -203,6 +206,42 @@ impl SlabAllocator {
         debug_assert!(idx < spc);
         self.mark_live(ci, si, idx);
         Some(self.data_offset + u64::from(si) * self.segment_bytes + u64::from(idx) * slot_bytes)
+    }
+
+    /// Whether segment `si` is in no size class (free, or lent).
+    pub fn in_no_class(&self, si: u32) -> bool {
+        self.segments
+            .get(si as usize)
+            .is_some_and(|s| s.class == NONE)
+    }
+
+    /// Segments in no class and not lent.
+    pub fn free_segment_count(&self) -> usize {
+        self.free_segments.len()
+    }
+
+    /// Takes free segment `si` out of circulation: no slot of it is handed out (nor
+    /// claimed) until [`SlabAllocator::return_segment`]. `false` if it is not free. For
+    /// work on a segment's whole space that must not meet a block (the NVMe tier's
+    /// initialization). O(free segments), searched from the next one handed out.
+    pub fn lend_segment(&mut self, si: u32) -> bool {
+        let Some(pos) = self.free_segments.iter().rposition(|&s| s == si) else {
+            return false;
+        };
+        self.free_segments.remove(pos);
+        self.segments[si as usize].lent = true;
+        true
+    }
+
+    /// Gives a lent segment back; it is the next one handed out. Ignores a segment that
+    /// is not lent.
+    pub fn return_segment(&mut self, si: u32) {
+        if let Some(s) = self.segments.get_mut(si as usize) {
+            if s.lent {
+                s.lent = false;
+                self.free_segments.push(si);
+            }
+        }
     }
 
     /// Books slot `idx` of segment `si` (class `ci`) as live.
@@ -478,6 +517,28 @@ mod tests {
         assert!(!got.contains(&16384) && !got.contains(&(SEG + 3 * 16384)));
         a.free(16384).unwrap();
         assert_eq!(a.alloc(c), Some(16384));
+    }
+
+    #[test]
+    fn a_lent_segment_is_never_handed_out_until_returned() {
+        let mut a = SlabAllocator::new(0, SEG, 3);
+        let c = a.class_for(SEG / 2).unwrap();
+        assert!(a.lend_segment(0));
+        assert!(!a.lend_segment(0), "lent twice");
+        assert!(a.in_no_class(0));
+        assert_eq!(a.free_segment_count(), 2);
+        assert!(a.claim(c, 0).is_err(), "claimed while lent");
+        assert!(a.free(0).is_err());
+        let got: Vec<u64> = std::iter::from_fn(|| a.alloc(c)).collect();
+        assert_eq!(got, vec![SEG, SEG + SEG / 2, 2 * SEG, 2 * SEG + SEG / 2]);
+        assert!(!a.lend_segment(1), "a segment in a class is not free");
+        assert!(!a.in_no_class(1));
+        a.return_segment(0);
+        a.return_segment(0);
+        assert_eq!(a.alloc(c), Some(0));
+        assert_eq!(a.alloc(c), Some(SEG / 2));
+        assert_eq!(a.alloc(c), None, "returned once, handed out once");
+        assert_eq!(a.stats().free_segments, 0);
     }
 
     #[test]

@@ -194,6 +194,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
                     segment_bytes: cfg.pool.segment_size.0,
                     queue_depth: n.queue_depth,
                     allow_buffered: n.allow_buffered,
+                    initialize: n.initialize,
                 },
                 pool,
             )?;

@@ -38,6 +38,7 @@ pub struct Metrics {
     pins: IntGauge,
     pending: IntGauge,
     reserved: IntGauge,
+    nvme_uninitialized: IntGauge,
     sessions: IntGauge,
     waiting: IntGauge,
     hits: IntCounterVec,
@@ -210,6 +211,11 @@ impl Metrics {
                 &r,
                 "kvd_store_reserved_slots",
                 "Slots reserved by pipelined writers (reserve), not yet put or given back.",
+            ),
+            nvme_uninitialized: gauge(
+                &r,
+                "kvd_nvme_uninitialized_bytes",
+                "Free NVMe tier space never written yet (slower to write); zeroed while the tier is idle.",
             ),
             sessions: gauge(&r, "kvd_sessions", "Live client sessions."),
             waiting: gauge(
@@ -523,6 +529,7 @@ impl Metrics {
             self.tier_capacity
                 .with_label_values(&["nvme"])
                 .set(n.capacity_bytes as i64);
+            self.nvme_uninitialized.set(n.uninitialized_bytes as i64);
             advance(&self.nvme_ops.with_label_values(&["write"]), n.writes);
             advance(&self.nvme_ops.with_label_values(&["read"]), n.reads);
             advance(

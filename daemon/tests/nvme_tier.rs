@@ -577,3 +577,98 @@ fn commit_of_a_key_in_flight_to_or_from_nvme_is_refused_not_fatal() {
     // Still serving, with every byte right.
     assert_eq!(verify(&c, l, 31, &ks, &shuffled(n, 3)), n);
 }
+
+/// The never-written ranges of `path` (holes and unwritten extents, as `SEEK_HOLE` and
+/// `SEEK_DATA` report them), in bytes.
+fn never_written(path: &Path) -> u64 {
+    use nix::unistd::{lseek, Whence};
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as i64;
+    let (mut at, mut holes) = (0i64, 0u64);
+    while at < len {
+        let data = match lseek(f.as_raw_fd(), at, Whence::SeekData) {
+            Ok(d) => d,
+            Err(nix::errno::Errno::ENXIO) => len,
+            Err(e) => panic!("SEEK_DATA: {e}"),
+        };
+        holes += (data - at) as u64;
+        if data >= len {
+            break;
+        }
+        at = lseek(f.as_raw_fd(), data, Whence::SeekHole).unwrap();
+    }
+    holes
+}
+
+/// Whether this file system reports preallocated space as never written (ext4, XFS do).
+fn reports_unwritten_space(dir: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let p = dir.join("probe");
+    let f = std::fs::File::create(&p).unwrap();
+    let ok = nix::fcntl::fallocate(
+        f.as_raw_fd(),
+        nix::fcntl::FallocateFlags::empty(),
+        0,
+        1 << 20,
+    )
+    .is_ok()
+        && never_written(&p) == 1 << 20;
+    let _ = std::fs::remove_file(&p);
+    ok
+}
+
+#[test]
+fn never_written_space_is_initialized_while_idle_and_no_block_is_touched() {
+    let dir = disk_dir();
+    if !reports_unwritten_space(dir.path()) {
+        eprintln!("SKIPPED: the file system under target/ does not report unwritten extents");
+        return;
+    }
+    let data = dir.path().join("kvd-nvme.data");
+    // Negative control: with initialization off, the same workload leaves most of the
+    // preallocated file never written.
+    {
+        let cfg = dir.path().join("kvd.toml");
+        std::fs::write(&cfg, "[nvme]\ninitialize = false\n").unwrap();
+        let d = start(&[dir.path()], &["--config", cfg.to_str().unwrap()]);
+        let c = d.client();
+        let l = register(&c, 256).id;
+        fill(&c, l, 40, 3 * 64);
+        settled(&c);
+        assert_eq!(nvme(&c).uninitialized_bytes, 0, "not reported when off");
+        assert!(never_written(&data) > 64 << 20, "initialization is off");
+    }
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    std::fs::create_dir_all(dir.path()).unwrap();
+    // Stores (and demotions) run while the daemon initializes the file in the gaps.
+    let mut d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = fill(&c, l, 41, 3 * 64);
+    eventually(60, "the tier to be initialized", || {
+        nvme(&c).uninitialized_bytes == 0
+    });
+    let st = settled(&c);
+    assert_eq!(
+        never_written(&data),
+        0,
+        "every byte of the tier written once"
+    );
+    let nv = st.nvme.unwrap();
+    assert_eq!(nv.checksum_errors + nv.write_errors + nv.read_errors, 0);
+    let all: Vec<usize> = (0..ks.len()).collect();
+    assert_eq!(
+        verify(&c, l, 41, &ks, &all),
+        ks.len(),
+        "zeros never met a block"
+    );
+    // A restart finds nothing left to do, and its blocks intact.
+    drop(c);
+    d.restart();
+    let c = d.client();
+    assert_eq!(nvme(&c).uninitialized_bytes, 0);
+    let l = register(&c, 256).id;
+    let on_disk = verify(&c, l, 41, &ks, &all);
+    assert!(on_disk >= 2 * 64, "recovered blocks served: {on_disk}");
+}

@@ -457,6 +457,10 @@ pub struct NvmeStats {
     pub evictions: u64,
     /// Blocks recovered from the journal at start.
     pub recovered: u64,
+    /// Bytes of free tier space never written yet (first writes there are slower); the
+    /// daemon writes zeros over it while the tier is idle.
+    #[serde(default)]
+    pub uninitialized_bytes: u64,
 }
 
 /// Reply to `stats`.

@@ -16,6 +16,9 @@
 //!   submits once, waits for at least one completion, reaps them all, and repeats. Writes
 //!   are the exception: each is submitted as soon as its checksum is taken, so the disk
 //!   is busy with one while the next is checksummed.
+//! - Zero writes (`IoKind::Zero`) come from a zeroed buffer of the engine's own, not from
+//!   the pool: the tier's initializer (`nvme::initialize`) uses them to turn never-written
+//!   file space into written space while the tier is idle.
 //! - Ownership: a request names a slot that the store keeps allocated (and unreadable to
 //!   clients for reads in progress) until its completion has been delivered, and the engine
 //!   holds an `Arc` of the pool, so the kernel never touches unmapped or reused memory.
@@ -39,7 +42,12 @@ pub enum IoKind {
     Read,
     /// Pool slot → file.
     Write,
+    /// Zeros → file (`len` ≤ [`ZERO_CHUNK`]; `pool_offset` and `crc_len` unused).
+    Zero,
 }
+
+/// Most bytes of one [`IoKind::Zero`] operation (the engine's zero buffer).
+pub const ZERO_CHUNK: u32 = 4 << 20;
 
 /// One block transfer.
 #[derive(Clone, Copy, Debug)]
@@ -63,6 +71,8 @@ pub struct IoOp {
 /// A completed operation: the crc32c of the block's bytes, or the error.
 #[derive(Debug)]
 pub struct IoDone {
+    /// The request's kind.
+    pub kind: IoKind,
     /// The request's tag.
     pub tag: u64,
     /// crc32c of `crc_len` bytes of the slot, or what failed.
@@ -125,6 +135,7 @@ impl UringEngine {
                     qd: queue_depth.max(1) as usize,
                     inflight: std::collections::HashMap::new(),
                     next_user: 0,
+                    zeros: None,
                 };
                 w.run(rx, &done_tx);
             })?;
@@ -180,6 +191,9 @@ struct Worker {
     qd: usize,
     inflight: std::collections::HashMap<u64, (IoOp, u32)>,
     next_user: u64,
+    /// The source of zero writes, mapped on first use (anonymous memory reads as zeros
+    /// and is never written).
+    zeros: Option<memmap2::Mmap>,
 }
 
 impl Worker {
@@ -230,6 +244,7 @@ impl Worker {
                 self.submit();
                 for ((op, write_crc), res) in finished {
                     out.push(IoDone {
+                        kind: op.kind,
                         tag: op.tag,
                         result: self.complete(&op, res, write_crc),
                     });
@@ -246,9 +261,10 @@ impl Worker {
         while self.inflight.len() < self.qd {
             let Some(op) = queued.pop_front() else { break };
             match self.push(op) {
-                Ok(()) if op.kind == IoKind::Write => self.submit(),
+                Ok(()) if op.kind != IoKind::Read => self.submit(),
                 Ok(()) => {}
                 Err(e) => out.push(IoDone {
+                    kind: op.kind,
                     tag: op.tag,
                     result: Err(e),
                 }),
@@ -279,6 +295,7 @@ impl Worker {
         match op.kind {
             IoKind::Write => Ok(write_crc),
             IoKind::Read => self.crc(op),
+            IoKind::Zero => Ok(0),
         }
     }
 
@@ -291,6 +308,9 @@ impl Worker {
     }
 
     fn push(&mut self, op: IoOp) -> io::Result<()> {
+        if op.kind == IoKind::Zero {
+            return self.push_zero(op);
+        }
         let outside = || io::Error::new(io::ErrorKind::InvalidInput, "operation outside the pool");
         if op.crc_len > op.len {
             return Err(outside());
@@ -303,7 +323,7 @@ impl Worker {
         // while its demotion is in flight (committed blocks are immutable).
         let write_crc = match op.kind {
             IoKind::Write => self.crc(&op)?,
-            IoKind::Read => 0,
+            IoKind::Read | IoKind::Zero => 0,
         };
         let file = types::Fixed(op.file);
         let entry = match (op.kind, self.fixed) {
@@ -321,6 +341,7 @@ impl Worker {
             (IoKind::Write, false) => opcode::Write::new(file, ptr, op.len)
                 .offset(op.file_offset)
                 .build(),
+            (IoKind::Zero, _) => return Err(io::Error::other("zero writes take push_zero")),
         };
         let user = self.next_user;
         self.next_user += 1;
@@ -331,6 +352,37 @@ impl Worker {
         unsafe { self.ring.submission().push(&entry.user_data(user)) }
             .map_err(|_| io::Error::other("submission queue full"))?;
         self.inflight.insert(user, (op, write_crc));
+        Ok(())
+    }
+
+    /// Queues a write of `op.len` zero bytes at `op.file_offset`.
+    fn push_zero(&mut self, op: IoOp) -> io::Result<()> {
+        if op.len > ZERO_CHUNK {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero write longer than the zero buffer",
+            ));
+        }
+        if self.zeros.is_none() {
+            self.zeros = Some(
+                memmap2::MmapOptions::new()
+                    .len(ZERO_CHUNK as usize)
+                    .map_anon()?
+                    .make_read_only()?,
+            );
+        }
+        let ptr = self.zeros.as_ref().map_or(std::ptr::null(), |z| z.as_ptr());
+        let entry = opcode::Write::new(types::Fixed(op.file), ptr, op.len)
+            .offset(op.file_offset)
+            .build();
+        let user = self.next_user;
+        self.next_user += 1;
+        // SAFETY: the buffer is a read-only mapping of `ZERO_CHUNK` bytes (`op.len` is
+        // checked above) owned by this worker, which outlives the ring's operations (the
+        // worker reaps every one before it returns); the kernel only reads from it.
+        unsafe { self.ring.submission().push(&entry.user_data(user)) }
+            .map_err(|_| io::Error::other("submission queue full"))?;
+        self.inflight.insert(user, (op, 0));
         Ok(())
     }
 

@@ -965,11 +965,14 @@ impl Store {
         self.tier.maintain(now);
     }
 
-    /// The earliest pin, allocation or waiting-request deadline.
+    /// The earliest pin, allocation, waiting-request or lower-tier deadline.
     pub fn next_deadline(&self) -> Option<Instant> {
         let a = self.holds.next_deadline();
         let c = self.deferred.iter().map(|d| d.deadline).min();
-        [a, c].into_iter().flatten().min()
+        [a, c, self.tier.next_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 

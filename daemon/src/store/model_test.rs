@@ -132,6 +132,7 @@ impl World {
                 segment_bytes: SEG,
                 queue_depth: 8,
                 allow_buffered: true,
+                initialize: true,
             },
             pool.clone(),
         )

@@ -67,7 +67,11 @@ pub trait LowerTier: Send {
     /// An fd that is readable when completions wait.
     fn wake_fd(&self) -> Option<RawFd>;
     /// Completions delivered so far.
-    fn drain(&self) -> Vec<IoDone>;
+    fn drain(&mut self) -> Vec<IoDone>;
+    /// When [`LowerTier::maintain`] has work to do (`None`: nothing timed).
+    fn next_deadline(&self) -> Option<Instant> {
+        None
+    }
 }
 
 /// The lower tier of a daemon without one: holds nothing, accepts nothing.
@@ -106,7 +110,7 @@ impl LowerTier for NoTier {
     fn wake_fd(&self) -> Option<RawFd> {
         None
     }
-    fn drain(&self) -> Vec<IoDone> {
+    fn drain(&mut self) -> Vec<IoDone> {
         Vec::new()
     }
 }
