@@ -49,8 +49,9 @@ struct Segment {
     live: Vec<u64>,
     prev: u32,
     next: u32,
-    /// Lent out (see [`SlabAllocator::lend_segment`]): in no class and not free.
-    lent: bool,
+    /// Lent out (see [`SlabAllocator::lend_segment`]): in no class and not free; the
+    /// position in the free-segment stack it left.
+    lent: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -105,7 +106,7 @@ impl SlabAllocator {
                 live: Vec::new(),
                 prev: NONE,
                 next: NONE,
-                lent: false,
+                lent: None,
             })
             .collect();
         SlabAllocator {
@@ -229,18 +230,17 @@ impl SlabAllocator {
             return false;
         };
         self.free_segments.remove(pos);
-        self.segments[si as usize].lent = true;
+        self.segments[si as usize].lent = Some(pos as u32);
         true
     }
 
-    /// Gives a lent segment back; it is the next one handed out. Ignores a segment that
-    /// is not lent.
+    /// Gives a lent segment back, where it was in the order segments are handed out (as
+    /// near as the segments freed and taken meanwhile allow). Ignores a segment that is
+    /// not lent.
     pub fn return_segment(&mut self, si: u32) {
-        if let Some(s) = self.segments.get_mut(si as usize) {
-            if s.lent {
-                s.lent = false;
-                self.free_segments.push(si);
-            }
+        if let Some(pos) = self.segments.get_mut(si as usize).and_then(|s| s.lent.take()) {
+            let pos = (pos as usize).min(self.free_segments.len());
+            self.free_segments.insert(pos, si);
         }
     }
 
@@ -539,6 +539,13 @@ mod tests {
         assert_eq!(a.alloc(c), Some(SEG / 2));
         assert_eq!(a.alloc(c), None, "returned once, handed out once");
         assert_eq!(a.stats().free_segments, 0);
+        // a segment lent and returned keeps its place: low segments still go first
+        let mut a = SlabAllocator::new(0, SEG, 3);
+        let c = a.class_for(SEG).unwrap();
+        assert!(a.lend_segment(1));
+        a.return_segment(1);
+        let got: Vec<u64> = std::iter::from_fn(|| a.alloc(c)).collect();
+        assert_eq!(got, vec![0, SEG, 2 * SEG]);
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread |
-//! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU |
+//! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU; `nvme::initialize`: zeroing never-written space while idle, in segments the allocator lends |
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
