@@ -238,7 +238,11 @@ impl SlabAllocator {
     /// near as the segments freed and taken meanwhile allow). Ignores a segment that is
     /// not lent.
     pub fn return_segment(&mut self, si: u32) {
-        if let Some(pos) = self.segments.get_mut(si as usize).and_then(|s| s.lent.take()) {
+        if let Some(pos) = self
+            .segments
+            .get_mut(si as usize)
+            .and_then(|s| s.lent.take())
+        {
             let pos = (pos as usize).min(self.free_segments.len());
             self.free_segments.insert(pos, si);
         }
