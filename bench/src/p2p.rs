@@ -7,8 +7,8 @@
 //!   usable in the reader's pool) against, in the same run, `export` + `pull` of the same
 //!   bytes between the same two daemons (the data plane's own figure). Blocks are deleted on the reader between
 //!   rounds (untimed) so every round moves them again.
-//!   And against the loopback TCP ceiling measured in the same run (best of 1..4 streams,
-//!   hot or walking buffers, as `transport`): comparing only with kvd's own data plane
+//!   And against the loopback TCP ceiling measured in the same run (best of 1..4 streams
+//!   between pool-like buffers, as `transport`): comparing only with kvd's own data plane
 //!   would hide a weak data plane.
 //! - **remote lookup**: p50 of a `lookup` that the reader answers locally (every key
 //!   local) and of one that asks the three peers (the keys live on a peer): the
@@ -94,7 +94,8 @@ pub fn run(a: P2pArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let clients: Vec<Client> = daemons.iter().map(connect).collect::<Result<_>>()?;
     let (reader, a_node) = (&clients[0], &clients[1]);
-    let (ceil, ceil_streams) = crate::transport::tcp_ceiling(a.ceiling_bytes.as_u64())?;
+    let tc = crate::transport::tcp_ceiling(a.ceiling_bytes.as_u64())?;
+    let (ceil, ceil_streams) = (tc.gbps, tc.streams);
     let mut results = Vec::new();
     for size in &a.sizes {
         let block = size.as_u64();
@@ -237,10 +238,11 @@ pub fn run(a: P2pArgs) -> Result<()> {
         "`load from a peer`: ratio against export+pull of the same bytes between the same daemons in this run; `load from a peer/loopback`: against the loopback TCP ceiling of this run".into(),
     );
     extra.insert("ceiling_streams".into(), ceil_streams.into());
+    extra.insert("loopback_hot_buffer_gbps".into(), tc.hot_gbps.into());
     Report {
         bench: "p2p".into(),
         ceiling: Ceiling {
-            what: "loopback TCP, best of 1..4 streams x hot/walking buffers, 1 MiB writes".into(),
+            what: crate::transport::TCP_CEILING_WHAT.into(),
             gbps: ceil,
         },
         results,
