@@ -14,8 +14,8 @@
 //!   can see: such space already reads as zeros.
 //! - Only a segment in no size class is initialized, and only after the allocator *lent*
 //!   it ([`SlabAllocator::lend_segment`]): while lent, no slot of it can be handed out, so
-//!   a zero write can never land on a block. It goes back (as the next segment handed out)
-//!   when its last zero write completed, or failed.
+//!   a zero write can never land on a block. It goes back (to its place in the hand-out
+//!   order) when its last zero write completed, or failed.
 //! - One zero write of at most [`ZERO_CHUNK`] bytes is in flight at a time, and the tier
 //!   starts one only after it has been idle for [`IDLE`]: a demotion or promotion waits
 //!   behind at most one chunk.
@@ -231,7 +231,7 @@ impl Initializer {
         match result {
             Ok(_) => {
                 self.written += done;
-                lent.left -= done;
+                lent.left = lent.left.saturating_sub(done);
                 if lent.ranges.is_empty() {
                     alloc.return_segment(lent.segment);
                     self.current = None;
