@@ -96,7 +96,12 @@ fn pool_like(fill: u8) -> Result<memmap2::MmapMut> {
     let file = tempfile::tempfile_in("/dev/shm").context("a buffer in /dev/shm")?;
     file.set_len(len as u64)?;
     // SAFETY: an unlinked file of this process alone, mapped once, never resized.
-    let mut m = unsafe { memmap2::MmapOptions::new().len(len).populate().map_mut(&file) }?;
+    let mut m = unsafe {
+        memmap2::MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_mut(&file)
+    }?;
     m.fill(fill);
     Ok(m)
 }

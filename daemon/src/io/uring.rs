@@ -181,6 +181,25 @@ impl Drop for UringEngine {
     }
 }
 
+/// Moves every request waiting in the channel to `queued`; clears `open` when the engine
+/// was dropped.
+fn take_requests(
+    rx: &mpsc::Receiver<IoOp>,
+    queued: &mut std::collections::VecDeque<IoOp>,
+    open: &mut bool,
+) {
+    loop {
+        match rx.try_recv() {
+            Ok(op) => queued.push_back(op),
+            Err(mpsc::TryRecvError::Empty) => break,
+            Err(mpsc::TryRecvError::Disconnected) => {
+                *open = false;
+                break;
+            }
+        }
+    }
+}
+
 struct Worker {
     ring: IoUring,
     _files: Vec<File>,
@@ -211,16 +230,7 @@ impl Worker {
                     Err(_) => return,
                 }
             }
-            loop {
-                match rx.try_recv() {
-                    Ok(op) => queued.push_back(op),
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
-            }
+            take_requests(&rx, &mut queued, &mut open);
             let mut out = Vec::new();
             self.fill(&mut queued, &mut out);
             if !self.inflight.is_empty() {
@@ -239,7 +249,10 @@ impl Worker {
                     .filter_map(|(user, res)| self.inflight.remove(&user).map(|f| (f, res)))
                     .collect();
                 // The freed queue slots are refilled before the reads just done are
-                // checksummed, so the disk is not idle meanwhile.
+                // checksummed, so the disk is not idle meanwhile — with what arrived while
+                // this thread waited too (at queue depth 1 the next read, a lookup's
+                // prefetch, is usually in the channel by now).
+                take_requests(&rx, &mut queued, &mut open);
                 self.fill(&mut queued, &mut out);
                 self.submit();
                 for ((op, write_crc), res) in finished {
