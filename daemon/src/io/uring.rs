@@ -317,7 +317,7 @@ impl Worker {
             .pool
             .read(op.pool_offset, op.crc_len as usize)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        Ok(crc32c::crc32c(bytes))
+        Ok(crate::checksum::crc32c(bytes))
     }
 
     fn push(&mut self, op: IoOp) -> io::Result<()> {

@@ -157,7 +157,7 @@ fn record(kind: u8, key: &BlockKey, e: &Entry) -> [u8; REC] {
     r[40..44].copy_from_slice(&e.block_bytes.to_le_bytes());
     r[44..48].copy_from_slice(&e.crc.to_le_bytes());
     r[48..56].copy_from_slice(&e.slot_bytes.to_le_bytes());
-    let c = crc32c::crc32c(&r[..60]);
+    let c = crate::checksum::crc32c(&r[..60]);
     r[60..64].copy_from_slice(&c.to_le_bytes());
     r
 }
@@ -173,7 +173,7 @@ fn parse(r: &[u8]) -> Option<(u8, BlockKey, Entry)> {
         return None;
     }
     let c = u32::from_le_bytes(r[60..64].try_into().ok()?);
-    if crc32c::crc32c(&r[..60]) != c {
+    if crate::checksum::crc32c(&r[..60]) != c {
         return None;
     }
     let u64_at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));

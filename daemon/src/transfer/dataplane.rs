@@ -632,7 +632,7 @@ fn serve_conn(
                         let bytes = src.get(start..end).unwrap_or_default();
                         let last = end == src.len();
                         if with_crc {
-                            crc = crc32c::crc32c_append(crc, bytes);
+                            crc = crate::checksum::crc32c_append(crc, bytes);
                             if last {
                                 crcs.push(crc);
                             }
@@ -903,7 +903,7 @@ impl TcpTransport {
                             got = got.and_then(|c| {
                                 self.pool
                                     .read(op.local + done, n as usize)
-                                    .map(|b| crc32c::crc32c_append(c, b))
+                                    .map(|b| crate::checksum::crc32c_append(c, b))
                                     .ok()
                             });
                         }
@@ -1323,7 +1323,7 @@ mod tests {
                 let (_, _, rest) = check_header(&hdr).unwrap();
                 c.read_exact(&mut vec![0u8; rest]).unwrap();
                 let body = vec![3u8; len as usize];
-                let wrong = crc32c::crc32c(&body) ^ 1;
+                let wrong = crate::checksum::crc32c(&body) ^ 1;
                 c.write_all(&status_bytes(None)).unwrap();
                 c.write_all(&body).unwrap();
                 c.write_all(&crc_table(&[wrong])).unwrap();
