@@ -177,6 +177,23 @@ fn keys_for(case: u32, n: usize) -> Vec<ChunkHash> {
     kvd_protocol::hash::chunk_hashes(&tokens, 1, &case.to_le_bytes())
 }
 
+/// `len` bytes of the kind of memory a pool is: a populated shared mapping of an unlinked
+/// file in `/dev/shm` (4 KiB pages wherever /dev/shm is not mounted `huge=`), so that a
+/// ceiling copies from or into what kvd does.
+fn pool_like(len: usize) -> Result<memmap2::MmapMut> {
+    let file = tempfile::tempfile_in("/dev/shm").context("a buffer in /dev/shm")?;
+    file.set_len(len as u64)?;
+    // SAFETY: an unlinked file of this process alone, mapped once, never resized.
+    let m = unsafe {
+        memmap2::MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_mut(&file)
+    }
+    .context("mapping a buffer in /dev/shm")?;
+    Ok(m)
+}
+
 fn gb(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -408,16 +425,7 @@ fn store(a: StoreArgs) -> Result<()> {
     // anonymous memory, which transparent huge pages make faster than any pool file.
     // The anonymous figure is reported beside it.
     let region_len = (total + max_size) as usize;
-    let ceil_file = tempfile::tempfile_in("/dev/shm").context("a ceiling file in /dev/shm")?;
-    ceil_file.set_len(region_len as u64)?;
-    // SAFETY: an unlinked file of this process alone, mapped once, never resized.
-    let mut region = unsafe {
-        memmap2::MmapOptions::new()
-            .len(region_len)
-            .populate()
-            .map_mut(&ceil_file)
-    }
-    .context("mapping the ceiling region")?;
+    let mut region = pool_like(region_len)?;
     let mut anon = memmap2::MmapOptions::new()
         .len(region_len)
         .populate()

@@ -67,15 +67,7 @@ fn raw(path: &Path, total: u64, bs: u64, qd: u32, write: bool, shm: bool) -> Res
     }
     let len = (bs * u64::from(qd)) as usize;
     let mut buf = if shm {
-        let file = tempfile::tempfile_in("/dev/shm").context("a raw buffer in /dev/shm")?;
-        file.set_len(len as u64)?;
-        // SAFETY: an unlinked file of this process alone, mapped once, never resized.
-        unsafe {
-            memmap2::MmapOptions::new()
-                .len(len)
-                .populate()
-                .map_mut(&file)
-        }?
+        crate::pool_like(len)?
     } else {
         memmap2::MmapOptions::new().len(len).populate().map_anon()?
     };

@@ -89,19 +89,9 @@ pub struct PdArgs {
     json: bool,
 }
 
-/// A 64 MiB buffer of the kind the pool is: a populated shared mapping of a `/dev/shm`
-/// file (4 KiB pages), filled with `fill`.
+/// A 64 MiB pool-like buffer filled with `fill`.
 fn pool_like(fill: u8) -> Result<memmap2::MmapMut> {
-    let len = 64usize << 20;
-    let file = tempfile::tempfile_in("/dev/shm").context("a buffer in /dev/shm")?;
-    file.set_len(len as u64)?;
-    // SAFETY: an unlinked file of this process alone, mapped once, never resized.
-    let mut m = unsafe {
-        memmap2::MmapOptions::new()
-            .len(len)
-            .populate()
-            .map_mut(&file)
-    }?;
+    let mut m = crate::pool_like(64 << 20)?;
     m.fill(fill);
     Ok(m)
 }
