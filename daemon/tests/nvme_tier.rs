@@ -159,9 +159,25 @@ fn blocks_striped_over_two_disks_come_back() {
         served as u64, on_disk,
         "every block on disk, nothing else (DRAM was lost)"
     );
+    // both disks' files end initialized (zero writes striped like the blocks)
+    eventually(60, "the tier to be initialized", || {
+        nvme(&c).uninitialized_bytes == 0
+    });
     for dir in [a.path(), b.path()] {
-        assert!(dir.join("kvd-nvme.data").exists());
+        let data = dir.join("kvd-nvme.data");
+        assert!(data.exists());
+        if reports_unwritten_space(dir) {
+            // at most the class's current segment keeps a never-written tail (see
+            // `never_written_space_is_initialized_while_idle_and_no_block_is_touched`)
+            let left = never_written(&data);
+            assert!(left <= 1 << 20, "{}: {left}", data.display());
+        }
     }
+    assert_eq!(
+        verify(&c, l, 9, &ks, &shuffled(n, 9)) as u64,
+        on_disk,
+        "zeros never met a block on either disk"
+    );
 }
 
 #[test]
@@ -650,11 +666,12 @@ fn never_written_space_is_initialized_while_idle_and_no_block_is_touched() {
         nvme(&c).uninitialized_bytes == 0
     });
     let st = settled(&c);
-    assert_eq!(
-        never_written(&data),
-        0,
-        "every byte of the tier written once"
-    );
+    // Every free segment was zeroed; a segment the blocks' size class took before the
+    // initializer reached it is left to the class's own writes, which fill it slot by
+    // slot, so at most the class's current segment (1 MiB here) keeps a never-written
+    // tail (0 when initialization won the race, as it usually does).
+    let left = never_written(&data);
+    assert!(left <= 1 << 20, "{left} bytes never written");
     let nv = st.nvme.unwrap();
     assert_eq!(nv.checksum_errors + nv.write_errors + nv.read_errors, 0);
     let all: Vec<usize> = (0..ks.len()).collect();
