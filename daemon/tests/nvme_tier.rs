@@ -689,3 +689,85 @@ fn never_written_space_is_initialized_while_idle_and_no_block_is_touched() {
     let on_disk = verify(&c, l, 41, &ks, &all);
     assert!(on_disk >= 2 * 64, "recovered blocks served: {on_disk}");
 }
+
+/// A `get` that promotes some of its keys must not evict its own keys that are already
+/// in DRAM to make room: that read them back from NVMe a second time (or, when they came
+/// earlier in the request, missed them).
+#[test]
+fn a_get_never_evicts_its_own_blocks_to_promote_the_rest() {
+    let dir = disk_dir();
+    let cfg = dir.path().join("kvd.toml");
+    // no watermark headroom: every promotion has to evict
+    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
+    let d = start(&[dir.path()], &["--config", cfg.to_str().unwrap()]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = fill(&c, l, 60, 3 * 64);
+    settled(&c);
+    let keys_of = |is: &[usize]| -> Vec<ChunkHash> { is.iter().map(|&i| ks[i]).collect() };
+    let tiers = c.lookup(l, &ks).unwrap().tiers;
+    let on_disk: Vec<usize> = (0..ks.len()).filter(|&i| tiers[i] == Tier::Nvme).collect();
+    assert!(on_disk.len() >= 16, "{on_disk:?}");
+    for (round, p_first) in [false, true].into_iter().enumerate() {
+        let (p, q) = (
+            &on_disk[8 * round..8 * round + 4],
+            &on_disk[8 * round + 4..8 * round + 8],
+        );
+        // room for four: a lookup of P prefetches them into it
+        // (one key per lookup: a lookup's tiers stop at its first miss)
+        let dram: Vec<usize> = (0..ks.len())
+            .filter(|&i| c.lookup(l, &ks[i..i + 1]).unwrap().tiers == vec![Tier::Dram])
+            .collect();
+        assert!(dram.len() >= 8, "{dram:?}");
+        c.delete(l, &keys_of(&dram[..4])).unwrap();
+        let before = c.stats().unwrap().prefetches;
+        assert_eq!(c.lookup(l, &keys_of(p)).unwrap().prefix, 4);
+        eventually(30, "P prefetched", || {
+            c.stats().unwrap().prefetches == before + 4
+                && c.lookup(l, &keys_of(p)).unwrap().tiers == vec![Tier::Dram; 4]
+        });
+        // every other DRAM block used since: P is now the least recently used
+        let rest = keys_of(&dram[4..]);
+        let mut bufs = vec![vec![0u8; BLOCK]; rest.len()];
+        let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        assert!(c.load(l, &rest, &mut outs).unwrap().iter().all(|&h| h));
+        let st0 = settled(&c);
+        // one get of P (in DRAM) and Q (NVMe only), whose promotions need four slots
+        let order: Vec<usize> = if p_first {
+            p.iter().chain(q).copied().collect()
+        } else {
+            q.iter().chain(p).copied().collect()
+        };
+        assert_eq!(
+            verify_together(&c, l, 60, &ks, &order),
+            8,
+            "P first: {p_first}"
+        );
+        let st1 = settled(&c);
+        assert_eq!(
+            st1.promotions - st0.promotions,
+            4,
+            "only Q is read from NVMe; P was in DRAM (P first: {p_first})"
+        );
+        assert_eq!(st1.misses, st0.misses);
+    }
+}
+
+/// Loads the keys at `order` in one call; returns how many were served, each checked.
+fn verify_together(c: &Client, l: LayoutId, seed: u32, ks: &[ChunkHash], order: &[usize]) -> usize {
+    let keys: Vec<ChunkHash> = order.iter().map(|&i| ks[i]).collect();
+    let mut bufs = vec![vec![0u8; BLOCK]; keys.len()];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let found = c.load(l, &keys, &mut outs).unwrap();
+    let mut served = 0;
+    for ((&i, hit), buf) in order.iter().zip(found).zip(&bufs) {
+        if hit {
+            assert!(
+                *buf == block(content_seed(seed, i), BLOCK),
+                "block {i} corrupt"
+            );
+            served += 1;
+        }
+    }
+    served
+}

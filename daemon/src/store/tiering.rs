@@ -192,40 +192,52 @@ impl Store {
     /// Starts promotions for the keys only the lower tier holds; returns the blocks on
     /// their way into DRAM, and whether some key waits for DRAM room (demotions in
     /// flight).
+    ///
+    /// The request's blocks already in DRAM are marked used first (a `get` is a use), so
+    /// the room its promotions make comes from other blocks: evicting them would read
+    /// them back from the tier a second time, or miss them.
     pub(super) fn promote(&mut self, req: &GetReq, now: Instant, token: u64) -> (Vec<u32>, bool) {
         let mut waits = Vec::new();
         let mut blocked = false;
         let Ok(layout) = self.sessions.layout(req.layout_id) else {
             return (waits, false);
         };
+        let mut resident = Vec::new();
+        let mut missing = Vec::new();
         for k in &req.keys {
-            let key = BlockKey {
-                layout: req.layout_id,
-                hash: *k,
-            };
             match self.index.find(req.layout_id, k) {
                 Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
-                Some(_) => {}
-                None => {
-                    if !self.tier.has(&key) {
-                        continue;
-                    }
-                    match self.make_room(layout.class, 1, now) {
-                        Room::Ready => {}
-                        Room::Wait => {
-                            blocked = true;
-                            continue;
-                        }
-                        Room::Full => {
-                            // everything in DRAM is pinned or in flight: a miss
-                            tracing::debug!("no DRAM room to promote a block");
-                            continue;
-                        }
-                    }
-                    if let Some(idx) = self.start_promotion(key, layout.class, now, token) {
-                        waits.push(idx);
-                    }
+                Some(i) => resident.push(i),
+                None => missing.push(BlockKey {
+                    layout: req.layout_id,
+                    hash: *k,
+                }),
+            }
+        }
+        if !missing.is_empty() {
+            let tick = self.tick(now);
+            for &i in &resident {
+                self.index.touch(i, tick);
+            }
+        }
+        for key in missing {
+            if !self.tier.has(&key) {
+                continue;
+            }
+            match self.make_room(layout.class, 1, now) {
+                Room::Ready => {}
+                Room::Wait => {
+                    blocked = true;
+                    continue;
                 }
+                Room::Full => {
+                    // everything in DRAM is pinned or in flight: a miss
+                    tracing::debug!("no DRAM room to promote a block");
+                    continue;
+                }
+            }
+            if let Some(idx) = self.start_promotion(key, layout.class, now, token) {
+                waits.push(idx);
             }
         }
         (waits, blocked)
