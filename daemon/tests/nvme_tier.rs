@@ -166,12 +166,11 @@ fn blocks_striped_over_two_disks_come_back() {
     for dir in [a.path(), b.path()] {
         let data = dir.join("kvd-nvme.data");
         assert!(data.exists());
-        if reports_unwritten_space(dir) {
-            // at most the class's current segment keeps a never-written tail (see
-            // `never_written_space_is_initialized_while_idle_and_no_block_is_touched`)
-            let left = never_written(&data);
-            assert!(left <= 1 << 20, "{}: {left}", data.display());
-        }
+        require_unwritten_space(dir);
+        // at most the class's current segment keeps a never-written tail (see
+        // `never_written_space_is_initialized_while_idle_and_no_block_is_touched`)
+        let left = never_written(&data);
+        assert!(left <= 1 << 20, "{}: {left}", data.display());
     }
     assert_eq!(
         verify(&c, l, 9, &ks, &shuffled(n, 9)) as u64,
@@ -617,8 +616,9 @@ fn never_written(path: &Path) -> u64 {
     holes
 }
 
-/// Whether this file system reports preallocated space as never written (ext4, XFS do).
-fn reports_unwritten_space(dir: &Path) -> bool {
+/// Asserts that this file system reports preallocated space as never written: the
+/// initialization tests need it, and must not pass without checking anything.
+fn require_unwritten_space(dir: &Path) {
     use std::os::fd::AsRawFd;
     let p = dir.join("probe");
     let f = std::fs::File::create(&p).unwrap();
@@ -631,16 +631,13 @@ fn reports_unwritten_space(dir: &Path) -> bool {
     .is_ok()
         && never_written(&p) == 1 << 20;
     let _ = std::fs::remove_file(&p);
-    ok
+    assert!(ok, "the file system under target/ must report preallocated space as never written (SEEK_HOLE over unwritten extents: ext4, XFS and btrfs do); these tests check the tier's initialization there");
 }
 
 #[test]
 fn never_written_space_is_initialized_while_idle_and_no_block_is_touched() {
     let dir = disk_dir();
-    if !reports_unwritten_space(dir.path()) {
-        eprintln!("SKIPPED: the file system under target/ does not report unwritten extents");
-        return;
-    }
+    require_unwritten_space(dir.path());
     let data = dir.path().join("kvd-nvme.data");
     // Negative control: with initialization off, the same workload leaves most of the
     // preallocated file never written.

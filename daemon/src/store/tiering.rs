@@ -202,12 +202,11 @@ impl Store {
         let Ok(layout) = self.sessions.layout(req.layout_id) else {
             return (waits, false);
         };
-        let mut resident = Vec::new();
         let mut missing = Vec::new();
         for k in &req.keys {
             match self.index.find(req.layout_id, k) {
                 Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
-                Some(i) => resident.push(i),
+                Some(_) => {}
                 None => missing.push(BlockKey {
                     layout: req.layout_id,
                     hash: *k,
@@ -215,9 +214,12 @@ impl Store {
             }
         }
         if !missing.is_empty() {
+            // (a second pass only on this path: a get of DRAM blocks allocates nothing)
             let tick = self.tick(now);
-            for &i in &resident {
-                self.index.touch(i, tick);
+            for k in &req.keys {
+                if let Some(i) = self.index.find(req.layout_id, k) {
+                    self.index.touch(i, tick);
+                }
             }
         }
         for key in missing {
