@@ -202,13 +202,45 @@ pub fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// A free TCP port on loopback (bound and released).
+/// A free TCP port on loopback for a daemon a test starts, chosen outside the kernel's
+/// ephemeral range (`net.ipv4.ip_local_port_range`) and never twice in one process.
+///
+/// A port bound to 0 and released comes from the ephemeral range, where every socket
+/// bound to port 0 meanwhile (another daemon's data port, any outgoing connection's
+/// local end) may take it before the daemon binds it: the p2p bench lost a daemon that
+/// way ("Address already in use"). Outside the range only another process picking the
+/// same port between this check and the bind can, and the pick is random.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use rand::Rng;
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace().map(|x| x.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    // below the range when there is room, else above it
+    let (from, to) = if range.0 >= 12_000 {
+        (10_000, range.0)
+    } else {
+        (range.1.saturating_add(1), u16::MAX)
+    };
+    assert!(
+        to > from + 100,
+        "no ports outside the ephemeral range {range:?}"
+    );
+    let mut rng = rand::thread_rng();
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..1000 {
+        let p = rng.gen_range(from..to);
+        if !given.contains(&p) && std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            given.push(p);
+            return p;
+        }
+    }
+    panic!("no free port in {from}..{to}");
 }
 
 /// The cluster key the tests' daemons use (the default secret file, which the first
