@@ -229,6 +229,36 @@ impl Pool {
     pub fn recv_into(&self, offset: u64, len: usize, r: &mut impl io::Read) -> io::Result<()> {
         self.region.fill_from(offset, len, r)
     }
+
+    /// [`Pool::recv_into`] that also returns the CRC-32C of the bytes, folding in each
+    /// `read`'s bytes (at most `max_read`) just after they land, while they are in cache.
+    pub fn recv_checked(
+        &self,
+        offset: u64,
+        len: usize,
+        r: &mut impl io::Read,
+        max_read: usize,
+    ) -> io::Result<u32> {
+        self.region.with_mut(offset, len, |dst| {
+            let mut crc = 0u32;
+            let mut done = 0;
+            while let Some(rest) = dst.get_mut(done..).filter(|r| !r.is_empty()) {
+                let want = rest.len().min(max_read.max(1));
+                let chunk = rest.get_mut(..want).unwrap_or_default();
+                match r.read(chunk) {
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => {
+                        crc =
+                            crate::checksum::crc32c_append(crc, chunk.get(..n).unwrap_or_default());
+                        done += n;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(crc)
+        })?
+    }
 }
 
 impl From<OutOfBounds> for PoolError {
@@ -381,6 +411,59 @@ mod tests {
         std::fs::write(&o.path, b"stale").unwrap();
         let p = Pool::create(&o, Incarnation(9)).unwrap();
         assert_eq!(p.size(), 1 << 20);
+    }
+
+    /// A reader that hands out its bytes in the lengths it is given, then ends.
+    struct Trickle<'a> {
+        bytes: &'a [u8],
+        lens: std::iter::Cycle<std::slice::Iter<'a, usize>>,
+    }
+
+    impl io::Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = (*self.lens.next().unwrap())
+                .min(buf.len())
+                .min(self.bytes.len());
+            buf[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn recv_checked_lands_the_bytes_and_their_crc_whatever_the_reads() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let p = Pool::create(&opts(dir.path()), Incarnation(7)).unwrap();
+        let bytes: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        for (lens, max_read) in [
+            (&[1usize][..], 7),
+            (&[4096, 17, 65536][..], 100_000),
+            (&[usize::MAX][..], 65536),
+            (&[usize::MAX][..], 1 << 20),
+        ] {
+            let mut r = Trickle {
+                bytes: &bytes,
+                lens: lens.iter().cycle(),
+            };
+            let crc = p.recv_checked(4096, bytes.len(), &mut r, max_read).unwrap();
+            assert_eq!(crc, crc32c::crc32c(&bytes), "{lens:?} / {max_read}");
+            assert_eq!(p.read(4096, bytes.len()).unwrap(), &bytes[..]);
+            p.write(4096, &vec![0; bytes.len()]).unwrap();
+        }
+        // the sender stops short: an error, not a checksum of what did arrive
+        let mut r = Trickle {
+            bytes: &bytes[..1000],
+            lens: [64usize].iter().cycle(),
+        };
+        let e = p.recv_checked(4096, bytes.len(), &mut r, 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        // out of bounds: refused before reading
+        let mut r = Trickle {
+            bytes: &bytes,
+            lens: [64usize].iter().cycle(),
+        };
+        assert!(p.recv_checked(1 << 20, 8, &mut r, 4096).is_err());
+        assert_eq!(r.bytes.len(), bytes.len());
     }
 
     #[test]
