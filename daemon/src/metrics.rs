@@ -72,6 +72,7 @@ pub struct Metrics {
     peer_skipped: IntCounter,
     peer_fetches: IntCounterVec,
     peer_locks: IntCounter,
+    peer_locks_released: IntCounter,
     ready: IntGauge,
 }
 
@@ -379,6 +380,11 @@ impl Metrics {
                 "kvd_peer_locks_total",
                 "Locks granted to peers reading this node's blocks.",
             ),
+            peer_locks_released: counter(
+                &r,
+                "kvd_peer_locks_released_total",
+                "Locks this node took at peers and released unread (a second holder's lock-at-lookup, a late one, or one whose read could not start).",
+            ),
             ready: gauge(&r, "kvd_ready", "1 when /readyz would answer 200."),
             registry: r,
         };
@@ -564,6 +570,7 @@ impl Metrics {
                 t.peer_fetch_failures,
             );
             advance(&self.peer_locks, t.locks);
+            advance(&self.peer_locks_released, t.locks_released);
         }
         self.peers.with_label_values(&["up"]).set(peers.up as i64);
         self.peers

@@ -1120,7 +1120,7 @@ impl Server {
             Request::PeerHeartbeat(r) => Answer::Now(Body::from(t.peer_heartbeat(r, now)?)),
             Request::PeerRdmaConnect(r) => Answer::Now(Body::from(t.peer_rdma_connect(r)?)),
             Request::PeerRdmaRegister(r) => Answer::Now(Body::from(t.peer_rdma_register(r, now)?)),
-            Request::PeerLookup(r) => Answer::Now(Body::from(t.peer_lookup(s, r)?)),
+            Request::PeerLookup(r) => Answer::Now(Body::from(t.peer_lookup(s, r, now)?)),
             Request::PeerLock(r) => Answer::Now(Body::from(t.peer_lock(s, r, now)?)),
             other => {
                 return Err(WireError::new(

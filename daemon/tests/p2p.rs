@@ -251,6 +251,101 @@ fn a_silent_readers_lock_expires_and_forged_reads_are_refused() {
     assert!(ca.stats().unwrap().transfers.unwrap().refused >= 4);
 }
 
+#[test]
+fn a_lookup_locks_only_when_it_may_and_holds_every_key_and_peer_fail_unlocks() {
+    let (d, nodes, _cfg) = cluster("fetch", false);
+    let ca = d[0].client();
+    let (l, ks, data) = fill(&ca, 11, 2);
+    let a = ca.hello_info().node.unwrap();
+    let me = PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(43),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    };
+    let pinned = || ca.stats().unwrap().pinned_blocks;
+    let ask = |keys: &[ChunkHash], lock_ttl_ms: Option<u64>| {
+        let r = PeerLookupReq {
+            from: me.clone(),
+            to_incarnation: Incarnation(0),
+            layout_id: l,
+            keys: keys.to_vec(),
+            lock_ttl_ms,
+        };
+        raw_call(&nodes[0], "peer_lookup", &r).unwrap()
+    };
+    // a plain lookup locks nothing
+    let ack = ask(&ks, None);
+    assert_eq!((ack.present, ack.params.is_some()), (vec![true; 2], false));
+    // a lock asked for keys not all held: presence only, nothing pinned
+    let mut more = ks.clone();
+    more.push(keys(12, 1)[0]);
+    let ack = ask(&more, Some(2000));
+    assert_eq!(ack.present, vec![true, true, false]);
+    assert!(ack.params.is_none());
+    assert_eq!(pinned(), 0);
+    // every key held: locked, read like a pull
+    let ack = ask(&ks, Some(2000));
+    assert_eq!(ack.present, vec![true; 2]);
+    let p = *ack.params.expect("a lock of every key");
+    assert_eq!((p.layout_id, &p.keys), (l, &ks));
+    assert_eq!(pinned(), 2, "locked blocks are pinned");
+    let tag = transfer_tag(&p.transfer_id, &p.keys, p.offsets.iter().map(|&o| Some(o)));
+    assert_eq!(
+        raw_read(&p, p.handle, p.token ^ tag, p.offsets[1], 4096).unwrap(),
+        data[1][..4096]
+    );
+    assert_eq!(ca.stats().unwrap().transfers.unwrap().locks, 1);
+    // the reader does not need it after all: released at once, long before its TTL
+    let fail = PeerFailReq {
+        from: me.clone(),
+        to_incarnation: a.incarnation,
+        transfer_id: p.transfer_id.clone(),
+        error: WireError::new(ErrorCode::Aborted, "not needed"),
+    };
+    raw_call(&nodes[0], "peer_fail", &fail).unwrap();
+    assert_eq!(pinned(), 0);
+    assert!(raw_read(&p, p.handle, p.token ^ tag, p.offsets[1], 4096).is_err());
+    // a lock at lookup is another reader's to release, not anyone's
+    let p = *ask(&ks, Some(2000)).params.unwrap();
+    let other = PeerFailReq {
+        from: PeerRef {
+            incarnation: Incarnation(44),
+            ..me.clone()
+        },
+        transfer_id: p.transfer_id.clone(),
+        ..fail
+    };
+    assert!(raw_call(&nodes[0], "peer_fail", &other).is_err());
+    assert_eq!(pinned(), 2);
+}
+
+#[test]
+fn blocks_two_peers_hold_are_read_from_one_and_the_other_lock_is_released() {
+    let (d, _nodes, _cfg) = cluster("fetch", false);
+    let (ca, cb, cc) = (d[0].client(), d[1].client(), d[2].client());
+    let (l, ks, data) = fill(&ca, 13, 4);
+    let (_, ks_b, _) = fill(&cb, 13, 4);
+    assert_eq!(ks, ks_b);
+    register(&cc, 64);
+    let (hit, bufs) = load(&cc, l, &ks);
+    assert_eq!(hit, vec![true; 4]);
+    assert_eq!(bufs, data);
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert_eq!((x.peer_fetches, x.peer_fetch_failures), (1, 0));
+    // Both holders locked at lookup; the one not read hears so at once, not after its
+    // lock's TTL (5 s here): both are unpinned within 3 s.
+    eventually(3, "both holders unlocked", || {
+        let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
+        sa.pinned_blocks == 0 && sb.pinned_blocks == 0
+    });
+    let locks = |c: &Client| c.stats().unwrap().transfers.unwrap().locks;
+    assert_eq!(locks(&ca) + locks(&cb), 2, "one lock each, taken at lookup");
+    assert_eq!(cc.stats().unwrap().transfers.unwrap().locks_released, 1);
+}
+
 /// A real etcd on loopback (the test command installs Debian's `etcd-server`).
 #[cfg(feature = "etcd")]
 struct Etcd {

@@ -453,7 +453,8 @@ pub struct PeerAck {
     /// `peer_lookup`: per key asked, whether the receiver holds it (DRAM or NVMe).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub present: Vec<bool>,
-    /// `peer_lock`: the lock, as an export of the locked blocks (read it like a pull).
+    /// `peer_lock` (and `peer_lookup` with `lock_ttl_ms`, when it locked): the lock, as
+    /// an export of the locked blocks (read it like a pull).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<Box<TransferParams>>,
     /// `peer_done`: the exporter's own pool file, so a same-host reader can check that it
@@ -476,6 +477,12 @@ pub struct PeerLookupReq {
     pub layout_id: LayoutId,
     /// Keys to check.
     pub keys: Vec<ChunkHash>,
+    /// Lock-at-lookup: when set and the receiver holds every key, it also locks them as
+    /// `peer_lock` would (this TTL) and answers `params`, saving the reader the lock's
+    /// round trip. A reader that does not use such a lock sends `peer_fail` for it.
+    /// Older daemons ignore the field and answer presence only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_ttl_ms: Option<u64>,
 }
 
 /// `peer_lock`: pin blocks for a reader for `ttl_ms` (renewed by its heartbeats), and
@@ -576,6 +583,10 @@ pub struct TransferStats {
     /// Locks granted to peers reading this daemon's blocks.
     #[serde(default)]
     pub locks: u64,
+    /// Locks this daemon took at peers and released unread: a second holder's
+    /// lock-at-lookup, a late one, or one whose read could not start.
+    #[serde(default)]
+    pub locks_released: u64,
     /// Peers currently skipped after a timeout.
     #[serde(default)]
     pub peers_down: u64,

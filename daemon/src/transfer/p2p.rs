@@ -8,7 +8,11 @@
 //! - **Lock-and-locate + one-sided read** (`peers.mode = fetch`): a `get` that misses
 //!   locally looks the missing keys up at the peers, asks each holder for a lock
 //!   (`peer_lock`: the holder exports the blocks under a lease of `peers.lock_ttl_ms`,
-//!   with a read grant), reads them through the data plane into local PENDING slots as
+//!   with a read grant) — or, when every key from the first missing one is missing, has
+//!   the lookup itself lock them at each peer that holds them all (**lock-at-lookup**,
+//!   `peer_lookup` with `lock_ttl_ms`: one round trip less; the first such answer is
+//!   used and every other lock is released at once with `peer_fail`, a late one as it
+//!   arrives) — reads them through the data plane into local PENDING slots as
 //!   an internal pull with CRC-32C checks (the holder's data server computes each
 //!   range's checksum as it sends it, the reader checks it as it lands: off the server
 //!   threads, cache-warm), commits, and tells the holder (which unlocks at once). Then the `get` pins what is local. The holder's
@@ -46,9 +50,22 @@ pub(super) struct Query {
     local: Vec<Tier>,
     /// Keys asked of the peers: `keys[from..]`.
     from: usize,
-    answers: Vec<(String, Incarnation, Vec<bool>)>,
+    /// Whether the peers were asked to lock at lookup.
+    lock: bool,
+    answers: Vec<PeerAnswer>,
     waiting: usize,
     purpose: Purpose,
+}
+
+/// One peer's answer to a query.
+#[derive(Debug)]
+struct PeerAnswer {
+    node: String,
+    incarnation: Incarnation,
+    /// Per key asked (`keys[from..]`).
+    present: Vec<bool>,
+    /// The lock it took at lookup, if asked and it holds every key.
+    lock: Option<Box<TransferParams>>,
 }
 
 /// A fetch waiting for its locks and reads.
@@ -116,6 +133,7 @@ impl Transfers {
                 keys: req.keys.clone(),
                 local: local.tiers.clone(),
                 from,
+                lock: false,
                 answers: Vec::new(),
                 waiting: 0,
                 purpose: Purpose::Lookup,
@@ -146,6 +164,8 @@ impl Transfers {
                 keys: req.keys.clone(),
                 local,
                 from: first,
+                // A lock of keys this daemon already holds would move them again.
+                lock: missing.get(first..).is_some_and(|m| m.iter().all(|m| *m)),
                 answers: Vec::new(),
                 waiting: 0,
                 purpose: Purpose::Fetch(req.clone()),
@@ -171,6 +191,7 @@ impl Transfers {
                     to_incarnation: Incarnation(0),
                     layout_id: q.layout,
                     keys: q.keys[q.from..].to_vec(),
+                    lock_ttl_ms: q.lock.then_some(self.cfg.peers.lock_ttl.as_millis() as u64),
                 }),
                 then: Then::Looked(id, node),
                 timeout: Some(self.cfg.peers.lookup_timeout),
@@ -190,15 +211,28 @@ impl Transfers {
         now: Instant,
     ) {
         let Some(q) = self.queries.get_mut(&id) else {
+            // A late answer to a fetch that went on without it: its lock is not used.
+            if let Ok(PeerAck {
+                params: Some(p), ..
+            }) = r
+            {
+                self.release_lock(&p);
+            }
             return;
         };
         q.waiting -= 1;
+        let mut stray = None;
         match r {
             Ok(ack) if ack.present.len() == q.keys.len() - q.from => {
                 self.down_until.remove(&node);
-                q.answers.push((node, ack.incarnation, ack.present));
+                q.answers.push(PeerAnswer {
+                    node,
+                    incarnation: ack.incarnation,
+                    present: ack.present,
+                    lock: ack.params,
+                });
             }
-            Ok(_) => {}
+            Ok(ack) => stray = ack.params,
             Err(e) => {
                 // unknown_layout and the like: the peer is up, it just has nothing
                 if matches!(e.code, ErrorCode::PeerUnreachable) {
@@ -212,19 +246,42 @@ impl Transfers {
         // A fetch need not wait for the other peers once one answer covers every key it
         // misses (the slowest peer stays off the critical path).
         let covered = matches!(q.purpose, Purpose::Fetch(_))
-            && q.answers.last().is_some_and(|(_, _, present)| {
-                (q.from..q.keys.len()).all(|i| q.local[i] != Tier::Peer || present[i - q.from])
+            && q.answers.last().is_some_and(|a| {
+                (q.from..q.keys.len()).all(|i| q.local[i] != Tier::Peer || a.present[i - q.from])
             });
-        if q.waiting > 0 && !covered {
+        let waiting = q.waiting > 0 && !covered;
+        if let Some(p) = stray {
+            self.release_lock(&p);
+        }
+        if waiting {
             return;
         }
-        let q = self.queries.remove(&id).expect("present");
+        let Some(mut q) = self.queries.remove(&id) else {
+            return;
+        };
+        // Lock-at-lookup: the first answer that covers every missing key and brought a
+        // lock of exactly the keys asked; every other lock is released now.
+        let asked = q.keys.get(q.from..).unwrap_or_default();
+        let pick = q.answers.iter().position(|a| {
+            a.lock
+                .as_ref()
+                .is_some_and(|p| p.layout_id == q.layout && p.keys == asked)
+                && (q.from..q.keys.len()).all(|i| q.local[i] != Tier::Peer || a.present[i - q.from])
+        });
+        let chosen = pick
+            .and_then(|i| q.answers.get_mut(i))
+            .and_then(|a| a.lock.take());
+        for a in &mut q.answers {
+            if let Some(p) = a.lock.take() {
+                self.release_lock(&p);
+            }
+        }
         // Per key from `from`: the first peer holding it.
         let holder = |i: usize| {
             q.answers
                 .iter()
-                .find(|(_, _, p)| p.get(i - q.from).copied().unwrap_or(false))
-                .map(|(n, inc, _)| (n.clone(), *inc))
+                .find(|a| a.present.get(i - q.from).copied().unwrap_or(false))
+                .map(|a| (a.node.clone(), a.incarnation))
         };
         match q.purpose {
             Purpose::Lookup => {
@@ -253,6 +310,19 @@ impl Transfers {
                 ));
             }
             Purpose::Fetch(req) => {
+                let fid = self.new_id();
+                if let Some(params) = chosen {
+                    self.fetches.insert(
+                        fid,
+                        Fetch {
+                            token: q.token,
+                            req,
+                            outstanding: 1,
+                        },
+                    );
+                    self.pull_lock(store, fid, *params, now);
+                    return;
+                }
                 // Group the missing keys by holder; lock each group.
                 let mut groups: HashMap<(String, Incarnation), Vec<ChunkHash>> = HashMap::new();
                 for i in q.from..q.keys.len() {
@@ -263,7 +333,6 @@ impl Transfers {
                         groups.entry(h).or_default().push(q.keys[i]);
                     }
                 }
-                let fid = self.new_id();
                 let outstanding = groups.len();
                 for ((node, inc), keys) in groups {
                     self.outbox.push(Outgoing {
@@ -292,6 +361,17 @@ impl Transfers {
         }
     }
 
+    /// Tells a holder that the lock `p` will not be read (it unlocks at once instead of
+    /// when its TTL runs out).
+    fn release_lock(&mut self, p: &TransferParams) {
+        self.counters.locks_released += 1;
+        self.fail_peer(
+            &p.from,
+            &p.transfer_id,
+            werr(ErrorCode::Aborted, "lock not needed by the reader"),
+        );
+    }
+
     /// A holder's answer to `peer_lock`: pull the locked blocks.
     pub(super) fn on_locked(
         &mut self,
@@ -304,22 +384,31 @@ impl Transfers {
             return;
         };
         match r.map(|a| a.params) {
-            Ok(Some(params)) => {
-                let system = self.system;
-                let ttl = f.req.ttl_ms;
-                match self.start_internal_pull(store, *params, system, ttl, fid, now) {
-                    Ok(()) => return, // the import's end steps the fetch
-                    Err(e) => tracing::info!(error = %e, "peer fetch: pull refused"),
-                }
-            }
+            Ok(Some(params)) => return self.pull_lock(store, fid, *params, now),
             Ok(_) => tracing::info!("peer fetch: lock answer without params"),
             Err(e) => tracing::info!(error = %e, "peer fetch: lock refused"),
         }
         self.counters.peer_fetch_failures += 1;
-        if let Some(f) = self.fetches.get_mut(&fid) {
-            f.outstanding -= 1;
-        }
+        f.outstanding -= 1;
         self.fetch_step(store, fid, now);
+    }
+
+    /// Reads a lock's blocks for fetch `fid` (the import's end steps the fetch).
+    fn pull_lock(&mut self, store: &mut Store, fid: u64, params: TransferParams, now: Instant) {
+        let Some(f) = self.fetches.get(&fid) else {
+            return self.release_lock(&params);
+        };
+        let (system, ttl) = (self.system, f.req.ttl_ms);
+        let held = params.clone();
+        if let Err(e) = self.start_internal_pull(store, params, system, ttl, fid, now) {
+            tracing::info!(error = %e, "peer fetch: pull refused");
+            self.release_lock(&held);
+            self.counters.peer_fetch_failures += 1;
+            if let Some(f) = self.fetches.get_mut(&fid) {
+                f.outstanding -= 1;
+            }
+            self.fetch_step(store, fid, now);
+        }
     }
 
     /// One group of a fetch ended (an import finished or a lock failed).
@@ -359,6 +448,7 @@ impl Transfers {
         &mut self,
         store: &mut Store,
         r: &PeerLookupReq,
+        now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, true)?;
         store.block_bytes(r.layout_id).ok_or_else(|| {
@@ -368,9 +458,25 @@ impl Transfers {
             )
         })?;
         let present = store.holds(r.layout_id, &r.keys);
+        // Lock-at-lookup, only when every key is here: a partial lock is of no use to the
+        // reader, which then locks per holder. A refused lock (a block only on NVMe, a
+        // full table) leaves the answer as a plain lookup's.
+        let params = match r.lock_ttl_ms {
+            Some(ttl) if !r.keys.is_empty() && present.iter().all(|p| *p) => {
+                match self.lock(store, &r.from, r.layout_id, &r.keys, ttl, now) {
+                    Ok(p) => Some(Box::new(p)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "lock at lookup refused: presence only");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(Reply::Ack(PeerAck {
             incarnation: self.me.incarnation,
             present,
+            params,
             ..Default::default()
         }))
     }
@@ -383,30 +489,45 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        if r.keys.is_empty() {
+        let params = self.lock(store, &r.from, r.layout_id, &r.keys, r.ttl_ms, now)?;
+        Ok(Reply::Ack(PeerAck {
+            incarnation: self.me.incarnation,
+            params: Some(Box::new(params)),
+            ..Default::default()
+        }))
+    }
+
+    /// Locks `keys` for the reader `from`: an export under a lease of `ttl_ms` (clamped
+    /// to 100 ms–60 s) whose only importer is `from`.
+    fn lock(
+        &mut self,
+        store: &mut Store,
+        from: &PeerRef,
+        layout_id: LayoutId,
+        keys: &[ChunkHash],
+        ttl_ms: u64,
+        now: Instant,
+    ) -> Result<TransferParams, WireError> {
+        if keys.is_empty() {
             return Err(werr(ErrorCode::InvalidArgument, "lock of no keys"));
         }
         let id = format!("lock-{:016x}", rand::random::<u64>());
-        let ttl = Duration::from_millis(r.ttl_ms)
+        let ttl = Duration::from_millis(ttl_ms)
             .clamp(Duration::from_millis(100), Duration::from_secs(60));
         let export = ExportReq {
             client: self.system,
             transfer_id: id.clone(),
-            layout_id: r.layout_id,
-            keys: r.keys.clone(),
+            layout_id,
+            keys: keys.to_vec(),
             lease_ms: Some(ttl.as_millis() as u64),
         };
         let Reply::Export(e) = self.export(store, &export, now)? else {
             return Err(werr(ErrorCode::Internal, "export answered something else"));
         };
         if let Some(x) = self.exports.get_mut(&id) {
-            x.importer = Some(r.from.clone());
+            x.importer = Some(from.clone());
         }
         self.counters.locks += 1;
-        Ok(Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
-            params: Some(Box::new(e.params)),
-            ..Default::default()
-        }))
+        Ok(e.params)
     }
 }
