@@ -48,9 +48,20 @@ pub(super) struct Node {
     pub last_use: u32,
     class: u16,
     state: State,
-    /// A write to the lower tier failed: evict by dropping, do not retry.
-    pub no_demote: bool,
+    /// [`NO_DEMOTE`], [`PREFETCHED`].
+    flags: u8,
 }
+
+/// A write to the lower tier failed: evict by dropping, do not retry.
+const NO_DEMOTE: u8 = 1;
+/// Read ahead by a `lookup`'s prefetch and not pinned by a `get` since: spared once by
+/// eviction ([`Index::reprieve`]).
+const PREFETCHED: u8 = 2;
+
+const _: () = assert!(
+    std::mem::size_of::<Node>() == 48,
+    "the index's memory budget"
+);
 
 impl Node {
     /// A node for a block in the slot at `offset`.
@@ -65,8 +76,19 @@ impl Node {
             last_use: tick,
             class: class.0,
             state,
-            no_demote: false,
+            flags: 0,
         }
+    }
+
+    /// A node for a block a `lookup`'s prefetch reads ahead (see [`PREFETCHED`]).
+    pub fn prefetched(mut self) -> Node {
+        self.flags |= PREFETCHED;
+        self
+    }
+
+    /// Whether a write of it to the lower tier failed (evict by dropping).
+    pub fn no_demote(&self) -> bool {
+        self.flags & NO_DEMOTE != 0
     }
 
     pub fn key(&self) -> BlockKey {
@@ -263,12 +285,29 @@ impl Index {
         }
     }
 
-    /// One more pin: the block is no longer evictable.
+    /// An eviction found `idx` at the tail of its list: if it is a prefetched block no
+    /// `get` has pinned yet, it is spared once (moved to the head as if used, the mark
+    /// cleared) and this says so; the caller looks at the new tail. A load's blocks that
+    /// it has read were used after its `lookup` prefetched the rest, so plain LRU order
+    /// would evict the blocks its next `get`s want (to read them from the lower tier a
+    /// second time) and keep the ones it is done with.
+    pub fn reprieve(&mut self, idx: u32, tick: u32) -> bool {
+        let n = &mut self.nodes[idx as usize];
+        if n.flags & PREFETCHED == 0 {
+            return false;
+        }
+        n.flags &= !PREFETCHED;
+        self.touch(idx, tick);
+        true
+    }
+
+    /// One more pin: the block is no longer evictable (and no longer merely prefetched).
     pub fn pin(&mut self, idx: u32) {
         if self.listed(idx) {
             self.unlink(idx);
         }
         let n = &mut self.nodes[idx as usize];
+        n.flags &= !PREFETCHED;
         n.pins += 1;
         if n.pins == 1 {
             self.pinned += 1;
@@ -304,7 +343,7 @@ impl Index {
         let n = &mut self.nodes[idx as usize];
         n.state = State::Committed;
         if !written {
-            n.no_demote = true;
+            n.flags |= NO_DEMOTE;
         }
         if n.pins > 0 {
             return false;

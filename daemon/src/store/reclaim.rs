@@ -13,6 +13,7 @@
 
 use std::time::Instant;
 
+use super::index::Index;
 use super::{Store, StoreError};
 use crate::alloc::ClassId;
 
@@ -55,7 +56,7 @@ impl Store {
     }
 
     fn can_demote(&self, idx: u32) -> bool {
-        self.tier.demotes() && !self.index.node(idx).no_demote
+        self.tier.demotes() && !self.index.node(idx).no_demote()
     }
 
     /// Evicts until `k` slots of `class` can be handed out.
@@ -79,8 +80,8 @@ impl Store {
             if have + own + other >= k {
                 return Room::Wait;
             }
-            let victim = match self.index.lru_tail(c) {
-                None => match self.index.oldest_tail(Some(c)) {
+            let victim = match self.next_victim(now, |ix| ix.lru_tail(c)) {
+                None => match self.next_victim(now, |ix| ix.oldest_tail(Some(c))) {
                     Some(v) => v,
                     None if self.demoting_bytes > 0 => return Room::Wait,
                     None => return Room::Full,
@@ -88,6 +89,19 @@ impl Store {
                 Some(v) => v,
             };
             self.evict(victim, now);
+        }
+    }
+
+    /// The next block to evict, as `pick` names it (a class's LRU tail, the oldest of
+    /// several tails), sparing on the way each prefetched block no `get` has read yet,
+    /// once ([`Index::reprieve`]; each reprieve clears a mark, so this ends).
+    fn next_victim(&mut self, now: Instant, pick: impl Fn(&Index) -> Option<u32>) -> Option<u32> {
+        let tick = self.tick(now);
+        loop {
+            let v = pick(&self.index)?;
+            if !self.index.reprieve(v, tick) {
+                return Some(v);
+            }
         }
     }
 
@@ -131,7 +145,7 @@ impl Store {
         let low = cap * self.cfg.low_watermark;
         let mut n = 0u64;
         while ((self.alloc.used_bytes() - self.demoting_bytes) as f64) > low {
-            match self.index.oldest_tail(None) {
+            match self.next_victim(now, |ix| ix.oldest_tail(None)) {
                 // With a lower tier a fresh block is written back, not lost: demote it.
                 Some(v) if self.index.node(v).last_use < fresh || self.can_demote(v) => {
                     self.evict(v, now)

@@ -169,7 +169,7 @@ impl Store {
     pub(super) fn begin_demotion(&mut self, idx: u32, now: Instant) -> bool {
         let n = *self.index.node(idx);
         let key = n.key();
-        if n.no_demote || self.tier.knows(&key) {
+        if n.no_demote() || self.tier.knows(&key) {
             return false;
         }
         let block_bytes = self.sessions.layout(n.layout).map_or(0, |l| l.block_bytes);
@@ -263,9 +263,10 @@ impl Store {
         }
         self.next_tag += 1;
         let tick = self.tick(now);
+        let node = Node::new(key, off, class, State::Promoting, tick);
         let idx = self
             .index
-            .insert(Node::new(key, off, class, State::Promoting, tick));
+            .insert(if token == 0 { node.prefetched() } else { node });
         self.flights.insert(tag, Flight::Promote(idx, token));
         Some(idx)
     }
