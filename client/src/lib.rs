@@ -948,11 +948,29 @@ impl Client {
         Ok(info)
     }
 
-    /// The longest cached prefix of `keys`, with the tier of each cached key.
+    /// The longest cached prefix of `keys`, with the tier of each cached key. The daemon
+    /// starts reading the prefix's NVMe-only blocks into free DRAM slots (a prefetch for
+    /// the `get` that usually follows).
     pub fn lookup(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, false)
+    }
+
+    /// [`Client::lookup`] that starts no prefetch: where the prefix is, and nothing
+    /// more (a router probing nodes it may not pick, a tool taking stock).
+    pub fn probe(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, true)
+    }
+
+    fn lookup_with(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        no_prefetch: bool,
+    ) -> Result<LookupResp> {
         let req = Request::Lookup(LookupReq {
             layout_id: layout,
             keys: keys.to_vec(),
+            no_prefetch,
         });
         Ok(self.raw_call(&req, &[])?.0)
     }

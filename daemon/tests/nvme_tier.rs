@@ -122,6 +122,9 @@ fn three_pools_of_blocks_come_back_from_nvme_verified() {
     // a lookup prefetches NVMe-only blocks into free DRAM slots (free 8 of them first)
     assert_eq!(c.delete(l, &ks[n - 8..]).unwrap().len(), 8);
     let before = c.stats().unwrap().prefetches;
+    // a probe (a lookup with `no_prefetch`) says the same and starts no read
+    assert_eq!(c.probe(l, &ks[20..24]).unwrap().tiers, vec![Tier::Nvme; 4]);
+    assert_eq!(c.stats().unwrap().prefetches, before);
     // (the full lookup above may have prefetched the first few already)
     assert_eq!(c.lookup(l, &ks[20..24]).unwrap().prefix, 4);
     assert_eq!(c.stats().unwrap().prefetches, before + 4);

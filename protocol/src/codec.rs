@@ -437,6 +437,7 @@ mod tests {
             &Request::Lookup(LookupReq {
                 layout_id: LayoutId(0x0102030405060708),
                 keys: vec![ChunkHash([0xab; 16])],
+                no_prefetch: false,
             }),
         );
         assert_eq!(hex::encode(&lookup), "84a17601a2696407a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f6964cf0102030405060708a46b65797391c410abababababababababababababababab");
@@ -521,10 +522,13 @@ mod tests {
                 client_name: n,
                 pid: p
             })),
-            (any::<u64>(), keys()).prop_map(|(l, k)| Request::Lookup(LookupReq {
-                layout_id: LayoutId(l),
-                keys: k
-            })),
+            (any::<u64>(), keys(), any::<bool>()).prop_map(|(l, k, n)| Request::Lookup(
+                LookupReq {
+                    layout_id: LayoutId(l),
+                    keys: k,
+                    no_prefetch: n
+                }
+            )),
             (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Alloc(AllocReq {
                 client: ClientId(c),
                 layout_id: LayoutId(l),

@@ -185,6 +185,10 @@ pub struct LookupReq {
     pub layout_id: LayoutId,
     /// Chunk hashes, in prefix order.
     pub keys: Vec<ChunkHash>,
+    /// Start no prefetch of NVMe-only blocks (a router probing several nodes, a bench
+    /// taking stock): only says where the prefix is. Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_prefetch: bool,
 }
 
 /// Reply to `lookup`.

@@ -346,7 +346,7 @@ impl Store {
                 }
             }
         }
-        if tiers.contains(&Tier::Nvme) {
+        if tiers.contains(&Tier::Nvme) && !req.no_prefetch {
             self.prefetch(req.layout_id, &req.keys[..tiers.len()], now);
         }
         Ok(LookupResp {
@@ -1110,6 +1110,7 @@ mod tests {
                     &LookupReq {
                         layout_id: self.l,
                         keys: ks.to_vec(),
+                        no_prefetch: false,
                     },
                     self.now,
                 )

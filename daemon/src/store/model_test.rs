@@ -43,8 +43,8 @@ enum Op {
     Release { i: usize },
     /// Client `c` deletes keys.
     Delete { c: usize, keys: Vec<u32> },
-    /// Lookup (may prefetch from NVMe).
-    Lookup { keys: Vec<u32> },
+    /// Lookup (may prefetch from NVMe unless `no_prefetch`).
+    Lookup { keys: Vec<u32>, no_prefetch: bool },
     /// Time passes.
     Advance { ms: u64 },
     /// Client `c` reserves `n` slots.
@@ -67,7 +67,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Get { c, keys }),
         2 => (0..8usize).prop_map(|i| Op::Release { i }),
         1 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Delete { c, keys }),
-        1 => ks().prop_map(|keys| Op::Lookup { keys }),
+        1 => (ks(), any::<bool>()).prop_map(|(keys, no_prefetch)| Op::Lookup { keys, no_prefetch }),
         1 => prop_oneof![Just(5u64), Just(2_000), Just(40_000)].prop_map(|ms| Op::Advance { ms }),
         2 => (0..2usize, 1..4u64).prop_map(|(c, n)| Op::Reserve { c, n }),
         3 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Put { c, keys }),
@@ -344,10 +344,11 @@ impl World {
                     }
                 }
             }
-            Op::Lookup { keys } => {
+            Op::Lookup { keys, no_prefetch } => {
                 let req = LookupReq {
                     layout_id: l,
                     keys: keys.iter().map(|&i| key(i)).collect(),
+                    no_prefetch: *no_prefetch,
                 };
                 let _ = self.s.lookup(&req, self.now);
             }
