@@ -208,7 +208,8 @@ struct Worker {
     data: u64,
     chunk: u64,
     qd: usize,
-    inflight: std::collections::HashMap<u64, (IoOp, u32)>,
+    /// user data → (operation, its write CRC, when it went into the ring).
+    inflight: std::collections::HashMap<u64, (IoOp, u32, std::time::Instant)>,
     next_user: u64,
     /// The source of zero writes, mapped on first use (anonymous memory reads as zeros
     /// and is never written).
@@ -255,7 +256,8 @@ impl Worker {
                 take_requests(&rx, &mut queued, &mut open);
                 self.fill(&mut queued, &mut out);
                 self.submit();
-                for ((op, write_crc), res) in finished {
+                for ((op, write_crc, t0), res) in finished {
+                    tracing::trace!(kind = ?op.kind, tag = op.tag, us = t0.elapsed().as_micros() as u64, "io completed");
                     out.push(IoDone {
                         kind: op.kind,
                         tag: op.tag,
@@ -364,7 +366,9 @@ impl Worker {
         // index covers the range because slots never straddle a chunk.
         unsafe { self.ring.submission().push(&entry.user_data(user)) }
             .map_err(|_| io::Error::other("submission queue full"))?;
-        self.inflight.insert(user, (op, write_crc));
+        tracing::trace!(kind = ?op.kind, tag = op.tag, len = op.len, "io submitted");
+        self.inflight
+            .insert(user, (op, write_crc, std::time::Instant::now()));
         Ok(())
     }
 
@@ -395,7 +399,9 @@ impl Worker {
         // worker reaps every one before it returns); the kernel only reads from it.
         unsafe { self.ring.submission().push(&entry.user_data(user)) }
             .map_err(|_| io::Error::other("submission queue full"))?;
-        self.inflight.insert(user, (op, 0));
+        tracing::trace!(kind = ?op.kind, tag = op.tag, len = op.len, "io submitted");
+        self.inflight
+            .insert(user, (op, 0, std::time::Instant::now()));
         Ok(())
     }
 
