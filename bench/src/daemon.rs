@@ -61,7 +61,7 @@ impl BenchDaemon {
         )
     }
 
-    fn spawn(
+    pub(crate) fn spawn(
         pool_bytes: u64,
         segment_bytes: u64,
         prefault: bool,

@@ -107,6 +107,11 @@ struct StoreArgs {
     /// Control round trips (stats) to time.
     #[arg(long, default_value_t = 20000)]
     round_trips: usize,
+    /// Run the daemon and the client in busy-poll mode (`server.busy_poll`, the client's
+    /// `with_busy_poll`): round trips without sleeping-thread wake-ups, a core spinning
+    /// on each side (use it with one client thread on a small machine).
+    #[arg(long)]
+    busy_poll: bool,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -397,7 +402,14 @@ fn store(a: StoreArgs) -> Result<()> {
     let pool_bytes = total + total / 8 + a.lookup_keys as u64 * 4096 + 4 * SEGMENT;
     let own = match &a.endpoint {
         Some(_) => None,
-        None => Some(BenchDaemon::start(pool_bytes, SEGMENT, true, 30_000)?),
+        None => Some(BenchDaemon::spawn(
+            pool_bytes,
+            SEGMENT,
+            true,
+            30_000,
+            "",
+            a.busy_poll,
+        )?),
     };
     let endpoint = a
         .endpoint
@@ -409,6 +421,7 @@ fn store(a: StoreArgs) -> Result<()> {
         .with_name("kvd-bench")
         .with_timeout(Duration::from_secs(60))
         .with_map_pool(MapPool::Always)
+        .with_busy_poll(a.busy_poll)
         .connect()
         .context("connecting to kvd")?;
     let cases = (a.sizes.len() * a.threads.len() * 4 + 2) as u64;
@@ -688,6 +701,7 @@ fn store(a: StoreArgs) -> Result<()> {
     let mut extra = serde_json::Map::new();
     extra.insert("endpoint".into(), endpoint.clone().into());
     extra.insert("working_set_bytes".into(), total.into());
+    extra.insert("busy_poll".into(), a.busy_poll.into());
     extra.insert(
         "rtt_floor".into(),
         "1-byte ping-pong over a Unix socketpair between two threads, unpinned (as kvd's client and daemon run); rtt_floor_same_cpu / _cross_cpu: the threads pinned to one CPU / to two".into(),
