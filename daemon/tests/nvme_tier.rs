@@ -695,42 +695,14 @@ fn never_written_space_is_initialized_while_idle_and_no_block_is_touched() {
 /// earlier in the request, missed them).
 #[test]
 fn a_get_never_evicts_its_own_blocks_to_promote_the_rest() {
-    let dir = disk_dir();
-    let cfg = dir.path().join("kvd.toml");
-    // no watermark headroom: every promotion has to evict
-    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
-    let d = start(&[dir.path()], &["--config", cfg.to_str().unwrap()]);
-    let c = d.client();
-    let l = register(&c, 256).id;
-    let ks = fill(&c, l, 60, 3 * 64);
-    settled(&c);
-    let keys_of = |is: &[usize]| -> Vec<ChunkHash> { is.iter().map(|&i| ks[i]).collect() };
-    let tiers = c.lookup(l, &ks).unwrap().tiers;
-    let on_disk: Vec<usize> = (0..ks.len()).filter(|&i| tiers[i] == Tier::Nvme).collect();
+    let (_dir, _d, c, l, ks, on_disk) = no_headroom(60);
     assert!(on_disk.len() >= 16, "{on_disk:?}");
     for (round, p_first) in [false, true].into_iter().enumerate() {
         let (p, q) = (
             &on_disk[8 * round..8 * round + 4],
             &on_disk[8 * round + 4..8 * round + 8],
         );
-        // room for four: a lookup of P prefetches them into it
-        // (one key per lookup: a lookup's tiers stop at its first miss)
-        let dram: Vec<usize> = (0..ks.len())
-            .filter(|&i| c.lookup(l, &ks[i..i + 1]).unwrap().tiers == vec![Tier::Dram])
-            .collect();
-        assert!(dram.len() >= 8, "{dram:?}");
-        c.delete(l, &keys_of(&dram[..4])).unwrap();
-        let before = c.stats().unwrap().prefetches;
-        assert_eq!(c.lookup(l, &keys_of(p)).unwrap().prefix, 4);
-        eventually(30, "P prefetched", || {
-            c.stats().unwrap().prefetches == before + 4
-                && c.lookup(l, &keys_of(p)).unwrap().tiers == vec![Tier::Dram; 4]
-        });
-        // every other DRAM block used since: P is now the least recently used
-        let rest = keys_of(&dram[4..]);
-        let mut bufs = vec![vec![0u8; BLOCK]; rest.len()];
-        let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-        assert!(c.load(l, &rest, &mut outs).unwrap().iter().all(|&h| h));
+        prefetch_then_use_the_rest(&c, l, &ks, p);
         let st0 = settled(&c);
         // one get of P (in DRAM) and Q (NVMe only), whose promotions need four slots
         let order: Vec<usize> = if p_first {
@@ -759,37 +731,12 @@ fn a_get_never_evicts_its_own_blocks_to_promote_the_rest() {
 /// prefetched block nobody has read yet is spared once.
 #[test]
 fn prefetched_blocks_are_not_evicted_before_they_are_read() {
-    let dir = disk_dir();
-    let cfg = dir.path().join("kvd.toml");
-    // no watermark headroom: every promotion has to evict
-    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
-    let d = start(&[dir.path()], &["--config", cfg.to_str().unwrap()]);
-    let c = d.client();
-    let l = register(&c, 256).id;
-    let ks = fill(&c, l, 61, 3 * 64);
-    settled(&c);
+    let (_dir, _d, c, l, ks, on_disk) = no_headroom(61);
     let keys_of = |is: &[usize]| -> Vec<ChunkHash> { is.iter().map(|&i| ks[i]).collect() };
-    let tiers = c.lookup(l, &ks).unwrap().tiers;
-    let on_disk: Vec<usize> = (0..ks.len()).filter(|&i| tiers[i] == Tier::Nvme).collect();
     assert!(on_disk.len() >= 8, "{on_disk:?}");
     let (p, q) = (&on_disk[..4], &on_disk[4..8]);
-    // room for four: a lookup of P prefetches them into it
-    let dram: Vec<usize> = (0..ks.len())
-        .filter(|&i| c.lookup(l, &ks[i..i + 1]).unwrap().tiers == vec![Tier::Dram])
-        .collect();
-    assert!(dram.len() >= 8, "{dram:?}");
-    c.delete(l, &keys_of(&dram[..4])).unwrap();
-    let before = c.stats().unwrap().prefetches;
-    assert_eq!(c.lookup(l, &keys_of(p)).unwrap().prefix, 4);
-    eventually(30, "P prefetched", || {
-        c.stats().unwrap().prefetches == before + 4
-            && c.lookup(l, &keys_of(p)).unwrap().tiers == vec![Tier::Dram; 4]
-    });
-    // the load reads other blocks first (P is now the least recently used)...
-    let rest = keys_of(&dram[4..]);
-    let mut bufs = vec![vec![0u8; BLOCK]; rest.len()];
-    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    assert!(c.load(l, &rest, &mut outs).unwrap().iter().all(|&h| h));
+    // the load reads other blocks after its lookup prefetched P...
+    prefetch_then_use_the_rest(&c, l, &ks, p);
     let st0 = settled(&c);
     // ...then Q (NVMe only), one get each, each promotion evicting one block...
     for &i in q {
@@ -825,6 +772,55 @@ fn prefetched_blocks_are_not_evicted_before_they_are_read() {
         vec![Tier::Nvme; 4],
         "unread prefetched blocks were evicted"
     );
+}
+
+/// A daemon with no watermark headroom (every promotion has to evict) holding 3 × 64
+/// blocks of `seed` (its pool holds 64): a client, the layout it registered, the keys,
+/// and which of them are on NVMe only (found with a probe, which prefetches nothing).
+#[allow(clippy::type_complexity)]
+fn no_headroom(
+    seed: u32,
+) -> (
+    tempfile::TempDir,
+    Daemon,
+    Client,
+    LayoutId,
+    Vec<ChunkHash>,
+    Vec<usize>,
+) {
+    let dir = disk_dir();
+    let cfg = dir.path().join("kvd.toml");
+    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
+    let d = start(&[dir.path()], &["--config", cfg.to_str().unwrap()]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = fill(&c, l, seed, 3 * 64);
+    settled(&c);
+    let tiers = c.probe(l, &ks).unwrap().tiers;
+    let on_disk = (0..ks.len()).filter(|&i| tiers[i] == Tier::Nvme).collect();
+    (dir, d, c, l, ks, on_disk)
+}
+
+/// Makes room for four blocks, has a lookup of `p` (four NVMe-only blocks) prefetch them
+/// into it, then reads every other DRAM block: `p` are the least recently used after.
+fn prefetch_then_use_the_rest(c: &Client, l: LayoutId, ks: &[ChunkHash], p: &[usize]) {
+    let keys_of = |is: &[usize]| -> Vec<ChunkHash> { is.iter().map(|&i| ks[i]).collect() };
+    // (one key per probe: a lookup's tiers stop at its first miss)
+    let dram: Vec<usize> = (0..ks.len())
+        .filter(|&i| c.probe(l, &ks[i..i + 1]).unwrap().tiers == vec![Tier::Dram])
+        .collect();
+    assert!(dram.len() >= 8, "{dram:?}");
+    c.delete(l, &keys_of(&dram[..4])).unwrap();
+    let before = c.stats().unwrap().prefetches;
+    assert_eq!(c.lookup(l, &keys_of(p)).unwrap().prefix, 4);
+    eventually(30, "P prefetched", || {
+        c.stats().unwrap().prefetches == before + 4
+            && c.probe(l, &keys_of(p)).unwrap().tiers == vec![Tier::Dram; 4]
+    });
+    let rest = keys_of(&dram[4..]);
+    let mut bufs = vec![vec![0u8; BLOCK]; rest.len()];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert!(c.load(l, &rest, &mut outs).unwrap().iter().all(|&h| h));
 }
 
 /// Loads the keys at `order` in one call; returns how many were served, each checked.
