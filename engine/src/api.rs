@@ -169,7 +169,8 @@ pub struct EngineInfo {
     pub backend: String,
 }
 
-/// `POST /v1/lookup` body.
+/// `POST /v1/lookup` body: how much of a prompt kvd holds, asked without side effects (no
+/// NVMe prefetch), so a router may ask every worker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LookupRequest {
     /// The prompt.

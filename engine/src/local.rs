@@ -68,6 +68,11 @@ pub struct Node {
 impl Node {
     /// Starts a daemon with a pool of `pool` (e.g. `"128MiB"`) and waits for its socket.
     pub fn start(bins: &Bins, pool: &str) -> Result<Node> {
+        Node::start_with(bins, pool, &[])
+    }
+
+    /// [`Node::start`] with more `kvd` arguments (an NVMe tier, a config file).
+    pub fn start_with(bins: &Bins, pool: &str, extra: &[&str]) -> Result<Node> {
         let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
         let sock = dir.path().join("kvd.sock");
         let endpoint = format!("ipc://{}", sock.display());
@@ -84,6 +89,7 @@ impl Node {
                 "--log-level",
                 "warn",
             ])
+            .args(extra)
             .stdin(Stdio::null())
             .spawn()
             .with_context(|| format!("spawning {}", bins.kvd.display()))?;
@@ -219,6 +225,26 @@ async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
 pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
     rt()?.block_on(async {
         let r = post_completion(url, body).await?;
+        let status = r.status().as_u16();
+        let text = r.text().await?;
+        Ok((
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        ))
+    })
+}
+
+/// POSTs `/v1/lookup` (what the router asks each prefill worker); returns the status and
+/// the JSON body.
+pub fn lookup(url: &str, prompt: &str) -> Result<(u16, Value)> {
+    rt()?.block_on(async {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/lookup"))
+            .header("content-type", "application/json")
+            .timeout(Duration::from_secs(30))
+            .body(serde_json::json!({ "prompt": prompt }).to_string())
+            .send()
+            .await?;
         let status = r.status().as_u16();
         let text = r.text().await?;
         Ok((

@@ -401,3 +401,89 @@ fn engines_with_other_weights_do_not_share_blocks() {
     let (_, other) = complete(&e1, req(p, 2, 0.0, 0));
     assert_eq!(other["kvd"]["source"], "none", "{other}");
 }
+
+/// The router asks every prefill worker how much of a prompt its kvd holds. Asking reads
+/// nothing: a node that keeps the prompt on NVMe only does not prefetch it into DRAM (the
+/// router sends the prompt to one worker; every other would spend its disk and free DRAM
+/// on blocks no `get` comes for, and eviction spares a prefetched block once). The worker
+/// that gets the prompt promotes the blocks when it loads them.
+#[test]
+fn the_routers_question_reads_nothing_from_nvme() {
+    use kvd_protocol::{ChunkHash, Dtype, Layout, MemoryOrder};
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let cfg = disk.path().join("kvd.toml");
+    // No headroom: blocks leave DRAM only when a store needs their room.
+    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
+    let node = kvd_engine::local::Node::start_with(
+        &bins(),
+        "16MiB",
+        &[
+            "--nvme-path",
+            disk.path().to_str().unwrap(),
+            "--nvme-size",
+            "256MiB",
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+    )
+    .expect("kvd");
+    let (_e, e) = engine("both", Some(&node), &[]);
+    let p = "a prompt of several blocks that its node keeps on NVMe only, once other blocks \
+             have needed the room it had in DRAM";
+    let (s, first) = complete(&e, req(p, 2, 0.0, 0));
+    assert_eq!(s, 200, "{first}");
+
+    // Fill all but 2 MiB of the pool with other blocks, each pinned as it is stored: the
+    // last ones find no room but the prompt's blocks' segment, whose blocks go to NVMe.
+    let c = kvd_client::Client::connect(&node.endpoint).unwrap();
+    let l = c
+        .register_layout(&Layout {
+            model: "other/model".into(),
+            num_layers: 128,
+            kv_parts: 2,
+            num_kv_heads: 1,
+            head_dim: 32,
+            dtype: Dtype::F16,
+            tokens_per_block: 16,
+            tp_size: 1,
+            tp_rank: 0,
+            order: MemoryOrder::LayerPartTokenHead,
+        })
+        .unwrap();
+    let bytes = vec![7u8; l.block_bytes as usize];
+    let capacity = c.stats().unwrap().pool.capacity_bytes;
+    let others: Vec<ChunkHash> = (0..(capacity - (2 << 20)) / l.block_bytes)
+        .map(|i| ChunkHash([i as u8; 16]))
+        .collect();
+    let mut pins = Vec::new();
+    for k in others.chunks(1) {
+        c.store(l.id, k, &[&bytes[..]]).unwrap();
+        pins.push(c.get(l.id, k, Some(Duration::from_secs(60))).unwrap());
+    }
+    // Free room again: a prefetch (which never evicts) would have it.
+    drop(pins);
+    c.delete(l.id, &others).unwrap();
+    let nvme = |c: &kvd_client::Client| c.stats().unwrap().nvme.expect("nvme tier on");
+    let (prefetches, reads) = (c.stats().unwrap().prefetches, nvme(&c).reads);
+
+    let (s, asked) = local_lookup(&e, p);
+    assert_eq!(s, 200, "{asked}");
+    assert!(asked["cached_tokens"].as_u64().unwrap() >= 16, "{asked}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        c.stats().unwrap().prefetches,
+        prefetches,
+        "the question prefetched"
+    );
+    assert_eq!(nvme(&c).reads, reads, "the question read from NVMe");
+
+    // The blocks were on NVMe only: the prompt itself reads them from there.
+    let (s, again) = complete(&e, req(p, 2, 0.0, 0));
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["kvd"]["source"], "local", "{again}");
+    assert_eq!(tokens(&again), tokens(&first));
+    assert!(
+        nvme(&c).reads > reads,
+        "the blocks were still in DRAM: {again}"
+    );
+}

@@ -95,3 +95,8 @@ pub fn prompts() -> Vec<String> {
         "x".repeat(200),
     ]
 }
+
+/// `POST /v1/lookup` of `prompt` at the engine at `url`.
+pub fn local_lookup(url: &str, prompt: &str) -> (u16, Value) {
+    local::lookup(url, prompt).expect("lookup")
+}
