@@ -46,7 +46,8 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The cached prefix of keys (32 hex digits each) of a registered layout.
+    /// The cached prefix of keys (32 hex digits each) of a registered layout, and the tier
+    /// of each (a probe: reads nothing from NVMe).
     Lookup {
         /// The layout id (as `register_layout` returned it).
         #[arg(long)]
@@ -182,7 +183,7 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
         }
         Cmd::Lookup { layout_id, keys } => {
             let keys: Vec<ChunkHash> = keys.iter().map(|k| parse_key(k)).collect::<Result<_>>()?;
-            let r = c.lookup(LayoutId(layout_id), &keys)?;
+            let r = c.probe(LayoutId(layout_id), &keys)?;
             println!("prefix {} of {}", r.prefix, keys.len());
             for (k, t) in keys.iter().zip(&r.tiers) {
                 println!("{k} {t:?}");

@@ -841,3 +841,39 @@ fn verify_together(c: &Client, l: LayoutId, seed: u32, ks: &[ChunkHash], order: 
     }
     served
 }
+
+/// `kvd ctl lookup` says which tier holds each key and reads nothing: an operator looking
+/// at NVMe-only blocks does not pull them into free DRAM (a client's `lookup` would).
+#[test]
+fn ctl_lookup_shows_nvme_blocks_without_reading_them() {
+    let (_dir, d, c, l, ks, on_disk) = no_headroom(62);
+    assert!(!on_disk.is_empty(), "no block went to NVMe");
+    // free DRAM a prefetch could use
+    let dram: Vec<ChunkHash> = (0..ks.len())
+        .filter(|i| !on_disk.contains(i))
+        .map(|i| ks[i])
+        .take(4)
+        .collect();
+    c.delete(l, &dram).unwrap();
+    let key = ks[on_disk[0]];
+    let before = settled(&c);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args(["ctl", "--endpoint", &d.endpoint, "lookup", "--layout-id"])
+        .arg(l.0.to_string())
+        .arg(key.to_string())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("prefix 1 of 1") && text.contains("Nvme"),
+        "{text}"
+    );
+    let after = settled(&c);
+    assert_eq!(after.prefetches, before.prefetches, "ctl lookup prefetched");
+    let reads = |s: &StatsResp| s.nvme.as_ref().map(|n| n.reads);
+    assert_eq!(reads(&after), reads(&before), "ctl lookup read from NVMe");
+    // the control: a client's lookup of the same key does read it in
+    c.lookup(l, &[key]).unwrap();
+    assert_eq!(settled(&c).prefetches, before.prefetches + 1);
+}
