@@ -210,9 +210,9 @@ fn rt() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
+async fn post(url: &str, path: &str, body: &Value) -> Result<reqwest::Response> {
     Ok(reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
+        .post(format!("{url}{path}"))
         .header("content-type", "application/json")
         .timeout(Duration::from_secs(120))
         .body(body.to_string())
@@ -220,11 +220,15 @@ async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
         .await?)
 }
 
-/// POSTs a completion (not streamed); returns the status and the JSON body (a JSON
-/// string when the body is not JSON).
-pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
+async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
+    post(url, "/v1/completions", body).await
+}
+
+/// POSTs `body` to `path`; returns the status and the JSON body (a JSON string when the
+/// body is not JSON).
+fn post_for_json(url: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
     rt()?.block_on(async {
-        let r = post_completion(url, body).await?;
+        let r = post(url, path, body).await?;
         let status = r.status().as_u16();
         let text = r.text().await?;
         Ok((
@@ -234,24 +238,16 @@ pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
     })
 }
 
+/// POSTs a completion (not streamed); returns the status and the JSON body (a JSON
+/// string when the body is not JSON).
+pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
+    post_for_json(url, "/v1/completions", body)
+}
+
 /// POSTs `/v1/lookup` (what the router asks each prefill worker); returns the status and
 /// the JSON body.
 pub fn lookup(url: &str, prompt: &str) -> Result<(u16, Value)> {
-    rt()?.block_on(async {
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/lookup"))
-            .header("content-type", "application/json")
-            .timeout(Duration::from_secs(30))
-            .body(serde_json::json!({ "prompt": prompt }).to_string())
-            .send()
-            .await?;
-        let status = r.status().as_u16();
-        let text = r.text().await?;
-        Ok((
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        ))
-    })
+    post_for_json(url, "/v1/lookup", &serde_json::json!({ "prompt": prompt }))
 }
 
 /// POSTs a streamed completion and collects it (TTFT measured from the send). A non-200
