@@ -164,6 +164,21 @@ impl Client {
         to_py(py, &r)
     }
 
+    /// `lookup` without the NVMe prefetch: only says where the prefix is (a router asking
+    /// several nodes, a monitor).
+    fn probe<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let r = py
+            .detach(|| self.inner.probe(LayoutId(layout_id), &keys))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
     /// Reserves slots (write them through `pool()` at `WriteBatch.offsets`, then
     /// `commit()`).
     fn alloc(&self, py: Python<'_>, layout_id: u64, keys: Vec<Vec<u8>>) -> PyResult<Batch> {

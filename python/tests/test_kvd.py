@@ -35,7 +35,7 @@ def _():
     assert kvd.layout_id(LAYOUT) == spec.layout_id(LAYOUT)
 
 
-@check("register_layout, alloc, write through a memoryview of the pool, commit, get, read back")
+@check("register_layout, alloc, write through a memoryview of the pool, commit, lookup and probe, get, read back")
 def _():
     c = kvd.Client(EP)
     info = c.register_layout(LAYOUT)
@@ -50,6 +50,9 @@ def _():
         pool[off:off + bb] = bytes([i + 1]) * bb
     assert batch.commit() == 3
     assert c.lookup(info["layout_id"], ks)["prefix"] == 3
+    probed = c.probe(info["layout_id"], ks + keys(98, 1))
+    assert probed["prefix"] == 3 and len(probed["tiers"]) == 3, probed
+    assert probed == c.lookup(info["layout_id"], ks + keys(98, 1))
     pin = c.get(info["layout_id"], ks + keys(99, 1))
     assert pin.valid and pin.pin is not None
     offs = pin.offsets

@@ -9,8 +9,9 @@ One line turns it on::
 
 What it does
 ------------
-* **Prefix caching.** The scheduler-side connector asks the node's daemon, without side
-  effects (``lookup``), for the longest prefix of each prompt it holds under *every* TP
+* **Prefix caching.** The scheduler-side connector asks the node's daemon (``lookup``:
+  no pin; NVMe-only blocks of the prefix start coming into free DRAM, since the load
+  usually follows) for the longest prefix of each prompt it holds under *every* TP
   rank's layout (the minimum counts) and reports those tokens as external hits. The
   worker-side connector loads them into vLLM's paged KV cache before the forward
   (synchronous loads), and saves every newly computed *full prompt block* after it
