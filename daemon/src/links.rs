@@ -21,6 +21,15 @@ pub(crate) const MAX_LINKS: usize = 4096;
 /// A link idle this long (and at least two peer timeouts) is closed.
 const LINK_IDLE: Duration = Duration::from_secs(10);
 
+/// How long a request that may bring a lock (`peer_lookup`, `peer_lock`) is remembered
+/// after it timed out, so that a late reply's lock is released rather than left to its
+/// TTL (locks are clamped to 60 s: after that there is nothing to release; a link closed
+/// meanwhile forgets them, and those locks end by their TTL).
+const OVERDUE_KEEP: Duration = Duration::from_secs(60);
+
+/// Most such requests remembered per link (the oldest are forgotten first).
+const MAX_OVERDUE: usize = 1024;
+
 /// One DEALER per peer daemon this one sends control messages to.
 pub(crate) struct PeerLinks {
     /// The cluster key every message is sealed with (set with transfers).
@@ -37,6 +46,9 @@ pub(crate) struct Link {
     /// Last message sent on it (idle links are closed: see [`PeerLinks::prune`]).
     used: Instant,
     pending: std::collections::HashMap<u64, (Then, Instant, Stamp)>,
+    /// Requests that timed out but whose late reply may still bring a lock: id → (stamp,
+    /// when to forget it). Their replies come back as [`Then::Late`].
+    overdue: std::collections::HashMap<u64, (Stamp, Instant)>,
     last_ok: Option<Instant>,
     last_fail: Option<Instant>,
 }
@@ -97,6 +109,7 @@ impl PeerLinks {
                             socket,
                             used: now,
                             pending: Default::default(),
+                            overdue: Default::default(),
                             last_ok: None,
                             last_fail: None,
                         },
@@ -182,11 +195,16 @@ impl PeerLinks {
                 let Ok(id) = codec::reply_id(frame) else {
                     continue;
                 };
-                let Some((_, _, stamp)) = link.pending.get(&id) else {
+                let Some(stamp) = link
+                    .pending
+                    .get(&id)
+                    .map(|(_, _, s)| *s)
+                    .or_else(|| link.overdue.get(&id).map(|(s, _)| *s))
+                else {
                     continue;
                 };
                 let sealed = match (self.key.as_ref(), parts.get(1)) {
-                    (Some(k), Some(auth)) => k.open_reply(*stamp, frame, auth).is_ok(),
+                    (Some(k), Some(auth)) => k.open_reply(stamp, frame, auth).is_ok(),
                     _ => false,
                 };
                 // An unsealed reply is believed only when it says our MAC was refused
@@ -202,8 +220,10 @@ impl PeerLinks {
                     tracing::warn!(%node, "reply with a bad MAC dropped");
                     continue;
                 }
-                let Some((then, _, _)) = link.pending.remove(&id) else {
-                    continue;
+                let then = match link.pending.remove(&id) {
+                    Some((then, _, _)) => then,
+                    None if link.overdue.remove(&id).is_some() => Then::Late,
+                    None => continue,
                 };
                 let r = match decode_reply::<PeerAck>(frame) {
                     Ok((_, Ok(ack))) => Ok(ack),
@@ -223,9 +243,18 @@ impl PeerLinks {
                 .collect();
             for id in late {
                 link.last_fail = Some(now);
-                let Some((then, _, _)) = link.pending.remove(&id) else {
+                let Some((then, _, stamp)) = link.pending.remove(&id) else {
                     continue;
                 };
+                if matches!(then, Then::Looked(..) | Then::Locked(_)) {
+                    if link.overdue.len() >= MAX_OVERDUE {
+                        let oldest = link.overdue.iter().min_by_key(|(_, (_, t))| *t);
+                        if let Some(k) = oldest.map(|(k, _)| *k) {
+                            link.overdue.remove(&k);
+                        }
+                    }
+                    link.overdue.insert(id, (stamp, now + OVERDUE_KEEP));
+                }
                 out.push((
                     then,
                     Err(WireError::new(
@@ -237,6 +266,7 @@ impl PeerLinks {
                     )),
                 ));
             }
+            link.overdue.retain(|_, (_, forget)| *forget > now);
         }
         out
     }

@@ -346,6 +346,42 @@ fn blocks_two_peers_hold_are_read_from_one_and_the_other_lock_is_released() {
     assert_eq!(cc.stats().unwrap().transfers.unwrap().locks_released, 1);
 }
 
+/// A holder that answers after the reader gave up (stopped past the lookup timeout, then
+/// resumed): the `get` ends in misses within a bound, and the lock the late answer brings
+/// is released at once — the holder is unpinned long before the lock's TTL (5 s) — and
+/// the blocks are served once the holder is no longer counted down.
+#[test]
+fn a_lock_that_arrives_after_the_reader_gave_up_is_released() {
+    let (d, _nodes, _cfg) = cluster("fetch", false);
+    let (ca, cc) = (d[0].client(), d[2].client());
+    let (l, ks, data) = fill(&ca, 17, 3);
+    register(&cc, 64);
+    let a = nix::unistd::Pid::from_raw(d[0].child.id() as i32);
+    nix::sys::signal::kill(a, Signal::SIGSTOP).unwrap();
+    let t0 = Instant::now();
+    let (hit, _) = load(&cc, l, &ks);
+    let waited = t0.elapsed();
+    nix::sys::signal::kill(a, Signal::SIGCONT).unwrap();
+    assert_eq!(hit, vec![false; 3]);
+    assert!(waited < Duration::from_secs(2), "the get took {waited:?}");
+    // A answers the lookup it found on waking, locking the blocks for a reader that has
+    // moved on; the reader releases the lock as the answer arrives.
+    eventually(10, "the late lock taken", || {
+        ca.stats().unwrap().transfers.unwrap().locks == 1
+    });
+    let t1 = Instant::now();
+    eventually(3, "the late lock released", || {
+        ca.stats().unwrap().pinned_blocks == 0
+    });
+    assert!(t1.elapsed() < Duration::from_secs(3), "{:?}", t1.elapsed());
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert_eq!((x.locks_released, x.peer_fetches), (1, 0), "{x:?}");
+    // after the down backoff (3 s), the blocks are found and read
+    eventually(10, "A's blocks served again", || {
+        load(&cc, l, &ks) == (vec![true; 3], data.clone())
+    });
+}
+
 /// A real etcd on loopback (the test command installs Debian's `etcd-server`).
 #[cfg(feature = "etcd")]
 struct Etcd {

@@ -308,6 +308,14 @@ impl Transfers {
                 Err(e) => tracing::debug!(node = %node, error = %e, "heartbeat not answered"),
             },
             Then::Looked(q, node) => self.on_looked(store, q, node, r, now),
+            Then::Late => {
+                if let Ok(PeerAck {
+                    params: Some(p), ..
+                }) = r
+                {
+                    self.release_lock(&p);
+                }
+            }
             Then::Locked(f) => self.on_locked(store, f, r, now),
             Then::Confirmed(id) => {
                 let live = self.imports.get(&id).is_some_and(|i| !i.state.is_final());

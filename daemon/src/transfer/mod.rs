@@ -124,6 +124,9 @@ pub enum Then {
     Looked(u64, String),
     /// `peer_lock` of fetch `.0` answered.
     Locked(u64),
+    /// A reply to a `peer_lookup` or `peer_lock` that had already timed out (its query
+    /// or fetch went on without it): a lock it brings is released.
+    Late,
 }
 
 /// A control message for another daemon.

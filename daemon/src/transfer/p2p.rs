@@ -363,7 +363,7 @@ impl Transfers {
 
     /// Tells a holder that the lock `p` will not be read (it unlocks at once instead of
     /// when its TTL runs out).
-    fn release_lock(&mut self, p: &TransferParams) {
+    pub(super) fn release_lock(&mut self, p: &TransferParams) {
         self.counters.locks_released += 1;
         self.fail_peer(
             &p.from,
@@ -381,6 +381,13 @@ impl Transfers {
         now: Instant,
     ) {
         let Some(f) = self.fetches.get_mut(&fid) else {
+            // The fetch ended without it: a lock it brings is not read.
+            if let Ok(PeerAck {
+                params: Some(p), ..
+            }) = r
+            {
+                self.release_lock(&p);
+            }
             return;
         };
         match r.map(|a| a.params) {
