@@ -425,6 +425,7 @@ impl Server {
             self.gpu.maintain(&self.store, Instant::now());
             self.drive_transfers(woken);
             self.answer_deferred();
+            self.settle_parked_locks();
             self.answer_gpu();
             if sig_ready {
                 let mut buf = [0u8; 16];
@@ -707,6 +708,16 @@ impl Server {
                 self.finish(to.id, to.op, to.since, r.map(Body::from), Vec::new());
             self.send_reply(&to.identity, to.req_style, to.via, reply, payloads);
         }
+    }
+
+    /// Answers the `peer_lock`s that waited for NVMe reads the store has just finished
+    /// (or whose time ran out).
+    fn settle_parked_locks(&mut self) {
+        let Some(t) = self.transfers.as_mut().filter(|t| t.has_parked()) else {
+            return;
+        };
+        t.settle_parked(&mut self.store, Instant::now());
+        self.answer_transfers();
     }
 
     /// Sends the replies of deferred requests that the store has finished.
@@ -1121,7 +1132,7 @@ impl Server {
             Request::PeerRdmaConnect(r) => Answer::Now(Body::from(t.peer_rdma_connect(r)?)),
             Request::PeerRdmaRegister(r) => Answer::Now(Body::from(t.peer_rdma_register(r, now)?)),
             Request::PeerLookup(r) => Answer::Now(Body::from(t.peer_lookup(s, r, now)?)),
-            Request::PeerLock(r) => Answer::Now(Body::from(t.peer_lock(s, r, now)?)),
+            Request::PeerLock(r) => later(t.peer_lock(s, r, token, now)?),
             other => {
                 return Err(WireError::new(
                     ErrorCode::Internal,

@@ -15,6 +15,16 @@ use nix::sys::signal::Signal;
 
 /// Three daemons that know each other statically (each lists all three, itself included).
 fn cluster(mode: &str, shm: bool) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::NamedTempFile>) {
+    cluster_with(mode, shm, &[], "")
+}
+
+/// [`cluster`] with more arguments and configuration for the first daemon (A).
+fn cluster_with(
+    mode: &str,
+    shm: bool,
+    a_args: &[&str],
+    a_toml: &str,
+) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::NamedTempFile>) {
     // The control ports are picked before the daemons bind them; another process may
     // take one meanwhile (the daemon then exits at start): pick again.
     for _attempt in 0..3 {
@@ -23,16 +33,22 @@ fn cluster(mode: &str, shm: bool) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::Na
             .collect();
         let mut daemons = Vec::new();
         let mut cfgs = Vec::new();
-        for node in &nodes {
+        for (i, node) in nodes.iter().enumerate() {
             let mut f = tempfile::NamedTempFile::new().unwrap();
             let list: Vec<String> = nodes.iter().map(|n| format!("\"{n}\"")).collect();
             writeln!(
                 f,
-                "[transfer]\ncontrol = \"{node}\"\nlease_ms = 5000\nshm = {shm}\n[peers]\nmode = \"{mode}\"\nstatic = [{}]\nlookup_timeout_ms = 300\ndown_backoff_ms = 3000",
+                "{}[transfer]\ncontrol = \"{node}\"\nlease_ms = 5000\nshm = {shm}\n[peers]\nmode = \"{mode}\"\nstatic = [{}]\nlookup_timeout_ms = 300\ndown_backoff_ms = 3000",
+                if i == 0 { a_toml } else { "" },
                 list.join(", ")
             )
             .unwrap();
-            match Daemon::try_start(&["--config", &f.path().display().to_string()]) {
+            let path = f.path().display().to_string();
+            let mut args = vec!["--config", &path];
+            if i == 0 {
+                args.extend_from_slice(a_args);
+            }
+            match Daemon::try_start(&args) {
                 Ok(d) => daemons.push(d),
                 Err(e) => {
                     eprintln!("cluster start failed ({e}); picking new ports");
@@ -379,6 +395,63 @@ fn a_lock_that_arrives_after_the_reader_gave_up_is_released() {
     // after the down backoff (3 s), the blocks are found and read
     eventually(10, "A's blocks served again", || {
         load(&cc, l, &ks) == (vec![true; 3], data.clone())
+    });
+}
+
+/// Blocks a peer keeps on NVMe only are served too: the holder reads them into DRAM for
+/// the lock (its `peer_lock` answer waits for those reads), and the reader gets them,
+/// verified.
+#[test]
+fn blocks_a_peer_keeps_on_nvme_only_are_fetched() {
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = disk.path().display().to_string();
+    let (d, _nodes, _cfg) = cluster_with(
+        "fetch",
+        false,
+        &[
+            "--pool-size",
+            "16MiB",
+            "--nvme-path",
+            &dir,
+            "--nvme-size",
+            "128MiB",
+        ],
+        // no headroom: blocks go to NVMe only when a store needs their room
+        "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n",
+    );
+    let (ca, cc) = (d[0].client(), d[2].client());
+    let l = register(&ca, 64).id;
+    register(&cc, 64);
+    // 32 MiB of 64 KiB blocks through A's 16 MiB pool: the first ones end on NVMe only
+    let ks = keys(23, 512);
+    let data: Vec<Vec<u8>> = (0..ks.len())
+        .map(|i| block(2300 + i as u64, 64 << 10))
+        .collect();
+    for (k, b) in ks.chunks(32).zip(data.chunks(32)) {
+        let refs: Vec<&[u8]> = b.iter().map(|b| &b[..]).collect();
+        ca.store(l, k, &refs).unwrap();
+    }
+    eventually(30, "A's demotions done", || {
+        let s = ca.stats().unwrap();
+        s.waiting == 0 && s.nvme.is_some_and(|n| n.blocks >= 64)
+    });
+    for range in [0..4, 4..12] {
+        let want = &ks[range.clone()];
+        assert_eq!(
+            ca.probe(l, want).unwrap().tiers,
+            vec![Tier::Nvme; want.len()],
+            "the blocks are on A's NVMe only"
+        );
+        let promoted = ca.stats().unwrap().promotions;
+        let (hit, bufs) = load(&cc, l, want);
+        assert_eq!(hit, vec![true; want.len()], "{range:?}");
+        assert_eq!(bufs, &data[range.clone()]);
+        assert!(ca.stats().unwrap().promotions >= promoted + want.len() as u64);
+    }
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert_eq!((x.peer_fetches, x.peer_fetch_failures), (2, 0), "{x:?}");
+    eventually(3, "A unlocked its blocks", || {
+        ca.stats().unwrap().pinned_blocks == 0
     });
 }
 

@@ -574,7 +574,7 @@ impl Store {
             self.pin_room()?;
         }
         let token = self.new_token();
-        let (waits, blocked) = self.promote(req, now, token);
+        let (waits, blocked) = self.promote(req.layout_id, &req.keys, now, token);
         if waits.is_empty() && !blocked {
             return Ok(Answer::Now(self.pin_hits(req, now)));
         }

@@ -196,19 +196,25 @@ impl Store {
     /// The request's blocks already in DRAM are marked used first (a `get` is a use), so
     /// the room its promotions make comes from other blocks: evicting them would read
     /// them back from the tier a second time, or miss them.
-    pub(super) fn promote(&mut self, req: &GetReq, now: Instant, token: u64) -> (Vec<u32>, bool) {
+    pub(super) fn promote(
+        &mut self,
+        layout_id: LayoutId,
+        keys: &[ChunkHash],
+        now: Instant,
+        token: u64,
+    ) -> (Vec<u32>, bool) {
         let mut waits = Vec::new();
         let mut blocked = false;
-        let Ok(layout) = self.sessions.layout(req.layout_id) else {
+        let Ok(layout) = self.sessions.layout(layout_id) else {
             return (waits, false);
         };
         let mut missing = Vec::new();
-        for k in &req.keys {
-            match self.index.find(req.layout_id, k) {
+        for k in keys {
+            match self.index.find(layout_id, k) {
                 Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
                 Some(_) => {}
                 None => missing.push(BlockKey {
-                    layout: req.layout_id,
+                    layout: layout_id,
                     hash: *k,
                 }),
             }
@@ -216,8 +222,8 @@ impl Store {
         if !missing.is_empty() {
             // (a second pass only on this path: a get of DRAM blocks allocates nothing)
             let tick = self.tick(now);
-            for k in &req.keys {
-                if let Some(i) = self.index.find(req.layout_id, k) {
+            for k in keys {
+                if let Some(i) = self.index.find(layout_id, k) {
                     self.index.touch(i, tick);
                 }
             }
@@ -243,6 +249,26 @@ impl Store {
             }
         }
         (waits, blocked)
+    }
+
+    /// For a peer about to lock `keys`: starts reading into DRAM those only the lower
+    /// tier holds, making room as a `get` does. Nothing is pinned (the lock pins the
+    /// blocks once every one is readable); until then a promoted block is a prefetched
+    /// one, which eviction spares once. Whether every key is readable in DRAM now.
+    pub fn promote_for_peer(&mut self, layout: LayoutId, keys: &[ChunkHash], now: Instant) -> bool {
+        if !self.readable(layout, keys) {
+            self.promote(layout, keys, now, 0);
+        }
+        self.readable(layout, keys)
+    }
+
+    /// Whether every key is committed in DRAM (what an export can pin).
+    pub fn readable(&self, layout: LayoutId, keys: &[ChunkHash]) -> bool {
+        keys.iter().all(|k| {
+            self.index
+                .find(layout, k)
+                .is_some_and(|i| self.index.node(i).readable())
+        })
     }
 
     /// Reads `key` from the lower tier into a free DRAM slot of `class`; the node is
@@ -367,7 +393,7 @@ impl Store {
                     }
                     // Keys that waited for DRAM room get their promotion now.
                     if d.deadline > now {
-                        let (more, blocked) = self.promote(&req, now, d.token);
+                        let (more, blocked) = self.promote(req.layout_id, &req.keys, now, d.token);
                         if !more.is_empty() || (blocked && self.demoting_bytes > 0) {
                             self.deferred.push(Deferred {
                                 what: Waiting::Get(req, more, held),

@@ -442,6 +442,8 @@ pub struct Transfers {
     finished: Vec<Finished>,
     queries: HashMap<u64, p2p::Query>,
     fetches: HashMap<u64, p2p::Fetch>,
+    /// `peer_lock`s waiting for their blocks to come up from NVMe.
+    parked: Vec<p2p::ParkedLock>,
     /// Peers that did not answer in time, skipped until then.
     down_until: HashMap<String, Instant>,
 }
@@ -559,6 +561,7 @@ impl Transfers {
             finished: Vec::new(),
             queries: HashMap::new(),
             fetches: HashMap::new(),
+            parked: Vec::new(),
             down_until: HashMap::new(),
         })
     }
@@ -648,7 +651,8 @@ impl Transfers {
         let hb = (!self.imports.is_empty()).then_some(self.next_heartbeat);
         let settle =
             (!self.unsettled.is_empty()).then(|| Instant::now() + Duration::from_millis(5));
-        [t, w, hb, settle].into_iter().flatten().min()
+        let parked = self.parked.iter().map(|p| p.deadline).min();
+        [t, w, hb, settle, parked].into_iter().flatten().min()
     }
 
     fn live_count(&self) -> usize {

@@ -15,9 +15,13 @@
 //!   arrives) — reads them through the data plane into local PENDING slots as
 //!   an internal pull with CRC-32C checks (the holder's data server computes each
 //!   range's checksum as it sends it, the reader checks it as it lands: off the server
-//!   threads, cache-warm), commits, and tells the holder (which unlocks at once). Then the `get` pins what is local. The holder's
-//!   engines are not involved; its access control is the export's grant (lock, token,
-//!   expiry, bounds).
+//!   threads, cache-warm), commits, and tells the holder (which unlocks at once). Then
+//!   the `get` pins what is local. The holder's engines are not involved; its access
+//!   control is the export's grant (lock, token, expiry, bounds).
+//! - **Blocks a holder keeps on NVMe only** are served too: a fetching reader's
+//!   `peer_lookup` starts reading them into the holder's DRAM (making room as a `get`
+//!   does), and a `peer_lock` of them is parked until every block is readable in DRAM
+//!   ([`ParkedLock`], at most [`PARK_WAIT`]), then locked as usual.
 //!
 //! Keys a peer lost in between, a lock refused, a failed read or a bad checksum are
 //! simply misses: the engine recomputes them.
@@ -27,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use super::{werr, Outgoing, Reply, Then, Transfers};
+use super::{werr, Answer, Outgoing, Reply, Then, Transfers};
 use crate::config::PeerMode;
 use crate::store::Store;
 
@@ -66,6 +70,23 @@ struct PeerAnswer {
     present: Vec<bool>,
     /// The lock it took at lookup, if asked and it holds every key.
     lock: Option<Box<TransferParams>>,
+}
+
+/// Most `peer_lock`s waiting for NVMe reads at once (more are answered at once, and
+/// fail if their blocks are not in DRAM).
+const MAX_PARKED: usize = 256;
+
+/// How long a `peer_lock` waits for its blocks to come up from NVMe (a 4 MiB read takes
+/// a few ms; a reader that gave up first has the lock released as its late reply comes).
+const PARK_WAIT: Duration = Duration::from_secs(2);
+
+/// A `peer_lock` of blocks some of which were on NVMe only: answered once every block is
+/// readable in DRAM, or at its deadline.
+#[derive(Debug)]
+pub(super) struct ParkedLock {
+    token: u64,
+    req: PeerLockReq,
+    pub(super) deadline: Instant,
 }
 
 /// A fetch waiting for its locks and reads.
@@ -465,6 +486,11 @@ impl Transfers {
             )
         })?;
         let present = store.holds(r.layout_id, &r.keys);
+        if r.lock_ttl_ms.is_some() && present.iter().all(|p| *p) {
+            // A fetching reader: blocks held on NVMe only start coming up now, so that
+            // its lock (here or in the `peer_lock` that follows) finds them in DRAM.
+            store.promote_for_peer(r.layout_id, &r.keys, now);
+        }
         // Lock-at-lookup, only when every key is here: a partial lock is of no use to the
         // reader, which then locks per holder. A refused lock (a block only on NVMe, a
         // full table) leaves the answer as a plain lookup's.
@@ -493,15 +519,77 @@ impl Transfers {
         &mut self,
         store: &mut Store,
         r: &PeerLockReq,
+        token: u64,
+        now: Instant,
+    ) -> Result<Answer, WireError> {
+        self.check_to(r.to_incarnation, false)?;
+        // Blocks held on NVMe only are read into DRAM first; the answer waits for them.
+        if !r.keys.is_empty()
+            && self.parked.len() < MAX_PARKED
+            && !store.readable(r.layout_id, &r.keys)
+            && store.holds(r.layout_id, &r.keys).iter().all(|h| *h)
+            && !store.promote_for_peer(r.layout_id, &r.keys, now)
+        {
+            self.parked.push(ParkedLock {
+                token,
+                req: r.clone(),
+                deadline: now + PARK_WAIT,
+            });
+            return Ok(Answer::Later(token));
+        }
+        Ok(Answer::Now(Box::new(self.lock_reply(store, r, now)?)))
+    }
+
+    fn lock_reply(
+        &mut self,
+        store: &mut Store,
+        r: &PeerLockReq,
         now: Instant,
     ) -> Result<Reply, WireError> {
-        self.check_to(r.to_incarnation, false)?;
         let params = self.lock(store, &r.from, r.layout_id, &r.keys, r.ttl_ms, now)?;
         Ok(Reply::Ack(PeerAck {
             incarnation: self.me.incarnation,
             params: Some(Box::new(params)),
             ..Default::default()
         }))
+    }
+
+    /// Answers the parked `peer_lock`s whose blocks are all in DRAM now (locked), or
+    /// whose deadline passed or whose blocks are gone (refused); the others wait on,
+    /// their reads restarted if a block was evicted meanwhile.
+    pub fn settle_parked(&mut self, store: &mut Store, now: Instant) {
+        for p in std::mem::take(&mut self.parked) {
+            let r = &p.req;
+            let held = store.holds(r.layout_id, &r.keys).iter().all(|h| *h);
+            let waits = held && now < p.deadline;
+            let ready = store.readable(r.layout_id, &r.keys)
+                || (waits && store.promote_for_peer(r.layout_id, &r.keys, now));
+            if !ready && waits {
+                self.parked.push(p);
+                continue;
+            }
+            let answer = if ready {
+                self.lock_reply(store, r, now)
+            } else {
+                Err(werr(
+                    ErrorCode::InvalidState,
+                    format!(
+                        "blocks not in DRAM: {}",
+                        if held {
+                            "not read from NVMe in time"
+                        } else {
+                            "a block left the node"
+                        }
+                    ),
+                ))
+            };
+            self.answers.push((p.token, answer));
+        }
+    }
+
+    /// Whether `peer_lock`s wait for NVMe reads.
+    pub fn has_parked(&self) -> bool {
+        !self.parked.is_empty()
     }
 
     /// Locks `keys` for the reader `from`: an export under a lease of `ttl_ms` (clamped
