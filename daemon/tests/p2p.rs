@@ -398,27 +398,11 @@ fn a_lock_that_arrives_after_the_reader_gave_up_is_released() {
     });
 }
 
-/// Blocks a peer keeps on NVMe only are served too: the holder reads them into DRAM for
-/// the lock (its `peer_lock` answer waits for those reads), and the reader gets them,
-/// verified.
-#[test]
-fn blocks_a_peer_keeps_on_nvme_only_are_fetched() {
-    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let dir = disk.path().display().to_string();
-    let (d, _nodes, _cfg) = cluster_with(
-        "fetch",
-        false,
-        &[
-            "--pool-size",
-            "16MiB",
-            "--nvme-path",
-            &dir,
-            "--nvme-size",
-            "128MiB",
-        ],
-        // no headroom: blocks go to NVMe only when a store needs their room
-        "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n",
-    );
+/// A, whose pool is full (NVMe tier, no headroom) with 512 blocks of 64 KiB, the first
+/// ones on NVMe only; C registered. Returns A's and C's clients, the layout, keys, bytes.
+fn holder_with_nvme_blocks(
+    d: &[Daemon],
+) -> (Client, Client, LayoutId, Vec<ChunkHash>, Vec<Vec<u8>>) {
     let (ca, cc) = (d[0].client(), d[2].client());
     let l = register(&ca, 64).id;
     register(&cc, 64);
@@ -435,6 +419,38 @@ fn blocks_a_peer_keeps_on_nvme_only_are_fetched() {
         let s = ca.stats().unwrap();
         s.waiting == 0 && s.nvme.is_some_and(|n| n.blocks >= 64)
     });
+    (ca, cc, l, ks, data)
+}
+
+/// A cluster whose A has a 16 MiB pool, an NVMe tier and no headroom (blocks go to NVMe
+/// only when a store needs their room).
+fn nvme_cluster(
+    disk: &tempfile::TempDir,
+) -> (Vec<Daemon>, Vec<String>, Vec<tempfile::NamedTempFile>) {
+    let dir = disk.path().display().to_string();
+    cluster_with(
+        "fetch",
+        false,
+        &[
+            "--pool-size",
+            "16MiB",
+            "--nvme-path",
+            &dir,
+            "--nvme-size",
+            "128MiB",
+        ],
+        "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n",
+    )
+}
+
+/// Blocks a peer keeps on NVMe only are served too: the holder reads them into DRAM for
+/// the lock (its `peer_lock` answer waits for those reads), and the reader gets them,
+/// verified.
+#[test]
+fn blocks_a_peer_keeps_on_nvme_only_are_fetched() {
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let (d, _nodes, _cfg) = nvme_cluster(&disk);
+    let (ca, cc, l, ks, data) = holder_with_nvme_blocks(&d);
     for range in [0..4, 4..12] {
         let want = &ks[range.clone()];
         assert_eq!(
@@ -453,6 +469,42 @@ fn blocks_a_peer_keeps_on_nvme_only_are_fetched() {
     eventually(3, "A unlocked its blocks", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
+}
+
+/// A holder that cannot bring its NVMe-only blocks into DRAM (every DRAM block pinned)
+/// answers the parked lock with a refusal when its wait ends: the reader's `get` misses
+/// within a bound, nothing stays parked or pinned for it, and once the pins are gone the
+/// same blocks are served.
+#[test]
+fn a_lock_that_cannot_be_read_up_from_nvme_is_refused_in_time() {
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let (d, _nodes, _cfg) = nvme_cluster(&disk);
+    let (ca, cc, l, ks, data) = holder_with_nvme_blocks(&d);
+    let tiers = ca.probe(l, &ks).unwrap().tiers;
+    let in_dram: Vec<ChunkHash> = (0..ks.len())
+        .filter(|&i| tiers[i] == Tier::Dram)
+        .map(|i| ks[i])
+        .collect();
+    let pins = ca.get(l, &in_dram, Some(Duration::from_secs(60))).unwrap();
+    let pinned = ca.stats().unwrap().pinned_blocks;
+    assert_eq!(pinned, in_dram.len() as u64);
+    assert_eq!(tiers[..4], [Tier::Nvme; 4]);
+    let t0 = Instant::now();
+    let (hit, _) = load(&cc, l, &ks[..4]);
+    assert_eq!(hit, vec![false; 4]);
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    let x = cc.stats().unwrap().transfers.unwrap();
+    assert_eq!((x.peer_fetches, x.peer_fetch_failures), (0, 1), "{x:?}");
+    let a = ca.stats().unwrap();
+    assert_eq!(
+        a.pinned_blocks, pinned,
+        "nothing pinned for the refused lock"
+    );
+    assert_eq!(a.transfers.unwrap().locks, 0);
+    drop(pins);
+    let (hit, bufs) = load(&cc, l, &ks[..4]);
+    assert_eq!(hit, vec![true; 4]);
+    assert_eq!(bufs, &data[..4]);
 }
 
 /// A real etcd on loopback (the test command installs Debian's `etcd-server`).
