@@ -1,6 +1,7 @@
 //! Model-based property test of the store with the NVMe tier on (real io_uring on real
 //! files): random interleavings of alloc, write, commit (also of keys the caller does not
 //! own, or that are being demoted or promoted), get, release, delete, lookup (prefetch),
+//! a peer's lock reading NVMe-only blocks up (`promote_for_peer`),
 //! time passing (pin and allocation expiry), eviction and demotion (a pool of 32 slots
 //! under 48 keys), promotion, and pipelined stores (reserve, write, put; a put of
 //! another client's slot or of a slot never reserved; unreserve), against a reference
@@ -45,6 +46,8 @@ enum Op {
     Delete { c: usize, keys: Vec<u32> },
     /// Lookup (may prefetch from NVMe unless `no_prefetch`).
     Lookup { keys: Vec<u32>, no_prefetch: bool },
+    /// A peer about to lock keys has those on NVMe only read into DRAM (no pin).
+    PeerPromote { keys: Vec<u32> },
     /// Time passes.
     Advance { ms: u64 },
     /// Client `c` reserves `n` slots.
@@ -68,6 +71,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..8usize).prop_map(|i| Op::Release { i }),
         1 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Delete { c, keys }),
         1 => (ks(), any::<bool>()).prop_map(|(keys, no_prefetch)| Op::Lookup { keys, no_prefetch }),
+        1 => ks().prop_map(|keys| Op::PeerPromote { keys }),
         1 => prop_oneof![Just(5u64), Just(2_000), Just(40_000)].prop_map(|ms| Op::Advance { ms }),
         2 => (0..2usize, 1..4u64).prop_map(|(c, n)| Op::Reserve { c, n }),
         3 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Put { c, keys }),
@@ -351,6 +355,17 @@ impl World {
                     no_prefetch: *no_prefetch,
                 };
                 let _ = self.s.lookup(&req, self.now);
+            }
+            Op::PeerPromote { keys } => {
+                let ks: Vec<ChunkHash> = keys.iter().map(|&i| key(i)).collect();
+                if self.s.promote_for_peer(l, &ks, self.now) {
+                    for i in keys {
+                        assert!(
+                            self.committed.contains_key(i),
+                            "key {i} readable for a peer but never committed"
+                        );
+                    }
+                }
             }
             Op::Advance { ms } => {
                 self.now += Duration::from_millis(*ms);
