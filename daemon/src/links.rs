@@ -220,6 +220,10 @@ impl PeerLinks {
                     tracing::warn!(%node, "reply with a bad MAC dropped");
                     continue;
                 }
+                if sealed {
+                    // The peer answered (whatever it said): the link is up.
+                    link.last_ok = Some(now);
+                }
                 let then = match link.pending.remove(&id) {
                     Some((then, _, _)) => then,
                     None if link.overdue.remove(&id).is_some() => Then::Late,

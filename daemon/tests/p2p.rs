@@ -147,12 +147,23 @@ fn lookup_mode_reports_peers_without_fetching() {
 
 #[test]
 fn a_killed_peer_is_skipped_and_its_blocks_become_misses() {
-    let (mut d, _nodes, _cfg) = cluster("fetch", true);
+    let (mut d, nodes, _cfg) = cluster("fetch", true);
     let (ca, cb, cc) = (d[0].client(), d[1].client(), d[2].client());
     let (l, ks, _) = fill(&ca, 5, 3);
     register(&cb, 64);
     register(&cc, 64);
     let (_, kb, db) = fill(&cb, 6, 2);
+    // C's links: both peers answered, so both are up (`stats.peers`, `kvd ctl peers`)
+    assert_eq!(cc.lookup(l, &ks).unwrap().prefix, 3);
+    let link = |c: &Client, node: &str| {
+        let peers = c.stats().unwrap().peers;
+        let p = peers.into_iter().find(|p| p.node == node);
+        p.unwrap_or_else(|| panic!("no link to {node}"))
+    };
+    for n in &nodes[..2] {
+        let p = link(&cc, n);
+        assert!(p.up && p.last_ok_ms_ago.is_some(), "{p:?}");
+    }
     d[0].signal(Signal::SIGKILL);
     // the first lookup waits for A at most the lookup timeout, then skips it
     let t0 = Instant::now();
@@ -175,6 +186,8 @@ fn a_killed_peer_is_skipped_and_its_blocks_become_misses() {
     );
     let x = cc.stats().unwrap().transfers.unwrap();
     assert!(x.peer_skipped >= 1 && x.peers_down == 1, "{x:?}");
+    assert!(!link(&cc, &nodes[0]).up, "the killed peer's link is down");
+    assert!(link(&cc, &nodes[1]).up);
     // B is still found; A's blocks are misses (the engine recomputes)
     let r = cc.lookup(l, &kb).unwrap();
     assert_eq!(r.prefix, 2);
