@@ -93,6 +93,30 @@ struct Client {
     inner: RsClient,
 }
 
+impl Client {
+    /// `lookup`, or with `probe` the same without the NVMe prefetch.
+    fn ask<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+        probe: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let l = LayoutId(layout_id);
+        let r = py
+            .detach(|| {
+                if probe {
+                    self.inner.probe(l, &keys)
+                } else {
+                    self.inner.lookup(l, &keys)
+                }
+            })
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+}
+
 #[pymethods]
 impl Client {
     /// Connects (says `hello`, maps the pool when `map_pool`). `endpoint` defaults to the
@@ -157,11 +181,7 @@ impl Client {
         layout_id: u64,
         keys: Vec<Vec<u8>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let keys = keys_of(keys)?;
-        let r = py
-            .detach(|| self.inner.lookup(LayoutId(layout_id), &keys))
-            .map_err(err)?;
-        to_py(py, &r)
+        self.ask(py, layout_id, keys, false)
     }
 
     /// `lookup` without the NVMe prefetch: only says where the prefix is (a router asking
@@ -172,11 +192,7 @@ impl Client {
         layout_id: u64,
         keys: Vec<Vec<u8>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let keys = keys_of(keys)?;
-        let r = py
-            .detach(|| self.inner.probe(LayoutId(layout_id), &keys))
-            .map_err(err)?;
-        to_py(py, &r)
+        self.ask(py, layout_id, keys, true)
     }
 
     /// Reserves slots (write them through `pool()` at `WriteBatch.offsets`, then
