@@ -952,13 +952,20 @@ impl Client {
     /// starts reading the prefix's NVMe-only blocks into free DRAM slots (a prefetch for
     /// the `get` that usually follows).
     pub fn lookup(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
-        self.lookup_with(layout, keys, false)
+        self.lookup_with(layout, keys, false, false)
     }
 
     /// [`Client::lookup`] that starts no prefetch: where the prefix is, and nothing
     /// more (a router probing nodes it may not pick, a tool taking stock).
     pub fn probe(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
-        self.lookup_with(layout, keys, true)
+        self.lookup_with(layout, keys, true, false)
+    }
+
+    /// [`Client::probe`] of this node's own tiers: asks no peer, even with peer sharing
+    /// on (a router comparing nodes, which all reach the same peers, wants what each
+    /// holds itself).
+    pub fn probe_local(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, true, true)
     }
 
     fn lookup_with(
@@ -966,11 +973,13 @@ impl Client {
         layout: LayoutId,
         keys: &[ChunkHash],
         no_prefetch: bool,
+        local_only: bool,
     ) -> Result<LookupResp> {
         let req = Request::Lookup(LookupReq {
             layout_id: layout,
             keys: keys.to_vec(),
             no_prefetch,
+            local_only,
         });
         Ok(self.raw_call(&req, &[])?.0)
     }

@@ -1003,7 +1003,7 @@ impl Server {
             Request::Lookup(r) => {
                 let local = s.lookup(r, now)?;
                 match self.transfers.as_mut() {
-                    Some(t) if t.peers_on() => {
+                    Some(t) if t.peers_on() && !r.local_only => {
                         self.next_token += 1;
                         match t.remote_lookup(r, local, TOKEN_BIT | self.next_token, now) {
                             transfer::Answer::Now(b) => Body::from(*b),

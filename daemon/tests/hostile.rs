@@ -149,6 +149,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
             layout_id: l,
             keys: vec![ChunkHash([1; 16]); 65537],
             no_prefetch: false,
+            local_only: false,
         }),
     );
     check(bad.call(&[&many]), 17, ErrorCode::TooLarge, "too many keys");
@@ -368,6 +369,7 @@ fn a_flood_from_one_client_does_not_starve_another() {
                         layout_id: l,
                         keys: ks.clone(),
                         no_prefetch: false,
+                        local_only: false,
                     }),
                 ),
                 1 => encode_request(i, &Request::Stats(StatsReq {})),

@@ -143,6 +143,19 @@ fn lookup_mode_reports_peers_without_fetching() {
     assert_eq!(r.holders, vec![Some(nodes[0].clone()); 2]);
     let (hit, _) = load(&cc, l, &ks);
     assert_eq!(hit, vec![false; 2], "lookup mode must not fetch");
+    // a local probe (a router comparing nodes) asks no peer: C holds nothing itself
+    let asked = |c: &Client| c.stats().unwrap().transfers.unwrap().peer_lookups;
+    let before = asked(&cc);
+    let r = cc.probe_local(l, &ks).unwrap();
+    assert_eq!((r.prefix, r.holders.len()), (0, 0), "{r:?}");
+    assert_eq!(asked(&cc), before, "a local probe asked the peers");
+    // A's own blocks are its own: the local probe sees them
+    assert_eq!(ca.probe_local(l, &ks).unwrap().tiers, vec![Tier::Dram; 2]);
+    assert_eq!(
+        cc.probe(l, &ks).unwrap().prefix,
+        2,
+        "a probe still asks them"
+    );
 }
 
 #[test]

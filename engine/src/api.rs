@@ -169,8 +169,9 @@ pub struct EngineInfo {
     pub backend: String,
 }
 
-/// `POST /v1/lookup` body: how much of a prompt kvd holds, asked without side effects (no
-/// NVMe prefetch), so a router may ask every worker.
+/// `POST /v1/lookup` body: how much of a prompt this worker's kvd holds itself, asked
+/// without side effects (no NVMe prefetch, no peer asked), so a router may ask every
+/// worker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LookupRequest {
     /// The prompt.

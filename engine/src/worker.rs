@@ -354,10 +354,11 @@ impl Engine {
         hash::chunk_hashes(tokens, self.inner.cfg.model.block_tokens, b"")
     }
 
-    /// Prompt tokens kvd could serve for `prompt` (the router's KV-aware choice). A probe:
-    /// the router asks every prefill worker and sends the prompt to one, so asking starts
-    /// no prefetch of NVMe-only blocks (the chosen worker's own lookup before its `get`
-    /// does).
+    /// Prompt tokens this worker's own kvd holds for `prompt` (the router's KV-aware
+    /// choice). A local probe: the router asks every prefill worker and sends the prompt
+    /// to one, so asking starts no prefetch of NVMe-only blocks (the chosen worker's own
+    /// lookup before its `get` does) and asks no peer (every node reaches the same peers:
+    /// their blocks would make every worker look alike, and cost a peer round per worker).
     pub fn cached_tokens(&self, prompt: &str) -> Result<usize> {
         let Some(kv) = &self.inner.kv else {
             return Ok(0);
@@ -365,7 +366,7 @@ impl Engine {
         let keys = self.keys(&self.inner.tokenizer.encode(prompt)?);
         let mut n = keys.len();
         for l in &kv.layouts {
-            n = n.min(kv.client.probe(l.id, &keys)?.prefix as usize);
+            n = n.min(kv.client.probe_local(l.id, &keys)?.prefix as usize);
         }
         Ok(n * self.inner.cfg.model.block_tokens)
     }

@@ -438,6 +438,7 @@ mod tests {
                 layout_id: LayoutId(0x0102030405060708),
                 keys: vec![ChunkHash([0xab; 16])],
                 no_prefetch: false,
+                local_only: false,
             }),
         );
         assert_eq!(hex::encode(&lookup), "84a17601a2696407a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f6964cf0102030405060708a46b65797391c410abababababababababababababababab");
@@ -522,13 +523,14 @@ mod tests {
                 client_name: n,
                 pid: p
             })),
-            (any::<u64>(), keys(), any::<bool>()).prop_map(|(l, k, n)| Request::Lookup(
-                LookupReq {
+            (any::<u64>(), keys(), any::<bool>(), any::<bool>()).prop_map(|(l, k, n, o)| {
+                Request::Lookup(LookupReq {
                     layout_id: LayoutId(l),
                     keys: k,
-                    no_prefetch: n
-                }
-            )),
+                    no_prefetch: n,
+                    local_only: o,
+                })
+            }),
             (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Alloc(AllocReq {
                 client: ClientId(c),
                 layout_id: LayoutId(l),

@@ -189,6 +189,10 @@ pub struct LookupReq {
     /// taking stock): only says where the prefix is. Absent: false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_prefetch: bool,
+    /// Ask no peer: only this node's own tiers (a router comparing nodes, which all reach
+    /// the same peers). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub local_only: bool,
 }
 
 /// Reply to `lookup`.

@@ -1111,6 +1111,7 @@ mod tests {
                         layout_id: self.l,
                         keys: ks.to_vec(),
                         no_prefetch: false,
+                        local_only: false,
                     },
                     self.now,
                 )

@@ -353,6 +353,7 @@ impl World {
                     layout_id: l,
                     keys: keys.iter().map(|&i| key(i)).collect(),
                     no_prefetch: *no_prefetch,
+                    local_only: false,
                 };
                 let _ = self.s.lookup(&req, self.now);
             }
