@@ -94,23 +94,22 @@ struct Client {
 }
 
 impl Client {
-    /// `lookup`, or with `probe` the same without the NVMe prefetch.
+    /// `lookup`, or with `probe` set the same without the NVMe prefetch (and, with
+    /// `Some(true)`, asking no peer).
     fn ask<'py>(
         &self,
         py: Python<'py>,
         layout_id: u64,
         keys: Vec<Vec<u8>>,
-        probe: bool,
+        probe: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let keys = keys_of(keys)?;
         let l = LayoutId(layout_id);
         let r = py
-            .detach(|| {
-                if probe {
-                    self.inner.probe(l, &keys)
-                } else {
-                    self.inner.lookup(l, &keys)
-                }
+            .detach(|| match probe {
+                None => self.inner.lookup(l, &keys),
+                Some(false) => self.inner.probe(l, &keys),
+                Some(true) => self.inner.probe_local(l, &keys),
             })
             .map_err(err)?;
         to_py(py, &r)
@@ -181,18 +180,21 @@ impl Client {
         layout_id: u64,
         keys: Vec<Vec<u8>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.ask(py, layout_id, keys, false)
+        self.ask(py, layout_id, keys, None)
     }
 
-    /// `lookup` without the NVMe prefetch: only says where the prefix is (a router asking
-    /// several nodes, a monitor).
+    /// `lookup` without the NVMe prefetch: only says where the prefix is (a monitor);
+    /// with `local_only`, of this node's own tiers, asking no peer (a router comparing
+    /// nodes).
+    #[pyo3(signature = (layout_id, keys, local_only = false))]
     fn probe<'py>(
         &self,
         py: Python<'py>,
         layout_id: u64,
         keys: Vec<Vec<u8>>,
+        local_only: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.ask(py, layout_id, keys, true)
+        self.ask(py, layout_id, keys, Some(local_only))
     }
 
     /// Reserves slots (write them through `pool()` at `WriteBatch.offsets`, then

@@ -53,6 +53,7 @@ def _():
     probed = c.probe(info["layout_id"], ks + keys(98, 1))
     assert probed["prefix"] == 3 and len(probed["tiers"]) == 3, probed
     assert probed == c.lookup(info["layout_id"], ks + keys(98, 1))
+    assert c.probe(info["layout_id"], ks, local_only=True) == c.probe(info["layout_id"], ks)
     pin = c.get(info["layout_id"], ks + keys(99, 1))
     assert pin.valid and pin.pin is not None
     offs = pin.offsets
