@@ -857,7 +857,7 @@ fn ctl_lookup_shows_nvme_blocks_without_reading_them() {
     c.delete(l, &dram).unwrap();
     let key = ks[on_disk[0]];
     let before = settled(&c);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+    let out = std::process::Command::new(kvd_bin())
         .args(["ctl", "--endpoint", &d.endpoint, "lookup", "--layout-id"])
         .arg(l.0.to_string())
         .arg(key.to_string())

@@ -212,6 +212,18 @@ fn a_killed_peer_is_skipped_and_its_blocks_become_misses() {
 }
 
 /// A raw DEALER to a daemon's control endpoint, speaking as a (fake) peer.
+/// A reader the test plays by hand (nothing listens at its endpoints).
+fn reader_by_hand(incarnation: u64) -> PeerRef {
+    PeerRef {
+        node: "tcp://127.0.0.1:9".into(),
+        data: "127.0.0.1:9".into(),
+        incarnation: Incarnation(incarnation),
+        host: String::new(),
+        shm: None,
+        rdma: None,
+    }
+}
+
 /// A peer op sent by hand to `node`'s control endpoint, signed with the cluster key.
 fn raw_call(node: &str, op: &str, body: &impl serde::Serialize) -> Result<PeerAck, WireError> {
     let p = PeerRaw::new(node, Some(cluster_key()));
@@ -228,14 +240,7 @@ fn a_silent_readers_lock_expires_and_forged_reads_are_refused() {
     let ca = d[0].client();
     let (l, ks, data) = fill(&ca, 7, 2);
     let a = ca.hello_info().node.unwrap();
-    let me = PeerRef {
-        node: "tcp://127.0.0.1:9".into(),
-        data: "127.0.0.1:9".into(),
-        incarnation: Incarnation(42),
-        host: String::new(),
-        shm: None,
-        rdma: None,
-    };
+    let me = reader_by_hand(42);
     // a reader locks, then goes silent (no heartbeat, no read)
     let lock = PeerLockReq {
         from: me.clone(),
@@ -299,14 +304,7 @@ fn a_lookup_locks_only_when_it_may_and_holds_every_key_and_peer_fail_unlocks() {
     let ca = d[0].client();
     let (l, ks, data) = fill(&ca, 11, 2);
     let a = ca.hello_info().node.unwrap();
-    let me = PeerRef {
-        node: "tcp://127.0.0.1:9".into(),
-        data: "127.0.0.1:9".into(),
-        incarnation: Incarnation(43),
-        host: String::new(),
-        shm: None,
-        rdma: None,
-    };
+    let me = reader_by_hand(43);
     let pinned = || ca.stats().unwrap().pinned_blocks;
     let ask = |keys: &[ChunkHash], lock_ttl_ms: Option<u64>| {
         let r = PeerLookupReq {

@@ -469,7 +469,7 @@ fn the_routers_question_reads_nothing_from_nvme() {
     let (s, asked) = local_lookup(&e, p);
     assert_eq!(s, 200, "{asked}");
     assert!(asked["cached_tokens"].as_u64().unwrap() >= 16, "{asked}");
-    std::thread::sleep(Duration::from_millis(200));
+    // (a prefetch is counted as the lookup starts it, before the answer)
     assert_eq!(
         c.stats().unwrap().prefetches,
         prefetches,

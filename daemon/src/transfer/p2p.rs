@@ -18,10 +18,10 @@
 //!   threads, cache-warm), commits, and tells the holder (which unlocks at once). Then
 //!   the `get` pins what is local. The holder's engines are not involved; its access
 //!   control is the export's grant (lock, token, expiry, bounds).
-//! - **Blocks a holder keeps on NVMe only** are served too: a fetching reader's
-//!   `peer_lookup` starts reading them into the holder's DRAM (making room as a `get`
-//!   does), and a `peer_lock` of them is parked until every block is readable in DRAM
-//!   ([`ParkedLock`], at most [`PARK_WAIT`]), then locked as usual.
+//! - **Blocks a holder keeps on NVMe only** are served too: a `peer_lock` of them reads
+//!   them into the holder's DRAM (making room as a `get` does) and is parked until every
+//!   block is readable ([`ParkedLock`], at most [`PARK_WAIT`]), then locked as usual;
+//!   lock-at-lookup leaves them to that `peer_lock`.
 //!
 //! Keys a peer lost in between, a lock refused, a failed read or a bad checksum are
 //! simply misses: the engine recomputes them.
@@ -486,11 +486,6 @@ impl Transfers {
             )
         })?;
         let present = store.holds(r.layout_id, &r.keys);
-        if r.lock_ttl_ms.is_some() && present.iter().all(|p| *p) {
-            // A fetching reader: blocks held on NVMe only start coming up now, so that
-            // its lock (here or in the `peer_lock` that follows) finds them in DRAM.
-            store.promote_for_peer(r.layout_id, &r.keys, now);
-        }
         // Lock-at-lookup, only when every key is here: a partial lock is of no use to the
         // reader, which then locks per holder. A refused lock (a block only on NVMe, a
         // full table) leaves the answer as a plain lookup's.
@@ -526,7 +521,6 @@ impl Transfers {
         // Blocks held on NVMe only are read into DRAM first; the answer waits for them.
         if !r.keys.is_empty()
             && self.parked.len() < MAX_PARKED
-            && !store.readable(r.layout_id, &r.keys)
             && store.holds(r.layout_id, &r.keys).iter().all(|h| *h)
             && !store.promote_for_peer(r.layout_id, &r.keys, now)
         {
