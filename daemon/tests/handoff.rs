@@ -981,6 +981,103 @@ fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
     }
 }
 
+/// Issue 32, 1: a key the importer holds only on NVMe is one version there. An import
+/// of it (pull or push) reads the importer's own copy up and pins that, moving nothing
+/// for it over the wire (SPEC §7 "written once per life"); before, the import wrote a
+/// second DRAM copy that served the imported bytes until it was evicted, and then the
+/// older NVMe copy came back. The two copies differ here on purpose (X on the importer,
+/// Y on the exporter): every read, after eviction and after both kinds of restart,
+/// must give X.
+#[test]
+fn an_import_of_keys_held_on_nvme_keeps_one_version_across_eviction_and_restarts() {
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let nvme = format!(
+        "\n[nvme]\npaths = [{:?}]\nsize = \"256MiB\"\nallow_buffered = true",
+        disk.path().display().to_string()
+    );
+    let a = Node::start(5000, false);
+    let ca = a.client();
+    for (round, push) in [(0u32, false), (1, true)] {
+        let mut b = Node::start_with(5000, false, &nvme);
+        let cb = b.client();
+        let info = register(&cb, 1024);
+        let layout = info.id;
+        let ks = keys(80 + round, 4);
+        let x: Vec<Vec<u8>> = (0..4)
+            .map(|i| block(7000 + u64::from(round) * 10 + i, 1 << 20))
+            .collect();
+        let y: Vec<Vec<u8>> = (0..4)
+            .map(|i| block(8000 + u64::from(round) * 10 + i, 1 << 20))
+            .collect();
+        let refs = |d: &[Vec<u8>]| d.iter().map(|v| v.to_vec()).collect::<Vec<_>>();
+        let store = |c: &Client, d: &[Vec<u8>]| {
+            let r = refs(d);
+            let r: Vec<&[u8]> = r.iter().map(|v| &v[..]).collect();
+            c.store(layout, &ks, &r).unwrap();
+        };
+        store(&cb, &x);
+        register(&ca, 1024);
+        store(&ca, &y);
+        // Pushes b's blocks (those of `ks` among them) out to its NVMe tier.
+        let churn = |cb: &Client, seed: u32| {
+            let before = cb.stats().unwrap().demotions;
+            for (i, k) in keys(seed, 120).iter().enumerate() {
+                let v = block(u64::from(seed) * 1000 + i as u64, 1 << 20);
+                cb.store(layout, std::slice::from_ref(k), &[&v]).unwrap();
+            }
+            eventually(30, "blocks demoted to NVMe", || {
+                let st = cb.stats().unwrap();
+                st.waiting == 0 && st.demotions >= before + 20
+            });
+        };
+        churn(&cb, 200 + round * 10);
+        let moved = |cb: &Client| xstats(&ca).bytes + xstats(cb).bytes;
+        let moved_before = moved(&cb);
+        let id = format!("one-version-{round}");
+        let r = if push {
+            cb.push_register(&id, layout, &ks, &node_of(&ca), None)
+                .unwrap();
+            ca.export(&id, layout, &ks, None).unwrap();
+            cb.transfer_status(&id, Duration::from_secs(10)).unwrap()
+        } else {
+            let p = ca.export(&id, layout, &ks, None).unwrap();
+            cb.pull(&p, None, true).unwrap()
+        };
+        // the importer's own copy, pinned; nothing of it crossed the wire
+        verify(&cb, layout, &r, &x);
+        assert_eq!(
+            r.bytes, 0,
+            "round {round}: held keys were moved again: {r:?}"
+        );
+        assert_eq!(
+            moved(&cb),
+            moved_before,
+            "round {round}: the data plane moved bytes"
+        );
+        let read_back = |cb: &Client, when: &str| {
+            register(cb, 1024); // a new client after a restart
+            let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 1 << 20]; 4];
+            let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+            let found = cb.load(layout, &ks, &mut views).unwrap();
+            assert!(found.iter().all(|f| *f), "round {round}, {when}: {found:?}");
+            for (i, (got, want)) in bufs.iter().zip(&x).enumerate() {
+                assert!(
+                    got == want,
+                    "round {round}, {when}: block {i} is not the importer's version"
+                );
+            }
+        };
+        read_back(&cb, "after the import");
+        churn(&cb, 300 + round * 10);
+        read_back(&cb, "after eviction");
+        b.d.restart(); // SIGKILL
+        read_back(&b.client(), "after SIGKILL and restart");
+        assert_eq!(b.d.signal(Signal::SIGTERM).code(), Some(0));
+        b.d.restart(); // clean stop, then start
+        read_back(&b.client(), "after a clean restart");
+    }
+}
+
 /// Issue "handoffs that end right", 4: the first pull after the exporter restarted (same
 /// ports) failed with `peer_unreachable … failed to fill whole buffer`: its one retry
 /// took another stale pooled connection of the old incarnation. Now a changed

@@ -380,11 +380,14 @@ impl Store {
         self.try_alloc_in(req, ttl, now, false)
     }
 
-    /// [`Store::try_alloc`]; with `dram_only`, a key only the lower tier holds gets a new
-    /// DRAM slot too (a transfer fills it: its importer must end with every block in DRAM,
-    /// pinned, and a promotion would be a second, slower path to the same bytes), and a
-    /// key another allocation is writing or a promotion is reading back makes the whole
-    /// request wait (`Ok(None)`) before anything is evicted or reserved.
+    /// [`Store::try_alloc`]; with `dram_only` (a transfer's import, which must end with
+    /// every block in DRAM, pinned), a key only the lower tier holds is read up from it
+    /// instead of given a slot: the importer keeps the one version of the key it has
+    /// (SPEC §7, "written once per life"; a second DRAM copy would serve the imported
+    /// bytes until evicted and the tier's older ones after), and nothing of it crosses the
+    /// wire. The whole request waits (`Ok(None)`) while such reads, or a key another
+    /// allocation is writing or a promotion is reading back, are in flight, before
+    /// anything is evicted or reserved.
     fn try_alloc_in(
         &mut self,
         req: &AllocReq,
@@ -400,8 +403,13 @@ impl Store {
                 Some(State::Pending | State::Promoting)
             )
         };
-        if dram_only && req.keys.iter().any(|k| in_flight(self, k)) {
-            return Ok(None);
+        if dram_only {
+            if req.keys.iter().any(|k| in_flight(self, k)) {
+                return Ok(None);
+            }
+            if let Some(wait) = self.read_up_lower(req, now) {
+                return wait;
+            }
         }
         let elsewhere =
             |s: &Self, k: &ChunkHash| !dram_only && s.tier.knows(&BlockKey { layout, hash: *k });
@@ -463,6 +471,46 @@ impl Store {
             offsets,
             ttl_ms: ttl.as_millis() as u64,
         }))
+    }
+
+    /// For a transfer's allocation: starts reading up the keys only the lower tier knows
+    /// (see [`Store::try_alloc_in`]). `None`: there are none, allocate. `Some(Ok(None))`:
+    /// reads (or the tier's own writes of them) are in flight, try again. A key the tier
+    /// holds that no DRAM room can be made for refuses the allocation as a full pool
+    /// does.
+    fn read_up_lower(
+        &mut self,
+        req: &AllocReq,
+        now: Instant,
+    ) -> Option<Result<Option<AllocResp>, StoreError>> {
+        let layout = req.layout_id;
+        let lower: Vec<ChunkHash> = req
+            .keys
+            .iter()
+            .filter(|k| {
+                self.index.find(layout, k).is_none()
+                    && self.tier.knows(&BlockKey { layout, hash: **k })
+            })
+            .copied()
+            .collect();
+        if lower.is_empty() {
+            return None;
+        }
+        let (_, blocked) = self.promote(layout, &lower, now, 0);
+        let unread = lower
+            .iter()
+            .filter(|k| {
+                self.index.find(layout, k).is_none()
+                    && self.tier.has(&BlockKey { layout, hash: **k })
+            })
+            .count() as u64;
+        if unread > 0 && !blocked {
+            return Some(match self.sessions.layout(layout) {
+                Ok(l) => Err(self.pool_full(l.class, unread)),
+                Err(e) => Err(e),
+            });
+        }
+        Some(Ok(None))
     }
 
     /// `commit`: makes the caller's pending blocks visible. With payloads, writes them
@@ -772,10 +820,11 @@ impl Store {
     }
 
     /// `alloc` for a transfer: its reservations last `ttl` (the transfer frees them
-    /// itself when it ends), and it never waits. A key only the lower tier holds gets a
-    /// slot like a missing one (the transfer moves its bytes again). `Ok(None)`: not yet
-    /// (no room while demotions are in flight, or a key is being written by another
-    /// allocation or read back from the lower tier); try again later.
+    /// itself when it ends), and it never waits. A key only the lower tier holds is read
+    /// up from it (the importer's own copy, `Exists` once in DRAM; never a second
+    /// version). `Ok(None)`: not yet (no room while demotions are in flight, a key is
+    /// being written by another allocation or read back from the lower tier); try again
+    /// later.
     pub fn alloc_for_transfer(
         &mut self,
         client: ClientId,

@@ -1,7 +1,8 @@
 //! Model-based property test of the store with the NVMe tier on (real io_uring on real
 //! files): random interleavings of alloc, write, commit (also of keys the caller does not
 //! own, or that are being demoted or promoted), get, release, delete, lookup (prefetch),
-//! a peer's lock reading NVMe-only blocks up (`promote_for_peer`),
+//! a peer's lock reading NVMe-only blocks up (`promote_for_peer`), a transfer's import
+//! (its own allocation: a key only NVMe holds must be read up, never written again),
 //! time passing (pin and allocation expiry), eviction and demotion (a pool of 32 slots
 //! under 48 keys), promotion, and pipelined stores (reserve, write, put; a put of
 //! another client's slot or of a slot never reserved; unreserve), against a reference
@@ -48,6 +49,9 @@ enum Op {
     Lookup { keys: Vec<u32>, no_prefetch: bool },
     /// A peer about to lock keys has those on NVMe only read into DRAM (no pin).
     PeerPromote { keys: Vec<u32> },
+    /// A transfer imports keys from a peer (its own allocation, retried while it says
+    /// "not yet"; fresh bytes into the slots it gets; commit).
+    Import { keys: Vec<u32> },
     /// Time passes.
     Advance { ms: u64 },
     /// Client `c` reserves `n` slots.
@@ -72,6 +76,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Delete { c, keys }),
         1 => (ks(), any::<bool>()).prop_map(|(keys, no_prefetch)| Op::Lookup { keys, no_prefetch }),
         1 => ks().prop_map(|keys| Op::PeerPromote { keys }),
+        2 => ks().prop_map(|keys| Op::Import { keys }),
         1 => prop_oneof![Just(5u64), Just(2_000), Just(40_000)].prop_map(|ms| Op::Advance { ms }),
         2 => (0..2usize, 1..4u64).prop_map(|(c, n)| Op::Reserve { c, n }),
         3 => (0..2usize, ks()).prop_map(|(c, keys)| Op::Put { c, keys }),
@@ -100,6 +105,8 @@ struct World {
     pool: Arc<Pool>,
     now: Instant,
     clients: [ClientId; 2],
+    /// The daemon's own session, as the transfers use it.
+    system: ClientId,
     layout: LayoutId,
     /// Key → the version last committed (the store may have dropped it since).
     committed: HashMap<u32, u32>,
@@ -178,11 +185,13 @@ impl World {
             order: MemoryOrder::LayerPartTokenHead,
         };
         let layout = s.register_layout(&l).unwrap().layout_id;
+        let system = s.system_session(now);
         World {
             s,
             pool,
             now,
             clients,
+            system,
             layout,
             committed: HashMap::new(),
             pending: HashMap::new(),
@@ -366,6 +375,46 @@ impl World {
                             "key {i} readable for a peer but never committed"
                         );
                     }
+                }
+            }
+            Op::Import { keys } => {
+                let ks: Vec<ChunkHash> = keys.iter().map(|&i| key(i)).collect();
+                let ttl = Duration::from_secs(30);
+                // A transfer retries "not yet" each turn until its lease ends; here a few
+                // hundred turns (a key another allocation holds stays busy until then).
+                let mut tries = 0;
+                let r = loop {
+                    match self.s.alloc_for_transfer(self.system, l, &ks, ttl, self.now) {
+                        Ok(Some(r)) => break r,
+                        Ok(None) if tries < 300 => {
+                            tries += 1;
+                            let _ = self.s.poll_io(self.now);
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                        _ => return,
+                    }
+                };
+                let mut fresh = Vec::new();
+                for (j, (st, off)) in r.status.iter().zip(&r.offsets).enumerate() {
+                    let i = keys[j];
+                    if *st == AllocStatus::New && !fresh.iter().any(|(k, _)| *k == i) {
+                        let v = self.next_version;
+                        self.next_version += 1;
+                        let off = off.expect("a new key has a slot");
+                        self.pool.write(off, &content(i, v)).unwrap();
+                        fresh.push((i, v));
+                    }
+                }
+                if !fresh.is_empty() {
+                    let req = CommitReq {
+                        client: self.system,
+                        layout_id: l,
+                        keys: fresh.iter().map(|(i, _)| key(*i)).collect(),
+                        offsets: None,
+                    };
+                    let r = self.s.commit(&req, &[], self.now);
+                    assert!(r.is_ok(), "committing an import: {r:?}");
+                    self.committed.extend(fresh);
                 }
             }
             Op::Advance { ms } => {
