@@ -102,28 +102,52 @@ pub fn stamp() -> Stamp {
 
 /// Stamps accepted within the freshness window, so that none is accepted twice.
 ///
-/// Bounded by live work: a stamp is remembered until it could no longer pass
-/// [`check_fresh`] (`unix_ms + MAX_SKEW_MS`), and at most `max` at once (beyond that,
-/// requests are refused until old stamps age out: a flood cannot grow it).
+/// A stamp is judged by its nonce alone: a nonce accepted once is refused again while
+/// remembered, whatever the timestamp beside it. Bounded by live work: a nonce is
+/// remembered until a stamp of its time could no longer pass [`check_fresh`]
+/// (`unix_ms + MAX_SKEW_MS`), and at most `max` at once (beyond that, new requests are
+/// refused, none forgotten early, until old stamps age out: a flood cannot grow it, and
+/// cannot make it forget a nonce it could then replay).
+///
+/// A guard made [`ReplayGuard::since`] a start time also refuses stamps older than that
+/// start: its memory begins then, so a request captured before a restart cannot be
+/// replayed to the new daemon (SPEC §10.1).
 #[derive(Debug)]
 pub struct ReplayGuard {
     seen: HashSet<u64>,
     by_expiry: BinaryHeap<std::cmp::Reverse<(u64, u64)>>,
     max: usize,
+    started_ms: u64,
 }
 
 impl ReplayGuard {
-    /// A guard remembering at most `max` stamps.
+    /// A guard remembering at most `max` stamps, of any age the window allows (the data
+    /// plane: its requests name the receiver's incarnation, so an earlier life's are
+    /// refused by that).
     pub fn new(max: usize) -> Self {
+        Self::since(max, 0)
+    }
+
+    /// A guard remembering at most `max` stamps that refuses those older than
+    /// `started_ms` (the control endpoint, whose first-contact requests name no
+    /// incarnation).
+    pub fn since(max: usize, started_ms: u64) -> Self {
         ReplayGuard {
             seen: HashSet::new(),
             by_expiry: BinaryHeap::new(),
             max,
+            started_ms,
         }
     }
 
     /// Accepts `stamp` once if it is fresh at `now_ms`.
     pub fn admit(&mut self, stamp: Stamp, now_ms: u64) -> Result<(), AuthError> {
+        if stamp.unix_ms < self.started_ms {
+            return Err(AuthError::BeforeStart {
+                got_ms: stamp.unix_ms,
+                started_ms: self.started_ms,
+            });
+        }
         while let Some(std::cmp::Reverse((exp, nonce))) = self.by_expiry.peek().copied() {
             if exp >= now_ms {
                 break;
@@ -136,7 +160,7 @@ impl ReplayGuard {
             return Err(AuthError::Replayed(stamp.nonce));
         }
         if self.seen.len() >= self.max {
-            return Err(AuthError::Replayed(stamp.nonce));
+            return Err(AuthError::Full(self.seen.len()));
         }
         self.seen.insert(stamp.nonce);
         self.by_expiry.push(std::cmp::Reverse((
@@ -218,6 +242,38 @@ mod tests {
     }
 
     #[test]
+    fn a_guard_since_a_start_refuses_older_stamps_and_the_full_guard_says_so() {
+        let start = 9_000_000;
+        let mut g = ReplayGuard::since(1, start);
+        let at = |unix_ms, nonce| Stamp { unix_ms, nonce };
+        // fresh by the window, but from before this life
+        assert_eq!(
+            g.admit(at(start - 1, 1), start + 10),
+            Err(AuthError::BeforeStart {
+                got_ms: start - 1,
+                started_ms: start
+            })
+        );
+        assert_eq!(g.admit(at(start, 1), start + 10), Ok(()));
+        assert_eq!(
+            g.admit(at(start + 5, 2), start + 10),
+            Err(AuthError::Full(1))
+        );
+        // the window's edges: exactly MAX_SKEW_MS away is inside
+        let mut g = ReplayGuard::new(8);
+        assert_eq!(g.admit(at(start, 3), start + MAX_SKEW_MS), Ok(()));
+        assert_eq!(
+            g.admit(at(start + 2 * MAX_SKEW_MS, 4), start + MAX_SKEW_MS),
+            Ok(())
+        );
+        // judged by the nonce alone: another timestamp does not make it new
+        assert_eq!(
+            g.admit(at(start + 1, 3), start + MAX_SKEW_MS),
+            Err(AuthError::Replayed(3))
+        );
+    }
+
+    #[test]
     fn the_default_secret_is_created_once_and_shared() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("sub/cluster.key");
@@ -227,7 +283,7 @@ mod tests {
             unix_ms: 1,
             nonce: 2,
         };
-        assert_eq!(a.seal_request(st, b"x"), b.seal_request(st, b"x"));
+        assert_eq!(a.seal_request(st, "n", b"x"), b.seal_request(st, "n", b"x"));
         let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let missing = d.path().join("nope.key");

@@ -128,7 +128,7 @@ impl PeerLinks {
         };
         let frame = encode_request(id, &out.req);
         let stamp = crate::auth::stamp();
-        let auth = key.seal_request(stamp, &frame);
+        let auth = key.seal_request(stamp, &out.node, &frame);
         let sent = link
             .socket
             .send(frame, zmq::DONTWAIT | zmq::SNDMORE)

@@ -25,7 +25,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use kvd_protocol::auth::Stamp;
+use kvd_protocol::auth::{Receiver, Stamp};
 use kvd_protocol::*;
 
 use crate::http::{Health, Phase};
@@ -171,7 +171,8 @@ impl Server {
             socket,
             peer_socket: None,
             interest: Interest::new().map_err(ServerError::Poll)?,
-            replay: crate::auth::ReplayGuard::new(PEER_REPLAY_MAX),
+            // Its memory begins now: a request stamped earlier was meant for another life.
+            replay: crate::auth::ReplayGuard::since(PEER_REPLAY_MAX, crate::auth::unix_ms()),
             store,
             opts,
             signals,
@@ -613,16 +614,22 @@ impl Server {
         let (Some(identity), Some(env)) = (parts.first(), parts.get(1)) else {
             return;
         };
-        let checked = match (self.links.key.as_ref(), parts.get(2), parts.len()) {
-            (Some(key), Some(auth), 3) => key
-                .open_request(env, auth)
+        let me = self
+            .transfers
+            .as_ref()
+            .map(|t| Receiver(t.me().node.clone()));
+        let checked = match (self.links.key.as_ref(), &me, parts.get(2), parts.len()) {
+            (Some(key), Some(me), Some(auth), 3) => key
+                .open_request(me, env, auth)
                 .and_then(|st| self.replay.admit(st, crate::auth::unix_ms()).map(|()| st)),
             _ => Err(kvd_protocol::auth::AuthError::Missing),
         };
         let stamp = match checked {
             Ok(st) => st,
             Err(e) => {
-                tracing::info!(error = %e, "unauthenticated peer message refused");
+                // (peers must name this node exactly as it advertises itself)
+                let node = me.map(|m| m.0).unwrap_or_default();
+                tracing::info!(error = %e, %node, "unauthenticated peer message refused");
                 if let Some(t) = self.transfers.as_mut() {
                     t.count_unauthenticated();
                 }
@@ -868,7 +875,9 @@ impl Server {
 
     /// Decodes and executes one request. `peer` is the stamp of an authenticated peer
     /// request (peer socket) or `None` (client socket): each socket serves only its own
-    /// ops.
+    /// ops. The checks come in SPEC §10.1's order: (authentication, done by the caller
+    /// on the control endpoint,) the envelope, the endpoint the op is served on, the
+    /// body.
     fn dispatch(
         &mut self,
         env: &[u8],
@@ -879,6 +888,13 @@ impl Server {
         let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
             Ok(x) => x,
             Err((id, e)) => {
+                // An op this endpoint does not serve is refused as such, whatever its
+                // body: judged by its name first.
+                if let DecodeError::Body { op, .. } = e {
+                    if let Some(why) = wrong_endpoint(op, peer) {
+                        return self.refuse_endpoint(id, op, why, now);
+                    }
+                }
                 tracing::debug!(id, error = %e, "undecodable request");
                 let reply = self.refuse("invalid", e.code(), id, &e.to_string(), now);
                 return Outcome::Reply(reply, Vec::new());
@@ -886,25 +902,8 @@ impl Server {
         };
         let mut out = Vec::new();
         let op = req.op();
-        let wrong_socket = match (req.is_peer(), peer.is_some()) {
-            (true, false) => Some(WireError::new(
-                ErrorCode::Unauthenticated,
-                format!("{op} is a daemon-to-daemon op: served only on the control endpoint, to peers that sign it with the cluster secret"),
-            )),
-            (false, true) => Some(WireError::new(
-                ErrorCode::UnknownOp,
-                format!("{op} is a client op: the control endpoint serves only peer ops"),
-            )),
-            _ => None,
-        };
-        if let Some(e) = wrong_socket {
-            if e.code == ErrorCode::Unauthenticated {
-                if let Some(t) = self.transfers.as_mut() {
-                    t.count_unauthenticated();
-                }
-            }
-            let (r, p) = self.finish(id, op, now, Err(e), Vec::new());
-            return Outcome::Reply(r, p);
+        if let Some(why) = wrong_endpoint(op, peer) {
+            return self.refuse_endpoint(id, op, why, now);
         }
         match self.execute(&req, payloads, &mut out, now) {
             Ok(Answer::Later(token)) => Outcome::Later(token, id, op),
@@ -918,6 +917,23 @@ impl Server {
                 Outcome::Reply(r, p)
             }
         }
+    }
+
+    /// The refusal `e` of an op this endpoint does not serve ([`wrong_endpoint`]).
+    fn refuse_endpoint(
+        &mut self,
+        id: u64,
+        op: &'static str,
+        e: WireError,
+        now: Instant,
+    ) -> Outcome {
+        if e.code == ErrorCode::Unauthenticated {
+            if let Some(t) = self.transfers.as_mut() {
+                t.count_unauthenticated();
+            }
+        }
+        let (r, p) = self.finish(id, op, now, Err(e), Vec::new());
+        Outcome::Reply(r, p)
     }
 
     fn execute(
@@ -1220,5 +1236,22 @@ fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::GpuExport(b) => encode_ok(id, &b),
         Body::GpuExportStatus(b) => encode_ok(id, &b),
         Body::GpuPull(b) => encode_ok(id, &b),
+    }
+}
+
+/// Why an endpoint does not serve `op`, judged by its name: a peer op on a client
+/// endpoint (`peer` = `None`) is `unauthenticated`, a client op on the control endpoint
+/// `unknown_op`. `None`: it is served here.
+fn wrong_endpoint(op: &str, peer: Option<Stamp>) -> Option<WireError> {
+    match (is_peer_op(op), peer.is_some()) {
+        (true, false) => Some(WireError::new(
+            ErrorCode::Unauthenticated,
+            format!("{op} is a daemon-to-daemon op: served only on the control endpoint, to peers that sign it with the cluster secret"),
+        )),
+        (false, true) => Some(WireError::new(
+            ErrorCode::UnknownOp,
+            format!("{op} is a client op: the control endpoint serves only peer ops"),
+        )),
+        _ => None,
     }
 }

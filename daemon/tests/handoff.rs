@@ -203,7 +203,10 @@ fn a_push_finishes_when_its_last_byte_lands() {
         .recv_multipart(0)
         .expect("the registration reaches the fake");
     let (env, auth) = (&frames[1], &frames[2]);
-    cluster_key().open_request(env, auth).expect("sealed");
+    let fake_name = kvd_protocol::auth::Receiver(format!("tcp://127.0.0.1:{port}"));
+    cluster_key()
+        .open_request(&fake_name, env, auth)
+        .expect("sealed for the node the client named");
     let (_, req) = kvd_protocol::decode_request(env, 1 << 20).unwrap();
     let kvd_protocol::Request::PeerPushReg(reg) = req else {
         panic!("expected peer_push_reg, got {req:?}");
@@ -1152,7 +1155,13 @@ fn an_unanswered_peer_done_is_sent_again() {
         if !matches!(req, Request::PeerDone(_)) {
             continue; // heartbeats
         }
-        let stamp = key.open_request(&parts[1], auth).expect("signed by b");
+        let stamp = key
+            .open_request(
+                &kvd_protocol::auth::Receiver(p.from.node.clone()),
+                &parts[1],
+                auth,
+            )
+            .expect("signed by b for the node its params named");
         dones += 1;
         if dones == 2 {
             let ack = encode_ok(

@@ -622,6 +622,7 @@ fn unauthenticated_peer_traffic_gets_nothing() {
     let client_side = PeerRaw {
         raw: Raw::new(&d.endpoint, zmq::DEALER),
         key: Some(cluster_key()),
+        to: me.node.clone(),
     };
     assert_eq!(
         client_side.call(&hb(1)),
@@ -661,7 +662,7 @@ fn unauthenticated_peer_traffic_gets_nothing() {
         nonce: 1,
     };
     assert_eq!(
-        signed.call_frames(&[env.clone(), key.seal_request(old, &env).to_vec()]),
+        signed.call_frames(&[env.clone(), key.seal_request(old, &me.node, &env).to_vec()]),
         (8, Some(ErrorCode::Unauthenticated))
     );
     // 4. a client op on the control endpoint, signed
@@ -688,6 +689,49 @@ fn unauthenticated_peer_traffic_gets_nothing() {
     );
     assert_eq!(unauth(), 9);
     round_trip(&good, l, 78);
+}
+
+/// Issue 32, 5.4: each endpoint judges an op by its name before its body. A peer op
+/// with a malformed body on a client endpoint was `invalid_argument` (its body was read
+/// first); now it is `unauthenticated`, as any peer op there. A client op with a
+/// malformed body on the control endpoint, signed, is `unknown_op` (not served there),
+/// and one unsigned is `unauthenticated` (authentication comes before anything else).
+#[test]
+fn each_endpoint_refuses_an_op_by_its_name_before_reading_its_body() {
+    let d = Daemon::start(&[]);
+    let good = d.client();
+    let me = good.hello_info().node.expect("transfers are on by default");
+    let unauth = || good.stats().unwrap().transfers.unwrap().unauthenticated;
+    let client_side = Raw::new(&d.endpoint, zmq::DEALER);
+    let bad_peer_op = frame(1, 1, "peer_heartbeat", ("not", "a", "body"));
+    assert_eq!(
+        client_side.call(&[&bad_peer_op]),
+        (1, Some(ErrorCode::Unauthenticated))
+    );
+    assert_eq!(unauth(), 1);
+    // the same body under a client op name is the body's fault
+    let bad_client_op = frame(1, 2, "lookup", ("not", "a", "body"));
+    assert_eq!(
+        client_side.call(&[&bad_client_op]),
+        (2, Some(ErrorCode::InvalidArgument))
+    );
+    let signed = PeerRaw::new(&me.node, Some(cluster_key()));
+    let bad_client_op = frame(1, 3, "lookup", ("not", "a", "body"));
+    assert_eq!(signed.call(&bad_client_op), (3, Some(ErrorCode::UnknownOp)));
+    let unsigned = PeerRaw::new(&me.node, None);
+    assert_eq!(
+        unsigned.call(&bad_client_op),
+        (3, Some(ErrorCode::Unauthenticated))
+    );
+    // and a peer op's malformed body on the control endpoint, signed, is the body's fault
+    let bad_peer_op = frame(1, 4, "peer_heartbeat", ("not", "a", "body"));
+    assert_eq!(
+        signed.call(&bad_peer_op),
+        (4, Some(ErrorCode::InvalidArgument))
+    );
+    assert_eq!(unauth(), 2);
+    let l = register(&good, 16).id;
+    round_trip(&good, l, 3);
 }
 
 /// Finding: the wire was looser than SPEC §2 says: positional arrays were accepted for

@@ -756,3 +756,76 @@ fn etcd_discovery_without_the_feature_says_how_to_get_it() {
         "refused before binding anything"
     );
 }
+
+/// Issue 32, 2: a signed peer request names its receiver inside the MAC. A `peer_lookup`
+/// with `to_incarnation` 0 and `lock_ttl_ms`, captured on its way to A and replayed
+/// within the window to B (same cluster, same secret, holding the same blocks), used to
+/// be served there and pin B's blocks; now B refuses it as unauthenticated. Replayed to A
+/// after A restarted (a new nonce memory), it is refused too: it was stamped before the
+/// new daemon started.
+#[test]
+fn a_captured_peer_request_is_refused_by_every_other_daemon_and_after_a_restart() {
+    let (mut d, nodes, _cfg) = cluster("lookup", false);
+    let (ca, cb) = (d[0].client(), d[1].client());
+    let (l, ks, data) = fill(&ca, 31, 2);
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    register(&cb, 64);
+    cb.store(l, &ks, &refs).unwrap();
+    let lookup = PeerLookupReq {
+        from: reader_by_hand(7),
+        to_incarnation: Incarnation(0),
+        layout_id: l,
+        keys: ks.clone(),
+        lock_ttl_ms: Some(5000),
+    };
+    let to_a = PeerRaw::new(&nodes[0], Some(cluster_key()));
+    let captured = to_a.frames(&frame(1, 5, "peer_lookup", &lookup));
+    let send = |node: &str, frames: &[Vec<u8>]| {
+        let raw = Raw::new(node, zmq::DEALER);
+        let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+        raw.send(&refs);
+        let parts = raw.sock.recv_multipart(0).expect("an answer within 5 s");
+        decode_reply::<PeerAck>(&parts[0]).unwrap().1
+    };
+    let unauth = |c: &Client| c.stats().unwrap().transfers.unwrap().unauthenticated;
+    // served by A, the node it was signed for: present, locked
+    let ack = send(&nodes[0], &captured).expect("A serves the request addressed to it");
+    assert_eq!(ack.present, vec![true, true]);
+    assert!(ack.params.is_some(), "A locked the blocks: {ack:?}");
+    // the same frames replayed to B: refused, nothing pinned there
+    let before = unauth(&cb);
+    let e = send(&nodes[1], &captured).expect_err("B refuses a request addressed to A");
+    assert_eq!(e.code, ErrorCode::Unauthenticated, "{e:?}");
+    assert_eq!(unauth(&cb), before + 1);
+    assert_eq!(
+        cb.stats().unwrap().pinned_blocks,
+        0,
+        "the replay pinned B's blocks"
+    );
+    // a fresh request signed for B is served by B (the binding refuses only the wrong one)
+    let to_b = PeerRaw::new(&nodes[1], Some(cluster_key()));
+    let ack = send(
+        &nodes[1],
+        &to_b.frames(&frame(1, 6, "peer_lookup", &lookup)),
+    )
+    .unwrap();
+    assert_eq!(ack.present, vec![true, true]);
+    // A restarts (same endpoint, new incarnation, empty nonce memory); a request it
+    // served before is refused on replay
+    let lookup = PeerLookupReq {
+        lock_ttl_ms: None,
+        ..lookup
+    };
+    let served = to_a.frames(&frame(1, 8, "peer_lookup", &lookup));
+    send(&nodes[0], &served).expect("served once");
+    d[0].restart();
+    let e = send(&nodes[0], &served).expect_err("a replay across A's restart is refused");
+    assert_eq!(e.code, ErrorCode::Unauthenticated, "{e:?}");
+    assert!(e.message.contains("before this daemon started"), "{e:?}");
+    // and a fresh one is served by the new A (which has not seen the layout yet)
+    let r = send(
+        &nodes[0],
+        &to_a.frames(&frame(1, 9, "peer_lookup", &lookup)),
+    );
+    assert_eq!(r.map_err(|e| e.code), Err(ErrorCode::UnknownLayout));
+}

@@ -68,22 +68,17 @@ pub enum Request {
     GpuExportStatus(GpuExportStatusReq),
 }
 
+/// Whether `op` names a daemon-to-daemon op (`peer_*`): a server decides which endpoint
+/// may serve a request by its name alone, before (and whether or not) its body decodes.
+pub fn is_peer_op(op: &str) -> bool {
+    xop::PEER_OPS.contains(&op)
+}
+
 impl Request {
     /// Whether this is a daemon-to-daemon op (`peer_*`), served only on the control
     /// endpoint to authenticated peers.
     pub fn is_peer(&self) -> bool {
-        matches!(
-            self,
-            Request::PeerPushReg(_)
-                | Request::PeerPushDone(_)
-                | Request::PeerDone(_)
-                | Request::PeerFail(_)
-                | Request::PeerHeartbeat(_)
-                | Request::PeerRdmaConnect(_)
-                | Request::PeerRdmaRegister(_)
-                | Request::PeerLookup(_)
-                | Request::PeerLock(_)
-        )
+        is_peer_op(self.op())
     }
 
     /// The op name of this request.

@@ -35,7 +35,8 @@ pub mod strict;
 pub mod transfer;
 
 pub use codec::{
-    decode_reply, decode_request, encode_err, encode_ok, encode_request, Request, PROTOCOL_VERSION,
+    decode_reply, decode_request, encode_err, encode_ok, encode_request, is_peer_op, Request,
+    PROTOCOL_VERSION,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use gpu::{

@@ -384,7 +384,10 @@ impl World {
                 // hundred turns (a key another allocation holds stays busy until then).
                 let mut tries = 0;
                 let r = loop {
-                    match self.s.alloc_for_transfer(self.system, l, &ks, ttl, self.now) {
+                    match self
+                        .s
+                        .alloc_for_transfer(self.system, l, &ks, ttl, self.now)
+                    {
                         Ok(Some(r)) => break r,
                         Ok(None) if tries < 300 => {
                             tries += 1;

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvd_protocol::auth::{ClusterKey, DATA_TRAILER_BYTES};
+use kvd_protocol::auth::{ClusterKey, Receiver, DATA_TRAILER_BYTES};
 use kvd_protocol::{ErrorCode, Incarnation, PeerRef, WireError};
 
 use super::grants::{GrantKind, Grants};
@@ -431,23 +431,29 @@ pub struct DataOptions {
 pub struct DataServer {
     auth: Arc<DataAuth>,
     addr: std::net::SocketAddr,
+    name: String,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl DataServer {
-    /// Binds `addr` (port 0: any free port) and starts accepting.
+    /// Binds `addr` (port 0: any free port) and starts accepting. Its name, what peers
+    /// address and sign its requests for (`PeerRef.data`, SPEC §10.1), is
+    /// `advertise_host` (else the bound address's host) and the bound port.
     pub fn start(
         addr: &str,
         pool: Arc<Pool>,
         grants: Arc<Grants>,
         key: ClusterKey,
+        advertise_host: Option<&str>,
         opts: &DataOptions,
     ) -> io::Result<DataServer> {
-        let auth = Arc::new(DataAuth::new(key));
-        let refused = auth.clone();
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
+        let host = advertise_host.map_or_else(|| local.ip().to_string(), str::to_string);
+        let name = format!("{host}:{}", local.port());
+        let auth = Arc::new(DataAuth::new(key, Receiver(name.clone())));
+        let refused = auth.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(AtomicUsize::new(0));
         let (st, timeout, max) = (stop.clone(), opts.io_timeout, opts.max_connections);
@@ -482,6 +488,7 @@ impl DataServer {
             })?;
         Ok(DataServer {
             addr: local,
+            name,
             stop,
             thread: Some(thread),
             auth: refused,
@@ -496,6 +503,11 @@ impl DataServer {
     /// The bound address.
     pub fn addr(&self) -> std::net::SocketAddr {
         self.addr
+    }
+
+    /// The address peers name it by (`PeerRef.data`).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 }
 
@@ -513,6 +525,9 @@ impl Drop for DataServer {
 /// The data server's side of authentication: every request's trailer is checked.
 struct DataAuth {
     key: ClusterKey,
+    /// This server's name (its advertised address): requests addressed to another are
+    /// refused.
+    me: Receiver,
     replay: Mutex<ReplayGuard>,
     refused: AtomicU64,
 }
@@ -522,21 +537,25 @@ struct DataAuth {
 const REPLAY_MAX: usize = 1 << 20;
 
 impl DataAuth {
-    fn new(key: ClusterKey) -> Self {
+    fn new(key: ClusterKey, me: Receiver) -> Self {
         DataAuth {
             key,
+            me,
             replay: Mutex::new(ReplayGuard::new(REPLAY_MAX)),
             refused: AtomicU64::new(0),
         }
     }
 
     fn check(&self, head: &[u8], trailer: &[u8]) -> Result<(), WireError> {
-        let r = self.key.open_data(head, trailer).and_then(|stamp| {
-            self.replay
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .admit(stamp, crate::auth::unix_ms())
-        });
+        let r = self
+            .key
+            .open_data(&self.me, head, trailer)
+            .and_then(|stamp| {
+                self.replay
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .admit(stamp, crate::auth::unix_ms())
+            });
         r.map_err(|e| {
             self.refused.fetch_add(1, Ordering::Relaxed);
             werr(
@@ -868,7 +887,9 @@ impl TcpTransport {
             nranges: ops.len() as u32,
         }
         .encode(ops, &mut buf);
-        let trailer = self.key.data_trailer(crate::auth::stamp(), &buf);
+        let trailer = self
+            .key
+            .data_trailer(crate::auth::stamp(), &a.peer.data, &buf);
         buf.extend_from_slice(&trailer);
         buf.resize(buf.len() + pad_for(buf.len()), 0);
         buf
@@ -1285,7 +1306,8 @@ mod tests {
             &[(4096, bytes.len() as u64)],
             Instant::now() + Duration::from_secs(30),
         );
-        let server = DataServer::start("127.0.0.1:0", remote, grants, key(), &opts()).unwrap();
+        let server =
+            DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
         let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
         let a = access_to(server.addr().to_string(), true);
         for len in [
@@ -1408,7 +1430,8 @@ mod tests {
             &[(4096, 8192)],
             Instant::now() + Duration::from_secs(30),
         );
-        let server = DataServer::start("127.0.0.1:0", remote, grants, key(), &opts()).unwrap();
+        let server =
+            DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
         let t = TcpTransport::new(local, Incarnation(1), key(), &opts());
         let a = access_to(server.addr().to_string(), false);
         let ask = |req: &[u8]| {
@@ -1483,5 +1506,83 @@ mod tests {
         assert_eq!(split(&[op(0, 0, 4096)], 4).len(), 1);
         assert_eq!(split(&[op(0, 0, 4 << 20)], 4).len(), 1);
         assert_eq!(split(&[op(0, 0, 16 << 20)], 4).len(), 4);
+    }
+
+    /// SPEC §10 "Data plane (TCP)", as implemented from the text (issue 32, 5.5): a
+    /// grant is the union of its slots (a range over two adjacent slots is served); the
+    /// bytes of a read are not padded, only the CRC table is (from its own first byte:
+    /// one 100-byte checked range is 64 + 100 + 4 + 60 = 228 bytes, unchecked 164); a
+    /// refused read leaves the connection open, a request with a bad MAC closes it.
+    #[test]
+    fn reads_are_framed_and_refused_as_the_spec_says() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (local, remote) = (test_pool(dir.path(), "l", 1), test_pool(dir.path(), "r", 2));
+        let bytes: Vec<u8> = (0..128u8).collect();
+        remote.write(4096, &bytes).unwrap();
+        let grants = Arc::new(Grants::new(Incarnation(2)));
+        // two adjacent 64-byte slots
+        grants.insert(
+            1,
+            77,
+            GrantKind::Read,
+            &[(4096, 64), (4160, 64)],
+            Instant::now() + Duration::from_secs(30),
+        );
+        let server =
+            DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
+        let t = TcpTransport::new(local, Incarnation(1), key(), &opts());
+        let at = server.addr().to_string();
+        let mut s = TcpStream::connect(server.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let answer = |s: &mut TcpStream, req: &[u8], len: usize| {
+            s.write_all(req).unwrap();
+            let mut got = vec![0u8; len];
+            s.read_exact(&mut got).unwrap();
+            got
+        };
+        let checked = t.request(Dir::Read, &access_to(at.clone(), true), &[op(4096, 0, 100)]);
+        let got = answer(&mut s, &checked, 228);
+        assert_eq!(&got[..64], &status_bytes(None)[..], "ok status");
+        assert_eq!(&got[64..164], &bytes[..100], "the bytes, over both slots");
+        let crc = crate::checksum::crc32c_append(0, &bytes[..100]);
+        assert_eq!(&got[164..168], &crc.to_le_bytes());
+        assert!(got[168..].iter().all(|&b| b == 0), "60 bytes of padding");
+        // the same connection: an unchecked read, nothing after its bytes
+        let plain = t.request(
+            Dir::Read,
+            &access_to(at.clone(), false),
+            &[op(4100, 0, 100)],
+        );
+        let got = answer(&mut s, &plain, 164);
+        assert_eq!(&got[64..], &bytes[4..104]);
+        // a range past the grant is refused; the connection stays open for the next
+        let outside = t.request(Dir::Read, &access_to(at.clone(), false), &[op(4160, 0, 65)]);
+        s.write_all(&outside).unwrap();
+        let e = read_status(&mut s).expect_err("a range past the grant is refused");
+        assert!(
+            matches!(e, Ok(ref e) if e.code == ErrorCode::InvalidArgument),
+            "{e:?}"
+        );
+        // (a new request: the same one again would be a replay)
+        let again = t.request(
+            Dir::Read,
+            &access_to(at.clone(), false),
+            &[op(4100, 0, 100)],
+        );
+        let got = answer(&mut s, &again, 164);
+        assert_eq!(&got[64..], &bytes[4..104], "served after the refusal");
+        // a request signed for another data server is refused and the connection closed
+        let mut elsewhere = access_to(at.clone(), false);
+        elsewhere.peer.data = "10.9.9.9:7102".into();
+        s.write_all(&t.request(Dir::Read, &elsewhere, &[op(4096, 0, 64)]))
+            .unwrap();
+        let e = read_status(&mut s).expect_err("addressed to another server");
+        assert!(
+            matches!(e, Ok(ref e) if e.code == ErrorCode::Unauthenticated),
+            "{e:?}"
+        );
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "closed after the refusal");
     }
 }

@@ -470,13 +470,10 @@ impl Transfers {
             pool.clone(),
             grants.clone(),
             key.clone(),
+            cfg.advertise_host.as_deref(),
             &cfg.data,
         )?;
-        let data_host = match &cfg.advertise_host {
-            Some(h) => h.clone(),
-            None => server.addr().ip().to_string(),
-        };
-        let data = format!("{data_host}:{}", server.addr().port());
+        let data = server.name().to_string();
         let node = match &cfg.advertise_host {
             Some(h) => replace_host(&control, h),
             None => control,

@@ -826,7 +826,7 @@ pub fn peer_call(
     s.connect(&peer.node).map_err(unreachable)?;
     let frame = encode_request(1, req);
     let stamp = crate::auth::stamp();
-    let auth = key.seal_request(stamp, &frame);
+    let auth = key.seal_request(stamp, &peer.node, &frame);
     s.send(frame, zmq::SNDMORE).map_err(unreachable)?;
     s.send(&auth[..], 0).map_err(unreachable)?;
     if s.poll(zmq::POLLIN, timeout.as_millis() as i64)

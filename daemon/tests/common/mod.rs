@@ -282,9 +282,10 @@ pub fn raw_read_with(
 }
 
 /// One data-plane request by hand (SPEC §10, "Data plane (TCP)"), signed with `key` (or
-/// not): `op` = (1 read | 2 write, handle, token) to the daemon of `incarnation` at `addr`,
-/// over `ranges`; a write sends `payload` after the request. Returns a read's bytes (a
-/// write's: none), or the refusal's code.
+/// not): `op` = (1 read | 2 write, handle, token) to the daemon of `incarnation` at `addr`
+/// (its `PeerRef::data`, which the request is signed for), over `ranges`; a write sends
+/// `payload` after the request. Returns a read's bytes (a write's: none), or the
+/// refusal's code.
 pub fn raw_data(
     key: Option<&kvd_protocol::auth::ClusterKey>,
     addr: &str,
@@ -309,7 +310,9 @@ pub fn raw_data(
         req.extend_from_slice(&len.to_le_bytes());
     }
     let trailer = match key {
-        Some(k) => k.data_trailer(kvd_daemon::auth::stamp(), &req).to_vec(),
+        Some(k) => k
+            .data_trailer(kvd_daemon::auth::stamp(), addr, &req)
+            .to_vec(),
         None => vec![0u8; kvd_protocol::auth::DATA_TRAILER_BYTES],
     };
     req.extend_from_slice(&trailer);
@@ -392,14 +395,17 @@ pub fn frame<B: Serialize>(v: u64, id: u64, op: &str, body: B) -> Vec<u8> {
 pub struct PeerRaw {
     pub raw: Raw,
     pub key: Option<kvd_protocol::auth::ClusterKey>,
+    /// The receiver's name the requests are signed for.
+    pub to: String,
 }
 
 impl PeerRaw {
-    /// Connects to `control` (a `PeerRef::node`), signing with `key`.
+    /// Connects to `control` (a `PeerRef::node`), signing with `key` for that node.
     pub fn new(control: &str, key: Option<kvd_protocol::auth::ClusterKey>) -> PeerRaw {
         PeerRaw {
             raw: Raw::new(control, zmq::DEALER),
             key,
+            to: control.to_string(),
         }
     }
 
@@ -407,7 +413,10 @@ impl PeerRaw {
     pub fn frames(&self, env: &[u8]) -> Vec<Vec<u8>> {
         let mut v = vec![env.to_vec()];
         if let Some(k) = &self.key {
-            v.push(k.seal_request(kvd_daemon::auth::stamp(), env).to_vec());
+            v.push(
+                k.seal_request(kvd_daemon::auth::stamp(), &self.to, env)
+                    .to_vec(),
+            );
         }
         v
     }
