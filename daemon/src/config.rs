@@ -47,7 +47,10 @@
 //! | `transfer.streams` | int | `0` (= min(4, CPUs)) | | parallel TCP streams per transfer (each carries ≥ 4 MiB) |
 //! | `transfer.workers` | int | `4` | | data-plane worker threads |
 //! | `transfer.io_timeout_ms` | int | `10000` | | data-plane socket timeout |
-//! | `transfer.max_connections` | int | `256` | | inbound data connections |
+//! | `transfer.max_connections` | int | `256` | | inbound data connections that have authenticated (a peer's pooled streams) |
+//! | `transfer.max_pending_connections` | int | `64` | | inbound data connections not yet authenticated; when full, a new one closes the oldest of them |
+//! | `transfer.max_pending_per_source` | int | `8` | | ... of those, from one source address (more are refused) |
+//! | `transfer.auth_timeout_ms` | int | `2000` | | a new data connection's first request must arrive whole within this (else it is closed) |
 //! | `transfer.shm` | bool | `true` | | same-host pulls copy from the peer's pool file |
 //! | `transfer.secret_file` | path | `cluster.key` beside the default ipc socket, created (0600) when missing | `KVD_CLUSTER_SECRET_FILE` / `--cluster-secret-file` | the cluster secret (≥ 32 bytes, any encoding) every daemon of the cluster shares; peer messages and data-plane requests carry a MAC made with it. A configured file must exist |
 //! | `peers.mode` | `off` \| `lookup` \| `fetch` | `off` | `KVD_PEERS` / `--peers` | share caches with peer daemons: `lookup` also asks peers, `fetch` also reads their blocks on a `get` miss |
@@ -265,8 +268,14 @@ pub struct TransferSection {
     pub workers: u32,
     /// Socket timeout.
     pub io_timeout_ms: u64,
-    /// Inbound data connections.
+    /// Inbound data connections that have authenticated.
     pub max_connections: u32,
+    /// Inbound data connections not yet authenticated.
+    pub max_pending_connections: u32,
+    /// ... from one source address.
+    pub max_pending_per_source: u32,
+    /// A new data connection's first request arrives within this.
+    pub auth_timeout_ms: u64,
     /// Same-host pulls through the peer's pool file.
     pub shm: bool,
     /// The cluster secret shared by every daemon of the cluster (none: the default path,
@@ -292,6 +301,9 @@ impl Default for TransferSection {
             workers: 4,
             io_timeout_ms: 10_000,
             max_connections: 256,
+            max_pending_connections: 64,
+            max_pending_per_source: 8,
+            auth_timeout_ms: 2_000,
             shm: true,
             secret_file: None,
         }
@@ -799,8 +811,14 @@ impl DaemonConfig {
             if t.streams > 64 || t.workers == 0 || t.workers > 256 {
                 return bad("transfer.streams must be 0..=64 and transfer.workers 1..=256".into());
             }
-            if t.io_timeout_ms == 0 || t.peer_timeout_ms == 0 || t.max_connections == 0 {
-                return bad("transfer timeouts and max_connections must be positive".into());
+            if t.io_timeout_ms == 0
+                || t.peer_timeout_ms == 0
+                || t.auth_timeout_ms == 0
+                || t.max_connections == 0
+                || t.max_pending_connections == 0
+                || t.max_pending_per_source == 0
+            {
+                return bad("transfer timeouts and connection limits must be positive".into());
             }
         }
         // Asked for by name, refused by name, even where peers are off and it would

@@ -67,6 +67,7 @@ pub struct Metrics {
     lease_expirations: IntCounter,
     transfer_refused: IntCounter,
     transfer_unauthenticated: IntCounter,
+    data_connections_refused: IntCounter,
     peers: IntGaugeVec,
     peer_lookups: IntCounter,
     peer_skipped: IntCounter,
@@ -353,6 +354,11 @@ impl Metrics {
                 "kvd_transfer_unauthenticated_total",
                 "Peer messages and data-plane requests refused for a missing, wrong, stale or replayed MAC, and peer ops sent to a client endpoint.",
             ),
+            data_connections_refused: counter(
+                &r,
+                "kvd_data_connections_refused_total",
+                "Inbound data-plane connections closed before their first request (a source over its pending cap, the oldest pending one evicted, or the authenticated cap reached).",
+            ),
             peers: gauge_vec(
                 &r,
                 "kvd_peers",
@@ -559,6 +565,7 @@ impl Metrics {
             advance(&self.lease_expirations, t.expired);
             advance(&self.transfer_refused, t.refused);
             advance(&self.transfer_unauthenticated, t.unauthenticated);
+            advance(&self.data_connections_refused, t.connections_refused);
             advance(&self.peer_lookups, t.peer_lookups);
             advance(&self.peer_skipped, t.peer_skipped);
             advance(

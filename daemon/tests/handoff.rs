@@ -1261,3 +1261,116 @@ fn links_to_nodes_a_client_named_do_not_pile_up() {
     assert!(peak >= 10, "{peak} links at most");
     eventually(25, "idle links closed", || links() == 0);
 }
+
+/// Opens a TCP connection to `to` from the loopback address `src` (127.0.0.0/8: every
+/// address is this machine's, so one test can play many sources).
+fn connect_from(src: std::net::Ipv4Addr, to: &str) -> std::io::Result<std::net::TcpStream> {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    use std::os::fd::AsRawFd;
+    let to: std::net::SocketAddrV4 = to.parse().map_err(std::io::Error::other)?;
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::empty(),
+        None,
+    )?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrIn::from(std::net::SocketAddrV4::new(src, 0)),
+    )?;
+    connect(fd.as_raw_fd(), &SockaddrIn::from(to))?;
+    Ok(std::net::TcpStream::from(fd))
+}
+
+/// Issue 32, 3: strangers (no cluster secret) held 272 idle TCP connections to an
+/// exporter's data port, and real, signed pulls failed with a reset until those timed out.
+/// Now a connection that has not authenticated is pending, capped per source and in all
+/// (the oldest goes when a new one comes), and must present its first request within the
+/// auth timeout however it trickles: with ~300 idle and trickling connections from 40
+/// addresses kept open throughout (each reopened as soon as it is closed), every pull
+/// completes, and the refusals are counted.
+#[test]
+fn strangers_holding_data_connections_never_stop_real_pulls() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, data) = fill(&ca, 90, 8, 512);
+    register(&cb, 512);
+    let p = ca.export("probe", layout, &ks, None).unwrap();
+    let target = p.from.data.clone();
+    ca.abort_transfer("probe").unwrap();
+    // the attack: 40 sources x 8 connections, a quarter of them trickling a byte of a
+    // plausible header every 300 ms, each reopened when the server closes it
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let attackers: Vec<_> = (0..4u8)
+        .map(|t| {
+            let (stop, opened, target) = (stop.clone(), opened.clone(), target.clone());
+            std::thread::spawn(move || {
+                let srcs: Vec<std::net::Ipv4Addr> = (0..10u8)
+                    .map(|i| std::net::Ipv4Addr::new(127, 0, 1, 10 * t + i + 1))
+                    .collect();
+                let mut conns: Vec<(std::net::Ipv4Addr, Option<std::net::TcpStream>, usize)> = srcs
+                    .iter()
+                    .flat_map(|&s| (0..8).map(move |_| (s, None, 0)))
+                    .collect();
+                let mut tick = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    tick += 1;
+                    for (i, (src, conn, sent)) in conns.iter_mut().enumerate() {
+                        let alive = conn.as_mut().is_some_and(|c| {
+                            let mut b = [0u8; 64];
+                            match c.read(&mut b) {
+                                Ok(0) => false,
+                                Ok(_) => true,
+                                Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+                            }
+                        });
+                        if !alive {
+                            *conn = connect_from(*src, &target).ok();
+                            *sent = 0;
+                            if let Some(c) = conn {
+                                c.set_nonblocking(true).unwrap();
+                                opened.fetch_add(1, Ordering::Relaxed);
+                            }
+                        } else if i.is_multiple_of(4) && tick.is_multiple_of(3) {
+                            // trickle a header, one byte at a time
+                            let hdr = b"KVDX\x03\x01\x00\x00";
+                            if let Some(c) = conn {
+                                let _ = c.write(&hdr[*sent % hdr.len()..*sent % hdr.len() + 1]);
+                                *sent += 1;
+                            }
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        })
+        .collect();
+    eventually(10, "the attackers' connections are up", || {
+        opened.load(Ordering::Relaxed) >= 320
+    });
+    for round in 0..8 {
+        let id = format!("under-attack-{round}");
+        let p = ca.export(&id, layout, &ks, None).unwrap();
+        let r = cb.pull(&p, None, true).unwrap();
+        verify(&cb, layout, &r, &data);
+        cb.delete(layout, &ks).unwrap();
+        if round == 3 {
+            // long enough for the first trickling connections to run out of time
+            std::thread::sleep(Duration::from_millis(2500));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in attackers {
+        t.join().unwrap();
+    }
+    let st = xstats(&ca);
+    assert!(st.connections_refused > 0, "refusals counted: {st:?}");
+    assert!(
+        opened.load(Ordering::Relaxed) > 320,
+        "the server closed stranger connections (they were reopened)"
+    );
+}

@@ -608,6 +608,11 @@ pub struct TransferStats {
     /// replayed MAC, and peer ops sent to a client endpoint (also counted in `refused`).
     #[serde(default)]
     pub unauthenticated: u64,
+    /// Inbound data-plane connections closed before their first request: from a source
+    /// over its cap of pending connections, evicted as the oldest pending one, or past
+    /// the authenticated cap.
+    #[serde(default)]
+    pub connections_refused: u64,
 }
 
 #[cfg(test)]

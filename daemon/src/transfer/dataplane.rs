@@ -42,13 +42,14 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvd_protocol::auth::{ClusterKey, Receiver, DATA_TRAILER_BYTES};
 use kvd_protocol::{ErrorCode, Incarnation, PeerRef, WireError};
 
+use super::gate::{Gate, GateLimits, Ticket};
 use super::grants::{GrantKind, Grants};
 use crate::auth::ReplayGuard;
 
@@ -373,6 +374,43 @@ fn read_first(sock: &mut TcpStream, hdr: &mut [u8], idle: Duration) -> io::Resul
     }
 }
 
+/// One `read` into `buf` that must come by `until` (an absolute deadline). 0: the peer
+/// closed.
+fn read_by(sock: &mut TcpStream, buf: &mut [u8], until: Instant) -> io::Result<usize> {
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "a new connection's first request did not arrive in time",
+            ));
+        }
+        sock.set_read_timeout(Some(left))?;
+        match sock.read(buf) {
+            Ok(n) => return Ok(n),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// `read_exact` by an absolute deadline, however the bytes trickle in.
+fn read_exact_by(sock: &mut TcpStream, mut buf: &mut [u8], until: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        match read_by(sock, buf, until)? {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => buf = buf.get_mut(n..).unwrap_or_default(),
+        }
+    }
+    Ok(())
+}
+
 /// Reads a response status; `Err(Ok(e))` is the peer's refusal, `Err(Err(io))` a broken
 /// connection.
 fn read_status(r: &mut impl Read) -> Result<(), Result<WireError, io::Error>> {
@@ -421,8 +459,8 @@ pub struct DataOptions {
     pub workers: usize,
     /// Socket read/write timeout.
     pub io_timeout: Duration,
-    /// Most concurrent inbound data connections.
-    pub max_connections: usize,
+    /// Which inbound connections are kept ([`Gate`]).
+    pub gate: GateLimits,
     /// Whether same-host pulls may map the peer's pool.
     pub shm: bool,
 }
@@ -430,6 +468,7 @@ pub struct DataOptions {
 /// The TCP listener serving remote reads and writes of this pool.
 pub struct DataServer {
     auth: Arc<DataAuth>,
+    gate: Arc<Gate>,
     addr: std::net::SocketAddr,
     name: String,
     stop: Arc<AtomicBool>,
@@ -453,10 +492,10 @@ impl DataServer {
         let host = advertise_host.map_or_else(|| local.ip().to_string(), str::to_string);
         let name = format!("{host}:{}", local.port());
         let auth = Arc::new(DataAuth::new(key, Receiver(name.clone())));
-        let refused = auth.clone();
+        let gate = Arc::new(Gate::new(opts.gate.clone()));
+        let (refused, counted) = (auth.clone(), gate.clone());
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(AtomicUsize::new(0));
-        let (st, timeout, max) = (stop.clone(), opts.io_timeout, opts.max_connections);
+        let (st, timeout) = (stop.clone(), opts.io_timeout);
         let thread = std::thread::Builder::new()
             .name("kvd-data-accept".into())
             .spawn(move || {
@@ -465,21 +504,26 @@ impl DataServer {
                         break;
                     }
                     let Ok(sock) = conn else { continue };
-                    if conns.load(Ordering::Relaxed) >= max {
-                        tracing::warn!(max, "data-plane connection refused: too many");
-                        continue;
-                    }
-                    conns.fetch_add(1, Ordering::Relaxed);
-                    let (pool, grants, conns) = (pool.clone(), grants.clone(), conns.clone());
+                    let Some(ticket) = admit(&gate, &sock) else {
+                        continue; // dropped: closed at once
+                    };
+                    let (pool, grants, gate) = (pool.clone(), grants.clone(), gate.clone());
                     let auth = auth.clone();
                     let spawned = std::thread::Builder::new()
                         .name("kvd-data-conn".into())
                         .spawn(move || {
                             let peer = sock.peer_addr().ok();
-                            if let Err(e) = serve_conn(sock, &pool, &grants, &auth, timeout) {
+                            let conn = Conn {
+                                pool: &pool,
+                                grants: &grants,
+                                auth: &auth,
+                                gate: &gate,
+                                timeout,
+                            };
+                            if let Err(e) = conn.serve(sock, &ticket) {
                                 tracing::debug!(?peer, error = %e, "data connection closed");
                             }
-                            conns.fetch_sub(1, Ordering::Relaxed);
+                            gate.release(ticket);
                         });
                     if spawned.is_err() {
                         tracing::warn!("cannot spawn a data-plane connection thread");
@@ -492,7 +536,13 @@ impl DataServer {
             stop,
             thread: Some(thread),
             auth: refused,
+            gate: counted,
         })
+    }
+
+    /// Connections refused or evicted by the gate ([`Gate`]).
+    pub fn refused_connections(&self) -> u64 {
+        self.gate.refused()
     }
 
     /// Requests refused for a missing, wrong, stale or replayed MAC.
@@ -566,138 +616,181 @@ impl DataAuth {
     }
 }
 
-fn serve_conn(
-    mut sock: TcpStream,
-    pool: &Pool,
-    grants: &Grants,
-    auth: &DataAuth,
+/// Accepts `sock` through the gate, or closes it (counted there).
+fn admit(gate: &Gate, sock: &TcpStream) -> Option<Ticket> {
+    let source = sock.peer_addr().ok()?.ip();
+    let handle = sock.try_clone().ok()?;
+    match gate.admit(source, handle) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::debug!(%source, error = %e, "data-plane connection refused");
+            None
+        }
+    }
+}
+
+/// What a connection thread serves with.
+struct Conn<'a> {
+    pool: &'a Pool,
+    grants: &'a Grants,
+    auth: &'a DataAuth,
+    gate: &'a Gate,
     timeout: Duration,
-) -> io::Result<()> {
-    sock.set_nodelay(true)?;
-    sock.set_write_timeout(Some(timeout))?;
-    sock.set_read_timeout(Some(timeout))?;
-    // Idle connections are closed after a minute; the client reconnects.
-    let idle = timeout.max(Duration::from_secs(60));
-    let mut hdr = [0u8; HEADER_BYTES];
-    let mut ranges: Vec<(u64, u64)> = Vec::new();
-    loop {
-        let first = read_first(&mut sock, &mut hdr, idle)?;
-        if first == 0 {
-            return Ok(());
-        }
-        match sock.read_exact(&mut hdr[first..]) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        }
-        let (h, kind, rest) = match check_header(&hdr) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = write_status(&mut sock, Some(&e));
-                return Ok(());
-            }
-        };
-        let mut rb = vec![0u8; HEADER_BYTES + rest];
-        rb[..HEADER_BYTES].copy_from_slice(&hdr);
-        sock.read_exact(&mut rb[HEADER_BYTES..])?;
-        let (head, trailer) = match split_request(&rb) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = write_status(&mut sock, Some(&e));
-                return Ok(());
-            }
-        };
-        if let Err(e) = auth.check(head, trailer) {
-            tracing::info!(handle = h.handle, error = %e, "data-plane request refused");
-            let _ = write_status(&mut sock, Some(&e));
-            return Ok(()); // an unauthenticated peer gets nothing more on this connection
-        }
-        ranges_of(head, &mut ranges);
-        let mut guard = match grants.begin(
-            kind,
-            h.handle,
-            h.token,
-            Incarnation(h.dst_inc),
-            &ranges,
-            Instant::now(),
-        ) {
-            Ok(g) => g,
-            Err(e) => {
-                tracing::info!(handle = h.handle, src = h.src_inc, error = %e, "data-plane request refused");
-                write_status(&mut sock, Some(&e))?;
-                if kind == GrantKind::Write {
-                    return Ok(()); // its bytes follow; do not read them
+}
+
+impl Conn<'_> {
+    /// Serves one connection's requests in turn. Until its first request has
+    /// authenticated, the whole request must arrive within the gate's `auth_timeout` of
+    /// the accept (however it trickles in); then the socket timeout and the idle limit
+    /// apply.
+    fn serve(&self, mut sock: TcpStream, ticket: &Ticket) -> io::Result<()> {
+        let (pool, grants, auth, timeout) = (self.pool, self.grants, self.auth, self.timeout);
+        sock.set_nodelay(true)?;
+        sock.set_write_timeout(Some(timeout))?;
+        let mut until = Some(Instant::now() + self.gate.limits().auth_timeout);
+        // Idle connections are closed after a minute; the client reconnects.
+        let idle = timeout.max(Duration::from_secs(60));
+        let mut hdr = [0u8; HEADER_BYTES];
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        loop {
+            let first = match until {
+                Some(t) => read_by(&mut sock, &mut hdr, t)?,
+                None => {
+                    sock.set_read_timeout(Some(timeout))?;
+                    read_first(&mut sock, &mut hdr, idle)?
                 }
-                continue;
+            };
+            if first == 0 {
+                return Ok(());
             }
-        };
-        match kind {
-            GrantKind::Read => {
-                // One `writev` per piece: [status (first piece only)] bytes [CRC table
-                // (last piece of a checked read)], so a small read leaves as one segment
-                // train and wakes the reader once. A checked range goes in `CRC_PIECE`s,
-                // each checksummed just before the kernel copies it, while it is in cache.
-                let ok = [0u8; STATUS_BYTES]; // what `status_bytes(None)` is
-                let mut status: &[u8] = &ok;
-                let with_crc = h.flags & FLAG_CRC != 0;
-                let mut crcs = Vec::with_capacity(if with_crc { ranges.len() } else { 0 });
-                for (i, &(off, len)) in ranges.iter().enumerate() {
-                    let src = pool
-                        .read(off, len as usize)
-                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                    let piece = if with_crc {
-                        CRC_PIECE as usize
-                    } else {
-                        src.len()
-                    };
-                    let mut crc = 0u32;
-                    let mut start = 0;
-                    loop {
-                        let end = (start + piece).min(src.len());
-                        let bytes = src.get(start..end).unwrap_or_default();
-                        let last = end == src.len();
-                        if with_crc {
-                            crc = crate::checksum::crc32c_append(crc, bytes);
-                            if last {
-                                crcs.push(crc);
-                            }
-                        }
-                        let table = if with_crc && last && i + 1 == ranges.len() {
-                            crc_table(&crcs)
-                        } else {
-                            Vec::new()
-                        };
-                        write_all_vectored(
-                            &mut sock,
-                            &mut [
-                                io::IoSlice::new(status),
-                                io::IoSlice::new(bytes),
-                                io::IoSlice::new(&table),
-                            ],
-                        )
-                        .map_err(|(e, _)| e)?;
-                        status = &[];
-                        if last {
-                            break;
-                        }
-                        start = end;
+            let rest_of_header = match until {
+                Some(t) => read_exact_by(&mut sock, &mut hdr[first..], t),
+                None => sock.read_exact(&mut hdr[first..]),
+            };
+            match rest_of_header {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+            let (h, kind, rest) = match check_header(&hdr) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = write_status(&mut sock, Some(&e));
+                    return Ok(());
+                }
+            };
+            let mut rb = vec![0u8; HEADER_BYTES + rest];
+            rb[..HEADER_BYTES].copy_from_slice(&hdr);
+            match until {
+                Some(t) => read_exact_by(&mut sock, &mut rb[HEADER_BYTES..], t)?,
+                None => sock.read_exact(&mut rb[HEADER_BYTES..])?,
+            }
+            let (head, trailer) = match split_request(&rb) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = write_status(&mut sock, Some(&e));
+                    return Ok(());
+                }
+            };
+            if let Err(e) = auth.check(head, trailer) {
+                tracing::info!(handle = h.handle, error = %e, "data-plane request refused");
+                let _ = write_status(&mut sock, Some(&e));
+                return Ok(()); // an unauthenticated peer gets nothing more on this connection
+            }
+            if until.take().is_some() {
+                if let Err(e) = self.gate.authenticated(ticket) {
+                    let e = werr(ErrorCode::LimitReached, e.to_string());
+                    let _ = write_status(&mut sock, Some(&e));
+                    return Ok(());
+                }
+            }
+            ranges_of(head, &mut ranges);
+            let mut guard = match grants.begin(
+                kind,
+                h.handle,
+                h.token,
+                Incarnation(h.dst_inc),
+                &ranges,
+                Instant::now(),
+            ) {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::info!(handle = h.handle, src = h.src_inc, error = %e, "data-plane request refused");
+                    write_status(&mut sock, Some(&e))?;
+                    if kind == GrantKind::Write {
+                        return Ok(()); // its bytes follow; do not read them
                     }
+                    continue;
                 }
-                guard.complete();
-            }
-            GrantKind::Write => {
-                for &(off, len) in &ranges {
-                    pool.recv_into(off, len as usize, &mut sock)?;
+            };
+            match kind {
+                GrantKind::Read => {
+                    // One `writev` per piece: [status (first piece only)] bytes [CRC table
+                    // (last piece of a checked read)], so a small read leaves as one segment
+                    // train and wakes the reader once. A checked range goes in `CRC_PIECE`s,
+                    // each checksummed just before the kernel copies it, while it is in cache.
+                    let ok = [0u8; STATUS_BYTES]; // what `status_bytes(None)` is
+                    let mut status: &[u8] = &ok;
+                    let with_crc = h.flags & FLAG_CRC != 0;
+                    let mut crcs = Vec::with_capacity(if with_crc { ranges.len() } else { 0 });
+                    for (i, &(off, len)) in ranges.iter().enumerate() {
+                        let src = pool
+                            .read(off, len as usize)
+                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                        let piece = if with_crc {
+                            CRC_PIECE as usize
+                        } else {
+                            src.len()
+                        };
+                        let mut crc = 0u32;
+                        let mut start = 0;
+                        loop {
+                            let end = (start + piece).min(src.len());
+                            let bytes = src.get(start..end).unwrap_or_default();
+                            let last = end == src.len();
+                            if with_crc {
+                                crc = crate::checksum::crc32c_append(crc, bytes);
+                                if last {
+                                    crcs.push(crc);
+                                }
+                            }
+                            let table = if with_crc && last && i + 1 == ranges.len() {
+                                crc_table(&crcs)
+                            } else {
+                                Vec::new()
+                            };
+                            write_all_vectored(
+                                &mut sock,
+                                &mut [
+                                    io::IoSlice::new(status),
+                                    io::IoSlice::new(bytes),
+                                    io::IoSlice::new(&table),
+                                ],
+                            )
+                            .map_err(|(e, _)| e)?;
+                            status = &[];
+                            if last {
+                                break;
+                            }
+                            start = end;
+                        }
+                    }
+                    guard.complete();
                 }
-                // Counted before the writer hears "ok", so its `peer_push_done` finds
-                // every byte accounted for.
-                guard.complete();
-                drop(guard);
-                write_status(&mut sock, None)?;
-                continue;
+                GrantKind::Write => {
+                    for &(off, len) in &ranges {
+                        pool.recv_into(off, len as usize, &mut sock)?;
+                    }
+                    // Counted before the writer hears "ok", so its `peer_push_done` finds
+                    // every byte accounted for.
+                    guard.complete();
+                    drop(guard);
+                    write_status(&mut sock, None)?;
+                    continue;
+                }
             }
+            drop(guard);
         }
-        drop(guard);
     }
 }
 
@@ -1263,7 +1356,12 @@ mod tests {
             streams: 1,
             workers: 1,
             io_timeout: Duration::from_secs(5),
-            max_connections: 4,
+            gate: GateLimits {
+                max_connections: 4,
+                max_pending: 4,
+                max_pending_per_source: 4,
+                auth_timeout: Duration::from_secs(2),
+            },
             shm: false,
         }
     }

@@ -50,12 +50,14 @@
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
 //! | [`dataplane`] | TCP data server and transport (MAC trailer), shm, worker threads |
+//! | [`gate`] | which inbound data-plane connections are kept (pending and authenticated caps, first-request deadline) |
 //! | `p2p.rs` | remote lookups and lock-and-read fetches between peers |
 //! | [`discovery`] | etcd membership |
 //! | `rdma.rs` | (feature `rdma`) the verbs boundary |
 
 pub mod dataplane;
 pub mod discovery;
+pub mod gate;
 pub mod grants;
 mod p2p;
 mod peer_ops;
@@ -604,6 +606,7 @@ impl Transfers {
             pinned_exports: self.exports.values().filter(|e| e.pin.is_some()).count() as u64,
             refused: self.counters.refused + self.grants.refused() + self.server.unauthenticated(),
             unauthenticated: self.counters.unauthenticated + self.server.unauthenticated(),
+            connections_refused: self.server.refused_connections(),
             peers_down: self
                 .down_until
                 .values()

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::dataplane::DataOptions;
 use super::discovery;
+use super::gate;
 use super::PeerConfig;
 use crate::config::{DiscoveryMode, PeersSection, TransferSection};
 
@@ -90,7 +91,12 @@ impl TransferConfig {
                 },
                 workers: t.workers as usize,
                 io_timeout: Duration::from_millis(t.io_timeout_ms),
-                max_connections: t.max_connections as usize,
+                gate: gate::GateLimits {
+                    max_connections: t.max_connections as usize,
+                    max_pending: t.max_pending_connections as usize,
+                    max_pending_per_source: t.max_pending_per_source as usize,
+                    auth_timeout: Duration::from_millis(t.auth_timeout_ms),
+                },
                 shm: t.shm,
             },
         })
