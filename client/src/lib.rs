@@ -72,6 +72,7 @@
 
 mod gpu;
 mod handoff;
+mod model_identity;
 mod prefetch;
 mod queue;
 mod shm;
@@ -85,6 +86,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use serde::de::DeserializeOwned;
 
+pub use crate::model_identity::{model_identity, MODEL_ID_PREFIX};
 pub use crate::prefetch::{LoadQueue, DEFAULT_GET_BYTES, RELEASE_AFTER_BYTES};
 pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_PUT_BYTES, DEFAULT_QUEUE_DEPTH_BYTES};
 use crate::shm::PoolMap;

@@ -933,8 +933,8 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
 
 /// Issue "handoffs that end right", 1: when the importing node held the keys only on its
 /// NVMe tier, a pull (or a push) ended `done` with every offset nil and no pin. Now the
-/// blocks come to DRAM (moved again) and "done" means every block is there, pinned, byte
-/// for byte.
+/// blocks come to DRAM (read up from the importer's own NVMe copy, issue 32.1) and "done"
+/// means every block is there, pinned, byte for byte.
 #[test]
 fn a_pull_of_keys_the_importer_holds_only_on_nvme_ends_with_every_block() {
     let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

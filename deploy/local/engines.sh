@@ -53,10 +53,10 @@ for n in "${nodes[@]}"; do
 done
 
 ktc() {  # the --kv-transfer-config of one vLLM instance: role, daemon endpoint
-  printf '{"kv_connector":"KvdConnector","kv_connector_module_path":"kvd.vllm_connector","kv_role":"%s","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"endpoint":"%s","model_id":"%s"}}' "$1" "$2" "$MODEL"
+  printf '{"kv_connector":"KvdConnector","kv_connector_module_path":"kvd.vllm_connector","kv_role":"%s","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"endpoint":"%s"}}' "$1" "$2"
 }
 sgl() {  # SGLang's --hicache-storage-backend-extra-config: daemon endpoint
-  printf '{"backend_name":"kvd","module_path":"kvd.sglang_backend","class_name":"KvdHiCacheStorage","interface_v1":1,"endpoint":"%s","model_id":"%s"}' "$1" "$MODEL"
+  printf '{"backend_name":"kvd","module_path":"kvd.sglang_backend","class_name":"KvdHiCacheStorage","interface_v1":1,"endpoint":"%s"}' "$1"
 }
 CMDS=()
 CONFIGS=()  # engine:json, checked with --check

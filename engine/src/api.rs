@@ -61,6 +61,10 @@ pub struct KvTransferParams {
     /// KV shards of the prefill worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_tp: Option<usize>,
+    /// The prefill worker's model (its layouts' name): a decode worker of another model
+    /// says so and computes the prompt itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// Pull: one hex-encoded `TransferParams` per shard.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<String>,

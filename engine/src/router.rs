@@ -320,6 +320,7 @@ async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
             dreq.kv_transfer_params = Some(KvTransferParams {
                 do_remote_prefill: true,
                 prefill_tp: Some(info.tp),
+                model: Some(info.model.clone()),
                 push: Some(PushParams {
                     transfer_id: transfer_id.clone(),
                     prefill_node: node,

@@ -207,6 +207,31 @@ struct Inner {
     max_tokens_total: usize,
 }
 
+/// The name an engine's layouts carry: the configured name, then what fixes the weights
+/// (the weights file's [`kvd_client::model_identity`], or the seed of generated ones),
+/// then a digest of the config. Idempotent: a name already qualified is recomputed from
+/// its base.
+fn model_name(m: &ModelConfig, weights: Option<&std::path::Path>) -> Result<String> {
+    let base = m.name.split('@').next().unwrap_or_default();
+    let of_weights = match weights {
+        Some(p) => kvd_client::model_identity(p)
+            .with_context(|| format!("digesting the weights {}", p.display()))?,
+        None => format!("seed-{}", m.seed),
+    };
+    let mut cfg = m.clone();
+    cfg.name = String::new();
+    if weights.is_some() {
+        cfg.seed = 0; // ignored with a weights file
+    }
+    let json = serde_json::to_vec(&cfg)?;
+    // (a chain root over the config's JSON: a BLAKE2b of it, SPEC §3.2)
+    let digest: String = kvd_protocol::hash::root(&json).0[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(format!("{base}@{of_weights}/cfg-{digest}"))
+}
+
 fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
     Layout {
         model: m.name.clone(),
@@ -225,12 +250,12 @@ fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
 impl Engine {
     /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
     pub fn start(mut cfg: EngineConfig) -> Result<Engine> {
-        // The name is half of every kvd block key: engines with other weights must not
-        // share blocks. Generated weights are named by their seed; a weights file keeps
-        // the name its config gives (name your models).
-        if cfg.weights.is_none() {
-            cfg.model.name = format!("{}/seed-{}", cfg.model.name, cfg.model.seed);
-        }
+        // The name is half of every kvd block key: engines share blocks exactly when
+        // they compute the same KV. Generated weights are named by their seed; a weights
+        // file by its digest (SPEC §3.1 "Model identity": two paths to one file share,
+        // a file replaced in place does not); both add a digest of the rest of the
+        // config (RoPE, norms: what changes the KV without changing the layout).
+        cfg.model.name = model_name(&cfg.model, cfg.weights.as_deref())?;
         let tokenizer = match &cfg.tokenizer {
             Some(p) => Tokenizer::from_file(p)?,
             None => Tokenizer::Bytes,
@@ -519,7 +544,19 @@ impl Engine {
         Ok(l)
     }
 
+    /// Refuses a handoff from a worker of another model, naming both.
+    fn same_model(&self, p: &KvTransferParams) -> Result<()> {
+        let mine = &self.inner.cfg.model.name;
+        match &p.model {
+            Some(theirs) if theirs != mine => {
+                bail!("prefill's model {theirs}, decode's model {mine}: not the same weights")
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn pull_load(&self, kv: &Kv, tokens: &[u32], p: &KvTransferParams) -> Result<Option<Loaded>> {
+        self.same_model(p)?;
         if p.ranks.is_empty() {
             return Ok(None); // the prompt had no full block
         }
@@ -567,6 +604,7 @@ impl Engine {
         p: &KvTransferParams,
         push: &crate::api::PushParams,
     ) -> Result<Option<Loaded>> {
+        self.same_model(p)?;
         let keys = self.keys(tokens);
         if keys.is_empty() {
             return Ok(None); // the prefill exports nothing for a prompt without a full block
@@ -801,6 +839,7 @@ impl Scheduler {
                     kvp = Some(KvTransferParams {
                         do_remote_prefill: true,
                         prefill_tp: Some(self.cfg.tp),
+                        model: Some(self.cfg.model.name.clone()),
                         ranks,
                         ..Default::default()
                     });

@@ -402,6 +402,103 @@ fn engines_with_other_weights_do_not_share_blocks() {
     assert_eq!(other["kvd"]["source"], "none", "{other}");
 }
 
+/// Issue 32, 4: the model's identity is its weights, not its path. Two engines on one
+/// weights file under two paths share blocks; the same path with changed weights does
+/// not; and a handoff between workers of two models is refused naming both ("prefill's
+/// model X, decode's model Y"), where it used to be "for another layout".
+#[test]
+fn the_model_is_known_by_its_weights_not_its_path() {
+    use kvd_cuda::model::Weights;
+    use kvd_cuda::ModelConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig {
+        dim: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        seed: 5,
+        ..Default::default()
+    };
+    let (a, b, c) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("copy/b.safetensors"),
+        dir.path().join("model.json"),
+    );
+    std::fs::create_dir_all(dir.path().join("copy")).unwrap();
+    Weights::seeded(&cfg).save_safetensors(&cfg, &a).unwrap();
+    std::fs::copy(&a, &b).unwrap();
+    std::fs::write(&c, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let node = node();
+    let p = "one checkpoint under two paths, long enough for a few blocks of kv";
+    let (e1, u1) = engine(
+        "both",
+        Some(&node),
+        &["--weights", &s(&a), "--model-config", &s(&c)],
+    );
+    for _ in 0..2 {
+        assert_eq!(complete(&u1, req(p, 2, 0.0, 0)).0, 200);
+    }
+    let (_e2, u2) = engine(
+        "both",
+        Some(&node),
+        &["--weights", &s(&b), "--model-config", &s(&c)],
+    );
+    let (_, r) = complete(&u2, req(p, 2, 0.0, 0));
+    assert_eq!(
+        r["kvd"]["source"], "local",
+        "a copy of the weights shares: {r}"
+    );
+    assert!(r["kvd"]["cached_tokens"].as_u64().unwrap() > 0, "{r}");
+    // the weights at the first path replaced (other values, same shapes)
+    drop(e1);
+    let other = ModelConfig {
+        seed: 6,
+        ..cfg.clone()
+    };
+    Weights::seeded(&other).save_safetensors(&cfg, &a).unwrap();
+    let (_e3, u3) = engine(
+        "both",
+        Some(&node),
+        &["--weights", &s(&a), "--model-config", &s(&c)],
+    );
+    let (_, r) = complete(&u3, req(p, 2, 0.0, 0));
+    assert_eq!(
+        r["kvd"]["source"], "none",
+        "replaced weights share nothing: {r}"
+    );
+    // a handoff from a worker of another model: refused, naming both
+    let (_pf, upf) = engine(
+        "prefill",
+        Some(&node),
+        &["--weights", &s(&b), "--model-config", &s(&c)],
+    );
+    let (_dc, udc) = engine(
+        "decode",
+        Some(&node),
+        &["--weights", &s(&a), "--model-config", &s(&c)],
+    );
+    let (st, pre) = complete(
+        &upf,
+        json!({"prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(st, 200, "{pre}");
+    let params = pre["kv_transfer_params"].clone();
+    assert!(params["model"].is_string(), "{pre}");
+    let (st, dec) = complete(
+        &udc,
+        json!({"prompt": p, "max_tokens": 2, "kv_transfer_params": params}),
+    );
+    let text = dec.to_string();
+    assert_ne!(st, 200, "{dec}");
+    assert!(
+        text.contains("prefill's model") && text.contains("decode's model"),
+        "{dec}"
+    );
+}
+
 /// The router asks every prefill worker how much of a prompt its kvd holds. Asking reads
 /// nothing: a node that keeps the prompt on NVMe only does not prefetch it into DRAM (the
 /// router sends the prompt to one worker; every other would spend its disk and free DRAM

@@ -674,6 +674,15 @@ fn layout_id(py: Python<'_>, layout: &Bound<'_, PyDict>) -> PyResult<u64> {
     Ok(layout_of(py, layout)?.id().0)
 }
 
+/// The identity of the checkpoint at `path` (a directory or one weight file) for a
+/// layout's `model` (SPEC §3.1, "Model identity"). `OSError` when it has no weight file or
+/// cannot be read. The GIL is released while it reads.
+#[pyfunction]
+fn model_identity(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.detach(|| kvd_client::model_identity(&path))
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display())))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
@@ -682,6 +691,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pool>()?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(layout_id, m)?)?;
+    m.add_function(wrap_pyfunction!(model_identity, m)?)?;
     m.add("KvdError", m.py().get_type::<KvdError>())?;
     Ok(())
 }

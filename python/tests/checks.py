@@ -35,6 +35,20 @@ def run():
     sys.exit(1 if failed else 0)
 
 
+def checkpoint(d, seed, config='{"model_type": "llama", "num_hidden_layers": 2}'):
+    """A tiny checkpoint in directory ``d``: ``config.json`` and ``model.safetensors`` with
+    weights drawn from ``seed`` (64 K values: the identity samples them). Returns ``d``."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write(config)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"w": torch.rand((256, 256), generator=g)}, os.path.join(d, "model.safetensors"))
+    return d
+
+
 def start_daemon(kvd_bin, d):
     """A kvd (no transfers, 64 MiB pool) on ``ipc://{d}/kvd.sock``; the caller kills it."""
     proc = subprocess.Popen([kvd_bin, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",

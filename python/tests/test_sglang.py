@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import check, run, start_daemon  # noqa: E402
+from checks import check, checkpoint, run, start_daemon  # noqa: E402
 
 EP, KVD_BIN = sys.argv[1], sys.argv[2]
 L, H, D, PS, N = 2, 2, 16, 16, 256
@@ -157,6 +157,26 @@ def _():
     assert backend(host_pool("page_first"), model="kvd-test/other").batch_exists(ks) == 0
     assert backend(host_pool("page_first"), tp_rank=1, tp_size=2).batch_exists(ks) == 0
     assert b.batch_set_v1(ks, indices([1])) == [True], "a page kvd already holds is a success"
+
+
+@check("the model is its weights: one checkpoint under two paths shares pages, replaced weights do not (issue 32.4)")
+def _():
+    import shutil
+
+    root = tempfile.mkdtemp(prefix="kvd-sgl-model-")
+    first = checkpoint(os.path.join(root, "a"), seed=1)
+    shutil.copytree(first, os.path.join(root, "elsewhere", "b"))
+    pool = host_pool("page_first")
+    fill(pool, [1, 2], seed=11)
+    ks = keys("identity", 2)
+    assert all(backend(pool, model=first).batch_set_v1(ks, indices([1, 2])))
+    other_path = backend(host_pool("page_first"), model=os.path.join(root, "elsewhere", "b"))
+    assert other_path.batch_exists(ks) == 2, "the same weights under another path share"
+    # SGLang tags the name with the host pool's page format when it has one
+    assert backend(host_pool("page_first"), model=first + "-fmt1").batch_exists(ks) == 0, "another format tag"
+    checkpoint(first, seed=2)  # the weights replaced in place
+    assert backend(host_pool("page_first"), model=first).batch_exists(ks) == 0, "replaced weights share nothing"
+    shutil.rmtree(root)
 
 
 @check("refusals name the reason: MLA, a host pool without separate K and V, mismatched indices")

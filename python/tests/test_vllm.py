@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_engine as ve  # noqa: E402
-from checks import check, run, start_daemon  # noqa: E402
+from checks import check, checkpoint, run, start_daemon  # noqa: E402
 
 import kvd  # noqa: E402
 import torch  # noqa: E402
@@ -358,6 +358,64 @@ def _():
     d.check_blocks(r, other, 6)
     p.close()
     d.close()
+
+
+@check("the model is its weights (issue 32.4): one checkpoint under two paths shares, replaced weights do not, a P/D pair of two models says so")
+def _():
+    import shutil
+
+    root = tempfile.mkdtemp(prefix="kvd-vllm-identity-")
+    a = checkpoint(os.path.join(root, "a"), seed=1, config=ve.CONFIG)
+    b = os.path.join(root, "mirror", "b")
+    shutil.copytree(a, b)
+    toks = prompt(40)
+    # no model_id: the connector names the model by its checkpoint's digest
+    e1 = ve.Engine(P, model=a, model_id=None)
+    assert e1.worker._geo.model_id.startswith("kvd-model-v1:"), e1.worker._geo.model_id
+    r = rid("id-a")
+    e1.add(r, toks)
+    assert first_schedule(e1, r) == (0, 100)
+    e1.run(finished(e1, r))
+    e2 = ve.Engine(P, model=b, model_id=None)
+    r = rid("id-b")
+    e2.add(r, toks)
+    assert first_schedule(e2, r) == (96, 4), "the same weights under another path share"
+    e2.check_blocks(r, toks, 6)
+    e2.run(finished(e2, r))
+    checkpoint(a, seed=2, config=ve.CONFIG)  # the weights at the first path replaced
+    e3 = ve.Engine(P, model=a, model_id=None)
+    r = rid("id-a2")
+    e3.add(r, toks)
+    assert first_schedule(e3, r) == (0, 100), "replaced weights share nothing"
+    # P/D: the prefill runs the mirror's weights, the decode the replaced ones
+    toks = prompt(41)
+    p, _, params = prefill(P, toks, model=b, model_id=None, lease_s=1)
+    assert params["kvd"]["model"] == e2.worker._geo.model_id, params
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, rec):
+            seen.append(rec.getMessage())
+
+    h = Catch()
+    logging.getLogger("kvd.vllm_connector").addHandler(h)
+    try:
+        d = ve.Engine(D, role="kv_consumer", model=a, model_id=None)
+        r = rid("id-pd")
+        d.add(r, toks, max_tokens=2, kv_transfer_params=params)
+        assert first_schedule(d, r) == (0, 100), "the decode engine prefills itself"
+    finally:
+        logging.getLogger("kvd.vllm_connector").removeHandler(h)
+    assert any("prefill's model" in m and "decode's model" in m for m in seen), seen
+    # the prefill node's export (not admitted: another model's layout) ends with its lease
+    tid = params["kvd"]["transfers"][0]["transfer_id"]
+    deadline = time.time() + 5
+    while kvd.Client(P).transfer_status(tid)["state"] == "exported" and time.time() < deadline:
+        time.sleep(0.05)
+    assert kvd.Client(P).transfer_status(tid)["state"] == "expired", kvd.Client(P).transfer_status(tid)
+    for e in (e1, e2, e3, p, d):
+        e.close()
+    shutil.rmtree(root)
 
 
 @check("P/D: an expired lease is a clean miss: the decode engine prefills itself")

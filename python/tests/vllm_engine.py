@@ -39,23 +39,26 @@ DTYPE = torch.float16
 _model_dir = None
 
 
+CONFIG = (
+    '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,'
+    ' "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": %d,'
+    ' "head_dim": %d, "num_hidden_layers": %d, "vocab_size": 1000,'
+    ' "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float16",'
+    ' "rope_theta": 10000.0}' % (KV_HEADS, HEAD, LAYERS)
+)
+
+
 def model_dir():
     """A tiny Llama config.json (no weights: nothing here runs the model)."""
     global _model_dir
     if _model_dir is None:
         _model_dir = tempfile.mkdtemp(prefix="kvd-vllm-model-")
         with open(os.path.join(_model_dir, "config.json"), "w") as f:
-            f.write(
-                '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,'
-                ' "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": %d,'
-                ' "head_dim": %d, "num_hidden_layers": %d, "vocab_size": 1000,'
-                ' "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float16",'
-                ' "rope_theta": 10000.0}' % (KV_HEADS, HEAD, LAYERS)
-            )
+            f.write(CONFIG)
     return _model_dir
 
 
-def vllm_config(endpoint, role="kv_both", **extra):
+def vllm_config(endpoint, role="kv_both", model=None, **extra):
     ktc = KVTransferConfig(
         kv_connector="KvdConnector",
         kv_connector_module_path="kvd.vllm_connector",
@@ -64,7 +67,7 @@ def vllm_config(endpoint, role="kv_both", **extra):
         kv_connector_extra_config={"endpoint": endpoint, "model_id": "kvd-test/tiny-llama", **extra},
     )
     ea = EngineArgs(
-        model=model_dir(),
+        model=model or model_dir(),
         skip_tokenizer_init=True,
         block_size=BLOCK,
         max_model_len=512,
@@ -104,10 +107,10 @@ def expected_kv(tokens, pos, layer):
 class Engine:
     """One engine: scheduler + one worker (TP 1) on CPU KV tensors."""
 
-    def __init__(self, endpoint, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, **extra):
+    def __init__(self, endpoint, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, model=None, **extra):
         from kvd.vllm_connector import KvdConnector
 
-        self.config = vllm_config(endpoint, role, **extra)
+        self.config = vllm_config(endpoint, role, model, **extra)
         self.config.cache_config.kv_cache_layout = layout.name
         self.config.cache_config.num_gpu_blocks = num_blocks
         self.kvcc = kv_cache_config(num_blocks, layout)

@@ -22,9 +22,9 @@ Engine integrations (imported only by the engines that load them):
 ``kvd.sglang_backend.KvdHiCacheStorage`` (SGLang's ``--hicache-storage-backend dynamic``).
 """
 
-from ._native import Batch, Client, KvdError, Pinned, Pool, chunk_hashes, layout_id
+from ._native import Batch, Client, KvdError, Pinned, Pool, chunk_hashes, layout_id, model_identity
 
-__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id", "torch_pool"]
+__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id", "model_identity", "torch_pool"]
 
 
 def torch_pool(client, register_cuda=True):

@@ -1,5 +1,6 @@
 """Type stubs of kvd's native module (see ``python/src/lib.rs``)."""
 
+import os
 from typing import Any, Optional
 
 Key = bytes  # 16 bytes (SPEC §3.2)
@@ -66,3 +67,4 @@ class Client:
 
 def chunk_hashes(tokens: list[int], tokens_per_block: int, seed: bytes) -> list[Key]: ...
 def layout_id(layout: Layout) -> int: ...
+def model_identity(path: str | os.PathLike[str]) -> str: ...

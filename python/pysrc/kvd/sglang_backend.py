@@ -18,7 +18,9 @@ same canonical block as the v1 calls, so both interfaces read each other's pages
 
 **Blocks and keys.** A kvd block is one SGLang page of all this rank's layers, in layout
 order ``layer_part_token_head``; the layout names the model (``extra_config.model_id``,
-default SGLang's ``model_name``; a pipeline stage adds ``#ppR/N``), the rank's heads and
+default the digest of the config and weights SGLang's ``model_name`` points at, SPEC
+§3.1 "Model identity", so two servers on one checkpoint under two paths share and
+replaced weights never do; a pipeline stage adds ``#ppR/N``), the rank's heads and
 dtype, and ``tp_rank``, so keys are namespaced by layout: another model, rank, stage or
 dtype can never read these pages. SGLang's page keys (its own chained prefix hashes) map to
 kvd keys by ``BLAKE2b-128("kvd.sglang.v1\\0" || key)``.
@@ -41,6 +43,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 import kvd
+from kvd.identity import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,19 @@ def kvd_key(key: str) -> bytes:
     return hashlib.blake2b(b"kvd.sglang.v1\0" + key.encode(), digest_size=16).digest()
 
 
+def _model_of(model_name: Optional[str]) -> str:
+    """The layout's model for SGLang's ``model_name``: its model path, which SGLang tags
+    ``-<format>`` when the host pool has a page format of its own. The path's checkpoint is
+    digested (:func:`kvd.identity.model_identity`) and the tag kept."""
+    if not model_name:
+        return ""
+    if not os.path.exists(model_name) and "-" in model_name:
+        base, tag = model_name.rsplit("-", 1)
+        if os.path.exists(base):
+            return f"{model_identity(base)}-{tag}"
+    return model_identity(model_name)
+
+
 class KvdHiCacheStorage(HiCacheStorage):
     """kvd behind SGLang's HiCache L3 interface (see the module's doc)."""
 
@@ -77,7 +93,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         if storage_config.should_split_heads:
             raise ValueError("kvd HiCache backend: split-head storage (prefill and decode of different TP sizes) is not supported")
         self._endpoint = extra.get("endpoint") or os.environ.get("KVD_ENDPOINT")
-        self._model = str(extra.get("model_id") or storage_config.model_name or "")
+        self._model = str(extra.get("model_id") or _model_of(storage_config.model_name))
         if not self._model:
             raise ValueError("kvd HiCache backend: no model name; set extra_config.model_id")
         if storage_config.pp_size > 1:

@@ -43,8 +43,11 @@ The block format
 A kvd block is one vLLM block of ``block_size`` tokens, all layers: layout order
 ``layer_part_head_token`` (``[layer][K|V][head][token][head_dim]``), one layout per TP
 rank (``tp_rank`` is in the layout id), the model named by ``extra_config.model_id``
-(default: vLLM's ``model``; **set it when prefill and decode load the same weights from
-different paths, and never share it between different weights**). Keys are SPEC §3.2
+(default: the digest of the config and weights vLLM's ``model`` points at, SPEC §3.1
+"Model identity": engines on one checkpoint under two paths share, weights replaced under
+one path never meet the old ones; an explicit ``model_id`` must never be shared between
+different weights). A handoff's params carry the prefill's model; a decode engine of
+another model says so ("prefill's model X, decode's model Y") and prefills itself. Keys are SPEC §3.2
 chunk hashes of the prompt tokens, salted with the LoRA adapter's name and the request's
 ``cache_salt`` — so tenants and adapters never share blocks.
 
@@ -271,6 +274,18 @@ class KvdConnector(KVConnectorBase_V1):
         if not ok:
             logger.warning("kvd connector: request %s: kv_transfer_params do not match this engine (block size, TP size or version); prefilling here", rid)
             return 0, False
+        theirs = remote.get("model")
+        if theirs is not None and theirs != self._geo.model_id:
+            # Their blocks are named by another model: loading by our keys would only miss.
+            logger.warning(
+                "kvd connector: request %s: prefill's model %s, decode's model %s: not the same weights (or model_id); prefilling here",
+                rid,
+                theirs,
+                self._geo.model_id,
+            )
+            # (the prefill node's export ends with its lease: this engine cannot even
+            # admit it, its layout being another model's)
+            return 0, False
         usable = min(blocks, (len(st.tokens) - 1) // b)
         if usable * b <= num_computed:
             return 0, False
@@ -426,7 +441,14 @@ class KvdConnector(KVConnectorBase_V1):
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "kvd": {"v": PARAMS_VERSION, "blocks": blocks, "block_size": self._geo.block_size, "node": node.get("node"), "transfers": transfers},
+            "kvd": {
+                "v": PARAMS_VERSION,
+                "model": self._geo.model_id,
+                "blocks": blocks,
+                "block_size": self._geo.block_size,
+                "node": node.get("node"),
+                "transfers": transfers,
+            },
         }
 
     # ------------------------------------------------------------------- worker side

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from kvd.identity import model_identity
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -27,6 +29,8 @@ _DTYPES = {
 
 class KvdConfigError(ValueError):
     """The engine's KV cache is one the connector cannot store faithfully."""
+
+
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tup
     if getattr(par, "decode_context_parallel_size", 1) > 1:
         raise KvdConfigError("kvd connector: decode context parallelism is not supported (blocks are sharded by token across ranks)")
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    model_id = str(extra.get("model_id") or vllm_config.model_config.model)
+    mc = vllm_config.model_config
+    model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
     tp = vllm_config.parallel_config.tensor_parallel_size
     total = vllm_config.model_config.get_total_num_kv_heads()
     return (
