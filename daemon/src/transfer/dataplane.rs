@@ -655,10 +655,7 @@ impl Conn<'_> {
         loop {
             let first = match until {
                 Some(t) => read_by(&mut sock, &mut hdr, t)?,
-                None => {
-                    sock.set_read_timeout(Some(timeout))?;
-                    read_first(&mut sock, &mut hdr, idle)?
-                }
+                None => read_first(&mut sock, &mut hdr, idle)?,
             };
             if first == 0 {
                 return Ok(());
@@ -703,6 +700,8 @@ impl Conn<'_> {
                     let _ = write_status(&mut sock, Some(&e));
                     return Ok(());
                 }
+                // An authenticated peer's connection: per-read timeouts from now on.
+                sock.set_read_timeout(Some(timeout))?;
             }
             ranges_of(head, &mut ranges);
             let mut guard = match grants.begin(
