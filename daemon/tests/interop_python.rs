@@ -22,6 +22,7 @@ fn python_client_written_from_the_spec() {
     let out = Command::new(&py)
         .arg(dir.join("test_spec_client.py"))
         .arg(&d.endpoint)
+        .arg(kvd_daemon::auth::default_secret_path())
         .current_dir(&dir)
         .output()
         .expect("run python");

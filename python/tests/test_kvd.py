@@ -35,6 +35,32 @@ def _():
     assert kvd.layout_id(LAYOUT) == spec.layout_id(LAYOUT)
 
 
+@check("model_identity agrees with the SPEC's own Python implementation (shards, a .bin, one file alone)")
+def _():
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    rnd = os.urandom(600_000)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write('{"model_type": "llama"}')
+    for i, size in enumerate((300_000, 100)):
+        header = ('{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (size, size)).encode()
+        with open(os.path.join(d, f"model-{i:05}-of-00002.safetensors"), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header + rnd[:size])
+    with open(os.path.join(d, "extra.bin"), "wb") as f:
+        f.write(rnd)
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        f.write("{}")
+    assert kvd.model_identity(d) == spec.model_identity(d)
+    one = os.path.join(d, "extra.bin")
+    assert kvd.model_identity(one) == spec.model_identity(one)
+    try:
+        kvd.model_identity(os.path.join(d, "absent"))
+        raise AssertionError("a missing checkpoint was digested")
+    except OSError:
+        pass
+
+
 @check("register_layout, alloc, write through a memoryview of the pool, commit, lookup and probe, get, read back")
 def _():
     c = kvd.Client(EP)

@@ -61,6 +61,82 @@ def block_bytes(layout):
             * layout["head_dim"] * DTYPE_BYTES[layout["dtype"]])
 
 
+def model_identity(path):
+    """SPEC 3.1 "Model identity" of a checkpoint directory or one weight file."""
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+    if os.path.isdir(path):
+        names = sorted((n for n in os.listdir(path)
+                        if (n == "config.json" or n.endswith(weights)) and os.path.isfile(os.path.join(path, n))),
+                       key=lambda n: n.encode())
+        files = [(n, n, os.path.join(path, n)) for n in names]
+    else:
+        files = [("", os.path.basename(path), path)]
+    if not any(real.endswith(weights) for _, real, _ in files):
+        raise ValueError("no weight file")
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"kvd.model.v1\0")
+    for hashed, real, p in files:
+        data = open(p, "rb").read()
+        h.update(struct.pack("<I", len(hashed.encode())) + hashed.encode() + struct.pack("<Q", len(data)))
+        if real == "config.json":
+            h.update(data)
+            continue
+        if real.endswith(".safetensors"):
+            (n,) = struct.unpack_from("<Q", data)
+            h.update(data[:8 + n])
+            a = 8 + n
+        else:
+            a = min(65536, len(data))
+            h.update(data[:a])
+        b = len(data)
+        if b - a <= 64 * 4096:
+            h.update(data[a:b])
+        else:
+            for i in range(64):
+                o = a + i * (b - a - 4096) // 63
+                h.update(data[o:o + 4096])
+    return "kvd-model-v1:" + h.hexdigest()
+
+
+# ----- SPEC section 10.1 -----
+
+def secret_bytes(text):
+    """The secret: the file's bytes less ASCII space, tab, CR and LF at both ends."""
+    return text.strip(b" \t\r\n")
+
+
+def cluster_key(file_bytes):
+    return hashlib.blake2b(b"kvd.cluster-key.v1" + secret_bytes(file_bytes), digest_size=32).digest()
+
+
+def _mac(key, label, unix_ms, nonce, *parts):
+    h = hashlib.blake2b(key=key, digest_size=32)
+    h.update(label + struct.pack("<QQ", unix_ms, nonce))
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _to(name):
+    return struct.pack("<I", len(name.encode())) + name.encode()
+
+
+def request_mac(key, unix_ms, nonce, to, envelope):
+    return _mac(key, b"kvd.peer.req.v2", unix_ms, nonce, _to(to), envelope)
+
+
+def reply_mac(key, unix_ms, nonce, envelope):
+    return _mac(key, b"kvd.peer.reply.v1", unix_ms, nonce, envelope)
+
+
+def data_mac(key, unix_ms, nonce, to, head):
+    return _mac(key, b"kvd.data.v2", unix_ms, nonce, _to(to), head)
+
+
+def auth_frame(mac, unix_ms, nonce):
+    return b"KVA1" + struct.pack("<QQ", unix_ms, nonce) + mac
+
+
 # ----- SPEC sections 1, 2, 4 -----
 
 def encode_request(req_id, op, body=None):

@@ -1,4 +1,5 @@
-"""Drives kvd_spec_client against a running daemon: `python3 test_spec_client.py ENDPOINT`.
+"""Drives kvd_spec_client against a running daemon: `python3 test_spec_client.py ENDPOINT
+SECRET_FILE` (the cluster secret the daemon uses, for the peer authentication check).
 
 Checks the SPEC test vectors, then a full store/load through the client's own mapping
 of the pool, the payload-frame path, and error replies. Prints `N passed, 0 failed`.
@@ -10,8 +11,13 @@ import sys
 
 import msgpack
 
-from kvd_spec_client import (Client, KvdError, block_bytes, chunk_hashes, chunk_root,
-                             encode_request, layout_id)
+import time
+
+import zmq
+
+from kvd_spec_client import (Client, KvdError, auth_frame, block_bytes, chunk_hashes, chunk_root,
+                             cluster_key, data_mac, encode_request, layout_id, model_identity,
+                             reply_mac, request_mac)
 
 CHECKS = []
 
@@ -208,6 +214,59 @@ def _(c):
     except (EOFError, ConnectionResetError):
         pass
     s.close()
+
+
+@check("peer authentication vectors (SPEC 10.1): key, white space, request, reply, data-plane MACs")
+def _(_c):
+    k = cluster_key(b"a" * 32)
+    assert k.hex() == "19c29c94c0256f208d05a016ef2b9d69b900c3911caf0d6dfb74e95f26a775ff"
+    assert cluster_key(b" \t" + b"a" * 32 + b"\r\n") == k
+    assert cluster_key(b"a" * 32 + b"\x0b\n").hex() == "70814662435e7caed09b955e6509a08f7288d822b3ff9a939734456a6e5f7571"
+    to, ms = "tcp://10.0.0.5:7101", 1700000000000
+    assert request_mac(k, ms, 42, to, b"kvd").hex() == "f46cce1f0995adc81ce0e995ee61b71a560f8b792bf87d57ff82ad059c734568"
+    assert reply_mac(k, ms, 42, b"kvd").hex() == "3d41243aea40503ec37766bf25edca1e94b4c6b1686caa178a984763e7e0a5c6"
+    assert data_mac(k, ms, 42, to, b"kvd").hex() == "86d2faee56e6a8151c67e3b01f311401fa31fd86743a64705f29c1ceef4d8c97"
+
+
+@check("a peer request signed from the SPEC is served by the node it names (sealed reply) and refused elsewhere")
+def _(c):
+    node = c.hello_reply["node"]
+    key = cluster_key(open(sys.argv[2], "rb").read())
+    me = {"node": "tcp://127.0.0.1:9", "data": "127.0.0.1:9", "incarnation": 5, "host": ""}
+    s = c.ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node["node"])
+
+    def call(req_id, to):
+        env = encode_request(req_id, "peer_heartbeat",
+                             {"from": me, "to_incarnation": node["incarnation"], "transfers": ["none"]})
+        ms, nonce = int(time.time() * 1000), int.from_bytes(os.urandom(8), "little")
+        s.send_multipart([env, auth_frame(request_mac(key, ms, nonce, to, env), ms, nonce)])
+        assert s.poll(5000), "no reply"
+        frames = s.recv_multipart()
+        return msgpack.unpackb(frames[0], raw=False), frames, ms, nonce
+
+    reply, frames, ms, nonce = call(1, node["node"])
+    assert "ok" in reply and reply["ok"]["unknown"] == ["none"], reply
+    assert len(frames) == 2 and frames[1] == auth_frame(reply_mac(key, ms, nonce, frames[0]), ms, nonce), \
+        "the reply is sealed with the request's stamp"
+    reply, frames, _, _ = call(2, "tcp://10.9.9.9:7101")
+    assert reply["err"]["code"] == "unauthenticated" and len(frames) == 1, (reply, frames)
+    s.close()
+
+
+@check("model identity (SPEC 3.1): the vector checkpoint")
+def _(_c):
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "config.json"), "wb") as f:
+        f.write(b'{"model_type": "llama"}')
+    header = b'{"w":{"dtype":"F32","shape":[100000],"data_offsets":[0,400000]}}'
+    body = b"".join(struct.pack("<I", ((i * 2654435761) % 2**32) ^ 7) for i in range(100000))
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + body)
+    assert model_identity(d) == "kvd-model-v1:598dc877a1d39c9fe03a8e9d16f5012d", model_identity(d)
 
 
 @check("stats back to baseline")
