@@ -312,15 +312,9 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
     }
 }
 
-/// Weights, model shape and tokenizer from files: the engine uses them (same tokens as
-/// the seeded weights they were written from), and refuses a tokenizer larger than the
-/// model's vocabulary.
-#[test]
-fn engine_runs_weights_config_and_tokenizer_from_files() {
-    use kvd_cuda::model::Weights;
-    use kvd_cuda::ModelConfig;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig {
+/// The small model the weights-file tests write out (seed 5).
+fn tiny_model() -> kvd_cuda::ModelConfig {
+    kvd_cuda::ModelConfig {
         dim: 64,
         layers: 2,
         heads: 4,
@@ -329,7 +323,17 @@ fn engine_runs_weights_config_and_tokenizer_from_files() {
         ffn: 128,
         seed: 5,
         ..Default::default()
-    };
+    }
+}
+
+/// Weights, model shape and tokenizer from files: the engine uses them (same tokens as
+/// the seeded weights they were written from), and refuses a tokenizer larger than the
+/// model's vocabulary.
+#[test]
+fn engine_runs_weights_config_and_tokenizer_from_files() {
+    use kvd_cuda::model::Weights;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_model();
     let (w, c, t) = (
         dir.path().join("w.safetensors"),
         dir.path().join("model.json"),
@@ -411,16 +415,7 @@ fn the_model_is_known_by_its_weights_not_its_path() {
     use kvd_cuda::model::Weights;
     use kvd_cuda::ModelConfig;
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig {
-        dim: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        ffn: 128,
-        seed: 5,
-        ..Default::default()
-    };
+    let cfg = tiny_model();
     let (a, b, c) = (
         dir.path().join("a.safetensors"),
         dir.path().join("copy/b.safetensors"),
