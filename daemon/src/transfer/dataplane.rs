@@ -286,8 +286,12 @@ fn ranges_of(head: &[u8], out: &mut Vec<(u64, u64)>) {
     }
 }
 
-/// A whole request head (header, ranges, MAC trailer) through the server's own checks:
-/// what the fuzz target runs.
+/// The data server name the fuzz target's requests are checked against.
+#[cfg(fuzzing)]
+pub(crate) const FUZZ_RECEIVER: &str = "127.0.0.1:7102";
+
+/// A whole request head (header, ranges, MAC trailer) through the server's own checks,
+/// as the data server named [`FUZZ_RECEIVER`]: what the fuzz target runs.
 #[cfg(fuzzing)]
 pub(crate) fn parse_request(
     b: &[u8],
@@ -301,7 +305,7 @@ pub(crate) fn parse_request(
     let (_, kind, rest) = check_header(hdr)?;
     let all = b.get(..HEADER_BYTES + rest).ok_or_else(short)?;
     let (head, trailer) = split_request(all)?;
-    DataAuth::new(key.clone()).check(head, trailer)?;
+    DataAuth::new(key.clone(), Receiver(FUZZ_RECEIVER.into())).check(head, trailer)?;
     let mut ranges = Vec::new();
     ranges_of(head, &mut ranges);
     Ok((kind, ranges))
