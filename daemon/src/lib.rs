@@ -23,7 +23,8 @@
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
 //! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): `client_ops`, `importer`, `exporter`, `timers`, `peer_ops`, `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
-//! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`), the TCP data server and transport, shm pulls, workers (a panicking transport fails its job, not its worker); an in-process double (`mem_transport`) for tests |
+//! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`); a folder: `server` (the TCP data server), `tcp`, `shm`, `workers` (a panicking transport fails its job, not its worker); the wire codec is [`kvd_protocol::data`]; an in-process double (`mem_transport`) for tests |
+//! | [`transfer::gate`] | which inbound data-plane connections are kept: pending and authenticated caps, the first request's deadline |
 //! | `sync` | std or loom primitives (the `loom` feature) |
 //! | `transfer::remote_access` | per-grant remote access for one-sided transports: only a live grant's ranges, with its access, until it ends (a `Registrar`: verbs, or a host stand-in in tests) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: local-only pool registration, per-grant MRs, RC queue pairs, READ/WRITE |

@@ -14,6 +14,7 @@
 //! | [`hash`] | the chained chunk hash `h_i = H(h_{i-1} \|\| tokens_i)` |
 //! | [`msg`] | request and reply bodies, one pair per op |
 //! | [`codec`] | envelope encode/decode (`{v, id, op, body}` / `{v, id, ok \| err}`) |
+//! | [`data`] | the TCP data plane's wire format: request headers, ranges and trailer, statuses, padding, CRC tables |
 //! | [`error`] | `ErrorCode`, `WireError`, `DecodeError` |
 //! | [`pool`] | the header at the start of the shared pool file |
 //! | [`strict`] | decoding exactly as strict as SPEC §2 (maps for structs, strings for names and enums) |
@@ -23,6 +24,7 @@
 
 pub mod auth;
 pub mod codec;
+pub mod data;
 pub mod error;
 pub mod gpu;
 pub mod hash;

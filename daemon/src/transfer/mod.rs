@@ -49,7 +49,7 @@
 //! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
-//! | [`dataplane`] | TCP data server and transport (MAC trailer), shm, worker threads |
+//! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
 //! | [`gate`] | which inbound data-plane connections are kept (pending and authenticated caps, first-request deadline) |
 //! | `p2p.rs` | remote lookups and lock-and-read fetches between peers |
 //! | [`discovery`] | etcd membership |

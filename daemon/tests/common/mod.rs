@@ -249,7 +249,7 @@ pub fn cluster_key() -> kvd_protocol::auth::ClusterKey {
     kvd_daemon::auth::load_key(&kvd_daemon::auth::default_secret_path(), true).unwrap()
 }
 
-/// A data-plane read (`daemon/src/transfer/dataplane.rs` wire format) of `len` bytes at
+/// A data-plane read (`kvd_protocol::data`, SPEC §10 wire format) of `len` bytes at
 /// `off` of the exporter named by `p`, under `handle` and `token`, signed with the
 /// cluster key: the bytes, or the refusal's code.
 pub fn raw_read(
