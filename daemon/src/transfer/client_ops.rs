@@ -15,7 +15,7 @@ impl Transfers {
         check_transfer_id(&req.transfer_id)?;
         if let Some(e) = self.exports.get(&req.transfer_id) {
             if !e.state.is_final() || e.pin.is_some() {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!(
                         "transfer {:?} is already exported (or still releasing)",
@@ -27,11 +27,14 @@ impl Transfers {
             self.grants.remove(e.handle);
         }
         if req.keys.is_empty() {
-            return Err(werr(ErrorCode::InvalidArgument, "export of no keys"));
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                "export of no keys",
+            ));
         }
         self.check_capacity()?;
         let block_bytes = store.block_bytes(req.layout_id).ok_or_else(|| {
-            werr(
+            WireError::new(
                 ErrorCode::UnknownLayout,
                 format!("layout {} is not registered", req.layout_id),
             )
@@ -115,7 +118,7 @@ impl Transfers {
         let p = &req.params;
         check_transfer_id(&p.transfer_id)?;
         if p.keys.len() != p.offsets.len() || p.keys.is_empty() {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 format!(
                     "params name {} keys and {} offsets",
@@ -166,10 +169,13 @@ impl Transfers {
     ) -> Result<Answer, WireError> {
         check_transfer_id(&req.transfer_id)?;
         if req.keys.is_empty() {
-            return Err(werr(ErrorCode::InvalidArgument, "push_register of no keys"));
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                "push_register of no keys",
+            ));
         }
         if !req.node.starts_with("tcp://") {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 format!("node {:?} is not a tcp:// control endpoint", req.node),
             ));
@@ -223,7 +229,7 @@ impl Transfers {
             (None, None) => return Err(self.unknown(id)),
         };
         if owner != Some(client) {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::NotOwner,
                 format!("transfer {id:?} belongs to another session"),
             ));
@@ -275,7 +281,7 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         let id = &req.transfer_id;
         self.check_owner(store, req.client, id, now)?;
-        let aborted_err = || werr(ErrorCode::Aborted, "aborted by a client");
+        let aborted_err = || WireError::new(ErrorCode::Aborted, "aborted by a client");
         if let Some(i) = self.imports.get(id) {
             let live = !i.state.is_final();
             if live {
@@ -318,7 +324,7 @@ impl Transfers {
 
     /// The error of a transfer that reached `max_hold`.
     pub(super) fn held_too_long(&self, what: &str) -> WireError {
-        werr(
+        WireError::new(
             ErrorCode::LeaseExpired,
             format!(
                 "{what} held for transfer.max_hold_ms ({} ms), the longest any transfer lives",
@@ -328,7 +334,7 @@ impl Transfers {
     }
 
     pub(super) fn unknown(&self, id: &str) -> WireError {
-        werr(
+        WireError::new(
             ErrorCode::UnknownTransfer,
             format!(
                 "transfer {id:?} is not known here (never created, or ended more than {} s ago)",
@@ -349,13 +355,13 @@ impl Transfers {
     ) -> Result<u64, WireError> {
         if let Some(i) = self.imports.get(id) {
             if !i.state.is_final() {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!("transfer {id:?} is already being imported"),
                 ));
             }
             if !i.settled {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!(
                         "an earlier transfer {id:?} is still releasing its slots; retry shortly"
@@ -366,14 +372,14 @@ impl Transfers {
         self.check_capacity()?;
         store.check_session(client, now)?;
         let local = store.block_bytes(layout).ok_or_else(|| {
-            werr(
+            WireError::new(
                 ErrorCode::UnknownLayout,
                 format!("layout {layout} is not registered"),
             )
         })?;
         if let Some(b) = block_bytes {
             if b != local {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::InvalidArgument,
                     format!("params say blocks of {b} bytes; layout {layout} has {local}"),
                 ));
@@ -395,7 +401,7 @@ impl Transfers {
         });
         if !ok {
             self.counters.refused += 1;
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::UnknownTransfer,
                 format!("no live export {:?} matches these params", p.transfer_id),
             ));
@@ -440,7 +446,7 @@ impl Transfers {
         now: Instant,
     ) -> Result<(), WireError> {
         if p.keys.len() != p.offsets.len() || p.keys.is_empty() {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 "lock params: keys and offsets differ",
             ));

@@ -20,7 +20,7 @@ impl Transfers {
         exp.push = Some((reg.handle, reg.token));
         exp.lease = exp.lease.max(reg.lease);
         if reg.layout != exp.layout {
-            let e = werr(
+            let e = WireError::new(
                 ErrorCode::InvalidArgument,
                 format!(
                     "push registration names layout {}; the export has {}",
@@ -46,7 +46,7 @@ impl Transfers {
                     len: exp.block_bytes,
                 }),
                 None => {
-                    let e = werr(
+                    let e = WireError::new(
                         ErrorCode::InvalidArgument,
                         format!("push registration key #{i} ({k}) is not in the export"),
                     );
@@ -137,7 +137,7 @@ impl Transfers {
         exp.error = error.clone();
         let importer = exp.importer.clone();
         if notify {
-            let e = error.unwrap_or_else(|| werr(ErrorCode::Aborted, "ended"));
+            let e = error.unwrap_or_else(|| WireError::new(ErrorCode::Aborted, "ended"));
             if let Some(peer) = importer {
                 self.fail_peer(&peer, id, e.clone());
             }
@@ -253,7 +253,7 @@ impl Transfers {
                     }
                     Ok(_) => {}
                     Err(e) if live => {
-                        let e = werr(
+                        let e = WireError::new(
                             e.code,
                             format!(
                                 "push registration refused by {}: {}",
@@ -278,7 +278,7 @@ impl Transfers {
                             continue;
                         }
                         if ack.unknown.contains(id) {
-                            let e = werr(
+                            let e = WireError::new(
                                 ErrorCode::LeaseExpired,
                                 format!(
                                     "exporter {node} no longer holds the transfer (lease ended)"
@@ -297,7 +297,7 @@ impl Transfers {
                             .get(id)
                             .is_some_and(|i| i.peer.node == node && !i.state.is_final())
                         {
-                            let e = werr(
+                            let e = WireError::new(
                                 ErrorCode::StaleIncarnation,
                                 format!("exporter {node} restarted: {}", e.message),
                             );
@@ -331,7 +331,7 @@ impl Transfers {
                     Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
                         // The params named a pool file that is not the exporter's (as
                         // the exporter says, over the authenticated channel).
-                        let e = werr(
+                        let e = WireError::new(
                             ErrorCode::NotOwner,
                             format!(
                                 "copied from {:?}, but the exporter's pool is {:?}",
@@ -348,7 +348,7 @@ impl Transfers {
                         self.finish_import(store, &id, false, now);
                     }
                     Err(e) => {
-                        let e = werr(
+                        let e = WireError::new(
                             e.code,
                             format!(
                                 "exporter did not confirm the lease after the copy: {}",

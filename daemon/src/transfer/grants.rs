@@ -25,10 +25,6 @@ use kvd_protocol::{ErrorCode, Incarnation, WireError};
 use crate::io::completions::Completions;
 use crate::sync::{AtomicUsize, Mutex, MutexGuard, Ordering};
 
-fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
-    WireError::new(code, msg)
-}
-
 /// What a grant allows.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum GrantKind {
@@ -268,7 +264,7 @@ impl Grants {
         now: Instant,
     ) -> Result<&'m mut Grant, WireError> {
         if dst_incarnation != self.incarnation {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::StaleIncarnation,
                 format!(
                     "request names incarnation {dst_incarnation}; this daemon is {}",
@@ -277,31 +273,31 @@ impl Grants {
             ));
         }
         let g = map.get_mut(&handle).ok_or_else(|| {
-            werr(
+            WireError::new(
                 ErrorCode::UnknownTransfer,
                 format!("no grant {handle} (never issued, finished, or expired)"),
             )
         })?;
         if g.token != token {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::NotOwner,
                 format!("wrong token for grant {handle}"),
             ));
         }
         if let Some(why) = g.revoked {
-            return Err(werr(
+            return Err(WireError::new(
                 why,
                 format!("grant {handle} was revoked: the transfer ended ({why})"),
             ));
         }
         if now >= g.expires {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::LeaseExpired,
                 format!("grant {handle}'s lease expired"),
             ));
         }
         if g.kind != kind {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 format!("grant {handle} is for {:?}, not {kind:?}", g.kind),
             ));
@@ -323,14 +319,14 @@ impl Grants {
         let mut total = 0u64;
         let mut moved = Vec::with_capacity(ranges.len());
         for &(off, len) in ranges {
-            let end = off
-                .checked_add(len)
-                .ok_or_else(|| werr(ErrorCode::InvalidArgument, "range overflows".to_string()))?;
+            let end = off.checked_add(len).ok_or_else(|| {
+                WireError::new(ErrorCode::InvalidArgument, "range overflows".to_string())
+            })?;
             // The merged range that starts at or before `off`.
             let i = g.ranges.partition_point(|&(s, _)| s <= off);
             let inside = i > 0 && g.ranges[i - 1].1 >= end && len > 0;
             if !inside {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::InvalidArgument,
                     format!("range {off}+{len} is outside what grant {handle} covers"),
                 ));

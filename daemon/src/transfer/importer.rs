@@ -37,7 +37,7 @@ impl Transfers {
             // the import's lease and max_hold
             Ok(None) => {}
             Err(e) => {
-                let e = werr(e.code(), format!("allocating local slots: {e}"));
+                let e = WireError::new(e.code(), format!("allocating local slots: {e}"));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
             }
             Ok(Some(a)) => {
@@ -161,7 +161,7 @@ impl Transfers {
         if imp.mode == Mode::Push && !self.grants.revoke(imp.handle, ErrorCode::InvalidState) {
             // A write is still landing: cannot happen after push_done's byte check, but
             // never commit under one.
-            let e = werr(
+            let e = WireError::new(
                 ErrorCode::TransferFailed,
                 "a write was still active at push_done",
             );
@@ -176,7 +176,7 @@ impl Transfers {
                 offsets: None,
             };
             if let Err(e) = store.commit(&c, &[], now) {
-                let e = werr(e.code(), format!("committing received blocks: {e}"));
+                let e = WireError::new(e.code(), format!("committing received blocks: {e}"));
                 self.end_import(store, id, TransferState::Failed, Some(e), true, now);
                 return;
             }
@@ -217,7 +217,7 @@ impl Transfers {
                 if let Some(p) = g.pin {
                     store.unpin_by_id(p);
                 }
-                Err(werr(
+                Err(WireError::new(
                     ErrorCode::TransferFailed,
                     format!("key #{i} of the transfer is no longer in DRAM; retry the pull"),
                 ))
@@ -272,7 +272,7 @@ impl Transfers {
                 imp.peer.clone(),
                 error
                     .clone()
-                    .unwrap_or_else(|| werr(ErrorCode::Aborted, "ended")),
+                    .unwrap_or_else(|| WireError::new(ErrorCode::Aborted, "ended")),
             );
             self.fail_peer(&peer, id, e);
         }

@@ -384,10 +384,6 @@ struct Waiter {
     deadline: Instant,
 }
 
-fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
-    WireError::new(code, msg)
-}
-
 fn unix_ms(at: Instant, now: Instant) -> u64 {
     let wall = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -670,7 +666,7 @@ impl Transfers {
 
     fn check_capacity(&self) -> Result<(), WireError> {
         if self.live_count() >= self.cfg.max_transfers {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::LimitReached,
                 format!("{} transfers are live (limit)", self.cfg.max_transfers),
             ));

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use super::{werr, Answer, Outgoing, Reply, Then, Transfers};
+use super::{Answer, Outgoing, Reply, Then, Transfers};
 use crate::config::PeerMode;
 use crate::store::Store;
 
@@ -389,7 +389,7 @@ impl Transfers {
         self.fail_peer(
             &p.from,
             &p.transfer_id,
-            werr(ErrorCode::Aborted, "lock not needed by the reader"),
+            WireError::new(ErrorCode::Aborted, "lock not needed by the reader"),
         );
     }
 
@@ -480,7 +480,7 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, true)?;
         store.block_bytes(r.layout_id).ok_or_else(|| {
-            werr(
+            WireError::new(
                 ErrorCode::UnknownLayout,
                 format!("layout {} is not registered here", r.layout_id),
             )
@@ -565,7 +565,7 @@ impl Transfers {
             let answer = if ready {
                 self.lock_reply(store, r, now)
             } else {
-                Err(werr(
+                Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!(
                         "blocks not in DRAM: {}",
@@ -598,7 +598,10 @@ impl Transfers {
         now: Instant,
     ) -> Result<TransferParams, WireError> {
         if keys.is_empty() {
-            return Err(werr(ErrorCode::InvalidArgument, "lock of no keys"));
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                "lock of no keys",
+            ));
         }
         let id = format!("lock-{:016x}", rand::random::<u64>());
         let ttl = Duration::from_millis(ttl_ms)
@@ -611,7 +614,10 @@ impl Transfers {
             lease_ms: Some(ttl.as_millis() as u64),
         };
         let Reply::Export(e) = self.export(store, &export, now)? else {
-            return Err(werr(ErrorCode::Internal, "export answered something else"));
+            return Err(WireError::new(
+                ErrorCode::Internal,
+                "export answered something else",
+            ));
         };
         if let Some(x) = self.exports.get_mut(&id) {
             x.importer = Some(from.clone());

@@ -9,7 +9,7 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::dataplane::Transport;
-use super::{werr, Import, Mode, Reg, Reply, Timer, Transfers};
+use super::{Import, Mode, Reg, Reply, Timer, Transfers};
 use crate::store::Store;
 
 impl Transfers {
@@ -22,7 +22,7 @@ impl Transfers {
             return Ok(());
         }
         self.counters.refused += 1;
-        Err(werr(
+        Err(WireError::new(
             ErrorCode::StaleIncarnation,
             format!(
                 "message for incarnation {to}; this daemon is {} (it restarted)",
@@ -51,7 +51,7 @@ impl Transfers {
         self.check_to(r.to_incarnation, true)?;
         check_transfer_id(&r.transfer_id)?;
         if r.keys.len() != r.offsets.len() {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidArgument,
                 "keys and offsets differ in length",
             ));
@@ -63,7 +63,7 @@ impl Transfers {
                 .is_some_and(|e| e.importer.is_some() && !e.state.is_final())
         {
             self.counters.refused += 1;
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidState,
                 format!(
                     "transfer {:?} already has a push registration",
@@ -173,7 +173,7 @@ impl Transfers {
         imp.transport = if by_rdma { "rdma" } else { "tcp" };
         imp.peer.data = r.from.data.clone();
         if got < want {
-            let e = werr(
+            let e = WireError::new(
                 ErrorCode::TransferFailed,
                 format!("push wrote {got} of {want} bytes"),
             );
@@ -243,7 +243,7 @@ impl Transfers {
             // Params altered on their way to the importer (id, keys, offsets or token):
             // whatever it copied is not this export. The export itself lives on.
             self.counters.refused += 1;
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::NotOwner,
                 format!(
                     "peer_done for {:?} does not prove the exported keys and offsets",
@@ -253,7 +253,7 @@ impl Transfers {
         }
         if e.state.is_final() {
             self.counters.refused += 1;
-            return Err(werr(
+            return Err(WireError::new(
                 match e.state {
                     TransferState::Expired => ErrorCode::LeaseExpired,
                     TransferState::Aborted => ErrorCode::Aborted,
@@ -285,7 +285,7 @@ impl Transfers {
         self.check_to(r.to_incarnation, true)?;
         let id = &r.transfer_id;
         let from = r.from.incarnation;
-        let e = werr(
+        let e = WireError::new(
             r.error.code,
             format!("peer {}: {}", r.from.node, r.error.message),
         );
@@ -359,7 +359,7 @@ impl Transfers {
                 ..Default::default()
             }));
         }
-        Err(werr(
+        Err(WireError::new(
             ErrorCode::InvalidState,
             "this daemon has no RDMA device (or was built without the rdma feature)",
         ))
@@ -374,7 +374,7 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
         let Some(ra) = &self.remote else {
-            return Err(werr(
+            return Err(WireError::new(
                 ErrorCode::InvalidState,
                 "this daemon has no RDMA device (or was built without the rdma feature)",
             ));

@@ -44,12 +44,8 @@ const MR_SLICE: u64 = 3584 << 20;
 const PORT: u8 = 1;
 const QUEUE: u32 = 4096;
 
-fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
-    WireError::new(code, msg)
-}
-
 fn os(what: &str) -> WireError {
-    werr(
+    WireError::new(
         ErrorCode::TransferFailed,
         format!("{what}: {}", std::io::Error::last_os_error()),
     )
@@ -232,7 +228,7 @@ impl Registrar for VerbsRegistrar {
         let addr = v
             ._pool
             .addr(offset, len as usize)
-            .map_err(|e| werr(ErrorCode::InvalidArgument, e.to_string()))?;
+            .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
         let remote = if write {
             ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
         } else {
@@ -393,7 +389,7 @@ impl Qp {
                 ibv_post_recv(self.qp, &mut wr, &mut bad)
             };
             if rc != 0 {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::TransferFailed,
                     format!("ibv_post_recv: {rc}"),
                 ));
@@ -422,7 +418,7 @@ impl Qp {
             let mut wrs: Vec<ibv_send_wr> = Vec::with_capacity(chunk.len());
             for (i, op) in chunk.iter().enumerate() {
                 let lkey = v.lkey(op.local).ok_or_else(|| {
-                    werr(
+                    WireError::new(
                         ErrorCode::InvalidArgument,
                         "local range outside the registered pool",
                     )
@@ -437,13 +433,13 @@ impl Qp {
                                 .is_some_and(|e| e <= r.offset + r.len)
                     })
                     .ok_or_else(|| {
-                        werr(
+                        WireError::new(
                             ErrorCode::InvalidArgument,
                             "remote range outside what the peer registered for this grant",
                         )
                     })?;
                 let len = u32::try_from(op.len)
-                    .map_err(|_| werr(ErrorCode::InvalidArgument, "range over 4 GiB"))?;
+                    .map_err(|_| WireError::new(ErrorCode::InvalidArgument, "range over 4 GiB"))?;
                 sges.push(ibv_sge {
                     addr: v.base + op.local,
                     length: len,
@@ -487,7 +483,7 @@ impl Qp {
             // memory, which is live).
             let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
             if rc != 0 {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::TransferFailed,
                     format!("ibv_post_send: {rc}"),
                 ));
@@ -506,11 +502,14 @@ impl Qp {
             // SAFETY: `self.cq` is live; `wc` has room for one entry.
             let n = unsafe { ibv_poll_cq(self.cq, 1, &mut wc) };
             if n < 0 {
-                return Err(werr(ErrorCode::TransferFailed, "ibv_poll_cq failed"));
+                return Err(WireError::new(
+                    ErrorCode::TransferFailed,
+                    "ibv_poll_cq failed",
+                ));
             }
             if n == 1 {
                 if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
-                    return Err(werr(
+                    return Err(WireError::new(
                         ErrorCode::TransferFailed,
                         format!("rdma completion status {}", wc.status),
                     ));
@@ -526,7 +525,7 @@ impl Qp {
                 return Ok(());
             }
             if Instant::now() > until {
-                return Err(werr(
+                return Err(WireError::new(
                     ErrorCode::PeerUnreachable,
                     "rdma completion timed out",
                 ));
@@ -625,10 +624,9 @@ impl RdmaTransport {
     /// The passive side of `peer_rdma_connect`: a queue pair for `peer`, connected to
     /// its (qpn, psn); returns ours.
     pub fn accept(&self, peer: &PeerRef, qpn: u32, psn: u32) -> Result<(u32, u32), WireError> {
-        let r = peer
-            .rdma
-            .as_ref()
-            .ok_or_else(|| werr(ErrorCode::InvalidArgument, "peer has no rdma description"))?;
+        let r = peer.rdma.as_ref().ok_or_else(|| {
+            WireError::new(ErrorCode::InvalidArgument, "peer has no rdma description")
+        })?;
         let mut qp = Qp::create(&self.verbs)?;
         qp.connect(&self.verbs, r, qpn, psn)?;
         let local = qp.local();
@@ -662,10 +660,9 @@ impl RdmaTransport {
         if let Some(q) = self.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
             return Ok(q.clone());
         }
-        let r = peer
-            .rdma
-            .as_ref()
-            .ok_or_else(|| werr(ErrorCode::InvalidArgument, "peer has no rdma description"))?;
+        let r = peer.rdma.as_ref().ok_or_else(|| {
+            WireError::new(ErrorCode::InvalidArgument, "peer has no rdma description")
+        })?;
         let mut qp = Qp::create(&self.verbs)?;
         let (qpn, psn) = qp.local();
         let me = self
@@ -673,7 +670,7 @@ impl RdmaTransport {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| werr(ErrorCode::Internal, "rdma transport has no identity"))?;
+            .ok_or_else(|| WireError::new(ErrorCode::Internal, "rdma transport has no identity"))?;
         let (rq, rp) = handshake(&self.zmq, &self.key, &me, peer, qpn, psn, self.timeout)?;
         qp.connect(&self.verbs, r, rq, rp)?;
         let q = Arc::new(Mutex::new(qp));
@@ -700,7 +697,7 @@ impl RdmaTransport {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| werr(ErrorCode::Internal, "rdma transport has no identity"))?;
+            .ok_or_else(|| WireError::new(ErrorCode::Internal, "rdma transport has no identity"))?;
         let req = kvd_protocol::Request::PeerRdmaRegister(kvd_protocol::PeerRdmaRegisterReq {
             from: me,
             to_incarnation: a.peer.incarnation,
@@ -720,11 +717,9 @@ impl RdmaTransport {
 
     fn run(&self, a: &Access, ops: &[Op], read: bool) -> Result<u64, WireError> {
         let q = self.qp_for(&a.peer)?;
-        let r = a
-            .peer
-            .rdma
-            .as_ref()
-            .ok_or_else(|| werr(ErrorCode::InvalidArgument, "peer has no rdma description"))?;
+        let r = a.peer.rdma.as_ref().ok_or_else(|| {
+            WireError::new(ErrorCode::InvalidArgument, "peer has no rdma description")
+        })?;
         let regions = self.regions_for(a, !read)?;
         let mut qp = q.lock().unwrap_or_else(|p| p.into_inner());
         let imm = (!read).then_some(a.handle as u32);
@@ -797,7 +792,7 @@ pub fn handshake(
     let ack = peer_call(ctx, key, peer, &req, timeout)?;
     match (ack.rdma_qpn, ack.rdma_psn) {
         (Some(q), Some(p)) => Ok((q, p)),
-        _ => Err(werr(
+        _ => Err(WireError::new(
             ErrorCode::TransferFailed,
             "rdma handshake reply without a queue pair",
         )),
@@ -816,7 +811,7 @@ pub fn peer_call(
     use kvd_protocol::{decode_reply, encode_request, PeerAck};
     let op = req.op();
     let unreachable = |e: zmq::Error| {
-        werr(
+        WireError::new(
             ErrorCode::PeerUnreachable,
             format!("{op} to {}: {e}", peer.node),
         )
@@ -833,20 +828,20 @@ pub fn peer_call(
         .map_err(unreachable)?
         == 0
     {
-        return Err(werr(
+        return Err(WireError::new(
             ErrorCode::PeerUnreachable,
             format!("{} did not answer {op}", peer.node),
         ));
     }
     let parts = s.recv_multipart(0).map_err(unreachable)?;
     let (Some(frame), Some(seal)) = (parts.first(), parts.get(1)) else {
-        return Err(werr(
+        return Err(WireError::new(
             ErrorCode::Unauthenticated,
             format!("{} answered {op} unsealed", peer.node),
         ));
     };
     key.open_reply(stamp, frame, seal).map_err(|e| {
-        werr(
+        WireError::new(
             ErrorCode::Unauthenticated,
             format!("{op} reply from {}: {e}", peer.node),
         )
@@ -854,7 +849,7 @@ pub fn peer_call(
     match decode_reply::<PeerAck>(frame) {
         Ok((_, Ok(ack))) => Ok(ack),
         Ok((_, Err(e))) => Err(e),
-        Err(e) => Err(werr(ErrorCode::Malformed, e.to_string())),
+        Err(e) => Err(WireError::new(ErrorCode::Malformed, e.to_string())),
     }
 }
 

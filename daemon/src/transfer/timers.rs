@@ -110,7 +110,7 @@ impl Transfers {
                 let e = if hard <= now {
                     self.held_too_long("export")
                 } else {
-                    werr(
+                    WireError::new(
                         ErrorCode::LeaseExpired,
                         format!("export lease of {} ms ran out", e.lease.as_millis()),
                     )
@@ -127,7 +127,7 @@ impl Transfers {
                 let e = if hard <= now {
                     self.held_too_long("push registration (no export)")
                 } else {
-                    werr(
+                    WireError::new(
                         ErrorCode::LeaseExpired,
                         "push registration expired: no export for this transfer within its lease",
                     )
@@ -157,7 +157,7 @@ impl Transfers {
                         .push(silent_until.min(hard), (Timer::Import, id));
                     return;
                 }
-                let e = werr(
+                let e = WireError::new(
                     ErrorCode::PeerUnreachable,
                     format!(
                         "exporter {} did not answer for a lease ({} ms)",
@@ -268,7 +268,7 @@ impl Transfers {
                         } else {
                             TransferState::Failed
                         };
-                        let e = werr(
+                        let e = WireError::new(
                             e.code,
                             format!("pull from {}: {}", imp.peer.node, e.message),
                         );
@@ -291,7 +291,7 @@ impl Transfers {
                         self.push_written(store, &id, bytes, now);
                     }
                     Err(e) => {
-                        let e = werr(
+                        let e = WireError::new(
                             e.code,
                             format!(
                                 "push to {}: {}",

@@ -18,7 +18,7 @@
 use std::io::{self, Read, Write};
 
 use kvd_protocol::data::{self, pad_for, STATUS_BYTES};
-use kvd_protocol::{ErrorCode, PeerRef, WireError};
+use kvd_protocol::{PeerRef, WireError};
 
 mod server;
 mod shm;
@@ -41,10 +41,6 @@ pub use kvd_protocol::data::MAX_RANGES;
 /// streams (a smaller transfer goes on one stream: a second one costs more than it
 /// saves).
 const MIN_PIECE: u64 = 4 << 20;
-
-pub(super) fn werr(code: ErrorCode, msg: impl Into<String>) -> WireError {
-    WireError::new(code, msg)
-}
 
 /// Read or write.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

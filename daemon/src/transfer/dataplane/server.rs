@@ -14,7 +14,7 @@ use kvd_protocol::data::{
 };
 use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
-use super::{werr, write_all_vectored, write_status, CRC_PIECE};
+use super::{write_all_vectored, write_status, CRC_PIECE};
 use crate::auth::ReplayGuard;
 use crate::pool::Pool;
 use crate::transfer::gate::{Gate, GateLimits, Ticket};
@@ -47,7 +47,7 @@ pub(crate) fn parse_request(
     b: &[u8],
     key: &ClusterKey,
 ) -> Result<(GrantKind, Vec<(u64, u64)>), WireError> {
-    let short = || werr(ErrorCode::Malformed, "short request");
+    let short = || WireError::new(ErrorCode::Malformed, "short request");
     let hdr: &[u8; HEADER_BYTES] = b
         .get(..HEADER_BYTES)
         .and_then(|h| h.try_into().ok())
@@ -219,7 +219,7 @@ impl DataAuth {
             });
         r.map_err(|e| {
             self.refused.fetch_add(1, Ordering::Relaxed);
-            werr(
+            WireError::new(
                 ErrorCode::Unauthenticated,
                 format!("data-plane request: {e}"),
             )
@@ -307,7 +307,7 @@ impl Conn<'_> {
             }
             if until.take().is_some() {
                 if let Err(e) = self.gate.authenticated(ticket) {
-                    let e = werr(ErrorCode::LimitReached, e.to_string());
+                    let e = WireError::new(ErrorCode::LimitReached, e.to_string());
                     let _ = write_status(&mut sock, Some(&e));
                     return Ok(());
                 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::{ErrorCode, PeerRef, WireError};
 
-use super::{coalesce, werr, Access, Caps, Op, Transport};
+use super::{coalesce, Access, Caps, Op, Transport};
 use crate::pool::{Pool, RemotePool};
 
 /// Same host: the peer's pool file mapped read-only. Pulls only: the importer confirms
@@ -38,7 +38,7 @@ impl ShmTransport {
         let path = PathBuf::from(
             peer.shm
                 .as_deref()
-                .ok_or_else(|| werr(ErrorCode::Internal, "peer has no shm pool"))?,
+                .ok_or_else(|| WireError::new(ErrorCode::Internal, "peer has no shm pool"))?,
         );
         let key = (path.clone(), peer.incarnation.0);
         let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
@@ -52,7 +52,7 @@ impl ShmTransport {
         maps.retain(|(p, _), _| *p != path);
         let m = Arc::new(
             RemotePool::open(&path, peer.incarnation)
-                .map_err(|e| werr(ErrorCode::PeerUnreachable, e.to_string()))?,
+                .map_err(|e| WireError::new(ErrorCode::PeerUnreachable, e.to_string()))?,
         );
         maps.insert(key, (m.clone(), Instant::now()));
         Ok(m)
@@ -92,13 +92,13 @@ impl Transport for ShmTransport {
         let mut bytes = 0;
         for op in coalesce(ops) {
             m.copy_to(op.remote, op.len as usize, &self.pool, op.local)
-                .map_err(|e| werr(ErrorCode::InvalidArgument, e.to_string()))?;
+                .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
             bytes += op.len;
         }
         Ok(bytes)
     }
     fn write(&self, _access: &Access, _ops: &[Op]) -> Result<u64, WireError> {
-        Err(werr(
+        Err(WireError::new(
             ErrorCode::Internal,
             "the shm transport does not write into a peer's pool",
         ))

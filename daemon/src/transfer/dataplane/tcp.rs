@@ -13,7 +13,7 @@ use kvd_protocol::data::{pad_for, DataHeader, ALIGN, FLAG_CRC, HEADER_BYTES};
 use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
 use super::{
-    coalesce, read_status, split, werr, write_all_vectored, Access, Caps, DataOptions, Dir, Op,
+    coalesce, read_status, split, write_all_vectored, Access, Caps, DataOptions, Dir, Op,
     Transport, CRC_PIECE,
 };
 use crate::pool::Pool;
@@ -77,7 +77,7 @@ impl TcpTransport {
             return Ok((s, true));
         }
         let unreachable = |e: io::Error| {
-            werr(
+            WireError::new(
                 ErrorCode::PeerUnreachable,
                 format!("data plane {addr}: {e}"),
             )
@@ -86,7 +86,7 @@ impl TcpTransport {
             .map_err(unreachable)?
             .next()
             .ok_or_else(|| {
-                werr(
+                WireError::new(
                     ErrorCode::PeerUnreachable,
                     format!("{addr} resolves to nothing"),
                 )
@@ -133,7 +133,7 @@ impl TcpTransport {
                     if pooled && !started && attempt == 1 {
                         continue;
                     }
-                    return Err(werr(
+                    return Err(WireError::new(
                         ErrorCode::PeerUnreachable,
                         format!("data plane {addr}: {e}"),
                     ));
@@ -211,7 +211,7 @@ impl TcpTransport {
                     .get(ops.len() * 4..)
                     .is_some_and(|p| p.iter().any(|&b| b != 0))
                 {
-                    return Err(Ok(werr(
+                    return Err(Ok(WireError::new(
                         ErrorCode::TransferFailed,
                         "malformed CRC table (padding is not zeros)",
                     )));
@@ -227,7 +227,7 @@ impl TcpTransport {
                     .find(|(_, (got, sent))| **got != *sent)
                     .map(|(op, _)| op.remote);
                 if let Some(at) = bad {
-                    return Err(Ok(werr(
+                    return Err(Ok(WireError::new(
                         ErrorCode::TransferFailed,
                         format!("checksum mismatch reading the range at {at}"),
                     )));
@@ -274,9 +274,9 @@ impl TcpTransport {
                 .collect();
             let mut total = self.one(dir, a, &groups[0]);
             for h in handles {
-                let r = h
-                    .join()
-                    .unwrap_or_else(|_| Err(werr(ErrorCode::Internal, "stream panicked")));
+                let r = h.join().unwrap_or_else(|_| {
+                    Err(WireError::new(ErrorCode::Internal, "stream panicked"))
+                });
                 total = match (total, r) {
                     (Ok(x), Ok(y)) => Ok(x + y),
                     (Err(e), _) | (_, Err(e)) => Err(e),

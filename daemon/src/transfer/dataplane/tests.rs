@@ -184,7 +184,7 @@ fn everything_around_the_bytes_is_padded_to_64() {
     assert_eq!(status_bytes(None), vec![0u8; 64], "SPEC's vector");
     assert_eq!(crc_table(&[1, 2, 3]).len(), 64);
     for msg in ["x", &"long ".repeat(2000)] {
-        let b = status_bytes(Some(&werr(ErrorCode::NotOwner, msg)));
+        let b = status_bytes(Some(&WireError::new(ErrorCode::NotOwner, msg)));
         assert_eq!(b.len() % ALIGN, 0);
         let len = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
         assert!(len <= MAX_STATUS_MSG && len > 0);
@@ -241,7 +241,7 @@ fn padding_that_is_not_zeros_is_refused() {
             "status with byte {at} = {v}"
         );
     }
-    let mut long = status_bytes(Some(&werr(ErrorCode::NotOwner, "x")));
+    let mut long = status_bytes(Some(&WireError::new(ErrorCode::NotOwner, "x")));
     long[4..8].copy_from_slice(&(MAX_STATUS_MSG as u32 + 1).to_le_bytes());
     assert!(matches!(read_status(&mut &long[..]), Err(Err(_))));
 }

@@ -8,7 +8,7 @@ use std::io;
 
 use kvd_protocol::{ErrorCode, WireError};
 
-use super::{werr, Access, Dir, Op, Transport};
+use super::{Access, Dir, Op, Transport};
 use crate::io::completions::Completions;
 
 /// A transfer for the workers.
@@ -76,7 +76,10 @@ impl DataPlane {
                                 transport = job.transport.name(),
                                 "data-plane transport panicked; its job fails"
                             );
-                            Err(werr(ErrorCode::Internal, "the transport panicked"))
+                            Err(WireError::new(
+                                ErrorCode::Internal,
+                                "the transport panicked",
+                            ))
                         });
                         done.deliver([JobDone {
                             id: job.id,
