@@ -877,3 +877,40 @@ fn ctl_lookup_shows_nvme_blocks_without_reading_them() {
     c.lookup(l, &[key]).unwrap();
     assert_eq!(settled(&c).prefetches, before.prefetches + 1);
 }
+
+/// Found by the store's model test: a `get` naming an NVMe-only key twice promoted it
+/// twice, leaving two DRAM blocks under one key; a `delete` then removed one, said
+/// "deleted", and the other went on serving the key. Now the key is read once.
+#[test]
+fn a_get_naming_a_key_twice_reads_it_once_and_a_delete_removes_it() {
+    let dir = disk_dir();
+    let d = start(&[dir.path()], &[]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let ks = fill(&c, l, 43, 3 * 64);
+    settled(&c);
+    // (a probe: a lookup would start reading it up)
+    let on_nvme = c.probe(l, &ks[..1]).unwrap();
+    assert_eq!(on_nvme.tiers.first(), Some(&Tier::Nvme), "{on_nvme:?}");
+    let promotions = c.stats().unwrap().promotions;
+    let twice = [ks[0], ks[0]];
+    let mut bufs = vec![vec![0u8; BLOCK]; 2];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(c.load(l, &twice, &mut outs).unwrap(), vec![true; 2]);
+    assert!(bufs.iter().all(|b| *b == block(content_seed(43, 0), BLOCK)));
+    assert_eq!(c.stats().unwrap().promotions, promotions + 1, "read once");
+    assert_eq!(
+        c.delete(l, &ks[..1]).unwrap(),
+        vec![kvd_protocol::DeleteStatus::Deleted]
+    );
+    assert_eq!(
+        c.lookup(l, &ks[..1]).unwrap().prefix,
+        0,
+        "the deleted key is still served"
+    );
+    let mut one = vec![0u8; BLOCK];
+    assert_eq!(
+        c.load(l, &ks[..1], &mut [&mut one[..]]).unwrap(),
+        vec![false]
+    );
+}

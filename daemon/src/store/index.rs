@@ -206,6 +206,10 @@ impl Index {
     /// Adds a node (`Pending` or `Promoting`: not on a list yet).
     pub fn insert(&mut self, node: Node) -> u32 {
         debug_assert!(matches!(node.state, State::Pending | State::Promoting));
+        debug_assert!(
+            self.find(node.layout, &node.hash).is_none(),
+            "a key inserted twice: one node per key"
+        );
         let idx = match self.free.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;

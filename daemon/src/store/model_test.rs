@@ -613,3 +613,89 @@ proptest! {
         w.settle();
     }
 }
+
+/// Found by this model test in CI: a request naming an NVMe-only key twice (a `get` of
+/// `[k, k]`, a peer's lock) promoted it twice, leaving two DRAM nodes under one key; a
+/// `delete` removed one and the other went on serving the deleted key. Now the second
+/// mention waits for the first one's read (and the index refuses a second node in debug
+/// builds).
+#[test]
+fn a_key_named_twice_is_promoted_once_and_a_delete_removes_it() {
+    let mut w = World::new();
+    let l = w.layout;
+    w.step(&Op::Store {
+        c: 0,
+        keys: vec![3],
+        leave: false,
+    });
+    // Push key 3 out to NVMe: the pool holds 32 slots.
+    for k in 4..44 {
+        w.step(&Op::Store {
+            c: 0,
+            keys: vec![k],
+            leave: false,
+        });
+    }
+    let k3 = BlockKey {
+        layout: l,
+        hash: key(3),
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while w.s.index.find(l, &key(3)).is_some() || !w.s.tier.has(&k3) {
+        let _ = w.s.poll_io(w.now);
+        assert!(Instant::now() < until, "key 3 never left DRAM for NVMe");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let rounds = [
+        Op::PeerPromote { keys: vec![3, 3] },
+        Op::Get {
+            c: 0,
+            keys: vec![3, 3],
+        },
+    ];
+    for (round, op) in rounds.into_iter().enumerate() {
+        w.step(&op);
+        let until = Instant::now() + Duration::from_secs(10);
+        while w.s.index.state_of(l, &key(3)) == Some(super::index::State::Promoting) {
+            let _ = w.s.poll_io(w.now);
+            assert!(Instant::now() < until, "the promotion never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        w.step(&Op::Release { i: 0 });
+        w.step(&Op::Delete {
+            c: 0,
+            keys: vec![3],
+        });
+        assert!(
+            !w.committed.contains_key(&3),
+            "the delete was not answered deleted"
+        );
+        assert!(
+            w.s.index.find(l, &key(3)).is_none(),
+            "a node of key 3 outlived its delete"
+        );
+        assert!(!w.s.tier.knows(&k3));
+        // stored again for the next round, and pushed out again by other keys
+        w.step(&Op::Store {
+            c: 0,
+            keys: vec![3],
+            leave: false,
+        });
+        let fill = 100 + 100 * round as u32;
+        for k in fill..fill + 40 {
+            w.step(&Op::Store {
+                c: 1,
+                keys: vec![k],
+                leave: false,
+            });
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        while w.s.index.find(l, &key(3)).is_some() || !w.s.tier.has(&k3) {
+            let _ = w.s.poll_io(w.now);
+            w.s.maintain(w.now);
+            assert!(Instant::now() < until, "key 3 never left DRAM again");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    w.settle();
+}

@@ -229,7 +229,9 @@ impl Store {
             }
         }
         for key in missing {
-            if !self.tier.has(&key) {
+            // A key the request names twice is read once: its first mention started
+            // the promotion (a second node under one key would outlive a delete).
+            if self.index.find(layout_id, &key.hash).is_some() || !self.tier.has(&key) {
                 continue;
             }
             match self.make_room(layout.class, 1, now) {
