@@ -22,7 +22,7 @@ use kvd_protocol::auth::{check_fresh, AuthError, ClusterKey, Stamp, MAX_SKEW_MS}
 /// The default secret file, beside the default ipc socket.
 pub fn default_secret_path() -> PathBuf {
     let ep = crate::config::default_endpoint();
-    crate::ipc_path(&ep)
+    crate::config::ipc_path(&ep)
         .and_then(|p| p.parent().map(|d| d.join("cluster.key")))
         .unwrap_or_else(|| PathBuf::from("/tmp/kvd-cluster.key"))
 }

@@ -470,6 +470,11 @@ fn uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
 
+/// The path of an `ipc://` endpoint.
+pub fn ipc_path(endpoint: &str) -> Option<PathBuf> {
+    endpoint.strip_prefix("ipc://").map(PathBuf::from)
+}
+
 /// The default ipc endpoint (what `kvd` binds and `kvd-client` connects to by default):
 /// see [`kvd_protocol::default_endpoint`].
 pub fn default_endpoint() -> String {

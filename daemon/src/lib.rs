@@ -118,10 +118,7 @@ fn resolve_group(g: &str) -> Result<Gid, DaemonError> {
     }
 }
 
-/// The path of an `ipc://` endpoint.
-pub fn ipc_path(endpoint: &str) -> Option<PathBuf> {
-    endpoint.strip_prefix("ipc://").map(PathBuf::from)
-}
+pub use config::ipc_path;
 
 /// Runs the daemon until SIGTERM or SIGINT. See the crate docs for the workflow.
 pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
@@ -201,7 +198,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
                 },
                 pool,
             )?;
-            store.with_nvme(tier)
+            store.with_tier(Box::new(tier))
         }
         _ => store,
     };

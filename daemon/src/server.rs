@@ -125,7 +125,7 @@ pub struct Server {
     /// The local stream transport (SPEC §1.1), when offered.
     stream: Option<StreamServer>,
     links: PeerLinks,
-    next_token: u64,
+    tokens: Tokens,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     /// Set by the first SIGTERM/SIGINT: exit when idle or at this instant.
@@ -182,7 +182,7 @@ impl Server {
             gpu: crate::gpu::GpuTier::off("not configured"),
             stream: None,
             links: PeerLinks::new(Duration::from_secs(5)),
-            next_token: 0,
+            tokens: Tokens::default(),
             metrics,
             health,
             draining: None,
@@ -1020,8 +1020,7 @@ impl Server {
                 let local = s.lookup(r, now)?;
                 match self.transfers.as_mut() {
                     Some(t) if t.peers_on() && !r.local_only => {
-                        self.next_token += 1;
-                        match t.remote_lookup(r, local, TOKEN_BIT | self.next_token, now) {
+                        match t.remote_lookup(r, local, self.tokens.next(), now) {
                             transfer::Answer::Now(b) => Body::from(*b),
                             transfer::Answer::Later(tok) => return Ok(Answer::Later(tok)),
                         }
@@ -1047,8 +1046,7 @@ impl Server {
                     .into_iter()
                     .map(|h| !h)
                     .collect();
-                self.next_token += 1;
-                let token = TOKEN_BIT | self.next_token;
+                let token = self.tokens.next();
                 let t = self.transfers.as_mut().expect("checked");
                 if let Some(transfer::Answer::Later(tok)) = t.fetch_for_get(r, &missing, token, now)
                 {
@@ -1091,31 +1089,22 @@ impl Server {
             Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),
             Request::GpuUnregister(r) => Body::GpuUnregister(self.gpu.unregister(s, r, now)?),
             Request::GpuList(r) => Body::GpuList(self.gpu.list(s, r, now)?),
-            Request::GpuStore(r) => {
-                self.next_token += 1;
-                match self.gpu.store(s, r, TOKEN_BIT | self.next_token, now)? {
-                    Answer::Now(b) => Body::GpuStore(b),
-                    Answer::Later(t) => return Ok(Answer::Later(t)),
-                }
-            }
+            Request::GpuStore(r) => match self.gpu.store(s, r, self.tokens.next(), now)? {
+                Answer::Now(b) => Body::GpuStore(b),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
             Request::GpuExport(r) => Body::GpuExport(self.gpu.export(s, r, now)?),
             Request::GpuExportStatus(r) => {
                 Body::GpuExportStatus(self.gpu.export_status(s, r, now)?)
             }
-            Request::GpuPull(r) => {
-                self.next_token += 1;
-                match self.gpu.pull(s, r, TOKEN_BIT | self.next_token, now)? {
-                    Answer::Now(b) => Body::GpuPull(b),
-                    Answer::Later(t) => return Ok(Answer::Later(t)),
-                }
-            }
-            Request::GpuLoad(r) => {
-                self.next_token += 1;
-                match self.gpu.load(s, r, TOKEN_BIT | self.next_token, now)? {
-                    Answer::Now(b) => Body::GpuLoad(b),
-                    Answer::Later(t) => return Ok(Answer::Later(t)),
-                }
-            }
+            Request::GpuPull(r) => match self.gpu.pull(s, r, self.tokens.next(), now)? {
+                Answer::Now(b) => Body::GpuPull(b),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
+            Request::GpuLoad(r) => match self.gpu.load(s, r, self.tokens.next(), now)? {
+                Answer::Now(b) => Body::GpuLoad(b),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
             _ => return self.execute_transfer(req, now),
         }))
     }
@@ -1127,8 +1116,7 @@ impl Server {
                 format!("op {} needs transfers, which are off on this daemon (transfer.enabled = false)", req.op()),
             ));
         };
-        self.next_token += 1;
-        let token = TOKEN_BIT | self.next_token;
+        let token = self.tokens.next();
         let s = &mut self.store;
         let later = |a: transfer::Answer| match a {
             transfer::Answer::Now(r) => Answer::Now(Body::from(*r)),
@@ -1253,5 +1241,18 @@ fn wrong_endpoint(op: &str, peer: Option<Stamp>) -> Option<WireError> {
             format!("{op} is a client op: the control endpoint serves only peer ops"),
         )),
         _ => None,
+    }
+}
+
+/// Tokens of the replies the server defers for the transfers and the GPU tier (the
+/// store numbers its own deferred replies; these have [`TOKEN_BIT`] set, so the two never
+/// meet): the one place they are made.
+#[derive(Debug, Default)]
+struct Tokens(u64);
+
+impl Tokens {
+    fn next(&mut self) -> u64 {
+        self.0 += 1;
+        TOKEN_BIT | self.0
     }
 }

@@ -221,11 +221,6 @@ impl Store {
         self
     }
 
-    /// [`Store::with_tier`] with the NVMe tier.
-    pub fn with_nvme(self, tier: crate::nvme::NvmeTier) -> Self {
-        self.with_tier(Box::new(tier))
-    }
-
     /// The fd to poll for I/O completions, when a tier does I/O.
     pub fn io_fd(&self) -> Option<std::os::fd::RawFd> {
         self.tier.wake_fd()

@@ -167,7 +167,7 @@ impl World {
             Incarnation(9),
             now,
         )
-        .with_nvme(tier);
+        .with_tier(Box::new(tier));
         let clients = [
             s.hello(&HelloReq::default(), now).unwrap(),
             s.hello(&HelloReq::default(), now).unwrap(),
