@@ -381,9 +381,21 @@ fn blocks_two_peers_hold_are_read_from_one_and_the_other_lock_is_released() {
         let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
         sa.pinned_blocks == 0 && sb.pinned_blocks == 0
     });
-    let locks = |c: &Client| c.stats().unwrap().transfers.unwrap().locks;
-    assert_eq!(locks(&ca) + locks(&cb), 2, "one lock each, taken at lookup");
-    assert_eq!(cc.stats().unwrap().transfers.unwrap().locks_released, 1);
+    let xs = |c: &Client| c.stats().unwrap().transfers.unwrap();
+    let (xa, xb, xc) = (xs(&ca), xs(&cb), xs(&cc));
+    let why = format!("A {xa:?}\nB {xb:?}\nC {xc:?}");
+    if xc.peer_skipped == 0 {
+        assert_eq!(
+            xa.locks + xb.locks,
+            2,
+            "one lock each, taken at lookup: {why}"
+        );
+        assert_eq!(xc.locks_released, 1, "{why}");
+    } else {
+        // (a loaded machine: a holder answered after the lookup timeout; a lock it took
+        // is released as a late one)
+        assert_eq!(xc.locks_released + 1, xa.locks + xb.locks, "{why}");
+    }
 }
 
 /// A holder that answers after the reader gave up (stopped past the lookup timeout, then
