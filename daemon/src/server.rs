@@ -114,6 +114,9 @@ pub struct Server {
     interest: Interest,
     /// Stamps of peer requests accepted (none is accepted twice).
     replay: crate::auth::ReplayGuard,
+    /// This daemon's name as peers address it (its advertised control endpoint): what
+    /// every peer request must be signed for. Set with the transfers.
+    receiver: Option<Receiver>,
     store: Store,
     opts: ServerOptions,
     signals: UnixStream,
@@ -173,6 +176,7 @@ impl Server {
             interest: Interest::new().map_err(ServerError::Poll)?,
             // Its memory begins now: a request stamped earlier was meant for another life.
             replay: crate::auth::ReplayGuard::since(PEER_REPLAY_MAX, crate::auth::unix_ms()),
+            receiver: None,
             store,
             opts,
             signals,
@@ -254,6 +258,7 @@ impl Server {
         if let Some(g) = t.ready_gate() {
             self.health.add_gate("the etcd registration", g);
         }
+        self.receiver = Some(Receiver(t.me().node.clone()));
         self.transfers = Some(t);
         Ok(())
     }
@@ -614,11 +619,12 @@ impl Server {
         let (Some(identity), Some(env)) = (parts.first(), parts.get(1)) else {
             return;
         };
-        let me = self
-            .transfers
-            .as_ref()
-            .map(|t| Receiver(t.me().node.clone()));
-        let checked = match (self.links.key.as_ref(), &me, parts.get(2), parts.len()) {
+        let checked = match (
+            self.links.key.as_ref(),
+            self.receiver.as_ref(),
+            parts.get(2),
+            parts.len(),
+        ) {
             (Some(key), Some(me), Some(auth), 3) => key
                 .open_request(me, env, auth)
                 .and_then(|st| self.replay.admit(st, crate::auth::unix_ms()).map(|()| st)),
@@ -628,7 +634,7 @@ impl Server {
             Ok(st) => st,
             Err(e) => {
                 // (peers must name this node exactly as it advertises itself)
-                let node = me.map(|m| m.0).unwrap_or_default();
+                let node = self.receiver.as_ref().map_or("", |m| m.0.as_str());
                 tracing::info!(error = %e, %node, "unauthenticated peer message refused");
                 if let Some(t) = self.transfers.as_mut() {
                     t.count_unauthenticated();

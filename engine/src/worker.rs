@@ -225,10 +225,7 @@ fn model_name(m: &ModelConfig, weights: Option<&std::path::Path>) -> Result<Stri
     }
     let json = serde_json::to_vec(&cfg)?;
     // (a chain root over the config's JSON: a BLAKE2b of it, SPEC §3.2)
-    let digest: String = kvd_protocol::hash::root(&json).0[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest = hex::encode(&kvd_protocol::hash::root(&json).0[..8]);
     Ok(format!("{base}@{of_weights}/cfg-{digest}"))
 }
 

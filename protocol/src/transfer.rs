@@ -46,20 +46,6 @@ pub mod op {
     pub const PEER_LOOKUP: &str = "peer_lookup";
     /// `peer_lock`
     pub const PEER_LOCK: &str = "peer_lock";
-
-    /// The daemon-to-daemon ops: served only on the control endpoint, to authenticated
-    /// peers.
-    pub const PEER_OPS: [&str; 9] = [
-        PEER_PUSH_REG,
-        PEER_PUSH_DONE,
-        PEER_DONE,
-        PEER_FAIL,
-        PEER_HEARTBEAT,
-        PEER_RDMA_CONNECT,
-        PEER_RDMA_REGISTER,
-        PEER_LOOKUP,
-        PEER_LOCK,
-    ];
 }
 
 /// How a daemon is reached by its peers.

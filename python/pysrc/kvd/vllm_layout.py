@@ -31,8 +31,6 @@ class KvdConfigError(ValueError):
     """The engine's KV cache is one the connector cannot store faithfully."""
 
 
-
-
 @dataclass(frozen=True)
 class Geometry:
     """What one kvd block of this engine is, derived from vLLM's own config."""
