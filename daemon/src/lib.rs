@@ -21,7 +21,8 @@
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
-//! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): `client_ops`, `importer`, `exporter`, `timers`, `peer_ops`, `settings` |
+//! | [`lease`] | the one `Lease` (created, renewed by one rule, checked) used by transfer exports, push registrations and GPU exports |
+//! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): one module per record that owns its transitions (`export`, `import`, `registration`), the flows that drive them (`exporter`, `importer`, `client_ops`, `peer_ops`, `outbox`, `timers`), `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
 //! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`); a folder: `server` (the TCP data server), `tcp`, `shm`, `workers` (a panicking transport fails its job, not its worker); the wire codec is [`kvd_protocol::data`]; an in-process double (`mem_transport`) for tests |
 //! | [`transfer::gate`] | which inbound data-plane connections are kept: pending and authenticated caps, the first request's deadline |
@@ -49,6 +50,7 @@ pub mod fuzzing;
 pub mod gpu;
 pub mod http;
 pub mod io;
+pub mod lease;
 mod links;
 pub mod metrics;
 pub mod nvme;

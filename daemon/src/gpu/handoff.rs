@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use kvd_protocol::gpu::{GpuExportState, GpuTransferParams};
 use kvd_protocol::{ChunkHash, ClientId, ErrorCode, LayoutId, WireError};
 
+use crate::lease::{Lease, LeaseBounds};
+
 /// Ended exports stay visible to `gpu_export_status` this long.
 pub const RETAIN: Duration = Duration::from_secs(60);
 /// Live exports at most.
@@ -25,6 +27,12 @@ pub const MAX_EXPORTS: usize = 65536;
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Longest lease.
 pub const MAX_LEASE: Duration = Duration::from_secs(300);
+/// The leases a GPU export grants (no heartbeats: a pull must start within one).
+const LEASES: LeaseBounds = LeaseBounds {
+    default: DEFAULT_LEASE,
+    min: Duration::from_millis(1),
+    max: MAX_LEASE,
+};
 
 /// One export.
 #[derive(Debug)]
@@ -37,7 +45,7 @@ pub struct Export {
     pub blocks: Vec<u64>,
     /// What a pull must present.
     pub params: GpuTransferParams,
-    expires: Instant,
+    lease: Lease,
     state: GpuExportState,
     message: String,
     ended: Option<Instant>,
@@ -95,10 +103,7 @@ impl Exports {
                 format!("{live} live gpu exports (limit {MAX_EXPORTS})"),
             ));
         }
-        let lease = lease_ms
-            .map(Duration::from_millis)
-            .unwrap_or(DEFAULT_LEASE)
-            .clamp(Duration::from_millis(1), MAX_LEASE);
+        let lease = Lease::new(LEASES.period(lease_ms), now);
         let params = GpuTransferParams {
             transfer_id: transfer_id.to_string(),
             incarnation,
@@ -106,7 +111,7 @@ impl Exports {
             token: rand::random(),
             layout_id: layout,
             keys: keys.to_vec(),
-            lease_ms: lease.as_millis() as u64,
+            lease_ms: lease.period().as_millis() as u64,
         };
         self.by_id.insert(
             transfer_id.to_string(),
@@ -115,7 +120,7 @@ impl Exports {
                 registration,
                 blocks: blocks.to_vec(),
                 params: params.clone(),
-                expires: now + lease,
+                lease,
                 state: GpuExportState::Live,
                 message: String::new(),
                 ended: None,
@@ -158,7 +163,7 @@ impl Exports {
             ));
         }
         match e.state {
-            GpuExportState::Live if now < e.expires => {}
+            GpuExportState::Live if e.lease.live(now) => {}
             GpuExportState::Live | GpuExportState::Expired => {
                 return Err(WireError::new(
                     ErrorCode::LeaseExpired,
@@ -227,7 +232,7 @@ impl Exports {
     /// Expires live exports whose lease ran out; forgets ended ones after [`RETAIN`].
     pub fn maintain(&mut self, now: Instant) {
         for e in self.by_id.values_mut() {
-            if e.state == GpuExportState::Live && now >= e.expires {
+            if e.state == GpuExportState::Live && !e.lease.live(now) {
                 e.state = GpuExportState::Expired;
                 e.ended = Some(now);
             }

@@ -2,7 +2,14 @@
 //! `transfer_status` and `abort`, with their checks (ownership, capacity, holds) and the
 //! waiters that `wait_ms` parks.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use super::export::Export;
+use super::import::Import;
+use super::{Answer, Reply, Timer, Transfers, Waiter};
+use crate::store::Store;
 
 impl Transfers {
     /// `export`.
@@ -14,7 +21,7 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         check_transfer_id(&req.transfer_id)?;
         if let Some(e) = self.exports.get(&req.transfer_id) {
-            if !e.state.is_final() || e.pin.is_some() {
+            if !e.is_final() || e.holds_pin() {
                 return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!(
@@ -24,7 +31,7 @@ impl Transfers {
                 ));
             }
             // The ended export's grant tombstone goes with its record.
-            self.grants.remove(e.handle);
+            self.grants.remove(e.handle());
         }
         if req.keys.is_empty() {
             return Err(WireError::new(
@@ -40,69 +47,33 @@ impl Transfers {
             )
         })?;
         store.check_session(req.client, now)?;
-        let lease = self.lease_of(req.lease_ms);
+        let lease = self.lease_of(req.lease_ms, now);
         // The export releases the pin; its TTL is only the backstop (the export itself
         // ends by `max_hold`).
         let (pin, offsets) = store.pin_for_export(
             self.system,
             req.layout_id,
             &req.keys,
-            self.cfg.max_hold + lease,
+            self.cfg.max_hold + lease.period(),
             now,
         )?;
-        let handle = rand::random::<u64>() | 1;
-        let token = rand::random::<u64>();
-        let expires = now + lease;
-        let ranges: Vec<(u64, u64)> = offsets.iter().map(|&o| (o, block_bytes)).collect();
-        let tag = transfer_tag(
-            &req.transfer_id,
-            &req.keys,
-            offsets.iter().map(|&o| Some(o)),
-        );
-        self.grants
-            .insert(handle, token ^ tag, GrantKind::Read, &ranges, expires);
-        let params = TransferParams {
-            from: self.me.clone(),
-            transfer_id: req.transfer_id.clone(),
-            handle,
-            token,
-            layout_id: req.layout_id,
+        let (export, params) = Export::open(
+            &self.me,
+            req,
+            offsets,
             block_bytes,
-            keys: req.keys.clone(),
-            offsets: offsets.clone(),
-            lease_ms: lease.as_millis() as u64,
-            expires_unix_ms: unix_ms(expires, now),
-        };
+            pin,
+            lease,
+            &self.grants,
+            now,
+        );
         tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), "exported");
         self.by_grant
-            .insert(handle, (Timer::Export, req.transfer_id.clone()));
-        self.exports.insert(
-            req.transfer_id.clone(),
-            Export {
-                client: req.client,
-                handle,
-                token,
-                layout: req.layout_id,
-                keys: req.keys.clone(),
-                offsets,
-                block_bytes,
-                pin: Some(pin),
-                lease,
-                expires,
-                state: TransferState::Exported,
-                error: None,
-                importer: None,
-                push: None,
-                job: None,
-                created: now,
-                ended: None,
-                bytes: 0,
-                transport: "",
-            },
-        );
+            .insert(export.handle(), (Timer::Export, req.transfer_id.clone()));
+        self.exports.insert(req.transfer_id.clone(), export);
         self.counters.exports += 1;
         self.timers
-            .push(expires, (Timer::Export, req.transfer_id.clone()));
+            .push(lease.expires(), (Timer::Export, req.transfer_id.clone()));
         self.try_push(store, &req.transfer_id, now);
         Ok(Reply::Export(ExportResp { params }))
     }
@@ -128,10 +99,9 @@ impl Transfers {
             ));
         }
         if let Some(i) = self.imports.get_mut(&p.transfer_id) {
-            if i.held && !i.state.is_final() && i.handle == p.handle && i.client == req.client {
+            if i.admitted_for(req.client, p.handle) {
                 // The admitted transfer is scheduled now.
-                i.held = req.defer;
-                i.ttl_ms = req.ttl_ms;
+                i.schedule(req.defer, req.ttl_ms);
                 self.advance_import(store, &p.transfer_id, now);
                 return self.answer_or_wait(&p.transfer_id, req.wait && !req.defer, token, now);
             }
@@ -150,11 +120,8 @@ impl Transfers {
                 .map(|r| Answer::Now(Box::new(r)));
         }
         let id = p.transfer_id.clone();
-        let lease = self.lease_of(Some(p.lease_ms));
-        let imp = Import {
-            held: req.defer,
-            ..Import::pull(p, req.client, req.ttl_ms, lease, now)
-        };
+        let period = self.lease_bounds().period(Some(p.lease_ms));
+        let imp = Import::pull(p, req.client, req.ttl_ms, period, now).deferred(req.defer);
         self.accept_import(store, &id, imp, now);
         self.answer_or_wait(&id, req.wait && !req.defer, token, now)
     }
@@ -189,24 +156,7 @@ impl Transfers {
             now,
         )?;
         let id = req.transfer_id.clone();
-        let peer = PeerRef {
-            node: req.node.clone(),
-            data: String::new(),
-            incarnation: Incarnation(0),
-            host: String::new(),
-            shm: None,
-            rdma: None,
-        };
-        let imp = Import::queued(
-            (req.client, req.ttl_ms),
-            Mode::Push,
-            peer,
-            (rand::random::<u64>() | 1, rand::random()),
-            (req.layout_id, req.keys.clone(), block_bytes),
-            Vec::new(),
-            self.cfg.lease,
-            now,
-        );
+        let imp = Import::push(req, block_bytes, self.cfg.lease, now);
         self.accept_import(store, &id, imp, now);
         self.answer_or_wait(&id, req.wait, token, now)
     }
@@ -223,8 +173,8 @@ impl Transfers {
     ) -> Result<(), WireError> {
         store.check_session(client, now)?;
         let owner = match (self.imports.get(id), self.exports.get(id)) {
-            (Some(i), _) => Some(i.client),
-            (None, Some(e)) => Some(e.client),
+            (Some(i), _) => Some(i.client()),
+            (None, Some(e)) => Some(e.client()),
             (None, None) if self.regs.contains_key(id) => None,
             (None, None) => return Err(self.unknown(id)),
         };
@@ -281,45 +231,44 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         let id = &req.transfer_id;
         self.check_owner(store, req.client, id, now)?;
-        let aborted_err = || WireError::new(ErrorCode::Aborted, "aborted by a client");
-        if let Some(i) = self.imports.get(id) {
-            let live = !i.state.is_final();
-            if live {
-                self.end_import(
-                    store,
-                    id,
-                    TransferState::Aborted,
-                    Some(aborted_err()),
-                    true,
-                    now,
-                );
-            }
-            let state = self.imports[id].state;
-            return Ok(Reply::Abort(AbortResp {
-                aborted: live,
-                state,
-            }));
+        let state = self.state_of(id).ok_or_else(|| self.unknown(id))?;
+        let live = !state.is_final();
+        if live {
+            let e = WireError::new(ErrorCode::Aborted, "aborted by a client");
+            self.end_transfer(store, id, TransferState::Aborted, Some(e), true, now);
         }
-        if let Some(e) = self.exports.get(id) {
-            let live = !e.state.is_final();
-            if live {
-                self.end_export(
-                    store,
-                    id,
-                    TransferState::Aborted,
-                    Some(aborted_err()),
-                    true,
-                    now,
-                );
-            }
-            let state = self.exports[id].state;
-            return Ok(Reply::Abort(AbortResp {
-                aborted: live,
-                state,
-            }));
+        Ok(Reply::Abort(AbortResp {
+            aborted: live,
+            state: self.state_of(id).unwrap_or(state),
+        }))
+    }
+
+    /// The state of the import or export `id` (a peer's push registration with no
+    /// export here has none).
+    fn state_of(&self, id: &str) -> Option<TransferState> {
+        match (self.imports.get(id), self.exports.get(id)) {
+            (Some(i), _) => Some(i.state()),
+            (None, Some(e)) => Some(e.state()),
+            (None, None) => None,
         }
-        // A peer's push registration with no export here: `check_owner` refused it.
-        Err(self.unknown(id))
+    }
+
+    /// Ends the live import or export `id` (the import when both are here: this
+    /// daemon's own transfer, imported from itself).
+    pub(super) fn end_transfer(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        state: TransferState,
+        error: Option<WireError>,
+        notify: bool,
+        now: Instant,
+    ) {
+        if self.imports.contains_key(id) {
+            self.end_import(store, id, state, error, notify, now);
+        } else {
+            self.end_export(store, id, state, error, notify, now);
+        }
     }
 
     /// The error of a transfer that reached `max_hold`.
@@ -354,13 +303,13 @@ impl Transfers {
         now: Instant,
     ) -> Result<u64, WireError> {
         if let Some(i) = self.imports.get(id) {
-            if !i.state.is_final() {
+            if !i.is_final() {
                 return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!("transfer {id:?} is already being imported"),
                 ));
             }
-            if !i.settled {
+            if !i.settled() {
                 return Err(WireError::new(
                     ErrorCode::InvalidState,
                     format!(
@@ -396,9 +345,10 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         let p = &req.params;
-        let ok = self.exports.get(&p.transfer_id).is_some_and(|e| {
-            !e.state.is_final() && e.handle == p.handle && e.token == p.token && e.keys == p.keys
-        });
+        let ok = self
+            .exports
+            .get(&p.transfer_id)
+            .is_some_and(|e| e.matches(p));
         if !ok {
             self.counters.refused += 1;
             return Err(WireError::new(
@@ -460,13 +410,8 @@ impl Transfers {
             now,
         )?;
         let id = p.transfer_id.clone();
-        let lease = self.lease_of(Some(p.lease_ms));
-        let imp = Import {
-            fetch: Some(fetch),
-            verify: true,
-            internal: true,
-            ..Import::pull(&p, client, ttl_ms, lease, now)
-        };
+        let period = self.lease_bounds().period(Some(p.lease_ms));
+        let imp = Import::pull(&p, client, ttl_ms, period, now).for_fetch(fetch);
         self.accept_import(store, &id, imp, now);
         Ok(())
     }
@@ -485,7 +430,7 @@ impl Transfers {
         let lease = self
             .imports
             .get(id)
-            .map(|i| i.lease)
+            .map(|i| i.period())
             .unwrap_or(self.cfg.lease);
         self.waiters.push(Waiter {
             token,
@@ -497,44 +442,11 @@ impl Transfers {
     }
 
     pub(super) fn describe(&self, id: &str, now: Instant) -> Option<TransferResp> {
-        if let Some(i) = self.imports.get(id) {
-            let r = i.result.as_ref();
-            return Some(TransferResp {
-                transfer_id: id.to_string(),
-                role: TransferRole::Importer,
-                state: i.state,
-                offsets: r.map(|r| r.offsets.clone()).unwrap_or_default(),
-                pin: r.and_then(|r| r.pin),
-                ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
-                bytes: i.bytes,
-                blocks_moved: (i.bytes / i.block_bytes.max(1)),
-                transport: i.transport.to_string(),
-                elapsed_us: i
-                    .ended
-                    .unwrap_or(now)
-                    .saturating_duration_since(i.created)
-                    .as_micros() as u64,
-                error: i.error.clone(),
-            });
+        match (self.imports.get(id), self.exports.get(id)) {
+            (Some(i), _) => Some(i.describe(id, now)),
+            (None, Some(e)) => Some(e.describe(id, now)),
+            (None, None) => None,
         }
-        let e = self.exports.get(id)?;
-        Some(TransferResp {
-            transfer_id: id.to_string(),
-            role: TransferRole::Exporter,
-            state: e.state,
-            offsets: Vec::new(),
-            pin: None,
-            ttl_ms: 0,
-            bytes: e.bytes,
-            blocks_moved: e.bytes / e.block_bytes.max(1),
-            transport: e.transport.to_string(),
-            elapsed_us: e
-                .ended
-                .unwrap_or(now)
-                .saturating_duration_since(e.created)
-                .as_micros() as u64,
-            error: e.error.clone(),
-        })
     }
 
     pub(super) fn wake_waiters(&mut self, id: &str, now: Instant) {

@@ -1,24 +1,31 @@
-//! The importer's life cycle: an admitted or pulled transfer from queued through the
-//! data-plane read (or the peer's push) to committed and pinned, or failed and freed;
-//! and telling the exporter (`peer_done`, `peer_fail`) until it answers.
+//! The importer's side of the flow: an accepted import allocated (or retried), its pull
+//! started or its push registered, its bytes committed and pinned for the client, and
+//! its end told to the exporter and its slots freed. The transitions themselves are
+//! [`super::import::Import`]'s; this file decides when they happen and does what they
+//! imply in the store and towards peers.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvd_protocol::*;
+
+use super::dataplane::{Dir, Job, Transport};
+use super::grants::GrantKind;
+use super::import::{Import, Mode, Settle};
+use super::{Outgoing, Then, Timer, Transfers};
+use crate::store::Store;
 
 impl Transfers {
     /// Records a new import, arms its timers and moves it forward.
     pub(super) fn accept_import(&mut self, store: &mut Store, id: &str, imp: Import, now: Instant) {
+        let (heard, period) = imp.watch();
         self.imports.insert(id.to_string(), imp);
         self.counters.imports += 1;
-        self.arm_import_timer(id);
-        self.advance_import(store, id, now);
-    }
-
-    pub(super) fn arm_import_timer(&mut self, id: &str) {
-        let i = &self.imports[id];
         // Heartbeats start now: beat within a sixth of this transfer's lease.
-        self.next_heartbeat = self.next_heartbeat.min(i.last_heard + i.lease / 6);
+        self.next_heartbeat = self.next_heartbeat.min(heard + period / 6);
         self.timers
-            .push(i.last_heard + i.lease, (Timer::Import, id.to_string()));
+            .push(heard + period, (Timer::Import, id.to_string()));
+        self.advance_import(store, id, now);
     }
 
     /// Moves an import forward: allocate (or retry), then start its transfer.
@@ -26,13 +33,13 @@ impl Transfers {
         let Some(imp) = self.imports.get(id) else {
             return;
         };
-        if imp.state != TransferState::Queued || imp.allocated || imp.held {
+        if !imp.wants_room() {
             return;
         }
-        let (layout, keys) = (imp.layout, imp.keys.clone());
+        let (layout, keys) = imp.wanted();
         // Reservations last as long as the transfer may (it frees them itself).
-        let ttl = self.cfg.max_hold + imp.lease;
-        match store.alloc_for_transfer(self.system, layout, &keys, ttl, now) {
+        let ttl = self.cfg.max_hold + imp.period();
+        match store.alloc_for_transfer(self.system, layout, keys, ttl, now) {
             // not yet (room coming, or a key in flight): retried from maintain, bounded by
             // the import's lease and max_hold
             Ok(None) => {}
@@ -44,9 +51,8 @@ impl Transfers {
                 let Some(imp) = self.imports.get_mut(id) else {
                     return;
                 };
-                imp.allocated = true;
-                imp.local = a.offsets.clone();
-                match imp.mode {
+                imp.allocated(a.offsets);
+                match imp.mode() {
                     Mode::Pull => self.start_pull(store, id, now),
                     Mode::Push => self.register_push(id),
                 }
@@ -55,41 +61,24 @@ impl Transfers {
     }
 
     pub(super) fn start_pull(&mut self, store: &mut Store, id: &str, now: Instant) {
-        let imp = &self.imports[id];
-        let ops: Vec<Op> = imp
-            .local
-            .iter()
-            .zip(&imp.remote)
-            .filter_map(|(l, &r)| {
-                l.map(|l| Op {
-                    remote: r,
-                    local: l,
-                    len: imp.block_bytes,
-                })
-            })
-            .collect();
+        let Some(imp) = self.imports.get(id) else {
+            return;
+        };
+        let ops = imp.pull_ops();
         if ops.is_empty() {
             // Everything is here already: tell the exporter, hand out the blocks.
             self.finish_import(store, id, true, now);
             return;
         }
         let transport: Arc<dyn Transport> = match &self.shm {
-            Some(shm) if shm.usable(&imp.peer, &self.me.host) => shm.clone(),
-            _ => self.remote_transport(&imp.peer),
+            Some(shm) if shm.usable(imp.peer(), &self.me.host) => shm.clone(),
+            _ => self.remote_transport(imp.peer()),
         };
+        let access = imp.read_access(id);
         let job = self.new_id();
-        let imp = self.imports.get_mut(id).expect("present");
-        imp.state = TransferState::Running;
-        imp.transport = transport.name();
-        imp.caps = transport.caps();
-        imp.job = Some(job);
-        let tag = transfer_tag(id, &imp.keys, imp.remote.iter().map(|&o| Some(o)));
-        let access = Access {
-            peer: imp.peer.clone(),
-            handle: imp.handle,
-            token: imp.token ^ tag,
-            verify: imp.verify,
-        };
+        if let Some(imp) = self.imports.get_mut(id) {
+            imp.start_job(transport.name(), transport.caps(), job);
+        }
         self.jobs.insert(job, (Timer::Import, id.to_string()));
         self.plane.submit(Job {
             id: job,
@@ -101,40 +90,24 @@ impl Transfers {
     }
 
     pub(super) fn register_push(&mut self, id: &str) {
-        let imp = self.imports.get_mut(id).expect("present");
-        let ranges: Vec<(u64, u64)> = imp
-            .local
-            .iter()
-            .flatten()
-            .map(|&o| (o, imp.block_bytes))
-            .collect();
-        if !ranges.is_empty() {
+        let Some(imp) = self.imports.get_mut(id) else {
+            return;
+        };
+        if let Some(g) = imp.write_grant(id) {
             // The grant lives as long as the import may; ending the import revokes it.
-            let tag = transfer_tag(id, &imp.keys, imp.local.iter().copied());
             self.grants.insert(
-                imp.handle,
-                imp.token ^ tag,
+                g.handle,
+                g.token,
                 GrantKind::Write,
-                &ranges,
-                imp.created + self.cfg.max_hold + imp.lease,
+                &g.ranges,
+                imp.grant_end(self.cfg.max_hold),
             );
             self.by_grant
-                .insert(imp.handle, (Timer::Import, id.to_string()));
+                .insert(g.handle, (Timer::Import, id.to_string()));
         }
-        imp.state = TransferState::Waiting;
-        let req = Request::PeerPushReg(PeerPushRegReq {
-            from: self.me.clone(),
-            to_incarnation: Incarnation(0),
-            transfer_id: id.to_string(),
-            layout_id: imp.layout,
-            keys: imp.keys.clone(),
-            offsets: imp.local.clone(),
-            handle: imp.handle,
-            token: imp.token,
-            lease_ms: imp.lease.as_millis() as u64,
-        });
+        let req = imp.registered(&self.me, id);
         self.outbox.push(Outgoing {
-            node: imp.peer.node.clone(),
+            node: imp.peer().node.clone(),
             req,
             then: Then::PushRegistered(id.to_string()),
             timeout: None,
@@ -150,15 +123,11 @@ impl Transfers {
         send_done: bool,
         now: Instant,
     ) {
-        let imp = &self.imports[id];
-        let new_keys: Vec<ChunkHash> = imp
-            .keys
-            .iter()
-            .zip(&imp.local)
-            .filter(|(_, l)| l.is_some())
-            .map(|(k, _)| *k)
-            .collect();
-        if imp.mode == Mode::Push && !self.grants.revoke(imp.handle, ErrorCode::InvalidState) {
+        let Some(imp) = self.imports.get(id) else {
+            return;
+        };
+        let new_keys = imp.new_keys();
+        if imp.mode() == Mode::Push && !self.grants.revoke(imp.handle(), ErrorCode::InvalidState) {
             // A write is still landing: cannot happen after push_done's byte check, but
             // never commit under one.
             let e = WireError::new(
@@ -171,7 +140,7 @@ impl Transfers {
         if !new_keys.is_empty() {
             let c = CommitReq {
                 client: self.system,
-                layout_id: imp.layout,
+                layout_id: imp.layout(),
                 keys: new_keys,
                 offsets: None,
             };
@@ -181,39 +150,29 @@ impl Transfers {
                 return;
             }
         }
-        let imp = &self.imports[id];
-        let got = if imp.internal {
-            Ok(GetResp {
+        let pin = imp.pin_request();
+        let got = match &pin {
+            None => Ok(GetResp {
                 offsets: Vec::new(),
                 pin: None,
                 ttl_ms: 0,
                 waited_ms: 0,
-            })
-        } else {
-            store
-                .pin_now(
-                    &GetReq {
-                        client: imp.client,
-                        layout_id: imp.layout,
-                        keys: imp.keys.clone(),
-                        ttl_ms: imp.ttl_ms,
-                        inline: false,
-                    },
-                    now,
-                )
-                .map_err(WireError::from)
+            }),
+            Some(get) => store.pin_now(get, now).map_err(WireError::from),
         };
         if send_done {
-            let (node, req) = (imp.peer.node.clone(), imp.done_message(&self.me, id));
+            let (node, req) = (imp.peer().node.clone(), imp.done_message(&self.me, id));
             self.notify(&node, req);
         }
-        let imp = self.imports.get_mut(id).expect("present");
+        let Some(imp) = self.imports.get_mut(id) else {
+            return;
+        };
         // Committed: nothing of ours left to free. "done" promises every block, pinned: a
         // key that left DRAM meanwhile (evicted between the allocation and now) fails the
         // import instead.
-        imp.settled = true;
+        imp.committed();
         let got = got.and_then(|g| match g.offsets.iter().position(Option::is_none) {
-            Some(i) if !imp.internal => {
+            Some(i) if pin.is_some() => {
                 if let Some(p) = g.pin {
                     store.unpin_by_id(p);
                 }
@@ -226,14 +185,14 @@ impl Transfers {
         });
         match got {
             Ok(g) => {
-                imp.result = Some(g);
+                imp.set_result(g);
                 self.end_import(store, id, TransferState::Done, None, false, now);
             }
             Err(e) => self.end_import(store, id, TransferState::Failed, Some(e), false, now),
         }
     }
 
-    /// Ends an import: state, counters, waiters, the other side told (`notify`), and its
+    /// Ends a live import: state, counters, waiters, the other side told (`notify`), and its
     /// slots freed once nothing uses them.
     pub(super) fn end_import(
         &mut self,
@@ -247,41 +206,23 @@ impl Transfers {
         let Some(imp) = self.imports.get_mut(id) else {
             return;
         };
-        if imp.state.is_final() {
+        let Some(finished) = imp.end(state, error.clone(), now) else {
             return;
-        }
-        imp.state = state;
-        imp.ended = Some(now);
-        if imp.mode == Mode::Push {
-            self.by_grant.remove(&imp.handle);
+        };
+        if imp.mode() == Mode::Push {
+            self.by_grant.remove(&imp.handle());
         }
         if let Some(e) = &error {
             tracing::info!(transfer = %id, ?state, error = %e, "import ended");
         }
-        self.finished.push(Finished::of(
-            ("importer", "in"),
-            state,
-            imp.transport,
-            imp.bytes,
-            now.saturating_duration_since(imp.created),
-        ));
-        imp.error = error.clone();
-        let imp_fetch = imp.fetch;
-        if notify && imp.peer.incarnation.0 != 0 {
-            let (peer, e) = (
-                imp.peer.clone(),
-                error
-                    .clone()
-                    .unwrap_or_else(|| WireError::new(ErrorCode::Aborted, "ended")),
-            );
+        let fetch = imp.fetch();
+        if notify && imp.peer().incarnation.0 != 0 {
+            let peer = imp.peer().clone();
+            let e = error.unwrap_or_else(|| WireError::new(ErrorCode::Aborted, "ended"));
             self.fail_peer(&peer, id, e);
         }
-        self.count_end(state);
-        self.timers
-            .push(now + self.cfg.retain, (Timer::ForgetImport, id.to_string()));
-        self.settle_import(store, id);
-        self.wake_waiters(id, now);
-        if let Some(fid) = imp_fetch {
+        self.ended(store, (Timer::ForgetImport, id), (state, finished), now);
+        if let Some(fid) = fetch {
             self.fetch_import_ended(store, fid, state == TransferState::Done, now);
         }
     }
@@ -291,55 +232,24 @@ impl Transfers {
         let Some(imp) = self.imports.get_mut(id) else {
             return;
         };
-        if imp.settled || !imp.state.is_final() {
-            return;
-        }
-        // Ended: no peer's NIC may write these slots any more (a late RDMA write now fails
-        // at the NIC); they are freed below, later.
-        if let Some(ra) = &self.remote {
-            ra.close(imp.handle);
-        }
-        let why = imp
-            .error
-            .as_ref()
-            .map_or(ErrorCode::InvalidState, |e| e.code);
-        // Its RDMA registration is gone (above), so a late write fails at the NIC; the
-        // quarantine stays as a second guard until that is verified on hardware: the
-        // slots stay out of use until the writer's queue pair has timed out and reset.
-        let quarantined = imp.mode == Mode::Push
-            && self.me.rdma.is_some()
-            && imp
-                .ended
-                .is_some_and(|t| Instant::now() < t + self.cfg.data.io_timeout * 2);
-        let quiet = !quarantined
-            && imp.job.is_none()
-            && (imp.mode == Mode::Pull || self.grants.revoke(imp.handle, why));
-        if !quiet {
-            if !self
-                .unsettled
-                .iter()
-                .any(|(t, i)| *t == Timer::Import && i == id)
-            {
-                self.unsettled.push((Timer::Import, id.to_string()));
-            }
-            return;
-        }
-        imp.settled = true;
-        let keys: Vec<ChunkHash> = imp
-            .keys
-            .iter()
-            .zip(&imp.local)
-            .filter(|(_, l)| l.is_some())
-            .map(|(k, _)| *k)
-            .collect();
-        if !keys.is_empty() {
-            let d = DeleteReq {
-                client: self.system,
-                layout_id: imp.layout,
-                keys,
-            };
-            if let Err(e) = store.delete(&d, Instant::now()) {
-                tracing::warn!(transfer = %id, error = %e, "freeing a failed import's slots");
+        let quarantine = self
+            .me
+            .rdma
+            .is_some()
+            .then_some(self.cfg.data.io_timeout * 2);
+        match imp.settle(&self.grants, self.remote.as_deref(), quarantine) {
+            Settle::Nothing => {}
+            Settle::Later => self.unsettled_later(Timer::Import, id),
+            Settle::Free(keys) if keys.is_empty() => {}
+            Settle::Free(keys) => {
+                let d = DeleteReq {
+                    client: self.system,
+                    layout_id: imp.layout(),
+                    keys,
+                };
+                if let Err(e) = store.delete(&d, Instant::now()) {
+                    tracing::warn!(transfer = %id, error = %e, "freeing a failed import's slots");
+                }
             }
         }
     }

@@ -28,9 +28,11 @@
 //!
 //! Rules (the design's "lessons"):
 //! - every daemon-to-daemon message carries both incarnations; a mismatch is refused;
-//! - leases live in a deadline heap (lazy: a popped entry whose lease was extended is
-//!   pushed back); a heartbeat extends to `max(old, now + 2/3·lease)`; one heartbeat per
-//!   peer renews all its transfers;
+//! - a holder's lease is a [`crate::lease::Lease`]: created with the export or
+//!   registration, renewed by one rule (`max(old, now + 2/3·period)`) in
+//!   `Export::heartbeat` / `Registration::heartbeat` only, written through to the grant
+//!   there; its deadline-heap entry is lazy (a popped entry whose lease was extended is
+//!   pushed back); one heartbeat per peer renews all its transfers;
 //! - every failure or abort sends `peer_fail` to the other side;
 //! - slots a transfer reads from or writes into are freed only when no data-plane job
 //!   or remote request is using them (a revoked grant waits for its active requests);
@@ -39,15 +41,27 @@
 //!   that made it (abort, status) and keeps that session from idling out;
 //! - "done" on the importer means every block committed in DRAM and pinned.
 //!
+//! Where things happen: **an export's state changes** only in `export.rs`, an import's
+//! only in `import.rs`, a registration's only in `registration.rs` (their fields are
+//! private; each transition is a method, with the state diagram in the module doc, and
+//! each is model-tested in `model_test.rs`). **A lease is renewed** in
+//! `Export::heartbeat` and `Registration::heartbeat`, called from `peer_heartbeat`
+//! (`peer_ops.rs`). The other files decide *when* a transition happens and do what it
+//! implies outside the record (store, peers, counters).
+//!
 //! | file | what it owns |
 //! |---|---|
-//! | `mod.rs` | the transfer tables, their records (exports, imports, registrations, timers, waiters), start-up and figures |
+//! | `mod.rs` | [`Transfers`]: the tables (exports, imports, registrations, timers, jobs, waiters), the outbox, start-up, figures, and what every end shares (`ended`) |
+//! | `export.rs` | one export's record and transitions (`Export`) |
+//! | `import.rs` | one import's record and transitions (`Import`), and the exporter's silence it watches |
+//! | `registration.rs` | one peer push registration's record and lease (`Registration`) |
+//! | `exporter.rs` | when an export pairs with a registration and pushes, its end, its pin's release |
+//! | `importer.rs` | an import from allocation to committed and pinned (or failed and freed) |
 //! | `client_ops.rs` | `export`, `pull`, `push_register`, `transfer_status`, `abort`: checks, ownership, waiters |
-//! | `importer.rs` | an import from queued to committed and pinned (or failed and freed), and telling the exporter |
-//! | `exporter.rs` | an export's pins, grants and pushes, its end, and the replies peers send us |
-//! | `timers.rs` | leases, `max_hold`, heartbeats, retries, waiter timeouts, data-plane completions |
-//! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
+//! | `outbox.rs` | notifications sent until answered, and what each reply to the outbox means |
+//! | `timers.rs` | lease and silence deadlines, `max_hold`, heartbeats sent, retries, waiter timeouts, data-plane completions |
+//! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
 //! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
 //! | [`gate`] | which inbound data-plane connections are kept (pending and authenticated caps, first-request deadline) |
@@ -66,12 +80,16 @@ pub use p2p::PeerConfig;
 mod settings;
 pub use settings::TransferConfig;
 mod client_ops;
+mod export;
 mod exporter;
+mod import;
 mod importer;
 #[cfg(test)]
 mod mem_transport;
+mod outbox;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+mod registration;
 mod timers;
 
 use std::collections::HashMap;
@@ -82,12 +100,14 @@ use kvd_protocol::*;
 
 use crate::deadline::DeadlineQueue;
 use crate::io::completions::Completions;
+use crate::lease::{Lease, LeaseBounds};
 use crate::pool::Pool;
 use crate::store::Store;
-use dataplane::{
-    Access, DataPlane, DataServer, Dir, Job, Op, ShmTransport, TcpTransport, Transport,
-};
-use grants::{GrantKind, Grants};
+use dataplane::{DataPlane, DataServer, ShmTransport, TcpTransport};
+use export::Export;
+use grants::Grants;
+use import::Import;
+use registration::Registration;
 
 /// A reply of a transfer op.
 #[derive(Debug)]
@@ -199,175 +219,6 @@ fn outcome(state: TransferState) -> &'static str {
     }
 }
 
-#[derive(Debug)]
-struct Export {
-    /// The session that exported (the system session for peer locks).
-    client: ClientId,
-    handle: u64,
-    token: u64,
-    layout: LayoutId,
-    keys: Vec<ChunkHash>,
-    offsets: Vec<u64>,
-    block_bytes: u64,
-    pin: Option<PinId>,
-    lease: Duration,
-    expires: Instant,
-    state: TransferState,
-    error: Option<WireError>,
-    importer: Option<PeerRef>,
-    /// Push: the decode side's grant (handle, token).
-    push: Option<(u64, u64)>,
-    job: Option<u64>,
-    created: Instant,
-    ended: Option<Instant>,
-    bytes: u64,
-    transport: &'static str,
-}
-
-#[derive(Debug)]
-struct Reg {
-    from: PeerRef,
-    layout: LayoutId,
-    keys: Vec<ChunkHash>,
-    offsets: Vec<Option<u64>>,
-    handle: u64,
-    token: u64,
-    lease: Duration,
-    expires: Instant,
-    created: Instant,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Pull,
-    Push,
-}
-
-#[derive(Debug)]
-struct Import {
-    client: ClientId,
-    ttl_ms: Option<u64>,
-    mode: Mode,
-    /// The exporter (push: incarnation 0 until it answers the registration).
-    peer: PeerRef,
-    /// Pull: the export's handle and token. Push: this side's write grant.
-    handle: u64,
-    token: u64,
-    layout: LayoutId,
-    keys: Vec<ChunkHash>,
-    block_bytes: u64,
-    /// Pull: the exporter's offsets, one per key.
-    remote: Vec<u64>,
-    /// Per key: the local PENDING slot this transfer fills (None: already here).
-    local: Vec<Option<u64>>,
-    allocated: bool,
-    /// Admitted with `defer`: heartbeating, not started.
-    held: bool,
-    lease: Duration,
-    last_heard: Instant,
-    state: TransferState,
-    error: Option<WireError>,
-    result: Option<GetResp>,
-    job: Option<u64>,
-    /// Pending slots freed (or committed) and grant gone.
-    settled: bool,
-    /// A peer fetch's read: the fetch to step when it ends.
-    fetch: Option<u64>,
-    /// Check a CRC-32C of every range read (peer fetches; on TCP).
-    verify: bool,
-    /// Nobody waits for a pin on the result (peer fetches pin for their `get`).
-    internal: bool,
-    created: Instant,
-    ended: Option<Instant>,
-    bytes: u64,
-    transport: &'static str,
-    /// What the transport that moved the bytes vouches for (decides the confirmation).
-    caps: dataplane::Caps,
-}
-
-impl Import {
-    /// A new import, queued: `who` = (client, pin TTL), `grant` = (handle, token),
-    /// `what` = (layout, keys, block size), `remote` = the exporter's offsets (pull).
-    #[allow(clippy::too_many_arguments)]
-    fn queued(
-        who: (ClientId, Option<u64>),
-        mode: Mode,
-        peer: PeerRef,
-        grant: (u64, u64),
-        what: (LayoutId, Vec<ChunkHash>, u64),
-        remote: Vec<u64>,
-        lease: Duration,
-        now: Instant,
-    ) -> Import {
-        Import {
-            client: who.0,
-            ttl_ms: who.1,
-            mode,
-            peer,
-            handle: grant.0,
-            token: grant.1,
-            layout: what.0,
-            keys: what.1,
-            block_bytes: what.2,
-            remote,
-            local: Vec::new(),
-            allocated: false,
-            held: false,
-            lease,
-            last_heard: now,
-            state: TransferState::Queued,
-            error: None,
-            result: None,
-            job: None,
-            settled: false,
-            fetch: None,
-            verify: false,
-            internal: false,
-            created: now,
-            ended: None,
-            bytes: 0,
-            transport: "",
-            caps: dataplane::Caps::default(),
-        }
-    }
-
-    /// Pull: what `peer_done` proves the params with (the token the data plane checks).
-    fn proof(&self, id: &str) -> u64 {
-        self.token ^ transfer_tag(id, &self.keys, self.remote.iter().map(|&o| Some(o)))
-    }
-
-    /// This pull's `peer_done` (sent by `me`): its handle and the params' proof.
-    fn done_message(&self, me: &PeerRef, id: &str) -> Request {
-        Request::PeerDone(PeerDoneReq {
-            from: me.clone(),
-            to_incarnation: self.peer.incarnation,
-            transfer_id: id.to_string(),
-            handle: self.handle,
-            token: self.proof(id),
-        })
-    }
-
-    /// A pull of the export `p`.
-    fn pull(
-        p: &TransferParams,
-        client: ClientId,
-        ttl_ms: Option<u64>,
-        lease: Duration,
-        now: Instant,
-    ) -> Import {
-        Import::queued(
-            (client, ttl_ms),
-            Mode::Pull,
-            p.from.clone(),
-            (p.handle, p.token),
-            (p.layout_id, p.keys.clone(), p.block_bytes),
-            p.offsets.clone(),
-            lease,
-            now,
-        )
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     Export,
@@ -423,7 +274,7 @@ pub struct Transfers {
     server: DataServer,
     system: ClientId,
     exports: HashMap<String, Export>,
-    regs: HashMap<String, Reg>,
+    regs: HashMap<String, Registration>,
     imports: HashMap<String, Import>,
     timers: DeadlineQueue<(Timer, String)>,
     next_heartbeat: Instant,
@@ -596,10 +447,10 @@ impl Transfers {
     pub fn stats(&self) -> TransferStats {
         let live = |s: TransferState| !s.is_final();
         TransferStats {
-            exports_live: self.exports.values().filter(|e| live(e.state)).count() as u64,
-            imports_live: self.imports.values().filter(|i| live(i.state)).count() as u64,
+            exports_live: self.exports.values().filter(|e| live(e.state())).count() as u64,
+            imports_live: self.imports.values().filter(|i| live(i.state())).count() as u64,
             registrations: self.regs.len() as u64,
-            pinned_exports: self.exports.values().filter(|e| e.pin.is_some()).count() as u64,
+            pinned_exports: self.exports.values().filter(|e| e.holds_pin()).count() as u64,
             refused: self.counters.refused + self.grants.refused() + self.server.unauthenticated(),
             unauthenticated: self.counters.unauthenticated + self.server.unauthenticated(),
             connections_refused: self.server.refused_connections(),
@@ -652,15 +503,8 @@ impl Transfers {
     }
 
     fn live_count(&self) -> usize {
-        self.exports
-            .values()
-            .filter(|e| !e.state.is_final())
-            .count()
-            + self
-                .imports
-                .values()
-                .filter(|i| !i.state.is_final())
-                .count()
+        self.exports.values().filter(|e| !e.is_final()).count()
+            + self.imports.values().filter(|i| !i.is_final()).count()
             + self.regs.len()
     }
 
@@ -674,15 +518,65 @@ impl Transfers {
         Ok(())
     }
 
+    fn count_end(&mut self, state: TransferState) {
+        match state {
+            TransferState::Done => self.counters.done += 1,
+            TransferState::Aborted => self.counters.aborted += 1,
+            TransferState::Expired => {
+                self.counters.expired += 1;
+                self.counters.failed += 1;
+            }
+            _ => self.counters.failed += 1,
+        }
+    }
+
+    /// What every end shares, after the record's own transition (`end`: its final state and
+    /// figures): counted,
+    /// retained for `retain`, its slots released when nothing uses them, its waiters
+    /// answered. `forget` names the retention timer and the transfer.
+    fn ended(
+        &mut self,
+        store: &mut Store,
+        forget: (Timer, &str),
+        end: (TransferState, Finished),
+        now: Instant,
+    ) {
+        let (timer, id) = forget;
+        let (state, finished) = end;
+        self.finished.push(finished);
+        self.count_end(state);
+        self.timers
+            .push(now + self.cfg.retain, (timer, id.to_string()));
+        match timer {
+            Timer::ForgetImport => self.settle_import(store, id),
+            _ => self.settle_export(store, id),
+        }
+        self.wake_waiters(id, now);
+    }
+
+    /// Tries to settle `id` again from `maintain` (once in the list).
+    fn unsettled_later(&mut self, timer: Timer, id: &str) {
+        if !self.unsettled.iter().any(|(t, i)| *t == timer && i == id) {
+            self.unsettled.push((timer, id.to_string()));
+        }
+    }
+
     fn new_id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id
     }
 
-    fn lease_of(&self, ms: Option<u64>) -> Duration {
-        ms.map(Duration::from_millis)
-            .unwrap_or(self.cfg.lease)
-            .clamp(Duration::from_millis(100), Duration::from_secs(3600))
+    /// A holder's lease for a peer's request of `ms` (ending at `max_hold`).
+    fn lease_of(&self, ms: Option<u64>, now: Instant) -> Lease {
+        Lease::new(self.lease_bounds().period(ms), now).with_max_hold(self.cfg.max_hold, now)
+    }
+
+    fn lease_bounds(&self) -> LeaseBounds {
+        LeaseBounds {
+            default: self.cfg.lease,
+            min: Duration::from_millis(100),
+            max: Duration::from_secs(3600),
+        }
     }
 }
 

@@ -620,7 +620,7 @@ impl Transfers {
             ));
         };
         if let Some(x) = self.exports.get_mut(&id) {
-            x.importer = Some(from.clone());
+            x.lend_to(from.clone());
         }
         self.counters.locks += 1;
         Ok(e.params)

@@ -9,7 +9,9 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::dataplane::Transport;
-use super::{Import, Mode, Reg, Reply, Timer, Transfers};
+use super::export::Beat;
+use super::registration::Registration;
+use super::{Reply, Timer, Transfers};
 use crate::store::Store;
 
 impl Transfers {
@@ -60,7 +62,7 @@ impl Transfers {
             || self
                 .exports
                 .get(&r.transfer_id)
-                .is_some_and(|e| e.importer.is_some() && !e.state.is_final())
+                .is_some_and(|e| e.importer().is_some() && !e.is_final())
         {
             self.counters.refused += 1;
             return Err(WireError::new(
@@ -72,24 +74,10 @@ impl Transfers {
             ));
         }
         self.check_capacity()?;
-        let lease = self.lease_of(Some(r.lease_ms));
-        let expires = now + lease;
-        self.regs.insert(
-            r.transfer_id.clone(),
-            Reg {
-                from: r.from.clone(),
-                layout: r.layout_id,
-                keys: r.keys.clone(),
-                offsets: r.offsets.clone(),
-                handle: r.handle,
-                token: r.token,
-                lease,
-                expires,
-                created: now,
-            },
-        );
+        let reg = Registration::new(r, self.lease_of(Some(r.lease_ms), now));
         self.timers
-            .push(expires, (Timer::Reg, r.transfer_id.clone()));
+            .push(reg.expires(), (Timer::Reg, r.transfer_id.clone()));
+        self.regs.insert(r.transfer_id.clone(), reg);
         self.try_push(store, &r.transfer_id, now);
         Ok(self.ack())
     }
@@ -106,15 +94,10 @@ impl Transfers {
         handle: u64,
         now: Instant,
     ) {
-        let Some(imp) = self
-            .imports
-            .get_mut(id)
-            .filter(|i| i.mode == Mode::Push && i.handle == handle && !i.state.is_final())
-        else {
+        let Some(imp) = self.imports.get_mut(id).filter(|i| i.pushing_into(handle)) else {
             return;
         };
-        imp.bytes = self.grants.bytes(handle);
-        imp.transport = "tcp";
+        imp.push_landed(self.grants.bytes(handle), "tcp", None);
         self.finish_import(store, id, false, now);
     }
 
@@ -126,34 +109,19 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        let from_its_peer = |i: &Import| {
-            i.mode == Mode::Push
-                && i.handle == r.handle
-                && (i.peer.incarnation == r.from.incarnation
-                    // The done can overtake the acknowledgement of the registration (an
-                    // exporter with nothing to write answers a registration that matches
-                    // its export at once), so the peer's incarnation may not be known
-                    // yet: then the sender must be the node the registration went to.
-                    || (i.peer.incarnation == Incarnation(0) && i.peer.node == r.from.node))
-        };
         let Some(i) = self.imports.get(&r.transfer_id) else {
             self.counters.refused += 1;
             return Err(self.unknown(&r.transfer_id));
         };
-        if from_its_peer(i) && i.state == TransferState::Done {
+        if i.pushed_by(r) && i.state() == TransferState::Done {
             // Finished when its bytes landed (`on_push_filled`): a repeat.
             return Ok(self.ack());
         }
-        let ok = from_its_peer(i) && !i.state.is_final();
-        if !ok {
+        if !i.pushed_by(r) || i.is_final() {
             self.counters.refused += 1;
             return Err(self.unknown(&r.transfer_id));
         }
-        let imp = &self.imports[&r.transfer_id];
-        let (want, handle) = (
-            imp.local.iter().flatten().count() as u64 * imp.block_bytes,
-            imp.handle,
-        );
+        let (want, handle) = (i.push_bytes_wanted(), i.handle());
         let by_rdma = self.rdma_with(&r.from);
         let got = if by_rdma {
             // RC ordering: the WRITE_WITH_IMM naming the handle completes after every
@@ -167,11 +135,9 @@ impl Transfers {
         } else {
             self.grants.bytes(handle)
         };
-        let imp = self.imports.get_mut(&r.transfer_id).expect("checked");
-        imp.peer.incarnation = r.from.incarnation;
-        imp.bytes = got;
-        imp.transport = if by_rdma { "rdma" } else { "tcp" };
-        imp.peer.data = r.from.data.clone();
+        if let Some(imp) = self.imports.get_mut(&r.transfer_id) {
+            imp.push_landed(got, if by_rdma { "rdma" } else { "tcp" }, Some(&r.from));
+        }
         if got < want {
             let e = WireError::new(
                 ErrorCode::TransferFailed,
@@ -206,12 +172,11 @@ impl Transfers {
         let Some(exp) = self
             .exports
             .get_mut(id)
-            .filter(|e| e.handle == handle && e.push.is_none() && !e.state.is_final())
+            .filter(|e| e.handle() == handle && e.push_target().is_none() && !e.is_final())
         else {
             return;
         };
-        exp.bytes = exp.keys.len() as u64 * exp.block_bytes;
-        exp.transport = "remote_read";
+        exp.read_covered();
         self.end_export(store, id, TransferState::Done, None, false, now);
     }
 
@@ -223,23 +188,15 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        let exp = self.exports.get(&r.transfer_id);
-        let ok = exp.is_some_and(|e| {
-            e.handle == r.handle
-                && e.importer
-                    .as_ref()
-                    .is_none_or(|p| p.incarnation == r.from.incarnation)
-        });
-        if !ok {
+        let Some(e) = self
+            .exports
+            .get(&r.transfer_id)
+            .filter(|e| e.handle() == r.handle && e.accepts(r.from.incarnation))
+        else {
             self.counters.refused += 1;
             return Err(self.unknown(&r.transfer_id));
-        }
-        let Some(e) = exp else {
-            return Err(self.unknown(&r.transfer_id));
         };
-        let want =
-            e.token ^ transfer_tag(&r.transfer_id, &e.keys, e.offsets.iter().map(|&o| Some(o)));
-        if r.token != want {
+        if r.token != e.proof(&r.transfer_id) {
             // Params altered on their way to the importer (id, keys, offsets or token):
             // whatever it copied is not this export. The export itself lives on.
             self.counters.refused += 1;
@@ -251,22 +208,24 @@ impl Transfers {
                 ),
             ));
         }
-        if e.state.is_final() {
+        if e.is_final() {
             self.counters.refused += 1;
             return Err(WireError::new(
-                match e.state {
+                match e.state() {
                     TransferState::Expired => ErrorCode::LeaseExpired,
                     TransferState::Aborted => ErrorCode::Aborted,
                     _ => ErrorCode::InvalidState,
                 },
-                format!("transfer {:?} already ended ({:?})", r.transfer_id, e.state),
+                format!(
+                    "transfer {:?} already ended ({:?})",
+                    r.transfer_id,
+                    e.state()
+                ),
             ));
         }
-        let bytes = e.keys.len() as u64 * e.block_bytes;
-        let exp = self.exports.get_mut(&r.transfer_id).expect("checked");
-        exp.importer = Some(r.from.clone());
-        exp.bytes = bytes;
-        exp.transport = "remote_read";
+        if let Some(exp) = self.exports.get_mut(&r.transfer_id) {
+            exp.read_confirmed(&r.from);
+        }
         self.end_export(store, &r.transfer_id, TransferState::Done, None, false, now);
         let mut ack = self.ack();
         if let Reply::Ack(a) = &mut ack {
@@ -296,22 +255,22 @@ impl Transfers {
         } else {
             TransferState::Failed
         };
-        if self.imports.get(id).is_some_and(|i| {
-            !i.state.is_final() && (i.peer.incarnation == from || i.peer.incarnation.0 == 0)
-        }) {
+        if self.imports.get(id).is_some_and(|i| i.failable_by(from)) {
             self.end_import(store, id, state, Some(e), false, now);
             return Ok(self.ack());
         }
-        if self.exports.get(id).is_some_and(|x| {
-            !x.state.is_final() && x.importer.as_ref().is_none_or(|p| p.incarnation == from)
-        }) {
+        if self
+            .exports
+            .get(id)
+            .is_some_and(|x| !x.is_final() && x.accepts(from))
+        {
             self.end_export(store, id, state, Some(e), false, now);
             return Ok(self.ack());
         }
         if self
             .regs
             .get(id)
-            .is_some_and(|g| g.from.incarnation == from)
+            .is_some_and(|g| g.from().incarnation == from)
         {
             self.regs.remove(id);
             return Ok(self.ack());
@@ -404,33 +363,22 @@ impl Transfers {
         let from = r.from.incarnation;
         let mut unknown = Vec::new();
         for id in &r.transfers {
-            if let Some(e) = self.exports.get_mut(id) {
-                let ours = e.importer.as_ref().is_none_or(|p| p.incarnation == from);
-                if ours && e.state == TransferState::Done {
-                    // Finished: the importer hears it from `peer_push_done` / its own
-                    // pull, which may still be on their way; not "unknown".
-                    continue;
-                }
-                if ours && !e.state.is_final() {
-                    let renewed = now + e.lease * 2 / 3;
-                    if renewed > e.expires {
-                        e.expires = renewed;
-                        self.grants.extend(e.handle, renewed);
+            let renewed = match (self.exports.get_mut(id), self.regs.get_mut(id)) {
+                (Some(e), _) => e.heartbeat(&r.from, &self.grants, now),
+                (None, Some(g)) => {
+                    if g.heartbeat(from, now) {
+                        Beat::Renewed
+                    } else {
+                        Beat::Unknown
                     }
-                    if e.importer.is_none() {
-                        e.importer = Some(r.from.clone());
-                    }
-                    self.counters.renewals += 1;
-                    continue;
                 }
-            } else if let Some(g) = self.regs.get_mut(id) {
-                if g.from.incarnation == from {
-                    g.expires = g.expires.max(now + g.lease * 2 / 3);
-                    self.counters.renewals += 1;
-                    continue;
-                }
+                (None, None) => Beat::Unknown,
+            };
+            match renewed {
+                Beat::Renewed => self.counters.renewals += 1,
+                Beat::Done => {}
+                Beat::Unknown => unknown.push(id.clone()),
             }
-            unknown.push(id.clone());
         }
         if !unknown.is_empty() {
             self.counters.refused += 1;

@@ -1,7 +1,17 @@
 //! Time and completions: lease expiries, `max_hold`, heartbeats, retries of
 //! notifications, waiter timeouts, and data-plane job completions.
 
-use super::*;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use super::dataplane;
+use super::export::Retain;
+use super::import::Mode;
+use super::{Outgoing, Reply, Then, Timer, Transfers};
+use crate::lease::LeaseCheck;
+use crate::store::Store;
 
 impl Transfers {
     /// Data-plane completions, lease expiries, heartbeats, waiter timeouts, retries.
@@ -34,14 +44,8 @@ impl Transfers {
             let owners = self
                 .exports
                 .values()
-                .filter(|e| !e.state.is_final())
-                .map(|e| e.client)
-                .chain(
-                    self.imports
-                        .values()
-                        .filter(|i| !i.state.is_final())
-                        .map(|i| i.client),
-                );
+                .filter_map(|e| e.live_owner())
+                .chain(self.imports.values().filter_map(|i| i.live_owner()));
             for c in owners {
                 store.touch_session(c, now);
             }
@@ -55,8 +59,8 @@ impl Transfers {
             let period = self
                 .imports
                 .values()
-                .filter(|i| !i.state.is_final())
-                .map(|i| i.lease / 6)
+                .filter(|i| !i.is_final())
+                .map(|i| i.period() / 6)
                 .min()
                 .map_or(self.cfg.heartbeat, |p| p.min(self.cfg.heartbeat));
             self.next_heartbeat = now + period;
@@ -66,7 +70,7 @@ impl Transfers {
         let queued: Vec<String> = self
             .imports
             .iter()
-            .filter(|(_, i)| i.state == TransferState::Queued && !i.allocated && !i.held)
+            .filter(|(_, i)| i.wants_room())
             .map(|(k, _)| k.clone())
             .collect();
         for id in queued {
@@ -96,102 +100,100 @@ impl Transfers {
     pub(super) fn on_timer(&mut self, store: &mut Store, timer: Timer, id: String, now: Instant) {
         match timer {
             Timer::Export => {
-                let Some(e) = self.exports.get(&id) else {
+                let Some(e) = self.exports.get(&id).filter(|e| !e.is_final()) else {
                     return;
                 };
-                if e.state.is_final() {
-                    return;
-                }
-                let hard = e.created + self.cfg.max_hold;
-                if e.expires > now && hard > now {
-                    self.timers.push(e.expires.min(hard), (Timer::Export, id));
-                    return;
-                }
-                let e = if hard <= now {
-                    self.held_too_long("export")
-                } else {
-                    WireError::new(
+                let e = match e.check_lease(now) {
+                    LeaseCheck::Live(next) => {
+                        self.timers.push(next, (Timer::Export, id));
+                        return;
+                    }
+                    LeaseCheck::HeldTooLong => self.held_too_long("export"),
+                    LeaseCheck::Expired => WireError::new(
                         ErrorCode::LeaseExpired,
-                        format!("export lease of {} ms ran out", e.lease.as_millis()),
-                    )
+                        format!("export lease of {} ms ran out", e.period().as_millis()),
+                    ),
                 };
                 self.end_export(store, &id, TransferState::Expired, Some(e), true, now);
             }
             Timer::Reg => {
                 let Some(g) = self.regs.get(&id) else { return };
-                let hard = g.created + self.cfg.max_hold;
-                if g.expires > now && hard > now {
-                    self.timers.push(g.expires.min(hard), (Timer::Reg, id));
-                    return;
-                }
-                let e = if hard <= now {
-                    self.held_too_long("push registration (no export)")
-                } else {
-                    WireError::new(
+                let e = match g.check_lease(now) {
+                    LeaseCheck::Live(next) => {
+                        self.timers.push(next, (Timer::Reg, id));
+                        return;
+                    }
+                    LeaseCheck::HeldTooLong => self.held_too_long("push registration (no export)"),
+                    LeaseCheck::Expired => WireError::new(
                         ErrorCode::LeaseExpired,
                         "push registration expired: no export for this transfer within its lease",
-                    )
+                    ),
                 };
                 let Some(g) = self.regs.remove(&id) else {
                     return;
                 };
                 self.counters.expired += 1;
-                self.fail_peer(&g.from, &id, e);
+                self.fail_peer(g.from(), &id, e);
             }
             Timer::Import => {
-                let Some(i) = self.imports.get(&id) else {
+                let Some(i) = self.imports.get(&id).filter(|i| !i.is_final()) else {
                     return;
                 };
-                if i.state.is_final() {
-                    return;
-                }
-                let silent_until = i.last_heard + i.lease;
-                let hard = i.created + self.cfg.max_hold;
-                if hard <= now {
-                    let e = self.held_too_long("import");
-                    self.end_import(store, &id, TransferState::Expired, Some(e), true, now);
-                    return;
-                }
-                if silent_until > now {
-                    self.timers
-                        .push(silent_until.min(hard), (Timer::Import, id));
-                    return;
-                }
-                let e = WireError::new(
-                    ErrorCode::PeerUnreachable,
-                    format!(
-                        "exporter {} did not answer for a lease ({} ms)",
-                        i.peer.node,
-                        i.lease.as_millis()
+                let (e, state) = match i.check_peer(self.cfg.max_hold, now) {
+                    LeaseCheck::Live(next) => {
+                        self.timers.push(next, (Timer::Import, id));
+                        return;
+                    }
+                    LeaseCheck::HeldTooLong => {
+                        (self.held_too_long("import"), TransferState::Expired)
+                    }
+                    LeaseCheck::Expired => (
+                        WireError::new(
+                            ErrorCode::PeerUnreachable,
+                            format!(
+                                "exporter {} did not answer for a lease ({} ms)",
+                                i.peer().node,
+                                i.period().as_millis()
+                            ),
+                        ),
+                        TransferState::Failed,
                     ),
-                );
-                self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
+                };
+                self.end_import(store, &id, state, Some(e), true, now);
             }
             Timer::ForgetExport => {
                 let Some(e) = self.exports.get(&id) else {
                     return;
                 };
-                if e.ended.is_some_and(|t| t + self.cfg.retain > now) || e.pin.is_some() {
+                match e.retention(self.cfg.retain, now) {
                     // Re-exported since, or still winding down: later.
-                    self.timers
-                        .push(now + self.cfg.retain, (Timer::ForgetExport, id));
-                } else if e.state.is_final() {
-                    let e = self.exports.remove(&id).expect("checked");
-                    self.grants.remove(e.handle);
+                    Retain::Keep => self
+                        .timers
+                        .push(now + self.cfg.retain, (Timer::ForgetExport, id)),
+                    Retain::Forget => {
+                        if let Some(e) = self.exports.remove(&id) {
+                            self.grants.remove(e.handle());
+                        }
+                    }
+                    Retain::Live => {}
                 }
             }
             Timer::ForgetImport => {
                 let Some(i) = self.imports.get(&id) else {
                     return;
                 };
-                if i.ended.is_some_and(|t| t + self.cfg.retain > now) || !i.settled {
-                    self.timers
-                        .push(now + self.cfg.retain, (Timer::ForgetImport, id));
-                } else if i.state.is_final() {
-                    let i = self.imports.remove(&id).expect("checked");
-                    if i.mode == Mode::Push {
-                        self.grants.remove(i.handle);
+                match i.retention(self.cfg.retain, now) {
+                    Retain::Keep => self
+                        .timers
+                        .push(now + self.cfg.retain, (Timer::ForgetImport, id)),
+                    Retain::Forget => {
+                        if let Some(i) = self.imports.remove(&id) {
+                            if i.mode() == Mode::Push {
+                                self.grants.remove(i.handle());
+                            }
+                        }
                     }
+                    Retain::Live => {}
                 }
             }
         }
@@ -200,9 +202,9 @@ impl Transfers {
     pub(super) fn send_heartbeats(&mut self) {
         let mut by_peer: HashMap<(String, Incarnation), Vec<String>> = HashMap::new();
         for (id, i) in &self.imports {
-            if !i.state.is_final() && i.peer.incarnation.0 != 0 {
+            if let Some((node, inc)) = i.heartbeat_target() {
                 by_peer
-                    .entry((i.peer.node.clone(), i.peer.incarnation))
+                    .entry((node.to_string(), inc))
                     .or_default()
                     .push(id.clone());
             }
@@ -233,22 +235,22 @@ impl Transfers {
                 let Some(imp) = self.imports.get_mut(&id) else {
                     return;
                 };
-                imp.job = None;
-                if imp.state.is_final() {
+                imp.job_done();
+                if imp.is_final() {
                     // Aborted or expired while the bytes moved: free the slots now.
                     self.settle_import(store, &id);
                     return;
                 }
                 match done.result {
                     Ok(bytes) => {
-                        imp.bytes = bytes;
-                        tracing::debug!(transfer = %id, bytes, us = done.elapsed.as_micros() as u64, transport = imp.transport, "pulled");
-                        if imp.caps.one_sided {
+                        imp.moved(bytes);
+                        tracing::debug!(transfer = %id, bytes, us = done.elapsed.as_micros() as u64, transport = imp.transport(), "pulled");
+                        if imp.caps().one_sided {
                             // Nobody checked the lease during a one-sided copy: trust
                             // the bytes only if the exporter confirms it held throughout.
                             let req = imp.done_message(&self.me, &id);
                             self.outbox.push(Outgoing {
-                                node: imp.peer.node.clone(),
+                                node: imp.peer().node.clone(),
                                 req,
                                 then: Then::Confirmed(id),
                                 timeout: None,
@@ -258,7 +260,7 @@ impl Transfers {
                             // they covered the whole export it ends the export itself
                             // (`on_export_read`), and `peer_done` would be one more
                             // round through both daemons' control planes for nothing.
-                            let everything = imp.local.iter().all(Option::is_some);
+                            let everything = imp.read_everything();
                             self.finish_import(store, &id, !everything, now);
                         }
                     }
@@ -270,7 +272,7 @@ impl Transfers {
                         };
                         let e = WireError::new(
                             e.code,
-                            format!("pull from {}: {}", imp.peer.node, e.message),
+                            format!("pull from {}: {}", imp.peer().node, e.message),
                         );
                         self.end_import(store, &id, state, Some(e), true, now);
                     }
@@ -280,14 +282,14 @@ impl Transfers {
                 let Some(exp) = self.exports.get_mut(&id) else {
                     return;
                 };
-                exp.job = None;
-                if exp.state.is_final() {
+                exp.job_done();
+                if exp.is_final() {
                     self.settle_export(store, &id);
                     return;
                 }
                 match done.result {
                     Ok(bytes) => {
-                        exp.bytes = bytes;
+                        exp.moved(bytes);
                         self.push_written(store, &id, bytes, now);
                     }
                     Err(e) => {
@@ -295,10 +297,7 @@ impl Transfers {
                             e.code,
                             format!(
                                 "push to {}: {}",
-                                exp.importer
-                                    .as_ref()
-                                    .map(|p| p.node.as_str())
-                                    .unwrap_or("?"),
+                                exp.importer().map(|p| p.node.as_str()).unwrap_or("?"),
                                 e.message
                             ),
                         );

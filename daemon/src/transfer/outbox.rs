@@ -1,0 +1,169 @@
+//! Messages to peers and their replies: notifications (`peer_done`, `peer_push_done`,
+//! `peer_fail`) sent again until answered, and what each reply to the outbox means
+//! ([`Then`]): a registration acknowledged, heartbeats answered, a shm copy confirmed,
+//! lookups and locks answered.
+
+use std::time::Instant;
+
+use kvd_protocol::*;
+
+use super::{Outgoing, Then, Transfers};
+use crate::store::Store;
+
+impl Transfers {
+    pub(super) fn fail_peer(&mut self, peer: &PeerRef, id: &str, error: WireError) {
+        let req = Request::PeerFail(PeerFailReq {
+            from: self.me.clone(),
+            to_incarnation: peer.incarnation,
+            transfer_id: id.to_string(),
+            error,
+        });
+        self.notify(&peer.node, req);
+    }
+
+    /// Sends a notification to `node`, again and again while it does not answer, for up
+    /// to a lease.
+    pub(super) fn notify(&mut self, node: &str, req: Request) {
+        let until = Instant::now() + self.cfg.lease;
+        self.outbox.push(Outgoing {
+            node: node.to_string(),
+            then: Then::Notify(node.to_string(), Box::new(req.clone()), until),
+            req,
+            timeout: None,
+        });
+    }
+
+    /// A peer's reply to a message from the outbox (`Err` also for no reply in time).
+    pub fn on_peer_reply(
+        &mut self,
+        store: &mut Store,
+        then: Then,
+        r: Result<PeerAck, WireError>,
+        now: Instant,
+    ) {
+        match then {
+            Then::Nothing => {}
+            Then::Notify(node, req, until) => match r {
+                Err(e) if e.code == ErrorCode::PeerUnreachable && now < until => {
+                    tracing::debug!(%node, op = req.op(), "notification not answered: sending again");
+                    let again = Then::Notify(node.clone(), req.clone(), until);
+                    self.outbox.push(Outgoing {
+                        node,
+                        req: *req,
+                        then: again,
+                        timeout: None,
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(%node, op = req.op(), error = %e, "peer notification refused or abandoned");
+                }
+                Ok(_) => {}
+            },
+            Then::PushRegistered(id) => {
+                let Some(imp) = self.imports.get_mut(&id).filter(|i| !i.is_final()) else {
+                    return;
+                };
+                match r {
+                    Ok(ack) => imp.registration_answered(ack.incarnation, now),
+                    Err(e) => {
+                        let e = WireError::new(
+                            e.code,
+                            format!(
+                                "push registration refused by {}: {}",
+                                imp.peer().node,
+                                e.message
+                            ),
+                        );
+                        self.end_import(store, &id, TransferState::Failed, Some(e), false, now);
+                    }
+                }
+            }
+            Then::Heartbeat(node, ids) => match r {
+                Ok(ack) => {
+                    for id in &ids {
+                        let Some(imp) = self.imports.get_mut(id) else {
+                            continue;
+                        };
+                        if !imp.answered_by(&node, ack.incarnation) {
+                            continue;
+                        }
+                        if ack.unknown.contains(id) {
+                            let e = WireError::new(
+                                ErrorCode::LeaseExpired,
+                                format!(
+                                    "exporter {node} no longer holds the transfer (lease ended)"
+                                ),
+                            );
+                            self.end_import(store, id, TransferState::Expired, Some(e), false, now);
+                        } else {
+                            imp.heard(now);
+                        }
+                    }
+                }
+                Err(e) if e.code == ErrorCode::StaleIncarnation => {
+                    for id in &ids {
+                        if self
+                            .imports
+                            .get(id)
+                            .is_some_and(|i| i.peer().node == node && !i.is_final())
+                        {
+                            let e = WireError::new(
+                                ErrorCode::StaleIncarnation,
+                                format!("exporter {node} restarted: {}", e.message),
+                            );
+                            self.end_import(store, id, TransferState::Failed, Some(e), false, now);
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(node = %node, error = %e, "heartbeat not answered"),
+            },
+            Then::Looked(q, node) => self.on_looked(store, q, node, r, now),
+            Then::Late => {
+                if let Ok(PeerAck {
+                    params: Some(p), ..
+                }) = r
+                {
+                    self.release_lock(&p);
+                }
+            }
+            Then::Locked(f) => self.on_locked(store, f, r, now),
+            Then::Confirmed(id) => {
+                let Some(imp) = self.imports.get(&id).filter(|i| !i.is_final()) else {
+                    return;
+                };
+                let copied_from = imp.copied_from();
+                match r {
+                    Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
+                        // The params named a pool file that is not the exporter's (as
+                        // the exporter says, over the authenticated channel).
+                        let e = WireError::new(
+                            ErrorCode::NotOwner,
+                            format!(
+                                "copied from {:?}, but the exporter's pool is {:?}",
+                                copied_from.unwrap_or_default(),
+                                ack.shm.unwrap_or_default()
+                            ),
+                        );
+                        self.counters.refused += 1;
+                        self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
+                    }
+                    Ok(_) => {
+                        // The lease held through the copy, and the exporter confirmed
+                        // these exact params: the bytes are the export's.
+                        self.finish_import(store, &id, false, now);
+                    }
+                    Err(e) => {
+                        let e = WireError::new(
+                            e.code,
+                            format!(
+                                "exporter did not confirm the lease after the copy: {}",
+                                e.message
+                            ),
+                        );
+                        self.end_import(store, &id, TransferState::Failed, Some(e), false, now);
+                    }
+                }
+            }
+        }
+    }
+}
