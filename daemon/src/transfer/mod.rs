@@ -86,6 +86,8 @@ mod import;
 mod importer;
 #[cfg(test)]
 mod mem_transport;
+#[cfg(test)]
+mod model_test;
 mod outbox;
 #[cfg(feature = "rdma")]
 pub mod rdma;
