@@ -1,0 +1,608 @@
+//! The cache operations on a [`Client`]: layouts, lookups, `store` (copy and commit),
+//! `alloc` (a [`WriteBatch`] to write in place), `load` and `get` (a [`PinnedBlocks`]
+//! to read in place), release, delete, stats.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::*;
+
+use crate::connection::{fatal, Session};
+use crate::shm::PoolMap;
+use crate::{
+    Client, Error, PinnedBlocks, Result, WriteBatch, COMMIT_CHUNK_BYTES, LOAD_CHUNK_BYTES,
+};
+
+/// A registered layout, as the daemon sized it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayoutInfo {
+    /// Its id.
+    pub id: LayoutId,
+    /// Bytes of one block.
+    pub block_bytes: u64,
+    /// Bytes of one pool slot.
+    pub slot_bytes: u64,
+}
+
+/// Checks a call's blocks (`what`: "block") or buffers ("buffer") against its keys: one
+/// per key, each exactly `block_bytes` long.
+pub(crate) fn check_blocks(
+    keys: usize,
+    lens: impl ExactSizeIterator<Item = usize>,
+    block_bytes: u64,
+    what: &str,
+) -> Result<()> {
+    if lens.len() != keys {
+        return Err(Error::InvalidArgument(format!(
+            "{keys} keys but {} {what}s",
+            lens.len()
+        )));
+    }
+    for (i, len) in lens.enumerate() {
+        if len as u64 != block_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{what} #{i} has {len} bytes; the layout's blocks have {block_bytes}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Outcome of [`Client::store`], per key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// `New` keys were written and committed; `Exists` were already cached; `Busy` are
+    /// being written by someone else.
+    pub status: Vec<AllocStatus>,
+}
+
+impl StoreOutcome {
+    /// Keys written by this call.
+    pub fn stored(&self) -> usize {
+        self.status
+            .iter()
+            .filter(|s| **s == AllocStatus::New)
+            .count()
+    }
+}
+
+impl Client {
+    pub(crate) fn layout_info(&self, id: LayoutId) -> Result<LayoutInfo> {
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .get(&id)
+            .map(|(_, i)| *i)
+            .ok_or(Error::UnknownLayout(id))
+    }
+
+    // ----- operations -----
+
+    /// Registers a layout (idempotent) and remembers it for re-registration.
+    pub fn register_layout(&self, layout: &Layout) -> Result<LayoutInfo> {
+        let (r, _): (RegisterLayoutResp, _) = self.raw_call(
+            &Request::RegisterLayout(RegisterLayoutReq {
+                layout: layout.clone(),
+            }),
+            &[],
+        )?;
+        let info = LayoutInfo {
+            id: r.layout_id,
+            block_bytes: r.block_bytes,
+            slot_bytes: r.slot_bytes,
+        };
+        if r.layout_id != layout.id() {
+            return Err(Error::Protocol(format!(
+                "daemon computed layout id {} but the spec gives {}",
+                r.layout_id,
+                layout.id()
+            )));
+        }
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .insert(info.id, (layout.clone(), info));
+        Ok(info)
+    }
+
+    /// The longest cached prefix of `keys`, with the tier of each cached key. The daemon
+    /// starts reading the prefix's NVMe-only blocks into free DRAM slots (a prefetch for
+    /// the `get` that usually follows).
+    pub fn lookup(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, false, false)
+    }
+
+    /// [`Client::lookup`] that starts no prefetch: where the prefix is, and nothing
+    /// more (a router probing nodes it may not pick, a tool taking stock).
+    pub fn probe(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, true, false)
+    }
+
+    /// [`Client::probe`] of this node's own tiers: asks no peer, even with peer sharing
+    /// on (a router comparing nodes, which all reach the same peers, wants what each
+    /// holds itself).
+    pub fn probe_local(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<LookupResp> {
+        self.lookup_with(layout, keys, true, true)
+    }
+
+    pub(crate) fn lookup_with(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        no_prefetch: bool,
+        local_only: bool,
+    ) -> Result<LookupResp> {
+        let req = Request::Lookup(LookupReq {
+            layout_id: layout,
+            keys: keys.to_vec(),
+            no_prefetch,
+            local_only,
+        });
+        Ok(self.raw_call(&req, &[])?.0)
+    }
+
+    /// An `alloc`, with the session that made it (its pool holds the slots).
+    pub(crate) fn alloc_in(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+    ) -> Result<(AllocResp, Arc<Session>)> {
+        self.call_in(|client| {
+            Request::Alloc(AllocReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+            })
+        })
+    }
+
+    /// A `commit` under the session `s` that allocated the keys (no renewal).
+    pub(crate) fn commit_as(
+        &self,
+        s: &Session,
+        layout: LayoutId,
+        keys: Vec<ChunkHash>,
+        offsets: Option<Vec<u64>>,
+        payloads: &[&[u8]],
+    ) -> Result<u64> {
+        let req = Request::Commit(CommitReq {
+            client: s.client,
+            layout_id: layout,
+            keys,
+            offsets,
+        });
+        let (r, _): (CommitResp, _) = self.raw_call(&req, payloads)?;
+        Ok(r.committed)
+    }
+
+    /// A `delete` under the session `s` (aborting its own allocations; no renewal).
+    pub(crate) fn delete_as(
+        &self,
+        s: &Session,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+    ) -> Result<()> {
+        let req = Request::Delete(DeleteReq {
+            client: s.client,
+            layout_id: layout,
+            keys: keys.to_vec(),
+        });
+        self.raw_call::<DeleteResp>(&req, &[]).map(|_| ())
+    }
+
+    /// Stores blocks: reserves slots for the keys not yet cached, copies the caller's
+    /// bytes into them (or sends them as payload frames), and commits. `blocks[i]` is the
+    /// block of `keys[i]` and must be exactly the layout's block size. If the pool cannot
+    /// hold every new block, fails with `pool_full` and stores nothing.
+    pub fn store(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        blocks: &[&[u8]],
+    ) -> Result<StoreOutcome> {
+        let info = self.layout_info(layout)?;
+        check_blocks(
+            keys.len(),
+            blocks.iter().map(|b| b.len()),
+            info.block_bytes,
+            "block",
+        )?;
+        // One session for the whole store: its allocation, its pool mapping, its commit.
+        let (a, session) = self.alloc_in(layout, keys)?;
+        let mut new_keys = Vec::new();
+        let mut new_offsets = Vec::new();
+        let mut new_blocks = Vec::new();
+        for (i, off) in a.offsets.iter().enumerate() {
+            if let (AllocStatus::New, Some(off)) = (a.status[i], off) {
+                new_keys.push(keys[i]);
+                new_offsets.push(*off);
+                new_blocks.push(blocks[i]);
+            }
+        }
+        if new_keys.is_empty() {
+            return Ok(StoreOutcome { status: a.status });
+        }
+        let result = match &session.pool {
+            Some(pool) => self.copy_and_commit(
+                session.client,
+                pool,
+                layout,
+                &new_keys,
+                &new_offsets,
+                &new_blocks,
+                info.block_bytes,
+            ),
+            None => self
+                .commit_as(&session, layout, new_keys.clone(), None, &new_blocks)
+                .map(|_| ()),
+        };
+        if let Err(e) = result {
+            // Give the reservations back rather than leave them to the TTL.
+            let _ = self.delete_as(&session, layout, &new_keys);
+            return Err(self.session_lost(&session, e));
+        }
+        Ok(StoreOutcome { status: a.status })
+    }
+
+    /// Copies blocks into their slots and commits them in chunks of about
+    /// [`COMMIT_CHUNK_BYTES`], sending each chunk's commit as soon as its bytes are in
+    /// place and collecting the replies at the end, so the round trips overlap the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_and_commit(
+        &self,
+        client: ClientId,
+        pool: &PoolMap,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        offsets: &[u64],
+        blocks: &[&[u8]],
+        block_bytes: u64,
+    ) -> Result<()> {
+        let per_chunk = (COMMIT_CHUNK_BYTES / block_bytes.max(1)).max(1) as usize;
+        let mut sock = self.checkout()?;
+        let mut ids = Vec::new();
+        let mut r: Result<()> = Ok(());
+        for start in (0..keys.len()).step_by(per_chunk) {
+            let end = (start + per_chunk).min(keys.len());
+            r = (start..end).try_for_each(|i| pool.write(offsets[i], blocks[i]));
+            if r.is_err() {
+                break;
+            }
+            let req = Request::Commit(CommitReq {
+                client,
+                layout_id: layout,
+                keys: keys[start..end].to_vec(),
+                offsets: Some(offsets[start..end].to_vec()),
+            });
+            match self.send_on(&mut sock, &req, &[]) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        // Collect every reply sent (even after a failure) so the socket stays in step.
+        for id in ids {
+            let got = self.recv_on::<CommitResp>(&mut sock, id, op::COMMIT, Duration::ZERO);
+            let fatal = matches!(got, Err(ref e) if fatal(e));
+            if let Err(e) = got {
+                if r.is_ok() {
+                    r = Err(e);
+                }
+            }
+            if fatal {
+                return r; // drop the socket
+            }
+        }
+        self.finish(sock, r)
+    }
+
+    /// Reserves slots and hands them out writable (zero-copy store). Needs the pool
+    /// mapped. Commit with [`WriteBatch::commit`]; dropping the batch aborts it.
+    pub fn alloc(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<WriteBatch> {
+        let info = self.layout_info(layout)?;
+        if !self.is_mapped() {
+            return Err(Error::NotMapped);
+        }
+        let sent = Instant::now();
+        let (a, session) = self.alloc_in(layout, keys)?;
+        let Some(pool) = session.pool.clone() else {
+            let _ = self.delete_as(&session, layout, keys);
+            return Err(Error::NotMapped);
+        };
+        Ok(WriteBatch {
+            client: self.clone(),
+            session,
+            layout,
+            keys: keys.to_vec(),
+            status: a.status,
+            offsets: a.offsets,
+            pool,
+            block_bytes: info.block_bytes as usize,
+            done: false,
+            // The daemon's TTL starts after we sent: this deadline is never later.
+            deadline: sent + Duration::from_millis(a.ttl_ms),
+        })
+    }
+
+    pub(crate) fn get_raw(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Option<Duration>,
+        inline: bool,
+    ) -> Result<(GetResp, Vec<zmq::Message>)> {
+        self.call(
+            |client| {
+                Request::Get(GetReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                    ttl_ms: ttl.map(|t| t.as_millis() as u64),
+                    inline,
+                })
+            },
+            &[],
+        )
+    }
+
+    /// Loads blocks: copies each cached block into `out[i]` (which must be the layout's
+    /// block size). Returns, per key, whether it was found. With the pool mapped, the
+    /// blocks are pinned, copied and released; the call fails with
+    /// [`Error::PinExpired`] rather than return bytes read after the pin's TTL.
+    pub fn load(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+    ) -> Result<Vec<bool>> {
+        let info = self.layout_info(layout)?;
+        check_blocks(
+            keys.len(),
+            out.iter().map(|b| b.len()),
+            info.block_bytes,
+            "buffer",
+        )?;
+        if self.session().pool.is_none() {
+            let (r, frames) = self.get_raw(layout, keys, None, true)?;
+            let mut frames = frames.into_iter();
+            let mut found = Vec::with_capacity(keys.len());
+            for (i, off) in r.offsets.iter().enumerate() {
+                if off.is_some() {
+                    let f = frames
+                        .next()
+                        .ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
+                    if f.len() != out[i].len() {
+                        return Err(Error::Protocol(format!(
+                            "payload of {} bytes, expected {}",
+                            f.len(),
+                            out[i].len()
+                        )));
+                    }
+                    out[i].copy_from_slice(&f);
+                }
+                found.push(off.is_some());
+            }
+            return Ok(found);
+        }
+        let per_chunk = (LOAD_CHUNK_BYTES / info.block_bytes.max(1)).max(1) as usize;
+        if keys.len() > per_chunk {
+            return self.load_pipelined(layout, keys, out, per_chunk);
+        }
+        let pinned = self.get(layout, keys, None)?;
+        for (i, o) in out.iter_mut().enumerate() {
+            if let Some(off) = pinned.offsets[i] {
+                pinned.pool.read_into(off, o)?;
+            }
+        }
+        if !pinned.is_valid() {
+            return Err(Error::PinExpired);
+        }
+        let found = pinned.offsets.iter().map(Option::is_some).collect();
+        // The copy is verified (the pin was valid throughout): release without waiting.
+        drop(pinned);
+        Ok(found)
+    }
+
+    /// [`Client::load`] of more than one chunk: one `get` per chunk of about
+    /// [`LOAD_CHUNK_BYTES`], all sent at once on one connection; each chunk is copied out
+    /// and released as its reply arrives, in whatever order the daemon answers (a chunk
+    /// whose blocks are read back from NVMe answers after one already in DRAM). So the
+    /// copy of one chunk overlaps the daemon's reads of the next, where one `get` for the
+    /// whole call would leave the disk idle during the copy. A chunk's error fails the
+    /// call, but every reply is still collected so that each pin is released at once.
+    /// Like every call, it is retried once on a fresh connection when a pooled stream
+    /// connection turns out broken, and once after renewing a session the daemon forgot.
+    pub(crate) fn load_pipelined(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+        per_chunk: usize,
+    ) -> Result<Vec<bool>> {
+        self.renewing(|| {
+            self.past_broken_streams(|| self.load_chunks(layout, keys, &mut *out, per_chunk))
+        })
+    }
+
+    /// One attempt of [`Client::load_pipelined`].
+    pub(crate) fn load_chunks(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+        per_chunk: usize,
+    ) -> Result<Vec<bool>> {
+        let session = self.session();
+        let pool = session.pool.clone().ok_or(Error::NotMapped)?;
+        let client = session.client;
+        let mut sock = self.checkout()?;
+        let sent = Instant::now();
+        // (request id, the chunk's keys)
+        let mut pending: Vec<(u64, std::ops::Range<usize>)> = Vec::new();
+        let mut r: Result<()> = Ok(());
+        for start in (0..keys.len()).step_by(per_chunk) {
+            let range = start..(start + per_chunk).min(keys.len());
+            let req = Request::Get(GetReq {
+                client,
+                layout_id: layout,
+                keys: keys[range.clone()].to_vec(),
+                ttl_ms: None,
+                inline: false,
+            });
+            match self.send_on(&mut sock, &req, &[]) {
+                Ok(id) => pending.push((id, range)),
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        let mut found = vec![false; keys.len()];
+        while !pending.is_empty() {
+            let ids: Vec<u64> = pending.iter().map(|p| p.0).collect();
+            // A broken connection ends the call: the pins of replies not read expire
+            // with their TTL.
+            let (id, got) =
+                self.recv_one_of::<GetResp>(&mut sock, &ids, op::GET, Duration::ZERO)?;
+            let Some(at) = pending.iter().position(|p| p.0 == id) else {
+                continue;
+            };
+            let (_, range) = pending.swap_remove(at);
+            let resp = match got {
+                Ok((resp, _)) => resp,
+                Err(e) => {
+                    if r.is_ok() {
+                        r = Err(e);
+                    }
+                    continue;
+                }
+            };
+            let deadline =
+                sent + Duration::from_millis(resp.waited_ms) + Duration::from_millis(resp.ttl_ms);
+            if r.is_ok() {
+                r = if resp.offsets.len() != range.len() {
+                    Err(Error::Protocol(format!(
+                        "{} offsets for {} keys",
+                        resp.offsets.len(),
+                        range.len()
+                    )))
+                } else {
+                    let dst = out[range.clone()].iter_mut().zip(&mut found[range]);
+                    resp.offsets
+                        .iter()
+                        .zip(dst)
+                        .try_for_each(|(off, (o, hit))| {
+                            if let Some(off) = off {
+                                pool.read_into(*off, o)?;
+                                *hit = true;
+                            }
+                            Ok(())
+                        })
+                        .and_then(|()| {
+                            // The copy is good only if the pin held throughout.
+                            if Instant::now() < deadline {
+                                Ok(())
+                            } else {
+                                Err(Error::PinExpired)
+                            }
+                        })
+                };
+            }
+            if let Some(pin) = resp.pin {
+                // Released at once, on this connection (its reply is skipped), so that
+                // the daemon has the room back for the chunks still being read.
+                let rel = Request::Release(ReleaseReq {
+                    client,
+                    pins: vec![pin],
+                });
+                self.send_on(&mut sock, &rel, &[])?;
+            }
+        }
+        self.finish(sock, r).map(|()| found)
+    }
+
+    /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool
+    /// mapped. `ttl` defaults to the daemon's default pin TTL and is clamped to its
+    /// maximum. Release with [`PinnedBlocks::release`] or by dropping it.
+    pub fn get(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Option<Duration>,
+    ) -> Result<PinnedBlocks> {
+        let info = self.layout_info(layout)?;
+        if !self.is_mapped() {
+            return Err(Error::NotMapped);
+        }
+        let sent = Instant::now();
+        // The offsets are in the pool of the session that took the pin.
+        let (r, session): (GetResp, _) = self.call_in(|client| {
+            Request::Get(GetReq {
+                client,
+                layout_id: layout,
+                keys: keys.to_vec(),
+                ttl_ms: ttl.map(|t| t.as_millis() as u64),
+                inline: false,
+            })
+        })?;
+        let Some(pool) = session.pool.clone() else {
+            return Err(Error::NotMapped);
+        };
+        if r.offsets.len() != keys.len() {
+            return Err(Error::Protocol(format!(
+                "{} offsets for {} keys",
+                r.offsets.len(),
+                keys.len()
+            )));
+        }
+        Ok(PinnedBlocks {
+            client: self.clone(),
+            session: session.client,
+            pin: r.pin,
+            offsets: r.offsets,
+            pool,
+            block_bytes: info.block_bytes as usize,
+            // The pin starts after the daemon's wait for NVMe reads (if any), which began
+            // after we sent: this deadline is never later than the daemon's.
+            deadline: sent + Duration::from_millis(r.waited_ms) + Duration::from_millis(r.ttl_ms),
+        })
+    }
+
+    /// Releases a pin.
+    pub fn release(&self, pin: PinId) -> Result<()> {
+        self.call(
+            |client| {
+                Request::Release(ReleaseReq {
+                    client,
+                    pins: vec![pin],
+                })
+            },
+            &[],
+        )
+        .map(|(_, _): (ReleaseResp, _)| ())
+    }
+
+    /// Deletes cached blocks, or aborts this client's own uncommitted allocations.
+    pub fn delete(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<Vec<DeleteStatus>> {
+        let (r, _): (DeleteResp, _) = self.call(
+            |client| {
+                Request::Delete(DeleteReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.status)
+    }
+
+    /// The daemon's counters and gauges.
+    pub fn stats(&self) -> Result<StatsResp> {
+        Ok(self.raw_call(&Request::Stats(StatsReq {}), &[])?.0)
+    }
+}
