@@ -18,7 +18,7 @@
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread |
 //! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU; `nvme::initialize`: zeroing never-written space while idle, in segments the allocator lends |
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
-//! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), dispatch, deferred replies, signals, peer links |
+//! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), signals, peer links; a folder: `dispatch` (request → store / GPU tier / transfers, the drain policy), `replies` (sending, deferred answers), `tokens` |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
 //! | [`lease`] | the one `Lease` (created, renewed by one rule, checked) used by transfer exports, push registrations and GPU exports |
