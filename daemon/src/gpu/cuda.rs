@@ -13,27 +13,33 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use super::device::{inside, Copy, DevCopy, Dir, Memory};
+use super::device::{inside, mine, Copy, CopyEngine, DevCopy, DeviceError, Dir, EngineMemory};
 use crate::pool::Pool;
 
 /// Waits for every stream a job queued on (all of them, also after one fails), so that
 /// nothing still moves when the job is reported.
-fn sync_all(used: &[Arc<Ctx>]) -> Result<(), String> {
+fn sync_all(used: &[Arc<Ctx>]) -> Result<(), DeviceError> {
     let mut synced = Ok(());
     for c in used {
         if let Err(e) = c.stream.synchronize() {
-            synced = Err(format!("stream synchronize: {e:?}"));
+            synced = Err(DeviceError::Copy(format!("stream synchronize: {e:?}")));
         }
     }
     synced
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+/// A driver call's result: `Ok`, or `fail` of what the call was and what it returned.
+fn check(r: sys::CUresult, what: &str, fail: fn(String) -> DeviceError) -> Result<(), DeviceError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(format!("{what}: {r:?}"))
+        Err(fail(format!("{what}: {r:?}")))
     }
+}
+
+/// A context that does not bind or open: no usable device.
+fn no_device(e: impl std::fmt::Debug) -> DeviceError {
+    DeviceError::NoDevice(format!("{e:?}"))
 }
 
 struct Ctx {
@@ -61,10 +67,13 @@ pub struct CudaMemory {
     ctx: Arc<CudaContext>,
 }
 
-impl CudaMemory {
-    /// Bytes the registration may reach.
-    pub fn size(&self) -> u64 {
+impl EngineMemory for CudaMemory {
+    fn size(&self) -> u64 {
         self.size
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -90,17 +99,19 @@ impl std::fmt::Debug for Ctx {
 impl CudaDevice {
     /// The node's CUDA devices, or why there are none. `pool` is page-locked on the
     /// first registration.
-    pub fn new(pool: &Pool) -> Result<CudaDevice, String> {
+    pub fn new(pool: &Pool) -> Result<CudaDevice, DeviceError> {
+        let none = |m: String| DeviceError::NoDevice(m);
         // SAFETY: only tries to dlopen libcuda; nothing is called through it.
         if !unsafe { sys::is_culib_present() } {
-            return Err("libcuda not found (no NVIDIA driver)".into());
+            return Err(none("libcuda not found (no NVIDIA driver)".into()));
         }
-        let n = CudaContext::device_count().map_err(|e| format!("counting CUDA devices: {e:?}"))?;
+        let n = CudaContext::device_count()
+            .map_err(|e| none(format!("counting CUDA devices: {e:?}")))?;
         if n < 1 {
-            return Err("no CUDA device".into());
+            return Err(none("no CUDA device".into()));
         }
-        let len = usize::try_from(pool.size()).map_err(|e| e.to_string())?;
-        let base = pool.addr(0, len).map_err(|e| e.to_string())? as usize;
+        let len = usize::try_from(pool.size()).map_err(|e| none(e.to_string()))?;
+        let base = pool.addr(0, len).map_err(|e| none(e.to_string()))? as usize;
         Ok(CudaDevice {
             count: n as u32,
             ctxs: Mutex::new(HashMap::new()),
@@ -111,7 +122,7 @@ impl CudaDevice {
     }
 
     /// One line for the log.
-    pub fn describe(&self) -> String {
+    fn describe_driver(&self) -> String {
         let mut driver = 0;
         // SAFETY: libcuda is loaded (checked in `new`); a valid out pointer.
         unsafe { sys::cuDriverGetVersion(&mut driver) };
@@ -123,19 +134,22 @@ impl CudaDevice {
         )
     }
 
-    fn ctx(&self, ordinal: u32) -> Result<Arc<Ctx>, String> {
+    fn ctx(&self, ordinal: u32) -> Result<Arc<Ctx>, DeviceError> {
         if ordinal >= self.count {
-            return Err(format!("no CUDA device {ordinal} ({} found)", self.count));
+            return Err(DeviceError::NoDevice(format!(
+                "no CUDA device {ordinal} ({} found)",
+                self.count
+            )));
         }
         let mut m = self.ctxs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = m.get(&ordinal) {
             return Ok(Arc::clone(c));
         }
         let ctx = CudaContext::new(ordinal as usize)
-            .map_err(|e| format!("CUDA context {ordinal}: {e:?}"))?;
+            .map_err(|e| DeviceError::NoDevice(format!("CUDA context {ordinal}: {e:?}")))?;
         let stream = ctx
             .new_stream()
-            .map_err(|e| format!("CUDA stream: {e:?}"))?;
+            .map_err(|e| DeviceError::NoDevice(format!("CUDA stream: {e:?}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let c = Arc::new(Ctx { ctx, stream, name });
         m.insert(ordinal, Arc::clone(&c));
@@ -150,12 +164,12 @@ impl CudaDevice {
     }
 
     /// Page-locks the pool once (portable: every context may DMA to and from it).
-    fn register_pool(&self, c: &Ctx) -> Result<(), String> {
+    fn register_pool(&self, c: &Ctx) -> Result<(), DeviceError> {
         let mut done = self.registered.lock().unwrap_or_else(|p| p.into_inner());
         if *done {
             return Ok(());
         }
-        c.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        c.ctx.bind_to_thread().map_err(no_device)?;
         // SAFETY: `pool_base..+pool_len` is the daemon's pool mapping, which lives as long
         // as the daemon (the tier, and so this device, is dropped before the pool).
         let r = unsafe {
@@ -165,19 +179,22 @@ impl CudaDevice {
                 sys::CU_MEMHOSTREGISTER_PORTABLE,
             )
         };
-        check(r, "cuMemHostRegister of the pool")?;
+        check(r, "cuMemHostRegister of the pool", DeviceError::NoDevice)?;
         *done = true;
         tracing::info!(bytes = self.pool_len, "pool page-locked for GPU DMA");
         Ok(())
     }
 
     /// Opens a 64-byte `cuIpcGetMemHandle` handle of device `ordinal`.
-    pub fn open(&self, ordinal: u32, handle: &[u8], size: u64) -> Result<CudaMemory, String> {
-        let bytes: [u8; 64] = handle
-            .try_into()
-            .map_err(|_| format!("a CUDA IPC handle is 64 bytes, not {}", handle.len()))?;
+    fn open_ipc(&self, ordinal: u32, handle: &[u8], size: u64) -> Result<CudaMemory, DeviceError> {
+        let bytes: [u8; 64] = handle.try_into().map_err(|_| {
+            DeviceError::handle(format!(
+                "a CUDA IPC handle is 64 bytes, not {}",
+                handle.len()
+            ))
+        })?;
         let c = self.ctx(ordinal)?;
-        c.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        c.ctx.bind_to_thread().map_err(no_device)?;
         let h = sys::CUipcMemHandle {
             reserved: bytes.map(|b| b as std::ffi::c_char),
         };
@@ -191,7 +208,7 @@ impl CudaDevice {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         };
-        check(r, "cuIpcOpenMemHandle")?;
+        check(r, "cuIpcOpenMemHandle", DeviceError::BadHandle)?;
         let mem = CudaMemory {
             ordinal,
             ptr,
@@ -202,46 +219,25 @@ impl CudaDevice {
         let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: `ptr` is a live device pointer in this context; valid out pointers.
         let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, ptr) };
-        check(r, "cuMemGetAddressRange")?;
+        check(r, "cuMemGetAddressRange", DeviceError::BadHandle)?;
         let avail = (base + len as u64).saturating_sub(ptr);
         if avail < size {
-            return Err(format!(
-                "the allocation holds {avail} bytes; {size} declared"
-            ));
+            return Err(DeviceError::TooSmall {
+                what: "the allocation".into(),
+                holds: avail,
+                declared: size,
+            });
         }
         Ok(mem)
     }
 
-    /// Queues every copy on the device's stream, then waits for them — also when one
-    /// fails to queue, so that nothing still moves when the job is reported.
-    pub fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), String> {
-        let mut used: Vec<Arc<Ctx>> = Vec::new();
-        let queued = copies
-            .iter()
-            .try_for_each(|c| self.queue(dir, pool, c, &mut used));
-        queued.and(sync_all(&used))
-    }
-
-    /// Device-to-device: `cuMemcpyDtoDAsync` within a device, `cuMemcpyPeerAsync`
-    /// between two (over NVLink where the GPUs have it), on the destination's stream;
-    /// waits for all of it, also when one fails to queue.
-    pub fn copy_device(&self, copies: &[DevCopy]) -> Result<(), String> {
-        let mut used: Vec<Arc<Ctx>> = Vec::new();
-        let queued = copies
-            .iter()
-            .try_for_each(|c| self.queue_device(c, &mut used));
-        queued.and(sync_all(&used))
-    }
-
-    fn queue_device(&self, c: &DevCopy, used: &mut Vec<Arc<Ctx>>) -> Result<(), String> {
-        let (Memory::Cuda(s), Memory::Cuda(d)) = (&*c.src, &*c.dst) else {
-            return Err("memory of another device".into());
-        };
+    fn queue_device(&self, c: &DevCopy, used: &mut Vec<Arc<Ctx>>) -> Result<(), DeviceError> {
+        let (s, d) = (mine::<CudaMemory>(&*c.src)?, mine::<CudaMemory>(&*c.dst)?);
         inside("source", c.src_offset, c.len, s.size)?;
         inside("destination", c.dst_offset, c.len, d.size)?;
-        let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
+        let len = usize::try_from(c.len).map_err(|_| DeviceError::TooLong(c.len))?;
         let (sc, dc) = (self.ctx(s.ordinal)?, self.ctx(d.ordinal)?);
-        dc.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        dc.ctx.bind_to_thread().map_err(no_device)?;
         if !used.iter().any(|u| Arc::ptr_eq(u, &dc)) {
             used.push(Arc::clone(&dc));
         }
@@ -262,7 +258,7 @@ impl CudaDevice {
                 )
             }
         };
-        check(r, "device-to-device cuMemcpyAsync")
+        check(r, "device-to-device cuMemcpyAsync", DeviceError::Copy)
     }
 
     fn queue(
@@ -271,15 +267,15 @@ impl CudaDevice {
         pool: &Pool,
         c: &Copy,
         used: &mut Vec<Arc<Ctx>>,
-    ) -> Result<(), String> {
-        let Memory::Cuda(m) = &*c.mem else {
-            return Err("memory of another device".into());
-        };
+    ) -> Result<(), DeviceError> {
+        let m = mine::<CudaMemory>(&*c.mem)?;
         inside("device", c.dev_offset, c.len, m.size)?;
-        let len = usize::try_from(c.len).map_err(|e| e.to_string())?;
-        let host = pool.addr(c.pool_offset, len).map_err(|e| e.to_string())?;
+        let len = usize::try_from(c.len).map_err(|_| DeviceError::TooLong(c.len))?;
+        let host = pool
+            .addr(c.pool_offset, len)
+            .map_err(|e| DeviceError::Copy(format!("pool range: {e}")))?;
         let ctx = self.ctx(m.ordinal)?;
-        ctx.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        ctx.ctx.bind_to_thread().map_err(no_device)?;
         if !used.iter().any(|u| Arc::ptr_eq(u, &ctx)) {
             used.push(Arc::clone(&ctx));
         }
@@ -298,7 +294,43 @@ impl CudaDevice {
                 }
             }
         };
-        check(r, "cuMemcpyAsync")
+        check(r, "cuMemcpyAsync", DeviceError::Copy)
+    }
+}
+
+impl CopyEngine for CudaDevice {
+    fn describe(&self) -> String {
+        self.describe_driver()
+    }
+
+    fn open(
+        &self,
+        ordinal: u32,
+        handle: &[u8],
+        size: u64,
+    ) -> Result<Arc<dyn EngineMemory>, DeviceError> {
+        Ok(Arc::new(self.open_ipc(ordinal, handle, size)?))
+    }
+
+    /// Queues every copy on the device's stream, then waits for them — also when one
+    /// fails to queue, so that nothing still moves when the job is reported.
+    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), DeviceError> {
+        let mut used: Vec<Arc<Ctx>> = Vec::new();
+        let queued = copies
+            .iter()
+            .try_for_each(|c| self.queue(dir, pool, c, &mut used));
+        queued.and(sync_all(&used))
+    }
+
+    /// Device-to-device: `cuMemcpyDtoDAsync` within a device, `cuMemcpyPeerAsync`
+    /// between two (over NVLink where the GPUs have it), on the destination's stream;
+    /// waits for all of it, also when one fails to queue.
+    fn copy_device(&self, copies: &[DevCopy]) -> Result<(), DeviceError> {
+        let mut used: Vec<Arc<Ctx>> = Vec::new();
+        let queued = copies
+            .iter()
+            .try_for_each(|c| self.queue_device(c, &mut used));
+        queued.and(sync_all(&used))
     }
 }
 

@@ -16,6 +16,59 @@ pub struct Extent {
     pub len: u64,
 }
 
+/// Why a registration's geometry is refused: which rule, which segment.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// `num_blocks` out of bounds.
+    #[error("num_blocks {0} is outside 1..={MAX_GPU_BLOCKS}")]
+    Blocks(u64),
+    /// Too many or no segments.
+    #[error("{0} segments: 1..={MAX_GPU_SEGMENTS} expected")]
+    Segments(usize),
+    /// A segment names a region the registration does not have.
+    #[error("segment {segment} names region {region} of {regions}")]
+    NoRegion {
+        /// The segment.
+        segment: usize,
+        /// The region it names.
+        region: u32,
+        /// Regions registered.
+        regions: usize,
+    },
+    /// A segment of length 0.
+    #[error("segment {0} has length 0")]
+    Empty(usize),
+    /// A segment's last block reaches past its region.
+    #[error("segment {segment} (offset {offset}, stride {stride}, len {len}) reaches past region {region} ({size} bytes) by block {last}")]
+    PastRegion {
+        /// The segment.
+        segment: usize,
+        /// Its offset, stride and length.
+        offset: u64,
+        /// Stride between blocks.
+        stride: u64,
+        /// Bytes per block.
+        len: u64,
+        /// Its region and the region's size.
+        region: u32,
+        /// Bytes in the region.
+        size: u64,
+        /// The last block.
+        last: u64,
+    },
+    /// Segment lengths overflow.
+    #[error("segment lengths overflow")]
+    Overflow,
+    /// The segments do not add up to the layout's block.
+    #[error("the segments hold {total} bytes per block; the layout's block is {block_bytes}")]
+    BlockSize {
+        /// Bytes per block the segments hold.
+        total: u64,
+        /// The layout's block size.
+        block_bytes: u64,
+    },
+}
+
 /// See the module docs.
 #[derive(Clone, Debug)]
 pub struct Geometry {
@@ -32,29 +85,24 @@ impl Geometry {
         num_blocks: u64,
         segments: &[GpuSegment],
         block_bytes: u64,
-    ) -> Result<Geometry, String> {
+    ) -> Result<Geometry, GeometryError> {
         if num_blocks == 0 || num_blocks > MAX_GPU_BLOCKS {
-            return Err(format!(
-                "num_blocks {num_blocks} is outside 1..={MAX_GPU_BLOCKS}"
-            ));
+            return Err(GeometryError::Blocks(num_blocks));
         }
         if segments.is_empty() || segments.len() > MAX_GPU_SEGMENTS {
-            return Err(format!(
-                "{} segments: 1..={MAX_GPU_SEGMENTS} expected",
-                segments.len()
-            ));
+            return Err(GeometryError::Segments(segments.len()));
         }
         let mut total: u64 = 0;
         for (i, s) in segments.iter().enumerate() {
-            let size = *region_sizes.get(s.region as usize).ok_or_else(|| {
-                format!(
-                    "segment {i} names region {} of {}",
-                    s.region,
-                    region_sizes.len()
-                )
-            })?;
+            let size = *region_sizes
+                .get(s.region as usize)
+                .ok_or(GeometryError::NoRegion {
+                    segment: i,
+                    region: s.region,
+                    regions: region_sizes.len(),
+                })?;
             if s.len == 0 {
-                return Err(format!("segment {i} has length 0"));
+                return Err(GeometryError::Empty(i));
             }
             // The last block's piece ends at offset + (n - 1) * stride + len.
             let end = (num_blocks - 1)
@@ -64,24 +112,21 @@ impl Geometry {
             match end {
                 Some(e) if e <= size => {}
                 _ => {
-                    return Err(format!(
-                        "segment {i} (offset {}, stride {}, len {}) reaches past region {} ({size} bytes) by block {}",
-                        s.offset,
-                        s.stride,
-                        s.len,
-                        s.region,
-                        num_blocks - 1
-                    ))
+                    return Err(GeometryError::PastRegion {
+                        segment: i,
+                        offset: s.offset,
+                        stride: s.stride,
+                        len: s.len,
+                        region: s.region,
+                        size,
+                        last: num_blocks - 1,
+                    })
                 }
             }
-            total = total
-                .checked_add(s.len)
-                .ok_or_else(|| "segment lengths overflow".to_string())?;
+            total = total.checked_add(s.len).ok_or(GeometryError::Overflow)?;
         }
         if total != block_bytes {
-            return Err(format!(
-                "the segments hold {total} bytes per block; the layout's block is {block_bytes}"
-            ));
+            return Err(GeometryError::BlockSize { total, block_bytes });
         }
         Ok(Geometry {
             num_blocks,
@@ -172,22 +217,28 @@ mod tests {
     fn refusals_name_the_rule() {
         let ok = [seg(0, 0, 64, 64)];
         assert!(Geometry::new(&[640], 10, &ok, 64).is_ok());
-        let e = Geometry::new(&[639], 10, &ok, 64).unwrap_err();
+        let e = Geometry::new(&[639], 10, &ok, 64).unwrap_err().to_string();
         assert!(e.contains("reaches past region 0"), "{e}");
-        let e = Geometry::new(&[640], 10, &ok, 32).unwrap_err();
+        let e = Geometry::new(&[640], 10, &ok, 32).unwrap_err().to_string();
         assert!(e.contains("layout's block is 32"), "{e}");
-        let e = Geometry::new(&[640], 10, &[seg(1, 0, 64, 64)], 64).unwrap_err();
+        let e = Geometry::new(&[640], 10, &[seg(1, 0, 64, 64)], 64)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("names region 1 of 1"), "{e}");
-        let e = Geometry::new(&[640], 0, &ok, 64).unwrap_err();
+        let e = Geometry::new(&[640], 0, &ok, 64).unwrap_err().to_string();
         assert!(e.contains("num_blocks 0"), "{e}");
-        let e = Geometry::new(&[640], 10, &[], 64).unwrap_err();
+        let e = Geometry::new(&[640], 10, &[], 64).unwrap_err().to_string();
         assert!(e.contains("0 segments"), "{e}");
-        let e = Geometry::new(&[u64::MAX], 3, &[seg(0, 1, u64::MAX / 2 + 1, 1)], 1).unwrap_err();
+        let e = Geometry::new(&[u64::MAX], 3, &[seg(0, 1, u64::MAX / 2 + 1, 1)], 1)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("reaches past"),
             "overflow is refused, not wrapped: {e}"
         );
-        let e = Geometry::new(&[640], 10, &[seg(0, 0, 64, 0), seg(0, 0, 64, 64)], 64).unwrap_err();
+        let e = Geometry::new(&[640], 10, &[seg(0, 0, 64, 0), seg(0, 0, 64, 64)], 64)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("length 0"), "{e}");
     }
 

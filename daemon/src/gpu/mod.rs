@@ -7,11 +7,12 @@
 //! |---|---|
 //! | this one | registrations (who owns which, their geometry and opened memory, their idle lease), the ops' checks, the copies in flight and what each holds in the store |
 //! | [`geometry`] | the rule that every extent of every block lies inside its region |
-//! | [`device`] | what copies: CUDA (feature `cuda`), the host stand-in, or nothing and why |
-//! | [`worker`] | the copy thread and its hand-off back to the server thread |
-//! | [`handoff`] | same-node GPU-to-GPU handoff: exports, their leases and the checks on a pull's params (model-tested) |
-//! | `handoff_ops` | the tier's `gpu_export`, `gpu_pull`, `gpu_export_status` over those rules |
-//! | `cuda` | (feature `cuda`) the CUDA boundary: IPC handles, the pinned pool, async copies |
+//! | [`device`] | **where a GPU copy happens**: the [`device::CopyEngine`] trait (open engine memory, copy to and from pool slots, copy device to device), its errors, and [`device::Off`] |
+//! | [`host`] | the host stand-in engine: "device memory" is a file in `gpu.host_dir` |
+//! | `cuda` | (feature `cuda`) the CUDA engine, the CUDA boundary: IPC handles, the pinned pool, async copies |
+//! | [`worker`] | the copy thread (runs each job on the engine) and its hand-off back to the server thread |
+//! | [`exports`] | same-node GPU-to-GPU exports: their records, leases ([`crate::lease::Lease`]) and the checks on a pull's params (model-tested) |
+//! | `export_ops` | the tier's `gpu_export`, `gpu_pull`, `gpu_export_status` over those rules |
 //!
 //! Rules this module keeps:
 //! - a registration belongs to the session that made it; other sessions cannot use,
@@ -30,9 +31,10 @@
 //!   this cannot cover.
 
 pub mod device;
+mod export_ops;
+pub mod exports;
 pub mod geometry;
-pub mod handoff;
-mod handoff_ops;
+pub mod host;
 pub mod worker;
 
 #[cfg(feature = "cuda")]
@@ -45,7 +47,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::gpu::{GpuStoreStatus, MAX_GPU_HANDLE_BYTES, MAX_GPU_REGIONS};
 use kvd_protocol::*;
 
-use self::device::{Copy, Device, Dir, Memory};
+use self::device::{Copy, CopyEngine, Dir, EngineMemory, Off};
 use self::geometry::Geometry;
 use self::worker::{Job, Work, Worker};
 use crate::pool::Pool;
@@ -68,7 +70,7 @@ struct Registration {
     layout: LayoutId,
     device: u32,
     geometry: Geometry,
-    memory: Vec<Arc<Memory>>,
+    memory: Vec<Arc<dyn EngineMemory>>,
     in_flight: u64,
 }
 
@@ -121,7 +123,7 @@ pub struct GpuCounters {
 
 /// See the module docs.
 pub struct GpuTier {
-    device: Arc<Device>,
+    device: Arc<dyn CopyEngine>,
     worker: Option<Worker>,
     settings: GpuSettings,
     regs: HashMap<u64, Registration>,
@@ -129,7 +131,7 @@ pub struct GpuTier {
     pending: HashMap<u64, Pending>,
     system: Option<ClientId>,
     counters: GpuCounters,
-    exports: handoff::Exports,
+    exports: exports::Exports,
     next_sweep: Option<Instant>,
 }
 
@@ -153,8 +155,8 @@ impl GpuSettings {
 pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<GpuTier> {
     use crate::config::GpuDeviceMode as M;
     let settings = GpuSettings::from_config(c);
-    let device = match c.device {
-        M::Off => Device::Off("gpu.device = off".into()),
+    let device: Arc<dyn CopyEngine> = match c.device {
+        M::Off => Arc::new(Off("gpu.device = off".into())),
         M::Host => {
             let dir = match &c.host_dir {
                 Some(d) => d.clone(),
@@ -164,7 +166,7 @@ pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<
                     .map(std::path::Path::to_path_buf)
                     .unwrap_or_else(|| "/dev/shm".into()),
             };
-            Device::Host(device::HostDevice::new(dir, pool.path())?)
+            Arc::new(host::HostDevice::new(dir, pool.path())?)
         }
         M::Auto | M::Cuda => cuda_device(pool, c.device == M::Cuda),
     };
@@ -180,19 +182,19 @@ pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_device(pool: &Pool, _asked: bool) -> Device {
+fn cuda_device(pool: &Pool, _asked: bool) -> Arc<dyn CopyEngine> {
     match cuda::CudaDevice::new(pool) {
-        Ok(d) => Device::Cuda(d),
-        Err(why) => Device::Off(why),
+        Ok(d) => Arc::new(d),
+        Err(why) => Arc::new(Off(why.to_string())),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_pool: &Pool, _asked: bool) -> Device {
-    Device::Off(format!(
+fn cuda_device(_pool: &Pool, _asked: bool) -> Arc<dyn CopyEngine> {
+    Arc::new(Off(format!(
         "gpu.device = auto: {}",
         crate::config::WITHOUT_CUDA
-    ))
+    )))
 }
 
 impl GpuTier {
@@ -202,12 +204,15 @@ impl GpuTier {
             idle_ttl: Duration::from_secs(30),
             max_per_session: 0,
         };
-        Self::with(Arc::new(Device::Off(why.to_string())), None, settings)
+        Self::with(Arc::new(Off(why.to_string())), None, settings)
     }
 
     /// A tier over `device` (its copy thread starts unless the device is off).
-    pub fn new(device: Device, pool: Arc<Pool>, settings: GpuSettings) -> std::io::Result<GpuTier> {
-        let device = Arc::new(device);
+    pub fn new(
+        device: Arc<dyn CopyEngine>,
+        pool: Arc<Pool>,
+        settings: GpuSettings,
+    ) -> std::io::Result<GpuTier> {
         let worker = if device.off().is_some() {
             None
         } else {
@@ -216,7 +221,7 @@ impl GpuTier {
         Ok(Self::with(device, worker, settings))
     }
 
-    fn with(device: Arc<Device>, worker: Option<Worker>, settings: GpuSettings) -> GpuTier {
+    fn with(device: Arc<dyn CopyEngine>, worker: Option<Worker>, settings: GpuSettings) -> GpuTier {
         GpuTier {
             device,
             worker,
@@ -226,7 +231,7 @@ impl GpuTier {
             pending: HashMap::new(),
             system: None,
             counters: GpuCounters::default(),
-            exports: handoff::Exports::default(),
+            exports: exports::Exports::default(),
             next_sweep: None,
         }
     }
@@ -361,7 +366,7 @@ impl GpuTier {
                     g.size
                 )));
             }
-            memory.push(Arc::new(m));
+            memory.push(m);
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -683,9 +688,10 @@ impl GpuTier {
                     copied,
                     ..
                 } => {
+                    let message = result.as_ref().map_err(ToString::to_string);
                     self.exports.finish_pull(
                         &transfer_id,
-                        result.as_ref().map(|_| ()).map_err(String::as_str),
+                        message.as_ref().map(|_| ()).map_err(String::as_str),
                         now,
                     );
                     match result {

@@ -4,6 +4,32 @@ use super::*;
 use crate::pool::PoolOptions;
 use crate::store::StoreConfig;
 
+/// Opens like the host stand-in, fails every copy.
+struct FailCopies(host::HostDevice);
+
+impl CopyEngine for FailCopies {
+    fn describe(&self) -> String {
+        "failing (tests)".into()
+    }
+
+    fn open(
+        &self,
+        ordinal: u32,
+        handle: &[u8],
+        size: u64,
+    ) -> Result<Arc<dyn EngineMemory>, device::DeviceError> {
+        self.0.open(ordinal, handle, size)
+    }
+
+    fn copy(&self, _: Dir, _: &Pool, _: &[Copy]) -> Result<(), device::DeviceError> {
+        Err(device::DeviceError::Copy("injected device fault".into()))
+    }
+
+    fn copy_device(&self, _: &[device::DevCopy]) -> Result<(), device::DeviceError> {
+        Err(device::DeviceError::Copy("injected device fault".into()))
+    }
+}
+
 struct T {
     store: Store,
     client: ClientId,
@@ -53,13 +79,12 @@ fn setup() -> T {
 
 impl T {
     /// The host stand-in over the test's directory (which holds the pool file too).
-    fn host(&self) -> device::HostDevice {
-        device::HostDevice::new(self.dir.path().to_path_buf(), &self.dir.path().join("pool"))
-            .unwrap()
+    fn host(&self) -> host::HostDevice {
+        host::HostDevice::new(self.dir.path().to_path_buf(), &self.dir.path().join("pool")).unwrap()
     }
 
     /// A tier over `device` sharing this store's pool.
-    fn tier(&self, device: Device) -> GpuTier {
+    fn tier(&self, device: Arc<dyn CopyEngine>) -> GpuTier {
         let settings = GpuSettings {
             idle_ttl: Duration::from_secs(60),
             max_per_session: 4,
@@ -115,12 +140,12 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
     let mut t = setup();
     let now = Instant::now();
     // The pool file itself is never engine memory, even when it sits in host_dir.
-    let e = t.host().open(b"pool", 4096).expect_err("refused");
-    assert!(e.contains("pool file"), "{e}");
+    let e = t.host().open(0, b"pool", 4096).expect_err("refused");
+    assert!(e.to_string().contains("pool file"), "{e}");
     let keys = keys_in(0..3);
 
     // A working tier stores three blocks (for the failing load below).
-    let mut good = t.tier(Device::Host(t.host()));
+    let mut good = t.tier(Arc::new(t.host()));
     let g = t.register(&mut good, now);
     let req = GpuStoreReq {
         client: t.client,
@@ -137,7 +162,7 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
         Ok(Reply::Store(GpuStoreResp { stored: 3, .. }))
     ));
 
-    let mut bad = t.tier(Device::FailCopies(t.host()));
+    let mut bad = t.tier(Arc::new(FailCopies(t.host())));
     let b = t.register(&mut bad, now);
     let more = keys_in(10..12);
     let req = GpuStoreReq {
@@ -185,7 +210,7 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
 fn a_key_another_copy_is_storing_is_busy_not_pool_full() {
     let mut t = setup();
     let now = Instant::now();
-    let mut tier = t.tier(Device::Host(t.host()));
+    let mut tier = t.tier(Arc::new(t.host()));
     let reg = t.register(&mut tier, now);
     let keys = keys_in(0..2);
     let req = |blocks: Vec<u64>| GpuStoreReq {

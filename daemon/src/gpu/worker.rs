@@ -7,7 +7,7 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::device::{Copy, DevCopy, Device, Dir};
+use super::device::{Copy, CopyEngine, DevCopy, DeviceError, Dir};
 use crate::io::completions::Completions;
 use crate::pool::Pool;
 
@@ -28,7 +28,7 @@ pub struct Job {
 }
 
 /// A finished job.
-pub type Done = (u64, Result<(), String>);
+pub type Done = (u64, Result<(), DeviceError>);
 
 /// See the module docs.
 pub struct Worker {
@@ -39,7 +39,7 @@ pub struct Worker {
 
 impl Worker {
     /// Starts the thread.
-    pub fn start(device: Arc<Device>, pool: Arc<Pool>) -> std::io::Result<Worker> {
+    pub fn start(device: Arc<dyn CopyEngine>, pool: Arc<Pool>) -> std::io::Result<Worker> {
         let (tx, rx) = channel::<Job>();
         let done = Arc::new(Completions::new()?);
         let out = Arc::clone(&done);
@@ -53,7 +53,7 @@ impl Worker {
                             Work::Device(copies) => device.copy_device(copies),
                         }
                     }))
-                    .unwrap_or_else(|_| Err("the copy panicked".into()));
+                    .unwrap_or_else(|_| Err(DeviceError::Copy("the copy panicked".into())));
                     // The job's memory references drop here, before the server hears.
                     drop(job.work);
                     out.deliver([(job.token, r)]);

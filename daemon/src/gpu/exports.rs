@@ -1,4 +1,4 @@
-//! Same-node GPU-to-GPU handoff: `gpu_export` offers blocks of one engine's registration,
+//! Same-node GPU-to-GPU exports: `gpu_export` offers blocks of one engine's registration,
 //! `gpu_pull` copies them device to device into another engine's registration.
 //!
 //! Owns the rules of an export, each checked here only:

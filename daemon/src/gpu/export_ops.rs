@@ -1,5 +1,5 @@
-//! The tier's handoff ops (`gpu_export`, `gpu_pull`, `gpu_export_status`) over the
-//! export rules of [`super::handoff`].
+//! The tier's same-node export ops (`gpu_export`, `gpu_pull`, `gpu_export_status`) over the
+//! export rules of [`super::exports`].
 
 use std::sync::Arc;
 use std::time::Instant;
