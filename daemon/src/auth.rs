@@ -27,17 +27,47 @@ pub fn default_secret_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/tmp/kvd-cluster.key"))
 }
 
+/// Why the cluster key could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    /// Creating a missing secret file failed.
+    #[error("creating {}: {source}", path.display())]
+    Create {
+        /// The secret file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Reading it failed.
+    #[error("reading the cluster secret {}: {source} (every daemon of a cluster needs the same file: set transfer.secret_file / --cluster-secret-file)", path.display())]
+    Read {
+        /// The secret file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// It holds too short a secret.
+    #[error("{}: {source}", path.display())]
+    Short {
+        /// The secret file.
+        path: PathBuf,
+        /// The error.
+        source: kvd_protocol::auth::SecretTooShort,
+    },
+}
+
 /// Reads the cluster key from `path`; with `create`, a missing file is made first.
-pub fn load_key(path: &Path, create: bool) -> Result<ClusterKey, String> {
+pub fn load_key(path: &Path, create: bool) -> Result<ClusterKey, KeyError> {
+    let path_buf = || path.to_path_buf();
     if create && !path.exists() {
-        create_secret(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+        create_secret(path).map_err(|source| KeyError::Create {
+            path: path_buf(),
+            source,
+        })?;
     }
-    let text = std::fs::read(path).map_err(|e| {
-        format!(
-            "reading the cluster secret {}: {e} (every daemon of a cluster needs the same \
-             file: set transfer.secret_file / --cluster-secret-file)",
-            path.display()
-        )
+    let text = std::fs::read(path).map_err(|source| KeyError::Read {
+        path: path_buf(),
+        source,
     })?;
     if let Ok(md) = std::fs::metadata(path) {
         if md.permissions().mode() & 0o077 != 0 {
@@ -48,7 +78,10 @@ pub fn load_key(path: &Path, create: bool) -> Result<ClusterKey, String> {
             );
         }
     }
-    ClusterKey::from_secret(&text).map_err(|e| format!("{}: {e}", path.display()))
+    ClusterKey::from_secret(&text).map_err(|source| KeyError::Short {
+        path: path_buf(),
+        source,
+    })
 }
 
 /// Writes a fresh secret to `path` unless another process made one first (the new file
@@ -287,6 +320,9 @@ mod tests {
         let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let missing = d.path().join("nope.key");
-        assert!(load_key(&missing, false).unwrap_err().contains("nope.key"));
+        assert!(load_key(&missing, false)
+            .unwrap_err()
+            .to_string()
+            .contains("nope.key"));
     }
 }

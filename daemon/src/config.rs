@@ -82,6 +82,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub struct Size(pub u64);
 
 impl FromStr for Size {
+    // The one `String` error of the daemon's library code: `bytesize` reports its parse
+    // errors as `String`, and clap and serde take any `Display`; a type would only wrap it.
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();

@@ -57,13 +57,13 @@ impl Health {
     }
 
     /// Whether `/readyz` answers 200, else why not.
-    pub fn ready(&self) -> Result<(), String> {
+    pub fn ready(&self) -> Result<(), NotReady> {
         if self.phase() != Phase::Ready {
-            return Err(self.detail());
+            return Err(NotReady(self.detail()));
         }
         for (name, g) in self.gates.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             if !g.load(Ordering::Acquire) {
-                return Err(format!("waiting for {name}"));
+                return Err(NotReady(format!("waiting for {name}")));
             }
         }
         Ok(())
@@ -92,6 +92,11 @@ impl Default for Health {
     }
 }
 
+/// Why `/readyz` does not answer 200 (the phase's detail, or the gate waited for).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NotReady(pub String);
+
 /// The HTTP thread; stops when dropped.
 pub struct OpsServer {
     server: Arc<tiny_http::Server>,
@@ -105,10 +110,14 @@ impl OpsServer {
         addr: &str,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
-    ) -> Result<OpsServer, String> {
-        let server = Arc::new(
-            tiny_http::Server::http(addr).map_err(|e| format!("metrics endpoint {addr}: {e}"))?,
-        );
+    ) -> std::io::Result<OpsServer> {
+        let server = Arc::new(tiny_http::Server::http(addr).map_err(|e| {
+            // tiny_http's error is an io::Error boxed (bind, listen) or its own words.
+            match e.downcast::<std::io::Error>() {
+                Ok(io) => *io,
+                Err(other) => std::io::Error::other(other.to_string()),
+            }
+        })?);
         let bound = server
             .server_addr()
             .to_ip()
@@ -129,8 +138,7 @@ impl OpsServer {
                         tracing::debug!(error = %e, "metrics reply failed");
                     }
                 }
-            })
-            .map_err(|e| format!("spawning the HTTP thread: {e}"))?;
+            })?;
         Ok(OpsServer {
             server,
             addr: bound,

@@ -130,12 +130,8 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     let health = std::sync::Arc::new(http::Health::new());
     let _ops = match cfg.server.metrics_addr.as_deref() {
         Some(addr) if !addr.is_empty() => {
-            let s = http::OpsServer::start(addr, metrics.clone(), health.clone()).map_err(|e| {
-                DaemonError::Setup {
-                    what: e,
-                    source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
-                }
-            })?;
+            let s = http::OpsServer::start(addr, metrics.clone(), health.clone())
+                .map_err(setup_err(format!("metrics endpoint {addr}")))?;
             tracing::info!(addr = %s.addr(), "metrics, /healthz and /readyz served");
             Some(s)
         }

@@ -106,18 +106,19 @@ pub struct Stamp {
     pub nonce: u64,
 }
 
+/// A cluster secret shorter than [`MIN_SECRET_BYTES`] (after trimming): its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the cluster secret has {0} bytes; it needs at least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")]
+pub struct SecretTooShort(pub usize);
+
 impl ClusterKey {
     /// The key of a secret (the contents of the secret file, white space trimmed by
     /// [`trim_secret`]): the secret is hashed, so any encoding (hex, base64, raw) of at
     /// least [`MIN_SECRET_BYTES`] works.
-    pub fn from_secret(secret: &[u8]) -> Result<ClusterKey, String> {
+    pub fn from_secret(secret: &[u8]) -> Result<ClusterKey, SecretTooShort> {
         let s = trim_secret(secret);
         if s.len() < MIN_SECRET_BYTES {
-            return Err(format!(
-                "the cluster secret has {} bytes; it needs at least {MIN_SECRET_BYTES} \
-                 (e.g. `openssl rand -hex 32`)",
-                s.len()
-            ));
+            return Err(SecretTooShort(s.len()));
         }
         use blake2::{Blake2b, Digest};
         let mut h = Blake2b::<U32>::new();

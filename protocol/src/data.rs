@@ -105,12 +105,15 @@ impl DataHeader {
         }
     }
 
-    fn decode(b: &[u8; HEADER_BYTES]) -> Result<DataHeader, String> {
+    fn decode(b: &[u8; HEADER_BYTES]) -> Result<DataHeader, WireError> {
         if &b[0..4] != MAGIC {
-            return Err("bad magic".into());
+            return Err(WireError::new(ErrorCode::Malformed, "bad magic"));
         }
         if b[4] != VERSION {
-            return Err(format!("data-plane version {} not supported", b[4]));
+            return Err(WireError::new(
+                ErrorCode::Malformed,
+                format!("data-plane version {} not supported", b[4]),
+            ));
         }
         let u64at = |i: usize| {
             let mut a = [0u8; 8];
@@ -132,7 +135,7 @@ impl DataHeader {
 /// Checks a request header as the server does: its op, and how many bytes of ranges,
 /// MAC trailer and padding follow it.
 pub fn check_header(hdr: &[u8; HEADER_BYTES]) -> Result<(DataHeader, DataOp, usize), WireError> {
-    let h = DataHeader::decode(hdr).map_err(|m| WireError::new(ErrorCode::Malformed, m))?;
+    let h = DataHeader::decode(hdr)?;
     let op = match h.op {
         1 => DataOp::Read,
         2 => DataOp::Write,

@@ -107,9 +107,12 @@ pub enum ServerError {
     /// Waiting for readiness (`epoll`) failed (not interrupted).
     #[error("poll: {0}")]
     Poll(std::io::Error),
+    /// The cluster secret could not be loaded.
+    #[error("transfers: {0}")]
+    Key(#[from] crate::auth::KeyError),
     /// The transfer data plane could not start.
     #[error("transfers: {0}")]
-    Transfer(String),
+    Transfer(std::io::Error),
 }
 
 fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
@@ -245,8 +248,7 @@ impl Server {
         cfg: TransferConfig,
         pool: std::sync::Arc<crate::pool::Pool>,
     ) -> Result<(), ServerError> {
-        let key = crate::auth::load_key(&cfg.secret_file, cfg.create_secret)
-            .map_err(ServerError::Transfer)?;
+        let key = crate::auth::load_key(&cfg.secret_file, cfg.create_secret)?;
         let e = cfg.control_endpoint.clone();
         let peer = self.ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
         peer.set_router_mandatory(true)
@@ -268,7 +270,7 @@ impl Server {
         self.links.timeout = cfg.peer_timeout;
         self.links.key = Some(key.clone());
         let t = Transfers::start(cfg, bound, pool, key, &mut self.store, Instant::now())
-            .map_err(|e| ServerError::Transfer(e.to_string()))?;
+            .map_err(ServerError::Transfer)?;
         if let Some(g) = t.ready_gate() {
             self.health.add_gate("the etcd registration", g);
         }
