@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
-FEAT=kvd-engine/cuda,kvd-cuda/cuda,kvd-daemon/cuda
+FEAT=kvd-engine/cuda,kvd-model/cuda,kvd-daemon/cuda
 cargo build --release -p kvd-daemon -p kvd-engine -p kvd-bench --features "$FEAT,kvd-bench/cuda"
-cargo test --release -p kvd-cuda -p kvd-engine -p kvd-daemon --features "$FEAT" --no-run \
+cargo test --release -p kvd-model -p kvd-engine -p kvd-daemon --features "$FEAT" --no-run \
   --test kernels --test gpu --test nvrtc --test gpu_cuda
 rm -rf gpu-bin && mkdir gpu-bin
 cp target/gpu/release/{kvd,kvd-engine,kvd-router,kvd-bench} gpu-bin/

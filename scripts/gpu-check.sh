@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks, run on the GPU machine from the directory scripts/gpu-build.sh filled:
 #   gpu-bin/gpu-check.sh [gpu-bin] [out-dir]
-# 0. every kernel file compiles under this machine's NVRTC (kvd-cuda tests/nvrtc.rs);
-# 1. every CUDA kernel against the CPU reference (kvd-cuda tests/kernels.rs);
+# 0. every kernel file compiles under this machine's NVRTC (kvd-model tests/nvrtc.rs);
+# 1. every CUDA kernel against the CPU reference (kvd-model tests/kernels.rs);
 # 2. CUDA engines disaggregated through two kvd daemons vs a CUDA aggregated engine
 #    (kvd-engine tests/gpu.rs);
 # 3. the daemon's GPU tier on the device: IPC memory of the test process, gpu_store /

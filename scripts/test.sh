@@ -92,8 +92,8 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Every optional feature in one run (the default set is covered above).
-cargo clippy -p kvd-daemon -p kvd-cuda -p kvd-engine -p kvd-bench --all-targets --locked \
-  --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-cuda/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
+cargo clippy -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench --all-targets --locked \
+  --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-model/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
 
 step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
 cargo test -p kvd-daemon --lib --locked -q --features loom loom
@@ -157,7 +157,7 @@ set +e
 timeout 1800 cargo test --workspace --locked --no-fail-fast --features kvd-daemon/etcd 2>&1 | tee "$log"
 s1=${PIPESTATUS[0]}
 # The hardware builds, compiled once for both runs below (same packages, same features).
-hw=(-p kvd-cuda -p kvd-engine -p kvd-daemon --locked --features kvd-cuda/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
+hw=(-p kvd-model -p kvd-engine -p kvd-daemon --locked --features kvd-model/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
 # The rdma build's own tests: with no RDMA device they say so in one `SKIP:` line (with
 # KVD_REQUIRE_RDMA=1 they fail instead). This build has no etcd feature, so p2p.rs's
 # refusal test runs here too.

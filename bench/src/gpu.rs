@@ -444,9 +444,9 @@ mod cuda {
 
     /// The gather and scatter kernels against `cuMemcpyDtoD` of the same bytes.
     pub fn kernels(reps: usize) -> Result<Vec<CaseResult>> {
-        use kvd_cuda::backend::Backend;
-        use kvd_cuda::KvGeometry;
-        let be = kvd_cuda::cuda::CudaBackend::new(0)?;
+        use kvd_model::backend::Backend;
+        use kvd_model::KvGeometry;
+        let be = kvd_model::cuda::CudaBackend::new(0)?;
         let g = KvGeometry {
             layers: 32,
             kv_heads: 8,

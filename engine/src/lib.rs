@@ -2,7 +2,7 @@
 //!
 //! The reference engines and router that show and test kvd end to end:
 //!
-//! - [`worker`]: the engine core — the small transformer of `kvd-cuda` with its paged KV
+//! - [`worker`]: the engine core — the small transformer of `kvd-model` with its paged KV
 //!   cache on a scheduler thread, and the kvd connector (prefix hits from kvd, storing
 //!   computed blocks, export for a remote decode, pull or push for a decode).
 //! - [`server`]: the engine's OpenAI-style HTTP front (`kvd-engine --role

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use kvd_client::{Client, LayoutInfo, PinnedBlocks};
-use kvd_cuda::backend::{AnyBackend, Backend};
-use kvd_cuda::model::Weights;
-use kvd_cuda::tokenizer::Tokenizer;
-use kvd_cuda::{Model, ModelConfig, Sequence};
+use kvd_model::backend::{AnyBackend, Backend};
+use kvd_model::model::Weights;
+use kvd_model::tokenizer::Tokenizer;
+use kvd_model::{Model, ModelConfig, Sequence};
 use kvd_protocol::transfer::{TransferParams, TransferState};
 use kvd_protocol::{hash, ChunkHash, Dtype, Layout, MemoryOrder};
 use tokio::sync::mpsc::UnboundedSender;
@@ -181,7 +181,7 @@ struct Kv {
 
 /// Registers the pool mapping with the GPU for DMA (a failure leaves the bounce path).
 #[cfg(feature = "cuda")]
-fn register_pool(c: &kvd_cuda::cuda::CudaBackend, r: &kvd_client::PoolRegion) {
+fn register_pool(c: &kvd_model::cuda::CudaBackend, r: &kvd_client::PoolRegion) {
     // SAFETY: `r` keeps the mapping alive; it is stored in `Kv::region` for as long as
     // it stays registered, and unregistered (`refresh_pool`) before it is dropped.
     if let Err(e) = unsafe { c.register_host(r.as_ptr(), r.len()) } {
@@ -274,7 +274,7 @@ impl Engine {
             "role {} needs kvd",
             cfg.role.name()
         );
-        let backend = kvd_cuda::select_backend(&cfg.backend)?;
+        let backend = kvd_model::select_backend(&cfg.backend)?;
         let weights = match &cfg.weights {
             Some(p) => Weights::from_safetensors(p, &cfg.model)?,
             None => Weights::seeded(&cfg.model),
@@ -774,7 +774,7 @@ impl Scheduler {
             ..Default::default()
         };
         let mut cached = 0;
-        let res = (|| -> Result<(kvd_cuda::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
+        let res = (|| -> Result<(kvd_model::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
             if let Some(p) = job.prefix.as_ref().filter(|p| p.n > 0) {
                 let loaded =
                     (|| -> Result<()> {

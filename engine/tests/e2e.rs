@@ -313,8 +313,8 @@ fn router_faults_end_in_clear_errors_within_a_bound() {
 }
 
 /// The small model the weights-file tests write out (seed 5).
-fn tiny_model() -> kvd_cuda::ModelConfig {
-    kvd_cuda::ModelConfig {
+fn tiny_model() -> kvd_model::ModelConfig {
+    kvd_model::ModelConfig {
         dim: 64,
         layers: 2,
         heads: 4,
@@ -331,7 +331,7 @@ fn tiny_model() -> kvd_cuda::ModelConfig {
 /// model's vocabulary.
 #[test]
 fn engine_runs_weights_config_and_tokenizer_from_files() {
-    use kvd_cuda::model::Weights;
+    use kvd_model::model::Weights;
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny_model();
     let (w, c, t) = (
@@ -412,8 +412,8 @@ fn engines_with_other_weights_do_not_share_blocks() {
 /// model X, decode's model Y"), where it used to be "for another layout".
 #[test]
 fn the_model_is_known_by_its_weights_not_its_path() {
-    use kvd_cuda::model::Weights;
-    use kvd_cuda::ModelConfig;
+    use kvd_model::model::Weights;
+    use kvd_model::ModelConfig;
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny_model();
     let (a, b, c) = (

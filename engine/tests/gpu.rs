@@ -10,7 +10,7 @@ mod common;
 fn cuda_engines_disaggregated_match_aggregated() {
     use common::*;
     use serde_json::json;
-    if let Err(e) = kvd_cuda::cuda::CudaBackend::new(0) {
+    if let Err(e) = kvd_model::cuda::CudaBackend::new(0) {
         assert!(
             std::env::var_os("KVD_REQUIRE_CUDA").is_none(),
             "a CUDA device is required (KVD_REQUIRE_CUDA) but: {e:#}"
@@ -47,7 +47,7 @@ fn cuda_engines_disaggregated_match_aggregated() {
             }
         }
     }
-    // Kernels match the CPU within tolerance (tests/kernels.rs in kvd-cuda); whole token
+    // Kernels match the CPU within tolerance (tests/kernels.rs in kvd-model); whole token
     // sequences may part where two logits are within that tolerance, so this is reported.
     println!(
         "CUDA aggregated tokens equal the CPU reference's for {same_cpu}/{total} prompt×seed cases"

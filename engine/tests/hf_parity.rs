@@ -3,13 +3,13 @@
 //! greedy tokens of `kvd-engine --model-config config.json --weights model.safetensors`
 //! equal transformers' own — aggregated without kvd, aggregated with the prompt's prefix
 //! served from kvd, and disaggregated through two kvd daemons by pull and by push.
-//! (Every variant at the model level: `cuda/tests/hf_parity.rs`.)
+//! (Every variant at the model level: `model/tests/hf_parity.rs`.)
 //!
 //! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
 //! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
 
 mod common;
-#[path = "../../cuda/tests/hf_reference/mod.rs"]
+#[path = "../../model/tests/hf_reference/mod.rs"]
 mod hf_reference;
 
 use common::*;

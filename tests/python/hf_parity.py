@@ -1,5 +1,5 @@
 """Reference outputs of Hugging Face transformers' own LlamaForCausalLM, for the engine's
-parity tests (cuda/tests/hf_parity.rs, engine/tests/hf_parity.rs).
+parity tests (model/tests/hf_parity.rs, engine/tests/hf_parity.rs).
 
 Writes, per variant, a tiny random checkpoint exactly as transformers saves it
 (`save_pretrained`: config.json in the installed transformers' format, model.safetensors

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvd_cuda::ModelConfig;
 use kvd_engine::worker::{Engine, EngineConfig, Role};
+use kvd_model::ModelConfig;
 
 /// Reference LLM engine over kvd: OpenAI-style completions with SSE.
 #[derive(Parser, Debug)]
@@ -28,7 +28,7 @@ struct Args {
     /// auto (CUDA when a device is usable), cpu or cuda.
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// Model shape as JSON (kvd-cuda ModelConfig fields), or a Hugging Face config.json
+    /// Model shape as JSON (kvd-model ModelConfig fields), or a Hugging Face config.json
     /// next to --weights.
     #[arg(long)]
     model_config: Option<PathBuf>,

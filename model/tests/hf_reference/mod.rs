@@ -1,5 +1,5 @@
 //! `tests/python/hf_parity.py` run once into a temporary directory: the Hugging Face
-//! reference of `cuda/tests/hf_parity.rs` and `engine/tests/hf_parity.rs` (which
+//! reference of `model/tests/hf_parity.rs` and `engine/tests/hf_parity.rs` (which
 //! includes this file by path).
 
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! # kvd-cuda
+//! # kvd-model
 //!
 //! Owns the compute side of the reference engine:
 //!

@@ -1,4 +1,4 @@
-// kvd-cuda kernels, compiled at run time with NVRTC (see src/cuda.rs).
+// kvd-model kernels, compiled at run time with NVRTC (see src/cuda.rs).
 // Each kernel has a CPU reference in src/cpu.rs with the same meaning; the tests
 // compare them. All tensors are f32, row-major; the paged KV cache is
 // [layer][part][block][token][kv_head][head_dim].

@@ -2,8 +2,8 @@
 //! refusal, by name, of everything the engine does not implement. (That the engine then
 //! computes what transformers computes is `hf_parity.rs`.)
 
-use kvd_cuda::model::{RopeScaling, Weights};
-use kvd_cuda::ModelConfig;
+use kvd_model::model::{RopeScaling, Weights};
+use kvd_model::ModelConfig;
 use serde_json::{json, Value};
 
 fn base() -> Value {

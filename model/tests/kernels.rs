@@ -2,9 +2,9 @@
 //! with feature `cuda`, every CUDA kernel against the CPU reference (one `SKIP:` line
 //! where no GPU is usable).
 
-use kvd_cuda::backend::Backend;
-use kvd_cuda::model::Weights;
-use kvd_cuda::{cpu, CpuBackend, KvGeometry, Model, ModelConfig, Sequence};
+use kvd_model::backend::Backend;
+use kvd_model::model::Weights;
+use kvd_model::{cpu, CpuBackend, KvGeometry, Model, ModelConfig, Sequence};
 
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
     (0..n)
@@ -425,7 +425,7 @@ fn safetensors_weights_and_hf_config_load() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use kvd_cuda::cuda::CudaBackend;
+    use kvd_model::cuda::CudaBackend;
 
     fn device() -> Option<CudaBackend> {
         match CudaBackend::new(0) {

@@ -1,6 +1,6 @@
 //! The byte-level tokenizer and a Hugging Face `tokenizer.json`.
 
-use kvd_cuda::tokenizer::Tokenizer;
+use kvd_model::tokenizer::Tokenizer;
 
 #[test]
 fn byte_level_round_trips_utf8() {

@@ -1,6 +1,6 @@
 //! Every CUDA kernel file compiles under the real NVRTC, through the project's own path
-//! ([`kvd_cuda::cuda::compile`], what `CudaBackend::new` runs on the GPU), for
-//! [`kvd_cuda::cuda::ARCH`]. Needs libnvrtc only, no GPU: the test command puts the
+//! ([`kvd_model::cuda::compile`], what `CudaBackend::new` runs on the GPU), for
+//! [`kvd_model::cuda::ARCH`]. Needs libnvrtc only, no GPU: the test command puts the
 //! `nvidia-cuda-nvrtc` wheel's on `LD_LIBRARY_PATH`. Without it this says `SKIP:` (with
 //! `KVD_REQUIRE_NVRTC=1`, as the test command sets, it fails instead). The PTX is then
 //! assembled for sm_90 with the real `ptxas` (registers, shared memory, no spills).
@@ -8,7 +8,7 @@
 
 #[test]
 fn every_kernel_file_compiles_under_nvrtc() {
-    if !kvd_cuda::cuda::nvrtc_present() {
+    if !kvd_model::cuda::nvrtc_present() {
         assert!(
             std::env::var_os("KVD_REQUIRE_NVRTC").is_none(),
             "libnvrtc is required (KVD_REQUIRE_NVRTC) but not found on LD_LIBRARY_PATH"
@@ -23,7 +23,7 @@ fn every_kernel_file_compiles_under_nvrtc() {
         if p.extension().is_some_and(|x| x == "cu") {
             let src = std::fs::read_to_string(&p).unwrap();
             let ptx =
-                kvd_cuda::cuda::compile(&src).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                kvd_model::cuda::compile(&src).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
             let text = ptx.to_src();
             assert!(
                 text.contains(".target sm_90"),
@@ -38,10 +38,10 @@ fn every_kernel_file_compiles_under_nvrtc() {
     }
     assert!(n > 0, "no .cu files in {}", dir.display());
     // The embedded source is one of them, and has every kernel the backend loads.
-    let ptx = kvd_cuda::cuda::compile(kvd_cuda::cuda::KERNELS)
+    let ptx = kvd_model::cuda::compile(kvd_model::cuda::KERNELS)
         .unwrap()
         .to_src();
-    for name in kvd_cuda::cuda::NAMES {
+    for name in kvd_model::cuda::NAMES {
         assert!(
             ptx.contains(&format!(".entry {name}(")),
             "kernel {name} missing"
@@ -58,7 +58,7 @@ fn every_kernel_file_compiles_under_nvrtc() {
 fn every_kernel_assembles_for_sm_90_without_spills() {
     let ptxas = std::env::var_os("KVD_PTXAS").map(std::path::PathBuf::from);
     let required = std::env::var_os("KVD_REQUIRE_PTXAS").is_some();
-    let usable = ptxas.as_ref().is_some_and(|p| p.is_file()) && kvd_cuda::cuda::nvrtc_present();
+    let usable = ptxas.as_ref().is_some_and(|p| p.is_file()) && kvd_model::cuda::nvrtc_present();
     if !usable {
         assert!(
             !required,
@@ -67,7 +67,7 @@ fn every_kernel_assembles_for_sm_90_without_spills() {
         println!("SKIP: no ptxas (KVD_PTXAS) or no libnvrtc; kernels not assembled for sm_90");
         return;
     }
-    let ptx = kvd_cuda::cuda::compile(kvd_cuda::cuda::KERNELS)
+    let ptx = kvd_model::cuda::compile(kvd_model::cuda::KERNELS)
         .unwrap()
         .to_src();
     let dir = tempfile::tempdir().unwrap();
@@ -107,7 +107,7 @@ fn every_kernel_assembles_for_sm_90_without_spills() {
             seen.push(current.clone());
         }
     }
-    for name in kvd_cuda::cuda::NAMES {
+    for name in kvd_model::cuda::NAMES {
         assert!(
             seen.iter().any(|s| s == name),
             "ptxas reported nothing for {name}:\n{said}"

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 mod hf_reference;
 use hf_reference::reference;
 
-use kvd_cuda::model::Weights;
-use kvd_cuda::{CpuBackend, Model, ModelConfig, Sequence};
+use kvd_model::model::Weights;
+use kvd_model::{CpuBackend, Model, ModelConfig, Sequence};
 
 struct Expected {
     prompt: Vec<u32>,
