@@ -92,8 +92,8 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Every optional feature in one run (the default set is covered above).
-cargo clippy -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench --all-targets --locked \
-  --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-model/cuda,kvd-engine/cuda,kvd-bench/cuda -- -D warnings
+cargo clippy -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench -p kvd-testkit --all-targets --locked \
+  --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-model/cuda,kvd-engine/cuda,kvd-bench/cuda,kvd-testkit/cuda -- -D warnings
 
 step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
 cargo test -p kvd-daemon --lib --locked -q --features loom loom

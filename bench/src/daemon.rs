@@ -1,30 +1,20 @@
-//! Starts a private `kvd` for a bench run (the binary next to `kvd-bench`), with a
-//! generated config file, and stops it with SIGTERM when dropped.
+//! A private `kvd` for a bench run (the binary next to `kvd-bench`), configured by a
+//! generated config file, stopped with SIGTERM when dropped: `kvd-testkit`'s launcher
+//! with the bench's settings.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use kvd_testkit::{Daemon, Launch, Stop};
 
-/// A daemon owned by the bench.
-pub struct BenchDaemon {
-    child: Child,
-    /// Its endpoint.
-    pub endpoint: String,
-    _dir: tempfile::TempDir,
-}
+/// A daemon owned by the bench (derefs to the launcher's [`Daemon`]: `endpoint`, `pid`).
+pub struct BenchDaemon(Daemon);
 
-fn kvd_binary() -> Result<PathBuf> {
-    let me = std::env::current_exe()?;
-    let p = me.with_file_name("kvd");
-    if !p.exists() {
-        bail!(
-            "{} not found: build it (cargo build --release -p kvd-daemon) or pass --endpoint",
-            p.display()
-        );
+impl std::ops::Deref for BenchDaemon {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.0
     }
-    Ok(p)
 }
 
 impl BenchDaemon {
@@ -69,60 +59,19 @@ impl BenchDaemon {
         extra_toml: &str,
         busy_poll: bool,
     ) -> Result<BenchDaemon> {
-        let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
-        let sock = dir.path().join("kvd.sock");
-        let endpoint = format!("ipc://{}", sock.display());
-        let cfg = dir.path().join("kvd.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "[server]\nendpoints = [\"{endpoint}\"]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\npath = \"{}\"\nsize = {pool_bytes}\n\
-                 segment_size = {segment_bytes}\nprefault = {prefault}\n[limits]\nalloc_ttl_ms = {alloc_ttl_ms}\n[log]\nlevel = \"warn\"\n",
-                dir.path().join("kvd.pool").display()
-            ) + extra_toml,
-        )?;
-        let child = Command::new(kvd_binary()?)
-            .arg("--config")
-            .arg(&cfg)
+        let toml = format!(
+            "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nsize = {pool_bytes}\n\
+             segment_size = {segment_bytes}\nprefault = {prefault}\n[limits]\nalloc_ttl_ms = {alloc_ttl_ms}\n[log]\nlevel = \"warn\"\n"
+        ) + extra_toml;
+        Launch::new()
+            .bin(std::env::current_exe()?.with_file_name("kvd"))
+            .config(toml)
             .env("KVD_BUSY_POLL", busy_poll.to_string())
-            .stdin(Stdio::null())
-            .spawn()
-            .context("spawning kvd")?;
-        let d = BenchDaemon {
-            child,
-            endpoint,
-            _dir: dir,
-        };
-        let until = Instant::now() + Duration::from_secs(60);
-        while !sock.exists() {
-            if Instant::now() > until {
-                bail!("kvd did not start within 60 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(d)
-    }
-
-    /// The daemon's pid.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for BenchDaemon {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.child.id().to_string())
-            .status();
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+            .stop(Stop::Term(Duration::from_secs(10)))
+            // a prefaulted pool of many GiB takes a while
+            .timeout(Duration::from_secs(60))
+            .start()
+            .map(BenchDaemon)
+            .context("starting kvd (build it with cargo build --release -p kvd-daemon, or pass --endpoint)")
     }
 }

@@ -331,64 +331,29 @@ mod cuda {
         Ok(())
     }
 
-    pub struct DevMem {
-        ptr: sys::CUdeviceptr,
-        len: u64,
-        handle: Vec<u8>,
-        _ctx: Arc<CudaContext>,
+    use kvd_testkit::cuda::DevBuf;
+
+    fn dev(ctx: &Arc<CudaContext>, len: u64) -> Result<DevBuf> {
+        Ok(DevBuf::new(ctx, len as usize)?)
     }
 
-    impl DevMem {
-        fn new(ctx: &Arc<CudaContext>, len: u64) -> Result<DevMem> {
-            ctx.bind_to_thread()?;
-            let mut ptr = 0;
-            // SAFETY: a valid out pointer; the context is bound.
-            let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) };
-            ok(r, "cuMemAlloc")?;
-            let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-            // SAFETY: `ptr` is a cuMemAlloc allocation; a valid out pointer.
-            let r = unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) };
-            ok(r, "cuIpcGetMemHandle")?;
-            // SAFETY: initialised by the successful call above.
-            let h = unsafe { h.assume_init() };
-            Ok(DevMem {
-                ptr,
-                len,
-                handle: h.reserved.iter().map(|&c| c as u8).collect(),
-                _ctx: ctx.clone(),
-            })
-        }
-    }
-
-    impl Drop for DevMem {
-        fn drop(&mut self) {
-            // SAFETY: allocated in `new`, freed once.
-            unsafe { sys::cuMemFree_v2(self.ptr) };
-        }
-    }
-
-    impl EngineMem for DevMem {
+    impl EngineMem for DevBuf {
         fn region(&self) -> GpuRegion {
-            GpuRegion {
-                handle: self.handle.clone(),
-                size: self.len,
-            }
+            DevBuf::region(self)
         }
         fn fill(&self, byte: u8) {
-            // SAFETY: the whole allocation.
-            unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.len as usize) };
+            if let Err(e) = DevBuf::fill(self, byte) {
+                eprintln!("filling device memory: {e}");
+            }
         }
         fn first_bytes(&self, n: usize) -> Vec<u8> {
-            let mut v = vec![0u8; n];
-            // SAFETY: `n` <= len; `v` holds `n` bytes.
-            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), self.ptr, n) };
-            v
+            self.read(0, n).unwrap_or_else(|_| vec![0; n])
         }
     }
 
     struct CudaCeilings {
-        a: DevMem,
-        b: DevMem,
+        a: DevBuf,
+        b: DevBuf,
         host: *mut std::ffi::c_void,
         len: u64,
     }
@@ -416,21 +381,21 @@ mod cuda {
 
     impl Ceilings for CudaCeilings {
         fn engine_to_host(&mut self, block: usize) -> Result<Duration> {
-            let (h, d) = (self.host as usize, self.a.ptr);
+            let (h, d) = (self.host as usize, self.a.device_ptr());
             // SAFETY: `at + block <= len` for both the pinned buffer and the allocation.
             self.each(block, |at| unsafe {
                 sys::cuMemcpyDtoH_v2((h + at as usize) as *mut _, d + at, block)
             })
         }
         fn host_to_engine(&mut self, block: usize) -> Result<Duration> {
-            let (h, d) = (self.host as usize, self.b.ptr);
+            let (h, d) = (self.host as usize, self.b.device_ptr());
             // SAFETY: as above.
             self.each(block, |at| unsafe {
                 sys::cuMemcpyHtoD_v2(d + at, (h + at as usize) as *const _, block)
             })
         }
         fn engine_to_engine(&mut self, block: usize) -> Result<Duration> {
-            let (s, d) = (self.a.ptr, self.b.ptr);
+            let (s, d) = (self.a.device_ptr(), self.b.device_ptr());
             // SAFETY: both allocations hold `len` bytes.
             self.each(block, |at| unsafe {
                 sys::cuMemcpyDtoD_v2(d + at, s + at, block)
@@ -464,13 +429,13 @@ mod cuda {
         let bytes = (per_block * n * 4) as u64;
         // The ceiling: one DtoD of the same bytes between two plain allocations.
         let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let (a, b) = (DevMem::new(&ctx, bytes)?, DevMem::new(&ctx, bytes)?);
+        let (a, b) = (dev(&ctx, bytes)?, dev(&ctx, bytes)?);
         let (mut cg, mut gt, mut sc) = (vec![], vec![], vec![]);
         for _ in 0..reps {
             ctx.bind_to_thread()?;
             let t = Instant::now();
             // SAFETY: both allocations hold `bytes`.
-            let r = unsafe { sys::cuMemcpyDtoD_v2(b.ptr, a.ptr, bytes as usize) };
+            let r = unsafe { sys::cuMemcpyDtoD_v2(b.device_ptr(), a.device_ptr(), bytes as usize) };
             ok(r, "cuMemcpyDtoD")?;
             // SAFETY: a plain synchronize of the bound context.
             ok(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
@@ -515,14 +480,14 @@ mod cuda {
         let r = unsafe { sys::cuMemHostAlloc(&mut host, len as usize, 0) };
         ok(r, "cuMemHostAlloc")?;
         let ceil = CudaCeilings {
-            a: DevMem::new(&ctx, len)?,
-            b: DevMem::new(&ctx, len)?,
+            a: dev(&ctx, len)?,
+            b: dev(&ctx, len)?,
             host,
             len,
         };
         Ok((
-            Box::new(DevMem::new(&ctx, len)?),
-            Box::new(DevMem::new(&ctx, len)?),
+            Box::new(dev(&ctx, len)?),
+            Box::new(dev(&ctx, len)?),
             Box::new(ceil),
         ))
     }

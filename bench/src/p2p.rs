@@ -48,36 +48,6 @@ pub struct P2pArgs {
     json: bool,
 }
 
-/// A free loopback port for a daemon's control endpoint, below the kernel's ephemeral
-/// range: a port bound to 0 and released can be taken before the daemon binds it by any
-/// socket bound to port 0 meanwhile (another daemon's data port, an outgoing
-/// connection), which lost the bench a daemon once ("Address already in use").
-fn free_port(given: &mut Vec<u16>) -> Result<u16> {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    if low < 12_000 {
-        // no room below the range: the old way
-        return Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port());
-    }
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos()) as usize
-        + std::process::id() as usize;
-    let span = usize::from(low - 10_000);
-    for i in 0..span {
-        let p = 10_000 + ((seed + i * 7919) % span) as u16;
-        if !given.contains(&p) && std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
-            given.push(p);
-            return Ok(p);
-        }
-    }
-    bail!("no free port below {low}")
-}
-
 fn delete_all(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> Result<()> {
     let until = Instant::now() + Duration::from_secs(5);
     loop {
@@ -96,10 +66,8 @@ pub fn run(a: P2pArgs) -> Result<()> {
     let max_block = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(1 << 20);
     let pool = a.batch.as_u64() * 4 + (256 << 20);
     let seg = max_block.max(32 << 20);
-    let mut given = Vec::new();
-    let ports: Vec<u16> = (0..4)
-        .map(|_| free_port(&mut given))
-        .collect::<Result<_>>()?;
+    // Below the kernel's ephemeral range: see `kvd_testkit::free_port`.
+    let ports: Vec<u16> = (0..4).map(|_| kvd_testkit::free_port()).collect();
     let list: Vec<String> = ports
         .iter()
         .map(|p| format!("\"tcp://127.0.0.1:{p}\""))

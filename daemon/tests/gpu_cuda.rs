@@ -11,78 +11,11 @@ use std::time::Instant;
 
 use common::*;
 use cudarc::driver::{sys, CudaContext};
-use kvd_protocol::{GpuRegion, GpuSegment};
+use kvd_protocol::GpuSegment;
+use kvd_testkit::cuda::DevBuf;
 
 const BLOCK: u64 = 64 * 1024;
 const N: u64 = 64;
-
-fn ok(r: sys::CUresult, what: &str) {
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
-/// A device allocation of this process, with its IPC handle.
-struct DevBuf {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    handle: Vec<u8>,
-}
-
-impl DevBuf {
-    fn new(len: usize) -> DevBuf {
-        let mut ptr = 0;
-        // SAFETY: a valid out pointer; the context is current (bound by the caller).
-        ok(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc");
-        // SAFETY: `ptr..+len` was just allocated.
-        ok(unsafe { sys::cuMemsetD8_v2(ptr, 0, len) }, "cuMemset");
-        let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-        // SAFETY: `ptr` is a cuMemAlloc allocation; a valid out pointer.
-        ok(
-            unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) },
-            "cuIpcGetMemHandle",
-        );
-        // SAFETY: initialised by the call above.
-        let h = unsafe { h.assume_init() };
-        DevBuf {
-            ptr,
-            len,
-            handle: h.reserved.iter().map(|&c| c as u8).collect(),
-        }
-    }
-
-    fn write(&self, off: u64, data: &[u8]) {
-        assert!(off as usize + data.len() <= self.len);
-        // SAFETY: in bounds of the allocation (checked above); `data` is live.
-        ok(
-            unsafe { sys::cuMemcpyHtoD_v2(self.ptr + off, data.as_ptr().cast(), data.len()) },
-            "HtoD",
-        );
-    }
-
-    fn read(&self, off: u64, len: usize) -> Vec<u8> {
-        assert!(off as usize + len <= self.len);
-        let mut v = vec![0u8; len];
-        // SAFETY: in bounds (checked above); `v` holds `len` bytes.
-        ok(
-            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), self.ptr + off, len) },
-            "DtoH",
-        );
-        v
-    }
-
-    fn region(&self) -> GpuRegion {
-        GpuRegion {
-            handle: self.handle.clone(),
-            size: self.len as u64,
-        }
-    }
-}
-
-impl Drop for DevBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new`, freed once.
-        unsafe { sys::cuMemFree_v2(self.ptr) };
-    }
-}
 
 fn device() -> Option<std::sync::Arc<CudaContext>> {
     let required = std::env::var_os("KVD_REQUIRE_CUDA").is_some();
@@ -126,13 +59,13 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     register(&decode, 64);
     assert_eq!(info.block_bytes, BLOCK);
     // Prefill: one contiguous allocation; decode: K and V in two allocations.
-    let src = DevBuf::new((N * BLOCK) as usize);
+    let src = DevBuf::new(&ctx, (N * BLOCK) as usize).unwrap();
     let (dk, dv) = (
-        DevBuf::new((N * BLOCK / 2) as usize),
-        DevBuf::new((N * BLOCK / 2) as usize),
+        DevBuf::new(&ctx, (N * BLOCK / 2) as usize).unwrap(),
+        DevBuf::new(&ctx, (N * BLOCK / 2) as usize).unwrap(),
     );
     let data = block(42, (N * BLOCK) as usize);
-    src.write(0, &data);
+    src.write(0, &data).unwrap();
     let rs = prefill
         .gpu_register(
             info.id,
@@ -208,7 +141,7 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
         (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
     );
     let check = |what: &str| {
-        let (kk, vv) = (dk.read(0, dk.len), dv.read(0, dv.len));
+        let (kk, vv) = (dk.read(0, dk.len()).unwrap(), dv.read(0, dv.len()).unwrap());
         for i in 0..N as usize {
             let j = N as usize - 1 - i;
             let want = &data[i * BLOCK as usize..(i + 1) * BLOCK as usize];
@@ -221,8 +154,8 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     };
     check("gpu_load");
     // Device to device: zero the decode cache, pull the export.
-    dk.write(0, &vec![0; dk.len]);
-    dv.write(0, &vec![0; dv.len]);
+    dk.write(0, &vec![0; dk.len()]).unwrap();
+    dv.write(0, &vec![0; dv.len()]).unwrap();
     let p = prefill
         .gpu_export(rs.registration, "cuda-1", &k, &blocks, None)
         .unwrap();

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
+use kvd_testkit::{Daemon, Launch};
+
 use crate::sse::{collect, Collected};
 
 /// Where the three binaries are.
@@ -55,14 +57,18 @@ impl Drop for Proc {
     }
 }
 
-/// A `kvd` daemon on a private ipc socket and pool file in `/dev/shm`.
+/// A `kvd` daemon on a private ipc socket and pool file in `/dev/shm` (started by
+/// `kvd-testkit`'s launcher; derefs to its [`Daemon`]: `endpoint`, `dir`, `kill`).
 pub struct Node {
-    /// The daemon.
-    pub proc: Proc,
-    /// Holds the socket and pool.
-    pub dir: tempfile::TempDir,
-    /// Its `ipc://` endpoint.
-    pub endpoint: String,
+    /// The daemon process.
+    pub proc: Daemon,
+}
+
+impl std::ops::Deref for Node {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.proc
+    }
 }
 
 impl Node {
@@ -73,43 +79,15 @@ impl Node {
 
     /// [`Node::start`] with more `kvd` arguments (an NVMe tier, a config file).
     pub fn start_with(bins: &Bins, pool: &str, extra: &[&str]) -> Result<Node> {
-        let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
-        let sock = dir.path().join("kvd.sock");
-        let endpoint = format!("ipc://{}", sock.display());
-        let child = Command::new(&bins.kvd)
-            .args(["--endpoint", &endpoint, "--pool-path"])
-            .arg(dir.path().join("pool"))
-            .args([
-                "--pool-size",
-                pool,
-                "--segment-size",
-                "4MiB",
-                "--metrics-addr",
-                "127.0.0.1:0",
-                "--log-level",
-                "warn",
-            ])
+        let proc = Launch::new()
+            .bin(&bins.kvd)
+            .args(["--pool-size", pool, "--segment-size", "4MiB"])
+            .args(["--metrics-addr", "127.0.0.1:0", "--log-level", "warn"])
             .args(extra)
-            .stdin(Stdio::null())
-            .spawn()
-            .with_context(|| format!("spawning {}", bins.kvd.display()))?;
-        let mut proc = Proc { child };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !sock.exists() {
-            if let Some(st) = proc.child.try_wait()? {
-                bail!("kvd exited at start: {st}");
-            }
-            if Instant::now() > deadline {
-                proc.kill();
-                bail!("kvd did not start within 30 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(Node {
-            proc,
-            dir,
-            endpoint,
-        })
+            .timeout(Duration::from_secs(30))
+            .start()
+            .with_context(|| format!("starting {}", bins.kvd.display()))?;
+        Ok(Node { proc })
     }
 }
 

@@ -501,7 +501,7 @@ fn the_model_is_known_by_its_weights_not_its_path() {
 /// that gets the prompt promotes the blocks when it loads them.
 #[test]
 fn the_routers_question_reads_nothing_from_nvme() {
-    use kvd_protocol::{ChunkHash, Dtype, Layout, MemoryOrder};
+    use kvd_protocol::ChunkHash;
     let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let cfg = disk.path().join("kvd.toml");
     // No headroom: blocks leave DRAM only when a store needs their room.
@@ -529,18 +529,7 @@ fn the_routers_question_reads_nothing_from_nvme() {
     // last ones find no room but the prompt's blocks' segment, whose blocks go to NVMe.
     let c = kvd_client::Client::connect(&node.endpoint).unwrap();
     let l = c
-        .register_layout(&Layout {
-            model: "other/model".into(),
-            num_layers: 128,
-            kv_parts: 2,
-            num_kv_heads: 1,
-            head_dim: 32,
-            dtype: Dtype::F16,
-            tokens_per_block: 16,
-            tp_size: 1,
-            tp_rank: 0,
-            order: MemoryOrder::LayerPartTokenHead,
-        })
+        .register_layout(&kvd_testkit::layout_named("other/model", 256))
         .unwrap();
     let bytes = vec![7u8; l.block_bytes as usize];
     let capacity = c.stats().unwrap().pool.capacity_bytes;

@@ -55,18 +55,7 @@ fn setup() -> T {
     let now = Instant::now();
     let mut store = Store::new(pool, StoreConfig::for_tests(1 << 20), Incarnation(1), now);
     let client = store.hello(&HelloReq::default(), now).unwrap();
-    let layout = Layout {
-        model: "m".into(),
-        num_layers: 1,
-        kv_parts: 2,
-        num_kv_heads: 1,
-        head_dim: 32,
-        dtype: Dtype::F16,
-        tokens_per_block: 16,
-        tp_size: 1,
-        tp_rank: 0,
-        order: MemoryOrder::LayerPartTokenHead,
-    };
+    let layout = kvd_testkit::layout_named("m", 2);
     let layout = store.register_layout(&layout).unwrap().layout_id;
     std::fs::write(dir.path().join("mem"), vec![7u8; 8 * 2048]).unwrap();
     T {

@@ -1037,19 +1037,7 @@ mod tests {
 
     /// A layout of `block_kib` KiB blocks (its model names the size, so sizes differ in id).
     pub(super) fn layout(block_kib: u64) -> Layout {
-        // 1 layer * 2 parts * 16 tokens * 1 head * 32 dim * 2 bytes = 2 KiB per unit
-        Layout {
-            model: format!("test-{block_kib}"),
-            num_layers: block_kib / 2,
-            kv_parts: 2,
-            num_kv_heads: 1,
-            head_dim: 32,
-            dtype: Dtype::F16,
-            tokens_per_block: 16,
-            tp_size: 1,
-            tp_rank: 0,
-            order: MemoryOrder::LayerPartTokenHead,
-        }
+        kvd_testkit::layout_named(&format!("test-{block_kib}"), block_kib)
     }
 
     /// A store over a fresh pool in `/dev/shm` of `segments` segments of 64 KiB (the

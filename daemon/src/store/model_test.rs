@@ -172,18 +172,7 @@ impl World {
             s.hello(&HelloReq::default(), now).unwrap(),
             s.hello(&HelloReq::default(), now).unwrap(),
         ];
-        let l = Layout {
-            model: "model-test".into(),
-            num_layers: 8,
-            kv_parts: 2,
-            num_kv_heads: 1,
-            head_dim: 32,
-            dtype: Dtype::F16,
-            tokens_per_block: 16,
-            tp_size: 1,
-            tp_rank: 0,
-            order: MemoryOrder::LayerPartTokenHead,
-        };
+        let l = kvd_testkit::layout_named("model-test", 16);
         let layout = s.register_layout(&l).unwrap().layout_id;
         let system = s.system_session(now);
         World {

@@ -29,6 +29,7 @@ use kvd_protocol::*;
 
 use super::dataplane::Op;
 use super::grants::{GrantKind, Grants};
+use super::life::{Life, Side};
 use super::registration::Registration;
 use super::remote_access::RemoteAccess;
 use super::Finished;
@@ -47,16 +48,11 @@ pub(super) struct Export {
     block_bytes: u64,
     pin: Option<PinId>,
     lease: Lease,
-    state: TransferState,
-    error: Option<WireError>,
     importer: Option<PeerRef>,
     /// Push: the decode side's grant (handle, token).
     push: Option<(u64, u64)>,
     job: Option<u64>,
-    created: Instant,
-    ended: Option<Instant>,
-    bytes: u64,
-    transport: &'static str,
+    life: Life,
 }
 
 /// What a heartbeat naming an export finds.
@@ -144,15 +140,10 @@ impl Export {
             block_bytes,
             pin: Some(pin),
             lease,
-            state: TransferState::Exported,
-            error: None,
             importer: None,
             push: None,
             job: None,
-            created: now,
-            ended: None,
-            bytes: 0,
-            transport: "",
+            life: Life::new(Side::Exporter, TransferState::Exported, now),
         };
         (export, params)
     }
@@ -166,11 +157,11 @@ impl Export {
     }
 
     pub(super) fn state(&self) -> TransferState {
-        self.state
+        self.life.state()
     }
 
     pub(super) fn is_final(&self) -> bool {
-        self.state.is_final()
+        self.life.is_final()
     }
 
     /// Still holding its pin (live, or ended and waiting to release).
@@ -208,7 +199,7 @@ impl Export {
 
     /// The transport that moved (or moves) the bytes.
     pub(super) fn transport(&self) -> &'static str {
-        self.transport
+        self.life.transport()
     }
 
     /// The session owning it is kept alive while it is live.
@@ -266,9 +257,9 @@ impl Export {
 
     /// Exported → Running: the push's data-plane job `job` on `transport`.
     pub(super) fn start_job(&mut self, transport: &'static str, job: u64) {
-        debug_assert_eq!(self.state, TransferState::Exported);
-        self.state = TransferState::Running;
-        self.transport = transport;
+        debug_assert_eq!(self.state(), TransferState::Exported);
+        self.life.advance(TransferState::Running);
+        self.life.moving_by(transport);
         self.job = Some(job);
     }
 
@@ -279,13 +270,13 @@ impl Export {
 
     /// The job wrote `bytes`.
     pub(super) fn moved(&mut self, bytes: u64) {
-        self.bytes = bytes;
+        self.life.moved(bytes);
     }
 
     /// Every exported byte was read over TCP under the grant: what is moved is known.
     pub(super) fn read_covered(&mut self) {
-        self.bytes = self.keys.len() as u64 * self.block_bytes;
-        self.transport = "remote_read";
+        self.life.moved(self.keys.len() as u64 * self.block_bytes);
+        self.life.moving_by("remote_read");
     }
 
     /// The importer `from` confirmed its read (`peer_done`).
@@ -300,7 +291,7 @@ impl Export {
         if !self.accepts(from.incarnation) {
             return Beat::Unknown;
         }
-        if self.state == TransferState::Done {
+        if self.state() == TransferState::Done {
             return Beat::Done;
         }
         if self.is_final() {
@@ -332,20 +323,7 @@ impl Export {
         error: Option<WireError>,
         now: Instant,
     ) -> Option<Finished> {
-        debug_assert!(state.is_final());
-        if self.is_final() {
-            return None;
-        }
-        self.state = state;
-        self.ended = Some(now);
-        self.error = error;
-        Some(Finished::of(
-            ("exporter", "out"),
-            state,
-            self.transport,
-            self.bytes,
-            now.saturating_duration_since(self.created),
-        ))
+        self.life.end(state, error, now)
     }
 
     /// Releases an ended export's pin once no job and no remote read uses its blocks:
@@ -358,11 +336,7 @@ impl Export {
         if let Some(ra) = remote {
             ra.close(self.handle);
         }
-        let why = self
-            .error
-            .as_ref()
-            .map_or(ErrorCode::InvalidState, |e| e.code);
-        if self.job.is_some() || !grants.revoke(self.handle, why) {
+        if self.job.is_some() || !grants.revoke(self.handle, self.life.why()) {
             return Settle::Later;
         }
         self.pin.take().map_or(Settle::Nothing, Settle::Release)
@@ -370,7 +344,7 @@ impl Export {
 
     /// Whether the record may go, `retain` after it ended.
     pub(super) fn retention(&self, retain: Duration, now: Instant) -> Retain {
-        if self.ended.is_some_and(|t| t + retain > now) || self.pin.is_some() {
+        if self.life.recently_ended(retain, now) || self.pin.is_some() {
             Retain::Keep
         } else if self.is_final() {
             Retain::Forget
@@ -381,22 +355,6 @@ impl Export {
 
     /// What `transfer_status` says of it.
     pub(super) fn describe(&self, id: &str, now: Instant) -> TransferResp {
-        TransferResp {
-            transfer_id: id.to_string(),
-            role: TransferRole::Exporter,
-            state: self.state,
-            offsets: Vec::new(),
-            pin: None,
-            ttl_ms: 0,
-            bytes: self.bytes,
-            blocks_moved: self.bytes / self.block_bytes.max(1),
-            transport: self.transport.to_string(),
-            elapsed_us: self
-                .ended
-                .unwrap_or(now)
-                .saturating_duration_since(self.created)
-                .as_micros() as u64,
-            error: self.error.clone(),
-        }
+        self.life.describe(id, self.block_bytes, now)
     }
 }

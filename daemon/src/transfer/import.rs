@@ -29,6 +29,7 @@ use kvd_protocol::*;
 use super::dataplane::{Access, Caps, Op};
 use super::export::Retain;
 use super::grants::Grants;
+use super::life::{Life, Side};
 use super::remote_access::RemoteAccess;
 use super::Finished;
 use crate::lease::LeaseCheck;
@@ -66,8 +67,6 @@ pub(super) struct Import {
     /// How long the exporter may stay silent (its lease's period).
     period: Duration,
     last_heard: Instant,
-    state: TransferState,
-    error: Option<WireError>,
     result: Option<GetResp>,
     job: Option<u64>,
     /// Pending slots freed (or committed) and grant gone.
@@ -78,10 +77,7 @@ pub(super) struct Import {
     verify: bool,
     /// Nobody waits for a pin on the result (peer fetches pin for their `get`).
     internal: bool,
-    created: Instant,
-    ended: Option<Instant>,
-    bytes: u64,
-    transport: &'static str,
+    life: Life,
     /// What the transport that moved the bytes vouches for (decides the confirmation).
     caps: Caps,
 }
@@ -137,18 +133,13 @@ impl Import {
             held: false,
             period,
             last_heard: now,
-            state: TransferState::Queued,
-            error: None,
             result: None,
             job: None,
             settled: false,
             fetch: None,
             verify: false,
             internal: false,
-            created: now,
-            ended: None,
-            bytes: 0,
-            transport: "",
+            life: Life::new(Side::Importer, TransferState::Queued, now),
             caps: Caps::default(),
         }
     }
@@ -236,11 +227,11 @@ impl Import {
     }
 
     pub(super) fn state(&self) -> TransferState {
-        self.state
+        self.life.state()
     }
 
     pub(super) fn is_final(&self) -> bool {
-        self.state.is_final()
+        self.life.is_final()
     }
 
     pub(super) fn settled(&self) -> bool {
@@ -285,7 +276,7 @@ impl Import {
 
     /// Queued, not allocated, not held: waiting for room in the pool.
     pub(super) fn wants_room(&self) -> bool {
-        self.state == TransferState::Queued && !self.allocated && !self.held
+        self.state() == TransferState::Queued && !self.allocated && !self.held
     }
 
     /// What to allocate: the layout and keys.
@@ -326,9 +317,9 @@ impl Import {
 
     /// Queued → Running: the pull's data-plane job `job` on a transport.
     pub(super) fn start_job(&mut self, transport: &'static str, caps: Caps, job: u64) {
-        debug_assert_eq!(self.state, TransferState::Queued);
-        self.state = TransferState::Running;
-        self.transport = transport;
+        debug_assert_eq!(self.state(), TransferState::Queued);
+        self.life.advance(TransferState::Running);
+        self.life.moving_by(transport);
         self.caps = caps;
         self.job = Some(job);
     }
@@ -354,12 +345,12 @@ impl Import {
 
     /// The longest the write grant may live: as long as the import may.
     pub(super) fn grant_end(&self, max_hold: Duration) -> Instant {
-        self.created + max_hold + self.period
+        self.life.created() + max_hold + self.period
     }
 
     /// Queued → Waiting: the registration (sent by `me`) asking the exporter to push.
     pub(super) fn registered(&mut self, me: &PeerRef, id: &str) -> Request {
-        self.state = TransferState::Waiting;
+        self.life.advance(TransferState::Waiting);
         Request::PeerPushReg(PeerPushRegReq {
             from: me.clone(),
             to_incarnation: Incarnation(0),
@@ -402,12 +393,12 @@ impl Import {
 
     /// The job read `bytes`.
     pub(super) fn moved(&mut self, bytes: u64) {
-        self.bytes = bytes;
+        self.life.moved(bytes);
     }
 
     /// The transport that moves (or moved) the bytes.
     pub(super) fn transport(&self) -> &'static str {
-        self.transport
+        self.life.transport()
     }
 
     /// What the transport that moved the bytes vouches for.
@@ -470,8 +461,8 @@ impl Import {
             self.peer.incarnation = f.incarnation;
             self.peer.data = f.data.clone();
         }
-        self.bytes = bytes;
-        self.transport = transport;
+        self.life.moved(bytes);
+        self.life.moving_by(transport);
     }
 
     /// The keys whose slots this import filled (to commit, or to free).
@@ -517,20 +508,7 @@ impl Import {
         error: Option<WireError>,
         now: Instant,
     ) -> Option<Finished> {
-        debug_assert!(state.is_final());
-        if self.is_final() {
-            return None;
-        }
-        self.state = state;
-        self.ended = Some(now);
-        self.error = error;
-        Some(Finished::of(
-            ("importer", "in"),
-            state,
-            self.transport,
-            self.bytes,
-            now.saturating_duration_since(self.created),
-        ))
+        self.life.end(state, error, now)
     }
 
     /// Frees an ended import's PENDING slots once no job and no remote write uses them:
@@ -552,14 +530,12 @@ impl Import {
         if let Some(ra) = remote {
             ra.close(self.handle);
         }
-        let why = self
-            .error
-            .as_ref()
-            .map_or(ErrorCode::InvalidState, |e| e.code);
+        let why = self.life.why();
         // Its RDMA registration is gone (above), so a late write fails at the NIC; the
         // quarantine stays as a second guard until that is verified on hardware.
         let quarantined = self.mode == Mode::Push
-            && rdma_quarantine.is_some_and(|q| self.ended.is_some_and(|t| Instant::now() < t + q));
+            && rdma_quarantine
+                .is_some_and(|q| self.life.ended().is_some_and(|t| Instant::now() < t + q));
         let quiet = !quarantined
             && self.job.is_none()
             && (self.mode == Mode::Pull || grants.revoke(self.handle, why));
@@ -574,7 +550,7 @@ impl Import {
     /// period, `HeldTooLong` at `max_hold` after creation (first).
     pub(super) fn check_peer(&self, max_hold: Duration, now: Instant) -> LeaseCheck {
         let silent_until = self.last_heard + self.period;
-        let hard = self.created + max_hold;
+        let hard = self.life.created() + max_hold;
         if hard <= now {
             LeaseCheck::HeldTooLong
         } else if silent_until > now {
@@ -586,7 +562,7 @@ impl Import {
 
     /// Whether the record may go, `retain` after it ended.
     pub(super) fn retention(&self, retain: Duration, now: Instant) -> Retain {
-        if self.ended.is_some_and(|t| t + retain > now) || !self.settled {
+        if self.life.recently_ended(retain, now) || !self.settled {
             Retain::Keep
         } else if self.is_final() {
             Retain::Forget
@@ -595,25 +571,14 @@ impl Import {
         }
     }
 
-    /// What `transfer_status` says of it.
+    /// What `transfer_status` says of it (with the client's pin once done).
     pub(super) fn describe(&self, id: &str, now: Instant) -> TransferResp {
         let r = self.result.as_ref();
         TransferResp {
-            transfer_id: id.to_string(),
-            role: TransferRole::Importer,
-            state: self.state,
             offsets: r.map(|r| r.offsets.clone()).unwrap_or_default(),
             pin: r.and_then(|r| r.pin),
             ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
-            bytes: self.bytes,
-            blocks_moved: (self.bytes / self.block_bytes.max(1)),
-            transport: self.transport.to_string(),
-            elapsed_us: self
-                .ended
-                .unwrap_or(now)
-                .saturating_duration_since(self.created)
-                .as_micros() as u64,
-            error: self.error.clone(),
+            ..self.life.describe(id, self.block_bytes, now)
         }
     }
 }

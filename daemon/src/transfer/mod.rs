@@ -54,6 +54,7 @@
 //! | `mod.rs` | [`Transfers`]: the tables (exports, imports, registrations, timers, jobs, waiters), the outbox, start-up, figures, and what every end shares (`ended`) |
 //! | `export.rs` | one export's record and transitions (`Export`) |
 //! | `import.rs` | one import's record and transitions (`Import`), and the exporter's silence it watches |
+//! | `life.rs` | what both records share (state, error, times, figures): a final state never changes; their description; retention |
 //! | `registration.rs` | one peer push registration's record and lease (`Registration`) |
 //! | `exporter.rs` | when an export pairs with a registration and pushes, its end, its pin's release |
 //! | `importer.rs` | an import from allocation to committed and pinned (or failed and freed) |
@@ -84,6 +85,7 @@ mod export;
 mod exporter;
 mod import;
 mod importer;
+mod life;
 #[cfg(test)]
 mod mem_transport;
 #[cfg(test)]
