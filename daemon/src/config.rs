@@ -69,6 +69,10 @@
 //! | `gpu.max_registrations` | int | `64` | | registrations per session |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
+//!
+//! Size: ~890 lines of code (plus tests), most of it the flat key table above made
+//! types (one struct per section, its defaults, env and flag names); it imports no
+//! subsystem, so it does not split along the subsystems' seams.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;

@@ -6,6 +6,9 @@
 //! request reaches the scheduler, so one request's transfer never stalls another's
 //! decode. The scheduler admits requests between decode steps and runs one step of every
 //! active sequence per round (round-robin: fair, not batched).
+//!
+//! Size: ~970 lines: the worker's HTTP API, its scheduler and both transfer paths of the
+//! reference engine (a demonstration engine, not library code others link).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};

@@ -6,6 +6,9 @@
 //! from a safetensors file with Hugging Face Llama names, or are generated from a seed.
 //! The KV cache is paged: fixed blocks of `block_tokens` tokens, one physical block per
 //! kvd block, so moving a block between the cache and kvd is one gather or scatter.
+//!
+//! Size: ~810 lines: the reference model's forward pass, weights and cache in one place,
+//! read top to bottom as one model.
 
 use std::collections::HashMap;
 use std::path::Path;

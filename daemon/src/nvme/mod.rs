@@ -23,6 +23,10 @@
 //! - Never-written file space is written with zeros once, while the tier is idle, in
 //!   segments the allocator lent for it ([`initialize`]): the first write into
 //!   preallocated space is much slower than an overwrite on ext4 and XFS.
+//!
+//! Size: ~810 lines of code (plus tests): the tier's own operations (put, get, demote,
+//! promote, replay, trim) over its parts in this folder; like `store/mod.rs`, one place
+//! for the tier's op surface.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};

@@ -25,6 +25,10 @@
 //!   that queue pair's own CQ, under the queue pair's lock, with the data-plane timeout;
 //!   a timeout or error moves the queue pair to ERR (flushing anything outstanding) and
 //!   drops it, so the next transfer reconnects.
+//!
+//! Size: ~850 lines of code: one unsafe boundary (ibverbs: device, protection domain,
+//! memory regions, queue pairs, completions) kept in one file on purpose, as every
+//! boundary module is.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
