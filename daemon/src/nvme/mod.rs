@@ -24,9 +24,10 @@
 //!   segments the allocator lent for it ([`initialize`]): the first write into
 //!   preallocated space is much slower than an overwrite on ext4 and XFS.
 //!
-//! Size: ~810 lines of code (plus tests): the tier's own operations (put, get, demote,
-//! promote, replay, trim) over its parts in this folder; like `store/mod.rs`, one place
-//! for the tier's op surface.
+//! Size: ~810 lines of code (plus tests): opening the files and replaying the journal,
+//! the two-step writes and reads (`begin_*` / `finish_*` around io_uring), delete, touch,
+//! maintenance and figures; like `store/mod.rs`, one place for the tier's op surface
+//! (initialization of never-written space is `initialize.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
