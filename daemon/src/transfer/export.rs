@@ -23,16 +23,15 @@
 //! grant in the same step.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvd_protocol::*;
 
 use super::dataplane::Op;
 use super::grants::{GrantKind, Grants};
-use super::life::{Life, Side};
+use super::life::{Finished, Life, Retain, Side};
 use super::registration::Registration;
 use super::remote_access::RemoteAccess;
-use super::Finished;
 use crate::lease::{Lease, LeaseCheck};
 
 /// See the module docs.
@@ -77,15 +76,12 @@ pub(super) enum Settle {
     Release(PinId),
 }
 
-/// What to do with an export record whose retention timer came due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Retain {
-    /// Keep it (recently ended, or still releasing): look again later.
-    Keep,
-    /// Remove it (its grant tombstone with it).
-    Forget,
-    /// Live: a later end arms its own timer.
-    Live,
+/// `at` on the wall clock, in ms since the epoch (`now` is the monotonic now).
+fn unix_ms(at: Instant, now: Instant) -> u64 {
+    let wall = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    (wall + at.saturating_duration_since(now)).as_millis() as u64
 }
 
 impl Export {
@@ -128,7 +124,7 @@ impl Export {
             keys: req.keys.clone(),
             offsets: offsets.clone(),
             lease_ms: lease.period().as_millis() as u64,
-            expires_unix_ms: super::unix_ms(lease.expires(), now),
+            expires_unix_ms: unix_ms(lease.expires(), now),
         };
         let export = Export {
             client: req.client,

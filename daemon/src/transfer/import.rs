@@ -27,11 +27,9 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 use super::dataplane::{Access, Caps, Op};
-use super::export::Retain;
 use super::grants::Grants;
-use super::life::{Life, Side};
+use super::life::{Finished, Life, Retain, Side};
 use super::remote_access::RemoteAccess;
-use super::Finished;
 use crate::lease::LeaseCheck;
 
 /// How the bytes come.

@@ -1,4 +1,4 @@
-//! What an export and an import share: the state, when the record was created and
+//! What an export and an import share, and what their ends produce ([`Finished`]): the state, when the record was created and
 //! ended, why it failed, what moved and by which transport — and the rules on them that
 //! do not depend on the side: a final state never changes ([`Life::end`]), a record is
 //! described the same way to `transfer_status`, and it is kept `retain` after its end.
@@ -9,7 +9,71 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use super::Finished;
+/// An ended transfer, for metrics.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// `importer` or `exporter`.
+    pub role: &'static str,
+    /// `done`, `failed`, `aborted`, `expired`.
+    pub outcome: &'static str,
+    /// `tcp`, `shm`, `rdma`, `local`, `remote_read` (an export read by its importer), or
+    /// `none`.
+    pub transport: &'static str,
+    /// `in` (bytes received) or `out` (bytes sent or served).
+    pub direction: &'static str,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// From acceptance to the end.
+    pub took: Duration,
+}
+
+impl Finished {
+    /// The event of a transfer that ended in `state` (`side` = role, direction).
+    fn of(
+        side: (&'static str, &'static str),
+        state: TransferState,
+        transport: &'static str,
+        bytes: u64,
+        took: Duration,
+    ) -> Finished {
+        Finished {
+            role: side.0,
+            outcome: outcome(state),
+            transport: if transport.is_empty() {
+                "none"
+            } else {
+                transport
+            },
+            direction: side.1,
+            bytes: if state == TransferState::Done {
+                bytes
+            } else {
+                0
+            },
+            took,
+        }
+    }
+}
+
+fn outcome(state: TransferState) -> &'static str {
+    match state {
+        TransferState::Done => "done",
+        TransferState::Aborted => "aborted",
+        TransferState::Expired => "expired",
+        _ => "failed",
+    }
+}
+
+/// What to do with a record whose retention timer came due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Retain {
+    /// Keep it (recently ended, or still releasing): look again later.
+    Keep,
+    /// Remove it (its grant tombstone with it).
+    Forget,
+    /// Live: a later end arms its own timer.
+    Live,
+}
 
 /// Which side a record is (for its figures and description).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

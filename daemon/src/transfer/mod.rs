@@ -86,6 +86,7 @@ mod exporter;
 mod import;
 mod importer;
 mod life;
+pub use life::Finished;
 #[cfg(test)]
 mod mem_transport;
 #[cfg(test)]
@@ -98,7 +99,7 @@ mod timers;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
@@ -168,61 +169,6 @@ pub struct Outgoing {
     pub timeout: Option<Duration>,
 }
 
-/// An ended transfer, for metrics.
-#[derive(Debug, Clone)]
-pub struct Finished {
-    /// `importer` or `exporter`.
-    pub role: &'static str,
-    /// `done`, `failed`, `aborted`, `expired`.
-    pub outcome: &'static str,
-    /// `tcp`, `shm`, `rdma`, `local`, `remote_read` (an export read by its importer), or
-    /// `none`.
-    pub transport: &'static str,
-    /// `in` (bytes received) or `out` (bytes sent or served).
-    pub direction: &'static str,
-    /// Bytes moved.
-    pub bytes: u64,
-    /// From acceptance to the end.
-    pub took: Duration,
-}
-
-impl Finished {
-    /// The event of a transfer that ended in `state` (`side` = role, direction).
-    fn of(
-        side: (&'static str, &'static str),
-        state: TransferState,
-        transport: &'static str,
-        bytes: u64,
-        took: Duration,
-    ) -> Finished {
-        Finished {
-            role: side.0,
-            outcome: outcome(state),
-            transport: if transport.is_empty() {
-                "none"
-            } else {
-                transport
-            },
-            direction: side.1,
-            bytes: if state == TransferState::Done {
-                bytes
-            } else {
-                0
-            },
-            took,
-        }
-    }
-}
-
-fn outcome(state: TransferState) -> &'static str {
-    match state {
-        TransferState::Done => "done",
-        TransferState::Aborted => "aborted",
-        TransferState::Expired => "expired",
-        _ => "failed",
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     Export,
@@ -237,13 +183,6 @@ struct Waiter {
     token: u64,
     transfer: String,
     deadline: Instant,
-}
-
-fn unix_ms(at: Instant, now: Instant) -> u64 {
-    let wall = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default();
-    (wall + at.saturating_duration_since(now)).as_millis() as u64
 }
 
 /// The identity of this host, to recognise a same-host peer.

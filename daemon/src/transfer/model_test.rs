@@ -15,9 +15,10 @@ use kvd_protocol::*;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 
-use super::export::{self, Beat, Export, Retain};
+use super::export::{self, Beat, Export};
 use super::grants::{GrantGuard, GrantKind, Grants};
 use super::import::{self, Import, Mode};
+use super::life::Retain;
 use super::registration::Registration;
 use crate::lease::{Lease, LeaseCheck};
 

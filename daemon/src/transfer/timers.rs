@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 use super::dataplane;
-use super::export::Retain;
 use super::import::Mode;
+use super::life::Retain;
 use super::{Outgoing, Reply, Then, Timer, Transfers};
 use crate::lease::LeaseCheck;
 use crate::store::Store;
