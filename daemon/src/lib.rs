@@ -30,6 +30,22 @@
 //! | `transfer::remote_access` | per-grant remote access for one-sided transports: only a live grant's ranges, with its access, until it ends (a `Registrar`: verbs, or a host stand-in in tests) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: local-only pool registration, per-grant MRs, RC queue pairs, READ/WRITE |
 //!
+//! Where things happen (each place is the only one):
+//! - **a block's state changes**: `store::index` (through the [`store::Store`] ops);
+//! - **an export's, an import's or a push registration's state changes**:
+//!   `transfer/export.rs`, `transfer/import.rs`, `transfer/registration.rs` (private
+//!   fields, one method per transition; `transfer/exporter.rs` and `importer.rs` decide
+//!   when);
+//! - **a lease is created, renewed, checked**: [`lease::Lease`]; renewed by a peer's
+//!   heartbeat in `Export::heartbeat` (which writes the new expiry through to the grant)
+//!   and `Registration::heartbeat`, both called from `peer_heartbeat` in
+//!   `transfer/peer_ops.rs`; GPU exports take one in [`gpu::exports`];
+//! - **a peer may read or write a slot**: [`transfer::grants`];
+//! - **a GPU copy happens**: a [`gpu::device::CopyEngine`] (`gpu/host.rs`, `gpu/cuda.rs`),
+//!   run on the tier's copy thread ([`gpu::worker`]);
+//! - **a request is routed to the part that serves it**: `server/dispatch.rs`;
+//! - **shared memory is touched**: [`region`].
+//!
 //! Workflow of [`run`]:
 //! 1. set the umask to 077 so the socket and the pool are created owner-only;
 //! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;

@@ -36,7 +36,7 @@ pub enum Dir {
 pub trait EngineMemory: Send + Sync + std::fmt::Debug + 'static {
     /// Bytes the registration may reach.
     fn size(&self) -> u64;
-    /// For the engine that opened it to find its own type again ([`mine`]).
+    /// For the engine that opened it to find its own type again (`mine`).
     fn as_any(&self) -> &dyn Any;
 }
 

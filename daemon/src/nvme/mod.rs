@@ -21,7 +21,7 @@
 //! - Appends go to the page cache (they survive SIGKILL) and are `fdatasync`ed at most
 //!   every second; a power loss can forget the last second of demotions, never corrupt.
 //! - Never-written file space is written with zeros once, while the tier is idle, in
-//!   segments the allocator lent for it ([`initialize`]): the first write into
+//!   segments the allocator lent for it (`initialize`): the first write into
 //!   preallocated space is much slower than an overwrite on ext4 and XFS.
 //!
 //! Size: ~810 lines of code (plus tests): opening the files and replaying the journal,
@@ -81,7 +81,7 @@ pub struct NvmeOptions {
     pub queue_depth: u32,
     /// Use buffered I/O where O_DIRECT is refused (tmpfs) instead of failing.
     pub allow_buffered: bool,
-    /// Write zeros over never-written space while idle (see [`initialize`]); only with
+    /// Write zeros over never-written space while idle (see `initialize`); only with
     /// O_DIRECT.
     pub initialize: bool,
 }
