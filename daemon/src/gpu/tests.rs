@@ -1,8 +1,6 @@
 //! The tier's own rules with a device that fails (the end-to-end tests are
 //! `daemon/tests/gpu_tier.rs`).
 use super::*;
-use crate::pool::PoolOptions;
-use crate::store::StoreConfig;
 
 /// Opens like the host stand-in, fails every copy.
 struct FailCopies(host::HostDevice);
@@ -39,21 +37,8 @@ struct T {
 
 fn setup() -> T {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let pool = Arc::new(
-        Pool::create(
-            &PoolOptions {
-                path: dir.path().join("pool"),
-                size_bytes: 8 << 20,
-                huge_pages: false,
-                prefault: false,
-                group: None,
-            },
-            Incarnation(1),
-        )
-        .unwrap(),
-    );
-    let now = Instant::now();
-    let mut store = Store::new(pool, StoreConfig::for_tests(1 << 20), Incarnation(1), now);
+    let (mut store, now) =
+        crate::store::tests::store_at(&dir.path().join("pool"), 8 << 20, 1 << 20);
     let client = store.hello(&HelloReq::default(), now).unwrap();
     let layout = kvd_testkit::layout_named("m", 2);
     let layout = store.register_layout(&layout).unwrap().layout_id;

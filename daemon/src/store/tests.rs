@@ -22,11 +22,18 @@ pub(super) fn layout(block_kib: u64) -> Layout {
 /// test tunables), with no session and no layout yet.
 pub(super) fn bare_store(segments: u64) -> (Store, Instant, tempfile::TempDir) {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (s, now) = store_at(&dir.path().join("t.pool"), SLOT_ALIGN + segments * SEG, SEG);
+    (s, now, dir)
+}
+
+/// A store over a fresh pool file at `path` of `size` bytes, in segments of `segment`
+/// bytes (the test tunables), incarnation 1, with no session and no layout yet.
+pub(crate) fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Store, Instant) {
     let pool = Arc::new(
         Pool::create(
             &PoolOptions {
-                path: dir.path().join("t.pool"),
-                size_bytes: SLOT_ALIGN + segments * SEG,
+                path: path.to_path_buf(),
+                size_bytes: size,
                 huge_pages: false,
                 prefault: false,
                 group: None,
@@ -36,8 +43,8 @@ pub(super) fn bare_store(segments: u64) -> (Store, Instant, tempfile::TempDir) {
         .unwrap(),
     );
     let now = Instant::now();
-    let s = Store::new(pool, StoreConfig::for_tests(SEG), Incarnation(1), now);
-    (s, now, dir)
+    let s = Store::new(pool, StoreConfig::for_tests(segment), Incarnation(1), now);
+    (s, now)
 }
 
 /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.

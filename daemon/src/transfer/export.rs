@@ -340,13 +340,7 @@ impl Export {
 
     /// Whether the record may go, `retain` after it ended.
     pub(super) fn retention(&self, retain: Duration, now: Instant) -> Retain {
-        if self.life.recently_ended(retain, now) || self.pin.is_some() {
-            Retain::Keep
-        } else if self.is_final() {
-            Retain::Forget
-        } else {
-            Retain::Live
-        }
+        self.life.retention(retain, self.pin.is_some(), now)
     }
 
     /// What `transfer_status` says of it.

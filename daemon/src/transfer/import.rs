@@ -560,13 +560,7 @@ impl Import {
 
     /// Whether the record may go, `retain` after it ended.
     pub(super) fn retention(&self, retain: Duration, now: Instant) -> Retain {
-        if self.life.recently_ended(retain, now) || !self.settled {
-            Retain::Keep
-        } else if self.is_final() {
-            Retain::Forget
-        } else {
-            Retain::Live
-        }
+        self.life.retention(retain, !self.settled, now)
     }
 
     /// What `transfer_status` says of it (with the client's pin once done).

@@ -183,9 +183,16 @@ impl Life {
         ))
     }
 
-    /// Whether it ended less than `retain` ago.
-    pub(super) fn recently_ended(&self, retain: Duration, now: Instant) -> bool {
-        self.ended.is_some_and(|t| t + retain > now)
+    /// Whether the record may go, `retain` after it ended; `releasing`: its slots are
+    /// not released yet (an export's pin, an import's unsettled slots).
+    pub(super) fn retention(&self, retain: Duration, releasing: bool, now: Instant) -> Retain {
+        if self.ended.is_some_and(|t| t + retain > now) || releasing {
+            Retain::Keep
+        } else if self.is_final() {
+            Retain::Forget
+        } else {
+            Retain::Live
+        }
     }
 
     /// What `transfer_status` says of it (blocks of `block_bytes`); the importer adds
