@@ -67,6 +67,12 @@
 //! | `gpu.host_dir` | path | the pool file's directory | `KVD_GPU_HOST_DIR` / `--gpu-host-dir` | where the host stand-in opens engines' memory files |
 //! | `gpu.idle_ttl_ms` | int | `30000` | | a registration ends when its session sent nothing for this long |
 //! | `gpu.max_registrations` | int | `64` | | registrations per session |
+//! | `events.enabled` | bool | `false` | `KVD_EVENTS` / `--events ENDPOINT` (sets the endpoint too) | publish KV events (SPEC §14) in vLLM's format |
+//! | `events.endpoint` | string | `tcp://127.0.0.1:5557` | | the PUB socket (bound); loopback by default: events name what is cached |
+//! | `events.replay_endpoint` | string | `tcp://127.0.0.1:5558` | `KVD_EVENTS_REPLAY` / `--events-replay` | the replay ROUTER (bound); empty: none |
+//! | `events.topic` | string | `kvd` | | topics are `<topic>.<layout id hex>` and `<topic>.all` |
+//! | `events.hwm` | int | `100000` | | messages queued per subscriber before ZMQ drops for it |
+//! | `events.buffer_steps` | int | `10000` | | batches kept for replay |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 //!
@@ -436,6 +442,38 @@ impl Default for GpuSection {
     }
 }
 
+/// `[events]`: KV events (SPEC §14).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EventsSection {
+    /// Publish them.
+    pub enabled: bool,
+    /// The PUB socket's endpoint (bound).
+    pub endpoint: String,
+    /// The replay ROUTER's endpoint (bound; empty: no replay).
+    pub replay_endpoint: String,
+    /// Topics are `<topic>.<layout id>` and `<topic>.all`.
+    pub topic: String,
+    /// Messages queued per subscriber before ZMQ drops for it (the sequence gap tells
+    /// it; it replays).
+    pub hwm: i32,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+}
+
+impl Default for EventsSection {
+    fn default() -> Self {
+        EventsSection {
+            enabled: false,
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: "tcp://127.0.0.1:5558".into(),
+            topic: "kvd".into(),
+            hwm: 100_000,
+            buffer_steps: 10_000,
+        }
+    }
+}
+
 /// `[log]`
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -465,6 +503,8 @@ pub struct DaemonConfig {
     pub peers: PeersSection,
     /// `[gpu]`
     pub gpu: GpuSection,
+    /// `[events]`
+    pub events: EventsSection,
     /// `[log]`
     pub log: LogConfig,
 }
@@ -611,6 +651,12 @@ pub struct Cli {
     /// Turn the prefill → decode handoff off.
     #[arg(long)]
     pub no_transfers: bool,
+    /// Publish KV events on this endpoint (turns them on), e.g. tcp://127.0.0.1:5557.
+    #[arg(long, env = "KVD_EVENTS")]
+    pub events: Option<String>,
+    /// The events' replay endpoint, e.g. tcp://127.0.0.1:5558 (empty: no replay).
+    #[arg(long, env = "KVD_EVENTS_REPLAY")]
+    pub events_replay: Option<String>,
     /// The GPU tier's device.
     #[arg(long, env = "KVD_GPU_DEVICE", value_enum)]
     pub gpu_device: Option<GpuDeviceMode>,
@@ -724,6 +770,13 @@ impl DaemonConfig {
         if let Some(v) = cli.gpu_device {
             cfg.gpu.device = v;
         }
+        if let Some(v) = &cli.events {
+            cfg.events.enabled = true;
+            cfg.events.endpoint = v.clone();
+        }
+        if let Some(v) = &cli.events_replay {
+            cfg.events.replay_endpoint = v.clone();
+        }
         if let Some(v) = &cli.gpu_host_dir {
             cfg.gpu.host_dir = Some(v.clone());
         }
@@ -776,6 +829,24 @@ impl DaemonConfig {
         for e in &self.server.endpoints {
             if !(e.starts_with("ipc://") || e.starts_with("tcp://")) {
                 return bad(format!("endpoint {e:?} must start with ipc:// or tcp://"));
+            }
+        }
+        if self.events.enabled {
+            let ev = &self.events;
+            for (what, e) in [
+                ("events.endpoint", &ev.endpoint),
+                ("events.replay_endpoint", &ev.replay_endpoint),
+            ] {
+                let ok = e.starts_with("tcp://") || e.starts_with("ipc://");
+                if !ok && !(what == "events.replay_endpoint" && e.is_empty()) {
+                    return bad(format!("{what} {e:?} must start with tcp:// or ipc://"));
+                }
+            }
+            if ev.endpoint == ev.replay_endpoint {
+                return bad("events.endpoint and events.replay_endpoint must differ".into());
+            }
+            if ev.hwm < 1 || ev.buffer_steps < 1 {
+                return bad("events.hwm and events.buffer_steps must be at least 1".into());
             }
         }
         let seg = self.pool.segment_size.0;

@@ -61,6 +61,7 @@ pub mod auth;
 pub mod checksum;
 pub mod config;
 pub mod deadline;
+pub mod events;
 #[cfg(fuzzing)]
 pub mod fuzzing;
 pub mod gpu;
@@ -261,6 +262,9 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|t| (t, shared_pool));
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
     server.set_gpu(gpu);
+    if cfg.events.enabled {
+        server.start_events(&cfg.events)?;
+    }
     if let Some((t, pool)) = transfers {
         server.start_transfers(t, pool)?;
     }

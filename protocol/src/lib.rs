@@ -26,6 +26,7 @@ pub mod auth;
 pub mod codec;
 pub mod data;
 pub mod error;
+pub mod events;
 pub mod gpu;
 pub mod hash;
 pub mod ids;

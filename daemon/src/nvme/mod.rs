@@ -43,10 +43,12 @@ use kvd_protocol::{BlockKey, ChunkHash, LayoutId, NvmeStats};
 mod initialize;
 
 use crate::alloc::{ClassId, SlabAllocator};
+use crate::events::{Change, EventLog};
 use crate::io::uring::{IoDone, IoKind, IoOp, UringEngine};
 use crate::pool::{Pool, SLOT_ALIGN};
 use crate::store::LowerTier;
 use initialize::Initializer;
+use kvd_protocol::events::Medium;
 
 /// The tier's striping: segment `s` of the virtual space lies in file `s % disks`, at
 /// `(s / disks) * segment_bytes`. The one place that maps a virtual offset to a disk.
@@ -158,6 +160,9 @@ pub struct NvmeTier {
     busy: u32,
     /// When the last block I/O completed (or the tier opened).
     idle_since: Instant,
+    /// KV events: a block written (`finish_write`) or dropped (`drop_entry`): exactly
+    /// where a key becomes readable on disk or stops being so.
+    events: EventLog,
 }
 
 fn ioe<'a>(
@@ -333,6 +338,7 @@ impl NvmeTier {
             init: None,
             busy: 0,
             idle_since: Instant::now(),
+            events: EventLog::default(),
         };
         tier.recover()?;
         if direct && opts.initialize {
@@ -532,6 +538,9 @@ impl NvmeTier {
 
     fn drop_entry(&mut self, key: &BlockKey, now: Instant) {
         if let Some(e) = self.index.remove(key) {
+            if !e.writing {
+                self.events.record(*key, Medium::Nvme, false);
+            }
             self.lru.remove(&e.seq);
             // The del record goes first: only then may the slot hold other bytes.
             self.append(&record(DEL, key, &e), now);
@@ -610,6 +619,7 @@ impl NvmeTier {
                 self.lru.insert(e.seq, *key);
                 self.append(&record(PUT, key, &e), now);
                 self.counters.writes += 1;
+                self.events.record(*key, Medium::Nvme, true);
                 true
             }
             Err(err) => {
@@ -757,6 +767,20 @@ impl NvmeTier {
 impl LowerTier for NvmeTier {
     fn demotes(&self) -> bool {
         true
+    }
+    fn set_events(&mut self, on: bool) {
+        self.events.set_on(on);
+    }
+    fn drain_events(&mut self, out: &mut Vec<Change>) -> bool {
+        self.events.drain_into(out)
+    }
+    fn readable_keys(&self, out: &mut Vec<BlockKey>) {
+        out.extend(
+            self.index
+                .iter()
+                .filter(|(_, e)| !e.writing)
+                .map(|(k, _)| *k),
+        );
     }
     fn has(&self, key: &BlockKey) -> bool {
         NvmeTier::has(self, key)

@@ -142,6 +142,10 @@ pub struct Server {
     transfers: Option<Transfers>,
     /// The GPU tier (off unless configured).
     gpu: crate::gpu::GpuTier,
+    /// KV events (off unless configured).
+    events: Option<crate::events::Publisher>,
+    /// Changes drained from the store, reused each turn.
+    event_buf: Vec<crate::events::Change>,
     /// The local stream transport (SPEC §1.1), when offered.
     stream: Option<StreamServer>,
     links: PeerLinks,
@@ -201,6 +205,8 @@ impl Server {
             waiting: std::collections::HashMap::new(),
             transfers: None,
             gpu: crate::gpu::GpuTier::off("not configured"),
+            events: None,
+            event_buf: Vec::new(),
             stream: None,
             links: PeerLinks::new(Duration::from_secs(5)),
             tokens: Tokens::default(),
@@ -234,6 +240,49 @@ impl Server {
             .max_envelope_bytes
             .max(self.opts.limits.max_block_bytes)
             .saturating_add(64 * 1024)
+    }
+
+    /// Starts publishing KV events (before [`Server::run`]): binds the PUB and replay
+    /// sockets, turns recording on, and publishes a resync of what the store holds (a
+    /// daemon that starts says `AllBlocksCleared`, then what its NVMe tier kept).
+    pub fn start_events(&mut self, cfg: &crate::config::EventsSection) -> Result<(), ServerError> {
+        let p = crate::events::Publisher::start(&self.ctx, cfg).map_err(zerr(format!(
+            "binding the KV events endpoints {} / {}",
+            cfg.endpoint, cfg.replay_endpoint
+        )))?;
+        self.store.set_events(true);
+        self.events = Some(p);
+        self.resync_events();
+        Ok(())
+    }
+
+    /// Publishes every change recorded since the last turn (a resync when a log
+    /// overflowed).
+    fn publish_events(&mut self) {
+        let Some(p) = self.events.as_mut() else {
+            return;
+        };
+        let mut buf = std::mem::take(&mut self.event_buf);
+        let complete = self.store.drain_events(&mut buf);
+        if complete {
+            let store = &self.store;
+            p.publish(&buf, |l| store.tokens_per_block(l));
+        }
+        buf.clear();
+        self.event_buf = buf;
+        if !complete {
+            tracing::warn!("KV event log overflowed between two turns: publishing a resync");
+            self.resync_events();
+        }
+    }
+
+    fn resync_events(&mut self) {
+        let Some(p) = self.events.as_mut() else {
+            return;
+        };
+        let held = self.store.held_blocks();
+        let store = &self.store;
+        p.resync(&held, |l| store.tokens_per_block(l));
     }
 
     /// Puts the GPU tier in place (before [`Server::run`]).
@@ -449,6 +498,7 @@ impl Server {
             self.answer_deferred();
             self.settle_parked_locks();
             self.answer_gpu();
+            self.publish_events();
             if sig_ready {
                 let mut buf = [0u8; 16];
                 let n = self.signals.read(&mut buf).unwrap_or(0);
@@ -481,6 +531,7 @@ impl Server {
                         self.answer_deferred();
                         self.answer_gpu();
                     }
+                    self.publish_events();
                     tracing::info!("drained");
                     return Ok(self.store);
                 }

@@ -16,7 +16,9 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 use kvd_protocol::{BlockKey, ChunkHash, LayoutId};
 
 use crate::alloc::ClassId;
+use crate::events::EventLog;
 use crate::pool::SLOT_ALIGN;
+use kvd_protocol::events::Medium;
 
 const NIL: u32 = u32::MAX;
 
@@ -147,6 +149,9 @@ pub(super) struct Index {
     committed: u64,
     /// Blocks with at least one pin.
     pinned: u64,
+    /// KV events: a block became readable in DRAM (`commit`) or stopped being so
+    /// (`remove` of a committed block): exactly where `committed` changes.
+    pub events: EventLog,
 }
 
 impl Index {
@@ -242,6 +247,7 @@ impl Index {
         }
         if matches!(n.state, State::Committed | State::Demoting) {
             self.committed -= 1;
+            self.events.record(n.key(), Medium::Dram, false);
         }
         self.nodes[idx as usize].state = State::Free;
         self.free.push(idx);
@@ -272,7 +278,9 @@ impl Index {
         debug_assert!(matches!(n.state, State::Pending | State::Promoting));
         n.state = State::Committed;
         n.last_use = tick;
+        let key = n.key();
         self.committed += 1;
+        self.events.record(key, Medium::Dram, true);
         if pinned {
             self.pin(idx);
         } else {
@@ -357,6 +365,15 @@ impl Index {
         }
         self.push_head(idx);
         false
+    }
+
+    /// Every block readable in DRAM (a resync's snapshot).
+    pub fn readable_keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
+        self.table
+            .iter()
+            .map(|&i| &self.nodes[i as usize])
+            .filter(|n| n.readable())
+            .map(Node::key)
     }
 
     /// The least recently used evictable block of `class`.

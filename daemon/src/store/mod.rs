@@ -246,6 +246,52 @@ impl Store {
         self.sessions.layout(layout).ok().map(|l| l.block_bytes)
     }
 
+    /// Tokens per block of a registered layout (0: not registered since the start).
+    pub fn tokens_per_block(&self, layout: LayoutId) -> u64 {
+        self.sessions
+            .layout(layout)
+            .map_or(0, |l| l.tokens_per_block)
+    }
+
+    // ----- KV events (`crate::events`) -----
+
+    /// Starts or stops recording KV events in DRAM's index and the lower tier.
+    pub fn set_events(&mut self, on: bool) {
+        self.index.events.set_on(on);
+        self.tier.set_events(on);
+    }
+
+    /// Moves the changes recorded since the last call to `out`, DRAM's first. `false`:
+    /// a log overflowed, `out` is incomplete, and subscribers need a resync
+    /// ([`Store::held_blocks`]).
+    pub fn drain_events(&mut self, out: &mut Vec<crate::events::Change>) -> bool {
+        let dram = self.index.events.drain_into(out);
+        let lower = self.tier.drain_events(out);
+        dram && lower
+    }
+
+    /// Every block readable now, as "stored" changes: DRAM's, then the lower tier's.
+    pub fn held_blocks(&self) -> Vec<crate::events::Change> {
+        use kvd_protocol::events::Medium;
+        let mut out: Vec<crate::events::Change> = self
+            .index
+            .readable_keys()
+            .map(|key| crate::events::Change {
+                key,
+                medium: Medium::Dram,
+                stored: true,
+            })
+            .collect();
+        let mut lower = Vec::new();
+        self.tier.readable_keys(&mut lower);
+        out.extend(lower.into_iter().map(|key| crate::events::Change {
+            key,
+            medium: Medium::Nvme,
+            stored: true,
+        }));
+        out
+    }
+
     /// Counts one handled request and, when it failed, its error code.
     pub fn count_request(&mut self, error: Option<ErrorCode>) {
         self.counters.requests += 1;
@@ -302,8 +348,14 @@ impl Store {
             self.index.ensure_classes(classes);
             self.demoting.resize(classes.max(self.demoting.len()), 0);
             tracing::info!(layout = %id, model = %layout.model, block_bytes, "layout registered");
-            self.sessions
-                .add_layout(id, LayoutEntry { block_bytes, class });
+            self.sessions.add_layout(
+                id,
+                LayoutEntry {
+                    block_bytes,
+                    class,
+                    tokens_per_block: layout.tokens_per_block,
+                },
+            );
         }
         Ok(RegisterLayoutResp {
             layout_id: id,

@@ -29,6 +29,8 @@ struct Session {
 pub(super) struct LayoutEntry {
     pub block_bytes: u64,
     pub class: ClassId,
+    /// Tokens per block (what KV events say a block holds).
+    pub tokens_per_block: u64,
 }
 
 /// See the module docs.

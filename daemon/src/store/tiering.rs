@@ -72,6 +72,15 @@ pub trait LowerTier: Send {
     fn next_deadline(&self) -> Option<Instant> {
         None
     }
+    /// KV events: start or stop recording blocks written to and dropped from the tier.
+    fn set_events(&mut self, _on: bool) {}
+    /// Moves the recorded changes to `out`; `false` when the tier's log overflowed (a
+    /// resync is due).
+    fn drain_events(&mut self, _out: &mut Vec<crate::events::Change>) -> bool {
+        true
+    }
+    /// Every block readable in the tier (a resync's snapshot).
+    fn readable_keys(&self, _out: &mut Vec<BlockKey>) {}
 }
 
 /// The lower tier of a daemon without one: holds nothing, accepts nothing.

@@ -1,0 +1,351 @@
+//! KV events (SPEC §14): every block entering or leaving a tier, published in vLLM's
+//! format ([`kvd_protocol::events`]) so routers keep a prefix index without asking.
+//!
+//! ```text
+//!  store::index (DRAM: commit, remove) ─┐                    server thread, every turn:
+//!  nvme (STORAGE: written, dropped) ────┴─► EventLog ──take──► Publisher::publish
+//!                                                              │ group by layout, seq
+//!                                                              ▼ inproc PAIR (bounded)
+//!                                   publisher thread: PUB (topic, seq, payload) + replay
+//!                                   ring; ROUTER answers replay requests from it
+//! ```
+//!
+//! Who records: the store's index is the only place a block becomes readable in DRAM or
+//! stops being so (its `committed` count changes there); the NVMe tier's index the only
+//! place a block is written or dropped on disk. Each records into its own [`EventLog`]
+//! while events are on; the server drains them once per loop turn.
+//!
+//! Bounds: a log holds at most [`LOG_CAP`] changes between drains; beyond that it stops
+//! recording and says so, and the server publishes a full resync (`AllBlocksCleared`, then
+//! every block held) instead of a stream with a hole. The hand-off to the publisher
+//! thread is a ZMQ pair with a high-water mark: a batch it cannot take is dropped and
+//! counted, and its sequence number is skipped, so subscribers see the gap. The PUB
+//! socket queues at most `events.hwm` messages per subscriber (a slow subscriber loses
+//! messages, sees the gap, and replays); the replay ring keeps `events.buffer_steps`
+//! batches and at most [`REPLAY_BYTES`].
+
+use std::collections::VecDeque;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvd_protocol::events::{encode_batch, topic, KvEvent, Medium};
+use kvd_protocol::{BlockKey, ChunkHash, LayoutId};
+
+use crate::config::EventsSection;
+
+/// Changes a log holds between two drains before it asks for a resync.
+pub const LOG_CAP: usize = 1 << 20;
+/// Bytes of batches the replay ring keeps at most.
+pub const REPLAY_BYTES: usize = 64 << 20;
+/// Batches the server may hand to the publisher thread before it drops them.
+const HANDOFF_HWM: i32 = 4096;
+/// Hashes per event at most (a large drain is split).
+const HASHES_PER_EVENT: usize = 4096;
+
+/// One change of where a block is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Change {
+    /// The block.
+    pub key: BlockKey,
+    /// The tier.
+    pub medium: Medium,
+    /// Stored (true) or removed (false).
+    pub stored: bool,
+}
+
+/// Where the index and the NVMe tier record changes (see the module docs).
+#[derive(Debug, Default)]
+pub struct EventLog {
+    on: bool,
+    changes: Vec<Change>,
+    overflowed: bool,
+}
+
+impl EventLog {
+    /// Starts or stops recording.
+    pub fn set_on(&mut self, on: bool) {
+        self.on = on;
+    }
+
+    /// Records a change (when on, and not overflowed).
+    pub fn record(&mut self, key: BlockKey, medium: Medium, stored: bool) {
+        if !self.on || self.overflowed {
+            return;
+        }
+        if self.changes.len() >= LOG_CAP {
+            self.overflowed = true;
+            self.changes = Vec::new();
+            return;
+        }
+        self.changes.push(Change {
+            key,
+            medium,
+            stored,
+        });
+    }
+
+    /// Moves the recorded changes to `out`; `false` when the log overflowed since the
+    /// last drain (then `out` gets nothing from it and a resync is due).
+    pub fn drain_into(&mut self, out: &mut Vec<Change>) -> bool {
+        if std::mem::take(&mut self.overflowed) {
+            self.changes.clear();
+            return false;
+        }
+        out.append(&mut self.changes);
+        true
+    }
+}
+
+/// Counters for `stats` and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventCounters {
+    /// Batches handed to the publisher thread.
+    pub batches: u64,
+    /// Block changes in them.
+    pub changes: u64,
+    /// Batches dropped (the hand-off was full): their sequence numbers are skipped.
+    pub dropped: u64,
+    /// Full resyncs published (start, or a log that overflowed).
+    pub resyncs: u64,
+}
+
+/// The server thread's side: groups changes into batches, numbers them, hands them to
+/// the publisher thread. See the module docs.
+pub struct Publisher {
+    prefix: String,
+    seq: u64,
+    pair: zmq::Socket,
+    thread: Option<std::thread::JoinHandle<()>>,
+    counters: EventCounters,
+}
+
+impl Publisher {
+    /// Binds the PUB socket and the replay ROUTER and starts the publisher thread.
+    pub fn start(ctx: &zmq::Context, cfg: &EventsSection) -> Result<Publisher, zmq::Error> {
+        let pub_sock = ctx.socket(zmq::PUB)?;
+        pub_sock.set_sndhwm(cfg.hwm)?;
+        pub_sock.set_linger(0)?;
+        pub_sock.bind(&cfg.endpoint)?;
+        let replay = if cfg.replay_endpoint.is_empty() {
+            None
+        } else {
+            let r = ctx.socket(zmq::ROUTER)?;
+            // A whole replay and its end marker fit (vLLM's rule).
+            let hwm = i32::try_from(2 * (cfg.buffer_steps + 1)).unwrap_or(i32::MAX);
+            r.set_sndhwm(hwm)?;
+            r.set_linger(0)?;
+            r.bind(&cfg.replay_endpoint)?;
+            Some(r)
+        };
+        let inproc = format!("inproc://kvd-events-{:016x}", rand::random::<u64>());
+        let thread_end = ctx.socket(zmq::PAIR)?;
+        thread_end.set_rcvhwm(HANDOFF_HWM)?;
+        thread_end.bind(&inproc)?;
+        let pair = ctx.socket(zmq::PAIR)?;
+        pair.set_sndhwm(HANDOFF_HWM)?;
+        pair.set_linger(0)?;
+        pair.connect(&inproc)?;
+        let steps = cfg.buffer_steps;
+        let thread = std::thread::Builder::new()
+            .name("kvd-events".into())
+            .spawn(move || serve(thread_end, pub_sock, replay, steps))
+            .map_err(|_| zmq::Error::EMFILE)?;
+        tracing::info!(endpoint = %cfg.endpoint, replay = %cfg.replay_endpoint, topic = %cfg.topic, "KV events published");
+        Ok(Publisher {
+            prefix: cfg.topic.clone(),
+            seq: 0,
+            pair,
+            thread: Some(thread),
+            counters: EventCounters::default(),
+        })
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> EventCounters {
+        self.counters
+    }
+
+    /// Publishes `changes` in order, one batch per layout (its topic), runs of the same
+    /// kind and medium as one event. `block_size` gives a layout's tokens per block (0
+    /// when the layout is not registered since the start, e.g. NVMe blocks of a layout
+    /// no client named yet).
+    pub fn publish(&mut self, changes: &[Change], block_size: impl Fn(LayoutId) -> u64) {
+        if changes.is_empty() {
+            return;
+        }
+        // Layouts in order of first appearance; each layout's changes keep their order.
+        let mut layouts: Vec<LayoutId> = Vec::new();
+        for c in changes {
+            if !layouts.contains(&c.key.layout) {
+                layouts.push(c.key.layout);
+            }
+        }
+        for layout in layouts {
+            let size = block_size(layout);
+            let mut events: Vec<KvEvent> = Vec::new();
+            let mut n = 0u64;
+            for c in changes.iter().filter(|c| c.key.layout == layout) {
+                n += 1;
+                let extend = match events.last_mut() {
+                    Some(KvEvent::Stored { hashes, medium, .. })
+                        if c.stored && *medium == c.medium =>
+                    {
+                        Some(hashes)
+                    }
+                    Some(KvEvent::Removed { hashes, medium, .. })
+                        if !c.stored && *medium == c.medium =>
+                    {
+                        Some(hashes)
+                    }
+                    _ => None,
+                };
+                match extend {
+                    Some(h) if h.len() < HASHES_PER_EVENT => h.push(c.key.hash),
+                    _ => events.push(event(layout, size, c.medium, c.stored, c.key.hash)),
+                }
+            }
+            self.send(&topic(&self.prefix, Some(layout)), &events, n);
+        }
+    }
+
+    /// Publishes `AllBlocksCleared` and then every block `held` lists: what a subscriber
+    /// needs after a restart or a lost stretch of changes.
+    pub fn resync(&mut self, held: &[Change], block_size: impl Fn(LayoutId) -> u64) {
+        self.counters.resyncs += 1;
+        self.send(&topic(&self.prefix, None), &[KvEvent::AllCleared], 0);
+        self.publish(held, block_size);
+    }
+
+    fn send(&mut self, topic: &str, events: &[KvEvent], changes: u64) {
+        let seq = self.seq;
+        self.seq += 1;
+        let payload = encode_batch(now_secs(), events);
+        let sent = self
+            .pair
+            .send(topic.as_bytes(), zmq::SNDMORE | zmq::DONTWAIT)
+            .and_then(|()| self.pair.send(&seq.to_be_bytes()[..], zmq::SNDMORE))
+            .and_then(|()| self.pair.send(payload, 0));
+        match sent {
+            Ok(()) => {
+                self.counters.batches += 1;
+                self.counters.changes += changes;
+            }
+            Err(e) => {
+                // The sequence number stays used: subscribers see the gap.
+                self.counters.dropped += 1;
+                if self.counters.dropped.is_power_of_two() {
+                    tracing::warn!(error = %e, dropped = self.counters.dropped, "KV event batch dropped: the publisher thread is behind");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        // A one-frame message stops the thread.
+        let _ = self.pair.send(&b"stop"[..], 0);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn event(layout: LayoutId, size: u64, medium: Medium, stored: bool, hash: ChunkHash) -> KvEvent {
+    if stored {
+        KvEvent::Stored {
+            layout,
+            block_size: size,
+            hashes: vec![hash],
+            medium,
+        }
+    } else {
+        KvEvent::Removed {
+            layout,
+            hashes: vec![hash],
+            medium,
+        }
+    }
+}
+
+fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The publisher thread: forwards batches to the PUB socket, keeps the replay ring,
+/// answers replay requests (`[identity, "", start seq (8 bytes, big-endian)]` →
+/// every kept batch from that sequence number on as `[identity, "", topic, seq,
+/// payload]`, then the end marker `[identity, "", "", -1, ""]`).
+fn serve(pair: zmq::Socket, pub_sock: zmq::Socket, replay: Option<zmq::Socket>, steps: usize) {
+    let mut ring: VecDeque<(u64, Vec<u8>, Vec<u8>)> = VecDeque::new();
+    let mut ring_bytes = 0usize;
+    loop {
+        let (pair_ready, replay_ready) = {
+            let mut items = vec![pair.as_poll_item(zmq::POLLIN)];
+            if let Some(r) = &replay {
+                items.push(r.as_poll_item(zmq::POLLIN));
+            }
+            if zmq::poll(&mut items, -1).is_err() {
+                continue;
+            }
+            (
+                items[0].is_readable(),
+                items.get(1).is_some_and(|i| i.is_readable()),
+            )
+        };
+        if pair_ready {
+            while let Ok(frames) = pair.recv_multipart(zmq::DONTWAIT) {
+                let [topic, seq, payload]: [Vec<u8>; 3] = match frames.try_into() {
+                    Ok(f) => f,
+                    Err(_) => return, // "stop"
+                };
+                let _ =
+                    pub_sock.send_multipart([&topic[..], &seq[..], &payload[..]], zmq::DONTWAIT);
+                let Ok(s) = <[u8; 8]>::try_from(&seq[..]) else {
+                    continue;
+                };
+                ring_bytes += topic.len() + payload.len();
+                ring.push_back((u64::from_be_bytes(s), topic, payload));
+                while ring.len() > steps || ring_bytes > REPLAY_BYTES {
+                    match ring.pop_front() {
+                        Some((_, t, p)) => ring_bytes -= t.len() + p.len(),
+                        None => break,
+                    }
+                }
+            }
+        }
+        if let (true, Some(r)) = (replay_ready, &replay) {
+            while let Ok(frames) = r.recv_multipart(zmq::DONTWAIT) {
+                // Only a well-formed request is answered; anything else is ignored.
+                let [id, empty, start]: [Vec<u8>; 3] = match frames.try_into() {
+                    Ok(f) => f,
+                    Err(_) => continue,
+                };
+                let Ok(start) = <[u8; 8]>::try_from(&start[..]) else {
+                    continue;
+                };
+                if !empty.is_empty() {
+                    continue;
+                }
+                let from = u64::from_be_bytes(start);
+                for (seq, topic, payload) in ring.iter().filter(|(s, _, _)| *s >= from) {
+                    let _ = r.send_multipart(
+                        [
+                            &id[..],
+                            b"",
+                            &topic[..],
+                            &seq.to_be_bytes()[..],
+                            &payload[..],
+                        ],
+                        zmq::DONTWAIT,
+                    );
+                }
+                let _ = r.send_multipart(
+                    [&id[..], b"", b"", &(-1i64).to_be_bytes()[..], b""],
+                    zmq::DONTWAIT,
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! KV events (SPEC §14) from a real daemon with a DRAM pool small enough to evict and an
+//! NVMe tier to demote to: a subscriber that catches up by replay and then follows the
+//! PUB socket keeps an index equal to the daemon's own answers for every key, through
+//! stores, evictions, demotions, promotions, deletes and a restart. Negative control: the
+//! same stream applied without one event kind disagrees with the daemon.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvd_protocol::events::{decode_batch, topic_layout, KvEvent, Medium};
+use kvd_protocol::{ChunkHash, LayoutId, Tier};
+
+const KIB: u64 = 256;
+
+fn disk_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in(Path::new(env!("CARGO_TARGET_TMPDIR"))).unwrap()
+}
+
+/// A subscriber: everything it received, by sequence number.
+struct Sub {
+    sub: zmq::Socket,
+    replay: zmq::Socket,
+    batches: BTreeMap<u64, (Vec<u8>, Vec<u8>)>,
+}
+
+impl Sub {
+    fn connect(ctx: &zmq::Context, endpoint: &str, replay: &str) -> Sub {
+        let sub = ctx.socket(zmq::SUB).unwrap();
+        sub.set_subscribe(b"kvd.").unwrap();
+        sub.connect(endpoint).unwrap();
+        let r = ctx.socket(zmq::DEALER).unwrap();
+        r.set_rcvtimeo(5000).unwrap();
+        r.connect(replay).unwrap();
+        Sub {
+            sub,
+            replay: r,
+            batches: BTreeMap::new(),
+        }
+    }
+
+    /// Asks for every kept batch from `from` on (what a subscriber does when it joins
+    /// late or sees a gap).
+    fn replay_from(&mut self, from: u64) -> usize {
+        self.replay
+            .send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)
+            .unwrap();
+        let mut n = 0;
+        loop {
+            let f = self.replay.recv_multipart(0).expect("replay answers");
+            assert_eq!(f.len(), 4, "[empty, topic, seq, payload]");
+            let seq = i64::from_be_bytes(f[2][..].try_into().unwrap());
+            if seq == -1 {
+                return n;
+            }
+            self.batches
+                .insert(seq as u64, (f[1].clone(), f[3].clone()));
+            n += 1;
+        }
+    }
+
+    /// Reads what the PUB socket delivered until it stays quiet for `quiet`.
+    fn follow(&mut self, quiet: Duration) {
+        let mut last = Instant::now();
+        while last.elapsed() < quiet {
+            match self.sub.recv_multipart(zmq::DONTWAIT) {
+                Ok(f) => {
+                    assert_eq!(f.len(), 3, "[topic, seq, payload]");
+                    let seq = u64::from_be_bytes(f[1][..].try_into().unwrap());
+                    self.batches.insert(seq, (f[0].clone(), f[2].clone()));
+                    last = Instant::now();
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    /// Sequence numbers missing between 0 and the last one received.
+    fn gaps(&self) -> Vec<u64> {
+        let last = self.batches.keys().next_back().copied().unwrap_or(0);
+        (0..=last)
+            .filter(|s| !self.batches.contains_key(s))
+            .collect()
+    }
+}
+
+/// A router's index built from the stream: per key, the media holding it. `skip`:
+/// events of this kind (stored?, medium) are ignored (the negative control).
+fn index(
+    batches: &BTreeMap<u64, (Vec<u8>, Vec<u8>)>,
+    skip: Option<(bool, Medium)>,
+) -> HashMap<(LayoutId, ChunkHash), BTreeSet<Medium>> {
+    let mut ix: HashMap<(LayoutId, ChunkHash), BTreeSet<Medium>> = HashMap::new();
+    for (topic, payload) in batches.values() {
+        let layout = topic_layout("kvd", topic);
+        for e in decode_batch(payload).expect("a batch decodes").events {
+            match e {
+                KvEvent::AllCleared => ix.clear(),
+                KvEvent::Stored { hashes, medium, .. } if skip != Some((true, medium)) => {
+                    for h in hashes {
+                        ix.entry((layout.unwrap(), h)).or_default().insert(medium);
+                    }
+                }
+                KvEvent::Removed { hashes, medium, .. } if skip != Some((false, medium)) => {
+                    for h in hashes {
+                        if let Some(m) = ix.get_mut(&(layout.unwrap(), h)) {
+                            m.remove(&medium);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    ix
+}
+
+/// Keys on which the index and the daemon's own `probe` disagree (fastest tier).
+fn disagreements(
+    c: &kvd_client::Client,
+    l: LayoutId,
+    keys: &[ChunkHash],
+    ix: &HashMap<(LayoutId, ChunkHash), BTreeSet<Medium>>,
+) -> Vec<(usize, Option<Tier>, Option<Tier>)> {
+    let mut bad = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        let r = c.probe_local(l, std::slice::from_ref(k)).unwrap();
+        let daemon = (r.prefix == 1).then(|| r.tiers[0]);
+        let said = ix.get(&(l, *k)).and_then(|m| {
+            if m.contains(&Medium::Dram) {
+                Some(Tier::Dram)
+            } else if m.contains(&Medium::Nvme) {
+                Some(Tier::Nvme)
+            } else {
+                None
+            }
+        });
+        if daemon != said {
+            bad.push((i, daemon, said));
+        }
+    }
+    bad
+}
+
+#[test]
+fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and_a_restart() {
+    let disk = disk_dir();
+    let (ev, rp) = (free_port(), free_port());
+    let (ev_ep, rp_ep) = (
+        format!("tcp://127.0.0.1:{ev}"),
+        format!("tcp://127.0.0.1:{rp}"),
+    );
+    let nv = disk.path().display().to_string();
+    let mut d = Daemon::start(&[
+        "--pool-size",
+        "8MiB",
+        "--nvme-size",
+        "64MiB",
+        "--nvme-path",
+        &nv,
+        "--events",
+        &ev_ep,
+        "--events-replay",
+        &rp_ep,
+    ]);
+    let ctx = zmq::Context::new();
+    let mut s = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let keys = keys(7, 120);
+    let data: Vec<Vec<u8>> = (0..keys.len())
+        .map(|i| block(i as u64, (KIB << 10) as usize))
+        .collect();
+    // 120 blocks of 256 KiB into 8 MiB of DRAM: most are evicted to NVMe; then reads of
+    // early keys promote them back, deletes remove some from every tier.
+    let mut rng = 0x1234_5678u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (i, k) in keys.iter().enumerate() {
+        c.store(l, std::slice::from_ref(k), &[&data[i][..]])
+            .unwrap();
+        match next() % 8 {
+            0 => {
+                let j = (next() % (i as u64 + 1)) as usize;
+                let _ = c.get(l, &keys[j..=j], Some(Duration::from_secs(1)));
+            }
+            1 => {
+                let j = (next() % (i as u64 + 1)) as usize;
+                let _ = c.delete(l, &keys[j..=j]);
+            }
+            _ => {}
+        }
+    }
+    // Catch up: replay from 0 (the start's resync was published before this subscriber
+    // joined), then follow.
+    std::thread::sleep(Duration::from_millis(300));
+    let replayed = s.replay_from(0);
+    assert!(replayed > 0, "the replay sent the kept batches");
+    let settle = |s: &mut Sub| {
+        // Demotions finish asynchronously: follow until the daemon and the stream agree
+        // (bounded).
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            s.follow(Duration::from_millis(300));
+            let bad = disagreements(&c, l, &keys, &index(&s.batches, None));
+            if bad.is_empty() || Instant::now() > until {
+                return bad;
+            }
+        }
+    };
+    let bad = settle(&mut s);
+    assert!(
+        bad.is_empty(),
+        "index and daemon disagree on (key, daemon, index): {bad:?}"
+    );
+    assert!(s.gaps().is_empty(), "no sequence gap: {:?}", s.gaps());
+    let ix = index(&s.batches, None);
+    let on = |m: Medium| ix.values().filter(|v| v.contains(&m)).count();
+    assert!(
+        on(Medium::Dram) > 0 && on(Medium::Nvme) > 0,
+        "both tiers hold blocks: DRAM {} NVMe {}",
+        on(Medium::Dram),
+        on(Medium::Nvme)
+    );
+
+    // Negative control: without one event kind the index is wrong somewhere.
+    for skip in [
+        (false, Medium::Dram),
+        (true, Medium::Nvme),
+        (false, Medium::Nvme),
+    ] {
+        let wrong = disagreements(&c, l, &keys, &index(&s.batches, Some(skip)));
+        assert!(!wrong.is_empty(), "dropping {skip:?} events went unnoticed");
+    }
+
+    // A restart: the new daemon says AllBlocksCleared, then what its NVMe tier kept; its
+    // sequence starts again at 0 (a subscriber sees the number go back and replays).
+    drop(c);
+    d.restart();
+    let c = d.client();
+    register(&c, KIB);
+    let mut s2 = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(s2.replay_from(0) > 0);
+    let first = &s2.batches[&0];
+    assert_eq!(
+        decode_batch(&first.1).unwrap().events,
+        vec![KvEvent::AllCleared],
+        "a started daemon's first batch clears"
+    );
+    let until = Instant::now() + Duration::from_secs(20);
+    let bad = loop {
+        s2.follow(Duration::from_millis(300));
+        let bad = disagreements(&c, l, &keys, &index(&s2.batches, None));
+        if bad.is_empty() || Instant::now() > until {
+            break bad;
+        }
+    };
+    assert!(bad.is_empty(), "after the restart: {bad:?}");
+    let ix = index(&s2.batches, None);
+    assert!(
+        ix.values().any(|m| m.contains(&Medium::Nvme)),
+        "the NVMe tier's blocks are announced after a restart"
+    );
+    let st = c.stats().unwrap();
+    assert!(st.requests > 0);
+}
+
+#[test]
+fn a_replay_request_that_is_malformed_is_ignored_and_the_daemon_serves_on() {
+    let (ev, rp) = (free_port(), free_port());
+    let (ev_ep, rp_ep) = (
+        format!("tcp://127.0.0.1:{ev}"),
+        format!("tcp://127.0.0.1:{rp}"),
+    );
+    let d = Daemon::start(&["--events", &ev_ep, "--events-replay", &rp_ep]);
+    let ctx = zmq::Context::new();
+    let raw = ctx.socket(zmq::DEALER).unwrap();
+    raw.set_rcvtimeo(300).unwrap();
+    raw.connect(&rp_ep).unwrap();
+    for bad in [
+        &[&b""[..]][..],
+        &[b"", b"short"],
+        &[b"", b"12345678", b"more"],
+        &[b"x", b"12345678"],
+    ] {
+        raw.send_multipart(bad, 0).unwrap();
+    }
+    assert!(
+        raw.recv_multipart(0).is_err(),
+        "no answer to a malformed request"
+    );
+    // A well-formed one after them is answered.
+    let mut s = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    assert!(s.replay_from(0) >= 1, "the start's resync is kept");
+    let c = d.client();
+    register(&c, KIB);
+    assert!(c.stats().is_ok());
+}
