@@ -833,14 +833,18 @@ impl DaemonConfig {
         }
         if self.events.enabled {
             let ev = &self.events;
-            for (what, e) in [
-                ("events.endpoint", &ev.endpoint),
-                ("events.replay_endpoint", &ev.replay_endpoint),
-            ] {
-                let ok = e.starts_with("tcp://") || e.starts_with("ipc://");
-                if !ok && !(what == "events.replay_endpoint" && e.is_empty()) {
-                    return bad(format!("{what} {e:?} must start with tcp:// or ipc://"));
-                }
+            let zmq_endpoint = |e: &str| e.starts_with("tcp://") || e.starts_with("ipc://");
+            if !zmq_endpoint(&ev.endpoint) {
+                return bad(format!(
+                    "events.endpoint {:?} must start with tcp:// or ipc://",
+                    ev.endpoint
+                ));
+            }
+            if !ev.replay_endpoint.is_empty() && !zmq_endpoint(&ev.replay_endpoint) {
+                return bad(format!(
+                    "events.replay_endpoint {:?} must start with tcp:// or ipc:// (or be empty: no replay)",
+                    ev.replay_endpoint
+                ));
             }
             if ev.endpoint == ev.replay_endpoint {
                 return bad("events.endpoint and events.replay_endpoint must differ".into());

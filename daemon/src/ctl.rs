@@ -6,6 +6,7 @@
 //! kvd ctl [--endpoint E] lookup --layout-id N KEY...   cached prefix of the keys (hex)
 //! kvd ctl [--endpoint E] evict --layout-id N KEY...    drop blocks (pinned ones stay)
 //! kvd ctl [--endpoint E] transfer ID               a transfer's status
+//! kvd ctl events [--events E] [--replay R] [--count N]   watch KV events (SPEC §14), one JSON line a batch
 //! ```
 //!
 //! The endpoint defaults to `$KVD_ENDPOINT`, else the node's default (as for engines).
@@ -70,6 +71,111 @@ enum Cmd {
         /// The transfer id.
         id: String,
     },
+    /// Watches the daemon's KV events (SPEC §14): one JSON line per batch (sequence
+    /// number, topic, events); a gap in the sequence is said on its own line.
+    Events {
+        /// The events' PUB endpoint.
+        #[arg(
+            long = "events",
+            env = "KVD_EVENTS",
+            default_value = "tcp://127.0.0.1:5557"
+        )]
+        events: String,
+        /// Replay what the daemon kept from sequence 0 first (its replay endpoint).
+        #[arg(long)]
+        replay: Option<String>,
+        /// Stop after this many batches.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Topic prefix (`events.topic`).
+        #[arg(long, default_value = "kvd")]
+        topic: String,
+    },
+}
+
+/// One batch as a JSON line.
+fn batch_json(topic: &[u8], seq: u64, payload: &[u8]) -> serde_json::Value {
+    use kvd_protocol::events::{decode_batch, KvEvent};
+    let t = String::from_utf8_lossy(topic).into_owned();
+    match decode_batch(payload) {
+        Ok(b) => {
+            let events: Vec<serde_json::Value> = b
+                .events
+                .iter()
+                .map(|e| match e {
+                    KvEvent::Stored {
+                        hashes,
+                        medium,
+                        block_size,
+                        ..
+                    } => serde_json::json!({"type": "BlockStored", "medium": medium.name(), "block_size": block_size,
+                        "block_hashes": hashes.iter().map(ToString::to_string).collect::<Vec<_>>()}),
+                    KvEvent::Removed { hashes, medium, .. } => serde_json::json!({"type": "BlockRemoved", "medium": medium.name(),
+                        "block_hashes": hashes.iter().map(ToString::to_string).collect::<Vec<_>>()}),
+                    KvEvent::AllCleared => serde_json::json!({"type": "AllBlocksCleared"}),
+                })
+                .collect();
+            serde_json::json!({"seq": seq, "topic": t, "ts": b.ts, "events": events})
+        }
+        Err(e) => serde_json::json!({"seq": seq, "topic": t, "error": e}),
+    }
+}
+
+/// `kvd ctl events`: subscribes (and replays first, when asked), prints batches.
+fn watch_events(events: &str, replay: Option<&str>, count: Option<u64>, topic: &str) -> Result<()> {
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB)?;
+    sub.set_subscribe(topic.as_bytes())?;
+    sub.connect(events)
+        .with_context(|| format!("connecting to {events}"))?;
+    let mut printed = 0u64;
+    let mut next: Option<u64> = None;
+    let mut show = |topic: &[u8], seq: u64, payload: &[u8]| -> bool {
+        if next.is_some_and(|n| seq < n) {
+            return false; // a repeat (replay overlapping the live stream)
+        }
+        if let Some(n) = next.filter(|&n| seq > n) {
+            println!("{}", serde_json::json!({"gap": [n, seq - 1]}));
+        }
+        next = Some(seq + 1);
+        println!("{}", batch_json(topic, seq, payload));
+        printed += 1;
+        count.is_some_and(|c| printed >= c)
+    };
+    if let Some(r) = replay {
+        let d = ctx.socket(zmq::DEALER)?;
+        d.set_rcvtimeo(5000)?;
+        d.connect(r).with_context(|| format!("connecting to {r}"))?;
+        d.send_multipart([&b""[..], &0u64.to_be_bytes()[..]], 0)?;
+        loop {
+            let f = d
+                .recv_multipart(0)
+                .context("the replay endpoint did not answer")?;
+            let [_, t, s, p]: [Vec<u8>; 4] = f
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("a malformed replay message"))?;
+            let seq = i64::from_be_bytes(s[..].try_into().unwrap_or([0xff; 8]));
+            if seq < 0 {
+                break;
+            }
+            if show(&t, seq as u64, &p) {
+                return Ok(());
+            }
+        }
+    }
+    loop {
+        let f = sub.recv_multipart(0)?;
+        let [t, s, p]: [Vec<u8>; 3] = match f.try_into() {
+            Ok(x) => x,
+            Err(_) => continue,
+        };
+        let Ok(s) = <[u8; 8]>::try_from(&s[..]) else {
+            continue;
+        };
+        if show(&t, u64::from_be_bytes(s), &p) {
+            return Ok(());
+        }
+    }
 }
 
 fn parse_key(s: &str) -> Result<ChunkHash> {
@@ -88,6 +194,15 @@ fn parse_key(s: &str) -> Result<ChunkHash> {
 /// Runs `kvd ctl` with the arguments after `ctl`.
 pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
     let cli = CtlCli::parse_from(std::iter::once("kvd ctl".to_string()).chain(args));
+    if let Cmd::Events {
+        events,
+        replay,
+        count,
+        topic,
+    } = &cli.cmd
+    {
+        return watch_events(events, replay.as_deref(), *count, topic);
+    }
     let mut b = Client::builder()
         .with_name("kvd-ctl")
         .with_timeout(Duration::from_millis(cli.timeout_ms))
@@ -200,6 +315,7 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
             let r = c.transfer_status(&id, Duration::ZERO)?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
+        Cmd::Events { .. } => {} // handled above, without a client
     }
     Ok(())
 }

@@ -159,9 +159,15 @@ impl Publisher {
         })
     }
 
-    /// The counters.
-    pub fn counters(&self) -> EventCounters {
-        self.counters
+    /// The counters, for `stats`.
+    pub fn stats(&self) -> kvd_protocol::EventStats {
+        let c = self.counters;
+        kvd_protocol::EventStats {
+            batches: c.batches,
+            changes: c.changes,
+            dropped: c.dropped,
+            resyncs: c.resyncs,
+        }
     }
 
     /// Publishes `changes` in order, one batch per layout (its topic), runs of the same

@@ -51,6 +51,10 @@ pub struct Metrics {
     gpu_registrations: IntGauge,
     stream_connections: IntGauge,
     stream_closed_bad: IntCounter,
+    event_batches: IntCounter,
+    event_changes: IntCounter,
+    event_dropped: IntCounter,
+    event_resyncs: IntCounter,
     gpu_blocks: IntCounterVec,
     gpu_failed: IntCounter,
     expired_pins: IntCounter,
@@ -262,6 +266,26 @@ impl Metrics {
                 &r,
                 "kvd_stream_closed_connections_total",
                 "Stream transport connections closed for breaking the framing or a limit, or for not reading their replies.",
+            ),
+            event_batches: counter(
+                &r,
+                "kvd_events_batches_total",
+                "KV event batches published (SPEC §14).",
+            ),
+            event_changes: counter(
+                &r,
+                "kvd_events_changes_total",
+                "Block changes (stored or removed, per tier) in the KV events published.",
+            ),
+            event_dropped: counter(
+                &r,
+                "kvd_events_dropped_batches_total",
+                "KV event batches dropped before the PUB socket (subscribers see the sequence gap).",
+            ),
+            event_resyncs: counter(
+                &r,
+                "kvd_events_resyncs_total",
+                "KV event resyncs (AllBlocksCleared and every block held): the start, and logs that overflowed.",
             ),
             gpu_registrations: gauge(
                 &r,
@@ -511,6 +535,12 @@ impl Metrics {
         if let Some(t) = &s.stream {
             self.stream_connections.set(t.connections as i64);
             advance(&self.stream_closed_bad, t.closed_bad);
+        }
+        if let Some(e) = &s.events {
+            advance(&self.event_batches, e.batches);
+            advance(&self.event_changes, e.changes);
+            advance(&self.event_dropped, e.dropped);
+            advance(&self.event_resyncs, e.resyncs);
         }
         if let Some(g) = &s.gpu {
             self.gpu_registrations.set(g.registrations as i64);

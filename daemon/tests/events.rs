@@ -145,8 +145,9 @@ fn disagreements(
     bad
 }
 
-#[test]
-fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and_a_restart() {
+/// A daemon whose 8 MiB of DRAM overflow to a 64 MiB NVMe tier, publishing events: the
+/// daemon, its NVMe directory, the PUB and replay endpoints.
+fn busy_daemon() -> (Daemon, tempfile::TempDir, String, String) {
     let disk = disk_dir();
     let (ev, rp) = (free_port(), free_port());
     let (ev_ep, rp_ep) = (
@@ -154,7 +155,7 @@ fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and
         format!("tcp://127.0.0.1:{rp}"),
     );
     let nv = disk.path().display().to_string();
-    let mut d = Daemon::start(&[
+    let d = Daemon::start(&[
         "--pool-size",
         "8MiB",
         "--nvme-size",
@@ -166,16 +167,12 @@ fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and
         "--events-replay",
         &rp_ep,
     ]);
-    let ctx = zmq::Context::new();
-    let mut s = Sub::connect(&ctx, &ev_ep, &rp_ep);
-    let c = d.client();
-    let l = register(&c, KIB).id;
-    let keys = keys(7, 120);
-    let data: Vec<Vec<u8>> = (0..keys.len())
-        .map(|i| block(i as u64, (KIB << 10) as usize))
-        .collect();
-    // 120 blocks of 256 KiB into 8 MiB of DRAM: most are evicted to NVMe; then reads of
-    // early keys promote them back, deletes remove some from every tier.
+    (d, disk, ev_ep, rp_ep)
+}
+
+/// 120 blocks of 256 KiB into 8 MiB of DRAM: most are evicted to NVMe; reads of earlier
+/// keys promote them back; deletes remove some from every tier.
+fn workload(c: &kvd_client::Client, l: LayoutId, keys: &[ChunkHash]) {
     let mut rng = 0x1234_5678u64;
     let mut next = || {
         rng ^= rng << 13;
@@ -184,8 +181,8 @@ fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and
         rng
     };
     for (i, k) in keys.iter().enumerate() {
-        c.store(l, std::slice::from_ref(k), &[&data[i][..]])
-            .unwrap();
+        let data = block(i as u64, (KIB << 10) as usize);
+        c.store(l, std::slice::from_ref(k), &[&data[..]]).unwrap();
         match next() % 8 {
             0 => {
                 let j = (next() % (i as u64 + 1)) as usize;
@@ -198,6 +195,73 @@ fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and
             _ => {}
         }
     }
+}
+
+#[test]
+fn vllms_own_event_types_read_kvds_events_into_the_same_index() {
+    let (d, _disk, ev_ep, rp_ep) = busy_daemon();
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let keys = keys(9, 120);
+    workload(&c, l, &keys);
+    // Let the demotions land before the consumer reads.
+    let ctx = zmq::Context::new();
+    let mut s = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    std::thread::sleep(Duration::from_millis(300));
+    s.replay_from(0);
+    let until = Instant::now() + Duration::from_secs(20);
+    while !disagreements(&c, l, &keys, &index(&s.batches, None)).is_empty()
+        && Instant::now() < until
+    {
+        s.follow(Duration::from_millis(300));
+    }
+    let out = tempfile::NamedTempFile::new().unwrap();
+    python_checks(
+        "test_kv_events.py",
+        "vllm, msgspec, zmq",
+        "run ./scripts/test.sh, which installs vLLM 0.33 into .venv",
+        &[
+            ev_ep.clone(),
+            rp_ep.clone(),
+            out.path().display().to_string(),
+        ],
+    );
+    let theirs: HashMap<String, HashMap<String, Vec<String>>> =
+        serde_json::from_slice(&std::fs::read(out.path()).unwrap()).unwrap();
+    let topic = kvd_protocol::events::topic("kvd", Some(l));
+    let mut ix: HashMap<(LayoutId, ChunkHash), BTreeSet<Medium>> = HashMap::new();
+    for (h, media) in theirs.get(&topic).cloned().unwrap_or_default() {
+        let mut a = [0u8; 16];
+        for (i, b) in a.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let m = media
+            .iter()
+            .map(|m| Medium::from_name(m).unwrap())
+            .collect();
+        ix.insert((l, ChunkHash(a)), m);
+    }
+    assert!(
+        ix.len() > 10,
+        "the vLLM consumer indexed {} blocks",
+        ix.len()
+    );
+    let bad = disagreements(&c, l, &keys, &ix);
+    assert!(
+        bad.is_empty(),
+        "vLLM's consumer and the daemon disagree: {bad:?}"
+    );
+}
+
+#[test]
+fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and_a_restart() {
+    let (mut d, _disk, ev_ep, rp_ep) = busy_daemon();
+    let ctx = zmq::Context::new();
+    let mut s = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let keys = keys(7, 120);
+    workload(&c, l, &keys);
     // Catch up: replay from 0 (the start's resync was published before this subscriber
     // joined), then follow.
     std::thread::sleep(Duration::from_millis(300));
@@ -269,8 +333,13 @@ fn a_subscriber_index_equals_the_daemons_answers_through_evictions_demotions_and
         ix.values().any(|m| m.contains(&Medium::Nvme)),
         "the NVMe tier's blocks are announced after a restart"
     );
-    let st = c.stats().unwrap();
-    assert!(st.requests > 0);
+    let ev = c.stats().unwrap().events.expect("events are on");
+    assert_eq!(ev.resyncs, 1, "one resync: the start");
+    assert_eq!(ev.dropped, 0);
+    assert!(
+        ev.batches >= s2.batches.len() as u64 && ev.changes > 0,
+        "{ev:?}"
+    );
 }
 
 #[test]
@@ -303,4 +372,20 @@ fn a_replay_request_that_is_malformed_is_ignored_and_the_daemon_serves_on() {
     let c = d.client();
     register(&c, KIB);
     assert!(c.stats().is_ok());
+    // `kvd ctl events` replays and prints the start's batch.
+    let out = std::process::Command::new(kvd_bin())
+        .args([
+            "ctl", "events", "--events", &ev_ep, "--replay", &rp_ep, "--count", "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(line["seq"], 0);
+    assert_eq!(line["topic"], "kvd.all");
+    assert_eq!(line["events"][0]["type"], "AllBlocksCleared");
 }

@@ -547,6 +547,23 @@ pub struct StatsResp {
     /// The local stream transport; absent when it is not offered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<StreamStats>,
+    /// KV events (SPEC §14); absent when they are off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<EventStats>,
+}
+
+/// KV events (SPEC §14), in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct EventStats {
+    /// Batches published since the start (the next sequence number, less `dropped`).
+    pub batches: u64,
+    /// Block changes in them.
+    pub changes: u64,
+    /// Batches dropped before the PUB socket (their sequence numbers are skipped).
+    pub dropped: u64,
+    /// Resyncs published (`AllBlocksCleared` and every block held): the start, and logs
+    /// that overflowed.
+    pub resyncs: u64,
 }
 
 /// The local stream transport (SPEC §1.1), in `stats`.

@@ -211,6 +211,7 @@ impl Server {
                 st.draining = self.draining.is_some();
                 st.gpu = self.gpu.stats();
                 st.stream = self.stream.as_ref().map(StreamServer::stats);
+                st.events = self.events.as_ref().map(crate::events::Publisher::stats);
                 Body::Stats(Box::new(st))
             }
             Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),

@@ -560,6 +560,7 @@ impl Server {
         st.transfers = self.transfer_stats();
         st.gpu = self.gpu.stats();
         st.stream = self.stream.as_ref().map(StreamServer::stats);
+        st.events = self.events.as_ref().map(crate::events::Publisher::stats);
         let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }

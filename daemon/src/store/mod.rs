@@ -854,6 +854,7 @@ impl Store {
             discovered: Vec::new(),
             gpu: None,
             stream: None,
+            events: None,
             errors: self
                 .counters
                 .errors
