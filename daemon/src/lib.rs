@@ -21,6 +21,7 @@
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), signals, peer links; a folder: `dispatch` (request → store / GPU tier / transfers, the drain policy), `replies` (sending, deferred answers), `tokens` |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
+//! | [`events`] | KV events (SPEC §14): the log the index and the NVMe tier record into, the publisher (vLLM's format, per-layout topics, sequence numbers, replay, resync) |
 //! | [`lease`] | the one `Lease` (created, renewed by one rule, checked) used by transfer exports, push registrations and GPU exports |
 //! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): one module per record that owns its transitions (`export`, `import`, `registration`), the flows that drive them (`exporter`, `importer`, `client_ops`, `peer_ops`, `outbox`, `timers`), `settings` |
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |

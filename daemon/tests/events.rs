@@ -389,3 +389,73 @@ fn a_replay_request_that_is_malformed_is_ignored_and_the_daemon_serves_on() {
     assert_eq!(line["topic"], "kvd.all");
     assert_eq!(line["events"][0]["type"], "AllBlocksCleared");
 }
+
+#[test]
+fn a_stalled_subscriber_slows_nobody_and_catches_up_by_replay() {
+    let (ev, rp) = (free_port(), free_port());
+    let (ev_ep, rp_ep) = (
+        format!("tcp://127.0.0.1:{ev}"),
+        format!("tcp://127.0.0.1:{rp}"),
+    );
+    // A PUB queue of 50 messages per subscriber: a subscriber that does not read loses
+    // messages once the kernel's buffers are full too.
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        cfg.path(),
+        format!("[events]\nenabled = true\nendpoint = \"{ev_ep}\"\nreplay_endpoint = \"{rp_ep}\"\nhwm = 50\nbuffer_steps = 100000\n"),
+    )
+    .unwrap();
+    let path = cfg.path().display().to_string();
+    let d = Daemon::start(&["--config", &path]);
+    let ctx = zmq::Context::new();
+    let stalled = ctx.socket(zmq::SUB).unwrap();
+    stalled.set_rcvhwm(10).unwrap();
+    stalled.set_rcvbuf(4096).unwrap();
+    stalled.set_subscribe(b"").unwrap();
+    stalled.connect(&ev_ep).unwrap();
+    let mut live = Sub::connect(&ctx, &ev_ep, &rp_ep);
+    std::thread::sleep(Duration::from_millis(300));
+    live.replay_from(0);
+    let c = d.client();
+    let l = register(&c, 2).id;
+    let keys = keys(3, 3000);
+    let data = block(1, 2048);
+    // Every store is answered while one subscriber reads nothing.
+    for k in &keys {
+        c.store(l, std::slice::from_ref(k), &[&data[..]]).unwrap();
+    }
+    live.follow(Duration::from_millis(500));
+    assert!(
+        live.gaps().is_empty(),
+        "the reading subscriber lost nothing: {:?}",
+        live.gaps()
+    );
+    let bad = disagreements(&c, l, &keys, &index(&live.batches, None));
+    assert!(bad.is_empty(), "{} keys wrong", bad.len());
+    // The stalled one now reads what it was queued, sees where it has a gap, and
+    // catches up by replay to the same index.
+    let mut late = Sub {
+        sub: stalled,
+        replay: {
+            let r = ctx.socket(zmq::DEALER).unwrap();
+            r.set_rcvtimeo(5000).unwrap();
+            r.connect(&rp_ep).unwrap();
+            r
+        },
+        batches: BTreeMap::new(),
+    };
+    late.follow(Duration::from_millis(300));
+    let got = late.batches.len();
+    late.replay_from(0);
+    assert!(late.gaps().is_empty());
+    let bad = disagreements(&c, l, &keys, &index(&late.batches, None));
+    assert!(bad.is_empty(), "after replay, {} keys wrong", bad.len());
+    println!(
+        "stalled subscriber: {got} of {} batches queued for it, the rest replayed",
+        late.batches.len()
+    );
+    assert!(
+        c.stats().unwrap().events.unwrap().dropped == 0,
+        "the daemon itself dropped nothing"
+    );
+}
