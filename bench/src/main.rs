@@ -27,6 +27,7 @@
 
 mod daemon;
 mod e2e;
+mod events;
 mod gpu;
 mod nvme;
 mod p2p;
@@ -82,6 +83,9 @@ enum Cmd {
     /// The GPU tier's copies (store, load, device-to-device pull) through the daemon vs
     /// the same copies in-process (`--device host` stand-in, or `cuda`).
     Gpu(gpu::GpuArgs),
+    /// KV events: store bandwidth with events on against off, and the lag from a store's
+    /// return to its event at a subscriber.
+    Events(events::EventsArgs),
 }
 
 #[derive(clap::Args)]
@@ -144,6 +148,7 @@ fn main() -> Result<()> {
         Cmd::P2p(a) => p2p::run(a),
         Cmd::PdE2e(a) => e2e::run(a),
         Cmd::Gpu(a) => gpu::run(a),
+        Cmd::Events(a) => events::run(a),
     }
 }
 
