@@ -73,6 +73,7 @@
 //! | `events.topic` | string | `kvd` | | topics are `<topic>.<layout id hex>` and `<topic>.all` |
 //! | `events.hwm` | int | `100000` | | messages queued per subscriber before ZMQ drops for it |
 //! | `events.buffer_steps` | int | `10000` | | batches kept for replay |
+//! | `events.heartbeat_ms` | int | `1000` | | an empty batch on `<topic>.all` after this long without one (0: none): subscribers tell an idle daemon from a gone one |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 //!
@@ -459,6 +460,9 @@ pub struct EventsSection {
     pub hwm: i32,
     /// Batches kept for replay.
     pub buffer_steps: usize,
+    /// An empty batch on `<topic>.all` after this long without one, so subscribers tell
+    /// an idle daemon from a gone one (0: none).
+    pub heartbeat_ms: u64,
 }
 
 impl Default for EventsSection {
@@ -470,6 +474,7 @@ impl Default for EventsSection {
             topic: "kvd".into(),
             hwm: 100_000,
             buffer_steps: 10_000,
+            heartbeat_ms: 1000,
         }
     }
 }

@@ -113,6 +113,8 @@ pub struct EventCounters {
 pub struct Publisher {
     prefix: String,
     seq: u64,
+    heartbeat: Option<std::time::Duration>,
+    last_sent: std::time::Instant,
     pair: zmq::Socket,
     thread: Option<std::thread::JoinHandle<()>>,
     counters: EventCounters,
@@ -153,6 +155,9 @@ impl Publisher {
         Ok(Publisher {
             prefix: cfg.topic.clone(),
             seq: 0,
+            heartbeat: (cfg.heartbeat_ms > 0)
+                .then(|| std::time::Duration::from_millis(cfg.heartbeat_ms)),
+            last_sent: std::time::Instant::now(),
             pair,
             thread: Some(thread),
             counters: EventCounters::default(),
@@ -221,7 +226,20 @@ impl Publisher {
         self.publish(held, block_size);
     }
 
+    /// An empty batch on `<prefix>.all` when nothing went out for a heartbeat period.
+    pub fn keepalive(&mut self, now: std::time::Instant) {
+        if self.heartbeat.is_some_and(|h| now >= self.last_sent + h) {
+            self.send(&topic(&self.prefix, None), &[], 0);
+        }
+    }
+
+    /// When [`Publisher::keepalive`] is next due.
+    pub fn next_keepalive(&self) -> Option<std::time::Instant> {
+        self.heartbeat.map(|h| self.last_sent + h)
+    }
+
     fn send(&mut self, topic: &str, events: &[KvEvent], changes: u64) {
+        self.last_sent = std::time::Instant::now();
         let seq = self.seq;
         self.seq += 1;
         let payload = encode_batch(now_secs(), events);

@@ -268,6 +268,7 @@ impl Server {
             let store = &self.store;
             p.publish(&buf, |l| store.tokens_per_block(l));
         }
+        p.keepalive(Instant::now());
         buf.clear();
         self.event_buf = buf;
         if !complete {
@@ -354,6 +355,9 @@ impl Server {
                 self.store.next_deadline(),
                 self.transfers.as_ref().and_then(Transfers::next_deadline),
                 self.links.next_deadline(),
+                self.events
+                    .as_ref()
+                    .and_then(crate::events::Publisher::next_keepalive),
             ]
             .into_iter()
             .flatten()
