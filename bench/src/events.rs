@@ -39,6 +39,10 @@ pub struct EventsArgs {
     /// Blocks stored one per call for the lag.
     #[arg(long, default_value_t = 2000)]
     lag_blocks: usize,
+    /// Blocks a router's prefix index ([`kvd_client::events::PrefixIndex`]) is filled
+    /// with, from 4 workers' event batches, for its memory per block and apply rate.
+    #[arg(long, default_value_t = 1_000_000)]
+    index_blocks: u64,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -104,6 +108,48 @@ fn subscribe(endpoint: String, stop: mpsc::Receiver<()>) -> mpsc::Receiver<(Chun
     rx
 }
 
+/// Fills a prefix index with `n` blocks, a quarter from each of 4 workers (batches of
+/// 256 hashes, as a daemon publishes a 16 MiB store of 64 KiB blocks): bytes per block
+/// (table capacity included) and blocks applied per second.
+fn router_index(n: u64) -> (f64, f64) {
+    use kvd_client::events::PrefixIndex;
+    use kvd_protocol::events::{encode_batch, topic, Medium};
+    let layout = kvd_protocol::LayoutId(0x5eed);
+    let t = topic("kvd", Some(layout));
+    let mut ix = PrefixIndex::new("kvd", 4);
+    let mut seq = [0u64; 4];
+    let t0 = Instant::now();
+    let mut i = 0u64;
+    while i < n {
+        let w = (i / 256 % 4) as usize;
+        let hashes: Vec<ChunkHash> = (i..(i + 256).min(n))
+            .map(|k| {
+                let mut h = [0u8; 16];
+                h[..8].copy_from_slice(&k.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
+                h[8..].copy_from_slice(&k.to_le_bytes());
+                ChunkHash(h)
+            })
+            .collect();
+        i += hashes.len() as u64;
+        let p = encode_batch(
+            0.0,
+            &[KvEvent::Stored {
+                layout,
+                block_size: 16,
+                hashes,
+                medium: Medium::Dram,
+            }],
+        );
+        let _ = ix.apply(w, t.as_bytes(), seq[w], &p);
+        seq[w] += 1;
+    }
+    let took = t0.elapsed().as_secs_f64();
+    (
+        ix.memory_bytes() as f64 / ix.len().max(1) as f64,
+        ix.len() as f64 / took.max(1e-9),
+    )
+}
+
 /// Runs the bench.
 pub fn run(a: EventsArgs) -> Result<()> {
     let (block, total, batch) = (a.block.as_u64(), a.total.as_u64(), a.batch.as_u64());
@@ -156,11 +202,21 @@ pub fn run(a: EventsArgs) -> Result<()> {
     let seen = lags.len();
     let (p50, p99) = percentiles(&mut lags);
     let st = c_on.stats()?.events.unwrap_or_default();
+    let (bytes_per_block, index_rate) = router_index(a.index_blocks);
     let mut extra = serde_json::Map::new();
     extra.insert("lag_blocks_seen".into(), seen.into());
     extra.insert("lag_blocks".into(), keys.len().into());
     extra.insert("events_dropped".into(), st.dropped.into());
     extra.insert("event_batches".into(), st.batches.into());
+    extra.insert("router_index_blocks".into(), a.index_blocks.into());
+    extra.insert(
+        "router_index_bytes_per_block".into(),
+        bytes_per_block.into(),
+    );
+    extra.insert(
+        "router_index_blocks_applied_per_s".into(),
+        index_rate.into(),
+    );
     Report {
         bench: "events".into(),
         ceiling: Ceiling {

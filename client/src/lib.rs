@@ -74,6 +74,7 @@
 
 mod batch;
 mod connection;
+pub mod events;
 mod gpu;
 mod handoff;
 mod model_identity;

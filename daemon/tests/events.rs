@@ -459,3 +459,98 @@ fn a_stalled_subscriber_slows_nobody_and_catches_up_by_replay() {
         "the daemon itself dropped nothing"
     );
 }
+
+#[test]
+fn a_router_index_fed_by_two_daemons_finds_the_longest_prefix_without_asking() {
+    use kvd_client::events::{Held, Subscriber};
+    let start = || {
+        let (ev, rp) = (free_port(), free_port());
+        let (ev_ep, rp_ep) = (
+            format!("tcp://127.0.0.1:{ev}"),
+            format!("tcp://127.0.0.1:{rp}"),
+        );
+        let d = Daemon::start(&["--events", &ev_ep, "--events-replay", &rp_ep]);
+        (d, ev_ep, rp_ep)
+    };
+    let (a, a_ev, a_rp) = start();
+    let (b, b_ev, b_rp) = start();
+    let ctx = zmq::Context::new();
+    let mut sub = Subscriber::connect(
+        &ctx,
+        "kvd",
+        &[(a_ev, Some(a_rp)), (b_ev, Some(b_rp))],
+        // Three keepalive periods (1 s each) of silence and a worker is gone.
+        Duration::from_secs(3),
+    )
+    .unwrap();
+    let (ca, cb) = (a.client(), b.client());
+    let l = register(&ca, KIB).id;
+    register(&cb, KIB);
+    let keys = keys(11, 8);
+    let data = block(3, (KIB << 10) as usize);
+    // A holds the first 6 blocks, B the first 3 and then 4..8 (a hole at 3).
+    for (i, k) in keys.iter().enumerate() {
+        if i < 6 {
+            ca.store(l, std::slice::from_ref(k), &[&data[..]]).unwrap();
+        }
+        if i != 3 {
+            cb.store(l, std::slice::from_ref(k), &[&data[..]]).unwrap();
+        }
+    }
+    let want = [
+        Held {
+            prefix: 6,
+            dram_prefix: 6,
+        },
+        Held {
+            prefix: 3,
+            dram_prefix: 3,
+        },
+    ];
+    let until = Instant::now() + Duration::from_secs(10);
+    while sub.index.held(l, &keys) != want && Instant::now() < until {
+        sub.poll(Duration::from_millis(50));
+    }
+    assert_eq!(sub.index.held(l, &keys), want);
+    for (w, c) in [(0, &ca), (1, &cb)] {
+        let r = c.probe_local(l, &keys).unwrap();
+        assert_eq!(
+            r.prefix as usize, want[w].prefix,
+            "worker {w}: the index says what its daemon says"
+        );
+    }
+    assert_eq!(sub.index.choose(l, &keys, |_| 0), Some(0));
+    // B deletes its copy of key 0: its prefix is gone; A's stays.
+    cb.delete(l, &keys[..1]).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while sub.index.held(l, &keys)[1].prefix != 0 && Instant::now() < until {
+        sub.poll(Duration::from_millis(50));
+    }
+    assert_eq!(sub.index.held(l, &keys)[1].prefix, 0);
+    // A restart of B clears B at once (its numbers go back; the replay from 0 brings
+    // its resync, which holds nothing of this layout: B's blocks were in DRAM only).
+    drop(cb);
+    let mut b = b;
+    b.restart();
+    let until = Instant::now() + Duration::from_secs(10);
+    while sub.index.held(l, &keys[1..])[1].prefix != 0 && Instant::now() < until {
+        sub.poll(Duration::from_millis(50));
+    }
+    assert_eq!(
+        sub.index.held(l, &keys[1..])[1].prefix,
+        0,
+        "a restarted worker holds nothing it did not announce again"
+    );
+    // A dies: its keepalives stop, and after the silence bound it is dropped.
+    let mut a = a;
+    a.kill();
+    let until = Instant::now() + Duration::from_secs(10);
+    while sub.index.held(l, &keys)[0].prefix != 0 && Instant::now() < until {
+        sub.poll(Duration::from_millis(100));
+    }
+    assert_eq!(
+        sub.index.held(l, &keys)[0].prefix,
+        0,
+        "a silent worker is dropped"
+    );
+}
