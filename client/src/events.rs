@@ -9,6 +9,7 @@
 //! byte and spare capacity ([`PrefixIndex::memory_bytes`] reports it). At most 64 workers.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvd_protocol::events::{decode_batch, topic_layout, KvEvent, Medium};
@@ -257,8 +258,7 @@ impl PrefixIndex {
 pub struct Subscriber {
     subs: Vec<zmq::Socket>,
     replays: Vec<Option<zmq::Socket>>,
-    /// The index it feeds.
-    pub index: PrefixIndex,
+    index: Arc<Mutex<PrefixIndex>>,
     silence: Duration,
 }
 
@@ -292,14 +292,25 @@ impl Subscriber {
             });
         }
         Ok(Subscriber {
-            index: PrefixIndex::new(prefix, subs.len()),
+            index: Arc::new(Mutex::new(PrefixIndex::new(prefix, subs.len()))),
             subs,
             replays,
             silence,
         })
     }
 
-    /// Applies what arrived, waiting up to `wait` for the first message; asks for a
+    /// The index (locked: hold it briefly; [`Subscriber::poll`] waits for it).
+    pub fn index(&self) -> MutexGuard<'_, PrefixIndex> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The index, to read from another thread while this one polls.
+    pub fn shared(&self) -> Arc<Mutex<PrefixIndex>> {
+        Arc::clone(&self.index)
+    }
+
+    /// Applies what arrived, waiting up to `wait` for the first message (without holding
+    /// the index); asks for a
     /// replay after a gap; drops workers silent for longer than the silence bound.
     /// Returns the messages applied.
     pub fn poll(&mut self, wait: Duration) -> usize {
@@ -321,6 +332,7 @@ impl Subscriber {
         );
         drop(items);
         let mut gaps: Vec<(usize, u64)> = Vec::new();
+        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         for (w, s) in self.subs.iter().enumerate() {
             while let Ok(f) = s.recv_multipart(zmq::DONTWAIT) {
                 let [t, q, p]: [Vec<u8>; 3] = match f.try_into() {
@@ -330,7 +342,7 @@ impl Subscriber {
                 let Ok(q) = <[u8; 8]>::try_from(&q[..]) else {
                     continue;
                 };
-                if let Ok(a) = self.index.apply(w, &t, u64::from_be_bytes(q), &p) {
+                if let Ok(a) = index.apply(w, &t, u64::from_be_bytes(q), &p) {
                     applied += 1;
                     if let Applied::Gap { from } = a {
                         gaps.push((w, from));
@@ -352,7 +364,7 @@ impl Subscriber {
                 if seq < 0 {
                     continue; // the end marker
                 }
-                if self.index.apply_replayed(w, &t, seq as u64, &p).is_ok() {
+                if index.apply_replayed(w, &t, seq as u64, &p).is_ok() {
                     applied += 1;
                 }
             }
@@ -364,13 +376,12 @@ impl Subscriber {
         }
         let now = Instant::now();
         for w in 0..self.subs.len() {
-            if self
-                .index
+            if index
                 .heard(w)
                 .is_some_and(|t| now.saturating_duration_since(t) > self.silence)
             {
-                self.index.drop_worker(w);
-                self.index.workers[w].heard = None;
+                index.drop_worker(w);
+                index.workers[w].heard = None;
             }
         }
         applied

@@ -508,10 +508,10 @@ fn a_router_index_fed_by_two_daemons_finds_the_longest_prefix_without_asking() {
         },
     ];
     let until = Instant::now() + Duration::from_secs(10);
-    while sub.index.held(l, &keys) != want && Instant::now() < until {
+    while sub.index().held(l, &keys) != want && Instant::now() < until {
         sub.poll(Duration::from_millis(50));
     }
-    assert_eq!(sub.index.held(l, &keys), want);
+    assert_eq!(sub.index().held(l, &keys), want);
     for (w, c) in [(0, &ca), (1, &cb)] {
         let r = c.probe_local(l, &keys).unwrap();
         assert_eq!(
@@ -519,25 +519,25 @@ fn a_router_index_fed_by_two_daemons_finds_the_longest_prefix_without_asking() {
             "worker {w}: the index says what its daemon says"
         );
     }
-    assert_eq!(sub.index.choose(l, &keys, |_| 0), Some(0));
+    assert_eq!(sub.index().choose(l, &keys, |_| 0), Some(0));
     // B deletes its copy of key 0: its prefix is gone; A's stays.
     cb.delete(l, &keys[..1]).unwrap();
     let until = Instant::now() + Duration::from_secs(10);
-    while sub.index.held(l, &keys)[1].prefix != 0 && Instant::now() < until {
+    while sub.index().held(l, &keys)[1].prefix != 0 && Instant::now() < until {
         sub.poll(Duration::from_millis(50));
     }
-    assert_eq!(sub.index.held(l, &keys)[1].prefix, 0);
+    assert_eq!(sub.index().held(l, &keys)[1].prefix, 0);
     // A restart of B clears B at once (its numbers go back; the replay from 0 brings
     // its resync, which holds nothing of this layout: B's blocks were in DRAM only).
     drop(cb);
     let mut b = b;
     b.restart();
     let until = Instant::now() + Duration::from_secs(10);
-    while sub.index.held(l, &keys[1..])[1].prefix != 0 && Instant::now() < until {
+    while sub.index().held(l, &keys[1..])[1].prefix != 0 && Instant::now() < until {
         sub.poll(Duration::from_millis(50));
     }
     assert_eq!(
-        sub.index.held(l, &keys[1..])[1].prefix,
+        sub.index().held(l, &keys[1..])[1].prefix,
         0,
         "a restarted worker holds nothing it did not announce again"
     );
@@ -545,11 +545,11 @@ fn a_router_index_fed_by_two_daemons_finds_the_longest_prefix_without_asking() {
     let mut a = a;
     a.kill();
     let until = Instant::now() + Duration::from_secs(10);
-    while sub.index.held(l, &keys)[0].prefix != 0 && Instant::now() < until {
+    while sub.index().held(l, &keys)[0].prefix != 0 && Instant::now() < until {
         sub.poll(Duration::from_millis(100));
     }
     assert_eq!(
-        sub.index.held(l, &keys)[0].prefix,
+        sub.index().held(l, &keys)[0].prefix,
         0,
         "a silent worker is dropped"
     );

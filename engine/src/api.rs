@@ -171,6 +171,13 @@ pub struct EngineInfo {
     pub load: usize,
     /// Compute backend.
     pub backend: String,
+    /// Tokens per KV block (what a router hashes a prompt's blocks by).
+    #[serde(default)]
+    pub block_tokens: usize,
+    /// Its kvd layout ids, one per KV shard (a router indexing KV events asks for a
+    /// prefix in each).
+    #[serde(default)]
+    pub kv_layouts: Vec<u64>,
 }
 
 /// `POST /v1/lookup` body: how much of a prompt this worker's kvd holds itself, asked

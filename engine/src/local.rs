@@ -167,6 +167,17 @@ pub fn router(
     decode: &[&str],
     mode: &str,
 ) -> Result<(Proc, String)> {
+    router_with(bins, prefill, decode, mode, &[])
+}
+
+/// [`router`] with more flags (`--kv-events …`).
+pub fn router_with(
+    bins: &Bins,
+    prefill: &[&str],
+    decode: &[&str],
+    mode: &str,
+    extra: &[String],
+) -> Result<(Proc, String)> {
     let mut args: Vec<String> = vec![
         "--listen".into(),
         "127.0.0.1:0".into(),
@@ -179,6 +190,7 @@ pub fn router(
     args.extend(prefill.iter().map(|s| s.to_string()));
     args.push("--decode".into());
     args.extend(decode.iter().map(|s| s.to_string()));
+    args.extend(extra.iter().cloned());
     spawn_http(&bins.router, &args)
 }
 

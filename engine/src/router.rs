@@ -1,9 +1,16 @@
 //! `kvd-router`: one completions endpoint in front of prefill and decode workers.
 //!
-//! Per request: pick a prefill worker (KV-aware: most prompt tokens its kvd already holds,
-//! asked through the workers' `/v1/lookup`; then least load) and a decode worker (least
-//! requests in flight from this router), run the prefill leg, hand its
-//! `kv_transfer_params` to the decode leg, stream the decode leg's tokens back.
+//! Per request: pick a prefill worker (KV-aware: most prompt tokens its kvd already holds;
+//! then least load) and a decode worker (least requests in flight from this router), run
+//! the prefill leg, hand its `kv_transfer_params` to the decode leg, stream the decode
+//! leg's tokens back.
+//!
+//! Where the router learns what each prefill worker's kvd holds: with `--kv-events` (one
+//! `PUB[,REPLAY]` endpoint per prefill worker, SPEC §14) from a prefix index the daemons'
+//! KV events keep ([`kvd_client::events`]): no message per request; the prompt is hashed
+//! here (the workers' tokenizer, their block size and layouts from `/v1/info`). Without
+//! it, or while a worker's `/v1/info` does not answer, by asking every worker's
+//! `/v1/lookup`. `GET /stats` counts the choices made each way.
 //!
 //! - **pull**: prefill (`do_remote_decode`, answers with one shard params per KV shard) →
 //!   decode pulls.
@@ -52,6 +59,30 @@ pub struct RouterConfig {
     pub mode: Mode,
     /// Bound on each leg's wait for an answer (and between streamed tokens).
     pub leg_timeout: Duration,
+    /// Per prefill worker (same order), its kvd's KV events: `PUB[,REPLAY]`. Empty:
+    /// ask the workers' `/v1/lookup` instead.
+    pub kv_events: Vec<String>,
+    /// The workers' tokenizer (`tokenizer.json`; default byte-level, as theirs).
+    pub tokenizer: Option<std::path::PathBuf>,
+}
+
+/// How a worker hashes a prompt: tokens per block, and its kvd layouts (one per shard).
+type Shape = (usize, Vec<kvd_protocol::LayoutId>);
+
+/// The prefix index the prefill workers' KV events keep, and what the router needs to
+/// hash a prompt as each worker does.
+struct Events {
+    index: std::sync::Arc<std::sync::Mutex<kvd_client::events::PrefixIndex>>,
+    tokenizer: kvd_model::tokenizer::Tokenizer,
+    /// Per prefill worker, once `/v1/info` answered.
+    shapes: std::sync::Mutex<Vec<Option<Shape>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 struct Worker {
@@ -64,6 +95,9 @@ struct Inner {
     http: reqwest::Client,
     prefill: Vec<Worker>,
     decode: Vec<Worker>,
+    events: Option<Events>,
+    by_events: std::sync::atomic::AtomicU64,
+    by_lookup: std::sync::atomic::AtomicU64,
 }
 
 /// The router's shared state.
@@ -103,12 +137,20 @@ impl RouterState {
         };
         let prefill = cfg.prefill.iter().map(w).collect();
         let decode = cfg.decode.iter().map(w).collect();
+        let events = if cfg.kv_events.is_empty() {
+            None
+        } else {
+            Some(start_events(&cfg)?)
+        };
         Ok(RouterState {
             inner: Arc::new(Inner {
                 cfg,
                 http,
                 prefill,
                 decode,
+                events,
+                by_events: Default::default(),
+                by_lookup: Default::default(),
             }),
         })
     }
@@ -118,6 +160,7 @@ impl RouterState {
         Router::new()
             .route("/v1/completions", post(completions))
             .route("/health", get(|| async { "ok" }))
+            .route("/stats", get(stats))
             .with_state(self)
     }
 
@@ -131,9 +174,72 @@ impl RouterState {
         Inflight(self.inner.clone(), prefill, i)
     }
 
-    /// KV-aware choice: most cached prompt tokens, then least load. Workers that do not
-    /// answer within a second are skipped.
+    /// KV-aware choice: most cached prompt tokens (DRAM above NVMe at equal length), then
+    /// least load; from the events' index when there is one and every worker's shape is
+    /// known, else by asking.
     async fn pick_prefill(&self, prompt: &str) -> Result<usize> {
+        if let Some(p) = self.pick_by_events(prompt).await {
+            self.inner.by_events.fetch_add(1, Ordering::Relaxed);
+            return Ok(p);
+        }
+        self.inner.by_lookup.fetch_add(1, Ordering::Relaxed);
+        self.pick_by_lookup(prompt).await
+    }
+
+    /// The choice from the index (no message to any worker once their shapes are known).
+    async fn pick_by_events(&self, prompt: &str) -> Option<usize> {
+        let ev = self.inner.events.as_ref()?;
+        let missing: Vec<usize> = {
+            let shapes = ev.shapes.lock().unwrap_or_else(|p| p.into_inner());
+            (0..self.inner.prefill.len())
+                .filter(|&i| shapes.get(i).is_none_or(Option::is_none))
+                .collect()
+        };
+        for i in missing {
+            let info = self.prefill_info(i).await.ok()?;
+            if info.block_tokens == 0 || info.kv_layouts.is_empty() {
+                return None; // an old worker, or one without kvd
+            }
+            let mut shapes = ev.shapes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(s) = shapes.get_mut(i) {
+                *s = Some((
+                    info.block_tokens,
+                    info.kv_layouts
+                        .into_iter()
+                        .map(kvd_protocol::LayoutId)
+                        .collect(),
+                ));
+            }
+        }
+        let tokens = ev.tokenizer.encode(prompt).ok()?;
+        let shapes = ev.shapes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let index = ev.index.lock().unwrap_or_else(|p| p.into_inner());
+        (0..self.inner.prefill.len()).max_by_key(|&w| {
+            let (bt, layouts) = shapes[w].clone().unwrap_or_default();
+            let keys = kvd_protocol::hash::chunk_hashes(&tokens, bt, b"");
+            let (mut prefix, mut dram) = (usize::MAX, usize::MAX);
+            for l in &layouts {
+                let h = index.held(*l, &keys).get(w).copied().unwrap_or_default();
+                prefix = prefix.min(h.prefix);
+                dram = dram.min(h.dram_prefix);
+            }
+            let (prefix, dram) = if layouts.is_empty() {
+                (0, 0)
+            } else {
+                (prefix, dram)
+            };
+            (
+                prefix * bt,
+                dram * bt,
+                std::cmp::Reverse(self.inner.prefill[w].inflight.load(Ordering::Relaxed)),
+                std::cmp::Reverse(w),
+            )
+        })
+    }
+
+    /// The choice by asking every worker's `/v1/lookup`. Workers that do not answer
+    /// within a second are skipped.
+    async fn pick_by_lookup(&self, prompt: &str) -> Result<usize> {
         let body = serde_json::to_vec(&LookupRequest {
             prompt: prompt.to_string(),
         })?;
@@ -481,4 +587,59 @@ async fn collect_json(
         "upstream_error",
         "decode worker closed the stream early",
     )
+}
+
+/// `GET /stats`: how prefill workers were chosen.
+async fn stats(State(s): State<RouterState>) -> Response {
+    Json(serde_json::json!({
+        "by_events": s.inner.by_events.load(Ordering::Relaxed),
+        "by_lookup": s.inner.by_lookup.load(Ordering::Relaxed),
+        "indexed_blocks": s.inner.events.as_ref().map(|e| e.index.lock().unwrap_or_else(|p| p.into_inner()).len()),
+    }))
+    .into_response()
+}
+
+/// Subscribes to the prefill workers' KV events on a thread of its own.
+fn start_events(cfg: &RouterConfig) -> Result<Events> {
+    if cfg.kv_events.len() != cfg.prefill.len() {
+        bail!(
+            "--kv-events names {} endpoints for {} prefill workers (one each, in the same order)",
+            cfg.kv_events.len(),
+            cfg.prefill.len()
+        );
+    }
+    let workers: Vec<(String, Option<String>)> = cfg
+        .kv_events
+        .iter()
+        .map(|e| match e.split_once(',') {
+            Some((p, r)) => (p.to_string(), Some(r.to_string())),
+            None => (e.clone(), None),
+        })
+        .collect();
+    let tokenizer = match &cfg.tokenizer {
+        Some(p) => kvd_model::tokenizer::Tokenizer::from_file(p)?,
+        None => kvd_model::tokenizer::Tokenizer::Bytes,
+    };
+    let ctx = zmq::Context::new();
+    // Three keepalive periods of silence: a worker's kvd is gone.
+    let mut sub =
+        kvd_client::events::Subscriber::connect(&ctx, "kvd", &workers, Duration::from_secs(3))
+            .map_err(|e| anyhow!("subscribing to the KV events: {e}"))?;
+    let index = sub.shared();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let halt = stop.clone();
+    std::thread::Builder::new()
+        .name("kv-events".into())
+        .spawn(move || {
+            let _ctx = ctx;
+            while !halt.load(Ordering::Relaxed) {
+                sub.poll(Duration::from_millis(100));
+            }
+        })?;
+    Ok(Events {
+        index,
+        tokenizer,
+        shapes: std::sync::Mutex::new(vec![None; cfg.prefill.len()]),
+        stop,
+    })
 }

@@ -69,6 +69,8 @@ async fn info(State(e): State<Engine>) -> Json<EngineInfo> {
         kvd_node: e.kvd_node(),
         load: e.load(),
         backend: e.backend().into(),
+        block_tokens: e.block_tokens(),
+        kv_layouts: e.kv_layouts(),
     })
 }
 

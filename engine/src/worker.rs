@@ -370,6 +370,20 @@ impl Engine {
         self.inner.kv.as_ref().and_then(|k| k.node.clone())
     }
 
+    /// Tokens per KV block.
+    pub fn block_tokens(&self) -> usize {
+        self.inner.cfg.model.block_tokens
+    }
+
+    /// Its kvd layouts' ids (one per KV shard; none without kvd).
+    pub fn kv_layouts(&self) -> Vec<u64> {
+        self.inner
+            .kv
+            .as_ref()
+            .map(|k| k.layouts.iter().map(|l| l.id.0).collect())
+            .unwrap_or_default()
+    }
+
     /// Requests queued or running.
     pub fn load(&self) -> usize {
         self.inner.load.load(Ordering::Relaxed)

@@ -26,6 +26,13 @@ struct Args {
     /// Bound on each leg's wait, ms.
     #[arg(long, default_value_t = 60_000)]
     leg_timeout_ms: u64,
+    /// Each prefill worker's kvd KV events, `PUB[,REPLAY]` (same order as --prefill):
+    /// choose by the prefix index they keep instead of asking every worker.
+    #[arg(long, num_args = 1..)]
+    kv_events: Vec<String>,
+    /// The workers' tokenizer.json (default: byte-level, as theirs).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -38,6 +45,8 @@ fn main() -> Result<()> {
         decode: a.decode,
         mode: a.mode,
         leg_timeout: Duration::from_millis(a.leg_timeout_ms),
+        kv_events: a.kv_events,
+        tokenizer: a.tokenizer,
     })?;
     kvd_engine::server::serve("kvd-router", a.listen, state.router())
 }
