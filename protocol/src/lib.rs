@@ -33,6 +33,7 @@ pub mod ids;
 pub mod layout;
 pub mod msg;
 pub mod pool;
+pub mod prefix_index;
 pub mod stream;
 pub mod strict;
 pub mod transfer;
