@@ -1,8 +1,9 @@
 //! A router's view of a fleet from its daemons' KV events (SPEC §14): [`PrefixIndex`]
 //! (sans I/O, in `kvd_protocol::prefix_index`) keeps, for every block any worker holds,
 //! which workers hold it in DRAM and which on NVMe, and answers "how long a prefix of
-//! these keys does each worker hold" without a message; [`Subscriber`] feeds it from the workers' PUB sockets, catching up through
-//! their replay endpoints after a gap or a restart and dropping a worker that went silent.
+//! these keys does each worker hold" without a message; [`Subscriber`] feeds it from the
+//! workers' PUB sockets, catching up through their replay endpoints after a gap or a
+//! restart and dropping a worker that went silent.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -20,9 +21,8 @@ pub struct Subscriber {
 
 impl Subscriber {
     /// Subscribes to `workers` (PUB endpoint, replay endpoint if any) to the topics under
-    /// `prefix` (`events.topic`: `kvd`), and
-    /// asks each replay endpoint for what it kept; a worker silent for `silence` (several
-    /// keepalive periods) is dropped from the index.
+    /// `prefix` (`events.topic`: `kvd`), and asks each replay endpoint for what it kept;
+    /// a worker silent for `silence` (several keepalive periods) is dropped from the index.
     pub fn connect(
         ctx: &zmq::Context,
         prefix: &str,

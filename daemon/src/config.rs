@@ -63,6 +63,7 @@
 //! | `peers.lookup_timeout_ms` | int | `200` | | a peer slower than this is skipped (and counted) |
 //! | `peers.down_backoff_ms` | int | `5000` | | a peer that did not answer is not asked again for this long |
 //! | `peers.lock_ttl_ms` | int | `5000` | | lock TTL on a peer's blocks while they are read (renewed by heartbeats) |
+//! | `peers.use_events` | bool | `true` | | follow the KV events of peers that publish them (learnt from their `peer_lookup` answers) and ask only the peers whose events say they hold the prefix; peers not yet followed are asked |
 //! | `gpu.device` | `auto` \| `off` \| `host` \| `cuda` | `auto` | `KVD_GPU_DEVICE` / `--gpu-device` | the GPU tier's device: `cuda` (needs the `cuda` feature and a device), `host` (the stand-in: engine memory is shared-memory files in `gpu.host_dir`), `off`; `auto` is `cuda` when built with it and a device answers, else off |
 //! | `gpu.host_dir` | path | the pool file's directory | `KVD_GPU_HOST_DIR` / `--gpu-host-dir` | where the host stand-in opens engines' memory files |
 //! | `gpu.idle_ttl_ms` | int | `30000` | | a registration ends when its session sent nothing for this long |
@@ -378,6 +379,9 @@ pub struct PeersSection {
     pub down_backoff_ms: u64,
     /// Lock TTL.
     pub lock_ttl_ms: u64,
+    /// Follow the KV events of peers that publish them (learnt from their `peer_lookup`
+    /// answers) and ask only those whose events say they hold the prefix.
+    pub use_events: bool,
 }
 
 impl Default for PeersSection {
@@ -393,6 +397,7 @@ impl Default for PeersSection {
             lookup_timeout_ms: 200,
             down_backoff_ms: 5000,
             lock_ttl_ms: 5000,
+            use_events: true,
         }
     }
 }

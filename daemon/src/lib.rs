@@ -260,7 +260,16 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     };
     let gpu = gpu::open(&cfg.gpu, &shared_pool).map_err(setup_err("the GPU tier"))?;
     let transfers =
-        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|t| (t, shared_pool));
+        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|mut t| {
+            if cfg.events.enabled {
+                t.peers.events = Some(if cfg.events.replay_endpoint.is_empty() {
+                    cfg.events.endpoint.clone()
+                } else {
+                    format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
+                });
+            }
+            (t, shared_pool)
+        });
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
     server.set_gpu(gpu);
     if cfg.events.enabled {

@@ -554,3 +554,96 @@ fn a_router_index_fed_by_two_daemons_finds_the_longest_prefix_without_asking() {
         "a silent worker is dropped"
     );
 }
+
+#[test]
+fn a_miss_asks_only_the_peer_whose_events_say_it_holds_the_prefix() {
+    // Three daemons sharing by lookup, each publishing events.
+    let nodes: Vec<String> = (0..3)
+        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
+        .collect();
+    let list: Vec<String> = nodes.iter().map(|n| format!("\"{n}\"")).collect();
+    let mut cfgs = Vec::new();
+    let daemons: Vec<Daemon> = nodes
+        .iter()
+        .map(|node| {
+            let (ev, rp) = (free_port(), free_port());
+            let f = tempfile::NamedTempFile::new().unwrap();
+            std::fs::write(
+                f.path(),
+                format!(
+                    "[transfer]\ncontrol = \"{node}\"\n[peers]\nmode = \"lookup\"\nstatic = [{}]\nlookup_timeout_ms = 1000\n[events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:{ev}\"\nreplay_endpoint = \"tcp://127.0.0.1:{rp}\"\n",
+                    list.join(", ")
+                ),
+            )
+            .unwrap();
+            let path = f.path().display().to_string();
+            cfgs.push(f);
+            Daemon::start(&["--config", &path])
+        })
+        .collect();
+    let (ca, cc) = (daemons[0].client(), daemons[2].client());
+    let l = register(&ca, KIB).id;
+    register(&daemons[1].client(), KIB);
+    register(&cc, KIB);
+    let ks = keys(21, 4);
+    let data = block(5, (KIB << 10) as usize);
+    for k in &ks {
+        ca.store(l, std::slice::from_ref(k), &[&data[..]]).unwrap();
+    }
+    let sent = |c: &kvd_client::Client| {
+        let t = c.stats().unwrap().transfers.unwrap();
+        (t.peer_lookup_messages, t.peer_lookups_spared)
+    };
+    // The first miss asks both peers (none is followed yet); their answers say where
+    // their events are.
+    let r = cc.lookup(l, &ks).unwrap();
+    assert_eq!(
+        (r.prefix, r.holders[0].as_deref()),
+        (4, Some(nodes[0].as_str()))
+    );
+    assert_eq!(sent(&cc), (2, 0));
+    // Once C follows them, a miss of A's keys asks A only, and a miss of keys nobody
+    // holds asks nobody.
+    let nobody = keys(22, 2);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = sent(&cc);
+        let r = cc.probe(l, &ks).unwrap();
+        assert_eq!(r.prefix, 4);
+        let after = sent(&cc);
+        if after.0 - before.0 == 1 && after.1 - before.1 == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "C never asked A alone: {before:?} -> {after:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = sent(&cc);
+    let r = cc.probe(l, &nobody).unwrap();
+    assert_eq!(r.prefix, 0);
+    let after = sent(&cc);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (0, 2),
+        "no message for a prefix no peer holds"
+    );
+    // A drops the blocks: its events say so, and C stops asking it.
+    ca.delete(l, &ks).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = sent(&cc);
+        let r = cc.probe(l, &ks).unwrap();
+        let after = sent(&cc);
+        if r.prefix == 0 && after.0 == before.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "C kept asking A for blocks A deleted"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(cfgs);
+}

@@ -464,6 +464,10 @@ pub struct PeerAck {
     /// `peer_lock`: CRC-32C of each locked block, for the reader to verify.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub crcs: Vec<u32>,
+    /// `peer_lookup`: the answerer's KV events (SPEC §14), `"PUB[,REPLAY]"`, when it
+    /// publishes them: the asker may follow them and ask only the peers that hold a prefix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<String>,
 }
 
 /// `peer_lookup`: which of `keys` the receiver holds.
@@ -574,6 +578,12 @@ pub struct TransferStats {
     /// Peers skipped for not answering a lookup in time.
     #[serde(default)]
     pub peer_skipped: u64,
+    /// `peer_lookup` messages sent (one per peer asked).
+    #[serde(default)]
+    pub peer_lookup_messages: u64,
+    /// Peers not asked because their KV events say they hold none of the prefix.
+    #[serde(default)]
+    pub peer_lookups_spared: u64,
     /// Block groups fetched from peers (verified and committed).
     #[serde(default)]
     pub peer_fetches: u64,

@@ -67,6 +67,7 @@
 //! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
 //! | [`gate`] | which inbound data-plane connections are kept (pending and authenticated caps, first-request deadline) |
 //! | `p2p.rs` | remote lookups and lock-and-read fetches between peers |
+//! | `peer_events.rs` | following peers' KV events, so a miss asks only the peers that hold the prefix |
 //! | [`discovery`] | etcd membership |
 //! | `rdma.rs` | (feature `rdma`) the verbs boundary |
 
@@ -75,6 +76,7 @@ pub mod discovery;
 pub mod gate;
 pub mod grants;
 mod p2p;
+mod peer_events;
 mod peer_ops;
 pub mod remote_access;
 pub use p2p::PeerConfig;
@@ -238,6 +240,8 @@ pub struct Transfers {
     parked: Vec<p2p::ParkedLock>,
     /// Peers that did not answer in time, skipped until then.
     down_until: HashMap<String, Instant>,
+    /// Peers' KV events, followed to ask only the holders (`peers.use_events`).
+    peer_events: Option<peer_events::PeerEvents>,
 }
 
 /// Tokens of deferred transfer replies have this bit set (the store's do not).
@@ -315,6 +319,9 @@ impl Transfers {
         #[cfg(not(feature = "rdma"))]
         let remote = None;
         let plane = DataPlane::start(cfg.data.workers)?;
+        let peer_events = (cfg.peers.mode != crate::config::PeerMode::Off && cfg.peers.use_events)
+            .then(peer_events::PeerEvents::start)
+            .transpose()?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
         Ok(Transfers {
@@ -352,6 +359,7 @@ impl Transfers {
             fetches: HashMap::new(),
             parked: Vec::new(),
             down_until: HashMap::new(),
+            peer_events,
         })
     }
 

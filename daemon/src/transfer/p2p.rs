@@ -23,6 +23,12 @@
 //!   block is readable ([`ParkedLock`], at most [`PARK_WAIT`]), then locked as usual;
 //!   lock-at-lookup leaves them to that `peer_lock`.
 //!
+//! - **Asking only the holders** (`peers.use_events`): peers that publish KV events say
+//!   so in their `peer_lookup` answers; this daemon then follows them
+//!   ([`super::peer_events`]) and a later miss asks only the peers whose events say they
+//!   hold the first missing key (and any peer not followed yet): one message per holder,
+//!   not one per peer.
+//!
 //! Keys a peer lost in between, a lock refused, a failed read or a bad checksum are
 //! simply misses: the engine recomputes them.
 
@@ -113,6 +119,11 @@ pub struct PeerConfig {
     pub lock_ttl: Duration,
     /// etcd discovery (instead of the static list).
     pub etcd: Option<super::discovery::EtcdConfig>,
+    /// Follow peers' KV events to ask only the holders (`peers.use_events`).
+    pub use_events: bool,
+    /// This daemon's own KV events, `PUB[,REPLAY]` as bound (when it publishes them):
+    /// told to peers in `peer_lookup` answers.
+    pub events: Option<String>,
 }
 
 impl Transfers {
@@ -195,12 +206,20 @@ impl Transfers {
         )
     }
 
-    /// Sends `peer_lookup` to every live peer; `None` when there is none to ask.
+    /// Sends `peer_lookup` to every live peer that may hold the first key asked (all of
+    /// them, unless their KV events are followed: `peer_events`); `None` when there is
+    /// none to ask.
     fn ask_peers(&mut self, mut q: Query, now: Instant) -> Option<super::Answer> {
-        let peers = self.live_peers(now);
+        let mut peers = self.live_peers(now);
+        if let (Some(pe), Some(first)) = (&self.peer_events, q.keys.get(q.from)) {
+            let before = peers.len();
+            peers.retain(|p| pe.may_hold(p, q.layout, first));
+            self.counters.peer_lookups_spared += (before - peers.len()) as u64;
+        }
         if peers.is_empty() {
             return None;
         }
+        self.counters.peer_lookup_messages += peers.len() as u64;
         let id = self.new_id();
         q.waiting = peers.len();
         let token = q.token;
@@ -231,6 +250,16 @@ impl Transfers {
         r: Result<PeerAck, WireError>,
         now: Instant,
     ) {
+        // A peer that publishes KV events says where: follow them from now on.
+        if let (
+            Some(pe),
+            Ok(PeerAck {
+                events: Some(ev), ..
+            }),
+        ) = (self.peer_events.as_mut(), &r)
+        {
+            pe.learn(&node, ev);
+        }
         let Some(q) = self.queries.get_mut(&id) else {
             // A late answer to a fetch that went on without it: its lock is not used.
             if let Ok(PeerAck {
@@ -505,6 +534,7 @@ impl Transfers {
             incarnation: self.me.incarnation,
             present,
             params,
+            events: self.cfg.peers.events.clone(),
             ..Default::default()
         }))
     }

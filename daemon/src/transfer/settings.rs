@@ -77,6 +77,8 @@ impl TransferConfig {
                 lookup_timeout: Duration::from_millis(peers.lookup_timeout_ms),
                 down_backoff: Duration::from_millis(peers.down_backoff_ms),
                 lock_ttl: Duration::from_millis(peers.lock_ttl_ms),
+                use_events: peers.use_events,
+                events: None,
                 etcd: (peers.discovery == DiscoveryMode::Etcd).then(|| discovery::EtcdConfig {
                     endpoints: peers.etcd_endpoints.clone(),
                     prefix: peers.etcd_prefix.clone(),
