@@ -120,6 +120,7 @@ rm -rf "$plots"
 ./target/release/kvd-bench nvme --dir target/kvd-bench-nvme-smoke --total 64MiB --sizes 1MiB --qd 4 --pool 64MiB --json > /dev/null
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1,2 --total 16MiB --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench events --total 16MiB --reps 1 --lag-blocks 200 --json > /dev/null
+./target/release/kvd-bench fleet --nodes 4 --requests 60 --prompts 10 --pool 32MiB --compare --json > /dev/null
 # The peers comparison: NIXL and Mooncake from PyPI (~0.5 GB, installed into
 # target/kvd-bench-peers once and reused), each measured between two processes.
 ./target/release/kvd-bench transport --sizes 1MiB --inflight 1 --total 16MiB --ceiling-bytes 64MiB \

@@ -28,6 +28,7 @@
 mod daemon;
 mod e2e;
 mod events;
+mod fleet;
 mod gpu;
 mod nvme;
 mod p2p;
@@ -86,6 +87,9 @@ enum Cmd {
     /// KV events: store bandwidth with events on against off, and the lag from a store's
     /// return to its event at a subscriber.
     Events(events::EventsArgs),
+    /// A fleet on loopback following each other's KV events: routing hit rate against an
+    /// oracle, peer messages per request, event lag, router index memory.
+    Fleet(fleet::FleetArgs),
 }
 
 #[derive(clap::Args)]
@@ -149,6 +153,7 @@ fn main() -> Result<()> {
         Cmd::PdE2e(a) => e2e::run(a),
         Cmd::Gpu(a) => gpu::run(a),
         Cmd::Events(a) => events::run(a),
+        Cmd::Fleet(a) => fleet::run(a),
     }
 }
 
