@@ -5,7 +5,8 @@
 //! its own. A router ([`kvd_client::events::Subscriber`]) follows every daemon's events
 //! and sends each request to the node with the longest cached prefix (then the least
 //! requests); the node looks the prefix up (asking peers for what it lacks) and stores
-//! what was missing. One node is killed and restarted half way.
+//! what was missing. A node is killed and restarted at a quarter, half and three quarters
+//! of the run (a different one each time when there are enough).
 //!
 //! Reported: the routing hit rate against an oracle that asks every node
 //! (`probe_local`) for the longest prefix it holds before each request; `peer_lookup`
@@ -120,8 +121,23 @@ fn zipf(n: usize, u: f64) -> usize {
     n - 1
 }
 
+/// `peer_lookup` messages the live daemons sent so far.
+fn messages(f: &Fleet) -> u64 {
+    f.clients
+        .iter()
+        .flatten()
+        .map(|c| {
+            c.stats()
+                .ok()
+                .and_then(|s| s.transfers)
+                .map_or(0, |t| t.peer_lookup_messages)
+        })
+        .sum()
+}
+
 /// Figures of one run.
 struct Run {
+    restarts: usize,
     hit_rate: f64,
     messages_per_request: f64,
     lag: (f64, f64),
@@ -146,30 +162,25 @@ fn run_fleet(a: &FleetArgs, use_events: bool) -> Result<Run> {
         (rng >> 11) as f64 / (1u64 << 53) as f64
     };
     let mut load = vec![0usize; a.nodes];
+    let mut restarts = 0;
     let (mut chosen_sum, mut oracle_sum) = (0usize, 0usize);
     let mut lags = Vec::new();
-    let messages_before: u64 = f
-        .clients
-        .iter()
-        .flatten()
-        .map(|c| {
-            c.stats()
-                .ok()
-                .and_then(|s| s.transfers)
-                .map_or(0, |t| t.peer_lookup_messages)
-        })
-        .sum();
+    let messages_before = messages(&f);
     for r in 0..a.requests {
-        if r == a.requests / 2 && a.nodes > 1 {
-            // Kill node 1 and start it again on the same configuration.
-            f.clients[1] = None;
-            f.daemons[1] = None;
-            let (pool, toml) = f.configs[1].clone();
+        // Churn: at a quarter, half and three quarters, a node is killed (its cache
+        // lost) and started again on the same configuration.
+        if a.nodes > 1 && r > 0 && [a.requests / 4, a.requests / 2, 3 * a.requests / 4].contains(&r)
+        {
+            let victim = 1 + restarts % (a.nodes - 1);
+            f.clients[victim] = None;
+            f.daemons[victim] = None;
+            let (pool, toml) = f.configs[victim].clone();
             let d = BenchDaemon::start_with(pool, 1 << 20, false, 30_000, &toml)?;
             let c = connect(&d)?;
             c.register_layout(&layout_def)?;
-            f.clients[1] = Some(c);
-            f.daemons[1] = Some(d);
+            f.clients[victim] = Some(c);
+            f.daemons[victim] = Some(d);
+            restarts += 1;
         }
         router.poll(Duration::from_millis(1));
         let p = zipf(a.prompts, next());
@@ -217,19 +228,10 @@ fn run_fleet(a: &FleetArgs, use_events: bool) -> Result<Run> {
             }
         }
     }
-    let messages_after: u64 = f
-        .clients
-        .iter()
-        .flatten()
-        .map(|c| {
-            c.stats()
-                .ok()
-                .and_then(|s| s.transfers)
-                .map_or(0, |t| t.peer_lookup_messages)
-        })
-        .sum();
+    let messages_after = messages(&f);
     let ix = router.index();
     Ok(Run {
+        restarts,
         hit_rate: chosen_sum as f64 / oracle_sum.max(1) as f64,
         messages_per_request: messages_after.saturating_sub(messages_before) as f64
             / a.requests as f64,
@@ -263,6 +265,7 @@ pub fn run(a: FleetArgs) -> Result<()> {
         "router_index_bytes_per_block".into(),
         ev.index_bytes_per_block.into(),
     );
+    extra.insert("nodes_restarted".into(), ev.restarts.into());
     if a.compare {
         let bc = run_fleet(&a, false)?;
         extra.insert(

@@ -8,6 +8,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvd_protocol::events::{parse_pub, parse_replay, Replayed};
 pub use kvd_protocol::prefix_index::{Applied, Held, PrefixIndex, MAX_WORKERS};
 
 /// Follows workers' event streams into a [`PrefixIndex`] (one SUB socket and one replay
@@ -91,14 +92,10 @@ impl Subscriber {
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         for (w, s) in self.subs.iter().enumerate() {
             while let Ok(f) = s.recv_multipart(zmq::DONTWAIT) {
-                let [t, q, p]: [Vec<u8>; 3] = match f.try_into() {
-                    Ok(x) => x,
-                    Err(_) => continue,
-                };
-                let Ok(q) = <[u8; 8]>::try_from(&q[..]) else {
+                let Some((t, q, p)) = parse_pub(f) else {
                     continue;
                 };
-                if let Ok(a) = index.apply(w, &t, u64::from_be_bytes(q), &p) {
+                if let Ok(a) = index.apply(w, &t, q, &p) {
                     applied += 1;
                     if let Applied::Gap { from } = a {
                         gaps.push((w, from));
@@ -109,19 +106,10 @@ impl Subscriber {
         for (w, r) in self.replays.iter().enumerate() {
             let Some(r) = r else { continue };
             while let Ok(f) = r.recv_multipart(zmq::DONTWAIT) {
-                let [_, t, q, p]: [Vec<u8>; 4] = match f.try_into() {
-                    Ok(x) => x,
-                    Err(_) => continue,
-                };
-                let Ok(q) = <[u8; 8]>::try_from(&q[..]) else {
-                    continue;
-                };
-                let seq = i64::from_be_bytes(q);
-                if seq < 0 {
-                    continue; // the end marker
-                }
-                if index.apply_replayed(w, &t, seq as u64, &p).is_ok() {
-                    applied += 1;
+                if let Some(Replayed::Batch(t, q, p)) = parse_replay(f) {
+                    if index.apply_replayed(w, &t, q, &p).is_ok() {
+                        applied += 1;
+                    }
                 }
             }
         }

@@ -130,6 +130,33 @@ pub struct Batch {
     pub events: Vec<KvEvent>,
 }
 
+/// A PUB message's frames (`[topic, seq, payload]`), checked: `None` for any other shape.
+pub fn parse_pub(frames: Vec<Vec<u8>>) -> Option<(Vec<u8>, u64, Vec<u8>)> {
+    let [topic, seq, payload]: [Vec<u8>; 3] = frames.try_into().ok()?;
+    let seq = u64::from_be_bytes(seq.as_slice().try_into().ok()?);
+    Some((topic, seq, payload))
+}
+
+/// What a replay endpoint sent a DEALER (`["", topic, seq, payload]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Replayed {
+    /// A kept batch: topic, sequence number, payload.
+    Batch(Vec<u8>, u64, Vec<u8>),
+    /// The end marker (sequence number -1).
+    End,
+}
+
+/// A replay answer's frames, checked: `None` for any other shape.
+pub fn parse_replay(frames: Vec<Vec<u8>>) -> Option<Replayed> {
+    let [_, topic, seq, payload]: [Vec<u8>; 4] = frames.try_into().ok()?;
+    let seq = i64::from_be_bytes(seq.as_slice().try_into().ok()?);
+    Some(if seq < 0 {
+        Replayed::End
+    } else {
+        Replayed::Batch(topic, seq as u64, payload)
+    })
+}
+
 /// The topic of a layout's events.
 pub fn topic(prefix: &str, layout: Option<LayoutId>) -> String {
     match layout {

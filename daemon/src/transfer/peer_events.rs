@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvd_protocol::events::{parse_pub, parse_replay, Replayed};
 use kvd_protocol::prefix_index::{Applied, PrefixIndex};
 use kvd_protocol::{ChunkHash, LayoutId};
 
@@ -173,30 +174,17 @@ fn follow(rx: Receiver<Follow>, index: Arc<Mutex<PrefixIndex>>, stop: Arc<Atomic
         let mut ix = index.lock().unwrap_or_else(|p| p.into_inner());
         for (w, s, r) in &peers {
             while let Ok(f) = s.recv_multipart(zmq::DONTWAIT) {
-                let Ok([t, q, p]) = <[Vec<u8>; 3]>::try_from(f) else {
+                let Some((t, q, p)) = parse_pub(f) else {
                     continue;
                 };
-                let Ok(q) = <[u8; 8]>::try_from(&q[..]) else {
-                    continue;
-                };
-                if let Ok(Applied::Gap { from }) = ix.apply(*w, &t, u64::from_be_bytes(q), &p) {
-                    if let Some(r) = r {
-                        let _ =
-                            r.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT);
-                    }
+                if let (Ok(Applied::Gap { from }), Some(r)) = (ix.apply(*w, &t, q, &p), r) {
+                    let _ = r.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT);
                 }
             }
             if let Some(r) = r {
                 while let Ok(f) = r.recv_multipart(zmq::DONTWAIT) {
-                    let Ok([_, t, q, p]) = <[Vec<u8>; 4]>::try_from(f) else {
-                        continue;
-                    };
-                    let Ok(q) = <[u8; 8]>::try_from(&q[..]) else {
-                        continue;
-                    };
-                    let seq = i64::from_be_bytes(q);
-                    if seq >= 0 {
-                        let _ = ix.apply_replayed(*w, &t, seq as u64, &p);
+                    if let Some(Replayed::Batch(t, q, p)) = parse_replay(f) {
+                        let _ = ix.apply_replayed(*w, &t, q, &p);
                     }
                 }
             }
