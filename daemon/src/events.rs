@@ -122,35 +122,71 @@ pub struct Publisher {
 
 impl Publisher {
     /// Binds the PUB socket and the replay ROUTER and starts the publisher thread.
-    pub fn start(ctx: &zmq::Context, cfg: &EventsSection) -> Result<Publisher, zmq::Error> {
-        let pub_sock = ctx.socket(zmq::PUB)?;
-        pub_sock.set_sndhwm(cfg.hwm)?;
-        pub_sock.set_linger(0)?;
-        pub_sock.bind(&cfg.endpoint)?;
+    pub fn start(ctx: &zmq::Context, cfg: &EventsSection) -> std::io::Result<Publisher> {
+        Self::bind(ctx, cfg)?.spawn(cfg)
+    }
+
+    fn bind(ctx: &zmq::Context, cfg: &EventsSection) -> std::io::Result<Sockets> {
+        let z =
+            |what: &'static str| move |e: zmq::Error| std::io::Error::other(format!("{what}: {e}"));
+        let pub_sock = ctx.socket(zmq::PUB).map_err(z("a PUB socket"))?;
+        pub_sock.set_sndhwm(cfg.hwm).map_err(z("SNDHWM"))?;
+        pub_sock.set_linger(0).map_err(z("LINGER"))?;
+        pub_sock
+            .bind(&cfg.endpoint)
+            .map_err(z("binding events.endpoint"))?;
         let replay = if cfg.replay_endpoint.is_empty() {
             None
         } else {
-            let r = ctx.socket(zmq::ROUTER)?;
+            let r = ctx.socket(zmq::ROUTER).map_err(z("a ROUTER socket"))?;
             // A whole replay and its end marker fit (vLLM's rule).
             let hwm = i32::try_from(2 * (cfg.buffer_steps + 1)).unwrap_or(i32::MAX);
-            r.set_sndhwm(hwm)?;
-            r.set_linger(0)?;
-            r.bind(&cfg.replay_endpoint)?;
+            r.set_sndhwm(hwm).map_err(z("SNDHWM"))?;
+            r.set_linger(0).map_err(z("LINGER"))?;
+            r.bind(&cfg.replay_endpoint)
+                .map_err(z("binding events.replay_endpoint"))?;
             Some(r)
         };
         let inproc = format!("inproc://kvd-events-{:016x}", rand::random::<u64>());
-        let thread_end = ctx.socket(zmq::PAIR)?;
-        thread_end.set_rcvhwm(HANDOFF_HWM)?;
-        thread_end.bind(&inproc)?;
-        let pair = ctx.socket(zmq::PAIR)?;
-        pair.set_sndhwm(HANDOFF_HWM)?;
-        pair.set_linger(0)?;
-        pair.connect(&inproc)?;
+        let thread_end = ctx.socket(zmq::PAIR).map_err(z("a PAIR socket"))?;
+        thread_end.set_rcvhwm(HANDOFF_HWM).map_err(z("RCVHWM"))?;
+        thread_end
+            .bind(&inproc)
+            .map_err(z("binding the hand-off"))?;
+        let pair = ctx.socket(zmq::PAIR).map_err(z("a PAIR socket"))?;
+        pair.set_sndhwm(HANDOFF_HWM).map_err(z("SNDHWM"))?;
+        pair.set_linger(0).map_err(z("LINGER"))?;
+        pair.connect(&inproc)
+            .map_err(z("connecting the hand-off"))?;
+        Ok(Sockets {
+            pub_sock,
+            replay,
+            thread_end,
+            pair,
+        })
+    }
+}
+
+/// The sockets [`Publisher::start`] binds before its thread starts.
+struct Sockets {
+    pub_sock: zmq::Socket,
+    replay: Option<zmq::Socket>,
+    thread_end: zmq::Socket,
+    pair: zmq::Socket,
+}
+
+impl Sockets {
+    fn spawn(self, cfg: &EventsSection) -> std::io::Result<Publisher> {
+        let Sockets {
+            pub_sock,
+            replay,
+            thread_end,
+            pair,
+        } = self;
         let steps = cfg.buffer_steps;
         let thread = std::thread::Builder::new()
             .name("kvd-events".into())
-            .spawn(move || serve(thread_end, pub_sock, replay, steps))
-            .map_err(|_| zmq::Error::EMFILE)?;
+            .spawn(move || serve(thread_end, pub_sock, replay, steps))?;
         tracing::info!(endpoint = %cfg.endpoint, replay = %cfg.replay_endpoint, topic = %cfg.topic, "KV events published");
         Ok(Publisher {
             prefix: cfg.topic.clone(),
@@ -163,7 +199,9 @@ impl Publisher {
             counters: EventCounters::default(),
         })
     }
+}
 
+impl Publisher {
     /// The counters, for `stats`.
     pub fn stats(&self) -> kvd_protocol::EventStats {
         let c = self.counters;

@@ -113,6 +113,9 @@ pub enum ServerError {
     /// The transfer data plane could not start.
     #[error("transfers: {0}")]
     Transfer(std::io::Error),
+    /// The KV events could not start (an endpoint taken, a thread refused).
+    #[error("KV events: {0}")]
+    Events(std::io::Error),
 }
 
 fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
@@ -246,10 +249,7 @@ impl Server {
     /// sockets, turns recording on, and publishes a resync of what the store holds (a
     /// daemon that starts says `AllBlocksCleared`, then what its NVMe tier kept).
     pub fn start_events(&mut self, cfg: &crate::config::EventsSection) -> Result<(), ServerError> {
-        let p = crate::events::Publisher::start(&self.ctx, cfg).map_err(zerr(format!(
-            "binding the KV events endpoints {} / {}",
-            cfg.endpoint, cfg.replay_endpoint
-        )))?;
+        let p = crate::events::Publisher::start(&self.ctx, cfg).map_err(ServerError::Events)?;
         self.store.set_events(true);
         self.events = Some(p);
         self.resync_events();
