@@ -304,10 +304,13 @@ impl Publisher {
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        // A one-frame message stops the thread.
-        let _ = self.pair.send(&b"stop"[..], 0);
+        // A one-frame message stops the thread. Never block the daemon's exit on it: if
+        // the hand-off is full the thread is left to the process's end.
+        let stopped = self.pair.send(&b"stop"[..], zmq::DONTWAIT).is_ok();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            if stopped {
+                let _ = t.join();
+            }
         }
     }
 }
