@@ -647,3 +647,38 @@ fn a_miss_asks_only_the_peer_whose_events_say_it_holds_the_prefix() {
     }
     drop(cfgs);
 }
+
+#[test]
+fn an_events_endpoint_already_taken_stops_the_start_with_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let out = std::process::Command::new(kvd_bin())
+        .args([
+            "--endpoint",
+            &format!("ipc://{}/kvd.sock", dir.path().display()),
+        ])
+        .args(["--pool-path", &format!("{}/pool", dir.path().display())])
+        .args([
+            "--pool-size",
+            "16MiB",
+            "--segment-size",
+            "1MiB",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--events",
+            &format!("tcp://127.0.0.1:{port}"),
+            "--events-replay",
+            "",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("KV events") && err.contains("events.endpoint"),
+        "the refusal names what failed: {err}"
+    );
+}
