@@ -95,19 +95,6 @@ impl EventLog {
     }
 }
 
-/// Counters for `stats` and metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EventCounters {
-    /// Batches handed to the publisher thread.
-    pub batches: u64,
-    /// Block changes in them.
-    pub changes: u64,
-    /// Batches dropped (the hand-off was full): their sequence numbers are skipped.
-    pub dropped: u64,
-    /// Full resyncs published (start, or a log that overflowed).
-    pub resyncs: u64,
-}
-
 /// The server thread's side: groups changes into batches, numbers them, hands them to
 /// the publisher thread. See the module docs.
 pub struct Publisher {
@@ -117,7 +104,8 @@ pub struct Publisher {
     last_sent: std::time::Instant,
     pair: zmq::Socket,
     thread: Option<std::thread::JoinHandle<()>>,
-    counters: EventCounters,
+    /// What `stats` reports (the one record of these counters).
+    counters: kvd_protocol::EventStats,
 }
 
 impl Publisher {
@@ -196,7 +184,7 @@ impl Sockets {
             last_sent: std::time::Instant::now(),
             pair,
             thread: Some(thread),
-            counters: EventCounters::default(),
+            counters: kvd_protocol::EventStats::default(),
         })
     }
 }
@@ -204,13 +192,7 @@ impl Sockets {
 impl Publisher {
     /// The counters, for `stats`.
     pub fn stats(&self) -> kvd_protocol::EventStats {
-        let c = self.counters;
-        kvd_protocol::EventStats {
-            batches: c.batches,
-            changes: c.changes,
-            dropped: c.dropped,
-            resyncs: c.resyncs,
-        }
+        self.counters.clone()
     }
 
     /// Publishes `changes` in order, one batch per layout (its topic), runs of the same

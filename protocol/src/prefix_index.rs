@@ -231,6 +231,14 @@ impl PrefixIndex {
         }
     }
 
+    /// The workers holding `key` of `layout` in any tier, as a bit mask (bit `w`: worker
+    /// `w`).
+    pub fn holders(&self, layout: LayoutId, key: &ChunkHash) -> u64 {
+        self.blocks
+            .get(&(layout, *key))
+            .map_or(0, |x| x.dram | x.nvme)
+    }
+
     /// For every worker: how long a prefix of `keys` (of `layout`) it holds, and how much
     /// of it in DRAM.
     pub fn held(&self, layout: LayoutId, keys: &[ChunkHash]) -> Vec<Held> {
@@ -335,6 +343,8 @@ mod tests {
         );
         assert_eq!(held[2], Held::default());
         assert_eq!(ix.choose(l, &keys, |_| 0), Some(1), "longest prefix first");
+        assert_eq!(ix.holders(l, &h(4)), 0b10, "only worker 1 holds key 4");
+        assert_eq!(ix.holders(l, &h(9)), 0);
         assert_eq!(
             ix.choose(l, &keys[..3], |_| 0),
             Some(0),

@@ -212,9 +212,8 @@ impl Transfers {
     fn ask_peers(&mut self, mut q: Query, now: Instant) -> Option<super::Answer> {
         let mut peers = self.live_peers(now);
         if let (Some(pe), Some(first)) = (&self.peer_events, q.keys.get(q.from)) {
-            let before = peers.len();
-            peers.retain(|p| pe.may_hold(p, q.layout, first));
-            self.counters.peer_lookups_spared += (before - peers.len()) as u64;
+            self.counters.peer_lookups_spared +=
+                pe.retain_holders(&mut peers, q.layout, first) as u64;
         }
         if peers.is_empty() {
             return None;

@@ -4,7 +4,7 @@
 //! A peer that publishes events says where in its `peer_lookup` answers
 //! (`PeerAck.events`). From then on a thread of this module subscribes to them (and asks
 //! the peer's replay endpoint for what it kept), applying them to a
-//! [`PrefixIndex`] with one worker per peer. [`PeerEvents::may_hold`] is what
+//! [`PrefixIndex`] with one worker per peer. [`PeerEvents::retain_holders`] is what
 //! `ask_peers` consults: a peer that is followed and in sync, and whose events say it
 //! holds no copy of the first missing key, is not asked; every other peer is (one not
 //! followed yet, one whose stream has a gap being replayed, one gone silent for
@@ -97,19 +97,23 @@ impl PeerEvents {
         });
     }
 
-    /// Whether `node` may hold `key` of `layout`: false only when the peer is followed,
-    /// in sync, and its events say it holds no copy.
-    pub fn may_hold(&self, node: &str, layout: LayoutId, key: &ChunkHash) -> bool {
-        let Some(&w) = self.workers.get(node) else {
-            return true;
-        };
+    /// Keeps the `peers` that may hold `key` of `layout` (one lookup under one lock):
+    /// a peer goes only when it is followed, in sync, and its events say it holds no
+    /// copy. Returns how many went.
+    pub fn retain_holders(
+        &self,
+        peers: &mut Vec<String>,
+        layout: LayoutId,
+        key: &ChunkHash,
+    ) -> usize {
         let ix = self.lock();
-        if !ix.synced(w) {
-            return true;
-        }
-        ix.held(layout, std::slice::from_ref(key))
-            .get(w)
-            .is_none_or(|h| h.prefix > 0)
+        let holders = ix.holders(layout, key);
+        let before = peers.len();
+        peers.retain(|p| match self.workers.get(p) {
+            Some(&w) if ix.synced(w) => holders & (1 << w) != 0,
+            _ => true,
+        });
+        before - peers.len()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PrefixIndex> {
