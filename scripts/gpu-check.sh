@@ -19,12 +19,15 @@ B=$(cd "${1:-gpu-bin}" && pwd)
 OUT=${2:-${OUT:-/tmp/kvd-gpu-out}}
 mkdir -p "$OUT"
 export KVD_REQUIRE_CUDA=1 KVD_REQUIRE_NVRTC=1 KVD_BIN_DIR="$B"
-# Where CUDA 13's libnvrtc / libcublas may live (toolkit, or PyTorch's wheels).
+# Where CUDA 13's libnvrtc / libcublas may live (toolkit, or PyTorch's wheels: `nvidia` is
+# a namespace package, so its directory is `__path__`, not `__file__`, which is None).
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(os.path.dirname(nvidia.__file__), p, "lib") for p in os.listdir(os.path.dirname(nvidia.__file__))))' 2>/dev/null); do
+         $(python3 -c 'import nvidia, os; d = list(nvidia.__path__)[0]; print(" ".join(os.path.join(d, p, "lib") for p in os.listdir(d)))' 2>/dev/null); do
   [[ -d $d ]] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
-export LD_LIBRARY_PATH
+# (`set -u`: with none of these directories and none inherited it must still be set, or
+# the first use below ends the script before any step, silently.)
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 # The machine's own ptxas (CUDA toolkit) for the sm_90 assembly check, when it has one.
 KVD_PTXAS=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || true)
 [[ -n $KVD_PTXAS ]] && export KVD_PTXAS
@@ -51,11 +54,14 @@ step gpu-tier 120 "$B/gpu-tier-test" --nocapture
 step bench-gpu 180 "$B/kvd-bench" gpu --device cuda --sizes 64KiB,1MiB,16MiB --batch 1GiB --reps 3
 torch_dma() {
   local d; d=$(mktemp -d)
-  python3 -m venv --system-site-packages "$d/venv" && "$d/venv/bin/pip" install -q --no-deps --no-index "$B"/kvd-*.whl || return 1
+  # The machine's python3 is itself a venv with torch: a venv made from it would not see
+  # torch (--system-site-packages means the base interpreter's). Install the wheel into
+  # a directory of its own and put that on PYTHONPATH instead.
+  python3 -m pip install -q --no-deps --no-index --target "$d/site" "$B"/kvd-*.whl || return 1
   "$B/kvd" --endpoint "ipc://$d/kvd.sock" --pool-path "$d/kvd.pool" --pool-size 1GiB --metrics-addr 127.0.0.1:0 --gpu-device off &
   local pid=$!
   for _ in $(seq 100); do [[ -S $d/kvd.sock ]] && break; sleep 0.1; done
-  "$d/venv/bin/python" "$B/gpu-torch-dma.py" "ipc://$d/kvd.sock"
+  PYTHONPATH="$d/site${PYTHONPATH:+:$PYTHONPATH}" python3 "$B/gpu-torch-dma.py" "ipc://$d/kvd.sock"
   local rc=$?
   kill "$pid"; wait "$pid"; rm -rf "$d"
   return $rc
