@@ -464,3 +464,12 @@ fn the_dashboard_names_only_metrics_the_daemon_exports() {
     }
     assert!(named >= 20, "the dashboard names {named} metrics");
 }
+
+/// The launcher's defaults give way to a flag the test names (clap refuses a flag given
+/// twice: `gpu_cuda.rs` names `--segment-size` and its daemon exited at start).
+#[test]
+fn a_daemon_started_with_its_own_segment_size_serves() {
+    let d = Daemon::start(&["--segment-size", "2MiB", "--pool-size", "16MiB"]);
+    let c = d.client();
+    assert!(c.stats().is_ok());
+}

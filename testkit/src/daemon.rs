@@ -194,9 +194,9 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts `kvd` with the tests' defaults — a 64 MiB pool (unless `extra` sets one) of
-    /// 1 MiB segments, warnings only, metrics on an ephemeral port (unless `extra` sets
-    /// an address) — plus `extra` flags. Panics when it does not start.
+    /// Starts `kvd` with the tests' defaults — a 64 MiB pool of 1 MiB segments, warnings
+    /// only, metrics on an ephemeral port, each unless `extra` names that flag — plus
+    /// `extra` flags. Panics when it does not start.
     pub fn start(extra: &[&str]) -> Daemon {
         Self::try_start(extra).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -204,7 +204,12 @@ impl Daemon {
     /// [`Daemon::start`], but a daemon that exits at start (e.g. a port another process
     /// took meanwhile) is an error the caller can retry.
     pub fn try_start(extra: &[&str]) -> Result<Daemon, LaunchError> {
-        let mut args = vec!["--segment-size", "1MiB", "--log-level", "warn"];
+        // Each default only where `extra` does not name the flag (clap refuses a flag
+        // given twice: the GPU tier's CUDA test died at start that way).
+        let mut args = vec!["--log-level", "warn"];
+        if !extra.contains(&"--segment-size") {
+            args.extend(["--segment-size", "1MiB"]);
+        }
         if !extra.contains(&"--metrics-addr") {
             args.extend(["--metrics-addr", "127.0.0.1:0"]);
         }
