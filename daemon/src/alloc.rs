@@ -216,6 +216,15 @@ impl SlabAllocator {
             .is_some_and(|s| s.class == NONE)
     }
 
+    /// The segment holding `offset` and its class (`None`: in no class), if it is in
+    /// the data area.
+    pub fn segment_of(&self, offset: u64) -> Option<(u32, Option<ClassId>)> {
+        let si = offset.checked_sub(self.data_offset)? / self.segment_bytes;
+        let seg = self.segments.get(usize::try_from(si).ok()?)?;
+        let class = (seg.class != NONE).then_some(ClassId(seg.class as u16));
+        Some((si as u32, class))
+    }
+
     /// Segments in no class and not lent.
     pub fn free_segment_count(&self) -> usize {
         self.free_segments.len()

@@ -19,6 +19,7 @@
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
 //! | `pool.huge_pages` | bool | `false` | | the path is on hugetlbfs (falls back to normal pages with a warning) |
 //! | `pool.prefault` | bool | `true` | | touch every page at start |
+//! | `pool.keep` | bool | `true` | `KVD_KEEP_POOL` / `--keep-pool` (`true`/`false`) | keep the pool file and its block table (`<pool>.table`) when the daemon stops, and adopt the blocks a previous daemon committed when it starts (after a clean stop, a crash or an upgrade; SPEC §15). Off: the pool is removed at exit and a new daemon starts empty |
 //! | `pool.high_watermark` | float | `0.95` | | evict above this fraction in use... |
 //! | `pool.low_watermark` | float | `0.85` | | ...down to this one |
 //! | `limits.default_pin_ttl_ms` | int | `10000` | | pin TTL when a `get` names none |
@@ -195,6 +196,8 @@ pub struct PoolConfig {
     pub huge_pages: bool,
     /// Pre-fault at start.
     pub prefault: bool,
+    /// Keep the pool and its block table across restarts (SPEC §15).
+    pub keep: bool,
     /// Eviction starts above this fraction...
     pub high_watermark: f64,
     /// ...and stops here.
@@ -563,6 +566,7 @@ impl Default for PoolConfig {
             segment_size: Size(32 << 20),
             huge_pages: false,
             prefault: true,
+            keep: true,
             high_watermark: 0.95,
             low_watermark: 0.85,
         }
@@ -639,6 +643,9 @@ pub struct Cli {
     /// After SIGTERM, how long in-flight transfers may take (ms).
     #[arg(long, env = "KVD_DRAIN_GRACE_MS")]
     pub drain_grace_ms: Option<u64>,
+    /// Keep the pool across restarts and adopt a previous daemon's blocks (true/false).
+    #[arg(long, env = "KVD_KEEP_POOL", value_parser = clap::builder::BoolishValueParser::new())]
+    pub keep_pool: Option<bool>,
     /// Offer the local stream transport beside the ipc endpoint (true/false).
     #[arg(long, env = "KVD_STREAM", value_parser = clap::builder::BoolishValueParser::new())]
     pub stream: Option<bool>,
@@ -761,6 +768,9 @@ impl DaemonConfig {
         }
         if let Some(v) = cli.stream {
             cfg.server.stream = v;
+        }
+        if let Some(v) = cli.keep_pool {
+            cfg.pool.keep = v;
         }
         if let Some(v) = cli.busy_poll {
             cfg.server.busy_poll = v;

@@ -79,6 +79,7 @@ pub mod server;
 pub mod store;
 pub mod stream;
 mod sync;
+pub mod table;
 pub mod transfer;
 
 use std::os::unix::fs::PermissionsExt;
@@ -107,6 +108,9 @@ pub enum DaemonError {
     /// The server failed.
     #[error(transparent)]
     Server(#[from] server::ServerError),
+    /// The kept pool's block table could not be opened or made.
+    #[error(transparent)]
+    Table(#[from] table::TableError),
     /// Filesystem or signal set-up failed.
     #[error("{what}: {source}")]
     Setup {
@@ -170,6 +174,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             huge_pages: cfg.pool.huge_pages,
             prefault: cfg.pool.prefault,
             group,
+            keep: cfg.pool.keep,
         },
         incarnation,
     )?;
@@ -200,6 +205,10 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         incarnation,
         started,
     );
+    let mut store = store;
+    if cfg.pool.keep {
+        keep_pool(&mut store, &pool, cfg)?;
+    }
     let shared_pool = pool.clone();
     let store = match &cfg.nvme {
         Some(n) if !n.paths.is_empty() => {
@@ -299,12 +308,72 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     for p in &ipc_paths {
         let _ = std::fs::remove_file(p);
     }
+    let mut store = store;
     let st = store.stats(Instant::now());
     tracing::info!(requests = st.requests, blocks = st.blocks, "kvd stopped");
     let pool_path = store.pool().path().to_path_buf();
+    if cfg.pool.keep {
+        if !store.flush_seals(Duration::from_secs(5)) {
+            tracing::warn!(
+                "some blocks committed just before the stop were not sealed: a restart drops them"
+            );
+        }
+        drop(store); // unmaps; the pool and its table stay for the next daemon
+        tracing::info!(path = %pool_path.display(), "pool kept for the next daemon");
+        return Ok(());
+    }
     drop(store); // unmaps and unlinks the pool...
                  // ...unless a data-plane connection thread still holds it: unlink it anyway.
     let _ = std::fs::remove_file(pool_path);
+    Ok(())
+}
+
+/// The block table of a kept pool: `<pool>.table` beside it, or in `/dev/shm` when the
+/// pool is on hugetlbfs (which holds no small files).
+pub fn table_path(pool: &pool::Pool) -> PathBuf {
+    let mut name = pool.path().as_os_str().to_owned();
+    name.push(".table");
+    let beside = PathBuf::from(name);
+    if pool.huge_pages() {
+        let file = beside.file_name().map(|f| f.to_owned()).unwrap_or_default();
+        return Path::new("/dev/shm").join(file);
+    }
+    beside
+}
+
+/// Opens the kept pool's block table and hands it to the store, which adopts the
+/// previous daemon's blocks (checked in the background before they are served).
+fn keep_pool(store: &mut Store, pool: &pool::Pool, cfg: &DaemonConfig) -> Result<(), DaemonError> {
+    let t0 = Instant::now();
+    let path = table_path(pool);
+    let id = table::PoolIdentity::of(
+        pool.path(),
+        pool.size(),
+        pool.data_offset(),
+        cfg.pool.segment_size.0,
+    )
+    .map_err(setup_err("the pool file's identity"))?;
+    let kept = *pool.previous() == pool::Previous::Kept;
+    let (tbl, found, why) = table::BlockTable::open(&path, &id, kept)?;
+    let why = match (why, pool.previous()) {
+        (Some(w), _) => Some(w),
+        (None, pool::Previous::Replaced(w)) => Some(w.clone()),
+        _ => None,
+    };
+    if let Some(w) = &why {
+        tracing::warn!(reason = %w, "the previous daemon's pool is not adopted: starting empty");
+    }
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 8));
+    let found_blocks = found.as_ref().map_or(0, |f| f.blocks.len());
+    store
+        .keep(tbl, found, why, threads, Instant::now())
+        .map_err(setup_err("the block checker"))?;
+    tracing::info!(
+        table = %path.display(),
+        found = found_blocks,
+        ms = t0.elapsed().as_millis() as u64,
+        "block table open"
+    );
     Ok(())
 }
 

@@ -6,9 +6,12 @@
 //! region checks before its one documented unsafe step.
 //!
 //! Life cycle: [`Pool::create`] takes an exclusive `flock` on the file (a second daemon
-//! on the same path is refused; a stale file from a crashed daemon is replaced), sizes
-//! it, maps it (pre-faulted when configured) and writes the header
-//! ([`kvd_protocol::pool::PoolHeader`]). Dropping the pool unlinks the file.
+//! on the same path is refused), sizes it, maps it (pre-faulted when configured) and
+//! writes the header ([`kvd_protocol::pool::PoolHeader`]) with this daemon's incarnation.
+//! A file left by a previous daemon is *kept* when [`PoolOptions::keep`] is set and its
+//! size is the one asked for — its bytes stay, for the block table to adopt
+//! (`crate::table`) — and replaced otherwise ([`Pool::previous`] says which and why).
+//! Dropping the pool unlinks the file unless it is kept.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -79,6 +82,19 @@ pub struct PoolOptions {
     pub prefault: bool,
     /// Group that may map the pool besides the owner (mode 0660 instead of 0600).
     pub group: Option<nix::unistd::Gid>,
+    /// Keep a previous daemon's file (same size) and this one's at exit.
+    pub keep: bool,
+}
+
+/// What became of a pool file a previous daemon left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Previous {
+    /// There was none (or keeping is off).
+    None,
+    /// Kept: its bytes are there for adoption.
+    Kept,
+    /// Replaced by a new file, for this reason (one line).
+    Replaced(String),
 }
 
 /// The mapped pool. See the module docs.
@@ -90,6 +106,8 @@ pub struct Pool {
     size: u64,
     data_offset: u64,
     huge: bool,
+    keep: bool,
+    previous: Previous,
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> PoolError + 'a {
@@ -104,13 +122,6 @@ impl Pool {
     /// Creates, sizes, locks and maps the pool file, and writes its header.
     pub fn create(opts: &PoolOptions, incarnation: Incarnation) -> Result<Pool, PoolError> {
         let path = &opts.path;
-        // A previous file: refuse if a live daemon holds it, else replace it.
-        if let Ok(old) = File::open(path) {
-            if flock_nb(&old).is_err() {
-                return Err(PoolError::InUse(path.clone()));
-            }
-            std::fs::remove_file(path).map_err(io_err("removing stale pool", path))?;
-        }
         let dir = path.parent().unwrap_or(Path::new("/"));
         let fs = nix::sys::statfs::statfs(dir).map_err(|e| PoolError::Io {
             what: "statfs",
@@ -127,25 +138,32 @@ impl Pool {
             SLOT_ALIGN
         };
         let size = opts.size_bytes.div_ceil(page) * page;
-        if !on_hugetlbfs {
-            let avail = free_bytes(dir).map_err(io_err("statvfs", dir))?;
-            if avail < size {
-                return Err(PoolError::NoSpace {
-                    path: path.clone(),
-                    want: size,
-                    avail,
-                });
+        let mode = if opts.group.is_some() { 0o660 } else { 0o600 };
+        // A previous file: refuse if a live daemon holds it, keep it when asked and it
+        // fits, else replace it.
+        let mut previous = Previous::None;
+        let mut kept = None;
+        if let Ok(old) = OpenOptions::new().read(true).write(true).open(path) {
+            if flock_nb(&old).is_err() {
+                return Err(PoolError::InUse(path.clone()));
+            }
+            let old_size = old.metadata().map(|m| m.len()).unwrap_or(0);
+            if opts.keep && old_size == size {
+                kept = Some(old);
+                previous = Previous::Kept;
+            } else {
+                if opts.keep {
+                    previous = Previous::Replaced(format!(
+                        "the previous pool was {old_size} bytes, this one is {size}: starting empty"
+                    ));
+                }
+                std::fs::remove_file(path).map_err(io_err("removing stale pool", path))?;
             }
         }
-        let mode = if opts.group.is_some() { 0o660 } else { 0o600 };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(path)
-            .map_err(io_err("creating pool", path))?;
-        flock_nb(&file).map_err(|_| PoolError::InUse(path.clone()))?;
+        let file = match kept {
+            Some(f) => f,
+            None => Self::new_file(path, dir, size, mode, on_hugetlbfs)?,
+        };
         if let Some(gid) = opts.group {
             std::os::unix::fs::fchown(&file, None, Some(gid.as_raw()))
                 .map_err(io_err("chown", path))?;
@@ -153,13 +171,18 @@ impl Pool {
         // The umask may have masked bits off `mode`: set it exactly.
         file.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(io_err("chmod", path))?;
+        let keep_file = previous == Previous::Kept;
         let cleanup = |e: PoolError| {
-            let _ = std::fs::remove_file(path);
+            if !keep_file {
+                let _ = std::fs::remove_file(path);
+            }
             e
         };
-        file.set_len(size)
-            .map_err(io_err("sizing pool", path))
-            .map_err(cleanup)?;
+        if !keep_file {
+            file.set_len(size)
+                .map_err(io_err("sizing pool", path))
+                .map_err(cleanup)?;
+        }
         let region = Region::map_shared(&file, size, opts.prefault)
             .map_err(io_err("mapping pool", path))
             .map_err(cleanup)?;
@@ -171,6 +194,8 @@ impl Pool {
             size,
             data_offset,
             huge: on_hugetlbfs,
+            keep: opts.keep,
+            previous,
         };
         let header = PoolHeader {
             incarnation,
@@ -179,6 +204,40 @@ impl Pool {
         };
         pool.write(0, &header.encode())?;
         Ok(pool)
+    }
+
+    /// A new, locked pool file of `size` bytes (not sized yet).
+    fn new_file(
+        path: &Path,
+        dir: &Path,
+        size: u64,
+        mode: u32,
+        on_hugetlbfs: bool,
+    ) -> Result<File, PoolError> {
+        if !on_hugetlbfs {
+            let avail = free_bytes(dir).map_err(io_err("statvfs", dir))?;
+            if avail < size {
+                return Err(PoolError::NoSpace {
+                    path: path.to_owned(),
+                    want: size,
+                    avail,
+                });
+            }
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(path)
+            .map_err(io_err("creating pool", path))?;
+        flock_nb(&file).map_err(|_| PoolError::InUse(path.to_owned()))?;
+        Ok(file)
+    }
+
+    /// What became of a previous daemon's pool file.
+    pub fn previous(&self) -> &Previous {
+        &self.previous
     }
 
     /// File path.
@@ -276,6 +335,7 @@ pub struct RemotePool {
     region: Region,
     file: File,
     data_offset: u64,
+    incarnation: Incarnation,
 }
 
 impl RemotePool {
@@ -289,6 +349,7 @@ impl RemotePool {
             region,
             file,
             data_offset: 0,
+            incarnation,
         };
         let hdr = rp
             .slice(0, kvd_protocol::pool::POOL_HEADER_BYTES)
@@ -307,11 +368,20 @@ impl RemotePool {
         }
     }
 
-    /// Whether the file was unlinked (its daemon exited or restarted): the mapping only
-    /// holds memory then.
+    /// Whether the mapping no longer shows the daemon it was opened for: the file was
+    /// unlinked (its daemon exited, or restarted without keeping its pool), or a new
+    /// daemon kept it (its header names another incarnation; SPEC §15).
     pub fn unlinked(&self) -> bool {
         use std::os::unix::fs::MetadataExt;
-        self.file.metadata().map_or(true, |m| m.nlink() == 0)
+        if self.file.metadata().map_or(true, |m| m.nlink() == 0) {
+            return true;
+        }
+        let hdr = self
+            .region
+            .read(0, kvd_protocol::pool::POOL_HEADER_BYTES)
+            .ok()
+            .and_then(PoolHeader::decode);
+        hdr.is_none_or(|h| h.incarnation != self.incarnation)
     }
 
     /// Borrows `len` bytes at `offset`, inside the peer's slots (the header is not
@@ -343,7 +413,9 @@ impl RemotePool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if !self.keep {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -384,6 +456,7 @@ mod tests {
             huge_pages: false,
             prefault: true,
             group: None,
+            keep: false,
         }
     }
 

@@ -16,6 +16,7 @@
 
 use std::fs::File;
 use std::io;
+use std::sync::atomic::AtomicU64;
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -135,6 +136,24 @@ impl Region {
     /// Fills `len` bytes at `offset` from `r`.
     pub fn fill_from(&self, offset: u64, len: usize, r: &mut impl io::Read) -> io::Result<()> {
         self.with_mut(offset, len, |dst| r.read_exact(dst))?
+    }
+
+    /// The region as 64-bit atomic words (the block table's view: it is read and written
+    /// only through these, by the daemon's threads). `None` when the region is read-only
+    /// or its size is not a whole number of words.
+    pub fn words(&self) -> Option<&[AtomicU64]> {
+        if !self.writable || !self.size.is_multiple_of(8) {
+            return None;
+        }
+        let n = usize::try_from(self.size / 8).ok()?;
+        // SAFETY: the mapping is page-aligned (so 8-aligned), `n * 8` bytes long, writable,
+        // and lives as long as `&self`, to which the slice's lifetime is tied. `AtomicU64`
+        // has the size and alignment of `u64` and any bit pattern is a valid value, so
+        // the file's bytes, whatever they are, are valid words. All access to these bytes
+        // within the process goes through the atomics (the table never also borrows them
+        // as plain bytes); another process writing the file meanwhile can change values,
+        // which the table treats as untrusted (every entry carries its own check).
+        Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), n) })
     }
 
     /// The address of a checked range, for the kernel or a NIC to reach it (io_uring

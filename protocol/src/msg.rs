@@ -550,6 +550,44 @@ pub struct StatsResp {
     /// KV events (SPEC §14); absent when they are off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events: Option<EventStats>,
+    /// The DRAM tier kept across restarts (SPEC §15); absent when it is not kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptStats>,
+}
+
+/// The DRAM tier kept across restarts (SPEC §15), in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct KeptStats {
+    /// Why the previous daemon's pool was not adopted (one line), when it was not and
+    /// one was there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    /// Blocks found sealed in the previous daemon's table.
+    pub found: u64,
+    /// Of those, checked against their bytes and served.
+    pub adopted: u64,
+    /// Of those, still being checked (invisible until they pass).
+    pub verifying: u64,
+    /// Found blocks whose bytes did not match their checksum, or whose slot or key
+    /// clashed with another's: dropped.
+    pub damaged: u64,
+    /// Blocks committed but not yet sealed when the previous daemon stopped: dropped.
+    pub unsealed: u64,
+    /// Table entries that failed their own check (torn or damaged): dropped.
+    pub torn: u64,
+    /// Milliseconds from the start until every found block was checked (absent while
+    /// checks run, or when nothing was found).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified_ms: Option<u64>,
+    /// Slots (or whole segments' worth of slots) withheld until the fence ends: a client
+    /// of the previous daemon may still write or read them.
+    pub fenced_slots: u64,
+    /// Milliseconds until the fence ends (0: no fence).
+    pub fence_left_ms: u64,
+    /// Blocks committed by this daemon whose checksum is recorded (kept by a restart).
+    pub sealed: u64,
+    /// Seals skipped because the checker lagged (those blocks are not kept).
+    pub seals_skipped: u64,
 }
 
 /// KV events (SPEC §14), in `stats`.

@@ -141,14 +141,22 @@ impl Launch {
         }
         let dir = tempfile::tempdir_in("/dev/shm").map_err(io("a directory in /dev/shm"))?;
         let socket_path = dir.path().join("kvd.sock");
-        let pool_path = dir.path().join("kvd.pool");
         let endpoint = format!("ipc://{}", socket_path.display());
-        let mut args: Vec<String> = vec![
-            "--endpoint".into(),
-            endpoint.clone(),
-            "--pool-path".into(),
-            pool_path.display().to_string(),
-        ];
+        let mut args: Vec<String> = vec!["--endpoint".into(), endpoint.clone()];
+        // A pool path the test names wins (a pool kept across daemons of one test).
+        let named = self
+            .args
+            .iter()
+            .position(|a| a == "--pool-path")
+            .and_then(|i| self.args.get(i + 1));
+        let pool_path = match named {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let p = dir.path().join("kvd.pool");
+                args.extend(["--pool-path".into(), p.display().to_string()]);
+                p
+            }
+        };
         if let Some(toml) = &self.config {
             let cfg = dir.path().join("kvd.toml");
             std::fs::write(&cfg, toml).map_err(io("writing the config file"))?;

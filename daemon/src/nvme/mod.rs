@@ -853,6 +853,7 @@ mod tests {
                     huge_pages: false,
                     prefault: true,
                     group: None,
+                    keep: false,
                 },
                 Incarnation(1),
             )

@@ -34,6 +34,9 @@ pub(super) enum State {
     Demoting,
     /// Being read from the lower tier into its DRAM slot; invisible until verified.
     Promoting,
+    /// Adopted from the previous daemon's table; invisible until its bytes are checked
+    /// against the crc it was sealed with (`store/adopt.rs`).
+    Verifying,
 }
 
 /// One block. 48 bytes.
@@ -59,6 +62,9 @@ const NO_DEMOTE: u8 = 1;
 /// Read ahead by a `lookup`'s prefetch and not pinned by a `get` since: spared once by
 /// eviction ([`Index::reprieve`]).
 const PREFETCHED: u8 = 2;
+/// Adopted while a reader of the previous daemon may still hold it: its slot is not
+/// handed out again before the fence ends (`store/adopt.rs`).
+const FENCED: u8 = 4;
 
 const _: () = assert!(
     std::mem::size_of::<Node>() == 48,
@@ -88,7 +94,18 @@ impl Node {
         self
     }
 
-    /// Whether a write of it to the lower tier failed (evict by dropping).
+    /// A node adopted with its out-bit set (see [`FENCED`]).
+    pub fn fenced(mut self) -> Node {
+        self.flags |= FENCED;
+        self
+    }
+
+    /// See [`FENCED`].
+    pub fn is_fenced(&self) -> bool {
+        self.flags & FENCED != 0
+    }
+
+    /// Whether a failed write marked it never to be demoted again.
     pub fn no_demote(&self) -> bool {
         self.flags & NO_DEMOTE != 0
     }
@@ -152,6 +169,11 @@ pub(super) struct Index {
     /// KV events: a block became readable in DRAM (`commit`) or stopped being so
     /// (`remove` of a committed block): exactly where `committed` changes.
     pub events: EventLog,
+    /// The durable mirror kept beside the pool (`crate::table`): an entry per node
+    /// position, written where a block becomes committed or goes; the out-bits, where a
+    /// slot is handed out (insert, first pin) and comes back (commit, last unpin,
+    /// remove). `None`: the pool is not kept across restarts.
+    pub durable: Option<crate::table::BlockTable>,
 }
 
 impl Index {
@@ -225,13 +247,52 @@ impl Index {
                 (self.nodes.len() - 1) as u32
             }
         };
+        self.hash_in(idx);
+        if let Some(t) = &self.durable {
+            t.out(node.offset());
+        }
+        idx
+    }
+
+    fn hash_in(&mut self, idx: u32) {
+        let node = self.nodes[idx as usize];
         let h = self.hash_key(node.layout, &node.hash);
         let (nodes, hasher) = (&self.nodes, &self.hasher);
         self.table.insert_unique(h, idx, |&i| {
             let n = &nodes[i as usize];
             hasher.hash_one((n.layout.0, n.hash.0))
         });
-        idx
+    }
+
+    /// Puts an adopted block (`Verifying`) at position `pos`, the position of its table
+    /// entry. `false` when the position is taken or the key has a node already.
+    pub fn adopt(&mut self, pos: u32, node: Node) -> bool {
+        debug_assert_eq!(node.state, State::Verifying);
+        if self.find(node.layout, &node.hash).is_some() {
+            return false;
+        }
+        let p = pos as usize;
+        if p >= self.nodes.len() {
+            let free = Node {
+                state: State::Free,
+                ..node
+            };
+            self.free.extend(self.nodes.len() as u32..pos);
+            self.nodes.resize(p + 1, free);
+        } else if self.nodes[p].state != State::Free {
+            return false;
+        } else if let Some(i) = self.free.iter().position(|&f| f == pos) {
+            self.free.swap_remove(i);
+        }
+        self.nodes[p] = node;
+        self.hash_in(pos);
+        true
+    }
+
+    /// After adoption: the free positions are handed out lowest first (as a fresh index
+    /// would), so the table's used part stays dense.
+    pub fn settle_free_list(&mut self) {
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
     }
 
     /// Removes a node from the index (taking it off its list if it is on one) and
@@ -248,6 +309,12 @@ impl Index {
         if matches!(n.state, State::Committed | State::Demoting) {
             self.committed -= 1;
             self.events.record(n.key(), Medium::Dram, false);
+        }
+        if let Some(t) = &mut self.durable {
+            t.free(idx);
+            if !n.is_fenced() {
+                t.back(n.offset());
+            }
         }
         self.nodes[idx as usize].state = State::Free;
         self.free.push(idx);
@@ -275,10 +342,23 @@ impl Index {
     /// one pin: a deferred `get` waiting for it).
     pub fn commit(&mut self, idx: u32, tick: u32, pinned: bool) {
         let n = &mut self.nodes[idx as usize];
-        debug_assert!(matches!(n.state, State::Pending | State::Promoting));
+        debug_assert!(matches!(
+            n.state,
+            State::Pending | State::Promoting | State::Verifying
+        ));
+        let adopted = n.state == State::Verifying;
         n.state = State::Committed;
         n.last_use = tick;
         let key = n.key();
+        let (off, fenced) = (n.offset(), n.is_fenced());
+        if let Some(t) = &mut self.durable {
+            if !adopted {
+                t.committed(idx, key, off);
+            }
+            if !pinned && !fenced {
+                t.back(off);
+            }
+        }
         self.committed += 1;
         self.events.record(key, Medium::Dram, true);
         if pinned {
@@ -313,6 +393,20 @@ impl Index {
         true
     }
 
+    /// The fence ended: an adopted block that was out is an ordinary block now (the pin
+    /// its commit took for the fence is dropped: evictable, out-bit cleared unless a pin
+    /// of this daemon holds it).
+    pub fn unfence(&mut self, idx: u32) {
+        let n = &mut self.nodes[idx as usize];
+        if n.flags & FENCED == 0 {
+            return;
+        }
+        n.flags &= !FENCED;
+        if matches!(n.state, State::Committed | State::Demoting) {
+            self.unpin(idx);
+        }
+    }
+
     /// One more pin: the block is no longer evictable (and no longer merely prefetched).
     pub fn pin(&mut self, idx: u32) {
         if self.listed(idx) {
@@ -323,6 +417,9 @@ impl Index {
         n.pins += 1;
         if n.pins == 1 {
             self.pinned += 1;
+            if let Some(t) = &self.durable {
+                t.out(n.offset());
+            }
         }
     }
 
@@ -334,6 +431,9 @@ impl Index {
         n.pins = n.pins.saturating_sub(1);
         if n.pins == 0 {
             self.pinned -= 1;
+            if let (Some(t), false) = (&self.durable, n.is_fenced()) {
+                t.back(n.offset());
+            }
             if n.state == State::Committed {
                 self.push_head(idx);
             }

@@ -48,6 +48,7 @@
 mod error;
 mod holds;
 mod index;
+mod keep;
 mod reclaim;
 mod reserved;
 mod sessions;
@@ -175,6 +176,8 @@ pub struct Store {
     incarnation: Incarnation,
     started: Instant,
     counters: Counters,
+    /// The DRAM tier kept across restarts (`keep`), when it is.
+    keep: Option<keep::Keep>,
 }
 
 /// What a request may name a slot by: checked against the pool before use.
@@ -212,6 +215,7 @@ impl Store {
             incarnation,
             started: now,
             counters: Counters::default(),
+            keep: None,
         }
     }
 
@@ -348,6 +352,9 @@ impl Store {
             self.index.ensure_classes(classes);
             self.demoting.resize(classes.max(self.demoting.len()), 0);
             tracing::info!(layout = %id, model = %layout.model, block_bytes, "layout registered");
+            if let Some(t) = &mut self.index.durable {
+                t.layout(layout);
+            }
             self.sessions.add_layout(
                 id,
                 LayoutEntry {
@@ -604,7 +611,7 @@ impl Store {
             let n = self.index.node(idx);
             let owner = match n.state() {
                 State::Pending => self.holds.reserved_by(idx),
-                State::Committed | State::Demoting => {
+                State::Committed | State::Demoting | State::Verifying => {
                     return Err(StoreError::AlreadyCommitted { index, key })
                 }
                 State::Promoting => return Err(StoreError::BeingPromoted { index, key }),
@@ -791,7 +798,9 @@ impl Store {
                             aborted += 1;
                             DeleteStatus::Deleted
                         }
-                        State::Pending | State::Demoting | State::Promoting => DeleteStatus::Busy,
+                        State::Pending | State::Demoting | State::Promoting | State::Verifying => {
+                            DeleteStatus::Busy
+                        }
                         State::Free => DeleteStatus::Missing,
                     }
                 }
@@ -848,6 +857,7 @@ impl Store {
             dropped: self.counters.dropped,
             waiting: self.deferred.len() as u64,
             nvme: self.tier.stats(),
+            kept: self.kept_stats(now),
             transfers: None,
             peers: Vec::new(),
             draining: false,
@@ -1050,6 +1060,7 @@ impl Store {
     /// Expires pins and allocations whose deadline passed, drops idle sessions, and
     /// evicts down to the low watermark when above the high one.
     pub fn maintain(&mut self, now: Instant) {
+        self.keep_turn(now);
         while let Some((id, pin)) = self.holds.due_pin(now) {
             tracing::debug!(pin = id.0, owner = %pin.owner, "pin expired");
             self.unpin(pin);
@@ -1071,7 +1082,8 @@ impl Store {
     pub fn next_deadline(&self) -> Option<Instant> {
         let a = self.holds.next_deadline();
         let c = self.deferred.iter().map(|d| d.deadline).min();
-        [a, c, self.tier.next_deadline()]
+        let k = self.keep_deadline(Instant::now());
+        [a, c, self.tier.next_deadline(), k]
             .into_iter()
             .flatten()
             .min()

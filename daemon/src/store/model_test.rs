@@ -131,6 +131,7 @@ impl World {
                     huge_pages: false,
                     prefault: false,
                     group: None,
+                    keep: false,
                 },
                 Incarnation(9),
             )

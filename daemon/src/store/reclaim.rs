@@ -32,6 +32,9 @@ impl Store {
     /// Removes a node and frees its slot.
     pub(super) fn free_node(&mut self, idx: u32) {
         let n = self.index.remove(idx);
+        if self.keep_holds_slot(idx, &n) {
+            return;
+        }
         if let Err(e) = self.alloc.free(n.offset()) {
             tracing::error!(error = %e, "slot accounting bug: freeing a block's slot failed");
         }

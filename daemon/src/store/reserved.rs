@@ -78,6 +78,9 @@ impl Store {
         let deadline = now + ttl;
         for &off in &offsets {
             self.holds.reserve_slot(off, class, req.client, deadline);
+            if let Some(t) = &self.index.durable {
+                t.out(off); // a writer holds it (see `crate::table`)
+            }
         }
         self.sessions
             .held(req.client, Held::Pending(offsets.len() as i64));
@@ -198,6 +201,9 @@ impl Store {
     fn free_slot(&mut self, off: u64) {
         if let Err(e) = self.alloc.free(off) {
             tracing::error!(error = %e, off, "slot accounting bug: freeing a reserved slot failed");
+        }
+        if let Some(t) = &self.index.durable {
+            t.back(off);
         }
     }
 }

@@ -37,6 +37,7 @@ pub(crate) fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Stor
                 huge_pages: false,
                 prefault: false,
                 group: None,
+                keep: false,
             },
             Incarnation(1),
         )

@@ -138,6 +138,7 @@ mod tests {
                     huge_pages: false,
                     prefault: false,
                     group: None,
+                    keep: false,
                 },
                 Incarnation(inc),
             )

@@ -872,6 +872,7 @@ mod tests {
                 huge_pages: false,
                 prefault: false,
                 group: None,
+                keep: false,
             },
             kvd_protocol::Incarnation(1),
         )

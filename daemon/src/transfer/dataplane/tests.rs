@@ -25,6 +25,7 @@ fn test_pool(dir: &std::path::Path, name: &str, inc: u64) -> Arc<Pool> {
                 huge_pages: false,
                 prefault: false,
                 group: None,
+                keep: false,
             },
             Incarnation(inc),
         )

@@ -1,0 +1,325 @@
+//! Keeping the DRAM tier across restarts: the store's side of [`crate::table`].
+//!
+//! It owns three rules:
+//! - **Adoption.** A block of the previous daemon's table is claimed in the allocator at
+//!   its slot and put in the index at its entry's position as `Verifying` — invisible to
+//!   `lookup`, `get`, transfers and eviction — until the checker has hashed its bytes:
+//!   then it is committed (an event, the LRU) or dropped. A block whose slot is not a
+//!   slot start of its class, or clashes with another's, or whose key is adopted already,
+//!   is dropped at once.
+//! - **The fence.** A slot the previous daemon had handed out (its out-bit: an
+//!   allocation or reservation being written, a block pinned for a reader) may still be
+//!   written or read by a client that has not yet learned of the restart. For
+//!   `max(alloc_ttl, max_pin_ttl)` after adoption — the longest such a hand-out was valid
+//!   for — no such slot is handed out again: allocations' slots are withheld (a segment
+//!   with no adopted block is lent out of circulation whole), a fenced adopted block is
+//!   held by a pin of the fence's (not evicted), and one that goes anyway (damaged)
+//!   leaves its slot withheld.
+//! - **Seals.** A committed block's slot is not freed while the checker may still be
+//!   reading it for its seal: a block removed meanwhile keeps its slot until the seal ends.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvd_protocol::KeptStats;
+
+use super::index::{Node, State};
+use super::Store;
+use crate::table::checker::{Checker, Verdict};
+use crate::table::{BlockTable, Found, SealJob};
+
+/// See the module docs.
+pub(super) struct Keep {
+    checker: Checker,
+    seals: Vec<SealJob>,
+    /// Seals in flight by `(pos, gen)`; `Some(slot)`: the block went, its slot waits.
+    sealing: HashMap<(u32, u64), Option<u64>>,
+    done: Vec<(u32, u64)>,
+    verdicts: Vec<Verdict>,
+    fence: Option<Fence>,
+    started: Instant,
+    stats: KeptStats,
+}
+
+#[derive(Debug, Default)]
+struct Fence {
+    until: Option<Instant>,
+    /// Slots withheld, freed when the fence ends.
+    slots: Vec<u64>,
+    /// Segments lent out of circulation, returned when the fence ends.
+    segments: Vec<u32>,
+    /// Adopted blocks that were out when the old daemon stopped.
+    nodes: Vec<u32>,
+}
+
+impl Store {
+    /// Keeps the DRAM tier in `table` from now on, adopting what `found` holds (the
+    /// previous daemon's blocks) with `threads` checker threads. `refused`: why a table
+    /// that was there was not adopted.
+    pub fn keep(
+        &mut self,
+        table: BlockTable,
+        found: Option<Found>,
+        refused: Option<String>,
+        threads: usize,
+        now: Instant,
+    ) -> std::io::Result<()> {
+        let checker = Checker::start(self.pool.clone(), table.shared(), threads)?;
+        self.index.durable = Some(table);
+        let mut keep = Keep {
+            checker,
+            seals: Vec::new(),
+            sealing: HashMap::new(),
+            done: Vec::new(),
+            verdicts: Vec::new(),
+            fence: None,
+            started: now,
+            stats: KeptStats {
+                refused,
+                ..KeptStats::default()
+            },
+        };
+        match found {
+            Some(found) => self.adopt(found, &mut keep, now),
+            None => keep.stats.verified_ms = Some(0),
+        }
+        self.keep = Some(keep);
+        Ok(())
+    }
+
+    fn adopt(&mut self, mut found: Found, keep: &mut Keep, now: Instant) {
+        for l in &found.layouts {
+            if let Err(e) = self.register_layout(l) {
+                tracing::warn!(layout = %l.id(), error = %e, "a kept layout is not registered again: its blocks are dropped");
+            }
+        }
+        keep.stats.unsealed = found.unsealed;
+        keep.stats.torn = found.torn;
+        keep.stats.found = found.blocks.len() as u64;
+        let mut fence = Fence::default();
+        // In offset order, each segment's slots are claimed upwards (O(1) each).
+        found.blocks.sort_unstable_by_key(|b| b.offset);
+        for b in found.blocks {
+            let fits = self
+                .sessions
+                .layout(b.key.layout)
+                .ok()
+                .filter(|l| l.block_bytes == u64::from(b.len))
+                .map(|l| l.class);
+            let adopted = fits.is_some_and(|class| {
+                if self.alloc.claim(class, b.offset).is_err() {
+                    return false;
+                }
+                let node = Node::new(b.key, b.offset, class, State::Verifying, 0);
+                let node = if b.out { node.fenced() } else { node };
+                if self.index.adopt(b.pos, node) {
+                    return true;
+                }
+                let _ = self.alloc.free(b.offset);
+                false
+            });
+            if adopted {
+                if b.out {
+                    fence.nodes.push(b.pos);
+                }
+                keep.checker.verify(b);
+            } else {
+                keep.stats.damaged += 1;
+                if let Some(t) = &mut self.index.durable {
+                    t.free(b.pos);
+                }
+            }
+        }
+        self.index.settle_free_list();
+        for off in found.out_slots {
+            match self.alloc.segment_of(off) {
+                Some((si, None))
+                    if !fence.segments.contains(&si) && self.alloc.lend_segment(si) =>
+                {
+                    fence.segments.push(si);
+                }
+                Some((_, Some(class))) if self.alloc.claim(class, off).is_ok() => {
+                    fence.slots.push(off);
+                }
+                _ => {}
+            }
+        }
+        let fenced = fence.slots.len() + fence.segments.len() + fence.nodes.len();
+        if fenced > 0 {
+            let ttl = self.cfg.alloc_ttl.max(self.cfg.max_pin_ttl);
+            fence.until = Some(now + ttl);
+            keep.stats.fenced_slots = fenced as u64;
+            keep.fence = Some(fence);
+        }
+        tracing::info!(
+            found = keep.stats.found,
+            checking = keep.checker.verifying(),
+            unsealed = keep.stats.unsealed,
+            torn = keep.stats.torn,
+            dropped = keep.stats.damaged,
+            fenced,
+            "adopting the previous daemon's blocks (each served once its checksum passes)"
+        );
+        if keep.stats.found == 0 {
+            keep.stats.verified_ms = Some(0);
+        }
+    }
+
+    /// The checker's news (seals queued, seals done, verdicts) and the fence's end; run
+    /// every turn by `maintain`.
+    pub(super) fn keep_turn(&mut self, now: Instant) {
+        let Some(keep) = self.keep.as_mut() else {
+            return;
+        };
+        if let Some(t) = &mut self.index.durable {
+            t.take_seals(&mut keep.seals);
+        }
+        for j in keep.seals.drain(..) {
+            if keep.checker.seal(j) {
+                keep.sealing.insert((j.pos, j.gen), None);
+            }
+        }
+        keep.stats.seals_skipped = keep.checker.seals_skipped();
+        keep.checker.seals_done(&mut keep.done);
+        let mut frees = Vec::new();
+        for k in keep.done.drain(..) {
+            if let Some(Some(off)) = keep.sealing.remove(&k) {
+                frees.push(off);
+            }
+        }
+        keep.checker.verdicts(&mut keep.verdicts);
+        let verdicts = std::mem::take(&mut keep.verdicts);
+        let fence_over = keep
+            .fence
+            .as_ref()
+            .and_then(|f| f.until)
+            .is_some_and(|u| now >= u);
+        let fence = if fence_over { keep.fence.take() } else { None };
+        for off in frees {
+            self.free_slot_now(off);
+        }
+        let tick = self.tick(now);
+        for v in &verdicts {
+            let pos = v.block.pos;
+            let node = self.index.node(pos);
+            if node.state() != State::Verifying || node.key() != v.block.key {
+                continue;
+            }
+            if v.ok {
+                // A fenced block stays pinned until the fence ends: not evicted while a
+                // reader of the old daemon may hold it.
+                let fenced = node.is_fenced();
+                self.index.commit(pos, tick, fenced);
+                if let Some(k) = &mut self.keep {
+                    k.stats.adopted += 1;
+                }
+            } else {
+                tracing::warn!(key = ?v.block.key, offset = v.block.offset, "a kept block's bytes do not match its checksum: dropped");
+                self.free_node(pos);
+                if let Some(k) = &mut self.keep {
+                    k.stats.damaged += 1;
+                }
+            }
+        }
+        if let Some(k) = &mut self.keep {
+            if !verdicts.is_empty() && k.checker.verifying() == 0 && k.stats.verified_ms.is_none() {
+                let ms = now.saturating_duration_since(k.started).as_millis() as u64;
+                k.stats.verified_ms = Some(ms);
+                tracing::info!(
+                    adopted = k.stats.adopted,
+                    damaged = k.stats.damaged,
+                    ms,
+                    "every kept block checked"
+                );
+            }
+        }
+        if let Some(f) = fence {
+            for pos in f.nodes {
+                self.index.unfence(pos);
+            }
+            for off in f.slots {
+                self.free_slot_now(off);
+            }
+            for si in f.segments {
+                self.alloc.return_segment(si);
+            }
+            if let Some(k) = &mut self.keep {
+                k.stats.fence_left_ms = 0;
+            }
+            tracing::info!("fence over: the previous daemon's hand-outs have all expired");
+        }
+    }
+
+    /// Frees a slot and clears its out-bit.
+    fn free_slot_now(&mut self, off: u64) {
+        if let Err(e) = self.alloc.free(off) {
+            tracing::error!(error = %e, "slot accounting bug: freeing a kept slot failed");
+        }
+        if let Some(t) = &self.index.durable {
+            t.back(off);
+        }
+    }
+
+    /// Whether the slot of the node just removed from `pos` must wait (the fence, or a
+    /// seal reading it); it is then held and freed later.
+    pub(super) fn keep_holds_slot(&mut self, pos: u32, node: &Node) -> bool {
+        let Some(keep) = self.keep.as_mut() else {
+            return false;
+        };
+        let off = node.offset();
+        if node.is_fenced() {
+            if let Some(f) = keep.fence.as_mut() {
+                f.slots.push(off);
+                return true;
+            }
+        }
+        if matches!(node.state(), State::Committed | State::Demoting) {
+            let gen = self.index.durable.as_ref().and_then(|t| t.gen_at(pos));
+            if let Some(slot @ None) = gen.and_then(|g| keep.sealing.get_mut(&(pos, g))) {
+                *slot = Some(off);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The next time the keep needs a turn: soon while checks or held slots wait, the
+    /// fence's end.
+    pub(super) fn keep_deadline(&self, now: Instant) -> Option<Instant> {
+        let k = self.keep.as_ref()?;
+        let busy = k.checker.verifying() > 0 || k.sealing.values().any(Option::is_some);
+        let soon = busy.then(|| now + Duration::from_millis(1));
+        let fence = k.fence.as_ref().and_then(|f| f.until);
+        [soon, fence].into_iter().flatten().min()
+    }
+
+    /// Figures for `stats`.
+    pub(super) fn kept_stats(&self, now: Instant) -> Option<KeptStats> {
+        let k = self.keep.as_ref()?;
+        let mut s = k.stats.clone();
+        s.verifying = k.checker.verifying();
+        s.sealed = k.checker.sealed();
+        s.seals_skipped = k.checker.seals_skipped();
+        s.fence_left_ms = k
+            .fence
+            .as_ref()
+            .and_then(|f| f.until)
+            .map_or(0, |u| u.saturating_duration_since(now).as_millis() as u64);
+        Some(s)
+    }
+
+    /// Waits (at most `limit`) for the seals in flight: a clean stop keeps the blocks
+    /// committed just before it. Returns whether all were written.
+    pub fn flush_seals(&mut self, limit: Duration) -> bool {
+        let Some(keep) = self.keep.as_mut() else {
+            return true;
+        };
+        if let Some(t) = &mut self.index.durable {
+            t.take_seals(&mut keep.seals);
+        }
+        for j in keep.seals.drain(..) {
+            keep.checker.seal(j);
+        }
+        keep.checker.flush(limit)
+    }
+}

@@ -1,0 +1,552 @@
+//! The block table: the DRAM tier's index kept beside the pool, so that a new daemon
+//! adopts the blocks the previous one committed (after a clean stop, SIGKILL or an
+//! upgrade) and nothing else.
+//!
+//! A file of its own (`<pool>.table`, mode 0600, mapped by the daemon only: local
+//! clients map the pool, never this), written with plain stores through atomics: a
+//! killed process loses none of the stores it made (they are in the page cache), so what
+//! matters is their *order*, which the rules below make safe at any instruction.
+//!
+//! Layout (all little-endian 64-bit words):
+//!
+//! | part | size | holds |
+//! |---|---|---|
+//! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those |
+//! | layouts | 2 × 64 KiB | the registered layouts (JSON), double-buffered: `[seq][len, crc][bytes]`, the valid one with the higher `seq` counts |
+//! | out-bits | 1 bit per 4 KiB of data area | a slot start handed to someone outside the daemon (a writer's allocation or reservation, a reader's pin) and not yet back |
+//! | entries | 48 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state` |
+//!
+//! An entry's last word is its *state word*: `crc << 32 | gen << 4 | state`, state
+//! `FREE`, `COMMITTED` (crc not known yet) or `SEALED` (crc known). `check` is the
+//! crc32c of the entry's first four words and `gen`: a torn or damaged entry fails it.
+//!
+//! The rules (who writes what, in which order):
+//! 1. Only the server thread writes an entry's first five words, and only while its
+//!    state word says `FREE`; then it stores the state word (`COMMITTED`, Release).
+//!    So an entry whose state is not `FREE` has the fields it was committed with.
+//! 2. A *sealer* thread reads the committed block's bytes and compare-and-swaps the state
+//!    word from `COMMITTED` with its `gen` to `SEALED` with the crc. The CAS succeeds
+//!    only if the entry was not freed (nor freed and reused: `gen` changes) while the
+//!    sealer read, so the slot held the committed bytes throughout and the crc is theirs.
+//! 3. Removing a block stores `FREE` in its state word *before* its slot is freed.
+//! 4. A new daemon adopts exactly the entries that are `SEALED` with a valid `check`,
+//!    whose slot lies in the pool and is a slot start of a size class consistent with the
+//!    other adopted blocks, and — before they are served — whose bytes hash to the crc
+//!    (`verify`). `COMMITTED` entries (crc unknown: the last moments before a crash) are
+//!    dropped, as are allocations and anything torn.
+//! 5. Slots whose out-bit is set were in a writer's or reader's hands when the old daemon
+//!    died: they are not handed out again until that hand-out has certainly expired
+//!    (`alloc_ttl` / `max_pin_ttl`), see `store/adopt.rs`.
+//!
+//! Checking on adoption (in the background, see [`checker`]) rather than on every read:
+//! one pass over the adopted bytes at start (crc32c at ~20 GB/s per core), nothing on
+//! the hot path. Blocks are invisible until their check passes.
+
+pub mod checker;
+mod scan;
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvd_protocol::{BlockKey, ChunkHash, Layout, LayoutId};
+
+use crate::pool::SLOT_ALIGN;
+use crate::region::Region;
+
+pub use scan::{Adopted, Found};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"KVDTABLE");
+/// The format this daemon writes and adopts. A table of another format is not read.
+pub const FORMAT: u64 = 1;
+const HEADER_BYTES: u64 = 4096;
+const LAYOUT_AREA: u64 = 64 * 1024;
+const ENTRY_WORDS: usize = 6;
+
+/// Entry states (the low 4 bits of the state word).
+pub(crate) const FREE: u64 = 0;
+pub(crate) const COMMITTED: u64 = 1;
+pub(crate) const SEALED: u64 = 2;
+const GEN_MASK: u64 = (1 << 28) - 1;
+
+/// What the table belongs to: a pool of this geometry, in this file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolIdentity {
+    /// Pool file size.
+    pub size: u64,
+    /// Offset of the first slot.
+    pub data_offset: u64,
+    /// Segment size of the slab allocator.
+    pub segment_bytes: u64,
+    /// The pool file's device and inode: a table never describes another file.
+    pub dev: u64,
+    /// See `dev`.
+    pub ino: u64,
+}
+
+impl PoolIdentity {
+    /// The identity of the pool file at `path` with this geometry.
+    pub fn of(path: &Path, size: u64, data_offset: u64, segment_bytes: u64) -> io::Result<Self> {
+        let m = std::fs::metadata(path)?;
+        Ok(PoolIdentity {
+            size,
+            data_offset,
+            segment_bytes,
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    fn units(&self) -> u64 {
+        self.size.saturating_sub(self.data_offset) / SLOT_ALIGN
+    }
+}
+
+/// Where the parts lie, in words.
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    bitmap: usize,
+    bitmap_words: usize,
+    entries: usize,
+    capacity: usize,
+    total_bytes: u64,
+}
+
+impl Geometry {
+    fn of(id: &PoolIdentity) -> Geometry {
+        let units = id.units();
+        let bitmap_words = units.div_ceil(64);
+        let bitmap_off = HEADER_BYTES + 2 * LAYOUT_AREA;
+        let entries_off = (bitmap_off + bitmap_words * 8).div_ceil(4096) * 4096;
+        let total = (entries_off + units * (ENTRY_WORDS as u64) * 8).div_ceil(4096) * 4096;
+        Geometry {
+            bitmap: (bitmap_off / 8) as usize,
+            bitmap_words: bitmap_words as usize,
+            entries: (entries_off / 8) as usize,
+            capacity: units as usize,
+            total_bytes: total,
+        }
+    }
+}
+
+/// Why the table could not be opened or made.
+#[derive(Debug, thiserror::Error)]
+#[error("block table {path}: {what}: {source}")]
+pub struct TableError {
+    what: &'static str,
+    path: PathBuf,
+    source: io::Error,
+}
+
+fn err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TableError + 'a {
+    move |source| TableError {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The mapped table, shared by the server thread (the writer) and the sealers.
+#[derive(Debug)]
+pub struct TableMap {
+    region: Region,
+    geo: Geometry,
+    data_offset: u64,
+}
+
+impl TableMap {
+    fn words(&self) -> &[AtomicU64] {
+        // A table region is writable and a whole number of pages: `words` is `Some`.
+        self.region.words().unwrap_or_default()
+    }
+
+    fn word(&self, i: usize) -> Option<&AtomicU64> {
+        self.words().get(i)
+    }
+
+    fn entry(&self, pos: u32) -> Option<&[AtomicU64]> {
+        if pos as usize >= self.geo.capacity {
+            return None;
+        }
+        let start = self.geo.entries + pos as usize * ENTRY_WORDS;
+        self.words().get(start..start + ENTRY_WORDS)
+    }
+
+    /// The out-bit of the slot starting at `offset`: word and mask.
+    fn bit(&self, offset: u64) -> Option<(&AtomicU64, u64)> {
+        let unit = offset.checked_sub(self.data_offset)? / SLOT_ALIGN;
+        let w = self.geo.bitmap + (unit / 64) as usize;
+        if unit / 64 >= self.geo.bitmap_words as u64 {
+            return None;
+        }
+        Some((self.word(w)?, 1 << (unit % 64)))
+    }
+
+    /// Rule 2: `COMMITTED` with `gen` → `SEALED` with `crc`; false when the entry
+    /// changed meanwhile (the crc is then not the entry's).
+    pub(crate) fn seal(&self, pos: u32, gen: u64, crc: u32) -> bool {
+        let Some(e) = self.entry(pos) else {
+            return false;
+        };
+        let from = state_word(0, gen, COMMITTED);
+        let to = state_word(crc, gen, SEALED);
+        e[5].compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+fn state_word(crc: u32, gen: u64, state: u64) -> u64 {
+    (u64::from(crc) << 32) | ((gen & GEN_MASK) << 4) | state
+}
+
+/// The crc32c of an entry's fields and generation (its `check`).
+fn entry_check(fields: [u64; 4], gen: u32) -> u32 {
+    let mut b = [0u8; 36];
+    for (i, w) in fields.iter().enumerate() {
+        b[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+    }
+    b[32..].copy_from_slice(&gen.to_le_bytes());
+    crate::checksum::crc32c(&b)
+}
+
+fn key_words(key: &BlockKey) -> [u64; 3] {
+    let h = key.hash.0;
+    let mut lo = [0u8; 8];
+    let mut hi = [0u8; 8];
+    lo.copy_from_slice(&h[..8]);
+    hi.copy_from_slice(&h[8..]);
+    [u64::from_le_bytes(lo), u64::from_le_bytes(hi), key.layout.0]
+}
+
+fn key_of(w: [u64; 3]) -> BlockKey {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&w[0].to_le_bytes());
+    h[8..].copy_from_slice(&w[1].to_le_bytes());
+    BlockKey {
+        layout: LayoutId(w[2]),
+        hash: ChunkHash(h),
+    }
+}
+
+/// A seal to compute: the block at `pos` committed under `gen`, `len` bytes at `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SealJob {
+    /// Entry position (the index node).
+    pub pos: u32,
+    /// The entry's generation.
+    pub gen: u64,
+    /// Slot offset in the pool.
+    pub offset: u64,
+    /// Block bytes.
+    pub len: u32,
+}
+
+/// The writer's handle (the server thread's; see the module docs for the rules).
+#[derive(Debug)]
+pub struct BlockTable {
+    map: Arc<TableMap>,
+    path: PathBuf,
+    _file: File,
+    gen: u64,
+    /// Block bytes per layout (an entry records its block's length).
+    block_bytes: HashMap<LayoutId, u32>,
+    layouts: Vec<Layout>,
+    layout_seq: u64,
+    /// Seals to hand to the checker (drained by the store each turn).
+    seals: Vec<SealJob>,
+}
+
+impl BlockTable {
+    /// Opens the table at `path` for the pool `id`. With `adopt`, a table of this pool
+    /// and format is read ([`Found`]); otherwise — or when it is missing, of another
+    /// format or of another pool — a new empty one replaces it, and the second value says
+    /// why in one line (`None`: there was none, or `adopt` is off).
+    pub fn open(
+        path: &Path,
+        id: &PoolIdentity,
+        adopt: bool,
+    ) -> Result<(BlockTable, Option<Found>, Option<String>), TableError> {
+        let geo = Geometry::of(id);
+        let mut why = None;
+        if adopt && path.exists() {
+            match Self::open_existing(path, id, geo) {
+                Ok((t, found)) => return Ok((t, Some(found), None)),
+                Err(reason) => why = Some(reason),
+            }
+        }
+        Ok((Self::create(path, id, geo)?, None, why))
+    }
+
+    fn open_existing(
+        path: &Path,
+        id: &PoolIdentity,
+        geo: Geometry,
+    ) -> Result<(BlockTable, Found), String> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("cannot open the block table {}: {e}", path.display()))?;
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if len != geo.total_bytes {
+            return Err(format!(
+                "the block table is {len} bytes, a table of this pool is {}: not this pool's",
+                geo.total_bytes
+            ));
+        }
+        let region = Region::map_shared(&file, geo.total_bytes, false)
+            .map_err(|e| format!("cannot map the block table: {e}"))?;
+        let map = TableMap {
+            region,
+            geo,
+            data_offset: id.data_offset,
+        };
+        scan::check_header(&map, id)?;
+        let (layouts, layout_seq) = scan::read_layouts(&map);
+        let found = scan::scan(&map, &layouts);
+        let mut t = BlockTable::with_map(map, path, file);
+        t.layout_seq = layout_seq;
+        t.gen = found.max_gen + 1;
+        for l in &layouts {
+            t.note_layout(l);
+        }
+        Ok((t, found))
+    }
+
+    fn create(path: &Path, id: &PoolIdentity, geo: Geometry) -> Result<BlockTable, TableError> {
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err("removing the old table", path)(e)),
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(err("creating", path))?;
+        // Sparse: only the pages of entries in use take memory.
+        file.set_len(geo.total_bytes).map_err(err("sizing", path))?;
+        let region =
+            Region::map_shared(&file, geo.total_bytes, false).map_err(err("mapping", path))?;
+        let map = TableMap {
+            region,
+            geo,
+            data_offset: id.data_offset,
+        };
+        let head = [
+            MAGIC,
+            FORMAT,
+            id.size,
+            id.data_offset,
+            id.segment_bytes,
+            id.dev,
+            id.ino,
+            geo.capacity as u64,
+        ];
+        let w = map.words();
+        for (i, v) in head.iter().enumerate() {
+            w[i].store(*v, Ordering::Relaxed);
+        }
+        // The header's check last: a table killed while being made is not adopted.
+        w[head.len()].store(u64::from(scan::header_check(&head)), Ordering::Release);
+        Ok(BlockTable::with_map(map, path, file))
+    }
+
+    fn with_map(map: TableMap, path: &Path, file: File) -> BlockTable {
+        BlockTable {
+            map: Arc::new(map),
+            path: path.to_owned(),
+            _file: file,
+            gen: 1,
+            block_bytes: HashMap::new(),
+            layouts: Vec::new(),
+            layout_seq: 0,
+            seals: Vec::new(),
+        }
+    }
+
+    /// The table's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The map, for the checker's sealers.
+    pub fn shared(&self) -> Arc<TableMap> {
+        self.map.clone()
+    }
+
+    fn note_layout(&mut self, l: &Layout) {
+        let id = l.id();
+        if let Ok(b) = l.validate() {
+            if let Ok(b) = u32::try_from(b) {
+                if self.block_bytes.insert(id, b).is_none() {
+                    self.layouts.push(l.clone());
+                }
+            }
+        }
+    }
+
+    /// Records a registered layout (written when it is new: layouts are few and rare).
+    pub fn layout(&mut self, l: &Layout) {
+        if self.block_bytes.contains_key(&l.id()) {
+            return;
+        }
+        self.note_layout(l);
+        self.layout_seq += 1;
+        scan::write_layouts(&self.map, &self.layouts, self.layout_seq);
+    }
+
+    /// Rule 1: the block `key` at `offset` (entry `pos`) was committed. Its seal is
+    /// queued ([`BlockTable::take_seals`]).
+    pub fn committed(&mut self, pos: u32, key: BlockKey, offset: u64) {
+        let Some(&len) = self.block_bytes.get(&key.layout) else {
+            return; // not a layout of the table: the block is simply not kept
+        };
+        let Some(e) = self.map.entry(pos) else {
+            return;
+        };
+        let gen = self.gen & GEN_MASK;
+        self.gen = self.gen.wrapping_add(1);
+        let slot = (offset - self.map.data_offset) / SLOT_ALIGN;
+        let k = key_words(&key);
+        let fields = [k[0], k[1], k[2], slot | (u64::from(len) << 32)];
+        e[5].store(state_word(0, 0, FREE), Ordering::Release);
+        for (w, v) in e.iter().zip(fields) {
+            w.store(v, Ordering::Relaxed);
+        }
+        let check = entry_check(fields, gen as u32);
+        e[4].store((gen << 32) | u64::from(check), Ordering::Relaxed);
+        e[5].store(state_word(0, gen, COMMITTED), Ordering::Release);
+        self.seals.push(SealJob {
+            pos,
+            gen,
+            offset,
+            len,
+        });
+    }
+
+    /// Rule 3: entry `pos` no longer describes a block.
+    pub fn free(&mut self, pos: u32) {
+        if let Some(e) = self.map.entry(pos) {
+            e[5].store(state_word(0, 0, FREE), Ordering::Release);
+        }
+    }
+
+    /// The slot at `offset` is in someone's hands outside the daemon.
+    pub fn out(&self, offset: u64) {
+        if let Some((w, m)) = self.map.bit(offset) {
+            w.fetch_or(m, Ordering::Release);
+        }
+    }
+
+    /// The slot at `offset` is back (committed, unpinned, freed).
+    pub fn back(&self, offset: u64) {
+        if let Some((w, m)) = self.map.bit(offset) {
+            w.fetch_and(!m, Ordering::Release);
+        }
+    }
+
+    /// Seals queued since the last call.
+    pub fn take_seals(&mut self, out: &mut Vec<SealJob>) {
+        out.append(&mut self.seals);
+    }
+
+    /// The generation entry `pos` was last committed under.
+    pub fn gen_at(&self, pos: u32) -> Option<u64> {
+        self.map
+            .entry(pos)
+            .map(|e| (e[4].load(Ordering::Relaxed) >> 32) & GEN_MASK)
+    }
+
+    /// Whether the entry at `pos` is sealed now (tests and figures).
+    pub fn is_sealed(&self, pos: u32) -> bool {
+        self.map
+            .entry(pos)
+            .is_some_and(|e| e[5].load(Ordering::Acquire) & 0xF == SEALED)
+    }
+}
+
+/// One entry of a table file, as [`list`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryInfo {
+    /// Entry position.
+    pub pos: u32,
+    /// The block's key.
+    pub key: BlockKey,
+    /// Slot offset in the pool.
+    pub offset: u64,
+    /// Block bytes.
+    pub len: u32,
+    /// `committed`, `sealed` or `other`.
+    pub state: &'static str,
+    /// Where the entry's bytes lie in the table file.
+    pub file_offset: u64,
+}
+
+/// The entries of the table file at `path` that are not free, read without adopting
+/// anything (for `kvd ctl` and tests that damage a table on purpose).
+pub fn list(path: &Path) -> io::Result<Vec<EntryInfo>> {
+    let bytes = std::fs::read(path)?;
+    let word = |i: usize| -> u64 {
+        bytes
+            .get(i * 8..i * 8 + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    let id = PoolIdentity {
+        size: word(2),
+        data_offset: word(3),
+        segment_bytes: word(4),
+        dev: word(5),
+        ino: word(6),
+    };
+    let geo = Geometry::of(&id);
+    let mut out = Vec::new();
+    for pos in 0..geo.capacity {
+        let base = geo.entries + pos * ENTRY_WORDS;
+        let sw = word(base + 5);
+        if sw & 0xF == FREE {
+            continue;
+        }
+        let f3 = word(base + 3);
+        out.push(EntryInfo {
+            pos: pos as u32,
+            key: key_of([word(base), word(base + 1), word(base + 2)]),
+            offset: id.data_offset + (f3 & 0xFFFF_FFFF) * SLOT_ALIGN,
+            len: (f3 >> 32) as u32,
+            state: match sw & 0xF {
+                COMMITTED => "committed",
+                SEALED => "sealed",
+                _ => "other",
+            },
+            file_offset: base as u64 * 8,
+        });
+    }
+    Ok(out)
+}
+
+/// Rewrites the format word of the table at `path` (with a valid header check): what a
+/// table of another kvd version looks like (tests of the refusal).
+#[doc(hidden)]
+pub fn set_format(path: &Path, format: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let f = OpenOptions::new().read(true).write(true).open(path)?;
+    let mut head = [0u8; 64];
+    f.read_exact_at(&mut head, 0)?;
+    let mut words = [0u64; 8];
+    for (i, w) in words.iter_mut().enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&head[i * 8..i * 8 + 8]);
+        *w = u64::from_le_bytes(b);
+    }
+    words[1] = format;
+    f.write_all_at(&format.to_le_bytes(), 8)?;
+    f.write_all_at(&u64::from(scan::header_check(&words)).to_le_bytes(), 64)?;
+    Ok(())
+}
