@@ -318,6 +318,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
                 "some blocks committed just before the stop were not sealed: a restart drops them"
             );
         }
+        let _ = store.pool().retire();
         drop(store); // unmaps; the pool and its table stay for the next daemon
         tracing::info!(path = %pool_path.display(), "pool kept for the next daemon");
         return Ok(());

@@ -235,6 +235,18 @@ impl Pool {
         Ok(file)
     }
 
+    /// Marks the kept file as served by no daemon (incarnation 0 in its header) at a
+    /// clean stop: clients' and peers' mappings of it go stale at once, as an unlinked
+    /// file's would; the next daemon writes its own incarnation.
+    pub fn retire(&self) -> Result<(), PoolError> {
+        let header = PoolHeader {
+            incarnation: Incarnation(0),
+            size_bytes: self.size,
+            data_offset: self.data_offset,
+        };
+        self.write(0, &header.encode())
+    }
+
     /// What became of a previous daemon's pool file.
     pub fn previous(&self) -> &Previous {
         &self.previous

@@ -89,7 +89,7 @@ fn a_queue_without_a_mapping_stores_through_payloads() {
 
 #[test]
 fn a_queue_reports_a_restart_then_stores_into_the_new_daemon() {
-    let mut d = Daemon::start(&[]);
+    let mut d = Daemon::start(NOT_KEPT);
     let c = d.client();
     let l = register(&c, 16);
     let old = c.incarnation();
@@ -432,7 +432,7 @@ fn a_prefetch_whose_pin_lapsed_is_loaded_again() {
 
 #[test]
 fn a_load_queue_reports_a_restart_then_loads_from_the_new_daemon() {
-    let mut d = Daemon::start(&[]);
+    let mut d = Daemon::start(NOT_KEPT);
     let c = d.client();
     let l = register(&c, 16);
     let ks = keys(120, 4);

@@ -304,7 +304,7 @@ fn assert_restart_reported(
 
 #[test]
 fn a_restarted_daemon_is_detected_and_the_client_recovers() {
-    let mut d = Daemon::start(&[]);
+    let mut d = Daemon::start(NOT_KEPT);
     let c = d.client();
     let l = register(&c, 16);
     let ks = keys(8, 2);
@@ -356,7 +356,7 @@ fn a_pipelined_load_renews_a_dropped_session_and_reports_a_restart() {
 }
 
 #[test]
-fn sigterm_exits_cleanly_and_removes_socket_and_pool() {
+fn sigterm_exits_cleanly_removes_the_socket_and_keeps_the_pool_unless_told() {
     let mut d = Daemon::start(&[]);
     let c = d.client();
     register(&c, 16);
@@ -365,6 +365,15 @@ fn sigterm_exits_cleanly_and_removes_socket_and_pool() {
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&d.pool_path), 0o600);
     assert_eq!(mode(&d.socket_path), 0o600);
+    let st = d.signal(Signal::SIGTERM);
+    assert_eq!(st.code(), Some(0), "exit status {st:?}");
+    // Kept (the default) for the next daemon, marked served by none (incarnation 0).
+    let hdr = std::fs::read(&d.pool_path).expect("pool file kept");
+    assert_eq!(&hdr[8..16], &[0u8; 8], "a kept pool's header names no daemon");
+    assert!(!d.socket_path.exists(), "socket removed");
+    // Not kept: removed.
+    let mut d = Daemon::start(NOT_KEPT);
+    assert!(d.pool_path.exists());
     let st = d.signal(Signal::SIGTERM);
     assert_eq!(st.code(), Some(0), "exit status {st:?}");
     assert!(!d.pool_path.exists(), "pool file removed");
@@ -530,7 +539,7 @@ fn a_write_batch_refuses_writes_after_its_ttl() {
 /// has not written yet.
 #[test]
 fn a_batch_from_before_a_restart_never_commits_the_new_daemons_slots() {
-    let mut d = Daemon::start(&[]);
+    let mut d = Daemon::start(NOT_KEPT);
     let c = d.client();
     let l = register(&c, 64);
     let old = c.incarnation();

@@ -293,7 +293,7 @@ fn a_connection_that_does_not_read_its_replies_is_closed_and_others_are_served()
 
 #[test]
 fn restart_and_busy_poll() {
-    let mut d = Daemon::start(&["--busy-poll"]);
+    let mut d = Daemon::start(&["--busy-poll", "--keep-pool", "false"]);
     let c = Client::builder()
         .with_endpoint(&d.endpoint)
         .with_busy_poll(true)

@@ -145,9 +145,10 @@ impl Store {
             }
         }
         let fenced = fence.slots.len() + fence.segments.len() + fence.nodes.len();
+        let longest = self.cfg.alloc_ttl.max(self.cfg.max_pin_ttl);
+        let left = BlockTable::fence_left(found.last_out_ms, longest);
         if fenced > 0 {
-            let ttl = self.cfg.alloc_ttl.max(self.cfg.max_pin_ttl);
-            fence.until = Some(now + ttl);
+            fence.until = Some(now + left);
             keep.stats.fenced_slots = fenced as u64;
             keep.fence = Some(fence);
         }
@@ -291,6 +292,21 @@ impl Store {
         let soon = busy.then(|| now + Duration::from_millis(1));
         let fence = k.fence.as_ref().and_then(|f| f.until);
         [soon, fence].into_iter().flatten().min()
+    }
+
+    /// Blocks pinned by nothing but the fence (`stats.pinned_blocks` leaves them out:
+    /// they are counted in `kept.fenced_slots`).
+    pub(super) fn fence_only_pins(&self) -> u64 {
+        let Some(f) = self.keep.as_ref().and_then(|k| k.fence.as_ref()) else {
+            return 0;
+        };
+        f.nodes
+            .iter()
+            .filter(|&&pos| {
+                let n = self.index.node(pos);
+                n.is_fenced() && n.pins() == 1 && n.readable()
+            })
+            .count() as u64
     }
 
     /// Figures for `stats`.

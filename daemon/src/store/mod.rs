@@ -396,6 +396,8 @@ impl Store {
                         tiers.push(Tier::Dram);
                     }
                     Some((_, State::Promoting)) => tiers.push(Tier::Nvme),
+                    // adopted, being checked: a `get` waits for the check
+                    Some((_, State::Verifying)) => tiers.push(Tier::Dram),
                     Some(_) => break 'chunks,
                     None if self.tier.has(&key) => {
                         self.tier.touch(&key);
@@ -840,7 +842,7 @@ impl Store {
             blocks: self.index.committed(),
             pending: self.holds.reservations() as u64,
             reserved: self.holds.reserved_slots() as u64,
-            pinned_blocks: self.index.pinned(),
+            pinned_blocks: self.index.pinned() - self.fence_only_pins(),
             pins: self.holds.pins() as u64,
             clients: self.sessions.len() as u64,
             layouts: self.sessions.layouts() as u64,
@@ -973,7 +975,9 @@ impl Store {
     pub fn holds(&self, layout: LayoutId, keys: &[ChunkHash]) -> Vec<bool> {
         keys.iter()
             .map(|k| match self.index.state_of(layout, k) {
-                Some(State::Committed | State::Demoting | State::Promoting) => true,
+                Some(
+                    State::Committed | State::Demoting | State::Promoting | State::Verifying,
+                ) => true,
                 Some(_) => false,
                 None => self.tier.has(&BlockKey { layout, hash: *k }),
             })

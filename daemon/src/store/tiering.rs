@@ -220,7 +220,10 @@ impl Store {
         let mut missing = Vec::new();
         for k in keys {
             match self.index.find(layout_id, k) {
-                Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
+                // on its way: read from the tier, or adopted and being checked
+                Some(i) if matches!(self.index.node(i).state(), State::Promoting | State::Verifying) => {
+                    waits.push(i)
+                }
                 Some(_) => {}
                 None => missing.push(BlockKey {
                     layout: layout_id,
@@ -392,9 +395,9 @@ impl Store {
                     }
                 }
                 Waiting::Get(req, waits, held) => {
-                    let busy = waits
-                        .iter()
-                        .any(|&i| self.index.node(i).state() == State::Promoting);
+                    let busy = waits.iter().any(|&i| {
+                        matches!(self.index.node(i).state(), State::Promoting | State::Verifying)
+                    });
                     if busy && d.deadline > now {
                         self.deferred.push(Deferred {
                             what: Waiting::Get(req, waits, held),

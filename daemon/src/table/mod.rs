@@ -11,7 +11,7 @@
 //!
 //! | part | size | holds |
 //! |---|---|---|
-//! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those |
+//! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those; then the wall-clock time (ms) of the last hand-out |
 //! | layouts | 2 × 64 KiB | the registered layouts (JSON), double-buffered: `[seq][len, crc][bytes]`, the valid one with the higher `seq` counts |
 //! | out-bits | 1 bit per 4 KiB of data area | a slot start handed to someone outside the daemon (a writer's allocation or reservation, a reader's pin) and not yet back |
 //! | entries | 48 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state` |
@@ -72,6 +72,15 @@ pub(crate) const FREE: u64 = 0;
 pub(crate) const COMMITTED: u64 = 1;
 pub(crate) const SEALED: u64 = 2;
 const GEN_MASK: u64 = (1 << 28) - 1;
+/// Header word: wall-clock milliseconds of the last out-bit set (a fence need not outlast
+/// the longest hand-out counted from then).
+const LAST_OUT_WORD: usize = 9;
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
 /// What the table belongs to: a pool of this geometry, in this file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -441,8 +450,27 @@ impl BlockTable {
     /// The slot at `offset` is in someone's hands outside the daemon.
     pub fn out(&self, offset: u64) {
         if let Some((w, m)) = self.map.bit(offset) {
+            // The time first: a kill between the two leaves a later time, never a bit
+            // without one.
+            if let Some(t) = self.map.word(LAST_OUT_WORD) {
+                t.store(wall_ms(), Ordering::Release);
+            }
             w.fetch_or(m, Ordering::Release);
         }
+    }
+
+    /// How much longer a hand-out of the previous daemon may still be used, if none
+    /// lasts more than `longest`: `longest` from its last hand-out (`Found::last_out_ms`;
+    /// the whole of `longest` when the time is unknown or in the future).
+    pub fn fence_left(last_out_ms: u64, longest: std::time::Duration) -> std::time::Duration {
+        let now = wall_ms();
+        let longest_ms = longest.as_millis() as u64;
+        let left = match last_out_ms {
+            0 => longest_ms,
+            t if t > now => longest_ms,
+            t => (t + longest_ms).saturating_sub(now),
+        };
+        std::time::Duration::from_millis(left.min(longest_ms))
     }
 
     /// The slot at `offset` is back (committed, unpinned, freed).

@@ -45,6 +45,8 @@ pub struct Found {
     pub torn: u64,
     /// The highest generation seen.
     pub max_gen: u64,
+    /// Wall-clock ms of the previous daemon's last hand-out (0: unknown).
+    pub last_out_ms: u64,
 }
 
 fn header_words(id: &PoolIdentity, capacity: u64) -> [u64; 8] {
@@ -185,11 +187,14 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
         .filter_map(|l| Some((l.id(), l.validate().ok()?)))
         .collect();
     let units = map.geo.capacity as u64;
+    let w = map.words();
     let mut found = Found {
         layouts: layouts.to_vec(),
+        last_out_ms: w
+            .get(super::LAST_OUT_WORD)
+            .map_or(0, |x| x.load(Ordering::Acquire)),
         ..Found::default()
     };
-    let w = map.words();
     let entries = w.get(map.geo.entries..).unwrap_or_default();
     for (pos, e) in entries.chunks_exact(ENTRY_WORDS).enumerate() {
         let sw = e[5].load(Ordering::Acquire);

@@ -14,6 +14,10 @@ use kvd_protocol::{decode_reply, ErrorCode};
 use serde::de::IgnoredAny;
 use serde::Serialize;
 
+/// Flags of a daemon whose restart keeps nothing (`pool.keep` off): for tests of how
+/// clients recover from an empty new daemon (a kept pool is `keep.rs`'s subject).
+pub const NOT_KEPT: &[&str] = &["--keep-pool", "false"];
+
 /// Registers `layout(kib)`.
 pub fn register(c: &Client, kib: u64) -> LayoutInfo {
     c.register_layout(&layout(kib)).expect("register layout")
