@@ -244,3 +244,208 @@ fn a_pool_of_another_size_is_refused_and_keeping_can_be_turned_off() {
     assert!(!pool.exists(), "not kept: removed at exit");
     let _ = Duration::ZERO;
 }
+
+/// SIGKILL at random points of a writer's stores and commits, evictions, demotions to
+/// NVMe and promotions back, three times: afterwards every key whose store was answered
+/// hits (from DRAM or NVMe) with its bytes, except the daemon's own count of blocks
+/// committed but not yet sealed at a kill; a key allocated and written but never
+/// committed never hits.
+#[test]
+fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    const BLOCK: usize = 256 * 1024;
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let disk_arg = disk.path().display().to_string();
+    // Short hand-outs, so that the fence after each kill is short too.
+    let cfg = disk.path().join("kvd.toml");
+    std::fs::write(
+        &cfg,
+        "[limits]\nalloc_ttl_ms = 2000\ndefault_pin_ttl_ms = 1000\nmax_pin_ttl_ms = 2000\n",
+    )
+    .unwrap();
+    let cfg_arg = cfg.display().to_string();
+    let mut d = Daemon::start(&[
+        "--config",
+        &cfg_arg,
+        "--pool-size",
+        "64MiB",
+        "--nvme-path",
+        &disk_arg,
+        "--nvme-size",
+        "512MiB",
+        "--nvme-allow-buffered",
+    ]);
+    let c = Arc::new(d.client());
+    let l = register(&c, 256).id;
+    let data = |i: u64| block(900_000 + i, BLOCK);
+    let key = |i: u64| keys(600_000 + i as u32, 1)[0];
+    let ghost = |i: u64| keys(700_000 + i as u32, 1)[0];
+    let acked = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let ghosts = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (c, acked, ghosts, stop) = (c.clone(), acked.clone(), ghosts.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) && i < 900 {
+                let v = data(i);
+                if let Ok(r) = c.store(l, &[key(i)], &[&v]) {
+                    if r.stored() == 1 {
+                        acked.lock().unwrap().push(i);
+                    }
+                }
+                if i % 11 == 0 {
+                    // allocated, written with bytes that are not the key's, never committed
+                    if let Ok(mut b) = c.alloc(l, &[ghost(i)]) {
+                        if b.with_slots(|s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
+                            .is_ok()
+                        {
+                            ghosts.lock().unwrap().push(i);
+                        }
+                        std::mem::forget(b); // never committed nor given back
+                    }
+                }
+                if i % 5 == 0 && i > 100 {
+                    // read an old one back (a promotion from NVMe, most likely)
+                    let j = (i * 7919) % i;
+                    let mut buf = vec![0u8; BLOCK];
+                    if let Ok(h) = c.load(l, &[key(j)], &mut [&mut buf[..]]) {
+                        assert!(!h[0] || buf == data(j), "block {j} served with wrong bytes");
+                    }
+                }
+                i += 1;
+            }
+        })
+    };
+    let mut unsealed = 0;
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    for _ in 0..3 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::thread::sleep(Duration::from_millis(150 + rng % 500));
+        d.restart();
+        let st = checked(&c);
+        assert_eq!(st.damaged + st.torn, 0, "{st:?}");
+        unsealed += st.unsealed;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    let acked = acked.lock().unwrap().clone();
+    let ghosts = ghosts.lock().unwrap().clone();
+    assert!(acked.len() > 50, "the writer stored {} blocks", acked.len());
+    let nvme = c.stats().unwrap().nvme.expect("the NVMe tier");
+    assert!(nvme.blocks > 0, "nothing was demoted: {nvme:?}");
+    let mut missed = 0;
+    for &i in &acked {
+        let hit = load_checked_len(&c, l, &[key(i)], &[data(i)])[0];
+        missed += u64::from(!hit);
+    }
+    assert!(
+        missed <= unsealed,
+        "{missed} of {} answered stores miss, {unsealed} counted unsealed",
+        acked.len()
+    );
+    for &i in &ghosts {
+        let hit = load_checked_len(&c, l, &[ghost(i)], &[vec![0xEE; BLOCK]])[0];
+        assert!(!hit, "an uncommitted block ({i}) is served");
+    }
+    eprintln!(
+        "keep: {} stores answered, {} missed ({} unsealed at kills), {} uncommitted never served",
+        acked.len(),
+        missed,
+        unsealed,
+        ghosts.len()
+    );
+}
+
+/// [`load_checked`] for blocks of any size.
+fn load_checked_len(c: &Client, l: LayoutId, ks: &[ChunkHash], data: &[Vec<u8>]) -> Vec<bool> {
+    let mut bufs: Vec<Vec<u8>> = data.iter().map(|d| vec![0u8; d.len()]).collect();
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let hits = loop {
+        match c.load(l, ks, &mut outs) {
+            Ok(h) => break h,
+            Err(kvd_client::Error::DaemonRestarted { .. }) => continue,
+            Err(e) => panic!("load: {e}"),
+        }
+    };
+    for (i, hit) in hits.iter().enumerate() {
+        if *hit {
+            assert!(bufs[i] == data[i], "block {i} served with wrong bytes");
+        }
+    }
+    hits
+}
+
+/// The fence, with its negative control built in: a writer of the old daemon that has
+/// not learned of the restart writes its allocation after it, and a reader reads its old
+/// pin; meanwhile the new daemon fills its pool with new blocks. No new block is given
+/// a slot either of them touches (the writer's garbage would otherwise land in one), the
+/// reader's block is not evicted under it, and every new block loads with its bytes.
+#[test]
+fn an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon() {
+    let mut d = Daemon::start(&["--pool-size", "16MiB"]);
+    let old = d.client();
+    let l = register(&old, KIB).id;
+    let (pinned_keys, pinned_data) = store_sealed(&old, l, 20, 4);
+    let pin = old.get(l, &pinned_keys, None).unwrap();
+    let mut writer = old.alloc(l, &keys(21, 3)).unwrap();
+    let ghost: Vec<u64> = writer.offsets().iter().flatten().copied().collect();
+    assert_eq!(ghost.len(), 3);
+    d.restart();
+    let new = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .connect()
+        .unwrap();
+    new.register_layout(&layout(KIB)).unwrap();
+    checked(&new);
+    // Fill the pool twice over (evicting), noting every slot a new block gets.
+    let mut stored = Vec::new();
+    for i in 0..(2 * 16 * 1024 / KIB) as u32 {
+        let k = keys(30_000 + i, 1);
+        let v = block(30_000 + u64::from(i), BYTES);
+        let mut b = match new.alloc(l, &k) {
+            Ok(b) => b,
+            Err(e) if e.code() == Some(kvd_protocol::ErrorCode::PoolFull) => continue,
+            Err(e) => panic!("alloc: {e}"),
+        };
+        if let Some(off) = b.offsets()[0] {
+            assert!(
+                ghost
+                    .iter()
+                    .all(|&g| off + BYTES as u64 <= g || g + BYTES as u64 <= off),
+                "a new block got a slot the old writer still holds ({off})"
+            );
+            b.with_slots(|s| s[0].1.copy_from_slice(&v)).unwrap();
+            b.commit().unwrap();
+            stored.push((k[0], v));
+        }
+    }
+    assert!(stored.len() > 100, "{} stored", stored.len());
+    // The old writer finishes its write now (its allocation's TTL has not passed).
+    writer
+        .with_slots(|s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
+        .unwrap();
+    // The old reader's blocks are still there, unchanged.
+    pin.with_blocks(|b| {
+        for (i, x) in b.iter().enumerate() {
+            assert!(
+                x.is_some_and(|x| x == &pinned_data[i][..]),
+                "old pin {i} changed"
+            );
+        }
+    })
+    .unwrap();
+    // Every new block that is still cached loads with its bytes.
+    let mut hits = 0;
+    for (k, v) in stored.iter().rev().take(100) {
+        hits +=
+            usize::from(load_checked(&new, l, std::slice::from_ref(k), std::slice::from_ref(v))[0]);
+    }
+    assert!(hits > 50, "{hits} of the last 100 new blocks hit");
+    let st = kept(&new);
+    assert!(st.fenced_slots >= 7 && st.fence_left_ms > 0, "{st:?}");
+}

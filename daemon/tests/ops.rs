@@ -218,7 +218,11 @@ fn readyz_is_not_ready_while_the_pool_is_prepared_nor_once_drain_begins() {
     assert!(st.success(), "exit status {st}");
     // kept for the next daemon (pool.keep), its header naming no daemon
     let hdr = std::fs::read(dir.path().join("p")).expect("the pool is kept");
-    assert_eq!(&hdr[8..16], &[0u8; 8], "a kept pool's header names no daemon");
+    assert_eq!(
+        &hdr[8..16],
+        &[0u8; 8],
+        "a kept pool's header names no daemon"
+    );
 }
 
 #[test]

@@ -369,7 +369,11 @@ fn sigterm_exits_cleanly_removes_the_socket_and_keeps_the_pool_unless_told() {
     assert_eq!(st.code(), Some(0), "exit status {st:?}");
     // Kept (the default) for the next daemon, marked served by none (incarnation 0).
     let hdr = std::fs::read(&d.pool_path).expect("pool file kept");
-    assert_eq!(&hdr[8..16], &[0u8; 8], "a kept pool's header names no daemon");
+    assert_eq!(
+        &hdr[8..16],
+        &[0u8; 8],
+        "a kept pool's header names no daemon"
+    );
     assert!(!d.socket_path.exists(), "socket removed");
     // Not kept: removed.
     let mut d = Daemon::start(NOT_KEPT);

@@ -11,8 +11,10 @@
 //!   allocation or reservation being written, a block pinned for a reader) may still be
 //!   written or read by a client that has not yet learned of the restart. For
 //!   `max(alloc_ttl, max_pin_ttl)` after adoption — the longest such a hand-out was valid
-//!   for — no such slot is handed out again: allocations' slots are withheld (a segment
-//!   with no adopted block is lent out of circulation whole), a fenced adopted block is
+//!   for — no such slot is handed out again: allocations' slots are withheld (in a
+//!   segment no adopted block uses, the slot's size is unknown: a slot the allocator
+//!   hands out over the longest one a kept layout could have there is set aside), a
+//!   fenced adopted block is
 //!   held by a pin of the fence's (not evicted), and one that goes anyway (damaged)
 //!   leaves its slot withheld.
 //! - **Seals.** A committed block's slot is not freed while the checker may still be
@@ -25,6 +27,8 @@ use kvd_protocol::KeptStats;
 
 use super::index::{Node, State};
 use super::Store;
+use crate::alloc::ClassId;
+use crate::pool::SLOT_ALIGN;
 use crate::table::checker::{Checker, Verdict};
 use crate::table::{BlockTable, Found, SealJob};
 
@@ -46,8 +50,12 @@ struct Fence {
     until: Option<Instant>,
     /// Slots withheld, freed when the fence ends.
     slots: Vec<u64>,
-    /// Segments lent out of circulation, returned when the fence ends.
-    segments: Vec<u32>,
+    /// Byte ranges `[start, end)` of hand-outs in segments no adopted block uses (their
+    /// slot size unknown: as long as the largest slot of a kept layout that can start
+    /// there), sorted; a slot the allocator hands out that overlaps one is set aside.
+    ranges: Vec<(u64, u64)>,
+    /// Slots set aside so, freed when the fence ends.
+    aside: Vec<u64>,
     /// Adopted blocks that were out when the old daemon stopped.
     nodes: Vec<u32>,
 }
@@ -131,12 +139,25 @@ impl Store {
             }
         }
         self.index.settle_free_list();
+        let slot_sizes: Vec<u64> = found
+            .layouts
+            .iter()
+            .filter_map(|l| l.validate().ok())
+            .map(|b| b.div_ceil(SLOT_ALIGN) * SLOT_ALIGN)
+            .collect();
+        let (data, seg) = (self.pool.data_offset(), self.cfg.segment_bytes);
         for off in found.out_slots {
             match self.alloc.segment_of(off) {
-                Some((si, None))
-                    if !fence.segments.contains(&si) && self.alloc.lend_segment(si) =>
-                {
-                    fence.segments.push(si);
+                Some((si, None)) => {
+                    let seg_start = data + u64::from(si) * seg;
+                    let within = off - seg_start;
+                    let longest = slot_sizes
+                        .iter()
+                        .filter(|&&s| within.is_multiple_of(s) && within + s <= seg)
+                        .max()
+                        .copied()
+                        .unwrap_or(seg - within);
+                    fence.ranges.push((off, off + longest));
                 }
                 Some((_, Some(class))) if self.alloc.claim(class, off).is_ok() => {
                     fence.slots.push(off);
@@ -144,7 +165,8 @@ impl Store {
                 _ => {}
             }
         }
-        let fenced = fence.slots.len() + fence.segments.len() + fence.nodes.len();
+        fence.ranges.sort_unstable();
+        let fenced = fence.slots.len() + fence.ranges.len() + fence.nodes.len();
         let longest = self.cfg.alloc_ttl.max(self.cfg.max_pin_ttl);
         let left = BlockTable::fence_left(found.last_out_ms, longest);
         if fenced > 0 {
@@ -241,13 +263,37 @@ impl Store {
             for off in f.slots {
                 self.free_slot_now(off);
             }
-            for si in f.segments {
-                self.alloc.return_segment(si);
+            for off in f.aside {
+                self.free_slot_now(off);
+            }
+            if let Some(t) = &self.index.durable {
+                for (start, _) in f.ranges {
+                    t.back(start);
+                }
             }
             if let Some(k) = &mut self.keep {
                 k.stats.fence_left_ms = 0;
             }
             tracing::info!("fence over: the previous daemon's hand-outs have all expired");
+        }
+    }
+
+    /// A free slot of `class` from the allocator, never one a fenced hand-out of the
+    /// previous daemon may still touch (those are set aside until the fence ends).
+    pub(super) fn take_slot(&mut self, class: ClassId) -> Option<u64> {
+        let slot = self.alloc.slot_bytes(class);
+        loop {
+            let off = self.alloc.alloc(class)?;
+            let Some(f) = self.keep.as_mut().and_then(|k| k.fence.as_mut()) else {
+                return Some(off);
+            };
+            // the first range ending after `off` overlaps `[off, off + slot)` if it
+            // starts before its end
+            let i = f.ranges.partition_point(|&(_, end)| end <= off);
+            match f.ranges.get(i) {
+                Some(&(start, _)) if start < off + slot => f.aside.push(off),
+                _ => return Some(off),
+            }
         }
     }
 

@@ -505,7 +505,7 @@ impl Store {
                     offsets.push(None);
                 }
                 None => {
-                    let Some(off) = self.alloc.alloc(class) else {
+                    let Some(off) = self.take_slot(class) else {
                         // make_room counted keys that were cached then, and evicting may
                         // have removed some of them since: roll back, report full.
                         for i in created {
@@ -975,9 +975,9 @@ impl Store {
     pub fn holds(&self, layout: LayoutId, keys: &[ChunkHash]) -> Vec<bool> {
         keys.iter()
             .map(|k| match self.index.state_of(layout, k) {
-                Some(
-                    State::Committed | State::Demoting | State::Promoting | State::Verifying,
-                ) => true,
+                Some(State::Committed | State::Demoting | State::Promoting | State::Verifying) => {
+                    true
+                }
                 Some(_) => false,
                 None => self.tier.has(&BlockKey { layout, hash: *k }),
             })

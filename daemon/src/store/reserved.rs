@@ -64,7 +64,7 @@ impl Store {
         // make_room found `count` free slots, so `count` is small enough to hold.
         let mut offsets = Vec::with_capacity(usize::try_from(req.count).unwrap_or(0));
         for _ in 0..req.count {
-            match self.alloc.alloc(class) {
+            match self.take_slot(class) {
                 Some(off) => offsets.push(off),
                 None => {
                     for off in offsets {

@@ -221,7 +221,12 @@ impl Store {
         for k in keys {
             match self.index.find(layout_id, k) {
                 // on its way: read from the tier, or adopted and being checked
-                Some(i) if matches!(self.index.node(i).state(), State::Promoting | State::Verifying) => {
+                Some(i)
+                    if matches!(
+                        self.index.node(i).state(),
+                        State::Promoting | State::Verifying
+                    ) =>
+                {
                     waits.push(i)
                 }
                 Some(_) => {}
@@ -295,7 +300,7 @@ impl Store {
         now: Instant,
         token: u64,
     ) -> Option<u32> {
-        let off = self.alloc.alloc(class)?;
+        let off = self.take_slot(class)?;
         let tag = self.next_tag;
         if !self.tier.begin_read(&key, off, tag) {
             let _ = self.alloc.free(off);
@@ -396,7 +401,10 @@ impl Store {
                 }
                 Waiting::Get(req, waits, held) => {
                     let busy = waits.iter().any(|&i| {
-                        matches!(self.index.node(i).state(), State::Promoting | State::Verifying)
+                        matches!(
+                            self.index.node(i).state(),
+                            State::Promoting | State::Verifying
+                        )
                     });
                     if busy && d.deadline > now {
                         self.deferred.push(Deferred {
