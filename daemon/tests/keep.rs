@@ -295,7 +295,7 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
                         acked.lock().unwrap().push(i);
                     }
                 }
-                if i % 11 == 0 {
+                if i.is_multiple_of(11) {
                     // allocated, written with bytes that are not the key's, never committed
                     if let Ok(mut b) = c.alloc(l, &[ghost(i)]) {
                         if b.with_slots(|s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
@@ -306,7 +306,7 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
                         std::mem::forget(b); // never committed nor given back
                     }
                 }
-                if i % 5 == 0 && i > 100 {
+                if i.is_multiple_of(5) && i > 100 {
                     // read an old one back (a promotion from NVMe, most likely)
                     let j = (i * 7919) % i;
                     let mut buf = vec![0u8; BLOCK];
