@@ -35,6 +35,7 @@ mod p2p;
 mod peers;
 mod plot;
 mod report;
+mod restart;
 mod transport;
 
 use std::time::{Duration, Instant};
@@ -90,6 +91,9 @@ enum Cmd {
     /// A fleet on loopback following each other's KV events: routing hit rate against an
     /// oracle, peer messages per request, event lag, router index memory.
     Fleet(fleet::FleetArgs),
+    /// A restart with the pool kept: time to serving, time until every kept block is
+    /// checked, hit rate and bytes afterwards (SIGKILL of a full pool).
+    Restart(restart::RestartArgs),
 }
 
 #[derive(clap::Args)]
@@ -154,6 +158,7 @@ fn main() -> Result<()> {
         Cmd::Gpu(a) => gpu::run(a),
         Cmd::Events(a) => events::run(a),
         Cmd::Fleet(a) => fleet::run(a),
+        Cmd::Restart(a) => restart::run(a),
     }
 }
 

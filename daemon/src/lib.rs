@@ -187,6 +187,9 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     );
     let lim = &cfg.limits;
     let pool = std::sync::Arc::new(pool);
+    if cfg.pool.prefault && *pool.previous() == pool::Previous::Kept {
+        pool.prefault_in_background();
+    }
     let store = Store::new(
         pool.clone(),
         StoreConfig {

@@ -183,7 +183,9 @@ impl Pool {
                 .map_err(io_err("sizing pool", path))
                 .map_err(cleanup)?;
         }
-        let region = Region::map_shared(&file, size, opts.prefault)
+        // A kept file's pages exist already: it is populated in the background instead
+        // (`Pool::prefault_in_background`), so that the daemon serves at once.
+        let region = Region::map_shared(&file, size, opts.prefault && !keep_file)
             .map_err(io_err("mapping pool", path))
             .map_err(cleanup)?;
         let data_offset = page.max(SLOT_ALIGN);
@@ -245,6 +247,30 @@ impl Pool {
             data_offset: self.data_offset,
         };
         self.write(0, &header.encode())
+    }
+
+    /// Populates the page tables for the whole pool on a thread of its own, 64 MiB at a
+    /// time (a kept pool's pages exist: only this process's mappings of them are made).
+    pub fn prefault_in_background(self: &std::sync::Arc<Self>) {
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvd-prefault".into())
+            .spawn(move || {
+                let t0 = std::time::Instant::now();
+                let mut off = 0u64;
+                while off < pool.size {
+                    let len = (pool.size - off).min(64 << 20) as usize;
+                    if let Err(e) = pool.region.populate(off, len) {
+                        tracing::debug!(error = %e, "populating the kept pool stopped");
+                        return;
+                    }
+                    off += len as u64;
+                }
+                tracing::info!(ms = t0.elapsed().as_millis() as u64, "kept pool populated");
+            });
+        if let Err(e) = spawned {
+            tracing::debug!(error = %e, "no thread to populate the kept pool");
+        }
     }
 
     /// What became of a previous daemon's pool file.

@@ -156,6 +156,21 @@ impl Region {
         Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), n) })
     }
 
+    /// Faults a checked range of a writable region into this process's page tables
+    /// (`MADV_POPULATE_WRITE`) without changing a byte: what `populate` does at map
+    /// time, for a range at a time (a kept pool is populated in the background, after
+    /// the daemon serves).
+    pub fn populate(&self, offset: u64, len: usize) -> io::Result<()> {
+        let off = self
+            .check(offset, len)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        if !self.writable {
+            return Err(io::ErrorKind::PermissionDenied.into());
+        }
+        self.map
+            .advise_range(memmap2::Advice::PopulateWrite, off, len)
+    }
+
     /// The address of a checked range, for the kernel or a NIC to reach it (io_uring
     /// fixed buffers and operations, verbs registrations). Computing it is safe; using it
     /// is the caller's unsafe step, which must keep this region alive meanwhile.

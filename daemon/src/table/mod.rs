@@ -11,7 +11,7 @@
 //!
 //! | part | size | holds |
 //! |---|---|---|
-//! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those; then the wall-clock time (ms) of the last hand-out |
+//! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those; then the wall-clock time (ms) of the last hand-out, and one more than the highest entry position used |
 //! | layouts | 2 × 64 KiB | the registered layouts (JSON), double-buffered: `[seq][len, crc][bytes]`, the valid one with the higher `seq` counts |
 //! | out-bits | 1 bit per 4 KiB of data area | a slot start handed to someone outside the daemon (a writer's allocation or reservation, a reader's pin) and not yet back |
 //! | entries | 48 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state` |
@@ -75,6 +75,9 @@ const GEN_MASK: u64 = (1 << 28) - 1;
 /// Header word: wall-clock milliseconds of the last out-bit set (a fence need not outlast
 /// the longest hand-out counted from then).
 const LAST_OUT_WORD: usize = 9;
+/// Header word: one more than the highest entry position ever committed (a new daemon
+/// reads no further: the rest of a large table is untouched sparse space).
+const HIGH_WORD: usize = 10;
 
 fn wall_ms() -> u64 {
     std::time::SystemTime::now()
@@ -267,6 +270,8 @@ pub struct BlockTable {
     layout_seq: u64,
     /// Seals to hand to the checker (drained by the store each turn).
     seals: Vec<SealJob>,
+    /// Entry positions below this may be in use (as written to the header).
+    high: u32,
 }
 
 impl BlockTable {
@@ -318,6 +323,7 @@ impl BlockTable {
         let (layouts, layout_seq) = scan::read_layouts(&map);
         let found = scan::scan(&map, &layouts);
         let mut t = BlockTable::with_map(map, path, file);
+        t.high = found.high;
         t.layout_seq = layout_seq;
         t.gen = found.max_gen + 1;
         for l in &layouts {
@@ -377,6 +383,7 @@ impl BlockTable {
             layouts: Vec::new(),
             layout_seq: 0,
             seals: Vec::new(),
+            high: 0,
         }
     }
 
@@ -420,6 +427,13 @@ impl BlockTable {
         let Some(e) = self.map.entry(pos) else {
             return;
         };
+        if pos >= self.high {
+            // before the entry: a new daemon reads every position that may be in use
+            self.high = pos + 1;
+            if let Some(h) = self.map.word(HIGH_WORD) {
+                h.store(u64::from(self.high), Ordering::Release);
+            }
+        }
         let gen = self.gen & GEN_MASK;
         self.gen = self.gen.wrapping_add(1);
         let slot = (offset - self.map.data_offset) / SLOT_ALIGN;

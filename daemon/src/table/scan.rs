@@ -47,6 +47,8 @@ pub struct Found {
     pub max_gen: u64,
     /// Wall-clock ms of the previous daemon's last hand-out (0: unknown).
     pub last_out_ms: u64,
+    /// Entry positions read (the previous daemon's high-water mark).
+    pub high: u32,
 }
 
 fn header_words(id: &PoolIdentity, capacity: u64) -> [u64; 8] {
@@ -195,7 +197,14 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
             .map_or(0, |x| x.load(Ordering::Acquire)),
         ..Found::default()
     };
-    let entries = w.get(map.geo.entries..).unwrap_or_default();
+    let high = w
+        .get(super::HIGH_WORD)
+        .map_or(0, |x| x.load(Ordering::Acquire))
+        .min(map.geo.capacity as u64) as usize;
+    found.high = high as u32;
+    let entries = w
+        .get(map.geo.entries..map.geo.entries + high * ENTRY_WORDS)
+        .unwrap_or_default();
     for (pos, e) in entries.chunks_exact(ENTRY_WORDS).enumerate() {
         let sw = e[5].load(Ordering::Acquire);
         let state = sw & 0xF;
