@@ -336,6 +336,7 @@ impl Client {
                 return Some(c);
             }
         }
+        wait_for_successor(&info.path, opts.timeout);
         match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.spin, opts.timeout) {
             Ok(c) => Some((c, inc)),
             Err(_) => {
@@ -570,20 +571,46 @@ impl Client {
     }
 
     /// Runs `attempt` (which reads the session afresh); on `unknown_client` says hello
-    /// again and either retries once (same daemon: the session had idled out) or
+    /// again and either retries once (same daemon: the session had idled out; or the
+    /// old daemon's successor after `kvd upgrade`, which the new `hello` names) or
     /// reports the restart.
     pub(crate) fn renewing<T>(&self, mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
         let old = self.session().hello.incarnation;
         match attempt() {
             Err(Error::Daemon(e)) if e.code == ErrorCode::UnknownClient => {
                 let new = self.rehello()?;
-                if new != old {
+                if new != old && !self.upgraded_from(old) {
                     return Err(Error::DaemonRestarted { old, new });
                 }
                 attempt()
             }
             r => r,
         }
+    }
+
+    /// Whether the daemon serving now took over from incarnation `old` in an upgrade
+    /// (SPEC §15): what `old` held is gone, but nothing asked of it needs reporting.
+    pub(crate) fn upgraded_from(&self, old: Incarnation) -> bool {
+        self.session().hello.upgraded_from == Some(old)
+    }
+
+    /// Runs `op`, and once more if it failed because the daemon was upgraded under it
+    /// ([`Error::DaemonRestarted`] from an incarnation the new daemon succeeds): for
+    /// calls that hold all they need to start over (a `store` has the caller's bytes, a
+    /// `load` its buffers).
+    /// A connection that broke under it is retried the same way (its daemon may have
+    /// closed it to hand over; a broken connection means the request was not answered).
+    pub(crate) fn across_upgrade<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+        let mut r = op();
+        for _ in 0..2 {
+            match &r {
+                Err(Error::DaemonRestarted { old, .. }) if self.upgraded_from(*old) => {}
+                Err(Error::Stream(_)) => self.forget_streams(),
+                _ => return r,
+            }
+            r = op();
+        }
+        r
     }
 
     /// Sends a request whose reply nobody waits for (it is skipped by the next call on
@@ -735,3 +762,16 @@ mod tests {
         assert_eq!(parse_spin(Some("fast")), DEFAULT_SPIN);
     }
 }
+
+/// When the stream socket's path is gone and its upgrade marker is there (SPEC §1.1: the
+/// daemon is handing over to its successor), waits (at most `limit`) for the
+/// successor's socket, so that the transport is not given up for a moment's gap.
+fn wait_for_successor(path: &str, limit: Duration) {
+    let p = std::path::Path::new(path);
+    let marker = format!("{path}.upgrading");
+    let until = Instant::now() + limit;
+    while !p.exists() && std::path::Path::new(&marker).exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+

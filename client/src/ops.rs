@@ -202,6 +202,15 @@ impl Client {
         keys: &[ChunkHash],
         blocks: &[&[u8]],
     ) -> Result<StoreOutcome> {
+        self.across_upgrade(|| self.store_once(layout, keys, blocks))
+    }
+
+    fn store_once(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        blocks: &[&[u8]],
+    ) -> Result<StoreOutcome> {
         let info = self.layout_info(layout)?;
         check_blocks(
             keys.len(),
@@ -354,6 +363,15 @@ impl Client {
     /// blocks are pinned, copied and released; the call fails with
     /// [`Error::PinExpired`] rather than return bytes read after the pin's TTL.
     pub fn load(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        out: &mut [&mut [u8]],
+    ) -> Result<Vec<bool>> {
+        self.across_upgrade(|| self.load_once(layout, keys, &mut *out))
+    }
+
+    fn load_once(
         &self,
         layout: LayoutId,
         keys: &[ChunkHash],

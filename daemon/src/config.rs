@@ -13,6 +13,7 @@
 //! | `server.metrics_addr` | string | `127.0.0.1:9750` | `KVD_METRICS_ADDR` / `--metrics-addr` | HTTP address of `/metrics`, `/healthz`, `/readyz` (`""` turns it off) |
 //! | `server.drain_grace_ms` | int | `30000` | `KVD_DRAIN_GRACE_MS` / `--drain-grace-ms` | after SIGTERM, in-flight transfers may take this long before the daemon exits (a second signal exits at once) |
 //! | `server.stream` | bool | `true` | `KVD_STREAM` / `--stream` (`true`/`false`, `1`/`0`, `on`/`off`: the same variable turns it off in `kvd-client`) | offer the local stream transport (SPEC §1.1) on `<first ipc endpoint's path>.stream`: same messages, a Unix stream socket, no libzmq threads on the round trip |
+//! | `server.upgrade_binary` | path | the path this daemon was started from | | what `kvd upgrade` (SIGUSR2) starts: install the new build there, then upgrade (SPEC §15) |
 //! | `server.busy_poll` | bool | `false` | `KVD_BUSY_POLL` / `--busy-poll` (also read by `kvd-client`) | the serving thread never sleeps: lowest round trip, one core at 100 % all the time |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
 //! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
@@ -179,6 +180,9 @@ pub struct ServerConfig {
     pub stream: bool,
     /// Spin instead of sleeping between requests.
     pub busy_poll: bool,
+    /// The binary `kvd upgrade` starts (`None`: the path this daemon was started from).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upgrade_binary: Option<PathBuf>,
 }
 
 /// `[pool]`
@@ -554,6 +558,7 @@ impl Default for ServerConfig {
             drain_grace_ms: 30_000,
             stream: true,
             busy_poll: false,
+            upgrade_binary: None,
         }
     }
 }
@@ -698,6 +703,12 @@ pub struct Cli {
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// (set by `kvd upgrade` for the new daemon: the inherited hand-over link)
+    #[arg(long, hide = true, requires = "upgrade_from")]
+    pub upgrade_fd: Option<i32>,
+    /// (set by `kvd upgrade` for the new daemon: the old daemon's incarnation)
+    #[arg(long, hide = true, requires = "upgrade_fd")]
+    pub upgrade_from: Option<u64>,
 }
 
 /// Why the configuration was refused.

@@ -71,6 +71,14 @@ enum Cmd {
         /// The transfer id.
         id: String,
     },
+    /// Upgrades the daemon in place (SPEC §15): signals it (SIGUSR2) to start the binary
+    /// at its path (install the new build there first) and hand over to it, and waits
+    /// until the new one serves. `kvd upgrade` is the same command.
+    Upgrade {
+        /// How long to wait for the new daemon (ms).
+        #[arg(long, default_value_t = 120_000)]
+        wait_ms: u64,
+    },
     /// Watches the daemon's KV events (SPEC §14): one JSON line per batch (sequence
     /// number, topic, events); a gap in the sequence is said on its own line.
     Events {
@@ -315,7 +323,43 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
             let r = c.transfer_status(&id, Duration::ZERO)?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
+        Cmd::Upgrade { wait_ms } => upgrade(&c, Duration::from_millis(wait_ms))?,
         Cmd::Events { .. } => {} // handled above, without a client
     }
     Ok(())
+}
+
+/// `kvd upgrade`: SIGUSR2 to the daemon `stats` names, then its successor's first
+/// answer.
+fn upgrade(c: &Client, wait: Duration) -> Result<()> {
+    let before = c.stats()?;
+    if before.pid == 0 {
+        anyhow::bail!("this daemon does not say its pid (it predates `kvd upgrade`)");
+    }
+    let pid = nix::unistd::Pid::from_raw(before.pid as i32);
+    let t0 = std::time::Instant::now();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR2)
+        .with_context(|| format!("signalling kvd (pid {pid})"))?;
+    loop {
+        match c.stats() {
+            Ok(s) if s.incarnation != before.incarnation => {
+                println!(
+                    "upgraded: incarnation {} (pid {}) -> {} (pid {}) in {} ms",
+                    before.incarnation,
+                    before.pid,
+                    s.incarnation,
+                    s.pid,
+                    t0.elapsed().as_millis()
+                );
+                return Ok(());
+            }
+            _ if t0.elapsed() > wait => {
+                anyhow::bail!(
+                    "no new kvd after {} s (the old one logs why; it keeps serving if the new one failed)",
+                    wait.as_secs()
+                )
+            }
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
 }

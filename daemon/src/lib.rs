@@ -81,6 +81,7 @@ pub mod stream;
 mod sync;
 pub mod table;
 pub mod transfer;
+pub mod upgrade;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
@@ -146,7 +147,36 @@ pub use config::ipc_path;
 
 /// Runs the daemon until SIGTERM or SIGINT. See the crate docs for the workflow.
 pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
+    run_with(cfg, None)
+}
+
+/// [`run`], for a daemon `kvd upgrade` started (`handoff`): it waits until the old
+/// daemon has handed over and exited, then starts as usual (adopting the pool) and
+/// tells its clients whose successor it is.
+pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result<(), DaemonError> {
     nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
+    // What a later `kvd upgrade` starts: resolved now, before a package manager replaces
+    // the file (the path stays; /proc/self/exe would then name the deleted one).
+    let upgrade_cmd = cfg
+        .server
+        .upgrade_binary
+        .clone()
+        .or_else(|| std::env::current_exe().ok())
+        .map(|binary| server::UpgradeCommand {
+            binary,
+            args: std::env::args_os().skip(1).collect(),
+        });
+    let upgraded_from = match handoff {
+        Some(h) => {
+            tracing::info!(from = %h.from, "upgrade: ready; waiting for the old kvd to hand over");
+            let from = h
+                .take_over(Duration::from_secs(120))
+                .map_err(setup_err("taking over from the old kvd"))?;
+            tracing::info!(from = %from, "upgrade: the old kvd has exited; starting");
+            Some(from)
+        }
+        None => None,
+    };
     // The ops endpoint first: /readyz says "starting" while the pool is prefaulted.
     let metrics = std::sync::Arc::new(metrics::Metrics::new());
     let health = std::sync::Arc::new(http::Health::new());
@@ -167,17 +197,27 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         }
     });
     let started = Instant::now();
-    let pool = Pool::create(
-        &PoolOptions {
-            path: cfg.pool.path.clone(),
-            size_bytes: pool::resolved_size(&cfg.pool),
-            huge_pages: cfg.pool.huge_pages,
-            prefault: cfg.pool.prefault,
-            group,
-            keep: cfg.pool.keep,
-        },
-        incarnation,
-    )?;
+    let pool_opts = PoolOptions {
+        path: cfg.pool.path.clone(),
+        size_bytes: pool::resolved_size(&cfg.pool),
+        huge_pages: cfg.pool.huge_pages,
+        prefault: cfg.pool.prefault,
+        group,
+        keep: cfg.pool.keep,
+    };
+    // After an upgrade the old daemon's last descriptors may close a moment after the
+    // link did: its pool lock is retried briefly.
+    let lock_until = Instant::now() + Duration::from_secs(5);
+    let pool = loop {
+        match Pool::create(&pool_opts, incarnation) {
+            Err(pool::PoolError::InUse(_))
+                if upgraded_from.is_some() && Instant::now() < lock_until =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            r => break r?,
+        }
+    };
     tracing::info!(
         path = %pool.path().display(),
         size = pool.size(),
@@ -254,6 +294,9 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         let tx = sig_tx.try_clone().map_err(setup_err("dup"))?;
         signal_hook::low_level::pipe::register(sig, tx).map_err(setup_err("signal handler"))?;
     }
+    let (up_rx, up_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
+    signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR2, up_tx)
+        .map_err(setup_err("signal handler"))?;
     let opts = ServerOptions {
         endpoints: cfg.server.endpoints.clone(),
         max_envelope_bytes: cfg.server.max_envelope_bytes.0,
@@ -283,6 +326,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
             (t, shared_pool)
         });
     let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
+    server.set_upgrade(up_rx, upgrade_cmd, upgraded_from);
     server.set_gpu(gpu);
     if cfg.events.enabled {
         server.start_events(&cfg.events)?;
@@ -307,7 +351,7 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
     }
     health.set(http::Phase::Ready, "ready");
     tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
-    let store = server.run()?;
+    let server::Stopped { store, successor } = server.run()?;
     for p in &ipc_paths {
         let _ = std::fs::remove_file(p);
     }
@@ -324,6 +368,8 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
         let _ = store.pool().retire();
         drop(store); // unmaps; the pool and its table stay for the next daemon
         tracing::info!(path = %pool_path.display(), "pool kept for the next daemon");
+        // Last: the successor of an upgrade starts once this process has let go.
+        drop(successor);
         return Ok(());
     }
     drop(store); // unmaps and unlinks the pool...

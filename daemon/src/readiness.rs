@@ -305,6 +305,8 @@ pub(crate) mod key {
     pub(crate) const PLANE_WAKE: u64 = 6;
     pub(crate) const FILLED_WAKE: u64 = 7;
     pub(crate) const LISTENER: u64 = 8;
+    pub(crate) const UPGRADE: u64 = 9;
+    pub(crate) const SUCCESSOR: u64 = 10;
     const LINK: u64 = 1 << 56;
     const CONN: u64 = 2 << 56;
     const ID: u64 = (1 << 56) - 1;

@@ -87,12 +87,21 @@ fn buffer_cap(l: &StreamLimits) -> usize {
         .saturating_add(RECV_CHUNK)
 }
 
+/// The file beside the stream socket's path that says "an upgrade is under way: the
+/// successor binds here soon" (`<path>.upgrading`; SPEC §1.1).
+pub fn upgrading_marker(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".upgrading");
+    PathBuf::from(p)
+}
+
 /// One complete message read from a connection: its frames, in order.
 pub type Frames = Vec<Vec<u8>>;
 
 /// The listener and its connections. See the module docs.
 pub struct StreamServer {
-    listener: UnixListener,
+    /// `None` once an upgrade's cut stopped accepting.
+    listener: Option<UnixListener>,
     path: PathBuf,
     conns: HashMap<u64, Conn>,
     next: u64,
@@ -117,9 +126,11 @@ impl StreamServer {
             std::fs::remove_file(path)?;
         }
         let listener = UnixListener::bind(path)?;
+        // The predecessor's (an upgrade): the socket is there again.
+        let _ = std::fs::remove_file(upgrading_marker(path));
         listener.set_nonblocking(true)?;
         Ok(StreamServer {
-            listener,
+            listener: Some(listener),
             path: path.to_path_buf(),
             conns: HashMap::new(),
             next: 1,
@@ -144,9 +155,9 @@ impl StreamServer {
         self.limits
     }
 
-    /// The listener's fd (readable: connections to accept).
-    pub fn listener_fd(&self) -> RawFd {
-        self.listener.as_raw_fd()
+    /// The listener's fd (readable: connections to accept); `None` once it stopped.
+    pub fn listener_fd(&self) -> Option<RawFd> {
+        self.listener.as_ref().map(|l| l.as_raw_fd())
     }
 
     /// Every connection: its id, fd, and whether it has replies waiting to be written.
@@ -165,10 +176,43 @@ impl StreamServer {
         }
     }
 
+    /// Takes no more connections (an upgrade's cut): the listening socket is closed, its
+    /// path removed and [`upgrading_marker`] put in its place, so that a client whose
+    /// connection closes waits for the successor's socket instead of giving up on the
+    /// transport (SPEC §1.1).
+    pub fn stop_accepting(&mut self) {
+        if let Some(l) = self.listener.take() {
+            let _ = std::fs::write(upgrading_marker(&self.path), b"");
+            drop(l);
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Closes every connection that is idle — no partial request read, no reply owed,
+    /// not in `awaited` (a deferred answer is due on it) — so that its client's next
+    /// request finds it closed and goes elsewhere. Returns how many stay open.
+    pub fn close_idle(&mut self, awaited: &[u64]) -> usize {
+        let idle: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(id, c)| {
+                !awaited.contains(id) && c.recv.buffered() == 0 && c.pending_out() == 0
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in idle {
+            self.close(id, Closed::Gone);
+        }
+        self.conns.len()
+    }
+
     /// Accepts every connection waiting (beyond [`MAX_CONNECTIONS`]: closed at once).
     pub fn accept(&mut self) {
         loop {
-            match self.listener.accept() {
+            let Some(listener) = self.listener.as_ref() else {
+                return;
+            };
+            match listener.accept() {
                 Ok((s, _)) => {
                     if self.conns.len() >= MAX_CONNECTIONS || s.set_nonblocking(true).is_err() {
                         tracing::warn!(

@@ -134,6 +134,12 @@ pub struct HelloResp {
     /// this node may send every later request there instead of over ZMQ.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<StreamInfo>,
+    /// The incarnation this daemon took over from in an upgrade (`kvd upgrade`, SPEC
+    /// §15): a client whose session was of that incarnation may repeat a request the old
+    /// daemon did not answer instead of reporting a restart. Absent after any other
+    /// start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upgraded_from: Option<Incarnation>,
 }
 
 /// Where and within what limits the local stream transport is served (SPEC §1.1).
@@ -474,6 +480,9 @@ pub struct NvmeStats {
 /// Reply to `stats`.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
 pub struct StatsResp {
+    /// The daemon's process id (what `kvd upgrade` signals; 0 from daemons before it).
+    #[serde(default)]
+    pub pid: u32,
     /// The daemon's incarnation.
     pub incarnation: Incarnation,
     /// Milliseconds since start.

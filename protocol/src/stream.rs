@@ -161,6 +161,12 @@ impl Default for RecvBuffer {
 }
 
 impl RecvBuffer {
+    /// Bytes received and not yet taken (a partial message when non-zero after `next`
+    /// returned `Ok(None)`).
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
     /// The next whole message's frames, copied out (`Ok(None)`: not all here yet).
     pub fn next(&mut self, limits: &StreamLimits) -> Result<Option<Vec<Vec<u8>>>, FrameError> {
         let pending = self.buf.get(self.start..self.end).unwrap_or_default();

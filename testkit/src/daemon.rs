@@ -170,6 +170,7 @@ impl Launch {
             pool_path,
             socket_path,
             launch: Launch { args, ..self },
+            successor: None,
         };
         d.wait_ready()?;
         Ok(d)
@@ -199,6 +200,9 @@ pub struct Daemon {
     pub socket_path: PathBuf,
     /// How it was started (its full argument list: a restart reuses it).
     launch: Launch,
+    /// After [`Daemon::upgrade`]: the pid of the daemon serving now, which the old one
+    /// started (not this process's child).
+    successor: Option<u32>,
 }
 
 impl Daemon {
@@ -244,9 +248,57 @@ impl Daemon {
         Ok(())
     }
 
-    /// The daemon's pid.
+    /// The daemon's pid (the serving one's, after an upgrade).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.successor.unwrap_or_else(|| self.child.id())
+    }
+
+    /// Takes the daemon serving now (an upgrade made by other means: `kvd upgrade`) as
+    /// the one to stop, once the one before it has exited.
+    pub fn follow_upgrade(&mut self) {
+        let Ok(st) = self.client_with(MapPool::Never).stats() else {
+            return;
+        };
+        let old = self.pid();
+        if st.pid != 0 && st.pid != old {
+            if self.successor.is_none() {
+                let _ = self.child.wait();
+            } else {
+                wait_gone(old, Duration::from_secs(20));
+            }
+            self.successor = Some(st.pid);
+        }
+    }
+
+    /// `kvd upgrade` by signal: SIGUSR2 to the serving daemon, then waits (at most
+    /// `within`) until its successor answers, and takes it as the daemon to stop.
+    /// Returns the old and the new incarnation.
+    pub fn upgrade(
+        &mut self,
+        within: Duration,
+    ) -> Result<(kvd_protocol::Incarnation, kvd_protocol::Incarnation), String> {
+        let probe = self.client_with(MapPool::Never);
+        let before = probe.stats().map_err(|e| e.to_string())?;
+        let old_pid = self.pid();
+        signal_pid(old_pid, nix::sys::signal::Signal::SIGUSR2);
+        let until = Instant::now() + within;
+        let after = loop {
+            match probe.stats() {
+                Ok(s) if s.incarnation != before.incarnation => break s,
+                _ if Instant::now() > until => {
+                    return Err(format!("no successor within {within:?}"));
+                }
+                _ => std::thread::sleep(Duration::from_millis(5)),
+            }
+        };
+        // The old one exits once it handed over: reap it (the first one is our child).
+        if self.successor.is_none() {
+            let _ = self.child.wait();
+        } else {
+            wait_gone(old_pid, Duration::from_secs(20));
+        }
+        self.successor = Some(after.pid);
+        Ok((before.incarnation, after.incarnation))
     }
 
     /// A client that maps the pool.
@@ -278,6 +330,14 @@ impl Daemon {
         sig: nix::sys::signal::Signal,
         wait: Duration,
     ) -> Option<ExitStatus> {
+        if let Some(pid) = self.successor {
+            // Not our child: no exit status to read; "success" once it is gone.
+            signal_pid(pid, sig);
+            return wait_gone(pid, wait).then(|| {
+                self.successor = None;
+                std::os::unix::process::ExitStatusExt::from_raw(0)
+            });
+        }
         if let Ok(Some(st)) = self.child.try_wait() {
             return Some(st); // already gone
         }
@@ -296,6 +356,10 @@ impl Daemon {
 
     /// SIGKILL now (if it still runs) and reap.
     pub fn kill(&mut self) {
+        if let Some(pid) = self.successor.take() {
+            signal_pid(pid, nix::sys::signal::Signal::SIGKILL);
+            wait_gone(pid, Duration::from_secs(20));
+        }
         if self.child.try_wait().ok().flatten().is_none() {
             let _ = self.child.kill();
             let _ = self.child.wait();
@@ -305,6 +369,7 @@ impl Daemon {
     /// SIGKILLs the daemon (if it still runs) and starts a new one with the same
     /// arguments, pool file and socket path.
     pub fn restart(&mut self) {
+        self.kill();
         self.signal(nix::sys::signal::Signal::SIGKILL);
         let _ = std::fs::remove_file(&self.socket_path);
         self.child = spawn(&self.launch.bin, &self.launch.args, &self.launch.env)
@@ -326,3 +391,30 @@ impl Drop for Daemon {
         self.kill();
     }
 }
+
+fn signal_pid(pid: u32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+}
+
+/// Waits (at most `wait`) until process `pid` has exited (gone, or a zombie nobody
+/// reaped yet); whether it did.
+fn wait_gone(pid: u32, wait: Duration) -> bool {
+    let until = Instant::now() + wait;
+    loop {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+        // `pid (comm) S ...`: the state follows the last ')'
+        let exited = state.as_deref().is_none_or(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                .is_some_and(|c| c == 'Z' || c == 'X')
+        });
+        if exited {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+

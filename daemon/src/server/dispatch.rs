@@ -140,6 +140,7 @@ impl Server {
                             max_message_bytes: l.max_message_bytes,
                         }
                     }),
+                    upgraded_from: self.upgraded_from,
                 })
             }
             Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),

@@ -43,8 +43,11 @@ use crate::stream::StreamServer;
 use crate::transfer::{TransferConfig, Transfers};
 
 mod dispatch;
+mod handover;
 mod replies;
 mod tokens;
+
+pub use handover::UpgradeCommand;
 
 use dispatch::{body_with_id, Outcome};
 use tokens::Tokens;
@@ -158,6 +161,25 @@ pub struct Server {
     /// Set by the first SIGTERM/SIGINT: exit when idle or at this instant.
     draining: Option<Instant>,
     last_refresh: Instant,
+    /// SIGUSR2 (`kvd upgrade`), when upgrades are set up.
+    upgrade_signals: Option<UnixStream>,
+    /// What an upgrade starts.
+    upgrade_cmd: Option<UpgradeCommand>,
+    /// The successor an upgrade started (`handover.rs`).
+    successor: Option<crate::upgrade::Successor>,
+    /// Set when the successor is ready: the cut ends by this instant.
+    cut: Option<Instant>,
+    /// The incarnation this daemon took over from (`hello.upgraded_from`).
+    upgraded_from: Option<Incarnation>,
+}
+
+/// How [`Server::run`] ended.
+pub struct Stopped {
+    /// The store (its pool and table, for the exit).
+    pub store: Store,
+    /// After an upgrade's cut: the successor, which takes over once this is dropped
+    /// (keep it until everything else is released).
+    pub successor: Option<crate::upgrade::Successor>,
 }
 
 use std::sync::Arc;
@@ -217,6 +239,11 @@ impl Server {
             health,
             draining: None,
             last_refresh: Instant::now(),
+            upgrade_signals: None,
+            upgrade_cmd: None,
+            successor: None,
+            cut: None,
+            upgraded_from: None,
         })
     }
 
@@ -342,13 +369,27 @@ impl Server {
         Ok(())
     }
 
+    /// Sets up `kvd upgrade`: SIGUSR2 arrives on `signals`, and `cmd` is what it
+    /// starts. `from`: the incarnation this daemon took over from, if it was started so.
+    pub fn set_upgrade(
+        &mut self,
+        signals: UnixStream,
+        cmd: Option<UpgradeCommand>,
+        from: Option<Incarnation>,
+    ) {
+        let _ = signals.set_nonblocking(true);
+        self.upgrade_signals = Some(signals);
+        self.upgrade_cmd = cmd;
+        self.upgraded_from = from;
+    }
+
     /// How peers reach this daemon, when transfers are on.
     pub fn peer_ref(&self) -> Option<&PeerRef> {
         self.transfers.as_ref().map(Transfers::me)
     }
 
     /// Serves until a signal arrives; then answers what is already queued and returns.
-    pub fn run(mut self) -> Result<Store, ServerError> {
+    pub fn run(mut self) -> Result<Stopped, ServerError> {
         loop {
             let now = Instant::now();
             let next = [
@@ -362,7 +403,9 @@ impl Server {
             .into_iter()
             .flatten()
             .min();
-            let cap = if self.draining.is_some() {
+            let cap = if self.cut.is_some() || self.successor.is_some() {
+                Duration::from_millis(5)
+            } else if self.draining.is_some() {
                 Duration::from_millis(50)
             } else {
                 Duration::from_millis(250) // metrics refresh
@@ -374,6 +417,7 @@ impl Server {
             let mut stream_ready: Vec<(u64, bool, bool)> = Vec::new();
             let mut accept_ready = false;
             let mut woken = [false; 2];
+            let upgrade_ready: bool;
             let sig_ready = {
                 // A ZMQ socket that may hold a message makes this turn's poll return at
                 // once (see `readiness`).
@@ -397,6 +441,12 @@ impl Server {
                     .map_err(poll_err)?;
                 int.want(self.signals.as_raw_fd(), key::SIGNALS, IN)
                     .map_err(poll_err)?;
+                if let Some(u) = &self.upgrade_signals {
+                    int.want(u.as_raw_fd(), key::UPGRADE, IN).map_err(poll_err)?;
+                }
+                if let Some(s) = &self.successor {
+                    int.want(s.fd(), key::SUCCESSOR, IN).map_err(poll_err)?;
+                }
                 // The store's and the GPU tier's completions are taken every turn: their
                 // descriptors only wake the wait.
                 if let Some(fd) = self.store.io_fd() {
@@ -418,8 +468,9 @@ impl Server {
                         .map_err(poll_err)?;
                 }
                 if let Some(st) = &self.stream {
-                    int.want(st.listener_fd(), key::LISTENER, IN)
-                        .map_err(poll_err)?;
+                    if let Some(fd) = st.listener_fd() {
+                        int.want(fd, key::LISTENER, IN).map_err(poll_err)?;
+                    }
                     for (id, fd, writing) in st.conn_fds() {
                         let ev = if writing { IN | OUT } else { IN };
                         int.want(fd, key::conn(id), ev).map_err(poll_err)?;
@@ -460,6 +511,7 @@ impl Server {
                     // turn for queues with nothing in them.
                     woken = [readable(key::PLANE_WAKE), readable(key::FILLED_WAKE)];
                 }
+                upgrade_ready = readable(key::UPGRADE);
                 readable(key::SIGNALS)
             };
             let sock_ready = self.socket.may_have_message();
@@ -508,7 +560,7 @@ impl Server {
                 let n = self.signals.read(&mut buf).unwrap_or(0);
                 if self.draining.is_some() || n >= 2 {
                     tracing::warn!("second signal: exiting now");
-                    return Ok(self.store);
+                    return Ok(self.stopped());
                 }
                 let grace = self.opts.drain_grace;
                 self.draining = Some(Instant::now() + grace);
@@ -517,6 +569,15 @@ impl Server {
                     grace_ms = grace.as_millis() as u64,
                     "signal received: draining (new stores and transfers refused; a second signal exits now)"
                 );
+            }
+            if upgrade_ready {
+                self.upgrade_requested();
+            }
+            self.check_successor();
+            if self.cut_over() {
+                self.publish_events();
+                tracing::info!("upgrade: handed over");
+                return Ok(self.stopped());
             }
             self.refresh_metrics(false);
             if let Some(deadline) = self.draining {
@@ -537,9 +598,20 @@ impl Server {
                     }
                     self.publish_events();
                     tracing::info!("drained");
-                    return Ok(self.store);
+                    return Ok(self.stopped());
                 }
             }
+        }
+    }
+
+    fn stopped(self) -> Stopped {
+        Stopped {
+            store: self.store,
+            successor: if self.cut.is_some() {
+                self.successor
+            } else {
+                None
+            },
         }
     }
 

@@ -371,6 +371,9 @@ impl Index {
     /// Marks a use: moves an evictable block to the head of its list.
     pub fn touch(&mut self, idx: u32, tick: u32) {
         self.nodes[idx as usize].last_use = tick;
+        if let Some(t) = &mut self.durable {
+            t.used(idx);
+        }
         if self.listed(idx) {
             self.unlink(idx);
             self.push_head(idx);

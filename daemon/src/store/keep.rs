@@ -107,6 +107,7 @@ impl Store {
         let mut fence = Fence::default();
         // In offset order, each segment's slots are claimed upwards (O(1) each).
         found.blocks.sort_unstable_by_key(|b| b.offset);
+        let mut verify = Vec::with_capacity(found.blocks.len());
         for b in found.blocks {
             let fits = self
                 .sessions
@@ -130,13 +131,19 @@ impl Store {
                 if b.out {
                     fence.nodes.push(b.pos);
                 }
-                keep.checker.verify(b);
+                verify.push(b);
             } else {
                 keep.stats.damaged += 1;
                 if let Some(t) = &mut self.index.durable {
                     t.free(b.pos);
                 }
             }
+        }
+        // Checked (and so committed, each to the head of the LRU list) least recently
+        // used first: the LRU order of the previous daemon comes back.
+        verify.sort_unstable_by_key(|b| b.last_use);
+        for b in verify {
+            keep.checker.verify(b);
         }
         self.index.settle_free_list();
         let slot_sizes: Vec<u64> = found
@@ -211,7 +218,8 @@ impl Store {
             }
         }
         keep.checker.verdicts(&mut keep.verdicts);
-        let verdicts = std::mem::take(&mut keep.verdicts);
+        let mut verdicts = std::mem::take(&mut keep.verdicts);
+        verdicts.sort_unstable_by_key(|v| v.block.last_use);
         let fence_over = keep
             .fence
             .as_ref()

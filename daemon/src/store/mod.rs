@@ -830,6 +830,7 @@ impl Store {
     pub fn stats(&self, now: Instant) -> StatsResp {
         let a = self.alloc.stats();
         StatsResp {
+            pid: std::process::id(),
             incarnation: self.incarnation,
             uptime_ms: now.saturating_duration_since(self.started).as_millis() as u64,
             pool: PoolStats {

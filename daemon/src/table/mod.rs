@@ -14,7 +14,7 @@
 //! | header | 4 KiB | magic `KVDTABLE`, format, the pool's size, data offset, segment size, device and inode, entry capacity, crc32c of those; then the wall-clock time (ms) of the last hand-out, and one more than the highest entry position used |
 //! | layouts | 2 × 64 KiB | the registered layouts (JSON), double-buffered: `[seq][len, crc][bytes]`, the valid one with the higher `seq` counts |
 //! | out-bits | 1 bit per 4 KiB of data area | a slot start handed to someone outside the daemon (a writer's allocation or reservation, a reader's pin) and not yet back |
-//! | entries | 48 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state` |
+//! | entries | 56 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state, last use` |
 //!
 //! An entry's last word is its *state word*: `crc << 32 | gen << 4 | state`, state
 //! `FREE`, `COMMITTED` (crc not known yet) or `SEALED` (crc known). `check` is the
@@ -65,7 +65,10 @@ const MAGIC: u64 = u64::from_le_bytes(*b"KVDTABLE");
 pub const FORMAT: u64 = 1;
 const HEADER_BYTES: u64 = 4096;
 const LAYOUT_AREA: u64 = 64 * 1024;
-const ENTRY_WORDS: usize = 6;
+const ENTRY_WORDS: usize = 7;
+/// Entry word: the block's last use, as a sequence number the table hands out (LRU order
+/// survives a restart). A hint: not covered by the entry's check.
+const USE_WORD: usize = 6;
 
 /// Entry states (the low 4 bits of the state word).
 pub(crate) const FREE: u64 = 0;
@@ -272,6 +275,8 @@ pub struct BlockTable {
     seals: Vec<SealJob>,
     /// Entry positions below this may be in use (as written to the header).
     high: u32,
+    /// The next last-use number.
+    uses: u64,
 }
 
 impl BlockTable {
@@ -324,6 +329,7 @@ impl BlockTable {
         let found = scan::scan(&map, &layouts);
         let mut t = BlockTable::with_map(map, path, file);
         t.high = found.high;
+        t.uses = found.max_use + 1;
         t.layout_seq = layout_seq;
         t.gen = found.max_gen + 1;
         for l in &layouts {
@@ -384,6 +390,7 @@ impl BlockTable {
             layout_seq: 0,
             seals: Vec::new(),
             high: 0,
+            uses: 1,
         }
     }
 
@@ -445,6 +452,8 @@ impl BlockTable {
         }
         let check = entry_check(fields, gen as u32);
         e[4].store((gen << 32) | u64::from(check), Ordering::Relaxed);
+        e[USE_WORD].store(self.uses, Ordering::Relaxed);
+        self.uses += 1;
         e[5].store(state_word(0, gen, COMMITTED), Ordering::Release);
         self.seals.push(SealJob {
             pos,
@@ -452,6 +461,14 @@ impl BlockTable {
             offset,
             len,
         });
+    }
+
+    /// Entry `pos`'s block was used (a hit): its place in the LRU order.
+    pub fn used(&mut self, pos: u32) {
+        if let Some(e) = self.map.entry(pos) {
+            e[USE_WORD].store(self.uses, Ordering::Relaxed);
+            self.uses += 1;
+        }
     }
 
     /// Rule 3: entry `pos` no longer describes a block.

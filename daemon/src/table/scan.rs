@@ -27,6 +27,8 @@ pub struct Adopted {
     pub crc: u32,
     /// Its out-bit was set: a reader of the old daemon may still hold it.
     pub out: bool,
+    /// Its last use (larger: later; the LRU order to rebuild).
+    pub last_use: u64,
 }
 
 /// What a table held.
@@ -49,6 +51,8 @@ pub struct Found {
     pub last_out_ms: u64,
     /// Entry positions read (the previous daemon's high-water mark).
     pub high: u32,
+    /// The highest last-use number seen.
+    pub max_use: u64,
 }
 
 fn header_words(id: &PoolIdentity, capacity: u64) -> [u64; 8] {
@@ -216,6 +220,7 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
         let e4 = e[4].load(Ordering::Relaxed);
         let gen = e4 >> 32;
         found.max_gen = found.max_gen.max(gen);
+        found.max_use = found.max_use.max(e[super::USE_WORD].load(Ordering::Relaxed));
         let slot = f[3] & 0xFFFF_FFFF;
         let len = f[3] >> 32;
         let key = key_of([f[0], f[1], f[2]]);
@@ -229,6 +234,7 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
             });
         match state {
             SEALED if well_formed => found.blocks.push(Adopted {
+                last_use: e[super::USE_WORD].load(Ordering::Relaxed),
                 pos,
                 key,
                 offset: map.data_offset + slot * SLOT_ALIGN,
