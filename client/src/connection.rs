@@ -288,6 +288,10 @@ impl Client {
         s.set_linger(0)?;
         s.set_sndhwm(0)?;
         s.set_rcvhwm(0)?;
+        // Back quickly after the daemon goes (an upgrade's successor binds within tens of
+        // milliseconds), backing off to half a second if it stays away.
+        s.set_reconnect_ivl(10)?;
+        s.set_reconnect_ivl_max(500)?;
         s.connect(&self.inner.opts.endpoint)?;
         Ok(s)
     }
@@ -737,6 +741,18 @@ impl Client {
     }
 }
 
+/// When the stream socket's path is gone and its upgrade marker is there (SPEC §1.1: the
+/// daemon is handing over to its successor), waits (at most `limit`) for the
+/// successor's socket, so that the transport is not given up for a moment's gap.
+fn wait_for_successor(path: &str, limit: Duration) {
+    let p = std::path::Path::new(path);
+    let marker = format!("{path}.upgrading");
+    let until = Instant::now() + limit;
+    while !p.exists() && std::path::Path::new(&marker).exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -762,16 +778,3 @@ mod tests {
         assert_eq!(parse_spin(Some("fast")), DEFAULT_SPIN);
     }
 }
-
-/// When the stream socket's path is gone and its upgrade marker is there (SPEC §1.1: the
-/// daemon is handing over to its successor), waits (at most `limit`) for the
-/// successor's socket, so that the transport is not given up for a moment's gap.
-fn wait_for_successor(path: &str, limit: Duration) {
-    let p = std::path::Path::new(path);
-    let marker = format!("{path}.upgrading");
-    let until = Instant::now() + limit;
-    while !p.exists() && std::path::Path::new(&marker).exists() && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-

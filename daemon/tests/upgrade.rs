@@ -56,14 +56,21 @@ fn an_upgrade_under_load_refuses_nothing_and_serves_right_bytes() {
                 }
                 lat.lock().unwrap().push((t0, t0.elapsed()));
                 // Read back one of this thread's blocks (the newest, or an old one).
-                if let Some((k, v)) = mine.get(if i % 3 == 0 { 0 } else { mine.len() - 1 }) {
+                if let Some((k, v)) = mine.get(if i.is_multiple_of(3) {
+                    0
+                } else {
+                    mine.len() - 1
+                }) {
                     let mut buf = vec![0u8; BYTES];
                     let t0 = Instant::now();
                     match c.load(l, std::slice::from_ref(k), &mut [&mut buf[..]]) {
                         Ok(h) if h[0] => assert!(&buf == v, "thread {t}: wrong bytes"),
                         Ok(_) => {
                             failures.fetch_add(1, Ordering::Relaxed);
-                            errors.lock().unwrap().push(format!("load {i}: a stored block missed"));
+                            errors
+                                .lock()
+                                .unwrap()
+                                .push(format!("load {i}: a stored block missed"));
                         }
                         Err(e) => {
                             failures.fetch_add(1, Ordering::Relaxed);
@@ -150,7 +157,11 @@ fn a_successor_that_fails_leaves_the_old_daemon_serving() {
     let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     assert_eq!(c.load(l, &k, &mut outs).unwrap(), vec![true, true]);
     assert!(bufs == v);
-    assert_eq!(c.stats().unwrap().incarnation, before, "still the same daemon");
+    assert_eq!(
+        c.stats().unwrap().incarnation,
+        before,
+        "still the same daemon"
+    );
     // (the daemon is our child still: the launcher stops it)
     assert!(d.child.try_wait().unwrap().is_none());
 }

@@ -417,4 +417,3 @@ fn wait_gone(pid: u32, wait: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
-

@@ -32,11 +32,15 @@ impl Server {
             while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
         }
         if self.successor.is_some() || self.cut.is_some() || self.draining.is_some() {
-            tracing::warn!("upgrade asked for while one is under way or the daemon drains: ignored");
+            tracing::warn!(
+                "upgrade asked for while one is under way or the daemon drains: ignored"
+            );
             return;
         }
         let Some(cmd) = self.upgrade_cmd.clone() else {
-            tracing::error!("upgrade asked for, but this daemon does not know its binary: still serving");
+            tracing::error!(
+                "upgrade asked for, but this daemon does not know its binary: still serving"
+            );
             return;
         };
         match Successor::spawn(&cmd.binary, &cmd.args, self.store.incarnation()) {
@@ -44,7 +48,9 @@ impl Server {
                 tracing::info!(binary = %cmd.binary.display(), pid = s.pid(), "upgrade: new kvd started, serving until it is ready");
                 self.successor = Some(s);
             }
-            Err(e) => tracing::error!(binary = %cmd.binary.display(), error = %e, "upgrade failed: the new kvd did not start; still serving"),
+            Err(e) => {
+                tracing::error!(binary = %cmd.binary.display(), error = %e, "upgrade failed: the new kvd did not start; still serving")
+            }
         }
     }
 
@@ -69,7 +75,8 @@ impl Server {
     /// The successor is ready: stop taking connections and let the open ones finish.
     fn begin_cut(&mut self) {
         self.cut = Some(Instant::now() + CUT_WITHIN);
-        self.health.set(Phase::Draining, "handing over to a new kvd");
+        self.health
+            .set(Phase::Draining, "handing over to a new kvd");
         // ZMQ stays bound until the exit: a request on it is answered by this daemon
         // until then (the successor binds after this process is gone).
         if let Some(st) = self.stream.as_mut() {

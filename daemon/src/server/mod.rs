@@ -442,7 +442,8 @@ impl Server {
                 int.want(self.signals.as_raw_fd(), key::SIGNALS, IN)
                     .map_err(poll_err)?;
                 if let Some(u) = &self.upgrade_signals {
-                    int.want(u.as_raw_fd(), key::UPGRADE, IN).map_err(poll_err)?;
+                    int.want(u.as_raw_fd(), key::UPGRADE, IN)
+                        .map_err(poll_err)?;
                 }
                 if let Some(s) = &self.successor {
                     int.want(s.fd(), key::SUCCESSOR, IN).map_err(poll_err)?;

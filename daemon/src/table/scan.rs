@@ -220,7 +220,9 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
         let e4 = e[4].load(Ordering::Relaxed);
         let gen = e4 >> 32;
         found.max_gen = found.max_gen.max(gen);
-        found.max_use = found.max_use.max(e[super::USE_WORD].load(Ordering::Relaxed));
+        found.max_use = found
+            .max_use
+            .max(e[super::USE_WORD].load(Ordering::Relaxed));
         let slot = f[3] & 0xFFFF_FFFF;
         let len = f[3] >> 32;
         let key = key_of([f[0], f[1], f[2]]);
