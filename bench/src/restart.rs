@@ -40,6 +40,17 @@ pub struct RestartArgs {
     /// it too.
     #[arg(long, default_value = "4GiB")]
     nvme_size: ByteSize,
+    /// Instead: an upgrade (`kvd upgrade`) under load from `--clients` clients storing
+    /// and loading `--upgrade-block` blocks: failures, wrong bytes, and store/load
+    /// latency in steady state against the second around the switch.
+    #[arg(long)]
+    upgrade: bool,
+    /// Clients of the upgrade case.
+    #[arg(long, default_value_t = 4)]
+    clients: u32,
+    /// Block size of the upgrade case.
+    #[arg(long, default_value = "64KiB")]
+    upgrade_block: ByteSize,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -80,6 +91,9 @@ fn crc_ceiling() -> f64 {
 
 /// Runs the bench.
 pub fn run(a: RestartArgs) -> Result<()> {
+    if a.upgrade {
+        return run_upgrade(&a);
+    }
     let (pool, block) = (a.pool.as_u64(), a.block.as_u64());
     if block == 0 || block % (64 << 10) != 0 {
         bail!("--block must be a multiple of 64 KiB");
@@ -255,6 +269,156 @@ pub fn run(a: RestartArgs) -> Result<()> {
     .print(a.json);
     if wrong > 0 {
         bail!("{wrong} sampled blocks came back with wrong bytes");
+    }
+    Ok(())
+}
+
+/// `--upgrade`: clients store and load (every load compared) through two seconds of
+/// steady state, an upgrade, and two more seconds.
+fn run_upgrade(a: &RestartArgs) -> Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let block = a.upgrade_block.as_u64() as usize;
+    let toml = format!(
+        "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nsize = {}\nsegment_size = {}\n\
+         [log]\nlevel = \"warn\"\n",
+        a.pool.as_u64(),
+        (32usize << 20).max(block)
+    );
+    let mut d = Launch::new()
+        .bin(std::env::current_exe()?.with_file_name("kvd"))
+        .config(toml)
+        .stop(Stop::Term(Duration::from_secs(10)))
+        .timeout(Duration::from_secs(120))
+        .start()
+        .context("starting kvd")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (failures, wrong) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let lat = Arc::new(Mutex::new(Vec::<(Instant, Duration)>::new()));
+    let mut threads = Vec::new();
+    for t in 0..a.clients {
+        let c = connect(&d.endpoint)?;
+        let layout = c.register_layout(&crate::layout_of(block as u64, "upgrade")?)?;
+        let (stop, failures, wrong, lat) =
+            (stop.clone(), failures.clone(), wrong.clone(), lat.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; block];
+            let mut out = vec![0u8; block];
+            let mut i = 0u64;
+            let mut mine: Vec<(ChunkHash, u64)> = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let seed = u64::from(t) << 40 | i;
+                let k = kvd_testkit::keys((seed % (1 << 31)) as u32 + t * 7_000_000, 1)[0];
+                fill_block(&mut buf, seed);
+                let t0 = Instant::now();
+                match c.store(layout.id, &[k], &[&buf]) {
+                    Ok(_) => mine.push((k, seed)),
+                    Err(_) => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                let mut l = vec![(t0, t0.elapsed())];
+                if let Some(&(k, s)) = mine.get(if i.is_multiple_of(2) {
+                    0
+                } else {
+                    mine.len() - 1
+                }) {
+                    let t1 = Instant::now();
+                    match c.load(layout.id, &[k], &mut [&mut out[..]]) {
+                        Ok(h) if h[0] => {
+                            fill_block(&mut buf, s);
+                            wrong.fetch_add(u64::from(out != buf), Ordering::Relaxed);
+                        }
+                        Ok(_) | Err(_) => {
+                            failures.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    l.push((t1, t1.elapsed()));
+                }
+                lat.lock().unwrap_or_else(|p| p.into_inner()).extend(l);
+                i += 1;
+            }
+        }));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let t_sig = Instant::now();
+    let (old, new) = d
+        .upgrade(Duration::from_secs(60))
+        .map_err(|e| anyhow::anyhow!("upgrade: {e}"))?;
+    let switched = t_sig.elapsed();
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    let lat = lat.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let pick = |from: Instant, to: Instant| -> Vec<Duration> {
+        lat.iter()
+            .filter(|(at, _)| *at >= from && *at < to)
+            .map(|x| x.1)
+            .collect()
+    };
+    let t_end = t_sig + switched;
+    let mut steady = pick(t_sig - Duration::from_millis(1500), t_sig);
+    let mut around = pick(
+        t_sig - Duration::from_millis(250),
+        t_end + Duration::from_millis(750),
+    );
+    let mut during = pick(t_sig, t_end);
+    let (s50, s99) = crate::report::percentiles(&mut steady);
+    let (a50, a99) = crate::report::percentiles(&mut around);
+    let (_, d99) = crate::report::percentiles(&mut during);
+    let max_ms = during.iter().max().map_or(0.0, |m| m.as_secs_f64() * 1e3);
+    let mut extra = serde_json::Map::new();
+    extra.insert("old_incarnation".into(), old.to_string().into());
+    extra.insert("new_incarnation".into(), new.to_string().into());
+    extra.insert(
+        "signal_to_successor_ms".into(),
+        (switched.as_secs_f64() * 1e3).into(),
+    );
+    extra.insert(
+        "failed_calls".into(),
+        failures.load(Ordering::Relaxed).into(),
+    );
+    extra.insert("wrong_blocks".into(), wrong.load(Ordering::Relaxed).into());
+    extra.insert("calls_signal_to_successor".into(), during.len().into());
+    extra.insert("p99_signal_to_successor_us".into(), d99.into());
+    extra.insert("max_signal_to_successor_ms".into(), max_ms.into());
+    extra.insert(
+        "p99_around_over_steady".into(),
+        (a99 / s99.max(1e-9)).into(),
+    );
+    Report {
+        bench: "restart --upgrade".into(),
+        ceiling: Ceiling {
+            what: "the same calls in steady state, same run (latency, not GB/s)".into(),
+            gbps: 0.0,
+        },
+        results: vec![
+            CaseResult {
+                case: "store+load, steady (1.5 s before)".into(),
+                block_bytes: block as u64,
+                threads: u64::from(a.clients),
+                ops_per_s: steady.len() as f64 / 1.5,
+                p50_us: s50,
+                p99_us: s99,
+                ..Default::default()
+            },
+            CaseResult {
+                case: "store+load, the second around the upgrade".into(),
+                block_bytes: block as u64,
+                threads: u64::from(a.clients),
+                ops_per_s: around.len() as f64,
+                p50_us: a50,
+                p99_us: a99,
+                ..Default::default()
+            },
+        ],
+        extra,
+    }
+    .print(a.json);
+    if failures.load(Ordering::Relaxed) + wrong.load(Ordering::Relaxed) > 0 {
+        bail!("calls failed or came back wrong across the upgrade");
     }
     Ok(())
 }

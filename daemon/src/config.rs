@@ -20,6 +20,7 @@
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
 //! | `pool.huge_pages` | bool | `false` | | the path is on hugetlbfs (falls back to normal pages with a warning) |
 //! | `pool.prefault` | bool | `true` | | touch every page at start |
+//! | `pool.table_path` | path | `<pool.path>.table` (`/dev/shm/<file>.table` for a pool on hugetlbfs) | | the kept pool's block table: put it where it outlives the daemon as the pool does (a hostPath in Kubernetes) |
 //! | `pool.keep` | bool | `true` | `KVD_KEEP_POOL` / `--keep-pool` (`true`/`false`) | keep the pool file and its block table (`<pool>.table`) when the daemon stops, and adopt the blocks a previous daemon committed when it starts (after a clean stop, a crash or an upgrade; SPEC §15). Off: the pool is removed at exit and a new daemon starts empty |
 //! | `pool.high_watermark` | float | `0.95` | | evict above this fraction in use... |
 //! | `pool.low_watermark` | float | `0.85` | | ...down to this one |
@@ -202,6 +203,10 @@ pub struct PoolConfig {
     pub prefault: bool,
     /// Keep the pool and its block table across restarts (SPEC §15).
     pub keep: bool,
+    /// The block table's file (`None`: `<path>.table`, or `/dev/shm/<file>.table` when the
+    /// pool is on hugetlbfs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table_path: Option<PathBuf>,
     /// Eviction starts above this fraction...
     pub high_watermark: f64,
     /// ...and stops here.
@@ -526,6 +531,15 @@ pub struct DaemonConfig {
     pub log: LogConfig,
 }
 
+/// systemd's notification socket (`$NOTIFY_SOCKET`), when the daemon runs under a
+/// `Type=notify` unit: where it says it is ready (and, after `kvd upgrade`, that it is
+/// the service's main process now). Read here, as every other variable is.
+pub fn notify_socket() -> Option<String> {
+    std::env::var("NOTIFY_SOCKET")
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
 /// The pool size when none is configured (less when the file system has less room).
 pub const DEFAULT_POOL_BYTES: u64 = 1 << 30;
 
@@ -572,6 +586,7 @@ impl Default for PoolConfig {
             huge_pages: false,
             prefault: true,
             keep: true,
+            table_path: None,
             high_watermark: 0.95,
             low_watermark: 0.85,
         }

@@ -350,6 +350,13 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
     }
     health.set(http::Phase::Ready, "ready");
+    // systemd (Type=notify): ready, and the main process (this one, also after an
+    // upgrade, whose old daemon is about to exit).
+    if let Some(sock) = config::notify_socket() {
+        if let Err(e) = sd_notify(&sock, &format!("READY=1\nMAINPID={}", std::process::id())) {
+            tracing::warn!(socket = %sock, error = %e, "telling systemd the daemon is ready");
+        }
+    }
     tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
     let server::Stopped { store, successor } = server.run()?;
     for p in &ipc_paths {
@@ -395,7 +402,11 @@ pub fn table_path(pool: &pool::Pool) -> PathBuf {
 /// previous daemon's blocks (checked in the background before they are served).
 fn keep_pool(store: &mut Store, pool: &pool::Pool, cfg: &DaemonConfig) -> Result<(), DaemonError> {
     let t0 = Instant::now();
-    let path = table_path(pool);
+    let path = cfg
+        .pool
+        .table_path
+        .clone()
+        .unwrap_or_else(|| table_path(pool));
     let id = table::PoolIdentity::of(
         pool.path(),
         pool.size(),
@@ -475,6 +486,23 @@ fn prepare_dir(dir: &Path, group: Option<Gid>) -> Result<(), DaemonError> {
     if !dir.exists() {
         std::fs::create_dir_all(dir).map_err(setup_err(format!("creating {}", dir.display())))?;
         share_with_group(dir, group, 0o750, 0o700)?;
+    }
+    Ok(())
+}
+
+/// Sends one `sd_notify` datagram to `socket` (a path, or `@name` in the abstract
+/// namespace).
+fn sd_notify(socket: &str, msg: &str) -> std::io::Result<()> {
+    let sock = std::os::unix::net::UnixDatagram::unbound()?;
+    match socket.strip_prefix('@') {
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+            sock.send_to_addr(msg.as_bytes(), &addr)?;
+        }
+        None => {
+            sock.send_to(msg.as_bytes(), socket)?;
+        }
     }
     Ok(())
 }

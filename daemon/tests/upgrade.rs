@@ -165,3 +165,41 @@ fn a_successor_that_fails_leaves_the_old_daemon_serving() {
     // (the daemon is our child still: the launcher stops it)
     assert!(d.child.try_wait().unwrap().is_none());
 }
+
+/// Under a `Type=notify` systemd unit: the daemon says it is ready (and its pid), and
+/// after `kvd upgrade` its successor says it is the main process now — what lets
+/// `systemctl reload kvd` upgrade without systemd stopping the service.
+#[test]
+fn under_systemd_the_successor_tells_it_is_the_main_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut d = kvd_testkit::Launch::new()
+        .args([
+            "--log-level",
+            "warn",
+            "--pool-size",
+            "64MiB",
+            "--segment-size",
+            "1MiB",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .env("NOTIFY_SOCKET", sock_path.display().to_string())
+        .start()
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let recv = |buf: &mut [u8]| {
+        let n = notify.recv(buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let first = recv(&mut buf);
+    assert_eq!(first, format!("READY=1\nMAINPID={}", d.pid()));
+    d.upgrade(Duration::from_secs(30)).expect("upgrade");
+    let second = recv(&mut buf);
+    assert_eq!(second, format!("READY=1\nMAINPID={}", d.pid()));
+    assert!(first != second);
+}

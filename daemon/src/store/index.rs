@@ -63,8 +63,11 @@ const NO_DEMOTE: u8 = 1;
 /// eviction ([`Index::reprieve`]).
 const PREFETCHED: u8 = 2;
 /// Adopted while a reader of the previous daemon may still hold it: its slot is not
-/// handed out again before the fence ends (`store/adopt.rs`).
+/// handed out again before the fence ends (`store/keep.rs`).
 const FENCED: u8 = 4;
+/// (only on the copy [`Index::remove`] returns) A sealer was reading its slot when the
+/// block went: the slot waits for that seal (`crate::table`, rule 3).
+const SEAL_READING: u8 = 8;
 
 const _: () = assert!(
     std::mem::size_of::<Node>() == 48,
@@ -103,6 +106,11 @@ impl Node {
     /// See [`FENCED`].
     pub fn is_fenced(&self) -> bool {
         self.flags & FENCED != 0
+    }
+
+    /// See [`SEAL_READING`].
+    pub fn seal_reading(&self) -> bool {
+        self.flags & SEAL_READING != 0
     }
 
     /// Whether a failed write marked it never to be demoted again.
@@ -301,7 +309,7 @@ impl Index {
         if self.listed(idx) {
             self.unlink(idx);
         }
-        let n = self.nodes[idx as usize];
+        let mut n = self.nodes[idx as usize];
         let h = self.hash_key(n.layout, &n.hash);
         if let Ok(e) = self.table.find_entry(h, |&i| i == idx) {
             e.remove();
@@ -311,7 +319,9 @@ impl Index {
             self.events.record(n.key(), Medium::Dram, false);
         }
         if let Some(t) = &mut self.durable {
-            t.free(idx);
+            if t.free(idx) {
+                n.flags |= SEAL_READING;
+            }
             if !n.is_fenced() {
                 t.back(n.offset());
             }

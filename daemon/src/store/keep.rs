@@ -17,8 +17,10 @@
 //!   fenced adopted block is
 //!   held by a pin of the fence's (not evicted), and one that goes anyway (damaged)
 //!   leaves its slot withheld.
-//! - **Seals.** A committed block's slot is not freed while the checker may still be
-//!   reading it for its seal: a block removed meanwhile keeps its slot until the seal ends.
+//! - **Seals.** A committed block's slot is not freed while a sealer is reading it: a
+//!   block removed in that moment keeps its slot until the seal ends (`crate::table`,
+//!   rule 3); one whose seal had not started yet frees it at once (the sealer then reads
+//!   nothing).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -36,8 +38,9 @@ use crate::table::{BlockTable, Found, SealJob};
 pub(super) struct Keep {
     checker: Checker,
     seals: Vec<SealJob>,
-    /// Seals in flight by `(pos, gen)`; `Some(slot)`: the block went, its slot waits.
-    sealing: HashMap<(u32, u64), Option<u64>>,
+    /// Slots of blocks that went while a sealer read them, by the seal's `(pos, gen)`:
+    /// freed when that seal ends.
+    sealing: HashMap<(u32, u64), u64>,
     done: Vec<(u32, u64)>,
     verdicts: Vec<Verdict>,
     fence: Option<Fence>,
@@ -205,15 +208,13 @@ impl Store {
             t.take_seals(&mut keep.seals);
         }
         for j in keep.seals.drain(..) {
-            if keep.checker.seal(j) {
-                keep.sealing.insert((j.pos, j.gen), None);
-            }
+            keep.checker.seal(j);
         }
         keep.stats.seals_skipped = keep.checker.seals_skipped();
         keep.checker.seals_done(&mut keep.done);
         let mut frees = Vec::new();
         for k in keep.done.drain(..) {
-            if let Some(Some(off)) = keep.sealing.remove(&k) {
+            if let Some(off) = keep.sealing.remove(&k) {
                 frees.push(off);
             }
         }
@@ -328,10 +329,9 @@ impl Store {
                 return true;
             }
         }
-        if matches!(node.state(), State::Committed | State::Demoting) {
-            let gen = self.index.durable.as_ref().and_then(|t| t.gen_at(pos));
-            if let Some(slot @ None) = gen.and_then(|g| keep.sealing.get_mut(&(pos, g))) {
-                *slot = Some(off);
+        if node.seal_reading() {
+            if let Some(g) = self.index.durable.as_ref().and_then(|t| t.gen_at(pos)) {
+                keep.sealing.insert((pos, g), off);
                 return true;
             }
         }
@@ -342,7 +342,7 @@ impl Store {
     /// fence's end.
     pub(super) fn keep_deadline(&self, now: Instant) -> Option<Instant> {
         let k = self.keep.as_ref()?;
-        let busy = k.checker.verifying() > 0 || k.sealing.values().any(Option::is_some);
+        let busy = k.checker.verifying() > 0 || !k.sealing.is_empty();
         let soon = busy.then(|| now + Duration::from_millis(1));
         let fence = k.fence.as_ref().and_then(|f| f.until);
         [soon, fence].into_iter().flatten().min()

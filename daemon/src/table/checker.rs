@@ -166,14 +166,15 @@ fn work(
             }
             recv(seals) -> j => {
                 let Ok(j) = j else { return };
-                if let Ok(bytes) = pool.read(j.offset, j.len as usize) {
-                    let crc = crate::checksum::crc32c(bytes);
-                    if table.seal(j.pos, j.gen, crc) {
-                        counts.sealed.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        counts.seal_lost.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                let read = || {
+                    pool.read(j.offset, j.len as usize)
+                        .ok()
+                        .map(crate::checksum::crc32c)
+                };
+                match table.seal(j.pos, j.gen, read) {
+                    Some(true) => counts.sealed.fetch_add(1, Ordering::Relaxed),
+                    _ => counts.seal_lost.fetch_add(1, Ordering::Relaxed),
+                };
                 counts.pending.fetch_sub(1, Ordering::AcqRel);
                 if sealed.send((j.pos, j.gen)).is_err() {
                     return;

@@ -16,19 +16,23 @@
 //! | out-bits | 1 bit per 4 KiB of data area | a slot start handed to someone outside the daemon (a writer's allocation or reservation, a reader's pin) and not yet back |
 //! | entries | 56 B × one per 4 KiB of data area | one per index node position: `hash[2], layout, slot/4096 \| block_bytes << 32, gen << 32 \| check, state, last use` |
 //!
-//! An entry's last word is its *state word*: `crc << 32 | gen << 4 | state`, state
-//! `FREE`, `COMMITTED` (crc not known yet) or `SEALED` (crc known). `check` is the
-//! crc32c of the entry's first four words and `gen`: a torn or damaged entry fails it.
+//! An entry's *state word* (its sixth) is `crc << 32 | gen << 4 | state`, state `FREE`,
+//! `COMMITTED` (crc not known yet), `SEALING` (a sealer is reading the block) or
+//! `SEALED` (crc known). `check` is the crc32c of the entry's first four words and
+//! `gen`: a torn or damaged entry fails it.
 //!
 //! The rules (who writes what, in which order):
 //! 1. Only the server thread writes an entry's first five words, and only while its
 //!    state word says `FREE`; then it stores the state word (`COMMITTED`, Release).
 //!    So an entry whose state is not `FREE` has the fields it was committed with.
-//! 2. A *sealer* thread reads the committed block's bytes and compare-and-swaps the state
-//!    word from `COMMITTED` with its `gen` to `SEALED` with the crc. The CAS succeeds
-//!    only if the entry was not freed (nor freed and reused: `gen` changes) while the
-//!    sealer read, so the slot held the committed bytes throughout and the crc is theirs.
-//! 3. Removing a block stores `FREE` in its state word *before* its slot is freed.
+//! 2. A *sealer* thread compare-and-swaps the state word from `COMMITTED` with its `gen`
+//!    to `SEALING`, only then reads the block's bytes, and swaps `SEALING` to `SEALED`
+//!    with the crc. Either CAS fails if the entry was freed meanwhile (or freed and
+//!    reused: `gen` changes): then the sealer reads nothing, or its crc is dropped.
+//! 3. Removing a block swaps `FREE` into its state word *before* its slot is freed; if
+//!    the word said `SEALING`, a sealer is reading the slot, which is then freed only
+//!    once that seal has ended (`store/keep.rs`). So no slot is rewritten under a
+//!    sealer's read, and a crc that lands is of the committed bytes.
 //! 4. A new daemon adopts exactly the entries that are `SEALED` with a valid `check`,
 //!    whose slot lies in the pool and is a slot start of a size class consistent with the
 //!    other adopted blocks, and — before they are served — whose bytes hash to the crc
@@ -74,6 +78,7 @@ const USE_WORD: usize = 6;
 pub(crate) const FREE: u64 = 0;
 pub(crate) const COMMITTED: u64 = 1;
 pub(crate) const SEALED: u64 = 2;
+pub(crate) const SEALING: u64 = 3;
 const GEN_MASK: u64 = (1 << 28) - 1;
 /// Header word: wall-clock milliseconds of the last out-bit set (a fence need not outlast
 /// the longest hand-out counted from then).
@@ -201,16 +206,30 @@ impl TableMap {
         Some((self.word(w)?, 1 << (unit % 64)))
     }
 
-    /// Rule 2: `COMMITTED` with `gen` → `SEALED` with `crc`; false when the entry
-    /// changed meanwhile (the crc is then not the entry's).
-    pub(crate) fn seal(&self, pos: u32, gen: u64, crc: u32) -> bool {
-        let Some(e) = self.entry(pos) else {
-            return false;
+    /// Rule 2: `COMMITTED` with `gen` → `SEALING`, `crc_of()` (the read), → `SEALED`
+    /// with the crc. `None`: the entry changed first (nothing was read); `Some(false)`:
+    /// it changed during the read (the crc is dropped).
+    pub(crate) fn seal(
+        &self,
+        pos: u32,
+        gen: u64,
+        crc_of: impl FnOnce() -> Option<u32>,
+    ) -> Option<bool> {
+        let e = self.entry(pos)?;
+        let committed = state_word(0, gen, COMMITTED);
+        let sealing = state_word(0, gen, SEALING);
+        e[5].compare_exchange(committed, sealing, Ordering::AcqRel, Ordering::Acquire)
+            .ok()?;
+        let Some(crc) = crc_of() else {
+            // unreadable: back to `COMMITTED` (never kept), unless it went meanwhile
+            let _ = e[5].compare_exchange(sealing, committed, Ordering::AcqRel, Ordering::Acquire);
+            return Some(false);
         };
-        let from = state_word(0, gen, COMMITTED);
-        let to = state_word(crc, gen, SEALED);
-        e[5].compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+        let sealed = state_word(crc, gen, SEALED);
+        Some(
+            e[5].compare_exchange(sealing, sealed, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok(),
+        )
     }
 }
 
@@ -471,11 +490,12 @@ impl BlockTable {
         }
     }
 
-    /// Rule 3: entry `pos` no longer describes a block.
-    pub fn free(&mut self, pos: u32) {
-        if let Some(e) = self.map.entry(pos) {
-            e[5].store(state_word(0, 0, FREE), Ordering::Release);
-        }
+    /// Rule 3: entry `pos` no longer describes a block. Returns whether a sealer is
+    /// reading its slot right now (then the slot must wait for that seal to end).
+    pub fn free(&mut self, pos: u32) -> bool {
+        self.map
+            .entry(pos)
+            .is_some_and(|e| e[5].swap(state_word(0, 0, FREE), Ordering::AcqRel) & 0xF == SEALING)
     }
 
     /// The slot at `offset` is in someone's hands outside the daemon.
@@ -580,7 +600,7 @@ pub fn list(path: &Path) -> io::Result<Vec<EntryInfo>> {
             offset: id.data_offset + (f3 & 0xFFFF_FFFF) * SLOT_ALIGN,
             len: (f3 >> 32) as u32,
             state: match sw & 0xF {
-                COMMITTED => "committed",
+                COMMITTED | SEALING => "committed",
                 SEALED => "sealed",
                 _ => "other",
             },

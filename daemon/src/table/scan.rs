@@ -244,7 +244,7 @@ pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
                 crc: (sw >> 32) as u32,
                 out: false,
             }),
-            COMMITTED if well_formed => found.unsealed += 1,
+            COMMITTED | super::SEALING if well_formed => found.unsealed += 1,
             _ => found.torn += 1,
         }
         if !(state == SEALED && well_formed) {
