@@ -289,9 +289,10 @@ impl Client {
         s.set_sndhwm(0)?;
         s.set_rcvhwm(0)?;
         // Back quickly after the daemon goes (an upgrade's successor binds within tens of
-        // milliseconds), backing off to half a second if it stays away.
+        // milliseconds): every 10 ms, backing off to 50 ms while it stays away (ZMQ's
+        // default, 100 ms doubling up, left calls waiting up to 400 ms at an upgrade).
         s.set_reconnect_ivl(10)?;
-        s.set_reconnect_ivl_max(500)?;
+        s.set_reconnect_ivl_max(50)?;
         s.connect(&self.inner.opts.endpoint)?;
         Ok(s)
     }
@@ -340,11 +341,20 @@ impl Client {
                 return Some(c);
             }
         }
-        wait_for_successor(&info.path, opts.timeout);
+        let handed_over = wait_for_successor(&info.path, opts.timeout);
         match StreamConn::connect(&info.path, inc, opts.busy_poll, opts.spin, opts.timeout) {
             Ok(c) => Some((c, inc)),
             Err(_) => {
                 s.stream_failed_ms.store(now_ms, Ordering::Relaxed);
+                if handed_over {
+                    // The pooled DEALERs were the old daemon's: new ones connect to the
+                    // successor at once, where those sit out ZMQ's reconnect interval.
+                    self.inner
+                        .sockets
+                        .lock()
+                        .expect("socket pool poisoned")
+                        .clear();
+                }
                 None
             }
         }
@@ -706,10 +716,23 @@ impl Client {
                 hello.protocol
             )));
         }
-        let pool = match self.inner.opts.map_pool {
-            MapPool::Never => None,
-            MapPool::Always => Some(Arc::new(PoolMap::open(&hello.pool, hello.incarnation)?)),
-            MapPool::Auto => PoolMap::open(&hello.pool, hello.incarnation)
+        // A restarted daemon that kept its pool hands out the same file: the mapping
+        // already made serves (mapping it again would fault its pages in anew).
+        let kept = self
+            .inner
+            .session
+            .read()
+            .expect("session lock poisoned")
+            .as_ref()
+            .and_then(|s| s.pool.clone())
+            .filter(|p| p.still_serves(&hello.pool, hello.incarnation));
+        let pool = match (self.inner.opts.map_pool, kept) {
+            (MapPool::Never, _) => None,
+            (_, Some(p)) => Some(p),
+            (MapPool::Always, None) => {
+                Some(Arc::new(PoolMap::open(&hello.pool, hello.incarnation)?))
+            }
+            (MapPool::Auto, None) => PoolMap::open(&hello.pool, hello.incarnation)
                 .ok()
                 .map(Arc::new),
         };
@@ -744,13 +767,17 @@ impl Client {
 /// When the stream socket's path is gone and its upgrade marker is there (SPEC §1.1: the
 /// daemon is handing over to its successor), waits (at most `limit`) for the
 /// successor's socket, so that the transport is not given up for a moment's gap.
-fn wait_for_successor(path: &str, limit: Duration) {
+/// Returns whether it saw the marker (a hand-over happened).
+fn wait_for_successor(path: &str, limit: Duration) -> bool {
     let p = std::path::Path::new(path);
     let marker = format!("{path}.upgrading");
     let until = Instant::now() + limit;
+    let mut seen = false;
     while !p.exists() && std::path::Path::new(&marker).exists() && Instant::now() < until {
+        seen = true;
         std::thread::sleep(Duration::from_millis(2));
     }
+    seen
 }
 
 #[cfg(test)]

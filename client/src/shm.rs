@@ -16,6 +16,10 @@ use crate::Error;
 pub(crate) struct PoolMap {
     map: MmapRaw,
     size: u64,
+    /// The file mapped: its path, device and inode (a kept pool is the same file under a
+    /// new daemon, SPEC §15).
+    path: String,
+    file_id: (u64, u64),
 }
 
 impl PoolMap {
@@ -42,7 +46,12 @@ impl PoolMap {
             .write(true)
             .open(path)
             .map_err(|e| map_err("opening", e))?;
-        let len = file.metadata().map_err(|e| map_err("stat", e))?.len();
+        let meta = file.metadata().map_err(|e| map_err("stat", e))?;
+        let len = meta.len();
+        let file_id = {
+            use std::os::unix::fs::MetadataExt;
+            (meta.dev(), meta.ino())
+        };
         if len != info.size_bytes || len < POOL_HEADER_BYTES as u64 {
             return Err(Error::PoolMap(format!(
                 "{} has {len} bytes, hello said {}",
@@ -54,7 +63,12 @@ impl PoolMap {
             .populate()
             .map_raw(&file)
             .map_err(|e| map_err("mapping", e))?;
-        let pm = PoolMap { map, size: len };
+        let pm = PoolMap {
+            map,
+            size: len,
+            path: info.path.clone(),
+            file_id,
+        };
         let mut hdr = [0u8; POOL_HEADER_BYTES];
         pm.read_into(0, &mut hdr)?;
         match PoolHeader::decode(&hdr) {
@@ -71,6 +85,31 @@ impl PoolMap {
             ))),
             None => Err(Error::PoolMap(format!("{} is not a kvd pool", info.path))),
         }
+    }
+
+    /// Whether this mapping is of the pool `hello` names now with `incarnation`: the same
+    /// file (a daemon that kept it, SPEC §15), whose header says the new incarnation.
+    /// Then it serves the new session as it is (mapping a large pool again costs a pass
+    /// over its page tables).
+    pub(crate) fn still_serves(
+        &self,
+        info: &PoolInfo,
+        incarnation: kvd_protocol::Incarnation,
+    ) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        if info.path != self.path || info.size_bytes != self.size {
+            return false;
+        }
+        let same_file = std::fs::metadata(&self.path)
+            .is_ok_and(|m| (m.dev(), m.ino()) == self.file_id && m.len() == self.size);
+        let mut hdr = [0u8; POOL_HEADER_BYTES];
+        same_file
+            && self.read_into(0, &mut hdr).is_ok()
+            && PoolHeader::decode(&hdr).is_some_and(|h| {
+                h.incarnation == incarnation
+                    && h.size_bytes == self.size
+                    && h.data_offset == info.data_offset
+            })
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<usize, Error> {

@@ -352,20 +352,14 @@ impl Index {
     /// one pin: a deferred `get` waiting for it).
     pub fn commit(&mut self, idx: u32, tick: u32, pinned: bool) {
         let n = &mut self.nodes[idx as usize];
-        debug_assert!(matches!(
-            n.state,
-            State::Pending | State::Promoting | State::Verifying
-        ));
-        let adopted = n.state == State::Verifying;
+        debug_assert!(matches!(n.state, State::Pending | State::Promoting));
         n.state = State::Committed;
         n.last_use = tick;
         let key = n.key();
-        let (off, fenced) = (n.offset(), n.is_fenced());
+        let off = n.offset();
         if let Some(t) = &mut self.durable {
-            if !adopted {
-                t.committed(idx, key, off);
-            }
-            if !pinned && !fenced {
+            t.committed(idx, key, off);
+            if !pinned {
                 t.back(off);
             }
         }
@@ -375,6 +369,25 @@ impl Index {
             self.pin(idx);
         } else {
             self.push_head(idx);
+        }
+    }
+
+    /// An adopted block passed its check (`Verifying` → `Committed`; its table entry is
+    /// sealed already). It goes to the *tail* of its list: blocks are checked most
+    /// recently used first, so each one checked is older than those before it. A fenced
+    /// one is held by a pin of the fence's instead (see [`FENCED`]).
+    pub fn commit_adopted(&mut self, idx: u32, tick: u32) {
+        let n = &mut self.nodes[idx as usize];
+        debug_assert_eq!(n.state, State::Verifying);
+        n.state = State::Committed;
+        n.last_use = tick;
+        let (key, fenced) = (n.key(), n.is_fenced());
+        self.committed += 1;
+        self.events.record(key, Medium::Dram, true);
+        if fenced {
+            self.pin(idx);
+        } else {
+            self.push_tail(idx);
         }
     }
 
@@ -533,6 +546,23 @@ impl Index {
             self.lru[c].tail = idx;
         }
         self.lru[c].head = idx;
+        self.lru[c].len += 1;
+    }
+
+    fn push_tail(&mut self, idx: u32) {
+        let c = self.nodes[idx as usize].class as usize;
+        let tail = self.lru[c].tail;
+        {
+            let n = &mut self.nodes[idx as usize];
+            n.prev = tail;
+            n.next = NIL;
+        }
+        if tail != NIL {
+            self.nodes[tail as usize].next = idx;
+        } else {
+            self.lru[c].head = idx;
+        }
+        self.lru[c].tail = idx;
         self.lru[c].len += 1;
     }
 

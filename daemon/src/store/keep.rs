@@ -32,7 +32,7 @@ use super::Store;
 use crate::alloc::ClassId;
 use crate::pool::SLOT_ALIGN;
 use crate::table::checker::{Checker, Verdict};
-use crate::table::{BlockTable, Found, SealJob};
+use crate::table::{Adopted, BlockTable, Found, SealJob};
 
 /// See the module docs.
 pub(super) struct Keep {
@@ -43,6 +43,9 @@ pub(super) struct Keep {
     sealing: HashMap<(u32, u64), u64>,
     done: Vec<(u32, u64)>,
     verdicts: Vec<Verdict>,
+    /// Adopted blocks not checked yet, by position (a `get` that waits for one hurries
+    /// its check).
+    adopting: HashMap<u32, Adopted>,
     fence: Option<Fence>,
     started: Instant,
     stats: KeptStats,
@@ -83,6 +86,7 @@ impl Store {
             sealing: HashMap::new(),
             done: Vec::new(),
             verdicts: Vec::new(),
+            adopting: HashMap::new(),
             fence: None,
             started: now,
             stats: KeptStats {
@@ -142,10 +146,12 @@ impl Store {
                 }
             }
         }
-        // Checked (and so committed, each to the head of the LRU list) least recently
-        // used first: the LRU order of the previous daemon comes back.
-        verify.sort_unstable_by_key(|b| b.last_use);
+        // Checked most recently used first (the blocks likeliest to be asked for are
+        // served first), each committed to the tail of the LRU list: the previous
+        // daemon's LRU order comes back.
+        verify.sort_unstable_by_key(|b| std::cmp::Reverse(b.last_use));
         for b in verify {
+            keep.adopting.insert(b.pos, b);
             keep.checker.verify(b);
         }
         self.index.settle_free_list();
@@ -220,7 +226,10 @@ impl Store {
         }
         keep.checker.verdicts(&mut keep.verdicts);
         let mut verdicts = std::mem::take(&mut keep.verdicts);
-        verdicts.sort_unstable_by_key(|v| v.block.last_use);
+        verdicts.sort_unstable_by_key(|v| std::cmp::Reverse(v.block.last_use));
+        for v in &verdicts {
+            keep.adopting.remove(&v.block.pos);
+        }
         let fence_over = keep
             .fence
             .as_ref()
@@ -238,10 +247,9 @@ impl Store {
                 continue;
             }
             if v.ok {
-                // A fenced block stays pinned until the fence ends: not evicted while a
-                // reader of the old daemon may hold it.
-                let fenced = node.is_fenced();
-                self.index.commit(pos, tick, fenced);
+                // (a fenced block stays pinned until the fence ends: not evicted while a
+                // reader of the old daemon may hold it)
+                self.index.commit_adopted(pos, tick);
                 if let Some(k) = &mut self.keep {
                     k.stats.adopted += 1;
                 }
@@ -302,6 +310,15 @@ impl Store {
             match f.ranges.get(i) {
                 Some(&(start, _)) if start < off + slot => f.aside.push(off),
                 _ => return Some(off),
+            }
+        }
+    }
+
+    /// A request waits for the adopted block at `pos`: check it before the others.
+    pub(super) fn hurry_check(&mut self, pos: u32) {
+        if let Some(k) = self.keep.as_mut() {
+            if let Some(b) = k.adopting.remove(&pos) {
+                k.checker.hurry(b);
             }
         }
     }

@@ -220,14 +220,11 @@ impl Store {
         let mut missing = Vec::new();
         for k in keys {
             match self.index.find(layout_id, k) {
-                // on its way: read from the tier, or adopted and being checked
-                Some(i)
-                    if matches!(
-                        self.index.node(i).state(),
-                        State::Promoting | State::Verifying
-                    ) =>
-                {
-                    waits.push(i)
+                // on its way: read from the tier, or adopted and being checked (first)
+                Some(i) if self.index.node(i).state() == State::Promoting => waits.push(i),
+                Some(i) if self.index.node(i).state() == State::Verifying => {
+                    self.hurry_check(i);
+                    waits.push(i);
                 }
                 Some(_) => {}
                 None => missing.push(BlockKey {

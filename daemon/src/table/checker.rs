@@ -42,6 +42,8 @@ struct Counts {
 pub struct Checker {
     seals: Sender<SealJob>,
     verifies: Sender<Adopted>,
+    /// Verifications a `get` waits for: taken before any other job.
+    urgent: Sender<Adopted>,
     verdicts: Receiver<Verdict>,
     sealed_done: Receiver<(u32, u64)>,
     counts: Arc<Counts>,
@@ -54,23 +56,25 @@ impl Checker {
     pub fn start(pool: Arc<Pool>, table: Arc<TableMap>, threads: usize) -> std::io::Result<Self> {
         let (seal_tx, seal_rx) = bounded::<SealJob>(SEAL_QUEUE);
         let (ver_tx, ver_rx) = unbounded::<Adopted>();
+        let (urg_tx, urg_rx) = unbounded::<Adopted>();
         let (done_tx, done_rx) = unbounded::<Verdict>();
         let (sealed_tx, sealed_rx) = unbounded::<(u32, u64)>();
         let counts = Arc::new(Counts::default());
         for i in 0..threads.max(1) {
-            let (seal_rx, ver_rx) = (seal_rx.clone(), ver_rx.clone());
+            let (seal_rx, ver_rx, urg_rx) = (seal_rx.clone(), ver_rx.clone(), urg_rx.clone());
             let (done_tx, sealed_tx) = (done_tx.clone(), sealed_tx.clone());
             let (pool, table, counts) = (pool.clone(), table.clone(), counts.clone());
             std::thread::Builder::new()
                 .name(format!("kvd-check-{i}"))
                 .spawn(move || {
                     let to = (&done_tx, &sealed_tx);
-                    work(&pool, &table, &counts, (&seal_rx, &ver_rx), to)
+                    work(&pool, &table, &counts, (&seal_rx, &ver_rx, &urg_rx), to)
                 })?;
         }
         Ok(Checker {
             seals: seal_tx,
             verifies: ver_tx,
+            urgent: urg_tx,
             verdicts: done_rx,
             sealed_done: sealed_rx,
             counts,
@@ -96,6 +100,17 @@ impl Checker {
     pub fn verify(&mut self, b: Adopted) {
         self.counts.pending.fetch_add(1, Ordering::AcqRel);
         if self.verifies.send(b).is_ok() {
+            self.verifying += 1;
+        } else {
+            self.counts.pending.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Queues a verification ahead of all others (a `get` waits for that block). The
+    /// block's place in the ordinary queue stays: its second verdict finds it checked.
+    pub fn hurry(&mut self, b: Adopted) {
+        self.counts.pending.fetch_add(1, Ordering::AcqRel);
+        if self.urgent.send(b).is_ok() {
             self.verifying += 1;
         } else {
             self.counts.pending.fetch_sub(1, Ordering::AcqRel);
@@ -149,18 +164,33 @@ fn work(
     pool: &Pool,
     table: &TableMap,
     counts: &Counts,
-    (seals, verifies): (&Receiver<SealJob>, &Receiver<Adopted>),
+    (seals, verifies, urgent): (&Receiver<SealJob>, &Receiver<Adopted>, &Receiver<Adopted>),
     (done, sealed): (&Sender<Verdict>, &Sender<(u32, u64)>),
 ) {
+    let check = |b: Adopted| {
+        let ok = pool
+            .read(b.offset, b.len as usize)
+            .is_ok_and(|bytes| crate::checksum::crc32c(bytes) == b.crc);
+        counts.pending.fetch_sub(1, Ordering::AcqRel);
+        done.send(Verdict { block: b, ok }).is_ok()
+    };
     loop {
+        if let Ok(b) = urgent.try_recv() {
+            if !check(b) {
+                return;
+            }
+            continue;
+        }
         select! {
+            recv(urgent) -> b => {
+                let Ok(b) = b else { return };
+                if !check(b) {
+                    return;
+                }
+            }
             recv(verifies) -> b => {
                 let Ok(b) = b else { return };
-                let ok = pool
-                    .read(b.offset, b.len as usize)
-                    .is_ok_and(|bytes| crate::checksum::crc32c(bytes) == b.crc);
-                counts.pending.fetch_sub(1, Ordering::AcqRel);
-                if done.send(Verdict { block: b, ok }).is_err() {
+                if !check(b) {
                     return;
                 }
             }
