@@ -227,9 +227,10 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     );
     let lim = &cfg.limits;
     let pool = std::sync::Arc::new(pool);
-    if cfg.pool.prefault && *pool.previous() == pool::Previous::Kept {
-        pool.prefault_in_background();
-    }
+    // (a kept pool is populated in the background once the daemon serves: the populate
+    // holds the mapping's lock, which start-up's own mappings wait for)
+    let populate_later =
+        (cfg.pool.prefault && *pool.previous() == pool::Previous::Kept).then(|| pool.clone());
     let store = Store::new(
         pool.clone(),
         StoreConfig {
@@ -350,6 +351,9 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
     }
     health.set(http::Phase::Ready, "ready");
+    if let Some(p) = populate_later {
+        p.prefault_in_background();
+    }
     // systemd (Type=notify): ready, and the main process (this one, also after an
     // upgrade, whose old daemon is about to exit).
     if let Some(sock) = config::notify_socket() {

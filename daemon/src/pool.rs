@@ -249,8 +249,9 @@ impl Pool {
         self.write(0, &header.encode())
     }
 
-    /// Populates the page tables for the whole pool on a thread of its own, 64 MiB at a
-    /// time (a kept pool's pages exist: only this process's mappings of them are made).
+    /// Populates the page tables for the whole pool on a thread of its own, 16 MiB at a
+    /// time (a kept pool's pages exist: only this process's mappings of them are made;
+    /// small steps let the serving threads' own faults and mappings through).
     pub fn prefault_in_background(self: &std::sync::Arc<Self>) {
         let pool = self.clone();
         let spawned = std::thread::Builder::new()
@@ -259,7 +260,7 @@ impl Pool {
                 let t0 = std::time::Instant::now();
                 let mut off = 0u64;
                 while off < pool.size {
-                    let len = (pool.size - off).min(64 << 20) as usize;
+                    let len = (pool.size - off).min(16 << 20) as usize;
                     if let Err(e) = pool.region.populate(off, len) {
                         tracing::debug!(error = %e, "populating the kept pool stopped");
                         return;

@@ -273,7 +273,8 @@ impl Index {
     }
 
     /// Puts an adopted block (`Verifying`) at position `pos`, the position of its table
-    /// entry. `false` when the position is taken or the key has a node already.
+    /// entry. `false` when the position is taken or the key has a node already. The free
+    /// list is rebuilt once all are in ([`Index::settle_free_list`]).
     pub fn adopt(&mut self, pos: u32, node: Node) -> bool {
         debug_assert_eq!(node.state, State::Verifying);
         if self.find(node.layout, &node.hash).is_some() {
@@ -285,22 +286,22 @@ impl Index {
                 state: State::Free,
                 ..node
             };
-            self.free.extend(self.nodes.len() as u32..pos);
             self.nodes.resize(p + 1, free);
         } else if self.nodes[p].state != State::Free {
             return false;
-        } else if let Some(i) = self.free.iter().position(|&f| f == pos) {
-            self.free.swap_remove(i);
         }
         self.nodes[p] = node;
         self.hash_in(pos);
         true
     }
 
-    /// After adoption: the free positions are handed out lowest first (as a fresh index
-    /// would), so the table's used part stays dense.
+    /// After adoption: the free list is every free position, handed out lowest first (as
+    /// a fresh index would), so the table's used part stays dense.
     pub fn settle_free_list(&mut self) {
-        self.free.sort_unstable_by(|a, b| b.cmp(a));
+        self.free = (0..self.nodes.len() as u32)
+            .rev()
+            .filter(|&i| self.nodes[i as usize].state == State::Free)
+            .collect();
     }
 
     /// Removes a node from the index (taking it off its list if it is on one) and
