@@ -629,3 +629,143 @@ pub fn set_format(path: &Path, format: u64) -> io::Result<()> {
     f.write_all_at(&u64::from(scan::header_check(&words)).to_le_bytes(), 64)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn id(dir: &Path) -> (PathBuf, PoolIdentity) {
+        let pool = dir.join("p.pool");
+        std::fs::write(&pool, b"").unwrap();
+        let id = PoolIdentity::of(&pool, 4096 + 64 * 65536, 4096, 65536).unwrap();
+        (dir.join("p.table"), id)
+    }
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey {
+            layout: kvd_testkit::layout(64).id(),
+            hash: ChunkHash([i; 16]),
+        }
+    }
+
+    /// Rule 2's two compare-and-swaps: a seal lands only on the commit it was made
+    /// for; a removal during the read is seen (the slot must wait), one before it stops
+    /// the read.
+    #[test]
+    fn a_seal_lands_only_on_its_own_commit() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (path, id) = id(dir.path());
+        let (mut t, found, _) = BlockTable::open(&path, &id, true).unwrap();
+        assert!(found.is_none(), "a new table adopts nothing");
+        t.layout(&kvd_testkit::layout(64));
+        let map = t.shared();
+        let mut jobs = Vec::new();
+        t.committed(0, key(1), 4096);
+        t.committed(1, key(2), 4096 + 65536);
+        t.take_seals(&mut jobs);
+        let (a, b) = (jobs[0], jobs[1]);
+        // a: sealed normally
+        assert_eq!(map.seal(a.pos, a.gen, || Some(7)), Some(true));
+        assert!(t.is_sealed(0));
+        // b: removed before its seal starts: nothing is read
+        assert!(!t.free(1), "no sealer was reading");
+        let mut read = false;
+        assert_eq!(
+            map.seal(b.pos, b.gen, || {
+                read = true;
+                Some(1)
+            }),
+            None
+        );
+        assert!(!read);
+        // b's position reused: the stale job does not seal the new commit
+        t.committed(1, key(3), 4096 + 65536);
+        assert_eq!(map.seal(b.pos, b.gen, || Some(1)), None);
+        assert!(!t.is_sealed(1));
+        // a removal during the read is reported, and the crc dropped
+        let mut c = Vec::new();
+        t.take_seals(&mut c);
+        let c = c[0];
+        let r = map.seal(c.pos, c.gen, || {
+            assert!(t.free(1), "the sealer is reading: the slot must wait");
+            Some(9)
+        });
+        assert_eq!(r, Some(false));
+        assert!(!t.is_sealed(1));
+    }
+
+    /// A table's header names its pool: another file, geometry or format is refused
+    /// with the reason, and a new empty table replaces it.
+    #[test]
+    fn a_table_of_another_pool_or_format_is_refused_with_its_reason() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let (path, id) = id(dir.path());
+        let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
+        t.layout(&kvd_testkit::layout(64));
+        t.committed(0, key(1), 4096);
+        let mut jobs = Vec::new();
+        t.take_seals(&mut jobs);
+        t.shared().seal(0, jobs[0].gen, || Some(5));
+        drop(t);
+        let other = PoolIdentity {
+            ino: id.ino + 1,
+            ..id
+        };
+        let (_, found, why) = BlockTable::open(&path, &other, true).unwrap();
+        assert!(found.is_none());
+        assert!(why.unwrap().contains("another pool file"));
+        // (that open replaced the table: start again)
+        let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
+        t.layout(&kvd_testkit::layout(64));
+        drop(t);
+        set_format(&path, 7).unwrap();
+        let (_, found, why) = BlockTable::open(&path, &id, true).unwrap();
+        assert!(found.is_none());
+        assert!(why.unwrap().contains("format 7"));
+        let (_, found, why) = BlockTable::open(&path, &id, true).unwrap();
+        assert!(why.is_none(), "the refused table was replaced by a new one");
+        assert_eq!(found.unwrap().blocks.len(), 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// Whatever the bytes of a table file (of the right size, with a valid header
+        /// or not), opening it neither panics nor adopts an entry that fails its own
+        /// check or names a slot outside the pool.
+        #[test]
+        fn any_bytes_open_without_panic_and_adopt_only_well_formed_entries(
+            noise in proptest::collection::vec((0usize..300_000, any::<u8>()), 0..4000),
+            keep_header in any::<bool>(),
+        ) {
+            let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+            let (path, id) = id(dir.path());
+            let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
+            t.layout(&kvd_testkit::layout(64));
+            for i in 0..8u8 {
+                t.committed(u32::from(i), key(i), 4096 + u64::from(i) * 65536);
+            }
+            let mut jobs = Vec::new();
+            t.take_seals(&mut jobs);
+            for j in &jobs {
+                t.shared().seal(j.pos, j.gen, || Some(3));
+            }
+            drop(t);
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (at, v) in noise {
+                let at = at % bytes.len();
+                if keep_header && at < 4096 {
+                    continue;
+                }
+                bytes[at] ^= v;
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let (_, found, _) = BlockTable::open(&path, &id, true).unwrap();
+            for b in found.map(|f| f.blocks).unwrap_or_default() {
+                prop_assert!(b.offset >= id.data_offset);
+                prop_assert!(b.offset + u64::from(b.len) <= id.size);
+                prop_assert_eq!(b.len, 65536);
+            }
+        }
+    }
+}
