@@ -9,12 +9,14 @@
 //! | [`deadline`] | the one deadline queue (lazy cancellation, compacted: bounded by live work) for pins, reservations and transfer timers |
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
-//! | [`pool`] | the shared-memory pool file: create, lock, map; a peer's pool read-only |
+//! | [`pool`] | the shared-memory pool file: create (or keep a previous daemon's), lock, map, retire; a peer's pool read-only |
+//! | [`table`] | the block table kept beside the pool (SPEC §15): entries written in a kill-safe order, seals by checker threads (`table::checker`), what a new daemon reads back (`table::scan`) |
+//! | [`upgrade`] | `kvd upgrade`: the successor process and the link the hand-over runs over (the old daemon's cut is `server/handover.rs`) |
 //! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
 //! | [`checksum`] | CRC-32C of block bytes and journal records: the one choice of implementation (`crc-fast`, carry-less multiply folding), checked against the `crc32c` crate |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
-//! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
+//! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant, and the table entry of each block), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `keep` (adoption of a kept pool, the fence, seals' slots), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
 //! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU; `nvme::initialize`: zeroing never-written space while idle, in segments the allocator lends |
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
@@ -45,17 +47,27 @@
 //! - **a GPU copy happens**: a [`gpu::device::CopyEngine`] (`gpu/host.rs`, `gpu/cuda.rs`),
 //!   run on the tier's copy thread ([`gpu::worker`]);
 //! - **a request is routed to the part that serves it**: `server/dispatch.rs`;
-//! - **shared memory is touched**: [`region`].
+//! - **shared memory is touched**: [`region`];
+//! - **a block's table entry is written**: `store::index` (where its state changes),
+//!   through [`table::BlockTable`]; sealed by [`table::checker`]; read back by a new
+//!   daemon in `table/scan.rs` and adopted in `store/keep.rs`;
+//! - **a hand-over to a successor is cut**: `server/handover.rs` (the old daemon),
+//!   [`upgrade::Handoff`] (the new one).
 //!
 //! Workflow of [`run`]:
 //! 1. set the umask to 077 so the socket and the pool are created owner-only;
-//! 2. create and map the pool ([`pool::Pool::create`]), choose a random incarnation;
-//!    open the NVMe tier when configured (replaying its journal);
+//! 2. (started by `kvd upgrade`: say ready, wait until the old daemon has exited;)
+//!    create and map the pool ([`pool::Pool::create`], keeping a previous daemon's file),
+//!    choose a random incarnation; open its block table and adopt what it holds
+//!    (checked in the background); open the NVMe tier when configured (replaying its
+//!    journal);
 //! 3. with transfers on, load the cluster secret, bind the peer ROUTER on the control
 //!    endpoint and start the data server and its workers; then bind the clients' ROUTER
 //!    on every client endpoint (creating the ipc directory 0700);
-//! 4. serve until SIGTERM/SIGINT, then answer what is queued, close the socket, remove
-//!    the ipc socket files and the pool file, and return.
+//! 4. serve until SIGTERM/SIGINT (or an upgrade's cut), then answer what is queued,
+//!    close the socket, remove the ipc socket files, seal what is left and retire the
+//!    kept pool (or remove it when not kept), and return (an upgrade's successor then
+//!    takes over).
 
 pub mod alloc;
 pub mod auth;
