@@ -111,6 +111,7 @@ for t in $(cargo +nightly fuzz list); do
     || { printf '%s\n' "$out" | tail -40; echo "fuzz target $t failed"; exit 1; }
   printf 'fuzz %-16s %s\n' "$t" "$(printf '%s\n' "$out" | grep -E '^Done [0-9]+ runs' | tail -1)"
 done
+rm -rf /dev/shm/kvd-fuzz-table-*  # table_file's scratch tables
 
 step "bench smoke run (tiny sizes)"
 plots=$(mktemp -d)

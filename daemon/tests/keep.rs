@@ -449,3 +449,44 @@ fn an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon() {
     let st = kept(&new);
     assert!(st.fenced_slots >= 7 && st.fence_left_ms > 0, "{st:?}");
 }
+
+/// A grant of the old daemon reads nothing of the new one's pool, though the pool is the
+/// same file and the new daemon listens on the same data port: the new daemon never
+/// issued it (SPEC §15). Before the restart the same request reads the block.
+#[test]
+fn a_grant_of_the_old_daemon_reads_nothing_of_the_kept_pool() {
+    let (control, data) = (free_port(), free_port());
+    let control = format!("tcp://127.0.0.1:{control}");
+    let data = format!("127.0.0.1:{data}");
+    let mut d = Daemon::start(&["--transfer-control", &control, "--transfer-data", &data]);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let (ks, blocks) = store_sealed(&c, l, 50, 2);
+    let p = c.export("old-grant", l, &ks, None).unwrap();
+    let token = p.token
+        ^ kvd_protocol::transfer_tag("old-grant", &p.keys, p.offsets.iter().map(|&o| Some(o)));
+    let read =
+        |p: &kvd_protocol::TransferParams| raw_read(p, p.handle, token, p.offsets[0], BYTES as u64);
+    assert_eq!(
+        read(&p).unwrap(),
+        blocks[0],
+        "the grant reads while it lives"
+    );
+    d.restart();
+    checked(&c);
+    assert_eq!(
+        each_hits(&c, l, &ks, &blocks),
+        vec![true; 2],
+        "the blocks were kept"
+    );
+    // The old daemon's params, as a peer that missed the restart would send them.
+    let e = read(&p).expect_err("an old grant read the new daemon's pool");
+    // And with the new incarnation filled in, as a peer that learned it would.
+    let mut q = p.clone();
+    q.from.incarnation = c.stats().unwrap().incarnation;
+    let e2 = read(&q).expect_err("an old grant read the new daemon's pool");
+    assert_eq!(
+        (e.as_str(), e2.as_str()),
+        ("stale_incarnation", "unknown_transfer")
+    );
+}
