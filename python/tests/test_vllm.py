@@ -274,6 +274,44 @@ def _():
         proc.wait()
 
 
+@check("a kept pool (kvd's default): after SIGKILL and a new daemon on the same pool, a prompt saved before is a prefix hit in vLLM's scheduler, loaded byte for byte")
+def _():
+    import subprocess
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-vllm-kept-")
+    ep = f"ipc://{d}/kvd.sock"
+    proc = start_daemon(KVD_BIN, d, keep=True)
+    try:
+        a = ve.Engine(ep)
+        toks = prompt(43)
+        r1 = rid("kept")
+        a.add(r1, toks)
+        a.run(finished(a, r1))
+        a.close()
+
+        def kept():
+            out = subprocess.run([KVD_BIN, "ctl", "--endpoint", ep, "stats", "--json"],
+                                 capture_output=True, check=True, text=True).stdout
+            return json.loads(out)["kept"]
+        for _ in range(500):  # every saved block sealed (what survives a kill)
+            if kept()["sealed"] >= 6:
+                break
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait()
+        os.unlink(f"{d}/kvd.sock")
+        proc = start_daemon(KVD_BIN, d, keep=True)
+        b = ve.Engine(ep)
+        r2 = rid("kept-hit")
+        b.add(r2, toks)
+        assert first_schedule(b, r2) == (96, 4)
+        b.check_blocks(r2, toks, 6)
+        assert kept()["adopted"] >= 6
+        b.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def prefill(endpoint, toks, **extra):
     """A prefill engine's request with do_remote_decode; returns its JSON params and the engine."""
     p = ve.Engine(endpoint, role="kv_producer", **extra)
