@@ -98,13 +98,17 @@ pub enum State {
     Failed(String),
 }
 
-/// The old daemon's side: the successor process and the link to it. Dropping it (at the
-/// old daemon's exit) lets the successor go on.
+/// The old daemon's side: the successor process and the link to it. Dropped after the
+/// hand-over ([`Successor::handed_over`]) at the old daemon's exit, it lets the successor
+/// go on; dropped before (the daemon stops for another reason: SIGTERM while the
+/// successor starts), it kills the successor, which must not take over a daemon that
+/// was asked to stop.
 pub struct Successor {
     child: Child,
     link: UnixStream,
     since: Instant,
     ready: bool,
+    handed_over: bool,
 }
 
 impl Successor {
@@ -132,6 +136,7 @@ impl Successor {
             link: mine,
             since: Instant::now(),
             ready: false,
+            handed_over: false,
         })
     }
 
@@ -175,9 +180,24 @@ impl Successor {
         State::Failed(why.to_string())
     }
 
+    /// The old daemon cut over: once this is dropped, the successor takes over.
+    pub fn handed_over(mut self) -> Self {
+        self.handed_over = true;
+        self
+    }
+
     /// The link's descriptor (the server polls it).
     pub fn fd(&self) -> RawFd {
         self.link.as_raw_fd()
+    }
+}
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        if !self.handed_over {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

@@ -203,3 +203,48 @@ fn under_systemd_the_successor_tells_it_is_the_main_process() {
     assert_eq!(second, format!("READY=1\nMAINPID={}", d.pid()));
     assert!(first != second);
 }
+
+/// A daemon asked to stop while its successor is still starting stops, and the
+/// successor with it: nothing takes over a daemon that was told to exit.
+#[test]
+fn a_stop_during_an_upgrade_stops_the_successor_too() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // A successor that never says it is ready (and names itself for pgrep).
+    let slow = dir.path().join("kvd-slow-successor");
+    std::fs::write(&slow, "#!/bin/sh\nexec sleep 30\n").unwrap();
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = dir.path().join("kvd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nupgrade_binary = {:?}\n",
+            slow.display().to_string()
+        ),
+    )
+    .unwrap();
+    let cfg = cfg.display().to_string();
+    let mut d = Daemon::start(&["--config", &cfg]);
+    let pid = d.pid();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGUSR2,
+    );
+    // the successor is started (a child of the daemon, running the script)
+    let children = || {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+            .collect::<Vec<_>>()
+    };
+    eventually(10, "the successor started", || !children().is_empty());
+    let successor = children()[0];
+    assert!(d.signal(nix::sys::signal::Signal::SIGTERM).success());
+    let gone = !std::path::Path::new(&format!("/proc/{successor}")).exists()
+        || std::fs::read_to_string(format!("/proc/{successor}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        });
+    assert!(gone, "the successor outlived a stopped daemon");
+}

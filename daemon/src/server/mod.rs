@@ -608,8 +608,9 @@ impl Server {
     fn stopped(self) -> Stopped {
         Stopped {
             store: self.store,
+            // (not cut over: dropped here, which stops a successor still starting)
             successor: if self.cut.is_some() {
-                self.successor
+                self.successor.map(crate::upgrade::Successor::handed_over)
             } else {
                 None
             },

@@ -175,10 +175,17 @@ impl Store {
                         .unwrap_or(seg - within);
                     fence.ranges.push((off, off + longest));
                 }
-                Some((_, Some(class))) if self.alloc.claim(class, off).is_ok() => {
-                    fence.slots.push(off);
+                Some((_, Some(class))) => {
+                    if self.alloc.claim(class, off).is_ok() {
+                        fence.slots.push(off);
+                    } else {
+                        // not a free slot start of its segment's class now (a clash):
+                        // keep new slots off its bytes instead
+                        let slot = self.alloc.slot_bytes(class);
+                        fence.ranges.push((off, off + slot));
+                    }
                 }
-                _ => {}
+                None => {}
             }
         }
         fence.ranges.sort_unstable();
