@@ -628,10 +628,10 @@ mod tests {
                                 },
                                 now,
                             );
-                            if r.is_ok_and(|d| d.status[0] == DeleteStatus::Deleted) {
-                                if live.remove(&i).is_some() {
-                                    deleted.insert(i);
-                                }
+                            if r.is_ok_and(|d| d.status[0] == DeleteStatus::Deleted)
+                                && live.remove(&i).is_some()
+                            {
+                                deleted.insert(i);
                             }
                         }
                         _ => {
