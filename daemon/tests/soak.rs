@@ -294,14 +294,35 @@ fn randomized_soak_with_restarts_serves_only_right_bytes_and_returns_to_baseline
         .collect();
     let mut rng = StdRng::seed_from_u64(seed);
     let end = Instant::now() + Duration::from_secs(secs);
+    let (mut adopted, mut kills) = (0u64, 0u32);
     while Instant::now() < end {
         thread::sleep(Duration::from_millis(rng.gen_range(3000..8000)));
         if Instant::now() >= end {
             break;
         }
+        // A restart keeps the pool (kvd's default): the new daemon adopts what the old one
+        // committed, and the workers' byte checks read those blocks too.
+        let kept = |n: &Node| {
+            let c = n.d.client();
+            eventually(20, "the restarted daemon checked its kept blocks", || {
+                c.stats()
+                    .ok()
+                    .and_then(|s| s.kept)
+                    .is_some_and(|k| k.verifying == 0 && k.verified_ms.is_some())
+            });
+            c.stats().ok().and_then(|s| s.kept).map_or(0, |k| k.adopted)
+        };
         match rng.gen_range(0..4) {
-            0 => a.d.restart(),
-            1 => b.d.restart(),
+            0 => {
+                a.d.restart();
+                adopted += kept(&a);
+                kills += 1;
+            }
+            1 => {
+                b.d.restart();
+                adopted += kept(&b);
+                kills += 1;
+            }
             _ => {
                 let pid = nix::unistd::Pid::from_raw(b.d.child.id() as i32);
                 nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();
@@ -317,6 +338,8 @@ fn randomized_soak_with_restarts_serves_only_right_bytes_and_returns_to_baseline
             std::panic::resume_unwind(e); // a wrong byte: the seed above replays it
         }
     }
+    eprintln!("soak: {adopted} blocks kept across {kills} restarts (adopted by the new daemons)");
+    assert!(kills == 0 || adopted > 0, "restarts kept nothing");
     eprintln!(
         "soak: {} ops, {} errors, {} blocks verified, {} pulls and {} pushes done, {} chaos events",
         counts.ops.load(Ordering::Relaxed),
