@@ -388,6 +388,12 @@ fn a_full_disk_is_an_error_per_block_and_dram_keeps_serving() {
         cap > 0 && cap < 24 << 20,
         "the tier shrank to the disk: {cap}"
     );
+    // The tier's first pass (zeroes written while idle) must be over: one still running
+    // refills the holes punched below before the filler takes the space (a race that
+    // made demotions succeed and this test fail now and then).
+    eventually(20, "the tier's first pass done", || {
+        nvme(&c).uninitialized_bytes == 0
+    });
     // take the space away
     let data = mnt.path().join("kvd-nvme.data");
     let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
