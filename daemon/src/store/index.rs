@@ -35,7 +35,7 @@ pub(super) enum State {
     /// Being read from the lower tier into its DRAM slot; invisible until verified.
     Promoting,
     /// Adopted from the previous daemon's table; invisible until its bytes are checked
-    /// against the crc it was sealed with (`store/adopt.rs`).
+    /// against the crc it was sealed with (`store/keep.rs`).
     Verifying,
 }
 

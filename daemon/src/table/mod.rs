@@ -40,7 +40,7 @@
 //!    dropped, as are allocations and anything torn.
 //! 5. Slots whose out-bit is set were in a writer's or reader's hands when the old daemon
 //!    died: they are not handed out again until that hand-out has certainly expired
-//!    (`alloc_ttl` / `max_pin_ttl`), see `store/adopt.rs`.
+//!    (`alloc_ttl` / `max_pin_ttl`), see `store/keep.rs`.
 //!
 //! Checking on adoption (in the background, see [`checker`]) rather than on every read:
 //! one pass over the adopted bytes at start (crc32c at ~20 GB/s per core), nothing on
