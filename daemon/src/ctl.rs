@@ -253,6 +253,22 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
                         n.checksum_errors
                     );
                 }
+                if let Some(k) = &s.kept {
+                    match &k.refused {
+                        Some(why) => println!("kept pool     not adopted: {why}"),
+                        None => println!(
+                            "kept pool     {} of {} blocks adopted ({} checking; dropped: {} damaged, {} unsealed, {} torn); {} sealed since start",
+                            k.adopted, k.found, k.verifying, k.damaged, k.unsealed, k.torn, k.sealed
+                        ),
+                    }
+                    if k.fence_left_ms > 0 {
+                        println!(
+                            "fence         {} slots withheld for {:.1} s more",
+                            k.fenced_slots,
+                            k.fence_left_ms as f64 / 1000.0
+                        );
+                    }
+                }
                 if let Some(t) = &s.transfers {
                     println!(
                         "transfers     {} exports, {} imports, {} registrations live; {} done, {} failed, {} expired",

@@ -55,6 +55,12 @@ pub struct Metrics {
     event_changes: IntCounter,
     event_dropped: IntCounter,
     event_resyncs: IntCounter,
+    kept_adopted: IntGauge,
+    kept_dropped: IntGaugeVec,
+    kept_verifying: IntGauge,
+    kept_fenced: IntGauge,
+    kept_sealed: IntCounter,
+    kept_seals_skipped: IntCounter,
     gpu_blocks: IntCounterVec,
     gpu_failed: IntCounter,
     expired_pins: IntCounter,
@@ -286,6 +292,37 @@ impl Metrics {
                 &r,
                 "kvd_events_resyncs_total",
                 "KV event resyncs (AllBlocksCleared and every block held): the start, and logs that overflowed.",
+            ),
+            kept_adopted: gauge(
+                &r,
+                "kvd_kept_adopted_blocks",
+                "Blocks of the previous daemon's kept pool checked and served by this one (SPEC §15).",
+            ),
+            kept_dropped: gauge_vec(
+                &r,
+                "kvd_kept_dropped_blocks",
+                "Blocks of the previous daemon's kept pool not adopted, by reason: damaged (bytes or slot), unsealed, torn (table entry).",
+                &["reason"],
+            ),
+            kept_verifying: gauge(
+                &r,
+                "kvd_kept_verifying_blocks",
+                "Kept blocks still being checked (served once their checksum passes).",
+            ),
+            kept_fenced: gauge(
+                &r,
+                "kvd_kept_fenced_slots",
+                "Slots withheld while the previous daemon's hand-outs may still be used (0 once the fence ends).",
+            ),
+            kept_sealed: counter(
+                &r,
+                "kvd_kept_sealed_blocks_total",
+                "Committed blocks whose checksum was recorded in the block table (kept by a restart).",
+            ),
+            kept_seals_skipped: counter(
+                &r,
+                "kvd_kept_seals_skipped_total",
+                "Seals skipped because the checker lagged (those blocks do not survive a restart).",
             ),
             gpu_registrations: gauge(
                 &r,
@@ -541,6 +578,24 @@ impl Metrics {
             advance(&self.event_changes, e.changes);
             advance(&self.event_dropped, e.dropped);
             advance(&self.event_resyncs, e.resyncs);
+        }
+        if let Some(k) = &s.kept {
+            self.kept_adopted.set(k.adopted as i64);
+            for (reason, n) in [
+                ("damaged", k.damaged),
+                ("unsealed", k.unsealed),
+                ("torn", k.torn),
+            ] {
+                self.kept_dropped.with_label_values(&[reason]).set(n as i64);
+            }
+            self.kept_verifying.set(k.verifying as i64);
+            self.kept_fenced.set(if k.fence_left_ms > 0 {
+                k.fenced_slots as i64
+            } else {
+                0
+            });
+            advance(&self.kept_sealed, k.sealed);
+            advance(&self.kept_seals_skipped, k.seals_skipped);
         }
         if let Some(g) = &s.gpu {
             self.gpu_registrations.set(g.registrations as i64);

@@ -55,7 +55,7 @@ fn promtool_check(text: &str) {
 #[test]
 fn metrics_move_by_what_the_workload_implies_and_pass_promtool() {
     let port = free_port();
-    let d = Daemon::start(&["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    let mut d = Daemon::start(&["--metrics-addr", &format!("127.0.0.1:{port}")]);
     let c = d.client();
     let (status, body) = get(port, "/healthz").unwrap();
     assert_eq!((status, body.as_str()), (200, "ok\n"));
@@ -96,6 +96,22 @@ fn metrics_move_by_what_the_workload_implies_and_pass_promtool() {
     assert_eq!(value(&text, "kvd_store_pins"), Some(0.0));
     promtool_check(&text);
     assert_eq!(get(port, "/nope").unwrap().0, 404);
+    // The kept pool (SPEC §15): the 7 blocks sealed, then adopted by the next daemon.
+    eventually(5, "the stored blocks sealed", || {
+        text = get(port, "/metrics").unwrap().1;
+        value(&text, "kvd_kept_sealed_blocks_total") == Some(7.0)
+    });
+    d.restart();
+    eventually(10, "the kept blocks adopted", || {
+        text = get(port, "/metrics").unwrap_or_default().1;
+        value(&text, "kvd_kept_adopted_blocks") == Some(7.0)
+            && value(&text, "kvd_kept_verifying_blocks") == Some(0.0)
+    });
+    for reason in ["damaged", "unsealed", "torn"] {
+        let m = format!("kvd_kept_dropped_blocks{{reason=\"{reason}\"}}");
+        assert_eq!(value(&text, &m), Some(0.0), "{m}");
+    }
+    promtool_check(&text);
 }
 
 /// A daemon child that is killed if the test panics (else it keeps the test's output pipe
