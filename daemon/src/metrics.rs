@@ -298,12 +298,19 @@ impl Metrics {
                 "kvd_kept_adopted_blocks",
                 "Blocks of the previous daemon's kept pool checked and served by this one (SPEC §15).",
             ),
-            kept_dropped: gauge_vec(
-                &r,
-                "kvd_kept_dropped_blocks",
-                "Blocks of the previous daemon's kept pool not adopted, by reason: damaged (bytes or slot), unsealed, torn (table entry).",
-                &["reason"],
-            ),
+            kept_dropped: {
+                let g = gauge_vec(
+                    &r,
+                    "kvd_kept_dropped_blocks",
+                    "Blocks of the previous daemon's kept pool not adopted, by reason: damaged (bytes or slot), unsealed, torn (table entry).",
+                    &["reason"],
+                );
+                // every reason exported from the start, at 0
+                for reason in ["damaged", "unsealed", "torn"] {
+                    g.with_label_values(&[reason]).set(0);
+                }
+                g
+            },
             kept_verifying: gauge(
                 &r,
                 "kvd_kept_verifying_blocks",
