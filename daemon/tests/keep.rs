@@ -47,9 +47,10 @@ fn checked(c: &Client) -> KeptStats {
     last
 }
 
-/// Loads `ks` and returns which hit, asserting every hit's bytes are `data`'s.
+/// Loads `ks` and returns which hit, asserting every hit's bytes are `data`'s (buffers
+/// sized as `data`'s blocks).
 fn load_checked(c: &Client, l: LayoutId, ks: &[ChunkHash], data: &[Vec<u8>]) -> Vec<bool> {
-    let mut bufs = vec![vec![0u8; BYTES]; ks.len()];
+    let mut bufs: Vec<Vec<u8>> = data.iter().map(|d| vec![0u8; d.len()]).collect();
     let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     let hits = loop {
         match c.load(l, ks, &mut outs) {
@@ -340,7 +341,7 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
     assert!(nvme.blocks > 0, "nothing was demoted: {nvme:?}");
     let mut missed = 0;
     for &i in &acked {
-        let hit = load_checked_len(&c, l, &[key(i)], &[data(i)])[0];
+        let hit = load_checked(&c, l, &[key(i)], &[data(i)])[0];
         missed += u64::from(!hit);
     }
     assert!(
@@ -349,7 +350,7 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
         acked.len()
     );
     for &i in &ghosts {
-        let hit = load_checked_len(&c, l, &[ghost(i)], &[vec![0xEE; BLOCK]])[0];
+        let hit = load_checked(&c, l, &[ghost(i)], &[vec![0xEE; BLOCK]])[0];
         assert!(!hit, "an uncommitted block ({i}) is served");
     }
     eprintln!(
@@ -359,25 +360,6 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
         unsealed,
         ghosts.len()
     );
-}
-
-/// [`load_checked`] for blocks of any size.
-fn load_checked_len(c: &Client, l: LayoutId, ks: &[ChunkHash], data: &[Vec<u8>]) -> Vec<bool> {
-    let mut bufs: Vec<Vec<u8>> = data.iter().map(|d| vec![0u8; d.len()]).collect();
-    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    let hits = loop {
-        match c.load(l, ks, &mut outs) {
-            Ok(h) => break h,
-            Err(kvd_client::Error::DaemonRestarted { .. }) => continue,
-            Err(e) => panic!("load: {e}"),
-        }
-    };
-    for (i, hit) in hits.iter().enumerate() {
-        if *hit {
-            assert!(bufs[i] == data[i], "block {i} served with wrong bytes");
-        }
-    }
-    hits
 }
 
 /// The fence, with its negative control built in: a writer of the old daemon that has

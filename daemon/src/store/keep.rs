@@ -223,7 +223,6 @@ impl Store {
         for j in keep.seals.drain(..) {
             keep.checker.seal(j);
         }
-        keep.stats.seals_skipped = keep.checker.seals_skipped();
         keep.checker.seals_done(&mut keep.done);
         let mut frees = Vec::new();
         for k in keep.done.drain(..) {

@@ -34,8 +34,6 @@ struct Counts {
     /// Seals and verifications queued and not finished.
     pending: AtomicU64,
     sealed: AtomicU64,
-    /// The entry changed while its seal was computed (the block went meanwhile).
-    seal_lost: AtomicU64,
 }
 
 /// See the module docs.
@@ -98,19 +96,20 @@ impl Checker {
 
     /// Queues a verification of an adopted block.
     pub fn verify(&mut self, b: Adopted) {
-        self.counts.pending.fetch_add(1, Ordering::AcqRel);
-        if self.verifies.send(b).is_ok() {
-            self.verifying += 1;
-        } else {
-            self.counts.pending.fetch_sub(1, Ordering::AcqRel);
-        }
+        let q = self.verifies.clone();
+        self.queue_check(&q, b);
     }
 
     /// Queues a verification ahead of all others (a `get` waits for that block). The
     /// block's place in the ordinary queue stays: its second verdict finds it checked.
     pub fn hurry(&mut self, b: Adopted) {
+        let q = self.urgent.clone();
+        self.queue_check(&q, b);
+    }
+
+    fn queue_check(&mut self, q: &Sender<Adopted>, b: Adopted) {
         self.counts.pending.fetch_add(1, Ordering::AcqRel);
-        if self.urgent.send(b).is_ok() {
+        if q.send(b).is_ok() {
             self.verifying += 1;
         } else {
             self.counts.pending.fetch_sub(1, Ordering::AcqRel);
@@ -201,10 +200,10 @@ fn work(
                         .ok()
                         .map(crate::checksum::crc32c)
                 };
-                match table.seal(j.pos, j.gen, read) {
-                    Some(true) => counts.sealed.fetch_add(1, Ordering::Relaxed),
-                    _ => counts.seal_lost.fetch_add(1, Ordering::Relaxed),
-                };
+                // (`false`/`None`: the block went meanwhile; nothing to record)
+                if table.seal(j.pos, j.gen, read) == Some(true) {
+                    counts.sealed.fetch_add(1, Ordering::Relaxed);
+                }
                 counts.pending.fetch_sub(1, Ordering::AcqRel);
                 if sealed.send((j.pos, j.gen)).is_err() {
                     return;

@@ -379,16 +379,7 @@ impl BlockTable {
             geo,
             data_offset: id.data_offset,
         };
-        let head = [
-            MAGIC,
-            FORMAT,
-            id.size,
-            id.data_offset,
-            id.segment_bytes,
-            id.dev,
-            id.ino,
-            geo.capacity as u64,
-        ];
+        let head = scan::header_words(id, geo.capacity as u64);
         let w = map.words();
         for (i, v) in head.iter().enumerate() {
             w[i].store(*v, Ordering::Relaxed);

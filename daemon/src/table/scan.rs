@@ -55,7 +55,7 @@ pub struct Found {
     pub max_use: u64,
 }
 
-fn header_words(id: &PoolIdentity, capacity: u64) -> [u64; 8] {
+pub(super) fn header_words(id: &PoolIdentity, capacity: u64) -> [u64; 8] {
     [
         MAGIC,
         FORMAT,
