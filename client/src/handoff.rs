@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
+use crate::shm::PoolMap;
 use crate::{Client, Error, PinnedBlocks, Result};
+use std::sync::Arc;
 
 impl Client {
     /// Prefill side: pins committed blocks under a lease and returns the
@@ -26,6 +28,8 @@ impl Client {
                     layout_id: layout,
                     keys: keys.to_vec(),
                     lease_ms: lease.map(|d| d.as_millis() as u64),
+                    parts: None,
+                    staged: false,
                 })
             },
             &[],
@@ -95,6 +99,20 @@ impl Client {
         node: &str,
         ttl: Option<Duration>,
     ) -> Result<TransferResp> {
+        self.push_register_parts(transfer_id, layout, keys, node, ttl, 1)
+    }
+
+    /// [`Client::push_register`] of a layer-wise push (SPEC §16): `parts` layer groups,
+    /// whose landing [`Client::wait_parts`] follows.
+    pub fn push_register_parts(
+        &self,
+        transfer_id: &str,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        node: &str,
+        ttl: Option<Duration>,
+        parts: u64,
+    ) -> Result<TransferResp> {
         Ok(self
             .call(
                 |client| {
@@ -106,6 +124,7 @@ impl Client {
                         node: node.to_string(),
                         ttl_ms: ttl.map(|d| d.as_millis() as u64),
                         wait: false,
+                        parts: (parts > 1).then_some(parts),
                     })
                 },
                 &[],
@@ -115,6 +134,26 @@ impl Client {
 
     /// Where a transfer is; waits up to `wait` for it to end.
     pub fn transfer_status(&self, transfer_id: &str, wait: Duration) -> Result<TransferResp> {
+        self.status_call(transfer_id, wait, None)
+    }
+
+    /// Where a layer-wise transfer is (SPEC §16); waits up to `wait` until at least
+    /// `parts` of its layer groups have landed (`parts_done`), or it ends.
+    pub fn wait_parts(
+        &self,
+        transfer_id: &str,
+        parts: u64,
+        wait: Duration,
+    ) -> Result<TransferResp> {
+        self.status_call(transfer_id, wait, Some(parts))
+    }
+
+    fn status_call(
+        &self,
+        transfer_id: &str,
+        wait: Duration,
+        parts_wait: Option<u64>,
+    ) -> Result<TransferResp> {
         Ok(self
             .call_waiting(
                 |client| {
@@ -122,12 +161,77 @@ impl Client {
                         client,
                         transfer_id: transfer_id.to_string(),
                         wait_ms: wait.as_millis() as u64,
+                        parts_wait,
                     })
                 },
                 &[],
                 wait,
             )?
             .0)
+    }
+
+    /// Prefill side, layer-wise (SPEC §16): exports `keys` *before* their KV is
+    /// computed. Keys this daemon already holds are pinned; the others get slots the
+    /// caller writes part by part ([`StagedExport::write_part`]), announcing each
+    /// ([`StagedExport::ready`]); a push registered for `transfer_id` streams every part
+    /// as it is announced, so the handoff ends about one part after the last is
+    /// written. The last part commits the blocks (they are cached here like a `store`'s).
+    /// Refused (`invalid_state`) when a key is being written by someone else, is only
+    /// on a lower tier, or the pool has no room now: then store and export as usual.
+    pub fn export_staged(
+        &self,
+        transfer_id: &str,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        parts: u64,
+        lease: Option<Duration>,
+    ) -> Result<StagedExport> {
+        let info = self.layout_info(layout)?;
+        if parts == 0 {
+            return Err(Error::Protocol(
+                "a staged export has at least one part".into(),
+            ));
+        }
+        let spans = (0..parts)
+            .map(|j| {
+                self.layout_of(layout)?.part_range(parts, j).ok_or_else(|| {
+                    Error::Protocol(format!("layout {layout} cannot move in {parts} parts"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if !self.is_mapped() {
+            return Err(Error::NotMapped);
+        }
+        let sent = Instant::now();
+        let (r, session): (ExportResp, _) = self.call_in(|client| {
+            Request::Export(ExportReq {
+                client,
+                transfer_id: transfer_id.to_string(),
+                layout_id: layout,
+                keys: keys.to_vec(),
+                lease_ms: lease.map(|d| d.as_millis() as u64),
+                parts: Some(parts),
+                staged: true,
+            })
+        })?;
+        let pool = session.pool.clone().ok_or(Error::NotMapped)?;
+        Ok(StagedExport {
+            client: self.clone(),
+            // The staged slots are ours for the lease's period from the daemon's receipt
+            // of the request (SPEC §16): counted from before we sent, never later.
+            deadline: sent + Duration::from_millis(r.params.lease_ms),
+            params: r.params,
+            slots: r.slots,
+            session,
+            pool,
+            block_bytes: info.block_bytes as usize,
+            spans: spans
+                .into_iter()
+                .map(|(a, l)| (a as usize, l as usize))
+                .collect(),
+            ready: 0,
+            open: true,
+        })
     }
 
     /// Ends a transfer on this daemon's side; the other side is told.
@@ -167,5 +271,155 @@ impl Client {
             block_bytes: info.block_bytes as usize,
             deadline: Instant::now() + Duration::from_millis(done.ttl_ms),
         })
+    }
+}
+
+/// A staged export (SPEC §16), from [`Client::export_staged`]: slots written part by part
+/// in place, each part announced. Dropping it before the last part aborts the transfer.
+pub struct StagedExport {
+    client: Client,
+    session: Arc<crate::connection::Session>,
+    pool: Arc<PoolMap>,
+    block_bytes: usize,
+    /// `(start, len)` of each part inside a block.
+    spans: Vec<(usize, usize)>,
+    params: TransferParams,
+    slots: Vec<Option<u64>>,
+    ready: u64,
+    deadline: Instant,
+    open: bool,
+}
+
+impl StagedExport {
+    /// The `kv_transfer_params` for the decode side (usable by a pull once every part is
+    /// ready; a push registered under the id streams the parts as they come).
+    pub fn params(&self) -> &TransferParams {
+        &self.params
+    }
+
+    /// Per key: the slot written here (`None`: the daemon holds the block already).
+    pub fn slots(&self) -> &[Option<u64>] {
+        &self.slots
+    }
+
+    /// Layer groups.
+    pub fn parts(&self) -> u64 {
+        self.spans.len() as u64
+    }
+
+    /// Parts announced so far.
+    pub fn announced(&self) -> u64 {
+        self.ready
+    }
+
+    /// The bytes of part `j` inside a block, as `(start, len)`.
+    pub fn part_range(&self, j: u64) -> Option<(usize, usize)> {
+        self.spans.get(usize::try_from(j).ok()?).copied()
+    }
+
+    /// Runs `f` over part `j` of every slot to write, as `(key index, bytes)`. Refused
+    /// once the slots' time may have passed ([`Error::AllocExpired`]: the daemon may
+    /// have given them to another block), or once the export was ended here.
+    pub fn write_part<R>(
+        &mut self,
+        j: u64,
+        f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R,
+    ) -> Result<R> {
+        let (start, len) = self
+            .part_range(j)
+            .ok_or_else(|| Error::Protocol(format!("part {j} of {}", self.parts())))?;
+        self.with_range(start, len, f)
+    }
+
+    /// Runs `f` over every slot to write, whole blocks (same rules as
+    /// [`StagedExport::write_part`]).
+    pub fn write_blocks<R>(&mut self, f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R) -> Result<R> {
+        self.with_range(0, self.block_bytes, f)
+    }
+
+    fn with_range<R>(
+        &mut self,
+        start: usize,
+        len: usize,
+        f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R,
+    ) -> Result<R> {
+        if !self.open || Instant::now() >= self.deadline {
+            return Err(Error::AllocExpired);
+        }
+        let mut out = Vec::new();
+        for (i, off) in self.slots.iter().enumerate() {
+            if let Some(off) = off {
+                // SAFETY: the slot is reserved for this staged export until `deadline`
+                // (checked above; the daemon frees it no earlier, even if the transfer
+                // ends first: SPEC §16); `&mut self` makes this the only live set of
+                // borrows, slots are disjoint, and the borrows end when `f` returns.
+                let slot = unsafe { self.pool.slice_mut(*off, self.block_bytes)? };
+                let part = slot.get_mut(start..start + len).ok_or_else(|| {
+                    Error::Protocol(format!("range {start}+{len} outside a block"))
+                })?;
+                out.push((i, part));
+            }
+        }
+        let r = f(&mut out);
+        if Instant::now() >= self.deadline {
+            return Err(Error::AllocExpired);
+        }
+        Ok(r)
+    }
+
+    /// Announces that the first `ready` parts are written (the push sends them now).
+    /// The last commits the blocks; the export then lives on as an ordinary one.
+    pub fn ready(&mut self, ready: u64) -> Result<TransferResp> {
+        if !self.open {
+            return Err(Error::AllocExpired);
+        }
+        if ready >= self.parts() && Instant::now() >= self.deadline {
+            return Err(Error::AllocExpired);
+        }
+        let (r, _): (TransferResp, _) = self
+            .client
+            .raw_call(
+                &Request::ExportReady(ExportReadyReq {
+                    client: self.session.client,
+                    transfer_id: self.params.transfer_id.clone(),
+                    ready,
+                }),
+                &[],
+            )
+            .map_err(|e| {
+                // A refused count leaves the export as it was; anything else ended it.
+                if e.code() != Some(ErrorCode::InvalidArgument) {
+                    self.open = false;
+                }
+                self.client.session_lost(&self.session, e)
+            })?;
+        self.ready = self.ready.max(ready);
+        if self.ready >= self.parts() {
+            self.open = false;
+        }
+        Ok(r)
+    }
+
+    /// Ends the export now (the decode side is told; the blocks are not committed).
+    pub fn abort(mut self) -> Result<()> {
+        self.abort_inner()
+    }
+
+    fn abort_inner(&mut self) -> Result<()> {
+        if !self.open {
+            return Ok(());
+        }
+        self.open = false;
+        let req = Request::Abort(AbortReq {
+            client: self.session.client,
+            transfer_id: self.params.transfer_id.clone(),
+        });
+        self.client.raw_call::<AbortResp>(&req, &[]).map(|_| ())
+    }
+}
+
+impl Drop for StagedExport {
+    fn drop(&mut self) {
+        let _ = self.abort_inner();
     }
 }

@@ -77,6 +77,17 @@ impl Client {
             .ok_or(Error::UnknownLayout(id))
     }
 
+    /// A registered layout itself.
+    pub(crate) fn layout_of(&self, id: LayoutId) -> Result<Layout> {
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .get(&id)
+            .map(|(l, _)| l.clone())
+            .ok_or(Error::UnknownLayout(id))
+    }
+
     // ----- operations -----
 
     /// Registers a layout (idempotent) and remembers it for re-registration.

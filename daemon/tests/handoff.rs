@@ -904,6 +904,8 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
         layout_id: layout,
         keys: ks.clone(),
         lease_ms: None,
+        parts: None,
+        staged: false,
     };
     assert_eq!(
         raw.call(&[&encode_request(2, &Request::Export(export))]).1,
@@ -914,6 +916,7 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
             client: me,
             transfer_id: "raw".into(),
             wait_ms: 500,
+            parts_wait: None,
         };
         let got = raw.call(&[&encode_request(10 + i, &Request::TransferStatus(st))]);
         assert_eq!(got, (10 + i, None));

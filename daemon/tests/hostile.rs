@@ -536,6 +536,8 @@ fn bad_transfer_and_peer_messages_are_refused() {
         layout_id: l,
         keys: ks.clone(),
         lease_ms: None,
+        parts: None,
+        staged: false,
     };
     assert_eq!(call("export", &bad_export), Some(ErrorCode::InvalidState)); // not stored
     let params = TransferParams {
@@ -562,6 +564,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
         client,
         transfer_id: "nope".into(),
         wait_ms: 0,
+        parts_wait: None,
     };
     assert_eq!(
         call("transfer_status", &st),

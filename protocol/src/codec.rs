@@ -20,9 +20,9 @@ use crate::msg::op;
 use crate::msg::*;
 use crate::transfer::op as xop;
 use crate::transfer::{
-    AbortReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq, PeerLookupReq,
-    PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq, PullReq,
-    PushRegisterReq, TransferStatusReq,
+    AbortReq, ExportReadyReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq,
+    PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq,
+    PullReq, PushRegisterReq, TransferStatusReq,
 };
 
 /// The protocol version this crate speaks.
@@ -49,6 +49,7 @@ pub enum Request {
     PushRegister(PushRegisterReq),
     TransferStatus(TransferStatusReq),
     Abort(AbortReq),
+    ExportReady(ExportReadyReq),
     PeerPushReg(PeerPushRegReq),
     PeerPushDone(PeerPushDoneReq),
     PeerDone(PeerDoneReq),
@@ -102,6 +103,7 @@ impl Request {
             Request::PushRegister(_) => xop::PUSH_REGISTER,
             Request::TransferStatus(_) => xop::TRANSFER_STATUS,
             Request::Abort(_) => xop::ABORT,
+            Request::ExportReady(_) => xop::EXPORT_READY,
             Request::PeerPushReg(_) => xop::PEER_PUSH_REG,
             Request::PeerPushDone(_) => xop::PEER_PUSH_DONE,
             Request::PeerDone(_) => xop::PEER_DONE,
@@ -192,6 +194,7 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PushRegister(b) => env(id, op, b),
         Request::TransferStatus(b) => env(id, op, b),
         Request::Abort(b) => env(id, op, b),
+        Request::ExportReady(b) => env(id, op, b),
         Request::PeerPushReg(b) => env(id, op, b),
         Request::PeerPushDone(b) => env(id, op, b),
         Request::PeerDone(b) => env(id, op, b),
@@ -298,6 +301,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         xop::PUSH_REGISTER => body(frame, xop::PUSH_REGISTER).map(Request::PushRegister),
         xop::TRANSFER_STATUS => body(frame, xop::TRANSFER_STATUS).map(Request::TransferStatus),
         xop::ABORT => body(frame, xop::ABORT).map(Request::Abort),
+        xop::EXPORT_READY => body(frame, xop::EXPORT_READY).map(Request::ExportReady),
         xop::PEER_PUSH_REG => body(frame, xop::PEER_PUSH_REG).map(Request::PeerPushReg),
         xop::PEER_PUSH_DONE => body(frame, xop::PEER_PUSH_DONE).map(Request::PeerPushDone),
         xop::PEER_DONE => body(frame, xop::PEER_DONE).map(Request::PeerDone),

@@ -238,6 +238,25 @@ impl Layout {
         )
     }
 
+    /// The bytes of part `j` of `parts` layer groups inside one block, as `(start, len)`
+    /// (SPEC §16): part `j` holds layers `⌊j·L/P⌋ .. ⌊(j+1)·L/P⌋`, contiguous in the
+    /// orders whose outermost dimension is the layer. `None` when `parts` is 0 or above
+    /// the layer count, `j >= parts`, or the order is token-major and `parts > 1` (a
+    /// layer is strided there: such a layout moves whole).
+    pub fn part_range(&self, parts: u64, j: u64) -> Option<(u64, u64)> {
+        let (l0, l1) = part_layers(self.num_layers, parts, j)?;
+        if parts > 1 && self.order == MemoryOrder::TokenLayerPartHead {
+            return None;
+        }
+        let per_layer = self.block_bytes_unchecked() / self.num_layers.max(1);
+        Some((l0 * per_layer, (l1 - l0) * per_layer))
+    }
+
+    /// Whether a transfer of this layout may be split into `parts` layer groups.
+    pub fn splits_into(&self, parts: u64) -> bool {
+        self.part_range(parts, 0).is_some()
+    }
+
     /// `LE-u64(BLAKE2b(digest_size=8, canonical text))`.
     pub fn id(&self) -> LayoutId {
         let digest = Blake2b::<U8>::digest(self.canonical().as_bytes());
@@ -245,6 +264,29 @@ impl Layout {
         b.copy_from_slice(&digest);
         LayoutId(u64::from_le_bytes(b))
     }
+}
+
+/// The layers `[first, end)` of part `j` when `num_layers` layers are split into `parts`
+/// groups as evenly as whole layers allow (SPEC §16): `⌊j·L/P⌋ .. ⌊(j+1)·L/P⌋`. `None`
+/// for `parts` 0 or above `num_layers`, or `j >= parts`.
+pub fn part_layers(num_layers: u64, parts: u64, j: u64) -> Option<(u64, u64)> {
+    if parts == 0 || parts > num_layers || j >= parts {
+        return None;
+    }
+    // Both products fit: num_layers and parts are at most 2^20 for a valid layout, and
+    // u128 keeps any u64 input total.
+    let at = |i: u64| ((i as u128 * num_layers as u128) / parts as u128) as u64;
+    Some((at(j), at(j + 1)))
+}
+
+/// The part that holds `layer` (`layer < num_layers`, `parts` valid for `num_layers`).
+pub fn part_of_layer(num_layers: u64, parts: u64, layer: u64) -> Option<u64> {
+    if parts == 0 || parts > num_layers || layer >= num_layers {
+        return None;
+    }
+    // The largest j with ⌊j·L/P⌋ <= layer.
+    let j = ((layer as u128 + 1) * parts as u128).div_ceil(num_layers as u128) as u64 - 1;
+    Some(j.min(parts - 1))
 }
 
 #[cfg(test)]
@@ -328,5 +370,38 @@ mod tests {
         variants.push(l);
         let ids: std::collections::HashSet<_> = variants.iter().map(Layout::id).collect();
         assert_eq!(ids.len(), variants.len());
+    }
+
+    #[test]
+    fn parts_split_layers_evenly_and_cover_the_block() {
+        // SPEC §16 vector: 32 layers in 5 parts.
+        let b: Vec<u64> = (0..5).map(|j| part_layers(32, 5, j).unwrap().0).collect();
+        assert_eq!(b, [0, 6, 12, 19, 25]);
+        assert_eq!(part_layers(32, 5, 4), Some((25, 32)));
+        assert_eq!(part_layers(32, 0, 0), None);
+        assert_eq!(part_layers(32, 33, 0), None);
+        assert_eq!(part_layers(32, 5, 5), None);
+        for (l, p) in [(1u64, 1u64), (4, 4), (32, 5), (32, 32), (80, 7), (61, 3)] {
+            let mut next = 0;
+            for j in 0..p {
+                let (a, e) = part_layers(l, p, j).unwrap();
+                assert_eq!(a, next);
+                assert!(e > a, "every part holds a layer");
+                for layer in a..e {
+                    assert_eq!(part_of_layer(l, p, layer), Some(j), "{l} {p} {layer}");
+                }
+                next = e;
+            }
+            assert_eq!(next, l);
+        }
+        let x = example(); // 4 layers, 64 KiB blocks: 16 KiB per layer
+        assert_eq!(x.part_range(2, 1), Some((32768, 32768)));
+        assert_eq!(x.part_range(4, 3), Some((49152, 16384)));
+        assert_eq!(x.part_range(1, 0), Some((0, 65536)));
+        let t = Layout {
+            order: MemoryOrder::TokenLayerPartHead,
+            ..x
+        };
+        assert!(t.splits_into(1) && !t.splits_into(2));
     }
 }

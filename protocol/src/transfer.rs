@@ -28,6 +28,8 @@ pub mod op {
     pub const TRANSFER_STATUS: &str = "transfer_status";
     /// `abort`
     pub const ABORT: &str = "abort";
+    /// `export_ready` (SPEC §16)
+    pub const EXPORT_READY: &str = "export_ready";
     /// `peer_push_reg`
     pub const PEER_PUSH_REG: &str = "peer_push_reg";
     /// `peer_push_done`
@@ -184,6 +186,18 @@ pub struct ExportReq {
     /// Lease length; default the daemon's `transfer.lease_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// Layer groups the transfer moves in (SPEC §16; default 1: whole blocks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts: Option<u64>,
+    /// A *staged* export (SPEC §16): keys not yet committed get slots the caller writes
+    /// part by part, announcing each with `export_ready`; a push streams each part as it
+    /// is announced.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub staged: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Reply to `export`.
@@ -191,6 +205,22 @@ pub struct ExportReq {
 pub struct ExportResp {
     /// Hand this to the decode side.
     pub params: TransferParams,
+    /// A staged export: per key, the pool offset the caller writes (nil: the key is
+    /// already complete here). Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slots: Vec<Option<u64>>,
+}
+
+/// `export_ready`: the first `ready` parts of a staged export are written (SPEC §16).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ExportReadyReq {
+    /// The session that exported.
+    pub client: ClientId,
+    /// The transfer.
+    pub transfer_id: String,
+    /// Parts written so far, counted from the first (at most `parts`; a smaller or equal
+    /// count than before changes nothing). `parts` commits the staged blocks.
+    pub ready: u64,
 }
 
 /// `pull`: fetch an export into this node's pool.
@@ -237,6 +267,9 @@ pub struct PushRegisterReq {
     /// Answer when the transfer ends, or at once (default: at once).
     #[serde(default)]
     pub wait: bool,
+    /// Layer groups whose landing `transfer_status` reports (SPEC §16; default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts: Option<u64>,
 }
 
 /// `transfer_status`: where a transfer is; optionally wait for it to end.
@@ -249,6 +282,10 @@ pub struct TransferStatusReq {
     /// Wait up to this long for the transfer to end (0: answer now).
     #[serde(default)]
     pub wait_ms: u64,
+    /// Answer as soon as `parts_done` reaches this (SPEC §16), or the transfer ends, or
+    /// `wait_ms` passes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts_wait: Option<u64>,
 }
 
 /// `abort`: end a transfer now; the other side is told.
@@ -342,6 +379,17 @@ pub struct TransferResp {
     /// Why it failed, expired or was aborted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<WireError>,
+    /// Layer groups of a layer-wise transfer (SPEC §16; 0: not layer-wise).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub parts: u64,
+    /// Exporter: parts announced ready (staged) or all; importer: leading parts whose
+    /// bytes have all landed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub parts_done: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Reply to `abort`.

@@ -257,6 +257,7 @@ impl Server {
             Request::PushRegister(r) => later(t.push_register(s, r, token, now)?),
             Request::TransferStatus(r) => later(t.status(s, r, token, now)?),
             Request::Abort(r) => Answer::Now(Body::from(t.abort(s, r, now)?)),
+            Request::ExportReady(r) => Answer::Now(Body::from(t.export_ready(s, r, now)?)),
             Request::PeerPushReg(r) => Answer::Now(Body::from(t.peer_push_reg(s, r, now)?)),
             Request::PeerPushDone(r) => Answer::Now(Body::from(t.peer_push_done(s, r, now)?)),
             Request::PeerDone(r) => Answer::Now(Body::from(t.peer_done(s, r, now)?)),

@@ -250,6 +250,22 @@ impl Store {
         self.sessions.layout(layout).ok().map(|l| l.block_bytes)
     }
 
+    /// The `(start, len)` inside a block of each of `parts` layer groups of a registered
+    /// layout (SPEC §16); `None` when the layout is unknown or cannot split so.
+    pub fn part_spans(&self, layout: LayoutId, parts: u64) -> Option<Vec<(u64, u64)>> {
+        let l = self.sessions.layout(layout).ok()?;
+        if parts == 0 || parts > l.num_layers || (parts > 1 && !l.layer_major) {
+            return None;
+        }
+        let per_layer = l.block_bytes / l.num_layers.max(1);
+        (0..parts)
+            .map(|j| {
+                let (a, e) = kvd_protocol::part_layers(l.num_layers, parts, j)?;
+                Some((a * per_layer, (e - a) * per_layer))
+            })
+            .collect()
+    }
+
     /// Tokens per block of a registered layout (0: not registered since the start).
     pub fn tokens_per_block(&self, layout: LayoutId) -> u64 {
         self.sessions
@@ -361,6 +377,8 @@ impl Store {
                     block_bytes,
                     class,
                     tokens_per_block: layout.tokens_per_block,
+                    num_layers: layout.num_layers,
+                    layer_major: layout.splits_into(layout.num_layers.min(2)),
                 },
             );
         }

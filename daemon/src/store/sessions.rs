@@ -31,6 +31,11 @@ pub(super) struct LayoutEntry {
     pub class: ClassId,
     /// Tokens per block (what KV events say a block holds).
     pub tokens_per_block: u64,
+    /// Layers per block.
+    pub num_layers: u64,
+    /// Whether a layer's bytes are contiguous in a block (layer-major orders): only
+    /// then may a transfer move it in layer groups (SPEC §16).
+    pub layer_major: bool,
 }
 
 /// See the module docs.

@@ -47,16 +47,29 @@ impl Transfers {
             )
         })?;
         store.check_session(req.client, now)?;
+        let parts = req.parts.unwrap_or(1);
+        let spans = store.part_spans(req.layout_id, parts).ok_or_else(|| {
+            WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "layout {} cannot move in {parts} parts (1 to its layer count, and 1 \
+                     for a token-major order)",
+                    req.layout_id
+                ),
+            )
+        })?;
         let lease = self.lease_of(req.lease_ms, now);
         // The export releases the pin; its TTL is only the backstop (the export itself
         // ends by `max_hold`).
-        let (pin, offsets) = store.pin_for_export(
-            self.system,
-            req.layout_id,
-            &req.keys,
-            self.cfg.max_hold + lease.period(),
-            now,
-        )?;
+        let pin_ttl = self.cfg.max_hold + lease.period();
+        let (pin, offsets, staged, slots) = if req.staged {
+            self.stage(store, req, lease.period(), now)?
+        } else {
+            let (pin, offsets) =
+                store.pin_for_export(self.system, req.layout_id, &req.keys, pin_ttl, now)?;
+            (Some(pin), offsets, None, Vec::new())
+        };
+        let stage_deadline = staged.as_ref().map(|s: &super::export::Staged| s.deadline);
         let (export, params) = Export::open(
             &self.me,
             req,
@@ -65,17 +78,117 @@ impl Transfers {
             pin,
             lease,
             &self.grants,
+            (spans, staged),
             now,
         );
-        tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), "exported");
+        tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), parts, staged = req.staged, "exported");
         self.by_grant
             .insert(export.handle(), (Timer::Export, req.transfer_id.clone()));
         self.exports.insert(req.transfer_id.clone(), export);
         self.counters.exports += 1;
         self.timers
             .push(lease.expires(), (Timer::Export, req.transfer_id.clone()));
+        if let Some(d) = stage_deadline {
+            self.timers
+                .push(d, (Timer::Export, req.transfer_id.clone()));
+        }
         self.try_push(store, &req.transfer_id, now);
-        Ok(Reply::Export(ExportResp { params }))
+        Ok(Reply::Export(ExportResp { params, slots }))
+    }
+
+    /// A staged export's slots (SPEC §16): reservations (this daemon's own, lasting the
+    /// lease's period from now) for the keys not committed here, a pin on those that are.
+    /// Refused when a key is being written by someone else, is only on a lower tier, or
+    /// the pool has no room now: the caller stores and exports the ordinary way.
+    #[allow(clippy::type_complexity)]
+    fn stage(
+        &mut self,
+        store: &mut Store,
+        req: &ExportReq,
+        period: Duration,
+        now: Instant,
+    ) -> Result<
+        (
+            Option<PinId>,
+            Vec<u64>,
+            Option<super::export::Staged>,
+            Vec<Option<u64>>,
+        ),
+        WireError,
+    > {
+        let refuse = |why: String| {
+            WireError::new(
+                ErrorCode::InvalidState,
+                format!("staged export of {:?}: {why}", req.transfer_id),
+            )
+        };
+        let mut seen = std::collections::HashSet::new();
+        if let Some(i) = req.keys.iter().position(|k| !seen.insert(*k)) {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("key #{i} is named twice"),
+            ));
+        }
+        let a = store
+            .alloc_for_transfer(self.system, req.layout_id, &req.keys, period, now)?
+            .ok_or_else(|| refuse("no room now, or a key is being written".into()))?;
+        let give_back = |store: &mut Store| {
+            let keys: Vec<ChunkHash> = req
+                .keys
+                .iter()
+                .zip(&a.offsets)
+                .filter_map(|(k, o)| o.map(|_| *k))
+                .collect();
+            if !keys.is_empty() {
+                let d = DeleteReq {
+                    client: self.system,
+                    layout_id: req.layout_id,
+                    keys,
+                };
+                let _ = store.delete(&d, now);
+            }
+        };
+        if let Some(i) = a.status.iter().position(|s| *s == AllocStatus::Busy) {
+            give_back(store);
+            return Err(refuse(format!(
+                "key #{i} is being written by another writer"
+            )));
+        }
+        let held: Vec<ChunkHash> = req
+            .keys
+            .iter()
+            .zip(&a.offsets)
+            .filter_map(|(k, o)| o.is_none().then_some(*k))
+            .collect();
+        let (pin, held_at) = if held.is_empty() {
+            (None, Vec::new())
+        } else {
+            let ttl = self.cfg.max_hold + period;
+            match store.pin_for_export(self.system, req.layout_id, &held, ttl, now) {
+                Ok((p, o)) => (Some(p), o),
+                Err(e) => {
+                    give_back(store);
+                    return Err(refuse(format!("a key held here is not in DRAM ({e})")));
+                }
+            }
+        };
+        let mut held_at = held_at.into_iter();
+        let mut offsets = Vec::with_capacity(req.keys.len());
+        let mut staged = Vec::new();
+        for (k, o) in req.keys.iter().zip(&a.offsets) {
+            match o {
+                Some(o) => {
+                    offsets.push(*o);
+                    staged.push(*k);
+                }
+                None => offsets.push(held_at.next().unwrap_or_default()),
+            }
+        }
+        let plan = super::export::Staged {
+            keys: staged,
+            deadline: now + period,
+        };
+        Ok((pin, offsets, Some(plan), a.offsets.clone()))
     }
 
     /// `pull`.
@@ -155,8 +268,22 @@ impl Transfers {
             None,
             now,
         )?;
+        let parts = req.parts.unwrap_or(1);
+        let spans = store.part_spans(req.layout_id, parts).ok_or_else(|| {
+            WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "layout {} cannot move in {parts} parts (1 to its layer count, and 1 \
+                     for a token-major order)",
+                    req.layout_id
+                ),
+            )
+        })?;
         let id = req.transfer_id.clone();
-        let imp = Import::push(req, block_bytes, self.cfg.lease, now);
+        let mut imp = Import::push(req, block_bytes, self.cfg.lease, now);
+        if req.parts.is_some_and(|p| p > 1) {
+            imp = imp.in_parts(spans);
+        }
         self.accept_import(store, &id, imp, now);
         self.answer_or_wait(&id, req.wait, token, now)
     }
@@ -208,6 +335,22 @@ impl Transfers {
                 return Ok(Answer::Now(Box::new(Reply::Transfer(r))));
             }
             Err(e) => return Err(e),
+        }
+        if let (Some(want), true) = (req.parts_wait, req.wait_ms > 0) {
+            // Layer-wise (SPEC §16): answer once that many parts landed.
+            let r = self
+                .describe(&req.transfer_id, now)
+                .ok_or_else(|| self.unknown(&req.transfer_id))?;
+            if r.state.is_final() || r.parts_done >= want {
+                return Ok(Answer::Now(Box::new(Reply::Transfer(r))));
+            }
+            self.waiters.push(Waiter {
+                token,
+                transfer: req.transfer_id.clone(),
+                deadline: now + Duration::from_millis(req.wait_ms),
+                parts: Some(want),
+            });
+            return Ok(Answer::Later(token));
         }
         self.answer_or_wait(&req.transfer_id, req.wait_ms > 0, token, now)
             .map(|a| match a {
@@ -380,6 +523,8 @@ impl Transfers {
             transport: "local".into(),
             elapsed_us: now.saturating_duration_since(t0).as_micros() as u64,
             error: None,
+            parts: 0,
+            parts_done: 0,
         }))
     }
 
@@ -437,13 +582,17 @@ impl Transfers {
             transfer: id.to_string(),
             // A waiting pull answers at the latest after a few leases (its state then).
             deadline: now + lease * 4,
+            parts: None,
         });
         Ok(Answer::Later(token))
     }
 
     pub(super) fn describe(&self, id: &str, now: Instant) -> Option<TransferResp> {
         match (self.imports.get(id), self.exports.get(id)) {
-            (Some(i), _) => Some(i.describe(id, now)),
+            (Some(i), _) => Some(TransferResp {
+                parts_done: i.parts_landed(&self.grants),
+                ..i.describe(id, now)
+            }),
             (None, Some(e)) => Some(e.describe(id, now)),
             (None, None) => None,
         }
@@ -459,6 +608,32 @@ impl Transfers {
         let mut i = 0;
         while i < self.waiters.len() {
             if self.waiters[i].transfer == id {
+                let w = self.waiters.swap_remove(i);
+                self.answers
+                    .push((w.token, Ok(Reply::Transfer(resp.clone()))));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Answers the waiters of `id` whose `parts_wait` is reached (some of a layer-wise
+    /// push's bytes landed).
+    pub(super) fn wake_part_waiters(&mut self, id: &str, now: Instant) {
+        if !self
+            .waiters
+            .iter()
+            .any(|w| w.transfer == id && w.parts.is_some())
+        {
+            return;
+        }
+        let Some(resp) = self.describe(id, now) else {
+            return;
+        };
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let w = &self.waiters[i];
+            if w.transfer == id && w.parts.is_some_and(|p| resp.parts_done >= p) {
                 let w = self.waiters.swap_remove(i);
                 self.answers
                     .push((w.token, Ok(Reply::Transfer(resp.clone()))));

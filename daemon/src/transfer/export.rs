@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvd_protocol::*;
 
-use super::dataplane::Op;
+use super::dataplane::{Access, Op};
 use super::grants::{GrantKind, Grants};
 use super::life::{Finished, Life, Retain, Side};
 use super::registration::Registration;
@@ -52,6 +52,42 @@ pub(super) struct Export {
     push: Option<(u64, u64)>,
     job: Option<u64>,
     life: Life,
+    /// Layer groups (SPEC §16): `(start, len)` inside a block of each; one group of the
+    /// whole block for an export that moves whole.
+    part_spans: Vec<(u64, u64)>,
+    /// Parts whose bytes are in the slots (all of them unless staged).
+    ready: u64,
+    /// A staged export's keys still to commit, and when their reservations lapse (empty
+    /// once committed, or for an export of committed blocks).
+    staged: Vec<ChunkHash>,
+    stage_deadline: Option<Instant>,
+    /// Push: (our slot, their slot) per block to write, and how to reach them.
+    push_slots: Vec<(u64, u64)>,
+    push_access: Option<Access>,
+    /// Parts written by completed jobs, and those the running job writes.
+    sent: u64,
+    sending: u64,
+    /// Opened layer-wise or staged: `transfer_status` reports its parts.
+    layered: bool,
+}
+
+/// A staged export's plan (SPEC §16): the keys this export commits once every part is
+/// ready, and when their reservations lapse.
+#[derive(Debug)]
+pub(super) struct Staged {
+    pub keys: Vec<ChunkHash>,
+    pub deadline: Instant,
+}
+
+/// What a push does next.
+#[derive(Debug)]
+pub(super) enum NextPush {
+    /// Nothing now (no target, a job running, or no part ready beyond those sent).
+    Wait,
+    /// Write these; they bring the parts written to `upto`.
+    Write(Vec<Op>, Box<Access>, u64),
+    /// Every part is written.
+    Done,
 }
 
 /// What a heartbeat naming an export finds.
@@ -88,32 +124,34 @@ impl Export {
     /// A new export of `keys` (pinned by `pin` at `offsets`) with a fresh handle and
     /// token, its read grant inserted until the lease's expiry. Returns it and the
     /// params the importer presents.
+    /// `pin` may be `None` only for a staged export none of whose keys was committed;
+    /// `part_spans` are the layer groups (one `(0, block_bytes)` for whole blocks). A
+    /// staged export opens its read grant only when every part is ready (a pull before
+    /// then is refused: it would read half-written blocks).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         me: &PeerRef,
         req: &ExportReq,
         offsets: Vec<u64>,
         block_bytes: u64,
-        pin: PinId,
+        pin: Option<PinId>,
         lease: Lease,
         grants: &Grants,
+        plan: (Vec<(u64, u64)>, Option<Staged>),
         now: Instant,
     ) -> (Export, TransferParams) {
         let handle = rand::random::<u64>() | 1;
         let token = rand::random::<u64>();
-        let ranges: Vec<(u64, u64)> = offsets.iter().map(|&o| (o, block_bytes)).collect();
-        let tag = transfer_tag(
-            &req.transfer_id,
-            &req.keys,
-            offsets.iter().map(|&o| Some(o)),
-        );
-        grants.insert(
-            handle,
-            token ^ tag,
-            GrantKind::Read,
-            &ranges,
-            lease.expires(),
-        );
+        let (part_spans, staged) = plan;
+        let staged_open = staged.is_some();
+        let mut me = me.clone();
+        if staged_open {
+            // A same-host importer copies a pool file without asking: it could copy
+            // parts not yet written. Staged exports are read over TCP, whose reads
+            // the read grant (open only once every part is ready) admits (SPEC §16).
+            me.shm = None;
+        }
+        let me = &me;
         let params = TransferParams {
             from: me.clone(),
             transfer_id: req.transfer_id.clone(),
@@ -126,6 +164,7 @@ impl Export {
             lease_ms: lease.period().as_millis() as u64,
             expires_unix_ms: unix_ms(lease.expires(), now),
         };
+        let parts = part_spans.len() as u64;
         let export = Export {
             client: req.client,
             handle,
@@ -134,14 +173,149 @@ impl Export {
             keys: req.keys.clone(),
             offsets,
             block_bytes,
-            pin: Some(pin),
+            pin,
             lease,
             importer: None,
             push: None,
             job: None,
             life: Life::new(Side::Exporter, TransferState::Exported, now),
+            part_spans,
+            ready: if staged.is_some() { 0 } else { parts },
+            stage_deadline: staged.as_ref().map(|s| s.deadline),
+            staged: staged.map(|s| s.keys).unwrap_or_default(),
+            push_slots: Vec::new(),
+            push_access: None,
+            sent: 0,
+            sending: 0,
+            layered: parts > 1 || staged_open,
         };
+        if export.stage_deadline.is_none() {
+            export.open_grant(&req.transfer_id, grants);
+        }
         (export, params)
+    }
+
+    /// Opens the read grant over every exported slot.
+    fn open_grant(&self, id: &str, grants: &Grants) {
+        let ranges: Vec<(u64, u64)> = self
+            .offsets
+            .iter()
+            .map(|&o| (o, self.block_bytes))
+            .collect();
+        let tag = transfer_tag(id, &self.keys, self.offsets.iter().map(|&o| Some(o)));
+        grants.insert(
+            self.handle,
+            self.token ^ tag,
+            GrantKind::Read,
+            &ranges,
+            self.lease.expires(),
+        );
+    }
+
+    /// Layer groups (1 for whole blocks).
+    pub(super) fn parts(&self) -> u64 {
+        self.part_spans.len() as u64
+    }
+
+    /// Whether it was staged and its blocks are not committed yet.
+    pub(super) fn staging(&self) -> bool {
+        self.stage_deadline.is_some()
+    }
+
+    /// When a staged export's reservations lapse.
+    pub(super) fn stage_deadline(&self) -> Option<Instant> {
+        self.stage_deadline
+    }
+
+    /// `export_ready`: the first `ready` parts are written. Returns whether this made
+    /// every part ready (then commit the staged keys and call [`Export::committed`]). A
+    /// count at or below the current one changes nothing.
+    pub(super) fn announce(&mut self, ready: u64) -> Result<bool, WireError> {
+        if ready > self.parts() {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "ready {ready} is more than the export's {} parts",
+                    self.parts()
+                ),
+            ));
+        }
+        if !self.staging() || ready <= self.ready {
+            return Ok(false);
+        }
+        self.ready = ready;
+        Ok(ready == self.parts())
+    }
+
+    /// The staged keys to commit.
+    pub(super) fn staged_keys(&self) -> &[ChunkHash] {
+        &self.staged
+    }
+
+    /// The staged keys are committed and every key is pinned by `pin` at `offsets`:
+    /// the export is an ordinary one from here (its read grant opens). Returns the pin
+    /// it replaces (release it), or an error when the blocks are not where they were
+    /// written (then release `pin` and fail the export).
+    pub(super) fn committed(
+        &mut self,
+        id: &str,
+        pin: PinId,
+        offsets: &[u64],
+        grants: &Grants,
+    ) -> Result<Option<PinId>, WireError> {
+        if offsets != self.offsets.as_slice() {
+            return Err(WireError::new(
+                ErrorCode::Internal,
+                "staged blocks are not at the slots they were written in",
+            ));
+        }
+        self.staged.clear();
+        self.stage_deadline = None;
+        let old = self.pin.replace(pin);
+        self.open_grant(id, grants);
+        Ok(old)
+    }
+
+    /// What the push writes next: the parts ready beyond those written, one range per
+    /// block (the parts of a block are contiguous).
+    pub(super) fn next_push(&mut self) -> NextPush {
+        let Some(access) = self.push_access.clone() else {
+            return NextPush::Wait;
+        };
+        if self.job.is_some() || self.is_final() {
+            return NextPush::Wait;
+        }
+        if self.sent >= self.parts() {
+            return if self.staging() {
+                NextPush::Wait
+            } else {
+                NextPush::Done
+            };
+        }
+        if self.ready <= self.sent {
+            return NextPush::Wait;
+        }
+        let (from, upto) = (self.sent as usize, self.ready as usize);
+        let (Some(first), Some(last)) = (self.part_spans.get(from), self.part_spans.get(upto - 1))
+        else {
+            return NextPush::Wait;
+        };
+        let (start, len) = (first.0, last.0 + last.1 - first.0);
+        if self.push_slots.is_empty() {
+            // The importer holds every block: nothing to write, ever.
+            self.sent = self.ready;
+            return self.next_push();
+        }
+        let ops = self
+            .push_slots
+            .iter()
+            .map(|&(src, dst)| Op {
+                remote: dst + start,
+                local: src + start,
+                len,
+            })
+            .collect();
+        NextPush::Write(ops, Box::new(access), self.ready)
     }
 
     pub(super) fn client(&self) -> ClientId {
@@ -150,6 +324,14 @@ impl Export {
 
     pub(super) fn handle(&self) -> u64 {
         self.handle
+    }
+
+    pub(super) fn layout(&self) -> LayoutId {
+        self.layout
+    }
+
+    pub(super) fn keys(&self) -> &[ChunkHash] {
+        &self.keys
     }
 
     pub(super) fn state(&self) -> TransferState {
@@ -178,7 +360,11 @@ impl Export {
 
     /// Whether a local pull's params are this live export's.
     pub(super) fn matches(&self, p: &TransferParams) -> bool {
-        !self.is_final() && self.handle == p.handle && self.token == p.token && self.keys == p.keys
+        !self.is_final()
+            && !self.staging()
+            && self.handle == p.handle
+            && self.token == p.token
+            && self.keys == p.keys
     }
 
     /// The proof a `peer_done` must carry: the token bound to the exported keys and
@@ -208,10 +394,15 @@ impl Export {
         self.importer = Some(peer);
     }
 
-    /// Pairs the export with a push registration: the importer, its write grant and the
-    /// longer of the two leases. Returns the writes (export slot → registered slot), or
-    /// why the registration does not fit the export (its layout or a key).
-    pub(super) fn accept_registration(&mut self, reg: &Registration) -> Result<Vec<Op>, WireError> {
+    /// Pairs the export with a push registration (`access`: how to write into it): the
+    /// importer, its write grant and the longer of the two leases. Records the writes
+    /// (export slot → registered slot, [`Export::next_push`] makes them), or says why the
+    /// registration does not fit the export (its layout or a key).
+    pub(super) fn accept_registration(
+        &mut self,
+        reg: &Registration,
+        access: Access,
+    ) -> Result<(), WireError> {
         self.importer = Some(reg.from().clone());
         self.push = Some(reg.grant());
         self.lease.widen(reg.period());
@@ -235,11 +426,7 @@ impl Export {
         for (i, (k, dst)) in reg.slots().enumerate() {
             let Some(dst) = dst else { continue };
             match at.get(k) {
-                Some(&src) => ops.push(Op {
-                    remote: dst,
-                    local: src,
-                    len: self.block_bytes,
-                }),
+                Some(&src) => ops.push((src, dst)),
                 None => {
                     return Err(WireError::new(
                         ErrorCode::InvalidArgument,
@@ -248,25 +435,38 @@ impl Export {
                 }
             }
         }
-        Ok(ops)
+        self.push_slots = ops;
+        self.push_access = Some(access);
+        Ok(())
     }
 
-    /// Exported → Running: the push's data-plane job `job` on `transport`.
-    pub(super) fn start_job(&mut self, transport: &'static str, job: u64) {
-        debug_assert_eq!(self.state(), TransferState::Exported);
-        self.life.advance(TransferState::Running);
+    /// Exported (or Running, for the next parts) → Running: the push's data-plane job
+    /// `job` on `transport`, writing the parts up to `upto`.
+    pub(super) fn start_job(&mut self, transport: &'static str, job: u64, upto: u64) {
+        if self.state() == TransferState::Exported {
+            self.life.advance(TransferState::Running);
+        }
         self.life.moving_by(transport);
         self.job = Some(job);
+        self.sending = upto;
     }
 
-    /// Its data-plane job ended.
-    pub(super) fn job_done(&mut self) {
+    /// Its data-plane job ended (`ok`: its parts are written).
+    pub(super) fn job_done(&mut self, ok: bool) {
         self.job = None;
+        if ok {
+            self.sent = self.sent.max(self.sending);
+        }
     }
 
-    /// The job wrote `bytes`.
+    /// Bytes the push has written so far.
+    pub(super) fn bytes_moved(&self) -> u64 {
+        self.life.bytes()
+    }
+
+    /// A job wrote `bytes` more.
     pub(super) fn moved(&mut self, bytes: u64) {
-        self.life.moved(bytes);
+        self.life.moved(self.life.bytes() + bytes);
     }
 
     /// Every exported byte was read over TCP under the grant: what is moved is known.
@@ -345,6 +545,10 @@ impl Export {
 
     /// What `transfer_status` says of it.
     pub(super) fn describe(&self, id: &str, now: Instant) -> TransferResp {
-        self.life.describe(id, self.block_bytes, now)
+        TransferResp {
+            parts: if self.layered { self.parts() } else { 0 },
+            parts_done: if self.layered { self.ready } else { 0 },
+            ..self.life.describe(id, self.block_bytes, now)
+        }
     }
 }

@@ -8,12 +8,13 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::dataplane::{Dir, Job};
-use super::export::Settle;
-use super::{Timer, Transfers};
+use super::export::{NextPush, Settle};
+use super::{Reply, Timer, Transfers};
 use crate::store::Store;
 
 impl Transfers {
-    /// Starts the push of `id` if both its export and its registration are here.
+    /// Pairs the export `id` with its push registration if both are here, and starts
+    /// writing what is ready.
     pub(super) fn try_push(&mut self, store: &mut Store, id: &str, now: Instant) {
         let ready = self
             .exports
@@ -26,36 +27,137 @@ impl Transfers {
         let (Some(reg), Some(exp)) = (self.regs.remove(id), self.exports.get_mut(id)) else {
             return;
         };
-        let ops = match exp.accept_registration(&reg) {
-            Ok(ops) => ops,
-            Err(e) => {
-                self.end_export(store, id, TransferState::Failed, Some(e), true, now);
-                return;
-            }
-        };
-        if ops.is_empty() {
-            self.push_written(store, id, 0, now);
-            return;
-        }
-        let job = self.new_id();
-        let transport = self.remote_transport(reg.from());
-        if let Some(exp) = self.exports.get_mut(id) {
-            exp.start_job(transport.name(), job);
-        }
         let access = super::dataplane::Access {
             peer: reg.from().clone(),
             handle: reg.grant().0,
             token: reg.access_token(id),
             verify: false,
         };
-        self.jobs.insert(job, (Timer::Export, id.to_string()));
-        self.plane.submit(Job {
-            id: job,
-            transport,
-            dir: Dir::Write,
-            access,
-            ops,
-        });
+        if let Err(e) = exp.accept_registration(&reg, access) {
+            self.end_export(store, id, TransferState::Failed, Some(e), true, now);
+            return;
+        }
+        self.push_more(store, id, now);
+    }
+
+    /// Writes the parts of a paired export that are ready and not yet written (one job
+    /// at a time; its completion calls this again), or ends the push when every part
+    /// is written.
+    pub(super) fn push_more(&mut self, store: &mut Store, id: &str, now: Instant) {
+        let Some(exp) = self.exports.get_mut(id) else {
+            return;
+        };
+        match exp.next_push() {
+            NextPush::Wait => {}
+            NextPush::Done => {
+                let bytes = exp.bytes_moved();
+                self.push_written(store, id, bytes, now);
+            }
+            NextPush::Write(ops, access, upto) => {
+                let job = self.new_id();
+                let transport = self.remote_transport(&access.peer);
+                if let Some(exp) = self.exports.get_mut(id) {
+                    exp.start_job(transport.name(), job, upto);
+                }
+                self.jobs.insert(job, (Timer::Export, id.to_string()));
+                self.plane.submit(Job {
+                    id: job,
+                    transport,
+                    dir: Dir::Write,
+                    access: *access,
+                    ops,
+                });
+            }
+        }
+    }
+
+    /// `export_ready` (SPEC §16): records the parts written; the last one commits the
+    /// staged blocks (the export is an ordinary one from there); a paired push writes
+    /// what became ready.
+    pub fn export_ready(
+        &mut self,
+        store: &mut Store,
+        req: &ExportReadyReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        let id = &req.transfer_id;
+        self.check_owner(store, req.client, id, now)?;
+        let Some(exp) = self.exports.get_mut(id) else {
+            return Err(self.unknown(id));
+        };
+        if exp.is_final() {
+            let why = exp.describe(id, now).error;
+            return Err(WireError::new(
+                ErrorCode::InvalidState,
+                format!(
+                    "transfer {id:?} has ended ({:?}{})",
+                    exp.state(),
+                    why.map(|e| format!(": {e}")).unwrap_or_default()
+                ),
+            ));
+        }
+        if exp.announce(req.ready)? {
+            if let Err(e) = self.commit_staged(store, id, now) {
+                self.end_export(store, id, TransferState::Failed, Some(e.clone()), true, now);
+                return Err(e);
+            }
+        }
+        self.push_more(store, id, now);
+        self.describe(id, now)
+            .map(Reply::Transfer)
+            .ok_or_else(|| self.unknown(id))
+    }
+
+    /// Commits a staged export's blocks (every part is written) and pins all its keys,
+    /// where they were written.
+    fn commit_staged(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        let Some(exp) = self.exports.get(id) else {
+            return Err(self.unknown(id));
+        };
+        if exp.stage_deadline().is_some_and(|d| now >= d) {
+            return Err(WireError::new(
+                ErrorCode::LeaseExpired,
+                "the staged slots' time (the export's lease) ran out before the last part",
+            ));
+        }
+        let (layout, keys) = (exp.layout(), exp.keys().to_vec());
+        let staged = exp.staged_keys().to_vec();
+        if !staged.is_empty() {
+            let c = CommitReq {
+                client: self.system,
+                layout_id: layout,
+                keys: staged,
+                offsets: None,
+            };
+            store.commit(&c, &[], now).map_err(|e| {
+                WireError::new(e.code(), format!("committing the staged blocks: {e}"))
+            })?;
+        }
+        let ttl = self.cfg.max_hold + exp.period();
+        let (pin, offsets) = store
+            .pin_for_export(self.system, layout, &keys, ttl, now)
+            .map_err(|e| WireError::new(e.code(), format!("pinning the staged blocks: {e}")))?;
+        let Some(exp) = self.exports.get_mut(id) else {
+            store.unpin_by_id(pin);
+            return Err(self.unknown(id));
+        };
+        match exp.committed(id, pin, &offsets, &self.grants) {
+            Ok(old) => {
+                if let Some(old) = old {
+                    store.unpin_by_id(old);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                store.unpin_by_id(pin);
+                Err(e)
+            }
+        }
     }
 
     /// The push's bytes are written (`bytes` of them): the export is done. The importer

@@ -52,6 +52,9 @@ struct Grant {
     moved: Vec<(u64, u64)>,
     /// Whether the handle was queued as filled.
     filled: bool,
+    /// Queue the handle after every completed request, not only the filling one (a
+    /// layer-wise push: its importer reports the parts that landed).
+    progress: bool,
 }
 
 /// Adds `[s, e)` ranges to a sorted, merged list (in place); returns the bytes it now
@@ -108,8 +111,8 @@ impl Drop for GrantGuard<'_> {
                 let covered = merge_into(&mut g.moved, &self.ranges);
                 if covered >= g.size {
                     g.filled = true;
-                    filled = true;
                 }
+                filled = g.filled || g.progress;
             }
         }
         drop(map);
@@ -174,8 +177,38 @@ impl Grants {
                 size,
                 moved: Vec::new(),
                 filled: false,
+                progress: false,
             },
         );
+    }
+
+    /// Queue `handle` after every completed request under it (see `progress`); the
+    /// consumer tells a fill from progress with [`Grants::is_filled`].
+    pub fn track_progress(&self, handle: u64) {
+        if let Some(g) = self.lock().get_mut(&handle) {
+            g.progress = true;
+        }
+    }
+
+    /// Whether completed requests have moved every byte of the grant.
+    pub fn is_filled(&self, handle: u64) -> bool {
+        self.lock().get(&handle).is_some_and(|g| g.filled)
+    }
+
+    /// Whether completed requests have moved every byte of each `(offset, len)` range.
+    pub fn covers(&self, handle: u64, ranges: &[(u64, u64)]) -> bool {
+        let map = self.lock();
+        let Some(g) = map.get(&handle) else {
+            return false;
+        };
+        if g.filled {
+            return true;
+        }
+        ranges.iter().all(|&(off, len)| {
+            let end = off.saturating_add(len);
+            let i = g.moved.partition_point(|&(s, _)| s <= off);
+            i > 0 && g.moved[i - 1].1 >= end
+        })
     }
 
     /// Moves a grant's expiry (the lease was renewed).

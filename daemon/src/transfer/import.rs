@@ -78,6 +78,9 @@ pub(super) struct Import {
     life: Life,
     /// What the transport that moved the bytes vouches for (decides the confirmation).
     caps: Caps,
+    /// Push, layer-wise (SPEC §16): the `(start, len)` inside a block of each layer
+    /// group whose landing `transfer_status` reports (empty: not layer-wise).
+    part_spans: Vec<(u64, u64)>,
 }
 
 /// A push import's write grant, as the grants table takes it.
@@ -139,6 +142,7 @@ impl Import {
             internal: false,
             life: Life::new(Side::Importer, TransferState::Queued, now),
             caps: Caps::default(),
+            part_spans: Vec::new(),
         }
     }
 
@@ -188,6 +192,47 @@ impl Import {
             period,
             now,
         )
+    }
+
+    /// Reports the landing of these layer groups (`(start, len)` inside a block).
+    pub(super) fn in_parts(self, part_spans: Vec<(u64, u64)>) -> Import {
+        Import { part_spans, ..self }
+    }
+
+    /// Layer groups it reports (0: not layer-wise).
+    pub(super) fn parts(&self) -> u64 {
+        self.part_spans.len() as u64
+    }
+
+    /// How many leading layer groups have landed in every slot this push fills (all of
+    /// them once done; 0 for a transfer that is not layer-wise or ended otherwise).
+    pub(super) fn parts_landed(&self, grants: &Grants) -> u64 {
+        let parts = self.parts();
+        if parts == 0 {
+            return 0;
+        }
+        match self.state() {
+            TransferState::Done => return parts,
+            s if s.is_final() => return 0,
+            _ => {}
+        }
+        if self.mode != Mode::Push || !self.allocated {
+            return 0;
+        }
+        let mut n = 0;
+        for &(start, len) in &self.part_spans {
+            let ranges: Vec<(u64, u64)> = self
+                .local
+                .iter()
+                .flatten()
+                .map(|&o| (o + start, len))
+                .collect();
+            if !ranges.is_empty() && !grants.covers(self.handle, &ranges) {
+                break;
+            }
+            n += 1;
+        }
+        n
     }
 
     /// Admitted but not started (`defer`): heartbeats keep the export, nothing moves.
@@ -570,6 +615,7 @@ impl Import {
             offsets: r.map(|r| r.offsets.clone()).unwrap_or_default(),
             pin: r.and_then(|r| r.pin),
             ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
+            parts: self.parts(),
             ..self.life.describe(id, self.block_bytes, now)
         }
     }

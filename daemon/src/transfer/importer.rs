@@ -102,6 +102,10 @@ impl Transfers {
                 &g.ranges,
                 imp.grant_end(self.cfg.max_hold),
             );
+            if imp.parts() > 0 {
+                // Layer-wise: every completed write wakes the parts' waiters.
+                self.grants.track_progress(g.handle);
+            }
             self.by_grant
                 .insert(g.handle, (Timer::Import, id.to_string()));
         }

@@ -151,6 +151,10 @@ impl Life {
     }
 
     /// `bytes` moved.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     pub(super) fn moved(&mut self, bytes: u64) {
         self.bytes = bytes;
     }
@@ -217,6 +221,8 @@ impl Life {
                 .saturating_duration_since(self.created)
                 .as_micros() as u64,
             error: self.error.clone(),
+            parts: 0,
+            parts_done: 0,
         }
     }
 }

@@ -185,6 +185,8 @@ struct Waiter {
     token: u64,
     transfer: String,
     deadline: Instant,
+    /// Answer once this many parts landed (SPEC §16), not only at the end.
+    parts: Option<u64>,
 }
 
 /// The identity of this host, to recognise a same-host peer.

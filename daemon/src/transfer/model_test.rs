@@ -167,6 +167,8 @@ fn run_export(ops: &[XOp], m: Mutant) -> Result<(), TestCaseError> {
         layout_id: LayoutId(1),
         keys: keys.clone(),
         lease_ms: Some(300),
+        parts: None,
+        staged: false,
     };
     let period = MS * 300;
     let lease = Lease::new(period, now).with_max_hold(MAX_HOLD, now);
@@ -175,9 +177,10 @@ fn run_export(ops: &[XOp], m: Mutant) -> Result<(), TestCaseError> {
         &req,
         offsets.clone(),
         BLOCK,
-        PinId(9),
+        Some(PinId(9)),
         lease,
         &grants,
+        (vec![(0, BLOCK)], None),
         now,
     );
     prop_assert_eq!(params.lease_ms, 300);
@@ -234,10 +237,22 @@ fn run_export(ops: &[XOp], m: Mutant) -> Result<(), TestCaseError> {
                     },
                     Lease::new(MS * 600, now),
                 );
-                let ops = x.accept_registration(&reg);
-                prop_assert_eq!(ops.is_ok(), fits, "a registration fits iff its layout does");
-                if let Ok(ops) = ops {
-                    prop_assert_eq!(ops.len(), 1, "one write per registered slot");
+                let access = super::dataplane::Access {
+                    peer: peer(31),
+                    handle: 77,
+                    token: 78,
+                    verify: false,
+                };
+                let ok = x.accept_registration(&reg, access);
+                prop_assert_eq!(ok.is_ok(), fits, "a registration fits iff its layout does");
+                if ok.is_ok() {
+                    match x.next_push() {
+                        super::export::NextPush::Write(ops, _, upto) => {
+                            prop_assert_eq!(ops.len(), 1, "one write per registered slot");
+                            prop_assert_eq!(upto, 1, "a whole export is one part");
+                        }
+                        other => prop_assert!(false, "a fitting push writes: {other:?}"),
+                    }
                 }
                 // One that does not fit ends the export (the flow's part, not here):
                 // only a fitting one lets the push start.
@@ -250,7 +265,7 @@ fn run_export(ops: &[XOp], m: Mutant) -> Result<(), TestCaseError> {
                 if r.state != TransferState::Exported || !r.registered {
                     continue;
                 }
-                x.start_job("tcp", 1);
+                x.start_job("tcp", 1, 1);
                 r.state = TransferState::Running;
                 r.job = true;
             }
@@ -258,7 +273,7 @@ fn run_export(ops: &[XOp], m: Mutant) -> Result<(), TestCaseError> {
                 if !r.job {
                     continue;
                 }
-                x.job_done();
+                x.job_done(true);
                 x.moved(bytes);
                 r.job = false;
             }
@@ -410,6 +425,7 @@ fn run_import(push: bool, ops: &[IOp], m: Mutant) -> Result<(), TestCaseError> {
             keys: keys.clone(),
             ttl_ms: None,
             wait: false,
+            parts: None,
         };
         Import::push(&req, BLOCK, period, now)
     } else {

@@ -641,6 +641,8 @@ impl Transfers {
             layout_id,
             keys: keys.to_vec(),
             lease_ms: Some(ttl.as_millis() as u64),
+            parts: None,
+            staged: false,
         };
         let Reply::Export(e) = self.export(store, &export, now)? else {
             return Err(WireError::new(

@@ -223,6 +223,17 @@ impl Transfers {
                 ),
             ));
         }
+        if e.staging() {
+            // Not every part is written (SPEC §16): nothing read now is the export.
+            self.counters.refused += 1;
+            return Err(WireError::new(
+                ErrorCode::InvalidState,
+                format!(
+                    "transfer {:?} is staged and not every part is ready: pull it after the last",
+                    r.transfer_id
+                ),
+            ));
+        }
         if let Some(exp) = self.exports.get_mut(&r.transfer_id) {
             exp.read_confirmed(&r.from);
         }

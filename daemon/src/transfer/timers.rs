@@ -27,6 +27,10 @@ impl Transfers {
         if woken[1] {
             for handle in self.filled.take() {
                 match self.by_grant.get(&handle).cloned() {
+                    // A layer-wise push queues its grant after every write (SPEC §16).
+                    Some((Timer::Import, id)) if !self.grants.is_filled(handle) => {
+                        self.wake_part_waiters(&id, now)
+                    }
                     Some((Timer::Import, id)) => self.on_push_filled(store, &id, handle, now),
                     Some((_, id)) => self.on_export_read(store, &id, handle, now),
                     None => {} // ended meanwhile (aborted, timed out, peer_push_done)
@@ -103,6 +107,14 @@ impl Transfers {
                 let Some(e) = self.exports.get(&id).filter(|e| !e.is_final()) else {
                     return;
                 };
+                if e.stage_deadline().is_some_and(|d| now >= d) {
+                    let e = WireError::new(
+                        ErrorCode::LeaseExpired,
+                        "staged export: not every part was ready within its lease",
+                    );
+                    self.end_export(store, &id, TransferState::Expired, Some(e), true, now);
+                    return;
+                }
                 let e = match e.check_lease(now) {
                     LeaseCheck::Live(next) => {
                         self.timers.push(next, (Timer::Export, id));
@@ -282,7 +294,7 @@ impl Transfers {
                 let Some(exp) = self.exports.get_mut(&id) else {
                     return;
                 };
-                exp.job_done();
+                exp.job_done(done.result.is_ok());
                 if exp.is_final() {
                     self.settle_export(store, &id);
                     return;
@@ -290,7 +302,8 @@ impl Transfers {
                 match done.result {
                     Ok(bytes) => {
                         exp.moved(bytes);
-                        self.push_written(store, &id, bytes, now);
+                        // The next parts, or the end when every part is written.
+                        self.push_more(store, &id, now);
                     }
                     Err(e) => {
                         let e = WireError::new(
