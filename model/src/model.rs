@@ -686,6 +686,17 @@ impl<B: Backend> Model<B> {
     /// Computes the KV of `seq.tokens[seq.computed..]` and returns the logits of the last
     /// token (a buffer of at least `vocab` elements).
     pub fn forward(&mut self, seq: &mut Sequence) -> Result<B::Buf> {
+        self.forward_layered(seq, &mut |_, _| Ok(()))
+    }
+
+    /// [`Model::forward`], calling `after(layer, view)` as soon as `layer`'s KV for the
+    /// new tokens is in the cache (before its attention runs): what a layer-wise save
+    /// copies out while the later layers compute (SPEC §16).
+    pub fn forward_layered(
+        &mut self,
+        seq: &mut Sequence,
+        after: &mut dyn FnMut(usize, &LayerView<'_, B>) -> Result<()>,
+    ) -> Result<B::Buf> {
         let (start, end) = (seq.computed, seq.tokens.len());
         ensure!(end > start, "nothing to compute");
         self.reserve(seq, end)?;
@@ -730,6 +741,17 @@ impl<B: Backend> Model<B> {
             b.rope(q, &positions, cfg.heads, cfg.head_dim, &self.inv_freq)?;
             b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, &self.inv_freq)?;
             b.write_kv(&mut self.cache, &self.geo, li, k, v, &slots)?;
+            after(
+                li,
+                &LayerView {
+                    backend: b,
+                    cache: &self.cache,
+                    geo: &self.geo,
+                    blocks: &seq.blocks,
+                    block_tokens: cfg.block_tokens,
+                    upto: end,
+                },
+            )?;
             b.attention(
                 q,
                 &self.cache,
@@ -813,5 +835,45 @@ impl<B: Backend> Model<B> {
         )?;
         seq.computed = n * self.cfg.block_tokens;
         Ok(())
+    }
+}
+
+/// The KV cache as a forward pass leaves it after one layer (see
+/// [`Model::forward_layered`]): the layers up to that one hold every token up to `upto`.
+pub struct LayerView<'a, B: Backend> {
+    backend: &'a B,
+    cache: &'a B::Buf,
+    geo: &'a KvGeometry,
+    blocks: &'a [u32],
+    block_tokens: usize,
+    upto: usize,
+}
+
+impl<B: Backend> LayerView<'_, B> {
+    /// Writes layers `layers` (all computed) of logical blocks `logical` (heads
+    /// `h0..h0+hs`) into host slices, each that layer range of a transfer block.
+    pub fn save_layers(
+        &self,
+        logical: &[usize],
+        h0: usize,
+        hs: usize,
+        layers: std::ops::Range<usize>,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let mut phys = Vec::with_capacity(logical.len());
+        for &l in logical {
+            ensure!(
+                (l + 1) * self.block_tokens <= self.upto,
+                "block {l} is not computed yet"
+            );
+            phys.push(
+                *self
+                    .blocks
+                    .get(l)
+                    .ok_or_else(|| anyhow::anyhow!("block {l}"))?,
+            );
+        }
+        self.backend
+            .gather_layers_to_host(self.cache, self.geo, &phys, h0, hs, layers, dst)
     }
 }

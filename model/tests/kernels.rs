@@ -378,6 +378,81 @@ fn model_rows_are_independent_and_blocks_move_exactly() {
     );
 }
 
+/// Layer ranges saved *during* the forward (each right after its layer, as a layer-wise
+/// save does) are byte for byte the whole blocks saved after it; a range of a layer not
+/// computed yet is not what comes out (the hook runs before later layers exist).
+#[test]
+fn layers_saved_during_the_forward_equal_whole_blocks_after_it() {
+    let cfg = ModelConfig {
+        layers: 5,
+        ..tiny()
+    };
+    let mut a = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let tokens: Vec<u32> = "layer by layer, as the forward goes"
+        .bytes()
+        .map(u32::from)
+        .collect();
+    let g = *a.geometry();
+    let (bt, hs) = (cfg.block_tokens, cfg.kv_heads);
+    let n = tokens.len() / bt;
+    let logical: Vec<usize> = (0..n).collect();
+    let block = g.block_elems(hs) * 4;
+    let per_layer = block / cfg.layers;
+    let mut during = vec![vec![0u8; block]; n];
+    // Groups of layers [0,2) [2,3) [3,5), each saved after its last layer.
+    let groups = [(0usize, 2usize), (2, 3), (3, 5)];
+    let mut seq = Sequence {
+        tokens: tokens.clone(),
+        ..Default::default()
+    };
+    let mut early_ok = true;
+    a.forward_layered(&mut seq, &mut |li, view| {
+        if let Some(&(s, e)) = groups.iter().find(|(_, e)| *e == li + 1) {
+            let mut d: Vec<&mut [u8]> = during
+                .iter_mut()
+                .map(|b| &mut b[s * per_layer..e * per_layer])
+                .collect();
+            view.save_layers(&logical, 0, hs, s..e, &mut d)?;
+        }
+        if li == 0 {
+            // The next layer is not computed yet: its range is still zeros in the cache.
+            let mut probe = vec![vec![0u8; per_layer]; n];
+            let mut d: Vec<&mut [u8]> = probe.iter_mut().map(|b| &mut b[..]).collect();
+            view.save_layers(&logical, 0, hs, 1..2, &mut d)?;
+            early_ok = probe.iter().all(|b| b.iter().all(|&x| x == 0));
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert!(
+        early_ok,
+        "a later layer's range held bytes before it was computed"
+    );
+    let mut after = vec![vec![0u8; block]; n];
+    let mut d: Vec<&mut [u8]> = after.iter_mut().map(|b| &mut b[..]).collect();
+    a.save_blocks(&seq, &logical, 0, hs, &mut d).unwrap();
+    assert_eq!(during, after);
+    // Bad ranges are refused.
+    let view_err = {
+        let mut s2 = Sequence {
+            tokens: tokens.clone(),
+            ..Default::default()
+        };
+        let mut err = None;
+        a.forward_layered(&mut s2, &mut |li, view| {
+            if li == 0 {
+                let mut x = vec![vec![0u8; per_layer]; n];
+                let mut d: Vec<&mut [u8]> = x.iter_mut().map(|b| &mut b[..]).collect();
+                err = Some(view.save_layers(&logical, 0, hs, 4..6, &mut d).is_err());
+            }
+            Ok(())
+        })
+        .unwrap();
+        err
+    };
+    assert_eq!(view_err, Some(true));
+}
+
 /// Weights written as safetensors and read back (with a Hugging Face config.json) give
 /// the same model; a file for another shape is refused.
 #[test]
