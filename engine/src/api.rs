@@ -126,6 +126,10 @@ pub struct KvdInfo {
     pub ttft_ms: f64,
     /// Compute backend.
     pub backend: String,
+    /// Layer groups the handoff was written in as the forward went (SPEC §16; 0: whole
+    /// blocks after the forward).
+    #[serde(default)]
+    pub handoff_parts: u64,
 }
 
 /// `POST /v1/completions` answer (and, with `object = "text_completion"`, each stream

@@ -73,6 +73,8 @@ pub struct EngineConfig {
     pub lease: Duration,
     /// How long a decode waits for a pull or push to finish.
     pub transfer_timeout: Duration,
+    /// Layer groups of a layer-wise handoff (0: whole blocks after the forward).
+    pub layerwise_parts: usize,
 }
 
 /// What a request produces, in order: tokens, then `Done` or `Error`.
@@ -692,6 +694,14 @@ impl Engine {
     }
 }
 
+/// A request's staged exports (one per shard) while its forward writes them.
+struct Staging {
+    exports: Vec<kvd_client::StagedExport>,
+    parts: u64,
+    /// Blocks the exports write (the others were in kvd already).
+    written: usize,
+}
+
 struct Active {
     req: GenRequest,
     seq: Sequence,
@@ -821,9 +831,59 @@ impl Scheduler {
                     Err(e) => return Err(e.context("loading the transferred KV")),
                 }
             }
-            let logits = self.model.forward(&mut seq)?;
             let keys = hash::chunk_hashes(&job.tokens, bt, b"");
+            let handoff = job
+                .req
+                .kv
+                .as_ref()
+                .filter(|k| k.do_remote_decode)
+                .map(|k| k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone()));
+            // Layer-wise (SPEC §16): export before the forward, write each layer group as
+            // the forward leaves it, so a push streams it at once.
+            let mut staged = match (&self.kv, &handoff) {
+                (Some(kv), Some(base)) => self.stage(kv, base, &keys),
+                _ => None,
+            };
+            let logits = match staged.as_mut() {
+                Some(st) => {
+                    let parts = st.parts;
+                    let hs = self.cfg.model.kv_heads / st.exports.len();
+                    let layers = self.cfg.model.layers as u64;
+                    let mut next = 0u64;
+                    self.model.forward_layered(&mut seq, &mut |li, view| {
+                        let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next)
+                        else {
+                            return Ok(());
+                        };
+                        if li as u64 + 1 != end {
+                            return Ok(());
+                        }
+                        for (r, x) in st.exports.iter_mut().enumerate() {
+                            x.write_part(next, |slots| -> Result<()> {
+                                let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
+                                let mut dst: Vec<&mut [u8]> =
+                                    slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                                view.save_layers(
+                                    &logical,
+                                    r * hs,
+                                    hs,
+                                    first as usize..end as usize,
+                                    &mut dst,
+                                )
+                            })??;
+                            x.ready(next + 1)?;
+                        }
+                        next += 1;
+                        Ok(())
+                    })?
+                }
+                None => self.model.forward(&mut seq)?,
+            };
+            let handoff_parts = staged.as_ref().map_or(0, |s| s.parts);
             let stored = match &self.kv {
+                Some(_) if staged.is_some() => {
+                    staged.as_ref().map_or(0, |s| s.written)
+                }
                 Some(kv) => match self.store(kv, &seq, &keys, cached / bt) {
                     Ok(n) => n,
                     Err(e) if job.req.kv.as_ref().is_some_and(|k| k.do_remote_decode) => {
@@ -841,7 +901,15 @@ impl Scheduler {
                 if k.do_remote_decode {
                     let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
                     let mut ranks = Vec::new();
-                    if !keys.is_empty() {
+                    if let Some(st) = staged.take() {
+                        // Every part was announced: the exports are ordinary ones now.
+                        ranks = st
+                            .exports
+                            .iter()
+                            .map(|x| hex::encode(x.params().to_msgpack()))
+                            .collect();
+                        drop(st);
+                    } else if !keys.is_empty() {
                         for (r, l) in kv.layouts.iter().enumerate() {
                             let p = kv
                                 .client
@@ -866,6 +934,7 @@ impl Scheduler {
                 stored_blocks: stored,
                 ttft_ms: 0.0,
                 backend: self.model.backend().name().to_string(),
+                handoff_parts,
             };
             Ok((logits, info, kvp))
         })();
@@ -908,6 +977,40 @@ impl Scheduler {
             return Ok(None);
         }
         Ok(Some(a))
+    }
+
+    /// Layer-wise handoff (SPEC §16): stages one export per shard of `keys` before the
+    /// forward. `None` (whole blocks after the forward, as without it) when layer-wise
+    /// is off, the backend saves whole blocks only, or a daemon refuses to stage (a key
+    /// being written elsewhere, no room now): the exports staged so far are dropped,
+    /// which aborts them.
+    fn stage(&self, kv: &Kv, base: &str, keys: &[ChunkHash]) -> Option<Staging> {
+        let parts = self.cfg.layerwise_parts.min(self.cfg.model.layers) as u64;
+        if parts == 0 || keys.is_empty() || !self.model.backend().gathers_layers() {
+            return None;
+        }
+        let mut exports = Vec::with_capacity(kv.layouts.len());
+        for (r, l) in kv.layouts.iter().enumerate() {
+            let id = format!("{base}.r{r}");
+            match kv
+                .client
+                .export_staged(&id, l.id, keys, parts, Some(self.cfg.lease))
+            {
+                Ok(x) => exports.push(x),
+                Err(e) => {
+                    tracing::info!("layer-wise export of {id} refused ({e}); exporting after the forward");
+                    return None;
+                }
+            }
+        }
+        let written = exports
+            .first()
+            .map_or(0, |x| x.slots().iter().flatten().count());
+        Some(Staging {
+            exports,
+            parts,
+            written,
+        })
     }
 
     /// Stores the full prompt blocks from `from` on into kvd (every shard). Returns how

@@ -90,6 +90,41 @@ fn disaggregated_push_equals_aggregated() {
     assert_eq!(got["kvd"]["source"], "push", "{got}");
 }
 
+/// Layer-wise handoffs (SPEC §16): the prefill exports before its forward and writes
+/// each layer group as the forward leaves it; the decode side gets exactly the tokens of
+/// the aggregated engine, by push (streamed part by part) and by pull (whole, after the
+/// last part), with one shard or two, and a repeated prompt hits the blocks the staged
+/// exports committed.
+#[test]
+fn layerwise_handoffs_give_the_aggregated_tokens() {
+    let (a, b) = (node(), node());
+    let (_r, reference) = reference();
+    for (parts, tp, mode) in [("4", "1", "push"), ("3", "2", "push"), ("2", "1", "pull")] {
+        let flags = ["--layerwise-parts", parts, "--tp", tp];
+        let (_p, prefill) = engine("prefill", Some(&a), &flags);
+        let (_d, decode) = engine("decode", Some(&b), &[]);
+        let (_router, url) = router(&[&prefill], &[&decode], mode);
+        let what = format!("layer-wise {mode}, {parts} parts, prefill tp {tp}");
+        check_equal(&url, &reference, &what);
+        let p = format!("{what}: a prompt long enough for a few blocks of KV, staged");
+        let (s, got) = complete(&url, req(&p, 6, 0.0, 0));
+        assert_eq!(s, 200, "{got}");
+        assert_eq!(got["kvd"]["source"], mode, "{got}");
+        assert!(got["prefill_kvd"]["stored_blocks"].as_u64().unwrap() >= 4, "{got}");
+        assert_eq!(
+            got["prefill_kvd"]["handoff_parts"].as_u64(),
+            parts.parse().ok(),
+            "the handoff was layer-wise: {got}"
+        );
+        // The staged blocks were committed on the prefill node: a repeat hits them.
+        let (_, again) = complete(&url, req(&p, 6, 0.0, 0));
+        assert_eq!(again["prefill_kvd"]["source"], "local", "{again}");
+        assert_eq!(tokens(&again), tokens(&got));
+        let (_, want) = complete(&reference, req(&p, 6, 0.0, 0));
+        assert_eq!(tokens(&got), tokens(&want), "{what}");
+    }
+}
+
 /// Prefill with 2 KV shards, decode with 1, and the reverse: the re-slicing kernel makes
 /// the tokens identical.
 #[test]

@@ -53,6 +53,11 @@ struct Args {
     /// How long a decode waits for its KV transfer, ms.
     #[arg(long, default_value_t = 30_000)]
     transfer_timeout_ms: u64,
+    /// Layer-wise handoffs (SPEC §16): a prefill request's blocks are exported before
+    /// the forward and written in this many layer groups as it computes them (0: off;
+    /// at most the model's layers), so a push ends about one group after the prefill.
+    #[arg(long, default_value_t = 0)]
+    layerwise_parts: usize,
     /// Log as JSON.
     #[arg(long)]
     log_json: bool,
@@ -105,6 +110,7 @@ fn main() -> Result<()> {
         kvd_timeout: Duration::from_millis(a.kvd_timeout_ms),
         lease: Duration::from_millis(a.lease_ms),
         transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
+        layerwise_parts: a.layerwise_parts,
     })?;
     kvd_engine::server::serve("kvd-engine", a.listen, kvd_engine::server::router(engine))
 }
