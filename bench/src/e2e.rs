@@ -29,6 +29,11 @@ pub struct E2eArgs {
     /// Directory of kvd, kvd-engine and kvd-router (default: this binary's).
     #[arg(long)]
     bin_dir: Option<PathBuf>,
+    /// Also measure layer-wise push handoffs (SPEC §16) in this many layer groups: a
+    /// second prefill engine with `--layerwise-parts N` behind its own push router, on
+    /// the same nodes (0: off).
+    #[arg(long, default_value_t = 0)]
+    layerwise: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -42,6 +47,9 @@ struct Row {
     aggregated_ttft_ms: f64,
     pull_ttft_ms: f64,
     push_ttft_ms: f64,
+    /// Layer-wise push (with `--layerwise`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    layerwise_push_ttft_ms: Option<f64>,
     prefix_hit_ttft_ms: f64,
     aggregated_tok_s: f64,
     pull_tok_s: f64,
@@ -123,6 +131,19 @@ pub fn run(a: E2eArgs) -> Result<()> {
     let (_dec, dec) = local::engine(&bins, "decode", Some(&nb), &flags)?;
     let (_rpull, rpull) = local::router(&bins, &[&pre], &[&dec], "pull")?;
     let (_rpush, rpush) = local::router(&bins, &[&pre], &[&dec], "push")?;
+    let parts = a.layerwise.to_string();
+    let lw_flags: Vec<&str> = flags
+        .iter()
+        .copied()
+        .chain(["--layerwise-parts", parts.as_str()])
+        .collect();
+    let lw = if a.layerwise > 0 {
+        let (p, url) = local::engine(&bins, "prefill", Some(&na), &lw_flags)?;
+        let (r, rurl) = local::router(&bins, &[&url], &[&dec], "push")?;
+        Some((p, r, rurl))
+    } else {
+        None
+    };
     let info: serde_json::Value = {
         let (_, v) = local::complete(&agg, &json!({"prompt": "warm up", "max_tokens": 2}))?;
         v
@@ -132,6 +153,9 @@ pub fn run(a: E2eArgs) -> Result<()> {
     for u in [&rpull, &rpush] {
         timed(u, &prompt(64, 1), 2)?;
     }
+    if let Some((_, _, u)) = &lw {
+        timed(u, &prompt(64, 2), 2)?;
+    }
     let mut rows = Vec::new();
     let mut salt = 100;
     for &n in &a.tokens {
@@ -139,6 +163,7 @@ pub fn run(a: E2eArgs) -> Result<()> {
             prompt_tokens: n,
             ..Default::default()
         };
+        let mut lws = vec![];
         let (mut pf, mut at, mut pt, mut ps, mut hit, mut ar, mut pr, mut sr) = (
             vec![],
             vec![],
@@ -167,7 +192,14 @@ pub fn run(a: E2eArgs) -> Result<()> {
             let (t, rate, _) = timed(&rpush, &p, a.max_tokens)?;
             ps.push(t);
             sr.push(rate);
+            if let Some((_, _, u)) = &lw {
+                salt += 1;
+                let p = prompt(n, salt);
+                let (t, _, _) = timed(u, &p, a.max_tokens)?;
+                lws.push(t);
+            }
         }
+        r.layerwise_push_ttft_ms = lw.as_ref().map(|_| median(lws));
         r.prefill_ms = median(pf);
         r.aggregated_ttft_ms = median(at);
         r.pull_ttft_ms = median(pt);
@@ -220,6 +252,23 @@ pub fn run(a: E2eArgs) -> Result<()> {
             r.pull_tok_s,
             r.push_tok_s
         );
+    }
+    if lw.is_some() {
+        println!(
+            "layer-wise push: the prefill writes {} layer groups as its forward goes (ratios to the aggregated TTFT)",
+            a.layerwise
+        );
+        for r in &rows {
+            if let Some(l) = r.layerwise_push_ttft_ms {
+                println!(
+                    "{:>7} layer-wise push TTFT {l:9.1} ms = {:5.3}x aggregated; whole push {:9.1} ms = {:5.3}x",
+                    r.prompt_tokens,
+                    l / r.aggregated_ttft_ms,
+                    r.push_ttft_ms,
+                    r.push_ttft_ms / r.aggregated_ttft_ms
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -273,6 +273,33 @@ pub enum Mode {
     Pull,
     /// `push_register` on the decode side first (untimed), then `export`.
     Push,
+    /// A layer-wise push (SPEC §16): registered first with 32 parts, then a staged
+    /// export announces its 32 layer groups one `export_ready` after the other; each is
+    /// written as it is announced (blocks of 32 layers).
+    Layerwise,
+}
+
+/// Layer groups of the `layerwise` mode.
+const LAYERWISE_PARTS: u64 = 32;
+
+/// A layout of `block`-byte blocks with 32 layers (one head whose size makes it fit).
+fn layered_layout(block: u64) -> Result<kvd_protocol::Layout> {
+    let per = LAYERWISE_PARTS * 2 * 16 * 2; // layers × K,V × tokens × bf16
+    if !block.is_multiple_of(per) {
+        bail!("block size {block} is not a multiple of {per}");
+    }
+    Ok(kvd_protocol::Layout {
+        model: "kvd-bench/transport-layerwise".into(),
+        num_layers: LAYERWISE_PARTS,
+        kv_parts: 2,
+        num_kv_heads: 1,
+        head_dim: block / per,
+        dtype: kvd_protocol::Dtype::Bf16,
+        tokens_per_block: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: kvd_protocol::MemoryOrder::LayerPartTokenHead,
+    })
 }
 
 impl Mode {
@@ -280,6 +307,7 @@ impl Mode {
         match self {
             Mode::Pull => "pull",
             Mode::Push => "push",
+            Mode::Layerwise => "layerwise push",
         }
     }
 
@@ -296,6 +324,7 @@ impl Mode {
         match self {
             Mode::Pull => pull_once(a, b, layout, keys),
             Mode::Push => push_once(a, b, a_node, layout, keys),
+            Mode::Layerwise => layerwise_once(a, b, a_node, layout, keys),
         }
     }
 }
@@ -330,6 +359,39 @@ fn push_once(
     Ok(dt)
 }
 
+/// One layer-wise push of `keys` (held by `a`) into `b`: registered first (untimed),
+/// then a staged export whose 32 parts are announced one after the other, as a prefill
+/// forward would (with no compute between them: what the parts cost on their own).
+fn layerwise_once(
+    a: &Client,
+    b: &Client,
+    a_node: &str,
+    layout: LayoutId,
+    keys: &[ChunkHash],
+) -> Result<Duration> {
+    let id = next_id("lw");
+    let r = b.push_register_parts(&id, layout, keys, a_node, None, LAYERWISE_PARTS)?;
+    if r.state.is_final() {
+        bail!("push registration ended {:?}: {:?}", r.state, r.error);
+    }
+    std::thread::sleep(Duration::from_millis(2));
+    let t0 = Instant::now();
+    let mut s = a.export_staged(&id, layout, keys, LAYERWISE_PARTS, None)?;
+    for j in 1..=LAYERWISE_PARTS {
+        s.ready(j)?;
+    }
+    let r = b.transfer_status(&id, Duration::from_secs(30))?;
+    let dt = t0.elapsed();
+    if r.state != TransferState::Done {
+        bail!("layer-wise push ended {:?}: {:?}", r.state, r.error);
+    }
+    if let Some(p) = r.pin {
+        b.release(p)?;
+    }
+    b.delete(layout, keys)?;
+    Ok(dt)
+}
+
 pub fn transport(a: TransportArgs) -> Result<()> {
     let shm = match a.transport.as_str() {
         "tcp" => false,
@@ -348,7 +410,7 @@ pub fn transport(a: TransportArgs) -> Result<()> {
     let max_threads = a.inflight.iter().copied().max().unwrap_or(1);
     let max_size = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(1 << 20);
     // Each thread owns its keys for the largest transfer, on both pools.
-    let pool = max_size * max_threads as u64 * 2 + (256 << 20);
+    let pool = max_size * max_threads as u64 * 3 + (256 << 20);
     let extra = format!(
         "[transfer]\nshm = {shm}\nstreams = {}\nworkers = 8\n",
         a.streams
@@ -373,6 +435,13 @@ pub fn transport(a: TransportArgs) -> Result<()> {
         let n = (size / block) as usize;
         let lay = ca.register_layout(&layout_of(block, "transport")?)?;
         cb.register_layout(&layout_of(block, "transport")?)?;
+        let layered = a.modes.contains(&Mode::Layerwise);
+        let lay_lw = if layered {
+            cb.register_layout(&layered_layout(block)?)?;
+            Some(ca.register_layout(&layered_layout(block)?)?)
+        } else {
+            None
+        };
         let per_thread: Vec<Vec<ChunkHash>> = (0..max_threads)
             .map(|t| keys_for(1000 + t as u32 + (size >> 16) as u32 * 16, n))
             .collect();
@@ -380,6 +449,9 @@ pub fn transport(a: TransportArgs) -> Result<()> {
             let data = vec![0x5au8; block as usize];
             let refs: Vec<&[u8]> = (0..n).map(|_| &data[..]).collect();
             ca.store(lay.id, keys, &refs)?;
+            if let Some(l) = &lay_lw {
+                ca.store(l.id, keys, &refs)?;
+            }
         }
         for (mode, &t) in a
             .modes
@@ -388,6 +460,10 @@ pub fn transport(a: TransportArgs) -> Result<()> {
         {
             pb.set_message(format!("{} {} x{t}", mode.name(), ByteSize(size)));
             let iters = (a.total.as_u64() / size / t as u64).max(4) as usize;
+            let lay = match (mode, &lay_lw) {
+                (Mode::Layerwise, Some(l)) => *l,
+                _ => lay,
+            };
             // warm the connections
             mode.once(&ca, &cb, &a_node, lay.id, &per_thread[0])?;
             // Each thread's busy time is the sum of its transfers' latencies (the

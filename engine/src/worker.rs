@@ -846,19 +846,23 @@ impl Scheduler {
             };
             let logits = match staged.as_mut() {
                 Some(st) => {
+                    let st: &mut Staging = st;
                     let parts = st.parts;
                     let hs = self.cfg.model.kv_heads / st.exports.len();
                     let layers = self.cfg.model.layers as u64;
                     let mut next = 0u64;
-                    self.model.forward_layered(&mut seq, &mut |li, view| {
+                    let mut failed = None;
+                    let logits = self.model.forward_layered(&mut seq, &mut |li, view| {
                         let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next)
                         else {
                             return Ok(());
                         };
-                        if li as u64 + 1 != end {
+                        if li as u64 + 1 != end || failed.is_some() {
                             return Ok(());
                         }
-                        for (r, x) in st.exports.iter_mut().enumerate() {
+                        // A kvd failure ends the staging, not the forward: the exports
+                        // are aborted (the decode side is told) and the request goes on.
+                        let step = st.exports.iter_mut().enumerate().try_for_each(|(r, x)| {
                             x.write_part(next, |slots| -> Result<()> {
                                 let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
                                 let mut dst: Vec<&mut [u8]> =
@@ -872,10 +876,19 @@ impl Scheduler {
                                 )
                             })??;
                             x.ready(next + 1)?;
+                            anyhow::Ok(())
+                        });
+                        if let Err(e) = step {
+                            failed = Some(e);
                         }
                         next += 1;
                         Ok(())
-                    })?
+                    })?;
+                    if let Some(e) = failed {
+                        tracing::warn!("layer-wise export abandoned ({e:#}); exporting after the forward");
+                        staged = None;
+                    }
+                    logits
                 }
                 None => self.model.forward(&mut seq)?,
             };
@@ -994,11 +1007,20 @@ impl Scheduler {
             let id = format!("{base}.r{r}");
             match kv
                 .client
-                .export_staged(&id, l.id, keys, parts, Some(self.cfg.lease))
-            {
+                // The staged slots are the writer's for the lease (SPEC §16): long
+                // enough for the longest prefill this engine waits for.
+                .export_staged(
+                    &id,
+                    l.id,
+                    keys,
+                    parts,
+                    Some(self.cfg.lease.max(self.cfg.transfer_timeout)),
+                ) {
                 Ok(x) => exports.push(x),
                 Err(e) => {
-                    tracing::info!("layer-wise export of {id} refused ({e}); exporting after the forward");
+                    tracing::info!(
+                        "layer-wise export of {id} refused ({e}); exporting after the forward"
+                    );
                     return None;
                 }
             }

@@ -110,7 +110,10 @@ fn layerwise_handoffs_give_the_aggregated_tokens() {
         let (s, got) = complete(&url, req(&p, 6, 0.0, 0));
         assert_eq!(s, 200, "{got}");
         assert_eq!(got["kvd"]["source"], mode, "{got}");
-        assert!(got["prefill_kvd"]["stored_blocks"].as_u64().unwrap() >= 4, "{got}");
+        assert!(
+            got["prefill_kvd"]["stored_blocks"].as_u64().unwrap() >= 4,
+            "{got}"
+        );
         assert_eq!(
             got["prefill_kvd"]["handoff_parts"].as_u64(),
             parts.parse().ok(),
