@@ -67,7 +67,7 @@
 //! [`Client`] and its connections, session and call path; `ops.rs` the cache operations;
 //! `batch.rs` [`WriteBatch`] (slots written in place); `pins.rs` [`PinnedBlocks`] (blocks
 //! read in place); `queue.rs` pipelined stores ([`StoreQueue`]), `prefetch.rs` prefetched
-//! loads ([`LoadQueue`]), `handoff.rs` the prefill → decode handoff calls, `gpu.rs` the
+//! loads ([`LoadQueue`]), `handoff.rs` the prefill → decode handoff calls (and [`StagedExport`], layer-wise exports), `gpu.rs` the
 //! GPU tier's, `stream.rs` one connection of the local stream transport, `shm.rs` the
 //! pool mapping (every raw pointer access).
 #![deny(missing_docs)]
