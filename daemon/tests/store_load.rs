@@ -467,6 +467,9 @@ fn tcp_endpoint_serves_remote_clients_by_payload() {
 #[test]
 fn a_configured_group_gets_mode_0660_and_a_live_socket_is_not_taken_over() {
     let d = Daemon::start(&["--group", "0"]);
+    // The socket exists from its bind; its mode is set just after, before the daemon
+    // serves anyone (until then it has the umask's mode): a served hello is the point.
+    d.client().stats().unwrap();
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     for p in [&d.pool_path, &d.socket_path] {
         let m = std::fs::metadata(p).unwrap();
