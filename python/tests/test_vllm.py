@@ -97,6 +97,79 @@ def _():
         e.close()
 
 
+def layerwise_hit(delay, wait_layers, **extra):
+    """A prompt saved layer by layer by one engine, then loaded by a second one whose
+    layer-1 load is held back ``delay`` s; its "attention" records, per layer, whether the
+    prefix it reads is the prompt's. Returns (per-layer results, the step's connector
+    output, the engine, its request, the tokens)."""
+    toks = prompt(40 + int(delay * 100) + int(wait_layers))
+    a = ve.Engine(P, **extra)
+    r1 = rid("lw-a")
+    a.add(r1, toks)
+    a.run(finished(a, r1))
+    a.close()
+    b = ve.Engine(P, test_delay_layer_load=[1, delay], **extra)
+    r2 = rid("lw-b")
+    b.add(r2, toks)
+    seen = {}
+
+    def attention(so, layer):
+        if any(r.req_id == r2 for r in so.scheduled_new_reqs):
+            seen[layer] = b.layer_holds(r2, toks, 6, layer)
+
+    for _ in range(50):
+        so, out = b.step(wait_layers=wait_layers, on_layer=attention)
+        if seen:
+            return seen, so, out, b, r2, toks
+        time.sleep(0.005)
+    raise AssertionError("the request was never scheduled")
+
+
+@check("layer-wise loads: each layer's prefix is in place when its layer runs, a slow layer is waited for, and saves made layer by layer load byte-identical")
+def _():
+    seen, so, out, b, r, toks = layerwise_hit(0.3, True)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 96
+    assert seen == {0: True, 1: True}, seen
+    assert not out.invalid_block_ids, out.invalid_block_ids
+    b.check_blocks(r, toks, 6)
+    b.close()
+
+
+@check("negative control: a runner that does not wait for a slow layer reads stale KV; the connector reports the blocks and vLLM recomputes them")
+def _():
+    seen, so, out, b, r, toks = layerwise_hit(0.3, False)
+    assert seen[1] is False, f"the slow layer was read in place without waiting: {seen}"
+    ids = b.block_ids(r)
+    assert set(ids[:6]) <= set(out.invalid_block_ids or ()), (out.invalid_block_ids, ids)
+    # vLLM takes the report: the request recomputes those blocks with its own KV.
+    prefilled(b, r, 100)
+    b.check_blocks(r, toks, 6)
+    assert set(range(96)) <= b.computed_by_forward[r]
+    b.close()
+
+
+@check("whole-block loads and saves (layerwise = false) and a runner that never calls save_kv_layer give the same bytes")
+def _():
+    seen, _, out, b, r, toks = layerwise_hit(0.0, True, layerwise=False)
+    assert seen == {0: True, 1: True} and not out.invalid_block_ids
+    b.close()
+    toks = prompt(77)
+    a = ve.Engine(P)
+    r1 = rid("nosave")
+    a.add(r1, toks)
+    for _ in range(200):
+        a.step(save_layers=False)
+        if r1 in a.outputs and a.outputs[r1].finish_reason is not None:
+            break
+    a.close()
+    c = ve.Engine(P)
+    r2 = rid("nosave-hit")
+    c.add(r2, toks)
+    assert first_schedule(c, r2) == (96, 4)
+    c.check_blocks(r2, toks, 6)
+    c.close()
+
+
 @check("prefix caching on a block-outermost KV layout (BLNHC) and with a LoRA-like cache salt")
 def _():
     toks = prompt(3)
@@ -174,6 +247,30 @@ def _():
         assert torch.equal(staged, direct), layout
         before = {n: t.clone() for n, t in e.kv.items()}
         w._scatter([20, 21, 22], staged)
+        for n, t in e.kv.items():
+            assert torch.equal(t[[20, 21, 22]], before[n][ids]), (layout, n)
+        e.close()
+
+
+@check("the CUDA path's per-layer staged copies move the same bytes as the CPU path's (both layouts)")
+def _():
+    for layout in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC):
+        e = ve.Engine(P, layout=layout)
+        w = e.worker
+        g = torch.Generator().manual_seed(11)
+        for t in e.kv.values():
+            t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+        bb = w._geo.block_bytes
+        pool = torch.zeros(4 * bb, dtype=torch.uint8)
+        other = torch.zeros_like(pool)
+        ids, offs = [5, 1, 9], [0, bb, 3 * bb]
+        for l in range(ve.LAYERS):
+            w._save_layer(pool, offs, ids, l, staged=True)
+            w._save_layer(other, offs, ids, l, staged=False)
+        assert torch.equal(pool, other), layout
+        before = {n: t.clone() for n, t in e.kv.items()}
+        for l in range(ve.LAYERS):
+            w._load_layer(pool, offs, [20, 21, 22], l, staged=True)
         for n, t in e.kv.items():
             assert torch.equal(t[[20, 21, 22]], before[n][ids]), (layout, n)
         e.close()

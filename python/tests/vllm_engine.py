@@ -137,23 +137,39 @@ class Engine:
         """One block of one layer as [heads, tokens, 2*head] (vLLM's logical view)."""
         return self.kv[self.kvcc.kv_cache_groups[0].layer_names[layer]][block_id]
 
-    def step(self):
+    def step(self, wait_layers=True, save_layers=True, on_layer=None):
+        """One scheduler step and one "forward", layer by layer in the order vLLM's
+        attention layers call the connector: ``wait_for_layer_load`` on entry (unless
+        ``wait_layers`` is off: a runner that does not wait), the layer's computation
+        (``on_layer(so, layer)`` first: what the layer's attention would read), then
+        ``save_kv_layer`` on exit (unless ``save_layers`` is off), ``wait_for_save`` at
+        the end."""
         so = self.scheduler.schedule()
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
-        # The "forward": KV of every scheduled token, into its slot.
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
+        names = self.kvcc.kv_cache_groups[0].layer_names
+        for layer in range(LAYERS):
+            if wait_layers:
+                w.wait_for_layer_load(names[layer])
+            if on_layer is not None:
+                on_layer(so, layer)
+            # The layer's KV of every scheduled token, into its slot.
+            for rid, n in so.num_scheduled_tokens.items():
+                start = starts[rid]
+                ids = self.block_ids(rid)
+                toks = list(self.scheduler.requests[rid].all_token_ids)
+                for pos in range(start, start + n):
+                    self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv(toks, pos, layer)
+            if save_layers:
+                w.save_kv_layer(names[layer], self.kv[names[layer]], None)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             start = starts[rid]
-            ids = self.block_ids(rid)
             toks = list(self.scheduler.requests[rid].all_token_ids)
-            for pos in range(start, start + n):
-                for layer in range(LAYERS):
-                    self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv(toks, pos, layer)
             self.computed_by_forward.setdefault(rid, set()).update(range(start, start + n))
             req_ids.append(rid)
             if start + n >= len(toks):
@@ -191,6 +207,17 @@ class Engine:
                 return so, out
             time.sleep(sleep)
         raise AssertionError("the engine did not get there")
+
+    def layer_holds(self, rid, tokens, nblocks, layer):
+        """Whether layer ``layer`` of the first ``nblocks`` blocks of ``rid`` holds the
+        prompt's own KV (what that layer's attention reads)."""
+        ids = self.block_ids(rid)
+        for b in range(nblocks):
+            got = self.block(ids[b], layer)
+            for t in range(BLOCK):
+                if not torch.equal(got[:, t, :], expected_kv(tokens, b * BLOCK + t, layer)):
+                    return False
+        return True
 
     def check_blocks(self, rid, tokens, nblocks):
         """Every position of the first ``nblocks`` blocks of ``rid`` holds the KV the prompt's

@@ -13,9 +13,18 @@ What it does
   no pin; NVMe-only blocks of the prefix start coming into free DRAM, since the load
   usually follows) for the longest prefix of each prompt it holds under *every* TP
   rank's layout (the minimum counts) and reports those tokens as external hits. The
-  worker-side connector loads them into vLLM's paged KV cache before the forward
-  (synchronous loads), and saves every newly computed *full prompt block* after it
-  (``alloc`` → copy into the slots → ``commit``). A block that vanished between the
+  worker-side connector loads them into vLLM's paged KV cache **layer by layer**:
+  ``start_load_kv`` pins the blocks (one ``get``) and starts copying layer 0, 1, ... on
+  a copier (a thread on CPU, a stream of its own on CUDA, one event per layer);
+  ``wait_for_layer_load`` waits for exactly its layer, so layer *i* loads while layers
+  before it compute. Every newly computed *full prompt block* is saved **as the forward
+  produces it**: slots are reserved before the forward (``alloc``), ``save_kv_layer``
+  copies that layer into them while the next layers compute, and ``wait_for_save``
+  finishes the copies and commits (SPEC §16; ``extra_config.layerwise = false`` loads
+  and saves whole blocks around the forward instead). A model runner that never calls
+  ``wait_for_layer_load`` for a layer it reads would read it early: the step's loaded
+  blocks are then reported as load errors (vLLM recomputes them) and later steps load
+  whole blocks before the forward, with a warning. A block that vanished between the
   lookup and the load is reported through ``get_block_ids_with_load_errors``: vLLM
   recomputes it (``kv_load_failure_policy: recompute``; with vLLM's default ``fail``
   the request fails instead, and the connector says so once at start).
@@ -164,6 +173,10 @@ class KvdConnector(KVConnectorBase_V1):
         self._transfer_timeout_s = float(extra.get("transfer_timeout_s", 120.0))
         self._save = bool(extra.get("save", True))
         self._load = bool(extra.get("load", True))
+        self._layerwise = bool(extra.get("layerwise", True))
+        # Test knob: hold the copy of one layer's load back this long (a slow layer).
+        delay = extra.get("test_delay_layer_load")
+        self._delay = (int(delay[0]), float(delay[1])) if delay else None
         self._geo, self._off = geometry(vllm_config, kv_cache_config)
         if self._off:
             logger.warning("kvd connector: %s; no external hits will be reported and nothing is saved", self._off)
@@ -462,6 +475,9 @@ class KvdConnector(KVConnectorBase_V1):
         self._inc = 0
         self._lock = threading.Lock()
         self._mover: Optional[_Mover] = None
+        self._copier: Optional[_Copier] = None
+        self._step: Optional[_Step] = None
+        self._waits_seen = False  # the model runner calls wait_for_layer_load
         self._rank = 0
         if self._geo is not None and self._geo.tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -493,11 +509,13 @@ class KvdConnector(KVConnectorBase_V1):
                 f"kvd connector: {nb} kernel blocks of {kb} tokens do not split {g.num_blocks} blocks of {g.block_size} tokens"
             )
         self._layers = layers
+        self._layer_index = {n: i for i, n in enumerate(g.layer_names)}
         self._ratio = nb // g.num_blocks
         self._device = t0.device
         self._connect_worker()
         self._mover = _Mover(self)
         self._mover.start()
+        self._copier = _Copier(self._device)
 
     def _connect_worker(self) -> None:
         c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s)
@@ -543,13 +561,52 @@ class KvdConnector(KVConnectorBase_V1):
     def _pieces(self, slot: torch.Tensor, block_id: int):
         """(paged-cache view, slot view) pairs that together are one block: per layer, per
         kernel block, K and V. Copying each pair moves the block with no intermediate."""
+        for l in range(len(self._layers)):
+            yield from self._layer_pieces(slot, block_id, l)
+
+    def _layer_pieces(self, slot: torch.Tensor, block_id: int, l: int):
+        """:meth:`_pieces` of layer ``l`` only."""
         g, r = self._geo, self._ratio
         kb, d = g.block_size // r, g.head_size
-        for l, t in enumerate(self._layers):
-            for i in range(r):
-                page = t[block_id * r + i]  # [heads, kb, K|V]
-                for part in (0, 1):
-                    yield page[..., part * d : (part + 1) * d], slot[l, part, :, i * kb : (i + 1) * kb]
+        t = self._layers[l]
+        for i in range(r):
+            page = t[block_id * r + i]  # [heads, kb, K|V]
+            for part in (0, 1):
+                yield page[..., part * d : (part + 1) * d], slot[l, part, :, i * kb : (i + 1) * kb]
+
+    def _load_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
+        """Layer ``l`` of pool slots ``offs`` → paged-cache blocks ``block_ids`` (on CUDA,
+        or ``staged``: enqueued on the current stream, one DMA per slot's layer into a
+        staging tensor, one scatter; else one copy per piece)."""
+        if not (self._device.type == "cuda" if staged is None else staged):
+            for off, b in zip(offs, block_ids):
+                for dst, src in self._layer_pieces(self._slot(pool, off), b, l):
+                    dst.copy_(src)
+            return
+        g, n, r = self._geo, len(offs), self._ratio
+        staging = torch.empty((n, 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
+        for j, off in enumerate(offs):
+            staging[j].copy_(self._slot(pool, off)[l], non_blocking=True)
+        kb = g.block_size // r
+        x = torch.cat([staging[:, 0], staging[:, 1]], dim=-1)
+        x = x.view(n, g.heads, r, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n * r, g.heads, kb, 2 * g.head_size)
+        self._layers[l].index_copy_(0, self._kidx(block_ids), x)
+
+    def _save_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
+        """Layer ``l`` of paged-cache blocks ``block_ids`` → pool slots ``offs`` (the
+        reverse of :meth:`_load_layer`)."""
+        if not (self._device.type == "cuda" if staged is None else staged):
+            for off, b in zip(offs, block_ids):
+                for src, dst in self._layer_pieces(self._slot(pool, off), b, l):
+                    dst.copy_(src)
+            return
+        g, n, r = self._geo, len(offs), self._ratio
+        kb = g.block_size // r
+        x = self._layers[l].index_select(0, self._kidx(block_ids))
+        x = x.view(n, r, g.heads, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n, g.heads, g.block_size, 2 * g.head_size)
+        staging = torch.stack([x[..., : g.head_size], x[..., g.head_size :]], dim=1).contiguous()
+        for j, off in enumerate(offs):
+            self._slot(pool, off)[l].copy_(staging[j], non_blocking=True)
 
     def _copy_in(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
         """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: one DMA per
@@ -626,6 +683,16 @@ class KvdConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdConnectorMetadata)
+        if self._step is not None:
+            # The last step's wait_for_save never came (vLLM always calls it; a caller
+            # that does not): its copies end, its pins go, its saves commit nothing.
+            self._step.abandon()
+        self._step = None
+        if self._layerwise and (meta.loads or meta.saves):
+            self._step = _Step(self, meta)
+            for p in meta.pulls:
+                self._mover.submit(p)
+            return
         for ld in meta.loads:
             try:
                 good = self._load_pinned(self._client_w(), ld.keys, ld.block_ids)
@@ -638,13 +705,22 @@ class KvdConnector(KVConnectorBase_V1):
             self._mover.submit(p)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads are in place when start_load_kv returns
+        step = self._step
+        if step is not None:
+            self._waits_seen = True
+            step.wait_load(self._layer_index.get(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saved after the forward, in wait_for_save, from the registered tensors
+        step = self._step
+        if step is not None:
+            step.save(self._layer_index.get(layer_name))
 
     def wait_for_save(self):
         if not self.has_connector_metadata() or not self._layers:
+            return
+        step, self._step = self._step, None
+        if step is not None:
+            step.finish()
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdConnectorMetadata)
@@ -684,6 +760,8 @@ class KvdConnector(KVConnectorBase_V1):
     def shutdown(self):
         if getattr(self, "_mover", None) is not None:
             self._mover.stop()
+        if getattr(self, "_copier", None) is not None:
+            self._copier.stop()
 
 
 def _remote_params(request: "Request") -> Optional[dict]:
@@ -764,3 +842,217 @@ class _Mover(threading.Thread):
             logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
             return False
         return True
+
+
+class _Copier:
+    """Where a step's layer copies run beside the forward: on CPU a thread of its own
+    (torch copies release the GIL), on CUDA a stream of its own. Work is queued in order;
+    each item may set an event (a ``threading.Event`` on CPU, a recorded ``torch.cuda.Event``
+    on CUDA) that a wait for that layer uses."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._device = device
+        if self.cuda:
+            self._stream = torch.cuda.Stream(device)
+        else:
+            self._jobs: "queue.Queue[Optional[Any]]" = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="kvd-connector-copier", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def submit(self, fn, after: Optional[Any] = None) -> Any:
+        """Runs ``fn`` after what was queued before (on CUDA also after the current
+        stream's work so far, when ``after`` is True); returns its completion event."""
+        if self.cuda:
+            if after:
+                self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                fn()
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            return ev
+        ev = threading.Event()
+
+        def job():
+            try:
+                fn()
+            finally:
+                ev.set()
+
+        self._jobs.put(job)
+        return ev
+
+    def wait(self, ev: Any) -> None:
+        """The forward waits for ``ev``: on CUDA its stream does (no host wait)."""
+        if self.cuda:
+            torch.cuda.current_stream(self._device).wait_event(ev)
+        else:
+            ev.wait()
+
+    def drain(self) -> None:
+        """Every queued copy has finished (the host waits)."""
+        if self.cuda:
+            self._stream.synchronize()
+        else:
+            self.submit(lambda: None).wait()
+
+    def stop(self) -> None:
+        if not self.cuda:
+            self._jobs.put(None)
+
+
+class _Step:
+    """One forward's layer-wise loads and saves (module doc). Loads: pinned at the start,
+    copied layer by layer on the copier, each layer waited for by the layer that reads
+    it; a failure reports the request's blocks as load errors and never leaves a wait
+    hanging. Saves: reserved at the start, each layer copied once the forward wrote it,
+    committed at the end; a failure commits nothing (a future miss, never a wrong hit)."""
+
+    def __init__(self, conn: "KvdConnector", meta: KvdConnectorMetadata):
+        self.c = conn
+        self.nl = len(conn._layers)
+        self.pins: list[Any] = []
+        self.loads: list[tuple[list[int], list[int], list[int]]] = []  # (offs, block ids, all ids)
+        self.load_failed = False
+        self.waited = [False] * self.nl
+        self.saves: list[tuple[Any, Load, list[int], list[int]]] = []  # (batch, load, offs, ids)
+        self.saved = [False] * self.nl
+        self.save_failed: Optional[BaseException] = None
+        client = None
+        try:
+            client = conn._client_w()
+            self.pool, inc = conn._view()
+        except (kvd.KvdError, OSError) as e:
+            logger.warning("kvd connector: no daemon for this step's loads and saves: %s", e)
+            self.pool, inc = None, -1
+        for ld in meta.loads:
+            good = 0
+            try:
+                if client is None:
+                    raise kvd.KvdError("no daemon")
+                pin = client.get(conn._lid, ld.keys, ttl_s=conn._pin_ttl_s)
+                self.pins.append(pin)
+                if client.incarnation != inc:
+                    raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
+                offs = pin.offsets
+                good = next((i for i, o in enumerate(offs) if o is None), len(offs))
+                if good:
+                    self.loads.append((offs[:good], ld.block_ids[:good], ld.block_ids))
+            except (kvd.KvdError, OSError) as e:
+                logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
+            if good < len(ld.block_ids):
+                conn._errors.update(ld.block_ids[good:])
+        for sv in meta.saves:
+            try:
+                if client is None:
+                    raise kvd.KvdError("no daemon")
+                batch = client.alloc(conn._lid, sv.keys)
+                if client.incarnation != inc:
+                    batch.abort()
+                    raise kvd.KvdError("the daemon restarted; this save is skipped")
+                todo = [(i, off) for i, (st, off) in enumerate(zip(batch.status, batch.offsets)) if st == "new" and off is not None]
+                self.saves.append((batch, sv, [o for _, o in todo], [sv.block_ids[i] for i, _ in todo]))
+            except (kvd.KvdError, OSError) as e:
+                logger.debug("kvd connector: save of request %s skipped: %s", sv.req_id, e)
+        # Every layer's load is queued now, in layer order: layer i lands while the
+        # layers before it compute.
+        self.events = [self._load_job(l) for l in range(self.nl)] if self.loads else []
+
+    def _load_job(self, l: int) -> Any:
+        c = self.c
+
+        def run():
+            if self.load_failed:
+                return
+            try:
+                if c._delay is not None and c._delay[0] == l:
+                    time.sleep(c._delay[1])
+                for offs, ids, _ in self.loads:
+                    c._load_layer(self.pool, offs, ids, l)
+            except Exception as e:  # a wait must never hang on it: report, and go on
+                logger.warning("kvd connector: loading layer %d failed: %s", l, e)
+                self.load_failed = True
+
+        # On CUDA the first load follows the current stream's work so far.
+        return c._copier.submit(run, after=l == 0)
+
+    def wait_load(self, l: Optional[int]) -> None:
+        if l is None or not self.events:
+            return
+        self.waited[l] = True
+        self.c._copier.wait(self.events[l])
+
+    def save(self, l: Optional[int]) -> None:
+        if l is None or not self.saves or self.saved[l]:
+            return
+        self.saved[l] = True
+        c = self.c
+
+        def run():
+            if self.save_failed is not None:
+                return
+            try:
+                for _, _, offs, ids in self.saves:
+                    if offs:
+                        c._save_layer(self.pool, offs, ids, l)
+            except Exception as e:
+                self.save_failed = e
+
+        # On CUDA the copy must follow the forward's writes of this layer.
+        c._copier.submit(run, after=True)
+
+    def abandon(self) -> None:
+        self.c._copier.drain()
+        for pin in self.pins:
+            try:
+                pin.release()
+            except (kvd.KvdError, OSError):
+                pass
+        for batch, _, _, _ in self.saves:
+            try:
+                batch.abort()
+            except (kvd.KvdError, OSError):
+                pass
+
+    def finish(self) -> None:
+        c = self.c
+        for l in range(self.nl):
+            self.save(l)  # layers the model runner did not hand over: saved now
+        c._copier.drain()
+        if self.loads:
+            if self.load_failed:
+                for _, _, ids in self.loads:
+                    c._errors.update(ids)
+            elif not all(self.waited):
+                # The forward may have read a layer before it landed: recompute.
+                for _, _, ids in self.loads:
+                    c._errors.update(ids)
+                if c._layerwise and not c._waits_seen:
+                    logger.warning(
+                        "kvd connector: the model runner does not call wait_for_layer_load: "
+                        "loading whole blocks before the forward from now on"
+                    )
+                    c._layerwise = False
+        for pin in self.pins:
+            try:
+                pin.release()
+            except (kvd.KvdError, OSError):
+                pass
+        for batch, sv, _, _ in self.saves:
+            try:
+                if self.save_failed is not None:
+                    raise kvd.KvdError(f"copying into the slots failed: {self.save_failed}")
+                batch.commit()
+            except (kvd.KvdError, OSError) as e:
+                logger.debug("kvd connector: save of request %s skipped: %s", sv.req_id, e)
+                try:
+                    batch.abort()
+                except (kvd.KvdError, OSError):
+                    pass
