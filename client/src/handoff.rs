@@ -217,9 +217,9 @@ impl Client {
         let pool = session.pool.clone().ok_or(Error::NotMapped)?;
         Ok(StagedExport {
             client: self.clone(),
-            // The staged slots are ours for the lease's period from the daemon's receipt
-            // of the request (SPEC §16): counted from before we sent, never later.
-            deadline: sent + Duration::from_millis(r.params.lease_ms),
+            // The staged slots are ours for `slots_ttl_ms` from the daemon's receipt of
+            // the request (SPEC §16): counted from before we sent, never later.
+            deadline: sent + Duration::from_millis(r.slots_ttl_ms),
             params: r.params,
             slots: r.slots,
             session,
@@ -373,9 +373,12 @@ impl StagedExport {
         if !self.open {
             return Err(Error::AllocExpired);
         }
-        if ready >= self.parts() && Instant::now() >= self.deadline {
+        if Instant::now() >= self.deadline {
+            // The slots may be someone else's: the daemon ends the export by itself.
+            self.open = false;
             return Err(Error::AllocExpired);
         }
+        let sent = Instant::now();
         let (r, _): (TransferResp, _) = self
             .client
             .raw_call(
@@ -396,6 +399,9 @@ impl StagedExport {
         self.ready = self.ready.max(ready);
         if self.ready >= self.parts() {
             self.open = false;
+        } else if r.ttl_ms > 0 {
+            // Renewed: ours again for `ttl_ms` from the daemon's receipt.
+            self.deadline = sent + Duration::from_millis(r.ttl_ms);
         }
         Ok(r)
     }

@@ -20,6 +20,10 @@ struct Node {
 
 impl Node {
     fn start(lease_ms: u64) -> Node {
+        Self::start_with(lease_ms, &[])
+    }
+
+    fn start_with(lease_ms: u64, args: &[&str]) -> Node {
         let mut cfg = tempfile::NamedTempFile::new().unwrap();
         writeln!(
             cfg,
@@ -27,7 +31,9 @@ impl Node {
         )
         .unwrap();
         let path = cfg.path().display().to_string();
-        let d = Daemon::start(&["--config", &path, "--pool-size", "96MiB"]);
+        let mut all = vec!["--config", &path, "--pool-size", "96MiB"];
+        all.extend_from_slice(args);
+        let d = Daemon::start(&all);
         Node { d, _cfg: cfg }
     }
 
@@ -131,12 +137,14 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
     });
 }
 
-/// A staged export that stops after two of four parts (its writer aborts, or its time
-/// runs out): the push fails on the decode side, no block of it is served there, and
-/// the prefill side commits nothing.
+/// A staged export that stops after two of four parts (its writer aborts, or stops
+/// announcing parts until its slots' time runs out): the push fails on the decode side,
+/// no block of it is served there, and the prefill side commits nothing. Each
+/// announced part renews the slots' time (here 700 ms, the prefill node's `alloc_ttl`).
 #[test]
 fn a_staged_export_that_stops_midway_serves_no_block() {
-    let (a, b) = (Node::start(10_000), Node::start(10_000));
+    let a = Node::start_with(10_000, &["--alloc-ttl-ms", "700"]);
+    let b = Node::start(10_000);
     let (ca, cb) = (a.client(), b.client());
     let info = register(&ca, 64);
     register(&cb, 64);
@@ -148,11 +156,13 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
             .collect();
         cb.push_register_parts(id, info.id, &ks, &node, None, 4)
             .unwrap();
-        let lease = (round == 1).then_some(Duration::from_millis(700));
-        let mut s = ca.export_staged(id, info.id, &ks, 4, lease).unwrap();
+        let mut s = ca.export_staged(id, info.id, &ks, 4, None).unwrap();
         for j in 0..2 {
+            // Parts 400 ms apart: more than 700 ms in all, each within the renewed time.
+            std::thread::sleep(Duration::from_millis(400));
             write_part(&mut s, j, &data);
-            s.ready(j + 1).unwrap();
+            let r = s.ready(j + 1).unwrap();
+            assert_eq!(r.ttl_ms, 700, "renewed: {r:?}");
         }
         cb.wait_parts(id, 2, Duration::from_secs(10)).unwrap();
         if round == 0 {

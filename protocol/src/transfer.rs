@@ -209,6 +209,10 @@ pub struct ExportResp {
     /// already complete here). Empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slots: Vec<Option<u64>>,
+    /// A staged export: the slots are the caller's for this long from the daemon's
+    /// receipt of the request (each `export_ready` renews it: its reply's `ttl_ms`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slots_ttl_ms: u64,
 }
 
 /// `export_ready`: the first `ready` parts of a staged export are written (SPEC §16).

@@ -954,6 +954,36 @@ impl Store {
         self.try_alloc_in(&req, ttl, now, dram_only)
     }
 
+    /// Extends `client`'s own reservations of `keys` to `ttl` from now: a new hand-out of
+    /// the same slots (the kept pool's fence counts from it, `store/keep.rs`). Each key must
+    /// still be reserved by `client` and uncommitted (`not_allocated` otherwise: it was
+    /// reclaimed).
+    pub fn renew_reservations(
+        &mut self,
+        client: ClientId,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let deadline = now + ttl;
+        for (index, k) in keys.iter().enumerate() {
+            let idx = self
+                .index
+                .find(layout, k)
+                .filter(|&i| {
+                    self.index.node(i).state() == State::Pending
+                        && self.holds.reserved_by(i) == Some(client)
+                })
+                .ok_or(StoreError::NotAllocated { index, key: *k })?;
+            self.holds.reserve(idx, client, deadline);
+            if let Some(t) = &self.index.durable {
+                t.out(self.index.node(idx).offset());
+            }
+        }
+        Ok(())
+    }
+
     /// Pins every key (all must be committed in DRAM) for `ttl`, not clamped: an export's
     /// lease governs it and releases it with [`Store::unpin_by_id`].
     pub fn pin_for_export(

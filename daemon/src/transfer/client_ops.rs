@@ -62,8 +62,11 @@ impl Transfers {
         // The export releases the pin; its TTL is only the backstop (the export itself
         // ends by `max_hold`).
         let pin_ttl = self.cfg.max_hold + lease.period();
+        // Staged slots are an allocation: they last `alloc_ttl`, renewed by each
+        // `export_ready` (a kept pool's fence covers a hand-out that long).
+        let slots_ttl = store.config().alloc_ttl;
         let (pin, offsets, staged, slots) = if req.staged {
-            self.stage(store, req, lease.period(), now)?
+            self.stage(store, req, slots_ttl, now)?
         } else {
             let (pin, offsets) =
                 store.pin_for_export(self.system, req.layout_id, &req.keys, pin_ttl, now)?;
@@ -93,7 +96,16 @@ impl Transfers {
                 .push(d, (Timer::Export, req.transfer_id.clone()));
         }
         self.try_push(store, &req.transfer_id, now);
-        Ok(Reply::Export(ExportResp { params, slots }))
+        let slots_ttl_ms = if req.staged {
+            slots_ttl.as_millis() as u64
+        } else {
+            0
+        };
+        Ok(Reply::Export(ExportResp {
+            params,
+            slots,
+            slots_ttl_ms,
+        }))
     }
 
     /// A staged export's slots (SPEC §16): reservations (this daemon's own, lasting the

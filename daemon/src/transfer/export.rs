@@ -247,6 +247,13 @@ impl Export {
         Ok(ready == self.parts())
     }
 
+    /// The staged slots were handed out again until `deadline` (`export_ready`).
+    pub(super) fn restaged(&mut self, deadline: Instant) {
+        if self.staging() {
+            self.stage_deadline = Some(deadline);
+        }
+    }
+
     /// The staged keys to commit.
     pub(super) fn staged_keys(&self) -> &[ChunkHash] {
         &self.staged

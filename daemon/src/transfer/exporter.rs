@@ -96,16 +96,40 @@ impl Transfers {
                 ),
             ));
         }
-        if exp.announce(req.ready)? {
+        let complete = exp.announce(req.ready)?;
+        let mut ttl_ms = 0;
+        if complete {
             if let Err(e) = self.commit_staged(store, id, now) {
                 self.end_export(store, id, TransferState::Failed, Some(e.clone()), true, now);
                 return Err(e);
             }
+        } else if exp.staging() {
+            // The writer is alive: its slots are its own for another `alloc_ttl`.
+            if exp.stage_deadline().is_some_and(|d| now >= d) {
+                let e = WireError::new(
+                    ErrorCode::LeaseExpired,
+                    "the staged slots' time ran out before this part was announced",
+                );
+                self.end_export(store, id, TransferState::Expired, Some(e.clone()), true, now);
+                return Err(e);
+            }
+            let ttl = store.config().alloc_ttl;
+            let (layout, keys) = (exp.layout(), exp.staged_keys().to_vec());
+            if let Err(e) = store.renew_reservations(self.system, layout, &keys, ttl, now) {
+                let e = WireError::new(e.code(), format!("renewing the staged slots: {e}"));
+                self.end_export(store, id, TransferState::Failed, Some(e.clone()), true, now);
+                return Err(e);
+            }
+            if let Some(exp) = self.exports.get_mut(id) {
+                exp.restaged(now + ttl);
+            }
+            self.timers.push(now + ttl, (Timer::Export, id.clone()));
+            ttl_ms = ttl.as_millis() as u64;
         }
         self.push_more(store, id, now);
-        self.describe(id, now)
-            .map(Reply::Transfer)
-            .ok_or_else(|| self.unknown(id))
+        let mut r = self.describe(id, now).ok_or_else(|| self.unknown(id))?;
+        r.ttl_ms = ttl_ms;
+        Ok(Reply::Transfer(r))
     }
 
     /// Commits a staged export's blocks (every part is written) and pins all its keys,
