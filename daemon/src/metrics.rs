@@ -84,6 +84,8 @@ pub struct Metrics {
     peer_fetches: IntCounterVec,
     peer_locks: IntCounter,
     peer_locks_released: IntCounter,
+    staged_exports: IntCounter,
+    part_writes: IntCounter,
     ready: IntGauge,
 }
 
@@ -459,6 +461,16 @@ impl Metrics {
                 "kvd_peer_locks_released_total",
                 "Locks this node took at peers and released unread (a second holder's lock-at-lookup, a late one, or one whose read could not start).",
             ),
+            staged_exports: counter(
+                &r,
+                "kvd_transfer_staged_exports_total",
+                "Staged (layer-wise) exports opened: written part by part as the prefill computes them.",
+            ),
+            part_writes: counter(
+                &r,
+                "kvd_transfer_part_writes_total",
+                "Completed push writes of layer groups (a layer-wise push writes each group as it is announced).",
+            ),
             ready: gauge(&r, "kvd_ready", "1 when /readyz would answer 200."),
             registry: r,
         };
@@ -670,6 +682,8 @@ impl Metrics {
             );
             advance(&self.peer_locks, t.locks);
             advance(&self.peer_locks_released, t.locks_released);
+            advance(&self.staged_exports, t.staged_exports);
+            advance(&self.part_writes, t.part_writes);
         }
         self.peers.with_label_values(&["up"]).set(peers.up as i64);
         self.peers

@@ -135,6 +135,9 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
     eventually(5, "the export released its pins", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
+    // One write per announced part (each landed before the next was announced).
+    let t = ca.stats().unwrap().transfers.unwrap();
+    assert_eq!((t.staged_exports, t.part_writes), (1, parts), "{t:?}");
 }
 
 /// A staged export that stops after two of four parts (its writer aborts, or stops

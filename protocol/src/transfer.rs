@@ -649,6 +649,12 @@ pub struct TransferStats {
     /// lock-at-lookup, a late one, or one whose read could not start.
     #[serde(default)]
     pub locks_released: u64,
+    /// Staged (layer-wise) exports opened (SPEC §16).
+    #[serde(default)]
+    pub staged_exports: u64,
+    /// Push writes of layer groups that completed (one per data-plane job of parts).
+    #[serde(default)]
+    pub part_writes: u64,
     /// Peers currently skipped after a timeout.
     #[serde(default)]
     pub peers_down: u64,

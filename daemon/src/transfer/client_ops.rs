@@ -89,6 +89,7 @@ impl Transfers {
             .insert(export.handle(), (Timer::Export, req.transfer_id.clone()));
         self.exports.insert(req.transfer_id.clone(), export);
         self.counters.exports += 1;
+        self.counters.staged_exports += u64::from(req.staged);
         self.timers
             .push(lease.expires(), (Timer::Export, req.transfer_id.clone()));
         if let Some(d) = stage_deadline {

@@ -302,6 +302,9 @@ impl Transfers {
                 match done.result {
                     Ok(bytes) => {
                         exp.moved(bytes);
+                        if exp.parts() > 1 {
+                            self.counters.part_writes += 1;
+                        }
                         // The next parts, or the end when every part is written.
                         self.push_more(store, &id, now);
                     }
