@@ -42,6 +42,10 @@ enum Mutant {
     FreeUnderWrite,
     /// A silent exporter never fails the import.
     NoSilence,
+    /// A layer-wise push writes parts not yet announced.
+    PushUnannounced,
+    /// A staged export's blocks are readable before the last part.
+    ReadWhileStaging,
 }
 
 fn renewed(expires: Instant, period: Duration, now: Instant, m: Mutant) -> Instant {
@@ -642,6 +646,218 @@ fn check_registrations(m: Mutant) -> Result<(), TestError<Vec<(bool, u64)>>> {
     )
 }
 
+// ---------------------------------------------------------------------------------
+// Staged, layer-wise exports (SPEC §16)
+
+#[derive(Debug, Clone)]
+enum SOp {
+    Register,
+    Announce {
+        ready: u64,
+    },
+    /// Whatever `next_push` says is started as a job.
+    Push,
+    JobDone {
+        ok: bool,
+    },
+    End {
+        state: u8,
+    },
+    /// A peer's data-plane read under the read grant.
+    Read,
+}
+
+fn s_op() -> impl Strategy<Value = SOp> {
+    prop_oneof![
+        1 => Just(SOp::Register),
+        3 => (0u64..6).prop_map(|ready| SOp::Announce { ready }),
+        3 => Just(SOp::Push),
+        2 => any::<bool>().prop_map(|ok| SOp::JobDone { ok }),
+        1 => (0u8..4).prop_map(|state| SOp::End { state }),
+        2 => Just(SOp::Read),
+    ]
+}
+
+/// A staged export of three blocks (the second held already, so never staged) in four
+/// parts of unequal size, against a reference of what may be written and read when: a
+/// push writes exactly the parts announced and not yet written, one range per pushed
+/// block covering those parts; it is done only once every part is written and the
+/// blocks are committed; no read is admitted before the last part.
+fn run_staged(ops: &[SOp], m: Mutant) -> Result<(), TestCaseError> {
+    let now = Instant::now();
+    let grants = Grants::new(ME);
+    let keys = vec![ChunkHash([1; 16]), ChunkHash([2; 16]), ChunkHash([3; 16])];
+    let offsets = vec![0, BLOCK * 4, BLOCK * 8];
+    let spans = vec![(0, 1024), (1024, 512), (1536, 1536), (3072, 1024)];
+    let parts = spans.len() as u64;
+    let req = ExportReq {
+        client: ClientId(5),
+        transfer_id: "s".into(),
+        layout_id: LayoutId(1),
+        keys: keys.clone(),
+        lease_ms: Some(300),
+        parts: Some(parts),
+        staged: true,
+    };
+    let lease = Lease::new(MS * 300, now).with_max_hold(MAX_HOLD, now);
+    let staged = export::Staged {
+        keys: vec![keys[0], keys[2]],
+        deadline: now + MS * 300,
+    };
+    let (mut x, params) = Export::open(
+        &peer(1),
+        &req,
+        offsets.clone(),
+        BLOCK,
+        Some(PinId(9)),
+        lease,
+        &grants,
+        (spans.clone(), Some(staged)),
+        now,
+    );
+    prop_assert!(
+        params.from.shm.is_none(),
+        "a staged export offers no pool file"
+    );
+    let token = params.token ^ transfer_tag("s", &keys, offsets.iter().map(|&o| Some(o)));
+    // The reference.
+    let (mut ready, mut sent, mut sending) = (0u64, 0u64, None::<u64>);
+    let (mut committed, mut registered, mut ended) = (false, false, false);
+    for op in ops {
+        match *op {
+            SOp::Register => {
+                if registered || ended || x.state() != TransferState::Exported {
+                    continue;
+                }
+                let reg = Registration::new(
+                    &PeerPushRegReq {
+                        from: peer(31),
+                        to_incarnation: ME,
+                        transfer_id: "s".into(),
+                        layout_id: LayoutId(1),
+                        keys: keys.clone(),
+                        // The importer holds the last block: two blocks to write.
+                        offsets: vec![Some(BLOCK * 100), Some(BLOCK * 200), None],
+                        handle: 77,
+                        token: 78,
+                        lease_ms: 300,
+                    },
+                    Lease::new(MS * 300, now),
+                );
+                let access = super::dataplane::Access {
+                    peer: peer(31),
+                    handle: 77,
+                    token: 78,
+                    verify: false,
+                };
+                prop_assert!(x.accept_registration(&reg, access).is_ok());
+                registered = true;
+            }
+            SOp::Announce { ready: k } => {
+                if ended {
+                    continue;
+                }
+                let got = x.announce(k);
+                if k > parts {
+                    prop_assert!(got.is_err(), "ready {} > {} parts", k, parts);
+                    continue;
+                }
+                let complete = !committed && k > ready && k == parts;
+                prop_assert_eq!(got.ok(), Some(complete), "announce {}", k);
+                if !committed {
+                    ready = ready.max(k);
+                }
+                if complete {
+                    let old = x.committed("s", PinId(10), &offsets, &grants);
+                    prop_assert_eq!(old.ok().flatten(), Some(PinId(9)));
+                    committed = true;
+                }
+            }
+            SOp::Push => {
+                let want_upto = if m == Mutant::PushUnannounced {
+                    parts
+                } else {
+                    ready
+                };
+                match x.next_push() {
+                    export::NextPush::Write(ops, _, upto) => {
+                        prop_assert!(registered && sending.is_none() && !ended);
+                        prop_assert_eq!(upto, want_upto, "a push writes up to the announced part");
+                        prop_assert!(upto > sent);
+                        let (a, e) = (spans[sent as usize].0, spans[upto as usize - 1]);
+                        let e = e.0 + e.1;
+                        let dst = [BLOCK * 100, BLOCK * 200];
+                        prop_assert_eq!(ops.len(), 2, "one range per pushed block");
+                        for (op, (src, dst)) in ops.iter().zip(offsets.iter().zip(dst)) {
+                            prop_assert_eq!(
+                                (op.local, op.remote, op.len),
+                                (src + a, dst + a, e - a)
+                            );
+                        }
+                        x.start_job("tcp", 1, upto);
+                        sending = Some(upto);
+                    }
+                    export::NextPush::Done => {
+                        prop_assert!(registered && sent == parts && committed && sending.is_none());
+                        // What the flow does then: the export ends done and settles
+                        // (its grant revoked: no job is left).
+                        prop_assert!(x.end(TransferState::Done, None, now).is_some());
+                        prop_assert!(grants.revoke(x.handle(), ErrorCode::InvalidState));
+                        ended = true;
+                    }
+                    export::NextPush::Wait => {
+                        prop_assert!(
+                            !registered
+                                || ended
+                                || sending.is_some()
+                                || ready <= sent
+                                || (sent == parts && !committed),
+                            "a push waits with parts to write: ready {} sent {}",
+                            ready,
+                            sent
+                        );
+                    }
+                }
+            }
+            SOp::JobDone { ok } => {
+                let Some(upto) = sending.take() else { continue };
+                x.job_done(ok);
+                if ok {
+                    sent = upto;
+                }
+            }
+            SOp::End { state } => {
+                if ended {
+                    continue;
+                }
+                prop_assert!(x.end(final_state(state), None, now).is_some());
+                grants.revoke(x.handle(), ErrorCode::Aborted);
+                ended = true;
+            }
+            SOp::Read => {
+                let r = grants.begin(GrantKind::Read, x.handle(), token, ME, &[(0, 16)], now);
+                let may = (committed || m == Mutant::ReadWhileStaging) && !ended;
+                prop_assert_eq!(r.is_ok(), may, "a read while committed {}", committed);
+            }
+        }
+        let d = x.describe("s", now);
+        prop_assert_eq!((d.parts, d.parts_done), (parts, ready));
+        prop_assert_eq!(x.staging(), !committed);
+    }
+    Ok(())
+}
+
+fn check_staged(m: Mutant) -> Result<(), TestError<Vec<SOp>>> {
+    runner(m).run(&proptest::collection::vec(s_op(), 1..40), |ops| {
+        run_staged(&ops, m)
+    })
+}
+
+#[test]
+fn staged_exports_push_only_announced_parts_and_open_reads_at_the_end() {
+    check_staged(Mutant::None).unwrap();
+}
+
 #[test]
 fn exports_follow_their_state_machine() {
     check_exports(Mutant::None).unwrap();
@@ -674,4 +890,10 @@ fn negative_control_each_broken_rule_is_found() {
         assert!(check_imports(m).is_err(), "imports: {m:?} was not caught");
     }
     assert!(check_registrations(Mutant::FullPeriodRenewal).is_err());
+    for m in [Mutant::PushUnannounced, Mutant::ReadWhileStaging] {
+        assert!(
+            check_staged(m).is_err(),
+            "staged exports: {m:?} was not caught"
+        );
+    }
 }
