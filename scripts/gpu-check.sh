@@ -68,7 +68,7 @@ torch_dma() {
 }
 export -f torch_dma; export B
 step torch-dma 120 bash -c torch_dma
-step bench-cuda 180 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2
+step bench-cuda 180 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2 --layerwise 4
 step bench-cpu 60 "$B/kvd-bench" pd-e2e --backend cpu --bin-dir "$B" --tokens 128,512 --reps 1
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'gpu-check: FAILED: %s\n' "${failed[@]}"

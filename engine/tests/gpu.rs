@@ -28,6 +28,13 @@ fn cuda_engines_disaggregated_match_aggregated() {
     let (_rp, pull) = router(&[&prefill], &[&decode], "pull");
     let (_rs, push) = router(&[&prefill], &[&decode], "push");
     let (_rt, tp2) = router(&[&prefill2], &[&decode], "pull");
+    // Layer-wise (SPEC §16): the CUDA prefill writes each layer group as its forward goes.
+    let (_pl, prefill_lw) = engine(
+        "prefill",
+        Some(&a),
+        &["--backend", "cuda", "--layerwise-parts", "2"],
+    );
+    let (_rl, layerwise) = router(&[&prefill_lw], &[&decode], "push");
     let (mut same_cpu, mut total) = (0, 0);
     for p in prompts() {
         for (t, seed) in [(0.0, 0), (0.8, 7)] {
@@ -35,7 +42,12 @@ fn cuda_engines_disaggregated_match_aggregated() {
             let (s, want) = complete(&agg, body.clone());
             assert_eq!(s, 200, "{want}");
             assert_eq!(want["kvd"]["backend"], "cuda", "{want}");
-            for (name, url) in [("pull", &pull), ("push", &push), ("tp2→tp1", &tp2)] {
+            for (name, url) in [
+                ("pull", &pull),
+                ("push", &push),
+                ("tp2→tp1", &tp2),
+                ("layer-wise push", &layerwise),
+            ] {
                 let (s, got) = complete(url, body.clone());
                 assert_eq!(s, 200, "{name}: {got}");
                 assert_eq!(tokens(&got), tokens(&want), "{name}: prompt {p:?} t={t}");
