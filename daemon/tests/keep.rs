@@ -432,6 +432,61 @@ fn an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon() {
     assert!(st.fenced_slots >= 7 && st.fence_left_ms > 0, "{st:?}");
 }
 
+/// The fence covers staged exports too (SPEC §16): their slots are an allocation written
+/// by the engine, which may go on writing a part after the daemon restarted (its slots'
+/// time has not passed). No new block gets one of those slots, and every new block loads
+/// with its bytes after that late write.
+#[test]
+fn a_staged_exports_slots_are_fenced_after_a_restart() {
+    let mut d = Daemon::start(&["--pool-size", "16MiB"]);
+    let old = d.client();
+    let l = register(&old, KIB).id;
+    let mut staged = old.export_staged("lw-fence", l, &keys(40, 3), 2, None).unwrap();
+    let ghost: Vec<u64> = staged.slots().iter().flatten().copied().collect();
+    assert_eq!(ghost.len(), 3);
+    d.restart();
+    let new = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .connect()
+        .unwrap();
+    new.register_layout(&layout(KIB)).unwrap();
+    checked(&new);
+    let mut stored = Vec::new();
+    for i in 0..(2 * 16 * 1024 / KIB) as u32 {
+        let k = keys(40_000 + i, 1);
+        let v = block(40_000 + u64::from(i), BYTES);
+        let mut b = match new.alloc(l, &k) {
+            Ok(b) => b,
+            Err(e) if e.code() == Some(kvd_protocol::ErrorCode::PoolFull) => continue,
+            Err(e) => panic!("alloc: {e}"),
+        };
+        if let Some(off) = b.offsets()[0] {
+            assert!(
+                ghost
+                    .iter()
+                    .all(|&g| off + BYTES as u64 <= g || g + BYTES as u64 <= off),
+                "a new block got a slot a staged export still holds ({off})"
+            );
+            b.with_slots(|s| s[0].1.copy_from_slice(&v)).unwrap();
+            b.commit().unwrap();
+            stored.push((k[0], v));
+        }
+    }
+    assert!(stored.len() > 100, "{} stored", stored.len());
+    // The engine writes its next part now, not knowing of the restart.
+    staged
+        .write_part(0, |s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
+        .unwrap();
+    assert!(staged.ready(1).is_err(), "the new daemon knows no such export");
+    let mut hits = 0;
+    for (k, v) in stored.iter().rev().take(100) {
+        hits +=
+            usize::from(load_checked(&new, l, std::slice::from_ref(k), std::slice::from_ref(v))[0]);
+    }
+    assert!(hits > 50, "{hits} of the last 100 new blocks hit");
+    assert!(kept(&new).fenced_slots >= 3);
+}
+
 /// A grant of the old daemon reads nothing of the new one's pool, though the pool is the
 /// same file and the new daemon listens on the same data port: the new daemon never
 /// issued it (SPEC §15). Before the restart the same request reads the block.
