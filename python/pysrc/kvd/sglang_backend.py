@@ -29,6 +29,16 @@ kvd keys by ``BLAKE2b-128("kvd.sglang.v1\\0" || key)``.
 split-head (heterogeneous TP) storage, host layouts other than ``layer_first``,
 ``page_first``, ``page_first_direct`` and ``page_head``, and dtypes kvd has no name for.
 ``clear()`` is a no-op: pages are content-addressed (never stale) and kvd evicts by LRU.
+
+**Layer by layer (SPEC §16): what SGLang's interface allows.** A storage backend sees
+whole host pages only: SGLang prefetches L3 → L2 (host) pages before a request is
+scheduled and writes L2 → L3 after its own device → host write-back, with no per-layer
+call into the backend. The per-layer overlap with the forward is SGLang's own, in the
+L2 → L1 load (its cache controller copies host pages to the GPU one layer at a time and
+each attention layer waits for its layer, ``LayerDoneCounter``); pages kvd serves reach
+the device that way. So this backend moves pages whole, and there is nothing per layer
+for it to do; P/D handoffs in SGLang go through its own disaggregation transfer engines,
+not a HiCache backend.
 """
 
 from __future__ import annotations
