@@ -148,6 +148,68 @@ impl Client {
         self.status_call(transfer_id, wait, Some(parts))
     }
 
+    /// A layer-wise import's progress as its progress word in the mapped pool shows it,
+    /// without a round trip (SPEC §16): `resp` is a `TransferResp` of it (its owner's).
+    /// [`Landing::Unknown`] when it has no word, the word moved on to another transfer,
+    /// or the pool is not mapped: then ask [`Client::wait_parts`].
+    pub fn parts_landed(&self, resp: &TransferResp) -> Landing {
+        if resp.progress_at == 0 {
+            return Landing::Unknown;
+        }
+        let session = self.session();
+        let Some(pool) = session.pool.as_ref() else {
+            return Landing::Unknown;
+        };
+        match pool.load_progress(resp.progress_at) {
+            Some(w) if (w >> 32) as u32 == resp.progress_tag => {
+                let v = w as u32;
+                if v == kvd_protocol::pool::PROGRESS_FAILED {
+                    Landing::Failed
+                } else {
+                    Landing::Parts(u64::from(v))
+                }
+            }
+            _ => Landing::Unknown,
+        }
+    }
+
+    /// Waits up to `wait` until at least `parts` layer groups of a layer-wise import have
+    /// landed, watching its progress word (no round trip while it shows progress) and
+    /// asking [`Client::wait_parts`] when the word cannot tell. Returns the parts landed
+    /// (`parts` or more), or the transfer's end: `Err` for one that failed.
+    pub fn watch_parts(&self, resp: &TransferResp, parts: u64, wait: Duration) -> Result<u64> {
+        let deadline = Instant::now() + wait;
+        let mut spins = 0u32;
+        loop {
+            match self.parts_landed(resp) {
+                Landing::Parts(n) if n >= parts => return Ok(n),
+                Landing::Parts(_) if Instant::now() < deadline => {
+                    // Spin a little, then yield: a part lands within a layer's compute.
+                    spins += 1;
+                    if spins < 64 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                _ => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let r = self.wait_parts(&resp.transfer_id, parts, left)?;
+                    return match r.state {
+                        TransferState::Failed
+                        | TransferState::Aborted
+                        | TransferState::Expired
+                        | TransferState::Other => Err(Error::Protocol(format!(
+                            "transfer {} ended {:?}",
+                            resp.transfer_id, r.state
+                        ))),
+                        _ => Ok(r.parts_done),
+                    };
+                }
+            }
+        }
+    }
+
     fn status_call(
         &self,
         transfer_id: &str,
@@ -428,4 +490,15 @@ impl Drop for StagedExport {
     fn drop(&mut self) {
         let _ = self.abort_inner();
     }
+}
+
+/// What a layer-wise import's progress word says ([`Client::parts_landed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Landing {
+    /// This many leading layer groups have landed (all of them once done).
+    Parts(u64),
+    /// The transfer failed: nothing of it is usable.
+    Failed,
+    /// The word cannot tell: ask `transfer_status`.
+    Unknown,
 }

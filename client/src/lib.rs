@@ -92,7 +92,7 @@ use kvd_protocol::*;
 pub use crate::batch::WriteBatch;
 pub use crate::connection::{default_endpoint, Client, ClientBuilder, MapPool, PoolRegion};
 pub(crate) use crate::connection::{fatal, Conn};
-pub use crate::handoff::StagedExport;
+pub use crate::handoff::{Landing, StagedExport};
 pub use crate::model_identity::{model_identity, MODEL_ID_PREFIX};
 pub(crate) use crate::ops::check_blocks;
 pub use crate::ops::{LayoutInfo, StoreOutcome};

@@ -122,6 +122,28 @@ impl PoolMap {
         }
     }
 
+    /// Reads a progress word of the header page (SPEC §16) with acquire ordering: what
+    /// the daemon published before it is visible after it. `None` outside that area.
+    pub(crate) fn load_progress(&self, offset: u64) -> Option<u64> {
+        use kvd_protocol::pool::{PROGRESS_END, PROGRESS_START};
+        if !(PROGRESS_START..PROGRESS_END).contains(&offset) || !offset.is_multiple_of(8) {
+            return None;
+        }
+        let off = self.check(offset, 8).ok()?;
+        // SAFETY: in bounds of a live mapping (checked; `self` keeps it mapped) and
+        // 8-aligned (a page-aligned mapping plus an 8-aligned offset), so a valid
+        // `AtomicU64` location; any bit pattern is a valid value. The daemon writes these
+        // words only as atomics, and this process only reads them so.
+        let word = unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .add(off)
+                .cast::<std::sync::atomic::AtomicU64>()
+        };
+        Some(word.load(std::sync::atomic::Ordering::Acquire))
+    }
+
     /// Copies `src` into the pool.
     pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), Error> {
         let off = self.check(offset, src.len())?;

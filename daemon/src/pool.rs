@@ -294,6 +294,16 @@ impl Pool {
         self.data_offset
     }
 
+    /// The progress words of layer-wise transfers (SPEC §16): in the header page, after
+    /// the header, never a slot; read and written only as atomics (the transfer module
+    /// owns them). Empty when the mapping is read-only.
+    pub fn progress_words(&self) -> &[std::sync::atomic::AtomicU64] {
+        use kvd_protocol::pool::{PROGRESS_END, PROGRESS_START};
+        let end = PROGRESS_END.min(self.data_offset);
+        let n = usize::try_from(end.saturating_sub(PROGRESS_START) / 8).unwrap_or(0);
+        self.region.words_at(PROGRESS_START, n).unwrap_or(&[])
+    }
+
     /// Whether the pool sits on hugetlbfs.
     pub fn huge_pages(&self) -> bool {
         self.huge

@@ -156,6 +156,25 @@ impl Region {
         Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), n) })
     }
 
+    /// `n` 64-bit atomic words at `offset` of a writable region (8-aligned, inside it):
+    /// for a range the caller's module reads and writes only through these atomics (the
+    /// pool's progress words, SPEC §16). `None` otherwise.
+    pub fn words_at(&self, offset: u64, n: usize) -> Option<&[AtomicU64]> {
+        if !self.writable || !offset.is_multiple_of(8) {
+            return None;
+        }
+        let off = self.check(offset, n.checked_mul(8)?).ok()?;
+        // SAFETY: in bounds (checked), 8-aligned (a page-aligned mapping plus an 8-aligned
+        // offset), writable, alive as long as `&self`, to which the slice's lifetime is
+        // tied. `AtomicU64` has the size and alignment of `u64` and any bit pattern is a
+        // valid value. Within the process these bytes are only accessed through these
+        // atomics (the contract above: nothing else borrows the range as plain bytes);
+        // other processes may write the file, which readers treat as untrusted.
+        Some(unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().add(off).cast::<AtomicU64>(), n)
+        })
+    }
+
     /// Faults a checked range of a writable region into this process's page tables
     /// (`MADV_POPULATE_WRITE`) without changing a byte: what `populate` does at map
     /// time, for a range at a time (a kept pool is populated in the background, after

@@ -441,7 +441,9 @@ fn a_staged_exports_slots_are_fenced_after_a_restart() {
     let mut d = Daemon::start(&["--pool-size", "16MiB"]);
     let old = d.client();
     let l = register(&old, KIB).id;
-    let mut staged = old.export_staged("lw-fence", l, &keys(40, 3), 2, None).unwrap();
+    let mut staged = old
+        .export_staged("lw-fence", l, &keys(40, 3), 2, None)
+        .unwrap();
     let ghost: Vec<u64> = staged.slots().iter().flatten().copied().collect();
     assert_eq!(ghost.len(), 3);
     d.restart();
@@ -477,7 +479,10 @@ fn a_staged_exports_slots_are_fenced_after_a_restart() {
     staged
         .write_part(0, |s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
         .unwrap();
-    assert!(staged.ready(1).is_err(), "the new daemon knows no such export");
+    assert!(
+        staged.ready(1).is_err(),
+        "the new daemon knows no such export"
+    );
     let mut hits = 0;
     for (k, v) in stored.iter().rev().take(100) {
         hits +=

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use common::*;
-use kvd_client::{Client, Error};
+use kvd_client::{Client, Error, Landing};
 use kvd_protocol::{ChunkHash, ErrorCode, Layout, MemoryOrder, TransferState};
 
 struct Node {
@@ -85,6 +85,10 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
         .push_register_parts("lw-1", info.id, &ks, &node_of(&ca), None, parts)
         .unwrap();
     assert_eq!(r.parts, parts);
+    // The owner follows the parts in its mapping of the pool: a word of its own.
+    assert!(r.progress_at > 0 && r.progress_tag != 0, "{r:?}");
+    assert_eq!(cb.parts_landed(&r), Landing::Parts(0));
+    let reg = r;
     eventually(5, "registration reached the prefill node", || {
         ca.stats().unwrap().transfers.unwrap().registrations == 1
     });
@@ -99,6 +103,12 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
         write_part(&mut s, j, &data);
         let r = s.ready(j + 1).unwrap();
         assert_eq!((r.parts, r.parts_done), (parts, j + 1));
+        // Watched in the mapping (no round trip while the word shows progress), then
+        // the same as transfer_status says.
+        let seen = cb
+            .watch_parts(&reg, j + 1, Duration::from_secs(10))
+            .unwrap();
+        assert!(seen > j, "part {j} landed: {seen}");
         let got = cb
             .wait_parts("lw-1", j + 1, Duration::from_secs(10))
             .unwrap();
@@ -108,6 +118,7 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
             std::thread::sleep(Duration::from_millis(50));
             let now = cb.transfer_status("lw-1", Duration::ZERO).unwrap();
             assert_eq!(now.parts_done, j + 1, "only announced parts land: {now:?}");
+            assert_eq!(cb.parts_landed(&reg), Landing::Parts(j + 1));
             assert!(!now.state.is_final(), "{now:?}");
             assert!(now.pin.is_none());
         }
@@ -115,6 +126,7 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
     let r = cb.transfer_status("lw-1", Duration::from_secs(10)).unwrap();
     assert_eq!(r.state, TransferState::Done, "{r:?}");
     assert_eq!(r.parts_done, parts);
+    assert_eq!(cb.parts_landed(&reg), Landing::Parts(parts));
     assert_eq!(r.blocks_moved, 6, "every block moved once, in parts");
     let pinned = cb.pinned(info.id, &r).unwrap();
     for (i, want) in data.iter().enumerate() {
@@ -157,7 +169,8 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
         let data: Vec<Vec<u8>> = (0..4)
             .map(|i| block(5000 + i, info.block_bytes as usize))
             .collect();
-        cb.push_register_parts(id, info.id, &ks, &node, None, 4)
+        let reg = cb
+            .push_register_parts(id, info.id, &ks, &node, None, 4)
             .unwrap();
         let mut s = ca.export_staged(id, info.id, &ks, 4, None).unwrap();
         for j in 0..2 {
@@ -186,6 +199,12 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
             "{r:?}"
         );
         assert_eq!(r.parts_done, 0, "a failed transfer reports no usable part");
+        assert_eq!(
+            cb.parts_landed(&reg),
+            Landing::Failed,
+            "its word says so too"
+        );
+        assert!(cb.watch_parts(&reg, 4, Duration::from_secs(1)).is_err());
         assert!(r.pin.is_none() && r.offsets.is_empty());
         assert_eq!(
             cb.lookup(info.id, &ks).unwrap().prefix,

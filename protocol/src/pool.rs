@@ -17,6 +17,20 @@ pub const POOL_MAGIC: [u8; 8] = *b"KVDPOOL1";
 /// Bytes of the header that carry fields.
 pub const POOL_HEADER_BYTES: usize = 32;
 
+/// Where the progress words of layer-wise transfers start in the pool file (SPEC §16):
+/// 64-bit words from here to the end of its first 4 KiB (`data_offset` is at least that).
+pub const PROGRESS_START: u64 = 64;
+/// Where they end.
+pub const PROGRESS_END: u64 = 4096;
+
+/// A progress word's value: `tag` (high 32 bits) and what it says (low 32 bits).
+pub fn progress_word(tag: u32, value: u32) -> u64 {
+    (u64::from(tag) << 32) | u64::from(value)
+}
+
+/// The low half of a progress word of an ended transfer that failed.
+pub const PROGRESS_FAILED: u32 = u32::MAX;
+
 /// The decoded header.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct PoolHeader {
@@ -56,6 +70,16 @@ impl PoolHeader {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn progress_words_follow_the_spec_vector() {
+        assert_eq!(progress_word(0x1234_5678, 3), 0x1234_5678_0000_0003);
+        assert_eq!(
+            progress_word(0x1234_5678, PROGRESS_FAILED),
+            0x1234_5678_FFFF_FFFF
+        );
+        assert_eq!((PROGRESS_END - PROGRESS_START) / 8, 504);
+    }
+
     use super::*;
 
     #[test]

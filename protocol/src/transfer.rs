@@ -390,6 +390,17 @@ pub struct TransferResp {
     /// bytes have all landed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub parts_done: u64,
+    /// Importer of a live layer-wise push, to its owner: the pool-file offset of a
+    /// progress word (SPEC §16) that shows `parts_done` without a round trip (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub progress_at: u64,
+    /// The tag that word carries while it is this transfer's.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub progress_tag: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -345,6 +345,7 @@ impl Transfers {
                     .ok_or_else(|| self.unknown(&req.transfer_id))?;
                 r.offsets.clear();
                 r.pin = None;
+                (r.progress_at, r.progress_tag) = (0, 0);
                 return Ok(Answer::Now(Box::new(Reply::Transfer(r))));
             }
             Err(e) => return Err(e),
@@ -538,6 +539,8 @@ impl Transfers {
             error: None,
             parts: 0,
             parts_done: 0,
+            progress_at: 0,
+            progress_tag: 0,
         }))
     }
 

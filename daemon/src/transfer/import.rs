@@ -81,6 +81,8 @@ pub(super) struct Import {
     /// Push, layer-wise (SPEC §16): the `(start, len)` inside a block of each layer
     /// group whose landing `transfer_status` reports (empty: not layer-wise).
     part_spans: Vec<(u64, u64)>,
+    /// The progress word lent to it while it is live (SPEC §16).
+    progress: Option<super::progress::Word>,
 }
 
 /// A push import's write grant, as the grants table takes it.
@@ -143,6 +145,7 @@ impl Import {
             life: Life::new(Side::Importer, TransferState::Queued, now),
             caps: Caps::default(),
             part_spans: Vec::new(),
+            progress: None,
         }
     }
 
@@ -197,6 +200,19 @@ impl Import {
     /// Reports the landing of these layer groups (`(start, len)` inside a block).
     pub(super) fn in_parts(self, part_spans: Vec<(u64, u64)>) -> Import {
         Import { part_spans, ..self }
+    }
+
+    /// Lends it a progress word (or takes it back: `None`); returns the one it had.
+    pub(super) fn lend_progress(
+        &mut self,
+        w: Option<super::progress::Word>,
+    ) -> Option<super::progress::Word> {
+        std::mem::replace(&mut self.progress, w)
+    }
+
+    /// Its progress word, while it has one.
+    pub(super) fn progress(&self) -> Option<super::progress::Word> {
+        self.progress
     }
 
     /// Layer groups it reports (0: not layer-wise).
@@ -616,6 +632,8 @@ impl Import {
             pin: r.and_then(|r| r.pin),
             ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
             parts: self.parts(),
+            progress_at: self.progress.map_or(0, |w| w.offset()),
+            progress_tag: self.progress.map_or(0, |w| w.tag()),
             ..self.life.describe(id, self.block_bytes, now)
         }
     }

@@ -17,7 +17,18 @@ use crate::store::Store;
 
 impl Transfers {
     /// Records a new import, arms its timers and moves it forward.
-    pub(super) fn accept_import(&mut self, store: &mut Store, id: &str, imp: Import, now: Instant) {
+    pub(super) fn accept_import(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        mut imp: Import,
+        now: Instant,
+    ) {
+        if imp.parts() > 0 {
+            // Layer-wise: its owner may follow the parts in the pool's header page.
+            let w = self.progress.take();
+            imp.lend_progress(w);
+        }
         let (heard, period) = imp.watch();
         self.imports.insert(id.to_string(), imp);
         self.counters.imports += 1;
@@ -213,6 +224,16 @@ impl Transfers {
         let Some(finished) = imp.end(state, error.clone(), now) else {
             return;
         };
+        if let Some(w) = imp.lend_progress(None) {
+            // Its last word: every part, or failed; then the word may be lent again.
+            let v = if state == TransferState::Done {
+                imp.parts() as u32
+            } else {
+                kvd_protocol::pool::PROGRESS_FAILED
+            };
+            self.progress.set(w, v);
+            self.progress.give_back(w);
+        }
         if imp.mode() == Mode::Push {
             self.by_grant.remove(&imp.handle());
         }
@@ -255,6 +276,18 @@ impl Transfers {
                     tracing::warn!(transfer = %id, error = %e, "freeing a failed import's slots");
                 }
             }
+        }
+    }
+
+    /// Publishes a live layer-wise import's parts landed in its progress word.
+    pub(super) fn publish_progress(&mut self, id: &str) {
+        let Some(imp) = self.imports.get(id) else {
+            return;
+        };
+        if let Some(w) = imp.progress() {
+            let n = imp.parts_landed(&self.grants);
+            self.progress
+                .set(w, u32::try_from(n).unwrap_or(u32::MAX - 1));
         }
     }
 }

@@ -223,6 +223,8 @@ impl Life {
             error: self.error.clone(),
             parts: 0,
             parts_done: 0,
+            progress_at: 0,
+            progress_tag: 0,
         }
     }
 }

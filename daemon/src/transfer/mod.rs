@@ -78,6 +78,7 @@ pub mod grants;
 mod p2p;
 mod peer_events;
 mod peer_ops;
+mod progress;
 pub mod remote_access;
 pub use p2p::PeerConfig;
 mod settings;
@@ -235,6 +236,8 @@ pub struct Transfers {
     unsettled: Vec<(Timer, String)>,
     /// The cumulative counters (gauges are filled in by [`Transfers::stats`]).
     counters: TransferStats,
+    /// Progress words of layer-wise pushes (SPEC §16).
+    progress: progress::ProgressBoard,
     finished: Vec<Finished>,
     queries: HashMap<u64, p2p::Query>,
     fetches: HashMap<u64, p2p::Fetch>,
@@ -325,6 +328,7 @@ impl Transfers {
             .then(peer_events::PeerEvents::start)
             .transpose()?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
+        let board = progress::ProgressBoard::new(pool.clone());
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
         Ok(Transfers {
             next_heartbeat: now + cfg.heartbeat,
@@ -356,6 +360,7 @@ impl Transfers {
             answers: Vec::new(),
             unsettled: Vec::new(),
             counters: TransferStats::default(),
+            progress: board,
             finished: Vec::new(),
             queries: HashMap::new(),
             fetches: HashMap::new(),

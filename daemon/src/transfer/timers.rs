@@ -29,6 +29,7 @@ impl Transfers {
                 match self.by_grant.get(&handle).cloned() {
                     // A layer-wise push queues its grant after every write (SPEC §16).
                     Some((Timer::Import, id)) if !self.grants.is_filled(handle) => {
+                        self.publish_progress(&id);
                         self.wake_part_waiters(&id, now)
                     }
                     Some((Timer::Import, id)) => self.on_push_filled(store, &id, handle, now),
