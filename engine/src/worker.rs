@@ -1007,8 +1007,8 @@ impl Scheduler {
             let id = format!("{base}.r{r}");
             match kv
                 .client
-                // The staged slots are the writer's for the lease (SPEC §16): long
-                // enough for the longest prefill this engine waits for.
+                // The export's lease covers the longest prefill this engine waits
+                // for; the slots themselves are renewed by each part (SPEC §16).
                 .export_staged(
                     &id,
                     l.id,
