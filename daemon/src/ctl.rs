@@ -274,6 +274,12 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
                         "transfers     {} exports, {} imports, {} registrations live; {} done, {} failed, {} expired",
                         t.exports_live, t.imports_live, t.registrations, t.done, t.failed, t.expired
                     );
+                    if t.staged_exports > 0 {
+                        println!(
+                            "layer-wise    {} staged exports, {} part writes",
+                            t.staged_exports, t.part_writes
+                        );
+                    }
                 }
                 if s.draining {
                     println!("state         DRAINING");
