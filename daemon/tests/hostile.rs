@@ -574,6 +574,45 @@ fn bad_transfer_and_peer_messages_are_refused() {
         call("export", &"not a map"),
         Some(ErrorCode::InvalidArgument)
     );
+    // Layer-wise (SPEC §16): a `ready` of the wrong type, parts beyond the layers, a
+    // staged export of a layout nobody registered, `export_ready` of nothing.
+    #[derive(serde::Serialize)]
+    struct BadReady<'a> {
+        client: ClientId,
+        transfer_id: &'a str,
+        ready: &'a str,
+    }
+    let bad = BadReady {
+        client,
+        transfer_id: "e",
+        ready: "all of them",
+    };
+    assert_eq!(call("export_ready", &bad), Some(ErrorCode::InvalidArgument));
+    let too_many = ExportReq {
+        parts: Some(1 << 40),
+        staged: true,
+        transfer_id: "lw".into(),
+        ..bad_export.clone()
+    };
+    assert_eq!(call("export", &too_many), Some(ErrorCode::InvalidArgument));
+    let unknown_layout = ExportReq {
+        layout_id: LayoutId(0xdead),
+        parts: Some(2),
+        ..too_many.clone()
+    };
+    assert_eq!(
+        call("export", &unknown_layout),
+        Some(ErrorCode::UnknownLayout)
+    );
+    let nothing = ExportReadyReq {
+        client,
+        transfer_id: "never-exported".into(),
+        ready: 1,
+    };
+    assert_eq!(
+        call("export_ready", &nothing),
+        Some(ErrorCode::UnknownTransfer)
+    );
     // the registration to a node that does not exist expires and is counted
     eventually(5, "registration expired", || {
         let s = good.stats().unwrap().transfers.unwrap();
