@@ -694,6 +694,49 @@ impl Engine {
     }
 }
 
+/// The forward of `seq` (loading `prefix` layer by layer as it goes), writing each layer
+/// group of `staged` into its slots as the forward leaves it and announcing it. A kvd
+/// failure while staging ends the staging, not the forward: it is returned beside the
+/// forward's result (the caller drops the exports, which aborts them).
+fn forward_staged(
+    model: &mut Model<AnyBackend>,
+    seq: &mut Sequence,
+    prefix: Option<kvd_model::model::Prefix<'_>>,
+    staged: Option<&mut Staging>,
+    (kv_heads, layers): (usize, u64),
+) -> (Result<kvd_model::backend::AnyBuf>, Option<anyhow::Error>) {
+    let Some(st) = staged else {
+        return (model.forward_loading(seq, prefix, &mut |_, _| Ok(())), None);
+    };
+    let parts = st.parts;
+    let hs = kv_heads / st.exports.len().max(1);
+    let mut next = 0u64;
+    let mut failed = None;
+    let r = model.forward_loading(seq, prefix, &mut |li, view| {
+        let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next) else {
+            return Ok(());
+        };
+        if li as u64 + 1 != end || failed.is_some() {
+            return Ok(());
+        }
+        let step = st.exports.iter_mut().enumerate().try_for_each(|(r, x)| {
+            x.write_part(next, |slots| -> Result<()> {
+                let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
+                let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                view.save_layers(&logical, r * hs, hs, first as usize..end as usize, &mut dst)
+            })??;
+            x.ready(next + 1)?;
+            anyhow::Ok(())
+        });
+        if let Err(e) = step {
+            failed = Some(e);
+        }
+        next += 1;
+        Ok(())
+    });
+    (r, failed)
+}
+
 /// A request's staged exports (one per shard) while its forward writes them.
 struct Staging {
     exports: Vec<kvd_client::StagedExport>,
@@ -802,35 +845,6 @@ impl Scheduler {
         };
         let mut cached = 0;
         let res = (|| -> Result<(kvd_model::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
-            if let Some(p) = job.prefix.as_ref().filter(|p| p.n > 0) {
-                let loaded =
-                    (|| -> Result<()> {
-                        let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
-                        // The slices live only inside the closure, and its result is refused
-                        // if a pin lapsed while the blocks were read.
-                        kvd_client::PinnedBlocks::with_all(&pins, |all| {
-                            let mut src = Vec::with_capacity(p.n * p.src_tp);
-                            for b in 0..p.n {
-                                for pin in all {
-                                    src.push(pin.get(b).copied().flatten().ok_or_else(|| {
-                                        anyhow!("block {b} missing from the pin")
-                                    })?);
-                                }
-                            }
-                            self.model.load_prefix(&mut seq, p.n, p.src_tp, &src)
-                        })?
-                    })();
-                match loaded {
-                    Ok(()) => cached = p.n * bt,
-                    // A local cache hit that lapsed while queued (pin expired) is only an
-                    // optimisation lost: compute the prompt instead.
-                    Err(e) if job.source == "local" => {
-                        tracing::warn!("cached prefix unusable ({e:#}); computing it");
-                        seq.computed = 0;
-                    }
-                    Err(e) => return Err(e.context("loading the transferred KV")),
-                }
-            }
             let keys = hash::chunk_hashes(&job.tokens, bt, b"");
             let handoff = job
                 .req
@@ -844,54 +858,68 @@ impl Scheduler {
                 (Some(kv), Some(base)) => self.stage(kv, base, &keys),
                 _ => None,
             };
-            let logits = match staged.as_mut() {
-                Some(st) => {
-                    let st: &mut Staging = st;
-                    let parts = st.parts;
-                    let hs = self.cfg.model.kv_heads / st.exports.len();
-                    let layers = self.cfg.model.layers as u64;
-                    let mut next = 0u64;
-                    let mut failed = None;
-                    let logits = self.model.forward_layered(&mut seq, &mut |li, view| {
-                        let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next)
-                        else {
-                            return Ok(());
+            let shape = (self.cfg.model.kv_heads, self.cfg.model.layers as u64);
+            let mut stage_failed = None;
+            let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
+                Some(p) => {
+                    let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
+                    // The prefix loads layer by layer while the forward computes (the
+                    // forward waits for layer i at layer i). The slices live only inside
+                    // the closure, and its result is refused if a pin lapsed meanwhile.
+                    let model = &mut self.model;
+                    let r = kvd_client::PinnedBlocks::with_all(&pins, |all| {
+                        let mut src = Vec::with_capacity(p.n * p.src_tp);
+                        for b in 0..p.n {
+                            for pin in all {
+                                src.push(pin.get(b).copied().flatten().ok_or_else(|| {
+                                    anyhow!("block {b} missing from the pin")
+                                })?);
+                            }
+                        }
+                        let prefix = kvd_model::model::Prefix {
+                            n: p.n,
+                            src_tp: p.src_tp,
+                            src: &src,
+                            delay: None,
                         };
-                        if li as u64 + 1 != end || failed.is_some() {
-                            return Ok(());
+                        let (r, failed) =
+                            forward_staged(model, &mut seq, Some(prefix), staged.as_mut(), shape);
+                        stage_failed = failed;
+                        r
+                    });
+                    match r.map_err(anyhow::Error::from).and_then(|x| x) {
+                        Ok(logits) => {
+                            cached = p.n * bt;
+                            logits
                         }
-                        // A kvd failure ends the staging, not the forward: the exports
-                        // are aborted (the decode side is told) and the request goes on.
-                        let step = st.exports.iter_mut().enumerate().try_for_each(|(r, x)| {
-                            x.write_part(next, |slots| -> Result<()> {
-                                let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
-                                let mut dst: Vec<&mut [u8]> =
-                                    slots.iter_mut().map(|(_, s)| &mut **s).collect();
-                                view.save_layers(
-                                    &logical,
-                                    r * hs,
-                                    hs,
-                                    first as usize..end as usize,
-                                    &mut dst,
-                                )
-                            })??;
-                            x.ready(next + 1)?;
-                            anyhow::Ok(())
-                        });
-                        if let Err(e) = step {
-                            failed = Some(e);
+                        // A local cache hit that lapsed while queued (pin expired) is only
+                        // an optimisation lost: compute the prompt instead, keeping nothing
+                        // computed from it (its blocks, the parts staged from them).
+                        Err(e) if job.source == "local" => {
+                            tracing::warn!("cached prefix unusable ({e:#}); computing it");
+                            self.model.release(&mut seq);
+                            seq = Sequence {
+                                tokens: job.tokens.clone(),
+                                ..Default::default()
+                            };
+                            staged = None;
+                            stage_failed = None;
+                            self.model.forward(&mut seq)?
                         }
-                        next += 1;
-                        Ok(())
-                    })?;
-                    if let Some(e) = failed {
-                        tracing::warn!("layer-wise export abandoned ({e:#}); exporting after the forward");
-                        staged = None;
+                        Err(e) => return Err(e.context("loading the transferred KV")),
                     }
-                    logits
                 }
-                None => self.model.forward(&mut seq)?,
+                None => {
+                    let (r, failed) =
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                    stage_failed = failed;
+                    r?
+                }
             };
+            if let Some(e) = stage_failed {
+                tracing::warn!("layer-wise export abandoned ({e:#}); exporting after the forward");
+                staged = None;
+            }
             let handoff_parts = staged.as_ref().map_or(0, |s| s.parts);
             let stored = match &self.kv {
                 Some(_) if staged.is_some() => {
@@ -994,12 +1022,11 @@ impl Scheduler {
 
     /// Layer-wise handoff (SPEC §16): stages one export per shard of `keys` before the
     /// forward. `None` (whole blocks after the forward, as without it) when layer-wise
-    /// is off, the backend saves whole blocks only, or a daemon refuses to stage (a key
-    /// being written elsewhere, no room now): the exports staged so far are dropped,
-    /// which aborts them.
+    /// is off or a daemon refuses to stage (a key being written elsewhere, no room now):
+    /// the exports staged so far are dropped, which aborts them.
     fn stage(&self, kv: &Kv, base: &str, keys: &[ChunkHash]) -> Option<Staging> {
         let parts = self.cfg.layerwise_parts.min(self.cfg.model.layers) as u64;
-        if parts == 0 || keys.is_empty() || !self.model.backend().gathers_layers() {
+        if parts == 0 || keys.is_empty() {
             return None;
         }
         let mut exports = Vec::with_capacity(kv.layouts.len());

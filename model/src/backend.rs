@@ -8,9 +8,10 @@ use crate::{cpu, KvGeometry};
 /// One set of kernels over one kind of buffer. Row counts are explicit, so a buffer may
 /// be larger than the rows a call uses (the model reuses scratch buffers).
 #[allow(clippy::too_many_arguments)]
-pub trait Backend {
-    /// A buffer of f32 on the backend's device.
-    type Buf;
+pub trait Backend: Sync {
+    /// A buffer of f32 on the backend's device (sendable: a layer-wise load fills one
+    /// layer's cache on a loader thread, `crate::kv`).
+    type Buf: Send;
     /// `"cpu"` or `"cuda"`.
     fn name(&self) -> &'static str;
     /// A zeroed buffer of `n` elements.
@@ -137,26 +138,6 @@ pub trait Backend {
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()>;
-    /// [`Backend::gather_to_host`] of layers `layers` only: each `dst` slice is that
-    /// layer range of a slot (layer-wise saves, SPEC §16). Backends that cannot say so in
-    /// [`Backend::gathers_layers`], and the engine saves whole blocks instead.
-    #[allow(clippy::too_many_arguments)]
-    fn gather_layers_to_host(
-        &self,
-        _cache: &Self::Buf,
-        _g: &KvGeometry,
-        _blocks: &[u32],
-        _h0: usize,
-        _hs: usize,
-        _layers: std::ops::Range<usize>,
-        _dst: &mut [&mut [u8]],
-    ) -> Result<()> {
-        anyhow::bail!("the {} backend saves whole blocks only", self.name())
-    }
-    /// Whether [`Backend::gather_layers_to_host`] works here.
-    fn gathers_layers(&self) -> bool {
-        false
-    }
     /// Loads transfer blocks from host memory (kvd pool slots) into physical `blocks`:
     /// `src` holds `src_tp` shard blocks per logical block (`[block][rank]`), re-sliced
     /// to this cache's full set of heads.
@@ -511,43 +492,6 @@ impl Backend for CpuBackend {
         cpu::gather(cache, g, blocks, h0, hs, &mut outs);
         Ok(())
     }
-    fn gather_layers_to_host(
-        &self,
-        cache: &Vec<f32>,
-        g: &KvGeometry,
-        blocks: &[u32],
-        h0: usize,
-        hs: usize,
-        layers: std::ops::Range<usize>,
-        dst: &mut [&mut [u8]],
-    ) -> Result<()> {
-        ensure!(
-            layers.start < layers.end && layers.end <= g.layers,
-            "layers {layers:?} of {}",
-            g.layers
-        );
-        ensure!(
-            dst.len() == blocks.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            blocks.len()
-        );
-        let want = g.block_elems(hs) / g.layers * layers.len() * 4;
-        let mut outs = Vec::with_capacity(dst.len());
-        for d in dst.iter_mut() {
-            ensure!(
-                d.len() == want,
-                "layer range of {} bytes, expected {want}",
-                d.len()
-            );
-            outs.push(as_f32_mut(d)?);
-        }
-        cpu::gather_layers(cache, g, blocks, h0, hs, layers, &mut outs);
-        Ok(())
-    }
-    fn gathers_layers(&self) -> bool {
-        true
-    }
     fn scatter_from_host(
         &self,
         cache: &mut Vec<f32>,
@@ -812,25 +756,6 @@ impl Backend for AnyBackend {
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
         dispatch!(self, b => b.gather_to_host(cache, g, blocks, h0, hs, dst), [cache], [])
-    }
-    fn gather_layers_to_host(
-        &self,
-        cache: &AnyBuf,
-        g: &KvGeometry,
-        blocks: &[u32],
-        h0: usize,
-        hs: usize,
-        layers: std::ops::Range<usize>,
-        dst: &mut [&mut [u8]],
-    ) -> Result<()> {
-        dispatch!(self, b => b.gather_layers_to_host(cache, g, blocks, h0, hs, layers, dst), [cache], [])
-    }
-    fn gathers_layers(&self) -> bool {
-        match self {
-            AnyBackend::Cpu(b) => b.gathers_layers(),
-            #[cfg(feature = "cuda")]
-            AnyBackend::Cuda(b) => b.gathers_layers(),
-        }
     }
     fn scatter_from_host(
         &self,

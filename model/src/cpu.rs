@@ -245,30 +245,6 @@ pub fn gather(
     }
 }
 
-/// [`gather`] of layers `layers` only: `dst[b]` is that layer range of a transfer block
-/// (the contiguous bytes of those layers in `layer_part_token_head` order).
-pub fn gather_layers(
-    cache: &[f32],
-    g: &KvGeometry,
-    blocks: &[u32],
-    h0: usize,
-    hs: usize,
-    layers: std::ops::Range<usize>,
-    dst: &mut [&mut [f32]],
-) {
-    let n = hs * g.head_dim;
-    let per_layer = 2 * g.block_tokens * n;
-    let base = layers.start * per_layer;
-    for (b, &blk) in blocks.iter().enumerate() {
-        let rows = block_rows(g, blk as usize, h0, hs)
-            .skip(layers.start * 2 * g.block_tokens)
-            .take(layers.len() * 2 * g.block_tokens);
-        for (at, o) in rows {
-            dst[b][o - base..o - base + n].copy_from_slice(&cache[at..at + n]);
-        }
-    }
-}
-
 /// The inverse of [`gather`]: writes transfer blocks back into physical blocks.
 pub fn scatter(
     cache: &mut [f32],

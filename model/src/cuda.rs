@@ -775,54 +775,6 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
-    /// Layer-wise saves (SPEC §16): the blocks are gathered whole on the device and only
-    /// the layer range is copied to the host slots. Correct, not fast (each part moves the
-    /// whole blocks over the link once): a kernel that writes one layer range straight
-    /// into the mapped slots belongs with the GPU copy work (issue 34).
-    fn gather_layers_to_host(
-        &self,
-        cache: &CudaSlice<f32>,
-        g: &KvGeometry,
-        blocks: &[u32],
-        h0: usize,
-        hs: usize,
-        layers: std::ops::Range<usize>,
-        dst: &mut [&mut [u8]],
-    ) -> Result<()> {
-        ensure!(
-            layers.start < layers.end && layers.end <= g.layers,
-            "layers {layers:?} of {}",
-            g.layers
-        );
-        ensure!(
-            dst.len() == blocks.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            blocks.len()
-        );
-        let per = g.block_elems(hs);
-        let per_layer = per / g.layers;
-        let (a, e) = (layers.start * per_layer, layers.end * per_layer);
-        for d in dst.iter() {
-            ensure!(
-                d.len() == (e - a) * 4,
-                "layer range of {} bytes, expected {}",
-                d.len(),
-                (e - a) * 4
-            );
-        }
-        let mut tmp = self.zeros(per * blocks.len())?;
-        self.gather(cache, g, blocks, h0, hs, &mut tmp)?;
-        let host = self.download(&tmp, per * blocks.len())?;
-        for (d, chunk) in dst.iter_mut().zip(host.chunks(per)) {
-            let part = chunk.get(a..e).context("layer range outside the block")?;
-            d.copy_from_slice(bytemuck::cast_slice(part));
-        }
-        Ok(())
-    }
-    fn gathers_layers(&self) -> bool {
-        true
-    }
     fn scatter_from_host(
         &self,
         cache: &mut CudaSlice<f32>,

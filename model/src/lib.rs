@@ -16,11 +16,16 @@
 //!   logs which.
 //! - **The model** ([`model`]): weights from safetensors or generated from a seed, a
 //!   paged KV cache whose blocks are kvd's blocks, and the tokenizer ([`tokenizer`]).
+//! - **The cache, a buffer per layer** (`kv.rs`): blocks move between it and kvd's slots
+//!   whole, a range of layers at a time (layer-wise saves) or a layer at a time while
+//!   the forward runs (layer-wise loads: a loader thread hands each layer over when it
+//!   is in, [`Model::forward_loading`]).
 
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod kv;
 pub mod model;
 pub mod tokenizer;
 

@@ -17,6 +17,8 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
+use crate::kv::{layer_slices, Caches};
+pub use crate::kv::{LayerView, Prefix};
 use crate::{cpu, KvGeometry};
 
 /// Shape of the model. Defaults: a 4-layer, 256-wide model over the byte vocabulary.
@@ -580,14 +582,13 @@ pub struct Sequence {
 pub struct Model<B: Backend> {
     backend: B,
     cfg: ModelConfig,
-    geo: KvGeometry,
     embed: B::Buf,
     layers: Vec<Layer<B>>,
     norm: B::Buf,
     lm_head: B::Buf,
     /// RoPE inverse frequencies ([`ModelConfig::inv_freq`]).
     inv_freq: Vec<f32>,
-    cache: B::Buf,
+    kv: Caches<B>,
     free: Vec<u32>,
     scratch: Option<Scratch<B>>,
 }
@@ -624,17 +625,16 @@ impl<B: Backend> Model<B> {
             block_tokens: cfg.block_tokens,
             num_blocks,
         };
-        let cache = backend.zeros(geo.cache_elems())?;
+        let kv = Caches::new(&backend, geo)?;
         Ok(Model {
             backend,
             inv_freq: cfg.inv_freq(),
             cfg,
-            geo,
             embed,
             layers,
             norm,
             lm_head,
-            cache,
+            kv,
             free: (0..num_blocks as u32).rev().collect(),
             scratch: None,
         })
@@ -652,7 +652,7 @@ impl<B: Backend> Model<B> {
 
     /// The cache's shape.
     pub fn geometry(&self) -> &KvGeometry {
-        &self.geo
+        &self.kv.geo
     }
 
     /// Free physical blocks.
@@ -697,12 +697,64 @@ impl<B: Backend> Model<B> {
         seq: &mut Sequence,
         after: &mut dyn FnMut(usize, &LayerView<'_, B>) -> Result<()>,
     ) -> Result<B::Buf> {
+        self.forward_loading(seq, None, after)
+    }
+
+    /// [`Model::forward_layered`] that first makes `prefix` (the sequence's first blocks,
+    /// from host slots) its cached KV **layer by layer while it computes**: a loader thread
+    /// scatters layer 0, 1, ... and hands each layer's cache to the forward, which waits
+    /// for layer *i* only when it reaches layer *i* (SPEC §16). `seq` must hold no KV yet.
+    /// A failed load fails the forward (nothing partial is kept: the caller recomputes).
+    pub fn forward_loading(
+        &mut self,
+        seq: &mut Sequence,
+        prefix: Option<Prefix<'_>>,
+        after: &mut dyn FnMut(usize, &LayerView<'_, B>) -> Result<()>,
+    ) -> Result<B::Buf> {
+        let bt = self.cfg.block_tokens;
+        if let Some(p) = &prefix {
+            ensure!(
+                seq.computed == 0,
+                "a prefix loads into a sequence with no KV yet"
+            );
+            ensure!(
+                p.n * bt <= seq.tokens.len(),
+                "{} blocks is past the known tokens",
+                p.n
+            );
+            self.reserve(seq, p.n * bt)?;
+            seq.computed = p.n * bt;
+        }
+        let r = self.run(seq, prefix.as_ref(), after);
+        if r.is_err() && prefix.is_some() {
+            seq.computed = 0; // nothing loaded counts
+        }
+        r
+    }
+
+    fn run(
+        &mut self,
+        seq: &mut Sequence,
+        prefix: Option<&Prefix<'_>>,
+        after: &mut dyn FnMut(usize, &LayerView<'_, B>) -> Result<()>,
+    ) -> Result<B::Buf> {
         let (start, end) = (seq.computed, seq.tokens.len());
         ensure!(end > start, "nothing to compute");
         self.reserve(seq, end)?;
-        let cfg = &self.cfg;
+        let Model {
+            backend: b,
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            kv,
+            scratch,
+            ..
+        } = self;
+        let (b, cfg): (&B, &ModelConfig) = (b, cfg);
         let n = end - start;
-        let b = &self.backend;
         let positions: Vec<u32> = (start as u32..end as u32).collect();
         let slots: Vec<u32> = positions
             .iter()
@@ -715,7 +767,7 @@ impl<B: Backend> Model<B> {
         // Decode steps and short prefills reuse one set of buffers; a long prefill gets
         // its own (kept only up to SCRATCH_ROWS, so a long prompt does not pin its
         // activations' memory).
-        let mut sc = match self.scratch.take() {
+        let mut sc = match scratch.take() {
             Some(sc) if sc.rows >= n => sc,
             _ => Scratch::new(b, cfg, n.max(SCRATCH_ROWS))?,
         };
@@ -732,52 +784,90 @@ impl<B: Backend> Model<B> {
             act,
             ..
         } = &mut sc;
-        b.embedding(&self.embed, d, &seq.tokens[start..end], x)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            b.rmsnorm(x, &l.attn_norm, n, d, cfg.eps, h)?;
-            b.matmul(h, &l.wq, n, qd, d, q)?;
-            b.matmul(h, &l.wk, n, kvd, d, k)?;
-            b.matmul(h, &l.wv, n, kvd, d, v)?;
-            b.rope(q, &positions, cfg.heads, cfg.head_dim, &self.inv_freq)?;
-            b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, &self.inv_freq)?;
-            b.write_kv(&mut self.cache, &self.geo, li, k, v, &slots)?;
-            after(
-                li,
-                &LayerView {
-                    backend: b,
-                    cache: &self.cache,
-                    geo: &self.geo,
-                    blocks: &seq.blocks,
-                    block_tokens: cfg.block_tokens,
-                    upto: end,
-                },
-            )?;
-            b.attention(
-                q,
-                &self.cache,
-                &self.geo,
-                li,
-                cfg.heads,
-                &seq.blocks,
-                &positions,
-                att,
-            )?;
-            b.matmul(att, &l.wo, n, d, qd, o)?;
-            b.add(x, o, n * d)?;
-            b.rmsnorm(x, &l.mlp_norm, n, d, cfg.eps, h)?;
-            b.matmul(h, &l.w_gate, n, f, d, gate)?;
-            b.matmul(h, &l.w_up, n, f, d, up)?;
-            b.swiglu(gate, up, n * f, act)?;
-            b.matmul(act, &l.w_down, n, d, f, o)?;
-            b.add(x, o, n * d)?;
-        }
-        // Only the last token's logits are needed.
-        let xl = b.row(x, n - 1, d)?;
-        b.rmsnorm(&xl, &self.norm, 1, d, cfg.eps, h)?;
-        let mut logits = b.zeros(cfg.vocab)?;
-        b.matmul(h, &self.lm_head, 1, cfg.vocab, d, &mut logits)?;
+        b.embedding(embed, d, &seq.tokens[start..end], x)?;
+        let (one, nl) = (kv.one, kv.geo.layers);
+        let blocks = &seq.blocks;
+        let logits = std::thread::scope(|s| -> Result<B::Buf> {
+            // Each layer's cache comes to the forward when it may be used: at once, or
+            // from the loader once its layer of the prefix is in.
+            let (tx, rx) = std::sync::mpsc::channel::<Result<&mut B::Buf>>();
+            let mut ready: Vec<Option<&mut B::Buf>> = Vec::new();
+            match prefix {
+                Some(p) => {
+                    let caches: Vec<&mut B::Buf> = kv.layers.iter_mut().collect();
+                    let phys = blocks.get(..p.n).context("prefix blocks")?;
+                    s.spawn(move || {
+                        for (l, c) in caches.into_iter().enumerate() {
+                            if let Some((dl, wait)) = p.delay {
+                                if dl == l {
+                                    std::thread::sleep(wait);
+                                }
+                            }
+                            let r = layer_slices(p.src, l, nl).and_then(|src| {
+                                b.scatter_from_host(c, &one, phys, p.src_tp, &src)
+                                    .map(|()| c)
+                            });
+                            let failed = r.is_err();
+                            if tx.send(r).is_err() || failed {
+                                return; // the forward stopped, or this load failed
+                            }
+                        }
+                    });
+                }
+                None => ready = kv.layers.iter_mut().map(Some).collect(),
+            }
+            let mut done: Vec<&mut B::Buf> = Vec::with_capacity(nl);
+            for (li, l) in layers.iter().enumerate() {
+                b.rmsnorm(x, &l.attn_norm, n, d, cfg.eps, h)?;
+                b.matmul(h, &l.wq, n, qd, d, q)?;
+                b.matmul(h, &l.wk, n, kvd, d, k)?;
+                b.matmul(h, &l.wv, n, kvd, d, v)?;
+                b.rope(q, &positions, cfg.heads, cfg.head_dim, inv_freq)?;
+                b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, inv_freq)?;
+                // This layer's cache: waited for here, and only here.
+                let cache = match prefix {
+                    Some(_) => rx
+                        .recv()
+                        .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
+                        .with_context(|| format!("loading layer {li} of the prefix"))?,
+                    None => ready
+                        .get_mut(li)
+                        .and_then(Option::take)
+                        .context("a layer's cache")?,
+                };
+                b.write_kv(cache, &one, 0, k, v, &slots)?;
+                done.push(cache);
+                after(
+                    li,
+                    &LayerView {
+                        backend: b,
+                        done: &done,
+                        one: &one,
+                        blocks,
+                        block_tokens: cfg.block_tokens,
+                        upto: end,
+                    },
+                )?;
+                let cache = done.last().context("the layer's cache")?;
+                b.attention(q, cache, &one, 0, cfg.heads, blocks, &positions, att)?;
+                b.matmul(att, &l.wo, n, d, qd, o)?;
+                b.add(x, o, n * d)?;
+                b.rmsnorm(x, &l.mlp_norm, n, d, cfg.eps, h)?;
+                b.matmul(h, &l.w_gate, n, f, d, gate)?;
+                b.matmul(h, &l.w_up, n, f, d, up)?;
+                b.swiglu(gate, up, n * f, act)?;
+                b.matmul(act, &l.w_down, n, d, f, o)?;
+                b.add(x, o, n * d)?;
+            }
+            // Only the last token's logits are needed.
+            let xl = b.row(x, n - 1, d)?;
+            b.rmsnorm(&xl, norm, 1, d, cfg.eps, h)?;
+            let mut logits = b.zeros(cfg.vocab)?;
+            b.matmul(h, lm_head, 1, cfg.vocab, d, &mut logits)?;
+            Ok(logits)
+        })?;
         if sc.rows <= SCRATCH_ROWS {
-            self.scratch = Some(sc);
+            *scratch = Some(sc);
         }
         seq.computed = end;
         Ok(logits)
@@ -808,8 +898,7 @@ impl<B: Backend> Model<B> {
             );
             phys.push(seq.blocks[l]);
         }
-        self.backend
-            .gather_to_host(&self.cache, &self.geo, &phys, h0, hs, dst)
+        self.kv.save(&self.backend, &phys, h0, hs, dst)
     }
 
     /// Loads the first `n` logical blocks of `seq` from host slots written by an engine
@@ -826,54 +915,8 @@ impl<B: Backend> Model<B> {
             "{n} blocks is past the known tokens"
         );
         self.reserve(seq, n * self.cfg.block_tokens)?;
-        self.backend.scatter_from_host(
-            &mut self.cache,
-            &self.geo,
-            &seq.blocks[..n],
-            src_tp,
-            src,
-        )?;
+        self.kv.load(&self.backend, &seq.blocks[..n], src_tp, src)?;
         seq.computed = n * self.cfg.block_tokens;
         Ok(())
-    }
-}
-
-/// The KV cache as a forward pass leaves it after one layer (see
-/// [`Model::forward_layered`]): the layers up to that one hold every token up to `upto`.
-pub struct LayerView<'a, B: Backend> {
-    backend: &'a B,
-    cache: &'a B::Buf,
-    geo: &'a KvGeometry,
-    blocks: &'a [u32],
-    block_tokens: usize,
-    upto: usize,
-}
-
-impl<B: Backend> LayerView<'_, B> {
-    /// Writes layers `layers` (all computed) of logical blocks `logical` (heads
-    /// `h0..h0+hs`) into host slices, each that layer range of a transfer block.
-    pub fn save_layers(
-        &self,
-        logical: &[usize],
-        h0: usize,
-        hs: usize,
-        layers: std::ops::Range<usize>,
-        dst: &mut [&mut [u8]],
-    ) -> Result<()> {
-        let mut phys = Vec::with_capacity(logical.len());
-        for &l in logical {
-            ensure!(
-                (l + 1) * self.block_tokens <= self.upto,
-                "block {l} is not computed yet"
-            );
-            phys.push(
-                *self
-                    .blocks
-                    .get(l)
-                    .ok_or_else(|| anyhow::anyhow!("block {l}"))?,
-            );
-        }
-        self.backend
-            .gather_layers_to_host(self.cache, self.geo, &phys, h0, hs, layers, dst)
     }
 }

@@ -415,11 +415,10 @@ fn layers_saved_during_the_forward_equal_whole_blocks_after_it() {
             view.save_layers(&logical, 0, hs, s..e, &mut d)?;
         }
         if li == 0 {
-            // The next layer is not computed yet: its range is still zeros in the cache.
+            // The next layer is not computed yet: it cannot be read.
             let mut probe = vec![vec![0u8; per_layer]; n];
             let mut d: Vec<&mut [u8]> = probe.iter_mut().map(|b| &mut b[..]).collect();
-            view.save_layers(&logical, 0, hs, 1..2, &mut d)?;
-            early_ok = probe.iter().all(|b| b.iter().all(|&x| x == 0));
+            early_ok = view.save_layers(&logical, 0, hs, 1..2, &mut d).is_err();
         }
         Ok(())
     })
@@ -451,6 +450,85 @@ fn layers_saved_during_the_forward_equal_whole_blocks_after_it() {
         err
     };
     assert_eq!(view_err, Some(true));
+}
+
+/// A prefix loaded layer by layer while the forward computes (a loader thread hands each
+/// layer's cache over when it is in; the forward waits for layer *i* only at layer *i*):
+/// the same logits, bit for bit, as loading it whole first — also with layer 1 held back.
+/// Negative control: a forward that read layer 1 before it landed (here: its bytes still
+/// zeros) gives other logits, so the comparison would catch a forward that does not wait.
+#[test]
+fn a_prefix_loaded_layer_by_layer_gives_the_same_logits() {
+    use kvd_model::model::Prefix;
+    use std::time::Duration;
+    let cfg = ModelConfig {
+        layers: 3,
+        ..tiny()
+    };
+    let mut a = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let tokens: Vec<u32> = "a prefix that arrives one layer at a time"
+        .bytes()
+        .map(u32::from)
+        .collect();
+    let mut whole = Sequence {
+        tokens: tokens.clone(),
+        ..Default::default()
+    };
+    let want = a.forward(&mut whole).unwrap();
+    let g = *a.geometry();
+    let n = 6; // of 10 full blocks (41 tokens, 4 per block)
+    let mut host = vec![vec![0u8; g.block_elems(cfg.kv_heads) * 4]; n];
+    let logical: Vec<usize> = (0..n).collect();
+    let mut d: Vec<&mut [u8]> = host.iter_mut().map(|v| &mut v[..]).collect();
+    a.save_blocks(&whole, &logical, 0, cfg.kv_heads, &mut d)
+        .unwrap();
+    let src: Vec<&[u8]> = host.iter().map(|v| &v[..]).collect();
+    let run = |src: &[&[u8]], delay: Option<(usize, Duration)>| {
+        let mut b = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+        let mut s = Sequence {
+            tokens: tokens.clone(),
+            ..Default::default()
+        };
+        let mut seen = Vec::new();
+        let p = Prefix {
+            n,
+            src_tp: 1,
+            src,
+            delay,
+        };
+        let r = b.forward_loading(&mut s, Some(p), &mut |li, _| {
+            seen.push(li);
+            Ok(())
+        });
+        (r, s, seen)
+    };
+    let (got, s, seen) = run(&src, None);
+    assert_eq!(got.unwrap(), want, "layer-wise load, same logits");
+    assert_eq!((s.computed, seen), (tokens.len(), vec![0, 1, 2]));
+    let (got, _, _) = run(&src, Some((1, Duration::from_millis(80))));
+    assert_eq!(got.unwrap(), want, "a slow layer is waited for");
+    // Negative control: layer 1 of the prefix read before it landed.
+    let per = host[0].len() / cfg.layers;
+    let stale: Vec<Vec<u8>> = host
+        .iter()
+        .map(|v| {
+            let mut v = v.clone();
+            v[per..2 * per].fill(0);
+            v
+        })
+        .collect();
+    let stale_src: Vec<&[u8]> = stale.iter().map(|v| &v[..]).collect();
+    let (got, _, _) = run(&stale_src, None);
+    assert_ne!(
+        got.unwrap(),
+        want,
+        "a stale layer changes the logits: the check can fail"
+    );
+    // A prefix of the wrong size fails the forward and leaves nothing counted.
+    let short: Vec<&[u8]> = host.iter().map(|v| &v[..v.len() - 4]).collect();
+    let (got, s, _) = run(&short, None);
+    assert!(got.is_err());
+    assert_eq!(s.computed, 0);
 }
 
 /// Weights written as safetensors and read back (with a Hugging Face config.json) give
