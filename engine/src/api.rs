@@ -130,6 +130,10 @@ pub struct KvdInfo {
     /// blocks after the forward).
     #[serde(default)]
     pub handoff_parts: u64,
+    /// Milliseconds the forward waited for the loaded prefix's layers (they load layer
+    /// by layer while it computes: 0 when each was in before the forward reached it).
+    #[serde(default)]
+    pub load_wait_ms: f64,
 }
 
 /// `POST /v1/completions` answer (and, with `object = "text_completion"`, each stream

@@ -976,6 +976,11 @@ impl Scheduler {
                 ttft_ms: 0.0,
                 backend: self.model.backend().name().to_string(),
                 handoff_parts,
+                load_wait_ms: if cached > 0 {
+                    self.model.last_load_wait().as_secs_f64() * 1e3
+                } else {
+                    0.0
+                },
             };
             Ok((logits, info, kvp))
         })();

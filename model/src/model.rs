@@ -589,6 +589,8 @@ pub struct Model<B: Backend> {
     /// RoPE inverse frequencies ([`ModelConfig::inv_freq`]).
     inv_freq: Vec<f32>,
     kv: Caches<B>,
+    /// How long the last [`Model::forward_loading`] waited for prefix layers to land.
+    load_wait: std::time::Duration,
     free: Vec<u32>,
     scratch: Option<Scratch<B>>,
 }
@@ -635,6 +637,7 @@ impl<B: Backend> Model<B> {
             norm,
             lm_head,
             kv,
+            load_wait: std::time::Duration::ZERO,
             free: (0..num_blocks as u32).rev().collect(),
             scratch: None,
         })
@@ -653,6 +656,12 @@ impl<B: Backend> Model<B> {
     /// The cache's shape.
     pub fn geometry(&self) -> &KvGeometry {
         &self.kv.geo
+    }
+
+    /// How long the last forward waited for its prefix's layers to land (0 when every
+    /// layer was in before the forward reached it, or there was no prefix).
+    pub fn last_load_wait(&self) -> std::time::Duration {
+        self.load_wait
     }
 
     /// Free physical blocks.
@@ -751,8 +760,10 @@ impl<B: Backend> Model<B> {
             inv_freq,
             kv,
             scratch,
+            load_wait,
             ..
         } = self;
+        *load_wait = std::time::Duration::ZERO;
         let (b, cfg): (&B, &ModelConfig) = (b, cfg);
         let n = end - start;
         let positions: Vec<u32> = (start as u32..end as u32).collect();
@@ -826,10 +837,15 @@ impl<B: Backend> Model<B> {
                 b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, inv_freq)?;
                 // This layer's cache: waited for here, and only here.
                 let cache = match prefix {
-                    Some(_) => rx
-                        .recv()
-                        .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
-                        .with_context(|| format!("loading layer {li} of the prefix"))?,
+                    Some(_) => {
+                        let t = std::time::Instant::now();
+                        let c = rx
+                            .recv()
+                            .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
+                            .with_context(|| format!("loading layer {li} of the prefix"))?;
+                        *load_wait += t.elapsed();
+                        c
+                    }
                     None => ready
                         .get_mut(li)
                         .and_then(Option::take)
