@@ -323,67 +323,44 @@ impl Mode {
     ) -> Result<Duration> {
         match self {
             Mode::Pull => pull_once(a, b, layout, keys),
-            Mode::Push => push_once(a, b, a_node, layout, keys),
-            Mode::Layerwise => layerwise_once(a, b, a_node, layout, keys),
+            Mode::Push => push_once(a, b, a_node, layout, keys, 1),
+            Mode::Layerwise => push_once(a, b, a_node, layout, keys, LAYERWISE_PARTS),
         }
     }
 }
 
 /// One push of `keys` from `a` to `b` (registered on `b` first, untimed); returns the
-/// latency of export → usable on `b`.
+/// latency of export → usable on `b`. With `parts` > 1 the push is layer-wise: a staged
+/// export whose parts are announced one after the other, as a prefill forward would
+/// (with no compute between them: what the parts cost on their own).
 fn push_once(
     a: &Client,
     b: &Client,
     a_node: &str,
     layout: LayoutId,
     keys: &[ChunkHash],
+    parts: u64,
 ) -> Result<Duration> {
     let id = next_id("push");
-    let r = b.push_register(&id, layout, keys, a_node, None)?;
+    let r = b.push_register_parts(&id, layout, keys, a_node, None, parts)?;
     if r.state.is_final() {
         bail!("push registration ended {:?}: {:?}", r.state, r.error);
     }
     // The registration reaches the prefill node before prefill finishes (as in `pd`).
     std::thread::sleep(Duration::from_millis(2));
     let t0 = Instant::now();
-    a.export(&id, layout, keys, None)?;
+    if parts > 1 {
+        let mut s = a.export_staged(&id, layout, keys, parts, None)?;
+        for j in 1..=parts {
+            s.ready(j)?;
+        }
+    } else {
+        a.export(&id, layout, keys, None)?;
+    }
     let r = b.transfer_status(&id, Duration::from_secs(30))?;
     let dt = t0.elapsed();
     if r.state != TransferState::Done {
         bail!("push ended {:?}: {:?}", r.state, r.error);
-    }
-    if let Some(p) = r.pin {
-        b.release(p)?;
-    }
-    b.delete(layout, keys)?;
-    Ok(dt)
-}
-
-/// One layer-wise push of `keys` (held by `a`) into `b`: registered first (untimed),
-/// then a staged export whose 32 parts are announced one after the other, as a prefill
-/// forward would (with no compute between them: what the parts cost on their own).
-fn layerwise_once(
-    a: &Client,
-    b: &Client,
-    a_node: &str,
-    layout: LayoutId,
-    keys: &[ChunkHash],
-) -> Result<Duration> {
-    let id = next_id("lw");
-    let r = b.push_register_parts(&id, layout, keys, a_node, None, LAYERWISE_PARTS)?;
-    if r.state.is_final() {
-        bail!("push registration ended {:?}: {:?}", r.state, r.error);
-    }
-    std::thread::sleep(Duration::from_millis(2));
-    let t0 = Instant::now();
-    let mut s = a.export_staged(&id, layout, keys, LAYERWISE_PARTS, None)?;
-    for j in 1..=LAYERWISE_PARTS {
-        s.ready(j)?;
-    }
-    let r = b.transfer_status(&id, Duration::from_secs(30))?;
-    let dt = t0.elapsed();
-    if r.state != TransferState::Done {
-        bail!("layer-wise push ended {:?}: {:?}", r.state, r.error);
     }
     if let Some(p) = r.pin {
         b.release(p)?;

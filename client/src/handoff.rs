@@ -390,21 +390,6 @@ impl StagedExport {
         let (start, len) = self
             .part_range(j)
             .ok_or_else(|| Error::Protocol(format!("part {j} of {}", self.parts())))?;
-        self.with_range(start, len, f)
-    }
-
-    /// Runs `f` over every slot to write, whole blocks (same rules as
-    /// [`StagedExport::write_part`]).
-    pub fn write_blocks<R>(&mut self, f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R) -> Result<R> {
-        self.with_range(0, self.block_bytes, f)
-    }
-
-    fn with_range<R>(
-        &mut self,
-        start: usize,
-        len: usize,
-        f: impl FnOnce(&mut [(usize, &mut [u8])]) -> R,
-    ) -> Result<R> {
         if !self.open || Instant::now() >= self.deadline {
             return Err(Error::AllocExpired);
         }

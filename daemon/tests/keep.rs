@@ -362,6 +362,49 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
     );
 }
 
+/// Fills a 16 MiB pool twice over (evicting) with new blocks, asserting that none gets a
+/// slot overlapping `ghost` (slots a previous daemon handed out); returns what was stored.
+fn fill_twice_over(
+    new: &Client,
+    l: LayoutId,
+    ghost: &[u64],
+    seed: u32,
+) -> Vec<(ChunkHash, Vec<u8>)> {
+    let mut stored = Vec::new();
+    for i in 0..(2 * 16 * 1024 / KIB) as u32 {
+        let k = keys(seed + i, 1);
+        let v = block(u64::from(seed + i), BYTES);
+        let mut b = match new.alloc(l, &k) {
+            Ok(b) => b,
+            Err(e) if e.code() == Some(kvd_protocol::ErrorCode::PoolFull) => continue,
+            Err(e) => panic!("alloc: {e}"),
+        };
+        if let Some(off) = b.offsets()[0] {
+            assert!(
+                ghost
+                    .iter()
+                    .all(|&g| off + BYTES as u64 <= g || g + BYTES as u64 <= off),
+                "a new block got a slot a hand-out of the old daemon still holds ({off})"
+            );
+            b.with_slots(|s| s[0].1.copy_from_slice(&v)).unwrap();
+            b.commit().unwrap();
+            stored.push((k[0], v));
+        }
+    }
+    assert!(stored.len() > 100, "{} stored", stored.len());
+    stored
+}
+
+/// Most of the last 100 new blocks that are still cached load with their bytes.
+fn last_stored_hit(new: &Client, l: LayoutId, stored: &[(ChunkHash, Vec<u8>)]) {
+    let mut hits = 0;
+    for (k, v) in stored.iter().rev().take(100) {
+        hits +=
+            usize::from(load_checked(new, l, std::slice::from_ref(k), std::slice::from_ref(v))[0]);
+    }
+    assert!(hits > 50, "{hits} of the last 100 new blocks hit");
+}
+
 /// The fence, with its negative control built in: a writer of the old daemon that has
 /// not learned of the restart writes its allocation after it, and a reader reads its old
 /// pin; meanwhile the new daemon fills its pool with new blocks. No new block is given
@@ -385,28 +428,7 @@ fn an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon() {
     new.register_layout(&layout(KIB)).unwrap();
     checked(&new);
     // Fill the pool twice over (evicting), noting every slot a new block gets.
-    let mut stored = Vec::new();
-    for i in 0..(2 * 16 * 1024 / KIB) as u32 {
-        let k = keys(30_000 + i, 1);
-        let v = block(30_000 + u64::from(i), BYTES);
-        let mut b = match new.alloc(l, &k) {
-            Ok(b) => b,
-            Err(e) if e.code() == Some(kvd_protocol::ErrorCode::PoolFull) => continue,
-            Err(e) => panic!("alloc: {e}"),
-        };
-        if let Some(off) = b.offsets()[0] {
-            assert!(
-                ghost
-                    .iter()
-                    .all(|&g| off + BYTES as u64 <= g || g + BYTES as u64 <= off),
-                "a new block got a slot the old writer still holds ({off})"
-            );
-            b.with_slots(|s| s[0].1.copy_from_slice(&v)).unwrap();
-            b.commit().unwrap();
-            stored.push((k[0], v));
-        }
-    }
-    assert!(stored.len() > 100, "{} stored", stored.len());
+    let stored = fill_twice_over(&new, l, &ghost, 30_000);
     // The old writer finishes its write now (its allocation's TTL has not passed).
     writer
         .with_slots(|s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
@@ -422,12 +444,7 @@ fn an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon() {
     })
     .unwrap();
     // Every new block that is still cached loads with its bytes.
-    let mut hits = 0;
-    for (k, v) in stored.iter().rev().take(100) {
-        hits +=
-            usize::from(load_checked(&new, l, std::slice::from_ref(k), std::slice::from_ref(v))[0]);
-    }
-    assert!(hits > 50, "{hits} of the last 100 new blocks hit");
+    last_stored_hit(&new, l, &stored);
     let st = kept(&new);
     assert!(st.fenced_slots >= 7 && st.fence_left_ms > 0, "{st:?}");
 }
@@ -453,28 +470,7 @@ fn a_staged_exports_slots_are_fenced_after_a_restart() {
         .unwrap();
     new.register_layout(&layout(KIB)).unwrap();
     checked(&new);
-    let mut stored = Vec::new();
-    for i in 0..(2 * 16 * 1024 / KIB) as u32 {
-        let k = keys(40_000 + i, 1);
-        let v = block(40_000 + u64::from(i), BYTES);
-        let mut b = match new.alloc(l, &k) {
-            Ok(b) => b,
-            Err(e) if e.code() == Some(kvd_protocol::ErrorCode::PoolFull) => continue,
-            Err(e) => panic!("alloc: {e}"),
-        };
-        if let Some(off) = b.offsets()[0] {
-            assert!(
-                ghost
-                    .iter()
-                    .all(|&g| off + BYTES as u64 <= g || g + BYTES as u64 <= off),
-                "a new block got a slot a staged export still holds ({off})"
-            );
-            b.with_slots(|s| s[0].1.copy_from_slice(&v)).unwrap();
-            b.commit().unwrap();
-            stored.push((k[0], v));
-        }
-    }
-    assert!(stored.len() > 100, "{} stored", stored.len());
+    let stored = fill_twice_over(&new, l, &ghost, 40_000);
     // The engine writes its next part now, not knowing of the restart.
     staged
         .write_part(0, |s| s.iter_mut().for_each(|(_, x)| x.fill(0xEE)))
@@ -483,12 +479,7 @@ fn a_staged_exports_slots_are_fenced_after_a_restart() {
         staged.ready(1).is_err(),
         "the new daemon knows no such export"
     );
-    let mut hits = 0;
-    for (k, v) in stored.iter().rev().take(100) {
-        hits +=
-            usize::from(load_checked(&new, l, std::slice::from_ref(k), std::slice::from_ref(v))[0]);
-    }
-    assert!(hits > 50, "{hits} of the last 100 new blocks hit");
+    last_stored_hit(&new, l, &stored);
     assert!(kept(&new).fenced_slots >= 3);
 }
 

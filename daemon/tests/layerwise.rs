@@ -320,6 +320,13 @@ fn bad_layerwise_requests_are_refused() {
     assert_eq!(got, (3, Some(ErrorCode::UnknownTransfer)));
     let other = a.client();
     other.register_layout(&layout(8)).unwrap();
+    // A key named twice: refused (its two slots would be one).
+    let twice = [keys(72, 1)[0], keys(72, 1)[0]];
+    let e = ca
+        .export_staged("twice", info.id, &twice, 2, None)
+        .err()
+        .unwrap();
+    assert_eq!(code(e), ErrorCode::InvalidArgument);
     // A key another writer is storing cannot be staged.
     let busy: Vec<ChunkHash> = keys(71, 1);
     let _w = other.alloc(info.id, &busy).unwrap();

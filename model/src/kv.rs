@@ -40,32 +40,7 @@ impl<B: Backend> Caches<B> {
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
-        let per = self.one.block_elems(hs) * 4;
-        let whole = per * self.geo.layers;
-        ensure!(
-            dst.len() == phys.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            phys.len()
-        );
-        for d in dst.iter() {
-            ensure!(
-                d.len() == whole,
-                "transfer block of {} bytes, expected {whole}",
-                d.len()
-            );
-        }
-        for (l, cache) in self.layers.iter().enumerate() {
-            let mut sub: Vec<&mut [u8]> = dst
-                .iter_mut()
-                .map(|d| {
-                    d.get_mut(l * per..(l + 1) * per)
-                        .context("layer outside a slot")
-                })
-                .collect::<Result<_>>()?;
-            b.gather_to_host(cache, &self.one, phys, h0, hs, &mut sub)?;
-        }
-        Ok(())
+        gather_layers(b, &self.one, &self.layers, phys, h0, hs, dst)
     }
 
     /// Scatters whole blocks (`src`: `[block][rank]` shard blocks of an engine of TP
@@ -77,6 +52,47 @@ impl<B: Backend> Caches<B> {
         }
         Ok(())
     }
+}
+
+/// Gathers consecutive layers (`caches`, in order) of physical blocks `phys` (heads
+/// `h0..h0 + hs`) into host slices holding those layers back to back, one slice per
+/// block: a whole transfer block when `caches` are all the layers.
+fn gather_layers<'c, B: Backend + 'c>(
+    b: &B,
+    one: &KvGeometry,
+    caches: impl IntoIterator<Item = &'c B::Buf, IntoIter: ExactSizeIterator>,
+    phys: &[u32],
+    h0: usize,
+    hs: usize,
+    dst: &mut [&mut [u8]],
+) -> Result<()> {
+    let caches = caches.into_iter();
+    let per = one.block_elems(hs) * 4;
+    let want = per * caches.len();
+    ensure!(
+        dst.len() == phys.len(),
+        "{} slots for {} blocks",
+        dst.len(),
+        phys.len()
+    );
+    for d in dst.iter() {
+        ensure!(
+            d.len() == want,
+            "{} bytes for the layers, expected {want}",
+            d.len()
+        );
+    }
+    for (i, cache) in caches.enumerate() {
+        let mut sub: Vec<&mut [u8]> = dst
+            .iter_mut()
+            .map(|d| {
+                d.get_mut(i * per..(i + 1) * per)
+                    .context("layer outside a slot")
+            })
+            .collect::<Result<_>>()?;
+        b.gather_to_host(cache, one, phys, h0, hs, &mut sub)?;
+    }
+    Ok(())
 }
 
 /// Layer `l` (of `layers`) of each whole transfer block in `src`.
@@ -146,33 +162,10 @@ impl<B: Backend> LayerView<'_, B> {
             );
             phys.push(*self.blocks.get(l).ok_or_else(|| anyhow!("block {l}"))?);
         }
-        ensure!(
-            dst.len() == phys.len(),
-            "{} slots for {} blocks",
-            dst.len(),
-            phys.len()
-        );
-        let per = self.one.block_elems(hs) * 4;
-        for d in dst.iter() {
-            ensure!(
-                d.len() == per * layers.len(),
-                "layer range of {} bytes, expected {}",
-                d.len(),
-                per * layers.len()
-            );
-        }
-        for (i, l) in layers.clone().enumerate() {
-            let mut sub: Vec<&mut [u8]> = dst
-                .iter_mut()
-                .map(|d| {
-                    d.get_mut(i * per..(i + 1) * per)
-                        .context("layer outside a slot")
-                })
-                .collect::<Result<_>>()?;
-            let cache = self.done.get(l).ok_or_else(|| anyhow!("layer {l}"))?;
-            self.backend
-                .gather_to_host(cache, self.one, &phys, h0, hs, &mut sub)?;
-        }
-        Ok(())
+        let caches: Vec<&B::Buf> = (self.done.get(layers).context("layers computed")?)
+            .iter()
+            .map(|c| &**c)
+            .collect();
+        gather_layers(self.backend, self.one, caches, &phys, h0, hs, dst)
     }
 }

@@ -48,16 +48,7 @@ impl Transfers {
         })?;
         store.check_session(req.client, now)?;
         let parts = req.parts.unwrap_or(1);
-        let spans = store.part_spans(req.layout_id, parts).ok_or_else(|| {
-            WireError::new(
-                ErrorCode::InvalidArgument,
-                format!(
-                    "layout {} cannot move in {parts} parts (1 to its layer count, and 1 \
-                     for a token-major order)",
-                    req.layout_id
-                ),
-            )
-        })?;
+        let spans = part_spans(store, req.layout_id, parts)?;
         let lease = self.lease_of(req.lease_ms, now);
         // The export releases the pin; its TTL is only the backstop (the export itself
         // ends by `max_hold`).
@@ -282,16 +273,7 @@ impl Transfers {
             now,
         )?;
         let parts = req.parts.unwrap_or(1);
-        let spans = store.part_spans(req.layout_id, parts).ok_or_else(|| {
-            WireError::new(
-                ErrorCode::InvalidArgument,
-                format!(
-                    "layout {} cannot move in {parts} parts (1 to its layer count, and 1 \
-                     for a token-major order)",
-                    req.layout_id
-                ),
-            )
-        })?;
+        let spans = part_spans(store, req.layout_id, parts)?;
         let id = req.transfer_id.clone();
         let mut imp = Import::push(req, block_bytes, self.cfg.lease, now);
         if req.parts.is_some_and(|p| p > 1) {
@@ -658,4 +640,17 @@ impl Transfers {
             }
         }
     }
+}
+
+/// The layer groups of `parts` parts of `layout` (SPEC §16), or why it cannot move so.
+fn part_spans(store: &Store, layout: LayoutId, parts: u64) -> Result<Vec<(u64, u64)>, WireError> {
+    store.part_spans(layout, parts).ok_or_else(|| {
+        WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "layout {layout} cannot move in {parts} parts (1 to its layer count, and 1 \
+                 for a token-major order)"
+            ),
+        )
+    })
 }

@@ -1010,16 +1010,29 @@ class _Step:
 
     def abandon(self) -> None:
         self.c._copier.drain()
+        self._release(commit=False)
+
+    def _release(self, commit: bool) -> None:
+        """Lets the pins go; commits the saves (``commit``, and every copy went in) or
+        gives their slots back."""
         for pin in self.pins:
             try:
                 pin.release()
             except (kvd.KvdError, OSError):
                 pass
-        for batch, _, _, _ in self.saves:
+        for batch, sv, _, _ in self.saves:
             try:
-                batch.abort()
-            except (kvd.KvdError, OSError):
-                pass
+                if not commit:
+                    raise kvd.KvdError("the step was abandoned")
+                if self.save_failed is not None:
+                    raise kvd.KvdError(f"copying into the slots failed: {self.save_failed}")
+                batch.commit()
+            except (kvd.KvdError, OSError) as e:
+                logger.debug("kvd connector: save of request %s skipped: %s", sv.req_id, e)
+                try:
+                    batch.abort()
+                except (kvd.KvdError, OSError):
+                    pass
 
     def finish(self) -> None:
         c = self.c
@@ -1040,19 +1053,4 @@ class _Step:
                         "loading whole blocks before the forward from now on"
                     )
                     c._layerwise = False
-        for pin in self.pins:
-            try:
-                pin.release()
-            except (kvd.KvdError, OSError):
-                pass
-        for batch, sv, _, _ in self.saves:
-            try:
-                if self.save_failed is not None:
-                    raise kvd.KvdError(f"copying into the slots failed: {self.save_failed}")
-                batch.commit()
-            except (kvd.KvdError, OSError) as e:
-                logger.debug("kvd connector: save of request %s skipped: %s", sv.req_id, e)
-                try:
-                    batch.abort()
-                except (kvd.KvdError, OSError):
-                    pass
+        self._release(commit=True)
