@@ -167,14 +167,15 @@ hw=(-p kvd-model -p kvd-engine -p kvd-daemon --locked --features kvd-model/cuda,
 timeout 900 cargo test "${hw[@]}" --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
-# required: no GPU needed) and assembles for sm_90 under the real ptxas without spills
+# required: no GPU needed; the daemon's shipped kernels/copy.ptx must be what it makes of
+# kernels/copy.cu) and assembles for sm_90 under the real ptxas without spills
 # (the nvidia-cuda-nvcc wheel's); the GPU tests (kernels, engines, the daemon's CUDA GPU
 # tier) say so in one `SKIP:` line without a GPU (KVD_REQUIRE_CUDA=1: they fail instead).
 nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/lib/libnvrtc.so*")[0].rsplit("/", 1)[0])')
 ptxas=$(compgen -G ".venv/lib/python3*/site-packages/nvidia/cu*/bin/ptxas" | head -1)
 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVD_REQUIRE_NVRTC=1 \
   KVD_PTXAS="$PWD/$ptxas" KVD_REQUIRE_PTXAS=1 \
-  timeout 900 cargo test "${hw[@]}" --test nvrtc --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
+  timeout 900 cargo test "${hw[@]}" --test nvrtc --test copy_kernel --test kernels --test gpu --test gpu_cuda -- --nocapture 2>&1 | tee -a "$log"
 s3=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole suite (also when something failed). A test that found

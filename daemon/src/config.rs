@@ -71,6 +71,7 @@
 //! | `gpu.host_dir` | path | the pool file's directory | `KVD_GPU_HOST_DIR` / `--gpu-host-dir` | where the host stand-in opens engines' memory files |
 //! | `gpu.idle_ttl_ms` | int | `30000` | | a registration ends when its session sent nothing for this long |
 //! | `gpu.max_registrations` | int | `64` | | registrations per session |
+//! | `gpu.copy_kernel_below` | size | `4MiB` | `KVD_GPU_COPY_KERNEL_BELOW` / `--gpu-copy-kernel-below` | (CUDA) pieces of a GPU copy shorter than this move in one launch of kvd's copy kernel, longer ones by the copy engine, one call each (`0`: all by the copy engine, leaving the SMs to the model) |
 //! | `events.enabled` | bool | `false` | `KVD_EVENTS` / `--events ENDPOINT` (sets the endpoint too) | publish KV events (SPEC §14) in vLLM's format |
 //! | `events.endpoint` | string | `tcp://127.0.0.1:5557` | | the PUB socket (bound); loopback by default: events name what is cached |
 //! | `events.replay_endpoint` | string | `tcp://127.0.0.1:5558` | `KVD_EVENTS_REPLAY` / `--events-replay` | the replay ROUTER (bound); empty: none |
@@ -447,6 +448,8 @@ pub struct GpuSection {
     pub idle_ttl_ms: u64,
     /// Registrations per session.
     pub max_registrations: usize,
+    /// Pieces shorter than this go to the copy kernel (CUDA); 0: none.
+    pub copy_kernel_below: Size,
 }
 
 impl Default for GpuSection {
@@ -456,6 +459,7 @@ impl Default for GpuSection {
             host_dir: None,
             idle_ttl_ms: 30_000,
             max_registrations: 64,
+            copy_kernel_below: Size(4 << 20),
         }
     }
 }
@@ -700,6 +704,10 @@ pub struct Cli {
     /// Where the host stand-in GPU device opens engines' memory files.
     #[arg(long, env = "KVD_GPU_HOST_DIR")]
     pub gpu_host_dir: Option<PathBuf>,
+    /// (CUDA) pieces shorter than this move by kvd's copy kernel, longer ones by the copy
+    /// engine; 0: all by the copy engine.
+    #[arg(long, env = "KVD_GPU_COPY_KERNEL_BELOW")]
+    pub gpu_copy_kernel_below: Option<Size>,
     /// Control endpoint peers use, e.g. tcp://0.0.0.0:7101.
     #[arg(long, env = "KVD_TRANSFER_CONTROL")]
     pub transfer_control: Option<String>,
@@ -825,6 +833,9 @@ impl DaemonConfig {
         }
         if let Some(v) = &cli.gpu_host_dir {
             cfg.gpu.host_dir = Some(v.clone());
+        }
+        if let Some(v) = cli.gpu_copy_kernel_below {
+            cfg.gpu.copy_kernel_below = v;
         }
         if cli.no_transfers {
             cfg.transfer.enabled = false;

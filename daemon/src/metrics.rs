@@ -63,6 +63,8 @@ pub struct Metrics {
     kept_seals_skipped: IntCounter,
     gpu_blocks: IntCounterVec,
     gpu_failed: IntCounter,
+    gpu_path_bytes: IntCounterVec,
+    gpu_path_calls: IntCounterVec,
     expired_pins: IntCounter,
     expired_allocs: IntCounter,
     dropped_replies: IntCounter,
@@ -349,6 +351,18 @@ impl Metrics {
                 "kvd_gpu_failed_copies_total",
                 "GPU tier copy jobs that failed.",
             ),
+            gpu_path_bytes: counter_vec(
+                &r,
+                "kvd_gpu_copy_bytes_total",
+                "Bytes the GPU tier moved, by path: kernel (kvd's copy kernel, pieces under gpu.copy_kernel_below) or engine (the copy engine, one call per piece).",
+                &["path"],
+            ),
+            gpu_path_calls: counter_vec(
+                &r,
+                "kvd_gpu_copy_calls_total",
+                "Kernel launches and copy-engine calls of the GPU tier, by path.",
+                &["path"],
+            ),
             expired_pins: counter(
                 &r,
                 "kvd_store_expired_pins_total",
@@ -631,6 +645,13 @@ impl Metrics {
                 g.pulled_blocks,
             );
             advance(&self.gpu_failed, g.failed_copies);
+            for (path, bytes, calls) in [
+                ("kernel", g.kernel_bytes, g.kernel_launches),
+                ("engine", g.engine_bytes, g.engine_copies),
+            ] {
+                advance(&self.gpu_path_bytes.with_label_values(&[path]), bytes);
+                advance(&self.gpu_path_calls.with_label_values(&[path]), calls);
+            }
         }
         advance(&self.expired_pins, s.expired_pins);
         advance(&self.expired_allocs, s.expired_allocs);

@@ -41,10 +41,20 @@ fn device() -> Option<std::sync::Arc<CudaContext>> {
     }
 }
 
+/// The same copies on each path the planner can choose (`gpu/plan.rs`): every piece by
+/// the copy engine, every aligned piece by the copy kernel, and the default (the kernel
+/// below 4 MiB, so consecutive blocks merged into one long piece go to the engine).
 #[test]
 fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device() {
     let Some(ctx) = device() else { return };
     ctx.bind_to_thread().unwrap();
+    for below in ["0", "1GiB", "4MiB"] {
+        println!("--gpu-copy-kernel-below {below}");
+        copies_on_one_path(&ctx, below);
+    }
+}
+
+fn copies_on_one_path(ctx: &std::sync::Arc<CudaContext>, below: &str) {
     let d = Daemon::start(&[
         "--gpu-device",
         "cuda",
@@ -52,6 +62,8 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
         "256MiB",
         "--segment-size",
         "1MiB",
+        "--gpu-copy-kernel-below",
+        below,
     ]);
     let (prefill, decode) = (d.client(), d.client());
     // A 64 KiB block: 32 layers of K and V at 1 KiB each (layout(64)).
@@ -59,10 +71,10 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
     register(&decode, 64);
     assert_eq!(info.block_bytes, BLOCK);
     // Prefill: one contiguous allocation; decode: K and V in two allocations.
-    let src = DevBuf::new(&ctx, (N * BLOCK) as usize).unwrap();
+    let src = DevBuf::new(ctx, (N * BLOCK) as usize).unwrap();
     let (dk, dv) = (
-        DevBuf::new(&ctx, (N * BLOCK / 2) as usize).unwrap(),
-        DevBuf::new(&ctx, (N * BLOCK / 2) as usize).unwrap(),
+        DevBuf::new(ctx, (N * BLOCK / 2) as usize).unwrap(),
+        DevBuf::new(ctx, (N * BLOCK / 2) as usize).unwrap(),
     );
     let data = block(42, (N * BLOCK) as usize);
     src.write(0, &data).unwrap();
@@ -168,6 +180,55 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
         (N * BLOCK) as f64 / dt.as_secs_f64() / 1e9
     );
     check("gpu_pull");
+    // A cache whose pieces are not all 16-byte aligned: the planner sends those to the
+    // copy engine and the aligned one to the kernel, in one job. Per block (stride 128
+    // KiB): piece 0 (10001 bytes) at 55536, piece 1 (20015) at 0, piece 2 (35520,
+    // aligned on both sides) at 20016.
+    let odd = d.client();
+    register(&odd, 64);
+    let om = DevBuf::new(ctx, (N * 2 * BLOCK) as usize).unwrap();
+    let pieces = [(55536u64, 10001u64), (0, 20015), (20016, 35520)];
+    let ro = odd
+        .gpu_register(
+            info.id,
+            0,
+            &[om.region()],
+            N,
+            &pieces.map(|(offset, len)| GpuSegment {
+                region: 0,
+                offset,
+                stride: 2 * BLOCK,
+                len,
+            }),
+        )
+        .unwrap()
+        .registration;
+    assert_eq!(odd.gpu_load(ro, &k, &blocks).unwrap(), N);
+    let all = om.read(0, om.len()).unwrap();
+    for i in 0..N as usize {
+        let want = &data[i * BLOCK as usize..(i + 1) * BLOCK as usize];
+        let mut at = 0;
+        for (off, len) in pieces {
+            let o = i * 2 * BLOCK as usize + off as usize;
+            assert!(
+                all[o..o + len as usize] == want[at..at + len as usize],
+                "unaligned gpu_load: block {i}, piece at {off}"
+            );
+            at += len as usize;
+        }
+    }
+    // And back: stored under new keys from the odd cache, read from the pool.
+    let k2 = keys(9, N as usize);
+    assert_eq!(odd.gpu_store(ro, &k2, &blocks).unwrap().stored, N);
+    let got = odd.get(info.id, &k2, None).unwrap();
+    for i in 0..N as usize {
+        let b = got.with_block(i, |s| s.to_vec()).unwrap().unwrap();
+        assert!(
+            b == data[i * BLOCK as usize..(i + 1) * BLOCK as usize],
+            "unaligned gpu_store: block {i}"
+        );
+    }
+    got.release().unwrap();
     assert_eq!(
         prefill.gpu_export_status("cuda-1").unwrap().state,
         kvd_protocol::GpuExportState::Done
@@ -180,21 +241,68 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
             st.pulled_blocks,
             st.failed_copies
         ),
-        (N, N, N, 0)
+        (2 * N, 2 * N, N, 0)
     );
-    // A forged handle is refused by the driver, not fatal.
-    let mut bad = src.region();
-    bad.handle[0] ^= 0xff;
-    bad.handle[8] ^= 0xff;
+    // Every byte went by one path, and by the path the setting asks for: no kernel at 0;
+    // at 1 GiB the kernel, and the engine only for the unaligned pieces.
+    println!(
+        "kernel {} bytes in {} launches, copy engine {} bytes in {} calls",
+        st.kernel_bytes, st.kernel_launches, st.engine_bytes, st.engine_copies
+    );
+    assert_eq!(st.kernel_bytes + st.engine_bytes, 5 * N * BLOCK);
+    match below {
+        "0" => assert_eq!((st.kernel_bytes, st.kernel_launches), (0, 0)),
+        "1GiB" => {
+            assert!(st.kernel_launches > 0);
+            assert_eq!(st.engine_bytes, 2 * N * (10001 + 20015));
+        }
+        _ => assert!(st.kernel_launches > 0 && st.engine_copies > 0),
+    }
+    // Forged handles: the driver ignores some bytes of a handle (0, 8, 16, 40, 56 and 63
+    // on the H200 of 2026-12-04: flipping them opens the same allocation, so they are no
+    // forgery) and checks others (24 and 32: invalid value; 48: invalid resource handle).
+    // Each forgery it checks is refused with invalid_argument, and the daemon serves on.
+    let seg = |len: u64| GpuSegment {
+        region: 0,
+        offset: 0,
+        stride: len,
+        len,
+    };
+    for byte in [24, 32, 48] {
+        let mut bad = src.region();
+        bad.handle[byte] ^= 0xff;
+        let e = prefill
+            .gpu_register(info.id, 0, &[bad], 1, &[seg(BLOCK)])
+            .unwrap_err();
+        assert_eq!(
+            e.code(),
+            Some(kvd_protocol::ErrorCode::InvalidArgument),
+            "byte {byte}: {e}"
+        );
+    }
+    // What the daemon itself must refuse, with handles the driver accepts: a declared size
+    // beyond the allocation (it asks the driver for the allocation's extent) ...
+    let mut big = src.region();
+    big.size += 2 << 20;
+    let e = prefill
+        .gpu_register(info.id, 0, &[big], 1, &[seg(BLOCK)])
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Some(kvd_protocol::ErrorCode::InvalidArgument),
+        "{e}"
+    );
+    assert!(e.to_string().contains("the allocation holds"), "{e}");
+    // ... a block piece past the region ...
     let e = prefill
         .gpu_register(
             info.id,
             0,
-            &[bad],
+            &[src.region()],
             1,
             &[GpuSegment {
                 region: 0,
-                offset: 0,
+                offset: N * BLOCK - BLOCK / 2,
                 stride: BLOCK,
                 len: BLOCK,
             }],
@@ -205,5 +313,15 @@ fn the_daemon_copies_between_ipc_memory_and_the_pinned_pool_and_device_to_device
         Some(kvd_protocol::ErrorCode::InvalidArgument),
         "{e}"
     );
-    assert!(prefill.stats().is_ok(), "the daemon serves on");
+    // ... and block ids past the registration's blocks, on a live registration.
+    let e = prefill
+        .gpu_store(rs.registration, &keys(6, 1), &[N])
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Some(kvd_protocol::ErrorCode::InvalidArgument),
+        "{e}"
+    );
+    let st = prefill.stats().unwrap().gpu.unwrap();
+    assert_eq!(st.failed_copies, 0, "refusals are not failed copies");
 }

@@ -169,9 +169,21 @@ fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
         (2, 3, 3, 0),
         "{g:?}"
     );
+    // The stand-in copies every piece with one read and one write: the engine's path,
+    // each block's bytes once (3 stored, 3 loaded, 4 KiB each).
+    assert_eq!(
+        (g.kernel_bytes, g.kernel_launches, g.engine_bytes),
+        (0, 0, 6 * 4096),
+        "{g:?}"
+    );
+    assert!(g.engine_copies >= 6, "{g:?}");
     let metrics = metrics(port);
     assert!(
         metrics.contains("kvd_gpu_copied_blocks_total{op=\"store\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvd_gpu_copy_bytes_total{path=\"engine\"} 24576"),
         "{metrics}"
     );
     let list = c.gpu_list().unwrap();

@@ -642,6 +642,19 @@ pub struct GpuStats {
     pub failed_copies: u64,
     /// Registrations ended because their session went silent.
     pub expired_registrations: u64,
+    /// Bytes moved by kvd's copy kernel (CUDA: pieces under `gpu.copy_kernel_below`).
+    #[serde(default)]
+    pub kernel_bytes: u64,
+    /// Launches of the copy kernel.
+    #[serde(default)]
+    pub kernel_launches: u64,
+    /// Bytes moved by the copy engine, one call per piece (`cuMemcpyAsync`; the host
+    /// stand-in's reads and writes).
+    #[serde(default)]
+    pub engine_bytes: u64,
+    /// Copy-engine calls.
+    #[serde(default)]
+    pub engine_copies: u64,
 }
 
 /// A peer daemon, in `stats`.

@@ -1,6 +1,10 @@
 //! The CUDA boundary of the GPU tier (feature `cuda`): opening engines' CUDA IPC
-//! handles, page-locking the pool so copies are DMA from and to its slots, and the
-//! copies themselves (async on one stream per device, then one synchronize per job).
+//! handles, page-locking and mapping the pool so copies are DMA from and to its slots,
+//! and the copies themselves (async on one stream per device, then one synchronize per
+//! job). A job's pieces go where [`super::plan`] puts them: short ones to one launch of
+//! the copy kernel (`kernels/copy.cu`, shipped as PTX the driver compiles), which
+//! reads or writes the pool through its device mapping; long or unaligned ones to the
+//! copy engine (`cuMemcpyAsync`), one call each.
 //!
 //! `cudarc` loads libcuda at run time and panics when it is missing, so [`CudaDevice::new`]
 //! checks first and returns why there is no device instead. Every `unsafe` block is a
@@ -11,10 +15,18 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::device::{inside, mine, Copy, CopyEngine, DevCopy, DeviceError, Dir, EngineMemory};
+use super::device::{
+    inside, mine, Copy, CopyEngine, CopyPaths, DevCopy, DeviceError, Dir, EngineMemory,
+    PathCounters,
+};
+use super::plan::{self, Piece, Plan, Policy};
 use crate::pool::Pool;
+
+/// The copy kernel, as PTX: what NVRTC makes of `kernels/copy.cu` for compute capability
+/// 7.5 (`tests/copy_kernel.rs` keeps the two in step and assembles it for sm_90).
+pub const COPY_PTX: &str = include_str!("../../kernels/copy.ptx");
 
 /// Waits for every stream a job queued on (all of them, also after one fails), so that
 /// nothing still moves when the job is reported.
@@ -46,12 +58,114 @@ struct Ctx {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     name: String,
+    /// The pool's base address as this context's kernels see it (its device mapping);
+    /// `None` when the pool is not page-locked and mapped (copies then all go to the
+    /// copy engine).
+    pool_dev: Option<u64>,
+    /// The copy kernel; `None` when it did not load (or `gpu.copy_kernel_below` is 0).
+    kernel: Option<Kernel>,
+}
+
+/// The loaded copy kernel and its launch table: page-locked host memory mapped for the
+/// device, [`plan::MAX_LAUNCH_CHUNKS`] entries, written by the copy thread before each
+/// launch and read by the kernel.
+struct Kernel {
+    func: CudaFunction,
+    table: Mutex<Table>,
+    ctx: Arc<CudaContext>,
+}
+
+struct Table {
+    host: usize,
+    dev: sys::CUdeviceptr,
+}
+
+impl Kernel {
+    fn load(ctx: &Arc<CudaContext>) -> Result<Kernel, DeviceError> {
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(COPY_PTX))
+            .map_err(no_device)?;
+        let func = module.load_function("kvd_copy_chunks").map_err(no_device)?;
+        let bytes = plan::MAX_LAUNCH_CHUNKS * plan::ENTRY_BYTES;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a valid out pointer; the context is bound (load_module bound it).
+        let r = unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                bytes,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        };
+        check(r, "cuMemHostAlloc of the copy table", DeviceError::NoDevice)?;
+        let table = Table {
+            host: host as usize,
+            dev: 0,
+        };
+        let mut k = Kernel {
+            func,
+            table: Mutex::new(table),
+            ctx: Arc::clone(ctx),
+        };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated with DEVICEMAP in this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) };
+        check(
+            r,
+            "cuMemHostGetDevicePointer of the copy table",
+            DeviceError::NoDevice,
+        )?;
+        k.table.get_mut().unwrap_or_else(|p| p.into_inner()).dev = dev;
+        Ok(k)
+    }
+
+    /// Writes `chunks` (at most [`plan::MAX_LAUNCH_CHUNKS`]) into the table and launches
+    /// the kernel over them on `stream`. The caller synchronizes the stream before the
+    /// next launch rewrites the table.
+    fn launch(&self, stream: &CudaStream, chunks: &[Piece]) -> Result<(), DeviceError> {
+        let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        let cap = plan::MAX_LAUNCH_CHUNKS * plan::ENTRY_BYTES;
+        // SAFETY: `host..+cap` is the table's allocation (live while `self` is); no kernel
+        // reads it now: every earlier launch's stream was synchronized before this one
+        // (within a job, and at the end of every job).
+        let buf = unsafe { std::slice::from_raw_parts_mut(t.host as *mut u8, cap) };
+        let n = plan::table(chunks, buf);
+        let (blocks, threads) = plan::grid(n);
+        let n = u32::try_from(n).map_err(|_| DeviceError::TooLong(n as u64))?;
+        let mut l = stream.launch_builder(&self.func);
+        l.arg(&t.dev).arg(&n);
+        // SAFETY: the arguments match `kvd_copy_chunks(const kvd_chunk*, unsigned)`; the
+        // table holds `n` entries, each a range checked against its memory (an opened
+        // allocation, kept open by the job, or the mapped pool's slots, held by the store)
+        // before planning, and the job synchronizes the stream before it is reported.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| DeviceError::Copy(format!("copy kernel launch: {e:?}")))?;
+        Ok(())
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        let t = self.table.get_mut().unwrap_or_else(|p| p.into_inner());
+        if t.host != 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc in `load`, freed once; no launch runs
+            // (jobs synchronize before they end, and contexts drop with the device).
+            unsafe { sys::cuMemFreeHost(t.host as *mut std::ffi::c_void) };
+        }
+    }
 }
 
 /// The CUDA devices this daemon copies with (contexts opened on first use, the pool
 /// page-locked once).
 pub struct CudaDevice {
     count: u32,
+    policy: Policy,
+    paths: PathCounters,
     ctxs: Mutex<HashMap<u32, Arc<Ctx>>>,
     pool_base: usize,
     pool_len: usize,
@@ -98,8 +212,9 @@ impl std::fmt::Debug for Ctx {
 
 impl CudaDevice {
     /// The node's CUDA devices, or why there are none. `pool` is page-locked on the
-    /// first registration.
-    pub fn new(pool: &Pool) -> Result<CudaDevice, DeviceError> {
+    /// first registration. Pieces shorter than `kernel_below` bytes go to the copy
+    /// kernel (0: every piece to the copy engine).
+    pub fn new(pool: &Pool, kernel_below: u64) -> Result<CudaDevice, DeviceError> {
         let none = |m: String| DeviceError::NoDevice(m);
         // SAFETY: only tries to dlopen libcuda; nothing is called through it.
         if !unsafe { sys::is_culib_present() } {
@@ -114,6 +229,8 @@ impl CudaDevice {
         let base = pool.addr(0, len).map_err(|e| none(e.to_string()))? as usize;
         Ok(CudaDevice {
             count: n as u32,
+            policy: Policy { kernel_below },
+            paths: PathCounters::default(),
             ctxs: Mutex::new(HashMap::new()),
             pool_base: base,
             pool_len: len,
@@ -151,38 +268,73 @@ impl CudaDevice {
             .new_stream()
             .map_err(|e| DeviceError::NoDevice(format!("CUDA stream: {e:?}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let c = Arc::new(Ctx { ctx, stream, name });
-        m.insert(ordinal, Arc::clone(&c));
-        drop(m);
         // Without the page-locked pool the copies still work (staged by the driver), only
-        // slower: say so and go on.
-        if let Err(e) = self.register_pool(&c) {
-            tracing::warn!(error = %e, "the pool is not page-locked: GPU copies go through driver staging");
-        }
-        tracing::info!(ordinal, device = %c.name, "GPU tier: CUDA context open");
+        // slower: say so and go on. Without the kernel, every piece is the copy engine's.
+        let pool_dev = match self.register_pool(&ctx) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!(error = %e, "the pool is not page-locked and mapped: GPU copies go through driver staging");
+                None
+            }
+        };
+        let kernel = match self.policy.kernel_below {
+            0 => None,
+            _ => Kernel::load(&ctx)
+                .inspect_err(|e| tracing::warn!(error = %e, "the copy kernel did not load: every GPU copy goes to the copy engine, one call per piece"))
+                .ok(),
+        };
+        tracing::info!(
+            ordinal,
+            device = %name,
+            kernel_below = if kernel.is_some() && pool_dev.is_some() { self.policy.kernel_below } else { 0 },
+            "GPU tier: CUDA context open"
+        );
+        let c = Arc::new(Ctx {
+            ctx,
+            stream,
+            name,
+            pool_dev,
+            kernel,
+        });
+        m.insert(ordinal, Arc::clone(&c));
         Ok(c)
     }
 
-    /// Page-locks the pool once (portable: every context may DMA to and from it).
-    fn register_pool(&self, c: &Ctx) -> Result<(), DeviceError> {
+    /// Page-locks the pool once (portable: every context may DMA to and from it; mapped:
+    /// kernels may read and write it) and returns its base address as `ctx`'s kernels
+    /// see it.
+    fn register_pool(&self, ctx: &Arc<CudaContext>) -> Result<u64, DeviceError> {
         let mut done = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-        if *done {
-            return Ok(());
+        ctx.bind_to_thread().map_err(no_device)?;
+        if !*done {
+            // SAFETY: `pool_base..+pool_len` is the daemon's pool mapping, which lives as
+            // long as the daemon (the tier, and so this device, is dropped before the pool).
+            let r = unsafe {
+                sys::cuMemHostRegister_v2(
+                    self.pool_base as *mut std::ffi::c_void,
+                    self.pool_len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                )
+            };
+            check(r, "cuMemHostRegister of the pool", DeviceError::NoDevice)?;
+            *done = true;
+            tracing::info!(
+                bytes = self.pool_len,
+                "pool page-locked and mapped for GPU DMA"
+            );
         }
-        c.ctx.bind_to_thread().map_err(no_device)?;
-        // SAFETY: `pool_base..+pool_len` is the daemon's pool mapping, which lives as long
-        // as the daemon (the tier, and so this device, is dropped before the pool).
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: the pool is registered with DEVICEMAP (above, or by an earlier context:
+        // PORTABLE makes it every context's); a valid out pointer; `ctx` is bound.
         let r = unsafe {
-            sys::cuMemHostRegister_v2(
-                self.pool_base as *mut std::ffi::c_void,
-                self.pool_len,
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
+            sys::cuMemHostGetDevicePointer_v2(&mut dev, self.pool_base as *mut std::ffi::c_void, 0)
         };
-        check(r, "cuMemHostRegister of the pool", DeviceError::NoDevice)?;
-        *done = true;
-        tracing::info!(bytes = self.pool_len, "pool page-locked for GPU DMA");
-        Ok(())
+        check(
+            r,
+            "cuMemHostGetDevicePointer of the pool",
+            DeviceError::NoDevice,
+        )?;
+        Ok(dev)
     }
 
     /// Opens a 64-byte `cuIpcGetMemHandle` handle of device `ordinal`.
@@ -231,76 +383,163 @@ impl CudaDevice {
         Ok(mem)
     }
 
-    fn queue_device(&self, c: &DevCopy, used: &mut Vec<Arc<Ctx>>) -> Result<(), DeviceError> {
+    /// Checks one device-to-device piece and adds it to its destination's batch, or
+    /// queues it at once between two devices (`cuMemcpyPeerAsync`, over NVLink where
+    /// the GPUs have it: the kernel would need peer access).
+    fn add_device(&self, c: &DevCopy, batches: &mut Vec<Batch>) -> Result<(), DeviceError> {
         let (s, d) = (mine::<CudaMemory>(&*c.src)?, mine::<CudaMemory>(&*c.dst)?);
         inside("source", c.src_offset, c.len, s.size)?;
         inside("destination", c.dst_offset, c.len, d.size)?;
         let len = usize::try_from(c.len).map_err(|_| DeviceError::TooLong(c.len))?;
-        let (sc, dc) = (self.ctx(s.ordinal)?, self.ctx(d.ordinal)?);
-        dc.ctx.bind_to_thread().map_err(no_device)?;
-        if !used.iter().any(|u| Arc::ptr_eq(u, &dc)) {
-            used.push(Arc::clone(&dc));
-        }
+        let dc = self.ctx(d.ordinal)?;
         let (src, dst) = (s.ptr + c.src_offset, d.ptr + c.dst_offset);
+        let b = Batch::of(batches, &dc, 0);
+        if s.ordinal == d.ordinal {
+            b.pieces.push(Piece {
+                src,
+                dst,
+                len: c.len,
+            });
+            return Ok(());
+        }
+        let sc = self.ctx(s.ordinal)?;
+        dc.ctx.bind_to_thread().map_err(no_device)?;
         // SAFETY: both ranges lie inside opened allocations (checked above), which the
         // job keeps open until `copy_device` has synchronized the stream.
         let r = unsafe {
-            if s.ordinal == d.ordinal {
-                sys::cuMemcpyDtoDAsync_v2(dst, src, len, dc.stream.cu_stream())
-            } else {
-                sys::cuMemcpyPeerAsync(
-                    dst,
-                    dc.ctx.cu_ctx(),
-                    src,
-                    sc.ctx.cu_ctx(),
-                    len,
-                    dc.stream.cu_stream(),
-                )
-            }
+            sys::cuMemcpyPeerAsync(
+                dst,
+                dc.ctx.cu_ctx(),
+                src,
+                sc.ctx.cu_ctx(),
+                len,
+                dc.stream.cu_stream(),
+            )
         };
-        check(r, "device-to-device cuMemcpyAsync", DeviceError::Copy)
+        check(r, "cuMemcpyPeerAsync", DeviceError::Copy)?;
+        self.paths.engine(c.len);
+        Ok(())
     }
 
-    fn queue(
+    /// Checks one piece between engine memory and the pool and adds it to its device's
+    /// batch, the pool side at its device-mapped address.
+    fn add(
         &self,
         dir: Dir,
         pool: &Pool,
         c: &Copy,
-        used: &mut Vec<Arc<Ctx>>,
+        batches: &mut Vec<Batch>,
     ) -> Result<(), DeviceError> {
         let m = mine::<CudaMemory>(&*c.mem)?;
         inside("device", c.dev_offset, c.len, m.size)?;
         let len = usize::try_from(c.len).map_err(|_| DeviceError::TooLong(c.len))?;
         let host = pool
             .addr(c.pool_offset, len)
-            .map_err(|e| DeviceError::Copy(format!("pool range: {e}")))?;
+            .map_err(|e| DeviceError::Copy(format!("pool range: {e}")))? as u64;
         let ctx = self.ctx(m.ordinal)?;
-        ctx.ctx.bind_to_thread().map_err(no_device)?;
-        if !used.iter().any(|u| Arc::ptr_eq(u, &ctx)) {
-            used.push(Arc::clone(&ctx));
+        // The pool's mapping is one range: a slot's device address is its host address
+        // moved by the distance between the two bases (0 when it is not mapped: then
+        // only the copy engine sees these addresses, as host addresses).
+        let delta = ctx
+            .pool_dev
+            .map_or(0, |d| d.wrapping_sub(self.pool_base as u64));
+        let b = Batch::of(batches, &ctx, delta);
+        let (dev, mapped) = (m.ptr + c.dev_offset, host.wrapping_add(delta));
+        b.pieces.push(match dir {
+            Dir::ToPool => Piece {
+                src: dev,
+                dst: mapped,
+                len: c.len,
+            },
+            Dir::FromPool => Piece {
+                src: mapped,
+                dst: dev,
+                len: c.len,
+            },
+        });
+        Ok(())
+    }
+
+    /// Plans a batch and queues it: the copy engine's pieces (one call each, `engine`),
+    /// then the kernel's launches (the stream synchronized between two, which share the
+    /// table).
+    fn run(
+        &self,
+        b: &Batch,
+        kernel_sees_all: bool,
+        engine: impl Fn(&Ctx, &Piece) -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        let policy = match &b.ctx.kernel {
+            Some(_) if kernel_sees_all => self.policy,
+            _ => Policy::ENGINE_ONLY,
+        };
+        let p: Plan = plan::plan(b.pieces.iter().copied(), policy);
+        b.ctx.ctx.bind_to_thread().map_err(no_device)?;
+        for e in &p.engine {
+            engine(&b.ctx, e)?;
+            self.paths.engine(e.len);
         }
-        let dev = m.ptr + c.dev_offset;
-        // SAFETY: `host..+len` is inside the live, page-locked pool mapping and
-        // `dev..+len` inside the opened allocation (both checked above); the memory stays
-        // opened while this job holds it, and the slots stay held by the store until the
-        // job is reported, after `copy` synchronized the stream.
-        let r = unsafe {
-            match dir {
-                Dir::ToPool => {
-                    sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, len, ctx.stream.cu_stream())
-                }
-                Dir::FromPool => {
-                    sys::cuMemcpyHtoDAsync_v2(dev, host.cast(), len, ctx.stream.cu_stream())
-                }
+        if p.chunks.is_empty() {
+            return Ok(());
+        }
+        let k = b
+            .ctx
+            .kernel
+            .as_ref()
+            .ok_or_else(|| DeviceError::Copy("chunks planned without a kernel".into()))?;
+        for (i, launch) in p.launches().enumerate() {
+            if i > 0 {
+                b.ctx
+                    .stream
+                    .synchronize()
+                    .map_err(|e| DeviceError::Copy(format!("stream synchronize: {e:?}")))?;
+            }
+            k.launch(&b.ctx.stream, launch)?;
+            self.paths.kernel(launch.iter().map(|c| c.len).sum());
+        }
+        Ok(())
+    }
+}
+
+/// One job's pieces on one device, before planning.
+struct Batch {
+    ctx: Arc<Ctx>,
+    /// Device address of a pool byte − its host address (wrapping); 0 for device jobs.
+    delta: u64,
+    pieces: Vec<Piece>,
+}
+
+impl Batch {
+    /// The batch of `ctx` in `batches`, added when there is none.
+    fn of<'a>(batches: &'a mut Vec<Batch>, ctx: &Arc<Ctx>, delta: u64) -> &'a mut Batch {
+        let i = match batches.iter().position(|b| Arc::ptr_eq(&b.ctx, ctx)) {
+            Some(i) => i,
+            None => {
+                batches.push(Batch {
+                    ctx: Arc::clone(ctx),
+                    delta,
+                    pieces: Vec::new(),
+                });
+                batches.len() - 1
             }
         };
-        check(r, "cuMemcpyAsync", DeviceError::Copy)
+        &mut batches[i]
     }
+}
+
+/// Waits for the streams of every batch (all of them, also after one fails).
+fn sync_batches(batches: &[Batch]) -> Result<(), DeviceError> {
+    let used: Vec<Arc<Ctx>> = batches.iter().map(|b| Arc::clone(&b.ctx)).collect();
+    sync_all(&used)
 }
 
 impl CopyEngine for CudaDevice {
     fn describe(&self) -> String {
         self.describe_driver()
+    }
+
+    fn paths(&self) -> CopyPaths {
+        self.paths.get()
     }
 
     fn open(
@@ -312,25 +551,71 @@ impl CopyEngine for CudaDevice {
         Ok(Arc::new(self.open_ipc(ordinal, handle, size)?))
     }
 
-    /// Queues every copy on the device's stream, then waits for them — also when one
-    /// fails to queue, so that nothing still moves when the job is reported.
+    /// Checks every piece, plans each device's pieces ([`plan`]) and queues them on its
+    /// stream, then waits for all of it — also when one fails to queue, so that nothing
+    /// still moves when the job is reported. A piece that fails its check fails the job
+    /// before any byte moves.
     fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), DeviceError> {
-        let mut used: Vec<Arc<Ctx>> = Vec::new();
-        let queued = copies
+        let mut batches: Vec<Batch> = Vec::new();
+        let checked = copies
             .iter()
-            .try_for_each(|c| self.queue(dir, pool, c, &mut used));
-        queued.and(sync_all(&used))
+            .try_for_each(|c| self.add(dir, pool, c, &mut batches));
+        let queued = checked.and_then(|()| {
+            batches.iter().try_for_each(|b| {
+                self.run(b, b.ctx.pool_dev.is_some(), |ctx, p| {
+                    let len = usize::try_from(p.len).map_err(|_| DeviceError::TooLong(p.len))?;
+                    // SAFETY: the pool side (`p.dst` or `p.src` moved back by `delta` to
+                    // its host address) lies in the live, page-locked pool mapping, the
+                    // device side in an opened allocation: each piece was checked in `add`
+                    // and the plan covers exactly those bytes. The memory stays opened
+                    // while this job holds it and the slots stay held by the store until
+                    // the job is reported, after the stream was synchronized.
+                    let r = unsafe {
+                        match dir {
+                            Dir::ToPool => sys::cuMemcpyDtoHAsync_v2(
+                                p.dst.wrapping_sub(b.delta) as *mut std::ffi::c_void,
+                                p.src,
+                                len,
+                                ctx.stream.cu_stream(),
+                            ),
+                            Dir::FromPool => sys::cuMemcpyHtoDAsync_v2(
+                                p.dst,
+                                p.src.wrapping_sub(b.delta) as *const std::ffi::c_void,
+                                len,
+                                ctx.stream.cu_stream(),
+                            ),
+                        }
+                    };
+                    check(r, "cuMemcpyAsync", DeviceError::Copy)
+                })
+            })
+        });
+        queued.and(sync_batches(&batches))
     }
 
-    /// Device-to-device: `cuMemcpyDtoDAsync` within a device, `cuMemcpyPeerAsync`
-    /// between two (over NVLink where the GPUs have it), on the destination's stream;
-    /// waits for all of it, also when one fails to queue.
+    /// Device-to-device: within a device, planned like [`Self::copy`] (the kernel, or
+    /// `cuMemcpyDtoDAsync`); between two, `cuMemcpyPeerAsync`; on the destination's
+    /// stream; waits for all of it, also when one fails to queue.
     fn copy_device(&self, copies: &[DevCopy]) -> Result<(), DeviceError> {
-        let mut used: Vec<Arc<Ctx>> = Vec::new();
-        let queued = copies
+        let mut batches: Vec<Batch> = Vec::new();
+        let checked = copies
             .iter()
-            .try_for_each(|c| self.queue_device(c, &mut used));
-        queued.and(sync_all(&used))
+            .try_for_each(|c| self.add_device(c, &mut batches));
+        let queued = checked.and_then(|()| {
+            batches.iter().try_for_each(|b| {
+                self.run(b, true, |ctx, p| {
+                    let len = usize::try_from(p.len).map_err(|_| DeviceError::TooLong(p.len))?;
+                    // SAFETY: both ranges lie inside opened allocations (checked in
+                    // `add_device`), which the job keeps open until the stream was
+                    // synchronized.
+                    let r = unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(p.dst, p.src, len, ctx.stream.cu_stream())
+                    };
+                    check(r, "cuMemcpyDtoDAsync", DeviceError::Copy)
+                })
+            })
+        });
+        queued.and(sync_batches(&batches))
     }
 }
 

@@ -18,6 +18,7 @@
 //! for a copy).
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::pool::Pool;
@@ -140,6 +141,52 @@ pub(super) fn mine<T: 'static>(m: &dyn EngineMemory) -> Result<&T, DeviceError> 
         .ok_or(DeviceError::ForeignMemory)
 }
 
+/// Which path moved an engine's bytes so far (`stats.gpu`, Prometheus).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyPaths {
+    /// Bytes moved by the copy kernel.
+    pub kernel_bytes: u64,
+    /// Its launches.
+    pub kernel_launches: u64,
+    /// Bytes moved by copy-engine calls (one per piece).
+    pub engine_bytes: u64,
+    /// Those calls.
+    pub engine_copies: u64,
+}
+
+/// An engine's [`CopyPaths`], counted as it queues.
+#[derive(Debug, Default)]
+pub struct PathCounters {
+    kernel_bytes: AtomicU64,
+    kernel_launches: AtomicU64,
+    engine_bytes: AtomicU64,
+    engine_copies: AtomicU64,
+}
+
+impl PathCounters {
+    /// One kernel launch over `bytes`.
+    pub fn kernel(&self, bytes: u64) {
+        self.kernel_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.kernel_launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One copy-engine call of `bytes`.
+    pub fn engine(&self, bytes: u64) {
+        self.engine_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.engine_copies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The totals.
+    pub fn get(&self) -> CopyPaths {
+        CopyPaths {
+            kernel_bytes: self.kernel_bytes.load(Ordering::Relaxed),
+            kernel_launches: self.kernel_launches.load(Ordering::Relaxed),
+            engine_bytes: self.engine_bytes.load(Ordering::Relaxed),
+            engine_copies: self.engine_copies.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// See the module docs.
 pub trait CopyEngine: Send + Sync {
     /// One line for the log and `gpu_list`.
@@ -148,6 +195,11 @@ pub trait CopyEngine: Send + Sync {
     /// Why GPU ops are refused, when they are (only [`Off`]).
     fn off(&self) -> Option<&str> {
         None
+    }
+
+    /// Which path moved the bytes so far.
+    fn paths(&self) -> CopyPaths {
+        CopyPaths::default()
     }
 
     /// Opens one region of engine memory on device `ordinal`, holding at least `size`

@@ -21,7 +21,10 @@ use std::sync::Arc;
 
 use std::os::unix::fs::FileExt;
 
-use super::device::{inside, mine, Copy, CopyEngine, DevCopy, DeviceError, Dir, EngineMemory};
+use super::device::{
+    inside, mine, Copy, CopyEngine, CopyPaths, DevCopy, DeviceError, Dir, EngineMemory,
+    PathCounters,
+};
 use crate::pool::Pool;
 
 /// A file in `host_dir`, opened.
@@ -60,6 +63,8 @@ pub struct HostDevice {
     dir: PathBuf,
     /// (device, inode) of the pool file: never registrable.
     pool_id: (u64, u64),
+    /// Every piece is one read and one write: the copy engine's path.
+    paths: PathCounters,
 }
 
 impl HostDevice {
@@ -75,6 +80,7 @@ impl HostDevice {
         Ok(HostDevice {
             dir,
             pool_id: (m.dev(), m.ino()),
+            paths: PathCounters::default(),
         })
     }
 
@@ -136,6 +142,10 @@ impl CopyEngine for HostDevice {
         format!("host (stand-in over {})", self.dir.display())
     }
 
+    fn paths(&self) -> CopyPaths {
+        self.paths.get()
+    }
+
     fn open(
         &self,
         ordinal: u32,
@@ -164,6 +174,7 @@ impl CopyEngine for HostDevice {
                 .read_exact_at(&mut buf, c.src_offset)
                 .and_then(|()| d.file.write_all_at(&buf, c.dst_offset))
                 .map_err(|e| DeviceError::Copy(format!("engine memory: {e}")))?;
+            self.paths.engine(c.len);
         }
         Ok(())
     }
@@ -190,6 +201,7 @@ impl CopyEngine for HostDevice {
             r.map_err(|e| {
                 DeviceError::Copy(format!("engine memory at {}+{len}: {e}", c.dev_offset))
             })?;
+            self.paths.engine(c.len);
         }
         Ok(())
     }

@@ -9,6 +9,7 @@
 //! | [`geometry`] | the rule that every extent of every block lies inside its region |
 //! | [`device`] | **where a GPU copy happens**: the [`device::CopyEngine`] trait (open engine memory, copy to and from pool slots, copy device to device), its errors, and [`device::Off`] |
 //! | [`host`] | the host stand-in engine: "device memory" is a file in `gpu.host_dir` |
+//! | [`plan`] | which bytes of a copy job the copy kernel moves and which the copy engine (CUDA); tested on the CPU with a model of the kernel |
 //! | `cuda` | (feature `cuda`) the CUDA engine, the CUDA boundary: IPC handles, the pinned pool, async copies |
 //! | [`worker`] | the copy thread (runs each job on the engine) and its hand-off back to the server thread |
 //! | [`exports`] | same-node GPU-to-GPU exports: their records, leases ([`crate::lease::Lease`]) and the checks on a pull's params (model-tested) |
@@ -35,6 +36,7 @@ mod export_ops;
 pub mod exports;
 pub mod geometry;
 pub mod host;
+pub mod plan;
 pub mod worker;
 
 #[cfg(feature = "cuda")]
@@ -168,7 +170,7 @@ pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<
             };
             Arc::new(host::HostDevice::new(dir, pool.path())?)
         }
-        M::Auto | M::Cuda => cuda_device(pool, c.device == M::Cuda),
+        M::Auto | M::Cuda => cuda_device(pool, c.copy_kernel_below.0),
     };
     let tier = GpuTier::new(device, Arc::clone(pool), settings)?;
     match tier.device.off() {
@@ -182,15 +184,15 @@ pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_device(pool: &Pool, _asked: bool) -> Arc<dyn CopyEngine> {
-    match cuda::CudaDevice::new(pool) {
+fn cuda_device(pool: &Pool, kernel_below: u64) -> Arc<dyn CopyEngine> {
+    match cuda::CudaDevice::new(pool, kernel_below) {
         Ok(d) => Arc::new(d),
         Err(why) => Arc::new(Off(why.to_string())),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_pool: &Pool, _asked: bool) -> Arc<dyn CopyEngine> {
+fn cuda_device(_pool: &Pool, _kernel_below: u64) -> Arc<dyn CopyEngine> {
     Arc::new(Off(format!(
         "gpu.device = auto: {}",
         crate::config::WITHOUT_CUDA
@@ -260,6 +262,7 @@ impl GpuTier {
             return None;
         }
         let c = self.counters();
+        let p = self.device.paths();
         Some(GpuStats {
             device: self.device.describe(),
             registrations: c.registrations,
@@ -268,6 +271,10 @@ impl GpuTier {
             pulled_blocks: c.pulled_blocks,
             failed_copies: c.failed_copies,
             expired_registrations: c.expired,
+            kernel_bytes: p.kernel_bytes,
+            kernel_launches: p.kernel_launches,
+            engine_bytes: p.engine_bytes,
+            engine_copies: p.engine_copies,
         })
     }
 
