@@ -7,7 +7,10 @@
 #    (kvd-engine tests/gpu.rs);
 # 3. the daemon's GPU tier on the device: IPC memory of the test process, gpu_store /
 #    gpu_load through the pinned pool and gpu_pull device to device, byte for byte
-#    (kvd-daemon tests/gpu_cuda.rs), then kvd-bench gpu against in-process cuMemcpy;
+#    (kvd-daemon tests/gpu_cuda.rs) on each copy path (engine, kernel, default), then
+#    kvd-bench gpu against the link (one large pinned copy; one large device copy for
+#    pulls) and per-piece cuMemcpyAsync, pieces 16 KiB..16 MiB and vLLM's, the copy
+#    kernel on and off (chart: bench-gpu.svg);
 # 4. the Python package's DMA path with torch CUDA tensors (GPU -> registered pool ->
 #    GPU, byte-identical) against torch's pinned-memory copies (scripts/gpu-torch-dma.py);
 # 5. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
@@ -51,7 +54,7 @@ step nvrtc 60 "$B/nvrtc-test" --nocapture
 step kernels 120 "$B/kernels-test" --nocapture --test-threads 1
 RUST_LOG=info step gpu-e2e 180 "$B/gpu-test" --nocapture
 step gpu-tier 120 "$B/gpu-tier-test" --nocapture
-step bench-gpu 180 "$B/kvd-bench" gpu --device cuda --sizes 64KiB,1MiB,16MiB --batch 1GiB --reps 3
+step bench-gpu 300 "$B/kvd-bench" --plot "$OUT/bench-gpu.svg" gpu --device cuda --batch 512MiB --reps 3
 torch_dma() {
   local d; d=$(mktemp -d)
   # The machine's python3 is itself a venv with torch: a venv made from it would not see

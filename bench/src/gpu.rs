@@ -1,21 +1,28 @@
-//! `kvd-bench gpu`: the GPU tier's copies through a real daemon, against the same copies
-//! done in this process with the same sizes, measured in the same run.
+//! `kvd-bench gpu`: the GPU tier's copies through a real daemon against the link, measured
+//! in the same run.
 //!
-//! - `--device cuda` (build with `--features cuda`): the engine memory is `cuMemAlloc`
-//!   memory this process exports by CUDA IPC; `gpu_store` (device → pinned pool) and
-//!   `gpu_load` (pool → device) are compared with `cuMemcpyDtoH`/`HtoD` between device
-//!   memory and a pinned host buffer of the same size (`cuMemHostAlloc`) in this
-//!   process; `gpu_pull` (device → device through the daemon's IPC mappings) with an
-//!   in-process `cuMemcpyDtoD`.
-//! - `--device host` (the stand-in, any machine): the engine memory is a file in
-//!   `/dev/shm`; the ceilings are this process's `pread` into and `pwrite` out of a
-//!   `/dev/shm` mapping (what the daemon's copy does), and `pread` + `pwrite` between two
-//!   files for the pull. This measures the daemon's overhead around the copy, not a GPU.
+//! Engines hand the tier small pieces: vLLM keeps a tensor per layer, so a 16-token block
+//! of Llama-3-8B (bf16) is 64 pieces of 32 KiB, K and V of 32 layers, far apart on the
+//! device and consecutive in the pool's slot. Each case here lays its engine memory out
+//! the same way — block = `max(2 × piece, 1 MiB)` made of pieces of `--pieces` bytes, piece
+//! j of every block in region j of one allocation (layer-major) — plus the vLLM case
+//! itself (2 MiB blocks of 64 × 32 KiB).
 //!
-//! Each call moves `--batch` bytes in blocks of each `--sizes`; repetitions alternate
-//! ceiling and daemon; medians. With `--device cuda` also the engine's gather and scatter
-//! kernels (paged cache ⇄ contiguous transfer blocks, 4 MiB blocks) against an
-//! in-process `cuMemcpyDtoD` of the same bytes.
+//! - **Ceiling: the link.** One copy of the whole batch in this process: `--device cuda`,
+//!   one `cuMemcpyHtoD`/`DtoH` between device memory and a pinned buffer (one `DtoD` for
+//!   pulls); `--device host` (the stand-in, any machine: engine memory is a `/dev/shm`
+//!   file), one `pread`/`pwrite` of the batch into and out of a `/dev/shm` mapping.
+//! - **Second reference: per piece.** The same pieces, one `cuMemcpyAsync` each on one
+//!   stream (one `pread`/`pwrite` each on the host): what a copy engine driven piece by
+//!   piece reaches.
+//! - **kvd:** `gpu_store` (device → pool), `gpu_load` (pool → device), `gpu_pull` (device
+//!   → device through the daemon's IPC mappings), for each `--kernel-below` (the daemon's
+//!   `gpu.copy_kernel_below`: `0` is the copy engine only, so one run shows where the
+//!   kernel pays).
+//!
+//! Repetitions alternate ceiling, reference and daemon; medians. With `--device cuda`
+//! also the engine's gather and scatter kernels (paged cache ⇄ contiguous transfer
+//! blocks) against an in-process `cuMemcpyDtoD` of the same bytes.
 
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
@@ -35,18 +42,105 @@ pub struct GpuArgs {
     /// `host` (the stand-in: shm files) or `cuda` (needs `--features cuda` and a GPU).
     #[arg(long, default_value = "host")]
     device: String,
-    /// Block sizes (multiples of 64 KiB, at most 32 MiB).
-    #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,16MiB")]
-    sizes: Vec<ByteSize>,
+    /// Piece sizes (multiples of 16 bytes; a block is max(2 × piece, 1 MiB), at most
+    /// 32 MiB).
+    #[arg(
+        long,
+        alias = "sizes",
+        value_delimiter = ',',
+        default_value = "16KiB,64KiB,256KiB,1MiB,16MiB"
+    )]
+    pieces: Vec<ByteSize>,
+    /// Also the vLLM case: 2 MiB blocks of 64 pieces of 32 KiB (Llama-3-8B, bf16).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    vllm: bool,
+    /// The daemon's `gpu.copy_kernel_below`, one daemon each (`0`: the copy engine only).
+    #[arg(long, value_delimiter = ',', default_value = "4MiB,0")]
+    kernel_below: Vec<ByteSize>,
     /// Bytes per call (and per engine cache).
     #[arg(long, default_value = "256MiB")]
     batch: ByteSize,
-    /// Repetitions (ceiling and daemon alternate; medians).
+    /// Repetitions (ceiling, reference and daemon alternate; medians).
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Way {
+    /// Engine memory → host memory like the pool's.
+    ToHost,
+    /// Host → engine.
+    ToDevice,
+    /// Engine → engine.
+    DevToDev,
+}
+
+/// One piece of a case: `len` bytes at `dev` in engine memory and `host` in host memory
+/// laid out like the pool's slots (block after block).
+#[derive(Clone, Copy, Debug)]
+pub struct Piece {
+    dev: u64,
+    host: u64,
+    len: u64,
+}
+
+/// A case's geometry: `n` blocks of `segments` pieces of `piece` bytes, layer-major on
+/// the device.
+struct Shape {
+    name: String,
+    piece: u64,
+    segments: u64,
+    n: u64,
+}
+
+impl Shape {
+    fn new(name: String, piece: u64, segments: u64, batch: u64) -> Result<Shape> {
+        let block = piece * segments;
+        if piece == 0 || !piece.is_multiple_of(16) || block > (32 << 20) || block > batch {
+            bail!("piece {piece}: a multiple of 16 bytes whose block ({segments} pieces) fits the 32 MiB segment and --batch");
+        }
+        Ok(Shape {
+            name,
+            piece,
+            segments,
+            n: batch / block,
+        })
+    }
+    fn block(&self) -> u64 {
+        self.piece * self.segments
+    }
+    fn bytes(&self) -> u64 {
+        self.n * self.block()
+    }
+    /// Piece j of every block in region j (one allocation, layer-major).
+    fn segments(&self) -> Vec<GpuSegment> {
+        (0..self.segments)
+            .map(|j| GpuSegment {
+                region: 0,
+                offset: j * self.n * self.piece,
+                stride: self.piece,
+                len: self.piece,
+            })
+            .collect()
+    }
+    /// The pieces in the order the daemon's job has them (block by block).
+    fn pieces(&self) -> Vec<Piece> {
+        let mut out = Vec::with_capacity((self.n * self.segments) as usize);
+        for i in 0..self.n {
+            for j in 0..self.segments {
+                out.push(Piece {
+                    dev: j * self.n * self.piece + i * self.piece,
+                    host: i * self.block() + j * self.piece,
+                    len: self.piece,
+                });
+            }
+        }
+        out
+    }
 }
 
 /// A source and a destination engine memory, and the device's ceilings.
@@ -59,14 +153,12 @@ trait EngineMem {
     fn first_bytes(&self, n: usize) -> Vec<u8>;
 }
 
-/// The copies the ceiling makes, on this device.
+/// The copies the ceiling and the reference make, on this device.
 trait Ceilings {
-    /// `len` bytes engine → host memory like the pool's; returns the time.
-    fn engine_to_host(&mut self, block: usize) -> Result<Duration>;
-    /// host → engine.
-    fn host_to_engine(&mut self, block: usize) -> Result<Duration>;
-    /// engine → engine.
-    fn engine_to_engine(&mut self, block: usize) -> Result<Duration>;
+    /// One copy of `len` bytes (the link).
+    fn link(&mut self, way: Way, len: u64) -> Result<Duration>;
+    /// The pieces, one call each.
+    fn per_piece(&mut self, way: Way, pieces: &[Piece]) -> Result<Duration>;
     fn describe(&self) -> String;
 }
 
@@ -121,6 +213,8 @@ struct HostCeilings {
     b: HostMem,
     host: memmap2::MmapMut,
     _file: std::fs::File,
+    /// The device-to-device bounce buffer (kept: its first touch is not the copy's).
+    buf: Vec<u8>,
 }
 
 impl HostCeilings {
@@ -144,44 +238,70 @@ impl HostCeilings {
             b,
             host,
             _file: f,
+            buf: vec![1; len as usize],
         })
+    }
+
+    fn one(&mut self, way: Way, p: Piece, buf: &mut Vec<u8>) -> Result<()> {
+        let (h, l) = (p.host as usize, p.len as usize);
+        let host = self
+            .host
+            .get_mut(h..h + l)
+            .context("piece past the buffer")?;
+        match way {
+            Way::ToHost => self.a.file.read_exact_at(host, p.dev)?,
+            Way::ToDevice => self.b.file.write_all_at(host, p.dev)?,
+            Way::DevToDev => {
+                buf.resize(l, 0);
+                self.a.file.read_exact_at(buf, p.dev)?;
+                self.b.file.write_all_at(buf, p.dev)?;
+            }
+        }
+        Ok(())
     }
 }
 
 impl Ceilings for HostCeilings {
-    fn engine_to_host(&mut self, block: usize) -> Result<Duration> {
+    fn link(&mut self, way: Way, len: u64) -> Result<Duration> {
+        let mut buf = Vec::new();
         let t = Instant::now();
-        for (i, c) in self.host.chunks_mut(block).enumerate() {
-            self.a.file.read_exact_at(c, (i * block) as u64)?;
-        }
+        self.one(
+            way,
+            Piece {
+                dev: 0,
+                host: 0,
+                len,
+            },
+            &mut buf,
+        )?;
         Ok(t.elapsed())
     }
-    fn host_to_engine(&mut self, block: usize) -> Result<Duration> {
+    fn per_piece(&mut self, way: Way, pieces: &[Piece]) -> Result<Duration> {
+        let mut buf = Vec::new();
         let t = Instant::now();
-        for (i, c) in self.host.chunks(block).enumerate() {
-            self.b.file.write_all_at(c, (i * block) as u64)?;
-        }
-        Ok(t.elapsed())
-    }
-    fn engine_to_engine(&mut self, block: usize) -> Result<Duration> {
-        let mut buf = vec![0u8; block];
-        let t = Instant::now();
-        let mut at = 0;
-        while at < self.a.len {
-            self.a.file.read_exact_at(&mut buf, at)?;
-            self.b.file.write_all_at(&buf, at)?;
-            at += block as u64;
+        for p in pieces {
+            self.one(way, *p, &mut buf)?;
         }
         Ok(t.elapsed())
     }
     fn describe(&self) -> String {
-        "pread/pwrite between /dev/shm files and a /dev/shm mapping, in-process".into()
+        "one pread/pwrite of the batch between /dev/shm files and a /dev/shm mapping, in-process"
+            .into()
     }
+}
+
+/// One case's timings, per way: (link, per piece, daemon per kernel_below).
+#[derive(Default)]
+struct Times {
+    link: Vec<Duration>,
+    piece: Vec<Duration>,
+    kvd: Vec<Vec<Duration>>,
 }
 
 /// Runs the bench.
 pub fn run(a: GpuArgs) -> Result<()> {
     let batch = a.batch.as_u64();
+    let reps = a.reps.max(1);
     let dir = tempfile::tempdir_in("/dev/shm").context("tempdir in /dev/shm")?;
     let (src, dst, mut ceil): Opened = match a.device.as_str() {
         "host" => (
@@ -192,105 +312,164 @@ pub fn run(a: GpuArgs) -> Result<()> {
         "cuda" => cuda::open(batch)?,
         d => bail!("--device {d}: host or cuda"),
     };
-    let device_toml = format!(
-        "[gpu]\ndevice = \"{}\"\nhost_dir = \"{}\"\n",
-        a.device,
-        dir.path().display()
-    );
-    // Pool: every case's stored blocks stay (distinct keys per rep), plus slack.
-    let reps = a.reps.max(1) as u64;
-    let pool = batch * reps * a.sizes.len() as u64 + (64 << 20);
-    let d = BenchDaemon::start_with(pool, 32 << 20, true, 30_000, &device_toml)?;
-    let client = Client::builder()
-        .with_endpoint(&d.endpoint)
-        .with_name("kvd-bench-gpu")
-        .with_timeout(Duration::from_secs(120))
-        .with_map_pool(MapPool::Never)
-        .connect()?;
+    let mut shapes = Vec::new();
+    for p in &a.pieces {
+        let piece = p.as_u64();
+        let segments = (2 * piece).max(1 << 20) / piece;
+        // Named without the size: the chart draws one line per case across piece sizes.
+        shapes.push(Shape::new(String::new(), piece, segments, batch)?);
+    }
+    if a.vllm {
+        shapes.push(Shape::new(
+            ", vLLM Llama-3-8B block (64 x 32 KiB)".into(),
+            32 << 10,
+            64,
+            batch,
+        )?);
+    }
+    let mut belows: Vec<u64> = a.kernel_below.iter().map(|b| b.as_u64()).collect();
+    if a.device == "host" {
+        // The stand-in has no kernel: every setting is the same daemon.
+        belows.truncate(1);
+    }
+    // One daemon per kernel_below, all up for the whole run (pool: every stored block of
+    // every case and rep stays, distinct keys; plus slack).
+    let pool = batch * reps as u64 * shapes.len() as u64 + (64 << 20);
+    let mut daemons = Vec::new();
+    for below in &belows {
+        let toml = format!(
+            "[gpu]\ndevice = \"{}\"\nhost_dir = \"{}\"\ncopy_kernel_below = {below}\n",
+            a.device,
+            dir.path().display()
+        );
+        let d = BenchDaemon::start_with(pool, 32 << 20, true, 30_000, &toml)?;
+        let c = Client::builder()
+            .with_endpoint(&d.endpoint)
+            .with_name("kvd-bench-gpu")
+            .with_timeout(Duration::from_secs(120))
+            .with_map_pool(MapPool::Never)
+            .connect()?;
+        daemons.push((d, c));
+    }
     src.fill(7);
     let mut results = Vec::new();
     let mut case_id = 0x6770_0000u32;
     let mut headline = 0.0f64;
-    for size in &a.sizes {
-        let block = size.as_u64();
-        if block > batch || block > (32 << 20) {
-            bail!("block {block} larger than --batch or the 32 MiB segment");
-        }
-        let layout = client.register_layout(&layout_of(block, &format!("gpu-{block}"))?)?;
-        let n = batch / block;
-        let seg = [GpuSegment {
-            region: 0,
-            offset: 0,
-            stride: block,
-            len: block,
-        }];
-        let rs = client
-            .gpu_register(layout.id, 0, &[src.region()], n, &seg)?
-            .registration;
-        let rd = client
-            .gpu_register(layout.id, 0, &[dst.region()], n, &seg)?
-            .registration;
+    for shape in &shapes {
+        let pieces = shape.pieces();
+        let bytes = shape.bytes();
+        let n = shape.n;
         let blocks: Vec<u64> = (0..n).collect();
-        let bytes = n * block;
-        let (mut c_st, mut c_ld, mut c_dd) = (vec![], vec![], vec![]);
-        let (mut st, mut ld, mut pl) = (vec![], vec![], vec![]);
+        let seg = shape.segments();
+        let mut times: [Times; 3] = Default::default();
+        for t in &mut times {
+            t.kvd = vec![Vec::new(); belows.len()];
+        }
+        let mut regs = Vec::new();
+        for (_, c) in &daemons {
+            let layout = c.register_layout(&layout_of(
+                shape.block(),
+                &format!("gpu-{}-{}", shape.piece, shape.segments),
+            )?)?;
+            let rs = c.gpu_register(layout.id, 0, &[src.region()], n, &seg)?;
+            let rd = c.gpu_register(layout.id, 0, &[dst.region()], n, &seg)?;
+            regs.push((rs.registration, rd.registration));
+        }
         for rep in 0..reps {
-            case_id += 1;
-            let keys = keys_for(case_id, n as usize);
-            c_st.push(ceil.engine_to_host(block as usize)?);
-            let t = Instant::now();
-            let r = client.gpu_store(rs, &keys, &blocks)?;
-            st.push(t.elapsed());
-            if r.stored != n {
-                bail!("stored {} of {n}", r.stored);
+            for (w, way) in [Way::ToHost, Way::ToDevice, Way::DevToDev]
+                .into_iter()
+                .enumerate()
+            {
+                times[w].link.push(ceil.link(way, bytes)?);
+                times[w].piece.push(ceil.per_piece(way, &pieces)?);
             }
-            c_ld.push(ceil.host_to_engine(block as usize)?);
-            let t = Instant::now();
-            let loaded = client.gpu_load(rd, &keys, &blocks)?;
-            ld.push(t.elapsed());
-            if loaded != n || dst.first_bytes(16) != vec![7u8; 16] {
-                bail!("loaded {loaded} of {n}, or the bytes differ");
-            }
-            c_dd.push(ceil.engine_to_engine(block as usize)?);
-            let p =
-                client.gpu_export(rs, &format!("bench-{case_id}-{rep}"), &keys, &blocks, None)?;
-            let t = Instant::now();
-            let copied = client.gpu_pull(rd, &blocks, &p)?;
-            pl.push(t.elapsed());
-            if copied != n {
-                bail!("pulled {copied} of {n}");
+            for (k, ((_, c), (rs, rd))) in daemons.iter().zip(&regs).enumerate() {
+                case_id += 1;
+                let keys = keys_for(case_id, n as usize);
+                let t = Instant::now();
+                let r = c.gpu_store(*rs, &keys, &blocks)?;
+                times[0].kvd[k].push(t.elapsed());
+                if r.stored != n {
+                    bail!("stored {} of {n}", r.stored);
+                }
+                let t = Instant::now();
+                let loaded = c.gpu_load(*rd, &keys, &blocks)?;
+                times[1].kvd[k].push(t.elapsed());
+                if loaded != n || dst.first_bytes(16) != vec![7u8; 16] {
+                    bail!("loaded {loaded} of {n}, or the bytes differ");
+                }
+                let p =
+                    c.gpu_export(*rs, &format!("bench-{case_id}-{rep}"), &keys, &blocks, None)?;
+                let t = Instant::now();
+                let copied = c.gpu_pull(*rd, &blocks, &p)?;
+                times[2].kvd[k].push(t.elapsed());
+                if copied != n {
+                    bail!("pulled {copied} of {n}");
+                }
             }
         }
-        for (case, ceil_t, ours) in [
-            ("gpu_store (to pool)", &mut c_st, &mut st),
-            ("gpu_load (from pool)", &mut c_ld, &mut ld),
-            ("gpu_pull (dev to dev)", &mut c_dd, &mut pl),
-        ] {
-            let mut lat = ours.clone();
-            let (p50, p99) = percentiles(&mut lat);
-            let (cg, g) = (gb(bytes, median(ceil_t)), gb(bytes, median(ours)));
-            headline = headline.max(cg);
-            results.push(CaseResult {
-                case: case.into(),
-                block_bytes: block,
-                threads: 1,
-                gbps: g,
-                ratio: g / cg,
-                ceiling_gbps: cg,
-                ops_per_s: n as f64 / median(ours).as_secs_f64(),
-                p50_us: p50,
-                p99_us: p99,
-            });
+        for (w, (op, reference)) in [
+            ("gpu_store (to pool)", "per-piece copy to host"),
+            ("gpu_load (from pool)", "per-piece copy to device"),
+            ("gpu_pull (dev to dev)", "per-piece copy dev to dev"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let t = &mut times[w];
+            let link = gb(bytes, median(&mut t.link));
+            headline = headline.max(link);
+            let mut row = |case: String, ts: &mut Vec<Duration>| {
+                let mut lat = ts.clone();
+                let (p50, p99) = percentiles(&mut lat);
+                let g = gb(bytes, median(ts));
+                results.push(CaseResult {
+                    case,
+                    block_bytes: shape.piece,
+                    threads: 1,
+                    gbps: g,
+                    ratio: g / link,
+                    ceiling_gbps: link,
+                    ops_per_s: (n * shape.segments) as f64 / median(ts).as_secs_f64(),
+                    p50_us: p50,
+                    p99_us: p99,
+                });
+            };
+            for (k, below) in belows.iter().enumerate() {
+                let path = match below {
+                    0 => "copy engine".to_string(),
+                    b => format!("kernel below {}", ByteSize(*b)),
+                };
+                row(format!("{op}, {path}{}", shape.name), &mut t.kvd[k]);
+            }
+            row(format!("{reference}{}", shape.name), &mut t.piece);
         }
-        client.gpu_unregister(rs)?;
-        client.gpu_unregister(rd)?;
+        for ((_, c), (rs, rd)) in daemons.iter().zip(&regs) {
+            c.gpu_unregister(*rs)?;
+            c.gpu_unregister(*rd)?;
+        }
     }
     if a.device == "cuda" {
-        results.extend(cuda::kernels(a.reps.max(1))?);
+        results.extend(cuda::kernels(reps)?);
     }
     let mut extra = serde_json::Map::new();
-    extra.insert("device".into(), client.gpu_list()?.device.into());
+    if let Some((_, c)) = daemons.first() {
+        extra.insert("device".into(), c.gpu_list()?.device.into());
+    }
     extra.insert("bytes_per_call".into(), batch.into());
+    let mut paths = Vec::new();
+    for (below, (_, c)) in belows.iter().zip(&daemons) {
+        if let Some(g) = c.stats()?.gpu {
+            paths.push(serde_json::json!({
+                "copy_kernel_below": below,
+                "kernel_bytes": g.kernel_bytes,
+                "kernel_launches": g.kernel_launches,
+                "engine_bytes": g.engine_bytes,
+                "engine_copies": g.engine_copies,
+            }));
+        }
+    }
+    extra.insert("paths".into(), paths.into());
     Report {
         bench: "gpu".into(),
         ceiling: Ceiling {
@@ -356,6 +535,7 @@ mod cuda {
         b: DevBuf,
         host: *mut std::ffi::c_void,
         len: u64,
+        stream: Arc<cudarc::driver::CudaStream>,
     }
 
     impl Drop for CudaCeilings {
@@ -366,43 +546,57 @@ mod cuda {
     }
 
     impl CudaCeilings {
-        fn each(&self, block: usize, f: impl Fn(u64) -> sys::CUresult) -> Result<Duration> {
-            let t = Instant::now();
-            let mut at = 0;
-            while at < self.len {
-                ok(f(at), "cuMemcpy")?;
-                at += block as u64;
+        /// Queues `f` for each piece on the stream, then waits.
+        fn each(&self, pieces: &[Piece], f: impl Fn(&Piece) -> sys::CUresult) -> Result<Duration> {
+            if pieces
+                .iter()
+                .any(|p| p.dev + p.len > self.len || p.host + p.len > self.len)
+            {
+                bail!("a piece past the buffers");
             }
-            // SAFETY: plain synchronize of the bound context.
-            ok(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+            let t = Instant::now();
+            for p in pieces {
+                ok(f(p), "cuMemcpyAsync")?;
+            }
+            self.stream.synchronize()?;
             Ok(t.elapsed())
         }
     }
 
     impl Ceilings for CudaCeilings {
-        fn engine_to_host(&mut self, block: usize) -> Result<Duration> {
-            let (h, d) = (self.host as usize, self.a.device_ptr());
-            // SAFETY: `at + block <= len` for both the pinned buffer and the allocation.
-            self.each(block, |at| unsafe {
-                sys::cuMemcpyDtoH_v2((h + at as usize) as *mut _, d + at, block)
-            })
+        fn link(&mut self, way: Way, len: u64) -> Result<Duration> {
+            self.per_piece(
+                way,
+                &[Piece {
+                    dev: 0,
+                    host: 0,
+                    len,
+                }],
+            )
         }
-        fn host_to_engine(&mut self, block: usize) -> Result<Duration> {
-            let (h, d) = (self.host as usize, self.b.device_ptr());
-            // SAFETY: as above.
-            self.each(block, |at| unsafe {
-                sys::cuMemcpyHtoD_v2(d + at, (h + at as usize) as *const _, block)
-            })
-        }
-        fn engine_to_engine(&mut self, block: usize) -> Result<Duration> {
-            let (s, d) = (self.a.device_ptr(), self.b.device_ptr());
-            // SAFETY: both allocations hold `len` bytes.
-            self.each(block, |at| unsafe {
-                sys::cuMemcpyDtoD_v2(d + at, s + at, block)
+        fn per_piece(&mut self, way: Way, pieces: &[Piece]) -> Result<Duration> {
+            let (h, a, b) = (self.host as usize, self.a.device_ptr(), self.b.device_ptr());
+            let s = self.stream.cu_stream();
+            // SAFETY: every piece lies inside the pinned buffer and both allocations
+            // (checked in `each`); the stream is synchronized before they are reused.
+            self.each(pieces, |p| unsafe {
+                let l = p.len as usize;
+                match way {
+                    Way::ToHost => {
+                        sys::cuMemcpyDtoHAsync_v2((h + p.host as usize) as *mut _, a + p.dev, l, s)
+                    }
+                    Way::ToDevice => sys::cuMemcpyHtoDAsync_v2(
+                        b + p.dev,
+                        (h + p.host as usize) as *const _,
+                        l,
+                        s,
+                    ),
+                    Way::DevToDev => sys::cuMemcpyDtoDAsync_v2(b + p.dev, a + p.dev, l, s),
+                }
             })
         }
         fn describe(&self) -> String {
-            "cuMemcpy between device memory and a pinned host buffer (DtoD for pulls), in-process"
+            "one cuMemcpyAsync of the batch between device memory and a pinned host buffer (DtoD for pulls), in-process"
                 .into()
         }
     }
@@ -484,6 +678,7 @@ mod cuda {
             b: dev(&ctx, len)?,
             host,
             len,
+            stream: ctx.new_stream()?,
         };
         Ok((
             Box::new(dev(&ctx, len)?),
