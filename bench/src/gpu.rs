@@ -242,7 +242,7 @@ impl HostCeilings {
         })
     }
 
-    fn one(&mut self, way: Way, p: Piece, buf: &mut Vec<u8>) -> Result<()> {
+    fn one(&mut self, way: Way, p: Piece) -> Result<()> {
         let (h, l) = (p.host as usize, p.len as usize);
         let host = self
             .host
@@ -252,7 +252,7 @@ impl HostCeilings {
             Way::ToHost => self.a.file.read_exact_at(host, p.dev)?,
             Way::ToDevice => self.b.file.write_all_at(host, p.dev)?,
             Way::DevToDev => {
-                buf.resize(l, 0);
+                let buf = self.buf.get_mut(..l).context("piece past the buffer")?;
                 self.a.file.read_exact_at(buf, p.dev)?;
                 self.b.file.write_all_at(buf, p.dev)?;
             }
@@ -263,7 +263,6 @@ impl HostCeilings {
 
 impl Ceilings for HostCeilings {
     fn link(&mut self, way: Way, len: u64) -> Result<Duration> {
-        let mut buf = Vec::new();
         let t = Instant::now();
         self.one(
             way,
@@ -272,15 +271,13 @@ impl Ceilings for HostCeilings {
                 host: 0,
                 len,
             },
-            &mut buf,
         )?;
         Ok(t.elapsed())
     }
     fn per_piece(&mut self, way: Way, pieces: &[Piece]) -> Result<Duration> {
-        let mut buf = Vec::new();
         let t = Instant::now();
         for p in pieces {
-            self.one(way, *p, &mut buf)?;
+            self.one(way, *p)?;
         }
         Ok(t.elapsed())
     }
