@@ -175,56 +175,81 @@ extern "C" __global__ void __launch_bounds__(1024) sample(const float* logits, i
     if (threadIdx.x == 0) *out = bi[0] == 0x7fffffff ? 0 : bi[0];
 }
 
-// Element o of a transfer block [layer][part][token][hs][hd] holding heads h0.. of
-// physical block `block`: its index in the paged cache.
-__device__ __forceinline__ size_t transfer_elem(size_t o, unsigned block, int num_blocks, int bt, int kvh,
-                                                int hd, int h0, int hs) {
-    int d = o % hd;
-    size_t r = o / hd;
-    int h = r % hs; r /= hs;
-    int t = r % bt; r /= bt;
-    int part = r % 2;
-    int layer = r / 2;
-    return cache_index(layer, part, block, t, h0 + h, num_blocks, bt, kvh, hd) + d;
+// Moving KV between the paged cache and transfer blocks is row copies: a row is `n`
+// floats contiguous on both sides (the heads h0..h0+hs of one token of one layer and
+// part). One warp per row, grid-stride over rows; the row's place is worked out once per
+// row (divisions per row, not per element), then its lanes move it in 16-byte accesses
+// when both ends are 16-byte aligned and n is a multiple of 4 (any head_dim that is a
+// multiple of 4, with cudaMalloc'd or page-aligned buffers), else float by float.
+__device__ __forceinline__ void copy_row(const float* __restrict__ s, float* __restrict__ d, int n, int lane) {
+    if ((((size_t)s | (size_t)d) & 15) == 0 && (n & 3) == 0) {
+        const float4* s4 = (const float4*)s;
+        float4* d4 = (float4*)d;
+        for (int i = lane; i < n / 4; i += 32) d4[i] = s4[i];
+    } else {
+        for (int i = lane; i < n; i += 32) d[i] = s[i];
+    }
+}
+
+__device__ __forceinline__ size_t warp_id() { return ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ size_t warp_count() { return ((size_t)gridDim.x * blockDim.x) >> 5; }
+
+// Row r of the transfer blocks [block b][layer][part][token] (rows of hs*hd floats): its
+// place in transfer block b and in the paged cache.
+__device__ __forceinline__ void transfer_row(size_t r, const unsigned* blocks, int layers, int num_blocks, int bt,
+                                             int kvh, int hd, int h0, int hs, int* b, size_t* cache_at,
+                                             size_t* block_at) {
+    int t = r % bt;
+    size_t q = r / bt;
+    int lp = q % (2 * layers);
+    *b = q / (2 * layers);
+    *cache_at = cache_index(lp / 2, lp % 2, blocks[*b], t, h0, num_blocks, bt, kvh, hd);
+    *block_at = ((size_t)lp * bt + t) * hs * hd;
 }
 
 // Paged blocks -> transfer blocks, one destination pointer per block (device memory or a
 // mapped, registered host pool).
 extern "C" __global__ void gather(const float* cache, const unsigned* blocks, const u64* dst, int nblocks, int layers,
                                   int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
-    size_t per = (size_t)layers * 2 * bt * hs * hd;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= per * nblocks) return;
-    int b = i / per;
-    size_t o = i % per;
-    ((float*)dst[b])[o] = cache[transfer_elem(o, blocks[b], num_blocks, bt, kvh, hd, h0, hs)];
+    const size_t rows = (size_t)nblocks * 2 * layers * bt;
+    const int lane = threadIdx.x & 31;
+    for (size_t r = warp_id(); r < rows; r += warp_count()) {
+        int b;
+        size_t c, o;
+        transfer_row(r, blocks, layers, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
+        copy_row(cache + c, (float*)dst[b] + o, hs * hd, lane);
+    }
 }
 
 // Transfer blocks -> paged blocks (the inverse of gather).
 extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u64* src, int nblocks, int layers,
                                    int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
-    size_t per = (size_t)layers * 2 * bt * hs * hd;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= per * nblocks) return;
-    int b = i / per;
-    size_t o = i % per;
-    cache[transfer_elem(o, blocks[b], num_blocks, bt, kvh, hd, h0, hs)] = ((const float*)src[b])[o];
+    const size_t rows = (size_t)nblocks * 2 * layers * bt;
+    const int lane = threadIdx.x & 31;
+    for (size_t r = warp_id(); r < rows; r += warp_count()) {
+        int b;
+        size_t c, o;
+        transfer_row(r, blocks, layers, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
+        copy_row((const float*)src[b] + o, cache + c, hs * hd, lane);
+    }
 }
 
 // Re-slices n logical blocks from src_tp shards ([block][rank] pointers) to dst_tp shards.
+// A row is one head of one token of one layer and part (hd floats): the shards it comes
+// from and goes to are worked out per row.
 extern "C" __global__ void reslice(const u64* src, const u64* dst, int n, int layers, int bt, int kvh, int hd,
                                    int src_tp, int dst_tp) {
-    size_t per = (size_t)layers * 2 * bt * kvh * hd;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= per * n) return;
-    int b = i / per;
-    size_t e = i % per;
-    int d = e % hd;
-    size_t r = e / hd;
-    int h = r % kvh;
-    size_t row = r / kvh;
-    int hs_in = kvh / src_tp, hs_out = kvh / dst_tp;
-    const float* s = (const float*)src[(size_t)b * src_tp + h / hs_in];
-    float* o = (float*)dst[(size_t)b * dst_tp + h / hs_out];
-    o[(row * hs_out + h % hs_out) * hd + d] = s[(row * hs_in + h % hs_in) * hd + d];
+    const size_t per = (size_t)layers * 2 * bt;  // rows of heads per block
+    const size_t rows = (size_t)n * per * kvh;
+    const int lane = threadIdx.x & 31;
+    const int hs_in = kvh / src_tp, hs_out = kvh / dst_tp;
+    for (size_t r = warp_id(); r < rows; r += warp_count()) {
+        int h = r % kvh;
+        size_t q = r / kvh;
+        size_t row = q % per;
+        size_t b = q / per;
+        const float* s = (const float*)src[b * src_tp + h / hs_in] + (row * hs_in + h % hs_in) * hd;
+        float* o = (float*)dst[b * dst_tp + h / hs_out] + (row * hs_out + h % hs_out) * hd;
+        copy_row(s, o, hd, lane);
+    }
 }

@@ -288,3 +288,86 @@ pub fn reslice(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CUDA row kernels' arithmetic (`transfer_row`, `gather` and `reslice` in
+    /// `kernels/kvd_kernels.cu`), written again here line for line and run over every
+    /// row: each row lands where this file's reference puts it. (The GPU check compares
+    /// the kernels themselves with the reference; this catches an index slip without a
+    /// GPU.)
+    #[test]
+    fn the_cuda_row_kernels_place_every_row_where_the_reference_does() {
+        for (layers, kvh, hd, bt, h0, hs) in
+            [(2, 4, 8, 4, 1, 2), (3, 2, 6, 3, 0, 2), (1, 8, 4, 16, 4, 4)]
+        {
+            let g = KvGeometry {
+                layers,
+                kv_heads: kvh,
+                head_dim: hd,
+                block_tokens: bt,
+                num_blocks: 5,
+            };
+            let cache: Vec<f32> = (0..g.layers * 2 * 5 * bt * kvh * hd)
+                .map(|i| i as f32)
+                .collect();
+            let blocks = [3u32, 0, 4];
+            let per = layers * 2 * bt * hs * hd;
+            let mut want = vec![vec![-1f32; per]; 3];
+            let mut w: Vec<&mut [f32]> = want.iter_mut().map(|v| v.as_mut_slice()).collect();
+            gather(&cache, &g, &blocks, h0, hs, &mut w);
+            // The kernel: row r -> (b, layer and part, token), then hs * hd floats.
+            let mut got = vec![vec![-1f32; per]; 3];
+            for r in 0..blocks.len() * 2 * layers * bt {
+                let t = r % bt;
+                let q = r / bt;
+                let lp = q % (2 * layers);
+                let b = q / (2 * layers);
+                let c = g.index(lp / 2, lp % 2, blocks[b] as usize, t, h0);
+                let o = (lp * bt + t) * hs * hd;
+                got[b][o..o + hs * hd].copy_from_slice(&cache[c..c + hs * hd]);
+            }
+            assert_eq!(got, want, "gather {layers} {kvh} {hd} {bt} {h0} {hs}");
+            // reslice: row r -> (head, row of heads, block), one head each.
+            for (src_tp, dst_tp) in [(1, 2), (2, 1), (kvh, 1), (1, kvh)] {
+                let n = 2;
+                let shard = |tp: usize| layers * 2 * bt * (kvh / tp) * hd;
+                let src: Vec<Vec<f32>> = (0..n * src_tp)
+                    .map(|s| {
+                        (0..shard(src_tp))
+                            .map(|i| (s * 100_000 + i) as f32)
+                            .collect()
+                    })
+                    .collect();
+                let mut want = vec![vec![0f32; shard(dst_tp)]; n * dst_tp];
+                for b in 0..n {
+                    let s: Vec<&[f32]> = src[b * src_tp..(b + 1) * src_tp]
+                        .iter()
+                        .map(|v| v.as_slice())
+                        .collect();
+                    let mut d: Vec<&mut [f32]> = want[b * dst_tp..(b + 1) * dst_tp]
+                        .iter_mut()
+                        .map(|v| v.as_mut_slice())
+                        .collect();
+                    reslice(&s, &g, src_tp, dst_tp, &mut d);
+                }
+                let mut got = vec![vec![0f32; shard(dst_tp)]; n * dst_tp];
+                let per = layers * 2 * bt;
+                let (hs_in, hs_out) = (kvh / src_tp, kvh / dst_tp);
+                for r in 0..n * per * kvh {
+                    let h = r % kvh;
+                    let q = r / kvh;
+                    let row = q % per;
+                    let b = q / per;
+                    let s = (row * hs_in + h % hs_in) * hd;
+                    let o = (row * hs_out + h % hs_out) * hd;
+                    let v = src[b * src_tp + h / hs_in][s..s + hd].to_vec();
+                    got[b * dst_tp + h / hs_out][o..o + hd].copy_from_slice(&v);
+                }
+                assert_eq!(got, want, "reslice {src_tp} -> {dst_tp}");
+            }
+        }
+    }
+}

@@ -73,6 +73,16 @@ fn grid(n: usize) -> LaunchConfig {
     }
 }
 
+/// A launch of the row-copy kernels (`gather`, `scatter`, `reslice`): a warp per row,
+/// 8 warps per CUDA block, grid-stride over `rows` past 65536 blocks.
+fn rows_grid(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The architecture the kernels are compiled for: PTX for compute capability 9.0 (H100,
 /// H200), which newer drivers JIT for newer GPUs. Explicit, so that an NVRTC newer than
 /// the driver cannot emit PTX for an architecture the driver does not know.
@@ -334,7 +344,6 @@ impl CudaBackend {
             "block id past the cache"
         );
         let bl = self.u32s(blocks)?;
-        let per = g.block_elems(hs);
         let (n, layers, nb, bt, kvh, hd, h0, hs) = (
             blocks.len() as i32,
             g.layers as i32,
@@ -345,7 +354,7 @@ impl CudaBackend {
             h0 as i32,
             hs as i32,
         );
-        let cfg = grid(per * blocks.len());
+        let cfg = rows_grid(blocks.len() * 2 * g.layers * g.block_tokens);
         let name = match dir {
             Dir::Gather(_) => "gather",
             Dir::Scatter(_) => "scatter",
@@ -366,8 +375,9 @@ impl CudaBackend {
             .arg(&h0)
             .arg(&hs);
         // SAFETY: arguments match the `gather`/`scatter` signatures; block ids and heads
-        // were checked against the cache; `ptrs` holds one pointer per block to `per`
-        // floats (writable for a gather, readable for a scatter).
+        // were checked against the cache; `ptrs` holds one pointer per block to a whole
+        // transfer block of heads h0..h0+hs (writable for a gather, readable for a
+        // scatter).
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
@@ -403,7 +413,7 @@ impl CudaBackend {
             .arg(&st)
             .arg(&dt);
         // SAFETY: matches `reslice`; `src`/`dst` hold n*tp pointers to whole shard blocks.
-        unsafe { l.launch(grid(n * g.block_elems(g.kv_heads))) }?;
+        unsafe { l.launch(rows_grid(n * 2 * g.layers * g.block_tokens * g.kv_heads)) }?;
         Ok(())
     }
 }
