@@ -30,9 +30,10 @@ __all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "lay
 def torch_pool(client, register_cuda=True):
     """The pool as a flat ``torch.uint8`` tensor, without a copy.
 
-    With CUDA available (and ``register_cuda``), the mapping is page-locked once with
-    ``cudaHostRegister``, so ``gpu_tensor.copy_(pool_tensor[off:off + n], non_blocking=True)``
-    and back are DMA between GPU memory and pool slots, with no bounce buffer. The
+    With CUDA available (and ``register_cuda``), the mapping is page-locked (portable and
+    mapped) once with ``cudaHostRegister`` and CUDA's copy paths are warmed up then, so
+    ``gpu_tensor.copy_(pool_tensor[off:off + n], non_blocking=True)`` and back are DMA
+    between GPU memory and pool slots, with no bounce buffer, from the first one. The
     tensor (and its registration) is valid until the daemon restarts
     (``client.incarnation`` changes): call this again then.
     """
@@ -45,11 +46,32 @@ def torch_pool(client, register_cuda=True):
     if register_cuda and torch.cuda.is_available():
         addr, size = pool.address, len(pool)
         if (addr, size) not in _registered:
-            rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+            # Portable: every device of the process may DMA to it; mapped: kernels may read
+            # and write it through its device address.
+            rc = torch.cuda.cudart().cudaHostRegister(addr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
             if int(rc) != 0:
                 raise KvdError(f"cudaHostRegister of the pool ({size} bytes) failed: {rc}")
             _registered.add((addr, size))
+            _warm_up(t)
     return t
+
+
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
+
+
+def _warm_up(pool):
+    """Pays CUDA's first-use costs (the copy paths both ways, the pool's first DMA) at
+    registration instead of in the first transfer: a read of the pool's header page and a
+    round trip through torch's own pinned memory. Nothing is written into the pool."""
+    import torch
+
+    dev = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    dev.copy_(pool[:4096], non_blocking=True)
+    pinned = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    pinned.copy_(dev, non_blocking=True)
+    dev.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
 
 
 _registered = set()
