@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 
+use crate::shared::{SharedF32, SharedRegion};
 use crate::{cpu, KvGeometry};
 
 /// One set of kernels over one kind of buffer. Row counts are explicit, so a buffer may
@@ -18,6 +19,29 @@ pub trait Backend: Sync {
     fn zeros(&self, n: usize) -> Result<Self::Buf>;
     /// A buffer holding `data`.
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
+    /// A zeroed buffer of `n` elements that another process can open ([`SharedRegion`]):
+    /// KV cache memory the daemon's GPU tier copies in and out of. `dir` is the host
+    /// stand-in's directory (where the CPU backend makes a file `name`); the CUDA backend
+    /// exports a CUDA IPC handle instead.
+    fn zeros_shared(
+        &self,
+        n: usize,
+        dir: &std::path::Path,
+        name: &str,
+    ) -> Result<(Self::Buf, SharedRegion)> {
+        let _ = (n, dir, name);
+        bail!("the {} backend has no shareable memory", self.name())
+    }
+    /// Frees a buffer [`Self::zeros_shared`] made (its backend may free it otherwise than
+    /// a plain buffer).
+    fn drop_shared(&self, b: Self::Buf) {
+        drop(b);
+    }
+    /// Returns when every kernel and copy queued so far has finished (another process —
+    /// the daemon's GPU tier — is about to read or has just written the cache).
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
     /// The first `n` elements of `b`.
     fn download(&self, b: &Self::Buf, n: usize) -> Result<Vec<f32>>;
     /// A new buffer holding row `row` (of `dim` elements) of `x`, copied on the device.
@@ -219,7 +243,49 @@ pub(crate) fn check_tp(g: &KvGeometry, tp: usize) -> Result<()> {
     Ok(())
 }
 
-/// The CPU backend: [`cpu`]'s kernels over `Vec<f32>`. Large matmuls split their rows
+/// A CPU buffer: heap memory, or a shared file mapping (KV cache the daemon's GPU tier
+/// copies in and out of, [`Backend::zeros_shared`]). Either way a `[f32]`.
+#[derive(Debug)]
+pub struct CpuBuf(CpuMem);
+
+#[derive(Debug)]
+enum CpuMem {
+    Heap(Vec<f32>),
+    Shared(SharedF32),
+}
+
+impl PartialEq for CpuBuf {
+    fn eq(&self, other: &CpuBuf) -> bool {
+        **self == **other
+    }
+}
+
+impl From<Vec<f32>> for CpuBuf {
+    fn from(v: Vec<f32>) -> CpuBuf {
+        CpuBuf(CpuMem::Heap(v))
+    }
+}
+
+impl std::ops::Deref for CpuBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match &self.0 {
+            CpuMem::Heap(v) => v,
+            CpuMem::Shared(s) => s.as_slice(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for CpuBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match &mut self.0 {
+            CpuMem::Heap(v) => v,
+            CpuMem::Shared(s) => s.as_mut_slice(),
+        }
+    }
+}
+
+/// The CPU backend: [`cpu`]'s kernels over [`CpuBuf`]s. Large matmuls split their rows
 /// over the machine's cores (rows are independent, so the bits do not change).
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
@@ -245,29 +311,38 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
-    type Buf = Vec<f32>;
+    type Buf = CpuBuf;
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn zeros(&self, n: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; n])
+    fn zeros(&self, n: usize) -> Result<CpuBuf> {
+        Ok(vec![0.0; n].into())
     }
-    fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
-        Ok(data.to_vec())
+    fn upload(&self, data: &[f32]) -> Result<CpuBuf> {
+        Ok(data.to_vec().into())
     }
-    fn download(&self, b: &Vec<f32>, n: usize) -> Result<Vec<f32>> {
+    fn zeros_shared(
+        &self,
+        n: usize,
+        dir: &std::path::Path,
+        name: &str,
+    ) -> Result<(CpuBuf, SharedRegion)> {
+        let (s, r) = SharedF32::create(dir, name, n)?;
+        Ok((CpuBuf(CpuMem::Shared(s)), r))
+    }
+    fn download(&self, b: &CpuBuf, n: usize) -> Result<Vec<f32>> {
         Ok(b[..n].to_vec())
     }
-    fn row(&self, x: &Vec<f32>, row: usize, dim: usize) -> Result<Vec<f32>> {
+    fn row(&self, x: &CpuBuf, row: usize, dim: usize) -> Result<CpuBuf> {
         ensure!(x.len() >= (row + 1) * dim, "row {row} past the buffer");
-        Ok(x[row * dim..(row + 1) * dim].to_vec())
+        Ok(x[row * dim..(row + 1) * dim].to_vec().into())
     }
     fn embedding(
         &self,
-        table: &Vec<f32>,
+        table: &CpuBuf,
         dim: usize,
         tokens: &[u32],
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         let vocab = table.len() / dim;
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -278,24 +353,24 @@ impl Backend for CpuBackend {
     }
     fn rmsnorm(
         &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
+        x: &CpuBuf,
+        w: &CpuBuf,
         rows: usize,
         dim: usize,
         eps: f32,
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         cpu::rmsnorm(&x[..rows * dim], w, dim, eps, &mut out[..rows * dim]);
         Ok(())
     }
     fn matmul(
         &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
+        x: &CpuBuf,
+        w: &CpuBuf,
         m: usize,
         n: usize,
         k: usize,
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         let threads = if m * n * k >= 1 << 22 {
             self.threads.min(m)
@@ -318,7 +393,7 @@ impl Backend for CpuBackend {
     }
     fn rope(
         &self,
-        x: &mut Vec<f32>,
+        x: &mut CpuBuf,
         positions: &[u32],
         heads: usize,
         head_dim: usize,
@@ -333,11 +408,11 @@ impl Backend for CpuBackend {
     }
     fn write_kv(
         &self,
-        cache: &mut Vec<f32>,
+        cache: &mut CpuBuf,
         g: &KvGeometry,
         layer: usize,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        k: &CpuBuf,
+        v: &CpuBuf,
         slots: &[u32],
     ) -> Result<()> {
         cpu::write_kv(cache, g, layer, k, v, slots);
@@ -345,14 +420,14 @@ impl Backend for CpuBackend {
     }
     fn attention(
         &self,
-        q: &Vec<f32>,
-        cache: &Vec<f32>,
+        q: &CpuBuf,
+        cache: &CpuBuf,
         g: &KvGeometry,
         layer: usize,
         heads: usize,
         block_table: &[u32],
         positions: &[u32],
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         let row = heads * g.head_dim;
         let n = positions.len();
@@ -403,17 +478,17 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, n: usize, out: &mut Vec<f32>) -> Result<()> {
+    fn swiglu(&self, gate: &CpuBuf, up: &CpuBuf, n: usize, out: &mut CpuBuf) -> Result<()> {
         cpu::swiglu(&gate[..n], &up[..n], &mut out[..n]);
         Ok(())
     }
-    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) -> Result<()> {
+    fn add(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize) -> Result<()> {
         cpu::add(&mut x[..n], &y[..n]);
         Ok(())
     }
     fn sample(
         &self,
-        logits: &Vec<f32>,
+        logits: &CpuBuf,
         vocab: usize,
         temperature: f32,
         seed: u64,
@@ -423,12 +498,12 @@ impl Backend for CpuBackend {
     }
     fn gather(
         &self,
-        cache: &Vec<f32>,
+        cache: &CpuBuf,
         g: &KvGeometry,
         blocks: &[u32],
         h0: usize,
         hs: usize,
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         let be = g.block_elems(hs);
         let mut dst: Vec<&mut [f32]> = out[..be * blocks.len()].chunks_mut(be).collect();
@@ -437,12 +512,12 @@ impl Backend for CpuBackend {
     }
     fn scatter(
         &self,
-        cache: &mut Vec<f32>,
+        cache: &mut CpuBuf,
         g: &KvGeometry,
         blocks: &[u32],
         h0: usize,
         hs: usize,
-        src: &Vec<f32>,
+        src: &CpuBuf,
     ) -> Result<()> {
         let be = g.block_elems(hs);
         let src: Vec<&[f32]> = src[..be * blocks.len()].chunks(be).collect();
@@ -451,12 +526,12 @@ impl Backend for CpuBackend {
     }
     fn reslice(
         &self,
-        src: &Vec<f32>,
+        src: &CpuBuf,
         g: &KvGeometry,
         n: usize,
         src_tp: usize,
         dst_tp: usize,
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) -> Result<()> {
         check_tp(g, src_tp)?;
         check_tp(g, dst_tp)?;
@@ -477,7 +552,7 @@ impl Backend for CpuBackend {
     }
     fn gather_to_host(
         &self,
-        cache: &Vec<f32>,
+        cache: &CpuBuf,
         g: &KvGeometry,
         blocks: &[u32],
         h0: usize,
@@ -494,7 +569,7 @@ impl Backend for CpuBackend {
     }
     fn scatter_from_host(
         &self,
-        cache: &mut Vec<f32>,
+        cache: &mut CpuBuf,
         g: &KvGeometry,
         blocks: &[u32],
         src_tp: usize,
@@ -537,7 +612,7 @@ pub enum AnyBackend {
 /// A buffer of [`AnyBackend`].
 pub enum AnyBuf {
     /// Host memory.
-    Cpu(Vec<f32>),
+    Cpu(CpuBuf),
     /// Device memory.
     #[cfg(feature = "cuda")]
     Cuda(cudarc::driver::CudaSlice<f32>),
@@ -619,6 +694,40 @@ impl Backend for AnyBackend {
             #[cfg(feature = "cuda")]
             AnyBackend::Cuda(b) => AnyBuf::Cuda(b.upload(data)?),
         })
+    }
+    fn zeros_shared(
+        &self,
+        n: usize,
+        dir: &std::path::Path,
+        name: &str,
+    ) -> Result<(AnyBuf, SharedRegion)> {
+        Ok(match self {
+            AnyBackend::Cpu(b) => {
+                let (x, r) = b.zeros_shared(n, dir, name)?;
+                (AnyBuf::Cpu(x), r)
+            }
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => {
+                let (x, r) = b.zeros_shared(n, dir, name)?;
+                (AnyBuf::Cuda(x), r)
+            }
+        })
+    }
+    fn sync(&self) -> Result<()> {
+        match self {
+            AnyBackend::Cpu(b) => b.sync(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.sync(),
+        }
+    }
+    fn drop_shared(&self, x: AnyBuf) {
+        match (self, x) {
+            (AnyBackend::Cpu(b), AnyBuf::Cpu(x)) => b.drop_shared(x),
+            #[cfg(feature = "cuda")]
+            (AnyBackend::Cuda(b), AnyBuf::Cuda(x)) => b.drop_shared(x),
+            #[cfg(feature = "cuda")]
+            (_, x) => drop(x),
+        }
     }
     fn row(&self, x: &AnyBuf, row: usize, dim: usize) -> Result<AnyBuf> {
         Ok(match (self, x) {

@@ -432,6 +432,69 @@ impl Backend for CudaBackend {
         }
         Ok(self.stream.clone_htod(data)?)
     }
+    /// A `cuMemAlloc` allocation (stream-ordered pool memory has no `cuIpcGetMemHandle`)
+    /// with its CUDA IPC handle; `dir` and `name` are the host stand-in's, unused here.
+    fn zeros_shared(
+        &self,
+        n: usize,
+        _dir: &std::path::Path,
+        _name: &str,
+    ) -> Result<(CudaSlice<f32>, crate::SharedRegion)> {
+        use cudarc::driver::sys;
+        let bytes = n.max(1).checked_mul(4).context("shared buffer too large")?;
+        self.ctx.bind_to_thread()?;
+        let ok = |r: sys::CUresult, what: &str| -> Result<()> {
+            ensure!(r == sys::CUresult::CUDA_SUCCESS, "{what}: {r:?}");
+            Ok(())
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a valid out pointer; the context is bound to this thread.
+        ok(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc")?;
+        let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+        // SAFETY: `ptr..+bytes` was just allocated; a valid out pointer for the handle.
+        let r = unsafe {
+            ok(sys::cuMemsetD8_v2(ptr, 0, bytes), "cuMemset").and_then(|()| {
+                ok(
+                    sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr),
+                    "cuIpcGetMemHandle",
+                )
+            })
+        };
+        if let Err(e) = r {
+            // SAFETY: allocated above, used by nothing yet.
+            unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e);
+        }
+        // SAFETY: initialised by the successful cuIpcGetMemHandle above.
+        let handle = unsafe { h.assume_init() }
+            .reserved
+            .iter()
+            .map(|&c| c as u8)
+            .collect();
+        // SAFETY: `ptr` holds `n` f32s (zeroed); freed by `drop_shared` with cuMemFree,
+        // never by the slice's own (stream-ordered) free.
+        let buf = unsafe { self.stream.upgrade_device_ptr(ptr, n.max(1)) };
+        Ok((
+            buf,
+            crate::SharedRegion {
+                handle,
+                size: bytes as u64,
+            },
+        ))
+    }
+    fn sync(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+    fn drop_shared(&self, b: CudaSlice<f32>) {
+        let _ = self.stream.synchronize();
+        let ptr = b.leak();
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: a cuMemAlloc allocation of `zeros_shared`, leaked from its slice
+            // (whose drop would free it stream-ordered) and freed once, here, after the
+            // stream finished with it.
+            unsafe { cudarc::driver::sys::cuMemFree_v2(ptr) };
+        }
+    }
     fn download(&self, b: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
         ensure!(n <= b.len(), "download of {n} from {}", b.len());
         let mut v = self.stream.clone_dtoh(b)?;

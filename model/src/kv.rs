@@ -10,6 +10,7 @@
 use anyhow::{anyhow, ensure, Context, Result};
 
 use crate::backend::Backend;
+use crate::shared::SharedRegion;
 use crate::KvGeometry;
 
 /// The cache: a buffer per layer.
@@ -19,6 +20,23 @@ pub(crate) struct Caches<B: Backend> {
     pub(crate) geo: KvGeometry,
     /// One layer's shape (what the kernels see).
     pub(crate) one: KvGeometry,
+    /// When the layers are shared memory (one region per layer, in order): what the
+    /// daemon's GPU tier opens. Empty otherwise.
+    pub(crate) regions: Vec<SharedRegion>,
+}
+
+/// One piece of every block of a shared cache, as `gpu_register` takes it (SPEC §13):
+/// `len` bytes at `offset + block · stride` of region (layer) `region`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// The layer's region.
+    pub region: u32,
+    /// Block 0's piece.
+    pub offset: u64,
+    /// From one block's piece to the next's.
+    pub stride: u64,
+    /// Bytes.
+    pub len: u64,
 }
 
 impl<B: Backend> Caches<B> {
@@ -27,7 +45,80 @@ impl<B: Backend> Caches<B> {
         let layers = (0..geo.layers)
             .map(|_| b.zeros(one.cache_elems()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Caches { layers, geo, one })
+        Ok(Caches {
+            layers,
+            geo,
+            one,
+            regions: Vec::new(),
+        })
+    }
+
+    /// A cache in shared memory, a region per layer (`dir` and `prefix`: where the CPU
+    /// backend makes its files, `<prefix>-l<layer>`).
+    pub(crate) fn new_shared(
+        b: &B,
+        geo: KvGeometry,
+        dir: &std::path::Path,
+        prefix: &str,
+    ) -> Result<Self> {
+        let one = KvGeometry { layers: 1, ..geo };
+        let mut layers = Vec::with_capacity(geo.layers);
+        let mut regions = Vec::with_capacity(geo.layers);
+        for l in 0..geo.layers {
+            match b.zeros_shared(one.cache_elems(), dir, &format!("{prefix}-l{l}")) {
+                Ok((buf, r)) => {
+                    layers.push(buf);
+                    regions.push(r);
+                }
+                Err(e) => {
+                    for buf in layers {
+                        b.drop_shared(buf);
+                    }
+                    return Err(e.context(format!("shared KV cache, layer {l}")));
+                }
+            }
+        }
+        Ok(Caches {
+            layers,
+            geo,
+            one,
+            regions,
+        })
+    }
+
+    /// The pieces of a transfer block of heads `h0..h0 + hs` (SPEC §13 segments), in the
+    /// block's `layer_part_token_head` order: per layer and part, the block's tokens
+    /// (one piece when every head is in it: `[token][head][dim]` is contiguous in the
+    /// layer's `[part][block][token][head][dim]`; a piece per token otherwise).
+    pub(crate) fn segments(&self, h0: usize, hs: usize) -> Vec<Segment> {
+        let g = &self.geo;
+        let f = 4u64;
+        let row = (g.kv_heads * g.head_dim) as u64 * f; // one token, every head
+        let stride = g.block_tokens as u64 * row; // one block of one part
+        let part = g.num_blocks as u64 * stride;
+        let mut out = Vec::new();
+        for l in 0..g.layers as u32 {
+            for p in 0..2u64 {
+                if hs == g.kv_heads {
+                    out.push(Segment {
+                        region: l,
+                        offset: p * part,
+                        stride,
+                        len: stride,
+                    });
+                    continue;
+                }
+                for t in 0..g.block_tokens as u64 {
+                    out.push(Segment {
+                        region: l,
+                        offset: p * part + t * row + (h0 * g.head_dim) as u64 * f,
+                        stride,
+                        len: (hs * g.head_dim) as u64 * f,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// Gathers whole blocks `phys` (heads `h0..h0 + hs`) into host slots, a layer at a

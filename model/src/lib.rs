@@ -27,10 +27,13 @@ pub mod cpu;
 pub mod cuda;
 pub(crate) mod kv;
 pub mod model;
+pub mod shared;
 pub mod tokenizer;
 
-pub use backend::{select_backend, AnyBackend, Backend, CpuBackend};
+pub use backend::{select_backend, AnyBackend, Backend, CpuBackend, CpuBuf};
+pub use kv::Segment as KvSegment;
 pub use model::{Model, ModelConfig, Sequence};
+pub use shared::SharedRegion;
 
 /// Shape of a paged KV cache: `[layer][part (K, V)][block][token][kv_head][head_dim]`, f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

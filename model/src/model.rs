@@ -595,9 +595,45 @@ pub struct Model<B: Backend> {
     scratch: Option<Scratch<B>>,
 }
 
+impl<B: Backend> Drop for Model<B> {
+    fn drop(&mut self) {
+        if !self.kv.regions.is_empty() {
+            for b in self.kv.layers.drain(..) {
+                self.backend.drop_shared(b);
+            }
+        }
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// Uploads the weights and allocates a cache of `num_blocks` blocks.
-    pub fn new(backend: B, cfg: ModelConfig, mut w: Weights, num_blocks: usize) -> Result<Self> {
+    pub fn new(backend: B, cfg: ModelConfig, w: Weights, num_blocks: usize) -> Result<Self> {
+        Self::build(backend, cfg, w, num_blocks, None)
+    }
+
+    /// [`Model::new`] with the KV cache in memory the daemon's GPU tier can open (SPEC
+    /// §13): a region per layer ([`Model::kv_regions`], pieces per block
+    /// [`Model::kv_segments`]), so blocks move by `gpu_store`/`gpu_load`/`gpu_pull`, the
+    /// daemon copying. On the CPU the layers are files `<prefix>-l<layer>` in `dir` (the
+    /// host stand-in's `gpu.host_dir`); on CUDA, allocations with IPC handles.
+    pub fn new_shared(
+        backend: B,
+        cfg: ModelConfig,
+        w: Weights,
+        num_blocks: usize,
+        dir: &Path,
+        prefix: &str,
+    ) -> Result<Self> {
+        Self::build(backend, cfg, w, num_blocks, Some((dir, prefix)))
+    }
+
+    fn build(
+        backend: B,
+        cfg: ModelConfig,
+        mut w: Weights,
+        num_blocks: usize,
+        shared: Option<(&Path, &str)>,
+    ) -> Result<Self> {
         cfg.validate()?;
         w.check(&cfg)?;
         ensure!(num_blocks > 0, "the KV cache needs at least one block");
@@ -627,7 +663,10 @@ impl<B: Backend> Model<B> {
             block_tokens: cfg.block_tokens,
             num_blocks,
         };
-        let kv = Caches::new(&backend, geo)?;
+        let kv = match shared {
+            None => Caches::new(&backend, geo)?,
+            Some((dir, prefix)) => Caches::new_shared(&backend, geo, dir, prefix)?,
+        };
         Ok(Model {
             backend,
             inv_freq: cfg.inv_freq(),
@@ -646,6 +685,17 @@ impl<B: Backend> Model<B> {
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// The KV cache's shared regions, a layer each (empty unless [`Model::new_shared`]).
+    pub fn kv_regions(&self) -> &[crate::SharedRegion] {
+        &self.kv.regions
+    }
+
+    /// The pieces of one transfer block of heads `h0..h0 + hs` in the shared cache's
+    /// regions (SPEC §13 segments, `gpu_register`'s).
+    pub fn kv_segments(&self, h0: usize, hs: usize) -> Vec<crate::KvSegment> {
+        self.kv.segments(h0, hs)
     }
 
     /// The shape.

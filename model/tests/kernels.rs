@@ -53,11 +53,11 @@ fn matmul_matches_naive() {
     let (x, w) = (rand_vec(m * k, 3), rand_vec(n * k, 4));
     let mut one = vec![0.0; m * n];
     cpu::matmul(&x, &w, m, n, k, &mut one);
-    let mut many = vec![0.0; m * n];
+    let mut many = vec![0.0; m * n].into();
     CpuBackend::new()
-        .matmul(&x, &w, m, n, k, &mut many)
+        .matmul(&x.into(), &w.into(), m, n, k, &mut many)
         .unwrap();
-    assert_eq!(one, many);
+    assert_eq!(one, *many);
 }
 
 #[test]
@@ -159,11 +159,20 @@ fn paged_attention_matches_dense_softmax() {
     let ql = rand_vec(96 * heads * hd, 15);
     let mut one = vec![0.0; ql.len()];
     cpu::attention(&ql, &cache, &g, 1, heads, &table, &long, &mut one);
-    let mut many = vec![0.0; ql.len()];
+    let mut many = vec![0.0; ql.len()].into();
     CpuBackend::with_threads(3)
-        .attention(&ql, &cache, &g, 1, heads, &table, &long, &mut many)
+        .attention(
+            &ql.into(),
+            &cache.into(),
+            &g,
+            1,
+            heads,
+            &table,
+            &long,
+            &mut many,
+        )
         .unwrap();
-    assert_eq!(one, many);
+    assert_eq!(one, *many);
     for t in 0..n {
         for h in 0..heads {
             let kh = h / 2;
@@ -246,11 +255,11 @@ fn gather_scatter_reslice_round_trip() {
         let e = g.block_elems(1);
         cpu::gather(&cache, &g, &[8], r, 1, &mut [&mut four[r * e..(r + 1) * e]]);
     }
-    let mut two = vec![0.0; bs * 2];
+    let mut two = vec![0.0; bs * 2].into();
     CpuBackend::new()
-        .reslice(&four, &g, 1, 4, 2, &mut two)
+        .reslice(&four.into(), &g, 1, 4, 2, &mut two)
         .unwrap();
-    assert_eq!(two, shards);
+    assert_eq!(*two, *shards);
 }
 
 #[test]
@@ -290,6 +299,65 @@ fn tiny() -> ModelConfig {
         block_tokens: 4,
         ..Default::default()
     }
+}
+
+/// A shared cache (`Model::new_shared`, what the daemon's GPU tier opens) is a file per
+/// layer, and its segments are exactly the transfer blocks: the bytes at each segment's
+/// place, in order, are what `save_blocks` writes, for whole blocks and for a head range.
+/// The files go with the model.
+#[test]
+fn a_shared_caches_segments_are_its_transfer_blocks() {
+    let cfg = tiny();
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = Model::new_shared(
+        CpuBackend::new(),
+        cfg.clone(),
+        Weights::seeded(&cfg),
+        8,
+        dir.path(),
+        "kv",
+    )
+    .unwrap();
+    assert_eq!(m.kv_regions().len(), cfg.layers);
+    let tokens: Vec<u32> = "a shared cache, block by block"
+        .bytes()
+        .map(u32::from)
+        .collect();
+    let mut seq = Sequence {
+        tokens,
+        ..Default::default()
+    };
+    m.forward(&mut seq).unwrap();
+    let files: Vec<Vec<u8>> = (0..cfg.layers)
+        .map(|l| std::fs::read(dir.path().join(format!("kv-l{l}"))).unwrap())
+        .collect();
+    for (l, r) in m.kv_regions().iter().enumerate() {
+        assert_eq!(r.handle, format!("kv-l{l}").into_bytes());
+        assert_eq!(r.size as usize, files[l].len());
+    }
+    for (h0, hs) in [(0, cfg.kv_heads), (1, 1)] {
+        let bb = cfg.layers * 2 * cfg.block_tokens * hs * cfg.head_dim * 4;
+        let logical = [0usize, 2, 5];
+        let mut slots = vec![vec![0u8; bb]; logical.len()];
+        let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|v| v.as_mut_slice()).collect();
+        m.save_blocks(&seq, &logical, h0, hs, &mut dst).unwrap();
+        let segs = m.kv_segments(h0, hs);
+        assert_eq!(segs.iter().map(|s| s.len).sum::<u64>() as usize, bb);
+        for (i, &lb) in logical.iter().enumerate() {
+            let phys = seq.blocks[lb] as u64;
+            let mut got = Vec::new();
+            for s in &segs {
+                let at = (s.offset + phys * s.stride) as usize;
+                got.extend_from_slice(&files[s.region as usize][at..at + s.len as usize]);
+            }
+            assert!(got == slots[i], "heads {h0}+{hs}, block {lb}");
+        }
+    }
+    drop(m);
+    assert!(
+        std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+        "files left"
+    );
 }
 
 /// Computing a prompt in pieces (as after a prefix hit) gives the same bits as at once,
@@ -579,6 +647,7 @@ fn safetensors_weights_and_hf_config_load() {
 mod gpu {
     use super::*;
     use kvd_model::cuda::CudaBackend;
+    use kvd_model::CpuBuf;
 
     fn device() -> Option<CudaBackend> {
         match CudaBackend::new(0) {
@@ -600,14 +669,15 @@ mod gpu {
     fn cuda_kernels_match_cpu() {
         let Some(gpu) = device() else { return };
         let cpu_b = CpuBackend::new();
+        let c = |v: &[f32]| -> CpuBuf { v.to_vec().into() };
         let tol = 1e-4;
         for dev in [gpu] {
             let d = |v: &[f32]| dev.upload(v).unwrap();
             let back = |b: &cudarc::driver::CudaSlice<f32>, n: usize| dev.download(b, n).unwrap();
             for (m, n, k) in [(1, 300, 64), (37, 129, 200)] {
                 let (x, w) = (rand_vec(m * k, 20), rand_vec(n * k, 21));
-                let mut want = vec![0.0; m * n];
-                cpu_b.matmul(&x, &w, m, n, k, &mut want).unwrap();
+                let mut want: CpuBuf = vec![0.0; m * n].into();
+                cpu_b.matmul(&c(&x), &c(&w), m, n, k, &mut want).unwrap();
                 let mut out = dev.zeros(m * n).unwrap();
                 dev.matmul(&d(&x), &d(&w), m, n, k, &mut out).unwrap();
                 close(&back(&out, m * n), &want, tol, "matmul");
@@ -688,14 +758,14 @@ mod gpu {
             let blocks = [3u32, 8, 0];
             for (h0, hs) in [(0, 4), (2, 2), (1, 1)] {
                 let be = g.block_elems(hs);
-                let mut want = vec![0.0; be * 3];
+                let mut want: CpuBuf = vec![0.0; be * 3].into();
                 cpu_b
-                    .gather(&cache, &g, &blocks, h0, hs, &mut want)
+                    .gather(&c(&cache), &g, &blocks, h0, hs, &mut want)
                     .unwrap();
                 let mut out = dev.zeros(be * 3).unwrap();
                 dev.gather(&gcache, &g, &blocks, h0, hs, &mut out).unwrap();
                 close(&back(&out, be * 3), &want, 0.0, "gather");
-                let mut c2 = vec![0.0; g.cache_elems()];
+                let mut c2: CpuBuf = vec![0.0; g.cache_elems()].into();
                 cpu_b
                     .scatter(&mut c2, &g, &[1, 2, 4], h0, hs, &want)
                     .unwrap();
@@ -705,8 +775,8 @@ mod gpu {
             }
             let src = rand_vec(g.block_elems(4) * 2, 33);
             for (st, dt) in [(2, 1), (1, 2), (4, 2), (2, 4)] {
-                let mut want = vec![0.0; src.len()];
-                cpu_b.reslice(&src, &g, 2, st, dt, &mut want).unwrap();
+                let mut want: CpuBuf = vec![0.0; src.len()].into();
+                cpu_b.reslice(&c(&src), &g, 2, st, dt, &mut want).unwrap();
                 let mut out = dev.zeros(src.len()).unwrap();
                 dev.reslice(&d(&src), &g, 2, st, dt, &mut out).unwrap();
                 close(&back(&out, src.len()), &want, 0.0, "reslice");
@@ -721,7 +791,7 @@ mod gpu {
             {
                 let (a, b) = cpu_pool.split_at_mut(be);
                 cpu_b
-                    .gather_to_host(&cache, &g, &[3, 8], 2, 2, &mut [a, b])
+                    .gather_to_host(&c(&cache), &g, &[3, 8], 2, 2, &mut [a, b])
                     .unwrap();
             }
             {
@@ -749,14 +819,14 @@ mod gpu {
             {
                 let (a, b) = shards.split_at_mut(be);
                 cpu_b
-                    .gather_to_host(&cache, &g, &[3], 0, 2, &mut [a])
+                    .gather_to_host(&c(&cache), &g, &[3], 0, 2, &mut [a])
                     .unwrap();
                 cpu_b
-                    .gather_to_host(&cache, &g, &[3], 2, 2, &mut [b])
+                    .gather_to_host(&c(&cache), &g, &[3], 2, 2, &mut [b])
                     .unwrap();
             }
             pool[..2 * be].copy_from_slice(&shards);
-            let mut cc = vec![0.0; g.cache_elems()];
+            let mut cc: CpuBuf = vec![0.0; g.cache_elems()].into();
             cpu_b
                 .scatter_from_host(&mut cc, &g, &[6], 2, &[&shards[..be], &shards[be..]])
                 .unwrap();
