@@ -15,6 +15,7 @@
 //! request produces on one aggregated engine.
 
 pub mod api;
+pub mod gpu_tier;
 pub mod local;
 pub mod router;
 pub mod server;

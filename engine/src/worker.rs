@@ -75,6 +75,12 @@ pub struct EngineConfig {
     pub transfer_timeout: Duration,
     /// Layer groups of a layer-wise handoff (0: whole blocks after the forward).
     pub layerwise_parts: usize,
+    /// The KV cache on the daemon's GPU tier ([`crate::gpu_tier`]): stores, prefix
+    /// loads and same-node handoffs by `gpu_store`/`gpu_load`/`gpu_pull`.
+    pub gpu_tier: bool,
+    /// Where the CPU backend's shared cache files go: the daemon's `gpu.host_dir` (host
+    /// stand-in). `None`: the directory of the daemon's pool file (its default).
+    pub gpu_host_dir: Option<std::path::PathBuf>,
 }
 
 /// What a request produces, in order: tokens, then `Done` or `Error`.
@@ -159,6 +165,9 @@ struct Loaded {
     n: usize,
     src_tp: usize,
     pins: Vec<PinnedBlocks>,
+    /// The blocks are to be loaded by the daemon's GPU tier (`gpu_load`, when the
+    /// scheduler has cache blocks for them): no pins.
+    gpu: bool,
 }
 
 struct Job {
@@ -182,6 +191,8 @@ struct Kv {
     /// the new one registered, when the daemon restarted and the client mapped its new
     /// pool ([`Scheduler::refresh_pool`]).
     region: std::sync::Mutex<Option<kvd_client::PoolRegion>>,
+    /// The KV cache on the daemon's GPU tier (`--gpu-tier`).
+    gpu: Option<crate::gpu_tier::GpuTier>,
 }
 
 /// Registers the pool mapping with the GPU for DMA (a failure leaves the bounce path).
@@ -193,6 +204,23 @@ fn register_pool(c: &kvd_model::cuda::CudaBackend, r: &kvd_client::PoolRegion) {
         tracing::warn!(
             "registering the pool with the GPU failed ({e:#}); blocks go through a device buffer"
         );
+    }
+}
+
+/// Keeps the GPU tier's registrations alive while the engine lives (every 5 s: the
+/// daemon's default lease is 30 s), and notices when the daemon forgot them.
+fn keep_registered(kv: std::sync::Weak<Kv>) {
+    let spawned = std::thread::Builder::new()
+        .name("kvd-engine-gpu-keepalive".into())
+        .spawn(move || loop {
+            std::thread::sleep(Duration::from_secs(5));
+            let Some(kv) = kv.upgrade() else { return };
+            if let Some(t) = &kv.gpu {
+                t.keepalive(&kv.client);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("no keep-alive thread for the GPU tier ({e}); an idle engine registers again when it next stores or loads");
     }
 }
 
@@ -284,7 +312,7 @@ impl Engine {
             Some(p) => Weights::from_safetensors(p, &cfg.model)?,
             None => Weights::seeded(&cfg.model),
         };
-        let kv = match &cfg.kvd {
+        let conn = match &cfg.kvd {
             None => None,
             Some(ep) => {
                 let client = Client::builder()
@@ -301,24 +329,66 @@ impl Engine {
                 for r in 0..cfg.tp {
                     layouts.push(client.register_layout(&layout_of(&cfg.model, cfg.tp, r))?);
                 }
+                Some((client, layouts))
+            }
+        };
+        let backend_name = backend.name().to_string();
+        let model = match &conn {
+            Some((client, _)) if cfg.gpu_tier => {
+                // The stand-in opens files in its host_dir, by default the pool file's
+                // directory; CUDA ignores the directory (IPC handles).
+                let pool_path = std::path::PathBuf::from(client.hello_info().pool.path);
+                let dir = cfg
+                    .gpu_host_dir
+                    .clone()
+                    .or_else(|| pool_path.parent().map(std::path::Path::to_path_buf))
+                    .unwrap_or_else(|| "/dev/shm".into());
+                let prefix = format!("kvd-engine-{}-{}", std::process::id(), cfg.role.name());
+                Model::new_shared(
+                    backend,
+                    cfg.model.clone(),
+                    weights,
+                    cfg.num_blocks,
+                    &dir,
+                    &prefix,
+                )
+                .context("the KV cache in shared memory (--gpu-tier)")?
+            }
+            None if cfg.gpu_tier => bail!("--gpu-tier needs kvd"),
+            _ => Model::new(backend, cfg.model.clone(), weights, cfg.num_blocks)?,
+        };
+        let kv = match conn {
+            None => None,
+            Some((client, layouts)) => {
                 let node = client.hello_info().node.map(|n| n.node);
                 let region = client.pool_region();
                 #[cfg(feature = "cuda")]
-                if let (AnyBackend::Cuda(c), Some(r)) = (&backend, &region) {
+                if let (AnyBackend::Cuda(c), Some(r)) = (model.backend(), &region) {
                     register_pool(c, r);
                 }
+                let gpu = if cfg.gpu_tier {
+                    let t = crate::gpu_tier::GpuTier::new(&model, &layouts)?;
+                    // Registered now: a daemon without a usable GPU tier fails the start.
+                    t.register(&client)?;
+                    Some(t)
+                } else {
+                    None
+                };
                 let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
-                Some(Arc::new(Kv {
+                let kv = Arc::new(Kv {
                     client,
                     layouts,
                     node,
                     src_layouts,
                     region: std::sync::Mutex::new(region),
-                }))
+                    gpu,
+                });
+                if kv.gpu.is_some() {
+                    keep_registered(Arc::downgrade(&kv));
+                }
+                Some(kv)
             }
         };
-        let backend_name = backend.name().to_string();
-        let model = Model::new(backend, cfg.model.clone(), weights, cfg.num_blocks)?;
         let (tx, rx) = mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
         let sched = Scheduler {
@@ -522,6 +592,15 @@ impl Engine {
         if n == 0 {
             return Ok(None);
         }
+        if kv.gpu.is_some() {
+            // The daemon copies into the cache when the scheduler has blocks for them.
+            return Ok(Some(Loaded {
+                n,
+                src_tp: kv.layouts.len(),
+                pins: Vec::new(),
+                gpu: true,
+            }));
+        }
         let mut pins = Vec::new();
         for l in &kv.layouts {
             let p = kv
@@ -534,6 +613,7 @@ impl Engine {
             n,
             src_tp: kv.layouts.len(),
             pins,
+            gpu: false,
         }))
     }
 
@@ -690,6 +770,7 @@ impl Engine {
             n,
             src_tp: layouts.len(),
             pins,
+            gpu: false,
         }))
     }
 }
@@ -861,6 +942,13 @@ impl Scheduler {
             let shape = (self.cfg.model.kv_heads, self.cfg.model.layers as u64);
             let mut stage_failed = None;
             let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
+                Some(p) if p.gpu => {
+                    cached = self.gpu_load_prefix(&mut seq, &keys, p.n) * bt;
+                    let (r, failed) =
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                    stage_failed = failed;
+                    r?
+                }
                 Some(p) => {
                     let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
                     // The prefix loads layer by layer while the forward computes (the
@@ -1067,11 +1155,46 @@ impl Scheduler {
         })
     }
 
+    /// A prefix hit on the GPU tier: blocks for the first `n` logical blocks, and the
+    /// daemon copies the cached KV into them (`gpu_load`). Returns how many leading
+    /// blocks loaded (0 on a failure: the prompt is computed; the cache is only an
+    /// optimisation), and marks them computed.
+    fn gpu_load_prefix(&mut self, seq: &mut Sequence, keys: &[ChunkHash], n: usize) -> usize {
+        let bt = self.cfg.model.block_tokens;
+        let Some(kv) = &self.kv else { return 0 };
+        let Some(t) = &kv.gpu else { return 0 };
+        let n = n.min(keys.len());
+        let loaded = self.model.reserve(seq, n * bt).and_then(|()| {
+            let blocks = seq.blocks.get(..n).context("reserved blocks")?;
+            t.load(&kv.client, &keys[..n], blocks)
+        });
+        match loaded {
+            Ok(m) => {
+                seq.computed = m * bt;
+                m
+            }
+            Err(e) => {
+                tracing::warn!("GPU-tier prefix load failed ({e:#}); computing the prompt");
+                seq.computed = 0;
+                0
+            }
+        }
+    }
+
     /// Stores the full prompt blocks from `from` on into kvd (every shard). Returns how
     /// many blocks were written.
     fn store(&self, kv: &Kv, seq: &Sequence, keys: &[ChunkHash], from: usize) -> Result<usize> {
         if from >= keys.len() {
             return Ok(0);
+        }
+        if let Some(t) = &kv.gpu {
+            // The daemon reads the cache: every kernel that wrote it has to be done.
+            self.model.backend().sync()?;
+            let blocks = seq
+                .blocks
+                .get(from..keys.len())
+                .context("a stored block past the sequence's blocks")?;
+            return t.store(&kv.client, &keys[from..], blocks);
         }
         let shards = kv.layouts.len();
         let hs = self.cfg.model.kv_heads / shards;

@@ -49,6 +49,48 @@ fn check_equal(router_url: &str, reference_url: &str, what: &str) {
     }
 }
 
+/// The reference engine on the daemon's GPU tier (`--gpu-tier`; the host stand-in, so
+/// the cache is files the daemon opens): a prompt's blocks are stored by `gpu_store`, a
+/// repeated prompt loads its prefix by `gpu_load` into the engine's own cache, the tokens
+/// are the aggregated engine's, and the daemon's GPU-tier counters say it made the
+/// copies (for one shard and for two).
+#[test]
+fn the_engine_on_the_gpu_tier_stores_and_loads_through_the_daemon() {
+    let a = Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"]).expect("kvd");
+    let (_r, reference) = reference();
+    let p = "a prompt whose blocks the daemon copies out of the engine's cache and back in";
+    let (_, want) = complete(&reference, req(p, 8, 0.0, 0));
+    let mut stored = 0;
+    for tp in ["1", "2"] {
+        let (_e, url) = engine("both", Some(&a), &["--gpu-tier", "--tp", tp]);
+        let (s, first) = complete(&url, req(p, 8, 0.0, 0));
+        assert_eq!(s, 200, "{first}");
+        assert_eq!(first["kvd"]["source"], "none", "tp {tp}: {first}");
+        let blocks = first["kvd"]["stored_blocks"].as_u64().unwrap();
+        assert!(blocks >= 4, "tp {tp}: {first}");
+        let (s, second) = complete(&url, req(p, 8, 0.0, 0));
+        assert_eq!(s, 200, "{second}");
+        assert_eq!(second["kvd"]["source"], "local", "tp {tp}: {second}");
+        assert!(
+            second["kvd"]["cached_tokens"].as_u64().unwrap() >= 64,
+            "tp {tp}: {second}"
+        );
+        assert_eq!(tokens(&first), tokens(&want), "tp {tp}");
+        assert_eq!(tokens(&second), tokens(&want), "tp {tp}");
+        let g = a.client().stats().unwrap().gpu.expect("the GPU tier is on");
+        stored += blocks * tp.parse::<u64>().unwrap();
+        assert_eq!(
+            g.stored_blocks, stored,
+            "tp {tp}: every shard's blocks by gpu_store: {g:?}"
+        );
+        assert!(
+            g.loaded_blocks >= stored,
+            "tp {tp}: the prefix by gpu_load: {g:?}"
+        );
+        assert_eq!(g.failed_copies, 0);
+    }
+}
+
 #[test]
 fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
     let (a, b) = (node(), node());

@@ -58,6 +58,16 @@ struct Args {
     /// at most the model's layers), so a push ends about one group after the prefill.
     #[arg(long, default_value_t = 0)]
     layerwise_parts: usize,
+    /// The KV cache on the daemon's GPU tier (SPEC §13): the cache is shared memory the
+    /// daemon opens (CUDA IPC allocations; on the CPU, files in the stand-in's host_dir),
+    /// and the daemon copies blocks in and out of it (gpu_store, gpu_load) and between two
+    /// engines of this node (gpu_pull).
+    #[arg(long)]
+    gpu_tier: bool,
+    /// With --gpu-tier on the CPU: the daemon's gpu.host_dir (default: its pool file's
+    /// directory, the daemon's default too).
+    #[arg(long)]
+    gpu_host_dir: Option<PathBuf>,
     /// Log as JSON.
     #[arg(long)]
     log_json: bool,
@@ -111,6 +121,8 @@ fn main() -> Result<()> {
         lease: Duration::from_millis(a.lease_ms),
         transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
         layerwise_parts: a.layerwise_parts,
+        gpu_tier: a.gpu_tier,
+        gpu_host_dir: a.gpu_host_dir,
     })?;
     kvd_engine::server::serve("kvd-engine", a.listen, kvd_engine::server::router(engine))
 }
