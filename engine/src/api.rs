@@ -71,6 +71,11 @@ pub struct KvTransferParams {
     /// Push: where the prefill's kvd is and which transfer to wait for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub push: Option<PushParams>,
+    /// Same node, device to device (a prefill on the daemon's GPU tier): one hex-encoded
+    /// `GpuTransferParams` per shard. A decode engine on the tier of the same daemon pulls
+    /// these (`gpu_pull`: nothing passes through the pool); any other uses `ranks`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu: Vec<String>,
 }
 
 fn is_false(b: &bool) -> bool {

@@ -81,6 +81,11 @@ pub struct EngineConfig {
     /// Where the CPU backend's shared cache files go: the daemon's `gpu.host_dir` (host
     /// stand-in). `None`: the directory of the daemon's pool file (its default).
     pub gpu_host_dir: Option<std::path::PathBuf>,
+    /// Lease of a prefill's device-to-device exports (`gpu_export`, at most `lease`; zero:
+    /// none). The prefill keeps the request's cache blocks until the export ends, so a
+    /// request decoded elsewhere (from the pool) holds them this long: short, as a decode
+    /// engine on the node pulls as soon as its scheduler takes the request.
+    pub gpu_handoff_lease: Duration,
 }
 
 /// What a request produces, in order: tokens, then `Done` or `Error`.
@@ -168,6 +173,9 @@ struct Loaded {
     /// The blocks are to be loaded by the daemon's GPU tier (`gpu_load`, when the
     /// scheduler has cache blocks for them): no pins.
     gpu: bool,
+    /// ... from a prefill engine's cache on this node, device to device (`gpu_pull` of
+    /// these exports, one per shard) rather than from the pool.
+    gpu_pull: Vec<kvd_protocol::GpuTransferParams>,
 }
 
 struct Job {
@@ -398,6 +406,8 @@ impl Engine {
             tokenizer: tokenizer.clone(),
             load: load.clone(),
             active: Vec::new(),
+            held: Vec::new(),
+            held_checked: Instant::now(),
         };
         std::thread::Builder::new()
             .name("kvd-engine-sched".into())
@@ -531,6 +541,8 @@ impl Engine {
                         .map_err(ApiError::kvd)?,
                     "push",
                 )
+            } else if let Some(l) = self.gpu_pull_load(kv, &tokens, &kvp) {
+                (Some(l), "gpu_pull")
             } else {
                 (
                     self.pull_load(kv, &tokens, &kvp).map_err(ApiError::kvd)?,
@@ -599,6 +611,7 @@ impl Engine {
                 src_tp: kv.layouts.len(),
                 pins: Vec::new(),
                 gpu: true,
+                gpu_pull: Vec::new(),
             }));
         }
         let mut pins = Vec::new();
@@ -614,6 +627,7 @@ impl Engine {
             src_tp: kv.layouts.len(),
             pins,
             gpu: false,
+            gpu_pull: Vec::new(),
         }))
     }
 
@@ -648,6 +662,69 @@ impl Engine {
                 bail!("prefill's model {theirs}, decode's model {mine}: not the same weights")
             }
             _ => Ok(()),
+        }
+    }
+
+    /// A handoff this engine can take device to device: it is on the GPU tier, the
+    /// prefill exported on the same daemon (same incarnation) with the same shards and
+    /// model, for this prompt. `None`: pull from the pool instead (any mismatch, said
+    /// at debug level: the host exports are the handoff then).
+    fn gpu_pull_load(&self, kv: &Kv, tokens: &[u32], p: &KvTransferParams) -> Option<Loaded> {
+        if kv.gpu.is_none() || p.gpu.is_empty() || self.same_model(p).is_err() {
+            return None;
+        }
+        let keys = self.keys(tokens);
+        let parsed: Result<Vec<kvd_protocol::GpuTransferParams>> = p
+            .gpu
+            .iter()
+            .enumerate()
+            .map(|(r, h)| {
+                let bytes = hex::decode(h).context("kv_transfer_params.gpu: not hex")?;
+                let g = kvd_protocol::GpuTransferParams::from_msgpack(&bytes)
+                    .map_err(|e| anyhow!("kv_transfer_params.gpu[{r}]: {e}"))?;
+                ensure!(
+                    g.incarnation == kv.client.incarnation(),
+                    "exported on another daemon"
+                );
+                ensure!(
+                    kv.layouts.get(r).is_some_and(|l| l.id == g.layout_id),
+                    "another layout (model or shard count)"
+                );
+                ensure!(
+                    g.keys.len() <= keys.len() && g.keys[..] == keys[..g.keys.len()],
+                    "not this prompt's blocks"
+                );
+                Ok(g)
+            })
+            .collect();
+        match parsed {
+            Ok(g) if g.len() == kv.layouts.len() => {
+                let n = g
+                    .iter()
+                    .map(|x| x.keys.len())
+                    .min()
+                    .unwrap_or(0)
+                    .min(self.usable(tokens));
+                Some(Loaded {
+                    n,
+                    src_tp: g.len(),
+                    pins: Vec::new(),
+                    gpu: true,
+                    gpu_pull: g,
+                })
+            }
+            Ok(g) => {
+                tracing::debug!(
+                    "{} GPU exports for {} shards: pulling from the pool",
+                    g.len(),
+                    kv.layouts.len()
+                );
+                None
+            }
+            Err(e) => {
+                tracing::debug!("no device-to-device handoff ({e:#}): pulling from the pool");
+                None
+            }
         }
     }
 
@@ -771,6 +848,7 @@ impl Engine {
             src_tp: layouts.len(),
             pins,
             gpu: false,
+            gpu_pull: Vec::new(),
         }))
     }
 }
@@ -834,6 +912,16 @@ struct Active {
     events: UnboundedSender<Event>,
     info: KvdInfo,
     kv_params: Option<KvTransferParams>,
+    /// GPU exports of this sequence's blocks (`<base>.gpu`, shards): the blocks are kept
+    /// until they end (SPEC §13: an exporter reuses its blocks only in a final state).
+    gpu_hold: Option<(String, usize)>,
+}
+
+/// A finished sequence whose blocks wait for their GPU exports to end.
+struct Held {
+    seq: Sequence,
+    base: String,
+    shards: usize,
 }
 
 struct Scheduler {
@@ -843,6 +931,9 @@ struct Scheduler {
     tokenizer: Tokenizer,
     load: Arc<AtomicUsize>,
     active: Vec<Active>,
+    held: Vec<Held>,
+    /// When the held sequences' exports were last looked at.
+    held_checked: Instant,
 }
 
 impl Scheduler {
@@ -877,10 +968,18 @@ impl Scheduler {
     fn run(mut self, rx: mpsc::Receiver<Job>) {
         loop {
             self.refresh_pool();
-            if self.active.is_empty() {
+            self.release_held();
+            if self.active.is_empty() && self.held.is_empty() {
                 match rx.recv() {
                     Ok(j) => self.start(j),
                     Err(_) => return,
+                }
+            } else if self.active.is_empty() {
+                // Only held blocks: look at their exports again every 10 ms.
+                match rx.recv_timeout(Duration::from_millis(10)) {
+                    Ok(j) => self.start(j),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             }
             while let Ok(j) = rx.try_recv() {
@@ -893,8 +992,36 @@ impl Scheduler {
     }
 
     fn end(&mut self, a: &mut Active) {
-        self.model.release(&mut a.seq);
+        match a.gpu_hold.take() {
+            Some((base, shards)) => self.held.push(Held {
+                seq: std::mem::take(&mut a.seq),
+                base,
+                shards,
+            }),
+            None => self.model.release(&mut a.seq),
+        }
         self.load.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Gives back the blocks of held sequences whose GPU exports ended (pulled, failed,
+    /// expired: the lease bounds the wait). At most every 10 ms (a status call per
+    /// export).
+    fn release_held(&mut self) {
+        if self.held.is_empty() || self.held_checked.elapsed() < Duration::from_millis(10) {
+            return;
+        }
+        self.held_checked = Instant::now();
+        let Some(kv) = self.kv.clone() else { return };
+        let Some(t) = &kv.gpu else { return };
+        let mut keep = Vec::with_capacity(self.held.len());
+        for mut h in std::mem::take(&mut self.held) {
+            if t.exports_final(&kv.client, &h.base, h.shards) {
+                self.model.release(&mut h.seq);
+            } else {
+                keep.push(h);
+            }
+        }
+        self.held = keep;
     }
 
     fn start(&mut self, job: Job) {
@@ -925,6 +1052,7 @@ impl Scheduler {
             ..Default::default()
         };
         let mut cached = 0;
+        let mut gpu_hold = None;
         let res = (|| -> Result<(kvd_model::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
             let keys = hash::chunk_hashes(&job.tokens, bt, b"");
             let handoff = job
@@ -943,7 +1071,11 @@ impl Scheduler {
             let mut stage_failed = None;
             let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
                 Some(p) if p.gpu => {
-                    cached = self.gpu_load_prefix(&mut seq, &keys, p.n) * bt;
+                    cached = if p.gpu_pull.is_empty() {
+                        self.gpu_load_prefix(&mut seq, &keys, p.n)
+                    } else {
+                        self.gpu_pull_prefix(&mut seq, &p.gpu_pull, p.n)
+                    } * bt;
                     let (r, failed) =
                         forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
                     stage_failed = failed;
@@ -1047,11 +1179,35 @@ impl Scheduler {
                             ranks.push(hex::encode(p.to_msgpack()));
                         }
                     }
+                    // On the GPU tier, also exports a decode engine of this node pulls
+                    // device to device; the blocks stay this sequence's until those end.
+                    let mut gpu = Vec::new();
+                    let glease = self.cfg.gpu_handoff_lease.min(self.cfg.lease);
+                    if let (Some(t), false, false) = (&kv.gpu, keys.is_empty(), glease.is_zero()) {
+                        let gbase = format!("{base}.gpu");
+                        let exported = self.model.backend().sync().and_then(|()| {
+                            let blocks = seq
+                                .blocks
+                                .get(..keys.len())
+                                .context("an exported block past the sequence")?;
+                            t.export(&kv.client, &gbase, &keys, blocks, glease)
+                        });
+                        match exported {
+                            Ok(ps) => {
+                                gpu = ps.iter().map(|p| hex::encode(p.to_msgpack())).collect();
+                                gpu_hold = Some((gbase, ps.len()));
+                            }
+                            Err(e) => tracing::warn!(
+                                "no device-to-device export ({e:#}); the decode pulls from the pool"
+                            ),
+                        }
+                    }
                     kvp = Some(KvTransferParams {
                         do_remote_prefill: true,
                         prefill_tp: Some(self.cfg.tp),
                         model: Some(self.cfg.model.name.clone()),
                         ranks,
+                        gpu,
                         ..Default::default()
                     });
                 }
@@ -1099,6 +1255,7 @@ impl Scheduler {
             events: job.events,
             info,
             kv_params,
+            gpu_hold,
         };
         if a.events
             .send(Event::Token {
@@ -1175,6 +1332,40 @@ impl Scheduler {
             }
             Err(e) => {
                 tracing::warn!("GPU-tier prefix load failed ({e:#}); computing the prompt");
+                seq.computed = 0;
+                0
+            }
+        }
+    }
+
+    /// A same-node handoff on the GPU tier: blocks for the first `n` logical blocks, and
+    /// the daemon copies the prefill engine's blocks into them device to device
+    /// (`gpu_pull`). Returns how many leading blocks came (0 on a failure: the prompt is
+    /// computed here instead, the same tokens, later), and marks them computed.
+    fn gpu_pull_prefix(
+        &mut self,
+        seq: &mut Sequence,
+        params: &[kvd_protocol::GpuTransferParams],
+        n: usize,
+    ) -> usize {
+        let bt = self.cfg.model.block_tokens;
+        let Some(kv) = &self.kv else { return 0 };
+        let Some(t) = &kv.gpu else { return 0 };
+        // One destination block per exported key (the last full block too, which the
+        // forward computes again for its logits).
+        let k = params.iter().map(|p| p.keys.len()).max().unwrap_or(0);
+        let pulled = self.model.reserve(seq, k * bt).and_then(|()| {
+            let blocks = seq.blocks.get(..k).context("reserved blocks")?;
+            t.pull(&kv.client, params, blocks)
+        });
+        match pulled {
+            Ok(m) => {
+                let m = m.min(n);
+                seq.computed = m * bt;
+                m
+            }
+            Err(e) => {
+                tracing::warn!("device-to-device handoff failed ({e:#}); computing the prompt");
                 seq.computed = 0;
                 0
             }

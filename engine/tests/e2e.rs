@@ -91,6 +91,40 @@ fn the_engine_on_the_gpu_tier_stores_and_loads_through_the_daemon() {
     }
 }
 
+/// A same-node handoff on the GPU tier: prefill and decode engines on one daemon's tier
+/// hand a request's blocks over device to device (`gpu_pull`: the decode says
+/// `gpu_pull`, the daemon counts pulled blocks), with the aggregated engine's tokens; a
+/// decode engine on another node (no tier) gets the same request's blocks from the pool
+/// exports instead. The prefill keeps its blocks until each export ends.
+#[test]
+fn same_node_gpu_handoffs_are_device_to_device_and_other_nodes_pull() {
+    let a = Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"]).expect("kvd");
+    let b = node();
+    let (_r, reference) = reference();
+    let (_p, prefill) = engine("prefill", Some(&a), &["--gpu-tier"]);
+    let (_d, decode) = engine("decode", Some(&a), &["--gpu-tier"]);
+    let (_far, far) = engine("decode", Some(&b), &[]);
+    let (_router, url) = router(&[&prefill], &[&decode], "pull");
+    check_equal(&url, &reference, "gpu_pull");
+    let p = "a long prompt handed from one engine's GPU cache to another's on the same node";
+    let (s, got) = complete(&url, req(p, 8, 0.0, 0));
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(got["kvd"]["source"], "gpu_pull", "{got}");
+    let (_, want) = complete(&reference, req(p, 8, 0.0, 0));
+    assert_eq!(tokens(&got), tokens(&want));
+    let g = a.client().stats().unwrap().gpu.expect("the GPU tier is on");
+    assert!(g.pulled_blocks >= 4, "{g:?}");
+    assert_eq!(g.failed_copies, 0, "{g:?}");
+    // The decode engine on node B pulls the pool exports.
+    let (_router2, url2) = router(&[&prefill], &[&far], "pull");
+    let q = "another long prompt, this time decoded on a node of its own, from the pool";
+    let (s, got) = complete(&url2, req(q, 8, 0.0, 0));
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(got["kvd"]["source"], "pull", "{got}");
+    let (_, want) = complete(&reference, req(q, 8, 0.0, 0));
+    assert_eq!(tokens(&got), tokens(&want));
+}
+
 #[test]
 fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
     let (a, b) = (node(), node());

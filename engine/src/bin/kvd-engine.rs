@@ -68,6 +68,11 @@ struct Args {
     /// directory, the daemon's default too).
     #[arg(long)]
     gpu_host_dir: Option<PathBuf>,
+    /// With --gpu-tier on a prefill: lease of the device-to-device export a decode engine
+    /// of this node pulls (ms; 0: none, decodes pull from the pool). The request's cache
+    /// blocks stay held until it is pulled or this runs out.
+    #[arg(long, default_value_t = 2000)]
+    gpu_handoff_lease_ms: u64,
     /// Log as JSON.
     #[arg(long)]
     log_json: bool,
@@ -123,6 +128,7 @@ fn main() -> Result<()> {
         layerwise_parts: a.layerwise_parts,
         gpu_tier: a.gpu_tier,
         gpu_host_dir: a.gpu_host_dir,
+        gpu_handoff_lease: Duration::from_millis(a.gpu_handoff_lease_ms),
     })?;
     kvd_engine::server::serve("kvd-engine", a.listen, kvd_engine::server::router(engine))
 }
