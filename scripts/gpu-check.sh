@@ -13,7 +13,8 @@
 #    kernel on and off (chart: bench-gpu.svg);
 # 4. the Python package's DMA path with torch CUDA tensors (GPU -> registered pool ->
 #    GPU, byte-identical) against torch's pinned-memory copies (scripts/gpu-torch-dma.py);
-# 5. kvd-bench pd-e2e on the CUDA backend (and the CPU one for comparison).
+# 5. kvd-bench pd-e2e on the CUDA backend, engines on the GPU tier too (same-node
+#    handoffs device to device, prefix hits by gpu_load), and the CPU one for comparison.
 # Every GPU test runs with KVD_REQUIRE_CUDA=1 (no device is a failure, not a skip). Each
 # step's whole output goes to its own file under the out-dir; the script goes on after a
 # failed step, prints a summary, and exits non-zero if any step failed.
@@ -71,7 +72,7 @@ torch_dma() {
 }
 export -f torch_dma; export B
 step torch-dma 120 bash -c torch_dma
-step bench-cuda 180 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2 --layerwise 4
+step bench-cuda 240 "$B/kvd-bench" pd-e2e --backend cuda --bin-dir "$B" --tokens 128,512,2048,8192 --reps 2 --layerwise 4 --gpu-tier cuda
 step bench-cpu 60 "$B/kvd-bench" pd-e2e --backend cpu --bin-dir "$B" --tokens 128,512 --reps 1
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'gpu-check: FAILED: %s\n' "${failed[@]}"

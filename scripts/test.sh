@@ -136,7 +136,7 @@ assert all("kvd / nixl read tcp" in v for v in r["extra"]["vs_peers"]), r["extra
 PY
 ./target/release/kvd-bench pd --blocks 1,4 --reps 2 --ceiling-bytes 64MiB --json > /dev/null
 ./target/release/kvd-bench p2p --sizes 1MiB --batch 4MiB --rounds 2 --lookups 20 --ceiling-bytes 64MiB --json > /dev/null
-./target/release/kvd-bench pd-e2e --tokens 128 --reps 1 --max-tokens 4 --backend cpu --json > /dev/null
+./target/release/kvd-bench pd-e2e --tokens 128 --reps 1 --max-tokens 4 --backend cpu --gpu-tier host --json > /dev/null
 ./target/release/kvd-bench gpu --device host --pieces 64KiB,1MiB --batch 4MiB --reps 1 --json > /dev/null
 echo "bench smoke: ok"
 

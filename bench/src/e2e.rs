@@ -34,6 +34,12 @@ pub struct E2eArgs {
     /// the same nodes (0: off).
     #[arg(long, default_value_t = 0)]
     layerwise: usize,
+    /// Also measure engines on the daemon's GPU tier (SPEC §13): a prefill and a decode
+    /// engine with `--gpu-tier` on one node whose daemon has `--gpu-device` this (`cuda`,
+    /// or `host`: the stand-in), behind a pull router — the handoff is device to device
+    /// (`gpu_pull`) and a repeated prompt loads by `gpu_load` (`off`: not measured).
+    #[arg(long, default_value = "off")]
+    gpu_tier: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -50,6 +56,12 @@ struct Row {
     /// Layer-wise push (with `--layerwise`).
     #[serde(skip_serializing_if = "Option::is_none")]
     layerwise_push_ttft_ms: Option<f64>,
+    /// Same-node handoff on the GPU tier (with `--gpu-tier`): device to device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_pull_ttft_ms: Option<f64>,
+    /// The same prompt again on the GPU tier: the prefix by `gpu_load`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_prefix_hit_ttft_ms: Option<f64>,
     prefix_hit_ttft_ms: f64,
     aggregated_tok_s: f64,
     pull_tok_s: f64,
@@ -144,6 +156,18 @@ pub fn run(a: E2eArgs) -> Result<()> {
     } else {
         None
     };
+    let gt = match a.gpu_tier.as_str() {
+        "off" => None,
+        dev @ ("host" | "cuda") => {
+            let nc = Node::start_with(&bins, "2GiB", &["--gpu-device", dev])?;
+            let gflags: Vec<&str> = flags.iter().copied().chain(["--gpu-tier"]).collect();
+            let (p, purl) = local::engine(&bins, "prefill", Some(&nc), &gflags)?;
+            let (d, durl) = local::engine(&bins, "decode", Some(&nc), &gflags)?;
+            let (r, rurl) = local::router(&bins, &[&purl], &[&durl], "pull")?;
+            Some((nc, p, d, r, rurl))
+        }
+        other => bail!("--gpu-tier {other}: off, host or cuda"),
+    };
     let info: serde_json::Value = {
         let (_, v) = local::complete(&agg, &json!({"prompt": "warm up", "max_tokens": 2}))?;
         v
@@ -156,6 +180,9 @@ pub fn run(a: E2eArgs) -> Result<()> {
     if let Some((_, _, u)) = &lw {
         timed(u, &prompt(64, 2), 2)?;
     }
+    if let Some((.., u)) = &gt {
+        timed(u, &prompt(64, 3), 2)?;
+    }
     let mut rows = Vec::new();
     let mut salt = 100;
     for &n in &a.tokens {
@@ -164,6 +191,7 @@ pub fn run(a: E2eArgs) -> Result<()> {
             ..Default::default()
         };
         let mut lws = vec![];
+        let (mut gps, mut ghs) = (vec![], vec![]);
         let (mut pf, mut at, mut pt, mut ps, mut hit, mut ar, mut pr, mut sr) = (
             vec![],
             vec![],
@@ -198,7 +226,20 @@ pub fn run(a: E2eArgs) -> Result<()> {
                 let (t, _, _) = timed(u, &p, a.max_tokens)?;
                 lws.push(t);
             }
+            if let Some((.., u)) = &gt {
+                salt += 1;
+                let p = prompt(n, salt);
+                let (t, _, kvd) = timed(u, &p, a.max_tokens)?;
+                if n > 16 && kvd["source"] != "gpu_pull" {
+                    bail!("the GPU-tier handoff was not device to device: {kvd}");
+                }
+                gps.push(t);
+                let (t, _, _) = timed(u, &p, a.max_tokens)?;
+                ghs.push(t);
+            }
         }
+        r.gpu_pull_ttft_ms = gt.as_ref().map(|_| median(gps));
+        r.gpu_prefix_hit_ttft_ms = gt.as_ref().map(|_| median(ghs));
         r.layerwise_push_ttft_ms = lw.as_ref().map(|_| median(lws));
         r.prefill_ms = median(pf);
         r.aggregated_ttft_ms = median(at);
@@ -266,6 +307,22 @@ pub fn run(a: E2eArgs) -> Result<()> {
                     l / r.aggregated_ttft_ms,
                     r.push_ttft_ms,
                     r.push_ttft_ms / r.aggregated_ttft_ms
+                );
+            }
+        }
+    }
+    if gt.is_some() {
+        println!(
+            "GPU tier ({}): prefill and decode engines on one node, the daemon copying (ratios to the pool pull across nodes, and to the pool prefix hit)",
+            a.gpu_tier
+        );
+        for r in &rows {
+            if let (Some(g), Some(h)) = (r.gpu_pull_ttft_ms, r.gpu_prefix_hit_ttft_ms) {
+                println!(
+                    "{:>7} device-to-device TTFT {g:9.1} ms = {:5.3}x pull; prefix hit by gpu_load {h:9.1} ms = {:5.3}x the pool's",
+                    r.prompt_tokens,
+                    g / r.pull_ttft_ms,
+                    h / r.prefix_hit_ttft_ms
                 );
             }
         }
