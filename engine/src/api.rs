@@ -9,7 +9,10 @@
 //!   shard), answer with the first token and:
 //! - from a prefill worker / to a decode worker (pull):
 //!   `{"do_remote_prefill": true, "prefill_tp": N, "ranks": ["<hex msgpack>", ...]}` —
-//!   each entry is one shard's `TransferParams::to_msgpack` (SPEC §10), hex-encoded;
+//!   each entry is one shard's `TransferParams::to_msgpack` (SPEC §10), hex-encoded; a
+//!   prefill on the daemon's GPU tier (`--gpu-tier`) adds `"gpu": ["<hex msgpack>", ...]`,
+//!   one `GpuTransferParams` per shard (SPEC §13), which a decode worker on the same
+//!   daemon's tier pulls device to device (`gpu_pull`) instead of `ranks`;
 //! - to a decode worker (push): `{"do_remote_prefill": true, "prefill_tp": N,
 //!   "push": {"transfer_id": "...", "prefill_node": "tcp://..."}}` — pre-allocate and
 //!   register slots with the prefill node's kvd, which writes into them when the prefill
@@ -121,7 +124,8 @@ pub struct Usage {
 pub struct KvdInfo {
     /// Prompt tokens whose KV came from kvd (local cache, pull or push).
     pub cached_tokens: usize,
-    /// `"none"`, `"local"`, `"pull"` or `"push"`.
+    /// `"none"`, `"local"`, `"pull"`, `"push"` or `"gpu_pull"` (device to device from a
+    /// prefill engine on the same node, on the GPU tier).
     pub source: String,
     /// Prompt tokens computed here.
     pub computed_tokens: usize,
