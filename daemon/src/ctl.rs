@@ -281,6 +281,25 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
                         );
                     }
                 }
+                if let Some(g) = &s.gpu {
+                    println!(
+                        "gpu tier      {}: {} registrations; blocks {} stored, {} loaded, {} pulled; {} failed, {} lapsed",
+                        g.device,
+                        g.registrations,
+                        g.stored_blocks,
+                        g.loaded_blocks,
+                        g.pulled_blocks,
+                        g.failed_copies,
+                        g.expired_registrations
+                    );
+                    println!(
+                        "gpu copies    kernel {:.2} GiB in {} launches; copy engine {:.2} GiB in {} calls",
+                        gib(g.kernel_bytes),
+                        g.kernel_launches,
+                        gib(g.engine_bytes),
+                        g.engine_copies
+                    );
+                }
                 if s.draining {
                     println!("state         DRAINING");
                 }

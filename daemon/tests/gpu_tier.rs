@@ -186,6 +186,21 @@ fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
         metrics.contains("kvd_gpu_copy_bytes_total{path=\"engine\"} 24576"),
         "{metrics}"
     );
+    // `kvd ctl stats` says the same to an operator.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args(["ctl", "--endpoint", &d.endpoint, "stats"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("2 registrations; blocks 3 stored, 3 loaded, 0 pulled; 0 failed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kernel 0.00 GiB in 0 launches; copy engine 0.00 GiB in"),
+        "{text}"
+    );
     let list = c.gpu_list().unwrap();
     assert_eq!(list.registrations.len(), 2);
     assert!(list.device.starts_with("host"), "{}", list.device);
