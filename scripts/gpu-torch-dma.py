@@ -1,9 +1,10 @@
 """The kvd package's DMA path on a GPU (run by gpu-check.sh): GPU tensor -> registered
 pool slots -> committed -> pinned -> back to the GPU, byte-identical, and its GB/s
 against torch's own pinned-memory copies of the same size in the same run, first and
-second pass; then an experiment (reported, never failing): one indexing kernel over the
-mapped pool, and vLLM-sized pieces one DMA each."""
+second pass; then the vLLM connector's path (one indexing kernel over the pool's device
+mapping per call: whole blocks both ways, 64 KiB layers) against one DMA per piece."""
 
+import math
 import sys
 import time
 
@@ -53,32 +54,45 @@ for p, name in ((0, "first pass"), (1, "second pass")):
           f"pool->device {gb / h2d[p]:.1f} GB/s ({c_h2d[p] / h2d[p]:.2f}x torch pinned {gb / c_h2d[p]:.1f})")
 
 
-# An experiment for the connector's CUDA path (not yet its code): the registered pool as a
-# CUDA tensor (mapped, and this device reads registered memory at its host address), so
-# one indexing kernel moves every slot of a call instead of a DMA per slot; and 32 KiB
-# pieces per layer as vLLM's per-layer tensors give them, per-piece DMA against that
-# kernel. Its figures say whether the connector should switch.
-class _Mapped:
-    def __init__(self, addr, size):
-        self.__cuda_array_interface__ = {"shape": (size // 8,), "typestr": "<i8", "data": (addr, False), "version": 3}
+# The vLLM connector's path (kvd._device_view: the pool's device mapping; one indexing
+# kernel moves every piece of a call), on whole blocks and on one layer of each block
+# (64 KiB, a layer-wise save or load), against one DMA per piece. Reported; a wrong byte
+# fails the check, a driver that gives no mapping is said and does not.
+view = kvd._device_view(pool)
+if view is None:
+    print("no device mapping of the pool: the connector copies one DMA per slot")
+else:
+    batch2 = c.alloc(lid, kvd.chunk_hashes(list(range(16 * n)), 16, b"dma-kernel"))
+    g = math.gcd(bb // 32, *pin.offsets, *batch2.offsets)
+    u = min(4096, g & -g)  # row bytes, as the connector picks them
+    assert u >= 8, f"slots {u}-byte aligned"
+    rows = view[: view.numel() - view.numel() % u].view(torch.int64).view(-1, u // 8)
 
+    def idx(starts, length):
+        first = torch.tensor(starts, dtype=torch.long, device="cuda") // u
+        return (first[:, None] + torch.arange(length // u, device="cuda")).reshape(-1)
 
-try:
-    pool_dev = torch.as_tensor(_Mapped(c.pool().address, len(c.pool())), device="cuda")
-    assert all(o % 8 == 0 for o in pin.offsets), "slots not 8-byte aligned"
-    idx = torch.cat([torch.arange(o // 8, (o + bb) // 8, device="cuda") for o in pin.offsets])
-    flat = torch.empty(n * bb // 8, dtype=torch.int64, device="cuda")
-    k_h2d = [timed(lambda: torch.index_select(pool_dev, 0, idx, out=flat)) for _ in range(2)]
+    whole = idx(pin.offsets, bb)
+    flat = torch.empty((n * bb // u, u // 8), dtype=torch.int64, device="cuda")
+    k_h2d = [timed(lambda: torch.index_select(rows, 0, whole, out=flat)) for _ in range(2)]
     assert torch.equal(flat.view(torch.uint8).view(n, bb), src), "one-kernel read differs"
-    print(f"one indexing kernel over the mapped pool, pool->device: {gb / k_h2d[0]:.1f} / {gb / k_h2d[1]:.1f} GB/s "
+    print(f"one kernel, whole blocks, pool->device: {gb / k_h2d[0]:.1f} / {gb / k_h2d[1]:.1f} GB/s "
           f"(first / second; {c_h2d[1] / k_h2d[1]:.2f}x torch pinned)")
-    # vLLM's pieces: 64 x 32 KiB per 2 MiB block, one DMA each, against the same bytes
-    # by one kernel.
-    pieces = [(i, o + j * (32 << 10)) for i, o in enumerate(pin.offsets) for j in range(bb // (32 << 10))]
-    dstp = torch.empty((n, bb), dtype=torch.uint8, device="cuda")
-    per = [timed(lambda: [dstp[i, (o - pin.offsets[i]):(o - pin.offsets[i]) + (32 << 10)].copy_(pool[o:o + (32 << 10)], non_blocking=True) for i, o in pieces]) for _ in range(2)]
-    print(f"32 KiB pieces, one DMA each, pool->device: {gb / per[1]:.1f} GB/s ({c_h2d[1] / per[1]:.2f}x torch pinned whole blocks)")
-except Exception as e:  # an experiment: say what happened, do not fail the check
-    print(f"one-kernel experiment did not run: {type(e).__name__}: {e}")
+    # Write back into a second allocation's slots (the bytes read above), then read them.
+    whole2 = idx(batch2.offsets, bb)
+    k_d2h = [timed(lambda: rows.index_copy_(0, whole2, flat)) for _ in range(2)]
+    batch2.commit()
+    assert all(torch.equal(pool[o:o + bb].cuda(), src[i]) for i, o in enumerate(batch2.offsets)), "one-kernel write differs"
+    print(f"one kernel, whole blocks, device->pool: {gb / k_d2h[0]:.1f} / {gb / k_d2h[1]:.1f} GB/s "
+          f"(first / second; {c_d2h[1] / k_d2h[1]:.2f}x torch pinned)")
+    # One layer (64 KiB) of every block: 32 calls of n pieces, as a layer-wise load makes.
+    lb = bb // 32
+    layer_idx = [idx([o + l * lb for o in pin.offsets], lb) for l in range(32)]
+    out = torch.empty((n * lb // u, u // 8), dtype=torch.int64, device="cuda")
+    k_layers = timed(lambda: [torch.index_select(rows, 0, i, out=out) for i in layer_idx])
+    per = timed(lambda: [dst[i, l * lb:(l + 1) * lb].copy_(pool[o + l * lb:o + (l + 1) * lb], non_blocking=True)
+                         for l in range(32) for i, o in enumerate(pin.offsets)])
+    print(f"64 KiB layers, pool->device: one kernel per layer {gb / k_layers:.1f} GB/s, one DMA per piece {gb / per:.1f} GB/s "
+          f"({c_h2d[1] / k_layers:.2f}x / {c_h2d[1] / per:.2f}x torch pinned whole blocks)")
 pin.release()
 print("torch DMA check: byte-identical")

@@ -276,6 +276,42 @@ def _():
         e.close()
 
 
+@check("one indexing kernel per call: whole blocks and layers land where one copy per slot puts them; unaligned pieces are refused, nothing moved")
+def _():
+    # _read_pool/_write_pool run over the pool's device mapping on CUDA; here over the
+    # pool itself, the same row arithmetic.
+    assert ve.LAYERS >= 2
+    e = ve.Engine(P)
+    w = e.worker
+    g = torch.Generator().manual_seed(13)
+    for t in e.kv.values():
+        t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+    bb = w._geo.block_bytes
+    lb = bb // ve.LAYERS
+    ids, offs = [5, 1, 9], [3 * bb, 0, 6 * bb]
+    staged = w._gather(ids)
+    pool = torch.zeros(8 * bb, dtype=torch.uint8)
+    assert w._write_pool(pool, offs, staged)
+    other = torch.zeros_like(pool)
+    for j, off in enumerate(offs):
+        w._slot(other, off).copy_(staged[j])
+    assert torch.equal(pool, other)
+    back = w._read_pool(pool, offs, bb, tuple(staged.shape))
+    assert back.dtype == staged.dtype and torch.equal(back, staged)
+    # One layer of each slot: the rows are that layer's bytes only.
+    layer = w._read_pool(pool, [off + 1 * lb for off in offs], lb, (3,) + tuple(staged.shape[2:]))
+    assert torch.equal(layer, staged[:, 1])
+    assert w._write_pool(pool, [off + 0 * lb for off in offs], torch.zeros_like(staged[:, 0]))
+    assert torch.count_nonzero(pool.view(8, ve.LAYERS, lb)[[3, 0, 6], 0]) == 0
+    assert torch.equal(pool.view(8, ve.LAYERS, lb)[:, 1:], other.view(8, ve.LAYERS, lb)[:, 1:])
+    # A start not 8-byte aligned: no rows, nothing written (the caller copies per slot).
+    before = pool.clone()
+    assert w._read_pool(pool, [4], bb, tuple(staged.shape[1:])) is None
+    assert not w._write_pool(pool, [4], staged[0])
+    assert torch.equal(pool, before)
+    e.close()
+
+
 @check("every TP rank's layout is asked: the shortest prefix counts")
 def _():
     cfg = ve.vllm_config(P)

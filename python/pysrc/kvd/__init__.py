@@ -56,6 +56,50 @@ def torch_pool(client, register_cuda=True):
     return t
 
 
+def _device_view(pool):
+    """The page-locked (mapped) pool of :func:`torch_pool` as a CUDA ``uint8`` tensor over
+    its device mapping, or ``None`` where the driver gives none.
+
+    Kernels read and write the pool through it as they do GPU memory, so a copy of many
+    pieces between GPU memory and pool slots is one indexing kernel (``index_select`` /
+    ``index_copy_``) instead of one DMA per piece, which costs a call each and runs
+    at a fraction of the link below ~1 MiB. The view is valid as long as ``pool``
+    (keep both).
+    """
+    import ctypes
+
+    import torch
+
+    key = (pool.data_ptr(), pool.numel(), torch.cuda.current_device())
+    if key in _views:
+        return _views[key]
+    view = None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        get = cuda.cuMemHostGetDevicePointer_v2
+        get.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        dptr = ctypes.c_uint64()
+        torch.cuda.init()  # the device's primary context is current on this thread
+        if get(ctypes.byref(dptr), ctypes.c_void_p(pool.data_ptr()), 0) == 0 and dptr.value:
+            view = torch.as_tensor(_Mapped(dptr.value, pool.numel()))
+            if not view.is_cuda or view.data_ptr() != dptr.value:
+                view = None  # a copy, not the mapping: never write through it
+    except (OSError, AttributeError, RuntimeError, TypeError):
+        view = None
+    _views[key] = view
+    return view
+
+
+class _Mapped:
+    """A device address range in CUDA's array interface (what ``torch.as_tensor`` takes)."""
+
+    def __init__(self, ptr, size):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None, "version": 3}
+
+
+_views = {}
+
+
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
 
