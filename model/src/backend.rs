@@ -42,6 +42,14 @@ pub trait Backend: Sync {
     fn sync(&self) -> Result<()> {
         Ok(())
     }
+    /// Orders the [`Self::scatter_from_host`] calls that follow after everything queued
+    /// so far, and no later: the loads may then overlap work queued after this call (a
+    /// layer-wise load's loader thread copies layer i while the forward computes the
+    /// layers before it). Call it before each batch of loads, after the last work that
+    /// used their blocks (without any call, each load waits for all work before it).
+    fn begin_loads(&self) -> Result<()> {
+        Ok(())
+    }
     /// The first `n` elements of `b`.
     fn download(&self, b: &Self::Buf, n: usize) -> Result<Vec<f32>>;
     /// A new buffer holding row `row` (of `dim` elements) of `x`, copied on the device.
@@ -164,7 +172,9 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// Loads transfer blocks from host memory (kvd pool slots) into physical `blocks`:
     /// `src` holds `src_tp` shard blocks per logical block (`[block][rank]`), re-sliced
-    /// to this cache's full set of heads.
+    /// to this cache's full set of heads. It may run beside work queued after
+    /// [`Self::begin_loads`] (CUDA: on a stream of its own), so nothing else may use
+    /// `cache`'s `blocks` until it returns; it returns once they are written.
     fn scatter_from_host(
         &self,
         cache: &mut Self::Buf,
@@ -718,6 +728,13 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(b) => b.sync(),
             #[cfg(feature = "cuda")]
             AnyBackend::Cuda(b) => b.sync(),
+        }
+    }
+    fn begin_loads(&self) -> Result<()> {
+        match self {
+            AnyBackend::Cpu(b) => b.begin_loads(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.begin_loads(),
         }
     }
     fn drop_shared(&self, x: AnyBuf) {

@@ -1,6 +1,15 @@
 //! The CUDA backend (feature `cuda`): `kernels/kvd_kernels.cu` compiled at run time with
-//! NVRTC, cuBLAS SGEMM for matmul when `libcublas` is found (else the tiled kernel), one
-//! stream. `cudarc` loads every library at run time and panics when one is missing, so
+//! NVRTC, cuBLAS SGEMM for matmul when `libcublas` is found (else the tiled kernel).
+//!
+//! Two streams: the forward's, and one for loads into the cache
+//! ([`Backend::scatter_from_host`]), so that a layer-wise load's loader thread copies layer
+//! i while the forward computes the layers before it instead of queueing behind them. The
+//! backend orders the two itself (cudarc's per-buffer event tracking is off: an event
+//! record and wait per kernel argument would cost the forward more than it saves):
+//! [`Backend::begin_loads`] makes the load stream wait for everything the forward stream
+//! has queued, and a load returns only once its stream has finished it.
+//!
+//! `cudarc` loads every library at run time and panics when one is missing, so
 //! [`CudaBackend::new`] checks that each is present first and returns an error instead.
 //!
 //! Pool DMA: [`CudaBackend::register_host`] pins a host mapping (the kvd pool) with
@@ -13,7 +22,7 @@
 //! arguments match the kernel signatures in the `.cu` file and whose index ranges are
 //! checked before launch) and the host-registration calls.
 //!
-//! Size: ~810 lines: one FFI boundary (every kernel's launch and its checks), kept in one
+//! Size: ~940 lines: one FFI boundary (every kernel's launch and its checks), kept in one
 //! file as every unsafe boundary is.
 
 use std::collections::HashMap;
@@ -23,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
 use crate::backend::{check_host_dst, check_host_src, check_tp, Backend};
@@ -52,6 +61,11 @@ pub const NAMES: &[&str] = &[
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Loads into the cache (`scatter_from_host`) and their temporaries, nothing else.
+    load: Arc<CudaStream>,
+    /// The point of `stream` the loads wait for, recorded by `begin_loads`; none yet:
+    /// a load waits for all of `stream`'s work queued before it.
+    loads_after: Mutex<Option<CudaEvent>>,
     funcs: HashMap<&'static str, CudaFunction>,
     blas: Option<CudaBlas>,
     device: String,
@@ -152,7 +166,17 @@ impl CudaBackend {
         let n = CudaContext::device_count().context("counting CUDA devices")?;
         ensure!((ordinal as i32) < n, "no CUDA device {ordinal} ({n} found)");
         let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
+        // SAFETY: no buffer exists yet, so every one is created untracked, and this backend
+        // orders its two streams itself, as cudarc then requires: `load` only runs
+        // `scatter_from_host`, which first makes `load` wait for `stream`'s work up to the
+        // last `begin_loads` (all of it, before the first), so a cache allocated or written
+        // on `stream` before is ready; `Backend::scatter_from_host` requires its blocks to be
+        // untouched by other work until it returns, and it returns only after synchronizing
+        // `load`, so no buffer is freed or reused while `load` still uses it; its own
+        // temporaries are allocated, used and freed (stream-ordered) on `load` alone.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
+        let load = ctx.new_stream().context("creating the load stream")?;
         let mut driver_version = 0;
         // SAFETY: libcuda is loaded (checked above); a valid out pointer.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
@@ -187,6 +211,8 @@ impl CudaBackend {
         Ok(CudaBackend {
             ctx,
             stream,
+            load,
+            loads_after: Mutex::new(None),
             funcs,
             blas,
             device,
@@ -306,6 +332,25 @@ impl CudaBackend {
         &self.funcs[name]
     }
 
+    fn u32s(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
+        Ok(self.stream.clone_htod(v)?)
+    }
+
+    /// Launches on stream `s` (the forward's or the load stream).
+    fn on<'a>(&'a self, s: &'a Arc<CudaStream>) -> On<'a> {
+        On { b: self, s }
+    }
+}
+
+/// A [`CudaBackend`] launching on one of its streams: the copies between a cache and
+/// transfer blocks.
+struct On<'a> {
+    b: &'a CudaBackend,
+    s: &'a Arc<CudaStream>,
+}
+
+impl On<'_> {
+    /// Device pointers to `count` consecutive runs of `elems` in `buf`, uploaded on this stream.
     fn ptrs_of(&self, buf: &CudaSlice<f32>, count: usize, elems: usize) -> Result<CudaSlice<u64>> {
         use cudarc::driver::DevicePtr;
         ensure!(
@@ -314,17 +359,13 @@ impl CudaBackend {
             buf.len(),
             count * elems
         );
-        let (base, _sync) = buf.device_ptr(&self.stream);
+        let (base, _sync) = buf.device_ptr(self.s);
         let v: Vec<u64> = (0..count).map(|i| base + (i * elems * 4) as u64).collect();
-        Ok(self.stream.clone_htod(&v)?)
-    }
-
-    fn u32s(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
-        Ok(self.stream.clone_htod(v)?)
+        Ok(self.s.clone_htod(&v)?)
     }
 
     /// Gathers from the cache to the blocks at `ptrs`, or scatters from them into it.
-    fn launch_gather(
+    fn gather(
         &self,
         dir: Dir<'_>,
         g: &KvGeometry,
@@ -343,7 +384,7 @@ impl CudaBackend {
             blocks.iter().all(|&b| (b as usize) < g.num_blocks),
             "block id past the cache"
         );
-        let bl = self.u32s(blocks)?;
+        let bl = self.s.clone_htod(blocks)?;
         let (n, layers, nb, bt, kvh, hd, h0, hs) = (
             blocks.len() as i32,
             g.layers as i32,
@@ -359,7 +400,7 @@ impl CudaBackend {
             Dir::Gather(_) => "gather",
             Dir::Scatter(_) => "scatter",
         };
-        let mut l = self.stream.launch_builder(self.f(name));
+        let mut l = self.s.launch_builder(self.b.f(name));
         match dir {
             Dir::Gather(cache) => l.arg(cache),
             Dir::Scatter(cache) => l.arg(cache),
@@ -382,7 +423,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn launch_reslice(
+    fn reslice(
         &self,
         src: &CudaSlice<u64>,
         dst: &CudaSlice<u64>,
@@ -402,7 +443,7 @@ impl CudaBackend {
             src_tp as i32,
             dst_tp as i32,
         );
-        let mut l = self.stream.launch_builder(self.f("reslice"));
+        let mut l = self.s.launch_builder(self.b.f("reslice"));
         l.arg(src)
             .arg(dst)
             .arg(&ni)
@@ -483,7 +524,15 @@ impl Backend for CudaBackend {
         ))
     }
     fn sync(&self) -> Result<()> {
+        self.load.synchronize()?;
         Ok(self.stream.synchronize()?)
+    }
+    fn begin_loads(&self) -> Result<()> {
+        let e = self.stream.record_event(Some(
+            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+        ))?;
+        *self.loads_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        Ok(())
     }
     fn drop_shared(&self, b: CudaSlice<f32>) {
         let _ = self.stream.synchronize();
@@ -792,8 +841,9 @@ impl Backend for CudaBackend {
         hs: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let ptrs = self.ptrs_of(out, blocks.len(), g.block_elems(hs))?;
-        self.launch_gather(Dir::Gather(cache), g, blocks, h0, hs, &ptrs)
+        let on = self.on(&self.stream);
+        let ptrs = on.ptrs_of(out, blocks.len(), g.block_elems(hs))?;
+        on.gather(Dir::Gather(cache), g, blocks, h0, hs, &ptrs)
     }
     fn scatter(
         &self,
@@ -804,8 +854,9 @@ impl Backend for CudaBackend {
         hs: usize,
         src: &CudaSlice<f32>,
     ) -> Result<()> {
-        let ptrs = self.ptrs_of(src, blocks.len(), g.block_elems(hs))?;
-        self.launch_gather(Dir::Scatter(cache), g, blocks, h0, hs, &ptrs)
+        let on = self.on(&self.stream);
+        let ptrs = on.ptrs_of(src, blocks.len(), g.block_elems(hs))?;
+        on.gather(Dir::Scatter(cache), g, blocks, h0, hs, &ptrs)
     }
     fn reslice(
         &self,
@@ -818,9 +869,10 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check_tp(g, src_tp)?;
         check_tp(g, dst_tp)?;
-        let s = self.ptrs_of(src, n * src_tp, g.block_elems(g.kv_heads / src_tp))?;
-        let d = self.ptrs_of(out, n * dst_tp, g.block_elems(g.kv_heads / dst_tp))?;
-        self.launch_reslice(&s, &d, g, n, src_tp, dst_tp)
+        let on = self.on(&self.stream);
+        let s = on.ptrs_of(src, n * src_tp, g.block_elems(g.kv_heads / src_tp))?;
+        let d = on.ptrs_of(out, n * dst_tp, g.block_elems(g.kv_heads / dst_tp))?;
+        on.reslice(&s, &d, g, n, src_tp, dst_tp)
     }
     fn gather_to_host(
         &self,
@@ -834,7 +886,8 @@ impl Backend for CudaBackend {
         check_host_dst(g, blocks, hs, dst)?;
         if let Some(ptrs) = self.mapped(dst.iter().map(|d| (d.as_ptr() as usize, d.len()))) {
             let p = self.stream.clone_htod(&ptrs)?;
-            self.launch_gather(Dir::Gather(cache), g, blocks, h0, hs, &p)?;
+            self.on(&self.stream)
+                .gather(Dir::Gather(cache), g, blocks, h0, hs, &p)?;
             self.stream.synchronize()?;
             return Ok(());
         }
@@ -857,32 +910,45 @@ impl Backend for CudaBackend {
         src: &[&[u8]],
     ) -> Result<()> {
         let hs = check_host_src(g, blocks, src_tp, src)?;
+        if blocks.is_empty() {
+            return Ok(());
+        }
         let n = blocks.len();
         let full = g.block_elems(g.kv_heads);
+        // On the load stream (see the module doc), temporaries included; synchronized
+        // before returning, so the caller may hand the cache to the forward at once.
+        let ls = &self.load;
+        match &*self.loads_after.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => ls.wait(e)?,
+            None => ls.join(&self.stream)?,
+        }
+        let on = self.on(ls);
         let (src_ptrs, _keep) =
             match self.mapped(src.iter().map(|s| (s.as_ptr() as usize, s.len()))) {
-                Some(p) => (self.stream.clone_htod(&p)?, None),
+                Some(p) => (ls.clone_htod(&p)?, None),
                 None => {
                     self.bounced.fetch_add(1, Ordering::Relaxed);
                     let mut host = Vec::with_capacity(n * full);
                     for s in src {
                         host.extend_from_slice(crate::backend::as_f32(s)?);
                     }
-                    let dev = self.upload(&host)?;
-                    (self.ptrs_of(&dev, src.len(), g.block_elems(hs))?, Some(dev))
+                    let dev = ls.clone_htod(&host)?;
+                    (on.ptrs_of(&dev, src.len(), g.block_elems(hs))?, Some(dev))
                 }
             };
         let staged = if src_tp == 1 {
             None
         } else {
-            let out = self.zeros(n * full)?;
-            let d = self.ptrs_of(&out, n, full)?;
-            self.launch_reslice(&src_ptrs, &d, g, n, src_tp, 1)?;
+            let out = ls.alloc_zeros::<f32>(n * full)?;
+            let d = on.ptrs_of(&out, n, full)?;
+            on.reslice(&src_ptrs, &d, g, n, src_tp, 1)?;
             Some((out, d))
         };
         let ptrs = staged.as_ref().map_or(&src_ptrs, |(_, d)| d);
-        self.launch_gather(Dir::Scatter(cache), g, blocks, 0, g.kv_heads, ptrs)?;
-        self.stream.synchronize()?;
-        Ok(())
+        let r = on.gather(Dir::Scatter(cache), g, blocks, 0, g.kv_heads, ptrs);
+        // Synchronized even when the launch failed: the temporaries above are freed when
+        // this returns, and the mapped slots may be released by the caller.
+        ls.synchronize()?;
+        r
     }
 }

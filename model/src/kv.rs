@@ -137,6 +137,7 @@ impl<B: Backend> Caches<B> {
     /// Scatters whole blocks (`src`: `[block][rank]` shard blocks of an engine of TP
     /// `src_tp`) into physical blocks `phys`, a layer at a time.
     pub(crate) fn load(&mut self, b: &B, phys: &[u32], src_tp: usize, src: &[&[u8]]) -> Result<()> {
+        b.begin_loads()?;
         for (l, cache) in self.layers.iter_mut().enumerate() {
             let sub = layer_slices(src, l, self.geo.layers)?;
             b.scatter_from_host(cache, &self.one, phys, src_tp, &sub)?;

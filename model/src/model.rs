@@ -857,6 +857,9 @@ impl<B: Backend> Model<B> {
                 Some(p) => {
                     let caches: Vec<&mut B::Buf> = kv.layers.iter_mut().collect();
                     let phys = blocks.get(..p.n).context("prefix blocks")?;
+                    // The loads may overlap the forward's work queued from here on: it
+                    // uses layer l's cache only once the loader handed it over.
+                    b.begin_loads()?;
                     s.spawn(move || {
                         for (l, c) in caches.into_iter().enumerate() {
                             if let Some((dl, wait)) = p.delay {

@@ -839,6 +839,101 @@ mod gpu {
         }
     }
 
+    /// On CUDA a layer-wise load runs on the backend's load stream beside the forward's:
+    /// a prefix loaded layer by layer (from registered host memory, the pool's path, and
+    /// from plain memory, the bounce path; also with layer 1 held back) gives the logits
+    /// of the same prefix loaded whole first, bit for bit. Negative control: a stale layer
+    /// 1 gives other logits, so a forward that read a layer before its copy ended would be
+    /// caught.
+    #[test]
+    fn a_prefix_loaded_layer_by_layer_on_the_load_stream_gives_the_whole_loads_logits() {
+        use kvd_model::model::Prefix;
+        use std::time::Duration;
+        let Some(gpu) = device() else { return };
+        let cfg = ModelConfig {
+            layers: 3,
+            ..tiny()
+        };
+        let tokens: Vec<u32> = "a prefix that arrives one layer at a time, on a gpu"
+            .bytes()
+            .map(u32::from)
+            .collect();
+        let mut a = Model::new(gpu, cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+        let mut whole = Sequence {
+            tokens: tokens.clone(),
+            ..Default::default()
+        };
+        a.forward(&mut whole).unwrap();
+        let g = *a.geometry();
+        let n = 8; // of 12 full blocks (51 tokens, 4 per block)
+        let be = g.block_elems(cfg.kv_heads) * 4;
+        // One buffer, as a pool: block i at i * be.
+        let mut host = vec![0u8; n * be];
+        {
+            let logical: Vec<usize> = (0..n).collect();
+            let mut d: Vec<&mut [u8]> = host.chunks_mut(be).collect();
+            a.save_blocks(&whole, &logical, 0, cfg.kv_heads, &mut d)
+                .unwrap();
+        }
+        drop(a);
+        let logits = |m: &Model<CudaBackend>, l: &_| m.backend().download(l, cfg.vocab).unwrap();
+        // The reference: the prefix loaded whole, then the rest computed.
+        let want = {
+            let mut c =
+                Model::new(device().unwrap(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+            let mut s = Sequence {
+                tokens: tokens.clone(),
+                ..Default::default()
+            };
+            let src: Vec<&[u8]> = host.chunks(be).collect();
+            c.load_prefix(&mut s, n, 1, &src).unwrap();
+            let l = c.forward(&mut s).unwrap();
+            logits(&c, &l)
+        };
+        let run = |pool: &mut Vec<u8>, register: bool, delay: Option<(usize, Duration)>| {
+            let mut b =
+                Model::new(device().unwrap(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+            if register {
+                // SAFETY: `pool` outlives `b`, dropped at the end of this closure.
+                unsafe { b.backend().register_host(pool.as_mut_ptr(), pool.len()) }.unwrap();
+            }
+            let mut s = Sequence {
+                tokens: tokens.clone(),
+                ..Default::default()
+            };
+            let src: Vec<&[u8]> = pool.chunks(be).collect();
+            let p = Prefix {
+                n,
+                src_tp: 1,
+                src: &src,
+                delay,
+            };
+            let l = b
+                .forward_loading(&mut s, Some(p), &mut |_, _| Ok(()))
+                .unwrap();
+            let bounced = b.backend().bounced();
+            (logits(&b, &l), bounced)
+        };
+        for register in [true, false] {
+            for delay in [None, Some((1, Duration::from_millis(50)))] {
+                let mut pool = host.clone();
+                let (got, bounced) = run(&mut pool, register, delay);
+                assert_eq!(got, want, "registered {register}, delay {delay:?}");
+                assert_eq!(bounced == 0, register, "the pool's path was taken");
+            }
+        }
+        let per = be / cfg.layers;
+        let mut stale = host.clone();
+        for b in stale.chunks_mut(be) {
+            b[per..2 * per].fill(0);
+        }
+        let (got, _) = run(&mut stale, true, None);
+        assert_ne!(
+            got, want,
+            "a stale layer changes the logits: the check can fail"
+        );
+    }
+
     /// The same prompt on the GPU model gives the CPU model's greedy tokens (logits within
     /// tolerance), and cuBLAS and the NVRTC matmul agree.
     #[test]
