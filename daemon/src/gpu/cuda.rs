@@ -542,6 +542,25 @@ impl CopyEngine for CudaDevice {
         self.paths.get()
     }
 
+    /// Device 0's context, which page-locks and maps the pool (for every context:
+    /// portable) and loads the copy kernel. Other devices open on first use, paying
+    /// only their own context and the kernel's load.
+    fn warm_up(&self) {
+        let t = std::time::Instant::now();
+        match self.ctx(0) {
+            Ok(c) => tracing::info!(
+                device = %c.name,
+                pool_mapped = c.pool_dev.is_some(),
+                copy_kernel = c.kernel.is_some(),
+                ms = t.elapsed().as_millis() as u64,
+                "GPU tier warmed up"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "GPU tier warm-up: device 0 did not open; registrations will say why")
+            }
+        }
+    }
+
     fn open(
         &self,
         ordinal: u32,

@@ -202,6 +202,11 @@ pub trait CopyEngine: Send + Sync {
         CopyPaths::default()
     }
 
+    /// Prepares what the first registration would otherwise prepare on the server
+    /// thread (CUDA: device 0's context, the pool page-locked and mapped — seconds for a
+    /// large pool — and the copy kernel). Run by the copy thread before its first job.
+    fn warm_up(&self) {}
+
     /// Opens one region of engine memory on device `ordinal`, holding at least `size`
     /// bytes.
     fn open(

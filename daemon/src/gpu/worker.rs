@@ -1,7 +1,8 @@
-//! The copy thread: takes one job at a time (a direction and its copies), runs it on the
-//! device, and hands `(token, result)` back to the server thread through
-//! [`Completions`]. A job that panics fails with a message; the thread lives on. The
-//! thread ends when the tier (the sender) is dropped, after the jobs already queued.
+//! The copy thread: warms the device up ([`CopyEngine::warm_up`]), then takes one job at
+//! a time (a direction and its copies), runs it on the device, and hands
+//! `(token, result)` back to the server thread through [`Completions`]. A job that panics
+//! fails with a message; the thread lives on. The thread ends when the tier (the sender)
+//! is dropped, after the jobs already queued.
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
@@ -46,6 +47,13 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name("kvd-gpu-copy".into())
             .spawn(move || {
+                // Off the server thread: a registration that comes meanwhile waits for
+                // it only if it needs the same device.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| device.warm_up()))
+                    .is_err()
+                {
+                    tracing::warn!("the GPU tier's warm-up panicked; the first registration prepares the device");
+                }
                 while let Ok(job) = rx.recv() {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         match &job.work {
