@@ -76,36 +76,15 @@ fn the_shipped_ptx_is_what_nvrtc_makes_of_the_source() {
 
 #[test]
 fn the_copy_kernel_assembles_for_sm_90_without_spills() {
-    let ptxas = std::env::var_os("KVD_PTXAS").map(PathBuf::from);
-    let required = std::env::var_os("KVD_REQUIRE_PTXAS").is_some();
-    if !ptxas.as_ref().is_some_and(|p| p.is_file()) {
-        assert!(
-            !required,
-            "ptxas is required (KVD_REQUIRE_PTXAS): KVD_PTXAS={ptxas:?}"
-        );
+    let Some(ptxas) = kvd_testkit::ptxas::ptxas() else {
         println!("SKIP: no ptxas (KVD_PTXAS); the copy kernel is not assembled for sm_90");
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("copy.ptx");
-    std::fs::write(&file, kvd_daemon::gpu::cuda::COPY_PTX).unwrap();
-    let out = std::process::Command::new(ptxas.unwrap())
-        .args(["-arch=sm_90", "-v", "-o"])
-        .arg(dir.path().join("copy.cubin"))
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "ptxas failed:\n{said}");
-    assert!(said.contains("kvd_copy_chunks"), "{said}");
-    for line in said.lines().filter(|l| l.contains("spill stores")) {
-        assert!(
-            line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"),
-            "the copy kernel spills: {line}"
-        );
-    }
-    for line in said.lines().filter(|l| l.contains("Used")) {
-        println!("sm_90 kvd_copy_chunks {}", line.trim());
-    }
+    };
+    let kernels = kvd_testkit::ptxas::assemble_sm90(&ptxas, kvd_daemon::gpu::cuda::COPY_PTX);
+    let k = kernels
+        .iter()
+        .find(|k| k.name == "kvd_copy_chunks")
+        .unwrap_or_else(|| panic!("ptxas reported nothing for kvd_copy_chunks: {kernels:?}"));
+    assert_eq!(k.spills, (0, 0), "the copy kernel spills: {k:?}");
+    println!("sm_90 kvd_copy_chunks {}", k.used);
 }

@@ -67,61 +67,25 @@ fn every_kernel_file_compiles_under_nvrtc() {
 /// NVRTC; with `KVD_REQUIRE_PTXAS=1` (the test command) it fails instead.
 #[test]
 fn every_kernel_assembles_for_sm_90_without_spills() {
-    let ptxas = std::env::var_os("KVD_PTXAS").map(std::path::PathBuf::from);
+    let ptxas = kvd_testkit::ptxas::ptxas();
     let required = std::env::var_os("KVD_REQUIRE_PTXAS").is_some();
-    let usable = ptxas.as_ref().is_some_and(|p| p.is_file()) && kvd_model::cuda::nvrtc_present();
-    if !usable {
-        assert!(
-            !required,
-            "ptxas and libnvrtc are required (KVD_REQUIRE_PTXAS): KVD_PTXAS={ptxas:?}"
-        );
+    let (Some(ptxas), true) = (ptxas, kvd_model::cuda::nvrtc_present()) else {
+        assert!(!required, "libnvrtc is required (KVD_REQUIRE_PTXAS)");
         println!("SKIP: no ptxas (KVD_PTXAS) or no libnvrtc; kernels not assembled for sm_90");
         return;
-    }
+    };
     let ptx = kvd_model::cuda::compile(kvd_model::cuda::KERNELS)
         .unwrap()
         .to_src();
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("kvd_kernels.ptx");
-    std::fs::write(&file, &ptx).unwrap();
-    let out = std::process::Command::new(ptxas.unwrap())
-        .args(["-arch=sm_90", "-v", "-o"])
-        .arg(dir.path().join("kvd_kernels.cubin"))
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "ptxas failed:\n{said}");
-    // ptxas -v: "Compiling entry function 'name' for 'sm_90'", then "Used N registers, ...",
-    // and "N bytes stack frame, N bytes spill stores, N bytes spill loads".
-    let mut current = String::new();
-    let mut seen = Vec::new();
-    for line in said.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            current = rest.split('\'').next().unwrap_or_default().to_string();
-        } else if line.contains("spill stores") {
-            let spills: Vec<u64> = line
-                .split(',')
-                .filter(|p| p.contains("spill"))
-                .filter_map(|p| p.split_whitespace().find_map(|w| w.parse().ok()))
-                .collect();
-            assert!(
-                spills.iter().all(|&n| n == 0),
-                "kernel {current} spills: {line}"
-            );
-        } else if line.contains("Used") && line.contains("registers") {
-            println!(
-                "sm_90 {current:<10} {}",
-                line.split("info    : ").last().unwrap_or(line).trim()
-            );
-            seen.push(current.clone());
-        }
+    let kernels = kvd_testkit::ptxas::assemble_sm90(&ptxas, &ptx);
+    for k in &kernels {
+        assert_eq!(k.spills, (0, 0), "kernel {} spills: {k:?}", k.name);
+        println!("sm_90 {:<10} {}", k.name, k.used);
     }
     for name in kvd_model::cuda::NAMES {
         assert!(
-            seen.iter().any(|s| s == name),
-            "ptxas reported nothing for {name}:\n{said}"
+            kernels.iter().any(|k| k.name == *name),
+            "ptxas reported nothing for {name}: {kernels:?}"
         );
     }
 }

@@ -8,6 +8,7 @@
 //! | [`daemon`] | starting a real `kvd` process on a private ipc socket and pool file ([`Launch`], [`Daemon`]), finding the binary ([`kvd_bin`]), signals, restarts, stopping it on drop |
 //! | [`data`] | the small test [`data::layout`] (2 KiB per layer), deterministic [`data::block`] bytes and [`data::keys`] |
 //! | [`net`] | [`net::free_port`]: a loopback port outside the ephemeral range, never twice |
+//! | [`ptxas`] | the real `ptxas` (`KVD_PTXAS`) over kvd's PTX for sm_90: registers and spills per kernel |
 //! | `cuda` | (feature `cuda`) `DevBuf`: device memory with a CUDA IPC handle, as a GPU engine registers it |
 //!
 //! Dev-only: the daemon, the client and the Python package never link it.
@@ -16,6 +17,7 @@
 pub mod daemon;
 pub mod data;
 pub mod net;
+pub mod ptxas;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
