@@ -281,6 +281,11 @@ def _():
     pin = c.get(lid, ks)
     assert bytes(memoryview(c.pool())[pin.offsets[0]:pin.offsets[0] + 4]) == b"\x05" * 4
     pin.release()
+    # The pool's device mapping (the vLLM connector's one-kernel copies): without a
+    # usable CUDA device there is none, said by None (the connector then copies per
+    # slot), never an exception.
+    if not torch.cuda.is_available():
+        assert kvd._device_view(t) is None
 
 
 run()

@@ -70,7 +70,10 @@ def _device_view(pool):
 
     import torch
 
-    key = (pool.data_ptr(), pool.numel(), torch.cuda.current_device())
+    try:
+        key = (pool.data_ptr(), pool.numel(), torch.cuda.current_device())
+    except (AssertionError, RuntimeError):  # no CUDA in this torch, or no driver
+        return None
     if key in _views:
         return _views[key]
     view = None
