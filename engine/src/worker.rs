@@ -1323,6 +1323,9 @@ impl Scheduler {
         let n = n.min(keys.len());
         let loaded = self.model.reserve(seq, n * bt).and_then(|()| {
             let blocks = seq.blocks.get(..n).context("reserved blocks")?;
+            // The daemon writes the blocks: no queued kernel of an earlier owner may
+            // still touch them.
+            self.model.backend().sync()?;
             t.load(&kv.client, &keys[..n], blocks)
         });
         match loaded {
@@ -1356,6 +1359,7 @@ impl Scheduler {
         let k = params.iter().map(|p| p.keys.len()).max().unwrap_or(0);
         let pulled = self.model.reserve(seq, k * bt).and_then(|()| {
             let blocks = seq.blocks.get(..k).context("reserved blocks")?;
+            self.model.backend().sync()?; // as in gpu_load_prefix
             t.pull(&kv.client, params, blocks)
         });
         match pulled {
