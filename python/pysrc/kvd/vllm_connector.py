@@ -597,6 +597,8 @@ class KvdConnector(KVConnectorBase_V1):
         """The reverse of :meth:`_read_pool`: ``src`` (contiguous, on the cache's device) cut
         into ``len(starts)`` equal runs, run ``j`` to ``starts[j]``, by one kernel; False
         where :meth:`_rows` gives no rows (nothing moved)."""
+        if not starts:
+            return True
         length = src.numel() * src.element_size() // len(starts)
         r = self._rows(pool, starts, length)
         if r is None:
@@ -638,8 +640,9 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _load_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
         """Layer ``l`` of pool slots ``offs`` → paged-cache blocks ``block_ids`` (on CUDA,
-        or ``staged``: enqueued on the current stream, one DMA per slot's layer into a
-        staging tensor, one scatter; else one copy per piece)."""
+        or ``staged``: enqueued on the current stream, every slot's layer into a staging
+        tensor by one kernel (:meth:`_read_pool`; one DMA per slot without a mapping), one
+        scatter; else one copy per piece)."""
         if not (self._device.type == "cuda" if staged is None else staged):
             for off, b in zip(offs, block_ids):
                 for dst, src in self._layer_pieces(self._slot(pool, off), b, l):
@@ -677,9 +680,10 @@ class KvdConnector(KVConnectorBase_V1):
                 self._slot(pool, off)[l].copy_(staging[j], non_blocking=True)
 
     def _copy_in(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
-        """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: one DMA per
-        slot from the page-locked pool into a device staging tensor, then one scatter; on
-        the CPU: straight from each slot into the cache, one copy per piece."""
+        """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: every slot
+        into a device staging tensor by one kernel through the pool's mapping (one DMA per
+        slot without one), then one scatter; on the CPU: straight from each slot into the
+        cache, one copy per piece."""
         if self._device.type != "cuda":
             for off, b in zip(offs, block_ids):
                 for dst, src in self._pieces(self._slot(pool, off), b):
@@ -697,7 +701,7 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _copy_out(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
         """Paged-cache blocks ``block_ids`` → pool slots ``offs`` (the reverse of
-        :meth:`_copy_in`: on CUDA one gather, then one DMA per slot)."""
+        :meth:`_copy_in`: on CUDA one gather, then one kernel into every slot)."""
         if self._device.type != "cuda":
             for off, b in zip(offs, block_ids):
                 for src, dst in self._pieces(self._slot(pool, off), b):
