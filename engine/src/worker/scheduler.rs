@@ -1,0 +1,635 @@
+//! The scheduler thread: it owns the model and its paged KV cache, admits requests
+//! between decode steps, runs one step of every active sequence per round, and stores,
+//! stages and exports what prefill computed (through the pool, or the GPU tier).
+
+use super::*;
+
+/// The forward of `seq` (loading `prefix` layer by layer as it goes), writing each layer
+/// group of `staged` into its slots as the forward leaves it and announcing it. A kvd
+/// failure while staging ends the staging, not the forward: it is returned beside the
+/// forward's result (the caller drops the exports, which aborts them).
+fn forward_staged(
+    model: &mut Model<AnyBackend>,
+    seq: &mut Sequence,
+    prefix: Option<kvd_model::model::Prefix<'_>>,
+    staged: Option<&mut Staging>,
+    (kv_heads, layers): (usize, u64),
+) -> (Result<kvd_model::backend::AnyBuf>, Option<anyhow::Error>) {
+    let Some(st) = staged else {
+        return (model.forward_loading(seq, prefix, &mut |_, _| Ok(())), None);
+    };
+    let parts = st.parts;
+    let hs = kv_heads / st.exports.len().max(1);
+    let mut next = 0u64;
+    let mut failed = None;
+    let r = model.forward_loading(seq, prefix, &mut |li, view| {
+        let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next) else {
+            return Ok(());
+        };
+        if li as u64 + 1 != end || failed.is_some() {
+            return Ok(());
+        }
+        let step = st.exports.iter_mut().enumerate().try_for_each(|(r, x)| {
+            x.write_part(next, |slots| -> Result<()> {
+                let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
+                let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                view.save_layers(&logical, r * hs, hs, first as usize..end as usize, &mut dst)
+            })??;
+            x.ready(next + 1)?;
+            anyhow::Ok(())
+        });
+        if let Err(e) = step {
+            failed = Some(e);
+        }
+        next += 1;
+        Ok(())
+    });
+    (r, failed)
+}
+
+/// A request's staged exports (one per shard) while its forward writes them.
+struct Staging {
+    exports: Vec<kvd_client::StagedExport>,
+    parts: u64,
+    /// Blocks the exports write (the others were in kvd already).
+    written: usize,
+}
+
+struct Active {
+    req: GenRequest,
+    seq: Sequence,
+    prompt_len: usize,
+    generated: Vec<u32>,
+    events: UnboundedSender<Event>,
+    info: KvdInfo,
+    kv_params: Option<KvTransferParams>,
+    /// GPU exports of this sequence's blocks (`<base>.gpu`, shards): the blocks are kept
+    /// until they end (SPEC §13: an exporter reuses its blocks only in a final state).
+    gpu_hold: Option<(String, usize)>,
+}
+
+/// A finished sequence whose blocks wait for their GPU exports to end.
+struct Held {
+    seq: Sequence,
+    base: String,
+    shards: usize,
+}
+
+pub(super) struct Scheduler {
+    model: Model<AnyBackend>,
+    kv: Option<Arc<Kv>>,
+    cfg: EngineConfig,
+    tokenizer: Tokenizer,
+    load: Arc<AtomicUsize>,
+    active: Vec<Active>,
+    held: Vec<Held>,
+    /// When the held sequences' exports were last looked at.
+    held_checked: Instant,
+}
+
+impl Scheduler {
+    pub(super) fn new(
+        model: Model<AnyBackend>,
+        kv: Option<Arc<Kv>>,
+        cfg: EngineConfig,
+        tokenizer: Tokenizer,
+        load: Arc<AtomicUsize>,
+    ) -> Scheduler {
+        Scheduler {
+            model,
+            kv,
+            cfg,
+            tokenizer,
+            load,
+            active: Vec::new(),
+            held: Vec::new(),
+            held_checked: Instant::now(),
+        }
+    }
+
+    /// After a daemon restart the client maps the new pool: register that one with the
+    /// GPU (and drop the old registration and mapping), so transfers stay DMA instead of
+    /// bouncing through a device buffer. A pointer compare when nothing changed.
+    fn refresh_pool(&self) {
+        let Some(kv) = &self.kv else { return };
+        let now = kv.client.pool_region();
+        let mut held = kv.region.lock().unwrap_or_else(|p| p.into_inner());
+        let same = match (&*held, &now) {
+            (Some(a), Some(b)) => a.as_ptr() == b.as_ptr(),
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        if let AnyBackend::Cuda(c) = self.model.backend() {
+            if let Some(old) = &*held {
+                c.unregister_host(old.as_ptr());
+            }
+            if let Some(r) = &now {
+                register_pool(c, r);
+            }
+        }
+        tracing::info!("the daemon's pool was remapped (daemon restart): registration renewed");
+        *held = now;
+    }
+
+    pub(super) fn run(mut self, rx: mpsc::Receiver<Job>) {
+        loop {
+            self.refresh_pool();
+            self.release_held();
+            if self.active.is_empty() && self.held.is_empty() {
+                match rx.recv() {
+                    Ok(j) => self.start(j),
+                    Err(_) => return,
+                }
+            } else if self.active.is_empty() {
+                // Only held blocks: look at their exports again every 10 ms.
+                match rx.recv_timeout(Duration::from_millis(10)) {
+                    Ok(j) => self.start(j),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(j) = rx.try_recv() {
+                self.start(j);
+            }
+            let mut active = std::mem::take(&mut self.active);
+            active.retain_mut(|a| self.step(a));
+            self.active.append(&mut active);
+        }
+    }
+
+    fn end(&mut self, a: &mut Active) {
+        match a.gpu_hold.take() {
+            Some((base, shards)) => self.held.push(Held {
+                seq: std::mem::take(&mut a.seq),
+                base,
+                shards,
+            }),
+            None => self.model.release(&mut a.seq),
+        }
+        self.load.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Gives back the blocks of held sequences whose GPU exports ended (pulled, failed,
+    /// expired: the lease bounds the wait). At most every 10 ms (a status call per
+    /// export).
+    fn release_held(&mut self) {
+        if self.held.is_empty() || self.held_checked.elapsed() < Duration::from_millis(10) {
+            return;
+        }
+        self.held_checked = Instant::now();
+        let Some(kv) = self.kv.clone() else { return };
+        let Some(t) = &kv.gpu else { return };
+        let mut keep = Vec::with_capacity(self.held.len());
+        for mut h in std::mem::take(&mut self.held) {
+            if t.exports_final(&kv.client, &h.base, h.shards) {
+                self.model.release(&mut h.seq);
+            } else {
+                keep.push(h);
+            }
+        }
+        self.held = keep;
+    }
+
+    fn start(&mut self, job: Job) {
+        let events = job.events.clone();
+        match self.prefill(job) {
+            Ok(Some(mut a)) => {
+                if a.generated.len() >= a.req.max_tokens || a.kv_params.is_some() {
+                    self.finish(&mut a);
+                } else {
+                    self.active.push(a);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("request failed: {e:#}");
+                let _ = events.send(Event::Error(format!("{e:#}")));
+                self.load.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Loads the prefix, computes the rest of the prompt, stores new blocks, exports when
+    /// asked, and emits the first token. `Ok(None)`: the client went away.
+    fn prefill(&mut self, job: Job) -> Result<Option<Active>> {
+        let bt = self.cfg.model.block_tokens;
+        let mut seq = Sequence {
+            tokens: job.tokens.clone(),
+            ..Default::default()
+        };
+        let mut cached = 0;
+        let mut gpu_hold = None;
+        let res = (|| -> Result<(kvd_model::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
+            let keys = hash::chunk_hashes(&job.tokens, bt, b"");
+            let handoff = job
+                .req
+                .kv
+                .as_ref()
+                .filter(|k| k.do_remote_decode)
+                .map(|k| k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone()));
+            // Layer-wise (SPEC §16): export before the forward, write each layer group as
+            // the forward leaves it, so a push streams it at once.
+            let mut staged = match (&self.kv, &handoff) {
+                (Some(kv), Some(base)) => self.stage(kv, base, &keys),
+                _ => None,
+            };
+            let shape = (self.cfg.model.kv_heads, self.cfg.model.layers as u64);
+            let mut stage_failed = None;
+            let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
+                Some(p) if p.gpu => {
+                    cached = if p.gpu_pull.is_empty() {
+                        self.gpu_load_prefix(&mut seq, &keys, p.n)
+                    } else {
+                        self.gpu_pull_prefix(&mut seq, &p.gpu_pull, p.n)
+                    } * bt;
+                    let (r, failed) =
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                    stage_failed = failed;
+                    r?
+                }
+                Some(p) => {
+                    let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
+                    // The prefix loads layer by layer while the forward computes (the
+                    // forward waits for layer i at layer i). The slices live only inside
+                    // the closure, and its result is refused if a pin lapsed meanwhile.
+                    let model = &mut self.model;
+                    let r = kvd_client::PinnedBlocks::with_all(&pins, |all| {
+                        let mut src = Vec::with_capacity(p.n * p.src_tp);
+                        for b in 0..p.n {
+                            for pin in all {
+                                src.push(pin.get(b).copied().flatten().ok_or_else(|| {
+                                    anyhow!("block {b} missing from the pin")
+                                })?);
+                            }
+                        }
+                        let prefix = kvd_model::model::Prefix {
+                            n: p.n,
+                            src_tp: p.src_tp,
+                            src: &src,
+                            delay: None,
+                        };
+                        let (r, failed) =
+                            forward_staged(model, &mut seq, Some(prefix), staged.as_mut(), shape);
+                        stage_failed = failed;
+                        r
+                    });
+                    match r.map_err(anyhow::Error::from).and_then(|x| x) {
+                        Ok(logits) => {
+                            cached = p.n * bt;
+                            logits
+                        }
+                        // A local cache hit that lapsed while queued (pin expired) is only
+                        // an optimisation lost: compute the prompt instead, keeping nothing
+                        // computed from it (its blocks, the parts staged from them).
+                        Err(e) if job.source == "local" => {
+                            tracing::warn!("cached prefix unusable ({e:#}); computing it");
+                            self.model.release(&mut seq);
+                            seq = Sequence {
+                                tokens: job.tokens.clone(),
+                                ..Default::default()
+                            };
+                            staged = None;
+                            stage_failed = None;
+                            self.model.forward(&mut seq)?
+                        }
+                        Err(e) => return Err(e.context("loading the transferred KV")),
+                    }
+                }
+                None => {
+                    let (r, failed) =
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                    stage_failed = failed;
+                    r?
+                }
+            };
+            if let Some(e) = stage_failed {
+                tracing::warn!("layer-wise export abandoned ({e:#}); exporting after the forward");
+                staged = None;
+            }
+            let handoff_parts = staged.as_ref().map_or(0, |s| s.parts);
+            let stored = match &self.kv {
+                Some(_) if staged.is_some() => {
+                    staged.as_ref().map_or(0, |s| s.written)
+                }
+                Some(kv) => match self.store(kv, &seq, &keys, cached / bt) {
+                    Ok(n) => n,
+                    Err(e) if job.req.kv.as_ref().is_some_and(|k| k.do_remote_decode) => {
+                        return Err(e.context("storing the prompt's KV"))
+                    }
+                    Err(e) => {
+                        tracing::warn!("storing blocks in kvd failed: {e:#}");
+                        0
+                    }
+                },
+                None => 0,
+            };
+            let mut kvp = None;
+            if let (Some(kv), Some(k)) = (&self.kv, &job.req.kv) {
+                if k.do_remote_decode {
+                    let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
+                    let mut ranks = Vec::new();
+                    if let Some(st) = staged.take() {
+                        // Every part was announced: the exports are ordinary ones now.
+                        ranks = st
+                            .exports
+                            .iter()
+                            .map(|x| hex::encode(x.params().to_msgpack()))
+                            .collect();
+                        drop(st);
+                    } else if !keys.is_empty() {
+                        for (r, l) in kv.layouts.iter().enumerate() {
+                            let p = kv
+                                .client
+                                .export(&format!("{base}.r{r}"), l.id, &keys, Some(self.cfg.lease))
+                                .with_context(|| format!("export of {base}.r{r}"))?;
+                            ranks.push(hex::encode(p.to_msgpack()));
+                        }
+                    }
+                    // On the GPU tier, also exports a decode engine of this node pulls
+                    // device to device; the blocks stay this sequence's until those end.
+                    let mut gpu = Vec::new();
+                    let glease = self.cfg.gpu_handoff_lease.min(self.cfg.lease);
+                    if let (Some(t), false, false) = (&kv.gpu, keys.is_empty(), glease.is_zero()) {
+                        let gbase = format!("{base}.gpu");
+                        let exported = self.model.backend().sync().and_then(|()| {
+                            let blocks = seq
+                                .blocks
+                                .get(..keys.len())
+                                .context("an exported block past the sequence")?;
+                            t.export(&kv.client, &gbase, &keys, blocks, glease)
+                        });
+                        match exported {
+                            Ok(ps) => {
+                                gpu = ps.iter().map(|p| hex::encode(p.to_msgpack())).collect();
+                                gpu_hold = Some((gbase, ps.len()));
+                            }
+                            Err(e) => tracing::warn!(
+                                "no device-to-device export ({e:#}); the decode pulls from the pool"
+                            ),
+                        }
+                    }
+                    kvp = Some(KvTransferParams {
+                        do_remote_prefill: true,
+                        prefill_tp: Some(self.cfg.tp),
+                        model: Some(self.cfg.model.name.clone()),
+                        ranks,
+                        gpu,
+                        ..Default::default()
+                    });
+                }
+            }
+            let info = KvdInfo {
+                cached_tokens: cached,
+                source: if cached > 0 { job.source } else { "none" }.to_string(),
+                computed_tokens: job.tokens.len() - cached,
+                stored_blocks: stored,
+                ttft_ms: 0.0,
+                backend: self.model.backend().name().to_string(),
+                handoff_parts,
+                load_wait_ms: if cached > 0 {
+                    self.model.last_load_wait().as_secs_f64() * 1e3
+                } else {
+                    0.0
+                },
+            };
+            Ok((logits, info, kvp))
+        })();
+        drop(job.prefix); // releases the pins
+        let (logits, mut info, kv_params) = match res {
+            Ok(x) => x,
+            Err(e) => {
+                self.model.release(&mut seq);
+                return Err(e);
+            }
+        };
+        let tok = match self
+            .model
+            .sample(&logits, job.req.temperature, job.req.seed, 0)
+        {
+            Ok(t) => t,
+            Err(e) => {
+                self.model.release(&mut seq);
+                return Err(e);
+            }
+        };
+        info.ttft_ms = job.t0.elapsed().as_secs_f64() * 1e3;
+        let mut a = Active {
+            prompt_len: job.tokens.len(),
+            req: job.req,
+            seq,
+            generated: vec![tok],
+            events: job.events,
+            info,
+            kv_params,
+            gpu_hold,
+        };
+        if a.events
+            .send(Event::Token {
+                id: tok,
+                text: self.tokenizer.decode(&[tok]),
+            })
+            .is_err()
+        {
+            self.end(&mut a);
+            return Ok(None);
+        }
+        Ok(Some(a))
+    }
+
+    /// Layer-wise handoff (SPEC §16): stages one export per shard of `keys` before the
+    /// forward. `None` (whole blocks after the forward, as without it) when layer-wise
+    /// is off or a daemon refuses to stage (a key being written elsewhere, no room now):
+    /// the exports staged so far are dropped, which aborts them.
+    fn stage(&self, kv: &Kv, base: &str, keys: &[ChunkHash]) -> Option<Staging> {
+        let parts = self.cfg.layerwise_parts.min(self.cfg.model.layers) as u64;
+        if parts == 0 || keys.is_empty() {
+            return None;
+        }
+        let mut exports = Vec::with_capacity(kv.layouts.len());
+        for (r, l) in kv.layouts.iter().enumerate() {
+            let id = format!("{base}.r{r}");
+            match kv
+                .client
+                // The export's lease covers the longest prefill this engine waits
+                // for; the slots themselves are renewed by each part (SPEC §16).
+                .export_staged(
+                    &id,
+                    l.id,
+                    keys,
+                    parts,
+                    Some(self.cfg.lease.max(self.cfg.transfer_timeout)),
+                ) {
+                Ok(x) => exports.push(x),
+                Err(e) => {
+                    tracing::info!(
+                        "layer-wise export of {id} refused ({e}); exporting after the forward"
+                    );
+                    return None;
+                }
+            }
+        }
+        let written = exports
+            .first()
+            .map_or(0, |x| x.slots().iter().flatten().count());
+        Some(Staging {
+            exports,
+            parts,
+            written,
+        })
+    }
+
+    /// A prefix hit on the GPU tier: blocks for the first `n` logical blocks, and the
+    /// daemon copies the cached KV into them (`gpu_load`). Returns how many leading
+    /// blocks loaded (0 on a failure: the prompt is computed; the cache is only an
+    /// optimisation), and marks them computed.
+    fn gpu_load_prefix(&mut self, seq: &mut Sequence, keys: &[ChunkHash], n: usize) -> usize {
+        let bt = self.cfg.model.block_tokens;
+        let Some(kv) = &self.kv else { return 0 };
+        let Some(t) = &kv.gpu else { return 0 };
+        let n = n.min(keys.len());
+        let loaded = self.model.reserve(seq, n * bt).and_then(|()| {
+            let blocks = seq.blocks.get(..n).context("reserved blocks")?;
+            // The daemon writes the blocks: no queued kernel of an earlier owner may
+            // still touch them.
+            self.model.backend().sync()?;
+            t.load(&kv.client, &keys[..n], blocks)
+        });
+        match loaded {
+            Ok(m) => {
+                seq.computed = m * bt;
+                m
+            }
+            Err(e) => {
+                tracing::warn!("GPU-tier prefix load failed ({e:#}); computing the prompt");
+                seq.computed = 0;
+                0
+            }
+        }
+    }
+
+    /// A same-node handoff on the GPU tier: blocks for the first `n` logical blocks, and
+    /// the daemon copies the prefill engine's blocks into them device to device
+    /// (`gpu_pull`). Returns how many leading blocks came (0 on a failure: the prompt is
+    /// computed here instead, the same tokens, later), and marks them computed.
+    fn gpu_pull_prefix(
+        &mut self,
+        seq: &mut Sequence,
+        params: &[kvd_protocol::GpuTransferParams],
+        n: usize,
+    ) -> usize {
+        let bt = self.cfg.model.block_tokens;
+        let Some(kv) = &self.kv else { return 0 };
+        let Some(t) = &kv.gpu else { return 0 };
+        // One destination block per exported key (the last full block too, which the
+        // forward computes again for its logits).
+        let k = params.iter().map(|p| p.keys.len()).max().unwrap_or(0);
+        let pulled = self.model.reserve(seq, k * bt).and_then(|()| {
+            let blocks = seq.blocks.get(..k).context("reserved blocks")?;
+            self.model.backend().sync()?; // as in gpu_load_prefix
+            t.pull(&kv.client, params, blocks)
+        });
+        match pulled {
+            Ok(m) => {
+                let m = m.min(n);
+                seq.computed = m * bt;
+                m
+            }
+            Err(e) => {
+                tracing::warn!("device-to-device handoff failed ({e:#}); computing the prompt");
+                seq.computed = 0;
+                0
+            }
+        }
+    }
+
+    /// Stores the full prompt blocks from `from` on into kvd (every shard). Returns how
+    /// many blocks were written.
+    fn store(&self, kv: &Kv, seq: &Sequence, keys: &[ChunkHash], from: usize) -> Result<usize> {
+        if from >= keys.len() {
+            return Ok(0);
+        }
+        if let Some(t) = &kv.gpu {
+            // The daemon reads the cache: every kernel that wrote it has to be done.
+            self.model.backend().sync()?;
+            let blocks = seq
+                .blocks
+                .get(from..keys.len())
+                .context("a stored block past the sequence's blocks")?;
+            return t.store(&kv.client, &keys[from..], blocks);
+        }
+        let shards = kv.layouts.len();
+        let hs = self.cfg.model.kv_heads / shards;
+        let mut written = 0;
+        for (r, l) in kv.layouts.iter().enumerate() {
+            let mut batch = kv.client.alloc(l.id, &keys[from..])?;
+            // The slots are this batch's only until its TTL: written inside the closure,
+            // refused (and not committed) if the TTL passed meanwhile.
+            let n = batch.with_slots(|slots| -> Result<usize> {
+                if slots.is_empty() {
+                    return Ok(0);
+                }
+                let logical: Vec<usize> = slots.iter().map(|(i, _)| from + i).collect();
+                let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                self.model
+                    .save_blocks(seq, &logical, r * hs, hs, &mut dst)?;
+                Ok(logical.len())
+            })??;
+            written = written.max(n);
+            batch.commit()?;
+        }
+        Ok(written)
+    }
+
+    /// One decode step. `false`: the sequence is over.
+    fn step(&mut self, a: &mut Active) -> bool {
+        let last = *a.generated.last().expect("at least one token");
+        a.seq.tokens.push(last);
+        let r = self.model.forward(&mut a.seq).and_then(|l| {
+            self.model
+                .sample(&l, a.req.temperature, a.req.seed, a.generated.len() as u64)
+        });
+        match r {
+            Ok(tok) => {
+                a.generated.push(tok);
+                if a.events
+                    .send(Event::Token {
+                        id: tok,
+                        text: self.tokenizer.decode(&[tok]),
+                    })
+                    .is_err()
+                {
+                    self.end(a);
+                    return false;
+                }
+                if a.generated.len() >= a.req.max_tokens {
+                    self.finish(a);
+                    return false;
+                }
+                true
+            }
+            Err(e) => {
+                let _ = a
+                    .events
+                    .send(Event::Error(format!("decode step failed: {e:#}")));
+                self.end(a);
+                false
+            }
+        }
+    }
+
+    fn finish(&mut self, a: &mut Active) {
+        let done = Done {
+            finish_reason: "length".into(),
+            prompt_tokens: a.prompt_len,
+            completion_tokens: a.generated.len(),
+            kv_transfer_params: a.kv_params.take(),
+            kvd: std::mem::take(&mut a.info),
+        };
+        let _ = a.events.send(Event::Done(Box::new(done)));
+        self.end(a);
+    }
+}
