@@ -309,6 +309,10 @@ def _():
     assert w._read_pool(pool, [4], bb, tuple(staged.shape[1:])) is None
     assert not w._write_pool(pool, [4], staged[0])
     assert torch.equal(pool, before)
+    # No slots: nothing moved, nothing refused.
+    assert w._write_pool(pool, [], staged[:0])
+    assert w._read_pool(pool, [], bb, (0,) + tuple(staged.shape[1:])).numel() == 0
+    assert torch.equal(pool, before)
     e.close()
 
 

@@ -57,7 +57,12 @@ impl Engine {
             "prefill_tp {src_tp} does not divide {} KV heads",
             self.inner.cfg.model.kv_heads
         );
-        if let Some(l) = kv.src_layouts.lock().expect("layout cache").get(&src_tp) {
+        if let Some(l) = kv
+            .src_layouts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&src_tp)
+        {
             return Ok(l.clone());
         }
         let l = (0..src_tp)
@@ -69,7 +74,7 @@ impl Engine {
             .collect::<Result<Vec<_>>>()?;
         kv.src_layouts
             .lock()
-            .expect("layout cache")
+            .unwrap_or_else(|p| p.into_inner())
             .insert(src_tp, l.clone());
         Ok(l)
     }

@@ -586,7 +586,10 @@ impl Scheduler {
 
     /// One decode step. `false`: the sequence is over.
     fn step(&mut self, a: &mut Active) -> bool {
-        let last = *a.generated.last().expect("at least one token");
+        // Prefill gives every active sequence its first token; without one it is over.
+        let Some(&last) = a.generated.last() else {
+            return false;
+        };
         a.seq.tokens.push(last);
         let r = self.model.forward(&mut a.seq).and_then(|l| {
             self.model
