@@ -154,16 +154,17 @@ pub struct ReplayGuard {
 }
 
 impl ReplayGuard {
-    /// A guard remembering at most `max` stamps, of any age the window allows (the data
-    /// plane: its requests name the receiver's incarnation, so an earlier life's are
-    /// refused by that).
+    /// A guard remembering at most `max` stamps, of any age the window allows (tests;
+    /// both daemon endpoints use [`ReplayGuard::since`]).
     pub fn new(max: usize) -> Self {
         Self::since(max, 0)
     }
 
     /// A guard remembering at most `max` stamps that refuses those older than
-    /// `started_ms` (the control endpoint, whose first-contact requests name no
-    /// incarnation).
+    /// `started_ms`: the control endpoint and the data plane, each from its own start
+    /// (SPEC §10.1: a request stamped before the receiver started is `unauthenticated`,
+    /// checked before anything else, so one signed for an earlier life is refused the
+    /// same way whether or not it names an incarnation).
     pub fn since(max: usize, started_ms: u64) -> Self {
         ReplayGuard {
             seen: HashSet::new(),

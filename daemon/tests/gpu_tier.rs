@@ -419,7 +419,33 @@ fn without_a_device_gpu_ops_are_refused_with_the_reason() {
         .unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{e}");
     assert!(e.to_string().contains("GPU tier is off"), "{e}");
-    assert!(c.gpu_list().unwrap().device.starts_with("off"));
+    // Issue 44, 4: one rule for all eight ops with the tier off (SPEC §13). gpu_list
+    // answered ok with `device: "off (…)"`, gpu_unregister `invalid_argument` and
+    // gpu_export_status `unknown_transfer` before; each now says why it is off.
+    let ks = keys(1, 1);
+    let params = kvd_protocol::GpuTransferParams {
+        transfer_id: "t".into(),
+        incarnation: c.incarnation(),
+        handle: 1,
+        token: 1,
+        layout_id: info.id,
+        keys: ks.clone(),
+        lease_ms: 1000,
+    };
+    let refusals = [
+        ("gpu_unregister", c.gpu_unregister(1).err()),
+        ("gpu_list", c.gpu_list().err()),
+        ("gpu_store", c.gpu_store(1, &ks, &[0]).err()),
+        ("gpu_load", c.gpu_load(1, &ks, &[0]).err()),
+        ("gpu_export", c.gpu_export(1, "t", &ks, &[0], None).err()),
+        ("gpu_pull", c.gpu_pull(1, &[0], &params).err()),
+        ("gpu_export_status", c.gpu_export_status("t").err()),
+    ];
+    for (op, e) in refusals {
+        let e = e.unwrap_or_else(|| panic!("{op} served with the tier off"));
+        assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{op}: {e}");
+        assert!(e.to_string().contains("GPU tier is off"), "{op}: {e}");
+    }
     assert!(
         c.stats().unwrap().gpu.is_none(),
         "no gpu stats when the tier is off"

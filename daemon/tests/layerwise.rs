@@ -152,13 +152,19 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
     assert_eq!((t.staged_exports, t.part_writes), (1, parts), "{t:?}");
 }
 
-/// A staged export that stops after two of four parts (its writer aborts, or stops
+/// A staged export that stops after three of four parts (its writer aborts, or stops
 /// announcing parts until its slots' time runs out): the push fails on the decode side,
 /// no block of it is served there, and the prefill side commits nothing. Each
-/// announced part renews the slots' time (here 700 ms, the prefill node's `alloc_ttl`).
+/// announced part renews the slots' time (here `TTL_MS`, the prefill node's
+/// `alloc_ttl`): parts `GAP_MS` apart take longer than one TTL in all, and each leaves
+/// more than a second for the export and a write on a loaded machine (400 ms against
+/// 700 ms left 300 ms: issue 44 saw it fail with `AllocExpired` there).
 #[test]
 fn a_staged_export_that_stops_midway_serves_no_block() {
-    let a = Node::start_with(10_000, &["--alloc-ttl-ms", "700"]);
+    const TTL_MS: u64 = 2500;
+    const GAP_MS: u64 = 1000;
+    let ttl = TTL_MS.to_string();
+    let a = Node::start_with(10_000, &["--alloc-ttl-ms", &ttl]);
     let b = Node::start(10_000);
     let (ca, cb) = (a.client(), b.client());
     let info = register(&ca, 64);
@@ -173,23 +179,44 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
             .push_register_parts(id, info.id, &ks, &node, None, 4)
             .unwrap();
         let mut s = ca.export_staged(id, info.id, &ks, 4, None).unwrap();
-        for j in 0..2 {
-            // Parts 400 ms apart: more than 700 ms in all, each within the renewed time.
-            std::thread::sleep(Duration::from_millis(400));
+        for j in 0..3 {
+            // Parts GAP_MS apart: more than TTL_MS in all, each within the renewed time.
+            std::thread::sleep(Duration::from_millis(GAP_MS));
             write_part(&mut s, j, &data);
             let r = s.ready(j + 1).unwrap();
-            assert_eq!(r.ttl_ms, 700, "renewed: {r:?}");
+            assert_eq!(r.ttl_ms, TTL_MS, "renewed: {r:?}");
         }
-        cb.wait_parts(id, 2, Duration::from_secs(10)).unwrap();
-        if round == 0 {
+        assert!(3 * GAP_MS > TTL_MS, "the parts outlast one TTL in all");
+        cb.wait_parts(id, 3, Duration::from_secs(10)).unwrap();
+        // `export_ready` sent by hand, as a client that does not count its slots' time
+        // would (the Rust client refuses by itself once that time is gone).
+        let raw = Raw::new(&a.d.endpoint, zmq::DEALER);
+        let client = ca.hello_info().client;
+        let ready_by_hand = |ready: u64| {
+            let body = kvd_protocol::ExportReadyReq {
+                client,
+                transfer_id: id.to_string(),
+                ready,
+            };
+            raw.call(&[&frame(1, 7, "export_ready", body)]).1
+        };
+        assert_eq!(ready_by_hand(2), None, "a count already announced: a safe retry");
+        let (late, ended) = if round == 0 {
             s.abort().unwrap();
+            (4, ErrorCode::InvalidState)
         } else {
             // Its time runs out: the slots are no longer the writer's.
-            std::thread::sleep(Duration::from_millis(900));
+            std::thread::sleep(Duration::from_millis(TTL_MS + 200));
             assert!(matches!(s.write_part(2, |_| ()), Err(Error::AllocExpired)));
             assert!(matches!(s.ready(4), Err(Error::AllocExpired)));
             drop(s);
-        }
+            (4, ErrorCode::LeaseExpired)
+        };
+        // SPEC §16 (issue 44): an ended export refuses every count, a retry of one it
+        // accepted included: `lease_expired` once its time ran out (whether or not the
+        // daemon's timer has ended it yet), `invalid_state` when it ended otherwise.
+        assert_eq!(ready_by_hand(late), Some(ended), "{id}: the last part, late");
+        assert_eq!(ready_by_hand(2), Some(ended), "{id}: a retry after the end");
         let r = cb.transfer_status(id, Duration::from_secs(10)).unwrap();
         assert!(
             matches!(

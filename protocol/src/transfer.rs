@@ -387,8 +387,9 @@ pub struct TransferResp {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub parts: u64,
     /// Exporter: parts announced ready (staged) or all; importer: leading parts whose
-    /// bytes have all landed.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// bytes have all landed. Always on the wire, 0 included (SPEC §16: a layer-wise
+    /// transfer reports `parts` and `parts_done`, and 0 parts landed is a state).
+    #[serde(default)]
     pub parts_done: u64,
     /// Importer of a live layer-wise push, to its owner: the pool-file offset of a
     /// progress word (SPEC §16) that shows `parts_done` without a round trip (0: none).

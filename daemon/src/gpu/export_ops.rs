@@ -89,6 +89,7 @@ impl GpuTier {
         r: &GpuExportStatusReq,
         now: Instant,
     ) -> Result<GpuExportStatusResp, WireError> {
+        self.worker()?;
         store.check_session(r.client, now)?;
         let (state, message) = self.exports.status(r.client, &r.transfer_id)?;
         Ok(GpuExportStatusResp { state, message })

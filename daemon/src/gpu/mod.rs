@@ -406,6 +406,7 @@ impl GpuTier {
         r: &GpuUnregisterReq,
         now: Instant,
     ) -> Result<GpuUnregisterResp, WireError> {
+        self.worker()?;
         store.check_session(r.client, now)?;
         let in_flight = self.owned(r.client, r.registration)?.in_flight;
         self.regs.remove(&r.registration);
@@ -420,6 +421,7 @@ impl GpuTier {
         r: &GpuListReq,
         now: Instant,
     ) -> Result<GpuListResp, WireError> {
+        self.worker()?;
         store.check_session(r.client, now)?;
         let mut registrations: Vec<GpuRegistrationInfo> = self
             .regs

@@ -36,6 +36,13 @@ impl Server {
                         return self.refuse_endpoint(id, op, why, now);
                     }
                 }
+                // The `peer_` prefix is the peers' (SPEC §10): on a client endpoint a
+                // name of it is refused as a peer op, known to this daemon or not.
+                if let DecodeError::UnknownOp(name) = &e {
+                    if let Some(why) = wrong_endpoint(name, peer) {
+                        return self.refuse_endpoint(id, "invalid", why, now);
+                    }
+                }
                 tracing::debug!(id, error = %e, "undecodable request");
                 let reply = self.refuse("invalid", e.code(), id, &e.to_string(), now);
                 return Outcome::Reply(reply, Vec::new());

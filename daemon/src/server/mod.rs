@@ -126,6 +126,14 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ServerError {
     move |source| ServerError::Zmq { what, source }
 }
 
+/// ZMQ's per-frame cap (`ZMQ_MAXMSGSIZE`) on the clients' and the peer socket, SPEC §6:
+/// the larger of an envelope and a block, plus slack.
+fn hard_cap(opts: &ServerOptions) -> u64 {
+    opts.max_envelope_bytes
+        .max(opts.limits.max_block_bytes)
+        .saturating_add(64 * 1024)
+}
+
 /// The server. See the module docs.
 pub struct Server {
     ctx: zmq::Context,
@@ -204,10 +212,7 @@ impl Server {
         socket.set_sndhwm(16384).map_err(zerr("SNDHWM"))?;
         socket.set_rcvhwm(16384).map_err(zerr("RCVHWM"))?;
         socket.set_linger(1000).map_err(zerr("LINGER"))?;
-        let hard_cap = opts
-            .max_envelope_bytes
-            .max(opts.limits.max_block_bytes)
-            .saturating_add(64 * 1024);
+        let hard_cap = hard_cap(&opts);
         socket
             .set_maxmsgsize(i64::try_from(hard_cap).unwrap_or(i64::MAX))
             .map_err(zerr("MAXMSGSIZE"))?;
@@ -263,13 +268,9 @@ impl Server {
         Ok(())
     }
 
-    /// ZMQ's per-frame cap on the clients' socket: the larger of an envelope and a block,
-    /// plus slack.
+    /// ZMQ's per-frame cap on both sockets: see [`hard_cap`].
     fn hard_cap(&self) -> u64 {
-        self.opts
-            .max_envelope_bytes
-            .max(self.opts.limits.max_block_bytes)
-            .saturating_add(64 * 1024)
+        hard_cap(&self.opts)
     }
 
     /// Starts publishing KV events (before [`Server::run`]): binds the PUB and replay
@@ -333,11 +334,11 @@ impl Server {
         peer.set_sndhwm(16384).map_err(zerr("SNDHWM"))?;
         peer.set_rcvhwm(16384).map_err(zerr("RCVHWM"))?;
         peer.set_linger(1000).map_err(zerr("LINGER"))?;
-        peer.set_maxmsgsize(
-            i64::try_from(self.opts.max_envelope_bytes.saturating_add(64 * 1024))
-                .unwrap_or(i64::MAX),
-        )
-        .map_err(zerr("MAXMSGSIZE"))?;
+        // The same hard cap as the clients' socket (SPEC §6): a frame within it but over
+        // `max_envelope_bytes` is read, authenticated and refused `too_large`, sealed
+        // (§10.1, step 2), instead of ZMQ dropping the connection without a word.
+        peer.set_maxmsgsize(i64::try_from(self.hard_cap()).unwrap_or(i64::MAX))
+            .map_err(zerr("MAXMSGSIZE"))?;
         peer.bind(&e).map_err(zerr(format!("bind {e}")))?;
         let bound = peer
             .get_last_endpoint()
@@ -780,8 +781,8 @@ impl Server {
             Ok(st) => st,
             Err(e) => {
                 // (peers must name this node exactly as it advertises itself)
-                let node = self.receiver.as_ref().map_or("", |m| m.0.as_str());
-                tracing::info!(error = %e, %node, "unauthenticated peer message refused");
+                let expected = self.receiver.as_ref().map_or("", |m| m.0.as_str());
+                tracing::info!(error = %e, expected, "unauthenticated peer message refused");
                 if let Some(t) = self.transfers.as_mut() {
                     t.count_unauthenticated();
                 }

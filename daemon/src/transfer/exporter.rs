@@ -86,15 +86,33 @@ impl Transfers {
             return Err(self.unknown(id));
         };
         if exp.is_final() {
+            // SPEC §16: an ended export refuses every count, a repeat of one it accepted
+            // included; `lease_expired` when it ended by time (the slots' or the lease's:
+            // this call is late), `invalid_state` otherwise. Either way the message says
+            // how it ended.
+            let code = if exp.state() == TransferState::Expired {
+                ErrorCode::LeaseExpired
+            } else {
+                ErrorCode::InvalidState
+            };
             let why = exp.describe(id, now).error;
             return Err(WireError::new(
-                ErrorCode::InvalidState,
+                code,
                 format!(
                     "transfer {id:?} has ended ({:?}{})",
                     exp.state(),
                     why.map(|e| format!(": {e}")).unwrap_or_default()
                 ),
             ));
+        }
+        if exp.staging() && exp.stage_deadline().is_some_and(|d| now >= d) {
+            // Late, before the timer ended it: ended now, as the timer would have.
+            let e = WireError::new(
+                ErrorCode::LeaseExpired,
+                "the staged slots' time ran out before this part was announced",
+            );
+            self.end_export(store, id, TransferState::Expired, Some(e.clone()), true, now);
+            return Err(e);
         }
         let complete = exp.announce(req.ready)?;
         let mut ttl_ms = 0;
@@ -105,21 +123,6 @@ impl Transfers {
             }
         } else if exp.staging() {
             // The writer is alive: its slots are its own for another `alloc_ttl`.
-            if exp.stage_deadline().is_some_and(|d| now >= d) {
-                let e = WireError::new(
-                    ErrorCode::LeaseExpired,
-                    "the staged slots' time ran out before this part was announced",
-                );
-                self.end_export(
-                    store,
-                    id,
-                    TransferState::Expired,
-                    Some(e.clone()),
-                    true,
-                    now,
-                );
-                return Err(e);
-            }
             let ttl = store.config().alloc_ttl;
             let (layout, keys) = (exp.layout(), exp.staged_keys().to_vec());
             if let Err(e) = store.renew_reservations(self.system, layout, &keys, ttl, now) {

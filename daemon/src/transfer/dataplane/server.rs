@@ -202,7 +202,9 @@ impl DataAuth {
         DataAuth {
             key,
             me,
-            replay: Mutex::new(ReplayGuard::new(REPLAY_MAX)),
+            // Its memory begins now: a request stamped earlier was meant for another
+            // life (SPEC §10.1's start rule, as on the control endpoint).
+            replay: Mutex::new(ReplayGuard::since(REPLAY_MAX, crate::auth::unix_ms())),
             refused: AtomicU64::new(0),
         }
     }
@@ -301,7 +303,9 @@ impl Conn<'_> {
                 }
             };
             if let Err(e) = auth.check(head, trailer) {
-                tracing::info!(handle = h.handle, error = %e, "data-plane request refused");
+                // (peers must sign for this server exactly as it advertises itself)
+                let expected = auth.me.0.as_str();
+                tracing::info!(handle = h.handle, error = %e, expected, "data-plane request refused");
                 let _ = write_status(&mut sock, Some(&e));
                 return Ok(()); // an unauthenticated peer gets nothing more on this connection
             }
