@@ -523,3 +523,60 @@ fn a_grant_of_the_old_daemon_reads_nothing_of_the_kept_pool() {
         ("stale_incarnation", "unknown_transfer")
     );
 }
+
+/// Issue 44, 5 (SPEC §14, §15): a restarted daemon knows its kept layouts from the
+/// table. Before any client registers a layout again, its adopted blocks answer a lookup
+/// and KV events announce them with their layout's block size (the SPEC said 0 there).
+#[test]
+fn adopted_blocks_answer_and_are_announced_with_their_block_size_before_any_register() {
+    use kvd_protocol::events::{decode_batch, KvEvent};
+    let (ev_ep, rp_ep) = (
+        format!("tcp://127.0.0.1:{}", free_port()),
+        format!("tcp://127.0.0.1:{}", free_port()),
+    );
+    let mut d = Daemon::start(&["--events", &ev_ep, "--events-replay", &rp_ep]);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let (ks, _) = store_sealed(&c, l, 4, 8);
+    drop(c);
+    d.restart();
+    let fresh = d.client(); // says hello, registers nothing
+    let st = checked(&fresh);
+    assert_eq!((st.found, st.adopted), (8, 8), "{st:?}");
+    assert_eq!(
+        fresh.lookup(l, &ks).unwrap().prefix,
+        8,
+        "adopted blocks answer"
+    );
+    let ctx = zmq::Context::new();
+    let replay = ctx.socket(zmq::DEALER).unwrap();
+    replay.set_rcvtimeo(5000).unwrap();
+    replay.connect(&rp_ep).unwrap();
+    let want = layout(KIB).tokens_per_block;
+    let mut sizes = std::collections::HashMap::new();
+    eventually(10, "the adopted blocks announced", || {
+        replay
+            .send_multipart([&b""[..], &0u64.to_be_bytes()[..]], 0)
+            .unwrap();
+        loop {
+            let f = replay.recv_multipart(0).expect("replay answers");
+            if f[2][..] == (-1i64).to_be_bytes() {
+                break;
+            }
+            for e in decode_batch(&f[3]).unwrap().events {
+                if let KvEvent::Stored {
+                    hashes, block_size, ..
+                } = e
+                {
+                    for h in hashes {
+                        sizes.insert(h, block_size);
+                    }
+                }
+            }
+        }
+        ks.iter().all(|k| sizes.contains_key(k))
+    });
+    for k in &ks {
+        assert_eq!(sizes[k], want, "block size of an adopted block");
+    }
+}

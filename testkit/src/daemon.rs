@@ -75,6 +75,7 @@ pub struct Launch {
     env: Vec<(String, String)>,
     stop: Stop,
     timeout: Duration,
+    log: Option<PathBuf>,
 }
 
 impl Default for Launch {
@@ -94,7 +95,15 @@ impl Launch {
             env: Vec::new(),
             stop: Stop::Kill,
             timeout: Duration::from_secs(20),
+            log: None,
         }
+    }
+
+    /// Its log (stderr) appended to this file instead of going to the caller's: for a
+    /// test that reads what the daemon logged.
+    pub fn log_to(mut self, path: impl Into<PathBuf>) -> Launch {
+        self.log = Some(path.into());
+        self
     }
 
     /// Another binary.
@@ -164,7 +173,7 @@ impl Launch {
         }
         args.extend(self.args.iter().cloned());
         let mut d = Daemon {
-            child: spawn(&self.bin, &args, &self.env)?,
+            child: spawn(&self.bin, &args, &self.env, self.log.as_deref())?,
             dir,
             endpoint,
             pool_path,
@@ -177,12 +186,25 @@ impl Launch {
     }
 }
 
-fn spawn(bin: &PathBuf, args: &[String], env: &[(String, String)]) -> Result<Child, LaunchError> {
-    Command::new(bin)
-        .args(args)
+fn spawn(
+    bin: &PathBuf,
+    args: &[String],
+    env: &[(String, String)],
+    log: Option<&std::path::Path>,
+) -> Result<Child, LaunchError> {
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .spawn()
+        .stdin(Stdio::null());
+    if let Some(path) = log {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(io(format!("opening the log {}", path.display())))?;
+        cmd.stderr(file);
+    }
+    cmd.spawn()
         .map_err(io(format!("spawning {}", bin.display())))
 }
 
@@ -372,8 +394,9 @@ impl Daemon {
         self.kill();
         self.signal(nix::sys::signal::Signal::SIGKILL);
         let _ = std::fs::remove_file(&self.socket_path);
-        self.child = spawn(&self.launch.bin, &self.launch.args, &self.launch.env)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let l = &self.launch;
+        self.child =
+            spawn(&l.bin, &l.args, &l.env, l.log.as_deref()).unwrap_or_else(|e| panic!("{e}"));
         self.wait_ready().unwrap_or_else(|e| panic!("{e}"));
     }
 }

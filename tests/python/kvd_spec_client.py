@@ -137,6 +137,38 @@ def auth_frame(mac, unix_ms, nonce):
     return b"KVA1" + struct.pack("<QQ", unix_ms, nonce) + mac
 
 
+# ----- SPEC section 10, "Data plane (TCP)" -----
+
+def _pad64(b):
+    return b + b"\0" * (-len(b) % 64)
+
+
+def data_request(key, to, op, handle, token, src_inc, dst_inc, ranges, unix_ms, nonce, crc=False):
+    """A data-plane request (op 1 read, 2 write) signed for the data server named `to`."""
+    head = b"KVDX" + struct.pack("<BBH", 3, op, 1 if crc else 0)
+    head += struct.pack("<QQQQII", handle, token, src_inc, dst_inc, len(ranges), 0)
+    head += b"".join(struct.pack("<QQ", off, ln) for off, ln in ranges)
+    mac = data_mac(key, unix_ms, nonce, to, head)
+    return _pad64(head + struct.pack("<QQ", unix_ms, nonce) + mac)
+
+
+def read_status(sock):
+    """(ok, message) of one data-plane status: 64 bytes, then an error's padded message."""
+    def exact(n):
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise EOFError("the data server closed the connection")
+            out += chunk
+        return out
+    status = exact(64)
+    (msg_len,) = struct.unpack_from("<I", status, 4)
+    assert status[1:4] == b"\0\0\0" and status[8:] == b"\0" * 56, status
+    msg = exact(msg_len + (-msg_len % 64))[:msg_len].decode()
+    return status[0] == 0, msg
+
+
 # ----- SPEC sections 1, 2, 4 -----
 
 def encode_request(req_id, op, body=None):

@@ -5,7 +5,9 @@ Checks the SPEC test vectors, then a full store/load through the client's own ma
 of the pool, the payload-frame path, and error replies. Prints `N passed, 0 failed`.
 """
 
+import json
 import os
+import socket
 import struct
 import sys
 
@@ -16,8 +18,8 @@ import time
 import zmq
 
 from kvd_spec_client import (Client, KvdError, auth_frame, block_bytes, chunk_hashes, chunk_root,
-                             cluster_key, data_mac, encode_request, layout_id, model_identity,
-                             reply_mac, request_mac)
+                             cluster_key, data_mac, data_request, encode_request, layout_id,
+                             model_identity, read_status, reply_mac, request_mac)
 
 CHECKS = []
 
@@ -275,6 +277,205 @@ def _(c):
     assert s["pins"] == 0 and s["pending"] == 0 and s["reserved"] == 0, s
     assert s["blocks"] == 3 + 3 + 4 + 1, s
     assert s["errors"]["unknown_op"] >= 1
+
+
+# ----- Issue 44: the places an outside client found the daemon and the SPEC apart -----
+# (after the baseline check: these leave pins, transfers and refusals behind)
+
+def expect_err(code, fn):
+    try:
+        fn()
+    except KvdError as e:
+        assert e.code == code, (e.code, code, e.message)
+        return e
+    raise AssertionError(f"expected {code}")
+
+
+def signed_peer_call(c, op, body, to=None, unix_ms=None, timeout_ms=5000):
+    """One peer request signed from the SPEC (10.1) on the daemon's control endpoint:
+    (reply, frames, unix_ms, nonce), or None when no reply came within the timeout."""
+    node = c.hello_reply["node"]
+    key = cluster_key(open(sys.argv[2], "rb").read())
+    me = {"node": "tcp://127.0.0.1:9", "data": "127.0.0.1:9", "incarnation": 5, "host": ""}
+    s = c.ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node["node"])
+    try:
+        env = encode_request(next(c.ids), op, {"from": me, "to_incarnation": node["incarnation"], **body})
+        ms = unix_ms if unix_ms is not None else int(time.time() * 1000)
+        nonce = int.from_bytes(os.urandom(8), "little")
+        s.send_multipart([env, auth_frame(request_mac(key, ms, nonce, to or node["node"], env), ms, nonce)])
+        if not s.poll(timeout_ms):
+            return None
+        frames = s.recv_multipart()
+        return msgpack.unpackb(frames[0], raw=False), frames, ms, nonce
+    finally:
+        s.close()
+
+
+@check("control endpoint: a signed envelope over max_envelope_bytes, within the frame cap, gets a sealed too_large (SPEC 6, 10.1 step 2)")
+def _(c):
+    lim = c.hello_reply["limits"]
+    cap = max(lim["max_envelope_bytes"], lim["max_block_bytes"]) + 64 * 1024
+    size = (lim["max_envelope_bytes"] + cap) // 2
+    assert size > lim["max_envelope_bytes"] + 64 * 1024, \
+        f"run the daemon with blocks larger than envelopes (limits {lim})"
+    got = signed_peer_call(c, "peer_heartbeat", {"transfers": ["x"], "pad": b"\0" * size})
+    assert got is not None, f"no reply to a signed {size}-byte envelope (the frame cap is {cap})"
+    reply, frames, ms, nonce = got
+    assert reply["err"]["code"] == "too_large", reply
+    key = cluster_key(open(sys.argv[2], "rb").read())
+    assert len(frames) == 2 and frames[1] == auth_frame(reply_mac(key, ms, nonce, frames[0]), ms, nonce), \
+        "the refusal is sealed"
+
+
+def data_plane(c):
+    node = c.hello_reply["node"]
+    host, port = node["data"].rsplit(":", 1)
+    return node, (host, int(port)), cluster_key(open(sys.argv[2], "rb").read())
+
+
+def data_ask(c, unix_ms, dst_inc, handle=0x5EC):
+    """A signed one-range read on a new data-plane connection: (ok, message, closed after)."""
+    node, addr, key = data_plane(c)
+    s = socket.create_connection(addr, timeout=10)
+    try:
+        nonce = int.from_bytes(os.urandom(8), "little")
+        s.sendall(data_request(key, node["data"], 1, handle, 1, 5, dst_inc, [(0, 4096)], unix_ms, nonce))
+        ok, msg = read_status(s)
+        s.settimeout(1.0)
+        try:
+            closed = s.recv(1) == b""
+        except socket.timeout:
+            closed = False
+        return ok, msg, closed
+    finally:
+        s.close()
+
+
+@check("data plane: a signed request stamped before the daemon started is unauthenticated and closes the connection, one signed for an earlier life too (SPEC 10.1)")
+def _(c):
+    inc = c.hello_reply["node"]["incarnation"]
+    now = int(time.time() * 1000)
+    started = now - c.stats()["uptime_ms"]
+    # the control: a fresh request for this life reaches the grant check, and a refused
+    # read leaves the connection open
+    ok, msg, closed = data_ask(c, now, inc)
+    assert not ok and msg.startswith("unknown_transfer"), msg
+    assert not closed, "a refused read closed the connection"
+    stamps = [started - d for d in (1500, 5000, 15000, 25000) if now - (started - d) < 29000]
+    assert stamps, "the daemon has run too long for a stamp before its start to be fresh"
+    for ms in stamps:
+        for dst in (inc, inc ^ 1):  # this life, and an earlier one's
+            ok, msg, closed = data_ask(c, ms, dst)
+            assert not ok and msg.startswith("unauthenticated"), (started - ms, dst == inc, msg)
+            assert closed, f"the connection stayed open after {msg!r}"
+
+
+@check("data plane: a connection that sends nothing is closed at auth_timeout_ms and counted in connections_refused (SPEC 4, 10)")
+def _(c):
+    before = c.stats()["transfers"]["connections_refused"]
+    _, addr, _ = data_plane(c)
+    s = socket.create_connection(addr, timeout=20)
+    t0 = time.time()
+    assert s.recv(1) == b"", "the idle connection was closed"
+    waited = time.time() - t0
+    s.close()
+    assert waited >= 1.0, f"closed after {waited:.2f} s, before the 2 s auth timeout"
+    counted = None
+    for _ in range(50):
+        counted = c.stats()["transfers"]["connections_refused"]
+        if counted > before:
+            break
+        time.sleep(0.1)
+    assert counted == before + 1, (before, counted)
+
+
+@check("a refusal logs the name the daemon expects, on the control endpoint and the data plane (SPEC 10.1)")
+def _(c):
+    if len(sys.argv) < 4:
+        raise AssertionError("pass the daemon's log (--log-format json, info) as the third argument")
+    node = c.hello_reply["node"]
+    got = signed_peer_call(c, "peer_heartbeat", {"transfers": ["x"]}, to="tcp://10.9.9.9:7101")
+    assert got is not None and got[0]["err"]["code"] == "unauthenticated", got
+    # another name: the data MAC is for another server
+    _, addr, key = data_plane(c)
+    s = socket.create_connection(addr, timeout=10)
+    ms, nonce = int(time.time() * 1000), int.from_bytes(os.urandom(8), "little")
+    s.sendall(data_request(key, "10.9.9.9:7102", 1, 0x10C, 1, 5, node["incarnation"], [(0, 64)], ms, nonce))
+    ok, msg = read_status(s)
+    s.close()
+    assert not ok and msg.startswith("unauthenticated"), msg
+    want = {"unauthenticated peer message refused": node["node"], "data-plane request refused": node["data"]}
+    seen = {}
+    for _ in range(50):
+        for line in open(sys.argv[3], errors="replace"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            f = rec.get("fields", {})
+            # (grant refusals share the data plane's message: those do not name a MAC's
+            # receiver)
+            if f.get("message") in want and "expected" in f:
+                seen[f["message"]] = f["expected"]
+        if len(seen) == len(want):
+            break
+        time.sleep(0.1)
+    assert seen == want, (seen, want)
+
+
+@check("GPU tier off: all eight GPU ops answer invalid_state with the reason (SPEC 13)")
+def _(c):
+    lid = layout_id(TINY)
+    k = chunk_hashes(list(range(16)), 16, b"gpu-off")
+    client = c.hello_reply["client"]
+    params = {"transfer_id": "g", "incarnation": c.hello_reply["incarnation"], "handle": 1, "token": 1,
+              "layout_id": lid, "keys": k, "lease_ms": 1000}
+    calls = {
+        "gpu_register": {"layout_id": lid, "regions": [{"handle": b"x", "size": 4096}], "num_blocks": 1,
+                         "segments": [{"region": 0, "offset": 0, "stride": 65536, "len": 65536}]},
+        "gpu_unregister": {"registration": 1},
+        "gpu_list": {},
+        "gpu_store": {"registration": 1, "keys": k, "blocks": [0]},
+        "gpu_load": {"registration": 1, "keys": k, "blocks": [0]},
+        "gpu_export": {"registration": 1, "transfer_id": "g", "keys": k, "blocks": [0]},
+        "gpu_pull": {"registration": 1, "blocks": [0], "params": params},
+        "gpu_export_status": {"transfer_id": "g"},
+    }
+    for op, body in calls.items():
+        e = expect_err("invalid_state", lambda: c.call(op, {"client": client, **body}))
+        assert "GPU tier is off" in e.message, (op, e.message)
+
+
+@check("layer-wise: parts_done is reported, 0 included, by a staged export and a push registration (SPEC 16)")
+def _(c):
+    lid = layout_id(TINY)
+    client = c.hello_reply["client"]
+    k = chunk_hashes(list(range(9000, 9000 + 32)), 16, b"staged")
+    ok, _ = c.call("export", {"client": client, "transfer_id": "spec-staged", "layout_id": lid, "keys": k,
+                              "parts": 4, "staged": True})
+    assert len(ok["slots"]) == 2, ok
+    st, _ = c.call("transfer_status", {"client": client, "transfer_id": "spec-staged"})
+    assert st["parts"] == 4 and "parts_done" in st and st["parts_done"] == 0, st
+    r, _ = c.call("push_register", {"client": client, "transfer_id": "spec-push", "layout_id": lid,
+                                    "keys": chunk_hashes(list(range(9100, 9100 + 32)), 16, b"staged"),
+                                    "node": c.hello_reply["node"]["node"], "parts": 4})
+    assert r["parts"] == 4 and "parts_done" in r and r["parts_done"] == 0, r
+    for t in ("spec-staged", "spec-push"):
+        c.call("abort", {"client": client, "transfer_id": t})
+
+
+@check("a peer_ op unknown to the daemon is unauthenticated on a client endpoint, like a known one (SPEC 10)")
+def _(c):
+    expect_err("unauthenticated", lambda: c.call("peer_heartbeat", {"transfers": []}))
+    expect_err("unauthenticated", lambda: c.call("peer_defragment", {}))
+    expect_err("unknown_op", lambda: c.call("defragment"))
+
+
+@check("KV events topic vector (SPEC 14): the layout id's number in hex")
+def _(_c):
+    assert "kvd.%016x" % layout_id(TINY) == "kvd.1d6bcf43bceea3fa"
 
 
 def main():

@@ -111,7 +111,14 @@ impl Transfers {
                 ErrorCode::LeaseExpired,
                 "the staged slots' time ran out before this part was announced",
             );
-            self.end_export(store, id, TransferState::Expired, Some(e.clone()), true, now);
+            self.end_export(
+                store,
+                id,
+                TransferState::Expired,
+                Some(e.clone()),
+                true,
+                now,
+            );
             return Err(e);
         }
         let complete = exp.announce(req.ready)?;

@@ -14,8 +14,9 @@
 //!   oldest for long, while idle strangers are; a source over its own cap is refused;
 //! - authenticated connections: at most `max_connections` (a peer's pooled streams).
 //!
-//! Refusals (a source over its cap, authenticated connections full) and evictions are
-//! counted ([`Gate::refused`]). The gate holds a clone of each pending socket only to
+//! Refusals (a source over its cap, authenticated connections full), evictions and
+//! pending connections closed at their `auth_timeout` ([`Gate::timed_out`]) are counted
+//! ([`Gate::refused`]). The gate holds a clone of each pending socket only to
 //! shut it down; the serving thread owns the connection and releases its [`Ticket`]
 //! when it ends, whichever way.
 
@@ -138,6 +139,16 @@ impl Gate {
         }
         st.authenticated.insert(t.id);
         Ok(())
+    }
+
+    /// A pending connection's first request did not arrive within `auth_timeout`: the
+    /// server closes it, and the closing is counted as the gate's own are (SPEC §10,
+    /// "Connection limits": every closing before a first request).
+    pub fn timed_out(&self, t: &Ticket) {
+        let pending = self.lock().pending.iter().any(|(id, _, _)| *id == t.id);
+        if pending {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The connection ended: its slot, pending or authenticated, is free.
@@ -267,6 +278,23 @@ mod tests {
         for (t, _, _) in tickets.into_iter().chain(more) {
             g.release(t);
         }
+        assert_eq!(g.counts(), (0, 0));
+    }
+
+    #[test]
+    fn a_pending_connection_closed_at_its_timeout_is_counted_an_authenticated_one_never() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let g = Gate::new(limits());
+        let (s1, _c1) = pair(&l);
+        let t1 = g.admit(ip(1), s1.try_clone().unwrap()).unwrap();
+        let (s2, _c2) = pair(&l);
+        let t2 = g.admit(ip(2), s2.try_clone().unwrap()).unwrap();
+        g.authenticated(&t2).unwrap();
+        g.timed_out(&t1);
+        g.timed_out(&t2);
+        assert_eq!(g.refused(), 1, "only the pending one's closing counts");
+        g.release(t1);
+        g.release(t2);
         assert_eq!(g.counts(), (0, 0));
     }
 }

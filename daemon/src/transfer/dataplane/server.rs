@@ -132,6 +132,10 @@ impl DataServer {
                                 timeout,
                             };
                             if let Err(e) = conn.serve(sock, &ticket) {
+                                if e.kind() == io::ErrorKind::TimedOut {
+                                    // (only a pending connection's wait is counted)
+                                    gate.timed_out(&ticket);
+                                }
                                 tracing::debug!(?peer, error = %e, "data connection closed");
                             }
                             gate.release(ticket);
