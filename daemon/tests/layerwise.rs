@@ -200,7 +200,11 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
             };
             raw.call(&[&frame(1, 7, "export_ready", body)]).1
         };
-        assert_eq!(ready_by_hand(2), None, "a count already announced: a safe retry");
+        assert_eq!(
+            ready_by_hand(2),
+            None,
+            "a count already announced: a safe retry"
+        );
         let (late, ended) = if round == 0 {
             s.abort().unwrap();
             (4, ErrorCode::InvalidState)
@@ -215,7 +219,11 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
         // SPEC §16 (issue 44): an ended export refuses every count, a retry of one it
         // accepted included: `lease_expired` once its time ran out (whether or not the
         // daemon's timer has ended it yet), `invalid_state` when it ended otherwise.
-        assert_eq!(ready_by_hand(late), Some(ended), "{id}: the last part, late");
+        assert_eq!(
+            ready_by_hand(late),
+            Some(ended),
+            "{id}: the last part, late"
+        );
         assert_eq!(ready_by_hand(2), Some(ended), "{id}: a retry after the end");
         let r = cb.transfer_status(id, Duration::from_secs(10)).unwrap();
         assert!(
