@@ -10,7 +10,8 @@
 //! ```
 //!
 //! The endpoint defaults to `$KVD_ENDPOINT`, else the node's default (as for engines).
-//! Exit status: 0 on success, 1 when the daemon refused, 2 on bad arguments.
+//! Exit status: 0 on success, 1 when the daemon refused, 2 on bad arguments. Output into
+//! a pipe that closes early (`kvd ctl stats | head`) ends the command quietly, status 0.
 
 use std::time::Duration;
 
@@ -18,6 +19,28 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvd_client::{Client, MapPool};
 use kvd_protocol::{ChunkHash, LayoutId, CHUNK_HASH_BYTES};
+
+/// `println!` for this module's output: where std's panics when stdout is a pipe whose
+/// reader has gone (`kvd ctl stats | head`, SIGPIPE being ignored in Rust programs), this
+/// ends the process quietly with status 0: the reader took what it wanted. Any other
+/// write error ends it with status 1 and says why.
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            output_failed(e)
+        }
+    }};
+}
+
+/// Ends the process after a failed write to stdout (see [`println!`]).
+fn output_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("kvd ctl: writing the output: {e}");
+    std::process::exit(1);
+}
 
 /// `kvd ctl` arguments.
 #[derive(Parser, Debug)]

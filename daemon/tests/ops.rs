@@ -330,6 +330,28 @@ fn ctl(d: &Daemon, args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// Issue 44: `kvd ctl stats | head` panicked on the closed pipe. Into a pipe whose
+/// reader is gone, every command ends quietly, status 0.
+#[test]
+fn kvd_ctl_into_a_closed_pipe_ends_quietly() {
+    let d = Daemon::start(&[]);
+    for args in [&["stats"][..], &["stats", "--json"], &["peers"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader); // `head` has read its lines and gone
+        let out = Command::new(env!("CARGO_BIN_EXE_kvd"))
+            .arg("ctl")
+            .args(["--endpoint", &d.endpoint])
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "kvd ctl {args:?}: {:?} {err}", out.status);
+        assert!(err.is_empty(), "kvd ctl {args:?} said: {err}");
+    }
+}
+
 #[test]
 fn kvd_ctl_stats_lookup_evict_peers_and_transfer() {
     let d = Daemon::start(&[]);
