@@ -15,6 +15,10 @@ step() {
 # larger part of target/ (set CARGO_INCREMENTAL=1 for edit-test loops). pip's wheel cache
 # would keep a second copy of vLLM and torch (~4.6 GB).
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" PIP_NO_CACHE_DIR=1
+# What kvd's daemons, tests and demos put in shared memory (pools, block tables, their
+# directories) must be gone when the suite ends: checked at the end against this.
+shm_kvd() { ls -A /dev/shm 2>/dev/null | grep -E 'kvd|\.table$|\.pool$|^\.tmp' | sort || true; }
+shm_before=$(shm_kvd)
 
 step "quick start: the README's first command builds with nothing installed (PROTOC points nowhere) and serves"
 # The release binaries later steps use (bench smoke, deploy/local) come from this build.
@@ -182,4 +186,9 @@ set -e
 # no device printed `SKIP: ...` and returned: it counts as skipped, not passed.
 awk '/^test result:/ { p += $4; f += $6 } /(^|\.\.\. )SKIP: / { k += 1 }
      END { printf "\nall tests: %d passed, %d failed, %d skipped\n", p - k, f, k; exit (f > 0) }' "$log"
+left=$(comm -13 <(printf '%s\n' "$shm_before") <(shm_kvd) | grep -v '^$' || true)
+if [ -n "$left" ]; then
+  printf 'left behind in /dev/shm by this run (pools, tables, test directories):\n%s\n' "$left"
+  exit 1
+fi
 [ "$s1" -eq 0 ] && [ "$s2" -eq 0 ] && [ "$s3" -eq 0 ]

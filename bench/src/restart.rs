@@ -100,7 +100,7 @@ pub fn run(a: RestartArgs) -> Result<()> {
     }
     let segment = (32u64 << 20).max(block);
     let mut toml = format!(
-        "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nsize = {pool}\nsegment_size = {segment}\n\
+        "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nkeep = true\nsize = {pool}\nsegment_size = {segment}\n\
          [log]\nlevel = \"warn\"\n"
     );
     let nvme_blocks = match &a.nvme_dir {
@@ -280,7 +280,7 @@ fn run_upgrade(a: &RestartArgs) -> Result<()> {
     use std::sync::{Arc, Mutex};
     let block = a.upgrade_block.as_u64() as usize;
     let toml = format!(
-        "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nsize = {}\nsegment_size = {}\n\
+        "[server]\nmetrics_addr = \"127.0.0.1:0\"\n[pool]\nkeep = true\nsize = {}\nsegment_size = {}\n\
          [log]\nlevel = \"warn\"\n",
         a.pool.as_u64(),
         (32usize << 20).max(block)

@@ -21,7 +21,7 @@
 //! | `pool.huge_pages` | bool | `false` | | the path is on hugetlbfs (falls back to normal pages with a warning) |
 //! | `pool.prefault` | bool | `true` | | touch every page at start |
 //! | `pool.table_path` | path | `<pool.path>.table` (`/dev/shm/<file>.table` for a pool on hugetlbfs) | | the kept pool's block table: put it where it outlives the daemon as the pool does (a hostPath in Kubernetes) |
-//! | `pool.keep` | bool | `true` | `KVD_KEEP_POOL` / `--keep-pool` (`true`/`false`) | keep the pool file and its block table (`<pool>.table`) when the daemon stops, and adopt the blocks a previous daemon committed when it starts (after a clean stop, a crash or an upgrade; SPEC §15). Off: the pool is removed at exit and a new daemon starts empty |
+//! | `pool.keep` | bool | `false` | `KVD_KEEP_POOL` / `--keep-pool` (`true`/`false`) | keep the pool file and its block table (`<pool>.table`) when the daemon stops, and adopt the blocks a previous daemon committed when it starts (after a clean stop, a crash or an upgrade; SPEC §15); the stop's log line names both files. Off (the default: a daemon someone tries out gives its memory back at Ctrl-C): the pool and any table are removed at exit (a crash's are replaced at the next start) and a new daemon starts empty. Services turn it on: every file in `deploy/` does |
 //! | `pool.high_watermark` | float | `0.95` | | evict above this fraction in use... |
 //! | `pool.low_watermark` | float | `0.85` | | ...down to this one |
 //! | `limits.default_pin_ttl_ms` | int | `10000` | | pin TTL when a `get` names none |
@@ -589,7 +589,8 @@ impl Default for PoolConfig {
             segment_size: Size(32 << 20),
             huge_pages: false,
             prefault: true,
-            keep: true,
+            // Off for the person trying kvd; `deploy/` turns it on for services.
+            keep: false,
             table_path: None,
             high_watermark: 0.95,
             low_watermark: 0.85,

@@ -237,6 +237,16 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         prefault_ms = started.elapsed().as_millis() as u64,
         "pool mapped"
     );
+    // The block table of a kept pool: with keeping off, one an earlier daemon left (its
+    // pool was replaced just now) is removed, so that no table outlives its pool.
+    let table = cfg
+        .pool
+        .table_path
+        .clone()
+        .unwrap_or_else(|| table_path(&pool));
+    if !cfg.pool.keep && std::fs::remove_file(&table).is_ok() {
+        tracing::info!(table = %table.display(), "pool.keep is off: removed the block table an earlier daemon kept");
+    }
     let lim = &cfg.limits;
     let pool = std::sync::Arc::new(pool);
     // (a kept pool is populated in the background once the daemon serves: the populate
@@ -263,7 +273,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     );
     let mut store = store;
     if cfg.pool.keep {
-        keep_pool(&mut store, &pool, cfg)?;
+        keep_pool(&mut store, &pool, cfg, &table)?;
     }
     let shared_pool = pool.clone();
     let store = match &cfg.nvme {
@@ -389,8 +399,17 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
             );
         }
         let _ = store.pool().retire();
+        let bytes = store.pool().size();
         drop(store); // unmaps; the pool and its table stay for the next daemon
-        tracing::info!(path = %pool_path.display(), "pool kept for the next daemon");
+                     // Said every time: the memory stays taken until a daemon adopts it or someone
+                     // removes the files.
+        tracing::info!(
+            pool = %pool_path.display(),
+            table = %table.display(),
+            bytes,
+            "pool kept for the next daemon on this path (pool.keep): it adopts the blocks; \
+             to free the memory instead, remove both files (rm -f POOL TABLE)"
+        );
         // Last: the successor of an upgrade starts once this process has let go.
         drop(successor);
         return Ok(());
@@ -398,6 +417,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     drop(store); // unmaps and unlinks the pool...
                  // ...unless a data-plane connection thread still holds it: unlink it anyway.
     let _ = std::fs::remove_file(pool_path);
+    let _ = std::fs::remove_file(&table);
     Ok(())
 }
 
@@ -416,13 +436,13 @@ pub fn table_path(pool: &pool::Pool) -> PathBuf {
 
 /// Opens the kept pool's block table and hands it to the store, which adopts the
 /// previous daemon's blocks (checked in the background before they are served).
-fn keep_pool(store: &mut Store, pool: &pool::Pool, cfg: &DaemonConfig) -> Result<(), DaemonError> {
+fn keep_pool(
+    store: &mut Store,
+    pool: &pool::Pool,
+    cfg: &DaemonConfig,
+    path: &Path,
+) -> Result<(), DaemonError> {
     let t0 = Instant::now();
-    let path = cfg
-        .pool
-        .table_path
-        .clone()
-        .unwrap_or_else(|| table_path(pool));
     let id = table::PoolIdentity::of(
         pool.path(),
         pool.size(),
@@ -431,7 +451,7 @@ fn keep_pool(store: &mut Store, pool: &pool::Pool, cfg: &DaemonConfig) -> Result
     )
     .map_err(setup_err("the pool file's identity"))?;
     let kept = *pool.previous() == pool::Previous::Kept;
-    let (tbl, found, why) = table::BlockTable::open(&path, &id, kept)?;
+    let (tbl, found, why) = table::BlockTable::open(path, &id, kept)?;
     let why = match (why, pool.previous()) {
         (Some(w), _) => Some(w),
         (None, pool::Previous::Replaced(w)) => Some(w.clone()),

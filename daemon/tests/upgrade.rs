@@ -187,6 +187,8 @@ fn under_systemd_the_successor_tells_it_is_the_main_process() {
             "1MiB",
             "--metrics-addr",
             "127.0.0.1:0",
+            "--keep-pool",
+            "true",
         ])
         .env("NOTIFY_SOCKET", sock_path.display().to_string())
         .start()

@@ -31,7 +31,7 @@ PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$WORK" /dev/shm/kvd-engines-*-$$
+  rm -rf "$WORK" /dev/shm/kvd-engines-*-$$ /dev/shm/kvd-engines-*-$$.table
 }
 trap cleanup EXIT
 

@@ -25,7 +25,8 @@ PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$WORK"
+  # (the daemons keep nothing and remove their pools at exit; one that died leaves its own)
+  rm -rf "$WORK" /dev/shm/kvd-local-*-$$ /dev/shm/kvd-local-*-$$.table
 }
 trap cleanup EXIT
 

@@ -228,8 +228,9 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts `kvd` with the tests' defaults — a 64 MiB pool of 1 MiB segments, warnings
-    /// only, metrics on an ephemeral port, each unless `extra` names that flag — plus
+    /// Starts `kvd` with the tests' defaults — a 64 MiB pool of 1 MiB segments, kept
+    /// across restarts, warnings only, metrics on an ephemeral port, each unless `extra`
+    /// names that flag — plus
     /// `extra` flags. Panics when it does not start.
     pub fn start(extra: &[&str]) -> Daemon {
         Self::try_start(extra).unwrap_or_else(|e| panic!("{e}"))
@@ -249,6 +250,12 @@ impl Daemon {
         }
         if !extra.contains(&"--pool-size") {
             args.extend(["--pool-size", "64MiB"]);
+        }
+        // A service's setting (every file of `deploy/` turns it on), not the bare
+        // daemon's default: the tests' restarts find their blocks kept. The pool and its
+        // table are in the daemon's own directory, removed with it.
+        if !extra.contains(&"--keep-pool") {
+            args.extend(["--keep-pool", "true"]);
         }
         Launch::new().args(args).args(extra).start()
     }
