@@ -311,6 +311,25 @@ impl Client {
             .0)
     }
 
+    /// Declines a handoff this engine will not take (another model, another block size,
+    /// the request went elsewhere): the exporter frees its blocks now instead of holding
+    /// them until the lease runs out (SPEC §10 `decline`). Also ends this session's own
+    /// admitted pull of `params`, if any. Returns whether the exporter was told (false:
+    /// the transfer had ended already).
+    pub fn decline(&self, params: &TransferParams, reason: &str) -> Result<bool> {
+        let (r, _): (DeclineResp, _) = self.call(
+            |client| {
+                Request::Decline(Box::new(DeclineReq {
+                    client,
+                    params: params.clone(),
+                    reason: reason.to_string(),
+                }))
+            },
+            &[],
+        )?;
+        Ok(r.told)
+    }
+
     /// The blocks of a finished import, as [`PinnedBlocks`] (releasing them releases the
     /// transfer's pin). The deadline counts from now, which is later than the daemon's
     /// clock: call it as soon as the transfer is done.

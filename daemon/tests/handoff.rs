@@ -88,7 +88,7 @@ fn assert_absent(c: &Client, layout: LayoutId, ks: &[ChunkHash]) {
     let l = c.lookup(layout, ks).unwrap();
     assert_eq!(l.prefix, 0, "a block of a failed transfer became visible");
     // slots a failed transfer reserved are freed once no read is landing in them
-    eventually(3, "a failed transfer's slots freed", || {
+    eventually(10, "a failed transfer's slots freed", || {
         c.stats().unwrap().pending == 0
     });
 }
@@ -96,7 +96,8 @@ fn assert_absent(c: &Client, layout: LayoutId, ks: &[ChunkHash]) {
 #[test]
 fn pull_moves_blocks_byte_for_byte_over_tcp_and_shm() {
     for shm in [false, true] {
-        let (a, b) = (Node::start(5000, shm), Node::start(5000, shm));
+        // 30 s leases: the 10 s wait below for the release cannot be met by a lease.
+        let (a, b) = (Node::start(30_000, shm), Node::start(30_000, shm));
         let (ca, cb) = (a.client(), b.client());
         // 24 blocks of 256 KiB: several parallel streams, coalesced ranges.
         let (layout, ks, data) = fill(&ca, 1, 24, 256);
@@ -113,7 +114,7 @@ fn pull_moves_blocks_byte_for_byte_over_tcp_and_shm() {
         // the decode node now serves the prefix itself
         assert_eq!(cb.lookup(layout, &ks).unwrap().prefix, 24);
         // the exporter released at once ("done" message), no lease wait
-        eventually(3, "exporter released the export", || {
+        eventually(10, "exporter released the export", || {
             let s = ca.stats().unwrap();
             s.pinned_blocks == 0 && s.transfers.unwrap().done == 1
         });
@@ -126,7 +127,8 @@ fn pull_moves_blocks_byte_for_byte_over_tcp_and_shm() {
 
 #[test]
 fn push_works_in_both_orders() {
-    let (a, b) = (Node::start(5000, true), Node::start(5000, true));
+    // 30 s leases: the 10 s wait below for the release cannot be met by a lease.
+    let (a, b) = (Node::start(30_000, true), Node::start(30_000, true));
     let (ca, cb) = (a.client(), b.client());
     let a_node = node_of(&ca);
     // registration first, then the prefill side finishes
@@ -137,7 +139,7 @@ fn push_works_in_both_orders() {
         .push_register("push-1", info.id, &ks, &a_node, None)
         .unwrap();
     assert!(!r.state.is_final());
-    eventually(5, "registration reached the prefill node", || {
+    eventually(10, "registration reached the prefill node", || {
         xstats(&ca).registrations == 1
     });
     let data: Vec<Vec<u8>> = (0..6)
@@ -161,7 +163,7 @@ fn push_works_in_both_orders() {
         .transfer_status("push-2", Duration::from_secs(10))
         .unwrap();
     verify(&cb, layout, &r, &data2);
-    eventually(3, "prefill side released both exports", || {
+    eventually(10, "prefill side released both exports", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
     assert_eq!(xstats(&ca).done, 2);
@@ -239,10 +241,10 @@ fn a_push_finishes_when_its_last_byte_lands() {
     let t0 = Instant::now();
     write(&[1]);
     let r = cb
-        .transfer_status("landed", Duration::from_secs(5))
+        .transfer_status("landed", Duration::from_secs(10))
         .unwrap();
     assert!(
-        t0.elapsed() < Duration::from_secs(1),
+        t0.elapsed() < Duration::from_secs(3),
         "done when the bytes landed, not at a timeout: {:?}",
         t0.elapsed()
     );
@@ -291,15 +293,16 @@ fn push_of_keys_the_decode_node_already_holds_ends_in_both_orders() {
 
 #[test]
 fn push_registration_without_export_expires_and_says_so() {
-    let (a, b) = (Node::start(600, true), Node::start(600, true));
+    // 2 s leases, heartbeats every ~330 ms: a loaded machine may delay a few of them.
+    let (a, b) = (Node::start(2000, true), Node::start(2000, true));
     let (ca, cb) = (a.client(), b.client());
     let info = register(&cb, 64);
     register(&ca, 64);
     let ks = keys(9, 3);
     cb.push_register("lonely", info.id, &ks, &node_of(&ca), None)
         .unwrap();
-    // heartbeats keep it for a while...
-    std::thread::sleep(Duration::from_millis(1500));
+    // heartbeats keep it for a while (past its lease)...
+    std::thread::sleep(Duration::from_millis(3000));
     assert_eq!(
         xstats(&ca).registrations,
         1,
@@ -308,7 +311,7 @@ fn push_registration_without_export_expires_and_says_so() {
     // ...an abort on the decode side tells the prefill side at once
     let ab = cb.abort_transfer("lonely").unwrap();
     assert!(ab.aborted);
-    eventually(3, "prefill dropped the registration", || {
+    eventually(10, "prefill dropped the registration", || {
         xstats(&ca).registrations == 0
     });
     assert_absent(&cb, info.id, &ks);
@@ -322,7 +325,7 @@ fn unpulled_export_expires_frees_and_refuses_late_pulls() {
     register(&cb, 64);
     let params = ca.export("late", layout, &ks, None).unwrap();
     assert_eq!(ca.stats().unwrap().pinned_blocks, 4);
-    eventually(3, "lease expiry frees the blocks", || {
+    eventually(15, "lease expiry frees the blocks", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
     assert_eq!(xstats(&ca).expired, 1);
@@ -337,27 +340,28 @@ fn unpulled_export_expires_frees_and_refuses_late_pulls() {
 
 #[test]
 fn heartbeats_keep_an_admitted_transfer_alive_past_its_lease() {
-    // The daemons' own lease is 5 s; this export asks for 600 ms, so the decode side
-    // must beat at a sixth of the export's lease, not of its own.
-    let (a, b) = (Node::start(5000, false), Node::start(5000, false));
+    // The daemons' own lease is 20 s; this export asks for 1.5 s, so the decode side
+    // must beat at a sixth of the export's lease (250 ms), not of its own (3.3 s).
+    let (a, b) = (Node::start(20_000, false), Node::start(20_000, false));
     let (ca, cb) = (a.client(), b.client());
     let (layout, ks, data) = fill(&ca, 3, 5, 64);
     register(&cb, 64);
     let params = ca
-        .export("queued", layout, &ks, Some(Duration::from_millis(600)))
+        .export("queued", layout, &ks, Some(Duration::from_millis(1500)))
         .unwrap();
-    assert_eq!(params.lease_ms, 600);
+    assert_eq!(params.lease_ms, 1500);
     let r = cb.admit(&params, None).unwrap();
     assert_eq!(r.state, TransferState::Queued);
-    std::thread::sleep(Duration::from_millis(2400)); // four leases
+    std::thread::sleep(Duration::from_millis(4500)); // three leases
     assert_eq!(
         ca.transfer_status("queued", Duration::ZERO).unwrap().state,
         TransferState::Exported
     );
     let x = xstats(&ca);
     assert_eq!(x.expired, 0);
+    // every lease/6: ~18; at lease/2 (the least that holds an export) it would be 6
     assert!(
-        x.renewals >= 8,
+        x.renewals >= 6,
         "heartbeats every lease/6: {} renewals",
         x.renewals
     );
@@ -377,10 +381,15 @@ fn decode_killed_mid_transfer_frees_the_prefill_side_within_a_lease() {
     cb.pull(&running, None, false).unwrap();
     b.d.signal(Signal::SIGKILL);
     let t0 = Instant::now();
-    eventually(5, "prefill frees every pinned block", || {
+    eventually(15, "prefill frees every pinned block", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
-    assert!(t0.elapsed() < Duration::from_millis(800 + 1500));
+    // a lease, plus slack for a loaded machine (not max_hold: 300 s)
+    assert!(
+        t0.elapsed() < Duration::from_millis(800 + 4000),
+        "{:?}",
+        t0.elapsed()
+    );
     assert!(
         xstats(&ca).expired >= 1,
         "the admitted transfer's lease ran out"
@@ -404,14 +413,14 @@ fn stopped_decode_expires_and_its_late_messages_are_refused() {
     std::thread::sleep(Duration::from_millis(300));
     let pid = nix::unistd::Pid::from_raw(b.d.child.id() as i32);
     nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();
-    eventually(4, "silent peer: lease expiry frees the blocks", || {
+    eventually(15, "silent peer: lease expiry frees the blocks", || {
         ca.stats().unwrap().pinned_blocks == 0
     });
     let refused_before = xstats(&ca).refused;
     nix::sys::signal::kill(pid, Signal::SIGCONT).unwrap();
     // the resumed decode learns the lease ended (the exporter's failure message, or the
     // answer to its late heartbeat)
-    eventually(4, "decode learns the lease ended", || {
+    eventually(15, "decode learns the lease ended", || {
         cb.transfer_status("stopped", Duration::ZERO).unwrap().state == TransferState::Expired
     });
     // its late start reads under a revoked grant: refused, counted, nothing served
@@ -834,10 +843,10 @@ fn daemons_of_another_cluster_get_nothing() {
 /// daemons' holds return to baseline by themselves.
 #[test]
 fn admissions_and_registrations_end_by_max_hold() {
-    // 1 s leases (heartbeats every ~170 ms), 3 s max hold on the decode side only: the
+    // 2 s leases (heartbeats every ~330 ms), 6 s max hold on the decode side only: the
     // exporter learns of the end from the decode side's peer_fail, not from its lease.
-    let a = Node::start_with(1000, false, "max_hold_ms = 30000");
-    let b = Node::start_with(1000, false, "max_hold_ms = 3000");
+    let a = Node::start_with(2000, false, "max_hold_ms = 30000");
+    let b = Node::start_with(2000, false, "max_hold_ms = 6000");
     let (ca, cb) = (a.client(), b.client());
     let (layout, ks, _) = fill(&ca, 31, 4, 64);
     register(&cb, 64);
@@ -850,15 +859,16 @@ fn admissions_and_registrations_end_by_max_hold() {
     // a push registration to a with no export ever
     cb.push_register("never-exported", layout, &keys(32, 2), &node_of(&ca), None)
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500)); // past a lease: heartbeats keep both
+    std::thread::sleep(Duration::from_millis(3000)); // past a lease: heartbeats keep both
     assert_eq!(xstats(&ca).exports_live, 1);
     assert_eq!(xstats(&ca).registrations, 1);
     let t0 = Instant::now();
-    eventually(6, "both transfers ended by max_hold on both sides", || {
+    eventually(20, "both transfers ended by max_hold on both sides", || {
         let (xa, xb) = (xstats(&ca), xstats(&cb));
         xa.exports_live == 0 && xa.registrations == 0 && xb.imports_live == 0
     });
-    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    // b's max hold ends them ~3 s from here; a's (30 s) is far off
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     for id in ["never-runs", "never-exported"] {
         let r = cb.transfer_status(id, Duration::ZERO).unwrap();
         assert_eq!(r.state, TransferState::Expired, "{id}: {r:?}");
@@ -873,7 +883,7 @@ fn admissions_and_registrations_end_by_max_hold() {
 /// (it was dropped as idle, so the next call failed with `unknown_client`).
 #[test]
 fn transfers_belong_to_their_session_and_waiting_keeps_it() {
-    let a = Node::start_with(5000, false, "\n[limits]\nclient_idle_ttl_ms = 1000");
+    let a = Node::start_with(5000, false, "\n[limits]\nclient_idle_ttl_ms = 2000");
     let owner = a.client();
     let other = a.client();
     let (layout, ks, _) = fill(&owner, 41, 2, 64);
@@ -915,7 +925,7 @@ fn transfers_belong_to_their_session_and_waiting_keeps_it() {
         let st = TransferStatusReq {
             client: me,
             transfer_id: "raw".into(),
-            wait_ms: 500,
+            wait_ms: 750,
             parts_wait: None,
         };
         let got = raw.call(&[&encode_request(10 + i, &Request::TransferStatus(st))]);
@@ -1199,7 +1209,7 @@ fn a_pull_that_read_everything_ends_the_export_without_peer_done() {
     p.from.node = fake.get_last_endpoint().unwrap().unwrap();
     let r = cb.pull(&p, None, true).unwrap();
     verify(&cb, layout, &r, &data);
-    eventually(3, "the export ended by its reads", || {
+    eventually(10, "the export ended by its reads", || {
         xstats(&ca).done == 1 && ca.stats().unwrap().pinned_blocks == 0
     });
     fake.set_rcvtimeo(300).unwrap();
@@ -1375,5 +1385,61 @@ fn strangers_holding_data_connections_never_stop_real_pulls() {
     assert!(
         opened.load(Ordering::Relaxed) > 320,
         "the server closed stranger connections (they were reopened)"
+    );
+}
+
+/// Issue 44: a decode engine that refuses a handoff (another model, another block size)
+/// left the prefill's export pinned until its lease ended. `decline` frees it at once:
+/// sent to a remote exporter, on its own daemon's export, and over its own admitted
+/// pull; params of another export (forged, or mixed up) are refused and end nothing.
+#[test]
+fn a_declined_handoff_is_freed_at_once_by_the_exporter() {
+    // 30 s leases: the 10 s waits below cannot be met by a lease.
+    let (a, b) = (Node::start(30_000, false), Node::start(30_000, false));
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 95, 4, 64);
+    register(&cb, 64);
+    let freed = |what: &str| {
+        eventually(10, what, || {
+            let s = ca.stats().unwrap();
+            s.pinned_blocks == 0 && s.transfers.unwrap().pinned_exports == 0
+        })
+    };
+    // Remote: the decode daemon tells the exporter.
+    let p = ca.export("declined-1", layout, &ks, None).unwrap();
+    assert_eq!(xstats(&ca).pinned_exports, 1);
+    assert!(cb.decline(&p, "another model").unwrap());
+    freed("a remote decline freed the export");
+    let st = ca.transfer_status("declined-1", Duration::ZERO).unwrap();
+    assert_eq!(st.state, TransferState::Aborted, "{st:?}");
+    let why = st.error.expect("says why").message;
+    assert!(
+        why.contains("declined") && why.contains("another model"),
+        "{why}"
+    );
+    // Its admitted pull: ended like an abort (the exporter is told the same way).
+    let p = ca.export("declined-2", layout, &ks, None).unwrap();
+    cb.admit(&p, None).unwrap();
+    assert!(cb.decline(&p, "the request went elsewhere").unwrap());
+    freed("declining an admitted pull freed the export");
+    let st = cb.transfer_status("declined-2", Duration::ZERO).unwrap();
+    assert_eq!(st.state, TransferState::Aborted, "{st:?}");
+    // This daemon's own export (prefill and decode on one node): params that are not the
+    // export's are refused and end nothing; its own params end it.
+    let p = ca.export("declined-3", layout, &ks, None).unwrap();
+    let mut forged = p.clone();
+    forged.token ^= 1;
+    let e = ca.decline(&forged, "forged").unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::NotOwner), "{e}");
+    assert_eq!(
+        xstats(&ca).pinned_exports,
+        1,
+        "a forged decline ended nothing"
+    );
+    assert!(ca.decline(&p, "another block size").unwrap());
+    freed("a local decline freed the export");
+    assert!(
+        !ca.decline(&p, "again").unwrap(),
+        "an ended export: nothing to tell"
     );
 }

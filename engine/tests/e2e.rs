@@ -670,6 +670,20 @@ fn the_model_is_known_by_its_weights_not_its_path() {
         text.contains("prefill's model") && text.contains("decode's model"),
         "{dec}"
     );
+    // Issue 44: the refusal declines the handoff, so the prefill's daemon frees the
+    // export now (aborted), not when its lease (the engine's 10 s) runs out (expired).
+    let c = kvd_client::Client::connect(&node.endpoint).unwrap();
+    let t0 = std::time::Instant::now();
+    let live = || c.stats().unwrap().transfers.unwrap().exports_live;
+    while live() > 0 && t0.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let t = c.stats().unwrap().transfers.unwrap();
+    assert_eq!((t.exports_live, t.pinned_exports), (0, 0), "{t:?}");
+    assert!(
+        t.aborted >= 1 && t.expired == 0,
+        "ended as declined (aborted), not by its lease: {t:?}"
+    );
 }
 
 /// The router asks every prefill worker how much of a prompt its kvd holds. Asking reads

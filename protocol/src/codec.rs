@@ -20,9 +20,9 @@ use crate::msg::op;
 use crate::msg::*;
 use crate::transfer::op as xop;
 use crate::transfer::{
-    AbortReq, ExportReadyReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq,
-    PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq,
-    PullReq, PushRegisterReq, TransferStatusReq,
+    AbortReq, DeclineReq, ExportReadyReq, ExportReq, PeerDoneReq, PeerFailReq, PeerHeartbeatReq,
+    PeerLockReq, PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq,
+    PeerRdmaRegisterReq, PullReq, PushRegisterReq, TransferStatusReq,
 };
 
 /// The protocol version this crate speaks.
@@ -49,6 +49,8 @@ pub enum Request {
     PushRegister(PushRegisterReq),
     TransferStatus(TransferStatusReq),
     Abort(AbortReq),
+    /// `decline`
+    Decline(Box<DeclineReq>),
     ExportReady(ExportReadyReq),
     PeerPushReg(PeerPushRegReq),
     PeerPushDone(PeerPushDoneReq),
@@ -103,6 +105,7 @@ impl Request {
             Request::PushRegister(_) => xop::PUSH_REGISTER,
             Request::TransferStatus(_) => xop::TRANSFER_STATUS,
             Request::Abort(_) => xop::ABORT,
+            Request::Decline(_) => xop::DECLINE,
             Request::ExportReady(_) => xop::EXPORT_READY,
             Request::PeerPushReg(_) => xop::PEER_PUSH_REG,
             Request::PeerPushDone(_) => xop::PEER_PUSH_DONE,
@@ -138,6 +141,7 @@ impl Request {
             Request::Release(r) => r.pins.len(),
             Request::Export(r) => r.keys.len(),
             Request::Pull(r) => r.params.keys.len(),
+            Request::Decline(r) => r.params.keys.len(),
             Request::PushRegister(r) => r.keys.len(),
             Request::PeerPushReg(r) => r.keys.len(),
             Request::PeerHeartbeat(r) => r.transfers.len(),
@@ -194,6 +198,7 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::PushRegister(b) => env(id, op, b),
         Request::TransferStatus(b) => env(id, op, b),
         Request::Abort(b) => env(id, op, b),
+        Request::Decline(b) => env(id, op, b),
         Request::ExportReady(b) => env(id, op, b),
         Request::PeerPushReg(b) => env(id, op, b),
         Request::PeerPushDone(b) => env(id, op, b),
@@ -301,6 +306,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         xop::PUSH_REGISTER => body(frame, xop::PUSH_REGISTER).map(Request::PushRegister),
         xop::TRANSFER_STATUS => body(frame, xop::TRANSFER_STATUS).map(Request::TransferStatus),
         xop::ABORT => body(frame, xop::ABORT).map(Request::Abort),
+        xop::DECLINE => body(frame, xop::DECLINE).map(|b| Request::Decline(Box::new(b))),
         xop::EXPORT_READY => body(frame, xop::EXPORT_READY).map(Request::ExportReady),
         xop::PEER_PUSH_REG => body(frame, xop::PEER_PUSH_REG).map(Request::PeerPushReg),
         xop::PEER_PUSH_DONE => body(frame, xop::PEER_PUSH_DONE).map(Request::PeerPushDone),

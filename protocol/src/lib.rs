@@ -53,11 +53,11 @@ pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK
 pub use layout::{part_layers, part_of_layer, Dtype, Layout, LayoutError, MemoryOrder};
 pub use msg::*;
 pub use transfer::{
-    check_transfer_id, transfer_tag, AbortReq, AbortResp, ExportReadyReq, ExportReq, ExportResp,
-    PeerAck, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq, PeerLookupReq,
-    PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq, PeerRef, PullReq,
-    PushRegisterReq, RdmaRef, RdmaRegion, TransferParams, TransferResp, TransferRole,
-    TransferState, TransferStats, TransferStatusReq,
+    check_transfer_id, transfer_tag, AbortReq, AbortResp, DeclineReq, DeclineResp, ExportReadyReq,
+    ExportReq, ExportResp, PeerAck, PeerDoneReq, PeerFailReq, PeerHeartbeatReq, PeerLockReq,
+    PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq, PeerRdmaRegisterReq,
+    PeerRef, PullReq, PushRegisterReq, RdmaRef, RdmaRegion, TransferParams, TransferResp,
+    TransferRole, TransferState, TransferStats, TransferStatusReq,
 };
 
 /// The default endpoint of a node's daemon, shared by `kvd` and `kvd-client` so that

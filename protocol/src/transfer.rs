@@ -30,6 +30,8 @@ pub mod op {
     pub const ABORT: &str = "abort";
     /// `export_ready` (SPEC §16)
     pub const EXPORT_READY: &str = "export_ready";
+    /// `decline`
+    pub const DECLINE: &str = "decline";
     /// `peer_push_reg`
     pub const PEER_PUSH_REG: &str = "peer_push_reg";
     /// `peer_push_done`
@@ -299,6 +301,28 @@ pub struct AbortReq {
     pub client: ClientId,
     /// The transfer.
     pub transfer_id: String,
+}
+
+/// `decline`: the decode side will not take these params (another model, another block
+/// size, the request went elsewhere): the exporter frees the blocks now instead of at the
+/// end of the lease.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct DeclineReq {
+    /// The session.
+    pub client: ClientId,
+    /// The export's params, as the router handed them over.
+    pub params: TransferParams,
+    /// Why, for the exporter's log and status (e.g. "another model").
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// Reply to `decline`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct DeclineResp {
+    /// Whether the exporter was told (or, for an export of this daemon, whether it was
+    /// ended); false: the transfer had ended already.
+    pub told: bool,
 }
 
 /// Where a transfer is.

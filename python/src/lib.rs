@@ -375,6 +375,16 @@ impl Client {
         to_py(py, &r)
     }
 
+    /// Declines a handoff this engine will not take (`params`: the export's
+    /// `kv_transfer_params` as bytes): the exporter frees its blocks now instead of at
+    /// the end of the lease. Returns whether the exporter was told.
+    #[pyo3(signature = (params, reason=""))]
+    fn decline(&self, py: Python<'_>, params: &[u8], reason: &str) -> PyResult<bool> {
+        let p =
+            TransferParams::from_msgpack(params).map_err(|e| PyValueError::new_err(e.message))?;
+        py.detach(|| self.inner.decline(&p, reason)).map_err(err)
+    }
+
     // ----- the GPU tier (SPEC §13) -----
 
     /// Registers engine memory: `regions` is a list of `(handle: bytes, size: int)` (a

@@ -382,6 +382,61 @@ impl Transfers {
         }))
     }
 
+    /// `decline` (SPEC §10): the decode side will not take `params`. Its own import of
+    /// them (an admitted pull) ends as an `abort` would; otherwise the exporter is told
+    /// (`peer_fail`, `aborted`), or, for this daemon's own export, ends it here: either
+    /// way the blocks are freed now, not when the lease runs out.
+    pub fn decline(
+        &mut self,
+        store: &mut Store,
+        req: &DeclineReq,
+        now: Instant,
+    ) -> Result<Reply, WireError> {
+        store.check_session(req.client, now)?;
+        let p = &req.params;
+        check_transfer_id(&p.transfer_id)?;
+        let id = &p.transfer_id;
+        let why = WireError::new(
+            ErrorCode::Aborted,
+            format!("declined by the decode side: {}", req.reason),
+        );
+        if let Some(i) = self.imports.get(id) {
+            if i.client() != req.client {
+                return Err(WireError::new(
+                    ErrorCode::NotOwner,
+                    format!("transfer {id:?} belongs to another session"),
+                ));
+            }
+            let live = !i.is_final();
+            if live {
+                self.end_import(store, id, TransferState::Aborted, Some(why), true, now);
+            }
+            return Ok(Reply::Decline(DeclineResp { told: live }));
+        }
+        if p.from.incarnation != self.me.incarnation {
+            tracing::info!(transfer = %id, exporter = %p.from.node, reason = %req.reason, "handoff declined");
+            self.fail_peer(&p.from, id, why);
+            return Ok(Reply::Decline(DeclineResp { told: true }));
+        }
+        // This daemon's own export: the params must be its own (a client cannot end
+        // another's export by its id alone).
+        let Some(e) = self.exports.get(id) else {
+            return Err(self.unknown(id));
+        };
+        if e.is_final() {
+            return Ok(Reply::Decline(DeclineResp { told: false }));
+        }
+        if !e.matches(p) {
+            return Err(WireError::new(
+                ErrorCode::NotOwner,
+                format!("params of transfer {id:?} do not match its export"),
+            ));
+        }
+        tracing::info!(transfer = %id, reason = %req.reason, "handoff declined");
+        self.end_export(store, id, TransferState::Aborted, Some(why), true, now);
+        Ok(Reply::Decline(DeclineResp { told: true }))
+    }
+
     /// The state of the import or export `id` (a peer's push registration with no
     /// export here has none).
     fn state_of(&self, id: &str) -> Option<TransferState> {

@@ -126,6 +126,8 @@ pub enum Reply {
     Transfer(TransferResp),
     /// `abort`.
     Abort(AbortResp),
+    /// `decline`.
+    Decline(DeclineResp),
     /// Every `peer_*` op.
     Ack(PeerAck),
     /// `lookup` extended with the peers' blocks.

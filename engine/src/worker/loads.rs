@@ -164,6 +164,36 @@ impl Engine {
         tokens: &[u32],
         p: &KvTransferParams,
     ) -> Result<Option<Loaded>> {
+        let r = self.pull_checked(kv, tokens, p);
+        if let Err(e) = &r {
+            self.decline(kv, p, e);
+        }
+        r
+    }
+
+    /// A handoff this engine refuses or could not take (another model or shard layout,
+    /// another prompt, a pull that could not start): the prefill side's exports are
+    /// declined, so that its daemon frees them now rather than when their lease ends.
+    fn decline(&self, kv: &Kv, p: &KvTransferParams, why: &anyhow::Error) {
+        for h in &p.ranks {
+            let Some(tp) = hex::decode(h)
+                .ok()
+                .and_then(|b| TransferParams::from_msgpack(&b).ok())
+            else {
+                continue;
+            };
+            if let Err(e) = kv.client.decline(&tp, &format!("{why:#}")) {
+                tracing::debug!(transfer = %tp.transfer_id, "decline: {e:#}");
+            }
+        }
+    }
+
+    fn pull_checked(
+        &self,
+        kv: &Kv,
+        tokens: &[u32],
+        p: &KvTransferParams,
+    ) -> Result<Option<Loaded>> {
         self.same_model(p)?;
         if p.ranks.is_empty() {
             return Ok(None); // the prompt had no full block
