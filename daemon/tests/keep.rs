@@ -258,11 +258,12 @@ fn kills_at_random_points_lose_only_unsealed_blocks_and_serve_no_wrong_byte() {
     const BLOCK: usize = 256 * 1024;
     let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let disk_arg = disk.path().display().to_string();
-    // Short hand-outs, so that the fence after each kill is short too.
+    // Short hand-outs, so that the fence after each kill is short too (pins of 5 s: a
+    // load's get and copy must fit in one, however loaded the machine).
     let cfg = disk.path().join("kvd.toml");
     std::fs::write(
         &cfg,
-        "[limits]\nalloc_ttl_ms = 2000\ndefault_pin_ttl_ms = 1000\nmax_pin_ttl_ms = 2000\n",
+        "[limits]\nalloc_ttl_ms = 2000\ndefault_pin_ttl_ms = 5000\nmax_pin_ttl_ms = 5000\n",
     )
     .unwrap();
     let cfg_arg = cfg.display().to_string();

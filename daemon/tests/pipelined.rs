@@ -290,10 +290,11 @@ fn reserve_is_refused_while_draining() {
     let l = register(&c, 16);
     let mut s = RawSession::new(&d.endpoint);
     let held = s.reserve(l.id, 1).unwrap().offsets;
-    // A live export keeps the draining daemon up (for its lease).
+    // A live export keeps the draining daemon up (for its lease: longer than the rest of
+    // the test takes on a loaded machine; it ends by SIGKILL).
     let ks = keys(91, 1);
     c.store(l.id, &ks, &[&block(1, 16 * 1024)[..]]).unwrap();
-    c.export("keep", l.id, &ks, Some(Duration::from_millis(3000)))
+    c.export("keep", l.id, &ks, Some(Duration::from_secs(30)))
         .unwrap();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(d.child.id() as i32),
@@ -344,7 +345,10 @@ fn a_queue_in_a_nearly_full_pool_reserves_what_the_call_needs() {
 
 #[test]
 fn prefetched_loads_copy_under_live_pins_and_release_them() {
-    let d = Daemon::start(&[]);
+    // 60 s pins: a release is told from a pin's expiry however slow the machine.
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 60000\n").unwrap();
+    let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
     let c = d.client();
     let l = register(&c, 64);
     let ks = keys(100, 32);
@@ -390,9 +394,9 @@ fn prefetched_loads_copy_under_live_pins_and_release_them() {
         33,
         "each block was pinned once: by the prefetch (32) or on demand (1)"
     );
-    // Every pin whose blocks were all copied was released (well before the 10 s pin
+    // Every pin whose blocks were all copied was released (well before the 60 s pin
     // TTL); the unread miss holds none.
-    eventually(2, "every pin released", || {
+    eventually(10, "every pin released", || {
         let st = c.stats().unwrap();
         st.pins == 0 && st.pinned_blocks == 0
     });
@@ -412,18 +416,24 @@ fn prefetched_loads_copy_under_live_pins_and_release_them() {
 
 #[test]
 fn a_prefetch_whose_pin_lapsed_is_loaded_again() {
+    // 1.5 s pins: short enough to wait out, long enough for the load's own get and copy
+    // on a loaded machine.
     let cfg = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 200\n").unwrap();
+    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 1500\n").unwrap();
     let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
     let c = d.client();
     let l = register(&c, 16);
     let ks = keys(110, 4);
     let data: Vec<Vec<u8>> = (0..4).map(|j| block(1100 + j, 16 * 1024)).collect();
     c.store(l.id, &ks, &refs(&data)).unwrap();
-    let mut q = c.load_queue(l.id).unwrap();
+    // asked for at once (the default would wait for 4 MiB of announcements)
+    let mut q = c.load_queue(l.id).unwrap().with_get_bytes(0);
+    let expired = c.stats().unwrap().expired_pins;
     q.prefetch(&ks).unwrap();
-    std::thread::sleep(Duration::from_millis(400));
-    assert_eq!(c.stats().unwrap().pins, 0, "the prefetch pin expired");
+    eventually(15, "the prefetch pin expired", || {
+        let st = c.stats().unwrap();
+        st.expired_pins > expired && st.pins == 0
+    });
     let mut bufs = vec![vec![0u8; 16 * 1024]; 4];
     let mut o: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     assert_eq!(q.load(&ks, &mut o).unwrap(), vec![true; 4]);
@@ -576,8 +586,9 @@ fn queues_never_mix_one_daemons_slots_with_anothers_mapping() {
 /// those pins go by themselves), so it does not grow with keys it never loads.
 #[test]
 fn a_queue_forgets_announcements_whose_pins_lapsed() {
+    // 1.5 s pins: the live announcement's load must fit in one on a loaded machine.
     let cfg = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 300\n").unwrap();
+    std::fs::write(cfg.path(), "[limits]\ndefault_pin_ttl_ms = 1500\n").unwrap();
     let d = Daemon::start(&["--config", &cfg.path().display().to_string()]);
     let c = d.client();
     let l = register(&c, 16);
@@ -585,21 +596,27 @@ fn a_queue_forgets_announcements_whose_pins_lapsed() {
     let data: Vec<Vec<u8>> = (0..4).map(|j| block(1600 + j, 16 * 1024)).collect();
     c.store(l.id, &ks, &refs(&data)).unwrap();
     let mut q = c.load_queue(l.id).unwrap().with_get_bytes(0);
+    let hits = c.stats().unwrap().hits;
     q.prefetch(&ks[..3]).unwrap(); // announced, never loaded
-    std::thread::sleep(Duration::from_millis(600));
+                                   // answered (pinned) by the daemon, then past the pin's TTL
+    eventually(15, "the announcement answered", || {
+        c.stats().unwrap().hits >= hits + 3
+    });
+    std::thread::sleep(Duration::from_millis(2000));
     q.prefetch(&ks[3..]).unwrap();
     assert_eq!(q.prefetched(), 1, "only the live announcement is kept");
     let mut one = vec![0u8; 16 * 1024];
     assert_eq!(q.load(&ks[3..], &mut [&mut one[..]]).unwrap(), vec![true]);
     assert!(one == data[3]);
-    eventually(5, "every pin gone", || c.stats().unwrap().pins == 0);
+    eventually(15, "every pin gone", || c.stats().unwrap().pins == 0);
 }
 
 /// Slots held past their use-by (a quarter of the TTL before the daemon reclaims them)
 /// are never written: after a pause longer than the TTL the queue reserves fresh ones.
 #[test]
 fn a_queue_never_writes_slots_past_their_use_by() {
-    let d = Daemon::start(&["--alloc-ttl-ms", "400"]);
+    // 2 s: a reserve, write and put fit well inside the use-by on a loaded machine
+    let d = Daemon::start(&["--alloc-ttl-ms", "2000"]);
     let c = d.client();
     let l = register(&c, 16);
     let ks = keys(170, 4);
@@ -608,8 +625,8 @@ fn a_queue_never_writes_slots_past_their_use_by() {
     q.store(&ks[..2], &refs(&data[..2])).unwrap();
     assert_eq!(q.flush().unwrap().stored, 2);
     assert!(q.reserved() > 0, "slots held ahead");
-    std::thread::sleep(Duration::from_millis(700)); // the daemon reclaimed them
-    eventually(5, "the held slots reclaimed", || {
+    // the daemon reclaims them at the TTL (so their use-by, earlier, has passed too)
+    eventually(15, "the held slots reclaimed", || {
         c.stats().unwrap().reserved == 0
     });
     q.store(&ks[2..], &refs(&data[2..])).unwrap();

@@ -42,7 +42,14 @@ def subscribe():
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kvd.")
     sub.connect(EP)
-    time.sleep(0.3)
+    # Wait until the PUB socket delivers a batch (an idle daemon's keepalive comes within a
+    # second): from then on nothing is missed, so the replay below leaves no gap. A fixed
+    # sleep does not ensure that on a loaded machine.
+    deadline = time.monotonic() + 20
+    while not sub.poll(100):
+        assert time.monotonic() < deadline, "no batch reached the subscriber"
+    topic, seq, payload = sub.recv_multipart()
+    BATCHES[int.from_bytes(seq, "big")] = (topic.decode(), DECODE.decode(payload))
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, 5000)
     dealer.connect(REPLAY)
