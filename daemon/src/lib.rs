@@ -10,6 +10,7 @@
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
 //! | [`pool`] | the shared-memory pool file: create (or keep a previous daemon's), lock, map, retire; a peer's pool read-only |
+//! | [`process`] | which process is at the other end of a stream connection (`SO_PEERCRED`, with its start time) and whether it still runs: what ends a dead engine's session |
 //! | [`table`] | the block table kept beside the pool (SPEC §15): entries written in a kill-safe order, seals by checker threads (`table::checker`), what a new daemon reads back (`table::scan`) |
 //! | [`upgrade`] | `kvd upgrade`: the successor process and the link the hand-over runs over (the old daemon's cut is `server/handover.rs`) |
 //! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
@@ -85,6 +86,7 @@ mod links;
 pub mod metrics;
 pub mod nvme;
 pub mod pool;
+pub mod process;
 mod readiness;
 pub mod region;
 pub mod server;

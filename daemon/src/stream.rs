@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 use kvd_protocol::stream::{self, RecvBuffer, StreamLimits, RECV_CHUNK};
 
+use crate::process::Process;
+
 /// Most connections at once; one more is accepted and closed at once (its client keeps
 /// using ZMQ).
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -31,6 +33,8 @@ pub const MAX_PENDING_OUT: usize = 64 << 20;
 enum Closed {
     /// The client closed it (or it broke).
     Gone,
+    /// The daemon closed it, idle (an upgrade's cut).
+    Idle,
     /// It broke the framing or a limit.
     Violation(stream::FrameError),
     /// It left too many reply bytes unread.
@@ -39,6 +43,8 @@ enum Closed {
 
 struct Conn {
     stream: UnixStream,
+    /// The process that connected (`None`: one the daemon cannot see).
+    peer: Option<Process>,
     recv: RecvBuffer,
     /// Replies not yet written: `out[out_at..]`.
     out: Vec<u8>,
@@ -112,6 +118,8 @@ pub struct StreamServer {
     accepted: u64,
     /// Connections closed for a violation or for not reading.
     closed_bad: u64,
+    /// Connections closed since [`StreamServer::take_closed`] last ran.
+    closed: Vec<u64>,
 }
 
 impl StreamServer {
@@ -142,6 +150,7 @@ impl StreamServer {
             .encode(),
             accepted: 0,
             closed_bad: 0,
+            closed: Vec::new(),
         })
     }
 
@@ -165,6 +174,17 @@ impl StreamServer {
         self.conns
             .iter()
             .map(|(id, c)| (*id, c.stream.as_raw_fd(), c.pending_out() > 0))
+    }
+
+    /// The process at the other end of connection `id` (SPEC §4, "Sessions": the
+    /// sessions it sends requests for are bound to it).
+    pub fn peer(&self, id: u64) -> Option<Process> {
+        self.conns.get(&id).and_then(|c| c.peer)
+    }
+
+    /// The connections closed (either side) since the last call.
+    pub fn take_closed(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.closed)
     }
 
     /// What `stats` reports.
@@ -201,7 +221,7 @@ impl StreamServer {
             .map(|(id, _)| *id)
             .collect();
         for id in idle {
-            self.close(id, Closed::Gone);
+            self.close(id, Closed::Idle);
         }
         self.conns.len()
     }
@@ -221,8 +241,10 @@ impl StreamServer {
                         );
                         continue;
                     }
+                    let peer = Process::of_peer(&s);
                     let mut c = Conn {
                         stream: s,
+                        peer,
                         recv: RecvBuffer::default(),
                         out: Vec::new(),
                         out_at: 0,
@@ -300,8 +322,10 @@ impl StreamServer {
         if self.conns.remove(&id).is_none() {
             return;
         }
+        self.closed.push(id);
         match why {
             Closed::Gone => tracing::debug!(conn = id, "stream transport: connection closed"),
+            Closed::Idle => tracing::debug!(conn = id, "stream transport: idle connection closed"),
             Closed::Violation(e) => {
                 self.closed_bad += 1;
                 tracing::warn!(conn = id, error = %e, "stream transport: connection closed: it broke the framing");
@@ -379,6 +403,7 @@ mod tests {
         a.set_nonblocking(true).unwrap();
         let mut c = Conn {
             stream: a,
+            peer: None,
             recv: RecvBuffer::default(),
             out: vec![7u8; 8 << 20],
             out_at: 0,

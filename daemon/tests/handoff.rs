@@ -1443,3 +1443,83 @@ fn a_declined_handoff_is_freed_at_once_by_the_exporter() {
         "an ended export: nothing to tell"
     );
 }
+
+/// Issue 44: a client that goes away mid-transfer held what it had for minutes (a
+/// deferred pull kept the export pinned until `max_hold`, its session lived for the idle
+/// TTL). Now (SPEC §4, "Sessions"), on each transport, a client process killed while it
+/// holds a deferred pull, a pin and an allocation:
+/// - on the stream transport its session is bound to its process: once the process is
+///   gone the session ends with everything it held (pin and allocation freed, the pull
+///   aborted, the exporter told and freed) — the pin's 60 s TTL is not waited for;
+/// - on ZMQ only, the daemon cannot see its process: its transfers end once it has sent
+///   nothing for a lease (the importer's `lease_ms`, 4 s here), the exporter freed; its
+///   pin and allocation, which a client still alive may be using, end by their TTLs.
+#[test]
+fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
+    use std::io::BufRead;
+    let py = python();
+    let a = Node::start(30_000, false);
+    let b = Node::start(4_000, false);
+    let (ca, cb) = (a.client(), b.client());
+    let (layout, ks, _) = fill(&ca, 97, 4, 64);
+    let info = register(&cb, 64);
+    let pin_key = keys(98, 1)[0];
+    cb.store(
+        layout,
+        &[pin_key],
+        &[&block(98, info.block_bytes as usize)[..]],
+    )
+    .unwrap();
+    let layout_json = serde_json::to_string(&common::layout(64)).unwrap();
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/kvd_holder.py");
+    for (round, mode) in ["stream", "zmq"].into_iter().enumerate() {
+        let id = format!("held-{mode}");
+        let p = ca.export(&id, layout, &ks, None).unwrap();
+        let alloc_key = keys(99 + round as u32, 1)[0];
+        let mut child = std::process::Command::new(&py)
+            .arg(&script)
+            .args([&b.d.endpoint, mode, &layout_json])
+            .args([p.to_msgpack(), pin_key.0.to_vec(), alloc_key.0.to_vec()].map(hex::encode))
+            .current_dir(script.parent().unwrap())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("holding"),
+            "the holder did not start: {line:?}"
+        );
+        let s = cb.stats().unwrap();
+        assert!(s.pins >= 1 && s.pending >= 1, "{s:?}");
+        assert_eq!(xstats(&ca).pinned_exports, 1, "the export is held");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        eventually(20, "the exporter freed the export", || {
+            xstats(&ca).pinned_exports == 0 && ca.stats().unwrap().pinned_blocks == 0
+        });
+        let st = cb.transfer_status(&id, Duration::ZERO).unwrap();
+        assert_eq!(st.state, TransferState::Aborted, "{st:?}");
+        let why = st.error.map(|e| e.message).unwrap_or_default();
+        let s = cb.stats().unwrap();
+        if mode == "stream" {
+            assert!(why.contains("exited"), "{why}");
+            eventually(10, "the session's pin and allocation freed", || {
+                let s = cb.stats().unwrap();
+                s.pins == 0 && s.pending == 0
+            });
+            assert_eq!(cb.stats().unwrap().ended_sessions, 1);
+        } else {
+            assert!(why.contains("sent nothing for a lease"), "{why}");
+            assert_eq!(s.ended_sessions, 1, "a ZMQ client's session is not ended");
+            assert_eq!(
+                (s.pins, s.pending),
+                (1, 1),
+                "its pin and allocation run to their TTLs: {s:?}"
+            );
+        }
+    }
+}

@@ -24,6 +24,7 @@ use crate::transfer::{
     PeerLockReq, PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq,
     PeerRdmaRegisterReq, PullReq, PushRegisterReq, TransferStatusReq,
 };
+use crate::ClientId;
 
 /// The protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -49,7 +50,6 @@ pub enum Request {
     PushRegister(PushRegisterReq),
     TransferStatus(TransferStatusReq),
     Abort(AbortReq),
-    /// `decline`
     Decline(Box<DeclineReq>),
     ExportReady(ExportReadyReq),
     PeerPushReg(PeerPushRegReq),
@@ -125,6 +125,49 @@ impl Request {
             Request::GpuPull(_) => gop::GPU_PULL,
             Request::GpuExportStatus(_) => gop::GPU_EXPORT_STATUS,
         }
+    }
+
+    /// The session a client op names (`None`: `hello`, `register_layout`, `lookup`,
+    /// `stats` and the peer ops, which name none).
+    pub fn client(&self) -> Option<ClientId> {
+        Some(match self {
+            Request::Alloc(r) => r.client,
+            Request::Commit(r) => r.client,
+            Request::Get(r) => r.client,
+            Request::Release(r) => r.client,
+            Request::Delete(r) => r.client,
+            Request::Reserve(r) => r.client,
+            Request::Put(r) => r.client,
+            Request::Unreserve(r) => r.client,
+            Request::Export(r) => r.client,
+            Request::Pull(r) => r.client,
+            Request::PushRegister(r) => r.client,
+            Request::TransferStatus(r) => r.client,
+            Request::Abort(r) => r.client,
+            Request::Decline(r) => r.client,
+            Request::ExportReady(r) => r.client,
+            Request::GpuRegister(r) => r.client,
+            Request::GpuUnregister(r) => r.client,
+            Request::GpuList(r) => r.client,
+            Request::GpuStore(r) => r.client,
+            Request::GpuLoad(r) => r.client,
+            Request::GpuExport(r) => r.client,
+            Request::GpuPull(r) => r.client,
+            Request::GpuExportStatus(r) => r.client,
+            Request::Hello(_)
+            | Request::RegisterLayout(_)
+            | Request::Lookup(_)
+            | Request::Stats(_)
+            | Request::PeerPushReg(_)
+            | Request::PeerPushDone(_)
+            | Request::PeerDone(_)
+            | Request::PeerFail(_)
+            | Request::PeerHeartbeat(_)
+            | Request::PeerRdmaConnect(_)
+            | Request::PeerRdmaRegister(_)
+            | Request::PeerLookup(_)
+            | Request::PeerLock(_) => return None,
+        })
     }
 
     /// The keys the request names, if it names any (for limit checks).

@@ -516,6 +516,9 @@ pub struct StatsResp {
     pub expired_pins: u64,
     /// Allocations reclaimed after their TTL.
     pub expired_allocs: u64,
+    /// Sessions ended because their client's process exited (SPEC §4, "Sessions").
+    #[serde(default)]
+    pub ended_sessions: u64,
     /// Replies dropped because the client was gone or not reading.
     pub dropped_replies: u64,
     /// Error replies, by code name.

@@ -9,6 +9,7 @@ use kvd_protocol::auth::Stamp;
 use kvd_protocol::*;
 
 use super::Server;
+use crate::process::Process;
 use crate::store::Answer;
 use crate::stream::StreamServer;
 use crate::transfer::{self, Reply, Transfers};
@@ -18,12 +19,14 @@ impl Server {
     /// request (peer socket) or `None` (client socket): each socket serves only its own
     /// ops. The checks come in SPEC §10.1's order: (authentication, done by the caller
     /// on the control endpoint,) the envelope, the endpoint the op is served on, the
-    /// body.
+    /// body. `stream`: the stream connection it came on and the process at its other
+    /// end, which the session the request names is bound to (SPEC §4, "Sessions").
     pub(super) fn dispatch(
         &mut self,
         env: &[u8],
         payloads: &[zmq::Message],
         peer: Option<Stamp>,
+        stream: Option<(u64, Option<Process>)>,
         now: Instant,
     ) -> Outcome {
         let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
@@ -52,6 +55,9 @@ impl Server {
         let op = req.op();
         if let Some(why) = wrong_endpoint(op, peer) {
             return self.refuse_endpoint(id, op, why, now);
+        }
+        if let (Some((conn, process)), Some(client)) = (stream, req.client()) {
+            self.store.bind_stream(client, conn, process);
         }
         match self.execute(&req, payloads, &mut out, now) {
             Ok(Answer::Later(token)) => Outcome::Later(token, id, op),

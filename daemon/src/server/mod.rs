@@ -76,6 +76,9 @@ struct ReplyTo {
 /// Requests served per loop turn before timers run.
 pub const BATCH: usize = 256;
 
+/// How often the server looks for sessions whose clients' processes exited.
+const EXIT_CHECK: Duration = Duration::from_millis(500);
+
 /// Most peer-request stamps remembered for replay protection.
 const PEER_REPLAY_MAX: usize = 1 << 20;
 
@@ -179,6 +182,8 @@ pub struct Server {
     cut: Option<Instant>,
     /// The incarnation this daemon took over from (`hello.upgraded_from`).
     upgraded_from: Option<Incarnation>,
+    /// When to look next for sessions whose clients' processes exited.
+    next_exit_check: Instant,
 }
 
 /// How [`Server::run`] ended.
@@ -249,6 +254,7 @@ impl Server {
             successor: None,
             cut: None,
             upgraded_from: None,
+            next_exit_check: Instant::now(),
         })
     }
 
@@ -551,6 +557,7 @@ impl Server {
                 }
             }
             self.store.maintain(Instant::now());
+            self.end_gone_clients(Instant::now());
             self.gpu.maintain(&self.store, Instant::now());
             self.drive_transfers(woken);
             self.answer_deferred();
@@ -678,7 +685,7 @@ impl Server {
         let req_style = parts.len() >= 2 && parts[1].is_empty();
         let env_at = if req_style { 2 } else { 1 };
         let outcome = match parts.get(env_at) {
-            Some(env) => self.dispatch(env, &parts[env_at + 1..], None, now),
+            Some(env) => self.dispatch(env, &parts[env_at + 1..], None, None, now),
             None => Outcome::Reply(
                 self.refuse(
                     "invalid",
@@ -718,6 +725,7 @@ impl Server {
         let Some(st) = self.stream.as_mut() else {
             return;
         };
+        let process = st.peer(id);
         for frames in st.read(id, BATCH) {
             let now = Instant::now();
             let mut frames = frames.into_iter();
@@ -725,7 +733,7 @@ impl Server {
                 continue; // the decoder never yields a message without frames
             };
             let payloads: Vec<zmq::Message> = frames.map(zmq::Message::from).collect();
-            match self.dispatch(&env, &payloads, None, now) {
+            match self.dispatch(&env, &payloads, None, Some((id, process)), now) {
                 Outcome::Reply(reply, out) => {
                     self.send_reply(&[], false, Via::Stream(id), reply, out)
                 }
@@ -794,7 +802,7 @@ impl Server {
                 return;
             }
         };
-        let outcome = self.dispatch(env, &[], Some(stamp), now);
+        let outcome = self.dispatch(env, &[], Some(stamp), None, now);
         match outcome {
             Outcome::Reply(reply, payloads) => {
                 self.send_reply(identity, false, Via::Peer(Some(stamp)), reply, payloads)
@@ -853,6 +861,42 @@ impl Server {
         }
         // What those failures finished.
         self.answer_transfers();
+    }
+
+    /// Ends the sessions whose clients' processes exited (SPEC §4, "Sessions"): the store
+    /// releases what they held, their transfers are aborted (the other sides told), and
+    /// the GPU tier's next sweep ends their registrations. Looked at every
+    /// [`EXIT_CHECK`], and soon after a stream connection closes.
+    fn end_gone_clients(&mut self, now: Instant) {
+        let closed = self
+            .stream
+            .as_mut()
+            .map(StreamServer::take_closed)
+            .unwrap_or_default();
+        for &conn in &closed {
+            self.store.stream_closed(conn);
+        }
+        if !closed.is_empty() {
+            // (a process closes its sockets a moment before it is gone)
+            self.next_exit_check = self.next_exit_check.min(now + Duration::from_millis(20));
+        }
+        if now < self.next_exit_check {
+            return;
+        }
+        self.next_exit_check = now + EXIT_CHECK;
+        let gone = self.store.end_exited_sessions();
+        if gone.is_empty() {
+            return;
+        }
+        if let Some(t) = self.transfers.as_mut() {
+            t.end_sessions(
+                &mut self.store,
+                &gone,
+                "the owning session's client exited",
+                now,
+            );
+            self.answer_transfers();
+        }
     }
 
     /// Answers the `peer_lock`s that waited for NVMe reads the store has just finished

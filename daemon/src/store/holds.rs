@@ -199,6 +199,30 @@ impl Holds {
         None
     }
 
+    // ----- a session's -----
+
+    /// Everything `owner` holds: its pins, its reservations (index nodes) and its
+    /// reserved slots (pool offsets). A scan: for a session that ends, which is rare.
+    pub fn owned_by(&self, owner: ClientId) -> (Vec<PinId>, Vec<u32>, Vec<u64>) {
+        (
+            self.pins
+                .iter()
+                .filter(|(_, p)| p.owner == owner)
+                .map(|(id, _)| *id)
+                .collect(),
+            self.reservations
+                .iter()
+                .filter(|(_, r)| r.owner == owner)
+                .map(|(idx, _)| *idx)
+                .collect(),
+            self.slots
+                .iter()
+                .filter(|(_, h)| h.owner == owner)
+                .map(|(off, _)| *off)
+                .collect(),
+        )
+    }
+
     // ----- both -----
 
     /// Drops queue entries of holds that ended before their deadline, once they

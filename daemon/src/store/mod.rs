@@ -70,6 +70,7 @@ use self::sessions::{Held, LayoutEntry, Sessions};
 use self::tiering::{Deferred, Flight, Waiting};
 use crate::alloc::SlabAllocator;
 use crate::pool::{Pool, SLOT_ALIGN};
+use crate::process::Process;
 
 #[cfg(test)]
 impl StoreConfig {
@@ -148,6 +149,7 @@ struct Counters {
     evictions: u64,
     expired_pins: u64,
     expired_allocs: u64,
+    ended_sessions: u64,
     dropped_replies: u64,
     demotions: u64,
     promotions: u64,
@@ -776,6 +778,56 @@ impl Store {
         self.sessions.held(pin.owner, Held::Pins(-1));
     }
 
+    // ----- clients that went away (SPEC §4, "Sessions") -----
+
+    /// `client` sent a request over stream connection `conn`, opened by `process`
+    /// (`None`: one the daemon cannot see).
+    pub fn bind_stream(&mut self, client: ClientId, conn: u64, process: Option<Process>) {
+        self.sessions.bind_stream(client, conn, process);
+    }
+
+    /// Stream connection `conn` closed.
+    pub fn stream_closed(&mut self, conn: u64) {
+        self.sessions.stream_closed(conn);
+    }
+
+    /// Whether `client`'s end can be seen (it is bound to processes the daemon sees):
+    /// such a session lives while they do, and ends with them.
+    pub fn session_bound(&self, client: ClientId) -> bool {
+        self.sessions.bound(client)
+    }
+
+    /// Ends every session whose client has surely gone ([`Sessions::exited`]): its pins
+    /// are released, its allocations and reserved slots freed, the session removed
+    /// (nobody can read or write under them any more). Returns those sessions: what else
+    /// they owned (transfers, GPU registrations) is the caller's to end.
+    pub fn end_exited_sessions(&mut self) -> Vec<ClientId> {
+        let gone = self.sessions.exited();
+        for &client in &gone {
+            let (pins, reservations, slots) = self.holds.owned_by(client);
+            let held = (pins.len(), reservations.len() + slots.len());
+            for id in &pins {
+                if let Some(pin) = self.holds.unpin(id) {
+                    self.unpin(pin);
+                }
+            }
+            for idx in reservations {
+                if self.holds.unreserve(idx).is_some() {
+                    self.free_node(idx);
+                }
+            }
+            for off in slots {
+                if self.holds.unreserve_slot(off).is_some() {
+                    self.free_slot(off);
+                }
+            }
+            self.sessions.remove(client);
+            self.counters.ended_sessions += 1;
+            tracing::info!(%client, pins = held.0, allocations = held.1, "session ended: its client's process exited");
+        }
+        gone
+    }
+
     /// `release`: all-or-nothing.
     pub fn release(&mut self, req: &ReleaseReq, now: Instant) -> Result<ReleaseResp, StoreError> {
         self.sessions.seen(req.client, now)?;
@@ -871,6 +923,7 @@ impl Store {
             evictions: self.counters.evictions,
             expired_pins: self.counters.expired_pins,
             expired_allocs: self.counters.expired_allocs,
+            ended_sessions: self.counters.ended_sessions,
             dropped_replies: self.counters.dropped_replies,
             demotions: self.counters.demotions,
             promotions: self.counters.promotions,

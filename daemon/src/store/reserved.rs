@@ -198,7 +198,7 @@ impl Store {
     }
 
     /// Gives a slot that holds no block back to the allocator.
-    fn free_slot(&mut self, off: u64) {
+    pub(super) fn free_slot(&mut self, off: u64) {
         if let Err(e) = self.alloc.free(off) {
             tracing::error!(error = %e, off, "slot accounting bug: freeing a reserved slot failed");
         }

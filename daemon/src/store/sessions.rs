@@ -2,7 +2,10 @@
 //! geometries are registered, and the size class each one's slots come from).
 //!
 //! Owns the rules: a session that holds nothing and was not seen for `client_idle_ttl`
-//! is dropped (the daemon's own session never is); at most `max_clients` sessions and
+//! is dropped (the daemon's own session never is); a session bound to the processes it
+//! used the stream transport from has **exited** once none of its stream connections is
+//! open and every one of those processes is gone ([`Sessions::exited`]: the store then
+//! ends it with everything it holds, SPEC §4); at most `max_clients` sessions and
 //! `max_layouts` layouts exist; a layout's block fits in a segment.
 
 use std::collections::HashMap;
@@ -12,6 +15,12 @@ use kvd_protocol::{ClientId, Incarnation, LayoutId};
 
 use super::StoreError;
 use crate::alloc::ClassId;
+use crate::process::Process;
+
+/// Most processes and open stream connections one session is bound to (an engine uses
+/// one process and a connection per thread in flight; past these the session is simply
+/// not ended by its processes' exits, and its transfers fall back to the lease).
+const MAX_BOUND: usize = 64;
 
 #[derive(Debug)]
 struct Session {
@@ -22,6 +31,28 @@ struct Session {
     last_seen: Instant,
     pins: u64,
     pending: u64,
+    /// Where it used the stream transport from (see [`Binding`]).
+    binding: Binding,
+}
+
+/// The stream connections a session sent requests on and the processes at their other
+/// end: what tells that its client has gone.
+#[derive(Debug, Default)]
+struct Binding {
+    /// Its stream connections still open.
+    open: Vec<u64>,
+    /// The processes those connections (open or closed) came from.
+    processes: Vec<Process>,
+    /// A connection came from a process the daemon cannot see (another pid namespace),
+    /// or there were more than [`MAX_BOUND`]: its end cannot be told.
+    unknowable: bool,
+}
+
+impl Binding {
+    /// Bound to processes whose end the daemon can see.
+    fn knowable(&self) -> bool {
+        !self.processes.is_empty() && !self.unknowable
+    }
 }
 
 /// A registered layout.
@@ -47,6 +78,8 @@ pub(super) struct Sessions {
     clients: HashMap<ClientId, Session>,
     layouts: HashMap<LayoutId, LayoutEntry>,
     next_sweep: Instant,
+    /// Open stream connection → the sessions bound to it.
+    conns: HashMap<u64, Vec<ClientId>>,
 }
 
 /// How a session's holds change.
@@ -74,6 +107,80 @@ impl Sessions {
             clients: HashMap::new(),
             layouts: HashMap::new(),
             next_sweep: now,
+            conns: HashMap::new(),
+        }
+    }
+
+    // ----- what tells that a client has gone -----
+
+    /// `client` sent a request over stream connection `conn`, opened by `process`
+    /// (`None`: one the daemon cannot see). Cheap when it is bound already (every
+    /// request over the stream calls this).
+    pub fn bind_stream(&mut self, client: ClientId, conn: u64, process: Option<Process>) {
+        if self.conns.get(&conn).is_some_and(|c| c.contains(&client)) {
+            return;
+        }
+        let Some(s) = self.clients.get_mut(&client).filter(|s| !s.system) else {
+            return;
+        };
+        let b = &mut s.binding;
+        match process {
+            Some(p) if b.processes.contains(&p) => {}
+            Some(p) if b.processes.len() < MAX_BOUND => b.processes.push(p),
+            _ => b.unknowable = true,
+        }
+        if b.open.len() >= MAX_BOUND {
+            b.unknowable = true;
+            return;
+        }
+        b.open.push(conn);
+        self.conns.entry(conn).or_default().push(client);
+    }
+
+    /// Stream connection `conn` closed (either side).
+    pub fn stream_closed(&mut self, conn: u64) {
+        for c in self.conns.remove(&conn).unwrap_or_default() {
+            if let Some(s) = self.clients.get_mut(&c) {
+                s.binding.open.retain(|&o| o != conn);
+            }
+        }
+    }
+
+    /// Whether `client` is bound to processes whose end the daemon can see (while they
+    /// run, it is kept: [`Sessions::exited`] says when it is not).
+    pub fn bound(&self, client: ClientId) -> bool {
+        self.clients
+            .get(&client)
+            .is_some_and(|s| s.binding.knowable())
+    }
+
+    /// The sessions whose clients have surely gone: bound to processes the daemon can
+    /// see, every one of which has exited, with no stream connection of theirs still
+    /// open (a process that inherited one, e.g. by `fork`, keeps it open). Each process
+    /// is looked up once.
+    pub fn exited(&self) -> Vec<ClientId> {
+        let mut alive: HashMap<Process, bool> = HashMap::new();
+        self.clients
+            .iter()
+            .filter(|(_, s)| s.binding.knowable() && s.binding.open.is_empty())
+            .filter(|(_, s)| {
+                s.binding
+                    .processes
+                    .iter()
+                    .all(|p| !*alive.entry(*p).or_insert_with(|| p.alive()))
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Ends `client`'s session (what it held is the caller's to release first).
+    pub fn remove(&mut self, client: ClientId) {
+        if let Some(s) = self.clients.remove(&client) {
+            for conn in s.binding.open {
+                if let Some(v) = self.conns.get_mut(&conn) {
+                    v.retain(|&c| c != client);
+                }
+            }
         }
     }
 
@@ -159,6 +266,7 @@ impl Sessions {
                 last_seen: now,
                 pins: 0,
                 pending: 0,
+                binding: Binding::default(),
             },
         );
         id
@@ -189,6 +297,8 @@ impl Sessions {
             }
             keep
         });
+        // (an idle session dropped while a connection is open: the map forgets it when
+        // the connection closes)
     }
 
     // ----- layouts -----

@@ -437,6 +437,29 @@ impl Transfers {
         Ok(Reply::Decline(DeclineResp { told: true }))
     }
 
+    /// Ends the live transfers `gone` sessions own, as an `abort` would (the other side
+    /// is told), with `why` (SPEC §4, "Sessions": their clients have gone).
+    pub fn end_sessions(&mut self, store: &mut Store, gone: &[ClientId], why: &str, now: Instant) {
+        let owned = |c: Option<ClientId>| c.is_some_and(|c| gone.contains(&c));
+        let mut ids: Vec<String> = self
+            .imports
+            .iter()
+            .filter(|(_, i)| owned(i.live_owner()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        ids.extend(
+            self.exports
+                .iter()
+                .filter(|(k, e)| owned(e.live_owner()) && !self.imports.contains_key(*k))
+                .map(|(k, _)| k.clone()),
+        );
+        for id in ids {
+            tracing::info!(transfer = %id, "transfer aborted: {why}");
+            let e = WireError::new(ErrorCode::Aborted, why);
+            self.end_transfer(store, &id, TransferState::Aborted, Some(e), true, now);
+        }
+    }
+
     /// The state of the import or export `id` (a peer's push registration with no
     /// export here has none).
     fn state_of(&self, id: &str) -> Option<TransferState> {

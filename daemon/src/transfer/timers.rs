@@ -42,18 +42,9 @@ impl Transfers {
             self.on_timer(store, timer, id, now);
         }
         if now >= self.next_touch {
-            // A session that owns a live transfer is not idle (transfers end by
-            // `max_hold` at the latest, so this keeps no session forever).
             self.next_touch =
                 now + (store.config().client_idle_ttl / 3).min(Duration::from_secs(1));
-            let owners = self
-                .exports
-                .values()
-                .filter_map(|e| e.live_owner())
-                .chain(self.imports.values().filter_map(|i| i.live_owner()));
-            for c in owners {
-                store.touch_session(c, now);
-            }
+            self.keep_or_end_owners(store, now);
             if let Some(shm) = &self.shm {
                 shm.sweep();
             }
@@ -99,6 +90,56 @@ impl Transfers {
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// The owners of live transfers (SPEC §4, "Sessions"). One bound to processes the
+    /// daemon sees, or waiting on a transfer's answer, is not idle: it is kept (the
+    /// processes' exits end it, [`Store::end_exited_sessions`]; transfers end by
+    /// `max_hold` at the latest, so this keeps no session forever). Any other (a client
+    /// on ZMQ only) keeps its transfers while it sends a request at least once a lease:
+    /// silent longer, or gone, its client is taken for gone and they are aborted.
+    fn keep_or_end_owners(&mut self, store: &mut Store, now: Instant) {
+        let mut owners: Vec<ClientId> = self
+            .exports
+            .values()
+            .filter_map(|e| e.live_owner())
+            .chain(self.imports.values().filter_map(|i| i.live_owner()))
+            .filter(|&c| c != self.system)
+            .collect();
+        owners.sort_unstable();
+        owners.dedup();
+        let waiting: Vec<ClientId> = self
+            .waiters
+            .iter()
+            .filter_map(|w| self.owner_of(&w.transfer))
+            .collect();
+        let mut silent = Vec::new();
+        for c in owners {
+            if store.session_bound(c) || waiting.contains(&c) {
+                store.touch_session(c, now);
+            } else if store
+                .session_last_seen(c)
+                .is_none_or(|t| now.saturating_duration_since(t) > self.cfg.lease)
+            {
+                silent.push(c);
+            }
+        }
+        if !silent.is_empty() {
+            let why = format!(
+                "its session sent nothing for a lease ({} ms) over ZMQ: its client is taken for gone",
+                self.cfg.lease.as_millis()
+            );
+            self.end_sessions(store, &silent, &why, now);
+        }
+    }
+
+    /// The session that owns transfer `id` here.
+    fn owner_of(&self, id: &str) -> Option<ClientId> {
+        match (self.imports.get(id), self.exports.get(id)) {
+            (Some(i), _) => Some(i.client()),
+            (None, Some(e)) => Some(e.client()),
+            (None, None) => None,
         }
     }
 
