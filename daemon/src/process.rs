@@ -29,7 +29,11 @@ impl Process {
     pub fn of_peer(sock: &UnixStream) -> Option<Process> {
         use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
         let cred = getsockopt(sock, PeerCredentials).ok()?;
-        let pid = u32::try_from(cred.pid()).ok().filter(|p| *p > 0)?;
+        Process::of_pid(u32::try_from(cred.pid()).ok().filter(|p| *p > 0)?)
+    }
+
+    /// Process `pid` as it runs now, if it does.
+    pub fn of_pid(pid: u32) -> Option<Process> {
         let (start, _) = stat(pid)?;
         Some(Process { pid, start })
     }

@@ -338,3 +338,71 @@ impl Sessions {
         self.layouts.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sessions() -> Sessions {
+        Sessions::new(
+            Incarnation(1),
+            16,
+            4,
+            Duration::from_secs(60),
+            Instant::now(),
+        )
+    }
+
+    /// A session ends with its client only when that is sure: every bound process gone
+    /// and no stream connection of it open; never when a process cannot be seen.
+    #[test]
+    fn a_session_has_exited_once_its_processes_are_gone_and_its_connections_closed() {
+        let now = Instant::now();
+        let mut s = sessions();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let proc = Process::of_pid(child.id()).expect("the child runs");
+        let me = Process::of_pid(std::process::id()).unwrap();
+        let dies = s.open_client("dies", 0, now).unwrap();
+        let unseen = s.open_client("unseen", 0, now).unwrap();
+        let zmq = s.open_client("zmq-only", 0, now).unwrap();
+        let two = s.open_client("two processes", 0, now).unwrap();
+        s.bind_stream(dies, 1, Some(proc));
+        s.bind_stream(dies, 2, Some(proc));
+        s.bind_stream(unseen, 3, None);
+        s.bind_stream(two, 4, Some(proc));
+        s.bind_stream(two, 5, Some(me));
+        assert!(s.bound(dies) && s.bound(two));
+        assert!(!s.bound(unseen) && !s.bound(zmq));
+        s.stream_closed(1);
+        s.stream_closed(2);
+        assert!(s.exited().is_empty(), "its process still runs");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        s.stream_closed(4);
+        s.stream_closed(5);
+        assert_eq!(
+            s.exited(),
+            vec![dies],
+            "only the one whose every process is gone"
+        );
+        // A connection of it still open (inherited by another process): not yet.
+        s.bind_stream(dies, 6, Some(proc));
+        assert!(s.exited().is_empty());
+        s.stream_closed(6);
+        assert_eq!(s.exited(), vec![dies]);
+        s.remove(dies);
+        assert!(s.exited().is_empty() && s.last_seen(dies).is_none());
+        s.stream_closed(3);
+        assert!(
+            s.exited().is_empty(),
+            "a process the daemon cannot see never ends it"
+        );
+        // The daemon's own session is never bound.
+        let sys = s.open_system(now);
+        s.bind_stream(sys, 7, Some(proc));
+        assert!(!s.bound(sys));
+    }
+}
