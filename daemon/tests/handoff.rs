@@ -1454,6 +1454,9 @@ fn a_declined_handoff_is_freed_at_once_by_the_exporter() {
 /// - on ZMQ only, the daemon cannot see its process: its transfers end once it has sent
 ///   nothing for a lease (the importer's `lease_ms`, 4 s here), the exporter freed; its
 ///   pin and allocation, which a client still alive may be using, end by their TTLs.
+///
+/// An export the killed client finished stays: its blocks are the daemon's, and a decode
+/// node still pulls them (a prefill that crashed after its export loses no work).
 #[test]
 fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
     use std::io::BufRead;
@@ -1477,10 +1480,19 @@ fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
         let id = format!("held-{mode}");
         let p = ca.export(&id, layout, &ks, None).unwrap();
         let alloc_key = keys(99 + round as u32, 1)[0];
+        let export_key = keys(120 + round as u32, 1)[0];
         let mut child = std::process::Command::new(&py)
             .arg(&script)
             .args([&b.d.endpoint, mode, &layout_json])
-            .args([p.to_msgpack(), pin_key.0.to_vec(), alloc_key.0.to_vec()].map(hex::encode))
+            .args(
+                [
+                    p.to_msgpack(),
+                    pin_key.0.to_vec(),
+                    alloc_key.0.to_vec(),
+                    export_key.0.to_vec(),
+                ]
+                .map(hex::encode),
+            )
             .current_dir(script.parent().unwrap())
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -1489,10 +1501,11 @@ fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
         std::io::BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        assert!(
-            line.starts_with("holding"),
-            "the holder did not start: {line:?}"
-        );
+        let exported = match line.split_whitespace().collect::<Vec<_>>()[..] {
+            ["holding", _, params] => TransferParams::from_msgpack(&hex::decode(params).unwrap())
+                .expect("the holder's export params"),
+            _ => panic!("the holder did not start: {line:?}"),
+        };
         let s = cb.stats().unwrap();
         assert!(s.pins >= 1 && s.pending >= 1, "{s:?}");
         assert_eq!(xstats(&ca).pinned_exports, 1, "the export is held");
@@ -1507,9 +1520,10 @@ fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
         let s = cb.stats().unwrap();
         if mode == "stream" {
             assert!(why.contains("exited"), "{why}");
+            // (the one pin left is its finished export's, the daemon's own)
             eventually(10, "the session's pin and allocation freed", || {
                 let s = cb.stats().unwrap();
-                s.pins == 0 && s.pending == 0
+                s.pins == 1 && s.pending == 0
             });
             assert_eq!(cb.stats().unwrap().ended_sessions, 1);
         } else {
@@ -1517,9 +1531,17 @@ fn a_client_killed_mid_transfer_frees_what_it_held_on_each_transport() {
             assert_eq!(s.ended_sessions, 1, "a ZMQ client's session is not ended");
             assert_eq!(
                 (s.pins, s.pending),
-                (1, 1),
-                "its pin and allocation run to their TTLs: {s:?}"
+                (2, 1),
+                "its pin and allocation run to their TTLs (and its export's pin stays): {s:?}"
             );
         }
+        let r = ca.pull(&exported, None, true).unwrap();
+        let want: Vec<u8> = (0..info.block_bytes as usize)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        verify(&ca, layout, &r, &[want]);
+        eventually(10, "the pulled export released", || {
+            xstats(&cb).pinned_exports == 0
+        });
     }
 }

@@ -26,7 +26,7 @@
 //! |---|---|
 //! | `index` | where each block is, its state, pin count and LRU place: a block is on its class's LRU list exactly when it is committed and unpinned |
 //! | `holds` | pins, reservations and reserved slots with owners and deadlines: none outlives its deadline, and the deadline queues stay bounded by live holds |
-//! | `sessions` | sessions and layouts: idle sessions holding nothing are dropped; limits |
+//! | `sessions` | sessions and layouts: idle sessions holding nothing are dropped; a session bound to the processes it used the stream transport from has exited once they are all gone and its connections closed (the store then ends it with its holds, [`Store::end_exited_sessions`]); limits |
 //! | `reclaim` | eviction, watermarks, and refusing an allocation that cannot fit before evicting anything |
 //! | `reserved` | pipelined stores (`reserve`, `put`, `unreserve`): a reserved slot is seen by nothing but its owner's `put`, and a `put` never overwrites a cached key |
 //! | `tiering` | the [`LowerTier`] trait (NVMe, or [`NoTier`]), demotion, promotion, prefetch, and requests waiting for I/O |
@@ -1094,6 +1094,11 @@ impl Store {
     /// When `client` last sent an op (`None`: it has no session).
     pub fn session_last_seen(&self, client: ClientId) -> Option<Instant> {
         self.sessions.last_seen(client)
+    }
+
+    /// When `client` last sent a request (a transfer's touch is not one).
+    pub fn session_last_request(&self, client: ClientId) -> Option<Instant> {
+        self.sessions.last_request(client)
     }
 
     /// The pool, shared (for the threads that copy into and out of its slots).

@@ -28,7 +28,10 @@ struct Session {
     system: bool,
     name: String,
     pid: u32,
+    /// Its last request, or a transfer's touch ([`Sessions::touch`]).
     last_seen: Instant,
+    /// Its last request.
+    last_request: Instant,
     pins: u64,
     pending: u64,
     /// Where it used the stream transport from (see [`Binding`]).
@@ -189,6 +192,7 @@ impl Sessions {
         match self.clients.get_mut(&client) {
             Some(s) => {
                 s.last_seen = now;
+                s.last_request = now;
                 Ok(())
             }
             None => Err(StoreError::UnknownClient {
@@ -203,7 +207,12 @@ impl Sessions {
         self.clients.get(&client).map(|s| s.last_seen)
     }
 
-    /// Marks `client` seen, if it has a session.
+    /// When `client` last sent a request (`None`: no such session).
+    pub fn last_request(&self, client: ClientId) -> Option<Instant> {
+        self.clients.get(&client).map(|s| s.last_request)
+    }
+
+    /// Marks `client` seen (not idle), if it has a session: not a request of its own.
     pub fn touch(&mut self, client: ClientId, now: Instant) {
         if let Some(s) = self.clients.get_mut(&client) {
             s.last_seen = now;
@@ -264,6 +273,7 @@ impl Sessions {
                 name,
                 pid,
                 last_seen: now,
+                last_request: now,
                 pins: 0,
                 pending: 0,
                 binding: Binding::default(),

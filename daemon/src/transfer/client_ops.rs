@@ -437,8 +437,12 @@ impl Transfers {
         Ok(Reply::Decline(DeclineResp { told: true }))
     }
 
-    /// Ends the live transfers `gone` sessions own, as an `abort` would (the other side
-    /// is told), with `why` (SPEC §4, "Sessions": their clients have gone).
+    /// Ends the live transfers of `gone` sessions that need their client, as an `abort`
+    /// would (the other side is told), with `why` (SPEC §4, "Sessions": their clients
+    /// have gone): imports (pulls, push registrations: nobody would take their blocks)
+    /// and staged exports (nobody will write their parts). A complete export stays: its
+    /// blocks are the daemon's, pinned by its own session, and the importer may still
+    /// take them (its lease says how long).
     pub fn end_sessions(&mut self, store: &mut Store, gone: &[ClientId], why: &str, now: Instant) {
         let owned = |c: Option<ClientId>| c.is_some_and(|c| gone.contains(&c));
         let mut ids: Vec<String> = self
@@ -450,7 +454,9 @@ impl Transfers {
         ids.extend(
             self.exports
                 .iter()
-                .filter(|(k, e)| owned(e.live_owner()) && !self.imports.contains_key(*k))
+                .filter(|(k, e)| {
+                    e.staging() && owned(e.live_owner()) && !self.imports.contains_key(*k)
+                })
                 .map(|(k, _)| k.clone()),
         );
         for id in ids {

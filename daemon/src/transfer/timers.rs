@@ -93,16 +93,26 @@ impl Transfers {
         }
     }
 
-    /// The owners of live transfers (SPEC §4, "Sessions"). One bound to processes the
-    /// daemon sees, or waiting on a transfer's answer, is not idle: it is kept (the
-    /// processes' exits end it, [`Store::end_exited_sessions`]; transfers end by
-    /// `max_hold` at the latest, so this keeps no session forever). Any other (a client
-    /// on ZMQ only) keeps its transfers while it sends a request at least once a lease:
-    /// silent longer, or gone, its client is taken for gone and they are aborted.
+    /// The owners of live transfers (SPEC §4, "Sessions"): none is idle (transfers end
+    /// by `max_hold` at the latest, so this keeps no session forever). A transfer that
+    /// needs its client (an import, a staged export: [`Transfers::end_sessions`]) lives
+    /// only while the client is there: bound to processes the daemon sees (their exits
+    /// end it, [`Store::end_exited_sessions`]), or waiting on a transfer's answer, or
+    /// (a client on ZMQ only) sending a request at least once a lease; silent longer,
+    /// or gone, its client is taken for gone and those transfers are aborted.
     fn keep_or_end_owners(&mut self, store: &mut Store, now: Instant) {
+        let live = self
+            .exports
+            .values()
+            .filter_map(|e| e.live_owner())
+            .chain(self.imports.values().filter_map(|i| i.live_owner()));
+        for c in live {
+            store.touch_session(c, now);
+        }
         let mut owners: Vec<ClientId> = self
             .exports
             .values()
+            .filter(|e| e.staging())
             .filter_map(|e| e.live_owner())
             .chain(self.imports.values().filter_map(|i| i.live_owner()))
             .filter(|&c| c != self.system)
@@ -117,11 +127,11 @@ impl Transfers {
         let mut silent = Vec::new();
         for c in owners {
             if store.session_bound(c) || waiting.contains(&c) {
-                store.touch_session(c, now);
-            } else if store
-                .session_last_seen(c)
-                .is_none_or(|t| now.saturating_duration_since(t) > self.cfg.lease)
-            {
+                continue;
+            }
+            // (its last request, not the touches above)
+            let heard = store.session_last_request(c);
+            if heard.is_none_or(|t| now.saturating_duration_since(t) > self.cfg.lease) {
                 silent.push(c);
             }
         }
