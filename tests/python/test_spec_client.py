@@ -230,31 +230,41 @@ def _(_c):
     assert data_mac(k, ms, 42, to, b"kvd").hex() == "86d2faee56e6a8151c67e3b01f311401fa31fd86743a64705f29c1ceef4d8c97"
 
 
-@check("a peer request signed from the SPEC is served by the node it names (sealed reply) and refused elsewhere")
-def _(c):
+def signed_peer_call(c, op, body, to=None, timeout_ms=5000):
+    """One peer request signed from the SPEC (10.1) on the daemon's control endpoint:
+    (reply, frames, unix_ms, nonce), or None when no reply came within the timeout."""
     node = c.hello_reply["node"]
     key = cluster_key(open(sys.argv[2], "rb").read())
     me = {"node": "tcp://127.0.0.1:9", "data": "127.0.0.1:9", "incarnation": 5, "host": ""}
     s = c.ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(node["node"])
-
-    def call(req_id, to):
-        env = encode_request(req_id, "peer_heartbeat",
-                             {"from": me, "to_incarnation": node["incarnation"], "transfers": ["none"]})
-        ms, nonce = int(time.time() * 1000), int.from_bytes(os.urandom(8), "little")
-        s.send_multipart([env, auth_frame(request_mac(key, ms, nonce, to, env), ms, nonce)])
-        assert s.poll(5000), "no reply"
+    try:
+        env = encode_request(next(c.ids), op, {"from": me, "to_incarnation": node["incarnation"], **body})
+        ms = int(time.time() * 1000)
+        nonce = int.from_bytes(os.urandom(8), "little")
+        s.send_multipart([env, auth_frame(request_mac(key, ms, nonce, to or node["node"], env), ms, nonce)])
+        if not s.poll(timeout_ms):
+            return None
         frames = s.recv_multipart()
         return msgpack.unpackb(frames[0], raw=False), frames, ms, nonce
+    finally:
+        s.close()
 
-    reply, frames, ms, nonce = call(1, node["node"])
+
+@check("a peer request signed from the SPEC is served by the node it names (sealed reply) and refused elsewhere")
+def _(c):
+    key = cluster_key(open(sys.argv[2], "rb").read())
+    got = signed_peer_call(c, "peer_heartbeat", {"transfers": ["none"]})
+    assert got is not None, "no reply"
+    reply, frames, ms, nonce = got
     assert "ok" in reply and reply["ok"]["unknown"] == ["none"], reply
     assert len(frames) == 2 and frames[1] == auth_frame(reply_mac(key, ms, nonce, frames[0]), ms, nonce), \
         "the reply is sealed with the request's stamp"
-    reply, frames, _, _ = call(2, "tcp://10.9.9.9:7101")
+    got = signed_peer_call(c, "peer_heartbeat", {"transfers": ["none"]}, to="tcp://10.9.9.9:7101")
+    assert got is not None, "no reply"
+    reply, frames, _, _ = got
     assert reply["err"]["code"] == "unauthenticated" and len(frames) == 1, (reply, frames)
-    s.close()
 
 
 @check("model identity (SPEC 3.1): the vector checkpoint")
@@ -289,28 +299,6 @@ def expect_err(code, fn):
         assert e.code == code, (e.code, code, e.message)
         return e
     raise AssertionError(f"expected {code}")
-
-
-def signed_peer_call(c, op, body, to=None, unix_ms=None, timeout_ms=5000):
-    """One peer request signed from the SPEC (10.1) on the daemon's control endpoint:
-    (reply, frames, unix_ms, nonce), or None when no reply came within the timeout."""
-    node = c.hello_reply["node"]
-    key = cluster_key(open(sys.argv[2], "rb").read())
-    me = {"node": "tcp://127.0.0.1:9", "data": "127.0.0.1:9", "incarnation": 5, "host": ""}
-    s = c.ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(node["node"])
-    try:
-        env = encode_request(next(c.ids), op, {"from": me, "to_incarnation": node["incarnation"], **body})
-        ms = unix_ms if unix_ms is not None else int(time.time() * 1000)
-        nonce = int.from_bytes(os.urandom(8), "little")
-        s.send_multipart([env, auth_frame(request_mac(key, ms, nonce, to or node["node"], env), ms, nonce)])
-        if not s.poll(timeout_ms):
-            return None
-        frames = s.recv_multipart()
-        return msgpack.unpackb(frames[0], raw=False), frames, ms, nonce
-    finally:
-        s.close()
 
 
 @check("control endpoint: a signed envelope over max_envelope_bytes, within the frame cap, gets a sealed too_large (SPEC 6, 10.1 step 2)")
