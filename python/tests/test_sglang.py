@@ -8,6 +8,7 @@ they read. Prints "N passed, M failed".
 """
 
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -228,6 +229,7 @@ def _():
     finally:
         proc.kill()
         proc.wait()
+        shutil.rmtree(d, ignore_errors=True)  # pool, table, sockets: nothing left in /dev/shm
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Run by daemon/tests/vllm_connector.rs. Prints "N passed, M failed".
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -409,9 +410,10 @@ def _():
     finally:
         proc.kill()
         proc.wait()
+        shutil.rmtree(d, ignore_errors=True)  # pool, table, sockets: nothing left in /dev/shm
 
 
-@check("a kept pool (kvd's default): after SIGKILL and a new daemon on the same pool, a prompt saved before is a prefix hit in vLLM's scheduler, loaded byte for byte")
+@check("a kept pool (a service's setting): after SIGKILL and a new daemon on the same pool, a prompt saved before is a prefix hit in vLLM's scheduler, loaded byte for byte")
 def _():
     import subprocess
     d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvd-vllm-kept-")
@@ -447,6 +449,7 @@ def _():
     finally:
         proc.kill()
         proc.wait()
+        shutil.rmtree(d, ignore_errors=True)  # pool, table, sockets: nothing left in /dev/shm
 
 
 def prefill(endpoint, toks, **extra):
