@@ -1405,6 +1405,24 @@ fn a_declined_handoff_is_freed_at_once_by_the_exporter() {
             s.pinned_blocks == 0 && s.transfers.unwrap().pinned_exports == 0
         })
     };
+    // Remote, params altered on the way (another token): the exporter refuses the
+    // decline (its proof does not match) and the export stays, pulled whole after it.
+    let p = ca.export("declined-0", layout, &ks, None).unwrap();
+    let mut forged = p.clone();
+    forged.token ^= 1;
+    assert!(cb.decline(&forged, "forged").unwrap(), "sent");
+    eventually(10, "the exporter refused the forged decline", || {
+        xstats(&ca).refused >= 1
+    });
+    assert_eq!(
+        xstats(&ca).pinned_exports,
+        1,
+        "a forged decline ended nothing"
+    );
+    let r = cb.pull(&p, None, true).unwrap();
+    assert_eq!(r.state, TransferState::Done, "{r:?}");
+    cb.release(r.pin.unwrap()).unwrap();
+    freed("the pulled export released");
     // Remote: the decode daemon tells the exporter.
     let p = ca.export("declined-1", layout, &ks, None).unwrap();
     assert_eq!(xstats(&ca).pinned_exports, 1);

@@ -469,6 +469,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
         to_incarnation: me.incarnation,
         transfer_id: "nope".into(),
         error: WireError::new(ErrorCode::Aborted, "x"),
+        proof: None,
     };
     assert_eq!(call("peer_fail", &fail), Some(ErrorCode::UnknownTransfer));
     let pushed = PeerPushDoneReq {

@@ -349,6 +349,7 @@ fn a_lookup_locks_only_when_it_may_and_holds_every_key_and_peer_fail_unlocks() {
         to_incarnation: a.incarnation,
         transfer_id: p.transfer_id.clone(),
         error: WireError::new(ErrorCode::Aborted, "not needed"),
+        proof: None,
     };
     raw_call(&nodes[0], "peer_fail", &fail).unwrap();
     assert_eq!(pinned(), 0);

@@ -259,7 +259,10 @@ fn a_killed_writer_is_reclaimed_when_its_process_exits() {
         s.pending == 0 && s.ended_sessions == 1
     });
     let st = c.stats().unwrap();
-    assert_eq!(st.expired_allocs, 0, "reclaimed at the exit, not by the TTL");
+    assert_eq!(
+        st.expired_allocs, 0,
+        "reclaimed at the exit, not by the TTL"
+    );
     assert_eq!(st.pool.used_bytes, base.pool.used_bytes);
     let out = c.store(l.id, &ks, &refs(&data)).unwrap();
     assert_eq!(out.stored(), 4);

@@ -508,6 +508,11 @@ pub struct PeerFailReq {
     pub transfer_id: String,
     /// Why.
     pub error: WireError,
+    /// That the sender holds the export's params (`decline`, SPEC §10): the params'
+    /// `token XOR transfer_tag(transfer_id, keys, offsets)`, as `peer_done` carries it.
+    /// An exporter ends an export on a `peer_fail` with a proof only when it is right.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<u64>,
 }
 
 /// `peer_heartbeat` (decode → prefill): renews every listed transfer's lease.

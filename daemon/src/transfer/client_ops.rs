@@ -415,7 +415,10 @@ impl Transfers {
         }
         if p.from.incarnation != self.me.incarnation {
             tracing::info!(transfer = %id, exporter = %p.from.node, reason = %req.reason, "handoff declined");
-            self.fail_peer(&p.from, id, why);
+            // The proof binds the decline to the params (a client cannot end another's
+            // export by its id alone); the exporter checks it as for `peer_done`.
+            let tag = transfer_tag(id, &p.keys, p.offsets.iter().map(|&o| Some(o)));
+            self.fail_peer_proven(&p.from, id, why, Some(p.token ^ tag));
             return Ok(Reply::Decline(DeclineResp { told: true }));
         }
         // This daemon's own export: the params must be its own (a client cannot end

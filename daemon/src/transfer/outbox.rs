@@ -12,11 +12,24 @@ use crate::store::Store;
 
 impl Transfers {
     pub(super) fn fail_peer(&mut self, peer: &PeerRef, id: &str, error: WireError) {
+        self.fail_peer_proven(peer, id, error, None);
+    }
+
+    /// [`Transfers::fail_peer`] with the proof that this side holds the export's params
+    /// (`decline`).
+    pub(super) fn fail_peer_proven(
+        &mut self,
+        peer: &PeerRef,
+        id: &str,
+        error: WireError,
+        proof: Option<u64>,
+    ) {
         let req = Request::PeerFail(PeerFailReq {
             from: self.me.clone(),
             to_incarnation: peer.incarnation,
             transfer_id: id.to_string(),
             error,
+            proof,
         });
         self.notify(&peer.node, req);
     }

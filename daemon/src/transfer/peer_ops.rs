@@ -270,11 +270,21 @@ impl Transfers {
             self.end_import(store, id, state, Some(e), false, now);
             return Ok(self.ack());
         }
-        if self
+        if let Some(x) = self
             .exports
             .get(id)
-            .is_some_and(|x| !x.is_final() && x.accepts(from))
+            .filter(|x| !x.is_final() && x.accepts(from))
         {
+            // A decline proves it holds the params, as `peer_done` does.
+            if r.proof.is_some_and(|p| p != x.proof(id)) {
+                self.counters.refused += 1;
+                return Err(WireError::new(
+                    ErrorCode::NotOwner,
+                    format!(
+                        "peer_fail of transfer {id:?}: the params' proof does not match its export"
+                    ),
+                ));
+            }
             self.end_export(store, id, state, Some(e), false, now);
             return Ok(self.ack());
         }
