@@ -154,8 +154,9 @@ pub struct ReplayGuard {
 }
 
 impl ReplayGuard {
-    /// A guard remembering at most `max` stamps, of any age the window allows (tests;
+    /// A guard remembering at most `max` stamps, of any age the window allows (tests:
     /// both daemon endpoints use [`ReplayGuard::since`]).
+    #[cfg(test)]
     pub fn new(max: usize) -> Self {
         Self::since(max, 0)
     }

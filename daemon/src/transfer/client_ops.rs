@@ -294,12 +294,10 @@ impl Transfers {
         now: Instant,
     ) -> Result<(), WireError> {
         store.check_session(client, now)?;
-        let owner = match (self.imports.get(id), self.exports.get(id)) {
-            (Some(i), _) => Some(i.client()),
-            (None, Some(e)) => Some(e.client()),
-            (None, None) if self.regs.contains_key(id) => None,
-            (None, None) => return Err(self.unknown(id)),
-        };
+        let owner = self.owner_of(id);
+        if owner.is_none() && !self.regs.contains_key(id) {
+            return Err(self.unknown(id));
+        }
         if owner != Some(client) {
             return Err(WireError::new(
                 ErrorCode::NotOwner,

@@ -144,8 +144,10 @@ impl Transfers {
         }
     }
 
-    /// The session that owns transfer `id` here.
-    fn owner_of(&self, id: &str) -> Option<ClientId> {
+    /// The session that owns transfer `id` here (the import when both are here: this
+    /// daemon's own transfer, imported from itself; none for a peer's push registration
+    /// with no export here).
+    pub(super) fn owner_of(&self, id: &str) -> Option<ClientId> {
         match (self.imports.get(id), self.exports.get(id)) {
             (Some(i), _) => Some(i.client()),
             (None, Some(e)) => Some(e.client()),
