@@ -176,6 +176,7 @@ fn layout_of(bytes: u64, tag: &str) -> Result<Layout> {
             tp_size: 1,
             tp_rank: 0,
             order: MemoryOrder::LayerPartTokenHead,
+            groups: Vec::new(),
         });
     }
     if bytes == 0 || !bytes.is_multiple_of(64 * 1024) {
@@ -192,6 +193,7 @@ fn layout_of(bytes: u64, tag: &str) -> Result<Layout> {
         tp_size: 1,
         tp_rank: 0,
         order: MemoryOrder::LayerPartTokenHead,
+        groups: Vec::new(),
     })
 }
 

@@ -299,6 +299,7 @@ fn layered_layout(block: u64) -> Result<kvd_protocol::Layout> {
         tp_size: 1,
         tp_rank: 0,
         order: kvd_protocol::MemoryOrder::LayerPartTokenHead,
+        groups: Vec::new(),
     })
 }
 

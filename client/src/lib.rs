@@ -12,7 +12,7 @@
 //! let layout = client.register_layout(&Layout {
 //!     model: "meta-llama/Llama-3.1-8B".into(), num_layers: 32, kv_parts: 2,
 //!     num_kv_heads: 8, head_dim: 128, dtype: Dtype::Bf16, tokens_per_block: 16,
-//!     tp_size: 1, tp_rank: 0, order: MemoryOrder::LayerPartTokenHead,
+//!     tp_size: 1, tp_rank: 0, order: MemoryOrder::LayerPartTokenHead, groups: Vec::new(),
 //! })?;
 //! let tokens: Vec<u32> = (0..64).collect();
 //! let keys = hash::chunk_hashes(&tokens, 16, b"");

@@ -581,3 +581,70 @@ fn adopted_blocks_answer_and_are_announced_with_their_block_size_before_any_regi
         assert_eq!(sizes[k], want, "block size of an adopted block");
     }
 }
+
+/// SPEC §3.1 "Grouped layouts" from outside: the vector's id and size from a real daemon,
+/// a block of it stored and served, kept across a SIGKILL with its groups (the table
+/// keeps the whole description), and a broken description refused naming its field.
+#[test]
+fn a_grouped_layout_is_named_sized_kept_and_refused_by_field() {
+    use kvd_protocol::{Dtype, Group, Layout, MemoryOrder};
+    let group = |kind: &str, window| Group {
+        kind: kind.into(),
+        layers: 2,
+        dtype: Dtype::Bf16,
+        dims: vec![1, 2, 16, 128],
+        arrangement: "vllm:[kernel_block,head,token,k|v]".into(),
+        window,
+        quant: String::new(),
+    };
+    let layout = Layout {
+        model: "kvd-test/tiny-hybrid".into(),
+        num_layers: 4,
+        kv_parts: 1,
+        num_kv_heads: 1,
+        head_dim: 1,
+        dtype: Dtype::U8,
+        tokens_per_block: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::Groups,
+        groups: vec![group("full", 0), group("sliding", 128)],
+    };
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let info = c.register_layout(&layout).unwrap();
+    assert_eq!(info.id, LayoutId(7066221004889618719), "the SPEC vector");
+    assert_eq!(info.block_bytes, 32768);
+    let before = kept(&c).sealed;
+    let ks = keys(77, 3);
+    let data: Vec<Vec<u8>> = (0..3).map(|j| block(7700 + j, 32768)).collect();
+    assert_eq!(c.store(info.id, &ks, &refs(&data)).unwrap().stored(), 3);
+    eventually(10, "every stored block sealed", || {
+        kept(&c).sealed >= before + 3
+    });
+    d.restart();
+    let st = checked(&c);
+    assert_eq!(st.adopted, 3, "{st:?}");
+    // Served again before any client registers the layout: the table kept its groups.
+    assert_eq!(each_hits(&c, info.id, &ks, &data), vec![true; 3]);
+    assert_eq!(c.register_layout(&layout).unwrap().id, info.id);
+    // Another window is another layout: the blocks are not its.
+    let mut other = layout.clone();
+    other.groups[1].window = 64;
+    let o = c.register_layout(&other).unwrap();
+    assert_ne!(o.id, info.id);
+    assert_eq!(c.lookup(o.id, &ks).unwrap().prefix, 0);
+    // Refused, naming the field; the daemon serves on.
+    let mut bad = layout.clone();
+    bad.num_layers = 5;
+    let e = c.register_layout(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("invalid_argument") && e.contains("`num_layers`"),
+        "{e}"
+    );
+    let mut bad = layout.clone();
+    bad.groups[0].dims.clear();
+    let e = c.register_layout(&bad).unwrap_err().to_string();
+    assert!(e.contains("group 0") && e.contains("`dims`"), "{e}");
+    assert_eq!(each_hits(&c, info.id, &ks, &data), vec![true; 3]);
+}

@@ -72,6 +72,9 @@ pub enum MemoryOrder {
     LayerPartHeadToken,
     /// `[token][layer][kv_part][head][dim]`: token-major (SGLang's host layout).
     TokenLayerPartHead,
+    /// The block is its [`Group`]s' pieces one after the other (a grouped layout, SPEC
+    /// §3.1 "Grouped layouts").
+    Groups,
 }
 
 impl MemoryOrder {
@@ -81,12 +84,98 @@ impl MemoryOrder {
             MemoryOrder::LayerPartTokenHead => "layer_part_token_head",
             MemoryOrder::LayerPartHeadToken => "layer_part_head_token",
             MemoryOrder::TokenLayerPartHead => "token_layer_part_head",
+            MemoryOrder::Groups => "groups",
         }
     }
 }
 
 /// Upper bound on any single dimension, so that products cannot overflow `u64`.
 pub const MAX_DIM: u64 = 1 << 20;
+/// Most groups in one grouped layout.
+pub const MAX_GROUPS: usize = 64;
+/// Most dimensions of one group's piece.
+pub const MAX_GROUP_DIMS: usize = 8;
+/// Longest `kind` of a group, in bytes.
+pub const MAX_KIND_BYTES: usize = 32;
+/// Longest `arrangement` or `quant` text of a group, in bytes.
+pub const MAX_GROUP_TEXT_BYTES: usize = 256;
+
+/// One group of a grouped layout (SPEC §3.1 "Grouped layouts"): `layers` layers that
+/// store the same piece per block, `dims` elements of `dtype` each, arranged as
+/// `arrangement` says. A block of a grouped layout is its groups' pieces one after
+/// the other, each group's layers one after the other.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct Group {
+    /// What the layers compute, e.g. `full`, `sliding`, `chunked`, `mla`, `mamba`:
+    /// 1..=32 bytes of `[a-z0-9_]`.
+    pub kind: String,
+    /// Layers in the group.
+    pub layers: u64,
+    /// Element type of the piece.
+    pub dtype: Dtype,
+    /// Shape of one layer's piece of one block, outermost first: 1..=8 dimensions.
+    pub dims: Vec<u64>,
+    /// How the writer arranged the piece's elements (the dimensions' names and anything
+    /// else that decides where a value lies): 1..=256 printable ASCII bytes.
+    pub arrangement: String,
+    /// The sliding window or attention chunk in tokens; 0 for none.
+    #[serde(default)]
+    pub window: u64,
+    /// How the values are quantized and where their scales come from; empty for none.
+    #[serde(default)]
+    pub quant: String,
+}
+
+impl Group {
+    /// Bytes of the group's pieces in one block (all its layers), unchecked: saturates.
+    fn bytes_unchecked(&self) -> u64 {
+        self.dims
+            .iter()
+            .chain([&self.layers])
+            .fold(self.dtype.bytes(), |acc, x| acc.saturating_mul(*x))
+    }
+
+    /// Bytes of one layer's piece, unchecked: saturates.
+    pub fn layer_bytes(&self) -> u64 {
+        self.bytes_unchecked() / self.layers.max(1)
+    }
+
+    fn validate(&self, index: usize) -> Result<(), LayoutError> {
+        let bad = |what| Err(LayoutError::Group { index, what });
+        if self.kind.is_empty()
+            || self.kind.len() > MAX_KIND_BYTES
+            || !self
+                .kind
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return bad("`kind` must be 1..=32 bytes of [a-z0-9_]");
+        }
+        if self.layers == 0 || self.layers > MAX_DIM {
+            return bad("`layers` must be 1..=2^20");
+        }
+        if self.dims.is_empty() || self.dims.len() > MAX_GROUP_DIMS {
+            return bad("`dims` must have 1..=8 entries");
+        }
+        if self.dims.iter().any(|&d| d == 0 || d > MAX_DIM) {
+            return bad("every entry of `dims` must be 1..=2^20");
+        }
+        let printable = |t: &str| t.bytes().all(|b| (0x20..0x7f).contains(&b));
+        if self.arrangement.is_empty()
+            || self.arrangement.len() > MAX_GROUP_TEXT_BYTES
+            || !printable(&self.arrangement)
+        {
+            return bad("`arrangement` must be 1..=256 printable ASCII bytes");
+        }
+        if self.quant.len() > MAX_GROUP_TEXT_BYTES || !printable(&self.quant) {
+            return bad("`quant` must be 0..=256 printable ASCII bytes");
+        }
+        if self.window > u64::from(u32::MAX) {
+            return bad("`window` must be below 2^32");
+        }
+        Ok(())
+    }
+}
 /// Longest accepted model name, in bytes.
 pub const MAX_MODEL_NAME_BYTES: usize = 256;
 
@@ -113,6 +202,10 @@ pub struct Layout {
     pub tp_rank: u64,
     /// Order of dimensions inside the block.
     pub order: MemoryOrder,
+    /// The groups of a grouped layout (SPEC §3.1 "Grouped layouts"); empty (and absent on
+    /// the wire) for a classic one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<Group>,
 }
 
 /// Why a [`Layout`] is refused.
@@ -148,6 +241,17 @@ pub enum LayoutError {
     /// Model name empty or too long, or containing a newline.
     #[error("model name must be 1..={MAX_MODEL_NAME_BYTES} bytes without newlines")]
     ModelName,
+    /// A group of a grouped layout breaks a rule.
+    #[error("layout group {index}: {what}")]
+    Group {
+        /// The group's position in `groups`.
+        index: usize,
+        /// The rule it breaks.
+        what: &'static str,
+    },
+    /// A grouped layout's own fields break a rule.
+    #[error("grouped layout: {0}")]
+    Grouped(&'static str),
     /// The block would be larger than the caller's limit.
     #[error("block of {bytes} bytes exceeds the limit of {limit} bytes")]
     TooLarge {
@@ -166,6 +270,9 @@ impl Layout {
             || self.model.contains('\n')
         {
             return Err(LayoutError::ModelName);
+        }
+        if !self.groups.is_empty() || self.order == MemoryOrder::Groups {
+            return self.validate_grouped();
         }
         for (field, value) in [
             ("num_layers", self.num_layers),
@@ -194,12 +301,80 @@ impl Layout {
         Ok(self.block_bytes_unchecked())
     }
 
+    /// SPEC §3.1 "Grouped layouts": the groups' rules, and the classic fields pinned.
+    fn validate_grouped(&self) -> Result<u64, LayoutError> {
+        if self.groups.is_empty() {
+            return Err(LayoutError::Grouped("order `groups` needs 1..=64 groups"));
+        }
+        if self.groups.len() > MAX_GROUPS {
+            return Err(LayoutError::Grouped("at most 64 groups"));
+        }
+        if self.order != MemoryOrder::Groups {
+            return Err(LayoutError::Grouped("`order` must be `groups`"));
+        }
+        for (field, value) in [
+            ("tokens_per_block", self.tokens_per_block),
+            ("tp_size", self.tp_size),
+        ] {
+            if value == 0 || value > MAX_DIM {
+                return Err(LayoutError::OutOfRange { field, value });
+            }
+        }
+        if self.tp_rank >= self.tp_size {
+            return Err(LayoutError::TpRank {
+                rank: self.tp_rank,
+                size: self.tp_size,
+            });
+        }
+        if (self.kv_parts, self.num_kv_heads, self.head_dim, self.dtype) != (1, 1, 1, Dtype::U8) {
+            return Err(LayoutError::Grouped(
+                "`kv_parts`, `num_kv_heads` and `head_dim` must be 1 and `dtype` `u8` (the groups say the shapes)",
+            ));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            g.validate(i)?;
+        }
+        let layers: u64 = self.groups.iter().map(|g| g.layers).sum();
+        if self.num_layers != layers {
+            return Err(LayoutError::Grouped(
+                "`num_layers` must be the sum of the groups' `layers`",
+            ));
+        }
+        Ok(self.block_bytes_unchecked())
+    }
+
+    /// Whether this is a grouped layout (SPEC §3.1 "Grouped layouts").
+    pub fn is_grouped(&self) -> bool {
+        !self.groups.is_empty()
+    }
+
+    /// Where each group's pieces start in a block of a grouped layout, and how long they
+    /// are (all layers): `(start, len)` per group, in order. Empty for a classic layout.
+    pub fn group_ranges(&self) -> Vec<(u64, u64)> {
+        let mut at = 0u64;
+        self.groups
+            .iter()
+            .map(|g| {
+                let len = g.bytes_unchecked();
+                let r = (at, len);
+                at = at.saturating_add(len);
+                r
+            })
+            .collect()
+    }
+
     /// KV heads this rank holds.
     pub fn heads_per_rank(&self) -> u64 {
         (self.num_kv_heads / self.tp_size).max(1)
     }
 
     fn block_bytes_unchecked(&self) -> u64 {
+        if self.is_grouped() {
+            return self
+                .groups
+                .iter()
+                .fold(0u64, |acc, g| acc.saturating_add(g.bytes_unchecked()));
+        }
         // Each factor is at most 2^20 (validated) and there are seven of them, but the
         // product of realistic layouts is far below u64::MAX; saturate to stay total.
         [
@@ -222,6 +397,9 @@ impl Layout {
     /// The canonical text the layout id hashes: one `key=value` line per field, in this
     /// fixed order, each ending in `\n`, after the line `kvd.layout.v1`.
     pub fn canonical(&self) -> String {
+        if self.is_grouped() {
+            return self.canonical_grouped();
+        }
         format!(
             "kvd.layout.v1\nmodel={}\nnum_layers={}\nkv_parts={}\nnum_kv_heads={}\nhead_dim={}\n\
              dtype={}\ntokens_per_block={}\ntp_size={}\ntp_rank={}\norder={}\n",
@@ -238,6 +416,38 @@ impl Layout {
         )
     }
 
+    /// The canonical text of a grouped layout (SPEC §3.1 "Grouped layouts"): the line
+    /// `kvd.layout.v2`, the model and the block's tokens and TP shard, then each group's
+    /// seven fields in order.
+    fn canonical_grouped(&self) -> String {
+        use std::fmt::Write;
+        let mut s = format!(
+            "kvd.layout.v2\nmodel={}\ntokens_per_block={}\ntp_size={}\ntp_rank={}\ngroups={}\n",
+            self.model,
+            self.tokens_per_block,
+            self.tp_size,
+            self.tp_rank,
+            self.groups.len()
+        );
+        for g in &self.groups {
+            let dims: Vec<String> = g.dims.iter().map(u64::to_string).collect();
+            // Writing into a String cannot fail.
+            let _ = write!(
+                s,
+                "group.kind={}\ngroup.layers={}\ngroup.dtype={}\ngroup.dims={}\n\
+                 group.arrangement={}\ngroup.window={}\ngroup.quant={}\n",
+                g.kind,
+                g.layers,
+                g.dtype.name(),
+                dims.join(","),
+                g.arrangement,
+                g.window,
+                g.quant
+            );
+        }
+        s
+    }
+
     /// The bytes of part `j` of `parts` layer groups inside one block, as `(start, len)`
     /// (SPEC §16): part `j` holds layers `⌊j·L/P⌋ .. ⌊(j+1)·L/P⌋`, contiguous in the
     /// orders whose outermost dimension is the layer. `None` when `parts` is 0 or above
@@ -245,8 +455,16 @@ impl Layout {
     /// layer is strided there: such a layout moves whole).
     pub fn part_range(&self, parts: u64, j: u64) -> Option<(u64, u64)> {
         let (l0, l1) = part_layers(self.num_layers, parts, j)?;
-        if parts > 1 && self.order == MemoryOrder::TokenLayerPartHead {
+        if parts > 1
+            && matches!(
+                self.order,
+                MemoryOrder::TokenLayerPartHead | MemoryOrder::Groups
+            )
+        {
             return None;
+        }
+        if self.order == MemoryOrder::Groups {
+            return Some((0, self.block_bytes_unchecked()));
         }
         let per_layer = self.block_bytes_unchecked() / self.num_layers.max(1);
         Some((l0 * per_layer, (l1 - l0) * per_layer))
@@ -305,8 +523,115 @@ mod tests {
             tp_size: 2,
             tp_rank: 1,
             order: MemoryOrder::LayerPartTokenHead,
+            groups: Vec::new(),
         }
     }
+
+    /// A grouped layout: two full-attention and two sliding-window layers (SPEC §3.1
+    /// "Grouped layouts", the vector).
+    pub(crate) fn grouped() -> Layout {
+        let group = |kind: &str, window| Group {
+            kind: kind.into(),
+            layers: 2,
+            dtype: Dtype::Bf16,
+            dims: vec![1, 2, 16, 128],
+            arrangement: "vllm:[kernel_block,head,token,k|v]".into(),
+            window,
+            quant: String::new(),
+        };
+        Layout {
+            model: "kvd-test/tiny-hybrid".into(),
+            num_layers: 4,
+            kv_parts: 1,
+            num_kv_heads: 1,
+            head_dim: 1,
+            dtype: Dtype::U8,
+            tokens_per_block: 16,
+            tp_size: 1,
+            tp_rank: 0,
+            order: MemoryOrder::Groups,
+            groups: vec![group("full", 0), group("sliding", 128)],
+        }
+    }
+
+    #[test]
+    fn grouped_layouts_size_name_and_refuse_by_field() {
+        let g = grouped();
+        // Each group: 2 layers * (1 * 2 * 16 * 128) elements * 2 bytes = 16 KiB.
+        assert_eq!(g.block_bytes().unwrap(), 32768);
+        assert_eq!(g.group_ranges(), vec![(0, 16384), (16384, 16384)]);
+        assert_eq!(g.groups[1].layer_bytes(), 8192);
+        assert_eq!(
+            g.canonical(),
+            "kvd.layout.v2\nmodel=kvd-test/tiny-hybrid\ntokens_per_block=16\ntp_size=1\ntp_rank=0\n\
+             groups=2\ngroup.kind=full\ngroup.layers=2\ngroup.dtype=bf16\ngroup.dims=1,2,16,128\n\
+             group.arrangement=vllm:[kernel_block,head,token,k|v]\ngroup.window=0\ngroup.quant=\n\
+             group.kind=sliding\ngroup.layers=2\ngroup.dtype=bf16\ngroup.dims=1,2,16,128\n\
+             group.arrangement=vllm:[kernel_block,head,token,k|v]\ngroup.window=128\ngroup.quant=\n"
+        );
+        // The SPEC vector.
+        assert_eq!(g.id(), LayoutId(GROUPED_VECTOR_ID));
+        // A grouped layout moves whole.
+        assert!(g.splits_into(1) && !g.splits_into(2));
+        assert_eq!(g.part_range(1, 0), Some((0, 32768)));
+        // Every group field is in the id.
+        let mut ids = std::collections::HashSet::new();
+        ids.insert(g.id());
+        let variants: Vec<Box<dyn Fn(&mut Group)>> = vec![
+            Box::new(|x| x.kind = "chunked".into()),
+            Box::new(|x| x.layers = 3),
+            Box::new(|x| x.dtype = Dtype::F16),
+            Box::new(|x| x.dims = vec![2, 16, 128]),
+            Box::new(|x| x.arrangement.push('x')),
+            Box::new(|x| x.window = 64),
+            Box::new(|x| x.quant = "fp8_per_tensor;scales=checkpoint".into()),
+        ];
+        for f in &variants {
+            let mut l = grouped();
+            f(&mut l.groups[1]);
+            l.num_layers = l.groups.iter().map(|x| x.layers).sum();
+            assert!(ids.insert(l.id()), "{l:?}");
+        }
+        // The rules, each naming what is wrong.
+        let refused = |f: &dyn Fn(&mut Layout), needle: &str| {
+            let mut l = grouped();
+            f(&mut l);
+            let e = l.validate().unwrap_err().to_string();
+            assert!(e.contains(needle), "{e} lacks {needle}");
+        };
+        refused(&|l| l.groups[0].kind = "Full".into(), "`kind`");
+        refused(&|l| l.groups[1].layers = 0, "`layers`");
+        refused(&|l| l.groups[0].dims = vec![], "`dims`");
+        refused(&|l| l.groups[0].dims = vec![1; 9], "`dims`");
+        refused(&|l| l.groups[0].dims[2] = 0, "`dims`");
+        refused(
+            &|l| l.groups[0].arrangement = "a\nb".into(),
+            "`arrangement`",
+        );
+        refused(&|l| l.groups[0].arrangement.clear(), "`arrangement`");
+        refused(&|l| l.groups[0].quant = "\n".into(), "`quant`");
+        refused(&|l| l.groups[0].window = 1 << 32, "`window`");
+        refused(&|l| l.num_layers = 5, "`num_layers`");
+        refused(&|l| l.head_dim = 64, "`head_dim`");
+        refused(&|l| l.order = MemoryOrder::LayerPartHeadToken, "`order`");
+        refused(&|l| l.groups.clear(), "order `groups`");
+        refused(&|l| l.groups = vec![l.groups[0].clone(); 65], "64 groups");
+        refused(&|l| l.tp_rank = 1, "tp_rank");
+        assert!(matches!(
+            Layout {
+                groups: vec![],
+                order: MemoryOrder::Groups,
+                ..grouped()
+            }
+            .validate(),
+            Err(LayoutError::Grouped(_))
+        ));
+        // A classic layout's canonical text and id do not change with the new field.
+        assert!(example().canonical().starts_with("kvd.layout.v1\n"));
+    }
+
+    /// `GROUPED_VECTOR_ID`: SPEC §3.1's grouped-layout vector.
+    const GROUPED_VECTOR_ID: u64 = 7066221004889618719;
 
     #[test]
     fn size_rule() {

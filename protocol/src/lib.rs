@@ -50,7 +50,7 @@ pub use gpu::{
     GpuStoreStatus, GpuTransferParams, GpuUnregisterReq, GpuUnregisterResp,
 };
 pub use ids::{BlockKey, ChunkHash, ClientId, Incarnation, LayoutId, PinId, CHUNK_HASH_BYTES};
-pub use layout::{part_layers, part_of_layer, Dtype, Layout, LayoutError, MemoryOrder};
+pub use layout::{part_layers, part_of_layer, Dtype, Group, Layout, LayoutError, MemoryOrder};
 pub use msg::*;
 pub use transfer::{
     check_transfer_id, transfer_tag, AbortReq, AbortResp, DeclineReq, DeclineResp, ExportReadyReq,

@@ -424,6 +424,7 @@ mod tests {
             tp_size: 1,
             tp_rank: 0,
             order: MemoryOrder::LayerPartTokenHead,
+            groups: Vec::new(),
         }
     }
 

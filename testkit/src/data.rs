@@ -17,6 +17,7 @@ pub fn layout_named(model: &str, kib: u64) -> Layout {
         tp_size: 1,
         tp_rank: 0,
         order: MemoryOrder::LayerPartTokenHead,
+        groups: Vec::new(),
     }
 }
 

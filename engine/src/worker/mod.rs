@@ -290,6 +290,7 @@ fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
         tp_size: tp as u64,
         tp_rank: rank as u64,
         order: MemoryOrder::LayerPartTokenHead,
+        groups: Vec::new(),
     }
 }
 
