@@ -133,6 +133,16 @@ class Engine:
     def block_ids(self, rid):
         return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
 
+    def layer_names(self):
+        """The layers in the order the forward runs them."""
+        return self.kvcc.kv_cache_groups[0].layer_names
+
+    def write(self, rid, toks, positions, layer):
+        """What the layer's attention writes for ``positions`` of ``rid``."""
+        ids = self.block_ids(rid)
+        for pos in positions:
+            self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv(toks, pos, layer)
+
     def block(self, block_id, layer):
         """One block of one layer as [heads, tokens, 2*head] (vLLM's logical view)."""
         return self.kv[self.kvcc.kv_cache_groups[0].layer_names[layer]][block_id]
@@ -151,8 +161,8 @@ class Engine:
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
-        names = self.kvcc.kv_cache_groups[0].layer_names
-        for layer in range(LAYERS):
+        names = self.layer_names()
+        for layer in range(len(names)):
             if wait_layers:
                 w.wait_for_layer_load(names[layer])
             if on_layer is not None:
@@ -160,10 +170,8 @@ class Engine:
             # The layer's KV of every scheduled token, into its slot.
             for rid, n in so.num_scheduled_tokens.items():
                 start = starts[rid]
-                ids = self.block_ids(rid)
                 toks = list(self.scheduler.requests[rid].all_token_ids)
-                for pos in range(start, start + n):
-                    self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv(toks, pos, layer)
+                self.write(rid, toks, range(start, start + n), layer)
             if save_layers:
                 w.save_kv_layer(names[layer], self.kv[names[layer]], None)
         req_ids, sampled = [], []

@@ -94,10 +94,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
 import kvd
+from kvd.vllm_groups import GroupedCopier, complete, positions
 from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_salt
 
 __all__ = ["Geometry", "KvdConfigError", "KvdConnector", "KvdConnectorMetadata", "geometry", "request_salt"]
@@ -124,7 +126,7 @@ _FINAL = {"done", "failed", "aborted", "expired"}
 class Load:
     req_id: str
     keys: list[bytes]
-    block_ids: list[int]
+    block_ids: list[Any]  # per position: a block id (classic) or one per group (grouped)
 
 
 @dataclass
@@ -132,7 +134,7 @@ class Pull:
     req_id: str
     transfer_ids: list[str]  # per TP rank
     keys: list[bytes]  # this engine's keys of the blocks to load
-    block_ids: list[int]
+    block_ids: list[Any]  # as in Load
     failed: Optional[str] = None  # the pull could not even start
 
 
@@ -161,7 +163,7 @@ class _Remote:
     started: bool = False
 
 
-class KvdConnector(KVConnectorBase_V1):
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """The kvd daemon behind vLLM's KV connector interface (see the module's doc)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
@@ -214,7 +216,7 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _connect_sched(self) -> kvd.Client:
         c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
-        self._lids = [c.register_layout(self._geo.layout(r))["layout_id"] for r in range(self._geo.tp_size)]
+        self._lids = [c.register_layout(self._geo.layout(r))["layout_id"] for r in range(self._geo.num_layouts)]
         self._client = c
         return c
 
@@ -253,8 +255,8 @@ class KvdConnector(KVConnectorBase_V1):
         remote = _remote_params(request)
         if remote is not None and self._consumer:
             return self._match_remote(request, st, remote, num_computed_tokens)
-        if not self._load:
-            return 0, False
+        if not self._load or request.request_id in self._gave_up:
+            return 0, False  # (a load that failed is recomputed: never offered again)
         usable = (len(st.tokens) - 1) // b  # at least one token must be computed here
         if usable * b <= num_computed_tokens:
             return 0, False
@@ -268,7 +270,10 @@ class KvdConnector(KVConnectorBase_V1):
         if n <= 0:
             return 0, False
         st.matched = (num_computed_tokens, n)
-        return n, False
+        # Grouped layouts load asynchronously: with several KV cache groups vLLM accepts
+        # a failed load only as a failed asynchronous one (failed_recving), never as
+        # block-level load errors, and one path serves both.
+        return n, self._geo.grouped
 
     def _match_remote(self, request: "Request", st: _Req, remote: dict, num_computed: int) -> tuple[Optional[int], bool]:
         rid = request.request_id
@@ -283,14 +288,14 @@ class KvdConnector(KVConnectorBase_V1):
             ok = (
                 int(remote.get("v", 0)) == PARAMS_VERSION
                 and int(remote["block_size"]) == b
-                and len(transfers) == self._geo.tp_size
-                and [int(t["rank"]) for t in transfers] == list(range(self._geo.tp_size))
+                and len(transfers) == self._geo.num_layouts
+                and [int(t["rank"]) for t in transfers] == list(range(self._geo.num_layouts))
                 and 0 < blocks <= len(st.keys)
             )
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            logger.warning("kvd connector: request %s: kv_transfer_params do not match this engine (block size, TP size or version); prefilling here", rid)
+            logger.warning("kvd connector: request %s: kv_transfer_params do not match this engine (block size, layouts per TP rank or version); prefilling here", rid)
             return 0, False
         theirs = remote.get("model")
         if theirs is not None and theirs != self._geo.model_id:
@@ -334,7 +339,10 @@ class KvdConnector(KVConnectorBase_V1):
         computed, n = st.matched
         b = self._geo.block_size
         first, count = computed // b, min(n, num_external_tokens) // b
-        ids = list(blocks.get_block_ids()[0])[first : first + count]
+        if self._geo.grouped:
+            ids = positions(blocks.get_block_ids(), self._geo, first, count)
+        else:
+            ids = list(blocks.get_block_ids()[0])[first : first + count]
         keys = st.keys[first : first + count]
         st.saved = max(st.saved, first + count)
         st.matched = None
@@ -342,6 +350,9 @@ class KvdConnector(KVConnectorBase_V1):
         if remote is not None:
             tids = [t["transfer_id"] for t in remote.transfers]
             self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=tids, keys=keys, block_ids=ids))
+        elif self._geo.grouped:
+            # A local hit of a grouped layout: the worker's mover loads it (no transfer).
+            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids))
         else:
             self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids))
 
@@ -378,10 +389,17 @@ class KvdConnector(KVConnectorBase_V1):
         upto = min(done_tokens, len(st.tokens)) // self._geo.block_size
         if upto <= st.saved:
             return
-        ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
-        upto = min(upto, len(ids), len(st.keys))
+        upto = min(upto, len(st.keys))
+        if self._geo.grouped:
+            # Whole positions only: every group's block of each, and a prefix of them.
+            ids = complete(self._kv_cache_manager.get_block_ids(rid), self._geo, st.saved, upto)
+            upto = st.saved + len(ids)
+        else:
+            ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            upto = min(upto, len(ids))
+            ids = ids[st.saved : upto]
         if upto > st.saved:
-            meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids[st.saved : upto]))
+            meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids))
             st.saved = upto
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
@@ -415,6 +433,12 @@ class KvdConnector(KVConnectorBase_V1):
                 self._sched_client().abort(t["transfer_id"])
             except (kvd.KvdError, OSError):
                 pass
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """vLLM's call with its hybrid allocator on (``SupportsHMA``): as
+        :meth:`request_finished` (a handoff's blocks live in the daemon, so vLLM frees
+        every group's at once)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
@@ -491,9 +515,26 @@ class KvdConnector(KVConnectorBase_V1):
 
             self._rank = get_tensor_model_parallel_rank()
 
+    @property
+    def _saves_here(self) -> bool:
+        """Whether this worker stores blocks: every rank, but of a layout kept once per
+        node (MLA) rank 0 only."""
+        g = self._geo
+        return not (g is not None and g.grouped and g.replicated and self._rank != 0)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         g = self._geo
         if g is None:
+            return
+        if g.grouped:
+            self._gcopy = GroupedCopier(g, kv_caches)
+            self._layers = self._gcopy.tensors()
+            self._layer_index = dict(self._gcopy.index)
+            self._device = self._gcopy.device
+            self._connect_worker()
+            self._mover = _Mover(self)
+            self._mover.start()
+            self._copier = _Copier(self._device)
             return
         missing = [n for n in g.layer_names if n not in kv_caches]
         if missing:
@@ -643,6 +684,9 @@ class KvdConnector(KVConnectorBase_V1):
         or ``staged``: enqueued on the current stream, every slot's layer into a staging
         tensor by one kernel (:meth:`_read_pool`; one DMA per slot without a mapping), one
         scatter; else one copy per piece)."""
+        if self._geo.grouped:
+            self._gcopy.load_layer(pool, offs, block_ids, l)
+            return
         if not (self._device.type == "cuda" if staged is None else staged):
             for off, b in zip(offs, block_ids):
                 for dst, src in self._layer_pieces(self._slot(pool, off), b, l):
@@ -664,6 +708,9 @@ class KvdConnector(KVConnectorBase_V1):
     def _save_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
         """Layer ``l`` of paged-cache blocks ``block_ids`` → pool slots ``offs`` (the
         reverse of :meth:`_load_layer`)."""
+        if self._geo.grouped:
+            self._gcopy.save_layer(pool, offs, block_ids, l)
+            return
         if not (self._device.type == "cuda" if staged is None else staged):
             for off, b in zip(offs, block_ids):
                 for src, dst in self._layer_pieces(self._slot(pool, off), b, l):
@@ -683,7 +730,11 @@ class KvdConnector(KVConnectorBase_V1):
         """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: every slot
         into a device staging tensor by one kernel through the pool's mapping (one DMA per
         slot without one), then one scatter; on the CPU: straight from each slot into the
-        cache, one copy per piece."""
+        cache, one copy per piece. Grouped layouts: one copy per piece on either."""
+        if self._geo.grouped:
+            self._gcopy.copy_in(pool, offs, block_ids)
+            self._sync()
+            return
         if self._device.type != "cuda":
             for off, b in zip(offs, block_ids):
                 for dst, src in self._pieces(self._slot(pool, off), b):
@@ -702,6 +753,10 @@ class KvdConnector(KVConnectorBase_V1):
     def _copy_out(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
         """Paged-cache blocks ``block_ids`` → pool slots ``offs`` (the reverse of
         :meth:`_copy_in`: on CUDA one gather, then one kernel into every slot)."""
+        if self._geo.grouped:
+            self._gcopy.copy_out(pool, offs, block_ids)
+            self._sync()
+            return
         if self._device.type != "cuda":
             for off, b in zip(offs, block_ids):
                 for src, dst in self._pieces(self._slot(pool, off), b):
@@ -800,7 +855,7 @@ class KvdConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdConnectorMetadata)
-        for s in meta.saves:
+        for s in meta.saves if self._saves_here else ():
             try:
                 self._save_blocks(s)
             except (kvd.KvdError, OSError) as e:
@@ -892,10 +947,11 @@ class _Mover(threading.Thread):
         if p.failed:
             logger.warning("kvd connector: request %s: %s; recomputing", p.req_id, p.failed)
             return False
-        tid = p.transfer_ids[conn._rank]
+        # A layout kept once per node has one transfer for every rank.
+        tid = p.transfer_ids[conn._rank if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
         deadline = time.monotonic() + conn._transfer_timeout_s
         pause = 0.001
-        while True:
+        while tid is not None:  # (a local load of a grouped layout has no transfer)
             # Another session's transfer: the reply comes at once, with its state.
             state = conn._client_w().transfer_status(tid).get("state")
             if state == "done":
@@ -915,7 +971,8 @@ class _Mover(threading.Thread):
         else:
             good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
         if good < len(p.block_ids):
-            logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
+            what = "handed-off blocks are not this prompt's" if tid is not None else "blocks are gone from kvd since the lookup"
+            logger.warning("kvd connector: request %s: %d of %d %s; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids), what)
             return False
         return True
 
@@ -1025,7 +1082,7 @@ class _Step:
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
             if good < len(ld.block_ids):
                 conn._errors.update(ld.block_ids[good:])
-        for sv in meta.saves:
+        for sv in meta.saves if conn._saves_here else ():
             try:
                 if client is None:
                     raise kvd.KvdError("no daemon")

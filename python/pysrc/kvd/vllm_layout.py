@@ -1,5 +1,6 @@
-"""What one kvd block of a vLLM engine is: the geometry read from vLLM's own config, the
-refusals of caches the connector cannot store faithfully, and the per-request salt.
+"""What one kvd block of a vLLM engine is: the geometry read from vLLM's own config (the
+classic layout here; grouped layouts in :mod:`kvd.vllm_groups`), the refusals of caches
+the connector cannot store faithfully, and the per-request salt.
 Used by :mod:`kvd.vllm_connector` (see its doc for the block format).
 """
 
@@ -45,6 +46,13 @@ class Geometry:
     num_blocks: int
     tp_size: int
 
+    grouped = False
+
+    @property
+    def num_layouts(self) -> int:
+        """Layouts the scheduler asks about: one per TP rank."""
+        return self.tp_size
+
     @property
     def dtype_name(self) -> str:
         return _DTYPES[self.dtype][0]
@@ -68,42 +76,42 @@ class Geometry:
         }
 
 
-def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[Optional[Geometry], Optional[str]]:
-    """The block geometry, or why this engine's cache is served without kvd.
+def _classic(groups: list) -> bool:
+    """Whether the cache is one dense full-attention group: kvd's classic layout, which
+    moves K and V per head (and reslices heads between TP sizes where the engine can)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
-    Raises :class:`KvdConfigError` for caches the connector must not pretend to handle.
-    Returns ``(None, reason)`` for hybrid configurations (no hits reported, nothing saved).
-    """
-    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVQuantMode, MLAAttentionSpec
-
-    groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        return None, f"{len(groups)} KV cache groups ({kinds}): a hybrid model; kvd restores only one full-attention group"
+        return False
     spec = groups[0].kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     specs = list(inner.values()) if inner else [spec]
     first = specs[0]
-    for s in specs:
-        if isinstance(s, MLAAttentionSpec):
-            raise KvdConfigError(
-                f"kvd connector: MLA (latent) KV caches are not supported ({type(s).__name__}); "
-                "use a model with separate K and V, or run without the kvd connector"
-            )
-        if not isinstance(s, AttentionSpec) or not isinstance(s, FullAttentionSpec):
-            raise KvdConfigError(f"kvd connector: KV cache spec {type(s).__name__} is not supported (full attention only)")
-        if s != first and (s.num_kv_heads, s.head_size, s.dtype) != (first.num_kv_heads, first.head_size, first.dtype):
-            raise KvdConfigError("kvd connector: layers with different KV shapes are not supported")
-        if s.kv_quant_mode != KVQuantMode.NONE:
-            raise KvdConfigError(f"kvd connector: quantized KV caches ({s.kv_quant_mode.name}) are not supported")
-        if s.head_size_v != s.head_size:
-            raise KvdConfigError(f"kvd connector: K and V of different sizes ({s.head_size} vs {s.head_size_v}) are not supported")
-        if s.page_size_padded is not None or s.num_head_slots is not None or s.state_content_bytes is not None:
-            raise KvdConfigError("kvd connector: padded or packed KV pages are not supported")
-        if s.tokens_per_state != 1:
-            raise KvdConfigError("kvd connector: compressed KV states (tokens_per_state != 1) are not supported")
-        if s.dtype not in _DTYPES:
-            raise KvdConfigError(f"kvd connector: KV dtype {s.dtype} has no kvd name (supported: {sorted(v[0] for v in _DTYPES.values())})")
+    return all(
+        type(s) is FullAttentionSpec
+        and s.sliding_window is None
+        and s.attention_chunk_size is None
+        and not s.non_causal
+        and s.kv_quant_mode == KVQuantMode.NONE
+        and s.head_size_v == s.head_size
+        and s.page_size_padded is None
+        and s.num_head_slots is None
+        and s.state_content_bytes is None
+        and s.tokens_per_state == 1
+        and s.dtype in _DTYPES
+        and s.dtype != torch.uint8
+        and (s.num_kv_heads, s.head_size, s.dtype, s.block_size) == (first.num_kv_heads, first.head_size, first.dtype, first.block_size)
+        for s in specs
+    )
+
+
+def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[Any, Optional[str]]:
+    """The block geometry: the classic :class:`Geometry` for one dense full-attention
+    group, else a :class:`kvd.vllm_groups.GroupedGeometry` (SPEC §3.1 "Grouped layouts").
+
+    Raises :class:`KvdConfigError`, naming the field, for caches kvd cannot describe.
+    The second value is kept for callers that serve without kvd (always None now).
+    """
     par = vllm_config.parallel_config
     if getattr(par, "pipeline_parallel_size", 1) > 1:
         raise KvdConfigError("kvd connector: pipeline parallelism is not supported (each stage holds other layers; kvd's blocks hold all of them)")
@@ -112,19 +120,25 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tup
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    total = vllm_config.model_config.get_total_num_kv_heads()
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not _classic(groups):
+        from kvd.vllm_groups import grouped_geometry
+
+        return grouped_geometry(vllm_config, kv_cache_config, model_id), None
+    spec = groups[0].kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)
+    first = list(inner.values())[0] if inner else spec
     return (
         Geometry(
             model_id=model_id,
             layer_names=tuple(groups[0].layer_names),
             heads=first.num_kv_heads,
-            total_heads=total,
+            total_heads=vllm_config.model_config.get_total_num_kv_heads(),
             head_size=first.head_size,
             dtype=first.dtype,
             block_size=first.block_size,
             num_blocks=kv_cache_config.num_blocks,
-            tp_size=tp,
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
         ),
         None,
     )

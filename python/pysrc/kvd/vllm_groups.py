@@ -1,0 +1,347 @@
+"""Grouped kvd layouts for vLLM KV caches that are not one dense full-attention group
+(SPEC §3.1 "Grouped layouts"): latent MLA caches, sliding-window and chunked-local layers
+beside full ones, quantized KV (fp8 and the packed modes), K and V of different sizes,
+padded pages. Used by :mod:`kvd.vllm_connector`; the dense case keeps its classic layout
+(:class:`kvd.vllm_layout.Geometry`).
+
+The layout is data taken from the engine
+----------------------------------------
+Each vLLM KV cache group becomes one kvd group, described from vLLM's own spec of it: the
+attention kind (``full``, ``sliding`` with its window, ``chunked`` with its chunk, ``mla``),
+the dtype of the cache tensor, the piece one layer keeps per block as vLLM's logical
+``[heads, states, content]`` view of it (``num_head_slots``/``state_content_bytes`` where a
+backend packs, so a packed page is described as it is), and the quantization (the
+``kv_quant_mode`` by name, and for per-tensor fp8 where its scales come from: the
+checkpoint's, which the model identity covers, or 1.0). The ``arrangement`` names what
+decides where a value lies and is not in the shape: the vLLM version, the device and the
+KV cache layout. Two engines that differ in any of these never share a block: a vLLM
+upgrade that changes the arrangement is a miss, never a wrong hit.
+
+A block of a grouped layout is, for one position of ``block_size`` tokens, every group's
+piece of every layer (one object per position, not one per group): a position's groups
+are stored and committed together, so no reader sees some of them without the others, and
+a hit is the longest prefix of positions the daemon holds whole. Blocks are keyed by the
+chunk hashes of the tokens (SPEC §3.2), which chain every earlier token: a piece can only
+be the one of exactly that prefix, so a missing position shortens a hit and can never
+misalign one. A sliding-window group stores every position's piece, because a later
+prompt may stop anywhere; a load copies only the pieces into the blocks vLLM keeps for it
+(vLLM hands the null block, id 0, for positions outside the window, and those are
+skipped), so a handoff moves the whole prefix but the engine reads only its window.
+
+MLA: the latent is the same on every TP rank, so a model whose groups are all MLA keeps
+one copy per node (``tp_size = 1`` in the layout; only rank 0 saves it, every rank loads
+it) and hands off between prefill and decode engines of different TP sizes.
+
+Refused by name (at start): recurrent state (Mamba/GDN groups: one state per position is
+not what a prefix of KV blocks is; linked state snapshots are the next step),
+DeepSeek-V4's compressed states (``tokens_per_state != 1``) and its sliding MLA, encoder,
+cross-attention and circular-buffer caches, and groups of different block sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvd.vllm_layout import _DTYPES, KvdConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+NULL_BLOCK = 0  # vLLM's null block: a position a group does not keep
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One vLLM KV cache group as one kvd group."""
+
+    index: int  # the group's index in vLLM's kv_cache_groups
+    kind: str
+    layer_names: tuple[str, ...]
+    heads: int  # H of vLLM's logical [B, H, N, C] view
+    states: int  # N per vLLM block
+    content: int  # C, in elements of ``dtype``
+    dtype: torch.dtype
+    window: int
+    quant: str
+    offset: int  # where the group's pieces start in a kvd block
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.heads * self.states * self.content * _DTYPES[self.dtype][1]
+
+    def describe(self, arrangement: str) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "layers": len(self.layer_names),
+            "dtype": _DTYPES[self.dtype][0],
+            "dims": [self.heads, self.states, self.content],
+            "arrangement": arrangement,
+            "window": self.window,
+            "quant": self.quant,
+        }
+
+
+@dataclass(frozen=True)
+class GroupedGeometry:
+    """What one kvd block of this engine is when it needs a grouped layout."""
+
+    model_id: str
+    block_size: int
+    num_blocks: int
+    tp_size: int
+    replicated: bool  # every group is the same on every rank (MLA): one copy per node
+    groups: tuple[GroupPlan, ...]
+    arrangement: str
+
+    grouped = True
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in g.layer_names)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(g.layer_bytes * len(g.layer_names) for g in self.groups)
+
+    @property
+    def num_layouts(self) -> int:
+        """Layouts the scheduler asks about: one per node when replicated, else per rank."""
+        return 1 if self.replicated else self.tp_size
+
+    def layout(self, rank: int) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "num_layers": len(self.layer_names),
+            "kv_parts": 1,
+            "num_kv_heads": 1,
+            "head_dim": 1,
+            "dtype": "u8",
+            "tokens_per_block": self.block_size,
+            "tp_size": 1 if self.replicated else self.tp_size,
+            "tp_rank": 0 if self.replicated else rank,
+            "order": "groups",
+            "groups": [g.describe(self.arrangement) for g in self.groups],
+        }
+
+
+def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
+    """The kvd kind and window of an attention spec, or a refusal naming it."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    if type(spec) is MLAAttentionSpec:
+        if spec.model_version is not None or spec.topk_buffer_width is not None:
+            raise KvdConfigError(f"kvd connector: MLA cache of model_version {spec.model_version!r} (sparse or compressed latent) is not supported yet")
+        return "mla", 0
+    if type(spec) is SlidingWindowSpec:
+        return "sliding", int(spec.sliding_window)
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return "chunked", int(spec.attention_chunk_size)
+    if type(spec) is FullAttentionSpec:
+        if spec.non_causal:
+            raise KvdConfigError("kvd connector: non-causal attention (prefix LM) is not supported: a block is not a function of the tokens before it")
+        # A sliding or chunked layer the hybrid allocator is off for keeps every block.
+        return "full", int(spec.sliding_window or spec.attention_chunk_size or 0)
+    raise KvdConfigError(
+        f"kvd connector: KV cache spec {name} is not supported "
+        "(supported: full, sliding-window, chunked-local and MLA attention; recurrent state is refused for now)"
+    )
+
+
+def _quant(spec: "KVCacheSpec", vllm_config: "VllmConfig") -> str:
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    mode = spec.kv_quant_mode
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if mode == KVQuantMode.NONE:
+        return "" if cache_dtype == "auto" else f"cache_dtype={cache_dtype}"
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        # Per-tensor scales live in the attention layers, not in the cache: vLLM loads
+        # them from the checkpoint (covered by the model identity) or uses 1.0.
+        return f"{mode.name.lower()};cache_dtype={cache_dtype};scales=checkpoint"
+    # Every other mode keeps its scales inside the page (per token and head, or packed).
+    return f"{mode.name.lower()};cache_dtype={cache_dtype};scales=in_page"
+
+
+def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str) -> GroupedGeometry:
+    """The grouped layout of this engine's KV cache, or :class:`KvdConfigError` naming
+    what kvd cannot describe."""
+    import vllm
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        raise KvdConfigError("kvd connector: the engine has no KV cache")
+    plans: list[GroupPlan] = []
+    offset = 0
+    block_size = None
+    for gi, grp in enumerate(groups):
+        spec = grp.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        specs = list(inner.values()) if inner else [spec]
+        first = specs[0]
+        for s in specs[1:]:
+            if s != first:
+                raise KvdConfigError(f"kvd connector: KV cache group {gi} has layers of different specs ({type(first).__name__} and {type(s).__name__})")
+        kind, window = _kind(first)
+        if first.tokens_per_state != 1:
+            raise KvdConfigError(f"kvd connector: KV cache group {gi}: compressed KV states (tokens_per_state = {first.tokens_per_state}) are not supported yet")
+        if first.dtype not in _DTYPES:
+            raise KvdConfigError(f"kvd connector: KV cache group {gi}: dtype {first.dtype} has no kvd name (supported: {sorted(v[0] for v in _DTYPES.values())})")
+        if block_size is None:
+            block_size = first.block_size
+        elif first.block_size != block_size:
+            raise KvdConfigError(
+                f"kvd connector: KV cache groups of different block_size ({block_size} and {first.block_size} tokens) are not supported: "
+                "one kvd block holds one position of every group"
+            )
+        elsize = _DTYPES[first.dtype][1]
+        content_bytes = int(first.state_content_size_bytes)
+        if content_bytes % elsize:
+            raise KvdConfigError(f"kvd connector: KV cache group {gi}: {content_bytes} content bytes are not whole {first.dtype} elements")
+        plan = GroupPlan(
+            index=gi,
+            kind=kind,
+            layer_names=tuple(grp.layer_names),
+            heads=int(first.num_heads),
+            states=int(first.num_states),
+            content=content_bytes // elsize,
+            dtype=first.dtype,
+            window=window,
+            quant=_quant(first, vllm_config),
+            offset=offset,
+        )
+        plans.append(plan)
+        offset += plan.layer_bytes * len(plan.layer_names)
+    if not plans[0].layer_names:
+        raise KvdConfigError("kvd connector: a KV cache group without layers")
+    cc = vllm_config.cache_config
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None) or "default"
+    device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    arrangement = f"vllm {vllm.__version__} {device} {layout} {backend or 'auto'} [head,state,content]"
+    return GroupedGeometry(
+        model_id=model_id,
+        block_size=int(block_size),
+        num_blocks=kv_cache_config.num_blocks,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        replicated=all(p.kind == "mla" for p in plans),
+        groups=tuple(plans),
+        arrangement=arrangement[:256],
+    )
+
+
+def complete(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: int, upto: int) -> list[tuple[int, ...]]:
+    """The per-position block ids ``(one per group)`` of positions ``first..upto`` that
+    every group holds, stopping at the first position one group does not (a save stores
+    whole positions only, and a prefix only)."""
+    out = []
+    for pos in range(first, upto):
+        ids = []
+        for g in geo.groups:
+            lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
+            b = lst[pos] if pos < len(lst) else NULL_BLOCK
+            if b == NULL_BLOCK:
+                return out
+            ids.append(int(b))
+        out.append(tuple(ids))
+    return out
+
+
+def positions(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: int, count: int) -> list[tuple[int, ...]]:
+    """The per-position block ids of positions ``first..first+count`` as vLLM allocated
+    them for a load: the null block where a group keeps no block there."""
+    out = []
+    for pos in range(first, first + count):
+        ids = []
+        for g in geo.groups:
+            lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
+            ids.append(int(lst[pos]) if pos < len(lst) else NULL_BLOCK)
+        out.append(tuple(ids))
+    return out
+
+
+class GroupedCopier:
+    """Moves the pieces of grouped blocks between pool slots and vLLM's paged caches.
+
+    A layer's piece of block ``b`` is its kernel blocks ``b*r .. b*r+r`` (vLLM splits a
+    block into ``r`` kernel blocks when the attention kernel wants smaller ones), viewed
+    as bytes and laid out ``[head][r][state][content]`` in the slot, which is the logical
+    ``[head, state, content]`` of the whole block. Pieces into the null block are skipped
+    on a load (a position the group does not keep)."""
+
+    def __init__(self, geo: GroupedGeometry, kv_caches: dict[str, Any]):
+        self.geo = geo
+        self.layers: list[tuple[GroupPlan, torch.Tensor, int, int]] = []  # plan, tensor, offset, r
+        self.index: dict[str, int] = {}
+        device = None
+        for plan in geo.groups:
+            for li, name in enumerate(plan.layer_names):
+                t = kv_caches.get(name)
+                if t is None:
+                    raise KvdConfigError(f"kvd connector: no KV cache tensor for layer {name}")
+                if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise KvdConfigError(f"kvd connector: layer {name}: KV cache {shape}; expected vLLM's [blocks, heads, states, content]")
+                nb, h, n, c = t.shape
+                if t.dtype != plan.dtype or h != plan.heads or c != plan.content:
+                    raise KvdConfigError(
+                        f"kvd connector: layer {name}: KV cache {tuple(t.shape)} {t.dtype} does not match its group's spec "
+                        f"({plan.heads} heads, content {plan.content}, {plan.dtype})"
+                    )
+                if nb % geo.num_blocks or n * (nb // geo.num_blocks) != plan.states:
+                    raise KvdConfigError(f"kvd connector: layer {name}: {nb} kernel blocks of {n} states do not split {geo.num_blocks} blocks of {plan.states}")
+                if t.stride(-1) != 1:
+                    raise KvdConfigError(f"kvd connector: layer {name}: the content dimension is strided")
+                if device is not None and t.device != device:
+                    raise KvdConfigError(f"kvd connector: layer {name} is on {t.device}, others on {device}")
+                device = t.device
+                self.index[name] = len(self.layers)
+                self.layers.append((plan, t, plan.offset + li * plan.layer_bytes, nb // geo.num_blocks))
+        self.device = device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, t, _, _ in self.layers]
+
+    def _pair(self, pool: torch.Tensor, off: int, li: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plan, t, o, r = self.layers[li]
+        n = plan.states // r
+        es = _DTYPES[plan.dtype][1]
+        slot = pool[off + o : off + o + plan.layer_bytes].view(plan.heads, r, n, plan.content * es)
+        cache = t[block * r : (block + 1) * r].view(torch.uint8).permute(1, 0, 2, 3)
+        return cache, slot
+
+    def load_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
+        plan = self.layers[li][0]
+        gpos = self.geo.groups.index(plan)
+        for off, bids in zip(offs, ids):
+            b = bids[gpos]
+            if b != NULL_BLOCK:
+                cache, slot = self._pair(pool, off, li, b)
+                cache.copy_(slot, non_blocking=True)
+
+    def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
+        plan = self.layers[li][0]
+        gpos = self.geo.groups.index(plan)
+        for off, bids in zip(offs, ids):
+            b = bids[gpos]
+            if b == NULL_BLOCK:  # never: saves are of whole positions (complete())
+                raise KvdConfigError("kvd connector: a save of a position a group does not hold")
+            cache, slot = self._pair(pool, off, li, b)
+            slot.copy_(cache, non_blocking=True)
+
+    def copy_in(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]]) -> None:
+        for li in range(len(self.layers)):
+            self.load_layer(pool, offs, ids, li)
+
+    def copy_out(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]]) -> None:
+        for li in range(len(self.layers)):
+            self.save_layer(pool, offs, ids, li)
