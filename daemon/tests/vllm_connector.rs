@@ -1,9 +1,10 @@
 //! The kvd vLLM connector (python/pysrc/kvd/vllm_connector.py) inside vLLM 0.33's own
 //! `Scheduler`, against real daemons: python/tests/test_vllm.py drives prefix caching
 //! (external hits, byte-identical loads, a block evicted between lookup and load that vLLM
-//! recomputes, every TP rank's layout asked), the refusals (MLA, K/V sizes, shapes, hybrid
-//! groups), and P/D handoff across two daemons by pull and by push, an expired lease and a
-//! prefill daemon killed mid-handoff. The test command installs vLLM into `.venv`; without
+//! recomputes, every TP rank's layout asked), which caches get the classic layout and which
+//! a grouped one, and P/D handoff across two daemons by pull and by push, an expired lease
+//! and a prefill daemon killed mid-handoff; python/tests/test_vllm_families.py the model
+//! families that need grouped layouts. The test command installs vLLM into `.venv`; without
 //! it this fails and says how to get it.
 
 mod common;
@@ -27,6 +28,34 @@ fn the_vllm_connector_in_vllms_own_scheduler() {
         ],
     );
     // The survivors kept serving: nothing the engines did stopped them.
+    for d in [&prefill, &decode] {
+        let st = kvd_client::Client::connect(&d.endpoint)
+            .and_then(|c| c.stats())
+            .expect("daemon still serving");
+        assert_eq!(st.pinned_blocks, 0, "pins left behind: {st:?}");
+    }
+}
+
+/// The model families that need grouped layouts (SPEC §3.1): gpt-oss, Gemma 3, DeepSeek-V3
+/// (MLA), a Llama with fp8 KV, in vLLM's own scheduler with its hybrid allocator and the
+/// KV cache configuration vLLM plans (python/tests/test_vllm_families.py): prefix hits
+/// byte-exact per group, sliding groups loading only their window, handoffs by pull and
+/// push and across TP sizes for MLA, the negative controls (a misaligned group is caught,
+/// a missing position shortens the hit, another layout misses) and the refusals.
+#[test]
+fn the_vllm_connector_serves_hybrid_mla_and_fp8_models() {
+    let prefill = common::Daemon::start(&["--pool-size", "128MiB"]);
+    let decode = common::Daemon::start(&["--pool-size", "128MiB"]);
+    common::python_checks(
+        "test_vllm_families.py",
+        "kvd, vllm, torch",
+        "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
+        &[
+            prefill.endpoint.clone(),
+            decode.endpoint.clone(),
+            common::kvd_bin().display().to_string(),
+        ],
+    );
     for d in [&prefill, &decode] {
         let st = kvd_client::Client::connect(&d.endpoint)
             .and_then(|c| c.stats())

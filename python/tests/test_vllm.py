@@ -337,42 +337,30 @@ def _():
     assert s.get_num_new_matched_tokens(req, 0) == (32, False)
 
 
-@check("unsupported KV caches are refused with the reason (MLA, K/V sizes, shapes); hybrid configs report no hits")
+@check("the dense layout stays classic; MLA, K/V of different sizes and hybrid configs get grouped layouts (test_vllm_families.py); tensors of the wrong shape are refused with the reason")
 def _():
     cfg = ve.vllm_config(P)
+    dense = KvdConnector(cfg, KVConnectorRole.SCHEDULER, ve.kv_cache_config())
+    assert not dense._geo.grouped and dense._geo.layout(0)["order"] == "layer_part_head_token"
     mla = MLAAttentionSpec(block_size=ve.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    try:
-        KvdConnector(cfg, KVConnectorRole.WORKER, ve.kv_cache_config(spec=mla))
-        raise AssertionError("MLA accepted")
-    except KvdConfigError as e:
-        assert "MLA" in str(e), e
     odd = FullAttentionSpec(block_size=ve.BLOCK, num_kv_heads=ve.KV_HEADS, head_size=16, head_size_v=8, dtype=torch.float16)
-    try:
-        KvdConnector(cfg, KVConnectorRole.WORKER, ve.kv_cache_config(spec=odd))
-        raise AssertionError("K/V of different sizes accepted")
-    except KvdConfigError as e:
-        assert "different sizes" in str(e), e
-    # A worker handed tensors that do not match the model's heads.
     kvcc = ve.kv_cache_config()
-    w = KvdConnector(cfg, KVConnectorRole.WORKER, kvcc)
-    wrong = {n: torch.zeros((64, 4, ve.BLOCK, 2 * ve.HEAD), dtype=torch.float16) for n in kvcc.kv_cache_groups[0].layer_names}
-    try:
-        w.register_kv_caches(wrong)
-        raise AssertionError("wrong shape accepted")
-    except KvdConfigError as e:
-        assert "does not match the model" in str(e), e
-    # Two groups (a hybrid model): no external hits, nothing saved, said in a log line.
     names = kvcc.kv_cache_groups[0].layer_names
     full = kvcc.kv_cache_groups[0].kv_cache_spec
     swa = SlidingWindowSpec(block_size=ve.BLOCK, num_kv_heads=ve.KV_HEADS, head_size=ve.HEAD, dtype=torch.float16, sliding_window=32)
     hybrid = ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full),
                                         KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)])
-    s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, hybrid)
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    assert s.get_num_new_matched_tokens(Request(rid("h"), prompt(1), SamplingParams(max_tokens=1), None), 0) == (0, False)
-    assert s._off and "hybrid" in s._off
+    for kvcc_, kinds in ((ve.kv_cache_config(spec=mla), ["mla"]), (ve.kv_cache_config(spec=odd), ["full"]), (hybrid, ["full", "sliding"])):
+        s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, kvcc_)
+        assert s._geo.grouped and [g["kind"] for g in s._geo.layout(0)["groups"]] == kinds, s._geo
+    # A worker handed tensors that do not match the model's heads.
+    w = KvdConnector(cfg, KVConnectorRole.WORKER, kvcc)
+    wrong = {n: torch.zeros((64, 4, ve.BLOCK, 2 * ve.HEAD), dtype=torch.float16) for n in names}
+    try:
+        w.register_kv_caches(wrong)
+        raise AssertionError("wrong shape accepted")
+    except KvdConfigError as e:
+        assert "does not match the model" in str(e), e
 
 
 @check("a daemon restart: the connector maps the new pool and never uses offsets across incarnations")

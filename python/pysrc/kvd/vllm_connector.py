@@ -971,8 +971,10 @@ class _Mover(threading.Thread):
         else:
             good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
         if good < len(p.block_ids):
-            what = "handed-off blocks are not this prompt's" if tid is not None else "blocks are gone from kvd since the lookup"
-            logger.warning("kvd connector: request %s: %d of %d %s; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids), what)
+            if tid is not None:
+                logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
+            else:
+                logger.warning("kvd connector: request %s: only %d of %d blocks are still in kvd since the lookup; recomputing", p.req_id, good, len(p.block_ids))
             return False
         return True
 

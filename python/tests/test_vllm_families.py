@@ -1,0 +1,317 @@
+"""The kvd vLLM connector with the model families that need grouped layouts (SPEC §3.1):
+gpt-oss and Gemma 3 (sliding window + full attention), DeepSeek-V3 (MLA), a Llama with fp8
+KV, each with the KV cache configuration vLLM itself plans (``vllm_families``), in vLLM
+0.33's own scheduler with its hybrid allocator, against real daemons.
+
+argv: PREFILL_ENDPOINT DECODE_ENDPOINT KVD_BINARY. Run by daemon/tests/vllm_connector.rs.
+Prints "N passed, M failed".
+"""
+
+import json
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import vllm_engine as ve  # noqa: E402
+import vllm_families as vf  # noqa: E402
+from checks import check, run  # noqa: E402
+
+import kvd  # noqa: E402
+import torch  # noqa: E402
+from kvd.vllm_connector import KvdConfigError, KvdConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+P, D, KVD_BIN = sys.argv[1], sys.argv[2], sys.argv[3]
+RUN = int.from_bytes(os.urandom(4), "little")  # daemons may outlive a run: fresh prompts
+FAMILIES = list(vf.FAMILIES)
+_n = [0]
+
+
+def prompt(seed, n=100):
+    return [(RUN + seed * 7919 + 13 * t) % 997 + 1 for t in range(n)]
+
+
+def rid(tag):
+    _n[0] += 1
+    return f"{tag}-{os.getpid()}-{_n[0]}"
+
+
+class rank0:
+    """vLLM's TP rank query answers 0 (the harness runs rank 0's worker of a TP-2 engine)."""
+
+    def __enter__(self):
+        import vllm.distributed.parallel_state as ps
+
+        self.real = ps.get_tensor_model_parallel_rank
+        ps.get_tensor_model_parallel_rank = lambda: 0
+
+    def __exit__(self, *exc):
+        import vllm.distributed.parallel_state as ps
+
+        ps.get_tensor_model_parallel_rank = self.real
+
+
+def finished(e, r):
+    return lambda so, out: r in e.outputs and e.outputs[r].finish_reason is not None
+
+
+def until_computed(e, r, n, steps=400):
+    """Steps until ``r`` computed ``n`` tokens; returns the failed_recving seen meanwhile."""
+    failed = []
+    for _ in range(steps):
+        req = e.scheduler.requests.get(r)
+        if req is not None and req.num_computed_tokens >= n and r in e.computed_by_forward:
+            return failed
+        _, out = e.step()
+        failed += list(out.failed_recving or ())
+        time.sleep(0.005)
+    raise AssertionError(f"{r} never computed {n} tokens")
+
+
+def saved(family, toks, endpoint=P, **extra):
+    """An engine that computed ``toks`` (saving its blocks); closed."""
+    a = vf.FamilyEngine(endpoint, family, **extra)
+    r = rid(f"save-{family}")
+    a.add(r, toks)
+    a.run(finished(a, r))
+    a.close()
+
+
+def window_blocks(e, gi):
+    """Blocks vLLM keeps for a sliding group at a hit: the window's."""
+    spec = e.kvcc.kv_cache_groups[gi].kv_cache_spec
+    return -(-(spec.sliding_window - 1) // vf.BLOCK)
+
+
+def hit(family, toks, endpoint=P, **extra):
+    """A fresh engine's request for ``toks``: (engine, request, per-group kept positions)
+    after its prompt was computed, every kept block checked byte for byte."""
+    b = vf.FamilyEngine(endpoint, family, **extra)
+    r = rid(f"hit-{family}")
+    b.add(r, toks)
+    failed = until_computed(b, r, len(toks))
+    assert not failed, failed
+    return b, r, b.check_groups(r, toks, len(toks) // vf.BLOCK)
+
+
+for _family in FAMILIES:
+
+    @check(f"{_family}: save, drop from the engine, load: a 96-token prefix hit, byte-exact in every group; sliding groups load only their window")
+    def _(family=_family):
+        toks = prompt(hash(family) % 1000)
+        saved(family, toks)
+        b, r, kept = hit(family, toks)
+        assert not (b.computed_by_forward[r] & set(range(96))), "the hit's positions were not recomputed"
+        assert set(range(96, 100)) <= b.computed_by_forward[r]
+        for gi, g in enumerate(b.kvcc.kv_cache_groups):
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec):
+                assert 0 < kept[gi] <= window_blocks(b, gi) + 1 < 6, (gi, kept)
+            else:
+                assert kept[gi] == 6, (gi, kept)
+        b.close()
+
+
+@check("the layout is the engine's: every group described (kind, window, dims, dtype, quant), MLA kept once per node, fp8 named with its scales")
+def _():
+    e = vf.FamilyEngine(P, "gpt-oss")
+    lay = e.worker._geo.layout(0)
+    assert lay["order"] == "groups" and [g["kind"] for g in lay["groups"]] == ["sliding", "full"], lay
+    assert lay["groups"][0]["window"] == 32 and lay["groups"][0]["dims"] == [2, 16, 32], lay
+    assert kvd.Client(P).register_layout(lay)["block_bytes"] == e.worker._geo.block_bytes == 2 * 2 * (2 * 16 * 32 * 2)
+    e.close()
+    with rank0():
+        m = vf.FamilyEngine(P, "deepseek-v3", tp_size=2)
+    lay = m.worker._geo.layout(1)
+    assert (lay["tp_size"], lay["tp_rank"]) == (1, 0), "one latent copy per node, whatever the rank"
+    assert lay["groups"][0]["kind"] == "mla" and lay["groups"][0]["dims"] == [1, 16, 48], lay
+    assert len(m.sconn._lids) == 1, "the scheduler asks one layout, not one per rank"
+    m.close()
+    f = vf.FamilyEngine(P, "llama-fp8")
+    g = f.worker._geo.layout(0)["groups"][0]
+    assert g["dtype"] == "u8" and g["quant"] == "fp8_per_tensor;cache_dtype=fp8;scales=checkpoint", g
+    f.close()
+
+
+@check("two layouts that differ in a byte-relevant field never share a block: another window or another vLLM arrangement is a miss")
+def _():
+    toks = prompt(501)
+    saved("gpt-oss", toks)
+    import vllm_families
+
+    orig = dict(vllm_families.FAMILIES["gpt-oss"])
+    try:
+        vllm_families.FAMILIES["gpt-oss"]["sliding_window"] = 48
+        b = vf.FamilyEngine(P, "gpt-oss")
+        r = rid("other-window")
+        b.add(r, toks)
+        until_computed(b, r, 100)
+        assert set(range(100)) <= b.computed_by_forward[r], "another window: no hit"
+        b.close()
+    finally:
+        vllm_families.FAMILIES["gpt-oss"] = orig
+    # The same model, its arrangement named otherwise (another vLLM or device): a miss.
+    c = vf.FamilyEngine(P, "gpt-oss")
+    lay = dict(c.worker._geo.layout(0))
+    lay["groups"] = [dict(g, arrangement=g["arrangement"].replace("vllm ", "vllm-next ")) for g in lay["groups"]]
+    cl = kvd.Client(P)
+    other = cl.register_layout(lay)["layout_id"]
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    assert cl.lookup(other, keys[:6])["prefix"] == 0
+    assert cl.lookup(c.sconn._lids[0], keys[:6])["prefix"] == 6
+    c.close()
+
+
+@check("negative control: a connector that loads one group's pieces a position off is caught by the byte check")
+def _():
+    import kvd.vllm_connector as vc
+    from kvd import vllm_groups
+
+    toks = prompt(601)
+    saved("gpt-oss", toks)
+    real = vc.positions
+
+    def shifted(ids_by_group, geo, first, count):
+        # The sliding group's blocks one position later than the full group's.
+        out = real(ids_by_group, geo, first, count)
+        nxt = real(ids_by_group, geo, first + 1, count)
+        return [(n[0],) + o[1:] for o, n in zip(out, nxt)]
+
+    vc.positions = shifted
+    try:
+        caught = False
+        try:
+            b, _, _ = hit("gpt-oss", toks)
+            b.close()
+        except AssertionError as e:
+            caught = "differs" in str(e)
+        assert caught, "a misaligned group went unnoticed"
+    finally:
+        vc.positions = real
+    assert vllm_groups.positions is real
+
+
+@check("a position missing from kvd shortens the hit to what every group has; the engine's bytes are right")
+def _():
+    toks = prompt(701)
+    saved("gemma3", toks)
+    b = vf.FamilyEngine(P, "gemma3")
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    cl = kvd.Client(P)
+    cl.delete(b.sconn._lids[0], keys[3:4])
+    r = rid("short")
+    b.add(r, toks)
+    failed = until_computed(b, r, 100)
+    assert not failed, failed
+    assert not (b.computed_by_forward[r] & set(range(48))), "three positions hit"
+    assert set(range(48, 100)) <= b.computed_by_forward[r]
+    b.check_groups(r, toks, 6)
+    b.close()
+
+
+@check("a block gone between lookup and load: the load fails as vLLM accepts with several groups (failed_recving), the request recomputes and is right")
+def _():
+    toks = prompt(801)
+    saved("gpt-oss", toks)
+    b = vf.FamilyEngine(P, "gpt-oss")
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    real = b.sconn.update_state_after_alloc
+
+    def evict_then(request, blocks, n):
+        real(request, blocks, n)
+        kvd.Client(P).delete(b.sconn._lids[0], keys[2:3])
+
+    b.sconn.update_state_after_alloc = evict_then
+    r = rid("evicted")
+    b.add(r, toks)
+    failed = until_computed(b, r, 100)
+    assert failed == [r], failed
+    assert set(range(100)) <= b.computed_by_forward[r], "recomputed from scratch"
+    b.check_groups(r, toks, 6)
+    b.close()
+
+
+def handoff(family, mode="pull", prefill_tp=1, decode_tp=1):
+    toks = prompt(900 + len(family) + prefill_tp * 10 + len(mode))
+    p = vf.FamilyEngine(P, family, role="kv_producer", tp_size=prefill_tp)
+    r = rid("prefill")
+    p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run(finished(p, r))
+    params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+    assert params and params["kvd"]["blocks"] == 6, params
+    d = vf.FamilyEngine(D, family, role="kv_consumer", mode=mode, tp_size=decode_tp)
+    r2 = rid("decode")
+    d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
+    d.step()
+    assert d.scheduler.requests[r2].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    failed = until_computed(d, r2, 100)
+    assert not failed, failed
+    assert not (d.computed_by_forward[r2] & set(range(96))), "the handed-off prefix was not recomputed"
+    kept = d.check_groups(r2, toks, 6)
+    d.run(finished(d, r2))
+    p.close()
+    d.close()
+    return params, kept
+
+
+@check("P/D: gpt-oss handed off by pull and by push, byte-exact in both groups")
+def _():
+    for mode in ("pull", "push"):
+        params, kept = handoff("gpt-oss", mode)
+        assert len(params["kvd"]["transfers"]) == 1
+        assert kept[1] == 6 and 0 < kept[0] < 6, kept
+
+
+@check("P/D: DeepSeek-V3 (MLA) from a TP-2 prefill to a TP-1 decode and back: one latent copy, one transfer")
+def _():
+    with rank0():
+        for ptp, dtp in ((2, 1), (1, 2)):
+            params, kept = handoff("deepseek-v3", prefill_tp=ptp, decode_tp=dtp)
+            assert len(params["kvd"]["transfers"]) == 1, params
+            assert kept == [6], kept
+
+
+@check("refused at start, naming what kvd cannot describe: recurrent state, compressed states, groups of different block sizes, tensors that do not match the spec")
+def _():
+    cfg = ve.vllm_config(P)
+    names = [vf.layer_name(i) for i in range(2)]
+
+    def refused(groups, needle, role=KVConnectorRole.SCHEDULER):
+        try:
+            KvdConnector(cfg, role, ve.kv_cache_config(groups=groups))
+        except KvdConfigError as e:
+            assert needle in str(e), (needle, str(e))
+            return
+        raise AssertionError(f"accepted: {needle}")
+
+    full = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mamba = MambaSpec(block_size=vf.BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float16, torch.float32))
+    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=mamba)], "MambaSpec")
+    v4 = MLAAttentionSpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16, tokens_per_state=4)
+    refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=v4)], "tokens_per_state")
+    big = FullAttentionSpec(block_size=2 * vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=32)
+    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=big), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)], "block_size")
+    # K and V of different sizes: described (content = K + V), not refused.
+    odd = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, head_size_v=8, dtype=torch.float16)
+    s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=odd)]))
+    assert s._geo.grouped and s._geo.groups[0].content == 24
+    # A worker handed tensors that are not the spec's.
+    e = vf.FamilyEngine(P, "gpt-oss")
+    kvcc = e.kvcc
+    e.close()
+    w = KvdConnector(e.config, KVConnectorRole.WORKER, kvcc)
+    wrong = {n: torch.zeros((kvcc.num_blocks, 3, vf.BLOCK, 32), dtype=torch.float16) for g in kvcc.kv_cache_groups for n in g.layer_names}
+    try:
+        w.register_kv_caches(wrong)
+        raise AssertionError("wrong shape accepted")
+    except KvdConfigError as x:
+        assert "does not match its group's spec" in str(x), x
+
+
+if __name__ == "__main__":
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    run()
