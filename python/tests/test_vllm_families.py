@@ -274,6 +274,38 @@ def _():
             assert kept == [6], kept
 
 
+@check("multimodal prompts are keyed by their items as vLLM's prefix cache keys them: the same image hits, another image at the same place hits only the blocks before it; prompt embeddings stay out")
+def _():
+    from kvd.vllm_layout import request_keys
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    toks = prompt(1001)
+
+    def req(ident, offset=40, **kw):
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=offset, length=30))] if ident else None
+        return Request(rid("mm"), toks, SamplingParams(max_tokens=1), None, mm_features=mm, **kw)
+
+    a, b, text = (request_keys(req(i), vf.BLOCK) for i in ("img-A", "img-B", None))
+    assert a[:2] == b[:2] == text[:2], "blocks before the image are the text prompt's"
+    assert a[2] != b[2] and a[2] != text[2] and not set(a[2:]) & set(b[2:]), "from the image's block on, the image counts"
+    assert request_keys(req("img-A"), vf.BLOCK) == a, "deterministic"
+    moved = request_keys(req("img-A", offset=56), vf.BLOCK)
+    assert moved[:3] == text[:3] and moved[3:] != a[3:], "the same image elsewhere is another prompt"
+    salted = request_keys(req("img-A", cache_salt="tenant-x"), vf.BLOCK)
+    assert not set(salted) & set(a), "the cache salt still separates"
+    # In the scheduler: blocks stored under the image-A keys hit for image A only.
+    s = KvdConnector(ve.vllm_config(P), KVConnectorRole.SCHEDULER, ve.kv_cache_config())
+    cl = kvd.Client(P)
+    bb = cl.register_layout(s._geo.layout(0))["block_bytes"]
+    cl.store(s._lids[0], a, [b"\0" * bb] * len(a))
+    assert s.get_num_new_matched_tokens(req("img-A"), 0) == (96, False)
+    assert s.get_num_new_matched_tokens(req("img-B"), 0) == (32, False)
+    emb = Request(rid("emb"), None, SamplingParams(max_tokens=1), None, prompt_embeds=torch.zeros(100, 8))
+    assert request_keys(emb, vf.BLOCK) is None and s.get_num_new_matched_tokens(emb, 0) == (0, False)
+
+
 @check("refused at start, naming what kvd cannot describe: recurrent state, compressed states, groups of different block sizes, tensors that do not match the spec")
 def _():
     cfg = ve.vllm_config(P)

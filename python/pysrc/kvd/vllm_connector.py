@@ -100,7 +100,7 @@ from vllm.logger import init_logger
 
 import kvd
 from kvd.vllm_groups import GroupedCopier, complete, positions
-from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_salt
+from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_keys, request_salt
 
 __all__ = ["Geometry", "KvdConfigError", "KvdConnector", "KvdConnectorMetadata", "geometry", "request_salt"]
 
@@ -234,10 +234,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.get(request.request_id)
         if st is not None or self._geo is None:
             return st
-        if request.prompt_token_ids is None or getattr(request, "mm_features", None):
-            return None  # KV is not a function of the token ids alone
-        tokens = list(request.prompt_token_ids)
-        st = _Req(tokens=tokens, keys=kvd.chunk_hashes(tokens, self._geo.block_size, request_salt(request)))
+        keys = request_keys(request, self._geo.block_size)
+        if keys is None:
+            return None  # prompt embeddings: the KV is not a function of what kvd names
+        st = _Req(tokens=list(request.prompt_token_ids), keys=keys)
         self._reqs[request.request_id] = st
         return st
 

@@ -154,3 +154,43 @@ def request_salt(request: "Request") -> bytes:
     if salt:
         parts.append(f"salt={salt}")
     return "\n".join(parts).encode()
+
+
+def request_keys(request: "Request", block_size: int) -> Optional[list[bytes]]:
+    """The kvd keys of a request's full prompt blocks (SPEC §3.2 chunk hashes salted by
+    :func:`request_salt`), or None when its KV is not a function of what kvd can name
+    (prompt embeddings).
+
+    Multimodal prompts are keyed as vLLM's own prefix cache keys them: a block depends on
+    the items (their ``identifier``: the content hash, LoRA-prefixed where it applies) and
+    where they sit, besides its tokens (the placeholder tokens of two images are equal).
+    The chain restarts at the block where an item starts, its root salted with the
+    request's salt, the key of the block before it, and every item starting in that block
+    (identifier, offset, length): blocks before the first item are shared with the same
+    text prompt, and every block from an item on depends on it and on all earlier ones.
+    """
+    import kvd
+
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    tokens = list(request.prompt_token_ids)
+    salt = request_salt(request)
+    items = sorted(getattr(request, "mm_features", None) or [], key=lambda f: f.mm_position.offset)
+    if not items:
+        return kvd.chunk_hashes(tokens, block_size, salt)
+    if any(not getattr(f, "identifier", None) for f in items):
+        return None
+    full = len(tokens) // block_size
+    starts: dict[int, list] = {}
+    for f in items:
+        starts.setdefault(f.mm_position.offset // block_size, []).append(f)
+    keys: list[bytes] = []
+    bounds = sorted(b for b in starts if b < full) + [full]
+    keys += kvd.chunk_hashes(tokens[: bounds[0] * block_size], block_size, salt)
+    for b, end in zip(bounds, bounds[1:]):
+        seg_salt = salt + b"\nmm.after=" + (keys[-1] if keys else b"root")
+        for f in starts[b]:
+            seg_salt += f"\nmm={f.identifier}@{f.mm_position.offset}+{f.mm_position.length}".encode()
+        keys += kvd.chunk_hashes(tokens[b * block_size : end * block_size], block_size, seg_salt)
+    return keys
+
