@@ -53,28 +53,40 @@ What it does
 
 The block format
 ----------------
-A kvd block is one vLLM block of ``block_size`` tokens, all layers: layout order
-``layer_part_head_token`` (``[layer][K|V][head][token][head_dim]``), one layout per TP
-rank (``tp_rank`` is in the layout id), the model named by ``extra_config.model_id``
-(default: the digest of the config and weights vLLM's ``model`` points at, SPEC §3.1
-"Model identity": engines on one checkpoint under two paths share, weights replaced under
-one path never meet the old ones; an explicit ``model_id`` must never be shared between
-different weights). A handoff's params carry the prefill's model; a decode engine of
-another model says so ("prefill's model X, decode's model Y") and prefills itself. Keys are SPEC §3.2
-chunk hashes of the prompt tokens, salted with the LoRA adapter's name and the request's
-``cache_salt`` — so tenants and adapters never share blocks.
+A dense model (one full-attention KV cache group, K and V of one size, no quantization)
+keeps kvd's classic layout: a kvd block is one vLLM block of ``block_size`` tokens, all
+layers, in order ``layer_part_head_token`` (``[layer][K|V][head][token][head_dim]``), one
+layout per TP rank (``tp_rank`` is in the layout id). Every other cache gets a **grouped
+layout** (SPEC §3.1, :mod:`kvd.vllm_groups`): each of vLLM's KV cache groups described
+from its own spec (kind, window, dtype, the piece per layer, quantization, vLLM's
+arrangement), one kvd block per position holding every group's piece, stored and
+committed together. That covers MLA (one latent copy per node, handed between TP sizes),
+sliding-window and chunked-local hybrids (gpt-oss, Gemma 3: the connector implements
+``SupportsHMA``; a load fills only the blocks vLLM keeps for a sliding group), fp8 KV
+(named with where its scales come from) and the backends' packed or padded pages. Grouped
+layouts load asynchronously (the request waits one step): with several KV cache groups
+vLLM accepts a failed load only as a failed asynchronous one (``failed_recving``), and
+then recomputes.
+
+The model is named by ``extra_config.model_id`` (default: the digest of the config and
+weights vLLM's ``model`` points at, SPEC §3.1 "Model identity": engines on one checkpoint
+under two paths share, weights replaced under one path never meet the old ones; an
+explicit ``model_id`` must never be shared between different weights). A handoff's params
+carry the prefill's model; a decode engine of another model says so ("prefill's model X,
+decode's model Y") and prefills itself. Keys are SPEC §3.2 chunk hashes of the prompt
+tokens, salted with the LoRA adapter's name and the request's ``cache_salt`` — so tenants
+and adapters never share blocks — and, for multimodal prompts, with their items as vLLM's
+own prefix cache keys them (:func:`kvd.vllm_layout.request_keys`).
 
 What it refuses (with the reason, at start)
 -------------------------------------------
-MLA (latent) caches, quantized KV (``kv_quant_mode``), padded or packed pages, K and V of
-different sizes, dtypes kvd has no name for, pipeline and decode-context parallelism,
-and more than one KV cache group (hybrid
-models: vLLM turns its hybrid allocator off for connectors without ``SupportsHMA``, and
-hybrid SSM models then do not start; should a config still reach the connector with
-several groups, it logs that it will report no external hits and saves nothing).
-Requests with multimodal inputs or prompt embeddings are neither loaded nor saved (their
-KV is not a function of the token ids alone). Prefill and decode must use the same TP
-size and block size (the params say theirs; a mismatch is a miss and a local prefill).
+Recurrent state (Mamba/GDN groups), DeepSeek-V4's compressed states
+(``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
+non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
+no name for, pipeline and decode-context parallelism. Requests with prompt embeddings are
+neither loaded nor saved. Prefill and decode must use the same block size, and for the
+classic layout the same TP size (the params say theirs; a mismatch is a miss and a local
+prefill); an all-MLA model hands off between any TP sizes.
 """
 
 from __future__ import annotations
