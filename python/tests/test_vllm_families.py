@@ -100,9 +100,12 @@ def hit(family, toks, endpoint=P, **extra):
 
 for _family in FAMILIES:
 
-    @check(f"{_family}: save, drop from the engine, load: a 96-token prefix hit, byte-exact in every group; sliding groups load only their window")
+    @check(
+        f"{_family}: save, drop from the engine, load: a 96-token prefix hit, byte-exact in every group; sliding groups load only their window, "
+        "recurrent layers continue from the state of exactly that boundary"
+    )
     def _(family=_family):
-        toks = prompt(hash(family) % 1000)
+        toks = prompt(sum(map(ord, family)))
         saved(family, toks)
         b, r, kept = hit(family, toks)
         assert not (b.computed_by_forward[r] & set(range(96))), "the hit's positions were not recomputed"
@@ -110,8 +113,14 @@ for _family in FAMILIES:
         for gi, g in enumerate(b.kvcc.kv_cache_groups):
             if isinstance(g.kv_cache_spec, SlidingWindowSpec):
                 assert 0 < kept[gi] <= window_blocks(b, gi) + 1 < 6, (gi, kept)
+            elif isinstance(g.kv_cache_spec, MambaSpec):
+                pass  # the state block at the boundary: check_state
             else:
                 assert kept[gi] == 6, (gi, kept)
+        if vf.recurrent(family):
+            b.check_state(r, toks, 6)
+            layers = sum(1 for l in range(len(b.layer_names())) if b.is_state(l))
+            assert b.states_read >= layers, "every recurrent layer continued from the loaded state (checked as it read it)"
         b.close()
 
 
@@ -194,6 +203,54 @@ def _():
     assert vllm_groups.positions is real
 
 
+@check("negative control: a recurrent state snapshot of the wrong boundary is caught when the layer reads it")
+def _():
+    import kvd.vllm_connector as vc
+
+    toks = prompt(1101)
+    saved("qwen3-next", toks[:80])  # vLLM's align mode leaves the state after 64 tokens
+    saved("qwen3-next", toks)  # and after 96
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    real = vc.state_ids
+    b = vf.FamilyEngine(P, "qwen3-next")
+    sched = b.sconn
+    real_update = sched.update_state_after_alloc
+
+    def wrong_boundary(request, blocks, n):
+        real_update(request, blocks, n)
+        for p_ in sched._pending_pulls:
+            if p_.state is not None:
+                p_.state = (keys[3], p_.state[1])  # the snapshot after 4 blocks, into the 6th's
+
+    sched.update_state_after_alloc = wrong_boundary
+    r = rid("wrong-state")
+    b.add(r, toks)
+    caught = False
+    try:
+        until_computed(b, r, 100)
+    except AssertionError as e:
+        caught = "wrong recurrent state" in str(e)
+    assert caught, "a state of another boundary went unnoticed"
+    assert vc.state_ids is real
+    b.close()
+
+
+@check("a recurrent state missing from kvd shortens the hit to the last boundary that has one, with its KV; the layer continues from the right state")
+def _():
+    toks = prompt(1201)
+    saved("jamba", toks[:72])  # align mode: the state after 64 tokens (72 is no boundary)
+    saved("jamba", toks)  # state after 96
+    b = vf.FamilyEngine(P, "jamba")
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    kvd.Client(P).delete(b.sconn._slids[0], keys[5:6])
+    r = rid("state-gone")
+    b.add(r, toks)
+    assert not until_computed(b, r, 100)
+    assert not (b.computed_by_forward[r] & set(range(64))) and set(range(64, 100)) <= b.computed_by_forward[r], "the hit is 64 tokens"
+    b.check_groups(r, toks, 6)
+    b.close()
+
+
 @check("a position missing from kvd shortens the hit to what every group has; the engine's bytes are right")
 def _():
     toks = prompt(701)
@@ -251,6 +308,8 @@ def handoff(family, mode="pull", prefill_tp=1, decode_tp=1):
     assert not failed, failed
     assert not (d.computed_by_forward[r2] & set(range(96))), "the handed-off prefix was not recomputed"
     kept = d.check_groups(r2, toks, 6)
+    if vf.recurrent(family):
+        d.check_state(r2, toks, 6)
     d.run(finished(d, r2))
     p.close()
     d.close()
@@ -263,6 +322,14 @@ def _():
         params, kept = handoff("gpt-oss", mode)
         assert len(params["kvd"]["transfers"]) == 1
         assert kept[1] == 6 and 0 < kept[0] < 6, kept
+
+
+@check("P/D: Qwen3-Next (GDN + full attention) handed off by pull and by push: the KV of every position and the state at the boundary, byte-exact")
+def _():
+    for mode in ("pull", "push"):
+        params, kept = handoff("qwen3-next", mode)
+        assert len(params["kvd"]["transfers"]) == 1 and len(params["kvd"]["state_transfers"]) == 1, params
+        assert kept[-1] == 6, kept
 
 
 @check("P/D: DeepSeek-V3 (MLA) from a TP-2 prefill to a TP-1 decode and back: one latent copy, one transfer")
@@ -306,7 +373,7 @@ def _():
     assert request_keys(emb, vf.BLOCK) is None and s.get_num_new_matched_tokens(emb, 0) == (0, False)
 
 
-@check("refused at start, naming what kvd cannot describe: recurrent state, compressed states, groups of different block sizes, tensors that do not match the spec")
+@check("refused at start, naming what kvd cannot describe: recurrent state without vLLM's align mode, compressed states, groups of different block sizes, tensors that do not match the spec")
 def _():
     cfg = ve.vllm_config(P)
     names = [vf.layer_name(i) for i in range(2)]
@@ -321,7 +388,7 @@ def _():
 
     full = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     mamba = MambaSpec(block_size=vf.BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float16, torch.float32))
-    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=mamba)], "MambaSpec")
+    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=mamba)], "mamba_cache_mode")
     v4 = MLAAttentionSpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16, tokens_per_state=4)
     refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=v4)], "tokens_per_state")
     big = FullAttentionSpec(block_size=2 * vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)

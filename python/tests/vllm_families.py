@@ -18,7 +18,8 @@ import torch
 import vllm_engine as ve
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -50,6 +51,33 @@ FAMILIES = {
         "kv_lora_rank": 32,
         "qk_rope_head_dim": 16,
     },
+    # Qwen3-Next / Qwen3.5: three Gated DeltaNet layers to one full-attention layer; the
+    # recurrent state (conv state, then the delta-rule state) per layer.
+    "qwen3-next": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "mamba_type": "GDN_ATTN",
+    },
+    # Jamba / Falcon-H1: Mamba2 layers beside attention ones (one in two here).
+    "jamba": {
+        "model_type": "jamba",
+        "num_hidden_layers": 4,
+        "layer_types": ["mamba", "full_attention"] * 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_d_conv": 4,
+        "mamba_d_state": 8,
+        "mamba_n_heads": 2,
+        "mamba_head_dim": 8,
+        "mamba_type": "MAMBA2",
+    },
     # A Llama serving fp8 KV (per-tensor scales from the checkpoint).
     "llama-fp8": {
         "model_type": "llama",
@@ -65,16 +93,44 @@ def layer_name(i):
     return f"model.layers.{i}.self_attn.attn"
 
 
+def recurrent(family):
+    return "mamba_type" in FAMILIES[family]
+
+
+def state_spec(hf, dtype):
+    """A recurrent layer's state spec as vLLM's Mamba/GDN layers make it (conv state,
+    then the SSM or delta-rule state), in 'align' mode, its page padded to an attention
+    page as vLLM's hybrid block-size alignment does."""
+    if hf["mamba_type"] == "GDN_ATTN":
+        conv_dim = 2 * hf["linear_num_value_heads"] * hf["linear_key_head_dim"] + hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
+        shapes = ((hf["linear_conv_kernel_dim"] - 1, conv_dim), (hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]))
+    else:
+        conv_dim = hf["mamba_n_heads"] * hf["mamba_head_dim"] + 2 * hf["mamba_d_state"]
+        shapes = ((hf["mamba_d_conv"] - 1, conv_dim), (hf["mamba_n_heads"], hf["mamba_head_dim"], hf["mamba_d_state"]))
+    attn_page = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=dtype).page_size_bytes
+    return MambaSpec(
+        block_size=BLOCK,
+        shapes=shapes,
+        dtypes=(dtype, torch.float32),
+        page_size_padded=attn_page,
+        mamba_type=MambaAttentionBackendEnum[hf["mamba_type"]],
+        mamba_cache_mode="align",
+    )
+
+
 def specs(family, dtype=torch.float16):
     """The per-layer KV cache specs vLLM's attention layers make for ``family``."""
     hf = FAMILIES[family]
     out = {}
     for i in range(hf["num_hidden_layers"]):
-        if "kv_lora_rank" in hf:
+        kind = hf.get("layer_types", ["full_attention"] * 99)[i]
+        if kind in ("linear_attention", "mamba"):
+            out[layer_name(i)] = state_spec(hf, dtype)
+        elif "kv_lora_rank" in hf:
             out[layer_name(i)] = MLAAttentionSpec(
                 block_size=BLOCK, num_kv_heads=1, head_size=hf["kv_lora_rank"] + hf["qk_rope_head_dim"], dtype=dtype, cache_dtype_str="auto"
             )
-        elif hf.get("layer_types", ["full_attention"] * 99)[i] == "sliding_attention":
+        elif kind == "sliding_attention":
             out[layer_name(i)] = SlidingWindowSpec(
                 block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=dtype, sliding_window=hf["sliding_window"]
             )
@@ -92,6 +148,12 @@ def configure(config, family, num_blocks, layout=KVCacheLayout.LBNHC):
     hf = FAMILIES[family]
     if hf.get("kv_cache_dtype"):
         config.cache_config.cache_dtype = hf["kv_cache_dtype"]
+    if recurrent(family):
+        # Recurrent state at block boundaries: vLLM's 'align' mode, which needs its
+        # prefix caching on.
+        config.cache_config.enable_prefix_caching = True
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = BLOCK
     config.cache_config.kv_cache_layout = layout.name
     layer_specs = specs(family)
     groups = get_global_kv_cache_groups(config, [layer_specs])
@@ -111,6 +173,14 @@ def expected(tokens, pos, layer, shape, dtype):
     if dtype == torch.uint8:
         return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
     return (torch.rand(shape, generator=g) * 4 - 2).to(dtype)
+
+
+def expected_state(tokens, layer, nbytes):
+    """The recurrent state after ``tokens`` in ``layer``: ``nbytes`` bytes, a function of
+    exactly those tokens."""
+    h = hashlib.blake2b(b"state" + bytes(str(list(tokens)), "ascii") + bytes([layer]), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(h, "little") % (2**31))
+    return torch.randint(-128, 128, (nbytes,), generator=g, dtype=torch.int8)
 
 
 class FamilyEngine(ve.Engine):
@@ -137,6 +207,17 @@ class FamilyEngine(ve.Engine):
         self.outputs = {}
         self.computed_by_forward = {}
 
+    def add(self, rid, prompt, max_tokens=2, kv_transfer_params=None, **kw):
+        """As vLLM's engine core adds a request when a connector is configured: with its
+        block hasher (prefix caching, and Mamba's align mode, need the block hashes)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        kw.setdefault("block_hasher", get_request_block_hasher(BLOCK, fn, self.config.num_hash_lookahead_tokens))
+        return super().add(rid, prompt, max_tokens, kv_transfer_params, **kw)
+
     def layer_names(self):
         return [layer_name(i) for i in range(FAMILIES[self.family]["num_hidden_layers"])]
 
@@ -150,13 +231,45 @@ class FamilyEngine(ve.Engine):
         kb = t.shape[2]
         return t[block_id * r + (pos % BLOCK) // kb][:, (pos % BLOCK) % kb, :]
 
+    def is_state(self, layer):
+        return isinstance(self.kvcc.kv_cache_groups[self.group_of[layer_name(layer)]].kv_cache_spec, MambaSpec)
+
+    def state_view(self, block_id, layer):
+        return self.kv[layer_name(layer)][block_id].view(-1)
+
     def write(self, rid, toks, positions, layer):
         ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
+        if self.is_state(layer):
+            # A recurrent layer: it reads the state after the tokens before the step
+            # (vLLM's align mode: from the block of the last computed token), and leaves
+            # the state after the step's last token in that token's block.
+            start, end = positions.start, positions.stop
+            if start > 0:
+                got = self.state_view(ids[(start - 1) // BLOCK], layer)
+                assert torch.equal(got, expected_state(toks[:start], layer, got.numel())), (
+                    f"layer {layer} would continue from a wrong recurrent state at {start} tokens"
+                )
+            b = ids[(end - 1) // BLOCK]
+            assert b != 0, f"no state block for {end} tokens of layer {layer}"
+            v = self.state_view(b, layer)
+            v.copy_(expected_state(toks[:end], layer, v.numel()))
+            self.states_read = getattr(self, "states_read", 0) + (start > 0)
+            return
         for pos in positions:
             b = ids[pos // BLOCK]
             assert b != 0, f"the forward computes position {pos} of layer {layer} into the null block"
             v = self._token_view(b, layer, pos)
             v.copy_(expected(toks, pos, layer, tuple(v.shape), v.dtype))
+
+    def check_state(self, rid, tokens, nblocks):
+        """The state groups' block at the hit's boundary holds the state after exactly
+        ``nblocks`` blocks of ``tokens``, in every recurrent layer."""
+        for layer in range(len(self.layer_names())):
+            if not self.is_state(layer):
+                continue
+            ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
+            got = self.state_view(ids[nblocks - 1], layer)
+            assert torch.equal(got, expected_state(tokens[: nblocks * BLOCK], layer, got.numel())), f"state of layer {layer} at {nblocks} blocks differs"
 
     def check_groups(self, rid, tokens, nblocks):
         """Every block vLLM keeps for ``rid`` among the first ``nblocks`` holds, in every
@@ -166,6 +279,8 @@ class FamilyEngine(ve.Engine):
         kept = [0] * len(ids)
         for layer, name in enumerate(self.layer_names()):
             gi = self.group_of[name]
+            if self.is_state(layer):
+                continue  # (check_state)
             for b in range(nblocks):
                 bid = ids[gi][b]
                 if bid == 0:

@@ -111,7 +111,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 import kvd
-from kvd.vllm_groups import GroupedCopier, complete, positions
+from kvd.vllm_groups import GroupedCopier, complete, positions, state_ids
 from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_keys, request_salt
 
 __all__ = ["Geometry", "KvdConfigError", "KvdConnector", "KvdConnectorMetadata", "geometry", "request_salt"]
@@ -148,6 +148,10 @@ class Pull:
     keys: list[bytes]  # this engine's keys of the blocks to load
     block_ids: list[Any]  # as in Load
     failed: Optional[str] = None  # the pull could not even start
+    # A model with recurrent state: the snapshot at the hit's boundary (its key and the
+    # state groups' block ids there), and its transfers per state layout in a handoff.
+    state: Optional[tuple[bytes, tuple[int, ...]]] = None
+    state_transfer_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -155,6 +159,9 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     saves: list[Load] = field(default_factory=list)
     pulls: list[Pull] = field(default_factory=list)
+    # Recurrent state snapshots this step's forward leaves at a block boundary (one key,
+    # the state groups' block ids there), saved once the forward is done.
+    state_saves: list[Load] = field(default_factory=list)
 
 
 # --- scheduler-side state ----------------------------------------------------------
@@ -165,13 +172,16 @@ class _Req:
     tokens: list[int]
     keys: list[bytes]  # full prompt blocks
     saved: int = 0  # leading blocks known to be in kvd (saved, loaded or pulled)
+    state_saved: int = 0  # the highest boundary whose state snapshot is in kvd
     matched: Optional[tuple[int, int]] = None  # (num_computed_tokens, external tokens)
 
 
 @dataclass
 class _Remote:
     answer: tuple[int, bool]
-    transfers: list[dict[str, Any]]
+    transfers: list[dict[str, Any]]  # every transfer of the handoff (KV, then state)
+    kv_ids: list[str] = field(default_factory=list)
+    state_ids: list[str] = field(default_factory=list)
     started: bool = False
 
 
@@ -220,7 +230,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._gave_up: set[str] = set()  # handoffs that failed: prefilled here instead
         self._pending_loads: list[Load] = []
         self._pending_pulls: list[Pull] = []
+        self._pending_state_saves: list[Load] = []
         self._lids: list[int] = []
+        self._slids: list[int] = []
         self._client: Optional[kvd.Client] = None
         self._warned: set[str] = set()
         if self._geo is not None:
@@ -229,8 +241,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def _connect_sched(self) -> kvd.Client:
         c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
         self._lids = [c.register_layout(self._geo.layout(r))["layout_id"] for r in range(self._geo.num_layouts)]
+        self._slids = [c.register_layout(self._geo.state_layout(r))["layout_id"] for r in range(self._num_state_layouts())]
         self._client = c
         return c
+
+    def _num_state_layouts(self) -> int:
+        g = self._geo
+        if not (g is not None and g.grouped and g.state_groups):
+            return 0
+        return 1 if g.state_replicated else g.tp_size
 
     def _sched_client(self) -> kvd.Client:
         return self._client if self._client is not None else self._connect_sched()
@@ -257,6 +276,22 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         c = self._sched_client()
         return min(int(c.lookup(lid, keys)["prefix"]) for lid in self._lids)
 
+    # How many boundaries below the KV prefix a hit looks for a state snapshot.
+    STATE_PROBES = 64
+
+    def _hit(self, keys: list[bytes]) -> int:
+        """Blocks of ``keys`` a load can serve: the KV prefix every layout holds, and for
+        a model with recurrent state the longest such prefix whose boundary has a state
+        snapshot in every state layout (the state of another boundary never serves)."""
+        n = self._prefix(keys) if keys else 0
+        if not self._slids or n == 0:
+            return n
+        c = self._sched_client()
+        for k in range(n, max(0, n - self.STATE_PROBES), -1):
+            if all(int(c.lookup(sl, [keys[k - 1]])["prefix"]) == 1 for sl in self._slids):
+                return k
+        return 0
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         st = self._state(request)
         if st is None:
@@ -273,7 +308,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if usable * b <= num_computed_tokens:
             return 0, False
         try:
-            hit = self._prefix(st.keys[:usable])
+            hit = self._hit(st.keys[:usable])
         except (kvd.KvdError, OSError) as e:
             self._warn("lookup failed, serving without external hits", e)
             self._client = None
@@ -295,6 +330,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False  # vLLM recomputes after a failed handoff: never retry it
         b = self._geo.block_size
         transfers = remote.get("transfers") or []
+        state_transfers = remote.get("state_transfers") or []
         try:
             blocks = int(remote["blocks"])
             ok = (
@@ -302,7 +338,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 and int(remote["block_size"]) == b
                 and len(transfers) == self._geo.num_layouts
                 and [int(t["rank"]) for t in transfers] == list(range(self._geo.num_layouts))
+                and len(state_transfers) == len(self._slids)
+                and [int(t["rank"]) for t in state_transfers] == list(range(len(self._slids)))
                 and 0 < blocks <= len(st.keys)
+                # A recurrent state serves only at its own boundary: the whole handoff.
+                and (not self._slids or blocks <= (len(st.tokens) - 1) // b)
             )
         except (KeyError, TypeError, ValueError):
             ok = False
@@ -327,18 +367,25 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         accepted = []
         try:
             c = self._sched_client()
-            for r, t in enumerate(transfers):
+            todo = [(t, self._lids[r], st.keys[:blocks]) for r, t in enumerate(transfers)]
+            todo += [(t, self._slids[r], st.keys[blocks - 1 : blocks]) for r, t in enumerate(state_transfers)]
+            for t, lid, keys in todo:
                 if self._mode == "pull":
                     c.admit(base64.b64decode(t["params"]), ttl_s=self._pin_ttl_s)
                 else:
-                    c.push_register(t["transfer_id"], self._lids[r], st.keys[:blocks], remote["node"], ttl_s=self._pin_ttl_s)
+                    c.push_register(t["transfer_id"], lid, keys, remote["node"], ttl_s=self._pin_ttl_s)
                 accepted.append(t)
         except (kvd.KvdError, OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("kvd connector: request %s: could not accept the handoff (%s); prefilling here", rid, e)
             self._abort(accepted)
             return 0, False
         answer = (usable * b - num_computed, True)
-        self._remote[rid] = _Remote(answer=answer, transfers=list(transfers))
+        self._remote[rid] = _Remote(
+            answer=answer,
+            transfers=list(transfers) + list(state_transfers),
+            kv_ids=[t["transfer_id"] for t in transfers],
+            state_ids=[t["transfer_id"] for t in state_transfers],
+        )
         st.matched = (num_computed, answer[0])
         return answer
 
@@ -359,12 +406,23 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st.saved = max(st.saved, first + count)
         st.matched = None
         remote = self._remote.get(request.request_id)
+        state = None
+        failed = None
+        if self._slids and count:
+            end = first + count
+            sids = state_ids(blocks.get_block_ids(), self._geo, end - 1)
+            if sids is None:
+                failed = f"vLLM keeps no recurrent state block at the hit's boundary ({end} blocks)"
+            else:
+                state = (st.keys[end - 1], sids)
+                st.state_saved = max(st.state_saved, end)
         if remote is not None:
-            tids = [t["transfer_id"] for t in remote.transfers]
-            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=tids, keys=keys, block_ids=ids))
+            self._pending_pulls.append(
+                Pull(req_id=request.request_id, transfer_ids=remote.kv_ids, keys=keys, block_ids=ids, failed=failed, state=state, state_transfer_ids=remote.state_ids)
+            )
         elif self._geo.grouped:
             # A local hit of a grouped layout: the worker's mover loads it (no transfer).
-            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids))
+            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids, failed=failed, state=state))
         else:
             self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids))
 
@@ -380,6 +438,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             cached = scheduler_output.scheduled_cached_reqs
             for i, rid in enumerate(cached.req_ids):
                 self._saves(meta, rid, cached.num_computed_tokens[i] + n.get(rid, 0))
+        meta.state_saves = self._pending_state_saves
+        self._pending_state_saves = []
         return meta
 
     def _start_pull(self, p: Pull) -> None:
@@ -413,6 +473,21 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if upto > st.saved:
             meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids))
             st.saved = upto
+        if self._slids:
+            self._state_save(rid, st, done_tokens)
+
+    def _state_save(self, rid: str, st: _Req, done_tokens: int) -> None:
+        """A forward that ends exactly at a block boundary leaves the recurrent state of
+        that boundary in the state groups' block there (vLLM's align mode: slot ``p`` holds
+        the state after ``(p + 1) * block_size`` tokens): saved once the forward is done."""
+        b = self._geo.block_size
+        k = done_tokens // b
+        if done_tokens % b or not 0 < k <= len(st.keys) or k <= st.state_saved:
+            return
+        sids = state_ids(self._kv_cache_manager.get_block_ids(rid), self._geo, k - 1)
+        if sids is not None:
+            self._pending_state_saves.append(Load(req_id=rid, keys=[st.keys[k - 1]], block_ids=[sids]))
+            st.state_saved = k
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         failed = connector_output.failed_recving or set()
@@ -472,8 +547,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _export(self, rid: str, st: _Req) -> Optional[dict[str, Any]]:
         keys = st.keys
+        if self._slids:
+            # The decode side computes at least one token itself: a state snapshot serves
+            # it only at a boundary it will load up to.
+            keys = keys[: (len(st.tokens) - 1) // self._geo.block_size]
         try:
-            blocks = self._prefix(keys) if keys else 0
+            blocks = self._hit(keys)
         except (kvd.KvdError, OSError) as e:
             self._warn("export lookup failed; the decode side will prefill", e)
             return None
@@ -481,17 +560,23 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvd connector: request %s: no prompt block is in kvd; nothing to hand off", rid)
             return None
         c = self._sched_client()
-        transfers = []
+        transfers: list[dict[str, Any]] = []
+        state_transfers: list[dict[str, Any]] = []
         try:
             node = c.hello_info().get("node") or {}
             for r, lid in enumerate(self._lids):
                 tid = f"{rid}.tp{r}"
                 params = c.export(tid, lid, keys[:blocks], lease_s=self._lease_s)
                 transfers.append({"rank": r, "transfer_id": tid, "params": base64.b64encode(params).decode()})
+            for r, lid in enumerate(self._slids):
+                tid = f"{rid}.state.tp{r}"
+                params = c.export(tid, lid, keys[blocks - 1 : blocks], lease_s=self._lease_s)
+                state_transfers.append({"rank": r, "transfer_id": tid, "params": base64.b64encode(params).decode()})
         except (kvd.KvdError, OSError) as e:
             logger.warning("kvd connector: request %s: export failed (%s); the decode side will prefill", rid, e)
-            self._abort(transfers)
+            self._abort(transfers + state_transfers)
             return None
+        extra = {"state_transfers": state_transfers} if self._slids else {}
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -502,6 +587,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 "block_size": self._geo.block_size,
                 "node": node.get("node"),
                 "transfers": transfers,
+                **extra,
             },
         }
 
@@ -540,6 +626,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if g.grouped:
             self._gcopy = GroupedCopier(g, kv_caches)
+            self._scopy = GroupedCopier(g, kv_caches, state=True) if g.state_groups else None
             self._layers = self._gcopy.tensors()
             self._layer_index = dict(self._gcopy.index)
             self._device = self._gcopy.device
@@ -583,6 +670,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if info["block_bytes"] != self._geo.block_bytes:
             raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
         self._lid = info["layout_id"]
+        self._slid = None
+        if self._geo.grouped and self._geo.state_groups:
+            sinfo = c.register_layout(self._geo.state_layout(self._rank))
+            if sinfo["block_bytes"] != self._geo.state_bytes:
+                raise KvdConfigError(f"kvd connector: the daemon sizes a state snapshot at {sinfo['block_bytes']} bytes, the cache at {self._geo.state_bytes}")
+            self._slid = sinfo["layout_id"]
         self._pool = kvd.torch_pool(c, register_cuda=self._device.type == "cuda")
         self._map(self._pool)
         self._inc = c.incarnation
@@ -861,18 +954,62 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         if not self.has_connector_metadata() or not self._layers:
             return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdConnectorMetadata)
         step, self._step = self._step, None
         if step is not None:
             step.finish()
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvdConnectorMetadata)
-        for s in meta.saves if self._saves_here else ():
+        else:
+            for s in meta.saves if self._saves_here else ():
+                try:
+                    self._save_blocks(s)
+                except (kvd.KvdError, OSError) as e:
+                    # A save that fails is a future miss, never a wrong hit: nothing was committed.
+                    logger.debug("kvd connector: save of request %s skipped: %s", s.req_id, e)
+        for s in meta.state_saves if self._state_saves_here else ():
             try:
-                self._save_blocks(s)
+                self._save_state(s)
             except (kvd.KvdError, OSError) as e:
-                # A save that fails is a future miss, never a wrong hit: nothing was committed.
-                logger.debug("kvd connector: save of request %s skipped: %s", s.req_id, e)
+                logger.debug("kvd connector: state snapshot of request %s skipped: %s", s.req_id, e)
+
+    @property
+    def _state_saves_here(self) -> bool:
+        g = self._geo
+        return getattr(self, "_scopy", None) is not None and not (g.state_replicated and self._rank != 0)
+
+    def _save_state(self, s: Load) -> None:
+        """A recurrent state snapshot (the forward is done: the state groups' blocks hold
+        the state of the boundary) into kvd: one object, all state layers, committed whole."""
+        client = self._client_w()
+        pool, inc = self._view()
+        batch = client.alloc(self._slid, s.keys)
+        try:
+            if client.incarnation != inc:
+                raise kvd.KvdError("the daemon restarted; this save is skipped")
+            todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
+            if todo:
+                self._scopy.copy_out(pool, [off for _, off in todo], [s.block_ids[i] for i, _ in todo])
+                self._sync()
+            batch.commit()
+        except BaseException:
+            batch.abort()
+            raise
+
+    def _load_state(self, client: kvd.Client, key: bytes, ids: tuple[int, ...]) -> bool:
+        """The snapshot ``key`` into the state groups' blocks ``ids``; whether kvd had it."""
+        pool, inc = self._view()
+        pin = client.get(self._slid, [key], ttl_s=self._pin_ttl_s)
+        try:
+            if client.incarnation != inc:
+                raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
+            off = pin.offsets[0] if pin.offsets else None
+            if off is None:
+                return False
+            self._scopy.copy_in(pool, [off], [ids])
+            self._sync()
+            return True
+        finally:
+            pin.release()
 
     def _save_blocks(self, s: Load) -> None:
         client = self._client_w()
@@ -961,21 +1098,11 @@ class _Mover(threading.Thread):
             return False
         # A layout kept once per node has one transfer for every rank.
         tid = p.transfer_ids[conn._rank if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
+        stid = p.state_transfer_ids[conn._rank if len(p.state_transfer_ids) > 1 else 0] if p.state_transfer_ids else None
         deadline = time.monotonic() + conn._transfer_timeout_s
-        pause = 0.001
-        while tid is not None:  # (a local load of a grouped layout has no transfer)
-            # Another session's transfer: the reply comes at once, with its state.
-            state = conn._client_w().transfer_status(tid).get("state")
-            if state == "done":
-                break
-            if state in _FINAL:
-                logger.warning("kvd connector: request %s: handoff %s ended %s; recomputing", p.req_id, tid, state)
+        for t in (tid, stid):
+            if t is not None and not self._landed(p, t, deadline):
                 return False
-            if time.monotonic() > deadline:
-                logger.warning("kvd connector: request %s: handoff %s still %s after %.0f s; recomputing", p.req_id, tid, state, conn._transfer_timeout_s)
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
@@ -988,6 +1115,29 @@ class _Mover(threading.Thread):
             else:
                 logger.warning("kvd connector: request %s: only %d of %d blocks are still in kvd since the lookup; recomputing", p.req_id, good, len(p.block_ids))
             return False
+        if p.state is not None and not conn._load_state(conn._client_w(), *p.state):
+            logger.warning("kvd connector: request %s: the recurrent state at the hit's boundary is not in kvd; recomputing", p.req_id)
+            return False
+        return True
+
+    def _landed(self, p: Pull, tid: str, deadline: float) -> bool:
+        """Waits until transfer ``tid`` is done; False (logged) when it ended otherwise or
+        the deadline passed."""
+        conn = self._conn
+        pause = 0.001
+        while True:
+            # Another session's transfer: the reply comes at once, with its state.
+            state = conn._client_w().transfer_status(tid).get("state")
+            if state == "done":
+                break
+            if state in _FINAL:
+                logger.warning("kvd connector: request %s: handoff %s ended %s; recomputing", p.req_id, tid, state)
+                return False
+            if time.monotonic() > deadline:
+                logger.warning("kvd connector: request %s: handoff %s still %s after %.0f s; recomputing", p.req_id, tid, state, conn._transfer_timeout_s)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
         return True
 
 

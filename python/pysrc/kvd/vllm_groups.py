@@ -41,7 +41,7 @@ cross-attention and circular-buffer caches, and groups of different block sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -96,6 +96,9 @@ class GroupedGeometry:
     replicated: bool  # every group is the same on every rank (MLA): one copy per node
     groups: tuple[GroupPlan, ...]
     arrangement: str
+    # Recurrent state (Mamba/GDN groups): one snapshot per block boundary, its own layout.
+    state_groups: tuple[GroupPlan, ...] = ()
+    state_replicated: bool = False
 
     grouped = True
 
@@ -112,20 +115,60 @@ class GroupedGeometry:
         """Layouts the scheduler asks about: one per node when replicated, else per rank."""
         return 1 if self.replicated else self.tp_size
 
+    @property
+    def state_bytes(self) -> int:
+        return sum(g.layer_bytes * len(g.layer_names) for g in self.state_groups)
+
     def layout(self, rank: int) -> dict[str, Any]:
+        return self._layout(self.groups, self.replicated, rank)
+
+    def state_layout(self, rank: int) -> dict[str, Any]:
+        """The layout of the recurrent state snapshots (one object per block boundary
+        that has one), or {} when the model has no recurrent layers."""
+        return self._layout(self.state_groups, self.state_replicated, rank) if self.state_groups else {}
+
+    def _layout(self, groups: tuple[GroupPlan, ...], replicated: bool, rank: int) -> dict[str, Any]:
         return {
             "model": self.model_id,
-            "num_layers": len(self.layer_names),
+            "num_layers": sum(len(g.layer_names) for g in groups),
             "kv_parts": 1,
             "num_kv_heads": 1,
             "head_dim": 1,
             "dtype": "u8",
             "tokens_per_block": self.block_size,
-            "tp_size": 1 if self.replicated else self.tp_size,
-            "tp_rank": 0 if self.replicated else rank,
+            "tp_size": 1 if replicated else self.tp_size,
+            "tp_rank": 0 if replicated else rank,
             "order": "groups",
-            "groups": [g.describe(self.arrangement) for g in self.groups],
+            "groups": [g.describe(self.arrangement) for g in groups],
         }
+
+
+def _state_plan(gi: int, grp: Any, spec: "KVCacheSpec", vllm_config: "VllmConfig", offset: int) -> GroupPlan:
+    """A Mamba/GDN group as a kvd group: each layer's state page as bytes, described by
+    its backend, shapes and dtypes (vLLM views a state page as ``[1, 1, bytes]``)."""
+    cc = vllm_config.cache_config
+    if cc.mamba_cache_mode != "align" or spec.mamba_cache_mode != "align":
+        raise KvdConfigError(
+            f"kvd connector: KV cache group {gi} ({type(spec).__name__}) with mamba_cache_mode {cc.mamba_cache_mode!r}: vLLM keeps recurrent "
+            "state at block boundaries only in 'align' mode (turn prefix caching on)"
+        )
+    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+        raise KvdConfigError(f"kvd connector: KV cache group {gi}: speculative or prefill-checkpoint state blocks are not supported yet")
+    content = int(spec.state_content_size_bytes)
+    shapes = ";".join("x".join(str(d) for d in sh) + ":" + str(dt).replace("torch.", "") for sh, dt in zip(spec.shapes, spec.dtypes))
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+    return GroupPlan(
+        index=gi,
+        kind="state",
+        layer_names=tuple(grp.layer_names),
+        heads=1,
+        states=1,
+        content=content,
+        dtype=torch.int8,
+        window=0,
+        quant=f"{kind} {shapes}"[:256],
+        offset=offset,
+    )
 
 
 def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
@@ -180,9 +223,13 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise KvdConfigError("kvd connector: the engine has no KV cache")
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     plans: list[GroupPlan] = []
-    offset = 0
+    states: list[GroupPlan] = []
+    offset = state_offset = 0
     block_size = None
+    replicated_states = []
     for gi, grp in enumerate(groups):
         spec = grp.kv_cache_spec
         inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
@@ -191,6 +238,16 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         for s in specs[1:]:
             if s != first:
                 raise KvdConfigError(f"kvd connector: KV cache group {gi} has layers of different specs ({type(first).__name__} and {type(s).__name__})")
+        if type(first) is MambaSpec:
+            if block_size is None:
+                block_size = first.block_size
+            elif first.block_size != block_size:
+                raise KvdConfigError(f"kvd connector: KV cache groups of different block_size ({block_size} and {first.block_size} tokens) are not supported")
+            plan = _state_plan(gi, grp, first, vllm_config, state_offset)
+            states.append(plan)
+            replicated_states.append(bool(first.tp_replicated))
+            state_offset += plan.layer_bytes * len(plan.layer_names)
+            continue
         kind, window = _kind(first)
         if first.tokens_per_state != 1:
             raise KvdConfigError(f"kvd connector: KV cache group {gi}: compressed KV states (tokens_per_state = {first.tokens_per_state}) are not supported yet")
@@ -221,8 +278,10 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         )
         plans.append(plan)
         offset += plan.layer_bytes * len(plan.layer_names)
-    if not plans[0].layer_names:
-        raise KvdConfigError("kvd connector: a KV cache group without layers")
+    if not plans:
+        raise KvdConfigError("kvd connector: a model with recurrent state but no attention layers is not supported")
+    if len(set(replicated_states)) > 1:
+        raise KvdConfigError("kvd connector: recurrent state groups both sharded and replicated across TP ranks are not supported")
     cc = vllm_config.cache_config
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None) or "default"
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")
@@ -233,9 +292,11 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         block_size=int(block_size),
         num_blocks=kv_cache_config.num_blocks,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        replicated=all(p.kind == "mla" for p in plans),
+        replicated=all(p.kind == "mla" for p in plans) and not states,
         groups=tuple(plans),
         arrangement=arrangement[:256],
+        state_groups=tuple(states),
+        state_replicated=bool(replicated_states and replicated_states[0]),
     )
 
 
@@ -269,6 +330,19 @@ def positions(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: 
     return out
 
 
+def state_ids(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, pos: int) -> Optional[tuple[int, ...]]:
+    """The state groups' block ids at position ``pos`` (the snapshot after ``pos + 1``
+    blocks), or None where one of them keeps no block there."""
+    out = []
+    for g in geo.state_groups:
+        lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
+        b = int(lst[pos]) if 0 <= pos < len(lst) else NULL_BLOCK
+        if b == NULL_BLOCK:
+            return None
+        out.append(b)
+    return tuple(out)
+
+
 class GroupedCopier:
     """Moves the pieces of grouped blocks between pool slots and vLLM's paged caches.
 
@@ -278,12 +352,13 @@ class GroupedCopier:
     ``[head, state, content]`` of the whole block. Pieces into the null block are skipped
     on a load (a position the group does not keep)."""
 
-    def __init__(self, geo: GroupedGeometry, kv_caches: dict[str, Any]):
+    def __init__(self, geo: GroupedGeometry, kv_caches: dict[str, Any], state: bool = False):
         self.geo = geo
+        self.plans = geo.state_groups if state else geo.groups
         self.layers: list[tuple[GroupPlan, torch.Tensor, int, int]] = []  # plan, tensor, offset, r
         self.index: dict[str, int] = {}
         device = None
-        for plan in geo.groups:
+        for plan in self.plans:
             for li, name in enumerate(plan.layer_names):
                 t = kv_caches.get(name)
                 if t is None:
@@ -321,7 +396,7 @@ class GroupedCopier:
 
     def load_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
         plan = self.layers[li][0]
-        gpos = self.geo.groups.index(plan)
+        gpos = self.plans.index(plan)
         for off, bids in zip(offs, ids):
             b = bids[gpos]
             if b != NULL_BLOCK:
@@ -330,7 +405,7 @@ class GroupedCopier:
 
     def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
         plan = self.layers[li][0]
-        gpos = self.geo.groups.index(plan)
+        gpos = self.plans.index(plan)
         for off, bids in zip(offs, ids):
             b = bids[gpos]
             if b == NULL_BLOCK:  # never: saves are of whole positions (complete())

@@ -25,6 +25,7 @@ _DTYPES = {
     torch.float8_e4m3fn: ("fp8_e4m3", 1),
     torch.float8_e5m2: ("fp8_e5m2", 1),
     torch.uint8: ("u8", 1),
+    torch.int8: ("u8", 1),  # raw bytes: vLLM's view of a recurrent state page
 }
 
 
