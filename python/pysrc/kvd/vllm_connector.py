@@ -62,8 +62,10 @@ from its own spec (kind, window, dtype, the piece per layer, quantization, vLLM'
 arrangement), one kvd block per position holding every group's piece, stored and
 committed together. That covers MLA (one latent copy per node, handed between TP sizes),
 sliding-window and chunked-local hybrids (gpt-oss, Gemma 3: the connector implements
-``SupportsHMA``; a load fills only the blocks vLLM keeps for a sliding group), fp8 KV
-(named with where its scales come from) and the backends' packed or padded pages. Grouped
+``SupportsHMA``; a load fills only the blocks vLLM keeps for a sliding group), recurrent
+hybrids (Qwen3-Next/3.5, Jamba, Falcon-H1: the state at a block boundary as a linked
+object of its own layout, a hit only where one exists), fp8 KV (named with where its
+scales come from) and the backends' packed or padded pages. Grouped
 layouts load asynchronously (the request waits one step): with several KV cache groups
 vLLM accepts a failed load only as a failed asynchronous one (``failed_recving``), and
 then recomputes.
@@ -80,8 +82,8 @@ own prefix cache keys them (:func:`kvd.vllm_layout.request_keys`).
 
 What it refuses (with the reason, at start)
 -------------------------------------------
-Recurrent state (Mamba/GDN groups), DeepSeek-V4's compressed states
-(``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
+Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with speculative
+state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
 non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
 no name for, pipeline and decode-context parallelism. Requests with prompt embeddings are
 neither loaded nor saved. Prefill and decode must use the same block size, and for the

@@ -32,10 +32,23 @@ MLA: the latent is the same on every TP rank, so a model whose groups are all ML
 one copy per node (``tp_size = 1`` in the layout; only rank 0 saves it, every rank loads
 it) and hands off between prefill and decode engines of different TP sizes.
 
-Refused by name (at start): recurrent state (Mamba/GDN groups: one state per position is
-not what a prefix of KV blocks is; linked state snapshots are the next step),
-DeepSeek-V4's compressed states (``tokens_per_state != 1``) and its sliding MLA, encoder,
-cross-attention and circular-buffer caches, and groups of different block sizes.
+Recurrent state (Mamba2, GDN, ... groups) is not per token: a layer keeps one state, valid
+after exactly some number of tokens. vLLM's ``align`` mode (prefix caching on) keeps it at
+block boundaries: slot ``p`` of a state group holds the state after ``(p + 1) *
+block_size`` tokens, written by a forward that ends at that boundary (vLLM splits a
+prefill so that one does: the prompt's last boundary). So the state is a **linked
+object** of its own grouped layout (kind ``state``, the state page as bytes, described by
+the backend, shapes and dtypes), one per boundary that has one, keyed by the chunk hash of
+the block that ends at the boundary: the key says exactly which tokens the state is the
+state after, so a snapshot of another boundary or prompt can never be loaded for this
+one. A hit is the longest KV prefix whose boundary has a snapshot (the scheduler probes
+downwards from the KV prefix, at most ``KvdConnector.STATE_PROBES`` boundaries); a load
+moves the KV of every position and the one snapshot; a snapshot committed without its KV,
+or KV without a snapshot, only shortens hits. A handoff exports both layouts.
+
+Refused by name (at start): recurrent state outside vLLM's align mode, speculative state
+blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and its sliding MLA,
+encoder, cross-attention and circular-buffer caches, and groups of different block sizes.
 """
 
 from __future__ import annotations
