@@ -1,9 +1,9 @@
 //! The kvd SGLang HiCache backend (python/pysrc/kvd/sglang_backend.py), built by SGLang
-//! 0.5.23's own `StorageBackendFactory` over SGLang's real MHA host pool on CPU, against a
+//! 0.5.23's own `StorageBackendFactory` over SGLang's real MHA and MLA host pools on CPU, against a
 //! real daemon: python/tests/test_sglang.py moves pages with SGLang's own controller code
 //! (zero-copy v1 and the plain variants) in every host layout, checks pages are stored in
-//! one canonical block (one layout reads another's), keys are namespaced by layout, and
-//! the refusals. The test command installs SGLang into `.venv`; without it this fails and
+//! one canonical block (one layout reads another's), keys are namespaced by layout, MLA
+//! pages kept once per node (rank 0 stores, every rank reads), and the refusals. The test command installs SGLang into `.venv`; without it this fails and
 //! says how to get it.
 
 mod common;

@@ -180,14 +180,75 @@ def _():
     shutil.rmtree(root)
 
 
-@check("refusals name the reason: MLA, a host pool without separate K and V, mismatched indices")
+R, RP = 32, 16  # kv_lora_rank, qk_rope_head_dim
+
+
+def mla_pool(layout):
+    """SGLang's real MLA host pool on CPU (DeepSeek-V3's latent: kv_lora_rank + RoPE part)."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    bufs = tuple(torch.zeros((N, 1, R + RP), dtype=torch.float16) for _ in range(L))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64),
+                         layer_indices=tuple(range(L)), device_layer_num=L, page_size=PS, kv_lora_rank=R, qk_rope_head_dim=RP,
+                         kv_cache_dim=R + RP, dtype=torch.float16, device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 2.0, 0, PS, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=N, start_layer=0, end_layer=L, target_layer_num=L)
+
+
+def mla_canonical(pool, page):
+    """An MLA page as [layer, token, latent], read with the pool's own accessor."""
+    x = pool.get_data_page(page * PS, flat=True)
+    if pool.layout == "page_first":
+        return x.reshape(PS, L, R + RP).permute(1, 0, 2).contiguous()
+    return x.reshape(L, PS, R + RP)
+
+
+@check("MLA (SGLang's MLA host pool, each of its layouts): one copy per node — rank 0 stores, a TP-2 rank 1 and another layout read it byte for byte, through the zero-copy and the plain movers")
+def _():
+    writer = mla_pool("layer_first")
+    w = backend(writer, tp_rank=0, tp_size=2, mla=True)
+    assert w._layout["groups"][0]["kind"] == "mla" and w._layout["tp_size"] == 1
+    src = [1, 2, 3]
+    fill(writer, src, seed=11)
+    want = [mla_canonical(writer, p) for p in src]
+    ks = keys("mla", 3)
+    # Rank 1 of the same engine: its store succeeds without writing (rank 0 keeps the copy).
+    r1 = backend(mla_pool("layer_first"), tp_rank=1, tp_size=2, mla=True)
+    assert r1.batch_set_v1(ks, indices(src)) == [True] * 3 and r1.batch_exists(ks) == 0
+    assert HiCacheController._page_set_zero_copy(Controller(w, writer), ks, indices(src)) is True
+    for layout in ("layer_first", "page_first", "page_first_direct"):
+        for rank, tp in ((1, 2), (0, 1)):
+            pool = mla_pool(layout)
+            b = backend(pool, tp_rank=rank, tp_size=tp, mla=True)
+            assert b.batch_exists(ks) == 3, (layout, rank)
+            assert HiCacheController._page_get_zero_copy(Controller(b, pool), Op(), ks, indices([7, 8, 9])) == 3
+            for p, x in zip([7, 8, 9], want):
+                assert torch.equal(mla_canonical(pool, p), x), (layout, rank, p)
+            got = b.batch_get(ks)
+            for g, x in zip(got, want):
+                assert g is not None and torch.equal(b._natural(g), x), (layout, "plain get")
+    # The plain set reads what the zero-copy get wrote, in another layout.
+    pf = mla_pool("page_first")
+    b = backend(pf, mla=True)
+    fill(pf, [4], seed=12)
+    k2 = keys("mla-plain", 1)
+    assert b.batch_set(k2, [pf.get_data_page(4 * PS, flat=True)]) is True
+    other = mla_pool("page_first_direct")
+    assert backend(other, mla=True).batch_get_v1(k2, indices([5])) == [True]
+    assert torch.equal(mla_canonical(other, 5), mla_canonical(pf, 4))
+    # An MHA pool of the same model never sees MLA pages (another layout).
+    assert backend(host_pool("layer_first")).batch_exists(ks) == 0
+
+
+@check("refusals name the reason: an MLA layout kvd does not map, a host pool without separate K and V, mismatched indices")
 def _():
     pool = host_pool("layer_first")
     try:
-        backend(pool, mla=True)
-        raise AssertionError("MLA accepted")
+        backend(mla_pool("page_unified"), mla=True)
+        raise AssertionError("page_unified MLA accepted")
     except ValueError as e:
-        assert "MLA" in str(e), e
+        assert "MLA host pool layout 'page_unified'" in str(e), e
     b = backend(pool)
     try:
         b.batch_set_v1(keys("bad", 2), indices([1]))

@@ -25,9 +25,18 @@ dtype, and ``tp_rank``, so keys are namespaced by layout: another model, rank, s
 dtype can never read these pages. SGLang's page keys (its own chained prefix hashes) map to
 kvd keys by ``BLAKE2b-128("kvd.sglang.v1\\0" || key)``.
 
-**Refused at registration, with the reason:** MLA pools, K and V of different widths,
-split-head (heterogeneous TP) storage, host layouts other than ``layer_first``,
-``page_first``, ``page_first_direct`` and ``page_head``, and dtypes kvd has no name for.
+**MLA** (DeepSeek-V3/R1, Kimi-K2: SGLang's ``MLATokenToKVPoolHost``): the latent is the
+same on every TP rank, so a page is kept once per node, in a grouped layout (SPEC §3.1:
+one ``mla`` group, ``[token][latent]`` per layer, ``tp_size`` 1): rank 0 stores it (the
+other ranks' stores succeed without writing, as SGLang's own MLA backends do; SGLang takes
+the minimum of the ranks' results), every rank loads it.
+
+**Refused at registration, with the reason:** K and V of different widths, split-head
+(heterogeneous TP) storage, host layouts other than ``layer_first``, ``page_first``,
+``page_first_direct`` and ``page_head`` (MLA: the first three), DeepSeek's packed fp8 MLA
+rows, and dtypes kvd has no name for. Hybrid pools (Mamba states, sliding-window KV) go
+through SGLang's ``batch_*_v2`` interface with one transfer per pool, which this backend
+does not implement yet: SGLang then keeps those models' pages in its host tier only.
 ``clear()`` is a no-op: pages are content-addressed (never stale) and kvd evicts by LRU.
 
 **Layer by layer (SPEC §16): what SGLang's interface allows.** A storage backend sees
@@ -98,8 +107,6 @@ class KvdHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
         extra = storage_config.extra_config or {}
-        if storage_config.is_mla_model:
-            raise ValueError("kvd HiCache backend: MLA models are not supported (kvd stores separate K and V pages here)")
         if storage_config.should_split_heads:
             raise ValueError("kvd HiCache backend: split-head storage (prefill and decode of different TP sizes) is not supported")
         self._endpoint = extra.get("endpoint") or os.environ.get("KVD_ENDPOINT")
@@ -114,11 +121,18 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._lock = threading.Lock()  # SGLang's prefetch and backup threads share this
         self.mem_pool_host = None
         self._lid: Optional[int] = None
+        self._mla = False
+        self._writes = True
 
     # ------------------------------------------------------------------ the geometry
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         p = mem_pool_host
+        self._mla = hasattr(p, "kv_lora_rank")
+        if self._mla:
+            self._register_mla(p)
+            super().register_mem_pool_host(mem_pool_host)
+            return
         layout = getattr(p, "layout", None)
         if layout not in _TO_BLOCK or getattr(p, "kv_buffer", None) is None:
             raise ValueError(f"kvd HiCache backend: host pool layout {layout!r} ({type(p).__name__}) is not supported; use one of {sorted(_TO_BLOCK)}")
@@ -148,6 +162,48 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._lid = info["layout_id"]
         super().register_mem_pool_host(mem_pool_host)
 
+    _MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+    def _register_mla(self, p) -> None:
+        """An MLA host pool: one latent row per token and layer, the same on every rank."""
+        if p.layout not in self._MLA_LAYOUTS or getattr(p, "kv_buffer", None) is None:
+            raise ValueError(f"kvd HiCache backend: MLA host pool layout {p.layout!r} is not supported; use one of {list(self._MLA_LAYOUTS)}")
+        if getattr(p, "dsa_kv_cache_store_fp8", False):
+            raise ValueError("kvd HiCache backend: packed fp8 MLA rows (DeepSeek sparse attention) are not supported")
+        if p.dtype not in _DTYPES:
+            raise ValueError(f"kvd HiCache backend: KV dtype {p.dtype} has no kvd name")
+        L, T, D = p.layer_num, p.page_size, p.kv_cache_dim
+        group = {
+            "kind": "mla",
+            "layers": L,
+            "dtype": _DTYPES[p.dtype],
+            "dims": [T, D],
+            "arrangement": f"sglang [token,latent] kv_lora_rank={p.kv_lora_rank} rope={p.qk_rope_head_dim}",
+            "window": 0,
+            "quant": "",
+        }
+        self._layout = {
+            "model": self._model,
+            "num_layers": L,
+            "kv_parts": 1,
+            "num_kv_heads": 1,
+            "head_dim": 1,
+            "dtype": "u8",
+            "tokens_per_block": T,
+            "tp_size": 1,
+            "tp_rank": 0,
+            "order": "groups",
+            "groups": [group],
+        }
+        info = self._client.register_layout(self._layout)
+        self._shape = (L, T, D)
+        want = L * T * D * p.dtype.itemsize
+        if info["block_bytes"] != want:
+            raise ValueError(f"kvd HiCache backend: the daemon sizes a page at {info['block_bytes']} bytes, the pool at {want}")
+        self._bytes = want
+        self._lid = info["layout_id"]
+        self._writes = self.storage_config.tp_rank == 0
+
     def _view(self) -> tuple[torch.Tensor, int]:
         """The pool view and the daemon incarnation it maps. After a daemon restart the
         client maps the new pool (and fails one call saying so): view that one then."""
@@ -161,8 +217,14 @@ class KvdHiCacheStorage(HiCacheStorage):
         return pool[off : off + self._bytes].view(self.mem_pool_host.dtype).view(self._shape)
 
     def _natural(self, x: torch.Tensor) -> torch.Tensor:
-        """A page in the host layout's natural 5-d order, as the block's [L, 2, T, H, D]."""
+        """A page in the host layout's natural 5-d order, as the block's [L, 2, T, H, D]
+        (MLA: its natural 4-d or 5-d order as the block's [L, T, D])."""
         p = self.mem_pool_host
+        if self._mla:
+            L, T, D = self._shape
+            if p.layout == "page_first":
+                return x.reshape(T, L, D).permute(1, 0, 2)
+            return x.reshape(L, T, D)
         L, _, T, H, D = self._shape
         dims = {
             "layer_first": (2, L, T, H, D),
@@ -176,6 +238,12 @@ class KvdHiCacheStorage(HiCacheStorage):
         """The host pool's page starting at token ``index``, as a [L, 2, T, H, D] view."""
         p = self.mem_pool_host
         kb, ps = p.kv_buffer, p.page_size
+        if self._mla:  # [L, T, D]
+            if p.layout == "layer_first":
+                return kb[:, index : index + ps, 0, :]
+            if p.layout == "page_first":
+                return kb[index : index + ps, :, 0, :].permute(1, 0, 2)
+            return kb[index // ps, :, :, 0, :]
         if p.layout == "layer_first":
             x = kb[:, :, index : index + ps]
         elif p.layout == "page_first":
@@ -235,6 +303,8 @@ class KvdHiCacheStorage(HiCacheStorage):
         return self._load(keys, [self._page(s) for s in starts])
 
     def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        if not self._writes:
+            return [True] * len(keys)  # MLA: rank 0 stores the node's one copy
         pool, inc = self._view()
         try:
             batch = self._client.alloc(self._lid, [kvd_key(k) for k in keys])
