@@ -341,6 +341,44 @@ def _():
             assert kept == [6], kept
 
 
+@check("the CUDA path's staged copies (one gather and one indexed copy per layer) move the same bytes as the CPU path's direct ones, in every family")
+def _():
+    for family in FAMILIES:
+        e = vf.FamilyEngine(P, family)
+        w = e.worker
+        g = torch.Generator().manual_seed(5)
+        for t in e.kv.values():
+            if t.dtype in (torch.int8, torch.uint8):
+                t.copy_(torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8).view(t.dtype))
+            else:
+                t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+        for cp in filter(None, (w._gcopy, w._scopy)):
+            bb = sum(p.layer_bytes * len(p.layer_names) for p in cp.plans)
+            slot = -(-bb // 4096) * 4096
+            ng = len(cp.plans)
+            ids, offs = [(5,) * ng, (1,) * ng, (9,) * ng], [0, 3 * slot, slot]
+            pools = []
+            for staged in (True, False):
+                cp.staged = staged
+                pool = torch.zeros(4 * slot, dtype=torch.uint8)
+                cp.copy_out(pool, offs, ids)
+                pools.append(pool)
+            assert torch.equal(pools[0], pools[1]), family
+            before = {n: t.clone() for n, t in e.kv.items()}
+            for staged in (True, False):
+                cp.staged = staged
+                dst = [(20 + staged,) * ng, (22 + staged,) * ng, (24 + staged,) * ng]
+                cp.copy_in(pools[0], offs, dst)
+            names = [n for p in cp.plans for n in p.layer_names]
+            for li, (plan, t, _, r) in enumerate(cp.layers):
+                src = before[names[li]]
+                for src_b, b in zip((5, 1, 9), (20, 22, 24)):
+                    for d in (b, b + 1):  # staged, direct
+                        assert torch.equal(t[d * r : (d + 1) * r], src[src_b * r : (src_b + 1) * r]), (family, li, d)
+            cp.staged = None
+        e.close()
+
+
 @check("multimodal prompts are keyed by their items as vLLM's prefix cache keys them: the same image hits, another image at the same place hits only the blocks before it; prompt embeddings stay out")
 def _():
     from kvd.vllm_layout import request_keys

@@ -186,7 +186,7 @@ def expected_state(tokens, layer, nbytes):
 class FamilyEngine(ve.Engine):
     """An engine of one family: scheduler + one worker on CPU KV tensors."""
 
-    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, **extra):
+    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, model=None, **extra):
         from kvd.vllm_connector import KvdConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -194,7 +194,7 @@ class FamilyEngine(ve.Engine):
 
         self.family = family
         extra.setdefault("model_id", f"kvd-test/tiny-{family}")
-        self.config = ve.vllm_config(endpoint, role, None, **extra)
+        self.config = ve.vllm_config(endpoint, role, model, **extra)
         self.config.parallel_config.tensor_parallel_size = tp_size
         self.kvcc, sched = configure(self.config, family, num_blocks)
         layout = KVCacheLayout[self.kvcc.kv_cache_layout]

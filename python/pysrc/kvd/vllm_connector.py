@@ -627,8 +627,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if g is None:
             return
         if g.grouped:
-            self._gcopy = GroupedCopier(g, kv_caches)
-            self._scopy = GroupedCopier(g, kv_caches, state=True) if g.state_groups else None
+            self._gcopy = GroupedCopier(g, kv_caches, rows=self._rows)
+            self._scopy = GroupedCopier(g, kv_caches, state=True, rows=self._rows) if g.state_groups else None
             self._layers = self._gcopy.tensors()
             self._layer_index = dict(self._gcopy.index)
             self._device = self._gcopy.device

@@ -363,10 +363,17 @@ class GroupedCopier:
     block into ``r`` kernel blocks when the attention kernel wants smaller ones), viewed
     as bytes and laid out ``[head][r][state][content]`` in the slot, which is the logical
     ``[head, state, content]`` of the whole block. Pieces into the null block are skipped
-    on a load (a position the group does not keep)."""
+    on a load (a position the group does not keep).
 
-    def __init__(self, geo: GroupedGeometry, kv_caches: dict[str, Any], state: bool = False):
+    On CUDA one layer of many blocks moves with one gather and one indexed copy (``rows``:
+    the pool's device mapping as rows of bytes, given by the connector), not one DMA per
+    piece; on the CPU (and without rows) one direct copy per piece, which is faster there
+    than staging (``staged`` forces either, for the tests)."""
+
+    def __init__(self, geo: GroupedGeometry, kv_caches: dict[str, Any], state: bool = False, rows: Optional[Any] = None):
         self.geo = geo
+        self.rows = rows  # rows(pool, starts, length) -> (rows, idx) | None
+        self.staged: Optional[bool] = None  # None: on CUDA only
         self.plans = geo.state_groups if state else geo.groups
         self.layers: list[tuple[GroupPlan, torch.Tensor, int, int]] = []  # plan, tensor, offset, r
         self.index: dict[str, int] = {}
@@ -407,9 +414,31 @@ class GroupedCopier:
         cache = t[block * r : (block + 1) * r].view(torch.uint8).permute(1, 0, 2, 3)
         return cache, slot
 
+    def _rows_for(self, t: torch.Tensor, pool: torch.Tensor, starts: list[int], length: int) -> Optional[Any]:
+        staged = t.device.type == "cuda" if self.staged is None else self.staged
+        return self.rows(pool, starts, length) if staged and self.rows is not None else None
+
+    def _kidx(self, li: int, blocks: list[int]) -> torch.Tensor:
+        _, t, _, r = self.layers[li]
+        ids = torch.tensor(blocks, dtype=torch.long)
+        if r > 1:
+            ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
+        return ids.to(t.device)
+
     def load_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
-        plan = self.layers[li][0]
+        plan, t, o, r = self.layers[li]
         gpos = self.plans.index(plan)
+        todo = [(off, bids[gpos]) for off, bids in zip(offs, ids) if bids[gpos] != NULL_BLOCK]
+        if not todo:
+            return
+        rr = self._rows_for(t, pool, [off + o for off, _ in todo], plan.layer_bytes)
+        if rr is not None:
+            rows, idx = rr
+            n, es = len(todo), _DTYPES[plan.dtype][1]
+            x = rows.index_select(0, idx).view(-1).view(torch.uint8).view(n, plan.heads, r, plan.states // r, plan.content * es)
+            x = x.permute(0, 2, 1, 3, 4).reshape(n * r, plan.heads, plan.states // r, plan.content * es)
+            t.view(torch.uint8).index_copy_(0, self._kidx(li, [b for _, b in todo]), x)
+            return
         for off, bids in zip(offs, ids):
             b = bids[gpos]
             if b != NULL_BLOCK:
@@ -417,8 +446,20 @@ class GroupedCopier:
                 cache.copy_(slot, non_blocking=True)
 
     def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
-        plan = self.layers[li][0]
+        plan, t, o, r = self.layers[li]
         gpos = self.plans.index(plan)
+        if not offs:
+            return
+        if any(bids[gpos] == NULL_BLOCK for bids in ids):
+            raise KvdConfigError("kvd connector: a save of a position a group does not hold")
+        rr = self._rows_for(t, pool, [off + o for off in offs], plan.layer_bytes)
+        if rr is not None:
+            rows, idx = rr
+            n, es = len(offs), _DTYPES[plan.dtype][1]
+            x = t.view(torch.uint8).index_select(0, self._kidx(li, [bids[gpos] for bids in ids]))
+            x = x.view(n, r, plan.heads, plan.states // r, plan.content * es).permute(0, 2, 1, 3, 4).contiguous()
+            rows.index_copy_(0, idx, x.view(-1).view(torch.int64).view(-1, rows.shape[1]))
+            return
         for off, bids in zip(offs, ids):
             b = bids[gpos]
             if b == NULL_BLOCK:  # never: saves are of whole positions (complete())
