@@ -577,14 +577,14 @@ mod tests {
         // Every group field is in the id.
         let mut ids = std::collections::HashSet::new();
         ids.insert(g.id());
-        let variants: Vec<Box<dyn Fn(&mut Group)>> = vec![
-            Box::new(|x| x.kind = "chunked".into()),
-            Box::new(|x| x.layers = 3),
-            Box::new(|x| x.dtype = Dtype::F16),
-            Box::new(|x| x.dims = vec![2, 16, 128]),
-            Box::new(|x| x.arrangement.push('x')),
-            Box::new(|x| x.window = 64),
-            Box::new(|x| x.quant = "fp8_per_tensor;scales=checkpoint".into()),
+        let variants: [fn(&mut Group); 7] = [
+            |x| x.kind = "chunked".into(),
+            |x| x.layers = 3,
+            |x| x.dtype = Dtype::F16,
+            |x| x.dims = vec![2, 16, 128],
+            |x| x.arrangement.push('x'),
+            |x| x.window = 64,
+            |x| x.quant = "fp8_per_tensor;scales=checkpoint".into(),
         ];
         for f in &variants {
             let mut l = grouped();
