@@ -208,9 +208,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # Test knob: hold the copy of one layer's load back this long (a slow layer).
         delay = extra.get("test_delay_layer_load")
         self._delay = (int(delay[0]), float(delay[1])) if delay else None
-        self._geo, self._off = geometry(vllm_config, kv_cache_config)
-        if self._off:
-            logger.warning("kvd connector: %s; no external hits will be reported and nothing is saved", self._off)
+        self._geo = geometry(vllm_config, kv_cache_config)
         if ktc.kv_load_failure_policy != "recompute":
             logger.warning(
                 "kvd connector: kv_load_failure_policy is %r: a block evicted between lookup and load, or a "

@@ -106,12 +106,11 @@ def _classic(groups: list) -> bool:
     )
 
 
-def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[Any, Optional[str]]:
+def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any:
     """The block geometry: the classic :class:`Geometry` for one dense full-attention
     group, else a :class:`kvd.vllm_groups.GroupedGeometry` (SPEC §3.1 "Grouped layouts").
 
     Raises :class:`KvdConfigError`, naming the field, for caches kvd cannot describe.
-    The second value is kept for callers that serve without kvd (always None now).
     """
     par = vllm_config.parallel_config
     if getattr(par, "pipeline_parallel_size", 1) > 1:
@@ -125,23 +124,20 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tup
     if not _classic(groups):
         from kvd.vllm_groups import grouped_geometry
 
-        return grouped_geometry(vllm_config, kv_cache_config, model_id), None
+        return grouped_geometry(vllm_config, kv_cache_config, model_id)
     spec = groups[0].kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)
     first = list(inner.values())[0] if inner else spec
-    return (
-        Geometry(
-            model_id=model_id,
-            layer_names=tuple(groups[0].layer_names),
-            heads=first.num_kv_heads,
-            total_heads=vllm_config.model_config.get_total_num_kv_heads(),
-            head_size=first.head_size,
-            dtype=first.dtype,
-            block_size=first.block_size,
-            num_blocks=kv_cache_config.num_blocks,
-            tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        ),
-        None,
+    return Geometry(
+        model_id=model_id,
+        layer_names=tuple(groups[0].layer_names),
+        heads=first.num_kv_heads,
+        total_heads=vllm_config.model_config.get_total_num_kv_heads(),
+        head_size=first.head_size,
+        dtype=first.dtype,
+        block_size=first.block_size,
+        num_blocks=kv_cache_config.num_blocks,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
     )
 
 
