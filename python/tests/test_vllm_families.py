@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_engine as ve  # noqa: E402
 import vllm_families as vf  # noqa: E402
-from checks import check, run  # noqa: E402
+from checks import check, checkpoint, run  # noqa: E402
 
 import kvd  # noqa: E402
 import torch  # noqa: E402
@@ -143,6 +144,29 @@ def _():
     g = f.worker._geo.layout(0)["groups"][0]
     assert g["dtype"] == "u8" and g["quant"] == "fp8_per_tensor;cache_dtype=fp8;scales=checkpoint", g
     f.close()
+
+
+@check("speculative decoding: every group names the draft model (its layers share the groups), another draft model is another layout")
+def _():
+    from types import SimpleNamespace
+
+    import shutil
+
+    e = vf.FamilyEngine(P, "llama-draft")
+    assert not e.worker._geo.grouped, "no speculative decoding: the classic layout"
+    ids = []
+    dirs = [os.path.join(tempfile.gettempdir(), f"kvd-draft-{RUN}-{x}") for x in "ab"]
+    for draft, d in zip("ab", dirs):
+        checkpoint(d, seed=ord(draft))
+        object.__setattr__(e.config, "speculative_config", SimpleNamespace(model=d))
+        s = KvdConnector(e.config, KVConnectorRole.SCHEDULER, e.kvcc)
+        assert s._geo.grouped and all("draft=kvd-model-v1:" in g["arrangement"] for g in s._geo.layout(0)["groups"]), s._geo
+        ids.append(s._lids[0])
+    assert len(set(ids + e.sconn._lids)) == 3, "each draft model its own layout"
+    object.__setattr__(e.config, "speculative_config", None)
+    e.close()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @check("two layouts that differ in a byte-relevant field never share a block: another window or another vLLM arrangement is a miss")
@@ -346,6 +370,9 @@ def _():
     for family in FAMILIES:
         e = vf.FamilyEngine(P, family)
         w = e.worker
+        if not w._geo.grouped:
+            e.close()
+            continue
         g = torch.Generator().manual_seed(5)
         for t in e.kv.values():
             if t.dtype in (torch.int8, torch.uint8):

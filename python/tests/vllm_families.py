@@ -78,6 +78,15 @@ FAMILIES = {
         "mamba_head_dim": 8,
         "mamba_type": "MAMBA2",
     },
+    # A Llama with a speculative draft layer (EAGLE/MTP): its KV in the same group as the
+    # target's (vLLM merges specs that differ only in ``is_draft``).
+    "llama-draft": {
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "draft_layers": [2],
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
     # A Llama serving fp8 KV (per-tensor scales from the checkpoint).
     "llama-fp8": {
         "model_type": "llama",
@@ -139,7 +148,9 @@ def specs(family, dtype=torch.float16):
                 block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR
             )
         else:
-            out[layer_name(i)] = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=dtype)
+            out[layer_name(i)] = FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=dtype, is_draft=i in hf.get("draft_layers", ())
+            )
     return out
 
 

@@ -81,6 +81,7 @@ class GroupPlan:
     window: int
     quant: str
     offset: int  # where the group's pieces start in a kvd block
+    draft: str = ""  # the draft model's identity when the group holds draft layers
 
     @property
     def layer_bytes(self) -> int:
@@ -92,7 +93,7 @@ class GroupPlan:
             "layers": len(self.layer_names),
             "dtype": _DTYPES[self.dtype][0],
             "dims": [self.heads, self.states, self.content],
-            "arrangement": arrangement,
+            "arrangement": f"{arrangement} draft={self.draft}"[:256] if self.draft else arrangement,
             "window": self.window,
             "quant": self.quant,
         }
@@ -228,6 +229,22 @@ def _quant(spec: "KVCacheSpec", vllm_config: "VllmConfig") -> str:
     return f"{mode.name.lower()};cache_dtype={cache_dtype};scales=in_page"
 
 
+def _draft_identity(vllm_config: "VllmConfig") -> str:
+    """The draft model's identity (speculative decoding): its layers' KV depends on its
+    weights, which the target's model identity does not cover when they are another
+    checkpoint (EAGLE); MTP layers live in the target's own checkpoint."""
+    from kvd.identity import model_identity
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    name = getattr(spec, "model", None) if spec is not None else None
+    if not name:
+        return "unnamed"
+    try:
+        return model_identity(str(name), getattr(spec, "revision", None))
+    except (OSError, ValueError):
+        return str(name)[:128]
+
+
 def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", model_id: str) -> GroupedGeometry:
     """The grouped layout of this engine's KV cache, or :class:`KvdConfigError` naming
     what kvd cannot describe."""
@@ -277,9 +294,13 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         content_bytes = int(first.state_content_size_bytes)
         if content_bytes % elsize:
             raise KvdConfigError(f"kvd connector: KV cache group {gi}: {content_bytes} content bytes are not whole {first.dtype} elements")
+        # Speculative decoding: draft layers may sit in any group (vLLM merges specs that
+        # differ only in is_draft), so every group names the draft model.
+        draft = _draft_identity(vllm_config) if getattr(vllm_config, "speculative_config", None) is not None else ""
         plan = GroupPlan(
             index=gi,
             kind=kind,
+            draft=draft,
             layer_names=tuple(grp.layer_names),
             heads=int(first.num_heads),
             states=int(first.num_states),

@@ -77,12 +77,14 @@ class Geometry:
         }
 
 
-def _classic(groups: list) -> bool:
+def _classic(groups: list, vllm_config: "VllmConfig") -> bool:
     """Whether the cache is one dense full-attention group: kvd's classic layout, which
     moves K and V per head (and reslices heads between TP sizes where the engine can)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
-    if len(groups) != 1:
+    if len(groups) != 1 or getattr(vllm_config, "speculative_config", None) is not None:
+        # Speculative decoding: a draft model's layers may share the groups (vLLM merges
+        # specs that differ only in is_draft), so the layout names the draft model too.
         return False
     spec = groups[0].kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
@@ -121,7 +123,7 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
     groups = list(kv_cache_config.kv_cache_groups)
-    if not _classic(groups):
+    if not _classic(groups, vllm_config):
         from kvd.vllm_groups import grouped_geometry
 
         return grouped_geometry(vllm_config, kv_cache_config, model_id)
