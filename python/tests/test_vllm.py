@@ -486,6 +486,55 @@ def _():
     decode_handoff("push")
 
 
+@check("P/D between TP sizes (classic layout): a TP-2 prefill to a TP-1 decode and TP-1 to TP-2, by pull and push; every decode rank's heads byte for byte")
+def _():
+    for ptp, dtp, mode in ((2, 1, "pull"), (1, 2, "pull"), (2, 1, "push")):
+        toks = prompt(60 + 10 * ptp + dtp + len(mode))
+        p = ve.TPEngine(P, ptp, role="kv_producer")
+        r = rid("tp-prefill")
+        p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(finished(p, r))
+        params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+        assert params and params["kvd"]["blocks"] == 6 and len(params["kvd"]["transfers"]) == ptp, params
+        d = ve.TPEngine(D, dtp, role="kv_consumer", mode=mode)
+        r2 = rid("tp-decode")
+        d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
+        computed, n = first_schedule(d, r2)
+        assert (computed, n) == (96, 4), (ptp, dtp, mode, computed, n)
+        assert not (d.computed_by_forward[r2] & set(range(96)))
+        d.check_blocks(r2, toks, 6)
+        d.run(finished(d, r2))
+        p.close()
+        d.close()
+    # Negative control: heads landing on the wrong decode heads are caught.
+    from kvd.vllm_layout import Geometry
+
+    real = Geometry.shards
+    Geometry.shards = lambda self, src_tp, rank: [(s_, s0, self.heads - d0 - n, n) for s_, s0, d0, n in real(self, src_tp, rank)]
+    try:
+        toks = prompt(99)
+        p = ve.TPEngine(P, 2, role="kv_producer")
+        r = rid("tp-swap")
+        p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(finished(p, r))
+        d = ve.TPEngine(D, 1, role="kv_consumer")
+        r2 = rid("tp-swap-decode")
+        d.add(r2, toks, max_tokens=2, kv_transfer_params=json.loads(json.dumps(p.outputs[r].kv_transfer_params)))
+        first_schedule(d, r2)
+        try:
+            d.check_blocks(r2, toks, 6)
+            raise RuntimeError("swapped heads went unnoticed")
+        except AssertionError as e:
+            assert "differs" in str(e), e
+        p.close()
+        d.close()
+    finally:
+        Geometry.shards = real
+    # Where TP exceeds the KV heads (heads replicated), no reslicing: a miss, prefilled here.
+    s = KvdConnector(ve.vllm_config(D), KVConnectorRole.SCHEDULER, ve.kv_cache_config())
+    assert s._geo.shards(2, 0) == [(0, 0, 0, 1), (1, 0, 1, 1)] and s._geo.shards(4, 0) is None
+
+
 @check("P/D: malformed, tampered or mixed-up kv_transfer_params never load wrong KV: the decode engine prefills itself")
 def _():
     import base64

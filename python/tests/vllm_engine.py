@@ -118,6 +118,7 @@ class Engine:
         self.kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK])
         self.worker = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
         self.worker.register_kv_caches(self.kv)
+        self.workers, self.kvs = [self.worker], [self.kv]
         self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK)
         self.sconn = self.scheduler.connector
         self.outputs = {}  # req id -> EngineCoreOutput of the last step that had one
@@ -155,16 +156,19 @@ class Engine:
         ``save_kv_layer`` on exit (unless ``save_layers`` is off), ``wait_for_save`` at
         the end."""
         so = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
+        workers = getattr(self, "workers", [self.worker])
+        kvs = getattr(self, "kvs", [self.kv])
+        for w in workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         c = so.scheduled_cached_reqs
         starts.update(zip(c.req_ids, c.num_computed_tokens))
         names = self.layer_names()
         for layer in range(len(names)):
             if wait_layers:
-                w.wait_for_layer_load(names[layer])
+                for w in workers:
+                    w.wait_for_layer_load(names[layer])
             if on_layer is not None:
                 on_layer(so, layer)
             # The layer's KV of every scheduled token, into its slot.
@@ -173,7 +177,8 @@ class Engine:
                 toks = list(self.scheduler.requests[rid].all_token_ids)
                 self.write(rid, toks, range(start, start + n), layer)
             if save_layers:
-                w.save_kv_layer(names[layer], self.kv[names[layer]], None)
+                for w, kv in zip(workers, kvs):
+                    w.save_kv_layer(names[layer], kv[names[layer]], None)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             start = starts[rid]
@@ -185,15 +190,32 @@ class Engine:
                 sampled.append([nxt])
             else:
                 sampled.append([])
-        w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
+        for w in workers:
+            w.wait_for_save()
+        # What vLLM's output aggregator does across TP workers: a receive is finished
+        # once every worker reported it, failed if any did.
+        counts = self.__dict__.setdefault("_recv_counts", {})
+        failed_any = self.__dict__.setdefault("_recv_failed", set())
+        finished, invalid = set(), set()
+        for w in workers:
+            res = w.get_transfer_results(so.finished_req_ids)
+            failed_any.update(res.failed_recving or ())
+            for rid in res.finished_recving or ():
+                counts[rid] = counts.get(rid, 0) + 1
+                if counts[rid] == len(workers):
+                    del counts[rid]
+                    finished.add(rid)
+            invalid |= w.get_block_ids_with_load_errors()
+        failed = {r for r in finished if r in failed_any}
+        failed_any -= failed
         out = KVConnectorOutput(
-            finished_sending=res.finished_sending or None,
-            finished_recving=res.finished_recving or None,
-            failed_recving=res.failed_recving,
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            finished_sending=None,
+            finished_recving=finished or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
         )
-        w.clear_connector_metadata()
+        for w in workers:
+            w.clear_connector_metadata()
         mro = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -239,4 +261,76 @@ class Engine:
                     assert torch.equal(got[:, t, :], want), f"block {b} layer {layer} token {t} differs"
 
     def close(self):
-        self.worker.shutdown()
+        for w in getattr(self, "workers", [self.worker]):
+            w.shutdown()
+
+
+class rank:
+    """vLLM's TP rank query answers ``r`` (a worker made inside is rank ``r``'s)."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def __enter__(self):
+        import vllm.distributed.parallel_state as ps
+
+        self.real = ps.get_tensor_model_parallel_rank
+        ps.get_tensor_model_parallel_rank = lambda: self.r
+
+    def __exit__(self, *exc):
+        import vllm.distributed.parallel_state as ps
+
+        ps.get_tensor_model_parallel_rank = self.real
+
+
+class TPEngine(Engine):
+    """An engine of ``tp`` tensor-parallel ranks: one scheduler, one worker per rank over
+    its own KV heads (rank ``r`` holds heads ``r*h .. (r+1)*h``), driven as vLLM drives
+    them (the same metadata to every worker, receives aggregated across them)."""
+
+    def __init__(self, endpoint, tp, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, **extra):
+        from kvd.vllm_connector import KvdConnector
+
+        self.tp = tp
+        self.heads = KV_HEADS // tp
+        self.config = vllm_config(endpoint, role, None, **extra)
+        self.config.parallel_config.tensor_parallel_size = tp
+        self.config.cache_config.kv_cache_layout = layout.name
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD, dtype=DTYPE)
+        self.kvcc = kv_cache_config(num_blocks, layout, spec=spec)
+        self.workers, self.kvs = [], []
+        for r in range(tp):
+            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK])
+            with rank(r):
+                w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
+                w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK)
+        self.sconn = self.scheduler.connector
+        self.outputs = {}
+        self.computed_by_forward = {}
+
+    def block_of(self, r, block_id, layer):
+        return self.kvs[r][self.kvcc.kv_cache_groups[0].layer_names[layer]][block_id]
+
+    def write(self, rid, toks, positions, layer):
+        ids = self.block_ids(rid)
+        h = self.heads
+        for pos in positions:
+            kv = expected_kv(toks, pos, layer)
+            for r in range(self.tp):
+                self.block_of(r, ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = kv[r * h : (r + 1) * h]
+
+    def check_blocks(self, rid, tokens, nblocks):
+        ids = self.block_ids(rid)
+        h = self.heads
+        for b in range(nblocks):
+            for layer in range(LAYERS):
+                for t in range(BLOCK):
+                    want = expected_kv(tokens, b * BLOCK + t, layer)
+                    for r in range(self.tp):
+                        got = self.block_of(r, ids[b], layer)[:, t, :]
+                        assert torch.equal(got, want[r * h : (r + 1) * h]), f"rank {r} block {b} layer {layer} token {t} differs"

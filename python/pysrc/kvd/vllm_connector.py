@@ -86,9 +86,11 @@ Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with specu
 state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
 non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
 no name for, pipeline and decode-context parallelism. Requests with prompt embeddings are
-neither loaded nor saved. Prefill and decode must use the same block size, and for the
-classic layout the same TP size (the params say theirs; a mismatch is a miss and a local
-prefill); an all-MLA model hands off between any TP sizes.
+neither loaded nor saved. Prefill and decode must use the same block size. Between TP
+sizes: the classic layout reslices heads (each decode rank loads its heads from the
+prefill shards that hold them; not where TP exceeds the KV heads), an all-MLA model
+needs nothing (one copy per node); other grouped layouts need the same TP size (a
+mismatch is a miss and a local prefill).
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ class Pull:
     # state groups' block ids there), and its transfers per state layout in a handoff.
     state: Optional[tuple[bytes, tuple[int, ...]]] = None
     state_transfer_ids: list[str] = field(default_factory=list)
+    # A prefill engine of another TP size (classic layout): its TP size; each rank loads
+    # its heads from the shards that hold them.
+    src_tp: int = 0
 
 
 @dataclass
@@ -184,6 +189,7 @@ class _Remote:
     transfers: list[dict[str, Any]]  # every transfer of the handoff (KV, then state)
     kv_ids: list[str] = field(default_factory=list)
     state_ids: list[str] = field(default_factory=list)
+    src_tp: int = 0  # the prefill's TP size when its heads are resliced here
     started: bool = False
 
 
@@ -333,11 +339,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         state_transfers = remote.get("state_transfers") or []
         try:
             blocks = int(remote["blocks"])
+            src_tp = len(transfers)
+            # A prefill of another TP size: the classic layout's heads reslice here.
+            reslice = (
+                src_tp != self._geo.num_layouts
+                and not self._geo.grouped
+                and all(self._geo.shards(src_tp, r) for r in range(self._geo.tp_size))
+            )
             ok = (
                 int(remote.get("v", 0)) == PARAMS_VERSION
                 and int(remote["block_size"]) == b
-                and len(transfers) == self._geo.num_layouts
-                and [int(t["rank"]) for t in transfers] == list(range(self._geo.num_layouts))
+                and (src_tp == self._geo.num_layouts or reslice)
+                and [int(t["rank"]) for t in transfers] == list(range(src_tp))
                 and len(state_transfers) == len(self._slids)
                 and [int(t["rank"]) for t in state_transfers] == list(range(len(self._slids)))
                 and 0 < blocks <= len(st.keys)
@@ -367,7 +380,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         accepted = []
         try:
             c = self._sched_client()
-            todo = [(t, self._lids[r], st.keys[:blocks]) for r, t in enumerate(transfers)]
+            lids = [c.register_layout(self._geo.layout_for(src_tp, s))["layout_id"] for s in range(src_tp)] if reslice else self._lids
+            todo = [(t, lids[r], st.keys[:blocks]) for r, t in enumerate(transfers)]
             todo += [(t, self._slids[r], st.keys[blocks - 1 : blocks]) for r, t in enumerate(state_transfers)]
             for t, lid, keys in todo:
                 if self._mode == "pull":
@@ -385,6 +399,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             transfers=list(transfers) + list(state_transfers),
             kv_ids=[t["transfer_id"] for t in transfers],
             state_ids=[t["transfer_id"] for t in state_transfers],
+            src_tp=src_tp if reslice else 0,
         )
         st.matched = (num_computed, answer[0])
         return answer
@@ -418,7 +433,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 st.state_saved = max(st.state_saved, end)
         if remote is not None:
             self._pending_pulls.append(
-                Pull(req_id=request.request_id, transfer_ids=remote.kv_ids, keys=keys, block_ids=ids, failed=failed, state=state, state_transfer_ids=remote.state_ids)
+                Pull(
+                    req_id=request.request_id,
+                    transfer_ids=remote.kv_ids,
+                    keys=keys,
+                    block_ids=ids,
+                    failed=failed,
+                    state=state,
+                    state_transfer_ids=remote.state_ids,
+                    src_tp=remote.src_tp,
+                )
             )
         elif self._geo.grouped:
             # A local hit of a grouped layout: the worker's mover loads it (no transfer).
@@ -601,6 +625,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._old_pools: list[torch.Tensor] = []
         # Pool mappings (data_ptr -> kvd._device_view) on CUDA, old pools' too.
         self._mapped: dict[int, torch.Tensor] = {}
+        self._src_lids: dict[tuple[int, int], int] = {}  # (TP size, rank) -> layout id of a prefill's shard
         self._inc = 0
         self._lock = threading.Lock()
         self._mover: Optional[_Mover] = None
@@ -898,6 +923,42 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
+    def _load_resliced(self, client: kvd.Client, keys: list[bytes], block_ids: list[int], src_tp: int, shards: list[tuple[int, int, int, int]]) -> int:
+        """Loads the leading blocks every source shard holds into ``block_ids``, this
+        rank's heads cut from the shards of a TP-``src_tp`` engine's layouts (``shards``:
+        :meth:`Geometry.shards`); how many it loaded. One copy per piece."""
+        g = self._geo
+        pool, inc = self._view()
+        pins = []
+        try:
+            offsets = []
+            for s, *_ in shards:
+                key = (src_tp, s)
+                if key not in self._src_lids:
+                    self._src_lids[key] = client.register_layout(g.layout_for(src_tp, s))["layout_id"]
+                pin = client.get(self._src_lids[key], keys, ttl_s=self._pin_ttl_s)
+                pins.append(pin)
+                offsets.append(pin.offsets)
+            if client.incarnation != inc:
+                raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
+            good = min(next((i for i, o in enumerate(offs) if o is None), len(offs)) for offs in offsets)
+            hs, d, r = g.total_heads // src_tp, g.head_size, self._ratio
+            kb = g.block_size // r
+            nbytes = len(g.layer_names) * 2 * hs * g.block_size * d * _elsize(g.dtype)
+            for (s, s0, d0, n), offs in zip(shards, offsets):
+                for off, b in zip(offs[:good], block_ids[:good]):
+                    slot = pool[off : off + nbytes].view(g.dtype).view(len(g.layer_names), 2, hs, g.block_size, d)
+                    for l, t in enumerate(self._layers):
+                        for i in range(r):
+                            page = t[b * r + i]  # [heads here, kb, K|V]
+                            for part in (0, 1):
+                                page[d0 : d0 + n, :, part * d : (part + 1) * d].copy_(slot[l, part, s0 : s0 + n, i * kb : (i + 1) * kb], non_blocking=True)
+            self._sync()
+            return good
+        finally:
+            for pin in pins:
+                pin.release()
+
     def _load_pinned(self, client: kvd.Client, keys: list[bytes], block_ids: list[int]) -> int:
         """Loads the leading blocks kvd holds into ``block_ids``; how many it loaded."""
         pool, inc = self._view()
@@ -1044,6 +1105,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._copier.stop()
 
 
+def _elsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _remote_params(request: "Request") -> Optional[dict]:
     p = request.kv_transfer_params
     if isinstance(p, dict) and p.get("do_remote_prefill") and isinstance(p.get("kvd"), dict):
@@ -1096,10 +1161,12 @@ class _Mover(threading.Thread):
         if p.failed:
             logger.warning("kvd connector: request %s: %s; recomputing", p.req_id, p.failed)
             return False
+        deadline = time.monotonic() + conn._transfer_timeout_s
+        if p.src_tp:
+            return self._move_resliced(p, deadline)
         # A layout kept once per node has one transfer for every rank.
         tid = p.transfer_ids[conn._rank if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
         stid = p.state_transfer_ids[conn._rank if len(p.state_transfer_ids) > 1 else 0] if p.state_transfer_ids else None
-        deadline = time.monotonic() + conn._transfer_timeout_s
         for t in (tid, stid):
             if t is not None and not self._landed(p, t, deadline):
                 return False
@@ -1117,6 +1184,28 @@ class _Mover(threading.Thread):
             return False
         if p.state is not None and not conn._load_state(conn._client_w(), *p.state):
             logger.warning("kvd connector: request %s: the recurrent state at the hit's boundary is not in kvd; recomputing", p.req_id)
+            return False
+        return True
+
+    def _move_resliced(self, p: Pull, deadline: float) -> bool:
+        """A handoff from a prefill engine of another TP size: this rank's heads from the
+        shards that hold them, each shard's transfer waited for."""
+        conn = self._conn
+        shards = conn._geo.shards(p.src_tp, conn._rank)
+        if not shards or len(p.transfer_ids) != p.src_tp:
+            logger.warning("kvd connector: request %s: cannot reslice TP %d shards to rank %d; recomputing", p.req_id, p.src_tp, conn._rank)
+            return False
+        for s, *_ in shards:
+            if not self._landed(p, p.transfer_ids[s], deadline):
+                return False
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                good = conn._load_resliced(conn._client_w(), p.keys, p.block_ids, p.src_tp, shards)
+                self._stream.synchronize()
+        else:
+            good = conn._load_resliced(conn._client_w(), p.keys, p.block_ids, p.src_tp, shards)
+        if good < len(p.block_ids):
+            logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
             return False
         return True
 

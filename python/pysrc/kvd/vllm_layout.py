@@ -63,6 +63,11 @@ class Geometry:
         return len(self.layer_names) * 2 * self.heads * self.block_size * self.head_size * _DTYPES[self.dtype][1]
 
     def layout(self, rank: int) -> dict[str, Any]:
+        return self.layout_for(self.tp_size, rank)
+
+    def layout_for(self, tp_size: int, rank: int) -> dict[str, Any]:
+        """The layout of rank ``rank`` of an engine of this model at TP ``tp_size`` (a
+        prefill engine of another TP size, whose shards a handoff reslices)."""
         return {
             "model": self.model_id,
             "num_layers": len(self.layer_names),
@@ -71,10 +76,27 @@ class Geometry:
             "head_dim": self.head_size,
             "dtype": self.dtype_name,
             "tokens_per_block": self.block_size,
-            "tp_size": self.tp_size,
+            "tp_size": tp_size,
             "tp_rank": rank,
             "order": "layer_part_head_token",
         }
+
+    def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
+        """Where rank ``rank``'s heads come from when an engine of TP ``src_tp`` wrote
+        them: ``(shard, first head in the shard, first head here, heads)`` per source
+        shard, or None when heads are replicated on either side (TP above the KV heads)
+        and cannot be resliced."""
+        h = self.total_heads
+        if src_tp <= 0 or h % src_tp or h % self.tp_size or src_tp > h or self.tp_size > h:
+            return None
+        hs, hd = h // src_tp, h // self.tp_size
+        a, b = rank * hd, (rank + 1) * hd
+        out = []
+        for s in range(src_tp):
+            lo, hi = max(a, s * hs), min(b, (s + 1) * hs)
+            if lo < hi:
+                out.append((s, lo - s * hs, lo - a, hi - lo))
+        return out
 
 
 def _classic(groups: list, vllm_config: "VllmConfig") -> bool:
