@@ -315,6 +315,44 @@ def _():
     b.close()
 
 
+@check("one group (MLA, fp8) loads in the step, layer by layer, as the classic layout does; a block gone between lookup and load is reported as a load error and recomputed")
+def _():
+    for family in ("deepseek-v3", "llama-fp8"):
+        toks = prompt(1300 + len(family))
+        saved(family, toks)
+        b = vf.FamilyEngine(P, family)
+        assert not b.sconn._async_loads
+        r = rid("sync")
+        b.add(r, toks)
+        so, out = b.step()
+        new = {x.req_id: x.num_computed_tokens for x in so.scheduled_new_reqs}
+        assert new.get(r) == 96 and so.num_scheduled_tokens[r] == 4, (family, new)
+        assert not out.invalid_block_ids and b.worker._waits_seen
+        b.check_groups(r, toks, 6)
+        b.close()
+    # Gone between lookup and load: vLLM recomputes exactly the blocks from the gap on.
+    toks = prompt(1400)
+    saved("deepseek-v3", toks)
+    b = vf.FamilyEngine(P, "deepseek-v3")
+    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+    real = b.sconn.update_state_after_alloc
+
+    def evict_then(request, blocks, n):
+        real(request, blocks, n)
+        kvd.Client(P).delete(b.sconn._lids[0], keys[3:4])
+
+    b.sconn.update_state_after_alloc = evict_then
+    r = rid("sync-evicted")
+    b.add(r, toks)
+    _, out = b.step()
+    ids = b.group_ids(r)[0]
+    assert out.invalid_block_ids == set(ids[3:6]), (out.invalid_block_ids, ids)
+    until_computed(b, r, 100)
+    assert set(range(48, 100)) <= b.computed_by_forward[r]
+    b.check_groups(r, toks, 6)
+    b.close()
+
+
 def handoff(family, mode="pull", prefill_tp=1, decode_tp=1):
     toks = prompt(900 + len(family) + prefill_tp * 10 + len(mode))
     p = vf.FamilyEngine(P, family, role="kv_producer", tp_size=prefill_tp)

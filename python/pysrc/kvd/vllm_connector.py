@@ -65,10 +65,11 @@ sliding-window and chunked-local hybrids (gpt-oss, Gemma 3: the connector implem
 ``SupportsHMA``; a load fills only the blocks vLLM keeps for a sliding group), recurrent
 hybrids (Qwen3-Next/3.5, Jamba, Falcon-H1: the state at a block boundary as a linked
 object of its own layout, a hit only where one exists), fp8 KV (named with where its
-scales come from) and the backends' packed or padded pages. Grouped
-layouts load asynchronously (the request waits one step): with several KV cache groups
-vLLM accepts a failed load only as a failed asynchronous one (``failed_recving``), and
-then recomputes.
+scales come from) and the backends' packed or padded pages. A grouped layout of one
+group (MLA, fp8) loads like the classic one, layer by layer in the step; with several
+groups or recurrent state loads are asynchronous (the request waits one step), because
+vLLM then accepts a failed load only as a failed asynchronous one (``failed_recving``),
+and recomputes it.
 
 The model is named by ``extra_config.model_id`` (default: the digest of the config and
 weights vLLM's ``model`` points at, SPEC §3.1 "Model identity": engines on one checkpoint
@@ -251,6 +252,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._client = c
         return c
 
+    @property
+    def _async_loads(self) -> bool:
+        """Whether local hits load asynchronously (several KV cache groups, or recurrent
+        state: see :meth:`get_num_new_matched_tokens`)."""
+        g = self._geo
+        return bool(g is not None and g.grouped and (len(g.groups) > 1 or g.state_groups))
+
     def _num_state_layouts(self) -> int:
         g = self._geo
         if not (g is not None and g.grouped and g.state_groups):
@@ -323,10 +331,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if n <= 0:
             return 0, False
         st.matched = (num_computed_tokens, n)
-        # Grouped layouts load asynchronously: with several KV cache groups vLLM accepts
-        # a failed load only as a failed asynchronous one (failed_recving), never as
-        # block-level load errors, and one path serves both.
-        return n, self._geo.grouped
+        # With several KV cache groups (or recurrent state) loads are asynchronous: vLLM
+        # then accepts a failed load only as a failed asynchronous one (failed_recving),
+        # never as block-level load errors. One group loads in the step, layer by layer.
+        return n, self._async_loads
 
     def _match_remote(self, request: "Request", st: _Req, remote: dict, num_computed: int) -> tuple[Optional[int], bool]:
         rid = request.request_id
@@ -444,8 +452,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     src_tp=remote.src_tp,
                 )
             )
-        elif self._geo.grouped:
-            # A local hit of a grouped layout: the worker's mover loads it (no transfer).
+        elif self._async_loads:
+            # A local hit loaded asynchronously: the worker's mover loads it (no transfer).
             self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids, failed=failed, state=state))
         else:
             self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids))
@@ -997,7 +1005,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
                 good = 0
             if good < len(ld.block_ids):
-                self._errors.update(ld.block_ids[good:])
+                self._load_errors(ld.block_ids[good:])
         for p in meta.pulls:
             self._mover.submit(p)
 
@@ -1093,6 +1101,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         prefill side's blocks live in the daemon, so vLLM frees its own at once."""
         done, failed = self._mover.take() if self._mover is not None else (set(), set())
         return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
+    def _load_errors(self, ids: list[Any]) -> None:
+        """Reports blocks whose load failed (vLLM recomputes them). A grouped layout's
+        positions are tuples of one group's block (sync loads are single-group only);
+        the null block is never reported."""
+        self._errors.update(b for x in ids for b in (x if isinstance(x, tuple) else (x,)) if b)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -1334,7 +1348,7 @@ class _Step:
             except (kvd.KvdError, OSError) as e:
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
             if good < len(ld.block_ids):
-                conn._errors.update(ld.block_ids[good:])
+                conn._load_errors(ld.block_ids[good:])
         for sv in meta.saves if conn._saves_here else ():
             try:
                 if client is None:
@@ -1428,11 +1442,11 @@ class _Step:
         if self.loads:
             if self.load_failed:
                 for _, _, ids in self.loads:
-                    c._errors.update(ids)
+                    c._load_errors(ids)
             elif not all(self.waited):
                 # The forward may have read a layer before it landed: recompute.
                 for _, _, ids in self.loads:
-                    c._errors.update(ids)
+                    c._load_errors(ids)
                 if c._layerwise and not c._waits_seen:
                     logger.warning(
                         "kvd connector: the model runner does not call wait_for_layer_load: "
