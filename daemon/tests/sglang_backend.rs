@@ -3,7 +3,8 @@
 //! real daemon: python/tests/test_sglang.py moves pages with SGLang's own controller code
 //! (zero-copy v1 and the plain variants) in every host layout, checks pages are stored in
 //! one canonical block (one layout reads another's), keys are namespaced by layout, MLA
-//! pages kept once per node (rank 0 stores, every rank reads), and the refusals. The test command installs SGLang into `.venv`; without it this fails and
+//! pages kept once per node (rank 0 stores, every rank reads), hybrid models' Mamba and
+//! SWA pools through SGLang's v2 interface with its hit policies, and the refusals. The test command installs SGLang into `.venv`; without it this fails and
 //! says how to get it.
 
 mod common;

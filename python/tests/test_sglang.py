@@ -241,6 +241,68 @@ def _():
     assert backend(host_pool("layer_first")).batch_exists(ks) == 0
 
 
+def mamba_pool(layout="page_first"):
+    """SGLang's real Mamba state host pool on CPU (conv + temporal state per layer)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros((L, 32, 2, 8, 8), dtype=torch.float32), conv=(torch.zeros((L, 32, 3, 48), dtype=torch.float16),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=32, pin_memory=False, device="cpu", layout=layout)
+
+
+@check("hybrid pools through SGLang's v2 interface: KV pages and Mamba states (trailing pages) and SWA KV (another MHA pool) stored, found by SGLang's hit policies, read back byte for byte; a missing state shortens the hit")
+def _():
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    def pools():
+        kvp, mp, swa = host_pool("page_first"), mamba_pool(), host_pool("layer_first")
+        b = backend(kvp)
+        b.register_mem_host_pool_v2(mp, PoolName.MAMBA)
+        b.register_mem_host_pool_v2(swa, PoolName.SWA)
+        return b, kvp, mp, swa
+
+    b, kvp, mp, swa = pools()
+    src = [1, 2, 3, 4]
+    fill(kvp, src, seed=21)
+    fill(swa, src, seed=22)
+    g = torch.Generator().manual_seed(23)
+    for slot in (5, 6):  # the Mamba state after page 2 and after page 4
+        mp.set_from_flat_data_page(slot, torch.randint(0, 256, (mp.get_dummy_flat_data_page().numel(),), generator=g, dtype=torch.uint8))
+    ks = keys("v2", 4)
+    res = b.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, keys=ks, host_indices=indices(src)),
+        PoolTransfer(name=PoolName.SWA, keys=ks, host_indices=indices(src)),
+        PoolTransfer(name=PoolName.MAMBA, keys=[ks[1], ks[3]], host_indices=torch.tensor([5, 6])),
+    ])
+    assert res == {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True, True]}, res
+    # A fresh server: every pool's pages are there, the Mamba state at the boundaries it has.
+    b2, kvp2, mp2, swa2 = pools()
+    trailing = [PoolTransfer(name=PoolName.MAMBA, keys=[ks[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                PoolTransfer(name=PoolName.SWA, keys=ks, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    r = b2.batch_exists_v2(ks, trailing)
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [2, 4]), r
+    got = b2.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, keys=ks, host_indices=indices([7, 8, 9, 10])),
+        PoolTransfer(name=PoolName.SWA, keys=ks, host_indices=indices([7, 8, 9, 10])),
+        PoolTransfer(name=PoolName.MAMBA, keys=[ks[3]], host_indices=torch.tensor([11])),
+    ])
+    assert got == {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True]}, got
+    for p, q in zip(src, [7, 8, 9, 10]):
+        assert torch.equal(canonical(kvp2, q), canonical(kvp, p)) and torch.equal(canonical(swa2, q), canonical(swa, p))
+    assert torch.equal(mp2.get_data_page(11, flat=True), mp.get_data_page(6, flat=True)), "the state after page 4"
+    # The state after page 4 gone: the hit is the boundary that still has one (page 2).
+    b2._client.delete(b2._extra["mamba"][1], [kvd_key_of(ks[3])])
+    assert b2.batch_exists_v2(ks, trailing).restorable_prefix_pages == [2]
+    # An MHA pool of the same model never reads the Mamba pool's pages (another layout).
+    assert b2._pool_prefix(b2._extra["swa"][1], [ks[1]]) == 1 and b2._pool_prefix(b2._extra["mamba"][1], ks[:1]) == 0
+
+
+def kvd_key_of(k):
+    from kvd.sglang_backend import kvd_key
+
+    return kvd_key(k)
+
+
 @check("refusals name the reason: an MLA layout kvd does not map, a host pool without separate K and V, mismatched indices")
 def _():
     pool = host_pool("layer_first")

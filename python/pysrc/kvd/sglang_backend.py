@@ -35,8 +35,14 @@ the minimum of the ranks' results), every rank loads it.
 (heterogeneous TP) storage, host layouts other than ``layer_first``, ``page_first``,
 ``page_first_direct`` and ``page_head`` (MLA: the first three), DeepSeek's packed fp8 MLA
 rows, and dtypes kvd has no name for. Hybrid pools (Mamba states, sliding-window KV) go
-through SGLang's ``batch_*_v2`` interface with one transfer per pool, which this backend
-does not implement yet: SGLang then keeps those models' pages in its host tier only.
+through SGLang's ``batch_*_v2`` interface, one transfer per pool: each pool SGLang
+registers (``register_mem_host_pool_v2``: Mamba states, SWA KV, ...) gets a grouped layout
+of its own (one group: the pool's flat page as bytes, named by the pool, its class,
+layout and page size), so its pages are namespaced like the KV's. ``batch_exists_v2``
+follows SGLang's hit policies: ``all_pages`` needs every page of the prefix, and
+``trailing_pages`` needs the last N pages of a prefix. The latter is probed from the KV
+prefix downwards, at most 64 prefixes, so a boundary further down is not offered.
+Other policies are refused (no hit from that pool).
 ``clear()`` is a no-op: pages are content-addressed (never stale) and kvd evicts by LRU.
 
 **Layer by layer (SPEC §16): what SGLang's interface allows.** A storage backend sees
@@ -59,7 +65,15 @@ import threading
 from typing import Any, List, Optional
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 import kvd
 from kvd.identity import model_identity
@@ -123,6 +137,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._lid: Optional[int] = None
         self._mla = False
         self._writes = True
+        self._extra: dict[str, tuple[Any, int, int, torch.dtype]] = {}  # pool name -> (host pool, layout id, page bytes, flat page dtype)
 
     # ------------------------------------------------------------------ the geometry
 
@@ -365,6 +380,157 @@ class KvdHiCacheStorage(HiCacheStorage):
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         ok = self._load(keys, [self._natural(t) for t in target_locations])
         return [t if good else None for t, good in zip(target_locations, ok)]
+
+    # ------------------------------------------------- v2 (several host pools)
+
+    # How many prefixes below the KV hit a trailing-pages pool is probed for.
+    TRAILING_PROBES = 64
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """A host pool beside the KV (Mamba states, SWA KV): its pages in a grouped layout
+        of their own, one group of the flat page's bytes."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        page = host_pool.get_dummy_flat_data_page()
+        nbytes = page.numel() * page.element_size()
+        kind = "".join(ch if ch.isalnum() else "_" for ch in name.lower())[:32] or "pool"
+        cfg = self.storage_config
+        layout = {
+            "model": self._model,
+            "num_layers": 1,
+            "kv_parts": 1,
+            "num_kv_heads": 1,
+            "head_dim": 1,
+            "dtype": "u8",
+            "tokens_per_block": int(getattr(host_pool, "page_size", 1) or 1),
+            "tp_size": cfg.tp_size,
+            "tp_rank": cfg.tp_rank,
+            "order": "groups",
+            "groups": [
+                {
+                    "kind": kind,
+                    "layers": 1,
+                    "dtype": "u8",
+                    "dims": [nbytes],
+                    "arrangement": f"sglang {type(host_pool).__name__} {getattr(host_pool, 'layout', '?')} flat page {page.numel()}x{page.dtype}"[:256],
+                    "window": 0,
+                    "quant": "",
+                }
+            ],
+        }
+        info = self._client.register_layout(layout)
+        if info["block_bytes"] != nbytes:
+            raise ValueError(f"kvd HiCache backend: the daemon sizes a {name} page at {info['block_bytes']} bytes, the pool at {nbytes}")
+        self._extra[name] = (host_pool, int(info["layout_id"]), nbytes, page.dtype)
+
+    def _pool_prefix(self, lid: int, keys: List[str]) -> int:
+        return int(self._client.lookup(lid, [kvd_key(k) for k in keys])["prefix"]) if keys else 0
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        kv = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {str(PoolName.KV): kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        try:
+            for t in pool_transfers or []:
+                if not restorable:
+                    break
+                name = str(t.name)
+                pool = self._extra.get(name)
+                if pool is None:
+                    logger.warning("kvd HiCache backend: no host pool %r registered; no hit from it", name)
+                    restorable = set()
+                    break
+                lid = pool[1]
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    ok = set(range(1, self._pool_prefix(lid, keys[:kv]) + 1))
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    trailing = max(1, len(t.keys) if t.keys else 1)
+                    ok = set()
+                    for p in sorted(restorable, reverse=True)[: self.TRAILING_PROBES]:
+                        lo = max(0, p - trailing)
+                        if self._pool_prefix(lid, keys[lo:p]) == p - lo:
+                            ok.add(p)
+                else:
+                    logger.warning("kvd HiCache backend: hit policy %s of pool %r is not supported; no hit from it", t.hit_policy, name)
+                    ok = set()
+                if ok:
+                    hits[name] = max(ok)
+                restorable &= ok
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: lookup failed: %s", e)
+            restorable = set()
+        final = max(restorable, default=0)
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    def _pool_io(self, transfers: List[PoolTransfer], store: bool) -> dict[str, List[bool]]:
+        out: dict[str, List[bool]] = {}
+        for t in transfers:
+            name = str(t.name)
+            keys = list(t.keys or [])
+            if name == str(PoolName.KV):
+                if t.host_indices is None:
+                    out[name] = [False] * len(keys)
+                else:
+                    out[name] = self.batch_set_v1(keys, t.host_indices) if store else self.batch_get_v1(keys, t.host_indices)
+                continue
+            pool = self._extra.get(name)
+            ps = int(getattr(pool[0], "page_size", 1) or 1) if pool else 1
+            if pool is None or t.host_indices is None or t.host_indices.numel() != len(keys) * ps:
+                logger.warning("kvd HiCache backend: pool %r: not registered or %d keys for %s host indices", name, len(keys), None if t.host_indices is None else t.host_indices.numel())
+                out[name] = [False] * len(keys)
+                continue
+            host_pool, lid, nbytes, dtype = pool
+            offsets = [int(t.host_indices[i * ps].item()) for i in range(len(keys))]
+            out[name] = self._pool_store(lid, nbytes, keys, host_pool, offsets) if store else self._pool_load(lid, nbytes, dtype, keys, host_pool, offsets)
+        return out
+
+    def _pool_store(self, lid: int, nbytes: int, keys: List[str], host_pool, offsets: List[int]) -> List[bool]:
+        pages = [host_pool.get_data_page(o, flat=True).contiguous().view(torch.uint8) for o in offsets]
+        pool, inc = self._view()
+        try:
+            batch = self._client.alloc(lid, [kvd_key(k) for k in keys])
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: alloc failed: %s", e)
+            return [False] * len(keys)
+        try:
+            if self._client.incarnation != inc:
+                batch.abort()
+                return [False] * len(keys)
+            ok = []
+            for page, state, off in zip(pages, batch.status, batch.offsets):
+                if state == "new" and off is not None:
+                    pool[off : off + nbytes].copy_(page)
+                ok.append(state in ("new", "exists"))
+            batch.commit()
+            return ok
+        except BaseException:
+            batch.abort()
+            raise
+
+    def _pool_load(self, lid: int, nbytes: int, dtype: torch.dtype, keys: List[str], host_pool, offsets: List[int]) -> List[bool]:
+        pool, inc = self._view()
+        try:
+            pin = self._client.get(lid, [kvd_key(k) for k in keys])
+        except kvd.KvdError as e:
+            logger.warning("kvd HiCache backend: get failed: %s", e)
+            return [False] * len(keys)
+        try:
+            if self._client.incarnation != inc:
+                return [False] * len(keys)
+            ok = []
+            for o, off in zip(offsets, pin.offsets):
+                if off is not None:
+                    host_pool.set_from_flat_data_page(o, pool[off : off + nbytes].clone().view(dtype))
+                ok.append(off is not None)
+            return ok
+        finally:
+            pin.release()
+
+    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return self._pool_io(transfers, store=False)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return self._pool_io(transfers, store=True)
 
     def clear(self) -> None:
         return None  # content-addressed pages are never stale; kvd evicts by LRU
