@@ -535,6 +535,53 @@ def _():
     assert s._geo.shards(2, 0) == [(0, 0, 0, 1), (1, 0, 1, 1)] and s._geo.shards(4, 0) is None
 
 
+@check("pipeline parallelism (dense): each stage stores its own layers under its own layout; a hit needs every stage's blocks; P/D between engines of the same PP size, and a PP mismatch is a miss")
+def _():
+    toks = prompt(71)
+    a = ve.PPEngine(P, 2)
+    lays = [a.sconn._geo.layout(i) for i in range(2)]
+    assert [l["model"].rsplit("#", 1)[1] for l in lays] == ["pp0/2", "pp1/2"] and [l["num_layers"] for l in lays] == [1, 1], lays
+    r = rid("pp")
+    a.add(r, toks)
+    a.run(finished(a, r))
+    a.close()
+    b = ve.PPEngine(P, 2)
+    r2 = rid("pp-hit")
+    b.add(r2, toks)
+    assert first_schedule(b, r2) == (96, 4)
+    b.check_blocks(r2, toks, 6)
+    b.close()
+    # One stage's block gone: no stage hits past it.
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    c = ve.PPEngine(P, 2)
+    kvd.Client(P).delete(c.sconn._lids[1], keys[2:3])
+    r3 = rid("pp-short")
+    c.add(r3, toks)
+    assert first_schedule(c, r3) == (32, 68)
+    c.check_blocks(r3, toks, 2)
+    c.close()
+    # P/D between two PP-2 engines; a PP-1 decode engine cannot take a PP-2 handoff.
+    t2 = prompt(72)
+    p = ve.PPEngine(P, 2, role="kv_producer")
+    rp = rid("pp-prefill")
+    p.add(rp, t2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run(finished(p, rp))
+    params = json.loads(json.dumps(p.outputs[rp].kv_transfer_params))
+    assert params["kvd"]["pp"] == 2 and len(params["kvd"]["transfers"]) == 2, params
+    d = ve.PPEngine(D, 2, role="kv_consumer")
+    rd = rid("pp-decode")
+    d.add(rd, t2, max_tokens=2, kv_transfer_params=params)
+    assert first_schedule(d, rd) == (96, 4)
+    d.check_blocks(rd, t2, 6)
+    d.run(finished(d, rd))
+    one = ve.Engine(D, role="kv_consumer")
+    r1 = rid("pp-mismatch")
+    one.add(r1, t2, max_tokens=2, kv_transfer_params=params)
+    assert first_schedule(one, r1) == (0, 100)
+    for e in (p, d, one):
+        e.close()
+
+
 @check("P/D: malformed, tampered or mixed-up kv_transfer_params never load wrong KV: the decode engine prefills itself")
 def _():
     import base64

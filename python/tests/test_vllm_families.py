@@ -497,6 +497,13 @@ def _():
     big = FullAttentionSpec(block_size=2 * vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     swa = SlidingWindowSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=32)
     refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=big), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)], "block_size")
+    pp = ve.vllm_config(P)
+    pp.parallel_config.pipeline_parallel_size = 2
+    try:
+        KvdConnector(pp, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)]))
+        raise AssertionError("PP with a hybrid accepted")
+    except KvdConfigError as e:
+        assert "pipeline parallelism" in str(e), e
     # K and V of different sizes: described (content = K + V), not refused.
     odd = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, head_size_v=8, dtype=torch.float16)
     s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=odd)]))

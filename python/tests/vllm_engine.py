@@ -178,7 +178,8 @@ class Engine:
                 self.write(rid, toks, range(start, start + n), layer)
             if save_layers:
                 for w, kv in zip(workers, kvs):
-                    w.save_kv_layer(names[layer], kv[names[layer]], None)
+                    if names[layer] in kv:  # (a pipeline stage saves its own layers)
+                        w.save_kv_layer(names[layer], kv[names[layer]], None)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             start = starts[rid]
@@ -334,3 +335,68 @@ class TPEngine(Engine):
                     for r in range(self.tp):
                         got = self.block_of(r, ids[b], layer)[:, t, :]
                         assert torch.equal(got, want[r * h : (r + 1) * h]), f"rank {r} block {b} layer {layer} token {t} differs"
+
+
+class stage:
+    """vLLM's pipeline group answers stage ``s`` (a worker made inside is stage ``s``'s)."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def __enter__(self):
+        import types
+
+        import vllm.distributed.parallel_state as ps
+
+        self.real = ps.get_pp_group
+        ps.get_pp_group = lambda: types.SimpleNamespace(rank_in_group=self.s)
+
+    def __exit__(self, *exc):
+        import vllm.distributed.parallel_state as ps
+
+        ps.get_pp_group = self.real
+
+
+class PPEngine(Engine):
+    """An engine of ``pp`` pipeline stages (TP 1): one scheduler, one worker per stage
+    over its own layers (vLLM's partition, ``get_pp_indices``), each stage's KV cache
+    config naming only its layers as vLLM's does."""
+
+    def __init__(self, endpoint, pp, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, **extra):
+        from kvd.vllm_connector import KvdConnector
+        from vllm.distributed.utils import get_pp_indices
+
+        self.config = vllm_config(endpoint, role, None, **extra)
+        self.config.parallel_config.pipeline_parallel_size = pp
+        self.config.cache_config.kv_cache_layout = layout.name
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=DTYPE)
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        self.workers, self.kvs, self.kvccs = [], [], []
+        for s_ in range(pp):
+            a, e = get_pp_indices(LAYERS, s_, pp)
+            names = self.names[a:e]
+            page = spec.page_size_bytes
+            tensor = KVCacheTensor(size=page * num_blocks * len(names), layers=names, layer_stride=page * num_blocks, block_stride=page)
+            kvcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+            kv = allocate_kv_cache(kvcc, torch.device("cpu"), layout, [BLOCK])
+            with stage(s_):
+                w = KvdConnector(self.config, KVConnectorRole.WORKER, kvcc)
+                w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+            self.kvccs.append(kvcc)
+        self.worker, self.kv, self.kvcc = self.workers[0], self.kvs[0], self.kvccs[0]
+        # vLLM's scheduler gets one worker's config (they differ only in layer names).
+        self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK)
+        self.sconn = self.scheduler.connector
+        self.outputs = {}
+        self.computed_by_forward = {}
+
+    def layer_names(self):
+        return self.names
+
+    def block(self, block_id, layer):
+        name = self.names[layer]
+        return next(kv for kv in self.kvs if name in kv)[name][block_id]
+

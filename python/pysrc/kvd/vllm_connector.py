@@ -86,7 +86,9 @@ What it refuses (with the reason, at start)
 Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with speculative
 state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
 non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
-no name for, pipeline and decode-context parallelism. Requests with prompt embeddings are
+no name for, decode-context parallelism, pipeline parallelism of a grouped layout (a
+dense model's stages each keep their layers under their own layout, and a hit needs every
+stage's blocks). Requests with prompt embeddings are
 neither loaded nor saved. Prefill and decode must use the same block size. Between TP
 sizes: the classic layout reslices heads (each decode rank loads its heads from the
 prefill shards that hold them; not where TP exceeds the KV heads), an all-MLA model
@@ -352,11 +354,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             reslice = (
                 src_tp != self._geo.num_layouts
                 and not self._geo.grouped
+                and self._geo.pp_size == 1
                 and all(self._geo.shards(src_tp, r) for r in range(self._geo.tp_size))
             )
             ok = (
                 int(remote.get("v", 0)) == PARAMS_VERSION
                 and int(remote["block_size"]) == b
+                and int(remote.get("pp", 1)) == getattr(self._geo, "pp_size", 1)
                 and (src_tp == self._geo.num_layouts or reslice)
                 and [int(t["rank"]) for t in transfers] == list(range(src_tp))
                 and len(state_transfers) == len(self._slids)
@@ -617,6 +621,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 "model": self._geo.model_id,
                 "blocks": blocks,
                 "block_size": self._geo.block_size,
+                "pp": getattr(self._geo, "pp_size", 1),
                 "node": node.get("node"),
                 "transfers": transfers,
                 **extra,
@@ -641,10 +646,20 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._step: Optional[_Step] = None
         self._waits_seen = False  # the model runner calls wait_for_layer_load
         self._rank = 0
+        self._stage = 0
         if self._geo is not None and self._geo.tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._rank = get_tensor_model_parallel_rank()
+        if self._geo is not None and getattr(self._geo, "pp_size", 1) > 1:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            self._stage = get_pp_group().rank_in_group
+
+    @property
+    def _layout_index(self) -> int:
+        """This worker's layout among the scheduler's: ``stage * tp_size + rank``."""
+        return self._stage * self._geo.tp_size + self._rank
 
     @property
     def _saves_here(self) -> bool:
@@ -671,6 +686,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         missing = [n for n in g.layer_names if n not in kv_caches]
         if missing:
             raise KvdConfigError(f"kvd connector: no KV cache tensor for layers {missing[:4]}")
+        if g.pp_size > 1 and len(g.layer_names) != g.stage_layers[self._stage]:
+            raise KvdConfigError(
+                f"kvd connector: pipeline stage {self._stage} holds {len(g.layer_names)} layers, vLLM's partition says {g.stage_layers[self._stage]}"
+            )
         layers = [kv_caches[n] for n in g.layer_names]
         t0 = layers[0]
         for name, t in zip(g.layer_names, layers):
@@ -699,7 +718,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _connect_worker(self) -> None:
         c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s)
-        info = c.register_layout(self._geo.layout(self._rank))
+        info = c.register_layout(self._geo.layout(self._layout_index))
         if info["block_bytes"] != self._geo.block_bytes:
             raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
         self._lid = info["layout_id"]
@@ -1179,7 +1198,7 @@ class _Mover(threading.Thread):
         if p.src_tp:
             return self._move_resliced(p, deadline)
         # A layout kept once per node has one transfer for every rank.
-        tid = p.transfer_ids[conn._rank if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
+        tid = p.transfer_ids[conn._layout_index if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
         stid = p.state_transfer_ids[conn._rank if len(p.state_transfer_ids) > 1 else 0] if p.state_transfer_ids else None
         for t in (tid, stid):
             if t is not None and not self._landed(p, t, deadline):

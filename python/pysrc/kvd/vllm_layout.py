@@ -46,13 +46,18 @@ class Geometry:
     block_size: int
     num_blocks: int
     tp_size: int
+    # Pipeline parallelism: each stage's blocks hold its own layers, under its own layout
+    # (``stage_layers``: layers per stage, as vLLM partitions them).
+    pp_size: int = 1
+    stage_layers: tuple[int, ...] = ()
 
     grouped = False
 
     @property
     def num_layouts(self) -> int:
-        """Layouts the scheduler asks about: one per TP rank."""
-        return self.tp_size
+        """Layouts the scheduler asks about: one per pipeline stage and TP rank, index
+        ``stage * tp_size + rank``."""
+        return self.pp_size * self.tp_size
 
     @property
     def dtype_name(self) -> str:
@@ -62,15 +67,20 @@ class Geometry:
     def block_bytes(self) -> int:
         return len(self.layer_names) * 2 * self.heads * self.block_size * self.head_size * _DTYPES[self.dtype][1]
 
-    def layout(self, rank: int) -> dict[str, Any]:
-        return self.layout_for(self.tp_size, rank)
+    def layout(self, index: int) -> dict[str, Any]:
+        """Layout ``index`` (``stage * tp_size + rank``; the TP rank without PP)."""
+        stage, rank = divmod(index, self.tp_size)
+        return self.layout_for(self.tp_size, rank, stage)
 
-    def layout_for(self, tp_size: int, rank: int) -> dict[str, Any]:
-        """The layout of rank ``rank`` of an engine of this model at TP ``tp_size`` (a
-        prefill engine of another TP size, whose shards a handoff reslices)."""
+    def layout_for(self, tp_size: int, rank: int, stage: int = 0) -> dict[str, Any]:
+        """The layout of rank ``rank`` (of pipeline stage ``stage``) of an engine of this
+        model at TP ``tp_size`` (a prefill engine of another TP size, whose shards a
+        handoff reslices). A stage's layout names the stage in its model and holds the
+        stage's layers."""
+        pp = self.pp_size > 1
         return {
-            "model": self.model_id,
-            "num_layers": len(self.layer_names),
+            "model": f"{self.model_id}#pp{stage}/{self.pp_size}" if pp else self.model_id,
+            "num_layers": self.stage_layers[stage] if pp else len(self.layer_names),
             "kv_parts": 2,
             "num_kv_heads": self.total_heads,
             "head_dim": self.head_size,
@@ -137,8 +147,7 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
     Raises :class:`KvdConfigError`, naming the field, for caches kvd cannot describe.
     """
     par = vllm_config.parallel_config
-    if getattr(par, "pipeline_parallel_size", 1) > 1:
-        raise KvdConfigError("kvd connector: pipeline parallelism is not supported (each stage holds other layers; kvd's blocks hold all of them)")
+    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
     if getattr(par, "decode_context_parallel_size", 1) > 1:
         raise KvdConfigError("kvd connector: decode context parallelism is not supported (blocks are sharded by token across ranks)")
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -146,9 +155,19 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
     model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
     groups = list(kv_cache_config.kv_cache_groups)
     if not _classic(groups, vllm_config):
+        if pp > 1:
+            raise KvdConfigError(
+                "kvd connector: pipeline parallelism is supported for dense models only (a hybrid's groups per stage are not known to the scheduler)"
+            )
         from kvd.vllm_groups import grouped_geometry
 
         return grouped_geometry(vllm_config, kv_cache_config, model_id)
+    stage_layers: tuple[int, ...] = ()
+    if pp > 1:
+        from vllm.distributed.utils import get_pp_indices
+
+        n = int(mc.hf_config.num_hidden_layers)
+        stage_layers = tuple(e - a for a, e in (get_pp_indices(n, s, pp) for s in range(pp)))
     spec = groups[0].kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)
     first = list(inner.values())[0] if inner else spec
@@ -162,6 +181,8 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
         block_size=first.block_size,
         num_blocks=kv_cache_config.num_blocks,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        pp_size=pp,
+        stage_layers=stage_layers,
     )
 
 
