@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 import vllm_engine as ve  # noqa: E402
 import vllm_families as vf  # noqa: E402
-from kvd.vllm_connector import Load  # noqa: E402
+from kvd.vllm_meta import Load  # noqa: E402
 
 H, D = 8, 128
 STAGED = False

@@ -1,0 +1,46 @@
+"""What the vLLM connector's scheduler side tells its workers each step (pickled by vLLM
+into the step's metadata): loads, saves, handoffs and recurrent state snapshots. See
+:mod:`kvd.vllm_connector`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+# Transfer states after which a transfer moves nothing more.
+FINAL = {"done", "failed", "aborted", "expired"}
+
+
+@dataclass
+class Load:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[Any]  # per position: a block id (classic) or one per group (grouped)
+
+
+@dataclass
+class Pull:
+    req_id: str
+    transfer_ids: list[str]  # per TP rank
+    keys: list[bytes]  # this engine's keys of the blocks to load
+    block_ids: list[Any]  # as in Load
+    failed: Optional[str] = None  # the pull could not even start
+    # A model with recurrent state: the snapshot at the hit's boundary (its key and the
+    # state groups' block ids there), and its transfers per state layout in a handoff.
+    state: Optional[tuple[bytes, tuple[int, ...]]] = None
+    state_transfer_ids: list[str] = field(default_factory=list)
+    # A prefill engine of another TP size (classic layout): its TP size; each rank loads
+    # its heads from the shards that hold them.
+    src_tp: int = 0
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Load] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+    # Recurrent state snapshots this step's forward leaves at a block boundary (one key,
+    # the state groups' block ids there), saved once the forward is done.
+    state_saves: list[Load] = field(default_factory=list)
