@@ -582,6 +582,65 @@ def _():
         e.close()
 
 
+@check("multimodal prompts in vLLM's scheduler: the same image hits and loads its KV byte for byte; another image in the same place hits only the text before it; negative control: keys of the tokens alone would load the other image's KV")
+def _():
+    import kvd.vllm_connector as vc
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def item(ident):
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=40, length=30))]
+
+    def at(ident):
+        return lambda pos: [ident] if pos >= 40 else []
+
+    toks = prompt(81)
+    img_a, img_b = f"img-A-{RUN}", f"img-B-{RUN}"
+    a = ve.MMEngine(P)
+    r = rid("mm")
+    a.add(r, toks, mm_features=item(img_a))
+    a.run(finished(a, r))
+    a.close()
+    b = ve.MMEngine(P)
+    r2 = rid("mm-same")
+    b.add(r2, toks, mm_features=item(img_a))
+    assert first_schedule(b, r2) == (96, 4)
+    b.check_blocks_mm(r2, toks, 6, at(img_a))
+    b.close()
+    c = ve.MMEngine(P)
+    r3 = rid("mm-other")
+    c.add(r3, toks, mm_features=item(img_b))
+    assert first_schedule(c, r3) == (32, 68), "only the blocks before the image"
+    prefilled(c, r3, 100)
+    c.check_blocks_mm(r3, toks, 6, at(img_b))
+    c.close()
+    # Negative control: a connector that keys multimodal prompts by their tokens alone.
+    real = vc.request_keys
+
+    def tokens_only(request, block_size):
+        return kvd.chunk_hashes(list(request.prompt_token_ids), block_size, b"")
+
+    vc.request_keys = tokens_only
+    try:
+        toks2 = prompt(82)
+        a = ve.MMEngine(P)
+        r = rid("mm-neg")
+        a.add(r, toks2, mm_features=item(img_a))
+        a.run(finished(a, r))
+        a.close()
+        d = ve.MMEngine(P)
+        r4 = rid("mm-neg-other")
+        d.add(r4, toks2, mm_features=item(img_b))
+        assert first_schedule(d, r4) == (96, 4), "keyed by tokens, the other image's blocks hit"
+        try:
+            d.check_blocks_mm(r4, toks2, 6, at(img_b))
+            raise RuntimeError("another image's KV went unnoticed")
+        except AssertionError as e:
+            assert "differs" in str(e), e
+        d.close()
+    finally:
+        vc.request_keys = real
+
+
 @check("P/D: malformed, tampered or mixed-up kv_transfer_params never load wrong KV: the decode engine prefills itself")
 def _():
     import base64

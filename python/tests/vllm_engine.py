@@ -400,3 +400,47 @@ class PPEngine(Engine):
         name = self.names[layer]
         return next(kv for kv in self.kvs if name in kv)[name][block_id]
 
+
+class MMEngine(Engine):
+    """An engine serving multimodal prompts (the connector's keys for them): vLLM's
+    scheduler given an encoder budget, as a vision-language model's config gives it, and
+    a forward whose KV at a position depends on the items placed at or before it (an
+    image's embeddings change every later position's KV, as in a real model)."""
+
+    def __init__(self, endpoint, **extra):
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        super().__init__(endpoint, **extra)
+        self.scheduler.max_num_encoder_input_tokens = 4096
+        self.scheduler.encoder_cache_manager = EncoderCacheManager.create_manager(cache_size=4096, vllm_config=self.config)
+
+    def _items(self, rid, pos):
+        req = self.scheduler.requests[rid]
+        return [f.identifier for f in (req.mm_features or []) if f.mm_position.offset <= pos]
+
+    def write(self, rid, toks, positions, layer):
+        ids = self.block_ids(rid)
+        for pos in positions:
+            self.block(ids[pos // BLOCK], layer)[:, pos % BLOCK, :] = expected_kv_mm(toks, pos, layer, self._items(rid, pos))
+
+    def check_blocks_mm(self, rid, tokens, nblocks, items_at):
+        """As :meth:`check_blocks`, the KV of each position a function of its items too
+        (``items_at(pos)``: the identifiers placed at or before ``pos``)."""
+        ids = self.block_ids(rid)
+        for b in range(nblocks):
+            for layer in range(LAYERS):
+                got = self.block(ids[b], layer)
+                for t in range(BLOCK):
+                    pos = b * BLOCK + t
+                    assert torch.equal(got[:, t, :], expected_kv_mm(tokens, pos, layer, items_at(pos))), f"block {b} layer {layer} token {t} differs"
+
+
+def expected_kv_mm(tokens, pos, layer, items):
+    """:func:`expected_kv` of a prompt whose items ``items`` (identifiers) sit at or before
+    ``pos``: without items it is exactly :func:`expected_kv`."""
+    if not items:
+        return expected_kv(tokens, pos, layer)
+    h = hashlib.blake2b(bytes(str(tokens[: pos + 1]) + "|" + "|".join(items), "utf-8") + bytes([layer]), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(h, "little") % (2**31))
+    return (torch.rand((KV_HEADS, 2 * HEAD), generator=g) * 4 - 2).to(DTYPE)
+
