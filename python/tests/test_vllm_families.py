@@ -353,15 +353,15 @@ def _():
     b.close()
 
 
-def handoff(family, mode="pull", prefill_tp=1, decode_tp=1):
-    toks = prompt(900 + len(family) + prefill_tp * 10 + len(mode))
-    p = vf.FamilyEngine(P, family, role="kv_producer", tp_size=prefill_tp)
+def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False):
+    toks = prompt(900 + len(family) + prefill_tp * 10 + decode_tp * 3 + len(mode) + 50 * ranks)
+    p = vf.FamilyEngine(P, family, role="kv_producer", tp_size=prefill_tp, ranks=ranks)
     r = rid("prefill")
     p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     p.run(finished(p, r))
     params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
     assert params and params["kvd"]["blocks"] == 6, params
-    d = vf.FamilyEngine(D, family, role="kv_consumer", mode=mode, tp_size=decode_tp)
+    d = vf.FamilyEngine(D, family, role="kv_consumer", mode=mode, tp_size=decode_tp, ranks=ranks)
     r2 = rid("decode")
     d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
     d.step()
@@ -388,6 +388,30 @@ def _():
         assert max(kept) == 6, (family, kept)
     params, kept = handoff("gpt-oss", "push")
     assert kept[1] == 6 and 0 < kept[0] < 6, kept
+
+
+@check("P/D: gpt-oss between TP sizes (a worker per rank): TP 2 to 1 and 1 to 2, by pull and push, every group's heads resliced byte for byte on every rank")
+def _():
+    for ptp, dtp, mode in ((2, 1, "pull"), (1, 2, "pull"), (2, 1, "push")):
+        params, kept = handoff("gpt-oss", mode, prefill_tp=ptp, decode_tp=dtp, ranks=True)
+        assert len(params["kvd"]["transfers"]) == ptp, params
+        assert kept[1] == 6 and 0 < kept[0] < 6, kept
+    # Negative control: heads landing on the wrong decode heads are caught.
+    from kvd.vllm_groups import GroupedGeometry
+
+    real = GroupedGeometry.shards
+    GroupedGeometry.shards = lambda self, src_tp, rank: [(s_, s0, self.total_heads // self.tp_size - d0 - n, n) for s_, s0, d0, n in real(self, src_tp, rank) or []] or None
+    try:
+        handoff("gpt-oss", "pull", prefill_tp=2, decode_tp=1, ranks=True)
+        raise RuntimeError("swapped heads went unnoticed")
+    except AssertionError as e:
+        assert "differs" in str(e), e
+    finally:
+        GroupedGeometry.shards = real
+    # Recurrent state and packed head slots do not reslice: another TP size is a miss.
+    e = vf.FamilyEngine(P, "qwen3-next")
+    assert e.worker._geo.shards(2, 0) is None
+    e.close()
 
 
 @check("P/D: Qwen3-Next (GDN + full attention) handed off by pull and by push: the KV of every position and the state at the boundary, byte-exact")

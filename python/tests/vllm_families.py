@@ -127,9 +127,12 @@ def state_spec(hf, dtype):
     )
 
 
-def specs(family, dtype=torch.float16):
-    """The per-layer KV cache specs vLLM's attention layers make for ``family``."""
-    hf = FAMILIES[family]
+def specs(family, dtype=torch.float16, tp=1):
+    """The per-layer KV cache specs vLLM's attention layers make for ``family`` on one of
+    ``tp`` tensor-parallel ranks (KV heads split between them)."""
+    hf = dict(FAMILIES[family])
+    if "num_key_value_heads" in hf:
+        hf["num_key_value_heads"] //= tp
     out = {}
     for i in range(hf["num_hidden_layers"]):
         kind = hf.get("layer_types", ["full_attention"] * 99)[i]
@@ -154,7 +157,7 @@ def specs(family, dtype=torch.float16):
     return out
 
 
-def configure(config, family, num_blocks, layout=KVCacheLayout.LBNHC):
+def configure(config, family, num_blocks, layout=KVCacheLayout.LBNHC, tp=1):
     """vLLM's own KV cache config for ``family`` on ``config`` (a :func:`ve.vllm_config`)."""
     hf = FAMILIES[family]
     if hf.get("kv_cache_dtype"):
@@ -166,7 +169,7 @@ def configure(config, family, num_blocks, layout=KVCacheLayout.LBNHC):
         config.cache_config.mamba_cache_mode = "align"
         config.cache_config.mamba_block_size = BLOCK
     config.cache_config.kv_cache_layout = layout.name
-    layer_specs = specs(family)
+    layer_specs = specs(family, tp=tp)
     groups = get_global_kv_cache_groups(config, [layer_specs])
     per_block = sum(s.page_size_bytes for s in layer_specs.values())
     kvcc = get_kv_cache_configs(config, [layer_specs], [per_block * num_blocks], groups)[0]
@@ -197,7 +200,9 @@ def expected_state(tokens, layer, nbytes):
 class FamilyEngine(ve.Engine):
     """An engine of one family: scheduler + one worker on CPU KV tensors."""
 
-    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, model=None, **extra):
+    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, model=None, ranks=False, **extra):
+        """``ranks``: run a worker for every one of ``tp_size`` ranks, each over its KV
+        heads (else rank 0's worker only, over all of them)."""
         from kvd.vllm_connector import KvdConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -207,12 +212,19 @@ class FamilyEngine(ve.Engine):
         extra.setdefault("model_id", f"kvd-test/tiny-{family}")
         self.config = ve.vllm_config(endpoint, role, model, **extra)
         self.config.parallel_config.tensor_parallel_size = tp_size
-        self.kvcc, sched = configure(self.config, family, num_blocks)
+        self.split = tp_size if ranks and "num_key_value_heads" in FAMILIES[family] else 1
+        self.kvcc, sched = configure(self.config, family, num_blocks, tp=self.split)
         layout = KVCacheLayout[self.kvcc.kv_cache_layout]
-        self.kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK] * len(self.kvcc.kv_cache_groups))
         self.group_of = {n: gi for gi, g in enumerate(self.kvcc.kv_cache_groups) for n in g.layer_names}
-        self.worker = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
-        self.worker.register_kv_caches(self.kv)
+        self.workers, self.kvs = [], []
+        for r in range(tp_size if ranks else 1):
+            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK] * len(self.kvcc.kv_cache_groups))
+            with ve.rank(r):
+                w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
+                w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
         self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=BLOCK)
         self.sconn = self.scheduler.connector
         self.outputs = {}
@@ -235,9 +247,9 @@ class FamilyEngine(ve.Engine):
     def group_ids(self, rid):
         return [list(x) for x in self.scheduler.kv_cache_manager.get_block_ids(rid)]
 
-    def _token_view(self, block_id, layer, pos):
+    def _token_view(self, block_id, layer, pos, rank=0):
         """The layer's cache of position ``pos`` inside block ``block_id``: [heads, content]."""
-        t = self.kv[layer_name(layer)]
+        t = self.kvs[rank][layer_name(layer)]
         r = t.shape[0] // self.kvcc.num_blocks
         kb = t.shape[2]
         return t[block_id * r + (pos % BLOCK) // kb][:, (pos % BLOCK) % kb, :]
@@ -269,8 +281,14 @@ class FamilyEngine(ve.Engine):
         for pos in positions:
             b = ids[pos // BLOCK]
             assert b != 0, f"the forward computes position {pos} of layer {layer} into the null block"
-            v = self._token_view(b, layer, pos)
-            v.copy_(expected(toks, pos, layer, tuple(v.shape), v.dtype))
+            for r in range(len(self.kvs)):
+                v = self._token_view(b, layer, pos, r)
+                v.copy_(self._want(toks, pos, layer, v, r))
+
+    def _want(self, toks, pos, layer, v, rank):
+        """Rank ``rank``'s heads of the value the whole model's layer writes at ``pos``."""
+        h = v.shape[0]
+        return expected(toks, pos, layer, (h * self.split,) + tuple(v.shape[1:]), v.dtype)[rank * h : (rank + 1) * h] if self.split > 1 else expected(toks, pos, layer, tuple(v.shape), v.dtype)
 
     def check_state(self, rid, tokens, nblocks):
         """The state groups' block at the hit's boundary holds the state after exactly
@@ -300,7 +318,7 @@ class FamilyEngine(ve.Engine):
                     kept[gi] += 1
                 for t in range(BLOCK):
                     pos = b * BLOCK + t
-                    got = self._token_view(bid, layer, pos)
-                    want = expected(tokens, pos, layer, tuple(got.shape), got.dtype)
-                    assert torch.equal(got, want), f"group {gi} layer {layer} block {b} token {t} differs"
+                    for r in range(len(self.kvs)):
+                        got = self._token_view(bid, layer, pos, r)
+                        assert torch.equal(got, self._want(tokens, pos, layer, got, r)), f"rank {r} group {gi} layer {layer} block {b} token {t} differs"
         return kept

@@ -98,10 +98,11 @@ no name for, decode-context parallelism, pipeline parallelism of a grouped layou
 dense model's stages each keep their layers under their own layout, and a hit needs every
 stage's blocks). Requests with prompt embeddings are
 neither loaded nor saved. Prefill and decode must use the same block size. Between TP
-sizes: the classic layout reslices heads (each decode rank loads its heads from the
-prefill shards that hold them; not where TP exceeds the KV heads), an all-MLA model
-needs nothing (one copy per node); other grouped layouts need the same TP size (a
-mismatch is a miss and a local prefill).
+sizes: attention heads are resliced (each decode rank loads its heads from the prefill
+shards that hold them, in the classic layout and in grouped ones of full, sliding or
+chunked attention; not where TP exceeds the KV heads or a backend packs head slots), an
+all-MLA model needs nothing (one copy per node); recurrent state needs the same TP size
+(a mismatch is a miss and a local prefill).
 """
 
 from __future__ import annotations
@@ -325,7 +326,6 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             # A prefill of another TP size: the classic layout's heads reslice here.
             reslice = (
                 src_tp != self._geo.num_layouts
-                and not self._geo.grouped
                 and self._geo.pp_size == 1
                 and all(self._geo.shards(src_tp, r) for r in range(self._geo.tp_size))
             )
@@ -941,6 +941,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
             good = min(next((i for i, o in enumerate(offs) if o is None), len(offs)) for offs in offsets)
+            if g.grouped:
+                self._gcopy.copy_resliced(pool, src_tp, shards, [offs[:good] for offs in offsets], block_ids[:good])
+                self._sync()
+                return good
             hs, d, r = g.total_heads // src_tp, g.head_size, self._ratio
             kb = g.block_size // r
             nbytes = len(g.layer_names) * 2 * hs * g.block_size * d * _elsize(g.dtype)

@@ -82,17 +82,18 @@ class GroupPlan:
     quant: str
     offset: int  # where the group's pieces start in a kvd block
     draft: str = ""  # the draft model's identity when the group holds draft layers
+    sliceable: bool = False  # heads are KV heads (not packed slots): a handoff may reslice them
 
     @property
     def layer_bytes(self) -> int:
         return self.heads * self.states * self.content * _DTYPES[self.dtype][1]
 
-    def describe(self, arrangement: str) -> dict[str, Any]:
+    def describe(self, arrangement: str, heads: Optional[int] = None) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "layers": len(self.layer_names),
             "dtype": _DTYPES[self.dtype][0],
-            "dims": [self.heads, self.states, self.content],
+            "dims": [self.heads if heads is None else heads, self.states, self.content],
             "arrangement": f"{arrangement} draft={self.draft}"[:256] if self.draft else arrangement,
             "window": self.window,
             "quant": self.quant,
@@ -113,6 +114,8 @@ class GroupedGeometry:
     # Recurrent state (Mamba/GDN groups): one snapshot per block boundary, its own layout.
     state_groups: tuple[GroupPlan, ...] = ()
     state_replicated: bool = False
+    total_heads: int = 0  # the model's KV heads (all ranks), for reslicing between TP sizes
+    pp_size: int = 1
 
     grouped = True
 
@@ -135,6 +138,27 @@ class GroupedGeometry:
 
     def layout(self, rank: int) -> dict[str, Any]:
         return self._layout(self.groups, self.replicated, rank)
+
+    def layout_for(self, tp_size: int, rank: int) -> dict[str, Any]:
+        """The layout of rank ``rank`` of an engine of this model at TP ``tp_size`` (a
+        prefill of another TP size): each group's heads are the model's over ``tp_size``."""
+        lay = self._layout(self.groups, False, rank)
+        lay["tp_size"] = tp_size
+        lay["groups"] = [g.describe(self.arrangement, self.total_heads // tp_size) for g in self.groups]
+        return lay
+
+    def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
+        """As :meth:`kvd.vllm_layout.Geometry.shards`: where this rank's heads come from
+        in a TP-``src_tp`` engine's blocks, or None where they cannot be resliced (MLA,
+        recurrent state, packed head slots, heads replicated across ranks)."""
+        h, tp = self.total_heads, self.tp_size
+        if self.replicated or self.state_groups or not all(g.sliceable for g in self.groups):
+            return None
+        if src_tp <= 0 or h <= 0 or h % src_tp or h % tp or src_tp > h or tp > h or any(g.heads * tp != h for g in self.groups):
+            return None
+        hs, hd = h // src_tp, h // tp
+        a, b = rank * hd, (rank + 1) * hd
+        return [(s, max(a, s * hs) - s * hs, max(a, s * hs) - a, min(b, (s + 1) * hs) - max(a, s * hs)) for s in range(src_tp) if max(a, s * hs) < min(b, (s + 1) * hs)]
 
     def state_layout(self, rank: int) -> dict[str, Any]:
         """The layout of the recurrent state snapshots (one object per block boundary
@@ -309,6 +333,7 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             window=window,
             quant=_quant(first, vllm_config),
             offset=offset,
+            sliceable=kind != "mla" and first.num_head_slots is None and first.state_content_bytes is None,
         )
         plans.append(plan)
         offset += plan.layer_bytes * len(plan.layer_names)
@@ -331,6 +356,7 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         arrangement=arrangement[:256],
         state_groups=tuple(states),
         state_replicated=bool(replicated_states and replicated_states[0]),
+        total_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
     )
 
 
@@ -487,6 +513,30 @@ class GroupedCopier:
                 raise KvdConfigError("kvd connector: a save of a position a group does not hold")
             cache, slot = self._pair(pool, off, li, b)
             slot.copy_(cache, non_blocking=True)
+
+    def copy_resliced(self, pool: torch.Tensor, src_tp: int, shards: list[tuple[int, int, int, int]], offsets: list[list[int]], ids: list[tuple[int, ...]]) -> None:
+        """Blocks of a TP-``src_tp`` engine's layouts (``offsets[j]``: the slots of shard
+        ``shards[j]``) into this rank's heads of positions ``ids``, one copy per piece;
+        the null block skipped."""
+        es_of = {p.index: _DTYPES[p.dtype][1] for p in self.plans}
+        hs = self.geo.total_heads // src_tp
+        # Where each layer's piece sits in a source block (its groups' heads are hs).
+        src_off, at = [], 0
+        for p in self.plans:
+            for _ in p.layer_names:
+                src_off.append(at)
+                at += hs * p.states * p.content * es_of[p.index]
+        for (s, s0, d0, n), offs in zip(shards, offsets):
+            for off, bids in zip(offs, ids):
+                for li, (plan, t, _, r) in enumerate(self.layers):
+                    b = bids[self.plans.index(plan)]
+                    if b == NULL_BLOCK:
+                        continue
+                    es = es_of[plan.index]
+                    nb = hs * plan.states * plan.content * es
+                    slot = pool[off + src_off[li] : off + src_off[li] + nb].view(hs, r, plan.states // r, plan.content * es)
+                    cache = t[b * r : (b + 1) * r].view(torch.uint8).permute(1, 0, 2, 3)
+                    cache[d0 : d0 + n].copy_(slot[s0 : s0 + n], non_blocking=True)
 
     def copy_in(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]]) -> None:
         for li in range(len(self.layers)):
