@@ -345,6 +345,8 @@ fn off_when_asked() {
 fn a_failed_connect_falls_back_to_zmq_and_is_retried_later() {
     let d = Daemon::start(&[]);
     let path = stream_path(&d);
+    // The daemon binds the stream socket beside its ZMQ endpoint, not before it answers.
+    eventually(10, "the stream socket is bound", || path.exists());
     let away = path.with_extension("away");
     std::fs::rename(&path, &away).unwrap();
     let c = d.client();

@@ -30,7 +30,11 @@ skipped), so a handoff moves the whole prefix but the engine reads only its wind
 
 MLA: the latent is the same on every TP rank, so a model whose groups are all MLA keeps
 one copy per node (``tp_size = 1`` in the layout; only rank 0 saves it, every rank loads
-it) and hands off between prefill and decode engines of different TP sizes.
+it) and hands off between prefill and decode engines of different TP sizes. Attention
+groups whose heads are KV heads (full, sliding, chunked; not a backend's packed head
+slots) hand off between TP sizes by reslicing: each decode rank copies its heads out of
+the prefill shards that hold them (:meth:`GroupedGeometry.shards`,
+:meth:`GroupedCopier.copy_resliced`).
 
 Recurrent state (Mamba2, GDN, ... groups) is not per token: a layer keeps one state, valid
 after exactly some number of tokens. vLLM's ``align`` mode (prefix caching on) keeps it at
