@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kvd.vllm_layout import _DTYPES, KvdConfigError
+from kvd.vllm_layout import _DTYPES, KvdConfigError, head_shards
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -155,14 +155,9 @@ class GroupedGeometry:
         """As :meth:`kvd.vllm_layout.Geometry.shards`: where this rank's heads come from
         in a TP-``src_tp`` engine's blocks, or None where they cannot be resliced (MLA,
         recurrent state, packed head slots, heads replicated across ranks)."""
-        h, tp = self.total_heads, self.tp_size
-        if self.replicated or self.state_groups or not all(g.sliceable for g in self.groups):
+        if self.replicated or self.state_groups or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
             return None
-        if src_tp <= 0 or h <= 0 or h % src_tp or h % tp or src_tp > h or tp > h or any(g.heads * tp != h for g in self.groups):
-            return None
-        hs, hd = h // src_tp, h // tp
-        a, b = rank * hd, (rank + 1) * hd
-        return [(s, max(a, s * hs) - s * hs, max(a, s * hs) - a, min(b, (s + 1) * hs) - max(a, s * hs)) for s in range(src_tp) if max(a, s * hs) < min(b, (s + 1) * hs)]
+        return head_shards(self.total_heads, src_tp, self.tp_size, rank)
 
     def state_layout(self, rank: int) -> dict[str, Any]:
         """The layout of the recurrent state snapshots (one object per block boundary

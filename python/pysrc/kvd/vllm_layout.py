@@ -93,20 +93,25 @@ class Geometry:
 
     def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
         """Where rank ``rank``'s heads come from when an engine of TP ``src_tp`` wrote
-        them: ``(shard, first head in the shard, first head here, heads)`` per source
-        shard, or None when heads are replicated on either side (TP above the KV heads)
-        and cannot be resliced."""
-        h = self.total_heads
-        if src_tp <= 0 or h % src_tp or h % self.tp_size or src_tp > h or self.tp_size > h:
-            return None
-        hs, hd = h // src_tp, h // self.tp_size
-        a, b = rank * hd, (rank + 1) * hd
-        out = []
-        for s in range(src_tp):
-            lo, hi = max(a, s * hs), min(b, (s + 1) * hs)
-            if lo < hi:
-                out.append((s, lo - s * hs, lo - a, hi - lo))
-        return out
+        them (:func:`head_shards`)."""
+        return head_shards(self.total_heads, src_tp, self.tp_size, rank)
+
+
+def head_shards(heads: int, src_tp: int, tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
+    """Rank ``rank`` of ``tp`` holds KV heads ``rank*heads/tp ..``; an engine of TP
+    ``src_tp`` wrote them in its shards: ``(shard, first head in the shard, first head
+    here, heads)`` per shard that holds some, or None when either side replicates heads
+    (TP above the KV heads) or does not split them evenly."""
+    if src_tp <= 0 or tp <= 0 or heads <= 0 or heads % src_tp or heads % tp or src_tp > heads or tp > heads:
+        return None
+    hs, hd = heads // src_tp, heads // tp
+    a, b = rank * hd, (rank + 1) * hd
+    out = []
+    for s in range(src_tp):
+        lo, hi = max(a, s * hs), min(b, (s + 1) * hs)
+        if lo < hi:
+            out.append((s, lo - s * hs, lo - a, hi - lo))
+    return out
 
 
 def _classic(groups: list, vllm_config: "VllmConfig") -> bool:
