@@ -277,7 +277,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return n
         c = self._sched_client()
         for k in range(n, max(0, n - self.STATE_PROBES), -1):
-            if all(int(c.lookup(sl, [keys[k - 1]])["prefix"]) == 1 for sl in self._slids):
+            # Probed without prefetch; the boundary chosen is then looked up (its state
+            # starts coming into DRAM from NVMe, as the KV's did).
+            if all(int(c.probe(sl, [keys[k - 1]])["prefix"]) == 1 for sl in self._slids):
+                for sl in self._slids:
+                    c.lookup(sl, [keys[k - 1]])
                 return k
         return 0
 
