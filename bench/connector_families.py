@@ -17,7 +17,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 import vllm_engine as ve  # noqa: E402
+from checks import start_daemon  # noqa: E402
 import vllm_families as vf  # noqa: E402
 from kvd.vllm_meta import Load  # noqa: E402
 
@@ -59,20 +59,6 @@ BENCH = {
 }
 
 
-def daemon(binary, d):
-    proc = subprocess.Popen(
-        [binary, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool", "--pool-size", "1GiB",
-         "--metrics-addr", "127.0.0.1:0", "--log-level", "warn", "--no-transfers", "--keep-pool", "false"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    for _ in range(200):
-        if os.path.exists(f"{d}/kvd.sock"):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("the daemon did not start")
-
-
 def model_dir(d):
     """A Llama config.json of these shapes (the classic layout reads the model's KV heads)."""
     m = os.path.join(d, "model")
@@ -86,12 +72,7 @@ def model_dir(d):
 def measure(endpoint, family, blocks, rounds, model):
     e = vf.FamilyEngine(endpoint, family, num_blocks=2 * blocks + 8, model=model)
     w = e.worker
-    g = torch.Generator().manual_seed(1)
-    for t in e.kv.values():
-        if t.dtype in (torch.int8, torch.uint8):
-            t.copy_(torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8).view(t.dtype))
-        else:
-            t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+    e.fill_random(1)
     geo = w._geo
     if STAGED and geo.grouped:
         w._gcopy.staged = True  # the CUDA path's copies, run on the CPU
@@ -138,7 +119,7 @@ def main():
     STAGED = a.staged
     vf.FAMILIES.update(BENCH)
     d = tempfile.mkdtemp(prefix="kvd-bench-families-", dir="/dev/shm")
-    proc = daemon(a.daemon, d)
+    proc = start_daemon(a.daemon, d, pool_size="1GiB")
     try:
         rows = {}
         for fam in BENCH:

@@ -9,6 +9,19 @@
 
 mod common;
 
+const HOW: &str =
+    "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`";
+
+/// Each daemon still answers, and no engine left a block pinned.
+fn still_serving_unpinned(daemons: &[&common::Daemon]) {
+    for d in daemons {
+        let st = kvd_client::Client::connect(&d.endpoint)
+            .and_then(|c| c.stats())
+            .expect("daemon still serving");
+        assert_eq!(st.pinned_blocks, 0, "pins left behind: {st:?}");
+    }
+}
+
 #[test]
 fn the_vllm_connector_in_vllms_own_scheduler() {
     let prefill = common::Daemon::start(&["--pool-size", "128MiB"]);
@@ -18,7 +31,7 @@ fn the_vllm_connector_in_vllms_own_scheduler() {
     common::python_checks(
         "test_vllm.py",
         "kvd, vllm, torch",
-        "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
+        HOW,
         &[
             prefill.endpoint.clone(),
             decode.endpoint.clone(),
@@ -28,20 +41,17 @@ fn the_vllm_connector_in_vllms_own_scheduler() {
         ],
     );
     // The survivors kept serving: nothing the engines did stopped them.
-    for d in [&prefill, &decode] {
-        let st = kvd_client::Client::connect(&d.endpoint)
-            .and_then(|c| c.stats())
-            .expect("daemon still serving");
-        assert_eq!(st.pinned_blocks, 0, "pins left behind: {st:?}");
-    }
+    still_serving_unpinned(&[&prefill, &decode]);
 }
 
 /// The model families that need grouped layouts (SPEC §3.1): gpt-oss, Gemma 3, DeepSeek-V3
-/// (MLA), a Llama with fp8 KV, in vLLM's own scheduler with its hybrid allocator and the
-/// KV cache configuration vLLM plans (python/tests/test_vllm_families.py): prefix hits
-/// byte-exact per group, sliding groups loading only their window, handoffs by pull and
-/// push and across TP sizes for MLA, the negative controls (a misaligned group is caught,
-/// a missing position shortens the hit, another layout misses) and the refusals.
+/// (MLA), Qwen3-Next and Jamba (recurrent state), Llamas with fp8 KV and with a draft
+/// layer, in vLLM's own scheduler with its hybrid allocator and the KV cache
+/// configuration vLLM plans (python/tests/test_vllm_families.py): prefix hits byte-exact
+/// per group, sliding groups loading only their window, recurrent layers continuing from
+/// the loaded state, handoffs by pull and push and across TP sizes, the negative controls
+/// (a misaligned group, a wrong-boundary state, swapped heads are caught; a missing
+/// position or state shortens the hit; another layout misses) and the refusals.
 #[test]
 fn the_vllm_connector_serves_hybrid_mla_and_fp8_models() {
     let prefill = common::Daemon::start(&["--pool-size", "128MiB"]);
@@ -49,17 +59,12 @@ fn the_vllm_connector_serves_hybrid_mla_and_fp8_models() {
     common::python_checks(
         "test_vllm_families.py",
         "kvd, vllm, torch",
-        "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
+        HOW,
         &[
             prefill.endpoint.clone(),
             decode.endpoint.clone(),
             common::kvd_bin().display().to_string(),
         ],
     );
-    for d in [&prefill, &decode] {
-        let st = kvd_client::Client::connect(&d.endpoint)
-            .and_then(|c| c.stats())
-            .expect("daemon still serving");
-        assert_eq!(st.pinned_blocks, 0, "pins left behind: {st:?}");
-    }
+    still_serving_unpinned(&[&prefill, &decode]);
 }

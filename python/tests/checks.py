@@ -49,14 +49,14 @@ def checkpoint(d, seed, config='{"model_type": "llama", "num_hidden_layers": 2}'
     return d
 
 
-def start_daemon(kvd_bin, d, keep=False):
-    """A kvd (no transfers, 64 MiB pool) on ``ipc://{d}/kvd.sock``; the caller kills it.
+def start_daemon(kvd_bin, d, keep=False, pool_size="64MiB"):
+    """A kvd (no transfers, a ``pool_size`` pool) on ``ipc://{d}/kvd.sock``; the caller kills it.
 
     ``keep``: keep the pool across restarts (a service's setting; the bare daemon's default
     is off); off here unless a check is about it, so that a restart check starts from an
     empty daemon. A check that kills the daemon removes ``d`` itself."""
     proc = subprocess.Popen([kvd_bin, "--endpoint", f"ipc://{d}/kvd.sock", "--pool-path", f"{d}/kvd.pool",
-                             "--pool-size", "64MiB", "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
+                             "--pool-size", pool_size, "--segment-size", "1MiB", "--metrics-addr", "127.0.0.1:0",
                              "--log-level", "warn", "--no-transfers", "--keep-pool", "true" if keep else "false"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):

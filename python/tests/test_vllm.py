@@ -593,13 +593,16 @@ def _():
     def at(ident):
         return lambda pos: [ident] if pos >= 40 else []
 
+    def saved(toks, ident):
+        a = ve.MMEngine(P)
+        r = rid("mm")
+        a.add(r, toks, mm_features=item(ident))
+        a.run(finished(a, r))
+        a.close()
+
     toks = prompt(81)
     img_a, img_b = f"img-A-{RUN}", f"img-B-{RUN}"
-    a = ve.MMEngine(P)
-    r = rid("mm")
-    a.add(r, toks, mm_features=item(img_a))
-    a.run(finished(a, r))
-    a.close()
+    saved(toks, img_a)
     b = ve.MMEngine(P)
     r2 = rid("mm-same")
     b.add(r2, toks, mm_features=item(img_a))
@@ -622,11 +625,7 @@ def _():
     vc.request_keys = tokens_only
     try:
         toks2 = prompt(82)
-        a = ve.MMEngine(P)
-        r = rid("mm-neg")
-        a.add(r, toks2, mm_features=item(img_a))
-        a.run(finished(a, r))
-        a.close()
+        saved(toks2, img_a)
         d = ve.MMEngine(P)
         r4 = rid("mm-neg-other")
         d.add(r4, toks2, mm_features=item(img_b))

@@ -60,17 +60,32 @@ def finished(e, r):
     return lambda so, out: r in e.outputs and e.outputs[r].finish_reason is not None
 
 
-def until_computed(e, r, n, steps=400):
-    """Steps until ``r`` computed ``n`` tokens; returns the failed_recving seen meanwhile."""
+def until_computed(e, r, n, within_s=60.0):
+    """Steps until ``r`` computed ``n`` tokens (an asynchronous load lands on the mover
+    thread meanwhile: bounded by time, not by a count of steps); returns the
+    failed_recving seen meanwhile."""
     failed = []
-    for _ in range(steps):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         req = e.scheduler.requests.get(r)
         if req is not None and req.num_computed_tokens >= n and r in e.computed_by_forward:
             return failed
         _, out = e.step()
         failed += list(out.failed_recving or ())
-        time.sleep(0.005)
-    raise AssertionError(f"{r} never computed {n} tokens")
+        time.sleep(0.005)  # (a yield to the mover, not a margin: the deadline bounds it)
+    raise AssertionError(f"{r} never computed {n} tokens in {within_s:.0f} s")
+
+
+def evict_after_alloc(e, lid, keys):
+    """Deletes ``keys`` of layout ``lid`` from the daemon right after vLLM allocated the
+    blocks of a hit: a block gone between lookup and load."""
+    real = e.sconn.update_state_after_alloc
+
+    def evict_then(request, blocks, n):
+        real(request, blocks, n)
+        kvd.Client(P).delete(lid, keys)
+
+    e.sconn.update_state_after_alloc = evict_then
 
 
 def saved(family, toks, endpoint=P, **extra):
@@ -298,14 +313,7 @@ def _():
     toks = prompt(801)
     saved("gpt-oss", toks)
     b = vf.FamilyEngine(P, "gpt-oss")
-    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
-    real = b.sconn.update_state_after_alloc
-
-    def evict_then(request, blocks, n):
-        real(request, blocks, n)
-        kvd.Client(P).delete(b.sconn._lids[0], keys[2:3])
-
-    b.sconn.update_state_after_alloc = evict_then
+    evict_after_alloc(b, b.sconn._lids[0], kvd.chunk_hashes(toks, vf.BLOCK, b"")[2:3])
     r = rid("evicted")
     b.add(r, toks)
     failed = until_computed(b, r, 100)
@@ -334,14 +342,7 @@ def _():
     toks = prompt(1400)
     saved("deepseek-v3", toks)
     b = vf.FamilyEngine(P, "deepseek-v3")
-    keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
-    real = b.sconn.update_state_after_alloc
-
-    def evict_then(request, blocks, n):
-        real(request, blocks, n)
-        kvd.Client(P).delete(b.sconn._lids[0], keys[3:4])
-
-    b.sconn.update_state_after_alloc = evict_then
+    evict_after_alloc(b, b.sconn._lids[0], kvd.chunk_hashes(toks, vf.BLOCK, b"")[3:4])
     r = rid("sync-evicted")
     b.add(r, toks)
     _, out = b.step()
@@ -439,12 +440,7 @@ def _():
         if not w._geo.grouped:
             e.close()
             continue
-        g = torch.Generator().manual_seed(5)
-        for t in e.kv.values():
-            if t.dtype in (torch.int8, torch.uint8):
-                t.copy_(torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8).view(t.dtype))
-            else:
-                t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+        e.fill_random(5)
         for cp in filter(None, (w._gcopy, w._scopy)):
             bb = sum(p.layer_bytes * len(p.layer_names) for p in cp.plans)
             slot = -(-bb // 4096) * 4096

@@ -230,6 +230,17 @@ class FamilyEngine(ve.Engine):
         self.outputs = {}
         self.computed_by_forward = {}
 
+    def fill_random(self, seed):
+        """Every KV cache tensor of every rank with values drawn from ``seed`` (bytes for
+        the byte-typed ones: fp8 and recurrent state pages)."""
+        g = torch.Generator().manual_seed(seed)
+        for kv in self.kvs:
+            for t in kv.values():
+                if t.dtype in (torch.int8, torch.uint8):
+                    t.copy_(torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8).view(t.dtype))
+                else:
+                    t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
+
     def add(self, rid, prompt, max_tokens=2, kv_transfer_params=None, **kw):
         """As vLLM's engine core adds a request when a connector is configured: with its
         block hasher (prefix caching, and Mamba's align mode, need the block hashes)."""

@@ -320,9 +320,17 @@ class KvdHiCacheStorage(HiCacheStorage):
     def _store(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
         if not self._writes:
             return [True] * len(keys)  # MLA: rank 0 stores the node's one copy
+        return self._put(self._lid, keys, lambda pool, off, i: self._slot(pool, off).copy_(pages[i]))
+
+    def _load(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+        return self._get(self._lid, keys, lambda pool, off, i: pages[i].copy_(self._slot(pool, off)))
+
+    def _put(self, lid: int, keys: List[str], write) -> List[bool]:
+        """Allocates ``keys`` under layout ``lid``, ``write(pool, offset, i)`` for each
+        page kvd lacks, commits; per key whether kvd holds it now."""
         pool, inc = self._view()
         try:
-            batch = self._client.alloc(self._lid, [kvd_key(k) for k in keys])
+            batch = self._client.alloc(lid, [kvd_key(k) for k in keys])
         except kvd.KvdError as e:
             logger.warning("kvd HiCache backend: alloc failed: %s", e)
             return [False] * len(keys)
@@ -331,9 +339,9 @@ class KvdHiCacheStorage(HiCacheStorage):
                 batch.abort()
                 return [False] * len(keys)
             ok = []
-            for page, state, off in zip(pages, batch.status, batch.offsets):
+            for i, (state, off) in enumerate(zip(batch.status, batch.offsets)):
                 if state == "new" and off is not None:
-                    self._slot(pool, off).copy_(page)
+                    write(pool, off, i)
                 ok.append(state in ("new", "exists"))
             batch.commit()
             return ok
@@ -341,10 +349,12 @@ class KvdHiCacheStorage(HiCacheStorage):
             batch.abort()
             raise
 
-    def _load(self, keys: List[str], pages: List[torch.Tensor]) -> List[bool]:
+    def _get(self, lid: int, keys: List[str], read) -> List[bool]:
+        """Pins ``keys`` under layout ``lid`` and ``read(pool, offset, i)`` for each page
+        kvd holds; per key whether it was read."""
         pool, inc = self._view()
         try:
-            pin = self._client.get(self._lid, [kvd_key(k) for k in keys])
+            pin = self._client.get(lid, [kvd_key(k) for k in keys])
         except kvd.KvdError as e:
             logger.warning("kvd HiCache backend: get failed: %s", e)
             return [False] * len(keys)
@@ -352,9 +362,9 @@ class KvdHiCacheStorage(HiCacheStorage):
             if self._client.incarnation != inc:
                 return [False] * len(keys)
             ok = []
-            for page, off in zip(pages, pin.offsets):
+            for i, off in enumerate(pin.offsets):
                 if off is not None:
-                    page.copy_(self._slot(pool, off))
+                    read(pool, off, i)
                 ok.append(off is not None)
             return ok
         finally:
@@ -486,45 +496,10 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def _pool_store(self, lid: int, nbytes: int, keys: List[str], host_pool, offsets: List[int]) -> List[bool]:
         pages = [host_pool.get_data_page(o, flat=True).contiguous().view(torch.uint8) for o in offsets]
-        pool, inc = self._view()
-        try:
-            batch = self._client.alloc(lid, [kvd_key(k) for k in keys])
-        except kvd.KvdError as e:
-            logger.warning("kvd HiCache backend: alloc failed: %s", e)
-            return [False] * len(keys)
-        try:
-            if self._client.incarnation != inc:
-                batch.abort()
-                return [False] * len(keys)
-            ok = []
-            for page, state, off in zip(pages, batch.status, batch.offsets):
-                if state == "new" and off is not None:
-                    pool[off : off + nbytes].copy_(page)
-                ok.append(state in ("new", "exists"))
-            batch.commit()
-            return ok
-        except BaseException:
-            batch.abort()
-            raise
+        return self._put(lid, keys, lambda pool, off, i: pool[off : off + nbytes].copy_(pages[i]))
 
     def _pool_load(self, lid: int, nbytes: int, dtype: torch.dtype, keys: List[str], host_pool, offsets: List[int]) -> List[bool]:
-        pool, inc = self._view()
-        try:
-            pin = self._client.get(lid, [kvd_key(k) for k in keys])
-        except kvd.KvdError as e:
-            logger.warning("kvd HiCache backend: get failed: %s", e)
-            return [False] * len(keys)
-        try:
-            if self._client.incarnation != inc:
-                return [False] * len(keys)
-            ok = []
-            for o, off in zip(offsets, pin.offsets):
-                if off is not None:
-                    host_pool.set_from_flat_data_page(o, pool[off : off + nbytes].clone().view(dtype))
-                ok.append(off is not None)
-            return ok
-        finally:
-            pin.release()
+        return self._get(lid, keys, lambda pool, off, i: host_pool.set_from_flat_data_page(offsets[i], pool[off : off + nbytes].clone().view(dtype)))
 
     def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
         return self._pool_io(transfers, store=False)

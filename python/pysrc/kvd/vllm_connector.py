@@ -951,7 +951,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 return good
             hs, d, r = g.total_heads // src_tp, g.head_size, self._ratio
             kb = g.block_size // r
-            nbytes = len(g.layer_names) * 2 * hs * g.block_size * d * _elsize(g.dtype)
+            nbytes = len(g.layer_names) * 2 * hs * g.block_size * d * g.dtype.itemsize
             for (s, s0, d0, n), offs in zip(shards, offsets):
                 for off, b in zip(offs[:good], block_ids[:good]):
                     slot = pool[off : off + nbytes].view(g.dtype).view(len(g.layer_names), 2, hs, g.block_size, d)
@@ -1048,20 +1048,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def _save_state(self, s: Load) -> None:
         """A recurrent state snapshot (the forward is done: the state groups' blocks hold
         the state of the boundary) into kvd: one object, all state layers, committed whole."""
-        client = self._client_w()
-        pool, inc = self._view()
-        batch = client.alloc(self._slid, s.keys)
-        try:
-            if client.incarnation != inc:
-                raise kvd.KvdError("the daemon restarted; this save is skipped")
-            todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
-            if todo:
-                self._scopy.copy_out(pool, [off for _, off in todo], [s.block_ids[i] for i, _ in todo])
-                self._sync()
-            batch.commit()
-        except BaseException:
-            batch.abort()
-            raise
+
+        def copy(pool: torch.Tensor, offs: list[int], ids: list[Any]) -> None:
+            self._scopy.copy_out(pool, offs, ids)
+            self._sync()
+
+        self._store(self._slid, s, copy)
 
     def _load_state(self, client: kvd.Client, key: bytes, ids: tuple[int, ...]) -> bool:
         """The snapshot ``key`` into the state groups' blocks ``ids``; whether kvd had it."""
@@ -1080,15 +1072,21 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             pin.release()
 
     def _save_blocks(self, s: Load) -> None:
+        self._store(self._lid, s, self._copy_out)
+
+    def _store(self, lid: int, s: Load, copy_out: Any) -> None:
+        """Allocates ``s.keys`` under layout ``lid``, copies the blocks kvd lacks in
+        (``copy_out(pool, offsets, block ids)``) and commits; on any failure nothing is
+        committed (a future miss, never a wrong hit)."""
         client = self._client_w()
         pool, inc = self._view()
-        batch = client.alloc(self._lid, s.keys)
+        batch = client.alloc(lid, s.keys)
         try:
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; this save is skipped")
             todo = [(i, off) for i, (state, off) in enumerate(zip(batch.status, batch.offsets)) if state == "new" and off is not None]
             if todo:
-                self._copy_out(pool, [off for _, off in todo], [s.block_ids[i] for i, _ in todo])
+                copy_out(pool, [off for _, off in todo], [s.block_ids[i] for i, _ in todo])
             batch.commit()
         except BaseException:
             batch.abort()
@@ -1116,10 +1114,6 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._mover.stop()
         if getattr(self, "_copier", None) is not None:
             self._copier.stop()
-
-
-def _elsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _remote_params(request: "Request") -> Optional[dict]:

@@ -124,10 +124,6 @@ class GroupedGeometry:
     grouped = True
 
     @property
-    def layer_names(self) -> tuple[str, ...]:
-        return tuple(n for g in self.groups for n in g.layer_names)
-
-    @property
     def block_bytes(self) -> int:
         return sum(g.layer_bytes * len(g.layer_names) for g in self.groups)
 
