@@ -37,6 +37,7 @@ pub struct ClientBuilder {
     pub(crate) stream: bool,
     pub(crate) busy_poll: bool,
     pub(crate) spin: Duration,
+    pub(crate) verify: bool,
 }
 
 impl ClientBuilder {
@@ -83,6 +84,15 @@ impl ClientBuilder {
         self.spin = spin;
         self
     }
+    /// Whether loads check each block against its writer checksum as they copy it (SPEC
+    /// §17): a block that fails is a miss, never bytes, and is reported to the daemon
+    /// (`verify`), which drops it. Default: on, unless `$KVD_VERIFY_LOADS` says off. The
+    /// cost is a checksum of each chunk while it is in cache (bench/README.md, "Writer
+    /// checksums").
+    pub fn with_verify(mut self, on: bool) -> Self {
+        self.verify = on;
+        self
+    }
     /// Connects and says hello. A daemon that is still starting is waited for, up to the
     /// timeout (ZMQ holds the hello until the socket appears).
     pub fn connect(self) -> Result<Client> {
@@ -94,6 +104,7 @@ impl ClientBuilder {
             next_id: AtomicU64::new(1),
             session: RwLock::new(None),
             layouts: Mutex::new(HashMap::new()),
+            damaged: AtomicU64::new(0),
         });
         let client = Client { inner };
         client.hello_once()?;
@@ -163,6 +174,8 @@ pub(crate) struct Inner {
     pub(crate) next_id: AtomicU64,
     pub(crate) session: RwLock<Option<Arc<Session>>>,
     pub(crate) layouts: Mutex<HashMap<LayoutId, (Layout, LayoutInfo)>>,
+    /// Blocks whose bytes failed a verified load (SPEC §17).
+    pub(crate) damaged: AtomicU64,
 }
 
 /// A connection to the daemon, checked out for one call.
@@ -228,6 +241,7 @@ impl Client {
             stream: env_flag("KVD_STREAM").unwrap_or(true),
             busy_poll: env_flag("KVD_BUSY_POLL").unwrap_or(false),
             spin: parse_spin(std::env::var("KVD_SPIN_US").ok().as_deref()),
+            verify: env_flag("KVD_VERIFY_LOADS").unwrap_or(true),
         }
     }
 

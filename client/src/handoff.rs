@@ -348,6 +348,7 @@ impl Client {
             session: session.client,
             pin: done.pin,
             offsets: done.offsets.clone(),
+            crcs: done.crcs.clone(),
             pool,
             block_bytes: info.block_bytes as usize,
             deadline: Instant::now() + Duration::from_millis(done.ttl_ms),

@@ -73,6 +73,7 @@
 #![deny(missing_docs)]
 
 mod batch;
+pub mod checksum;
 mod connection;
 pub mod events;
 mod gpu;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
+use crate::checksum;
 use crate::connection::{fatal, Session};
 use crate::shm::PoolMap;
 use crate::{
@@ -176,6 +177,7 @@ impl Client {
         layout: LayoutId,
         keys: Vec<ChunkHash>,
         offsets: Option<Vec<u64>>,
+        crcs: Vec<u32>,
         payloads: &[&[u8]],
     ) -> Result<u64> {
         let req = Request::Commit(CommitReq {
@@ -183,6 +185,7 @@ impl Client {
             layout_id: layout,
             keys,
             offsets,
+            crcs: Some(crcs),
         });
         let (r, _): (CommitResp, _) = self.raw_call(&req, payloads)?;
         Ok(r.committed)
@@ -254,9 +257,11 @@ impl Client {
                 &new_blocks,
                 info.block_bytes,
             ),
-            None => self
-                .commit_as(&session, layout, new_keys.clone(), None, &new_blocks)
-                .map(|_| ()),
+            None => {
+                let crcs = new_blocks.iter().map(|b| checksum::crc32c(b)).collect();
+                self.commit_as(&session, layout, new_keys.clone(), None, crcs, &new_blocks)
+                    .map(|_| ())
+            }
         };
         if let Err(e) = result {
             // Give the reservations back rather than leave them to the TTL.
@@ -286,15 +291,22 @@ impl Client {
         let mut r: Result<()> = Ok(());
         for start in (0..keys.len()).step_by(per_chunk) {
             let end = (start + per_chunk).min(keys.len());
-            r = (start..end).try_for_each(|i| pool.write(offsets[i], blocks[i]));
-            if r.is_err() {
-                break;
-            }
+            let crcs: Result<Vec<u32>> = (start..end)
+                .map(|i| pool.write_crc(offsets[i], blocks[i]))
+                .collect();
+            let crcs = match crcs {
+                Ok(c) => c,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            };
             let req = Request::Commit(CommitReq {
                 client,
                 layout_id: layout,
                 keys: keys[start..end].to_vec(),
                 offsets: Some(offsets[start..end].to_vec()),
+                crcs: Some(crcs),
             });
             match self.send_on(&mut sock, &req, &[]) {
                 Ok(id) => ids.push(id),
@@ -399,8 +411,10 @@ impl Client {
             let (r, frames) = self.get_raw(layout, keys, None, true)?;
             let mut frames = frames.into_iter();
             let mut found = Vec::with_capacity(keys.len());
+            let mut damaged = Vec::new();
             for (i, off) in r.offsets.iter().enumerate() {
-                if off.is_some() {
+                let mut hit = off.is_some();
+                if hit {
                     let f = frames
                         .next()
                         .ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
@@ -411,10 +425,19 @@ impl Client {
                             out[i].len()
                         )));
                     }
-                    out[i].copy_from_slice(&f);
+                    // (the daemon checked the block as it copied it; this checks the way)
+                    let got = checksum::copy_crc(out[i], &f);
+                    if self
+                        .verifying(r.crcs.get(i).copied().flatten())
+                        .is_some_and(|c| c != got)
+                    {
+                        damaged.push(keys[i]);
+                        hit = false;
+                    }
                 }
-                found.push(off.is_some());
+                found.push(hit);
             }
+            self.report_damaged(layout, &damaged);
             return Ok(found);
         }
         let per_chunk = (LOAD_CHUNK_BYTES / info.block_bytes.max(1)).max(1) as usize;
@@ -422,17 +445,22 @@ impl Client {
             return self.load_pipelined(layout, keys, out, per_chunk);
         }
         let pinned = self.get(layout, keys, None)?;
+        let mut found = vec![false; keys.len()];
+        let mut damaged = Vec::new();
         for (i, o) in out.iter_mut().enumerate() {
             if let Some(off) = pinned.offsets[i] {
-                pinned.pool.read_into(off, o)?;
+                found[i] = self.copy_out(&pinned.pool, off, o, pinned.crc(i))?;
+                if !found[i] {
+                    damaged.push(keys[i]);
+                }
             }
         }
         if !pinned.is_valid() {
             return Err(Error::PinExpired);
         }
-        let found = pinned.offsets.iter().map(Option::is_some).collect();
-        // The copy is verified (the pin was valid throughout): release without waiting.
+        // The copy is good (the pin was valid throughout): release without waiting.
         drop(pinned);
+        self.report_damaged(layout, &damaged);
         Ok(found)
     }
 
@@ -491,6 +519,7 @@ impl Client {
             }
         }
         let mut found = vec![false; keys.len()];
+        let mut damaged = Vec::new();
         while !pending.is_empty() {
             let ids: Vec<u64> = pending.iter().map(|p| p.0).collect();
             // A broken connection ends the call: the pins of replies not read expire
@@ -520,14 +549,19 @@ impl Client {
                         range.len()
                     )))
                 } else {
+                    let start = range.start;
                     let dst = out[range.clone()].iter_mut().zip(&mut found[range]);
                     resp.offsets
                         .iter()
                         .zip(dst)
-                        .try_for_each(|(off, (o, hit))| {
+                        .enumerate()
+                        .try_for_each(|(j, (off, (o, hit)))| {
                             if let Some(off) = off {
-                                pool.read_into(*off, o)?;
-                                *hit = true;
+                                let crc = resp.crcs.get(j).copied().flatten();
+                                *hit = self.copy_out(&pool, *off, o, crc)?;
+                                if !*hit {
+                                    damaged.push(keys[start + j]);
+                                }
                             }
                             Ok(())
                         })
@@ -551,7 +585,68 @@ impl Client {
                 self.send_on(&mut sock, &rel, &[])?;
             }
         }
-        self.finish(sock, r).map(|()| found)
+        self.finish(sock, r)?;
+        self.report_damaged(layout, &damaged);
+        Ok(found)
+    }
+
+    /// The writer checksum to check a block against: `crc`, when loads are verified.
+    pub(crate) fn verifying(&self, crc: Option<u32>) -> Option<u32> {
+        crc.filter(|_| self.inner.opts.verify)
+    }
+
+    /// Copies the pinned block at `off` into `dst`, checking it against its writer
+    /// checksum `crc` as it copies when loads are verified. `Ok(false)`: its bytes do not
+    /// match; the caller counts the key as a miss and reports it
+    /// ([`Client::report_damaged`]).
+    pub(crate) fn copy_out(
+        &self,
+        pool: &PoolMap,
+        off: u64,
+        dst: &mut [u8],
+        crc: Option<u32>,
+    ) -> Result<bool> {
+        match self.verifying(crc) {
+            Some(want) => Ok(pool.read_crc(off, dst)? == want),
+            None => pool.read_into(off, dst).map(|()| true),
+        }
+    }
+
+    /// Counts blocks that failed a verified load and names them to the daemon
+    /// (`verify`), which checks them itself and drops those that fail. Best effort: the
+    /// load has already counted them as misses either way.
+    pub(crate) fn report_damaged(&self, layout: LayoutId, keys: &[ChunkHash]) {
+        if keys.is_empty() {
+            return;
+        }
+        self.inner
+            .damaged
+            .fetch_add(keys.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.verify(layout, keys);
+    }
+
+    /// How many blocks this client's loads found damaged (their bytes did not match
+    /// their writer checksum: loaded as misses), since it connected.
+    pub fn damaged_loads(&self) -> u64 {
+        self.inner
+            .damaged
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `verify` (SPEC §4): the daemon checks the blocks against their writer checksums
+    /// and drops those whose bytes do not match.
+    pub fn verify(&self, layout: LayoutId, keys: &[ChunkHash]) -> Result<Vec<VerifyStatus>> {
+        let (r, _): (VerifyResp, _) = self.call(
+            |client| {
+                Request::Verify(VerifyReq {
+                    client,
+                    layout_id: layout,
+                    keys: keys.to_vec(),
+                })
+            },
+            &[],
+        )?;
+        Ok(r.status)
     }
 
     /// Pins cached blocks and hands them out read-only (zero-copy load). Needs the pool
@@ -593,6 +688,7 @@ impl Client {
             session: session.client,
             pin: r.pin,
             offsets: r.offsets,
+            crcs: r.crcs,
             pool,
             block_bytes: info.block_bytes as usize,
             // The pin starts after the daemon's wait for NVMe reads (if any), which began

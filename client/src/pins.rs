@@ -18,6 +18,8 @@ pub struct PinnedBlocks {
     pub(crate) session: ClientId,
     pub(crate) pin: Option<PinId>,
     pub(crate) offsets: Vec<Option<u64>>,
+    /// Per key, the writer checksum (SPEC §17); empty from daemons before it.
+    pub(crate) crcs: Vec<Option<u32>>,
     pub(crate) pool: Arc<PoolMap>,
     pub(crate) block_bytes: usize,
     pub(crate) deadline: Instant,
@@ -27,6 +29,37 @@ impl PinnedBlocks {
     /// Per key: the pinned block's offset in the pool mapping, `None` for a miss.
     pub fn offsets(&self) -> &[Option<u64>] {
         &self.offsets
+    }
+
+    /// Per key `i`: the hit's writer checksum (SPEC §17), the CRC-32C its bytes must
+    /// have; `None` for a miss or a block stored without one.
+    pub fn crc(&self, i: usize) -> Option<u32> {
+        self.crcs.get(i).copied().flatten()
+    }
+
+    /// Checks key `i`'s bytes in place against its writer checksum (a read of the block):
+    /// `Ok(Some(false))` when they do not match, `Ok(None)` for a miss or a block without
+    /// one. A caller that copies the block itself (a DMA to a GPU) checks the copy or
+    /// this, and names a block that fails in [`Client::verify`].
+    pub fn verify(&self, i: usize) -> Result<Option<bool>> {
+        let Some(want) = self.crc(i) else {
+            return Ok(None);
+        };
+        self.with_block(i, |b| crate::checksum::crc32c(b) == want)
+    }
+
+    /// Checks every hit in place against its writer checksum (a read of each block), for
+    /// callers that copy blocks themselves: per key `Some(false)` when its bytes do not
+    /// match (treat it as a miss, and name it in [`Client::verify`]), `Some(true)` when
+    /// they do, `None` for a miss, a block stored without a checksum, or a client that
+    /// does not verify loads ([`crate::ClientBuilder::with_verify`]).
+    pub fn check(&self) -> Result<Vec<Option<bool>>> {
+        (0..self.offsets.len())
+            .map(|i| match self.client.verifying(self.crc(i)) {
+                Some(_) => self.verify(i),
+                None => Ok(None),
+            })
+            .collect()
     }
 
     /// Per key: whether it hit.

@@ -52,6 +52,8 @@ const UNSENT: u64 = u64::MAX;
 struct Answered {
     /// Its slot, `None` for a miss.
     slot: Option<(u64, PinId)>,
+    /// Its writer checksum (SPEC §17), if it has one.
+    crc: Option<u32>,
     /// When the answer stops being worth anything (the pin's deadline; for a miss, the
     /// same instant): forgotten at the next sweep after it.
     until: Instant,
@@ -225,6 +227,7 @@ impl LoadQueue {
         // Keys to load the plain way: their pin lapsed, their `get` failed, or they
         // appear twice in this call (the first copy took the answer).
         let mut again: Vec<usize> = Vec::new();
+        let mut damaged = Vec::new();
         if keys.iter().any(|k| self.awaited.get(k) == Some(&UNSENT)) {
             self.send_gets()?;
         }
@@ -242,19 +245,22 @@ impl LoadQueue {
             let deadline = self.pins.get(&pin).map(|p| p.deadline);
             let good = match deadline {
                 Some(d) if Instant::now() < d => {
-                    pool.read_into(off, out[i])?;
+                    let intact = self.client.copy_out(pool, off, out[i], a.crc)?;
+                    if !intact {
+                        damaged.push(*k);
+                    }
                     // The copy is good only if the pin held throughout.
-                    Instant::now() < d
+                    Some(intact).filter(|_| Instant::now() < d)
                 }
-                _ => false,
+                _ => None,
             };
-            if good {
-                found[i] = true;
-            } else {
-                again.push(i);
+            match good {
+                Some(hit) => found[i] = hit,
+                None => again.push(i),
             }
             self.used(pin)?;
         }
+        self.client.report_damaged(self.layout, &damaged);
         if !again.is_empty() {
             let ks: Vec<ChunkHash> = again.iter().map(|&i| keys[i]).collect();
             let mut bufs: Vec<&mut [u8]> = Vec::with_capacity(again.len());
@@ -467,7 +473,7 @@ impl LoadQueue {
                 ))
             }
         }
-        for (k, off) in keys.iter().zip(resp.offsets) {
+        for (j, (k, off)) in keys.iter().zip(resp.offsets).enumerate() {
             let slot = match (off, resp.pin) {
                 (Some(off), Some(pin)) => Some((off, pin)),
                 _ => None,
@@ -476,6 +482,7 @@ impl LoadQueue {
                 *k,
                 Answered {
                     slot,
+                    crc: resp.crcs.get(j).copied().flatten(),
                     until: deadline,
                 },
             ) {

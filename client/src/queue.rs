@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
+use crate::checksum;
 use crate::shm::PoolMap;
 use crate::{check_blocks, fatal, Client, Conn, Error, Result};
 
@@ -90,6 +91,8 @@ pub struct StoreQueue {
     /// slots (the put must go before it).
     unsent_keys: Vec<ChunkHash>,
     unsent_offsets: Vec<u64>,
+    /// Their writer checksums (SPEC §17).
+    unsent_crcs: Vec<u32>,
     unsent_use_by: Option<Instant>,
     /// Send a `put` once this many blocks are unsent.
     put_blocks: usize,
@@ -122,6 +125,7 @@ impl Client {
             puts: HashMap::new(),
             unsent_keys: Vec::new(),
             unsent_offsets: Vec::new(),
+            unsent_crcs: Vec::new(),
             unsent_use_by: None,
             put_blocks: (DEFAULT_PUT_BYTES / slot_bytes).clamp(1, max_keys as u64) as usize,
             // At most a sixteenth of the pool: slots held ahead are space nobody else
@@ -178,10 +182,8 @@ impl StoreQueue {
             }
             return Ok(());
         };
-        let mut copy = |i: usize, slot: &mut [u8]| -> Result<()> {
-            slot.copy_from_slice(blocks[i]);
-            Ok(())
-        };
+        let mut copy =
+            |i: usize, slot: &mut [u8]| -> Result<u32> { Ok(checksum::copy_crc(slot, blocks[i])) };
         match self.guard(|q| q.store_each(&pool, keys, &mut copy)) {
             // Once more, as every call does, after a pooled stream connection that broke
             // (on a fresh one) or a session the daemon had dropped as idle (renewed by
@@ -206,14 +208,20 @@ impl StoreQueue {
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
     ) -> Result<()> {
         let pool = self.pool.clone().ok_or(Error::NotMapped)?;
-        self.guard(|q| q.store_each(&pool, keys, &mut fill))
+        // The writer checksum of what `fill` wrote (SPEC §17): a read of the slot while it
+        // is likely still in cache.
+        let mut fill_crc = |i: usize, slot: &mut [u8]| -> Result<u32> {
+            fill(i, slot)?;
+            Ok(checksum::crc32c(slot))
+        };
+        self.guard(|q| q.store_each(&pool, keys, &mut fill_crc))
     }
 
     fn store_each(
         &mut self,
         pool: &PoolMap,
         keys: &[ChunkHash],
-        fill: &mut dyn FnMut(usize, &mut [u8]) -> Result<()>,
+        fill: &mut dyn FnMut(usize, &mut [u8]) -> Result<u32>,
     ) -> Result<()> {
         if self.unsent_use_by.is_some_and(|u| u <= Instant::now()) {
             self.send_put()?;
@@ -251,16 +259,20 @@ impl StoreQueue {
                 // not passed; `&mut self` makes this the only borrow, and it ends when
                 // `fill` returns.
                 let slot = unsafe { pool.slice_mut(off, self.block_bytes as usize)? };
-                if let Err(e) = fill(i, slot) {
-                    self.free.push_front((off, use_by));
-                    return Err(e);
-                }
+                let crc = match fill(i, slot) {
+                    Ok(crc) => crc,
+                    Err(e) => {
+                        self.free.push_front((off, use_by));
+                        return Err(e);
+                    }
+                };
                 if Instant::now() >= use_by {
                     // Written too late to be sure the daemon still held it for us.
                     return Err(Error::AllocExpired);
                 }
                 self.unsent_keys.push(keys[i]);
                 self.unsent_offsets.push(off);
+                self.unsent_crcs.push(crc);
                 self.unsent_use_by = Some(self.unsent_use_by.map_or(use_by, |u| u.min(use_by)));
                 i += 1;
                 let limit = match self.put_blocks {
@@ -285,6 +297,7 @@ impl StoreQueue {
         }
         let keys = std::mem::take(&mut self.unsent_keys);
         let offsets = std::mem::take(&mut self.unsent_offsets);
+        let crcs = std::mem::take(&mut self.unsent_crcs);
         self.unsent_use_by = None;
         let n = keys.len();
         let req = Request::Put(PutReq {
@@ -292,6 +305,7 @@ impl StoreQueue {
             layout_id: self.layout,
             keys,
             offsets,
+            crcs: Some(crcs),
         });
         match self.send(&req) {
             Ok(id) => {
@@ -356,6 +370,7 @@ impl StoreQueue {
         let unsent = self.unsent_keys.len();
         self.unsent_keys.clear();
         self.unsent_offsets.clear();
+        self.unsent_crcs.clear();
         self.unsent_use_by = None;
         let lost: usize = self.puts.drain().map(|(_, n)| n).sum::<usize>() + unsent;
         if lost > 0 {

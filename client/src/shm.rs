@@ -144,16 +144,24 @@ impl PoolMap {
         Some(word.load(std::sync::atomic::Ordering::Acquire))
     }
 
-    /// Copies `src` into the pool.
-    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), Error> {
-        let off = self.check(offset, src.len())?;
-        // SAFETY: in bounds of a live mapping (checked above; `self` keeps it mapped).
-        // The daemon allocated this slot to us and nobody reads it before we commit, and
-        // `src` is private memory, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
-        };
-        Ok(())
+    /// Copies `src` into the pool and returns its writer checksum (SPEC §17), computed
+    /// as it copies.
+    pub(crate) fn write_crc(&self, offset: u64, src: &[u8]) -> Result<u32, Error> {
+        // SAFETY: as `write`: the slot is ours and uncommitted (nobody reads or writes
+        // it until we commit), in bounds (checked by `slice_mut`), and this borrow ends
+        // with the copy.
+        let dst = unsafe { self.slice_mut(offset, src.len())? };
+        Ok(crate::checksum::copy_crc(dst, src))
+    }
+
+    /// Copies pool bytes into `dst` and returns the CRC-32C of what was copied (a
+    /// verified load compares it with the block's writer checksum, SPEC §17).
+    pub(crate) fn read_crc(&self, offset: u64, dst: &mut [u8]) -> Result<u32, Error> {
+        // SAFETY: as `read_into`: the block is committed and pinned, so nobody writes it
+        // while the borrow (which ends with the copy) lives; in bounds (checked by
+        // `slice`).
+        let src = unsafe { self.slice(offset, dst.len())? };
+        Ok(crate::checksum::copy_crc(dst, src))
     }
 
     /// Copies pool bytes into `dst`.

@@ -61,6 +61,7 @@ pub struct Metrics {
     kept_fenced: IntGauge,
     kept_sealed: IntCounter,
     kept_seals_skipped: IntCounter,
+    checksum_blocks: IntCounterVec,
     gpu_blocks: IntCounterVec,
     gpu_failed: IntCounter,
     gpu_path_bytes: IntCounterVec,
@@ -334,6 +335,12 @@ impl Metrics {
                 &r,
                 "kvd_kept_seals_skipped_total",
                 "Seals skipped because the checker lagged (those blocks do not survive a restart).",
+            ),
+            checksum_blocks: counter_vec(
+                &r,
+                "kvd_checksum_blocks_total",
+                "Writer checksums (SPEC §17), by event: committed with one (from_writers) or without, checked against one (verified), failed it and dropped (damaged), named by a reader (reported).",
+                &["event"],
             ),
             gpu_registrations: gauge(
                 &r,
@@ -611,6 +618,16 @@ impl Metrics {
             advance(&self.event_changes, e.changes);
             advance(&self.event_dropped, e.dropped);
             advance(&self.event_resyncs, e.resyncs);
+        }
+        let c = &s.checksums;
+        for (event, n) in [
+            ("from_writers", c.from_writers),
+            ("without", c.without),
+            ("verified", c.verified),
+            ("damaged", c.damaged),
+            ("reported", c.reports),
+        ] {
+            advance(&self.checksum_blocks.with_label_values(&[event]), n);
         }
         if let Some(k) = &s.kept {
             self.kept_adopted.set(k.adopted as i64);

@@ -173,7 +173,8 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
 
     // a session of its own, for the stateful abuse
     let sess = Client::connect(&d.endpoint).unwrap();
-    let sl = register(&sess, 16).id;
+    let info = register(&sess, 16);
+    let sl = info.id;
     assert_eq!(sl, l);
     let hello = Raw::new(&d.endpoint, zmq::DEALER);
     hello.send(&[&encode_request(20, &Request::Hello(HelloReq::default()))]);
@@ -194,7 +195,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
     };
     let a: AllocResp = decode_reply::<AllocResp>(&parts[0]).unwrap().1.unwrap();
     let offs: Vec<u64> = a.offsets.iter().map(|o| o.unwrap()).collect();
-    let commit = |id, offsets: Option<Vec<u64>>| {
+    let commit_crcs = |id, offsets: Option<Vec<u64>>, crcs: Option<Vec<u32>>| {
         encode_request(
             id,
             &Request::Commit(CommitReq {
@@ -202,9 +203,11 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
                 layout_id: l,
                 keys: ks.clone(),
                 offsets,
+                crcs,
             }),
         )
     };
+    let commit = |id, offsets: Option<Vec<u64>>| commit_crcs(id, offsets, None);
     check(
         hello.call(&[&commit(22, Some(vec![me.pool.size_bytes + 4096, offs[1]]))]),
         22,
@@ -223,6 +226,24 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
         ErrorCode::InvalidArgument,
         "payload of the wrong size",
     );
+    check(
+        hello.call(&[&commit_crcs(241, Some(offs.clone()), Some(vec![1]))]),
+        241,
+        ErrorCode::InvalidArgument,
+        "one crc for two keys",
+    );
+    let block = vec![7u8; info.block_bytes as usize];
+    let right = kvd_client::checksum::crc32c(&block);
+    check(
+        hello.call(&[
+            &commit_crcs(242, None, Some(vec![right, right ^ 1])),
+            &block,
+            &block,
+        ]),
+        242,
+        ErrorCode::InvalidArgument,
+        "a payload frame that does not match its crc (damaged on the way)",
+    );
     let other = encode_request(
         25,
         &Request::Commit(CommitReq {
@@ -230,6 +251,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
             layout_id: l,
             keys: ks.clone(),
             offsets: None,
+            crcs: None,
         }),
     );
     check(

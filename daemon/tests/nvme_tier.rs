@@ -537,6 +537,7 @@ fn commit_of_a_key_in_flight_to_or_from_nvme_is_refused_not_fatal() {
                 layout_id: l,
                 keys: ks.to_vec(),
                 offsets: None,
+                crcs: None,
             }),
         )
     };

@@ -172,6 +172,7 @@ impl RawSession {
             layout_id: l,
             keys: keys.to_vec(),
             offsets: offs.to_vec(),
+            crcs: None,
         }))
     }
 }
@@ -248,6 +249,7 @@ fn no_session_puts_into_or_gives_back_slots_it_does_not_hold() {
             layout_id: l.id,
             keys: k[..1].to_vec(),
             offsets: tslots.clone(),
+            crcs: None,
         }),
     );
     let r: Result<PutResp, WireError> = thief.call_frames(&[&f, &[0u8; 16 * 1024]]);
@@ -258,6 +260,7 @@ fn no_session_puts_into_or_gives_back_slots_it_does_not_hold() {
         layout_id: l.id,
         keys: k[..1].to_vec(),
         offsets: tslots.clone(),
+        crcs: None,
     }));
     assert_eq!(r.unwrap_err().code, ErrorCode::UnknownClient);
 

@@ -41,6 +41,7 @@ pub enum Request {
     Get(GetReq),
     Release(ReleaseReq),
     Delete(DeleteReq),
+    Verify(VerifyReq),
     Stats(StatsReq),
     Reserve(ReserveReq),
     Put(PutReq),
@@ -96,6 +97,7 @@ impl Request {
             Request::Get(_) => op::GET,
             Request::Release(_) => op::RELEASE,
             Request::Delete(_) => op::DELETE,
+            Request::Verify(_) => op::VERIFY,
             Request::Stats(_) => op::STATS,
             Request::Reserve(_) => op::RESERVE,
             Request::Put(_) => op::PUT,
@@ -136,6 +138,7 @@ impl Request {
             Request::Get(r) => r.client,
             Request::Release(r) => r.client,
             Request::Delete(r) => r.client,
+            Request::Verify(r) => r.client,
             Request::Reserve(r) => r.client,
             Request::Put(r) => r.client,
             Request::Unreserve(r) => r.client,
@@ -181,6 +184,7 @@ impl Request {
             Request::Unreserve(r) => r.offsets.len(),
             Request::Get(r) => r.keys.len(),
             Request::Delete(r) => r.keys.len(),
+            Request::Verify(r) => r.keys.len(),
             Request::Release(r) => r.pins.len(),
             Request::Export(r) => r.keys.len(),
             Request::Pull(r) => r.params.keys.len(),
@@ -232,6 +236,7 @@ pub fn encode_request(id: u64, req: &Request) -> Vec<u8> {
         Request::Get(b) => env(id, op, b),
         Request::Release(b) => env(id, op, b),
         Request::Delete(b) => env(id, op, b),
+        Request::Verify(b) => env(id, op, b),
         Request::Stats(b) => env(id, op, b),
         Request::Reserve(b) => env(id, op, b),
         Request::Put(b) => env(id, op, b),
@@ -340,6 +345,7 @@ pub fn decode_request(frame: &[u8], max_len: usize) -> Result<(u64, Request), (u
         op::GET => body(frame, op::GET).map(Request::Get),
         op::RELEASE => body(frame, op::RELEASE).map(Request::Release),
         op::DELETE => body(frame, op::DELETE).map(Request::Delete),
+        op::VERIFY => body(frame, op::VERIFY).map(Request::Verify),
         op::STATS => body_or_default(frame, op::STATS).map(Request::Stats),
         op::RESERVE => body(frame, op::RESERVE).map(Request::Reserve),
         op::PUT => body(frame, op::PUT).map(Request::Put),
@@ -595,7 +601,8 @@ mod tests {
                     client: ClientId(c),
                     layout_id: LayoutId(l),
                     keys: k,
-                    offsets: o
+                    offsets: o,
+                    crcs: None,
                 })),
             (
                 any::<u64>(),
@@ -622,6 +629,11 @@ mod tests {
                 layout_id: LayoutId(l),
                 keys: k
             })),
+            (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Verify(VerifyReq {
+                client: ClientId(c),
+                layout_id: LayoutId(l),
+                keys: k
+            })),
             Just(Request::Stats(StatsReq {})),
             (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(c, l, n)| {
                 Request::Reserve(ReserveReq {
@@ -639,8 +651,9 @@ mod tests {
                 .prop_map(|(c, l, k, o)| Request::Put(PutReq {
                     client: ClientId(c),
                     layout_id: LayoutId(l),
+                    crcs: (k.len() % 2 == 0).then(|| k.iter().map(|h| h.0[0].into()).collect()),
                     keys: k,
-                    offsets: o
+                    offsets: o,
                 })),
             (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..20)).prop_map(|(c, o)| {
                 Request::Unreserve(UnreserveReq {

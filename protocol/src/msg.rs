@@ -33,8 +33,10 @@ pub mod op {
     pub const PUT: &str = "put";
     /// `unreserve`
     pub const UNRESERVE: &str = "unreserve";
+    /// `verify`
+    pub const VERIFY: &str = "verify";
     /// Every op, in spec order.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         HELLO,
         REGISTER_LAYOUT,
         LOOKUP,
@@ -43,6 +45,7 @@ pub mod op {
         GET,
         RELEASE,
         DELETE,
+        VERIFY,
         STATS,
         RESERVE,
         PUT,
@@ -262,6 +265,10 @@ pub struct CommitReq {
     /// Optional: the offsets `alloc` returned, echoed back as a consistency check.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offsets: Option<Vec<u64>>,
+    /// Optional: one writer checksum per key, the CRC-32C of the block's bytes as written
+    /// (SPEC §17).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crcs: Option<Vec<u32>>,
 }
 
 /// Reply to `commit`.
@@ -306,6 +313,9 @@ pub struct PutReq {
     pub keys: Vec<ChunkHash>,
     /// One reserved slot per key, holding that key's bytes.
     pub offsets: Vec<u64>,
+    /// Optional: one writer checksum per key (SPEC §17).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crcs: Option<Vec<u32>>,
 }
 
 /// Per-key outcome of `put`. Every slot named leaves the reservation either way.
@@ -373,6 +383,10 @@ pub struct GetResp {
     /// lasts `ttl_ms` from then.
     #[serde(default)]
     pub waited_ms: u64,
+    /// One per key: a hit's writer checksum (SPEC §17), `nil` for a miss or a block that
+    /// has none. Empty from daemons before it.
+    #[serde(default)]
+    pub crcs: Vec<Option<u32>>,
 }
 
 /// `release`: drop pins. All-or-nothing: an unknown or foreign pin fails the request.
@@ -421,6 +435,55 @@ pub enum DeleteStatus {
 pub struct DeleteResp {
     /// One per key.
     pub status: Vec<DeleteStatus>,
+}
+
+/// `verify`: the daemon checks blocks against their writer checksums (SPEC §17) and drops
+/// those that fail. What a reader whose verified load failed sends.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct VerifyReq {
+    /// The session.
+    pub client: ClientId,
+    /// The layout.
+    pub layout_id: LayoutId,
+    /// Blocks to check.
+    pub keys: Vec<ChunkHash>,
+}
+
+/// Per-key outcome of `verify`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyStatus {
+    /// Its bytes match its writer checksum.
+    Intact,
+    /// They do not: dropped (a pinned one stops being found; its slot waits for the pins).
+    Damaged,
+    /// No writer checksum to check against: left as it is.
+    Unchecked,
+    /// Not in DRAM.
+    Missing,
+}
+
+/// Reply to `verify`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct VerifyResp {
+    /// One per key.
+    pub status: Vec<VerifyStatus>,
+}
+
+/// Writer checksums (SPEC §17), in `stats`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct ChecksumStats {
+    /// Blocks committed with a writer checksum (the daemon's own for payload frames).
+    pub from_writers: u64,
+    /// Blocks committed without one.
+    pub without: u64,
+    /// Blocks the daemon checked against theirs (inline gets, `verify`, demotions,
+    /// adoption).
+    pub verified: u64,
+    /// Of those, dropped because their bytes did not match.
+    pub damaged: u64,
+    /// Keys named by `verify` requests.
+    pub reports: u64,
 }
 
 /// `stats`: counters and gauges.
@@ -565,6 +628,9 @@ pub struct StatsResp {
     /// The DRAM tier kept across restarts (SPEC §15); absent when it is not kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept: Option<KeptStats>,
+    /// Writer checksums (SPEC §17); zero from daemons before them.
+    #[serde(default)]
+    pub checksums: ChecksumStats,
 }
 
 /// The DRAM tier kept across restarts (SPEC §15), in `stats`.
@@ -600,6 +666,10 @@ pub struct KeptStats {
     pub sealed: u64,
     /// Seals skipped because the checker lagged (those blocks are not kept).
     pub seals_skipped: u64,
+    /// Blocks sealed with their writer checksum at commit, never read by a sealer (SPEC
+    /// §17). 0 from daemons before it.
+    #[serde(default)]
+    pub writer_sealed: u64,
 }
 
 /// KV events (SPEC §14), in `stats`.

@@ -386,6 +386,10 @@ pub struct TransferResp {
     /// Importer, when done: one per key, the local pool offset (nil: not available).
     #[serde(default)]
     pub offsets: Vec<Option<u64>>,
+    /// Importer, when done: one per key, the block's writer checksum (SPEC §17), nil
+    /// where unknown. Empty from daemons before it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub crcs: Vec<Option<u32>>,
     /// Importer, when done: the pin on those blocks (release it like a `get` pin).
     #[serde(default)]
     pub pin: Option<PinId>,

@@ -672,6 +672,9 @@ impl GpuTier {
                                 layout_id: layout,
                                 keys: new_keys.clone(),
                                 offsets: Some(offsets),
+                                // (the GPU tier's copies carry no checksum yet: sealed
+                                // the old way, SPEC §17 "Without a checksum")
+                                crcs: None,
                             },
                             &[],
                             now,

@@ -199,14 +199,17 @@ impl Server {
                 }
             }
             Request::Get(r) => match s.get(r, now)? {
-                Answer::Now(resp) => {
-                    self.inline_payloads(r.inline, r.layout_id, &resp, out)?;
+                Answer::Now(mut resp) => {
+                    if r.inline {
+                        self.inline_payloads(r.layout_id, &r.keys, &mut resp, out)?;
+                    }
                     Body::Get(resp)
                 }
                 Answer::Later(t) => return Ok(Answer::Later(t)),
             },
             Request::Release(r) => Body::Release(s.release(r, now)?),
             Request::Delete(r) => Body::Delete(s.delete(r, now)?),
+            Request::Verify(r) => Body::Verify(s.verify(r, now)?),
             Request::Reserve(r) => match s.reserve(r, now)? {
                 Answer::Now(a) => Body::Reserve(a),
                 Answer::Later(t) => return Ok(Answer::Later(t)),
@@ -331,6 +334,7 @@ pub(super) enum Body {
     Get(GetResp),
     Release(ReleaseResp),
     Delete(DeleteResp),
+    Verify(VerifyResp),
     Reserve(ReserveResp),
     Put(PutResp),
     Unreserve(UnreserveResp),
@@ -374,6 +378,7 @@ pub(super) fn body_with_id(id: u64, body: Body) -> Vec<u8> {
         Body::Get(b) => encode_ok(id, &b),
         Body::Release(b) => encode_ok(id, &b),
         Body::Delete(b) => encode_ok(id, &b),
+        Body::Verify(b) => encode_ok(id, &b),
         Body::Reserve(b) => encode_ok(id, &b),
         Body::Put(b) => encode_ok(id, &b),
         Body::Unreserve(b) => encode_ok(id, &b),

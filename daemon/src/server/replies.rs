@@ -41,14 +41,20 @@ impl Server {
                     r.map(Body::Alloc).map_err(WireError::from),
                     Vec::new(),
                 ),
-                Completed::Get(Ok(resp), inline, layout) => {
+                Completed::Get(Ok(mut resp), inline) => {
                     let mut out = Vec::new();
-                    match self.inline_payloads(inline, layout, &resp, &mut out) {
+                    let r = match &inline {
+                        Some((layout, keys)) => {
+                            self.inline_payloads(*layout, keys, &mut resp, &mut out)
+                        }
+                        None => Ok(()),
+                    };
+                    match r {
                         Ok(()) => self.finish(to.id, to.op, to.since, Ok(Body::Get(resp)), out),
                         Err(e) => self.finish(to.id, to.op, to.since, Err(e), Vec::new()),
                     }
                 }
-                Completed::Get(Err(e), _, _) => {
+                Completed::Get(Err(e), _) => {
                     self.finish(to.id, to.op, to.since, Err(e.into()), Vec::new())
                 }
                 Completed::Reserve(r) => self.finish(
@@ -96,25 +102,17 @@ impl Server {
         }
     }
 
+    /// The payload frames of an inline `get`: its hits' bytes, each checked against its
+    /// writer checksum on the way (a hit that fails becomes a miss in `resp`).
     pub(super) fn inline_payloads(
-        &self,
-        inline: bool,
+        &mut self,
         layout: LayoutId,
-        resp: &GetResp,
+        keys: &[ChunkHash],
+        resp: &mut GetResp,
         out: &mut Vec<zmq::Message>,
     ) -> Result<(), WireError> {
-        if !inline {
-            return Ok(());
-        }
-        let len = self.store.block_bytes(layout).unwrap_or(0) as usize;
-        for off in resp.offsets.iter().flatten() {
-            let bytes = self
-                .store
-                .pool()
-                .read(*off, len)
-                .map_err(|e| WireError::new(ErrorCode::Internal, e.to_string()))?;
-            out.push(zmq::Message::from(bytes));
-        }
+        let blocks = self.store.read_inline(layout, keys, resp)?;
+        out.extend(blocks.into_iter().map(zmq::Message::from));
         Ok(())
     }
 

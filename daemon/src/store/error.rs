@@ -123,6 +123,14 @@ pub enum StoreError {
         /// The layout's block size.
         block_bytes: u64,
     },
+    /// A payload frame whose CRC-32C is not the writer checksum sent with it (SPEC §17).
+    #[error("payload #{index} (key {key}) does not match its crc: damaged on the way, not stored")]
+    PayloadChecksum {
+        /// Position in the request.
+        index: usize,
+        /// Its key.
+        key: ChunkHash,
+    },
     /// No room, even after evicting every block that can go.
     #[error(
         "pool full: need {needed} slots of {slot_bytes} bytes but only {available} fit after \
@@ -235,6 +243,7 @@ impl StoreError {
             | OffsetOutsidePool { .. }
             | WrongOffset { .. }
             | PayloadSize { .. }
+            | PayloadChecksum { .. }
             | SlotSize { .. }
             | DuplicateSlot { .. }
             | ZeroCount => ErrorCode::InvalidArgument,

@@ -68,6 +68,11 @@ const FENCED: u8 = 4;
 /// (only on the copy [`Index::remove`] returns) A sealer was reading its slot when the
 /// block went: the slot waits for that seal (`crate::table`, rule 3).
 const SEAL_READING: u8 = 8;
+/// It has a writer checksum (SPEC §17), in [`Index::crcs`] at its position.
+const HAS_CRC: u8 = 16;
+/// Its bytes failed their writer checksum while pinned: never read again (not
+/// `readable`), evicted first once the last pin goes (`store/verify.rs`).
+const DAMAGED: u8 = 32;
 
 const _: () = assert!(
     std::mem::size_of::<Node>() == 48,
@@ -144,7 +149,7 @@ impl Node {
 
     /// Visible to `lookup` and `get` from DRAM.
     pub fn readable(&self) -> bool {
-        matches!(self.state, State::Committed | State::Demoting)
+        matches!(self.state, State::Committed | State::Demoting) && self.flags & DAMAGED == 0
     }
 }
 
@@ -167,6 +172,9 @@ pub(super) struct Index {
     hasher: DefaultHashBuilder,
     table: HashTable<u32>,
     nodes: Vec<Node>,
+    /// Writer checksums (SPEC §17) by node position, valid where the node's flags say
+    /// [`HAS_CRC`] (beside the nodes rather than in them: they keep their 48 bytes).
+    crcs: Vec<u32>,
     free: Vec<u32>,
     /// One per size class.
     lru: Vec<List>,
@@ -252,6 +260,7 @@ impl Index {
             }
             None => {
                 self.nodes.push(node);
+                self.crcs.push(0);
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -287,6 +296,7 @@ impl Index {
                 ..node
             };
             self.nodes.resize(p + 1, free);
+            self.crcs.resize(p + 1, 0);
         } else if self.nodes[p].state != State::Free {
             return false;
         }
@@ -349,9 +359,28 @@ impl Index {
 
     // ----- state changes -----
 
+    /// The block's writer checksum (SPEC §17), if it has one.
+    pub fn crc(&self, idx: u32) -> Option<u32> {
+        let has = self.nodes[idx as usize].flags & HAS_CRC != 0;
+        has.then(|| self.crcs[idx as usize])
+    }
+
+    /// Gives a block not yet committed (or adopted, being checked) its writer checksum.
+    pub fn set_crc(&mut self, idx: u32, crc: u32) {
+        self.nodes[idx as usize].flags |= HAS_CRC;
+        self.crcs[idx as usize] = crc;
+    }
+
+    /// Marks a pinned block whose bytes failed their checksum (see [`DAMAGED`]).
+    pub fn mark_damaged(&mut self, idx: u32) {
+        self.nodes[idx as usize].flags |= DAMAGED;
+    }
+
     /// `Pending` or `Promoting` → `Committed`, evictable unless `pinned` (then it holds
-    /// one pin: a deferred `get` waiting for it).
+    /// one pin: a deferred `get` waiting for it). A block with a writer checksum is
+    /// sealed with it in the durable table at once (no sealer reads it).
     pub fn commit(&mut self, idx: u32, tick: u32, pinned: bool) {
+        let crc = self.crc(idx);
         let n = &mut self.nodes[idx as usize];
         debug_assert!(matches!(n.state, State::Pending | State::Promoting));
         n.state = State::Committed;
@@ -359,7 +388,7 @@ impl Index {
         let key = n.key();
         let off = n.offset();
         if let Some(t) = &mut self.durable {
-            t.committed(idx, key, off);
+            t.committed(idx, key, off, crc);
             if !pinned {
                 t.back(off);
             }
@@ -461,7 +490,9 @@ impl Index {
             if let (Some(t), false) = (&self.durable, n.is_fenced()) {
                 t.back(n.offset());
             }
-            if n.state == State::Committed {
+            if n.state == State::Committed && n.flags & DAMAGED != 0 {
+                self.push_tail(idx); // the next eviction takes it
+            } else if n.state == State::Committed {
                 self.push_head(idx);
             }
         }

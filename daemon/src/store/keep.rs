@@ -254,13 +254,18 @@ impl Store {
             }
             if v.ok {
                 // (a fenced block stays pinned until the fence ends: not evicted while a
-                // reader of the old daemon may hold it)
+                // reader of the old daemon may hold it). Its seal is its checksum from
+                // now on: the writer's, or the sealer's of the previous daemon.
+                self.index.set_crc(pos, v.block.crc);
+                self.checksums.verified += 1;
                 self.index.commit_adopted(pos, tick);
                 if let Some(k) = &mut self.keep {
                     k.stats.adopted += 1;
                 }
             } else {
                 tracing::warn!(key = ?v.block.key, offset = v.block.offset, "a kept block's bytes do not match its checksum: dropped");
+                self.checksums.verified += 1;
+                self.checksums.damaged += 1;
                 self.free_node(pos);
                 if let Some(k) = &mut self.keep {
                     k.stats.damaged += 1;
@@ -391,7 +396,8 @@ impl Store {
         let k = self.keep.as_ref()?;
         let mut s = k.stats.clone();
         s.verifying = k.checker.verifying();
-        s.sealed = k.checker.sealed();
+        s.writer_sealed = self.index.durable.as_ref().map_or(0, |t| t.writer_sealed());
+        s.sealed = k.checker.sealed() + s.writer_sealed;
         s.seals_skipped = k.checker.seals_skipped();
         s.fence_left_ms = k
             .fence
@@ -608,6 +614,7 @@ mod tests {
                                     layout_id: l,
                                     keys: vec![key(i)],
                                     offsets: None,
+                                    crcs: None,
                                 },
                                 &[],
                                 now,

@@ -30,6 +30,7 @@
 //! | `reclaim` | eviction, watermarks, and refusing an allocation that cannot fit before evicting anything |
 //! | `reserved` | pipelined stores (`reserve`, `put`, `unreserve`): a reserved slot is seen by nothing but its owner's `put`, and a `put` never overwrites a cached key |
 //! | `tiering` | the [`LowerTier`] trait (NVMe, or [`NoTier`]), demotion, promotion, prefetch, and requests waiting for I/O |
+//! | `verify` | writer checksums (SPEC §17): a block whose bytes fail theirs is never served again |
 //! | `error` | [`StoreError`], and its mapping to wire codes (one function) |
 //!
 //! This file holds the operations, which validate every key before changing anything:
@@ -53,6 +54,7 @@ mod reclaim;
 mod reserved;
 mod sessions;
 mod tiering;
+mod verify;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -134,9 +136,12 @@ pub enum Answer<T> {
 pub enum Completed {
     /// An `alloc` that waited for demotions.
     Alloc(Result<AllocResp, StoreError>),
-    /// A `get` that waited for promotions (`inline` and the layout are given back so
-    /// the server can attach payloads).
-    Get(Result<GetResp, StoreError>, bool, LayoutId),
+    /// A `get` that waited for promotions (an inline one's layout and keys are given
+    /// back so the server can attach payloads, [`Store::read_inline`]).
+    Get(
+        Result<GetResp, StoreError>,
+        Option<(LayoutId, Vec<ChunkHash>)>,
+    ),
     /// A `reserve` that waited for demotions.
     Reserve(Result<ReserveResp, StoreError>),
 }
@@ -178,6 +183,8 @@ pub struct Store {
     incarnation: Incarnation,
     started: Instant,
     counters: Counters,
+    /// Writer checksums (`verify`).
+    checksums: ChecksumStats,
     /// The DRAM tier kept across restarts (`keep`), when it is.
     keep: Option<keep::Keep>,
 }
@@ -217,6 +224,7 @@ impl Store {
             incarnation,
             started: now,
             counters: Counters::default(),
+            checksums: ChecksumStats::default(),
             keep: None,
         }
     }
@@ -623,6 +631,16 @@ impl Store {
                 hint: " (send one per key, or none)",
             });
         }
+        if let Some(crcs) = &req.crcs {
+            if crcs.len() != req.keys.len() {
+                return Err(StoreError::CountMismatch {
+                    what: "crcs",
+                    given: crcs.len(),
+                    keys: req.keys.len(),
+                    hint: " (one writer checksum per key)",
+                });
+            }
+        }
         let mut idxs = Vec::with_capacity(req.keys.len());
         for (index, k) in req.keys.iter().enumerate() {
             let key = *k;
@@ -660,6 +678,7 @@ impl Store {
                     return Err(StoreError::WrongOffset { index, given, slot });
                 }
             }
+            let mut crc = req.crcs.as_ref().and_then(|c| c.get(index).copied());
             if let Some(p) = payloads.get(index) {
                 if p.len() as u64 != block_bytes {
                     return Err(StoreError::PayloadSize {
@@ -668,10 +687,17 @@ impl Store {
                         block_bytes,
                     });
                 }
+                // The daemon writes these bytes: their checksum is its own (SPEC §17),
+                // and the writer's, when sent, must agree (damage on the way).
+                let got = crate::checksum::crc32c(p);
+                if crc.is_some_and(|want| want != got) {
+                    return Err(StoreError::PayloadChecksum { index, key });
+                }
+                crc = Some(got);
             }
-            idxs.push(idx);
+            idxs.push((idx, crc));
         }
-        for (&idx, p) in idxs.iter().zip(payloads) {
+        for (&(idx, _), p) in idxs.iter().zip(payloads) {
             let off = self.index.node(idx).offset();
             self.pool
                 .write(off, p)
@@ -679,11 +705,15 @@ impl Store {
         }
         let tick = self.tick(now);
         let mut committed = 0i64;
-        for idx in idxs {
+        for (idx, crc) in idxs {
             if self.index.node(idx).state() != State::Pending {
                 continue; // the same key twice in one request
             }
             self.holds.unreserve(idx);
+            if let Some(c) = crc {
+                self.index.set_crc(idx, c);
+            }
+            self.count_commit(crc);
             self.index.commit(idx, tick, false);
             committed += 1;
         }
@@ -739,6 +769,7 @@ impl Store {
     fn pin_hits_for(&mut self, req: &GetReq, ttl: Duration, now: Instant) -> GetResp {
         let tick = self.tick(now);
         let mut offsets = Vec::with_capacity(req.keys.len());
+        let mut crcs = Vec::with_capacity(req.keys.len());
         let mut pinned = Vec::new();
         for k in &req.keys {
             match self.index.find(req.layout_id, k) {
@@ -750,10 +781,12 @@ impl Store {
                     }
                     self.counters.hits += 1;
                     offsets.push(Some(self.index.node(i).offset()));
+                    crcs.push(self.index.crc(i));
                 }
                 _ => {
                     self.counters.misses += 1;
                     offsets.push(None);
+                    crcs.push(None);
                 }
             }
         }
@@ -768,6 +801,7 @@ impl Store {
             pin,
             ttl_ms: ttl.as_millis() as u64,
             waited_ms: 0,
+            crcs,
         }
     }
 
@@ -939,6 +973,7 @@ impl Store {
             gpu: None,
             stream: None,
             events: None,
+            checksums: self.checksums.clone(),
             errors: self
                 .counters
                 .errors

@@ -218,7 +218,7 @@ impl World {
         match self.s.get(&req, self.now) {
             Ok(Answer::Now(r)) => Some(r),
             Ok(Answer::Later(t)) => match self.wait(t) {
-                Completed::Get(r, _, _) => r.ok(),
+                Completed::Get(r, _) => r.ok(),
                 other => panic!("get answered with {other:?}"),
             },
             Err(_) => None,
@@ -276,6 +276,7 @@ impl World {
                         layout_id: l,
                         keys: mine.iter().map(|&i| key(i)).collect(),
                         offsets: None,
+                        crcs: None,
                     };
                     let r = self.s.commit(&req, &[], self.now);
                     assert!(r.is_ok(), "committing fresh allocations: {r:?}");
@@ -292,6 +293,7 @@ impl World {
                     layout_id: l,
                     keys: vec![key(*i)],
                     offsets: None,
+                    crcs: None,
                 };
                 if self.s.commit(&req, &[], self.now).is_ok() {
                     let (owner, v) = self
@@ -404,6 +406,7 @@ impl World {
                         layout_id: l,
                         keys: fresh.iter().map(|(i, _)| key(*i)).collect(),
                         offsets: None,
+                        crcs: None,
                     };
                     let r = self.s.commit(&req, &[], self.now);
                     assert!(r.is_ok(), "committing an import: {r:?}");
@@ -459,6 +462,7 @@ impl World {
                     layout_id: l,
                     keys: keys[..n].iter().map(|&i| key(i)).collect(),
                     offsets: taken.iter().map(|(o, _)| *o).collect(),
+                    crcs: None,
                 };
                 let r = self.s.put(&req, self.now);
                 let r = r.unwrap_or_else(|e| panic!("put of live reserved slots: {e}"));
@@ -494,6 +498,7 @@ impl World {
                     layout_id: l,
                     keys: vec![key(*i)],
                     offsets: vec![off],
+                    crcs: None,
                 };
                 let e = self
                     .s

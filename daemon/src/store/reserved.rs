@@ -136,11 +136,21 @@ impl Store {
                 hint: " (one reserved slot per key)",
             });
         }
+        if let Some(crcs) = &req.crcs {
+            if crcs.len() != req.keys.len() {
+                return Err(StoreError::CountMismatch {
+                    what: "crcs",
+                    given: crcs.len(),
+                    keys: req.keys.len(),
+                    hint: " (one writer checksum per key)",
+                });
+            }
+        }
         self.check_slots(req.client, &req.offsets, Some((class, req.layout_id)))?;
         let layout = req.layout_id;
         let tick = self.tick(now);
         let mut status = Vec::with_capacity(req.keys.len());
-        for (k, &off) in req.keys.iter().zip(&req.offsets) {
+        for (j, (k, &off)) in req.keys.iter().zip(&req.offsets).enumerate() {
             self.holds.unreserve_slot(off);
             let key = BlockKey { layout, hash: *k };
             let s = match self.index.find(layout, k) {
@@ -154,6 +164,11 @@ impl Store {
                     let idx = self
                         .index
                         .insert(Node::new(key, off, class, State::Pending, tick));
+                    let crc = req.crcs.as_ref().and_then(|c| c.get(j).copied());
+                    if let Some(c) = crc {
+                        self.index.set_crc(idx, c);
+                    }
+                    self.count_commit(crc);
                     self.index.commit(idx, tick, false);
                     PutStatus::Stored
                 }
@@ -264,6 +279,7 @@ mod tests {
                 layout_id: self.l,
                 keys: ks.iter().map(|&i| key(i)).collect(),
                 offsets: offs.to_vec(),
+                crcs: None,
             };
             self.s.put(&req, self.now)
         }
@@ -335,6 +351,7 @@ mod tests {
                 layout_id: t.l,
                 keys: vec![key(9)],
                 offsets: None,
+                crcs: None,
             },
             &[],
             t.now,
@@ -361,6 +378,7 @@ mod tests {
                     layout_id: big,
                     keys: vec![key(1)],
                     offsets: vec![mine[0]],
+                    crcs: None,
                 },
                 t.now,
             )
@@ -430,6 +448,7 @@ mod tests {
                 layout_id: t.l,
                 keys: vec![key(4)],
                 offsets: None,
+                crcs: None,
             },
             &[],
             t.now,

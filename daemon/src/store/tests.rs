@@ -98,6 +98,7 @@ impl T {
                 layout_id: self.l,
                 keys: ks.to_vec(),
                 offsets: None,
+                crcs: None,
             },
             &[],
             self.now,
@@ -196,6 +197,7 @@ fn commit_checks_owner_offsets_and_payloads() {
         layout_id: t.l,
         keys: ks.clone(),
         offsets,
+        crcs: None,
     };
     let e = t.s.commit(&req(other, None), &[], t.now).unwrap_err();
     assert_eq!(e.code(), ErrorCode::NotOwner);

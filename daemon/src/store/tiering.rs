@@ -426,7 +426,10 @@ impl Store {
                         self.index.unpin(idx);
                     }
                     resp.waited_ms = now.saturating_duration_since(d.since).as_millis() as u64;
-                    out.push((d.token, Completed::Get(Ok(resp), req.inline, req.layout_id)));
+                    out.push((
+                        d.token,
+                        Completed::Get(Ok(resp), req.inline.then_some((req.layout_id, req.keys))),
+                    ));
                 }
             }
         }
@@ -444,20 +447,43 @@ impl Store {
                 let c = n.class();
                 self.demoting[c.0 as usize] -= 1;
                 self.demoting_bytes -= self.alloc.slot_bytes(c);
-                let on_disk = self.tier.finish_write(&n.key(), done.result, now);
+                // The tier checksummed the bytes it wrote: they must be the writer's
+                // (SPEC §17), or the block is dropped from both tiers.
+                let want = self.index.crc(idx);
+                let damaged = matches!((&done.result, want), (Ok(got), Some(want)) if *got != want);
+                if want.is_some() && done.result.is_ok() {
+                    self.checksums.verified += 1;
+                }
+                let result = if damaged {
+                    Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "the block's bytes do not match its writer checksum",
+                    ))
+                } else {
+                    done.result
+                };
+                let on_disk = self.tier.finish_write(&n.key(), result, now);
                 if on_disk {
                     self.counters.demotions += 1;
                 }
                 if self.index.end_demotion(idx, on_disk) {
                     self.free_node(idx);
+                } else if damaged {
+                    self.drop_damaged(idx, "dram (demotion to nvme)");
                 }
             }
             Flight::Promote(idx, token) => {
                 let key = self.index.node(idx).key();
+                // Verified by the tier against its checksum, which is the writer's (or,
+                // for a block that had none, the one computed as it was demoted).
+                let crc = done.result.as_ref().ok().copied();
                 if !self.tier.finish_read(&key, done.result, now) {
                     // Never committed: nothing else to undo.
                     self.free_node(idx);
                     return;
+                }
+                if let Some(c) = crc {
+                    self.index.set_crc(idx, c);
                 }
                 self.counters.promotions += 1;
                 let tick = self.tick(now);

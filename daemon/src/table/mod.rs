@@ -296,6 +296,8 @@ pub struct BlockTable {
     high: u32,
     /// The next last-use number.
     uses: u64,
+    /// Entries sealed at commit with their writer checksum (SPEC §17).
+    writer_sealed: u64,
 }
 
 impl BlockTable {
@@ -401,6 +403,7 @@ impl BlockTable {
             seals: Vec::new(),
             high: 0,
             uses: 1,
+            writer_sealed: 0,
         }
     }
 
@@ -437,7 +440,7 @@ impl BlockTable {
 
     /// Rule 1: the block `key` at `offset` (entry `pos`) was committed. Its seal is
     /// queued ([`BlockTable::take_seals`]).
-    pub fn committed(&mut self, pos: u32, key: BlockKey, offset: u64) {
+    pub fn committed(&mut self, pos: u32, key: BlockKey, offset: u64, crc: Option<u32>) {
         let Some(&len) = self.block_bytes.get(&key.layout) else {
             return; // not a layout of the table: the block is simply not kept
         };
@@ -464,6 +467,13 @@ impl BlockTable {
         e[4].store((gen << 32) | u64::from(check), Ordering::Relaxed);
         e[USE_WORD].store(self.uses, Ordering::Relaxed);
         self.uses += 1;
+        if let Some(crc) = crc {
+            // Sealed with the writer's checksum (SPEC §17): no sealer reads the block,
+            // and the adoption check after a restart compares its bytes with it.
+            e[5].store(state_word(crc, gen, SEALED), Ordering::Release);
+            self.writer_sealed += 1;
+            return;
+        }
         e[5].store(state_word(0, gen, COMMITTED), Ordering::Release);
         self.seals.push(SealJob {
             pos,
@@ -471,6 +481,11 @@ impl BlockTable {
             offset,
             len,
         });
+    }
+
+    /// Entries sealed at commit with their writer checksum.
+    pub fn writer_sealed(&self) -> u64 {
+        self.writer_sealed
     }
 
     /// Entry `pos`'s block was used (a hit): its place in the LRU order.
@@ -652,8 +667,8 @@ mod tests {
         t.layout(&kvd_testkit::layout(64));
         let map = t.shared();
         let mut jobs = Vec::new();
-        t.committed(0, key(1), 4096);
-        t.committed(1, key(2), 4096 + 65536);
+        t.committed(0, key(1), 4096, None);
+        t.committed(1, key(2), 4096 + 65536, None);
         t.take_seals(&mut jobs);
         let (a, b) = (jobs[0], jobs[1]);
         // a: sealed normally
@@ -671,7 +686,7 @@ mod tests {
         );
         assert!(!read);
         // b's position reused: the stale job does not seal the new commit
-        t.committed(1, key(3), 4096 + 65536);
+        t.committed(1, key(3), 4096 + 65536, None);
         assert_eq!(map.seal(b.pos, b.gen, || Some(1)), None);
         assert!(!t.is_sealed(1));
         // a removal during the read is reported, and the crc dropped
@@ -694,7 +709,7 @@ mod tests {
         let (path, id) = id(dir.path());
         let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
         t.layout(&kvd_testkit::layout(64));
-        t.committed(0, key(1), 4096);
+        t.committed(0, key(1), 4096, None);
         let mut jobs = Vec::new();
         t.take_seals(&mut jobs);
         t.shared().seal(0, jobs[0].gen, || Some(5));
@@ -734,7 +749,7 @@ mod tests {
             let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
             t.layout(&kvd_testkit::layout(64));
             for i in 0..8u8 {
-                t.committed(u32::from(i), key(i), 4096 + u64::from(i) * 65536);
+                t.committed(u32::from(i), key(i), 4096 + u64::from(i) * 65536, None);
             }
             let mut jobs = Vec::new();
             t.take_seals(&mut jobs);

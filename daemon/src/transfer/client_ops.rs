@@ -597,6 +597,7 @@ impl Transfers {
             role: TransferRole::Importer,
             state: TransferState::Done,
             offsets: got.offsets,
+            crcs: got.crcs,
             pin: got.pin,
             ttl_ms: got.ttl_ms,
             bytes: 0,

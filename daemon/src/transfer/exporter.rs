@@ -174,6 +174,7 @@ impl Transfers {
                 layout_id: layout,
                 keys: staged,
                 offsets: None,
+                crcs: None,
             };
             store.commit(&c, &[], now).map_err(|e| {
                 WireError::new(e.code(), format!("committing the staged blocks: {e}"))

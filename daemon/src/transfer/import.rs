@@ -629,6 +629,7 @@ impl Import {
         let r = self.result.as_ref();
         TransferResp {
             offsets: r.map(|r| r.offsets.clone()).unwrap_or_default(),
+            crcs: r.map(|r| r.crcs.clone()).unwrap_or_default(),
             pin: r.and_then(|r| r.pin),
             ttl_ms: r.map(|r| r.ttl_ms).unwrap_or(0),
             parts: self.parts(),

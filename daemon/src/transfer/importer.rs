@@ -158,6 +158,7 @@ impl Transfers {
                 layout_id: imp.layout(),
                 keys: new_keys,
                 offsets: None,
+                crcs: None,
             };
             if let Err(e) = store.commit(&c, &[], now) {
                 let e = WireError::new(e.code(), format!("committing received blocks: {e}"));
@@ -172,6 +173,7 @@ impl Transfers {
                 pin: None,
                 ttl_ms: 0,
                 waited_ms: 0,
+                crcs: Vec::new(),
             }),
             Some(get) => store.pin_now(get, now).map_err(WireError::from),
         };

@@ -210,6 +210,7 @@ impl Life {
             },
             state: self.state,
             offsets: Vec::new(),
+            crcs: Vec::new(),
             pin: None,
             ttl_ms: 0,
             bytes: self.bytes,

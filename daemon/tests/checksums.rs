@@ -1,0 +1,276 @@
+//! Writer checksums (SPEC §17) from the outside: real daemons, real clients, bytes
+//! flipped in the real pool file and on the real NVMe tier. Every flipped block is a
+//! miss (never bytes) for a verified reader, an inline reader and a demotion; the
+//! negative control shows a reader that does not check getting the flipped bytes.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use common::*;
+use kvd_client::{checksum::crc32c, Client, MapPool};
+use kvd_protocol::{ChunkHash, LayoutId, VerifyStatus};
+use nix::sys::signal::Signal;
+
+const KIB: u64 = 64;
+const BYTES: usize = (KIB * 1024) as usize;
+
+fn refs(v: &[Vec<u8>]) -> Vec<&[u8]> {
+    v.iter().map(|b| &b[..]).collect()
+}
+
+fn store(c: &Client, l: LayoutId, seed: u32, n: usize) -> (Vec<ChunkHash>, Vec<Vec<u8>>) {
+    let ks = keys(seed, n);
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| block(u64::from(seed) * 1000 + i as u64, BYTES))
+        .collect();
+    assert_eq!(c.store(l, &ks, &refs(&data)).unwrap().stored(), n);
+    (ks, data)
+}
+
+/// The pool offset of each key's block (a pin taken and released).
+fn offsets(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> Vec<u64> {
+    let p = c.get(l, ks, None).unwrap();
+    let offs = p.offsets().iter().map(|o| o.expect("cached")).collect();
+    p.release().unwrap();
+    offs
+}
+
+/// Flips one bit of the byte at `at` in the file at `path`.
+fn flip(path: &Path, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x10;
+    f.write_all_at(&b, at).unwrap();
+}
+
+/// Loads each key alone (a load answers per key): hits, and the bytes read.
+fn load_each(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> Vec<Option<Vec<u8>>> {
+    ks.iter()
+        .map(|k| {
+            let mut buf = vec![0u8; BYTES];
+            let hit = loop {
+                match c.load(l, &[*k], &mut [&mut buf[..]]) {
+                    Ok(h) => break h[0],
+                    Err(kvd_client::Error::DaemonRestarted { .. }) => continue,
+                    Err(e) => panic!("load: {e}"),
+                }
+            };
+            hit.then_some(buf)
+        })
+        .collect()
+}
+
+#[test]
+fn a_writers_checksum_travels_with_its_block_and_a_flipped_byte_is_a_miss() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let (ks, data) = store(&c, l, 1, 6);
+    let st = c.stats().unwrap();
+    assert_eq!(
+        (st.checksums.from_writers, st.checksums.without),
+        (6, 0),
+        "{st:?}"
+    );
+    let kept = st.kept.expect("kept by default");
+    assert_eq!(
+        kept.writer_sealed, 6,
+        "sealed at commit, no sealer read: {kept:?}"
+    );
+    // The reply carries each block's checksum: the CRC-32C of the bytes written.
+    let p = c.get(l, &ks, None).unwrap();
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(p.crc(i), Some(crc32c(d)), "block {i}");
+        assert_eq!(p.verify(i).unwrap(), Some(true));
+    }
+    drop(p);
+
+    // A bit flipped in the pool file under block 2 and block 4.
+    let offs = offsets(&c, l, &ks);
+    flip(&d.pool_path, offs[2] + 777);
+    flip(&d.pool_path, offs[4] + BYTES as u64 - 1);
+
+    // Negative control: a reader that does not check gets the flipped bytes as a hit.
+    let blind = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_verify(false)
+        .connect()
+        .unwrap();
+    register(&blind, KIB);
+    let got = load_each(&blind, l, &ks[2..3]);
+    let wrong = got[0].as_ref().expect("served unchecked");
+    assert_ne!(
+        wrong, &data[2],
+        "the flip is in the pool: an unchecked read returns it"
+    );
+    assert_eq!(blind.damaged_loads(), 0);
+
+    // A verified load: the flipped blocks are misses, the others byte for byte.
+    let got = load_each(&c, l, &ks);
+    for (i, g) in got.iter().enumerate() {
+        match i {
+            2 | 4 => assert!(g.is_none(), "block {i} is damaged: a miss, never bytes"),
+            _ => assert_eq!(g.as_deref(), Some(&data[i][..]), "block {i}"),
+        }
+    }
+    assert_eq!(c.damaged_loads(), 2);
+    // The loader named them in `verify`; the daemon checked for itself and dropped them.
+    let st = c.stats().unwrap();
+    assert_eq!(
+        (st.checksums.damaged, st.checksums.reports),
+        (2, 2),
+        "{st:?}"
+    );
+    assert_eq!(
+        c.lookup(l, &ks).unwrap().prefix,
+        2,
+        "the prefix ends at the first damage"
+    );
+    assert_eq!(
+        c.verify(l, &ks[..3]).unwrap(),
+        vec![
+            VerifyStatus::Intact,
+            VerifyStatus::Intact,
+            VerifyStatus::Missing
+        ],
+        "a report drops no intact block"
+    );
+    // Stored again, the key serves the right bytes.
+    assert_eq!(
+        c.store(l, &ks[2..3], &refs(&data[2..3])).unwrap().stored(),
+        1
+    );
+    assert_eq!(
+        load_each(&c, l, &ks[2..3])[0].as_deref(),
+        Some(&data[2][..])
+    );
+}
+
+#[test]
+fn a_reader_by_payload_frames_never_gets_a_damaged_block() {
+    let d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let (ks, data) = store(&c, l, 2, 3);
+    let offs = offsets(&c, l, &ks);
+    flip(&d.pool_path, offs[1]);
+    // A client that does not map the pool: the daemon copies, and checks as it copies.
+    let remote = d.client_with(MapPool::Never);
+    let blind = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_map_pool(MapPool::Never)
+        .with_verify(false)
+        .connect()
+        .unwrap();
+    register(&remote, KIB);
+    register(&blind, KIB);
+    let got = load_each(&blind, l, &ks);
+    assert_eq!(got[0].as_deref(), Some(&data[0][..]));
+    assert!(
+        got[1].is_none(),
+        "the daemon's own check drops it, whatever the client checks"
+    );
+    assert_eq!(got[2].as_deref(), Some(&data[2][..]));
+    let st = remote.stats().unwrap();
+    assert_eq!(st.checksums.damaged, 1, "{st:?}");
+    assert_eq!(st.checksums.reports, 0, "the daemon found it itself");
+    // Stores by payload frames carry the daemon's own checksum of the frames.
+    let (ks2, data2) = store(&remote, l, 3, 2);
+    let p = c.get(l, &ks2, None).unwrap();
+    assert_eq!(p.crc(1), Some(crc32c(&data2[1])));
+}
+
+#[test]
+fn a_block_sealed_by_its_writer_survives_a_kill_right_after_its_commit() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    let (ks, data) = store(&c, l, 4, 20);
+    // SIGKILL at once: no sealer had to read anything, so nothing is unsealed.
+    d.signal(Signal::SIGKILL);
+    let offs_before = ks.len();
+    d.restart();
+    let mut st = None;
+    eventually(20, "every kept block checked", || {
+        let k = c.stats().ok().and_then(|s| s.kept);
+        let done = k
+            .as_ref()
+            .is_some_and(|k| k.verifying == 0 && k.verified_ms.is_some());
+        st = k;
+        done
+    });
+    let st = st.unwrap();
+    assert_eq!(
+        (st.found, st.adopted, st.unsealed),
+        (offs_before as u64, 20, 0),
+        "{st:?}"
+    );
+    let got = load_each(&c, l, &ks);
+    for (g, want) in got.iter().zip(&data) {
+        assert_eq!(g.as_deref(), Some(&want[..]));
+    }
+    // The adopted blocks keep their checksums: a later flip is still caught.
+    let p = c.get(l, &ks[..1], None).unwrap();
+    assert_eq!(p.crc(0), Some(crc32c(&data[0])));
+}
+
+/// A directory on the real disk (tmpfs refuses O_DIRECT).
+fn disk_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+#[test]
+fn a_damaged_block_is_not_demoted_and_a_promoted_one_keeps_its_checksum() {
+    let dir = disk_dir();
+    let nvme = dir.path().display().to_string();
+    let d = Daemon::start(&[
+        "--pool-size",
+        "8MiB",
+        "--nvme-size",
+        "64MiB",
+        "--nvme-path",
+        &nvme,
+    ]);
+    let c = d.client();
+    let l = register(&c, 256).id;
+    let big = 256 * 1024;
+    let ks = keys(5, 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|i| block(5000 + i, big)).collect();
+    c.store(l, &ks, &refs(&data)).unwrap();
+    let offs = offsets(&c, l, &ks);
+    flip(&d.pool_path, offs[0] + 4096);
+    // Push every block out of DRAM: 3 pools' worth of other blocks.
+    let filler = keys(6, 96);
+    for chunk in filler.chunks(8) {
+        let bufs: Vec<Vec<u8>> = (0..chunk.len()).map(|i| block(i as u64, big)).collect();
+        c.store(l, chunk, &refs(&bufs)).unwrap();
+    }
+    eventually(20, "the first blocks left DRAM", || {
+        let gone = c.probe(l, &ks[..1]).is_ok_and(|r| r.prefix == 0);
+        let down = c
+            .probe(l, &ks[1..])
+            .is_ok_and(|r| r.tiers == vec![kvd_protocol::Tier::Nvme; 3]);
+        gone && down
+    });
+    let st = c.stats().unwrap();
+    assert!(st.checksums.damaged >= 1, "the demotion checked it: {st:?}");
+    assert_eq!(
+        st.nvme.unwrap().checksum_errors,
+        0,
+        "nothing bad reached the disk"
+    );
+    // The others came back from NVMe with the writer's checksum, byte for byte.
+    let mut buf = vec![0u8; big];
+    let hit = c.load(l, &ks[1..2], &mut [&mut buf[..]]).unwrap()[0];
+    assert!(hit, "block 1 is on NVMe");
+    assert_eq!(buf, data[1]);
+    let p = c.get(l, &ks[1..2], None).unwrap();
+    assert_eq!(p.crc(0), Some(crc32c(&data[1])));
+}
