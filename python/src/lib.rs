@@ -270,6 +270,22 @@ impl Client {
         to_py(py, &r)
     }
 
+    /// `verify` (SPEC §4): the daemon checks the blocks against their writer checksums
+    /// and drops those that fail; per key "intact", "damaged", "unchecked" or "missing".
+    /// What a reader whose own check (`Pinned.verify`) failed sends.
+    fn verify<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u64,
+        keys: Vec<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let keys = keys_of(keys)?;
+        let r = py
+            .detach(|| self.inner.verify(LayoutId(layout_id), &keys))
+            .map_err(err)?;
+        to_py(py, &r)
+    }
+
     /// The daemon's counters (SPEC §4 `stats`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let r = py.detach(|| self.inner.stats()).map_err(err)?;
@@ -591,6 +607,29 @@ impl Pinned {
         g.as_ref()
             .map(|p| p.offsets().to_vec())
             .ok_or_else(|| PyValueError::new_err("released"))
+    }
+
+    /// Per key: the block's writer checksum (SPEC §17), `None` for a miss or a block
+    /// stored without one.
+    #[getter]
+    fn crcs(&self) -> PyResult<Vec<Option<u32>>> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let p = g
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("released"))?;
+        Ok((0..p.offsets().len()).map(|i| p.crc(i)).collect())
+    }
+
+    /// Checks every hit in place against its writer checksum (SPEC §17; a read of each
+    /// block, without the GIL): per key `False` when its bytes do not match (a miss:
+    /// name it in `Client.verify`), `True` when they do, `None` for a miss, a block
+    /// without a checksum, or a client whose loads are not verified (`KVD_VERIFY_LOADS`).
+    fn verify(&self, py: Python<'_>) -> PyResult<Vec<Option<bool>>> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let p = g
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("released"))?;
+        py.detach(|| p.check()).map_err(err)
     }
 
     /// The pin's id (`None` when nothing was pinned).

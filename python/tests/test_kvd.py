@@ -190,6 +190,45 @@ def _():
     assert ticks[0] > 100, f"only {ticks[0]} ticks while the client waited: the GIL was held"
 
 
+@check("writer checksums: a batch's commit sends them, a flipped pool byte is not vouched for and is dropped")
+def _():
+    import zlib  # noqa: F401  (CRC-32C is not in the stdlib: computed below)
+
+    def crc32c(b):
+        c = 0xFFFFFFFF
+        for x in b:
+            c ^= x
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        return c ^ 0xFFFFFFFF
+
+    c = kvd.Client(EP)
+    info = c.register_layout(LAYOUT)
+    lid, bb = info["layout_id"], info["block_bytes"]
+    ks = keys(21, 3)
+    pool = memoryview(c.pool())
+    batch = c.alloc(lid, ks)
+    blocks = [bytes([(i * 37 + j) % 251 for j in range(bb)]) for i in range(3)]
+    for i, off in enumerate(batch.offsets):
+        pool[off:off + bb] = blocks[i]
+    assert batch.commit() == 3
+    pin = c.get(lid, ks)
+    assert pin.crcs == [crc32c(b) for b in blocks], "the checksum of the bytes the batch wrote"
+    assert pin.verify() == [True, True, True]
+    off = pin.offsets[1]
+    pin.release()
+    pool[off + 5] ^= 0x01  # a bit flipped in the pool
+    before = c.stats()["checksums"]
+    pin = c.get(lid, ks)
+    assert pin.verify() == [True, False, True]
+    assert kvd.vouched(c, lid, ks, pin) == [True, False, True]
+    pin.release()
+    after = c.stats()["checksums"]
+    assert after["damaged"] == before["damaged"] + 1 and after["reports"] == before["reports"] + 1, after
+    assert c.lookup(lid, ks)["prefix"] == 1, "dropped: the prefix ends before it"
+    assert c.verify(lid, ks) == ["intact", "missing", "intact"]
+
+
 @check("the GPU tier on the host stand-in: numpy caches in shared memory, store, load, GPU-to-GPU pull")
 def _():
     import numpy as np

@@ -229,6 +229,89 @@ def _():
     b.close()
 
 
+def flipped_load(seed, verify):
+    """A prompt saved by one engine, a bit flipped in the pool under its 4th block, then
+    scheduled (6 blocks hit) and loaded by a second engine whose client verifies loads or
+    not. Returns (the load errors the worker reported, the block ids, engines, request,
+    tokens, the daemon's checksum counters before)."""
+    toks = prompt(seed)
+    a = ve.Engine(P)
+    r1 = rid("a")
+    a.add(r1, toks)
+    a.run(finished(a, r1))
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    cl = kvd.Client(P)
+    lid = cl.register_layout(a.sconn._geo.layout(0))["layout_id"]
+    assert lid == a.sconn._lids[0]
+    pin = cl.get(lid, keys[3:4])
+    off = pin.offsets[0]
+    pin.release()
+    pool = memoryview(cl.pool())
+    pool[off + 11] ^= 0x04
+    before = cl.stats()["checksums"]
+    old = os.environ.get("KVD_VERIFY_LOADS")
+    os.environ["KVD_VERIFY_LOADS"] = "1" if verify else "0"
+    try:
+        b = ve.Engine(P)
+        r2 = rid("b")
+        b.add(r2, toks)
+        so = b.scheduler.schedule()
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 96
+        w = b.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+    finally:
+        if old is None:
+            del os.environ["KVD_VERIFY_LOADS"]
+        else:
+            os.environ["KVD_VERIFY_LOADS"] = old
+    bad = w.get_block_ids_with_load_errors()
+    w.clear_connector_metadata()
+    return bad, b.block_ids(r2), a, b, r2, so, toks, cl, before
+
+
+@check("a bit flipped in the pool under a cached block: the load is not vouched for, vLLM recomputes from there, the daemon drops the block")
+def _():
+    bad, ids, a, b, r2, so, toks, cl, before = flipped_load(5, verify=True)
+    assert bad == set(ids[3:6]), (bad, ids)
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
+                            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad))
+    b.scheduler.update_from_output(so, mro)
+    assert b.scheduler.requests[r2].num_computed_tokens == 48, b.scheduler.requests[r2].num_computed_tokens
+    prefilled(b, r2, 100)
+    b.check_blocks(r2, toks, 6)
+    after = cl.stats()["checksums"]
+    assert after["damaged"] == before["damaged"] + 1, (before, after)
+    assert after["reports"] == before["reports"] + 1, (before, after)
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    assert cl.lookup(a.sconn._lids[0], keys)["prefix"] == 3, "the damaged block is gone"
+    a.close()
+    b.close()
+
+
+@check("negative control: a client that does not verify loads hands vLLM the flipped block as a hit, and its KV is wrong")
+def _():
+    bad, ids, a, b, r2, so, toks, cl, before = flipped_load(6, verify=False)
+    assert bad == set(), bad
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
+                            kv_connector_output=KVConnectorOutput(invalid_block_ids=set()))
+    b.scheduler.update_from_output(so, mro)
+    prefilled(b, r2, 100)
+    try:
+        b.check_blocks(r2, toks, 6)
+        raise AssertionError("the flipped bit did not reach the engine: this control cannot fail the check")
+    except AssertionError as e:
+        if "control" in str(e):
+            raise
+    assert cl.stats()["checksums"]["damaged"] == before["damaged"]
+    a.close()
+    b.close()
+
+
 @check("the CUDA path's staged gather/scatter moves the same bytes as the CPU path's direct copies (both layouts)")
 def _():
     # The CUDA path (one DMA per slot + a device gather/scatter) runs here on CPU tensors:

@@ -37,6 +37,10 @@ pub(super) enum State {
     /// Adopted from the previous daemon's table; invisible until its bytes are checked
     /// against the crc it was sealed with (`store/keep.rs`).
     Verifying,
+    /// Its bytes failed their writer checksum while pinned (or being demoted): out of
+    /// the hash table (no key finds it), its slot freed when the last pin goes or the
+    /// write ends (`store/verify.rs`).
+    Damaged,
 }
 
 /// One block. 48 bytes.
@@ -70,9 +74,6 @@ const FENCED: u8 = 4;
 const SEAL_READING: u8 = 8;
 /// It has a writer checksum (SPEC §17), in [`Index::crcs`] at its position.
 const HAS_CRC: u8 = 16;
-/// Its bytes failed their writer checksum while pinned: never read again (not
-/// `readable`), evicted first once the last pin goes (`store/verify.rs`).
-const DAMAGED: u8 = 32;
 
 const _: () = assert!(
     std::mem::size_of::<Node>() == 48,
@@ -149,7 +150,7 @@ impl Node {
 
     /// Visible to `lookup` and `get` from DRAM.
     pub fn readable(&self) -> bool {
-        matches!(self.state, State::Committed | State::Demoting) && self.flags & DAMAGED == 0
+        matches!(self.state, State::Committed | State::Demoting)
     }
 }
 
@@ -371,9 +372,24 @@ impl Index {
         self.crcs[idx as usize] = crc;
     }
 
-    /// Marks a pinned block whose bytes failed their checksum (see [`DAMAGED`]).
-    pub fn mark_damaged(&mut self, idx: u32) {
-        self.nodes[idx as usize].flags |= DAMAGED;
+    /// A committed block that is pinned or being demoted failed its checksum: no key
+    /// finds it from now on (it leaves the hash table and the count of cached blocks, and
+    /// a KV event says it went), and it becomes [`State::Damaged`] until the last pin
+    /// goes ([`Index::unpin`] says when) or its write ends ([`Index::end_demotion`]);
+    /// then the caller frees it with [`Index::remove`].
+    pub fn set_damaged(&mut self, idx: u32) {
+        if self.listed(idx) {
+            self.unlink(idx);
+        }
+        let n = self.nodes[idx as usize];
+        debug_assert!(matches!(n.state, State::Committed | State::Demoting));
+        let h = self.hash_key(n.layout, &n.hash);
+        if let Ok(e) = self.table.find_entry(h, |&i| i == idx) {
+            e.remove();
+        }
+        self.committed -= 1;
+        self.events.record(n.key(), Medium::Dram, false);
+        self.nodes[idx as usize].state = State::Damaged;
     }
 
     /// `Pending` or `Promoting` → `Committed`, evictable unless `pinned` (then it holds
@@ -451,16 +467,18 @@ impl Index {
 
     /// The fence ended: an adopted block that was out is an ordinary block now (the pin
     /// its commit took for the fence is dropped: evictable, out-bit cleared unless a pin
-    /// of this daemon holds it).
-    pub fn unfence(&mut self, idx: u32) {
+    /// of this daemon holds it). `true` as [`Index::unpin`].
+    #[must_use]
+    pub fn unfence(&mut self, idx: u32) -> bool {
         let n = &mut self.nodes[idx as usize];
         if n.flags & FENCED == 0 {
-            return;
+            return false;
         }
         n.flags &= !FENCED;
-        if matches!(n.state, State::Committed | State::Demoting) {
-            self.unpin(idx);
+        if matches!(n.state, State::Committed | State::Demoting | State::Damaged) {
+            return self.unpin(idx);
         }
+        false
     }
 
     /// One more pin: the block is no longer evictable (and no longer merely prefetched).
@@ -480,8 +498,10 @@ impl Index {
     }
 
     /// One pin less; the last one makes a committed block evictable again (a block being
-    /// demoted is freed or relisted when its write completes).
-    pub fn unpin(&mut self, idx: u32) {
+    /// demoted is freed or relisted when its write completes). `true`: it was the last
+    /// pin of a [`State::Damaged`] block, which the caller now frees.
+    #[must_use]
+    pub fn unpin(&mut self, idx: u32) -> bool {
         let n = &mut self.nodes[idx as usize];
         debug_assert!(n.pins > 0);
         n.pins = n.pins.saturating_sub(1);
@@ -490,12 +510,13 @@ impl Index {
             if let (Some(t), false) = (&self.durable, n.is_fenced()) {
                 t.back(n.offset());
             }
-            if n.state == State::Committed && n.flags & DAMAGED != 0 {
-                self.push_tail(idx); // the next eviction takes it
-            } else if n.state == State::Committed {
+            let state = n.state;
+            if state == State::Committed {
                 self.push_head(idx);
             }
+            return state == State::Damaged;
         }
+        false
     }
 
     /// Takes an evictable block off its list to be written to the lower tier: it stays
@@ -511,6 +532,9 @@ impl Index {
     /// marked never to be demoted again if the write failed).
     pub fn end_demotion(&mut self, idx: u32, written: bool) -> bool {
         let n = &mut self.nodes[idx as usize];
+        if n.state == State::Damaged {
+            return n.pins == 0;
+        }
         n.state = State::Committed;
         if !written {
             n.flags |= NO_DEMOTE;

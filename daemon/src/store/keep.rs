@@ -286,7 +286,9 @@ impl Store {
         }
         if let Some(f) = fence {
             for pos in f.nodes {
-                self.index.unfence(pos);
+                if self.index.unfence(pos) {
+                    self.free_node(pos);
+                }
             }
             for off in f.slots {
                 self.free_slot_now(off);

@@ -655,7 +655,8 @@ impl Store {
                     return Err(StoreError::AlreadyCommitted { index, key })
                 }
                 State::Promoting => return Err(StoreError::BeingPromoted { index, key }),
-                State::Free => None,
+                // (a damaged block has left the hash table: no key finds it)
+                State::Free | State::Damaged => None,
             };
             match owner {
                 None => return Err(StoreError::NotAllocated { index, key }),
@@ -807,7 +808,9 @@ impl Store {
 
     fn unpin(&mut self, pin: Pin) {
         for i in pin.nodes {
-            self.index.unpin(i);
+            if self.index.unpin(i) {
+                self.free_node(i); // damaged while pinned (`verify.rs`)
+            }
         }
         self.sessions.held(pin.owner, Held::Pins(-1));
     }
@@ -904,6 +907,8 @@ impl Store {
                             aborted += 1;
                             DeleteStatus::Deleted
                         }
+                        // (a damaged block has left the hash table: no key finds it)
+                        State::Damaged => DeleteStatus::Missing,
                         State::Pending | State::Demoting | State::Promoting | State::Verifying => {
                             DeleteStatus::Busy
                         }

@@ -423,7 +423,9 @@ impl Store {
                     }
                     let mut resp = self.pin_hits(&req, now);
                     for idx in held {
-                        self.index.unpin(idx);
+                        if self.index.unpin(idx) {
+                            self.free_node(idx);
+                        }
                     }
                     resp.waited_ms = now.saturating_duration_since(d.since).as_millis() as u64;
                     out.push((

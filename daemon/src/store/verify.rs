@@ -96,10 +96,10 @@ impl Store {
         self.checksums.damaged += 1;
         tracing::warn!(key = %n.hash, layout = n.layout.0, tier = where_, count = self.checksums.damaged,
             "a block's bytes do not match its writer checksum: dropped (a miss from now on)");
-        if n.pins() == 0 && n.state() == State::Committed {
-            self.free_node(idx);
-        } else {
-            self.index.mark_damaged(idx);
+        match n.state() {
+            State::Committed if n.pins() == 0 => self.free_node(idx),
+            State::Committed | State::Demoting => self.index.set_damaged(idx),
+            _ => {}
         }
     }
 
@@ -109,5 +109,130 @@ impl Store {
             Some(_) => self.checksums.from_writers += 1,
             None => self.checksums.without += 1,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::tests::{bare_store, layout};
+    use crate::store::Answer;
+
+    const BLOCK: usize = 16 * 1024;
+
+    fn now<T: std::fmt::Debug>(a: Answer<T>) -> T {
+        match a {
+            Answer::Now(t) => t,
+            Answer::Later(t) => panic!("deferred ({t})"),
+        }
+    }
+
+    #[test]
+    fn a_damaged_block_pinned_by_a_reader_is_found_by_no_key_and_freed_with_its_last_pin() {
+        let (mut s, t, _dir) = bare_store(2);
+        let c = s.hello(&HelloReq::default(), t).unwrap();
+        let l = s.register_layout(&layout(16)).unwrap().layout_id;
+        let ks: Vec<ChunkHash> = (0..2u32)
+            .map(|i| kvd_protocol::hash::chunk(&ChunkHash::default(), &[i, 5]))
+            .collect();
+        let a = now(s
+            .alloc(
+                &AllocReq {
+                    client: c,
+                    layout_id: l,
+                    keys: ks.clone(),
+                },
+                t,
+            )
+            .unwrap());
+        let data = [vec![1u8; BLOCK], vec![2u8; BLOCK]];
+        let mut crcs = Vec::new();
+        for (off, d) in a.offsets.iter().zip(&data) {
+            s.pool().write(off.unwrap(), d).unwrap();
+            crcs.push(crate::checksum::crc32c(d));
+        }
+        let commit = CommitReq {
+            client: c,
+            layout_id: l,
+            keys: ks.clone(),
+            offsets: None,
+            crcs: Some(crcs.clone()),
+        };
+        s.commit(&commit, &[], t).unwrap();
+        let get = GetReq {
+            client: c,
+            layout_id: l,
+            keys: ks.clone(),
+            ttl_ms: None,
+            inline: false,
+        };
+        let r = now(s.get(&get, t).unwrap());
+        assert_eq!(r.crcs, vec![Some(crcs[0]), Some(crcs[1])]);
+        let used = s.stats(t).pool.used_bytes;
+        // A bit flips under block 1 while a reader holds the pin.
+        let off = r.offsets[1].unwrap();
+        s.pool().write(off + 9, &[0xFF]).unwrap();
+        let v = s
+            .verify(
+                &VerifyReq {
+                    client: c,
+                    layout_id: l,
+                    keys: ks.clone(),
+                },
+                t,
+            )
+            .unwrap();
+        assert_eq!(v.status, vec![VerifyStatus::Intact, VerifyStatus::Damaged]);
+        let st = s.stats(t);
+        assert_eq!(
+            (st.blocks, st.checksums.damaged, st.checksums.reports),
+            (1, 1, 2)
+        );
+        let lk = LookupReq {
+            layout_id: l,
+            keys: ks.clone(),
+            no_prefetch: false,
+            local_only: false,
+        };
+        assert_eq!(s.lookup(&lk, t).unwrap().prefix, 1, "no key finds it");
+        assert_eq!(now(s.get(&get, t).unwrap()).offsets[1], None);
+        assert_eq!(s.holds(l, &ks), vec![true, false]);
+        assert_eq!(
+            s.stats(t).pool.used_bytes,
+            used,
+            "the reader's pin still holds its slot"
+        );
+        // The same key can be stored again meanwhile, in another slot.
+        let again = now(s
+            .alloc(
+                &AllocReq {
+                    client: c,
+                    layout_id: l,
+                    keys: ks[1..].to_vec(),
+                },
+                t,
+            )
+            .unwrap());
+        assert_eq!(again.status, vec![AllocStatus::New]);
+        assert_ne!(again.offsets[0], Some(off));
+        // The last pin goes: the slot is free.
+        let rel = ReleaseReq {
+            client: c,
+            pins: vec![r.pin.unwrap()],
+        };
+        s.release(&rel, t).unwrap();
+        assert_eq!(
+            s.stats(t).pool.used_bytes,
+            used,
+            "one slot back, one slot taken by the new alloc"
+        );
+        // An inline read checks as it copies: the intact block comes back whole.
+        let inline = GetReq {
+            inline: true,
+            ..get
+        };
+        let mut resp = now(s.get(&inline, t).unwrap());
+        let bytes = s.read_inline(l, &ks, &mut resp).unwrap();
+        assert_eq!(bytes, vec![data[0].clone()]);
     }
 }

@@ -24,7 +24,30 @@ Engine integrations (imported only by the engines that load them):
 
 from ._native import Batch, Client, KvdError, Pinned, Pool, chunk_hashes, layout_id, model_identity
 
-__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id", "model_identity", "torch_pool"]
+__all__ = ["Batch", "Client", "KvdError", "Pinned", "Pool", "chunk_hashes", "layout_id", "model_identity", "torch_pool", "vouched"]
+
+
+def vouched(client, layout_id, keys, pin):
+    """Per key of ``pin`` (a ``client.get`` of ``keys`` under ``layout_id``), whether its
+    block may be read: a hit whose bytes match its writer checksum (SPEC §17; checked in
+    place, without the GIL) or that has none. A hit whose bytes do not match is a miss and
+    is named to the daemon (``Client.verify``), which checks it itself and drops it. Read
+    only the blocks this says ``True`` of: an engine never decodes from bytes kvd did not
+    vouch for."""
+    checks = pin.verify()
+    damaged = [k for k, ok in zip(keys, checks) if ok is False]
+    if damaged:
+        try:
+            client.verify(layout_id, damaged)
+        except KvdError:
+            pass  # the load counts them as misses either way
+    return [o is not None and ok is not False for o, ok in zip(pin.offsets, checks)]
+
+
+def vouched_prefix(client, layout_id, keys, pin):
+    """How many leading keys of ``pin`` may be read (:func:`vouched`)."""
+    ok = vouched(client, layout_id, keys, pin)
+    return next((i for i, v in enumerate(ok) if not v), len(ok))
 
 
 def torch_pool(client, register_cuda=True):

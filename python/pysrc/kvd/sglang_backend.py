@@ -361,11 +361,10 @@ class KvdHiCacheStorage(HiCacheStorage):
         try:
             if self._client.incarnation != inc:
                 return [False] * len(keys)
-            ok = []
+            ok = kvd.vouched(self._client, lid, [kvd_key(k) for k in keys], pin)
             for i, off in enumerate(pin.offsets):
-                if off is not None:
+                if ok[i]:
                     read(pool, off, i)
-                ok.append(off is not None)
             return ok
         finally:
             pin.release()

@@ -944,7 +944,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 offsets.append(pin.offsets)
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
-            good = min(next((i for i, o in enumerate(offs) if o is None), len(offs)) for offs in offsets)
+            good = min(kvd.vouched_prefix(client, self._src_lids[(src_tp, s)], keys, pin) for (s, *_), pin in zip(shards, pins))
             if g.grouped:
                 self._gcopy.copy_resliced(pool, src_tp, shards, [offs[:good] for offs in offsets], block_ids[:good])
                 self._sync()
@@ -975,7 +975,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 # Offsets of another daemon incarnation than the mapping: never read them.
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
             offs = pin.offsets
-            good = next((i for i, o in enumerate(offs) if o is None), len(offs))
+            good = kvd.vouched_prefix(client, self._lid, keys, pin)
             if good:
                 self._copy_in(pool, offs[:good], block_ids[:good])
             return good
@@ -1063,7 +1063,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
             off = pin.offsets[0] if pin.offsets else None
-            if off is None:
+            if off is None or not kvd.vouched(client, self._slid, [key], pin)[0]:
                 return False
             self._scopy.copy_in(pool, [off], [ids])
             self._sync()

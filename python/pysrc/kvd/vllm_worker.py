@@ -235,7 +235,7 @@ class _Step:
                 if client.incarnation != inc:
                     raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
                 offs = pin.offsets
-                good = next((i for i, o in enumerate(offs) if o is None), len(offs))
+                good = kvd.vouched_prefix(client, conn._lid, ld.keys, pin)
                 if good:
                     self.loads.append((offs[:good], ld.block_ids[:good], ld.block_ids))
             except (kvd.KvdError, OSError) as e:
