@@ -444,7 +444,20 @@ fn store(a: StoreArgs) -> Result<()> {
         .with_busy_poll(a.busy_poll)
         .connect()
         .context("connecting to kvd")?;
-    let cases = (a.sizes.len() * a.threads.len() * 4 + 2) as u64;
+    // The same client without writer checksums (SPEC §17): stores send none (the daemon
+    // seals such blocks by reading them again) and loads check nothing. What checksums
+    // cost is the difference.
+    let plain = Client::builder()
+        .with_endpoint(&endpoint)
+        .with_name("kvd-bench-plain")
+        .with_timeout(Duration::from_secs(60))
+        .with_map_pool(MapPool::Always)
+        .with_busy_poll(a.busy_poll)
+        .with_writer_checksums(false)
+        .with_verify(false)
+        .connect()
+        .context("connecting to kvd")?;
+    let cases = (a.sizes.len() * a.threads.len() * 6 + 2) as u64;
     let pb = if a.json {
         ProgressBar::hidden()
     } else {
@@ -472,6 +485,7 @@ fn store(a: StoreArgs) -> Result<()> {
         let size = size.as_u64();
         let layout = layout_of(size, &size.to_string())?;
         let info: LayoutInfo = client.register_layout(&layout)?;
+        plain.register_layout(&layout)?;
         let n = (total / size).max(1) as usize;
         let mut src: Vec<Vec<u8>> = (0..n)
             .map(|i| vec![(i % 251) as u8 + 1; size as usize])
@@ -492,6 +506,7 @@ fn store(a: StoreArgs) -> Result<()> {
             let (mut st_lat, mut ld_lat) = (vec![], vec![]);
             let (mut qs, mut q_lat) = (vec![], vec![]);
             let (mut pls, mut pl_lat) = (vec![], vec![]);
+            let (mut nsts, mut nst_lat, mut nlds, mut nld_lat) = (vec![], vec![], vec![], vec![]);
             for rep in 0..a.reps {
                 case_id += 1;
                 let keys = keys_for(case_id, n);
@@ -576,8 +591,44 @@ fn store(a: StoreArgs) -> Result<()> {
                 forget_case(&client, info.id, &pkeys, &mut dst)?;
                 pls.push(pl.elapsed);
                 pl_lat.extend(pl.lat);
+
+                // Store and load without writer checksums (see `plain`).
+                pb.set_message(format!("{} x{t} rep {rep}: no checksums", ByteSize(size)));
+                case_id += 1;
+                let nkeys = keys_for(case_id, n);
+                let nst = run_threads(n, t, batch, &|r| {
+                    let refs: Vec<&[u8]> = srcs[r.clone()].iter().map(|b| &b[..]).collect();
+                    let out = plain.store(info.id, &nkeys[r], &refs)?;
+                    if out.stored() != refs.len() {
+                        bail!("stored {} of {}", out.stored(), refs.len());
+                    }
+                    Ok(())
+                })?;
+                let dst_cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
+                    dst.iter_mut().map(std::sync::Mutex::new).collect();
+                let nld = run_threads(n, t, batch, &|r| {
+                    let mut guards: Vec<_> = dst_cells[r.clone()]
+                        .iter()
+                        .map(|m| m.lock().expect("unshared"))
+                        .collect();
+                    let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
+                    let hits = plain.load(info.id, &nkeys[r], &mut outs)?;
+                    if hits.iter().any(|h| !h) {
+                        bail!("a block was evicted during the load case: enlarge the pool");
+                    }
+                    Ok(())
+                })?;
+                drop(dst_cells);
+                if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                    bail!("bytes loaded without checksums differ from those stored");
+                }
+                forget_case(&client, info.id, &nkeys, &mut dst)?;
+                nsts.push(nst.elapsed);
+                nst_lat.extend(nst.lat);
+                nlds.push(nld.elapsed);
+                nld_lat.extend(nld.lat);
             }
-            pb.inc(4);
+            pb.inc(6);
             let (cin, cout) = (gb(bytes, median(&mut cins)), gb(bytes, median(&mut couts)));
             if t == 1 && size == max_size {
                 headline = cin;
@@ -587,6 +638,8 @@ fn store(a: StoreArgs) -> Result<()> {
                 ("store (queued)", median(&mut qs), q_lat, cin),
                 ("load", median(&mut lds), ld_lat, cout),
                 ("load (prefetched)", median(&mut pls), pl_lat, cout),
+                ("store (no checksums)", median(&mut nsts), nst_lat, cin),
+                ("load (unverified)", median(&mut nlds), nld_lat, cout),
             ] {
                 let (p50, p99) = percentiles(&mut lat);
                 let g = gb(bytes, el);

@@ -38,6 +38,7 @@ pub struct ClientBuilder {
     pub(crate) busy_poll: bool,
     pub(crate) spin: Duration,
     pub(crate) verify: bool,
+    pub(crate) writer_checksums: bool,
 }
 
 impl ClientBuilder {
@@ -91,6 +92,14 @@ impl ClientBuilder {
     /// checksums").
     pub fn with_verify(mut self, on: bool) -> Self {
         self.verify = on;
+        self
+    }
+    /// Whether stores send each block's writer checksum (SPEC §17), computed as the bytes
+    /// are copied. Default: on. Off only to measure what checksums cost (`kvd-bench
+    /// store`): blocks stored without one are served unchecked, and the daemon reads
+    /// them again to seal them for a restart.
+    pub fn with_writer_checksums(mut self, on: bool) -> Self {
+        self.writer_checksums = on;
         self
     }
     /// Connects and says hello. A daemon that is still starting is waited for, up to the
@@ -242,6 +251,7 @@ impl Client {
             busy_poll: env_flag("KVD_BUSY_POLL").unwrap_or(false),
             spin: parse_spin(std::env::var("KVD_SPIN_US").ok().as_deref()),
             verify: env_flag("KVD_VERIFY_LOADS").unwrap_or(true),
+            writer_checksums: true,
         }
     }
 

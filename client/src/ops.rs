@@ -292,7 +292,7 @@ impl Client {
         for start in (0..keys.len()).step_by(per_chunk) {
             let end = (start + per_chunk).min(keys.len());
             let crcs: Result<Vec<u32>> = (start..end)
-                .map(|i| pool.write_crc(offsets[i], blocks[i]))
+                .map(|i| pool.write_crc(offsets[i], blocks[i], self.inner.opts.writer_checksums))
                 .collect();
             let crcs = match crcs {
                 Ok(c) => c,
@@ -306,7 +306,7 @@ impl Client {
                 layout_id: layout,
                 keys: keys[start..end].to_vec(),
                 offsets: Some(offsets[start..end].to_vec()),
-                crcs: Some(crcs),
+                crcs: self.inner.opts.writer_checksums.then_some(crcs),
             });
             match self.send_on(&mut sock, &req, &[]) {
                 Ok(id) => ids.push(id),

@@ -182,8 +182,14 @@ impl StoreQueue {
             }
             return Ok(());
         };
-        let mut copy =
-            |i: usize, slot: &mut [u8]| -> Result<u32> { Ok(checksum::copy_crc(slot, blocks[i])) };
+        let crcs = self.client.inner.opts.writer_checksums;
+        let mut copy = |i: usize, slot: &mut [u8]| -> Result<u32> {
+            if !crcs {
+                slot.copy_from_slice(blocks[i]);
+                return Ok(0);
+            }
+            Ok(checksum::copy_crc(slot, blocks[i]))
+        };
         match self.guard(|q| q.store_each(&pool, keys, &mut copy)) {
             // Once more, as every call does, after a pooled stream connection that broke
             // (on a fresh one) or a session the daemon had dropped as idle (renewed by
@@ -305,7 +311,7 @@ impl StoreQueue {
             layout_id: self.layout,
             keys,
             offsets,
-            crcs: Some(crcs),
+            crcs: self.client.inner.opts.writer_checksums.then_some(crcs),
         });
         match self.send(&req) {
             Ok(id) => {

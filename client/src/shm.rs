@@ -144,13 +144,17 @@ impl PoolMap {
         Some(word.load(std::sync::atomic::Ordering::Acquire))
     }
 
-    /// Copies `src` into the pool and returns its writer checksum (SPEC §17), computed
-    /// as it copies.
-    pub(crate) fn write_crc(&self, offset: u64, src: &[u8]) -> Result<u32, Error> {
-        // SAFETY: as `write`: the slot is ours and uncommitted (nobody reads or writes
-        // it until we commit), in bounds (checked by `slice_mut`), and this borrow ends
-        // with the copy.
+    /// Copies `src` into the pool slot at `offset` and returns its writer checksum
+    /// (SPEC §17), computed as it copies (0 without `crc`: a plain copy).
+    pub(crate) fn write_crc(&self, offset: u64, src: &[u8], crc: bool) -> Result<u32, Error> {
+        // SAFETY: the daemon allocated this slot to us and nobody reads or writes it
+        // before we commit; in bounds (checked by `slice_mut`); `src` is private memory,
+        // so the ranges cannot overlap; the borrow ends with the copy.
         let dst = unsafe { self.slice_mut(offset, src.len())? };
+        if !crc {
+            dst.copy_from_slice(src);
+            return Ok(0);
+        }
         Ok(crate::checksum::copy_crc(dst, src))
     }
 
