@@ -147,9 +147,11 @@ mod fused {
                 }
             }
         };
-        // SAFETY (every load below): `at + 64 <= len`, in bounds of `src`; unaligned
-        // loads are allowed.
-        let load = |at: usize| unsafe { _mm512_loadu_si512(src.add(at).cast::<__m512i>()) };
+        let load = |at: usize| {
+            // SAFETY: `at + 64 <= len` at every call below, so in bounds of `src`;
+            // unaligned loads are allowed.
+            unsafe { _mm512_loadu_si512(src.add(at).cast::<__m512i>()) }
+        };
         let mut a = [load(0), load(64), load(128), load(192)];
         for (i, v) in a.iter().enumerate() {
             store(64 * i, *v);
