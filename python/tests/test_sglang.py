@@ -118,6 +118,34 @@ def _():
         assert b.batch_get_v1(ks[:1] + keys("missing", 1), indices([11, 12])) == [True, False]
 
 
+@check("a bit flipped in the pool under a stored page: that page reads False (SGLang loads the pages before it), the daemon drops it")
+def _():
+    import kvd
+    from kvd.sglang_backend import kvd_key
+
+    pool = host_pool("layer_first")
+    b = backend(pool)
+    c = Controller(b, pool)
+    fill(pool, [1, 2, 3], seed=77)
+    want = [canonical(pool, p) for p in (1, 2, 3)]
+    ks = keys("flip", 3)
+    assert all(b.batch_set_v1(ks, indices([1, 2, 3])))
+    cl = kvd.Client(EP)
+    lid = cl.register_layout(b._layout)["layout_id"]
+    assert lid == b._lid
+    pin = cl.get(lid, [kvd_key(ks[1])])
+    off = pin.offsets[0]
+    pin.release()
+    view = memoryview(cl.pool())
+    view[off + 3] ^= 0x80
+    before = cl.stats()["checksums"]["damaged"]
+    assert b.batch_get_v1(ks, indices([5, 6, 7])) == [True, False, True]
+    assert torch.equal(canonical(pool, 5), want[0]) and torch.equal(canonical(pool, 7), want[2])
+    assert HiCacheController._page_get_zero_copy(c, Op(), ks, indices([8, 9, 10])) == 1, "the leading run only"
+    assert cl.stats()["checksums"]["damaged"] == before + 1
+    assert b.batch_exists(ks) == 1, "the damaged page is gone"
+
+
 @check("pages are stored canonically: a layer_first pool reads what a page_head pool wrote")
 def _():
     a, z = host_pool("page_head"), host_pool("layer_first")
