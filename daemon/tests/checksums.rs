@@ -274,3 +274,43 @@ fn a_damaged_block_is_not_demoted_and_a_promoted_one_keeps_its_checksum() {
     let p = c.get(l, &ks[1..2], None).unwrap();
     assert_eq!(p.crc(0), Some(crc32c(&data[1])));
 }
+
+#[test]
+fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
+    for shm in [false, true] {
+        let start = || {
+            let mut cfg = tempfile::NamedTempFile::new().unwrap();
+            use std::io::Write;
+            writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = {shm}").unwrap();
+            let path = cfg.path().display().to_string();
+            (Daemon::start(&["--config", &path]), cfg)
+        };
+        let ((pd, _pc), (dd, _dc)) = (start(), start());
+        let (prefill, decode) = (pd.client(), dd.client());
+        let l = register(&prefill, KIB).id;
+        register(&decode, KIB);
+        let (ks, data) = store(&prefill, l, 7, 4);
+        let params = prefill.export("x-1", l, &ks, None).unwrap();
+        let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
+        assert_eq!(params.crcs, want, "the params carry the writer's checksums");
+        let r = decode.pull(&params, None, true).unwrap();
+        assert_eq!(r.crcs, want, "the decode side committed them with the blocks");
+        decode.pinned(l, &r).unwrap().release().unwrap();
+        let st = decode.stats().unwrap();
+        assert_eq!(st.checksums.from_writers, 4, "{st:?}");
+        // A bit flipped on the decode node: its reader misses the block.
+        let offs = offsets(&decode, l, &ks);
+        flip(&dd.pool_path, offs[3] + 5);
+        let got = load_each(&decode, l, &ks);
+        assert!(got[..3].iter().zip(&data).all(|(g, d)| g.as_deref() == Some(&d[..])));
+        assert!(got[3].is_none(), "damaged on the decode node: a miss");
+        // Params whose checksums were altered on the way make the reader miss, never
+        // serve other bytes: the pulled block fails its check at the decode reader.
+        let (ks2, _) = store(&prefill, l, 8, 1);
+        let mut p2 = prefill.export("x-2", l, &ks2, None).unwrap();
+        p2.crcs[0] = p2.crcs[0].map(|c| c ^ 1);
+        let r2 = decode.pull(&p2, None, true).unwrap();
+        decode.pinned(l, &r2).unwrap().release().unwrap();
+        assert!(load_each(&decode, l, &ks2)[0].is_none(), "shm = {shm}");
+    }
+}

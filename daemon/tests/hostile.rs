@@ -575,7 +575,22 @@ fn bad_transfer_and_peer_messages_are_refused() {
         offsets: vec![4096],
         lease_ms: 1000,
         expires_unix_ms: 0,
+        crcs: Vec::new(),
     };
+    // One writer checksum too many (SPEC §17): refused before anything is asked of a peer.
+    let miscounted = TransferParams {
+        offsets: vec![4096; ks.len()],
+        crcs: vec![Some(1); ks.len() + 1],
+        ..params.clone()
+    };
+    let pull = PullReq {
+        client,
+        params: miscounted,
+        ttl_ms: None,
+        wait: true,
+        defer: false,
+    };
+    assert_eq!(call("pull", &pull), Some(ErrorCode::InvalidArgument));
     let pull = PullReq {
         client,
         params,

@@ -155,6 +155,11 @@ pub struct TransferParams {
     pub lease_ms: u64,
     /// Initial expiry, Unix time in ms (informational: the exporter's clock decides).
     pub expires_unix_ms: u64,
+    /// Per key, the block's writer checksum (SPEC §17), nil where it has none; empty
+    /// for a staged export (its bytes are not written yet) and from daemons before it.
+    /// Not covered by the tag: a wrong one can only make the importer's reader miss.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub crcs: Vec<Option<u32>>,
 }
 
 impl TransferParams {
@@ -775,8 +780,14 @@ mod tests {
             offsets: vec![8192],
             lease_ms: 30000,
             expires_unix_ms: 9,
+            crcs: Vec::new(),
         };
         assert_eq!(TransferParams::from_msgpack(&p.to_msgpack()).unwrap(), p);
+        let with = TransferParams {
+            crcs: vec![Some(0x55dd_3dcd)],
+            ..p.clone()
+        };
+        assert_eq!(TransferParams::from_msgpack(&with.to_msgpack()).unwrap(), with);
         assert_eq!(
             TransferParams::from_msgpack(b"\x01").unwrap_err().code,
             ErrorCode::InvalidArgument

@@ -103,6 +103,14 @@ impl Store {
         }
     }
 
+    /// The writer checksums of DRAM blocks (`None` for a block without one or not in
+    /// DRAM), for an export's params.
+    pub fn crcs(&self, layout: LayoutId, keys: &[ChunkHash]) -> Vec<Option<u32>> {
+        keys.iter()
+            .map(|k| self.index.find(layout, k).and_then(|i| self.index.crc(i)))
+            .collect()
+    }
+
     /// A block is committed with writer checksum `crc` (or none): counted.
     pub(super) fn count_commit(&mut self, crc: Option<u32>) {
         match crc {

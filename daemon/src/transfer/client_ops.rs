@@ -64,7 +64,8 @@ impl Transfers {
             (Some(pin), offsets, None, Vec::new())
         };
         let stage_deadline = staged.as_ref().map(|s: &super::export::Staged| s.deadline);
-        let (export, params) = Export::open(
+        let staged_export = staged.is_some();
+        let (export, mut params) = Export::open(
             &self.me,
             req,
             offsets,
@@ -75,6 +76,11 @@ impl Transfers {
             (spans, staged),
             now,
         );
+        if !staged_export {
+            // The blocks' writer checksums go with them (SPEC §17): the importer commits
+            // them with these, and the engine that reads them there checks its copy.
+            params.crcs = store.crcs(req.layout_id, &req.keys);
+        }
         tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), parts, staged = req.staged, "exported");
         self.by_grant
             .insert(export.handle(), (Timer::Export, req.transfer_id.clone()));
@@ -215,6 +221,7 @@ impl Transfers {
                 ),
             ));
         }
+        check_crcs(p)?;
         if let Some(i) = self.imports.get_mut(&p.transfer_id) {
             if i.admitted_for(req.client, p.handle) {
                 // The admitted transfer is scheduled now.
@@ -630,6 +637,7 @@ impl Transfers {
                 "lock params: keys and offsets differ",
             ));
         }
+        check_crcs(&p)?;
         self.check_import(
             store,
             client,
@@ -739,4 +747,19 @@ fn part_spans(store: &Store, layout: LayoutId, parts: u64) -> Result<Vec<(u64, u
             ),
         )
     })
+}
+
+/// Params carry no writer checksums, or one per key (SPEC §17).
+fn check_crcs(p: &TransferParams) -> Result<(), WireError> {
+    if p.crcs.is_empty() || p.crcs.len() == p.keys.len() {
+        return Ok(());
+    }
+    Err(WireError::new(
+        ErrorCode::InvalidArgument,
+        format!(
+            "params name {} keys and {} writer checksums",
+            p.keys.len(),
+            p.crcs.len()
+        ),
+    ))
 }

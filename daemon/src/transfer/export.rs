@@ -163,6 +163,7 @@ impl Export {
             offsets: offsets.clone(),
             lease_ms: lease.period().as_millis() as u64,
             expires_unix_ms: unix_ms(lease.expires(), now),
+            crcs: Vec::new(),
         };
         let parts = part_spans.len() as u64;
         let export = Export {

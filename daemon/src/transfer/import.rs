@@ -57,6 +57,9 @@ pub(super) struct Import {
     block_bytes: u64,
     /// Pull: the exporter's offsets, one per key.
     remote: Vec<u64>,
+    /// Pull: the blocks' writer checksums from the params (empty or one per key, SPEC
+    /// §17), committed with them.
+    crcs: Vec<Option<u32>>,
     /// Per key: the local PENDING slot this transfer fills (None: already here).
     local: Vec<Option<u64>>,
     allocated: bool,
@@ -131,6 +134,7 @@ impl Import {
             keys: what.1,
             block_bytes: what.2,
             remote,
+            crcs: Vec::new(),
             local: Vec::new(),
             allocated: false,
             held: false,
@@ -157,7 +161,7 @@ impl Import {
         period: Duration,
         now: Instant,
     ) -> Import {
-        Import::queued(
+        let mut i = Import::queued(
             (client, ttl_ms),
             Mode::Pull,
             p.from.clone(),
@@ -166,7 +170,9 @@ impl Import {
             p.offsets.clone(),
             period,
             now,
-        )
+        );
+        i.crcs = p.crcs.clone();
+        i
     }
 
     /// A push registration of `req` (checked by the caller), with a fresh write grant;
@@ -522,6 +528,19 @@ impl Import {
         }
         self.life.moved(bytes);
         self.life.moving_by(transport);
+    }
+
+    /// The writer checksums of [`Import::new_keys`], when the exporter sent one for each.
+    pub(super) fn new_crcs(&self) -> Option<Vec<u32>> {
+        if self.crcs.len() != self.keys.len() {
+            return None;
+        }
+        self.crcs
+            .iter()
+            .zip(&self.local)
+            .filter(|(_, l)| l.is_some())
+            .map(|(c, _)| *c)
+            .collect()
     }
 
     /// The keys whose slots this import filled (to commit, or to free).

@@ -158,7 +158,7 @@ impl Transfers {
                 layout_id: imp.layout(),
                 keys: new_keys,
                 offsets: None,
-                crcs: None,
+                crcs: imp.new_crcs(),
             };
             if let Err(e) = store.commit(&c, &[], now) {
                 let e = WireError::new(e.code(), format!("committing received blocks: {e}"));

@@ -444,6 +444,7 @@ fn run_import(push: bool, ops: &[IOp], m: Mutant) -> Result<(), TestCaseError> {
             offsets: vec![0, BLOCK],
             lease_ms: 300,
             expires_unix_ms: 0,
+            crcs: Vec::new(),
         };
         Import::pull(&p, ClientId(5), None, period, now)
     };
