@@ -625,6 +625,33 @@ impl Client {
         let _ = self.verify(layout, keys);
     }
 
+    /// How many leading keys of `pinned` (a [`Client::get`] of `keys` under `layout`)
+    /// may be read: hits whose bytes match their writer checksum, checked in place
+    /// ([`PinnedBlocks::check`]: a read of each block), or that have none. A damaged one
+    /// ends the prefix, is counted and is named to the daemon, which drops it. For engines
+    /// that read pinned blocks in place (zero-copy) rather than through [`Client::load`].
+    pub fn vouched_prefix(
+        &self,
+        layout: LayoutId,
+        keys: &[ChunkHash],
+        pinned: &PinnedBlocks,
+    ) -> Result<usize> {
+        let checks = pinned.check()?;
+        let damaged: Vec<ChunkHash> = keys
+            .iter()
+            .zip(&checks)
+            .filter(|(_, c)| **c == Some(false))
+            .map(|(k, _)| *k)
+            .collect();
+        self.report_damaged(layout, &damaged);
+        Ok(pinned
+            .offsets()
+            .iter()
+            .zip(&checks)
+            .take_while(|(o, c)| o.is_some() && **c != Some(false))
+            .count())
+    }
+
     /// How many blocks this client's loads found damaged (their bytes did not match
     /// their writer checksum: loaded as misses), since it connected.
     pub fn damaged_loads(&self) -> u64 {

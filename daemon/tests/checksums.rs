@@ -294,7 +294,10 @@ fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
         let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
         assert_eq!(params.crcs, want, "the params carry the writer's checksums");
         let r = decode.pull(&params, None, true).unwrap();
-        assert_eq!(r.crcs, want, "the decode side committed them with the blocks");
+        assert_eq!(
+            r.crcs, want,
+            "the decode side committed them with the blocks"
+        );
         decode.pinned(l, &r).unwrap().release().unwrap();
         let st = decode.stats().unwrap();
         assert_eq!(st.checksums.from_writers, 4, "{st:?}");
@@ -302,7 +305,10 @@ fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
         let offs = offsets(&decode, l, &ks);
         flip(&dd.pool_path, offs[3] + 5);
         let got = load_each(&decode, l, &ks);
-        assert!(got[..3].iter().zip(&data).all(|(g, d)| g.as_deref() == Some(&d[..])));
+        assert!(got[..3]
+            .iter()
+            .zip(&data)
+            .all(|(g, d)| g.as_deref() == Some(&d[..])));
         assert!(got[3].is_none(), "damaged on the decode node: a miss");
         // Params whose checksums were altered on the way make the reader miss, never
         // serve other bytes: the pulled block fails its check at the decode reader.

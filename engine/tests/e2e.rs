@@ -154,6 +154,69 @@ fn disaggregated_pull_equals_aggregated_and_prefix_hits_are_served() {
     assert_eq!(tokens(&c), tokens(&want));
 }
 
+/// Every data byte of the node's pool file flipped: each cached block's bytes no longer
+/// match its writer checksum (SPEC §17).
+fn flip_pool(node: &Node) {
+    use std::os::unix::fs::FileExt;
+    let c = kvd_client::Client::connect(&node.endpoint).unwrap();
+    let start = c.hello_info().pool.data_offset;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&node.pool_path)
+        .unwrap();
+    let len = f.metadata().unwrap().len();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = start;
+    while at < len {
+        let n = buf.len().min((len - at) as usize);
+        f.read_exact_at(&mut buf[..n], at).unwrap();
+        buf[..n].iter_mut().for_each(|b| *b ^= 0xFF);
+        f.write_all_at(&buf[..n], at).unwrap();
+        at += n as u64;
+    }
+}
+
+/// A cached prefix whose bytes were damaged after it was stored: the engine's checked
+/// read finds them bad, computes the prompt instead, and answers the reference's tokens;
+/// the daemon drops the blocks. Negative control: an engine that does not check
+/// (`--kvd-verify false`) takes the damaged KV as a hit and answers other tokens.
+#[test]
+fn a_damaged_cached_prefix_is_computed_again_never_served() {
+    let a = node();
+    let (_r, reference) = reference();
+    let (_e, both) = engine("both", Some(&a), &[]);
+    let (_blind, blind) = engine("both", Some(&a), &["--kvd-verify", "false"]);
+    let p = "a prompt long enough for several blocks of the paged KV cache, stored then damaged";
+    let (_, want) = complete(&reference, req(p, 8, 0.0, 0));
+    let (_, first) = complete(&both, req(p, 8, 0.0, 0));
+    assert_eq!(tokens(&first), tokens(&want));
+    flip_pool(&a);
+    // The unchecked engine reads the damaged blocks as its prefix.
+    let (s, wrong) = complete(&blind, req(p, 8, 0.0, 0));
+    assert_eq!(s, 200, "{wrong}");
+    assert_eq!(
+        wrong["kvd"]["source"], "local",
+        "the control took the hit: {wrong}"
+    );
+    assert_ne!(
+        tokens(&wrong),
+        tokens(&want),
+        "damaged KV changed nothing: this control cannot fail"
+    );
+    // The checking engine computes the prompt: the reference's tokens.
+    let (s, got) = complete(&both, req(p, 8, 0.0, 0));
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(tokens(&got), tokens(&want), "{got}");
+    assert_eq!(got["kvd"]["cached_tokens"].as_u64(), Some(0), "{got}");
+    let c = kvd_client::Client::connect(&a.endpoint).unwrap();
+    let st = c.stats().unwrap();
+    assert!(
+        st.checksums.damaged >= 1,
+        "the daemon dropped what the engine reported: {st:?}"
+    );
+}
+
 #[test]
 fn disaggregated_push_equals_aggregated() {
     let (a, b) = (node(), node());

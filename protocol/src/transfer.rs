@@ -787,7 +787,10 @@ mod tests {
             crcs: vec![Some(0x55dd_3dcd)],
             ..p.clone()
         };
-        assert_eq!(TransferParams::from_msgpack(&with.to_msgpack()).unwrap(), with);
+        assert_eq!(
+            TransferParams::from_msgpack(&with.to_msgpack()).unwrap(),
+            with
+        );
         assert_eq!(
             TransferParams::from_msgpack(b"\x01").unwrap_err().code,
             ErrorCode::InvalidArgument

@@ -47,6 +47,11 @@ struct Args {
     /// Timeout of one kvd call, ms.
     #[arg(long, default_value_t = 5000)]
     kvd_timeout_ms: u64,
+    /// Check every block read from kvd against its writer checksum (SPEC §17): a damaged
+    /// block ends the prefix and is computed instead. `false` only to show what an
+    /// unchecked read lets through.
+    #[arg(long, env = "KVD_VERIFY_LOADS", default_value_t = true, action = clap::ArgAction::Set)]
+    kvd_verify: bool,
     /// Lease of exports, ms.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
@@ -123,6 +128,7 @@ fn main() -> Result<()> {
         num_blocks: a.kv_blocks,
         kvd,
         kvd_timeout: Duration::from_millis(a.kvd_timeout_ms),
+        kvd_verify: a.kvd_verify,
         lease: Duration::from_millis(a.lease_ms),
         transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
         layerwise_parts: a.layerwise_parts,

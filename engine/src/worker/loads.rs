@@ -39,7 +39,9 @@ impl Engine {
             let p = kv
                 .client
                 .get(l.id, &keys[..n], Some(Duration::from_secs(30)))?;
-            n = n.min(p.hits().iter().take_while(|h| **h).count());
+            // Only blocks whose bytes kvd vouches for (SPEC §17): a damaged one ends the
+            // prefix, and the rest of the prompt is computed.
+            n = n.min(kv.client.vouched_prefix(l.id, &keys[..n], &p)?);
             pins.push(p);
         }
         Ok(Some(Loaded {
@@ -305,7 +307,11 @@ impl Engine {
                 }
             };
             let p = kv.client.pinned(l.id, &done)?;
-            n = n.min(p.hits().iter().take_while(|h| **h).count());
+            // The prefill engine's checksums came with the blocks (SPEC §17): a block
+            // damaged on the way or here ends the prefix.
+            // (the request's own keys are the export's: `same_model` checked the model,
+            // and a key named wrongly is only checked by the daemon, never dropped)
+            n = n.min(kv.client.vouched_prefix(l.id, &self.keys(tokens), &p)?);
             pins.push(p);
         }
         Ok(Some(Loaded {

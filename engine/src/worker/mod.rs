@@ -77,6 +77,9 @@ pub struct EngineConfig {
     pub kvd: Option<String>,
     /// Timeout of one kvd call.
     pub kvd_timeout: Duration,
+    /// Check every block read from kvd against its writer checksum (SPEC §17): a damaged
+    /// one ends the prefix and is computed instead. Off only for negative controls.
+    pub kvd_verify: bool,
     /// Lease of exports.
     pub lease: Duration,
     /// How long a decode waits for a pull or push to finish.
@@ -336,6 +339,7 @@ impl Engine {
                     .with_endpoint(ep.clone())
                     .with_name(format!("kvd-engine-{}", cfg.role.name()))
                     .with_timeout(cfg.kvd_timeout)
+                    .with_verify(cfg.kvd_verify)
                     .connect()
                     .with_context(|| format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)"))?;
                 ensure!(
