@@ -21,6 +21,8 @@
 //!   pinned buffer (`--device cuda`), or pread/pwrite on the host stand-in.
 //! - `kvd-bench p2p`: a load served by a peer vs export + pull of the same bytes; the
 //!   latency a remote lookup over three peers adds.
+//! - `kvd-bench integrity`: divergent tokens and failed requests of engines with kvd
+//!   against one without, under injected faults (`integrity.rs`).
 //!
 //! Size: ~940 lines: the command line of every case and the small cases themselves; the
 //! larger cases have their own modules.
@@ -30,6 +32,7 @@ mod e2e;
 mod events;
 mod fleet;
 mod gpu;
+mod integrity;
 mod nvme;
 mod p2p;
 mod peers;
@@ -94,6 +97,9 @@ enum Cmd {
     /// A restart with the pool kept: time to serving, time until every kept block is
     /// checked, hit rate and bytes afterwards (SIGKILL of a full pool).
     Restart(restart::RestartArgs),
+    /// Wrong tokens under injected faults: engines with kvd against one without, while
+    /// pool bytes are flipped and daemons killed (issue 47).
+    Integrity(integrity::IntegrityArgs),
 }
 
 #[derive(clap::Args)]
@@ -159,6 +165,7 @@ fn main() -> Result<()> {
         Cmd::Events(a) => events::run(a),
         Cmd::Fleet(a) => fleet::run(a),
         Cmd::Restart(a) => restart::run(a),
+        Cmd::Integrity(a) => integrity::run(a),
     }
 }
 
@@ -296,6 +303,53 @@ fn median(v: &mut [Duration]) -> Duration {
 struct Timed {
     elapsed: Duration,
     lat: Vec<Duration>,
+}
+
+/// `client.store` of every block of `src` under `keys`, `batch` blocks a call on `t`
+/// threads.
+fn timed_store(
+    client: &Client,
+    layout: kvd_protocol::LayoutId,
+    src: &[Vec<u8>],
+    keys: &[ChunkHash],
+    t: usize,
+    batch: usize,
+) -> Result<Timed> {
+    run_threads(src.len(), t, batch, &|r| {
+        let refs: Vec<&[u8]> = src[r.clone()].iter().map(|b| &b[..]).collect();
+        let out = client.store(layout, &keys[r], &refs)?;
+        if out.stored() != refs.len() {
+            bail!("stored {} of {}", out.stored(), refs.len());
+        }
+        Ok(())
+    })
+}
+
+/// `client.load` of `keys` into `dst`, `batch` blocks a call on `t` threads; every key
+/// must hit.
+fn timed_load(
+    client: &Client,
+    layout: kvd_protocol::LayoutId,
+    dst: &mut [Vec<u8>],
+    keys: &[ChunkHash],
+    t: usize,
+    batch: usize,
+) -> Result<Timed> {
+    let n = dst.len();
+    let dst_cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
+        dst.iter_mut().map(std::sync::Mutex::new).collect();
+    run_threads(n, t, batch, &|r| {
+        let mut guards: Vec<_> = dst_cells[r.clone()]
+            .iter()
+            .map(|m| m.lock().expect("unshared"))
+            .collect();
+        let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
+        let hits = client.load(layout, &keys[r], &mut outs)?;
+        if hits.iter().any(|h| !h) {
+            bail!("a block was evicted during the load case: enlarge the pool");
+        }
+        Ok(())
+    })
 }
 
 /// Runs `per_thread(range, part)` on one thread per part, each over its range of
@@ -538,31 +592,9 @@ fn store(a: StoreArgs) -> Result<()> {
                     fused_out.push(copy_ceiling(&mut dst, &mut region, slot, t, false, true));
                 }
                 pb.set_message(format!("{} x{t} rep {rep}: store", ByteSize(size)));
-                let srcs = &src;
-                let st = run_threads(n, t, batch, &|r| {
-                    let refs: Vec<&[u8]> = srcs[r.clone()].iter().map(|b| &b[..]).collect();
-                    let out = client.store(info.id, &keys[r], &refs)?;
-                    if out.stored() != refs.len() {
-                        bail!("stored {} of {}", out.stored(), refs.len());
-                    }
-                    Ok(())
-                })?;
+                let st = timed_store(&client, info.id, &src, &keys, t, batch)?;
                 pb.set_message(format!("{} x{t} rep {rep}: load", ByteSize(size)));
-                let dst_cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
-                    dst.iter_mut().map(std::sync::Mutex::new).collect();
-                let ld = run_threads(n, t, batch, &|r| {
-                    let mut guards: Vec<_> = dst_cells[r.clone()]
-                        .iter()
-                        .map(|m| m.lock().expect("unshared"))
-                        .collect();
-                    let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
-                    let hits = client.load(info.id, &keys[r], &mut outs)?;
-                    if hits.iter().any(|h| !h) {
-                        bail!("a block was evicted during the load case: enlarge the pool");
-                    }
-                    Ok(())
-                })?;
-                drop(dst_cells);
+                let ld = timed_load(&client, info.id, &mut dst, &keys, t, batch)?;
                 if dst.iter().zip(&src).any(|(d, s)| d != s) {
                     bail!("loaded bytes differ from stored bytes");
                 }
@@ -617,29 +649,8 @@ fn store(a: StoreArgs) -> Result<()> {
                 pb.set_message(format!("{} x{t} rep {rep}: no checksums", ByteSize(size)));
                 case_id += 1;
                 let nkeys = keys_for(case_id, n);
-                let nst = run_threads(n, t, batch, &|r| {
-                    let refs: Vec<&[u8]> = srcs[r.clone()].iter().map(|b| &b[..]).collect();
-                    let out = plain.store(info.id, &nkeys[r], &refs)?;
-                    if out.stored() != refs.len() {
-                        bail!("stored {} of {}", out.stored(), refs.len());
-                    }
-                    Ok(())
-                })?;
-                let dst_cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
-                    dst.iter_mut().map(std::sync::Mutex::new).collect();
-                let nld = run_threads(n, t, batch, &|r| {
-                    let mut guards: Vec<_> = dst_cells[r.clone()]
-                        .iter()
-                        .map(|m| m.lock().expect("unshared"))
-                        .collect();
-                    let mut outs: Vec<&mut [u8]> = guards.iter_mut().map(|g| &mut g[..]).collect();
-                    let hits = plain.load(info.id, &nkeys[r], &mut outs)?;
-                    if hits.iter().any(|h| !h) {
-                        bail!("a block was evicted during the load case: enlarge the pool");
-                    }
-                    Ok(())
-                })?;
-                drop(dst_cells);
+                let nst = timed_store(&plain, info.id, &src, &nkeys, t, batch)?;
+                let nld = timed_load(&plain, info.id, &mut dst, &nkeys, t, batch)?;
                 if dst.iter().zip(&src).any(|(d, s)| d != s) {
                     bail!("bytes loaded without checksums differ from those stored");
                 }

@@ -49,6 +49,12 @@
 //!   the slots themselves for zero-copy use (DMA from/to GPU). Without a mapping
 //!   ([`MapPool::Never`], or a remote `tcp://` daemon) the same calls send the bytes as
 //!   payload frames, with the same semantics.
+//! - **Checksums** (SPEC §17): every store sends each block's CRC-32C, computed in the
+//!   same pass as the copy into the pool ([`checksum::copy_crc`]); every load through
+//!   [`Client::load`] or a [`LoadQueue`] checks it as it copies out, turning a block
+//!   whose bytes no longer match into a miss and naming it to the daemon
+//!   ([`Client::verify`]). Zero-copy readers check pinned blocks with
+//!   [`Client::vouched_prefix`] or [`PinnedBlocks::check`].
 //! - **Restarts**: `hello` returns the daemon's incarnation. When the daemon answers
 //!   `unknown_client`, the client says hello again; if the incarnation changed it
 //!   re-maps the pool, re-registers its layouts and fails the call with

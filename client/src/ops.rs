@@ -152,7 +152,28 @@ impl Client {
             no_prefetch,
             local_only,
         });
-        Ok(self.raw_call(&req, &[])?.0)
+        match self.raw_call(&req, &[]) {
+            // A lookup names no session, so a daemon that restarted (and lost this
+            // client's layouts with it) shows here as an unknown layout this client did
+            // register: say hello again, which registers them anew, and ask once more
+            // (a lookup holds nothing, so there is nothing to report).
+            Err(Error::Daemon(e))
+                if e.code == ErrorCode::UnknownLayout && self.registered(layout) =>
+            {
+                self.rehello()?;
+                Ok(self.raw_call(&req, &[])?.0)
+            }
+            r => Ok(r?.0),
+        }
+    }
+
+    /// Whether this client registered `layout` (it re-registers those after a restart).
+    fn registered(&self, layout: LayoutId) -> bool {
+        self.inner
+            .layouts
+            .lock()
+            .expect("layout map poisoned")
+            .contains_key(&layout)
     }
 
     /// An `alloc`, with the session that made it (its pool holds the slots).

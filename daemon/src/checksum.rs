@@ -9,24 +9,12 @@
 //! the `crc32c` crate's three-way `crc32` instructions (bench/README.md, "A faster
 //! CRC-32C"). The values are the standard CRC-32C, so the wire (SPEC §10) and the NVMe
 //! journal are unchanged; the tests below check them against the `crc32c` crate.
+//!
+//! The functions are `kvd-client`'s (`kvd_client::checksum`): the engines' writer
+//! checksums (SPEC §17) and the daemon's checks must be the same function, so one crate
+//! holds it, with the client's one-pass copy-and-checksum beside it.
 
-use crc_fast::{CrcAlgorithm, Digest};
-
-/// CRC-32C of `bytes`.
-#[inline]
-pub fn crc32c(bytes: &[u8]) -> u32 {
-    crc_fast::crc32_iscsi(bytes)
-}
-
-/// CRC-32C of the bytes whose CRC-32C is `crc` followed by `bytes` (`crc32c_append(0, b)`
-/// is `crc32c(b)`), for a range checksummed piece by piece.
-#[inline]
-pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
-    // The register before the final inversion is the inverted CRC.
-    let mut d = Digest::new_with_init_state(CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
-    d.update(bytes);
-    d.finalize() as u32
-}
+pub use kvd_client::checksum::{crc32c, crc32c_append};
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@
 //! | [`upgrade`] | `kvd upgrade`: the successor process and the link the hand-over runs over (the old daemon's cut is `server/handover.rs`) |
 //! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
-//! | [`checksum`] | CRC-32C of block bytes and journal records: the one choice of implementation (`crc-fast`, carry-less multiply folding), checked against the `crc32c` crate |
+//! | [`checksum`] | CRC-32C of block bytes and journal records: `kvd-client`'s (the engines' writer checksums, SPEC §17, are the same function), checked against the `crc32c` crate |
 //! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
 //! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant, and the table entry of each block), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `keep` (adoption of a kept pool, the fence, seals' slots), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |

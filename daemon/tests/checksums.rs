@@ -261,10 +261,11 @@ fn a_damaged_block_is_not_demoted_and_a_promoted_one_keeps_its_checksum() {
     });
     let st = c.stats().unwrap();
     assert!(st.checksums.damaged >= 1, "the demotion checked it: {st:?}");
+    let nv = st.nvme.unwrap();
+    assert_eq!(nv.write_errors, 0, "{nv:?}");
     assert_eq!(
-        st.nvme.unwrap().checksum_errors,
-        0,
-        "nothing bad reached the disk"
+        nv.checksum_errors, 1,
+        "the tier refused the damaged block: {nv:?}"
     );
     // The others came back from NVMe with the writer's checksum, byte for byte.
     let mut buf = vec![0u8; big];

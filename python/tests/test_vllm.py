@@ -68,6 +68,16 @@ def first_schedule(e, r):
     raise AssertionError(f"{r} was never scheduled")
 
 
+def step_reports(e, so, r, bad):
+    """The worker's output of step ``so`` for request ``r`` (no token sampled), with
+    ``bad`` as the blocks whose load failed, handed to vLLM's scheduler."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    mro = ModelRunnerOutput(req_ids=[r], req_id_to_index={r: 0}, sampled_token_ids=[[]],
+                            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad))
+    e.scheduler.update_from_output(so, mro)
+
+
 @check("prefix caching: a prompt kvd holds is scheduled with its blocks as external hits and loads byte-identical KV")
 def _():
     toks = prompt(1)
@@ -216,11 +226,7 @@ def _():
     assert bad == set(ids[3:6]), (bad, ids)
     w.clear_connector_metadata()
     # vLLM takes the failure: the request keeps the 3 good blocks and recomputes the rest.
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
-                            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad))
-    b.scheduler.update_from_output(so, mro)
+    step_reports(b, so, r2, bad)
     assert b.scheduler.requests[r2].num_computed_tokens == 48, b.scheduler.requests[r2].num_computed_tokens
     prefilled(b, r2, 100)
     b.check_blocks(r2, toks, 6)
@@ -274,11 +280,7 @@ def flipped_load(seed, verify):
 def _():
     bad, ids, a, b, r2, so, toks, cl, before = flipped_load(5, verify=True)
     assert bad == set(ids[3:6]), (bad, ids)
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
-                            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad))
-    b.scheduler.update_from_output(so, mro)
+    step_reports(b, so, r2, bad)
     assert b.scheduler.requests[r2].num_computed_tokens == 48, b.scheduler.requests[r2].num_computed_tokens
     prefilled(b, r2, 100)
     b.check_blocks(r2, toks, 6)
@@ -295,11 +297,7 @@ def _():
 def _():
     bad, ids, a, b, r2, so, toks, cl, before = flipped_load(6, verify=False)
     assert bad == set(), bad
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    mro = ModelRunnerOutput(req_ids=[r2], req_id_to_index={r2: 0}, sampled_token_ids=[[]],
-                            kv_connector_output=KVConnectorOutput(invalid_block_ids=set()))
-    b.scheduler.update_from_output(so, mro)
+    step_reports(b, so, r2, set())
     prefilled(b, r2, 100)
     try:
         b.check_blocks(r2, toks, 6)

@@ -625,6 +625,12 @@ impl NvmeTier {
             Err(err) => {
                 let e = self.index.remove(key).expect("present");
                 let _ = self.alloc.free(e.voff);
+                if err.kind() == io::ErrorKind::InvalidData {
+                    // The store refused what was written: the bytes were not the writer's
+                    // (SPEC §17; the store drops the block and logs it).
+                    self.counters.checksum_errors += 1;
+                    return false;
+                }
                 self.counters.write_errors += 1;
                 if self.counters.write_errors.is_power_of_two() {
                     tracing::warn!(error = %err, count = self.counters.write_errors, "nvme write failed: block stays in DRAM only");

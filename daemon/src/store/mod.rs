@@ -631,16 +631,7 @@ impl Store {
                 hint: " (send one per key, or none)",
             });
         }
-        if let Some(crcs) = &req.crcs {
-            if crcs.len() != req.keys.len() {
-                return Err(StoreError::CountMismatch {
-                    what: "crcs",
-                    given: crcs.len(),
-                    keys: req.keys.len(),
-                    hint: " (one writer checksum per key)",
-                });
-            }
-        }
+        Self::check_crc_count(req.crcs.as_ref(), req.keys.len())?;
         let mut idxs = Vec::with_capacity(req.keys.len());
         for (index, k) in req.keys.iter().enumerate() {
             let key = *k;

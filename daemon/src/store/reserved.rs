@@ -136,16 +136,7 @@ impl Store {
                 hint: " (one reserved slot per key)",
             });
         }
-        if let Some(crcs) = &req.crcs {
-            if crcs.len() != req.keys.len() {
-                return Err(StoreError::CountMismatch {
-                    what: "crcs",
-                    given: crcs.len(),
-                    keys: req.keys.len(),
-                    hint: " (one writer checksum per key)",
-                });
-            }
-        }
+        Self::check_crc_count(req.crcs.as_ref(), req.keys.len())?;
         self.check_slots(req.client, &req.offsets, Some((class, req.layout_id)))?;
         let layout = req.layout_id;
         let tick = self.tick(now);

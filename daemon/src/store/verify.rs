@@ -111,6 +111,19 @@ impl Store {
             .collect()
     }
 
+    /// `crcs`, when given, must name one writer checksum per key (`commit`, `put`).
+    pub(super) fn check_crc_count(crcs: Option<&Vec<u32>>, keys: usize) -> Result<(), StoreError> {
+        match crcs {
+            Some(c) if c.len() != keys => Err(StoreError::CountMismatch {
+                what: "crcs",
+                given: c.len(),
+                keys,
+                hint: " (one writer checksum per key)",
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// A block is committed with writer checksum `crc` (or none): counted.
     pub(super) fn count_commit(&mut self, crc: Option<u32>) {
         match crc {
