@@ -334,6 +334,35 @@ fn a_restarted_daemon_is_detected_and_the_client_recovers() {
     assert!(bufs == data);
 }
 
+/// A lookup names no session, so it cannot learn of a restart from `unknown_client`: a
+/// client whose first call after the restart is a lookup (an engine's router asks, a
+/// prefix probe) finds its layout unknown to the new daemon. It says hello again, which
+/// registers its layouts there, and answers (found by `kvd-bench integrity`: an engine's
+/// lookups failed for good after its daemon restarted).
+#[test]
+fn a_lookup_after_a_restart_registers_the_layouts_again_and_answers() {
+    let mut d = Daemon::start(NOT_KEPT);
+    let c = d.client();
+    let l = register(&c, 16);
+    let ks = keys(9, 2);
+    let data: Vec<Vec<u8>> = (0..2).map(|i| block(i, 16 * 1024)).collect();
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    assert_eq!(c.lookup(l.id, &ks).unwrap().prefix, 2);
+    let old = c.incarnation();
+    d.restart();
+    let r = loop {
+        match c.lookup(l.id, &ks) {
+            Err(Error::Timeout { .. }) => continue, // the socket was reconnecting
+            r => break r,
+        }
+    };
+    assert_eq!(r.unwrap().prefix, 0, "a new, empty daemon");
+    assert_ne!(c.incarnation(), old, "the client said hello to it");
+    assert_eq!(c.probe(l.id, &ks).unwrap().prefix, 0);
+    c.store(l.id, &ks, &refs(&data)).unwrap();
+    assert_eq!(c.lookup(l.id, &ks).unwrap().prefix, 2);
+}
+
 /// A load of several chunks (`kvd_client::LOAD_CHUNK_BYTES`, one `get` each) recovers
 /// like any call: a session the daemon dropped as idle is renewed and the load retried,
 /// and a restarted daemon is reported, not read from.
