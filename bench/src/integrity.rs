@@ -14,6 +14,10 @@
 //! | `kill-prefill-daemon` | SIGKILL of node A's daemon while a request runs (after a random delay), then a new daemon on the same, kept pool |
 //! | `restart-decode-daemon` | the same for node B |
 //!
+//! A request must get the reference's tokens whatever kvd does: a damaged block is a
+//! miss (the engines check writer checksums, SPEC §17), and a handoff that does not come
+//! is computed by the decode engine itself.
+//!
 //! It reports requests, faults per kind, **divergent** answers (tokens other than the
 //! reference's), **failed** requests (no answer), and how many answers took KV from kvd.
 //! `--no-verify` runs the engines without checking writer checksums: the negative

@@ -3,11 +3,9 @@
 //! and prefill→decode handoffs, each answer compared token for token with an engine
 //! without kvd. Seeds are printed; rerun one with `kvd-bench integrity --seed N`.
 //!
-//! What it holds today: **no wrong token** under any fault kind, and the negative
-//! control (engines that do not check writer checksums) answering wrong tokens under the
-//! same bit flips. Requests that *fail* (an error instead of an answer) are printed, not
-//! yet held at zero: an engine still fails a request whose handoff a daemon restart
-//! broke (the next step of issue 47).
+//! What it holds: **no wrong token and no failed request** under any fault kind, and the
+//! negative control (engines that do not check writer checksums) answering wrong tokens
+//! under the same bit flips.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -76,6 +74,10 @@ fn under_every_fault_kind_no_engine_answers_a_wrong_token() {
     let r = integrity(&["--requests", "48", "--fault-every", "3", "--seed", &seed]);
     println!("{r:#}");
     assert_eq!(r["divergent"], 0, "wrong tokens (seed {seed}): {r:#}");
+    assert_eq!(
+        r["failed"], 0,
+        "requests failed for kvd (seed {seed}): {r:#}"
+    );
     for kind in [
         "prefill-pool-flip",
         "decode-pool-flip",

@@ -277,7 +277,14 @@ impl RouterState {
                 )
             })
             .map(|(i, _)| i)
-            .ok_or_else(|| anyhow!("no prefill worker answered"))
+            // Nobody answered in time (a worker whose kvd is gone may be slow to say
+            // so): the lookup was only an optimisation, so the least busy worker takes
+            // it; a worker that is down fails its leg with a clear error instead.
+            .or_else(|| {
+                (0..self.inner.prefill.len())
+                    .min_by_key(|&i| self.inner.prefill[i].inflight.load(Ordering::Relaxed))
+            })
+            .ok_or_else(|| anyhow!("no prefill worker"))
     }
 
     fn pick_decode(&self) -> usize {

@@ -88,7 +88,16 @@ async fn lookup(State(e): State<Engine>, body: Bytes) -> Response {
             load: e.load(),
         })
         .into_response(),
-        Ok(Err(err)) => error_response(502, "kvd_error", format!("{err:#}")),
+        // The cache is an optimisation: a worker whose kvd cannot answer holds nothing
+        // for the router, and still computes (issue 47: no request fails for kvd).
+        Ok(Err(err)) => {
+            tracing::warn!("kvd lookup failed ({err:#}); answering 0 cached tokens");
+            Json(LookupResponse {
+                cached_tokens: 0,
+                load: e.load(),
+            })
+            .into_response()
+        }
         Err(err) => error_response(500, "engine_error", err.to_string()),
     }
 }

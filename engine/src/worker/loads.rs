@@ -224,17 +224,43 @@ impl Engine {
             params.push(tp);
         }
         // Start every shard's pull, then wait for all.
-        for tp in &params {
-            kv.client
-                .pull(tp, Some(Duration::from_secs(30)), false)
-                .with_context(|| format!("pull of {}", tp.transfer_id))?;
+        let moved = params
+            .iter()
+            .try_for_each(|tp| {
+                kv.client
+                    .pull(tp, Some(Duration::from_secs(30)), false)
+                    .map(drop)
+                    .with_context(|| format!("pull of {}", tp.transfer_id))
+            })
+            .and_then(|()| {
+                self.wait_all(
+                    kv,
+                    params.iter().map(|t| t.transfer_id.clone()).collect(),
+                    &layouts,
+                    tokens,
+                )
+            });
+        self.or_compute(kv, p, moved)
+    }
+
+    /// What a handoff whose params were good but whose bytes did not come (a daemon gone
+    /// or restarted, a lease run out, a transfer failed) leaves the request with: nothing,
+    /// so that it computes the prompt here — a request never fails because kvd did
+    /// (issue 47). The prefill side's exports are declined.
+    fn or_compute(
+        &self,
+        kv: &Kv,
+        p: &KvTransferParams,
+        moved: Result<Option<Loaded>>,
+    ) -> Result<Option<Loaded>> {
+        match moved {
+            Ok(l) => Ok(l),
+            Err(e) => {
+                tracing::warn!("the handoff did not come ({e:#}); computing the prompt here");
+                self.decline(kv, p, &e);
+                Ok(None)
+            }
         }
-        self.wait_all(
-            kv,
-            params.iter().map(|t| t.transfer_id.clone()).collect(),
-            &layouts,
-            tokens,
-        )
     }
 
     pub(super) fn push_load(
@@ -252,7 +278,7 @@ impl Engine {
         let src_tp = p.prefill_tp.context("push needs prefill_tp")?;
         let layouts = self.src_layouts(kv, src_tp)?;
         let mut ids = Vec::new();
-        for (r, l) in layouts.iter().enumerate() {
+        let registered = layouts.iter().enumerate().try_for_each(|(r, l)| {
             let id = format!("{}.r{r}", push.transfer_id);
             kv.client
                 .push_register(
@@ -264,8 +290,15 @@ impl Engine {
                 )
                 .with_context(|| format!("push registration of {id} with {}", push.prefill_node))?;
             ids.push(id);
+            Ok(())
+        });
+        let moved = registered.and_then(|()| self.wait_all(kv, ids.clone(), &layouts, tokens));
+        if moved.is_err() {
+            for id in &ids {
+                let _ = kv.client.abort_transfer(id);
+            }
         }
-        self.wait_all(kv, ids, &layouts, tokens)
+        self.or_compute(kv, p, moved)
     }
 
     fn wait_all(

@@ -311,17 +311,19 @@ impl Scheduler {
                 staged = None;
             }
             let handoff_parts = staged.as_ref().map_or(0, |s| s.parts);
+            // A handoff whose blocks kvd could not take exports nothing: the decode
+            // engine then computes the prompt itself (a request never fails because kvd
+            // did, issue 47).
+            let mut export_keys: &[ChunkHash] = &keys;
             let stored = match &self.kv {
                 Some(_) if staged.is_some() => {
                     staged.as_ref().map_or(0, |s| s.written)
                 }
                 Some(kv) => match self.store(kv, &seq, &keys, cached / bt) {
                     Ok(n) => n,
-                    Err(e) if job.req.kv.as_ref().is_some_and(|k| k.do_remote_decode) => {
-                        return Err(e.context("storing the prompt's KV"))
-                    }
                     Err(e) => {
-                        tracing::warn!("storing blocks in kvd failed: {e:#}");
+                        tracing::warn!("storing blocks in kvd failed ({e:#}); a handoff of this prompt exports nothing");
+                        export_keys = &[];
                         0
                     }
                 },
@@ -340,13 +342,21 @@ impl Scheduler {
                             .map(|x| hex::encode(x.params().to_msgpack()))
                             .collect();
                         drop(st);
-                    } else if !keys.is_empty() {
+                    } else if !export_keys.is_empty() {
                         for (r, l) in kv.layouts.iter().enumerate() {
-                            let p = kv
-                                .client
-                                .export(&format!("{base}.r{r}"), l.id, &keys, Some(self.cfg.lease))
-                                .with_context(|| format!("export of {base}.r{r}"))?;
-                            ranks.push(hex::encode(p.to_msgpack()));
+                            let id = format!("{base}.r{r}");
+                            match kv.client.export(&id, l.id, export_keys, Some(self.cfg.lease)) {
+                                Ok(p) => ranks.push(hex::encode(p.to_msgpack())),
+                                Err(e) => {
+                                    // Every shard or none: the exports made are let go.
+                                    tracing::warn!("export of {id} failed ({e:#}); the decode engine computes the prompt");
+                                    for r in 0..ranks.len() {
+                                        let _ = kv.client.abort_transfer(&format!("{base}.r{r}"));
+                                    }
+                                    ranks.clear();
+                                    break;
+                                }
+                            }
                         }
                     }
                     // On the GPU tier, also exports a decode engine of this node pulls
