@@ -9,10 +9,11 @@
 //!
 //! | fault | what it does |
 //! |---|---|
-//! | `prefill-pool-flip` | one bit flipped in every 8 KiB of node A's pool data area (its cached prefixes) |
+//! | `prefill-pool-flip` | one bit flipped in every 256 KiB (`--flip-every`) of node A's pool data area (some of its cached blocks) |
 //! | `decode-pool-flip` | the same on node B (blocks it pulled and may serve again) |
 //! | `kill-prefill-daemon` | SIGKILL of node A's daemon while a request runs (after a random delay), then a new daemon on the same, kept pool |
 //! | `restart-decode-daemon` | the same for node B |
+//! | NVMe (all along) | node A keeps a small pool over an NVMe tier on a faulty disk: writes that fail or come out short, reads that fail or bring a flipped bit (`--nvme-faults`, the tier's fault hook `KVD_NVME_FAULTS`: the VMs have no device-mapper for `error`/`flakey` targets) |
 //!
 //! A request must get the reference's tokens whatever kvd does: a damaged block is a
 //! miss (the engines check writer checksums, SPEC §17), and a handoff that does not come
@@ -23,9 +24,9 @@
 //! `--no-verify` runs the engines without checking writer checksums: the negative
 //! control, where flipped bits reach the engines as KV.
 //!
-//! Not injected yet (the full list): I/O errors and short writes on the NVMe tier,
-//! bit flips on the wire between daemons, a peer answering with a block it no longer
-//! holds, engines of two builds. They are the next steps of this bench.
+//! Not injected yet (the full list): bit flips on the wire between daemons, a
+//! peer answering with a block it no longer holds, an upgrade under load, engines of two
+//! builds. They are the next steps of this bench.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -52,6 +53,11 @@ pub struct IntegrityArgs {
         default_value = "prefill-pool-flip,decode-pool-flip,kill-prefill-daemon,restart-decode-daemon"
     )]
     faults: Vec<String>,
+    /// A pool flip flips one bit in every this many bytes of the pool's data area (each
+    /// 64 KiB block of the default model is damaged with a probability of about
+    /// 64 KiB / this).
+    #[arg(long, default_value_t = 256 << 10)]
+    flip_every: u64,
     /// Distinct shared prefixes the prompts start with.
     #[arg(long, default_value_t = 6)]
     prefixes: usize,
@@ -61,6 +67,12 @@ pub struct IntegrityArgs {
     /// Seed of the workload and the faults (default: from the clock; always printed).
     #[arg(long)]
     seed: Option<u64>,
+    /// Node A's NVMe tier's faults (`KVD_NVME_FAULTS` syntax; empty: no NVMe tier).
+    #[arg(
+        long,
+        default_value = "write_error=0.1,short_write=0.05,read_error=0.05,read_corrupt=0.1"
+    )]
+    nvme_faults: String,
     /// Negative control: engines that do not check writer checksums (`--kvd-verify
     /// false`).
     #[arg(long)]
@@ -86,8 +98,16 @@ struct Report {
     from_kvd: usize,
     /// Faults injected, by kind.
     faults: HashMap<String, usize>,
-    /// Blocks the daemons dropped for failing their checksum (both nodes, last lives).
+    /// Blocks the daemons dropped for failing their checksum (both nodes, every life).
     damaged_blocks: u64,
+    /// Node A's NVMe tier, every life: writes that failed (errors and short writes),
+    /// reads that failed, reads that failed their checksum.
+    nvme_write_errors: u64,
+    nvme_read_errors: u64,
+    nvme_checksum_errors: u64,
+    /// Blocks node A wrote down to its NVMe tier and read back up, every life.
+    demotions: u64,
+    promotions: u64,
     /// The first few divergent or failed requests, for a reader.
     examples: Vec<String>,
     seconds: f64,
@@ -118,9 +138,11 @@ const KINDS: [&str; 4] = [
     "restart-decode-daemon",
 ];
 
-/// One bit flipped at a random place in every 8 KiB of the first 64 MiB of the node's
-/// pool data area (where its slabs are), through the file.
-fn flip_pool(node: &Node, rng: &mut Rng) -> Result<()> {
+/// One bit flipped at a random place in every `stride` bytes of the first 64 MiB of the
+/// node's pool data area (where its slabs are), through the file.
+fn flip_pool(node: &Node, rng: &mut Rng, stride: u64) -> Result<()> {
+    const STRIDE_MIN: u64 = 64;
+    let stride = stride.max(STRIDE_MIN);
     use std::os::unix::fs::FileExt;
     let c = kvd_client::Client::connect(&node.endpoint)?;
     let start = c.hello_info().pool.data_offset;
@@ -130,21 +152,30 @@ fn flip_pool(node: &Node, rng: &mut Rng) -> Result<()> {
         .open(&node.pool_path)?;
     let end = f.metadata()?.len().min(start + (64 << 20));
     let mut at = start;
-    while at + 8192 <= end {
-        let p = at + rng.below(8192);
+    while at + stride <= end {
+        let p = at + rng.below(stride);
         let mut b = [0u8];
         f.read_exact_at(&mut b, p)?;
         b[0] ^= 1 << rng.below(8);
         f.write_all_at(&b, p)?;
-        at += 8192;
+        at += stride;
     }
     Ok(())
 }
 
-fn damaged(node: &Node) -> u64 {
-    kvd_client::Client::connect(&node.endpoint)
-        .and_then(|c| c.stats())
-        .map_or(0, |s| s.checksums.damaged)
+/// Adds what `node`'s daemon counted in this life (before it is killed, and at the end).
+fn tally(node: &Node, r: &mut Report) {
+    let Ok(s) = kvd_client::Client::connect(&node.endpoint).and_then(|c| c.stats()) else {
+        return;
+    };
+    r.damaged_blocks += s.checksums.damaged;
+    r.demotions += s.demotions;
+    r.promotions += s.promotions;
+    if let Some(n) = s.nvme {
+        r.nvme_write_errors += n.write_errors;
+        r.nvme_read_errors += n.read_errors;
+        r.nvme_checksum_errors += n.checksum_errors;
+    }
 }
 
 fn token_ids(v: &Value) -> Option<Vec<u64>> {
@@ -183,7 +214,30 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
     });
     eprintln!("kvd-bench integrity: seed {seed} (rerun with --seed {seed})");
     let mut rng = Rng(seed);
-    let (mut na, mut nb) = (Node::start(&bins, "256MiB")?, Node::start(&bins, "256MiB")?);
+    let nvme_dir = tempfile::tempdir()?;
+    let mut na = if a.nvme_faults.is_empty() {
+        Node::start(&bins, "256MiB")?
+    } else {
+        // A small pool over a faulty NVMe tier: blocks go down to it and come back.
+        let dir = nvme_dir.path().display().to_string();
+        let proc = kvd_testkit::Launch::new()
+            .bin(&bins.kvd)
+            .args(["--pool-size", "4MiB", "--segment-size", "1MiB"])
+            .args(["--metrics-addr", "127.0.0.1:0", "--log-level", "error"])
+            .args([
+                "--nvme-path",
+                &dir,
+                "--nvme-size",
+                "256MiB",
+                "--nvme-allow-buffered",
+            ])
+            .env("KVD_NVME_FAULTS", format!("{},seed={seed}", a.nvme_faults))
+            .timeout(Duration::from_secs(30))
+            .start()
+            .context("starting node A")?;
+        Node { proc }
+    };
+    let mut nb = Node::start(&bins, "256MiB")?;
     let verify = if a.no_verify { "false" } else { "true" };
     let flags = [
         "--backend",
@@ -218,8 +272,15 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
     let mut kind = 0;
     for i in 0..a.requests {
         let prefix = &prefixes[rng.below(prefixes.len() as u64) as usize];
-        // A suffix from a small set: whole prompts repeat too (decode-side hits).
-        let prompt = format!("{prefix} q{}", rng.below(20));
+        // Then one of 40 two-block topics and a short question: more distinct blocks than
+        // node A's DRAM holds (they go down to its NVMe tier and come back), and whole
+        // prompts that repeat (the decode node holds their blocks already).
+        let topic = rng.below(40);
+        let prompt = format!(
+            "{prefix}|{:0>31}|q{}",
+            topic.wrapping_mul(0x9E37_79B9_7F4A_7C15) % 1_000_000_007,
+            rng.below(5)
+        );
         let body = json!({"prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0.0});
         if !want.contains_key(&prompt) {
             let (s, v) = local::complete(&reference, &body)?;
@@ -239,8 +300,8 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
         if let Some(f) = &fault {
             *r.faults.entry(f.clone()).or_default() += 1;
             match f.as_str() {
-                "prefill-pool-flip" => flip_pool(&na, &mut rng)?,
-                "decode-pool-flip" => flip_pool(&nb, &mut rng)?,
+                "prefill-pool-flip" => flip_pool(&na, &mut rng, a.flip_every)?,
+                "decode-pool-flip" => flip_pool(&nb, &mut rng, a.flip_every)?,
                 _ => {
                     // During the request, after a random delay.
                     let delay = Duration::from_millis(rng.below(40));
@@ -258,7 +319,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
                 std::thread::scope(|s| {
                     let h = s.spawn(|| local::complete(&url, &body));
                     std::thread::sleep(delay);
-                    r.damaged_blocks += damaged(node);
+                    tally(node, &mut r);
                     node.proc.restart();
                     h.join().expect("request thread")
                 })?
@@ -291,13 +352,14 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
         }
         r.requests += 1;
     }
-    r.damaged_blocks += damaged(&na) + damaged(&nb);
+    tally(&na, &mut r);
+    tally(&nb, &mut r);
     r.seconds = t0.elapsed().as_secs_f64();
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!(
-            "seed {}: {} requests in {:.1} s, checksums {}: {} divergent, {} failed, {} with KV from kvd; faults {:?}; {} blocks dropped as damaged",
+            "seed {}: {} requests in {:.1} s, checksums {}: {} divergent, {} failed, {} with KV from kvd; faults {:?}; NVMe write/read/checksum errors {}/{}/{}; {} blocks dropped as damaged",
             r.seed,
             r.requests,
             r.seconds,
@@ -306,6 +368,9 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
             r.failed,
             r.from_kvd,
             r.faults,
+            r.nvme_write_errors,
+            r.nvme_read_errors,
+            r.nvme_checksum_errors,
             r.damaged_blocks
         );
         for e in &r.examples {

@@ -99,17 +99,53 @@ fn under_every_fault_kind_no_engine_answers_a_wrong_token() {
     );
 }
 
+/// Node A's faulty NVMe tier (the tier's fault hook: this kernel has no device-mapper)
+/// at work without daemon kills, which keep its pool from churning: writes that fail or
+/// come out short and reads that fail or come back flipped, and still no wrong token.
+#[test]
+fn on_a_faulty_disk_no_engine_answers_a_wrong_token() {
+    let seed = seed().to_string();
+    println!("seed {seed}");
+    let r = integrity(&[
+        "--requests",
+        "120",
+        "--fault-every",
+        "1000",
+        "--faults",
+        "prefill-pool-flip",
+        "--seed",
+        &seed,
+    ]);
+    println!("{r:#}");
+    assert_eq!(r["divergent"], 0, "wrong tokens (seed {seed}): {r:#}");
+    assert_eq!(
+        r["failed"], 0,
+        "requests failed for kvd (seed {seed}): {r:#}"
+    );
+    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+    assert!(n("promotions") > 0, "nothing came back from NVMe: {r:#}");
+    assert!(n("nvme_write_errors") > 0, "no write failed: {r:#}");
+    assert!(
+        n("nvme_read_errors") + n("nvme_checksum_errors") > 0,
+        "no read failed or came back damaged: {r:#}"
+    );
+}
+
 #[test]
 fn negative_control_engines_that_do_not_check_answer_wrong_tokens() {
     let seed = seed().to_string();
     println!("seed {seed}");
     let r = integrity(&[
         "--requests",
-        "24",
+        "48",
         "--fault-every",
         "3",
         "--faults",
         "prefill-pool-flip,decode-pool-flip",
+        "--nvme-faults",
+        "",
+        "--flip-every",
+        "8192",
         "--no-verify",
         "--seed",
         &seed,

@@ -321,3 +321,61 @@ fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
         assert!(load_each(&decode, l, &ks2)[0].is_none(), "shm = {shm}");
     }
 }
+
+/// The NVMe tier on a faulty disk (the tier's fault hook, `KVD_NVME_FAULTS`: this kernel
+/// has no device-mapper for `error`/`flakey` targets): writes that fail or come out
+/// short, reads that fail or bring a flipped bit. Every block a load finds is byte for
+/// byte the one stored; the faults show as misses and in the tier's counters.
+#[test]
+fn on_a_faulty_disk_every_hit_is_right_and_the_faults_are_misses() {
+    let dir = disk_dir();
+    let nvme = dir.path().display().to_string();
+    let d = kvd_testkit::daemon::Launch::new()
+        .args([
+            "--log-level",
+            "error",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--segment-size",
+            "1MiB",
+            "--pool-size",
+            "8MiB",
+            "--nvme-size",
+            "64MiB",
+            "--nvme-path",
+            &nvme,
+        ])
+        .env(
+            "KVD_NVME_FAULTS",
+            "write_error=0.1,short_write=0.1,read_error=0.1,read_corrupt=0.2,seed=3",
+        )
+        .start()
+        .unwrap();
+    let c = d.client();
+    let l = register(&c, KIB).id;
+    // Six pools' worth: most blocks go down to the disk and come back up.
+    let ks = keys(9, 600);
+    let data: Vec<Vec<u8>> = (0..600).map(|i| block(9000 + i, BYTES)).collect();
+    for (k, b) in ks.chunks(20).zip(data.chunks(20)) {
+        c.store(l, k, &refs(b)).unwrap();
+    }
+    let mut hits = 0;
+    for (k, want) in ks.iter().zip(&data) {
+        let mut out = vec![0u8; BYTES];
+        if c.load(l, &[*k], &mut [&mut out[..]]).unwrap()[0] {
+            assert_eq!(&out, want, "a hit served other bytes");
+            hits += 1;
+        }
+    }
+    let nv = c.stats().unwrap().nvme.unwrap();
+    assert!(nv.write_errors > 0, "no write failed: {nv:?}");
+    assert!(nv.read_errors > 0, "no read failed: {nv:?}");
+    assert!(
+        nv.checksum_errors > 0,
+        "no corrupted read was caught: {nv:?}"
+    );
+    assert!(
+        hits > 100,
+        "the tier served almost nothing ({hits}): {nv:?}"
+    );
+}

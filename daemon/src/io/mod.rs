@@ -2,4 +2,5 @@
 //! completion hand-off from worker threads to the server thread (`completions`).
 
 pub mod completions;
+pub mod faults;
 pub mod uring;

@@ -119,6 +119,11 @@ impl UringEngine {
         // SAFETY: every iovec lies inside the pool mapping, which the engine keeps alive
         // (it holds the Arc) until the ring, and with it the registration, is dropped.
         let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
+        let faults = super::faults::Faults::from_env()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        if let Some(f) = &faults {
+            tracing::warn!(faults = ?f, "NVMe fault injection is on (KVD_NVME_FAULTS): for tests only");
+        }
         let (tx, rx) = mpsc::channel::<IoOp>();
         let done = Arc::new(Completions::new()?);
         let done_tx = done.clone();
@@ -136,6 +141,7 @@ impl UringEngine {
                     inflight: std::collections::HashMap::new(),
                     next_user: 0,
                     zeros: None,
+                    faults,
                 };
                 w.run(rx, &done_tx);
             })?;
@@ -214,6 +220,8 @@ struct Worker {
     /// The source of zero writes, mapped on first use (anonymous memory reads as zeros
     /// and is never written).
     zeros: Option<memmap2::Mmap>,
+    /// The fault hook (`KVD_NVME_FAULTS`, tests only): see `io::faults`.
+    faults: Option<super::faults::Faults>,
 }
 
 impl Worker {
@@ -257,6 +265,10 @@ impl Worker {
                 self.fill(&mut queued, &mut out);
                 self.submit();
                 for ((op, write_crc, t0), res) in finished {
+                    let res = match &mut self.faults {
+                        Some(f) => f.apply(&op, res, &self.pool),
+                        None => res,
+                    };
                     tracing::trace!(kind = ?op.kind, tag = op.tag, us = t0.elapsed().as_micros() as u64, "io completed");
                     out.push(IoDone {
                         kind: op.kind,
