@@ -108,9 +108,11 @@ fn timed(url: &str, p: &str, max_tokens: usize) -> Result<(f64, f64, serde_json:
     Ok((ttft * 1e3, rest, kvd))
 }
 
-pub fn run(a: E2eArgs) -> Result<()> {
-    let dir = match a.bin_dir {
-        Some(d) => d,
+/// kvd, kvd-engine and kvd-router in `bin_dir` (default: this binary's directory),
+/// each checked to be there.
+pub(crate) fn engine_bins(bin_dir: Option<&std::path::Path>) -> Result<Bins> {
+    let dir = match bin_dir {
+        Some(d) => d.to_path_buf(),
         None => std::env::current_exe()?
             .parent()
             .context("exe dir")?
@@ -125,6 +127,11 @@ pub fn run(a: E2eArgs) -> Result<()> {
             );
         }
     }
+    Ok(bins)
+}
+
+pub fn run(a: E2eArgs) -> Result<()> {
+    let bins = engine_bins(a.bin_dir.as_deref())?;
     let longest = a.tokens.iter().copied().max().unwrap_or(128) + a.max_tokens;
     let blocks = (longest.div_ceil(16) * 3).max(512).to_string();
     let (na, nb) = (Node::start(&bins, "2GiB")?, Node::start(&bins, "2GiB")?);

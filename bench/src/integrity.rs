@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kvd_engine::local::{self, Bins, Node};
+use kvd_engine::local::{self, Node};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -190,23 +190,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
             bail!("unknown fault {f:?}: one of {}", KINDS.join(", "));
         }
     }
-    let dir = match &a.bin_dir {
-        Some(d) => d.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("exe dir")?
-            .to_path_buf(),
-    };
-    let bins = Bins::in_dir(&dir);
-    for b in [&bins.kvd, &bins.engine, &bins.router] {
-        if !b.exists() {
-            bail!(
-                "{} not found: build kvd-daemon and kvd-engine into {}",
-                b.display(),
-                dir.display()
-            );
-        }
-    }
+    let bins = crate::e2e::engine_bins(a.bin_dir.as_deref())?;
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -345,8 +345,16 @@ fn off_when_asked() {
 fn a_failed_connect_falls_back_to_zmq_and_is_retried_later() {
     let d = Daemon::start(&[]);
     let path = stream_path(&d);
-    // The daemon binds the stream socket beside its ZMQ endpoint, not before it answers.
+    // The daemon binds the stream socket beside its ZMQ endpoint, not before it answers,
+    // and sets its mode right after binding it: a rename before that makes its start
+    // fail. A ZMQ-only client's answer says the start is over.
     eventually(10, "the stream socket is bound", || path.exists());
+    let zmq_only = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_stream(false)
+        .connect()
+        .unwrap();
+    zmq_only.stats().unwrap();
     let away = path.with_extension("away");
     std::fs::rename(&path, &away).unwrap();
     let c = d.client();
