@@ -1,9 +1,10 @@
 //! Writer checksums (SPEC §17): the store's side.
 //!
 //! It owns one rule: **a block whose bytes do not match its writer checksum is never
-//! served again.** Unpinned, it goes at once (its slot freed); pinned, it stops being
-//! readable at once (a miss for every later `lookup`, `get`, transfer and eviction
-//! decision) and is evicted first once the last pin goes. Every check the daemon makes
+//! served again.** Unpinned, it goes at once (its slot freed); pinned or being demoted, it
+//! becomes `Damaged` at once — out of the hash table, a miss for every later `lookup`,
+//! `get`, `alloc` and transfer — and its slot is freed with the last pin or when the write
+//! ends (`index.rs`). Every check the daemon makes
 //! (inline gets, `verify`, demotions) ends here, counted in `stats.checksums` and logged
 //! with the key and where the bytes were.
 //!
@@ -68,8 +69,12 @@ impl Store {
                     if let Some(idx) = self.index.find(layout, k) {
                         self.drop_damaged(idx, "dram (inline get)");
                     }
-                    resp.offsets[i] = None;
-                    resp.crcs[i] = None;
+                    if let Some(o) = resp.offsets.get_mut(i) {
+                        *o = None;
+                    }
+                    if let Some(c) = resp.crcs.get_mut(i) {
+                        *c = None;
+                    }
                     self.counters.hits = self.counters.hits.saturating_sub(1);
                     self.counters.misses += 1;
                     continue;
