@@ -35,6 +35,24 @@ def blake2b128(data):
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+_CRC32C = []
+
+
+def crc32c(data, crc=0):
+    """CRC-32C (Castagnoli, reflected, init and final xor 0xFFFFFFFF): SPEC 17's writer
+    checksum (table-driven, from the polynomial alone)."""
+    if not _CRC32C:
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            _CRC32C.append(c)
+    c = crc ^ 0xFFFFFFFF
+    for b in data:
+        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
 def chunk_root(salt=b""):
     return blake2b128(b"kvd.root.v1" + salt)
 
@@ -302,11 +320,16 @@ class Client:
     def alloc(self, lid, keys):
         return self.call("alloc", {"client": self.client, "layout_id": lid, "keys": keys})[0]
 
-    def commit(self, lid, keys, offsets=None, payloads=()):
+    def commit(self, lid, keys, offsets=None, payloads=(), crcs=None):
         body = {"client": self.client, "layout_id": lid, "keys": keys}
         if offsets is not None:
             body["offsets"] = offsets
+        if crcs is not None:
+            body["crcs"] = crcs
         return self.call("commit", body, payloads)[0]
+
+    def verify(self, lid, keys):
+        return self.call("verify", {"client": self.client, "layout_id": lid, "keys": keys})[0]
 
     def get(self, lid, keys, ttl_ms=None, inline=False):
         body = {"client": self.client, "layout_id": lid, "keys": keys, "inline": inline}
