@@ -89,15 +89,20 @@ fn stats_frame(id: u64) -> Vec<u8> {
     encode_request(id, &Request::Stats(StatsReq::default()))
 }
 
-/// The daemon serves: over ZMQ (a client with the transport off) and over a fresh
-/// stream connection.
-fn still_serves(d: &Daemon) {
+/// The daemon answers a client with the stream transport off (over ZMQ alone).
+fn answers_over_zmq(d: &Daemon) {
     let zmq_only = Client::builder()
         .with_endpoint(&d.endpoint)
         .with_stream(false)
         .connect()
         .unwrap();
     zmq_only.stats().unwrap();
+}
+
+/// The daemon serves: over ZMQ (a client with the transport off) and over a fresh
+/// stream connection.
+fn still_serves(d: &Daemon) {
+    answers_over_zmq(d);
     let (mut s, _) = RawStream::connect(d);
     assert_eq!(s.call(&[&stats_frame(9)]), (9, None, 0));
 }
@@ -349,12 +354,7 @@ fn a_failed_connect_falls_back_to_zmq_and_is_retried_later() {
     // and sets its mode right after binding it: a rename before that makes its start
     // fail. A ZMQ-only client's answer says the start is over.
     eventually(10, "the stream socket is bound", || path.exists());
-    let zmq_only = Client::builder()
-        .with_endpoint(&d.endpoint)
-        .with_stream(false)
-        .connect()
-        .unwrap();
-    zmq_only.stats().unwrap();
+    answers_over_zmq(&d);
     let away = path.with_extension("away");
     std::fs::rename(&path, &away).unwrap();
     let c = d.client();

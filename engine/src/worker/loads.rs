@@ -311,6 +311,7 @@ impl Engine {
         let deadline = Instant::now() + self.inner.cfg.transfer_timeout;
         let mut pins = Vec::new();
         let mut n = self.usable(tokens);
+        let keys = self.keys(tokens);
         for (id, l) in ids.iter().zip(layouts) {
             let done = loop {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -344,7 +345,7 @@ impl Engine {
             // damaged on the way or here ends the prefix.
             // (the request's own keys are the export's: `same_model` checked the model,
             // and a key named wrongly is only checked by the daemon, never dropped)
-            n = n.min(kv.client.vouched_prefix(l.id, &self.keys(tokens), &p)?);
+            n = n.min(kv.client.vouched_prefix(l.id, &keys, &p)?);
             pins.push(p);
         }
         Ok(Some(Loaded {
