@@ -339,7 +339,7 @@ impl Metrics {
             checksum_blocks: counter_vec(
                 &r,
                 "kvd_checksum_blocks_total",
-                "Writer checksums (SPEC §17), by event: committed with one (from_writers) or without, checked against one (verified), failed it and dropped (damaged), named by a reader (reported).",
+                "Writer checksums (SPEC §17), by event: committed with one (from_writers) or without, checked against one (verified), failed it and dropped (damaged), named by a reader (reported); pushed ranges whose bytes did not match the CRC sent with them, refused (push_refused).",
                 &["event"],
             ),
             gpu_registrations: gauge(
@@ -708,6 +708,10 @@ impl Metrics {
             advance(&self.transfer_refused, t.refused);
             advance(&self.transfer_unauthenticated, t.unauthenticated);
             advance(&self.data_connections_refused, t.connections_refused);
+            advance(
+                &self.checksum_blocks.with_label_values(&["push_refused"]),
+                t.damaged_writes,
+            );
             advance(&self.peer_lookups, t.peer_lookups);
             advance(&self.peer_skipped, t.peer_skipped);
             advance(

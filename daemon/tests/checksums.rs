@@ -379,3 +379,56 @@ fn on_a_faulty_disk_every_hit_is_right_and_the_faults_are_misses() {
         "the tier served almost nothing ({hits}): {nv:?}"
     );
 }
+
+/// A TCP push carries the blocks' writer checksums in its checked writes (SPEC §10,
+/// §17): the decode daemon's data server holds the bytes it receives against them and
+/// commits the blocks with them, so the decode reader checks the prefill engine's
+/// checksum. A block damaged in the prefill pool after its writer checksummed it is
+/// refused as it lands: the push fails (the decode engine computes), and nothing of it
+/// becomes visible on the decode node.
+#[test]
+fn a_pushed_block_keeps_its_writers_checksum_and_damage_fails_the_push() {
+    let start = || {
+        let mut cfg = tempfile::NamedTempFile::new().unwrap();
+        use std::io::Write;
+        writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = false").unwrap();
+        let path = cfg.path().display().to_string();
+        (Daemon::start(&["--config", &path]), cfg)
+    };
+    let ((pd, _pc), (dd, _dc)) = (start(), start());
+    let (prefill, decode) = (pd.client(), dd.client());
+    let prefill_node = prefill.hello_info().node.expect("transfers are on").node;
+    let l = register(&prefill, KIB).id;
+    register(&decode, KIB);
+    let wait = std::time::Duration::from_secs(10);
+
+    let (ks, data) = store(&prefill, l, 11, 4);
+    decode.push_register("p-1", l, &ks, &prefill_node, None).unwrap();
+    prefill.export("p-1", l, &ks, None).unwrap();
+    let r = decode.transfer_status("p-1", wait).unwrap();
+    assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
+    assert_eq!(r.transport, "tcp");
+    let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
+    assert_eq!(r.crcs, want, "the pushed blocks keep the writer's checksums");
+    decode.pinned(l, &r).unwrap().release().unwrap();
+    assert_eq!(decode.stats().unwrap().checksums.from_writers, 4);
+    let got = load_each(&decode, l, &ks);
+    assert!(got.iter().zip(&data).all(|(g, d)| g.as_deref() == Some(&d[..])));
+
+    // Damage in the prefill pool after the writer's checksum: the push is refused as
+    // it lands on the decode node.
+    let (ks2, _) = store(&prefill, l, 12, 3);
+    let offs = offsets(&prefill, l, &ks2);
+    flip(&pd.pool_path, offs[1] + 77);
+    decode.push_register("p-2", l, &ks2, &prefill_node, None).unwrap();
+    prefill.export("p-2", l, &ks2, None).unwrap();
+    let r = decode.transfer_status("p-2", wait);
+    let failed = match &r {
+        Ok(r) => r.state == kvd_protocol::TransferState::Failed,
+        Err(_) => true,
+    };
+    assert!(failed, "a damaged push must fail: {r:?}");
+    let t = decode.stats().unwrap().transfers.unwrap();
+    assert!(t.damaged_writes >= 1, "{t:?}");
+    assert_eq!(decode.lookup(l, &ks2).unwrap().prefix, 0, "nothing of it is visible");
+}

@@ -4,12 +4,13 @@
 //! the fuzz target and the tests build requests with them.
 //!
 //! ```text
-//! request  = "KVDX" u8:version=3 u8:op(1 read, 2 write) u16:flags u64:handle u64:token
+//! request  = "KVDX" u8:version(3, or 4 for a checked write) u8:op(1 read, 2 write) u16:flags u64:handle u64:token
 //!            u64:src_incarnation u64:dst_incarnation u32:nranges u32:0      (48 bytes)
 //!            nranges × (u64:offset u64:len)   -- offsets in the server's pool
 //!            u64:unix_ms u64:nonce [32]u8:mac -- MAC over all of the above (SPEC §10.1)
 //!            pad
-//!            [write: the ranges' bytes, in order]
+//!            [write: the ranges' bytes, in order;
+//!             crc flag (version 4): nranges × u32:crc32c pad]
 //! response = u8:status(0 ok, 1 error) [3]u8:0 u32:msg_len [56]u8:0      (64 bytes)
 //!            [error: msg ("code: text") pad]
 //!            [read and ok: the ranges' bytes, in order;
@@ -26,10 +27,15 @@ use crate::{ErrorCode, WireError};
 
 /// A request's first bytes.
 pub const MAGIC: &[u8; 4] = b"KVDX";
-/// 3: every part around the block bytes padded to [`ALIGN`], the CRCs of a checked read
-/// in one table after the bytes; 2: requests end with the MAC trailer (SPEC §10.1);
-/// version 1 had none.
-pub const VERSION: u8 = 3;
+/// 4: a write may carry the CRC table too (flag crc); 3: every part around the block
+/// bytes padded to [`ALIGN`], the CRCs of a checked read in one table after the bytes;
+/// 2: requests end with the MAC trailer (SPEC §10.1); version 1 had none. A request is
+/// sent with the lowest version that has what it uses ([`DataHeader::version`]), so a
+/// version-3 server still serves this daemon's reads and unchecked writes, and refuses
+/// its checked writes instead of misreading their table.
+pub const VERSION: u8 = 4;
+/// The oldest version a server accepts.
+pub const OLDEST_VERSION: u8 = 3;
 /// Requests, statuses, messages and CRC tables are padded to multiples of this, so block
 /// bytes stay cache-line aligned in the byte stream.
 pub const ALIGN: usize = 64;
@@ -42,7 +48,8 @@ pub const HEADER_BYTES: usize = 48;
 /// Most ranges in one data-plane request.
 pub const MAX_RANGES: u32 = 65_536;
 /// Request flag: after the ranges' bytes, the sender appends a table of their CRC-32Cs
-/// (u32 LE each, padded), which the receiver checks.
+/// (u32 LE each, padded), which the receiver checks: the server for a write (version 4),
+/// the requester for a read's answer.
 pub const FLAG_CRC: u16 = 1;
 
 /// What a request asks for.
@@ -59,11 +66,33 @@ pub fn pad_for(len: usize) -> usize {
     (ALIGN - len % ALIGN) % ALIGN
 }
 
-/// A read's CRC table: one CRC-32C per range, u32 LE, padded.
+/// A CRC table (a checked read's answer, a checked write's end): one CRC-32C per range, u32 LE, padded.
 pub fn crc_table(crcs: &[u32]) -> Vec<u8> {
     let mut t: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
     t.resize(t.len() + pad_for(t.len()), 0);
     t
+}
+
+/// The `n` CRCs of a CRC table (`table`: `n` × u32 LE and its padding), refused when
+/// the padding is not zeros or the table is short.
+pub fn parse_crc_table(table: &[u8], n: usize) -> Result<Vec<u32>, WireError> {
+    let (crcs, pad) = table
+        .split_at_checked(n.saturating_mul(4))
+        .ok_or_else(|| WireError::new(ErrorCode::Malformed, "short CRC table"))?;
+    if pad.iter().any(|&b| b != 0) {
+        return Err(WireError::new(
+            ErrorCode::Malformed,
+            "malformed CRC table (padding is not zeros)",
+        ));
+    }
+    Ok(crcs
+        .chunks_exact(4)
+        .map(|c| {
+            <[u8; 4]>::try_from(c)
+                .map(u32::from_le_bytes)
+                .unwrap_or_default()
+        })
+        .collect())
 }
 
 /// A request header.
@@ -86,12 +115,21 @@ pub struct DataHeader {
 }
 
 impl DataHeader {
+    /// The version this request is sent with: 4 for a checked write, else 3.
+    pub fn version(&self) -> u8 {
+        if self.op == DataOp::Write as u8 && self.flags & FLAG_CRC != 0 {
+            VERSION
+        } else {
+            OLDEST_VERSION
+        }
+    }
+
     /// The header then `ranges` (`(offset in the server's pool, len)`) into `out`
     /// (cleared first): what the MAC trailer covers.
     pub fn encode(&self, ranges: impl IntoIterator<Item = (u64, u64)>, out: &mut Vec<u8>) {
         out.clear();
         out.extend_from_slice(MAGIC);
-        out.push(VERSION);
+        out.push(self.version());
         out.push(self.op);
         out.extend_from_slice(&self.flags.to_le_bytes());
         for v in [self.handle, self.token, self.src_inc, self.dst_inc] {
@@ -109,7 +147,7 @@ impl DataHeader {
         if &b[0..4] != MAGIC {
             return Err(WireError::new(ErrorCode::Malformed, "bad magic"));
         }
-        if b[4] != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&b[4]) {
             return Err(WireError::new(
                 ErrorCode::Malformed,
                 format!("data-plane version {} not supported", b[4]),
@@ -120,7 +158,7 @@ impl DataHeader {
             a.copy_from_slice(&b[i..i + 8]);
             u64::from_le_bytes(a)
         };
-        Ok(DataHeader {
+        let h = DataHeader {
             op: b[5],
             flags: u16::from_le_bytes([b[6], b[7]]),
             handle: u64at(8),
@@ -128,7 +166,16 @@ impl DataHeader {
             src_inc: u64at(24),
             dst_inc: u64at(32),
             nranges: u32::from_le_bytes([b[40], b[41], b[42], b[43]]),
-        })
+        };
+        if b[4] < h.version() {
+            // A version-3 writer never sends a table: its flag would make the server read
+            // the next request's bytes as one.
+            return Err(WireError::new(
+                ErrorCode::Malformed,
+                format!("a checked write needs data-plane version {}", h.version()),
+            ));
+        }
+        Ok(h)
     }
 }
 
@@ -296,9 +343,13 @@ mod tests {
         let mut ranges = Vec::new();
         ranges_of(&b, &mut ranges);
         assert_eq!(ranges, vec![(0, 1), (64, 2)]);
+        assert_eq!(b[4], 4, "a checked write goes as version 4");
         for (at, v, code) in [
             (0usize, b'X', ErrorCode::Malformed),
             (4, 2, ErrorCode::Malformed),
+            (4, 5, ErrorCode::Malformed),
+            // a version-3 write with the crc flag: its table would be misread
+            (4, 3, ErrorCode::Malformed),
             (5, 3, ErrorCode::UnknownOp),
             (40, 0, ErrorCode::TooLarge),
         ] {
@@ -308,6 +359,27 @@ mod tests {
                 bad[40..44].copy_from_slice(&0u32.to_le_bytes());
             }
             assert_eq!(check_header(&bad).unwrap_err().code, code, "byte {at}");
+        }
+    }
+
+    /// Reads and unchecked writes go as version 3 (a version-3 server serves them).
+    #[test]
+    fn requests_take_the_lowest_version_that_has_what_they_use() {
+        for (op, flags, v) in [(1, 0, 3), (1, FLAG_CRC, 3), (2, 0, 3), (2, FLAG_CRC, 4)] {
+            let h = DataHeader {
+                op,
+                flags,
+                handle: 1,
+                token: 2,
+                src_inc: 3,
+                dst_inc: 4,
+                nranges: 1,
+            };
+            let mut b = Vec::new();
+            h.encode([(0, 64)], &mut b);
+            assert_eq!(b[4], v, "op {op} flags {flags}");
+            let hdr: [u8; HEADER_BYTES] = b[..HEADER_BYTES].try_into().unwrap();
+            assert_eq!(check_header(&hdr).unwrap().0, h);
         }
     }
 

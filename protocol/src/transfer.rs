@@ -717,6 +717,10 @@ pub struct TransferStats {
     /// the authenticated cap.
     #[serde(default)]
     pub connections_refused: u64,
+    /// Checked writes (pushes) this daemon's data server refused because a range's
+    /// bytes did not match the CRC sent with them (SPEC §10, §17).
+    #[serde(default)]
+    pub damaged_writes: u64,
 }
 
 #[cfg(test)]

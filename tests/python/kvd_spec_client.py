@@ -162,8 +162,10 @@ def _pad64(b):
 
 
 def data_request(key, to, op, handle, token, src_inc, dst_inc, ranges, unix_ms, nonce, crc=False):
-    """A data-plane request (op 1 read, 2 write) signed for the data server named `to`."""
-    head = b"KVDX" + struct.pack("<BBH", 3, op, 1 if crc else 0)
+    """A data-plane request (op 1 read, 2 write) signed for the data server named `to`;
+    a checked write (crc) goes as version 4, everything else as version 3."""
+    version = 4 if (op == 2 and crc) else 3
+    head = b"KVDX" + struct.pack("<BBH", version, op, 1 if crc else 0)
     head += struct.pack("<QQQQII", handle, token, src_inc, dst_inc, len(ranges), 0)
     head += b"".join(struct.pack("<QQ", off, ln) for off, ln in ranges)
     mac = data_mac(key, unix_ms, nonce, to, head)

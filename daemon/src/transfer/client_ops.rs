@@ -65,7 +65,7 @@ impl Transfers {
         };
         let stage_deadline = staged.as_ref().map(|s: &super::export::Staged| s.deadline);
         let staged_export = staged.is_some();
-        let (export, mut params) = Export::open(
+        let (mut export, mut params) = Export::open(
             &self.me,
             req,
             offsets,
@@ -80,6 +80,7 @@ impl Transfers {
             // The blocks' writer checksums go with them (SPEC §17): the importer commits
             // them with these, and the engine that reads them there checks its copy.
             params.crcs = store.crcs(req.layout_id, &req.keys);
+            export.set_crcs(params.crcs.clone());
         }
         tracing::debug!(transfer = %req.transfer_id, blocks = req.keys.len(), parts, staged = req.staged, "exported");
         self.by_grant

@@ -61,8 +61,12 @@ pub(super) struct Export {
     /// once committed, or for an export of committed blocks).
     staged: Vec<ChunkHash>,
     stage_deadline: Option<Instant>,
-    /// Push: (our slot, their slot) per block to write, and how to reach them.
-    push_slots: Vec<(u64, u64)>,
+    /// The blocks' writer checksums (SPEC §17), one per key, where known (an export of
+    /// committed blocks; a staged one's once its last part commits them).
+    crcs: Vec<Option<u32>>,
+    /// Push: (our slot, their slot, writer checksum) per block to write, and how to
+    /// reach them.
+    push_slots: Vec<(u64, u64, Option<u32>)>,
     push_access: Option<Access>,
     /// Parts written by completed jobs, and those the running job writes.
     sent: u64,
@@ -184,6 +188,7 @@ impl Export {
             ready: if staged.is_some() { 0 } else { parts },
             stage_deadline: staged.as_ref().map(|s| s.deadline),
             staged: staged.map(|s| s.keys).unwrap_or_default(),
+            crcs: Vec::new(),
             push_slots: Vec::new(),
             push_access: None,
             sent: 0,
@@ -314,13 +319,17 @@ impl Export {
             self.sent = self.ready;
             return self.next_push();
         }
+        // A write of whole blocks carries their writer checksums: the importer's data
+        // server checks the bytes it receives against them (SPEC §10, §17).
+        let whole = start == 0 && len == self.block_bytes;
         let ops = self
             .push_slots
             .iter()
-            .map(|&(src, dst)| Op {
+            .map(|&(src, dst, crc)| Op {
                 remote: dst + start,
                 local: src + start,
                 len,
+                crc: crc.filter(|_| whole),
             })
             .collect();
         NextPush::Write(ops, Box::new(access), self.ready)
@@ -328,6 +337,13 @@ impl Export {
 
     pub(super) fn client(&self) -> ClientId {
         self.client
+    }
+
+    /// The blocks' writer checksums (one per key, in order), which a push sends.
+    pub(super) fn set_crcs(&mut self, crcs: Vec<Option<u32>>) {
+        if crcs.len() == self.keys.len() {
+            self.crcs = crcs;
+        }
     }
 
     pub(super) fn handle(&self) -> u64 {
@@ -424,17 +440,18 @@ impl Export {
                 ),
             ));
         }
-        let at: HashMap<ChunkHash, u64> = self
+        let at: HashMap<ChunkHash, (u64, Option<u32>)> = self
             .keys
             .iter()
-            .copied()
-            .zip(self.offsets.iter().copied())
+            .zip(&self.offsets)
+            .enumerate()
+            .map(|(i, (&k, &o))| (k, (o, self.crcs.get(i).copied().flatten())))
             .collect();
         let mut ops = Vec::new();
         for (i, (k, dst)) in reg.slots().enumerate() {
             let Some(dst) = dst else { continue };
             match at.get(k) {
-                Some(&src) => ops.push((src, dst)),
+                Some(&(src, crc)) => ops.push((src, dst, crc)),
                 None => {
                     return Err(WireError::new(
                         ErrorCode::InvalidArgument,

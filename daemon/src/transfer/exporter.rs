@@ -31,7 +31,10 @@ impl Transfers {
             peer: reg.from().clone(),
             handle: reg.grant().0,
             token: reg.access_token(id),
-            verify: false,
+            // Pushes are checked writes: the importer's data server holds every range
+            // against its CRC (the blocks' writer checksums where they have them) and
+            // commits the blocks with them (SPEC §10, §17).
+            verify: true,
         };
         if let Err(e) = exp.accept_registration(&reg, access) {
             self.end_export(store, id, TransferState::Failed, Some(e), true, now);

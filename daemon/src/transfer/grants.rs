@@ -16,7 +16,7 @@
 //! export as soon as every byte has gone out (a read grant), with no notification from
 //! the peer coming round through the control plane.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -55,6 +55,26 @@ struct Grant {
     /// Queue the handle after every completed request, not only the filling one (a
     /// layer-wise push: its importer reports the parts that landed).
     progress: bool,
+    /// A write grant's ranges whose bytes matched the CRC the writer sent with them
+    /// (a checked write, SPEC §10): start → (end, CRC-32C), not overlapping; a later
+    /// write over any of their bytes replaces or removes them.
+    checked: BTreeMap<u64, (u64, u32)>,
+}
+
+/// Records `[s, e)` with `crc` (or, `None`, only forgets what overlaps it).
+fn record_checked(map: &mut BTreeMap<u64, (u64, u32)>, s: u64, e: u64, crc: Option<u32>) {
+    let before = map
+        .range(..s)
+        .next_back()
+        .filter(|(_, &(end, _))| end > s)
+        .map(|(&k, _)| k);
+    let inside: Vec<u64> = map.range(s..e).map(|(&k, _)| k).collect();
+    for k in before.into_iter().chain(inside) {
+        map.remove(&k);
+    }
+    if let Some(c) = crc {
+        map.insert(s, (e, c));
+    }
 }
 
 /// Adds `[s, e)` ranges to a sorted, merged list (in place); returns the bytes it now
@@ -78,6 +98,8 @@ pub struct Grants {
     incarnation: Incarnation,
     map: Mutex<HashMap<u64, Grant>>,
     refused: AtomicUsize,
+    /// Checked writes refused because a range did not match its CRC.
+    damaged: AtomicUsize,
     filled: Option<Arc<Completions<u64>>>,
 }
 
@@ -89,12 +111,21 @@ pub struct GrantGuard<'a> {
     bytes: u64,
     /// The request's `[s, e)` ranges.
     ranges: Vec<(u64, u64)>,
+    /// A checked write's CRC per range, in order (empty otherwise).
+    crcs: Vec<u32>,
 }
 
 impl GrantGuard<'_> {
     /// Every byte of the request moved: count them when the guard drops.
     pub fn complete(&mut self) {
         self.bytes = self.planned;
+    }
+
+    /// Every byte of a checked write landed and matched `crcs` (one per range, in
+    /// order): counted, and each range's CRC recorded ([`Grants::written_crcs`]).
+    pub fn complete_checked(&mut self, crcs: Vec<u32>) {
+        self.bytes = self.planned;
+        self.crcs = crcs;
     }
 }
 
@@ -107,6 +138,11 @@ impl Drop for GrantGuard<'_> {
             g.bytes += self.bytes;
             // Recorded in the same step as `active` falls, so every request whose bytes
             // count has ended by the time the grant reads as filled.
+            if self.bytes > 0 && g.kind == GrantKind::Write {
+                for (i, &(s, e)) in self.ranges.iter().enumerate() {
+                    record_checked(&mut g.checked, s, e, self.crcs.get(i).copied());
+                }
+            }
             if self.bytes > 0 && !g.filled {
                 let covered = merge_into(&mut g.moved, &self.ranges);
                 if covered >= g.size {
@@ -129,6 +165,7 @@ impl Grants {
             incarnation,
             map: Mutex::new(HashMap::new()),
             refused: AtomicUsize::new(0),
+            damaged: AtomicUsize::new(0),
             filled: None,
         }
     }
@@ -178,6 +215,7 @@ impl Grants {
                 moved: Vec::new(),
                 filled: false,
                 progress: false,
+                checked: BTreeMap::new(),
             },
         );
     }
@@ -211,6 +249,22 @@ impl Grants {
         })
     }
 
+    /// The CRC-32C each `(offset, len)` slot's bytes were checked against as they were
+    /// written (a checked write of exactly that slot, not written over since), or `None`
+    /// unless every slot has one: what a push's importer commits as the blocks' writer
+    /// checksums (SPEC §17).
+    pub fn written_crcs(&self, handle: u64, slots: &[(u64, u64)]) -> Option<Vec<u32>> {
+        let map = self.lock();
+        let g = map.get(&handle)?;
+        slots
+            .iter()
+            .map(|&(off, len)| match g.checked.get(&off) {
+                Some(&(end, crc)) if Some(end) == off.checked_add(len) => Some(crc),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Moves a grant's expiry (the lease was renewed).
     pub fn extend(&self, handle: u64, expires: Instant) {
         if let Some(g) = self.lock().get_mut(&handle) {
@@ -240,6 +294,16 @@ impl Grants {
     /// Bytes moved under a grant so far.
     pub fn bytes(&self, handle: u64) -> u64 {
         self.lock().get(&handle).map(|g| g.bytes).unwrap_or(0)
+    }
+
+    /// A checked write was refused: a range's bytes did not match the CRC sent with them.
+    pub fn note_damaged(&self) {
+        self.damaged.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Checked writes refused so far because their bytes did not match their CRCs.
+    pub fn damaged(&self) -> u64 {
+        self.damaged.load(Ordering::Relaxed) as u64
     }
 
     /// Requests refused so far.
@@ -374,6 +438,7 @@ impl Grants {
             planned: total,
             bytes: 0,
             ranges: moved,
+            crcs: Vec::new(),
         })
     }
 }

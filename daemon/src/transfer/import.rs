@@ -355,6 +355,15 @@ impl Import {
         self.local = local;
     }
 
+    /// The slots (`(offset, block_bytes)`) of [`Import::new_keys`], in order.
+    pub(super) fn new_slots(&self) -> Vec<(u64, u64)> {
+        self.local
+            .iter()
+            .flatten()
+            .map(|&l| (l, self.block_bytes))
+            .collect()
+    }
+
     /// Pull: the reads (exporter slot → our slot) for the keys not here.
     pub(super) fn pull_ops(&self) -> Vec<Op> {
         self.local
@@ -365,6 +374,7 @@ impl Import {
                     remote: r,
                     local: l,
                     len: self.block_bytes,
+                    crc: None,
                 })
             })
             .collect()

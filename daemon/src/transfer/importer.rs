@@ -153,12 +153,18 @@ impl Transfers {
             return;
         }
         if !new_keys.is_empty() {
+            // A pull's blocks carry the checksums the exporter's params named; a TCP
+            // push's, those its checked writes were held against as they landed.
+            let crcs = match imp.mode() {
+                Mode::Push => self.grants.written_crcs(imp.handle(), &imp.new_slots()),
+                _ => imp.new_crcs(),
+            };
             let c = CommitReq {
                 client: self.system,
                 layout_id: imp.layout(),
                 keys: new_keys,
                 offsets: None,
-                crcs: imp.new_crcs(),
+                crcs,
             };
             if let Err(e) = store.commit(&c, &[], now) {
                 let e = WireError::new(e.code(), format!("committing received blocks: {e}"));

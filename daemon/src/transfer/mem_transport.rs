@@ -202,11 +202,13 @@ mod tests {
             remote: 4096,
             local: 4096 * 3,
             len: 8192,
+            crc: None,
         }];
         let write = vec![Op {
             remote: 4096 * 12,
             local: 4096 * 9,
             len: 4096,
+            crc: None,
         }];
         dp.submit(job(&t, 1, Dir::Read, read));
         dp.submit(job(&t, 2, Dir::Write, write));
@@ -227,6 +229,7 @@ mod tests {
                 remote: 4096,
                 local: 4096,
                 len: 4096,
+                crc: None,
             }]
         };
         t.set_fault(Fault::Fail(0, ErrorCode::PeerUnreachable));
@@ -244,6 +247,7 @@ mod tests {
             remote: u64::MAX - 10,
             local: 4096,
             len: 4096,
+            crc: None,
         }];
         dp.submit(job(&t, 3, Dir::Read, bad));
         assert!(wait(&dp, 1)[0].result.is_err());
@@ -259,6 +263,7 @@ mod tests {
                 remote: 4096,
                 local: 4096,
                 len: 4096,
+                crc: None,
             }]
         };
         t.set_fault(Fault::Panic(0));

@@ -414,6 +414,7 @@ impl Transfers {
             refused: self.counters.refused + self.grants.refused() + self.server.unauthenticated(),
             unauthenticated: self.counters.unauthenticated + self.server.unauthenticated(),
             connections_refused: self.server.refused_connections(),
+            damaged_writes: self.grants.damaged(),
             peers_down: self
                 .down_until
                 .values()

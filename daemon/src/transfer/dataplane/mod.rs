@@ -60,15 +60,36 @@ pub struct Op {
     pub local: u64,
     /// Bytes.
     pub len: u64,
+    /// The writer checksum of these bytes (SPEC §17), when they are one whole block that
+    /// has one: a checked write sends it in its CRC table, so the receiving server checks
+    /// the bytes against what their writer computed, not against a checksum of this
+    /// pool's copy. Such an op is neither merged with another nor cut.
+    pub crc: Option<u32>,
+}
+
+impl Op {
+    /// `len` bytes from local `local` to remote `remote`, no writer checksum.
+    pub fn new(remote: u64, local: u64, len: u64) -> Op {
+        Op {
+            remote,
+            local,
+            len,
+            crc: None,
+        }
+    }
 }
 
 /// Merges ops whose remote and local ranges both continue the previous one (adjacent
-/// slots move as one range), keeping order.
+/// slots move as one range), keeping order; ops that carry a writer checksum stay whole.
 pub fn coalesce(ops: &[Op]) -> Vec<Op> {
     let mut out: Vec<Op> = Vec::with_capacity(ops.len());
     for op in ops {
         if let Some(last) = out.last_mut() {
-            if last.remote + last.len == op.remote && last.local + last.len == op.local {
+            if last.remote + last.len == op.remote
+                && last.local + last.len == op.local
+                && last.crc.is_none()
+                && op.crc.is_none()
+            {
                 last.len += op.len;
                 continue;
             }
@@ -78,7 +99,8 @@ pub fn coalesce(ops: &[Op]) -> Vec<Op> {
     out
 }
 
-/// Splits `ops` into at most `streams` groups of about equal bytes (cutting large ops).
+/// Splits `ops` into at most `streams` groups of about equal bytes (cutting large ops,
+/// but not one with a writer checksum: it goes whole).
 pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
     let total: u64 = ops.iter().map(|o| o.len).sum();
     let streams = streams.max(1);
@@ -97,12 +119,15 @@ pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
             } else {
                 u64::MAX
             };
-            let take = op.len.min(room.max(1));
-            groups.last_mut().expect("one group at least").push(Op {
-                remote: op.remote,
-                local: op.local,
-                len: take,
-            });
+            let take = if op.crc.is_some() {
+                op.len
+            } else {
+                op.len.min(room.max(1))
+            };
+            groups
+                .last_mut()
+                .expect("one group at least")
+                .push(Op { len: take, ..op });
             filled += take;
             op.remote += take;
             op.local += take;

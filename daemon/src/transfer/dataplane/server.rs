@@ -395,6 +395,44 @@ impl Conn<'_> {
                     }
                     guard.complete();
                 }
+                GrantKind::Write if h.flags & FLAG_CRC != 0 => {
+                    // A checked write: each range checksummed as it lands, then held
+                    // against the table the writer sent after the bytes (SPEC §10, §17).
+                    let mut got = Vec::with_capacity(ranges.len());
+                    for &(off, len) in &ranges {
+                        got.push(pool.recv_checked(
+                            off,
+                            len as usize,
+                            &mut sock,
+                            CRC_PIECE as usize,
+                        )?);
+                    }
+                    let mut table = vec![0u8; ranges.len() * 4];
+                    table.resize(table.len() + data::pad_for(table.len()), 0);
+                    sock.read_exact(&mut table)?;
+                    let sent = data::parse_crc_table(&table, ranges.len());
+                    let bad = match &sent {
+                        Err(e) => Some(e.clone()),
+                        Ok(sent) => got.iter().zip(sent).zip(&ranges).find(|((g, s), _)| g != s).map(|((g, s), &(off, len))| {
+                            grants.note_damaged();
+                            tracing::warn!(handle = h.handle, src = h.src_inc, offset = off, len, sent = s, got = g, "a pushed range does not match its checksum: refused");
+                            WireError::new(
+                                ErrorCode::TransferFailed,
+                                format!("checksum mismatch writing the range at {off} (sent {s:#010x}, received {g:#010x})"),
+                            )
+                        }),
+                    };
+                    if let Some(e) = bad {
+                        // Not counted as written: the import never commits these bytes.
+                        drop(guard);
+                        write_status(&mut sock, Some(&e))?;
+                        return Ok(());
+                    }
+                    guard.complete_checked(got);
+                    drop(guard);
+                    write_status(&mut sock, None)?;
+                    continue;
+                }
                 GrantKind::Write => {
                     for &(off, len) in &ranges {
                         pool.recv_into(off, len as usize, &mut sock)?;

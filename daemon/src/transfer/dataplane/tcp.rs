@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvd_protocol::auth::{ClusterKey, DATA_TRAILER_BYTES};
-use kvd_protocol::data::{pad_for, DataHeader, ALIGN, FLAG_CRC, HEADER_BYTES};
+use kvd_protocol::data::{crc_table, pad_for, DataHeader, ALIGN, FLAG_CRC, HEADER_BYTES};
 use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
 use super::{
@@ -148,11 +148,7 @@ impl TcpTransport {
             Vec::with_capacity(HEADER_BYTES + ops.len() * 16 + DATA_TRAILER_BYTES + ALIGN);
         DataHeader {
             op: dir as u8,
-            flags: if a.verify && dir == Dir::Read {
-                FLAG_CRC
-            } else {
-                0
-            },
+            flags: if a.verify { FLAG_CRC } else { 0 },
             handle: a.handle,
             token: a.token,
             src_inc: self.incarnation.0,
@@ -178,7 +174,7 @@ impl TcpTransport {
         a: &Access,
         ops: &[Op],
     ) -> Result<u64, Result<WireError, (io::Error, bool)>> {
-        let verify = a.verify && dir == Dir::Read;
+        let verify = a.verify;
         let buf = self.request(dir, a, ops);
         if dir == Dir::Read || ops.is_empty() {
             s.write_all(&buf).map_err(|e| Err((e, false)))?;
@@ -207,24 +203,12 @@ impl TcpTransport {
                 let mut table = vec![0u8; if verify { ops.len() * 4 } else { 0 }];
                 table.resize(table.len() + pad_for(table.len()), 0);
                 s.read_exact(&mut table).map_err(|e| Err((e, true)))?;
-                if table
-                    .get(ops.len() * 4..)
-                    .is_some_and(|p| p.iter().any(|&b| b != 0))
-                {
-                    return Err(Ok(WireError::new(
-                        ErrorCode::TransferFailed,
-                        "malformed CRC table (padding is not zeros)",
-                    )));
-                }
-                let sent = table.chunks_exact(4).map(|c| {
-                    <[u8; 4]>::try_from(c)
-                        .map(u32::from_le_bytes)
-                        .unwrap_or_default()
-                });
+                let sent = kvd_protocol::data::parse_crc_table(&table, crcs.len())
+                    .map_err(|e| Ok(WireError::new(ErrorCode::TransferFailed, e.message)))?;
                 let bad = ops
                     .iter()
-                    .zip(crcs.iter().zip(sent))
-                    .find(|(_, (got, sent))| **got != *sent)
+                    .zip(crcs.iter().zip(&sent))
+                    .find(|(_, (got, sent))| got != sent)
                     .map(|(op, _)| op.remote);
                 if let Some(at) = bad {
                     return Err(Ok(WireError::new(
@@ -236,8 +220,11 @@ impl TcpTransport {
             Dir::Write => {
                 // The request and the ranges' bytes in `writev`s of up to 64 slices: a
                 // small push is one segment train, not a request the peer wakes up for
-                // and then its bytes.
+                // and then its bytes. A checked write ends with the ranges' CRC table:
+                // a block's writer checksum where the op carries one (the server then
+                // checks the writer's bytes end to end), else this pool's copy's.
                 let mut first: &[u8] = &buf;
+                let mut crcs = Vec::with_capacity(if verify { ops.len() } else { 0 });
                 for chunk in ops.chunks(63) {
                     let mut slices = Vec::with_capacity(chunk.len() + 1);
                     slices.push(io::IoSlice::new(first));
@@ -245,6 +232,9 @@ impl TcpTransport {
                         let src = self.pool.read(op.local, op.len as usize).map_err(|e| {
                             Err((io::Error::new(io::ErrorKind::InvalidInput, e), true))
                         })?;
+                        if verify {
+                            crcs.push(op.crc.unwrap_or_else(|| crate::checksum::crc32c(src)));
+                        }
                         slices.push(io::IoSlice::new(src));
                         bytes += op.len;
                     }
@@ -254,6 +244,9 @@ impl TcpTransport {
                     write_all_vectored(s, &mut slices)
                         .map_err(|(e, n)| Err((e, n >= whole_request)))?;
                     first = &[];
+                }
+                if verify {
+                    s.write_all(&crc_table(&crcs)).map_err(|e| Err((e, true)))?;
                 }
                 read_status(s).map_err(|r| r.map_err(|e| (e, true)))?;
             }

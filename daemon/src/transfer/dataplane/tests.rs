@@ -100,6 +100,7 @@ fn checked_reads_of_every_range_size_arrive_whole() {
             remote: 4096,
             local: 4096,
             len,
+            crc: None,
         }];
         assert_eq!(t.read(&a, &ops).unwrap(), len);
         assert_eq!(
@@ -140,6 +141,7 @@ fn a_checksum_mismatch_fails_the_read() {
                     remote: 4096,
                     local: 4096,
                     len,
+                    crc: None,
                 }],
             )
             .unwrap_err();
@@ -248,11 +250,7 @@ fn padding_that_is_not_zeros_is_refused() {
 }
 
 fn op(r: u64, l: u64, n: u64) -> Op {
-    Op {
-        remote: r,
-        local: l,
-        len: n,
-    }
+    Op::new(r, l, n)
 }
 
 #[test]
@@ -359,4 +357,182 @@ fn reads_are_framed_and_refused_as_the_spec_says() {
     let mut rest = Vec::new();
     s.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty(), "closed after the refusal");
+}
+
+/// A checked write through the real server and transport (SPEC §10, version 4): every
+/// range's bytes land, and each whole range is recorded with the CRC it matched, the
+/// writer checksum an op carried or the writer's own copy's; a slot written over since
+/// (unchecked) has none, so an import would commit its blocks without checksums.
+#[test]
+fn checked_writes_land_and_record_what_they_matched() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (local, remote) = (test_pool(dir.path(), "l", 1), test_pool(dir.path(), "r", 2));
+    let block = 64u64 << 10;
+    let bytes: Vec<u8> = (0..3 * block as u32)
+        .map(|i| (i * 13 % 251) as u8)
+        .collect();
+    local.write(4096, &bytes).unwrap();
+    let grants = Arc::new(Grants::new(Incarnation(2)));
+    grants.insert(
+        1,
+        77,
+        GrantKind::Write,
+        &[(4096, 3 * block)],
+        Instant::now() + Duration::from_secs(30),
+    );
+    let server = DataServer::start(
+        "127.0.0.1:0",
+        remote.clone(),
+        grants.clone(),
+        key(),
+        None,
+        &opts(),
+    )
+    .unwrap();
+    let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
+    let a = access_to(server.addr().to_string(), true);
+    let crc =
+        |i: u64| crate::checksum::crc32c(&bytes[(i * block) as usize..((i + 1) * block) as usize]);
+    // block 0 and 1 carry their writer checksums, block 2 none (its copy's is sent)
+    let ops: Vec<Op> = (0..3)
+        .map(|i| Op {
+            crc: (i < 2).then(|| crc(i)),
+            ..op(4096 + i * block, 4096 + i * block, block)
+        })
+        .collect();
+    assert_eq!(t.write(&a, &ops).unwrap(), 3 * block);
+    assert_eq!(remote.read(4096, bytes.len()).unwrap(), &bytes[..]);
+    let slots: Vec<(u64, u64)> = (0..3).map(|i| (4096 + i * block, block)).collect();
+    assert_eq!(
+        grants.written_crcs(1, &slots),
+        Some(vec![crc(0), crc(1), crc(2)])
+    );
+    assert_eq!(
+        grants.written_crcs(1, &[(4096, 2 * block)]),
+        None,
+        "not a checked range"
+    );
+    assert_eq!(grants.damaged(), 0);
+    // an unchecked write over half of block 1 forgets its record
+    let plain = access_to(server.addr().to_string(), false);
+    t.write(&plain, &[op(4096 + block + 64, 4096 + block + 64, 64)])
+        .unwrap();
+    assert_eq!(grants.written_crcs(1, &slots[..1]), Some(vec![crc(0)]));
+    assert_eq!(grants.written_crcs(1, &slots), None);
+}
+
+/// A checked write whose bytes do not match the CRC the writer sent (a block damaged in
+/// the writer's pool after its writer computed its checksum) is refused: the writer
+/// hears why, the bytes do not count as written (the grant never fills, so no import
+/// commits them), and the refusal is counted.
+#[test]
+fn a_checked_write_that_does_not_match_is_refused_and_not_counted() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let (local, remote) = (test_pool(dir.path(), "l", 1), test_pool(dir.path(), "r", 2));
+    let block = 64u64 << 10;
+    let bytes = vec![9u8; block as usize];
+    local.write(4096, &bytes).unwrap();
+    let grants = Arc::new(Grants::new(Incarnation(2)));
+    grants.insert(
+        1,
+        77,
+        GrantKind::Write,
+        &[(4096, block)],
+        Instant::now() + Duration::from_secs(30),
+    );
+    let server = DataServer::start(
+        "127.0.0.1:0",
+        remote.clone(),
+        grants.clone(),
+        key(),
+        None,
+        &opts(),
+    )
+    .unwrap();
+    let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
+    let a = access_to(server.addr().to_string(), true);
+    let writer = crate::checksum::crc32c(&bytes);
+    local.write(4096 + 100, &[8]).unwrap(); // the flip, after the writer's checksum
+    let e = t
+        .write(
+            &a,
+            &[Op {
+                crc: Some(writer),
+                ..op(4096, 4096, block)
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::TransferFailed, "{e}");
+    assert!(
+        e.message
+            .contains("checksum mismatch writing the range at 4096"),
+        "{e}"
+    );
+    assert_eq!(grants.bytes(1), 0, "a refused write moved nothing");
+    assert!(!grants.is_filled(1));
+    assert_eq!(grants.written_crcs(1, &[(4096, block)]), None);
+    assert_eq!(grants.damaged(), 1);
+    // the negative control: the same bytes with their own checksum go through
+    let own = Op {
+        crc: Some(crate::checksum::crc32c(
+            local.read(4096, block as usize).unwrap(),
+        )),
+        ..op(4096, 4096, block)
+    };
+    assert_eq!(t.write(&a, &[own]).unwrap(), block);
+    assert!(grants.is_filled(1));
+}
+
+/// Ops with writer checksums are never merged or cut: each stays one range, so its
+/// checksum still names exactly its bytes.
+#[test]
+fn ops_with_writer_checksums_stay_whole() {
+    let big = 8u64 << 20;
+    let ops = [
+        Op {
+            crc: Some(1),
+            ..op(0, 0, big)
+        },
+        Op {
+            crc: Some(2),
+            ..op(big, big, big)
+        },
+        op(2 * big, 2 * big, 10),
+        op(2 * big + 10, 2 * big + 10, 10),
+    ];
+    assert_eq!(
+        coalesce(&ops),
+        vec![ops[0], ops[1], op(2 * big, 2 * big, 20)]
+    );
+    for streams in 1..5 {
+        let all: Vec<Op> = split(&ops, streams).concat();
+        for o in &ops[..2] {
+            assert!(all.contains(o), "streams {streams}: {o:?} was cut");
+        }
+    }
+}
+
+/// A version-3 write with the crc flag is refused (its table would be read as the next
+/// request), and a version-4 header is what a checked write sends.
+#[test]
+fn a_checked_write_needs_version_4() {
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let t = TcpTransport::new(
+        test_pool(dir.path(), "l", 1),
+        Incarnation(1),
+        key(),
+        &opts(),
+    );
+    let a = access_to("127.0.0.1:1".into(), true);
+    let mut req = t.request(Dir::Write, &a, &[op(4096, 4096, 100)]);
+    assert_eq!(
+        (req.len(), req[4]),
+        (128, 4),
+        "SPEC §10's checked-write vector"
+    );
+    req[4] = 3;
+    let hdr: [u8; HEADER_BYTES] = req[..HEADER_BYTES].try_into().unwrap();
+    assert_eq!(check_header(&hdr).unwrap_err().code, ErrorCode::Malformed);
+    let r = t.request(Dir::Read, &a, &[op(4096, 4096, 100)]);
+    assert_eq!(r[4], 3, "a read still goes as version 3");
 }
