@@ -37,6 +37,7 @@ mod nvme;
 mod p2p;
 mod peers;
 mod plot;
+mod proxy;
 mod report;
 mod restart;
 mod transport;

@@ -67,36 +67,98 @@ fn integrity(args: &[&str]) -> Value {
     serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
 }
 
+const KINDS: [&str; 10] = [
+    "prefill-pool-flip",
+    "decode-pool-flip",
+    "kill-prefill-daemon",
+    "restart-decode-daemon",
+    "upgrade-prefill-daemon",
+    "kill-prefill-engine",
+    "wire-flip",
+    "wire-stall",
+    "wire-cut",
+    "peer-evict",
+];
+
+fn n(r: &Value, k: &str) -> u64 {
+    r[k].as_u64().unwrap_or(0)
+}
+
+/// Every fault kind, twice, under each way of handing off (the wire faults hit the
+/// pulls' reads in one run and the pushes' checked writes in the other), with the
+/// second build's prefill engine beside the first.
 #[test]
 fn under_every_fault_kind_no_engine_answers_a_wrong_token() {
-    let seed = seed().to_string();
-    println!("seed {seed}");
-    let r = integrity(&["--requests", "48", "--fault-every", "3", "--seed", &seed]);
-    println!("{r:#}");
-    assert_eq!(r["divergent"], 0, "wrong tokens (seed {seed}): {r:#}");
-    assert_eq!(
-        r["failed"], 0,
-        "requests failed for kvd (seed {seed}): {r:#}"
-    );
-    for kind in [
-        "prefill-pool-flip",
-        "decode-pool-flip",
-        "kill-prefill-daemon",
-        "restart-decode-daemon",
-    ] {
+    for handoff in ["pull", "push"] {
+        let seed = seed().to_string();
+        println!("seed {seed}, {handoff}");
+        let r = integrity(&[
+            "--requests",
+            "60",
+            "--fault-every",
+            "3",
+            "--handoff",
+            handoff,
+            "--seed",
+            &seed,
+        ]);
+        println!("{r:#}");
+        assert_eq!(r["divergent"], 0, "wrong tokens (seed {seed}): {r:#}");
+        assert_eq!(
+            r["failed"], 0,
+            "requests failed for kvd (seed {seed}): {r:#}"
+        );
+        for kind in KINDS {
+            assert!(
+                r["faults"][kind].as_u64().unwrap_or(0) >= 1,
+                "{kind} was not injected: {r:#}"
+            );
+        }
+        assert_eq!(n(&r, "builds"), 2, "{r:#}");
+        assert!(n(&r, "from_kvd") > 0, "kvd served no KV: {r:#}");
         assert!(
-            r["faults"][kind].as_u64().unwrap_or(0) >= 1,
-            "{kind} was not injected: {r:#}"
+            n(&r, "damaged_blocks") + n(&r, "damaged_writes") > 0,
+            "no flipped block was caught: {r:#}"
         );
     }
-    assert!(
-        r["from_kvd"].as_u64().unwrap_or(0) > 0,
-        "kvd served no KV: {r:#}"
-    );
-    assert!(
-        r["damaged_blocks"].as_u64().unwrap_or(0) > 0,
-        "no flipped block was caught: {r:#}"
-    );
+}
+
+/// Bursts of damage on the wire between the data planes: every one that met the
+/// traffic is caught before an engine reads it: by the decode engine's check of the
+/// pulled block (a damaged block, dropped), by the decode daemon's check of a pushed
+/// range (refused), or, where it hit a request head or a status, by the data plane
+/// (the transfer fails). Either way the decode engine computes.
+#[test]
+fn every_burst_on_the_wire_is_caught_before_an_engine_reads_it() {
+    for handoff in ["pull", "push"] {
+        let seed = seed().to_string();
+        println!("seed {seed}, {handoff}");
+        let r = integrity(&[
+            "--requests",
+            "40",
+            "--fault-every",
+            "1",
+            "--faults",
+            "wire-flip",
+            "--handoff",
+            handoff,
+            "--nvme-faults",
+            "",
+            "--one-build",
+            "--seed",
+            &seed,
+        ]);
+        println!("{r:#}");
+        assert_eq!(r["divergent"], 0, "wrong tokens (seed {seed}): {r:#}");
+        assert_eq!(r["failed"], 0, "failed requests (seed {seed}): {r:#}");
+        let flips = r["wire"]["flips"].as_u64().unwrap_or(0);
+        assert!(flips > 0, "no burst met the traffic: {r:#}");
+        let caught = n(&r, "damaged_blocks") + n(&r, "damaged_writes") + n(&r, "failed_transfers");
+        assert!(
+            caught >= flips,
+            "{flips} bursts, {caught} caught (seed {seed}): {r:#}"
+        );
+    }
 }
 
 /// Node A's faulty NVMe tier (the tier's fault hook: this kernel has no device-mapper)
@@ -122,7 +184,7 @@ fn on_a_faulty_disk_no_engine_answers_a_wrong_token() {
         r["failed"], 0,
         "requests failed for kvd (seed {seed}): {r:#}"
     );
-    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+    let n = |k: &str| n(&r, k);
     assert!(n("promotions") > 0, "nothing came back from NVMe: {r:#}");
     assert!(n("nvme_write_errors") > 0, "no write failed: {r:#}");
     assert!(
@@ -131,28 +193,37 @@ fn on_a_faulty_disk_no_engine_answers_a_wrong_token() {
     );
 }
 
+/// The negative controls: engines that do not check writer checksums answer wrong
+/// tokens under the bit flips in the pools and under the bursts on the wire that the
+/// tests above inject (so those tests could fail).
 #[test]
 fn negative_control_engines_that_do_not_check_answer_wrong_tokens() {
-    let seed = seed().to_string();
-    println!("seed {seed}");
-    let r = integrity(&[
-        "--requests",
-        "48",
-        "--fault-every",
-        "3",
-        "--faults",
-        "prefill-pool-flip,decode-pool-flip",
-        "--nvme-faults",
-        "",
-        "--flip-every",
-        "8192",
-        "--no-verify",
-        "--seed",
-        &seed,
-    ]);
-    assert!(
-        r["divergent"].as_u64().unwrap_or(0) > 0,
-        "flipped bits reached unchecked engines and changed nothing (seed {seed}): this control cannot fail the other test: {r:#}"
-    );
-    assert_eq!(r["damaged_blocks"], 0, "nobody checked: {r:#}");
+    for (faults, flip_every) in [
+        ("prefill-pool-flip,decode-pool-flip", "8192"),
+        ("wire-flip", "262144"),
+    ] {
+        let seed = seed().to_string();
+        println!("seed {seed}, {faults}");
+        let r = integrity(&[
+            "--requests",
+            "48",
+            "--fault-every",
+            if faults == "wire-flip" { "1" } else { "3" },
+            "--faults",
+            faults,
+            "--nvme-faults",
+            "",
+            "--one-build",
+            "--flip-every",
+            flip_every,
+            "--no-verify",
+            "--seed",
+            &seed,
+        ]);
+        assert!(
+            n(&r, "divergent") > 0,
+            "damage reached unchecked engines and changed nothing (seed {seed}, {faults}): this control cannot fail the other tests: {r:#}"
+        );
+        assert_eq!(r["damaged_blocks"], 0, "nobody checked: {r:#}");
+    }
 }

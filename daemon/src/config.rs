@@ -41,6 +41,7 @@
 //! | `transfer.control` | string | `tcp://127.0.0.1:*` | `KVD_TRANSFER_CONTROL` / `--transfer-control` | ZMQ endpoint peers send control messages to (`*`: any free port) |
 //! | `transfer.data` | string | `127.0.0.1:0` | `KVD_TRANSFER_DATA` / `--transfer-data` | TCP address of the data plane (port 0: any free port) |
 //! | `transfer.advertise_host` | string | none (the bind address) | `KVD_ADVERTISE_HOST` / `--advertise-host` | host name or IP peers use to reach this node (set it when binding `0.0.0.0`) |
+//! | `transfer.advertise_data` | `host:port` | none (`advertise_host` and the bound port) | | the address peers use for the data plane when something forwards it to the bound one (a container's published port, NAT, a proxy); peers also sign their data-plane requests for this name |
 //! | `transfer.lease_ms` | int | `30000` | `KVD_LEASE_MS` / `--lease-ms` | initial lease of a transfer |
 //! | `transfer.max_hold_ms` | int | `300000` | | the longest any transfer lives, heartbeats or not (an admitted pull or a push registration whose request never runs, an export nobody finishes): then it expires, its pins and slots are freed, and the other side is told |
 //! | `transfer.heartbeat_ms` | int | `0` (= lease/6) | | decode-side heartbeat period |
@@ -277,6 +278,9 @@ pub struct TransferSection {
     /// Host peers use.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_host: Option<String>,
+    /// `host:port` peers use for the data plane, when it is forwarded to the bound one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_data: Option<String>,
     /// Initial lease.
     pub lease_ms: u64,
     /// Longest life of any transfer.
@@ -318,6 +322,7 @@ impl Default for TransferSection {
             control: "tcp://127.0.0.1:*".into(),
             data: "127.0.0.1:0".into(),
             advertise_host: None,
+            advertise_data: None,
             lease_ms: 30_000,
             max_hold_ms: 300_000,
             heartbeat_ms: 0,
@@ -943,6 +948,17 @@ impl DaemonConfig {
                     t.control
                 ));
             }
+            if let Some(a) = &t.advertise_data {
+                let port = a.rsplit_once(':').and_then(|(h, p)| {
+                    (!h.is_empty()).then_some(())?;
+                    p.parse::<u16>().ok().filter(|&p| p != 0)
+                });
+                if port.is_none() {
+                    return bad(format!(
+                        "transfer.advertise_data {a:?} must be host:port (a port other than 0)"
+                    ));
+                }
+            }
             if t.lease_ms < 100 || t.lease_ms > 3_600_000 {
                 return bad("transfer.lease_ms must be 100..=3600000".into());
             }
@@ -1108,5 +1124,23 @@ mod tests {
             (true, false)
         );
         assert!(Cli::try_parse_from(["kvd", "--stream", "maybe"]).is_err());
+    }
+
+    /// `transfer.advertise_data` is a `host:port` peers can connect to, or refused.
+    #[test]
+    fn advertise_data_must_be_host_and_port() {
+        for (v, ok) in [
+            ("127.0.0.1:7102", true),
+            ("kvd-0.data.svc:30102", true),
+            ("[::1]:7102", true),
+            ("127.0.0.1", false),
+            ("127.0.0.1:0", false),
+            (":7102", false),
+            ("host:http", false),
+        ] {
+            let mut c = DaemonConfig::default();
+            c.transfer.advertise_data = Some(v.into());
+            assert_eq!(c.validate().is_ok(), ok, "{v}");
+        }
     }
 }

@@ -403,24 +403,34 @@ fn a_pushed_block_keeps_its_writers_checksum_and_damage_fails_the_push() {
     let wait = std::time::Duration::from_secs(10);
 
     let (ks, data) = store(&prefill, l, 11, 4);
-    decode.push_register("p-1", l, &ks, &prefill_node, None).unwrap();
+    decode
+        .push_register("p-1", l, &ks, &prefill_node, None)
+        .unwrap();
     prefill.export("p-1", l, &ks, None).unwrap();
     let r = decode.transfer_status("p-1", wait).unwrap();
     assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
     assert_eq!(r.transport, "tcp");
     let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
-    assert_eq!(r.crcs, want, "the pushed blocks keep the writer's checksums");
+    assert_eq!(
+        r.crcs, want,
+        "the pushed blocks keep the writer's checksums"
+    );
     decode.pinned(l, &r).unwrap().release().unwrap();
     assert_eq!(decode.stats().unwrap().checksums.from_writers, 4);
     let got = load_each(&decode, l, &ks);
-    assert!(got.iter().zip(&data).all(|(g, d)| g.as_deref() == Some(&d[..])));
+    assert!(got
+        .iter()
+        .zip(&data)
+        .all(|(g, d)| g.as_deref() == Some(&d[..])));
 
     // Damage in the prefill pool after the writer's checksum: the push is refused as
     // it lands on the decode node.
     let (ks2, _) = store(&prefill, l, 12, 3);
     let offs = offsets(&prefill, l, &ks2);
     flip(&pd.pool_path, offs[1] + 77);
-    decode.push_register("p-2", l, &ks2, &prefill_node, None).unwrap();
+    decode
+        .push_register("p-2", l, &ks2, &prefill_node, None)
+        .unwrap();
     prefill.export("p-2", l, &ks2, None).unwrap();
     let r = decode.transfer_status("p-2", wait);
     let failed = match &r {
@@ -430,5 +440,9 @@ fn a_pushed_block_keeps_its_writers_checksum_and_damage_fails_the_push() {
     assert!(failed, "a damaged push must fail: {r:?}");
     let t = decode.stats().unwrap().transfers.unwrap();
     assert!(t.damaged_writes >= 1, "{t:?}");
-    assert_eq!(decode.lookup(l, &ks2).unwrap().prefix, 0, "nothing of it is visible");
+    assert_eq!(
+        decode.lookup(l, &ks2).unwrap().prefix,
+        0,
+        "nothing of it is visible"
+    );
 }

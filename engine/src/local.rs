@@ -128,25 +128,22 @@ pub fn spawn_http(bin: &Path, args: &[String]) -> Result<(Proc, String)> {
     }
 }
 
-/// Starts a `kvd-engine` of `role` on an ephemeral port (`kvd` None: no kvd), with
-/// `extra` flags (which override the defaults given here).
+/// Starts a `kvd-engine` of `role` on an ephemeral port (unless `extra` names a
+/// `--listen`; `kvd` None: no kvd), with `extra` flags (which override the defaults
+/// given here).
 pub fn engine(
     bins: &Bins,
     role: &str,
     kvd: Option<&Node>,
     extra: &[&str],
 ) -> Result<(Proc, String)> {
-    let mut args: Vec<String> = vec![
-        "--role".into(),
-        role.into(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-    ];
+    let mut args: Vec<String> = vec!["--role".into(), role.into()];
     args.extend([
         "--kvd".into(),
         kvd.map_or("none".into(), |n| n.endpoint.clone()),
     ]);
     for (flag, default) in [
+        ("--listen", "127.0.0.1:0"),
         ("--backend", "cpu"),
         ("--kvd-timeout-ms", "1500"),
         ("--transfer-timeout-ms", "8000"),

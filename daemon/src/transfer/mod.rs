@@ -273,7 +273,7 @@ impl Transfers {
             pool.clone(),
             grants.clone(),
             key.clone(),
-            cfg.advertise_host.as_deref(),
+            (cfg.advertise_host.as_deref(), cfg.advertise_data.as_deref()),
             &cfg.data,
         )?;
         let data = server.name().to_string();

@@ -23,6 +23,9 @@ pub struct TransferConfig {
     pub data_bind: String,
     /// Host name or address peers use to reach this node (default: the bind addresses').
     pub advertise_host: Option<String>,
+    /// `host:port` peers use for the data plane (default: `advertise_host` or the bound
+    /// host, and the bound port).
+    pub advertise_data: Option<String>,
     /// Initial lease of a transfer.
     pub lease: Duration,
     /// The longest any transfer (export, import, admission, push registration) lives,
@@ -65,6 +68,7 @@ impl TransferConfig {
             control_endpoint: t.control.clone(),
             data_bind: t.data.clone(),
             advertise_host: t.advertise_host.clone(),
+            advertise_data: t.advertise_data.clone(),
             lease,
             max_hold: Duration::from_millis(t.max_hold_ms),
             heartbeat,

@@ -89,19 +89,25 @@ pub struct DataServer {
 impl DataServer {
     /// Binds `addr` (port 0: any free port) and starts accepting. Its name, what peers
     /// address and sign its requests for (`PeerRef.data`, SPEC §10.1), is
-    /// `advertise_host` (else the bound address's host) and the bound port.
+    /// `advertise.1` (`host:port`, where something forwards that address to this one),
+    /// else `advertise.0` (else the bound address's host) and the bound port.
     pub fn start(
         addr: &str,
         pool: Arc<Pool>,
         grants: Arc<Grants>,
         key: ClusterKey,
-        advertise_host: Option<&str>,
+        advertise: (Option<&str>, Option<&str>),
         opts: &DataOptions,
     ) -> io::Result<DataServer> {
         let listener = TcpListener::bind(addr)?;
         let local = listener.local_addr()?;
-        let host = advertise_host.map_or_else(|| local.ip().to_string(), str::to_string);
-        let name = format!("{host}:{}", local.port());
+        let name = match advertise {
+            (_, Some(data)) => data.to_string(),
+            (host, None) => {
+                let host = host.map_or_else(|| local.ip().to_string(), str::to_string);
+                format!("{host}:{}", local.port())
+            }
+        };
         let auth = Arc::new(DataAuth::new(key, Receiver(name.clone())));
         let gate = Arc::new(Gate::new(opts.gate.clone()));
         let (refused, counted) = (auth.clone(), gate.clone());

@@ -86,7 +86,8 @@ fn checked_reads_of_every_range_size_arrive_whole() {
         &[(4096, bytes.len() as u64)],
         Instant::now() + Duration::from_secs(30),
     );
-    let server = DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
+    let server =
+        DataServer::start("127.0.0.1:0", remote, grants, key(), (None, None), &opts()).unwrap();
     let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
     let a = access_to(server.addr().to_string(), true);
     for len in [
@@ -209,7 +210,8 @@ fn padding_that_is_not_zeros_is_refused() {
         &[(4096, 8192)],
         Instant::now() + Duration::from_secs(30),
     );
-    let server = DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
+    let server =
+        DataServer::start("127.0.0.1:0", remote, grants, key(), (None, None), &opts()).unwrap();
     let t = TcpTransport::new(local, Incarnation(1), key(), &opts());
     let a = access_to(server.addr().to_string(), false);
     let ask = |req: &[u8]| {
@@ -302,7 +304,8 @@ fn reads_are_framed_and_refused_as_the_spec_says() {
         &[(4096, 64), (4160, 64)],
         Instant::now() + Duration::from_secs(30),
     );
-    let server = DataServer::start("127.0.0.1:0", remote, grants, key(), None, &opts()).unwrap();
+    let server =
+        DataServer::start("127.0.0.1:0", remote, grants, key(), (None, None), &opts()).unwrap();
     let t = TcpTransport::new(local, Incarnation(1), key(), &opts());
     let at = server.addr().to_string();
     let mut s = TcpStream::connect(server.addr()).unwrap();
@@ -385,7 +388,7 @@ fn checked_writes_land_and_record_what_they_matched() {
         remote.clone(),
         grants.clone(),
         key(),
-        None,
+        (None, None),
         &opts(),
     )
     .unwrap();
@@ -445,7 +448,7 @@ fn a_checked_write_that_does_not_match_is_refused_and_not_counted() {
         remote.clone(),
         grants.clone(),
         key(),
-        None,
+        (None, None),
         &opts(),
     )
     .unwrap();
