@@ -17,7 +17,7 @@
 //! | `upgrade-prefill-daemon` | `kvd upgrade` (SIGUSR2) of node A's daemon while a request runs: its successor adopts the pool |
 //! | `kill-prefill-engine` | SIGKILL of the prefill engine while a request runs (mid-store or mid-export), then a new one on the same address |
 //! | `wire-flip` | a burst of 8 damaged bytes (the first with one bit flipped, the rest inverted) somewhere in the next 256 KiB the proxy forwards between the daemons' data planes (block bytes, CRC tables or request heads) |
-//! | `wire-stall` | the proxy holds the next bytes it forwards for up to 8 s (past the decode engine's 5 s wait for a handoff) |
+//! | `wire-stall` | the proxy holds the next bytes it forwards for up to 3 s (past the decode engine's 2 s wait for a handoff) |
 //! | `wire-cut` | the proxy cuts every connection between the data planes while a request runs |
 //! | `peer-evict` | while a request runs, node B's pool is filled with other blocks: node A fetches cached blocks from B (`peers.mode = fetch`), which may no longer hold what it announced |
 //! | NVMe (all along) | node A keeps a small pool over an NVMe tier on a faulty disk: writes that fail or come out short, reads that fail or bring a flipped bit (`--nvme-faults`, the tier's fault hook `KVD_NVME_FAULTS`: the VMs have no device-mapper for `error`/`flakey` targets) |
@@ -94,6 +94,14 @@ pub struct IntegrityArgs {
     /// Print JSON instead of a summary.
     #[arg(long)]
     json: bool,
+    /// Every this many requests, a line of the counts so far on stderr (0: none): a long
+    /// run shows where it is.
+    #[arg(long, default_value_t = 0)]
+    progress: usize,
+    /// Stop after this many seconds even if requests are left (0: no limit); the
+    /// report counts what ran.
+    #[arg(long, default_value_t = 0)]
+    duration_s: u64,
 }
 
 #[derive(Serialize, Default)]
@@ -357,7 +365,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
         "--kvd-timeout-ms",
         "3000",
         "--transfer-timeout-ms",
-        "5000",
+        "2000",
         "--kvd-verify",
         verify,
     ];
@@ -407,6 +415,9 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
     let t0 = Instant::now();
     let mut kind = 0;
     for i in 0..a.requests {
+        if a.duration_s > 0 && t0.elapsed() > Duration::from_secs(a.duration_s) {
+            break;
+        }
         let prefix = &prefixes[rng.below(prefixes.len() as u64) as usize];
         // Then one of 40 two-block topics and a short question: more distinct blocks than
         // node A's DRAM holds (they go down to its NVMe tier and come back), and whole
@@ -439,7 +450,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
                 "prefill-pool-flip" => flip_pool(&na, &mut rng, a.flip_every)?,
                 "decode-pool-flip" => flip_pool(&nb, &mut rng, a.flip_every)?,
                 "wire-flip" => wire.flip_in(rng.below(256 << 10)),
-                "wire-stall" => wire.stall(Duration::from_millis(rng.below(8000))),
+                "wire-stall" => wire.stall(Duration::from_millis(rng.below(3000))),
                 // During the request, after a random delay.
                 _ => during = Some(Duration::from_millis(rng.below(40))),
             }
@@ -500,6 +511,17 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
             }
         }
         r.requests += 1;
+        if a.progress > 0 && r.requests % a.progress == 0 {
+            eprintln!(
+                "{} requests, {:.0} s: {} divergent, {} failed, {} lost with an engine, {} with KV from kvd",
+                r.requests,
+                t0.elapsed().as_secs_f64(),
+                r.divergent,
+                r.failed,
+                r.lost_with_engine,
+                r.from_kvd
+            );
+        }
     }
     tally(&na, &mut r);
     tally(&nb, &mut r);
