@@ -41,6 +41,12 @@ pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
     d.finalize() as u32
 }
 
+/// CRC-32C of `A` followed by `B`, from `crc32c(A)`, `crc32c(B)` and `B`'s length.
+#[inline]
+pub fn crc32c_combine(a: u32, b: u32, b_len: u64) -> u32 {
+    crc_fast::checksum_combine(CrcAlgorithm::Crc32Iscsi, u64::from(a), u64::from(b), b_len) as u32
+}
+
 /// Copies `src` into `dst` (the same length) and returns the CRC-32C of the bytes copied.
 /// Panics if the lengths differ, like `copy_from_slice`.
 pub fn copy_crc(dst: &mut [u8], src: &[u8]) -> u32 {
@@ -270,6 +276,19 @@ mod tests {
                 "{len}"
             );
             assert_eq!(&out[..len], &data[..len]);
+        }
+    }
+
+    #[test]
+    fn combine_is_the_crc_of_the_concatenation() {
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 31 + 7) as u8).collect();
+        for cut in [0usize, 1, 1000, 65_536, 70_000] {
+            let (a, b) = data.split_at(cut);
+            assert_eq!(
+                crc32c_combine(crc32c(a), crc32c(b), b.len() as u64),
+                crc32c(&data),
+                "cut at {cut}"
+            );
         }
     }
 }

@@ -283,6 +283,7 @@ impl Client {
             // the request (SPEC §16): counted from before we sent, never later.
             deadline: sent + Duration::from_millis(r.slots_ttl_ms),
             params: r.params,
+            part_crcs: vec![vec![None; parts as usize]; r.slots.len()],
             slots: r.slots,
             session,
             pool,
@@ -367,6 +368,9 @@ pub struct StagedExport {
     spans: Vec<(usize, usize)>,
     params: TransferParams,
     slots: Vec<Option<u64>>,
+    /// Per key, per part: the CRC-32C of the part's bytes as last written (SPEC §17: the
+    /// last `ready` sends the blocks' checksums, combined from these).
+    part_crcs: Vec<Vec<Option<u32>>>,
     ready: u64,
     deadline: Instant,
     open: bool,
@@ -428,10 +432,55 @@ impl StagedExport {
             }
         }
         let r = f(&mut out);
+        // Each part checksummed right after it was written, while it is in cache.
+        for (i, part) in &out {
+            if let Some(c) = self
+                .part_crcs
+                .get_mut(*i)
+                .and_then(|p| p.get_mut(j as usize))
+            {
+                *c = Some(crate::checksum::crc32c(part));
+            }
+        }
         if Instant::now() >= self.deadline {
             return Err(Error::AllocExpired);
         }
         Ok(r)
+    }
+
+    /// The writer checksum of each staged block (one per key with a slot, in key order),
+    /// combined from its parts' CRCs in byte order; empty unless every part of every
+    /// staged slot was written here and the parts tile the block.
+    fn block_crcs(&self) -> Vec<u32> {
+        let mut order: Vec<usize> = (0..self.spans.len()).collect();
+        order.sort_by_key(|&j| self.spans.get(j).map(|s| s.0));
+        let mut end = 0;
+        for &j in &order {
+            match self.spans.get(j) {
+                Some(&(start, len)) if start == end => end += len,
+                _ => return Vec::new(),
+            }
+        }
+        if end != self.block_bytes {
+            return Vec::new();
+        }
+        let one = |parts: &Vec<Option<u32>>| {
+            order.iter().try_fold(None, |acc: Option<u32>, &j| {
+                let crc = (*parts.get(j)?)?;
+                let len = self.spans.get(j)?.1 as u64;
+                Some(Some(match acc {
+                    None => crc,
+                    Some(a) => crate::checksum::crc32c_combine(a, crc, len),
+                }))
+            })?
+        };
+        self.slots
+            .iter()
+            .zip(&self.part_crcs)
+            .filter(|(slot, _)| slot.is_some())
+            .map(|(_, parts)| one(parts))
+            .collect::<Option<Vec<u32>>>()
+            .unwrap_or_default()
     }
 
     /// Announces that the first `ready` parts are written (the push sends them now).
@@ -453,6 +502,11 @@ impl StagedExport {
                     client: self.session.client,
                     transfer_id: self.params.transfer_id.clone(),
                     ready,
+                    crcs: if ready == self.parts() {
+                        self.block_crcs()
+                    } else {
+                        Vec::new()
+                    },
                 }),
                 &[],
             )

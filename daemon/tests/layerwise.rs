@@ -192,19 +192,32 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
         // would (the Rust client refuses by itself once that time is gone).
         let raw = Raw::new(&a.d.endpoint, zmq::DEALER);
         let client = ca.hello_info().client;
-        let ready_by_hand = |ready: u64| {
+        let ready_crcs = |ready: u64, crcs: Vec<u32>| {
             let body = kvd_protocol::ExportReadyReq {
                 client,
                 transfer_id: id.to_string(),
                 ready,
+                crcs,
             };
             raw.call(&[&frame(1, 7, "export_ready", body)]).1
         };
+        let ready_by_hand = |ready: u64| ready_crcs(ready, Vec::new());
         assert_eq!(
             ready_by_hand(2),
             None,
             "a count already announced: a safe retry"
         );
+        // Writer checksums (SPEC §16, §17) come with the last count only, one per staged
+        // block: anything else is refused and leaves the export as it was.
+        let staged = ks.len();
+        for (ready, n) in [(3, staged), (4, staged + 1), (4, staged - 1)] {
+            assert_eq!(
+                ready_crcs(ready, vec![7; n]),
+                Some(ErrorCode::InvalidArgument),
+                "ready {ready} with {n} crcs"
+            );
+        }
+        assert_eq!(ready_by_hand(2), None, "still live, at the same count");
         let (late, ended) = if round == 0 {
             s.abort().unwrap();
             (4, ErrorCode::InvalidState)
@@ -344,6 +357,7 @@ fn bad_layerwise_requests_are_refused() {
         client: stranger,
         transfer_id: "x".into(),
         ready: 2,
+        crcs: Vec::new(),
     };
     let got = raw.call(&[&encode_request(2, &Request::ExportReady(forged.clone()))]);
     assert_eq!(got, (2, Some(ErrorCode::NotOwner)));

@@ -232,6 +232,11 @@ pub struct ExportReadyReq {
     /// Parts written so far, counted from the first (at most `parts`; a smaller or equal
     /// count than before changes nothing). `parts` commits the staged blocks.
     pub ready: u64,
+    /// With the last count only: the writer checksum (SPEC §17) of each staged block,
+    /// one per key the export staged (those whose slot is not nil), in key order. Empty:
+    /// none (the blocks are committed without, as before).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub crcs: Vec<u32>,
 }
 
 /// `pull`: fetch an export into this node's pool.

@@ -124,10 +124,25 @@ impl Transfers {
             );
             return Err(e);
         }
+        if !req.crcs.is_empty() && exp.staging() {
+            // Checked before anything changes: a refused call leaves the export as it was.
+            let (parts, staged) = (exp.parts(), exp.staged_keys().len());
+            if req.ready != parts || req.crcs.len() != staged {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "crcs come with the last count ({parts}), one per staged block ({staged}); got {} with ready {}",
+                        req.crcs.len(),
+                        req.ready
+                    ),
+                ));
+            }
+        }
         let complete = exp.announce(req.ready)?;
         let mut ttl_ms = 0;
         if complete {
-            if let Err(e) = self.commit_staged(store, id, now) {
+            let crcs = (!req.crcs.is_empty()).then(|| req.crcs.clone());
+            if let Err(e) = self.commit_staged(store, id, crcs, now) {
                 self.end_export(store, id, TransferState::Failed, Some(e.clone()), true, now);
                 return Err(e);
             }
@@ -154,10 +169,12 @@ impl Transfers {
 
     /// Commits a staged export's blocks (every part is written) and pins all its keys,
     /// where they were written.
+    /// `crcs`: the staged blocks' writer checksums, when the writer sent them.
     fn commit_staged(
         &mut self,
         store: &mut Store,
         id: &str,
+        crcs: Option<Vec<u32>>,
         now: Instant,
     ) -> Result<(), WireError> {
         let Some(exp) = self.exports.get(id) else {
@@ -177,7 +194,7 @@ impl Transfers {
                 layout_id: layout,
                 keys: staged,
                 offsets: None,
-                crcs: None,
+                crcs,
             };
             store.commit(&c, &[], now).map_err(|e| {
                 WireError::new(e.code(), format!("committing the staged blocks: {e}"))
@@ -191,6 +208,7 @@ impl Transfers {
             store.unpin_by_id(pin);
             return Err(self.unknown(id));
         };
+        exp.set_crcs(store.crcs(layout, &keys));
         match exp.committed(id, pin, &offsets, &self.grants) {
             Ok(old) => {
                 if let Some(old) = old {
