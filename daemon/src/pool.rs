@@ -144,7 +144,7 @@ impl Pool {
         let mut previous = Previous::None;
         let mut kept = None;
         if let Ok(old) = OpenOptions::new().read(true).write(true).open(path) {
-            if flock_nb(&old).is_err() {
+            if flock_settled(&old).is_err() {
                 return Err(PoolError::InUse(path.clone()));
             }
             let old_size = old.metadata().map(|m| m.len()).unwrap_or(0);
@@ -492,6 +492,26 @@ pub fn free_bytes(dir: &Path) -> io::Result<u64> {
 /// An exclusive `flock`, held as long as the open file description lives.
 fn flock_nb(f: &File) -> Result<(), std::fs::TryLockError> {
     f.try_lock()
+}
+
+/// How long a previous daemon's lock may outlive it.
+const LOCK_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// [`flock_nb`] on a file a previous daemon held, tried again for up to [`LOCK_SETTLE`]:
+/// a daemon that was just SIGKILLed can still hold its lock for a moment after it is
+/// gone (measured: after it became a zombie; the kernel drops its last references to
+/// the file afterwards), and a supervisor that restarts it at once must not be refused
+/// for that. A live daemon keeps the lock: refused after the wait.
+fn flock_settled(f: &File) -> Result<(), std::fs::TryLockError> {
+    let until = std::time::Instant::now() + LOCK_SETTLE;
+    loop {
+        match flock_nb(f) {
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -250,3 +250,26 @@ fn a_stop_during_an_upgrade_stops_the_successor_too() {
         });
     assert!(gone, "the successor outlived a stopped daemon");
 }
+
+/// A daemon that took over by an upgrade, then SIGKILLed, is replaced by a new one on
+/// the same kept pool (what `kvd-bench integrity` does to node A): its lock on the pool
+/// file went with it.
+#[test]
+fn a_successor_killed_is_restarted_on_its_pool() {
+    let mut d = Daemon::start(&[]);
+    let c = d.client();
+    let l = register(&c, 64).id;
+    let ks = keys(77, 2);
+    let data: Vec<Vec<u8>> = (0..2).map(|i| block(7700 + i, 64 << 10)).collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(l, &ks, &refs).unwrap();
+    d.upgrade(Duration::from_secs(30)).expect("upgrade");
+    d.restart();
+    let c = d.client();
+    register(&c, 64);
+    assert_eq!(
+        c.lookup(l, &ks).unwrap().prefix,
+        2,
+        "the kept pool came back"
+    );
+}
