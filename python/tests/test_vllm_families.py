@@ -323,6 +323,60 @@ def _():
     b.close()
 
 
+def flip_under(e, key, endpoint=P):
+    """One bit flipped in the pool under ``key``'s block of engine ``e``'s first layout, in
+    its full-attention group (after its writer's checksum was taken); the daemon's
+    checksum counters before."""
+    cl = kvd.Client(endpoint)
+    lid = cl.register_layout(e.sconn._geo.layout(0))["layout_id"]
+    assert lid == e.sconn._lids[0]
+    pin = cl.get(lid, [key])
+    off = pin.offsets[0]
+    pin.release()
+    # In a full-attention group's bytes: every one of its blocks is loaded at a hit.
+    full = next(g for g in e.sconn._geo.groups if not g.window)
+    memoryview(cl.pool())[off + full.offset + 29] ^= 0x08
+    return cl, cl.stats()["checksums"]
+
+
+@check("a bit flipped under a cached block of a hybrid (gpt-oss): the load is not vouched for and fails as vLLM accepts with several groups (failed_recving), the request recomputes and is right, the daemon drops the block; negative control: unchecked, the flip reaches the engine")
+def _():
+    for verify in (True, False):
+        toks = prompt(811 + verify)
+        saved("gpt-oss", toks)
+        keys = kvd.chunk_hashes(toks, vf.BLOCK, b"")
+        old = os.environ.get("KVD_VERIFY_LOADS")
+        os.environ["KVD_VERIFY_LOADS"] = "1" if verify else "0"
+        try:
+            b = vf.FamilyEngine(P, "gpt-oss")  # (its client reads the setting)
+            cl, before = flip_under(b, keys[2])
+            r = rid(f"flipped-{verify}")
+            b.add(r, toks)
+            failed = until_computed(b, r, 100)
+        finally:
+            if old is None:
+                del os.environ["KVD_VERIFY_LOADS"]
+            else:
+                os.environ["KVD_VERIFY_LOADS"] = old
+        after = cl.stats()["checksums"]
+        if verify:
+            assert failed == [r], failed
+            assert set(range(100)) <= b.computed_by_forward[r], "recomputed from scratch"
+            b.check_groups(r, toks, 6)
+            assert after["damaged"] == before["damaged"] + 1, (before, after)
+            assert cl.lookup(b.sconn._lids[0], keys)["prefix"] == 2, "the damaged block is gone"
+        else:
+            assert not failed, failed
+            try:
+                b.check_groups(r, toks, 6)
+                raise AssertionError("the flipped bit did not reach the engine: this control cannot fail the check")
+            except AssertionError as e:
+                if "control" in str(e):
+                    raise
+            assert after["damaged"] == before["damaged"], (before, after)
+        b.close()
+
+
 @check("one group (MLA, fp8) loads in the step, layer by layer, as the classic layout does; a block gone between lookup and load is reported as a load error and recomputed")
 def _():
     for family in ("deepseek-v3", "llama-fp8"):

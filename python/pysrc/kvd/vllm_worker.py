@@ -87,7 +87,7 @@ class _Mover(threading.Thread):
             if tid is not None:
                 logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
             else:
-                logger.warning("kvd connector: request %s: only %d of %d blocks are still in kvd since the lookup; recomputing", p.req_id, good, len(p.block_ids))
+                logger.warning("kvd connector: request %s: only %d of %d blocks are still in kvd since the lookup and intact; recomputing", p.req_id, good, len(p.block_ids))
             return False
         if p.state is not None and not conn._load_state(conn._client_w(), *p.state):
             logger.warning("kvd connector: request %s: the recurrent state at the hit's boundary is not in kvd; recomputing", p.req_id)
