@@ -58,6 +58,7 @@ fn the_shipped_ptx_is_what_nvrtc_makes_of_the_source() {
     }
     let made = compile();
     assert!(made.contains(".entry kvd_copy_chunks("), "{made}");
+    assert!(made.contains(".entry kvd_crc32c_chunks("), "{made}");
     assert!(made.contains(".target sm_75"), "{made}");
     if std::env::var_os("KVD_WRITE_PTX").is_some() {
         std::fs::write(ptx_file(), &made).unwrap();
@@ -81,10 +82,13 @@ fn the_copy_kernel_assembles_for_sm_90_without_spills() {
         return;
     };
     let kernels = kvd_testkit::ptxas::assemble_sm90(&ptxas, kvd_daemon::gpu::cuda::COPY_PTX);
-    let k = kernels
-        .iter()
-        .find(|k| k.name == "kvd_copy_chunks")
-        .unwrap_or_else(|| panic!("ptxas reported nothing for kvd_copy_chunks: {kernels:?}"));
-    assert_eq!(k.spills, (0, 0), "the copy kernel spills: {k:?}");
-    println!("sm_90 kvd_copy_chunks {}", k.used);
+    // The copy kernel, and the one that checksums a store's pieces where they are.
+    for name in ["kvd_copy_chunks", "kvd_crc32c_chunks"] {
+        let k = kernels
+            .iter()
+            .find(|k| k.name == name)
+            .unwrap_or_else(|| panic!("ptxas reported nothing for {name}: {kernels:?}"));
+        assert_eq!(k.spills, (0, 0), "{name} spills: {k:?}");
+        println!("sm_90 {name} {}", k.used);
+    }
 }

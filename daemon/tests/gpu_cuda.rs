@@ -140,6 +140,13 @@ fn copies_on_one_path(ctx: &std::sync::Arc<CudaContext>, below: &str) {
             b == data[i * BLOCK as usize..(i + 1) * BLOCK as usize],
             "pool block {i}"
         );
+        // The writer checksum the device computed over the engine's bytes (SPEC §17,
+        // `kvd_crc32c_chunks`) is the CRC-32C of what landed.
+        assert_eq!(
+            got.crc(i),
+            Some(kvd_client::checksum::crc32c(&b)),
+            "block {i}'s checksum from the device"
+        );
     }
     got.release().unwrap();
     // Load into the decode cache, reversed: block i of the prefill into N-1-i.
@@ -226,6 +233,12 @@ fn copies_on_one_path(ctx: &std::sync::Arc<CudaContext>, below: &str) {
         assert!(
             b == data[i * BLOCK as usize..(i + 1) * BLOCK as usize],
             "unaligned gpu_store: block {i}"
+        );
+        // Unaligned pieces: each piece's device CRC, joined into the block's.
+        assert_eq!(
+            got.crc(i),
+            Some(kvd_client::checksum::crc32c(&b)),
+            "unaligned gpu_store: block {i}'s checksum"
         );
     }
     got.release().unwrap();

@@ -133,8 +133,17 @@ fn blocks_move_between_engine_memory_and_the_pool_byte_for_byte() {
     for (i, b) in [3u64, 1, 6].iter().enumerate() {
         let bytes = got.with_block(i, |s| s.to_vec()).unwrap().expect("a hit");
         assert_eq!(bytes, src.block(*b), "block {b} in the pool");
+        // Its writer checksum (SPEC §17), joined from its pieces' CRCs, which the
+        // stand-in computed as it read them from "device" memory.
+        assert_eq!(
+            got.crc(i),
+            Some(kvd_client::checksum::crc32c(&src.block(*b))),
+            "block {b}'s checksum"
+        );
     }
     got.release().unwrap();
+    let sums = c.stats().unwrap().checksums;
+    assert_eq!((sums.from_writers, sums.without), (3, 0), "{sums:?}");
     // Stored twice: not copied again.
     let again = c.gpu_store(rs, &k[..1], &[5]).unwrap();
     assert_eq!((again.stored, again.status[0]), (0, GpuStoreStatus::Exists));

@@ -15,7 +15,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
 
 use super::device::{
     inside, mine, Copy, CopyEngine, CopyPaths, DevCopy, DeviceError, Dir, EngineMemory,
@@ -64,6 +66,9 @@ struct Ctx {
     pool_dev: Option<u64>,
     /// The copy kernel; `None` when it did not load (or `gpu.copy_kernel_below` is 0).
     kernel: Option<Kernel>,
+    /// The checksum kernel; `None` when it did not load (stores are then committed
+    /// without writer checksums, as SPEC §17 allows).
+    crc: Option<CrcKernel>,
 }
 
 /// The loaded copy kernel and its launch table: page-locked host memory mapped for the
@@ -80,42 +85,65 @@ struct Table {
     dev: sys::CUdeviceptr,
 }
 
+/// `bytes` of page-locked host memory mapped for the device (`ctx` bound): its host
+/// address and its device address, or why not (`what` names it). Freed with
+/// [`free_mapped`].
+fn alloc_mapped(bytes: usize, what: &str) -> Result<Table, DeviceError> {
+    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: a valid out pointer; the caller's context is bound.
+    let r = unsafe {
+        sys::cuMemHostAlloc(
+            &mut host,
+            bytes,
+            sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+        )
+    };
+    check(
+        r,
+        &format!("cuMemHostAlloc of {what}"),
+        DeviceError::NoDevice,
+    )?;
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: `host` was just allocated with DEVICEMAP in this context.
+    let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) };
+    if let Err(e) = check(
+        r,
+        &format!("cuMemHostGetDevicePointer of {what}"),
+        DeviceError::NoDevice,
+    ) {
+        // SAFETY: allocated above, freed once, never handed out.
+        unsafe { sys::cuMemFreeHost(host) };
+        return Err(e);
+    }
+    Ok(Table {
+        host: host as usize,
+        dev,
+    })
+}
+
+/// Frees what [`alloc_mapped`] gave, in `ctx` (when it still binds).
+fn free_mapped(ctx: &CudaContext, t: &Table) {
+    if t.host != 0 && ctx.bind_to_thread().is_ok() {
+        // SAFETY: allocated by cuMemHostAlloc in `alloc_mapped`, freed once (by the
+        // owner's drop); no launch runs (jobs synchronize before they end, and contexts
+        // drop with the device).
+        unsafe { sys::cuMemFreeHost(t.host as *mut std::ffi::c_void) };
+    }
+}
+
 impl Kernel {
-    fn load(ctx: &Arc<CudaContext>) -> Result<Kernel, DeviceError> {
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(COPY_PTX))
-            .map_err(no_device)?;
+    fn load(ctx: &Arc<CudaContext>, module: &Arc<CudaModule>) -> Result<Kernel, DeviceError> {
         let func = module.load_function("kvd_copy_chunks").map_err(no_device)?;
-        let bytes = plan::MAX_LAUNCH_CHUNKS * plan::ENTRY_BYTES;
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a valid out pointer; the context is bound (load_module bound it).
-        let r = unsafe {
-            sys::cuMemHostAlloc(
-                &mut host,
-                bytes,
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        };
-        check(r, "cuMemHostAlloc of the copy table", DeviceError::NoDevice)?;
-        let table = Table {
-            host: host as usize,
-            dev: 0,
-        };
-        let mut k = Kernel {
+        ctx.bind_to_thread().map_err(no_device)?;
+        let table = alloc_mapped(
+            plan::MAX_LAUNCH_CHUNKS * plan::ENTRY_BYTES,
+            "the copy table",
+        )?;
+        Ok(Kernel {
             func,
             table: Mutex::new(table),
             ctx: Arc::clone(ctx),
-        };
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was just allocated with DEVICEMAP in this context.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) };
-        check(
-            r,
-            "cuMemHostGetDevicePointer of the copy table",
-            DeviceError::NoDevice,
-        )?;
-        k.table.get_mut().unwrap_or_else(|p| p.into_inner()).dev = dev;
-        Ok(k)
+        })
     }
 
     /// Writes `chunks` (at most [`plan::MAX_LAUNCH_CHUNKS`]) into the table and launches
@@ -151,12 +179,98 @@ impl Kernel {
 
 impl Drop for Kernel {
     fn drop(&mut self) {
-        let t = self.table.get_mut().unwrap_or_else(|p| p.into_inner());
-        if t.host != 0 && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemHostAlloc in `load`, freed once; no launch runs
-            // (jobs synchronize before they end, and contexts drop with the device).
-            unsafe { sys::cuMemFreeHost(t.host as *mut std::ffi::c_void) };
+        free_mapped(
+            &self.ctx,
+            self.table.get_mut().unwrap_or_else(|p| p.into_inner()),
+        );
+    }
+}
+
+/// Pieces one launch of the checksum kernel covers (its table and results).
+const CRC_PIECES: usize = 1 << 14;
+
+/// The checksum kernel (`kvd_crc32c_chunks`, SPEC §17): a table of pieces and a result
+/// per piece, both page-locked host memory mapped for the device.
+struct CrcKernel {
+    func: CudaFunction,
+    bufs: Mutex<(Table, Table)>,
+    ctx: Arc<CudaContext>,
+}
+
+impl CrcKernel {
+    fn load(ctx: &Arc<CudaContext>, module: &Arc<CudaModule>) -> Result<CrcKernel, DeviceError> {
+        let func = module
+            .load_function("kvd_crc32c_chunks")
+            .map_err(no_device)?;
+        ctx.bind_to_thread().map_err(no_device)?;
+        let table = alloc_mapped(CRC_PIECES * plan::ENTRY_BYTES, "the checksum table")?;
+        let out = match alloc_mapped(CRC_PIECES * 4, "the checksums") {
+            Ok(o) => o,
+            Err(e) => {
+                free_mapped(ctx, &table);
+                return Err(e);
+            }
+        };
+        Ok(CrcKernel {
+            func,
+            bufs: Mutex::new((table, out)),
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The CRC-32C of each piece's source bytes (device addresses in this context,
+    /// checked by the caller), computed on `stream`: launches of at most [`CRC_PIECES`],
+    /// each waited for before its results are read and the table is rewritten.
+    fn checksums(&self, stream: &CudaStream, pieces: &[Piece]) -> Result<Vec<u32>, DeviceError> {
+        let bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let (table, out) = (&bufs.0, &bufs.1);
+        let mut crcs = Vec::with_capacity(pieces.len());
+        for launch in pieces.chunks(CRC_PIECES) {
+            // SAFETY: `table.host..+cap` and `out.host..+CRC_PIECES*4` are the
+            // allocations of `load` (live while `self` is); no kernel uses them now: the
+            // stream was synchronized after the last launch (below, and at the end of
+            // every job).
+            let buf = unsafe {
+                std::slice::from_raw_parts_mut(
+                    table.host as *mut u8,
+                    CRC_PIECES * plan::ENTRY_BYTES,
+                )
+            };
+            let n = plan::table(launch, buf);
+            let (blocks, _) = plan::grid(n);
+            let n32 = u32::try_from(n).map_err(|_| DeviceError::TooLong(n as u64))?;
+            let mut l = stream.launch_builder(&self.func);
+            l.arg(&table.dev).arg(&n32).arg(&out.dev);
+            // SAFETY: the arguments match `kvd_crc32c_chunks(const kvd_chunk*, unsigned,
+            // unsigned*)`; the table holds `n` entries whose sources lie in opened
+            // allocations the job keeps open, and `out` has room for `n` results.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (CRC_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(|e| DeviceError::Copy(format!("checksum kernel launch: {e:?}")))?;
+            stream
+                .synchronize()
+                .map_err(|e| DeviceError::Copy(format!("stream synchronize: {e:?}")))?;
+            // SAFETY: the kernel wrote `n` results and has finished (synchronized).
+            let got = unsafe { std::slice::from_raw_parts(out.host as *const u32, n) };
+            crcs.extend_from_slice(got);
         }
+        Ok(crcs)
+    }
+}
+
+/// Threads per CUDA block of the checksum kernel (its `__launch_bounds__`).
+const CRC_THREADS: u32 = 256;
+
+impl Drop for CrcKernel {
+    fn drop(&mut self) {
+        let (table, out) = self.bufs.get_mut().unwrap_or_else(|p| p.into_inner());
+        free_mapped(&self.ctx, table);
+        free_mapped(&self.ctx, out);
     }
 }
 
@@ -277,12 +391,21 @@ impl CudaDevice {
                 None
             }
         };
-        let kernel = match self.policy.kernel_below {
-            0 => None,
-            _ => Kernel::load(&ctx)
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(COPY_PTX))
+            .inspect_err(|e| tracing::warn!(error = ?e, "the GPU tier's kernels did not load: every copy goes to the copy engine, and stores carry no checksum"))
+            .ok();
+        let kernel = match (self.policy.kernel_below, &module) {
+            (0, _) | (_, None) => None,
+            (_, Some(m)) => Kernel::load(&ctx, m)
                 .inspect_err(|e| tracing::warn!(error = %e, "the copy kernel did not load: every GPU copy goes to the copy engine, one call per piece"))
                 .ok(),
         };
+        let crc = module.as_ref().and_then(|m| {
+            CrcKernel::load(&ctx, m)
+                .inspect_err(|e| tracing::warn!(error = %e, "the checksum kernel did not load: stores carry no writer checksum"))
+                .ok()
+        });
         tracing::info!(
             ordinal,
             device = %name,
@@ -295,6 +418,7 @@ impl CudaDevice {
             name,
             pool_dev,
             kernel,
+            crc,
         });
         m.insert(ordinal, Arc::clone(&c));
         Ok(c)
@@ -381,6 +505,42 @@ impl CudaDevice {
             });
         }
         Ok(mem)
+    }
+
+    /// The CRC-32C of each copy's engine bytes, on the device that holds them (SPEC
+    /// §17), in the copies' order; empty when a device has no checksum kernel (the
+    /// blocks are then committed without checksums). Every range was checked by the
+    /// copy that ran before.
+    fn checksums(&self, copies: &[Copy]) -> Result<Vec<u32>, DeviceError> {
+        let mut by_device: HashMap<u32, Vec<(usize, Piece)>> = HashMap::new();
+        for (i, c) in copies.iter().enumerate() {
+            let m = mine::<CudaMemory>(&*c.mem)?;
+            inside("device", c.dev_offset, c.len, m.size)?;
+            by_device.entry(m.ordinal).or_default().push((
+                i,
+                Piece {
+                    src: m.ptr + c.dev_offset,
+                    dst: 0,
+                    len: c.len,
+                },
+            ));
+        }
+        let mut crcs = vec![0u32; copies.len()];
+        for (ordinal, pieces) in by_device {
+            let ctx = self.ctx(ordinal)?;
+            let Some(k) = &ctx.crc else {
+                return Ok(Vec::new());
+            };
+            ctx.ctx.bind_to_thread().map_err(no_device)?;
+            let only: Vec<Piece> = pieces.iter().map(|(_, p)| *p).collect();
+            let got = k.checksums(&ctx.stream, &only)?;
+            for ((i, _), crc) in pieces.iter().zip(got) {
+                if let Some(slot) = crcs.get_mut(*i) {
+                    *slot = crc;
+                }
+            }
+        }
+        Ok(crcs)
     }
 
     /// Checks one device-to-device piece and adds it to its destination's batch, or
@@ -574,7 +734,7 @@ impl CopyEngine for CudaDevice {
     /// stream, then waits for all of it — also when one fails to queue, so that nothing
     /// still moves when the job is reported. A piece that fails its check fails the job
     /// before any byte moves.
-    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), DeviceError> {
+    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<Vec<u32>, DeviceError> {
         let mut batches: Vec<Batch> = Vec::new();
         let checked = copies
             .iter()
@@ -609,7 +769,11 @@ impl CopyEngine for CudaDevice {
                 })
             })
         });
-        queued.and(sync_batches(&batches))
+        queued.and(sync_batches(&batches))?;
+        match dir {
+            Dir::ToPool => self.checksums(copies),
+            Dir::FromPool => Ok(Vec::new()),
+        }
     }
 
     /// Device-to-device: within a device, planned like [`Self::copy`] (the kernel, or

@@ -218,8 +218,10 @@ pub trait CopyEngine: Send + Sync {
 
     /// Runs one job's copies between engine memory and pool slots and returns when all
     /// are done. Every range is checked (against the pool and against the memory) before
-    /// its bytes move.
-    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), DeviceError>;
+    /// its bytes move. For a [`Dir::ToPool`] job: the CRC-32C of each copy's bytes, in
+    /// order, computed where the bytes are (on the device; SPEC §17), or none (empty)
+    /// when this engine cannot; for [`Dir::FromPool`], empty.
+    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<Vec<u32>, DeviceError>;
 
     /// Runs a device-to-device job (same device, or between devices) and returns when
     /// all of it is done. Every range is checked against its memory first.
@@ -243,7 +245,7 @@ impl CopyEngine for Off {
         Err(DeviceError::NoDevice(self.0.clone()))
     }
 
-    fn copy(&self, _: Dir, _: &Pool, _: &[Copy]) -> Result<(), DeviceError> {
+    fn copy(&self, _: Dir, _: &Pool, _: &[Copy]) -> Result<Vec<u32>, DeviceError> {
         Err(DeviceError::NoDevice(self.0.clone()))
     }
 

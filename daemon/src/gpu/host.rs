@@ -137,6 +137,10 @@ impl HostDevice {
     }
 }
 
+/// The stand-in reads engine memory in pieces of at most this size, each checksummed as
+/// it lands.
+const CRC_READ: usize = 1 << 20;
+
 impl CopyEngine for HostDevice {
     fn describe(&self) -> String {
         format!("host (stand-in over {})", self.dir.display())
@@ -179,20 +183,26 @@ impl CopyEngine for HostDevice {
         Ok(())
     }
 
-    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<(), DeviceError> {
+    fn copy(&self, dir: Dir, pool: &Pool, copies: &[Copy]) -> Result<Vec<u32>, DeviceError> {
+        let mut crcs = Vec::with_capacity(if dir == Dir::ToPool { copies.len() } else { 0 });
         for c in copies {
             let h = mine::<HostMemory>(&*c.mem)?;
             inside("engine", c.dev_offset, c.len, h.size)?;
             let len = usize::try_from(c.len).map_err(|_| DeviceError::TooLong(c.len))?;
             let r = match dir {
-                Dir::ToPool => pool.recv_into(
-                    c.pool_offset,
-                    len,
-                    &mut ReadAt {
-                        file: &h.file,
-                        at: c.dev_offset,
-                    },
-                ),
+                // Checksummed as each read lands, while it is in cache (SPEC §17: the
+                // stand-in's "device" is the file it reads from).
+                Dir::ToPool => pool
+                    .recv_checked(
+                        c.pool_offset,
+                        len,
+                        &mut ReadAt {
+                            file: &h.file,
+                            at: c.dev_offset,
+                        },
+                        CRC_READ,
+                    )
+                    .map(|crc| crcs.push(crc)),
                 Dir::FromPool => pool
                     .read(c.pool_offset, len)
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
@@ -203,6 +213,6 @@ impl CopyEngine for HostDevice {
             })?;
             self.paths.engine(c.len);
         }
-        Ok(())
+        Ok(crcs)
     }
 }

@@ -31,6 +31,7 @@
 //!   result is never served. A device that writes after ten minutes is the one case
 //!   this cannot cover.
 
+pub mod crc;
 pub mod device;
 mod export_ops;
 pub mod exports;
@@ -83,6 +84,10 @@ enum Pending {
         new_keys: Vec<ChunkHash>,
         offsets: Vec<u64>,
         status: Vec<GpuStoreStatus>,
+        /// The job's pieces, `(pool offset, len)` in order, and the layout's block size:
+        /// how the pieces' CRCs join into the blocks' ([`crc::block_crcs`]).
+        pieces: Vec<(u64, u64)>,
+        block_bytes: u64,
     },
     Load {
         registration: u64,
@@ -574,9 +579,13 @@ impl GpuTier {
                 stored: 0,
             }));
         }
+        let mut pieces = Vec::new();
         let queued = self
             .plan(r.registration, &blocks, &offsets)
-            .and_then(|copies| self.submit(token, r.registration, Dir::ToPool, copies));
+            .and_then(|copies| {
+                pieces = copies.iter().map(|c| (c.pool_offset, c.len)).collect();
+                self.submit(token, r.registration, Dir::ToPool, copies)
+            });
         if let Err(e) = queued {
             abort(store, sys, layout, &new_keys, now);
             return Err(e);
@@ -589,6 +598,8 @@ impl GpuTier {
                 new_keys,
                 offsets,
                 status,
+                pieces,
+                block_bytes: store.block_bytes(layout).unwrap_or(0),
             },
         );
         Ok(crate::store::Answer::Later(token))
@@ -663,18 +674,20 @@ impl GpuTier {
                     new_keys,
                     offsets,
                     status,
+                    pieces,
+                    block_bytes,
                     ..
                 } => match result {
-                    Ok(()) => store
+                    Ok(crcs) => store
                         .commit(
                             &CommitReq {
                                 client: sys,
                                 layout_id: layout,
                                 keys: new_keys.clone(),
+                                // The blocks' checksums, computed where their bytes
+                                // were (SPEC §17); none when the engine computed none.
+                                crcs: crc::block_crcs(&offsets, block_bytes, &pieces, &crcs),
                                 offsets: Some(offsets),
-                                // (the GPU tier's copies carry no checksum yet: sealed
-                                // the old way, SPEC §17 "Without a checksum")
-                                crcs: None,
                             },
                             &[],
                             now,
@@ -707,7 +720,7 @@ impl GpuTier {
                         now,
                     );
                     match result {
-                        Ok(()) => {
+                        Ok(_) => {
                             self.counters.pulled_blocks += copied;
                             Ok(Reply::Pull(GpuPullResp { copied }))
                         }
@@ -722,11 +735,11 @@ impl GpuTier {
                 Pending::Load { pin, loaded, .. } => {
                     let held = store.unpin_by_id(pin);
                     match (result, held) {
-                        (Ok(()), true) => {
+                        (Ok(_), true) => {
                             self.counters.loaded_blocks += loaded;
                             Ok(Reply::Load(GpuLoadResp { loaded }))
                         }
-                        (Ok(()), false) => Err(WireError::new(
+                        (Ok(_), false) => Err(WireError::new(
                             ErrorCode::TransferFailed,
                             "the slots' hold ended before the copy did: the blocks' bytes are not to be trusted",
                         )),

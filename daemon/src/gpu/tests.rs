@@ -19,7 +19,7 @@ impl CopyEngine for FailCopies {
         self.0.open(ordinal, handle, size)
     }
 
-    fn copy(&self, _: Dir, _: &Pool, _: &[Copy]) -> Result<(), device::DeviceError> {
+    fn copy(&self, _: Dir, _: &Pool, _: &[Copy]) -> Result<Vec<u32>, device::DeviceError> {
         Err(device::DeviceError::Copy("injected device fault".into()))
     }
 

@@ -28,8 +28,8 @@ pub struct Job {
     pub work: Work,
 }
 
-/// A finished job.
-pub type Done = (u64, Result<(), DeviceError>);
+/// A finished job: for a store, its pieces' CRCs ([`CopyEngine::copy`]).
+pub type Done = (u64, Result<Vec<u32>, DeviceError>);
 
 /// See the module docs.
 pub struct Worker {
@@ -58,7 +58,7 @@ impl Worker {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         match &job.work {
                             Work::Pool(dir, copies) => device.copy(*dir, &pool, copies),
-                            Work::Device(copies) => device.copy_device(copies),
+                            Work::Device(copies) => device.copy_device(copies).map(|()| Vec::new()),
                         }
                     }))
                     .unwrap_or_else(|_| Err(DeviceError::Copy("the copy panicked".into())));
