@@ -15,6 +15,9 @@
 //! | a daemon restarts under a writer, a reader, a staged export or a grant (the fence) | `keep.rs::an_old_writer_and_an_old_reader_touch_no_block_of_the_new_daemon`, `keep.rs::a_staged_exports_slots_are_fenced_after_a_restart`, `keep.rs::a_grant_of_the_old_daemon_reads_nothing_of_the_kept_pool` |
 //! | a sealer reads a slot as its block goes | `table::tests::a_seal_lands_only_on_its_own_commit` (unit) |
 //! | a block is found damaged while a reader pins it | `store::verify::tests::a_damaged_block_pinned_by_a_reader_is_found_by_no_key_and_freed_with_its_last_pin` (unit) |
+//! | a pushed slot is written again after a checked write landed in it (its recorded checksum would name other bytes) | `transfer::dataplane::tests::checked_writes_land_and_record_what_they_matched` (unit: an overlapping write forgets the record, so the import commits without a checksum rather than with a wrong one) |
+//! | a pushed block is damaged in the exporter's pool between its writer's checksum and the push | `checksums.rs::a_pushed_block_keeps_its_writers_checksum_and_damage_fails_the_push` (the decode daemon refuses the range; nothing of the push is visible) |
+//! | a daemon is killed just after taking over from an upgrade, and restarted at once (the old one's lock on the pool outlives it for a moment) | `upgrade.rs::a_successor_killed_is_restarted_on_its_pool`; found and held by `kvd-bench integrity` (`upgrade-prefill-daemon` then `kill-prefill-daemon`) |
 
 mod common;
 
