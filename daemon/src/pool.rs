@@ -458,6 +458,26 @@ impl RemotePool {
     ) -> Result<(), PoolError> {
         pool.write(local, self.slice(remote, len)?)
     }
+
+    /// [`RemotePool::copy_to`], returning the CRC-32C of the bytes copied (computed in
+    /// the same pass: `checksum::copy_crc`).
+    pub fn copy_to_checked(
+        &self,
+        remote: u64,
+        len: usize,
+        pool: &Pool,
+        local: u64,
+    ) -> Result<u32, PoolError> {
+        let src = self.slice(remote, len)?;
+        pool.region.check(local, len)?;
+        pool.region
+            .with_mut(local, len, |dst| kvd_client::checksum::copy_crc(dst, src))
+            .map_err(|source| PoolError::Io {
+                what: "writing the pool",
+                path: pool.path.clone(),
+                source,
+            })
+    }
 }
 
 impl Drop for Pool {

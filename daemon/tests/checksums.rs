@@ -276,8 +276,10 @@ fn a_damaged_block_is_not_demoted_and_a_promoted_one_keeps_its_checksum() {
     assert_eq!(p.crc(0), Some(crc32c(&data[1])));
 }
 
+/// A pulled block (TCP and same-host) keeps its writer's checksum, the decode daemon
+/// checks it as the block lands, and the decode engine checks it again when it reads.
 #[test]
-fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
+fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_side_checks_it() {
     for shm in [false, true] {
         let start = || {
             let mut cfg = tempfile::NamedTempFile::new().unwrap();
@@ -311,14 +313,26 @@ fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_reader_checks_it() {
             .zip(&data)
             .all(|(g, d)| g.as_deref() == Some(&d[..])));
         assert!(got[3].is_none(), "damaged on the decode node: a miss");
-        // Params whose checksums were altered on the way make the reader miss, never
-        // serve other bytes: the pulled block fails its check at the decode reader.
+        // The decode daemon checks what it pulls against the writer checksums as it
+        // lands (SPEC §17): params whose checksums were altered on the way, or a block
+        // damaged in the prefill pool, fail the pull, and nothing of it is visible.
         let (ks2, _) = store(&prefill, l, 8, 1);
         let mut p2 = prefill.export("x-2", l, &ks2, None).unwrap();
         p2.crcs[0] = p2.crcs[0].map(|c| c ^ 1);
-        let r2 = decode.pull(&p2, None, true).unwrap();
-        decode.pinned(l, &r2).unwrap().release().unwrap();
-        assert!(load_each(&decode, l, &ks2)[0].is_none(), "shm = {shm}");
+        let (ks3, _) = store(&prefill, l, 9, 2);
+        flip(&pd.pool_path, offsets(&prefill, l, &ks3)[1] + 9);
+        let p3 = prefill.export("x-3", l, &ks3, None).unwrap();
+        for (p, ks) in [(&p2, &ks2), (&p3, &ks3)] {
+            let r = decode.pull(p, None, true).unwrap();
+            assert_eq!(
+                r.state,
+                kvd_protocol::TransferState::Failed,
+                "shm = {shm}: {r:?}"
+            );
+            let why = r.error.map(|e| e.message).unwrap_or_default();
+            assert!(why.contains("writer checksum"), "{why}");
+            assert_eq!(decode.lookup(l, ks).unwrap().prefix, 0, "nothing visible");
+        }
     }
 }
 

@@ -364,17 +364,20 @@ impl Import {
             .collect()
     }
 
-    /// Pull: the reads (exporter slot → our slot) for the keys not here.
+    /// Pull: the reads (exporter slot → our slot) for the keys not here. Each carries
+    /// the block's writer checksum when the params named one: the data plane checks
+    /// what lands against it (SPEC §17).
     pub(super) fn pull_ops(&self) -> Vec<Op> {
         self.local
             .iter()
             .zip(&self.remote)
-            .filter_map(|(l, &r)| {
+            .enumerate()
+            .filter_map(|(i, (l, &r))| {
                 l.map(|l| Op {
                     remote: r,
                     local: l,
                     len: self.block_bytes,
-                    crc: None,
+                    crc: self.crcs.get(i).copied().flatten(),
                 })
             })
             .collect()

@@ -149,6 +149,21 @@ pub fn split(ops: &[Op], streams: usize) -> Vec<Vec<Op>> {
 /// that wakes the reader), the reader's much less.
 pub(super) const CRC_PIECE: u64 = 1 << 20;
 
+/// A block read from a peer does not match the writer checksum its params named (SPEC
+/// §17): the transfer fails (the decode engine computes), nothing of it is committed.
+pub(super) fn not_the_writers(remote: u64, want: u32, got: u32) -> WireError {
+    tracing::warn!(
+        offset = remote,
+        want,
+        got,
+        "a pulled block does not match its writer checksum: the transfer fails"
+    );
+    WireError::new(
+        kvd_protocol::ErrorCode::TransferFailed,
+        format!("the block read at {remote} does not match its writer checksum ({want:#010x}, read {got:#010x})"),
+    )
+}
+
 /// Writes a response status ([`data::status_bytes`]).
 pub(super) fn write_status(w: &mut impl Write, err: Option<&WireError>) -> io::Result<()> {
     w.write_all(&data::status_bytes(err))

@@ -91,8 +91,23 @@ impl Transport for ShmTransport {
         let m = self.map(&access.peer)?;
         let mut bytes = 0;
         for op in coalesce(ops) {
-            m.copy_to(op.remote, op.len as usize, &self.pool, op.local)
-                .map_err(|e| WireError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+            let bad = |e: crate::pool::PoolError| {
+                WireError::new(ErrorCode::InvalidArgument, e.to_string())
+            };
+            match op.crc {
+                // A block with its writer checksum is checked as it is copied (SPEC §17).
+                Some(want) => {
+                    let got = m
+                        .copy_to_checked(op.remote, op.len as usize, &self.pool, op.local)
+                        .map_err(bad)?;
+                    if got != want {
+                        return Err(super::not_the_writers(op.remote, want, got));
+                    }
+                }
+                None => m
+                    .copy_to(op.remote, op.len as usize, &self.pool, op.local)
+                    .map_err(bad)?,
+            }
             bytes += op.len;
         }
         Ok(bytes)

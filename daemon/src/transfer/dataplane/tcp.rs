@@ -184,15 +184,23 @@ impl TcpTransport {
             Dir::Read => {
                 read_status(s).map_err(|r| r.map_err(|e| (e, false)))?;
                 let mut crcs = Vec::with_capacity(if verify { ops.len() } else { 0 });
+                // (reported after the whole answer is read: the connection stays usable)
+                let mut writer_mismatch = None;
                 for op in ops {
-                    // A checked range is checksummed as it lands, each read's bytes
-                    // while they are in cache (not in a second pass over the range).
-                    if verify {
+                    // A checked range, or a block with its writer checksum, is
+                    // checksummed as it lands, each read's bytes while they are in cache
+                    // (not in a second pass over the range).
+                    if verify || op.crc.is_some() {
                         let crc = self
                             .pool
                             .recv_checked(op.local, op.len as usize, s, CRC_PIECE as usize)
                             .map_err(|e| Err((e, true)))?;
-                        crcs.push(crc);
+                        if verify {
+                            crcs.push(crc);
+                        }
+                        if let Some(want) = op.crc.filter(|&w| w != crc) {
+                            writer_mismatch.get_or_insert((op.remote, want, crc));
+                        }
                     } else {
                         self.pool
                             .recv_into(op.local, op.len as usize, s)
@@ -215,6 +223,9 @@ impl TcpTransport {
                         ErrorCode::TransferFailed,
                         format!("checksum mismatch reading the range at {at}"),
                     )));
+                }
+                if let Some((at, want, got)) = writer_mismatch {
+                    return Err(Ok(super::not_the_writers(at, want, got)));
                 }
             }
             Dir::Write => {
