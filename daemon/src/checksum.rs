@@ -14,7 +14,7 @@
 //! checksums (SPEC §17) and the daemon's checks must be the same function, so one crate
 //! holds it, with the client's one-pass copy-and-checksum beside it.
 
-pub use kvd_client::checksum::{crc32c, crc32c_append, crc32c_combine};
+pub use kvd_client::checksum::{copy_crc, crc32c, crc32c_append, crc32c_combine};
 
 #[cfg(test)]
 mod tests {

@@ -327,6 +327,21 @@ impl Pool {
             })
     }
 
+    /// [`Pool::write`], returning the CRC-32C of the bytes written, computed in the same
+    /// pass (`checksum::copy_crc`).
+    pub fn write_checked(&self, offset: u64, src: &[u8]) -> Result<u32, PoolError> {
+        self.region.check(offset, src.len())?;
+        self.region
+            .with_mut(offset, src.len(), |dst| {
+                kvd_client::checksum::copy_crc(dst, src)
+            })
+            .map_err(|source| PoolError::Io {
+                what: "writing the pool",
+                path: self.path.clone(),
+                source,
+            })
+    }
+
     /// Borrows `len` bytes at `offset`.
     pub fn read(&self, offset: u64, len: usize) -> Result<&[u8], PoolError> {
         Ok(self.region.read(offset, len)?)
@@ -468,15 +483,7 @@ impl RemotePool {
         pool: &Pool,
         local: u64,
     ) -> Result<u32, PoolError> {
-        let src = self.slice(remote, len)?;
-        pool.region.check(local, len)?;
-        pool.region
-            .with_mut(local, len, |dst| kvd_client::checksum::copy_crc(dst, src))
-            .map_err(|source| PoolError::Io {
-                what: "writing the pool",
-                path: pool.path.clone(),
-                source,
-            })
+        pool.write_checked(local, self.slice(remote, len)?)
     }
 }
 

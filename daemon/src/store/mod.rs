@@ -670,7 +670,7 @@ impl Store {
                     return Err(StoreError::WrongOffset { index, given, slot });
                 }
             }
-            let mut crc = req.crcs.as_ref().and_then(|c| c.get(index).copied());
+            let crc = req.crcs.as_ref().and_then(|c| c.get(index).copied());
             if let Some(p) = payloads.get(index) {
                 if p.len() as u64 != block_bytes {
                     return Err(StoreError::PayloadSize {
@@ -679,21 +679,24 @@ impl Store {
                         block_bytes,
                     });
                 }
-                // The daemon writes these bytes: their checksum is its own (SPEC §17),
-                // and the writer's, when sent, must agree (damage on the way).
-                let got = crate::checksum::crc32c(p);
-                if crc.is_some_and(|want| want != got) {
-                    return Err(StoreError::PayloadChecksum { index, key });
-                }
-                crc = Some(got);
             }
             idxs.push((idx, crc));
         }
-        for (&(idx, _), p) in idxs.iter().zip(payloads) {
-            let off = self.index.node(idx).offset();
-            self.pool
-                .write(off, p)
+        // The daemon writes payload bytes: their checksum is its own, computed as it
+        // copies them (SPEC §17), and the writer's, when sent, must agree (damage on the
+        // way). A mismatch refuses the commit; the slots written so far stay the
+        // writer's, pending, as before the call.
+        for (index, (entry, p)) in idxs.iter_mut().zip(payloads).enumerate() {
+            let off = self.index.node(entry.0).offset();
+            let got = self
+                .pool
+                .write_checked(off, p)
                 .map_err(|e| StoreError::Internal(e.to_string()))?;
+            if entry.1.is_some_and(|want| want != got) {
+                let key = req.keys.get(index).copied().unwrap_or_default();
+                return Err(StoreError::PayloadChecksum { index, key });
+            }
+            entry.1 = Some(got);
         }
         let tick = self.tick(now);
         let mut committed = 0i64;

@@ -62,10 +62,14 @@ impl Store {
                 .pool
                 .read(off, len)
                 .map_err(|e| StoreError::Internal(e.to_string()))?;
+            // Copied and checksummed in one pass: the bytes checked are the bytes sent
+            // (a slot written after its commit cannot change them between the two).
+            let mut copy = vec![0u8; len];
+            let crc = crate::checksum::copy_crc(&mut copy, bytes);
             let want = resp.crcs.get(i).copied().flatten();
             if let Some(want) = want {
                 self.checksums.verified += 1;
-                if crate::checksum::crc32c(bytes) != want {
+                if crc != want {
                     if let Some(idx) = self.index.find(layout, k) {
                         self.drop_damaged(idx, "dram (inline get)");
                     }
@@ -80,7 +84,7 @@ impl Store {
                     continue;
                 }
             }
-            out.push(bytes.to_vec());
+            out.push(copy);
         }
         Ok(out)
     }
