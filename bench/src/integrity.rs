@@ -31,9 +31,9 @@
 //! It reports requests, faults per kind, **divergent** answers (tokens other than the
 //! reference's), **failed** requests (no answer), requests lost with a killed engine
 //! (the engine, not kvd, died under them: reported apart, never counted as answered),
-//! and how many answers took KV from kvd. `--no-verify` runs the engines without
-//! checking writer checksums: the negative control, where flipped bits reach the engines
-//! as KV.
+//! and how many answers took KV from kvd. `--no-verify` runs engines that neither check
+//! nor send writer checksums (so no daemon can check a block either): the negative
+//! control, where damaged bytes reach the engines as KV.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -84,8 +84,9 @@ pub struct IntegrityArgs {
     /// No second prefill engine of another layout on node A.
     #[arg(long)]
     one_build: bool,
-    /// Negative control: engines that do not check writer checksums (`--kvd-verify
-    /// false`).
+    /// Negative control: engines that neither check writer checksums nor send them
+    /// (`--kvd-verify false --kvd-writer-checksums false`: kvd before SPEC §17, where no
+    /// daemon can check a block either).
     #[arg(long)]
     no_verify: bool,
     /// Directory of kvd, kvd-engine and kvd-router (default: this binary's).
@@ -122,6 +123,8 @@ struct Report {
     from_kvd: usize,
     /// Faults injected, by kind.
     faults: HashMap<String, usize>,
+    /// Every kind this bench can inject (what `--faults all` runs).
+    kinds: Vec<&'static str>,
     /// Blocks the daemons dropped for failing their checksum (both nodes, every life).
     damaged_blocks: u64,
     /// Pushed ranges node B refused because they did not match their checksum.
@@ -368,6 +371,8 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
         "2000",
         "--kvd-verify",
         verify,
+        "--kvd-writer-checksums",
+        verify,
     ];
     let (_ref, reference) = local::engine(&bins, "both", None, &flags[..2])?;
     // The prefill engine on a fixed address: a killed one comes back on it.
@@ -410,6 +415,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
         verify: !a.no_verify,
         handoff: a.handoff.clone(),
         builds: 1 + usize::from(other.is_some()),
+        kinds: KINDS.to_vec(),
         ..Report::default()
     };
     let t0 = Instant::now();
@@ -511,7 +517,7 @@ pub fn run(a: IntegrityArgs) -> Result<()> {
             }
         }
         r.requests += 1;
-        if a.progress > 0 && r.requests % a.progress == 0 {
+        if a.progress > 0 && r.requests.is_multiple_of(a.progress) {
             eprintln!(
                 "{} requests, {:.0} s: {} divergent, {} failed, {} lost with an engine, {} with KV from kvd",
                 r.requests,

@@ -88,8 +88,10 @@ impl WriteBatch {
         }
         // The writer checksum of each slot as written (SPEC §17): a read of the batch,
         // the price of writing in place instead of through a copy that checksums.
+        let sums = self.client.inner.opts.writer_checksums;
         let crcs = offs
             .iter()
+            .filter(|_| sums)
             .map(|&off| {
                 // SAFETY: the slot is allocated to this batch and uncommitted; `self` is
                 // consumed, so no borrow of `with_slots` is alive, and this one ends with

@@ -502,7 +502,7 @@ impl StagedExport {
                     client: self.session.client,
                     transfer_id: self.params.transfer_id.clone(),
                     ready,
-                    crcs: if ready == self.parts() {
+                    crcs: if ready == self.parts() && self.client.inner.opts.writer_checksums {
                         self.block_crcs()
                     } else {
                         Vec::new()

@@ -206,7 +206,8 @@ impl Client {
             layout_id: layout,
             keys,
             offsets,
-            crcs: Some(crcs),
+            // (none at all from a client told not to send them: a negative control)
+            crcs: self.inner.opts.writer_checksums.then_some(crcs),
         });
         let (r, _): (CommitResp, _) = self.raw_call(&req, payloads)?;
         Ok(r.committed)

@@ -52,6 +52,11 @@ struct Args {
     /// unchecked read lets through.
     #[arg(long, env = "KVD_VERIFY_LOADS", default_value_t = true, action = clap::ArgAction::Set)]
     kvd_verify: bool,
+    /// Send each block's writer checksum with what it stores (SPEC §17), so every daemon
+    /// that moves the block checks it. `false` only for negative controls: blocks stored
+    /// so can be checked by nobody.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    kvd_writer_checksums: bool,
     /// Lease of exports, ms.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
@@ -129,6 +134,7 @@ fn main() -> Result<()> {
         kvd,
         kvd_timeout: Duration::from_millis(a.kvd_timeout_ms),
         kvd_verify: a.kvd_verify,
+        kvd_writer_checksums: a.kvd_writer_checksums,
         lease: Duration::from_millis(a.lease_ms),
         transfer_timeout: Duration::from_millis(a.transfer_timeout_ms),
         layerwise_parts: a.layerwise_parts,

@@ -80,6 +80,8 @@ pub struct EngineConfig {
     /// Check every block read from kvd against its writer checksum (SPEC §17): a damaged
     /// one ends the prefix and is computed instead. Off only for negative controls.
     pub kvd_verify: bool,
+    /// Send writer checksums with stores (SPEC §17). Off only for negative controls.
+    pub kvd_writer_checksums: bool,
     /// Lease of exports.
     pub lease: Duration,
     /// How long a decode waits for a pull or push to finish.
@@ -340,6 +342,7 @@ impl Engine {
                     .with_name(format!("kvd-engine-{}", cfg.role.name()))
                     .with_timeout(cfg.kvd_timeout)
                     .with_verify(cfg.kvd_verify)
+                    .with_writer_checksums(cfg.kvd_writer_checksums)
                     .connect()
                     .with_context(|| format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)"))?;
                 ensure!(

@@ -362,6 +362,34 @@ fn reads_are_framed_and_refused_as_the_spec_says() {
     assert!(rest.is_empty(), "closed after the refusal");
 }
 
+/// A write grant (handle 1, token 77) over `len` bytes at 4096 of `remote`, its data
+/// server, and a transport from `local`.
+fn write_grant(
+    local: &Arc<Pool>,
+    remote: &Arc<Pool>,
+    len: u64,
+) -> (Arc<Grants>, DataServer, TcpTransport) {
+    let grants = Arc::new(Grants::new(Incarnation(2)));
+    grants.insert(
+        1,
+        77,
+        GrantKind::Write,
+        &[(4096, len)],
+        Instant::now() + Duration::from_secs(30),
+    );
+    let server = DataServer::start(
+        "127.0.0.1:0",
+        remote.clone(),
+        grants.clone(),
+        key(),
+        (None, None),
+        &opts(),
+    )
+    .unwrap();
+    let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
+    (grants, server, t)
+}
+
 /// A checked write through the real server and transport (SPEC §10, version 4): every
 /// range's bytes land, and each whole range is recorded with the CRC it matched, the
 /// writer checksum an op carried or the writer's own copy's; a slot written over since
@@ -375,24 +403,7 @@ fn checked_writes_land_and_record_what_they_matched() {
         .map(|i| (i * 13 % 251) as u8)
         .collect();
     local.write(4096, &bytes).unwrap();
-    let grants = Arc::new(Grants::new(Incarnation(2)));
-    grants.insert(
-        1,
-        77,
-        GrantKind::Write,
-        &[(4096, 3 * block)],
-        Instant::now() + Duration::from_secs(30),
-    );
-    let server = DataServer::start(
-        "127.0.0.1:0",
-        remote.clone(),
-        grants.clone(),
-        key(),
-        (None, None),
-        &opts(),
-    )
-    .unwrap();
-    let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
+    let (grants, server, t) = write_grant(&local, &remote, 3 * block);
     let a = access_to(server.addr().to_string(), true);
     let crc =
         |i: u64| crate::checksum::crc32c(&bytes[(i * block) as usize..((i + 1) * block) as usize]);
@@ -435,24 +446,7 @@ fn a_checked_write_that_does_not_match_is_refused_and_not_counted() {
     let block = 64u64 << 10;
     let bytes = vec![9u8; block as usize];
     local.write(4096, &bytes).unwrap();
-    let grants = Arc::new(Grants::new(Incarnation(2)));
-    grants.insert(
-        1,
-        77,
-        GrantKind::Write,
-        &[(4096, block)],
-        Instant::now() + Duration::from_secs(30),
-    );
-    let server = DataServer::start(
-        "127.0.0.1:0",
-        remote.clone(),
-        grants.clone(),
-        key(),
-        (None, None),
-        &opts(),
-    )
-    .unwrap();
-    let t = TcpTransport::new(local.clone(), Incarnation(1), key(), &opts());
+    let (grants, server, t) = write_grant(&local, &remote, block);
     let a = access_to(server.addr().to_string(), true);
     let writer = crate::checksum::crc32c(&bytes);
     local.write(4096 + 100, &[8]).unwrap(); // the flip, after the writer's checksum
