@@ -138,9 +138,13 @@ impl Drop for GrantGuard<'_> {
             g.bytes += self.bytes;
             // Recorded in the same step as `active` falls, so every request whose bytes
             // count has ended by the time the grant reads as filled.
-            if self.bytes > 0 && g.kind == GrantKind::Write {
+            if g.kind == GrantKind::Write {
+                // Any write over a checked range (an unchecked one, or one that broke
+                // off with some of its bytes landed) leaves it unrecorded.
+                let done = self.bytes > 0;
                 for (i, &(s, e)) in self.ranges.iter().enumerate() {
-                    record_checked(&mut g.checked, s, e, self.crcs.get(i).copied());
+                    let crc = self.crcs.get(i).copied().filter(|_| done);
+                    record_checked(&mut g.checked, s, e, crc);
                 }
             }
             if self.bytes > 0 && !g.filled {
@@ -447,6 +451,49 @@ impl Grants {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A checked write records each range's CRC; any later write over its bytes — one
+    /// unchecked, one that broke off, one over part of it — forgets it, so an import
+    /// never commits a checksum that may name other bytes; a checked rewrite records
+    /// the new one.
+    #[test]
+    fn checked_ranges_are_recorded_until_anything_writes_over_them() {
+        let g = Grants::new(Incarnation(7));
+        let now = Instant::now();
+        g.insert(
+            1,
+            9,
+            GrantKind::Write,
+            &[(0, 3 * 4096)],
+            now + Duration::from_secs(5),
+        );
+        let slots = [(0u64, 4096u64), (4096, 4096), (8192, 4096)];
+        let write = |r: &[(u64, u64)], crcs: Option<Vec<u32>>, complete: bool| {
+            let mut guard = g
+                .begin(GrantKind::Write, 1, 9, Incarnation(7), r, now)
+                .unwrap();
+            match (crcs, complete) {
+                (Some(c), true) => guard.complete_checked(c),
+                (None, true) => guard.complete(),
+                _ => {}
+            }
+        };
+        write(&slots, Some(vec![1, 2, 3]), true);
+        assert_eq!(g.written_crcs(1, &slots), Some(vec![1, 2, 3]));
+        write(&slots[1..2], Some(vec![20]), false); // broke off
+        assert_eq!(g.written_crcs(1, &slots[1..2]), None);
+        assert_eq!(g.written_crcs(1, &[slots[0], slots[2]]), Some(vec![1, 3]));
+        write(&[(8192 + 100, 10)], None, true); // unchecked, over part of a slot
+        assert_eq!(g.written_crcs(1, &slots[2..]), None);
+        write(&slots[1..], Some(vec![22, 33]), true);
+        assert_eq!(g.written_crcs(1, &slots), Some(vec![1, 22, 33]));
+        assert_eq!(
+            g.written_crcs(1, &[(0, 8192)]),
+            None,
+            "not one checked range"
+        );
+        assert_eq!(g.written_crcs(2, &slots), None, "no such grant");
+    }
 
     /// A grant reads as filled once, when completed requests have moved every granted
     /// byte: not for a request that broke off, not for the same range moved twice; read

@@ -416,15 +416,23 @@ impl Conn<'_> {
                     let mut table = vec![0u8; ranges.len() * 4];
                     table.resize(table.len() + data::pad_for(table.len()), 0);
                     sock.read_exact(&mut table)?;
-                    let sent = data::parse_crc_table(&table, ranges.len());
-                    let bad = match &sent {
-                        Err(e) => Some(e.clone()),
-                        Ok(sent) => got.iter().zip(sent).zip(&ranges).find(|((g, s), _)| g != s).map(|((g, s), &(off, len))| {
+                    let bad = match data::parse_crc_table(&table, ranges.len()) {
+                        Err(e) => Some(e),
+                        Ok(sent) => mismatch(&got, &sent, &ranges).map(|(off, s, g)| {
                             grants.note_damaged();
-                            tracing::warn!(handle = h.handle, src = h.src_inc, offset = off, len, sent = s, got = g, "a pushed range does not match its checksum: refused");
+                            tracing::warn!(
+                                handle = h.handle,
+                                src = h.src_inc,
+                                offset = off,
+                                sent = s,
+                                got = g,
+                                "a pushed range does not match its checksum: refused"
+                            );
                             WireError::new(
                                 ErrorCode::TransferFailed,
-                                format!("checksum mismatch writing the range at {off} (sent {s:#010x}, received {g:#010x})"),
+                                format!(
+                                    "checksum mismatch writing the range at {off} (sent {s:#010x}, received {g:#010x})"
+                                ),
                             )
                         }),
                     };
@@ -454,6 +462,15 @@ impl Conn<'_> {
             drop(guard);
         }
     }
+}
+
+/// The first range whose received CRC (`got`) is not the one sent: `(offset, sent, got)`.
+fn mismatch(got: &[u32], sent: &[u32], ranges: &[(u64, u64)]) -> Option<(u64, u32, u32)> {
+    got.iter()
+        .zip(sent)
+        .zip(ranges)
+        .find(|((g, s), _)| g != s)
+        .map(|((&g, &s), &(off, _))| (off, s, g))
 }
 
 /// Waits up to `idle` for the first bytes of the next request and reads them into
