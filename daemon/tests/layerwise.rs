@@ -128,6 +128,14 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
     assert_eq!(r.parts_done, parts);
     assert_eq!(cb.parts_landed(&reg), Landing::Parts(parts));
     assert_eq!(r.blocks_moved, 6, "every block moved once, in parts");
+    // Each part's write was checked as it landed; a block's parts join into its
+    // checksum, which it is committed with (SPEC §17), so the decode engine's verified
+    // load checks what the prefill daemon sent.
+    let want: Vec<Option<u32>> = data
+        .iter()
+        .map(|d| Some(kvd_client::checksum::crc32c(d)))
+        .collect();
+    assert_eq!(r.crcs, want, "the blocks' checksums, joined from their parts");
     let pinned = cb.pinned(info.id, &r).unwrap();
     for (i, want) in data.iter().enumerate() {
         let same = pinned.with_block(i, |got| got == &want[..]).unwrap();

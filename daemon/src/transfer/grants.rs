@@ -253,18 +253,31 @@ impl Grants {
         })
     }
 
-    /// The CRC-32C each `(offset, len)` slot's bytes were checked against as they were
-    /// written (a checked write of exactly that slot, not written over since), or `None`
-    /// unless every slot has one: what a push's importer commits as the blocks' writer
-    /// checksums (SPEC §17).
+    /// The CRC-32C of each `(offset, len)` slot's bytes as checked writes landed them:
+    /// one checked range that is exactly the slot, or checked ranges that tile it in
+    /// order (a layer-wise push's parts, joined by CRC-32C combination), none written
+    /// over since; `None` unless every slot has one. What a push's importer commits as
+    /// the blocks' checksums (SPEC §17).
     pub fn written_crcs(&self, handle: u64, slots: &[(u64, u64)]) -> Option<Vec<u32>> {
         let map = self.lock();
         let g = map.get(&handle)?;
         slots
             .iter()
-            .map(|&(off, len)| match g.checked.get(&off) {
-                Some(&(end, crc)) if Some(end) == off.checked_add(len) => Some(crc),
-                _ => None,
+            .map(|&(off, len)| {
+                let end = off.checked_add(len)?;
+                let (mut at, mut acc) = (off, None::<u32>);
+                while at < end {
+                    let &(e, crc) = g.checked.get(&at)?;
+                    if e > end {
+                        return None;
+                    }
+                    acc = Some(match acc {
+                        None => crc,
+                        Some(a) => crate::checksum::crc32c_combine(a, crc, e - at),
+                    });
+                    at = e;
+                }
+                acc
             })
             .collect()
     }
@@ -487,12 +500,30 @@ mod tests {
         assert_eq!(g.written_crcs(1, &slots[2..]), None);
         write(&slots[1..], Some(vec![22, 33]), true);
         assert_eq!(g.written_crcs(1, &slots), Some(vec![1, 22, 33]));
-        assert_eq!(
-            g.written_crcs(1, &[(0, 8192)]),
-            None,
-            "not one checked range"
-        );
         assert_eq!(g.written_crcs(2, &slots), None, "no such grant");
+        // Ranges that tile a slot in order join into its CRC (a layer-wise push's parts).
+        let bytes: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+        let c = crate::checksum::crc32c;
+        write(
+            &[(0, 4096), (4096, 1000), (5096, 3096)],
+            Some(vec![
+                c(&bytes[..4096]),
+                c(&bytes[4096..5096]),
+                c(&bytes[5096..]),
+            ]),
+            true,
+        );
+        assert_eq!(g.written_crcs(1, &[(0, 8192)]), Some(vec![c(&bytes)]));
+        assert_eq!(
+            g.written_crcs(1, &[(0, 5000)]),
+            None,
+            "a range past the slot"
+        );
+        assert_eq!(
+            g.written_crcs(1, &[(100, 4096)]),
+            None,
+            "not where a range starts"
+        );
     }
 
     /// A grant reads as filled once, when completed requests have moved every granted
