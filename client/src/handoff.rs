@@ -448,6 +448,27 @@ impl StagedExport {
         Ok(r)
     }
 
+    /// The CRCs of the parts after those announced, up to `ready`, of each staged block
+    /// (part-major, staged slots in key order): `export_ready`'s `part_crcs`. Empty
+    /// unless each was written here.
+    fn new_part_crcs(&self, ready: u64) -> Vec<u32> {
+        let staged: Vec<&Vec<Option<u32>>> = self
+            .slots
+            .iter()
+            .zip(&self.part_crcs)
+            .filter(|(slot, _)| slot.is_some())
+            .map(|(_, p)| p)
+            .collect();
+        (self.ready..ready.min(self.parts()))
+            .flat_map(|j| {
+                staged
+                    .iter()
+                    .map(move |p| p.get(j as usize).copied().flatten())
+            })
+            .collect::<Option<Vec<u32>>>()
+            .unwrap_or_default()
+    }
+
     /// The writer checksum of each staged block (one per key with a slot, in key order),
     /// combined from its parts' CRCs in byte order; empty unless every part of every
     /// staged slot was written here and the parts tile the block.
@@ -504,6 +525,11 @@ impl StagedExport {
                     ready,
                     crcs: if ready == self.parts() && self.client.inner.opts.writer_checksums {
                         self.block_crcs()
+                    } else {
+                        Vec::new()
+                    },
+                    part_crcs: if self.client.inner.opts.writer_checksums {
+                        self.new_part_crcs(ready)
                     } else {
                         Vec::new()
                     },

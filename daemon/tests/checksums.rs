@@ -500,3 +500,57 @@ fn a_staged_exports_blocks_are_committed_with_their_writers_checksums() {
     assert_eq!(got[0].as_deref(), Some(&data[0][..]));
     assert!(got[2].is_none(), "a flipped staged block is a miss");
 }
+
+/// A layer-wise push carries each part's writer checksum (`export_ready`'s `part_crcs`,
+/// SPEC §16, §17): a part damaged in the prefill pool after its writer wrote it is
+/// refused as it lands on the decode node, and the push fails; undamaged, the decode
+/// node's blocks carry the writer's checksums.
+#[test]
+fn a_layerwise_push_carries_each_parts_writer_checksum() {
+    let start = || {
+        let mut cfg = tempfile::NamedTempFile::new().unwrap();
+        use std::io::Write;
+        writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = false").unwrap();
+        let path = cfg.path().display().to_string();
+        (Daemon::start(&["--config", &path]), cfg)
+    };
+    let ((pd, _pc), (dd, _dc)) = (start(), start());
+    let (prefill, decode) = (pd.client(), dd.client());
+    let node = prefill.hello_info().node.expect("transfers are on").node;
+    let l = register(&prefill, KIB).id;
+    register(&decode, KIB);
+    let wait = std::time::Duration::from_secs(10);
+    for damaged in [false, true] {
+        let id = format!("lw-{damaged}");
+        let ks = keys(14 + u32::from(damaged), 3);
+        let data: Vec<Vec<u8>> = (0..3).map(|i| block(1400 + i, BYTES)).collect();
+        decode.push_register_parts(&id, l, &ks, &node, None, 2).unwrap();
+        let mut s = prefill.export_staged(&id, l, &ks, 2, None).unwrap();
+        for j in 0..2 {
+            let (start, len) = s.part_range(j).unwrap();
+            s.write_part(j, |slots| {
+                for (i, part) in slots.iter_mut() {
+                    part.copy_from_slice(&data[*i][start..start + len]);
+                }
+            })
+            .unwrap();
+            if damaged && j == 1 {
+                // After the writer's checksum of the part, before it goes.
+                let slot = s.slots()[2].unwrap();
+                flip(&pd.pool_path, slot + start as u64 + 5);
+            }
+            let _ = s.ready(j + 1);
+        }
+        let r = decode.transfer_status(&id, wait).unwrap();
+        if damaged {
+            assert_eq!(r.state, kvd_protocol::TransferState::Failed, "{r:?}");
+            assert!(decode.stats().unwrap().transfers.unwrap().damaged_writes >= 1);
+            assert_eq!(decode.lookup(l, &ks).unwrap().prefix, 0, "nothing visible");
+        } else {
+            assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
+            let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
+            assert_eq!(r.crcs, want, "the writer's checksums, joined from its parts");
+            decode.pinned(l, &r).unwrap().release().unwrap();
+        }
+    }
+}

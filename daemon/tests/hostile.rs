@@ -648,6 +648,7 @@ fn bad_transfer_and_peer_messages_are_refused() {
         transfer_id: "never-exported".into(),
         ready: 1,
         crcs: Vec::new(),
+        part_crcs: Vec::new(),
     };
     assert_eq!(
         call("export_ready", &nothing),

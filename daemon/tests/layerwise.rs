@@ -135,7 +135,10 @@ fn a_staged_push_streams_each_part_as_it_is_announced() {
         .iter()
         .map(|d| Some(kvd_client::checksum::crc32c(d)))
         .collect();
-    assert_eq!(r.crcs, want, "the blocks' checksums, joined from their parts");
+    assert_eq!(
+        r.crcs, want,
+        "the blocks' checksums, joined from their parts"
+    );
     let pinned = cb.pinned(info.id, &r).unwrap();
     for (i, want) in data.iter().enumerate() {
         let same = pinned.with_block(i, |got| got == &want[..]).unwrap();
@@ -206,6 +209,7 @@ fn a_staged_export_that_stops_midway_serves_no_block() {
                 transfer_id: id.to_string(),
                 ready,
                 crcs,
+                part_crcs: Vec::new(),
             };
             raw.call(&[&frame(1, 7, "export_ready", body)]).1
         };
@@ -366,6 +370,7 @@ fn bad_layerwise_requests_are_refused() {
         transfer_id: "x".into(),
         ready: 2,
         crcs: Vec::new(),
+        part_crcs: Vec::new(),
     };
     let got = raw.call(&[&encode_request(2, &Request::ExportReady(forged.clone()))]);
     assert_eq!(got, (2, Some(ErrorCode::NotOwner)));

@@ -237,6 +237,11 @@ pub struct ExportReadyReq {
     /// none (the blocks are committed without, as before).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub crcs: Vec<u32>,
+    /// The writer checksum of each part this call announces (those after the previous
+    /// count, up to `ready`) of each staged block: part-major, the staged keys in key
+    /// order within a part. Empty: none (the push checks those parts on the wire only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub part_crcs: Vec<u32>,
 }
 
 /// `pull`: fetch an export into this node's pool.

@@ -64,9 +64,12 @@ pub(super) struct Export {
     /// The blocks' writer checksums (SPEC §17), one per key, where known (an export of
     /// committed blocks; a staged one's once its last part commits them).
     crcs: Vec<Option<u32>>,
-    /// Push: (our slot, their slot, writer checksum) per block to write, and how to
+    /// A staged block's parts' writer checksums, as `export_ready` announced them (SPEC
+    /// §16): per staged key, per part.
+    part_crcs: HashMap<ChunkHash, Vec<Option<u32>>>,
+    /// Push: (our slot, their slot, writer checksum, key) per block to write, and how to
     /// reach them.
-    push_slots: Vec<(u64, u64, Option<u32>)>,
+    push_slots: Vec<(u64, u64, Option<u32>, ChunkHash)>,
     push_access: Option<Access>,
     /// Parts written by completed jobs, and those the running job writes.
     sent: u64,
@@ -189,6 +192,7 @@ impl Export {
             stage_deadline: staged.as_ref().map(|s| s.deadline),
             staged: staged.map(|s| s.keys).unwrap_or_default(),
             crcs: Vec::new(),
+            part_crcs: HashMap::new(),
             push_slots: Vec::new(),
             push_access: None,
             sent: 0,
@@ -251,6 +255,62 @@ impl Export {
         }
         self.ready = ready;
         Ok(ready == self.parts())
+    }
+
+    /// Records the writer checksums of staged parts `from..upto` (`export_ready`'s
+    /// `part_crcs`: part-major, the staged keys in order within a part). Refused, with
+    /// nothing recorded, when their count is not one per new part per staged key; a
+    /// repeated count records nothing.
+    pub(super) fn record_part_crcs(&mut self, upto: u64, crcs: &[u32]) -> Result<(), WireError> {
+        let (from, n) = (self.ready, self.staged.len());
+        if upto <= from || upto > self.parts() {
+            return Ok(()); // a repeat (nothing new), or a count `announce` refuses
+        }
+        let want = (upto - from) as usize * n;
+        if crcs.len() != want || n == 0 {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "part_crcs: {} given; parts {from}..{upto} of {n} staged blocks need {want}",
+                    crcs.len()
+                ),
+            ));
+        }
+        let parts = self.part_spans.len();
+        for (p, per_part) in crcs.chunks(n).enumerate() {
+            let part = from as usize + p;
+            for (k, &c) in self.staged.iter().zip(per_part) {
+                let v = self
+                    .part_crcs
+                    .entry(*k)
+                    .or_insert_with(|| vec![None; parts]);
+                if let Some(slot) = v.get_mut(part) {
+                    *slot = Some(c);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The writer checksum of parts `from..upto` of `key`'s block, joined (they are
+    /// adjacent in the block), when every one of them has one.
+    fn span_crc(&self, key: &ChunkHash, from: usize, upto: usize) -> Option<u32> {
+        let crcs = self.part_crcs.get(key)?;
+        let mut acc: Option<u32> = None;
+        let mut end = None;
+        for j in from..upto {
+            let (start, len) = *self.part_spans.get(j)?;
+            if end.is_some_and(|e| e != start) {
+                return None;
+            }
+            end = Some(start + len);
+            let c = (*crcs.get(j)?)?;
+            acc = Some(match acc {
+                None => c,
+                Some(a) => crate::checksum::crc32c_combine(a, c, len),
+            });
+        }
+        acc
     }
 
     /// The staged slots were handed out again until `deadline` (`export_ready`).
@@ -319,17 +379,23 @@ impl Export {
             self.sent = self.ready;
             return self.next_push();
         }
-        // A write of whole blocks carries their writer checksums: the importer's data
-        // server checks the bytes it receives against them (SPEC §10, §17).
+        // A write carries the writer checksum of what it moves — a whole block's, or the
+        // joined checksums of a staged block's parts — so the importer's data server
+        // checks the bytes it receives against what their writer computed (SPEC §10,
+        // §17). Without one the writer's copy is checksummed as it goes (the wire only).
         let whole = start == 0 && len == self.block_bytes;
         let ops = self
             .push_slots
             .iter()
-            .map(|&(src, dst, crc)| Op {
+            .map(|&(src, dst, crc, key)| Op {
                 remote: dst + start,
                 local: src + start,
                 len,
-                crc: crc.filter(|_| whole),
+                crc: if whole {
+                    crc.or_else(|| self.span_crc(&key, from, upto))
+                } else {
+                    self.span_crc(&key, from, upto)
+                },
             })
             .collect();
         NextPush::Write(ops, Box::new(access), self.ready)
@@ -451,7 +517,7 @@ impl Export {
         for (i, (k, dst)) in reg.slots().enumerate() {
             let Some(dst) = dst else { continue };
             match at.get(k) {
-                Some(&(src, crc)) => ops.push((src, dst, crc)),
+                Some(&(src, crc)) => ops.push((src, dst, crc, *k)),
                 None => {
                     return Err(WireError::new(
                         ErrorCode::InvalidArgument,

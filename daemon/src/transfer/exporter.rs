@@ -138,6 +138,9 @@ impl Transfers {
                 ));
             }
         }
+        if !req.part_crcs.is_empty() && exp.staging() {
+            exp.record_part_crcs(req.ready, &req.part_crcs)?;
+        }
         let complete = exp.announce(req.ready)?;
         let mut ttl_ms = 0;
         if complete {
