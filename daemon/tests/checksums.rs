@@ -524,7 +524,9 @@ fn a_layerwise_push_carries_each_parts_writer_checksum() {
         let id = format!("lw-{damaged}");
         let ks = keys(14 + u32::from(damaged), 3);
         let data: Vec<Vec<u8>> = (0..3).map(|i| block(1400 + i, BYTES)).collect();
-        decode.push_register_parts(&id, l, &ks, &node, None, 2).unwrap();
+        decode
+            .push_register_parts(&id, l, &ks, &node, None, 2)
+            .unwrap();
         let mut s = prefill.export_staged(&id, l, &ks, 2, None).unwrap();
         for j in 0..2 {
             let (start, len) = s.part_range(j).unwrap();
@@ -549,7 +551,10 @@ fn a_layerwise_push_carries_each_parts_writer_checksum() {
         } else {
             assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
             let want: Vec<Option<u32>> = data.iter().map(|d| Some(crc32c(d))).collect();
-            assert_eq!(r.crcs, want, "the writer's checksums, joined from its parts");
+            assert_eq!(
+                r.crcs, want,
+                "the writer's checksums, joined from its parts"
+            );
             decode.pinned(l, &r).unwrap().release().unwrap();
         }
     }
