@@ -421,10 +421,15 @@ fn checked_writes_land_and_record_what_they_matched() {
         grants.written_crcs(1, &slots),
         Some(vec![crc(0), crc(1), crc(2)])
     );
+    // Checked ranges that tile a span join into its CRC (a layer-wise push's parts).
     assert_eq!(
         grants.written_crcs(1, &[(4096, 2 * block)]),
+        Some(vec![crate::checksum::crc32c(&bytes[..2 * block as usize])]),
+    );
+    assert_eq!(
+        grants.written_crcs(1, &[(4096 + 64, block)]),
         None,
-        "not a checked range"
+        "not where a checked range starts"
     );
     assert_eq!(grants.damaged(), 0);
     // an unchecked write over half of block 1 forgets its record
