@@ -50,6 +50,16 @@ fn flip(path: &Path, at: u64) {
     f.write_all_at(&b, at).unwrap();
 }
 
+/// A daemon for handoffs: 30 s leases, same-host copies on or off (`shm`: off, so
+/// the bytes go over TCP); with its config file, which must outlive it.
+fn transfer_node(shm: bool) -> (Daemon, tempfile::NamedTempFile) {
+    let mut cfg = tempfile::NamedTempFile::new().unwrap();
+    use std::io::Write;
+    writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = {shm}").unwrap();
+    let path = cfg.path().display().to_string();
+    (Daemon::start(&["--config", &path]), cfg)
+}
+
 /// Loads each key alone (a load answers per key): hits, and the bytes read.
 fn load_each(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> Vec<Option<Vec<u8>>> {
     ks.iter()
@@ -281,14 +291,7 @@ fn a_damaged_block_is_not_demoted_and_a_promoted_one_keeps_its_checksum() {
 #[test]
 fn a_pulled_block_keeps_its_writers_checksum_and_the_decode_side_checks_it() {
     for shm in [false, true] {
-        let start = || {
-            let mut cfg = tempfile::NamedTempFile::new().unwrap();
-            use std::io::Write;
-            writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = {shm}").unwrap();
-            let path = cfg.path().display().to_string();
-            (Daemon::start(&["--config", &path]), cfg)
-        };
-        let ((pd, _pc), (dd, _dc)) = (start(), start());
+        let ((pd, _pc), (dd, _dc)) = (transfer_node(shm), transfer_node(shm));
         let (prefill, decode) = (pd.client(), dd.client());
         let l = register(&prefill, KIB).id;
         register(&decode, KIB);
@@ -402,14 +405,7 @@ fn on_a_faulty_disk_every_hit_is_right_and_the_faults_are_misses() {
 /// becomes visible on the decode node.
 #[test]
 fn a_pushed_block_keeps_its_writers_checksum_and_damage_fails_the_push() {
-    let start = || {
-        let mut cfg = tempfile::NamedTempFile::new().unwrap();
-        use std::io::Write;
-        writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = false").unwrap();
-        let path = cfg.path().display().to_string();
-        (Daemon::start(&["--config", &path]), cfg)
-    };
-    let ((pd, _pc), (dd, _dc)) = (start(), start());
+    let ((pd, _pc), (dd, _dc)) = (transfer_node(false), transfer_node(false));
     let (prefill, decode) = (pd.client(), dd.client());
     let prefill_node = prefill.hello_info().node.expect("transfers are on").node;
     let l = register(&prefill, KIB).id;
@@ -507,14 +503,7 @@ fn a_staged_exports_blocks_are_committed_with_their_writers_checksums() {
 /// node's blocks carry the writer's checksums.
 #[test]
 fn a_layerwise_push_carries_each_parts_writer_checksum() {
-    let start = || {
-        let mut cfg = tempfile::NamedTempFile::new().unwrap();
-        use std::io::Write;
-        writeln!(cfg, "[transfer]\nlease_ms = 30000\nshm = false").unwrap();
-        let path = cfg.path().display().to_string();
-        (Daemon::start(&["--config", &path]), cfg)
-    };
-    let ((pd, _pc), (dd, _dc)) = (start(), start());
+    let ((pd, _pc), (dd, _dc)) = (transfer_node(false), transfer_node(false));
     let (prefill, decode) = (pd.client(), dd.client());
     let node = prefill.hello_info().node.expect("transfers are on").node;
     let l = register(&prefill, KIB).id;
