@@ -235,6 +235,40 @@ def _():
     b.close()
 
 
+@check("negative control: the same eviction with the load's failure not reported: vLLM computes on the blocks that never loaded, and the check catches it")
+def _():
+    toks = prompt(8)
+    a = ve.Engine(P)
+    r1 = rid("a")
+    a.add(r1, toks)
+    a.run(finished(a, r1))
+    b = ve.Engine(P)
+    sc = b.sconn
+    r2 = rid("b")
+    b.add(r2, toks)
+    so = b.scheduler.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 96
+    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
+    assert kvd.Client(P).delete(sc._lids[0], keys[3:6]) == ["deleted"] * 3
+    w = b.worker
+    w.bind_connector_metadata(so.kv_connector_metadata)
+    w.start_load_kv(None)
+    assert w.get_block_ids_with_load_errors(), "the load failed"
+    w.clear_connector_metadata()
+    # A connector that does not report it: vLLM takes all 6 blocks as loaded.
+    step_reports(b, so, r2, set())
+    assert b.scheduler.requests[r2].num_computed_tokens >= 96, b.scheduler.requests[r2].num_computed_tokens
+    prefilled(b, r2, 100)
+    try:
+        b.check_blocks(r2, toks, 6)
+        raise AssertionError("blocks that never loaded passed the check: this control cannot fail the one above")
+    except AssertionError as e:
+        if "control" in str(e):
+            raise
+    a.close()
+    b.close()
+
+
 def flipped_load(seed, verify):
     """A prompt saved by one engine, a bit flipped in the pool under its 4th block, then
     scheduled (6 blocks hit) and loaded by a second engine whose client verifies loads or
