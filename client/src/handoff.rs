@@ -368,8 +368,9 @@ pub struct StagedExport {
     spans: Vec<(usize, usize)>,
     params: TransferParams,
     slots: Vec<Option<u64>>,
-    /// Per key, per part: the CRC-32C of the part's bytes as last written (SPEC §17: the
-    /// last `ready` sends the blocks' checksums, combined from these).
+    /// Per key, per part: the CRC-32C of the part's bytes as last written (SPEC §16,
+    /// §17: each `ready` sends the parts it announces, the last one also the blocks'
+    /// checksums, combined from these).
     part_crcs: Vec<Vec<Option<u32>>>,
     ready: u64,
     deadline: Instant,
