@@ -556,6 +556,36 @@ mod tests {
         }
     }
 
+    /// A previous daemon's lock that lingers a moment after it is gone (what a killed
+    /// daemon leaves: found by `kvd-bench integrity`) is waited out; a lock that stays
+    /// (a live daemon) still refuses the pool, after the wait.
+    #[test]
+    fn a_lingering_lock_is_waited_out_and_a_held_one_refuses() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let o = PoolOptions {
+            keep: true,
+            ..opts(dir.path())
+        };
+        drop(Pool::create(&o, Incarnation(7)).unwrap());
+        let other = File::open(&o.path).unwrap(); // another open file description
+        other.lock().unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(other);
+        });
+        let p = Pool::create(&o, Incarnation(8)).expect("the lock settled within the wait");
+        release.join().unwrap();
+        drop(p);
+        let held = File::open(&o.path).unwrap();
+        held.lock().unwrap();
+        let t = std::time::Instant::now();
+        assert!(matches!(
+            Pool::create(&o, Incarnation(9)),
+            Err(PoolError::InUse(_))
+        ));
+        assert!(t.elapsed() >= LOCK_SETTLE, "refused only after the wait");
+    }
+
     #[test]
     fn create_lock_bounds_and_unlink() {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();

@@ -201,30 +201,34 @@ def _():
     b.close()
 
 
-@check("a block evicted between lookup and load is reported and recomputed (kv_load_failure_policy=recompute)")
-def _():
-    toks = prompt(4)
+def evicted_load(seed):
+    """A prompt saved by one engine, scheduled by a second (6 blocks hit), and blocks 3..
+    deleted from kvd before the second's worker loads them. Returns (the load errors the
+    worker reported, the block ids, engines, request, tokens, the step's schedule)."""
+    toks = prompt(seed)
     a = ve.Engine(P)
     r1 = rid("a")
     a.add(r1, toks)
     a.run(finished(a, r1))
     b = ve.Engine(P)
-    sc = b.sconn
     r2 = rid("b")
     b.add(r2, toks)
-    # Schedule (lookup says 6 blocks), then delete blocks 3.. before the worker loads.
     so = b.scheduler.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 96
     keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
-    cl = kvd.Client(P)
-    assert cl.delete(sc._lids[0], keys[3:6]) == ["deleted"] * 3
+    assert kvd.Client(P).delete(b.sconn._lids[0], keys[3:6]) == ["deleted"] * 3
     w = b.worker
     w.bind_connector_metadata(so.kv_connector_metadata)
     w.start_load_kv(None)
     bad = w.get_block_ids_with_load_errors()
-    ids = b.block_ids(r2)
-    assert bad == set(ids[3:6]), (bad, ids)
     w.clear_connector_metadata()
+    return bad, b.block_ids(r2), a, b, r2, toks, so
+
+
+@check("a block evicted between lookup and load is reported and recomputed (kv_load_failure_policy=recompute)")
+def _():
+    bad, ids, a, b, r2, toks, so = evicted_load(4)
+    assert bad == set(ids[3:6]), (bad, ids)
     # vLLM takes the failure: the request keeps the 3 good blocks and recomputes the rest.
     step_reports(b, so, r2, bad)
     assert b.scheduler.requests[r2].num_computed_tokens == 48, b.scheduler.requests[r2].num_computed_tokens
@@ -237,24 +241,8 @@ def _():
 
 @check("negative control: the same eviction with the load's failure not reported: vLLM computes on the blocks that never loaded, and the check catches it")
 def _():
-    toks = prompt(8)
-    a = ve.Engine(P)
-    r1 = rid("a")
-    a.add(r1, toks)
-    a.run(finished(a, r1))
-    b = ve.Engine(P)
-    sc = b.sconn
-    r2 = rid("b")
-    b.add(r2, toks)
-    so = b.scheduler.schedule()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 96
-    keys = kvd.chunk_hashes(toks, ve.BLOCK, b"")
-    assert kvd.Client(P).delete(sc._lids[0], keys[3:6]) == ["deleted"] * 3
-    w = b.worker
-    w.bind_connector_metadata(so.kv_connector_metadata)
-    w.start_load_kv(None)
-    assert w.get_block_ids_with_load_errors(), "the load failed"
-    w.clear_connector_metadata()
+    bad, ids, a, b, r2, toks, so = evicted_load(8)
+    assert bad == set(ids[3:6]), (bad, ids)
     # A connector that does not report it: vLLM takes all 6 blocks as loaded.
     step_reports(b, so, r2, set())
     assert b.scheduler.requests[r2].num_computed_tokens >= 96, b.scheduler.requests[r2].num_computed_tokens

@@ -391,11 +391,9 @@ impl Export {
                 remote: dst + start,
                 local: src + start,
                 len,
-                crc: if whole {
-                    crc.or_else(|| self.span_crc(&key, from, upto))
-                } else {
-                    self.span_crc(&key, from, upto)
-                },
+                crc: crc
+                    .filter(|_| whole)
+                    .or_else(|| self.span_crc(&key, from, upto)),
             })
             .collect();
         NextPush::Write(ops, Box::new(access), self.ready)

@@ -64,6 +64,11 @@ fn access_to(addr: String, verify: bool) -> Access {
     }
 }
 
+/// A transport from a fresh pool in `dir` (incarnation 1).
+fn transport(dir: &std::path::Path) -> TcpTransport {
+    TcpTransport::new(test_pool(dir, "l", 1), Incarnation(1), key(), &opts())
+}
+
 fn key() -> ClusterKey {
     ClusterKey::from_secret(b"a test secret of thirty-two bytes!!").unwrap()
 }
@@ -158,12 +163,7 @@ fn a_checksum_mismatch_fails_the_read() {
 #[test]
 fn everything_around_the_bytes_is_padded_to_64() {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let t = TcpTransport::new(
-        test_pool(dir.path(), "l", 1),
-        Incarnation(1),
-        key(),
-        &opts(),
-    );
+    let t = transport(dir.path());
     for n in 1..=9u64 {
         let ops: Vec<Op> = (0..n).map(|i| op(i << 20, i << 20, 4096)).collect();
         for verify in [false, true] {
@@ -519,12 +519,7 @@ fn ops_with_writer_checksums_stay_whole() {
 #[test]
 fn a_checked_write_needs_version_4() {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let t = TcpTransport::new(
-        test_pool(dir.path(), "l", 1),
-        Incarnation(1),
-        key(),
-        &opts(),
-    );
+    let t = transport(dir.path());
     let a = access_to("127.0.0.1:1".into(), true);
     let mut req = t.request(Dir::Write, &a, &[op(4096, 4096, 100)]);
     assert_eq!(
