@@ -57,8 +57,10 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
 
-// `inv_freq[p]` turns pair p (the model computes the table: base, then llama3 scaling).
-extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, const float* inv_freq) {
+// `inv_freq[p]` turns pair p (the model computes the table: base, then llama3 or yarn
+// scaling); the cosine and sine are multiplied by `scale` (yarn's attention factor, else 1).
+extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, const float* inv_freq,
+                               float scale) {
     int half = hd / 2;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * heads * half) return;
@@ -67,6 +69,8 @@ extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int h
     int t = th / heads;
     float s, c;
     sincosf((float)pos[t] * inv_freq[p], &s, &c);
+    s *= scale;
+    c *= scale;
     float* base = x + th * hd;
     float a = base[p], b = base[p + half];
     base[p] = a * c - b * s;
@@ -86,10 +90,19 @@ extern "C" __global__ void write_kv(float* cache, const float* k, const float* v
     cache[cache_index(layer, 1, blk, off, 0, num_blocks, bt, kvh, hd) + e] = v[i];
 }
 
+// x[r][i] += b[i]: a Linear layer's bias.
+extern "C" __global__ void add_rows(float* x, const float* b, int rows, int dim) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (size_t)rows * dim) x[i] += b[i % dim];
+}
+
 // One warp per (token, head): each lane keeps an online softmax over its keys, then the
-// lanes are merged with shuffles. head_dim <= 256.
+// lanes are merged with shuffles. head_dim <= 256. With `window` > 0 a query reads only
+// its last `window` positions (sliding layers); with `has_sinks` the head's sink logit
+// joins the softmax's denominator (gpt-oss).
 extern "C" __global__ void attention(const float* q, const float* cache, const unsigned* block_table, const unsigned* pos,
-                                    float* out, int tokens, int heads, int kvh, int hd, int bt, int num_blocks, int layer) {
+                                    float* out, int tokens, int heads, int kvh, int hd, int bt, int num_blocks, int layer,
+                                    int window, const float* sinks, int has_sinks) {
     int th = blockIdx.x;
     if (th >= tokens * heads) return;
     int t = th / heads, h = th % heads;
@@ -102,7 +115,8 @@ extern "C" __global__ void attention(const float* q, const float* cache, const u
     float acc[256];
     for (int d = 0; d < hd; d++) acc[d] = 0.f;
     int n = pos[t] + 1;
-    for (int j = lane; j < n; j += 32) {
+    int lo = (window > 0 && n > window) ? n - window : 0;
+    for (int j = lo + lane; j < n; j += 32) {
         int blk = block_table[j / bt];
         const float* kr = cache + cache_index(layer, 0, blk, j % bt, kh, num_blocks, bt, kvh, hd);
         const float* vr = cache + cache_index(layer, 1, blk, j % bt, kh, num_blocks, bt, kvh, hd);
@@ -120,11 +134,91 @@ extern "C" __global__ void attention(const float* q, const float* cache, const u
     float f = (m == -KVD_INF) ? 0.f : expf(m - M);
     float L = l * f;
     for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
+    float S = 1.f;  // the keys' share once the sink is counted
+    if (has_sinks) {
+        float sk = sinks[h], M2 = fmaxf(M, sk);
+        S = expf(M - M2);
+        L = L * S + expf(sk - M2);
+    }
     for (int d = 0; d < hd; d++) {
         float a = acc[d] * f;
         for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
-        if (lane == 0) out[(size_t)th * hd + d] = a / L;
+        if (lane == 0) out[(size_t)th * hd + d] = a * S / L;
     }
+}
+
+// gpt-oss' router, one thread per row: the `top_k` largest router logits (ties to the
+// lower expert), softmax over them, written in ascending expert order.
+extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int top_k, unsigned* idx, float* w) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* lr = logits + (size_t)r * experts;
+    unsigned* ir = idx + (size_t)r * top_k;
+    float* wr = w + (size_t)r * top_k;
+    for (int j = 0; j < top_k; j++) {
+        int best = -1;
+        for (int e = 0; e < experts; e++) {
+            bool taken = false;
+            for (int i = 0; i < j; i++) taken |= ir[i] == (unsigned)e;
+            if (!taken && (best < 0 || lr[e] > lr[best])) best = e;
+        }
+        ir[j] = (unsigned)best;
+    }
+    float m = lr[ir[0]], z = 0.f;
+    for (int j = 0; j < top_k; j++) z += expf(lr[ir[j]] - m);
+    for (int j = 0; j < top_k; j++) wr[j] = expf(lr[ir[j]] - m) / z;
+    for (int j = 1; j < top_k; j++) {  // insertion sort by expert
+        unsigned ei = ir[j];
+        float wi = wr[j];
+        int i = j - 1;
+        for (; i >= 0 && ir[i] > ei; i--) {
+            ir[i + 1] = ir[i];
+            wr[i + 1] = wr[i];
+        }
+        ir[i + 1] = ei;
+        wr[i + 1] = wi;
+    }
+}
+
+// act[r][j][i] = clamped SwiGLU of expert idx[r][j]'s gate/up pair i: rows 2i and 2i+1 of
+// its [2*ffn][dim] gate_up, plus biases; the gate clamped above, up both ways, at `limit`.
+extern "C" __global__ void moe_up(const float* x, const unsigned* idx, const float* gu, const float* gub, float* act,
+                                 int rows, int dim, int top_k, int ffn, float alpha, float limit) {
+    size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (size_t)rows * top_k * ffn) return;
+    int i = t % ffn;
+    size_t rj = t / ffn;
+    int r = rj / top_k;
+    size_t e = idx[rj];
+    const float* xr = x + (size_t)r * dim;
+    const float* g = gu + (e * 2 * ffn + 2 * i) * dim;
+    const float* u = g + dim;
+    float gs = 0.f, us = 0.f;
+    for (int d = 0; d < dim; d++) {
+        gs += xr[d] * g[d];
+        us += xr[d] * u[d];
+    }
+    gs = fminf(gs + gub[e * 2 * ffn + 2 * i], limit);
+    us = fminf(fmaxf(us + gub[e * 2 * ffn + 2 * i + 1], -limit), limit);
+    act[t] = (us + 1.f) * (gs / (1.f + expf(-(gs * alpha))));
+}
+
+// out[r][d] = sum over the row's experts (ascending) of w · (down[e][d] · act + down_bias[e][d]).
+extern "C" __global__ void moe_down(const float* act, const unsigned* idx, const float* w, const float* dn,
+                                   const float* dnb, float* out, int rows, int dim, int top_k, int ffn) {
+    size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (size_t)rows * dim) return;
+    int r = t / dim, d = t % dim;
+    float o = 0.f;
+    for (int j = 0; j < top_k; j++) {
+        size_t rj = (size_t)r * top_k + j, e = idx[rj];
+        const float* a = act + rj * ffn;
+        const float* wr = dn + (e * dim + d) * ffn;
+        float y = 0.f;
+        for (int i = 0; i < ffn; i++) y += a[i] * wr[i];
+        o += (y + dnb[e * dim + d]) * w[rj];
+    }
+    out[t] = o;
 }
 
 extern "C" __global__ void swiglu(const float* gate, const float* up, float* out, int n) {

@@ -4,7 +4,7 @@
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::shared::{SharedF32, SharedRegion};
-use crate::{cpu, KvGeometry};
+use crate::{cpu, KvGeometry, MoeShape};
 
 /// One set of kernels over one kind of buffer. Row counts are explicit, so a buffer may
 /// be larger than the rows a call uses (the model reuses scratch buffers).
@@ -90,7 +90,10 @@ pub trait Backend: Sync {
         heads: usize,
         head_dim: usize,
         inv_freq: &[f32],
+        scale: f32,
     ) -> Result<()>;
+    /// See [`cpu::add_rows`]; `rows` rows.
+    fn add_rows(&self, x: &mut Self::Buf, bias: &Self::Buf, rows: usize, dim: usize) -> Result<()>;
     /// See [`cpu::write_kv`].
     fn write_kv(
         &self,
@@ -101,7 +104,7 @@ pub trait Backend: Sync {
         v: &Self::Buf,
         slots: &[u32],
     ) -> Result<()>;
-    /// See [`cpu::attention`].
+    /// See [`cpu::attention`] (`window` 0: every earlier position; `sinks` empty: none).
     fn attention(
         &self,
         q: &Self::Buf,
@@ -111,6 +114,18 @@ pub trait Backend: Sync {
         heads: usize,
         block_table: &[u32],
         positions: &[u32],
+        window: usize,
+        sinks: &[f32],
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::moe`]: `rows` rows of `dim` in `x` and `out`.
+    fn moe(
+        &self,
+        x: &Self::Buf,
+        w: &MoeBufs<'_, Self::Buf>,
+        rows: usize,
+        dim: usize,
+        shape: &MoeShape,
         out: &mut Self::Buf,
     ) -> Result<()>;
     /// See [`cpu::swiglu`]; `n` elements.
@@ -183,6 +198,37 @@ pub trait Backend: Sync {
         src_tp: usize,
         src: &[&[u8]],
     ) -> Result<()>;
+}
+
+/// A mixture of experts' weights on a backend (the layout of [`cpu::MoeWeights`]).
+pub struct MoeBufs<'a, B> {
+    /// `[experts][dim]`.
+    pub router: &'a B,
+    /// `[experts]`.
+    pub router_bias: &'a B,
+    /// `[experts][2·ffn][dim]`, gate and up rows interleaved.
+    pub gate_up: &'a B,
+    /// `[experts][2·ffn]`.
+    pub gate_up_bias: &'a B,
+    /// `[experts][dim][ffn]`.
+    pub down: &'a B,
+    /// `[experts][dim]`.
+    pub down_bias: &'a B,
+}
+
+impl<B> MoeBufs<'_, B> {
+    /// Whether each buffer holds at least what `shape` over rows of `dim` reads.
+    pub fn fits(&self, dim: usize, shape: &MoeShape, len: impl Fn(&B) -> usize) -> bool {
+        let (e, f) = (shape.experts, shape.ffn);
+        len(self.router) >= e * dim
+            && len(self.router_bias) >= e
+            && len(self.gate_up) >= e * 2 * f * dim
+            && len(self.gate_up_bias) >= e * 2 * f
+            && len(self.down) >= e * dim * f
+            && len(self.down_bias) >= e * dim
+            && shape.top_k >= 1
+            && shape.top_k <= e
+    }
 }
 
 /// Reinterprets pool bytes as f32 (pool slots are page-aligned; anything else is refused).
@@ -408,12 +454,42 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
         inv_freq: &[f32],
+        scale: f32,
     ) -> Result<()> {
         ensure!(
             inv_freq.len() == head_dim / 2 && x.len() >= positions.len() * heads * head_dim,
             "rope sizes"
         );
-        cpu::rope(x, positions, heads, head_dim, inv_freq);
+        cpu::rope(x, positions, heads, head_dim, inv_freq, scale);
+        Ok(())
+    }
+    fn add_rows(&self, x: &mut CpuBuf, bias: &CpuBuf, rows: usize, dim: usize) -> Result<()> {
+        ensure!(x.len() >= rows * dim && bias.len() >= dim, "add_rows sizes");
+        cpu::add_rows(&mut x[..rows * dim], &bias[..dim], dim);
+        Ok(())
+    }
+    fn moe(
+        &self,
+        x: &CpuBuf,
+        w: &MoeBufs<'_, CpuBuf>,
+        rows: usize,
+        dim: usize,
+        shape: &MoeShape,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        ensure!(
+            x.len() >= rows * dim && out.len() >= rows * dim && w.fits(dim, shape, |b| b.len()),
+            "moe sizes"
+        );
+        let hw = cpu::MoeWeights {
+            router: w.router,
+            router_bias: w.router_bias,
+            gate_up: w.gate_up,
+            gate_up_bias: w.gate_up_bias,
+            down: w.down,
+            down_bias: w.down_bias,
+        };
+        cpu::moe(&x[..rows * dim], &hw, dim, shape, &mut out[..rows * dim]);
         Ok(())
     }
     fn write_kv(
@@ -437,14 +513,32 @@ impl Backend for CpuBackend {
         heads: usize,
         block_table: &[u32],
         positions: &[u32],
+        window: usize,
+        sinks: &[f32],
         out: &mut CpuBuf,
     ) -> Result<()> {
+        ensure!(
+            sinks.is_empty() || sinks.len() == heads,
+            "{} sinks for {heads} heads",
+            sinks.len()
+        );
         let row = heads * g.head_dim;
         let n = positions.len();
         // Rows are independent: split long prefills over the cores (same bits).
         let threads = if n >= 64 { self.threads.min(n) } else { 1 };
         if threads <= 1 {
-            cpu::attention(q, cache, g, layer, heads, block_table, positions, out);
+            cpu::attention(
+                q,
+                cache,
+                g,
+                layer,
+                heads,
+                block_table,
+                positions,
+                window,
+                sinks,
+                out,
+            );
             return Ok(());
         }
         // Later rows attend to more keys: deal stripes of rows round-robin so threads get
@@ -471,6 +565,8 @@ impl Backend for CpuBackend {
                                     heads,
                                     block_table,
                                     &positions[a..b],
+                                    window,
+                                    sinks,
                                     &mut o,
                                 );
                                 (a, o)
@@ -796,8 +892,40 @@ impl Backend for AnyBackend {
         heads: usize,
         head_dim: usize,
         inv_freq: &[f32],
+        scale: f32,
     ) -> Result<()> {
-        dispatch!(self, b => b.rope(x, positions, heads, head_dim, inv_freq), [], [x])
+        dispatch!(self, b => b.rope(x, positions, heads, head_dim, inv_freq, scale), [], [x])
+    }
+    fn add_rows(&self, x: &mut AnyBuf, bias: &AnyBuf, rows: usize, dim: usize) -> Result<()> {
+        dispatch!(self, b => b.add_rows(x, bias, rows, dim), [bias], [x])
+    }
+    fn moe(
+        &self,
+        x: &AnyBuf,
+        w: &MoeBufs<'_, AnyBuf>,
+        rows: usize,
+        dim: usize,
+        shape: &MoeShape,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        let MoeBufs {
+            router,
+            router_bias,
+            gate_up,
+            gate_up_bias,
+            down,
+            down_bias,
+        } = w;
+        let (router, router_bias, gate_up, gate_up_bias, down, down_bias) = (
+            *router,
+            *router_bias,
+            *gate_up,
+            *gate_up_bias,
+            *down,
+            *down_bias,
+        );
+        dispatch!(self, b => b.moe(x, &MoeBufs { router, router_bias, gate_up, gate_up_bias, down, down_bias }, rows, dim, shape, out),
+            [x, router, router_bias, gate_up, gate_up_bias, down, down_bias], [out])
     }
     fn write_kv(
         &self,
@@ -819,9 +947,11 @@ impl Backend for AnyBackend {
         heads: usize,
         block_table: &[u32],
         positions: &[u32],
+        window: usize,
+        sinks: &[f32],
         out: &mut AnyBuf,
     ) -> Result<()> {
-        dispatch!(self, b => b.attention(q, cache, g, layer, heads, block_table, positions, out), [q, cache], [out])
+        dispatch!(self, b => b.attention(q, cache, g, layer, heads, block_table, positions, window, sinks, out), [q, cache], [out])
     }
     fn swiglu(&self, gate: &AnyBuf, up: &AnyBuf, n: usize, out: &mut AnyBuf) -> Result<()> {
         dispatch!(self, b => b.swiglu(gate, up, n, out), [gate, up], [out])

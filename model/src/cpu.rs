@@ -8,7 +8,23 @@
 //! as one that computes the whole prompt, and so disaggregated tokens equal aggregated
 //! ones.
 
-use crate::KvGeometry;
+use crate::{KvGeometry, MoeShape};
+
+/// A mixture of experts' weights on the host ([`moe`]).
+pub struct MoeWeights<'a> {
+    /// `[experts][dim]`.
+    pub router: &'a [f32],
+    /// `[experts]`.
+    pub router_bias: &'a [f32],
+    /// `[experts][2·ffn][dim]`, gate and up rows interleaved.
+    pub gate_up: &'a [f32],
+    /// `[experts][2·ffn]`.
+    pub gate_up_bias: &'a [f32],
+    /// `[experts][dim][ffn]`.
+    pub down: &'a [f32],
+    /// `[experts][dim]`.
+    pub down_bias: &'a [f32],
+}
 
 /// Dot product in a fixed order: eight partial sums, combined pairwise, then the tail.
 #[inline]
@@ -62,8 +78,17 @@ pub fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, out: &mut [f32
 
 /// Rotary embedding in place, "rotate half" convention (Llama as in Hugging Face): for
 /// each head, element `i` pairs with `i + head_dim/2` and turns by `pos · inv_freq[i]`
-/// ([`crate::model::ModelConfig::inv_freq`]). `x` is `[tokens][heads][head_dim]`.
-pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, inv_freq: &[f32]) {
+/// ([`crate::model::ModelConfig::inv_freq`]), its cosine and sine multiplied by `scale`
+/// (YaRN's attention factor; 1 otherwise, which leaves the bits of plain RoPE).
+/// `x` is `[tokens][heads][head_dim]`.
+pub fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    heads: usize,
+    head_dim: usize,
+    inv_freq: &[f32],
+    scale: f32,
+) {
     let half = head_dim / 2;
     debug_assert_eq!(
         inv_freq.len(),
@@ -75,11 +100,19 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, inv
             let base = (t * heads + h) * head_dim;
             for i in 0..half {
                 let (s, c) = (pos as f32 * inv_freq[i]).sin_cos();
+                let (s, c) = (s * scale, c * scale);
                 let (a, b) = (x[base + i], x[base + i + half]);
                 x[base + i] = a * c - b * s;
                 x[base + i + half] = b * c + a * s;
             }
         }
+    }
+}
+
+/// `x[r] += bias` for each row `r` of `dim` (a Linear layer's bias).
+pub fn add_rows(x: &mut [f32], bias: &[f32], dim: usize) {
+    for r in x.chunks_exact_mut(dim) {
+        add(r, bias);
     }
 }
 
@@ -124,9 +157,13 @@ pub fn write_kv(
 /// Causal attention of new queries over a paged cache that already holds their own K/V.
 ///
 /// `q` is `[tokens][heads][head_dim]`; query `t` at `positions[t]` attends to positions
-/// `0..=positions[t]`, found through `block_table` (logical block → physical block).
-/// Grouped-query: head `h` reads KV head `h / (heads / kv_heads)`. Softmax with the max
-/// subtracted, sums in position order. `out` has `q`'s shape.
+/// `0..=positions[t]` (with a sliding `window` > 0, only the last `window` of them:
+/// `positions[t] + 1 - window..=positions[t]`, as transformers' sliding mask), found
+/// through `block_table` (logical block → physical block). Grouped-query: head `h` reads
+/// KV head `h / (heads / kv_heads)`. Softmax with the max subtracted, sums in position
+/// order. With `sinks` (one logit per query head, gpt-oss' attention sinks) the softmax
+/// also counts `exp(sinks[h])`, which takes weight from every position and gives it to
+/// none. `out` has `q`'s shape.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -136,6 +173,8 @@ pub fn attention(
     heads: usize,
     block_table: &[u32],
     positions: &[u32],
+    window: usize,
+    sinks: &[f32],
     out: &mut [f32],
 ) {
     let hd = g.head_dim;
@@ -144,32 +183,108 @@ pub fn attention(
     let mut scores = Vec::new();
     for (t, &pos) in positions.iter().enumerate() {
         let n = pos as usize + 1;
+        let lo = if window > 0 {
+            n.saturating_sub(window)
+        } else {
+            0
+        };
         for h in 0..heads {
             let kvh = h / group;
             let qr = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
             scores.clear();
             let mut max = f32::NEG_INFINITY;
-            for j in 0..n {
+            for j in lo..n {
                 let blk = block_table[j / g.block_tokens] as usize;
                 let at = g.index(layer, 0, blk, j % g.block_tokens, kvh);
                 let s = dot(qr, &cache[at..at + hd]) * scale;
                 max = max.max(s);
                 scores.push(s);
             }
+            let sink = sinks.get(h).copied();
+            if let Some(s) = sink {
+                max = max.max(s);
+            }
             let mut sum = 0f32;
             for s in scores.iter_mut() {
                 *s = (*s - max).exp();
                 sum += *s;
             }
+            if let Some(s) = sink {
+                sum += (s - max).exp();
+            }
             let or = &mut out[(t * heads + h) * hd..(t * heads + h + 1) * hd];
             or.fill(0.0);
-            for (j, &w) in scores.iter().enumerate() {
+            for (i, &w) in scores.iter().enumerate() {
+                let j = lo + i;
                 let blk = block_table[j / g.block_tokens] as usize;
                 let at = g.index(layer, 1, blk, j % g.block_tokens, kvh);
                 let p = w / sum;
                 for d in 0..hd {
                     or[d] += p * cache[at + d];
                 }
+            }
+        }
+    }
+}
+
+/// The experts a row is routed to and their weights (gpt-oss' router): the `top_k`
+/// largest of `logits` (ties to the lower index), softmax over those `top_k` values, and
+/// the pairs in ascending expert order (the order transformers adds the experts' outputs).
+pub fn route(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    idx.truncate(top_k);
+    let max = idx
+        .iter()
+        .map(|&e| logits[e])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let ex: Vec<f32> = idx.iter().map(|&e| (logits[e] - max).exp()).collect();
+    let sum: f32 = ex.iter().sum();
+    let mut out: Vec<(usize, f32)> = idx
+        .into_iter()
+        .zip(ex.into_iter().map(|x| x / sum))
+        .collect();
+    out.sort_by_key(|&(e, _)| e);
+    out
+}
+
+/// gpt-oss' expert activation of one `(gate, up)` pair: the gate clamped from above and
+/// the up projection both ways at `limit`, then `(up + 1) · gate · σ(alpha · gate)`.
+#[inline]
+pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let g = gate.min(limit);
+    let u = up.clamp(-limit, limit);
+    (u + 1.0) * (g / (1.0 + (-(g * alpha)).exp()))
+}
+
+/// A mixture-of-experts feed-forward (gpt-oss'), for rows `x` (`[rows][dim]`): each row's
+/// router logits (`router · x + router_bias`) pick [`route`]'s experts; each expert computes
+/// `down · clamped_swiglu(gate_up · x + gate_up_bias) + down_bias`, and the row's output is
+/// their sum weighted by the router, in ascending expert order. Weights in this crate's
+/// orientation (a row per output): `gate_up` `[experts][2·ffn][dim]` with gate and up
+/// interleaved (row `2i` gate, `2i + 1` up, as the checkpoint's columns), `down`
+/// `[experts][dim][ffn]`.
+pub fn moe(x: &[f32], w: &MoeWeights<'_>, dim: usize, shape: &MoeShape, out: &mut [f32]) {
+    let (ne, f) = (shape.experts, shape.ffn);
+    let mut logits = vec![0f32; ne];
+    let mut act = vec![0f32; f];
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        for (e, l) in logits.iter_mut().enumerate() {
+            *l = dot(xr, &w.router[e * dim..(e + 1) * dim]) + w.router_bias[e];
+        }
+        or.fill(0.0);
+        for (e, p) in route(&logits, shape.top_k) {
+            let gu = &w.gate_up[e * 2 * f * dim..(e + 1) * 2 * f * dim];
+            let gub = &w.gate_up_bias[e * 2 * f..(e + 1) * 2 * f];
+            for (i, a) in act.iter_mut().enumerate() {
+                let g = dot(xr, &gu[2 * i * dim..(2 * i + 1) * dim]) + gub[2 * i];
+                let u = dot(xr, &gu[(2 * i + 1) * dim..(2 * i + 2) * dim]) + gub[2 * i + 1];
+                *a = clamped_swiglu(g, u, shape.alpha, shape.limit);
+            }
+            let dn = &w.down[e * dim * f..(e + 1) * dim * f];
+            let db = &w.down_bias[e * dim..(e + 1) * dim];
+            for (d, o) in or.iter_mut().enumerate() {
+                *o += (dot(&act, &dn[d * f..(d + 1) * f]) + db[d]) * p;
             }
         }
     }

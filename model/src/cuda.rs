@@ -35,8 +35,8 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{check_host_dst, check_host_src, check_tp, Backend};
-use crate::KvGeometry;
+use crate::backend::{check_host_dst, check_host_src, check_tp, Backend, MoeBufs};
+use crate::{KvGeometry, MoeShape};
 
 /// The kernels' source.
 pub const KERNELS: &str = include_str!("../kernels/kvd_kernels.cu");
@@ -49,6 +49,10 @@ pub const NAMES: &[&str] = &[
     "rope",
     "write_kv",
     "attention",
+    "add_rows",
+    "moe_route",
+    "moe_up",
+    "moe_down",
     "swiglu",
     "add",
     "sample",
@@ -656,6 +660,7 @@ impl Backend for CudaBackend {
         heads: usize,
         head_dim: usize,
         inv_freq: &[f32],
+        scale: f32,
     ) -> Result<()> {
         ensure!(
             x.len() >= positions.len() * heads * head_dim && inv_freq.len() == head_dim / 2,
@@ -665,9 +670,84 @@ impl Backend for CudaBackend {
         let f = self.upload(inv_freq)?;
         let (t, h, d) = (positions.len() as i32, heads as i32, head_dim as i32);
         let mut l = self.stream.launch_builder(self.f("rope"));
-        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&f);
+        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&f).arg(&scale);
         // SAFETY: matches `rope`; sizes checked.
         unsafe { l.launch(grid(positions.len() * heads * head_dim / 2)) }?;
+        Ok(())
+    }
+    fn add_rows(
+        &self,
+        x: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        ensure!(x.len() >= rows * dim && bias.len() >= dim, "add_rows sizes");
+        let (r, d) = (rows as i32, dim as i32);
+        let mut l = self.stream.launch_builder(self.f("add_rows"));
+        l.arg(x).arg(bias).arg(&r).arg(&d);
+        // SAFETY: matches `add_rows`; sizes checked.
+        unsafe { l.launch(grid(rows * dim)) }?;
+        Ok(())
+    }
+    fn moe(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &MoeBufs<'_, CudaSlice<f32>>,
+        rows: usize,
+        dim: usize,
+        shape: &MoeShape,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            x.len() >= rows * dim && out.len() >= rows * dim && w.fits(dim, shape, |b| b.len()),
+            "moe sizes"
+        );
+        let (e, k, f) = (shape.experts, shape.top_k, shape.ffn);
+        let mut logits = self.zeros(rows * e)?;
+        self.matmul(x, w.router, rows, e, dim, &mut logits)?;
+        self.add_rows(&mut logits, w.router_bias, rows, e)?;
+        let mut idx = self.stream.alloc_zeros::<u32>((rows * k).max(1))?;
+        let mut wts = self.zeros(rows * k)?;
+        let (ri, ei, ki, di, fi) = (rows as i32, e as i32, k as i32, dim as i32, f as i32);
+        let mut l = self.stream.launch_builder(self.f("moe_route"));
+        l.arg(&logits)
+            .arg(&ri)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&mut idx)
+            .arg(&mut wts);
+        // SAFETY: matches `moe_route`; `logits` is rows×experts, `idx`/`wts` rows×top_k.
+        unsafe { l.launch(grid(rows)) }?;
+        let mut act = self.zeros(rows * k * f)?;
+        let mut l = self.stream.launch_builder(self.f("moe_up"));
+        l.arg(x)
+            .arg(&idx)
+            .arg(w.gate_up)
+            .arg(w.gate_up_bias)
+            .arg(&mut act)
+            .arg(&ri)
+            .arg(&di)
+            .arg(&ki)
+            .arg(&fi)
+            .arg(&shape.alpha)
+            .arg(&shape.limit);
+        // SAFETY: matches `moe_up`; sizes checked (`fits`), expert ids < experts by
+        // `moe_route`, `act` rows×top_k×ffn.
+        unsafe { l.launch(grid(rows * k * f)) }?;
+        let mut l = self.stream.launch_builder(self.f("moe_down"));
+        l.arg(&act)
+            .arg(&idx)
+            .arg(&wts)
+            .arg(w.down)
+            .arg(w.down_bias)
+            .arg(out)
+            .arg(&ri)
+            .arg(&di)
+            .arg(&ki)
+            .arg(&fi);
+        // SAFETY: matches `moe_down`; sizes checked as above, `out` rows×dim.
+        unsafe { l.launch(grid(rows * dim)) }?;
         Ok(())
     }
     fn write_kv(
@@ -724,8 +804,15 @@ impl Backend for CudaBackend {
         heads: usize,
         block_table: &[u32],
         positions: &[u32],
+        window: usize,
+        sinks: &[f32],
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        ensure!(
+            sinks.is_empty() || sinks.len() == heads,
+            "{} sinks for {heads} heads",
+            sinks.len()
+        );
         ensure!(
             g.head_dim <= 256,
             "attention kernel supports head_dim up to 256"
@@ -746,6 +833,12 @@ impl Backend for CudaBackend {
         );
         let bt_ = self.u32s(block_table)?;
         let p = self.u32s(positions)?;
+        // The kernel reads sinks[h] only with has_sinks; one element stands in otherwise.
+        let sk = self.upload(if sinks.is_empty() { &[0.0] } else { sinks })?;
+        let (win, has) = (
+            window.min(i32::MAX as usize) as i32,
+            i32::from(!sinks.is_empty()),
+        );
         let (t, h, kvh, hd, bt, nb, li) = (
             positions.len() as i32,
             heads as i32,
@@ -767,7 +860,10 @@ impl Backend for CudaBackend {
             .arg(&hd)
             .arg(&bt)
             .arg(&nb)
-            .arg(&li);
+            .arg(&li)
+            .arg(&win)
+            .arg(&sk)
+            .arg(&has);
         let cfg = LaunchConfig {
             grid_dim: ((positions.len() * heads) as u32, 1, 1),
             block_dim: (32, 1, 1),

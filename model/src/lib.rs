@@ -6,22 +6,25 @@
 //!   K and V, a range of heads) into contiguous transfer blocks in kvd's
 //!   `layer_part_token_head` order, [`Backend::scatter`] them back, and
 //!   [`Backend::reslice`] heads between tensor-parallel sizes.
-//! - **Model kernels** for a small Llama-style decoder: embedding, RMSNorm, RoPE, matmul,
-//!   paged attention (prefill and decode are the same kernel), SwiGLU, greedy/seeded
-//!   sampling.
+//! - **Model kernels** for a Llama or gpt-oss decoder: embedding, RMSNorm, RoPE (YaRN's
+//!   attention factor included), matmul, row biases, paged attention with an optional
+//!   sliding window and attention sinks (prefill and decode are the same kernel), SwiGLU,
+//!   gpt-oss' mixture of experts (router, clamped-SwiGLU experts), greedy/seeded sampling.
 //! - **Backends**: [`cpu`] (always; it is the reference) and `cuda` (feature `cuda`):
 //!   `.cu` sources in `kernels/` compiled at run time with NVRTC, cuBLAS for matmul when
 //!   the library is found, everything loaded at run time by `cudarc` so building needs no
 //!   toolkit. [`select_backend`] picks `cuda` when a device is usable, else `cpu`, and
 //!   logs which.
-//! - **The model** ([`model`]): weights from safetensors or generated from a seed, a
-//!   paged KV cache whose blocks are kvd's blocks, and the tokenizer ([`tokenizer`]).
+//! - **The model** ([`model`]): its shape from a Hugging Face `config.json` ([`config`]),
+//!   weights from safetensors or generated from a seed ([`weights`]), a paged KV cache
+//!   whose blocks are kvd's blocks, and the tokenizer ([`tokenizer`]).
 //! - **The cache, a buffer per layer** (`kv.rs`): blocks move between it and kvd's slots
 //!   whole, a range of layers at a time (layer-wise saves) or a layer at a time while
 //!   the forward runs (layer-wise loads: a loader thread hands each layer over when it
 //!   is in, [`Model::forward_loading`]).
 
 pub mod backend;
+pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -29,11 +32,28 @@ pub(crate) mod kv;
 pub mod model;
 pub mod shared;
 pub mod tokenizer;
+pub mod weights;
 
 pub use backend::{select_backend, AnyBackend, Backend, CpuBackend, CpuBuf};
 pub use kv::Segment as KvSegment;
 pub use model::{Model, ModelConfig, Sequence};
 pub use shared::SharedRegion;
+
+/// Shape of a mixture-of-experts feed-forward (gpt-oss': top-k softmax router, clamped
+/// SwiGLU experts with biases).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeShape {
+    /// Experts.
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Each expert's hidden size.
+    pub ffn: usize,
+    /// The SwiGLU's sigmoid gain (`swiglu_alpha`).
+    pub alpha: f32,
+    /// The clamp of the gate (above) and the up projection (both ways) (`swiglu_limit`).
+    pub limit: f32,
+}
 
 /// Shape of a paged KV cache: `[layer][part (K, V)][block][token][kv_head][head_dim]`, f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

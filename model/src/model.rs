@@ -1,522 +1,30 @@
-//! The small Llama-style decoder the reference engine runs, over any [`Backend`].
+//! The decoder the reference engine runs, over any [`Backend`]: a Llama, or a gpt-oss.
 //!
 //! Pre-norm blocks (RMSNorm → attention with RoPE and grouped-query heads → residual →
-//! RMSNorm → SwiGLU MLP → residual), a final RMSNorm and an LM head (tied or not), with
-//! plain or `llama3`-scaled RoPE ([`ModelConfig::inv_freq`]). Weights come
-//! from a safetensors file with Hugging Face Llama names, or are generated from a seed.
-//! The KV cache is paged: fixed blocks of `block_tokens` tokens, one physical block per
-//! kvd block, so moving a block between the cache and kvd is one gather or scatter.
+//! RMSNorm → feed-forward → residual), a final RMSNorm and an LM head (tied or not), with
+//! plain, `llama3` or `yarn` RoPE ([`ModelConfig::inv_freq`]). What a config adds to the
+//! Llama block, each as transformers computes it: biased q/k/v/o projections, sliding
+//! layers that attend over their last `sliding_window` positions beside full ones,
+//! attention sinks, and a top-k mixture of experts with gpt-oss' clamped SwiGLU instead of
+//! the SwiGLU MLP. The shape is [`crate::config`]'s, the weights [`crate::weights`]'.
 //!
-//! Size: ~810 lines: the reference model's forward pass, weights and cache in one place,
-//! read top to bottom as one model.
+//! The KV cache is paged: fixed blocks of `block_tokens` tokens, one physical block per
+//! kvd block, so moving a block between the cache and kvd is one gather or scatter. Every
+//! layer keeps every position, sliding ones included: a sliding layer reads only the
+//! blocks its window reaches, so those are the only ones a prefix needs to be right
+//! (`model/tests/hf_families.rs` shows both sides).
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{ensure, Context, Result};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, MoeBufs};
+pub use crate::config::{LayerKind, ModelConfig, RopeScaling};
 use crate::kv::{layer_slices, Caches};
 pub use crate::kv::{LayerView, Prefix};
-use crate::{cpu, KvGeometry};
-
-/// Shape of the model. Defaults: a 4-layer, 256-wide model over the byte vocabulary.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct ModelConfig {
-    /// Name used in kvd layouts (blocks of different models never mix).
-    pub name: String,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Hidden size.
-    pub dim: usize,
-    /// Decoder layers.
-    pub layers: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// KV heads (divides `heads`).
-    pub kv_heads: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-    /// MLP hidden size.
-    pub ffn: usize,
-    /// RoPE base.
-    pub rope_theta: f32,
-    /// RoPE frequency scaling (`None`: plain RoPE).
-    pub rope_scaling: Option<RopeScaling>,
-    /// The LM head is the embedding matrix (`tie_word_embeddings`).
-    pub tied_embeddings: bool,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-    /// Tokens per KV block.
-    pub block_tokens: usize,
-    /// Seed of generated weights (ignored with a weights file).
-    pub seed: u64,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            name: "kvd-ref-tiny".into(),
-            vocab: 256,
-            dim: 256,
-            layers: 4,
-            heads: 8,
-            kv_heads: 4,
-            head_dim: 32,
-            ffn: 512,
-            rope_theta: 10_000.0,
-            rope_scaling: None,
-            tied_embeddings: false,
-            eps: 1e-5,
-            block_tokens: 16,
-            seed: 0,
-        }
-    }
-}
-
-impl ModelConfig {
-    /// Checks the shape.
-    pub fn validate(&self) -> Result<()> {
-        for (n, v) in [
-            ("vocab", self.vocab),
-            ("dim", self.dim),
-            ("layers", self.layers),
-            ("heads", self.heads),
-            ("kv_heads", self.kv_heads),
-            ("head_dim", self.head_dim),
-            ("ffn", self.ffn),
-            ("block_tokens", self.block_tokens),
-        ] {
-            ensure!(v > 0 && v <= 1 << 20, "model `{n}` = {v} out of range");
-        }
-        ensure!(
-            self.heads.is_multiple_of(self.kv_heads),
-            "heads {} not a multiple of kv_heads {}",
-            self.heads,
-            self.kv_heads
-        );
-        ensure!(
-            self.head_dim.is_multiple_of(2),
-            "head_dim must be even (RoPE pairs)"
-        );
-        Ok(())
-    }
-
-    /// Reads a Hugging Face `config.json` of a Llama model, in either format:
-    /// transformers 4 (top-level `rope_theta`, `rope_scaling`) or transformers 5
-    /// (`rope_parameters`). What this engine does not implement is refused by name, never
-    /// approximated: other architectures, activations other than SiLU, attention or MLP
-    /// biases, sliding windows, RoPE types other than `default` and `llama3`, partial
-    /// rotary embeddings, quantized checkpoints.
-    pub fn from_hf_json(path: &Path, name: &str) -> Result<Self> {
-        let v: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
-        )
-        .with_context(|| format!("parsing {}", path.display()))?;
-        Self::from_hf_value(&v, name).with_context(|| format!("{}", path.display()))
-    }
-
-    /// [`ModelConfig::from_hf_json`] on a parsed `config.json`.
-    pub fn from_hf_value(v: &serde_json::Value, name: &str) -> Result<Self> {
-        let get = |k: &str| {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .with_context(|| format!("no `{k}`"))
-        };
-        let flag = |k: &str| v.get(k).and_then(|x| x.as_bool()).unwrap_or(false);
-        let present = |k: &str| v.get(k).is_some_and(|x| !x.is_null());
-        if let Some(t) = v.get("model_type").and_then(|x| x.as_str()) {
-            ensure!(
-                t == "llama",
-                "model_type {t:?} is not implemented (only \"llama\")"
-            );
-        }
-        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
-            ensure!(
-                act == "silu",
-                "hidden_act {act:?} is not implemented (only \"silu\")"
-            );
-        }
-        ensure!(!flag("attention_bias"), "attention_bias is not implemented");
-        ensure!(!flag("mlp_bias"), "mlp_bias is not implemented");
-        for k in ["sliding_window", "quantization_config"] {
-            ensure!(!present(k), "`{k}` is not implemented");
-        }
-        if let Some(tp) = v.get("pretraining_tp").and_then(|x| x.as_u64()) {
-            ensure!(tp <= 1, "pretraining_tp {tp} is not implemented");
-        }
-        // RoPE: transformers 5 keeps everything in `rope_parameters`; 4 has `rope_theta`
-        // at the top level and the scaling (if any) in `rope_scaling`.
-        let rope = v
-            .get("rope_parameters")
-            .filter(|x| !x.is_null())
-            .or_else(|| v.get("rope_scaling").filter(|x| !x.is_null()));
-        let theta = rope
-            .and_then(|r| r.get("rope_theta"))
-            .or_else(|| v.get("rope_theta"))
-            .map(|x| x.as_f64().context("`rope_theta` is not a number"))
-            .transpose()?
-            .unwrap_or(10_000.0) as f32;
-        let rope_scaling = match rope {
-            None => None,
-            Some(r) => RopeScaling::from_hf(r)?,
-        };
-        let heads = get("num_attention_heads")?;
-        let dim = get("hidden_size")?;
-        let cfg = ModelConfig {
-            name: name.to_string(),
-            vocab: get("vocab_size")?,
-            dim,
-            layers: get("num_hidden_layers")?,
-            heads,
-            kv_heads: get("num_key_value_heads").unwrap_or(heads),
-            head_dim: get("head_dim").unwrap_or(dim / heads.max(1)),
-            ffn: get("intermediate_size")?,
-            rope_theta: theta,
-            rope_scaling,
-            tied_embeddings: flag("tie_word_embeddings"),
-            eps: v
-                .get("rms_norm_eps")
-                .and_then(|x| x.as_f64())
-                .unwrap_or(1e-5) as f32,
-            ..Default::default()
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// RoPE inverse frequencies, one per rotated pair (`head_dim / 2`), as transformers
-    /// computes them in f32: `theta^(-2i/head_dim)`, then scaled (`llama3`).
-    pub fn inv_freq(&self) -> Vec<f32> {
-        let hd = self.head_dim;
-        let base: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f32 / hd as f32))
-            .collect();
-        match &self.rope_scaling {
-            None => base,
-            Some(s) => base.into_iter().map(|f| s.scale(f)).collect(),
-        }
-    }
-
-    /// Query width.
-    pub fn q_dim(&self) -> usize {
-        self.heads * self.head_dim
-    }
-
-    /// K (or V) width.
-    pub fn kv_dim(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-}
-
-/// RoPE frequency scaling of Llama checkpoints.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "rope_type", rename_all = "snake_case")]
-pub enum RopeScaling {
-    /// Llama 3.x (`rope_type: "llama3"`): low frequencies divided by `factor`, high ones
-    /// kept, a smooth blend between.
-    Llama3 {
-        /// Scale of the low frequencies.
-        factor: f32,
-        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are low.
-        low_freq_factor: f32,
-        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are high.
-        high_freq_factor: f32,
-        /// The context length the model was trained with before scaling.
-        original_max_position_embeddings: f32,
-    },
-}
-
-impl RopeScaling {
-    /// The scaling a config's `rope_parameters` / `rope_scaling` object names: `None` for
-    /// plain RoPE (`default`), an error for a type this engine does not implement.
-    pub fn from_hf(r: &serde_json::Value) -> Result<Option<RopeScaling>> {
-        let ty = r
-            .get("rope_type")
-            .or_else(|| r.get("type"))
-            .and_then(|x| x.as_str())
-            .unwrap_or("default");
-        if let Some(p) = r.get("partial_rotary_factor").and_then(|x| x.as_f64()) {
-            ensure!(
-                p == 1.0,
-                "partial_rotary_factor {p} is not implemented (only 1.0)"
-            );
-        }
-        let num = |k: &str| -> Result<f32> {
-            r.get(k)
-                .and_then(|x| x.as_f64())
-                .map(|x| x as f32)
-                .with_context(|| format!("rope type {ty:?} needs a numeric `{k}`"))
-        };
-        match ty {
-            "default" => Ok(None),
-            "llama3" => {
-                let s = RopeScaling::Llama3 {
-                    factor: num("factor")?,
-                    low_freq_factor: num("low_freq_factor")?,
-                    high_freq_factor: num("high_freq_factor")?,
-                    original_max_position_embeddings: num("original_max_position_embeddings")?,
-                };
-                s.validate()?;
-                Ok(Some(s))
-            }
-            other => {
-                bail!("rope type {other:?} is not implemented (only \"default\" and \"llama3\")")
-            }
-        }
-    }
-
-    fn validate(&self) -> Result<()> {
-        let RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } = *self;
-        ensure!(
-            factor >= 1.0
-                && low_freq_factor > 0.0
-                && high_freq_factor > low_freq_factor
-                && original_max_position_embeddings >= 1.0,
-            "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor \
-             and original_max_position_embeddings >= 1"
-        );
-        Ok(())
-    }
-
-    /// One inverse frequency, scaled (transformers' `_compute_llama3_parameters`).
-    pub fn scale(&self, inv_freq: f32) -> f32 {
-        let RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings: old,
-        } = *self;
-        let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
-        let low_wavelen = old / low_freq_factor;
-        let high_wavelen = old / high_freq_factor;
-        if wavelen > low_wavelen {
-            inv_freq / factor
-        } else if wavelen < high_wavelen {
-            inv_freq
-        } else {
-            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-            (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-        }
-    }
-}
-
-/// Host copies of the weights, f32, PyTorch `Linear` orientation (`[out][in]`).
-pub struct Weights {
-    tensors: HashMap<String, Vec<f32>>,
-}
-
-impl Weights {
-    /// Deterministic weights from `cfg.seed`: uniform with unit-variance outputs, norms 1.
-    pub fn seeded(cfg: &ModelConfig) -> Self {
-        let mut tensors = HashMap::new();
-        let mut n = 0u64;
-        let mut gen = |rows: usize, cols: usize, scale: f32| {
-            n += 1;
-            let s = cfg.seed ^ n.wrapping_mul(0xA076_1D64_78BD_642F);
-            (0..rows * cols)
-                .map(|i| (cpu::uniform(s, n, i as u64) * 2.0 - 1.0) * scale)
-                .collect::<Vec<f32>>()
-        };
-        let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
-        tensors.insert(
-            "model.embed_tokens.weight".into(),
-            gen(cfg.vocab, cfg.dim, 1.0),
-        );
-        for l in 0..cfg.layers {
-            let p = format!("model.layers.{l}");
-            tensors.insert(
-                format!("{p}.self_attn.q_proj.weight"),
-                gen(cfg.q_dim(), cfg.dim, lin(cfg.dim)),
-            );
-            tensors.insert(
-                format!("{p}.self_attn.k_proj.weight"),
-                gen(cfg.kv_dim(), cfg.dim, lin(cfg.dim)),
-            );
-            tensors.insert(
-                format!("{p}.self_attn.v_proj.weight"),
-                gen(cfg.kv_dim(), cfg.dim, lin(cfg.dim)),
-            );
-            tensors.insert(
-                format!("{p}.self_attn.o_proj.weight"),
-                gen(cfg.dim, cfg.q_dim(), lin(cfg.q_dim()) * 0.5),
-            );
-            tensors.insert(
-                format!("{p}.mlp.gate_proj.weight"),
-                gen(cfg.ffn, cfg.dim, lin(cfg.dim)),
-            );
-            tensors.insert(
-                format!("{p}.mlp.up_proj.weight"),
-                gen(cfg.ffn, cfg.dim, lin(cfg.dim)),
-            );
-            tensors.insert(
-                format!("{p}.mlp.down_proj.weight"),
-                gen(cfg.dim, cfg.ffn, lin(cfg.ffn) * 0.5),
-            );
-            tensors.insert(format!("{p}.input_layernorm.weight"), vec![1.0; cfg.dim]);
-            tensors.insert(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![1.0; cfg.dim],
-            );
-        }
-        tensors.insert("model.norm.weight".into(), vec![1.0; cfg.dim]);
-        tensors.insert(
-            "lm_head.weight".into(),
-            gen(cfg.vocab, cfg.dim, lin(cfg.dim) * 2.0),
-        );
-        Weights { tensors }
-    }
-
-    /// Reads a safetensors file (f32, f16 or bf16) with Hugging Face Llama names. With
-    /// `cfg.tied_embeddings` the LM head is the embedding matrix (a `lm_head.weight` in the
-    /// file, as some tools write, is ignored); untied, the file must have one.
-    pub fn from_safetensors(path: &Path, cfg: &ModelConfig) -> Result<Self> {
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .with_context(|| format!("parsing {}", path.display()))?;
-        let mut tensors = HashMap::new();
-        for (name, t) in st.tensors() {
-            let data = t.data();
-            let v: Vec<f32> = match t.dtype() {
-                safetensors::Dtype::F32 => data
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                safetensors::Dtype::F16 => data
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                safetensors::Dtype::BF16 => data
-                    .chunks_exact(2)
-                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-                other => bail!("tensor {name}: dtype {other:?} not supported"),
-            };
-            tensors.insert(name, v);
-        }
-        if cfg.tied_embeddings {
-            let e = tensors
-                .get("model.embed_tokens.weight")
-                .cloned()
-                .context("no model.embed_tokens.weight")?;
-            tensors.insert("lm_head.weight".into(), e);
-        }
-        ensure!(
-            tensors.contains_key("lm_head.weight"),
-            "no lm_head.weight, and the config does not tie the embeddings \
-             (tie_word_embeddings)"
-        );
-        let w = Weights { tensors };
-        w.check(cfg)?;
-        Ok(w)
-    }
-
-    /// Writes the weights as a safetensors file (f32, Hugging Face Llama names and
-    /// shapes), e.g. to hand the generated weights to another tool.
-    pub fn save_safetensors(&self, cfg: &ModelConfig, path: &Path) -> Result<()> {
-        self.check(cfg)?;
-        let cols = |name: &str| -> usize {
-            if name.ends_with("o_proj.weight") {
-                cfg.q_dim()
-            } else if name.ends_with("down_proj.weight") {
-                cfg.ffn
-            } else {
-                cfg.dim
-            }
-        };
-        let mut names: Vec<&String> = self.tensors.keys().collect();
-        names.sort();
-        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = names
-            .into_iter()
-            .map(|n| {
-                let t = &self.tensors[n];
-                let shape = if n.ends_with("norm.weight") {
-                    vec![t.len()]
-                } else {
-                    vec![t.len() / cols(n), cols(n)]
-                };
-                (
-                    n.clone(),
-                    t.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    shape,
-                )
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-            .iter()
-            .map(|(n, b, shape)| {
-                Ok((
-                    n.clone(),
-                    safetensors::tensor::TensorView::new(
-                        safetensors::Dtype::F32,
-                        shape.clone(),
-                        b,
-                    )?,
-                ))
-            })
-            .collect::<Result<_>>()?;
-        safetensors::serialize_to_file(views, None, path)
-            .with_context(|| format!("writing {}", path.display()))?;
-        Ok(())
-    }
-
-    fn check(&self, cfg: &ModelConfig) -> Result<()> {
-        let want = |n: &str, len: usize| -> Result<()> {
-            let t = self
-                .tensors
-                .get(n)
-                .with_context(|| format!("weights have no `{n}`"))?;
-            ensure!(
-                t.len() == len,
-                "`{n}` has {} elements, the config wants {len}",
-                t.len()
-            );
-            Ok(())
-        };
-        want("model.embed_tokens.weight", cfg.vocab * cfg.dim)?;
-        want("lm_head.weight", cfg.vocab * cfg.dim)?;
-        want("model.norm.weight", cfg.dim)?;
-        for l in 0..cfg.layers {
-            let p = format!("model.layers.{l}");
-            want(
-                &format!("{p}.self_attn.q_proj.weight"),
-                cfg.q_dim() * cfg.dim,
-            )?;
-            want(
-                &format!("{p}.self_attn.k_proj.weight"),
-                cfg.kv_dim() * cfg.dim,
-            )?;
-            want(
-                &format!("{p}.self_attn.v_proj.weight"),
-                cfg.kv_dim() * cfg.dim,
-            )?;
-            want(
-                &format!("{p}.self_attn.o_proj.weight"),
-                cfg.dim * cfg.q_dim(),
-            )?;
-            want(&format!("{p}.mlp.gate_proj.weight"), cfg.ffn * cfg.dim)?;
-            want(&format!("{p}.mlp.up_proj.weight"), cfg.ffn * cfg.dim)?;
-            want(&format!("{p}.mlp.down_proj.weight"), cfg.dim * cfg.ffn)?;
-            want(&format!("{p}.input_layernorm.weight"), cfg.dim)?;
-            want(&format!("{p}.post_attention_layernorm.weight"), cfg.dim)?;
-        }
-        Ok(())
-    }
-
-    fn take(&mut self, n: &str) -> Result<Vec<f32>> {
-        self.tensors
-            .remove(n)
-            .with_context(|| format!("weights have no `{n}`"))
-    }
-}
+use crate::weights::transpose_each;
+pub use crate::weights::Weights;
+use crate::KvGeometry;
 
 struct Layer<B: Backend> {
     attn_norm: B::Buf,
@@ -524,10 +32,24 @@ struct Layer<B: Backend> {
     wk: B::Buf,
     wv: B::Buf,
     wo: B::Buf,
+    /// q, k, v, o biases (`attention_bias`).
+    bias: Option<[B::Buf; 4]>,
+    /// One sink logit per query head (`attention_sinks`), on the host: the attention
+    /// call takes them by value.
+    sinks: Vec<f32>,
+    /// Positions the layer attends over (0: all).
+    window: usize,
     mlp_norm: B::Buf,
-    w_gate: B::Buf,
-    w_up: B::Buf,
-    w_down: B::Buf,
+    ffn: Ffn<B>,
+}
+
+/// A layer's feed-forward.
+enum Ffn<B: Backend> {
+    /// SwiGLU: gate, up, down.
+    Mlp([B::Buf; 3]),
+    /// gpt-oss' experts, in [`MoeBufs`]' orientation: router, router bias, gate/up,
+    /// gate/up bias, down, down bias.
+    Moe([B::Buf; 6]),
 }
 
 /// Rows of activation buffers kept between forwards.
@@ -637,23 +159,68 @@ impl<B: Backend> Model<B> {
         cfg.validate()?;
         w.check(&cfg)?;
         ensure!(num_blocks > 0, "the KV cache needs at least one block");
-        let mut up = |n: &str| -> Result<B::Buf> { backend.upload(&w.take(n)?) };
-        let embed = up("model.embed_tokens.weight")?;
-        let norm = up("model.norm.weight")?;
-        let lm_head = up("lm_head.weight")?;
+        let up = |w: &mut Weights, n: &str| -> Result<B::Buf> { backend.upload(&w.take(n)?) };
+        let embed = up(&mut w, "model.embed_tokens.weight")?;
+        let norm = up(&mut w, "model.norm.weight")?;
+        let lm_head = up(&mut w, "lm_head.weight")?;
         let mut layers = Vec::new();
         for l in 0..cfg.layers {
             let p = format!("model.layers.{l}");
+            let bias = if cfg.attention_bias {
+                Some([
+                    up(&mut w, &format!("{p}.self_attn.q_proj.bias"))?,
+                    up(&mut w, &format!("{p}.self_attn.k_proj.bias"))?,
+                    up(&mut w, &format!("{p}.self_attn.v_proj.bias"))?,
+                    up(&mut w, &format!("{p}.self_attn.o_proj.bias"))?,
+                ])
+            } else {
+                None
+            };
+            let ffn = match &cfg.moe {
+                None => Ffn::Mlp([
+                    up(&mut w, &format!("{p}.mlp.gate_proj.weight"))?,
+                    up(&mut w, &format!("{p}.mlp.up_proj.weight"))?,
+                    up(&mut w, &format!("{p}.mlp.down_proj.weight"))?,
+                ]),
+                Some(m) => {
+                    let ex = format!("{p}.mlp.experts");
+                    let gu = transpose_each(
+                        &w.take(&format!("{ex}.gate_up_proj"))?,
+                        m.experts,
+                        cfg.dim,
+                        2 * m.ffn,
+                    );
+                    let dn = transpose_each(
+                        &w.take(&format!("{ex}.down_proj"))?,
+                        m.experts,
+                        m.ffn,
+                        cfg.dim,
+                    );
+                    Ffn::Moe([
+                        up(&mut w, &format!("{p}.mlp.router.weight"))?,
+                        up(&mut w, &format!("{p}.mlp.router.bias"))?,
+                        backend.upload(&gu)?,
+                        up(&mut w, &format!("{ex}.gate_up_proj_bias"))?,
+                        backend.upload(&dn)?,
+                        up(&mut w, &format!("{ex}.down_proj_bias"))?,
+                    ])
+                }
+            };
             layers.push(Layer {
-                attn_norm: up(&format!("{p}.input_layernorm.weight"))?,
-                wq: up(&format!("{p}.self_attn.q_proj.weight"))?,
-                wk: up(&format!("{p}.self_attn.k_proj.weight"))?,
-                wv: up(&format!("{p}.self_attn.v_proj.weight"))?,
-                wo: up(&format!("{p}.self_attn.o_proj.weight"))?,
-                mlp_norm: up(&format!("{p}.post_attention_layernorm.weight"))?,
-                w_gate: up(&format!("{p}.mlp.gate_proj.weight"))?,
-                w_up: up(&format!("{p}.mlp.up_proj.weight"))?,
-                w_down: up(&format!("{p}.mlp.down_proj.weight"))?,
+                attn_norm: up(&mut w, &format!("{p}.input_layernorm.weight"))?,
+                wq: up(&mut w, &format!("{p}.self_attn.q_proj.weight"))?,
+                wk: up(&mut w, &format!("{p}.self_attn.k_proj.weight"))?,
+                wv: up(&mut w, &format!("{p}.self_attn.v_proj.weight"))?,
+                wo: up(&mut w, &format!("{p}.self_attn.o_proj.weight"))?,
+                bias,
+                sinks: if cfg.attention_sinks {
+                    w.take(&format!("{p}.self_attn.sinks"))?
+                } else {
+                    Vec::new()
+                },
+                window: cfg.window(l),
+                mlp_norm: up(&mut w, &format!("{p}.post_attention_layernorm.weight"))?,
+                ffn,
             });
         }
         let geo = KvGeometry {
@@ -886,8 +453,14 @@ impl<B: Backend> Model<B> {
                 b.matmul(h, &l.wq, n, qd, d, q)?;
                 b.matmul(h, &l.wk, n, kvd, d, k)?;
                 b.matmul(h, &l.wv, n, kvd, d, v)?;
-                b.rope(q, &positions, cfg.heads, cfg.head_dim, inv_freq)?;
-                b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, inv_freq)?;
+                if let Some([bq, bk, bv, _]) = &l.bias {
+                    b.add_rows(q, bq, n, qd)?;
+                    b.add_rows(k, bk, n, kvd)?;
+                    b.add_rows(v, bv, n, kvd)?;
+                }
+                let rs = cfg.rope_attention_scale();
+                b.rope(q, &positions, cfg.heads, cfg.head_dim, inv_freq, rs)?;
+                b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, inv_freq, rs)?;
                 // This layer's cache: waited for here, and only here.
                 let cache = match prefix {
                     Some(_) => {
@@ -918,14 +491,35 @@ impl<B: Backend> Model<B> {
                     },
                 )?;
                 let cache = done.last().context("the layer's cache")?;
-                b.attention(q, cache, &one, 0, cfg.heads, blocks, &positions, att)?;
+                b.attention(
+                    q, cache, &one, 0, cfg.heads, blocks, &positions, l.window, &l.sinks, att,
+                )?;
                 b.matmul(att, &l.wo, n, d, qd, o)?;
+                if let Some([_, _, _, bo]) = &l.bias {
+                    b.add_rows(o, bo, n, d)?;
+                }
                 b.add(x, o, n * d)?;
                 b.rmsnorm(x, &l.mlp_norm, n, d, cfg.eps, h)?;
-                b.matmul(h, &l.w_gate, n, f, d, gate)?;
-                b.matmul(h, &l.w_up, n, f, d, up)?;
-                b.swiglu(gate, up, n * f, act)?;
-                b.matmul(act, &l.w_down, n, d, f, o)?;
+                match &l.ffn {
+                    Ffn::Mlp([w_gate, w_up, w_down]) => {
+                        b.matmul(h, w_gate, n, f, d, gate)?;
+                        b.matmul(h, w_up, n, f, d, up)?;
+                        b.swiglu(gate, up, n * f, act)?;
+                        b.matmul(act, w_down, n, d, f, o)?;
+                    }
+                    Ffn::Moe([router, router_bias, gate_up, gate_up_bias, down, down_bias]) => {
+                        let shape = cfg.moe.as_ref().context("a mixture of experts' shape")?;
+                        let w = MoeBufs {
+                            router,
+                            router_bias,
+                            gate_up,
+                            gate_up_bias,
+                            down,
+                            down_bias,
+                        };
+                        b.moe(h, &w, n, d, shape, o)?;
+                    }
+                }
                 b.add(x, o, n * d)?;
             }
             // Only the last token's logits are needed.

@@ -96,8 +96,12 @@ fn what_is_not_implemented_is_refused_by_name() {
         ),
         (json!({"pretraining_tp": 2}), "pretraining_tp"),
         (
+            json!({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}),
+            "rope type \"longrope\"",
+        ),
+        (
             json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            "rope type \"yarn\"",
+            "original_max_position_embeddings",
         ),
         (
             json!({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
@@ -119,6 +123,53 @@ fn what_is_not_implemented_is_refused_by_name() {
     ];
     for (extra, says) in cases {
         let e = parse(&with(base(), extra.clone()))
+            .err()
+            .unwrap_or_else(|| panic!("{extra} was accepted"));
+        let e = format!("{e:#}");
+        assert!(e.contains(says), "{extra}: {e}");
+    }
+}
+
+/// A gpt-oss config: what it implements is read, what it does not is refused by name
+/// (the released checkpoints' MXFP4 weights, layer kinds other than sliding and full).
+#[test]
+fn gpt_oss_configs_are_read_and_their_gaps_refused() {
+    let base = json!({
+        "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+            "original_max_position_embeddings": 4096},
+    });
+    let c = parse(&base).unwrap();
+    use kvd_model::model::LayerKind::{Full, Sliding};
+    assert_eq!(c.layer_types, [Sliding, Full, Sliding, Full]); // GptOssConfig's default
+    assert_eq!((c.window(0), c.window(1)), (24, 0));
+    assert!(c.attention_bias && c.attention_sinks);
+    let m = c.moe.unwrap();
+    assert_eq!(
+        (m.experts, m.top_k, m.ffn, m.alpha, m.limit),
+        (4, 2, 32, 1.702, 7.0)
+    );
+    // YaRN's attention factor: 0.1 ln(32) + 1.
+    assert!((c.rope_attention_scale() - (0.1 * 32f32.ln() + 1.0)).abs() < 1e-6);
+    for (extra, says) in [
+        (
+            json!({"quantization_config": {"quant_method": "mxfp4"}}),
+            "`quantization_config` (mxfp4)",
+        ),
+        (
+            json!({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}),
+            "layer type Some(\"chunked_attention\")",
+        ),
+        (
+            json!({"layer_types": ["full_attention"]}),
+            "1 layer_types for 4 layers",
+        ),
+        (json!({"num_experts_per_tok": 9}), "top_k 9"),
+    ] {
+        let e = parse(&with(base.clone(), extra.clone()))
             .err()
             .unwrap_or_else(|| panic!("{extra} was accepted"));
         let e = format!("{e:#}");

@@ -115,7 +115,7 @@ fn rope_is_a_rotation_by_position() {
     let (heads, hd) = (2, 8);
     let x = rand_vec(heads * hd, 10);
     let mut y = x.clone();
-    cpu::rope(&mut y, &[5], heads, hd, &freqs(hd, 10_000.0));
+    cpu::rope(&mut y, &[5], heads, hd, &freqs(hd, 10_000.0), 1.0);
     for h in 0..heads {
         for i in 0..hd / 2 {
             let ang = 5.0f64 * 10_000f64.powf(-(2.0 * i as f64) / hd as f64);
@@ -131,7 +131,7 @@ fn rope_is_a_rotation_by_position() {
     }
     // Position 0 is the identity.
     let mut z = x.clone();
-    cpu::rope(&mut z, &[0], heads, hd, &freqs(hd, 10_000.0));
+    cpu::rope(&mut z, &[0], heads, hd, &freqs(hd, 10_000.0), 1.0);
     assert_eq!(z, x);
 }
 
@@ -153,12 +153,23 @@ fn paged_attention_matches_dense_softmax() {
     cpu::write_kv(&mut cache, &g, 1, &k, &v, &slots);
     let positions: Vec<u32> = (0..n as u32).collect();
     let mut out = vec![0.0; n * heads * hd];
-    cpu::attention(&q, &cache, &g, 1, heads, &table, &positions, &mut out);
+    cpu::attention(
+        &q,
+        &cache,
+        &g,
+        1,
+        heads,
+        &table,
+        &positions,
+        0,
+        &[],
+        &mut out,
+    );
     // The threaded backend gives the same bits (64+ rows split over cores).
     let long: Vec<u32> = (0..96).map(|i| i % n as u32).collect();
     let ql = rand_vec(96 * heads * hd, 15);
     let mut one = vec![0.0; ql.len()];
-    cpu::attention(&ql, &cache, &g, 1, heads, &table, &long, &mut one);
+    cpu::attention(&ql, &cache, &g, 1, heads, &table, &long, 0, &[], &mut one);
     let mut many = vec![0.0; ql.len()].into();
     CpuBackend::with_threads(3)
         .attention(
@@ -169,6 +180,8 @@ fn paged_attention_matches_dense_softmax() {
             heads,
             &table,
             &long,
+            0,
+            &[],
             &mut many,
         )
         .unwrap();
@@ -198,6 +211,158 @@ fn paged_attention_matches_dense_softmax() {
                 .collect();
             close(&out[(t * heads + h) * hd..][..hd], &want, 1e-5, "attention");
         }
+    }
+}
+
+/// A sliding window and attention sinks: each query reads only its last `window`
+/// positions, and its head's sink takes a share of the softmax, against a dense f64
+/// computation; the threaded backend gives the same bits.
+#[test]
+fn windowed_attention_with_sinks_matches_dense_softmax() {
+    let g = geo();
+    let (heads, hd, n, window) = (8, g.head_dim, 11, 5);
+    let table = [7u32, 2, 5];
+    let (k, v, q) = (
+        rand_vec(n * g.kv_heads * hd, 41),
+        rand_vec(n * g.kv_heads * hd, 42),
+        rand_vec(n * heads * hd, 43),
+    );
+    let sinks: Vec<f32> = rand_vec(heads, 44).iter().map(|x| x * 3.0).collect();
+    let mut cache = vec![0.0; g.cache_elems()];
+    let slots: Vec<u32> = (0..n as u32)
+        .map(|p| table[p as usize / 4] * 4 + p % 4)
+        .collect();
+    cpu::write_kv(&mut cache, &g, 1, &k, &v, &slots);
+    let positions: Vec<u32> = (0..n as u32).collect();
+    let mut out = vec![0.0; n * heads * hd];
+    cpu::attention(
+        &q, &cache, &g, 1, heads, &table, &positions, window, &sinks, &mut out,
+    );
+    for t in 0..n {
+        for h in 0..heads {
+            let kh = h / 2;
+            let qr = &q[(t * heads + h) * hd..][..hd];
+            let lo = (t + 1).saturating_sub(window);
+            let scores: Vec<f64> = (lo..=t)
+                .map(|j| {
+                    (0..hd)
+                        .map(|d| qr[d] as f64 * k[(j * g.kv_heads + kh) * hd + d] as f64)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(sinks[h] as f64, f64::max);
+            let z: f64 =
+                scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sinks[h] as f64 - max).exp();
+            let want: Vec<f32> = (0..hd)
+                .map(|d| {
+                    (lo..=t)
+                        .map(|j| {
+                            (scores[j - lo] - max).exp() / z
+                                * v[(j * g.kv_heads + kh) * hd + d] as f64
+                        })
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            close(
+                &out[(t * heads + h) * hd..][..hd],
+                &want,
+                1e-5,
+                "windowed attention",
+            );
+        }
+    }
+    let long: Vec<u32> = (0..96).map(|i| i % n as u32).collect();
+    let ql = rand_vec(96 * heads * hd, 45);
+    let mut one = vec![0.0; ql.len()];
+    cpu::attention(
+        &ql, &cache, &g, 1, heads, &table, &long, window, &sinks, &mut one,
+    );
+    let mut many = vec![0.0; ql.len()].into();
+    CpuBackend::with_threads(3)
+        .attention(
+            &ql.into(),
+            &cache.into(),
+            &g,
+            1,
+            heads,
+            &table,
+            &long,
+            window,
+            &sinks,
+            &mut many,
+        )
+        .unwrap();
+    assert_eq!(one, *many);
+}
+
+/// A tiny mixture of experts against the formula in f64: the top-k experts by router
+/// logit, softmax over their logits, each expert's clamped SwiGLU with biases.
+#[test]
+fn moe_matches_naive() {
+    let (dim, rows) = (12, 5);
+    let shape = kvd_model::MoeShape {
+        experts: 4,
+        top_k: 2,
+        ffn: 6,
+        alpha: 1.702,
+        limit: 0.9,
+    };
+    let (e, f) = (shape.experts, shape.ffn);
+    let x = rand_vec(rows * dim, 50);
+    let router = rand_vec(e * dim, 51);
+    let router_bias = rand_vec(e, 52);
+    let gate_up = rand_vec(e * 2 * f * dim, 53);
+    let gate_up_bias = rand_vec(e * 2 * f, 54);
+    let down = rand_vec(e * dim * f, 55);
+    let down_bias = rand_vec(e * dim, 56);
+    let w = cpu::MoeWeights {
+        router: &router,
+        router_bias: &router_bias,
+        gate_up: &gate_up,
+        gate_up_bias: &gate_up_bias,
+        down: &down,
+        down_bias: &down_bias,
+    };
+    let mut out = vec![0.0; rows * dim];
+    cpu::moe(&x, &w, dim, &shape, &mut out);
+    let dot = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| *x as f64 * *y as f64)
+            .sum::<f64>()
+    };
+    for r in 0..rows {
+        let xr = &x[r * dim..][..dim];
+        let logits: Vec<f64> = (0..e)
+            .map(|i| dot(xr, &router[i * dim..][..dim]) + router_bias[i] as f64)
+            .collect();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));
+        let top = &order[..shape.top_k];
+        let m = top.iter().map(|&i| logits[i]).fold(f64::MIN, f64::max);
+        let z: f64 = top.iter().map(|&i| (logits[i] - m).exp()).sum();
+        let mut want = vec![0f64; dim];
+        for &i in top {
+            let p = (logits[i] - m).exp() / z;
+            let act: Vec<f64> = (0..f)
+                .map(|j| {
+                    let row = |k: usize| &gate_up[(i * 2 * f + k) * dim..][..dim];
+                    let g = (dot(xr, row(2 * j)) + gate_up_bias[i * 2 * f + 2 * j] as f64).min(0.9);
+                    let u = (dot(xr, row(2 * j + 1)) + gate_up_bias[i * 2 * f + 2 * j + 1] as f64)
+                        .clamp(-0.9, 0.9);
+                    (u + 1.0) * g / (1.0 + (-1.702 * g).exp())
+                })
+                .collect();
+            for (d, o) in want.iter_mut().enumerate() {
+                let dn = &down[(i * dim + d) * f..][..f];
+                let y: f64 = act.iter().zip(dn).map(|(a, b)| a * *b as f64).sum::<f64>()
+                    + down_bias[i * dim + d] as f64;
+                *o += p * y;
+            }
+        }
+        let want: Vec<f32> = want.into_iter().map(|v| v as f32).collect();
+        close(&out[r * dim..][..dim], &want, 1e-5, "moe");
     }
 }
 
@@ -711,12 +876,20 @@ mod gpu {
                 "add",
             );
             let q = rand_vec(3 * 4 * 16, 27);
+            for scale in [1.0, 1.1386] {
+                let mut want = q.clone();
+                cpu::rope(&mut want, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0), scale);
+                let mut out = d(&q);
+                dev.rope(&mut out, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0), scale)
+                    .unwrap();
+                close(&back(&out, q.len()), &want, 1e-3, "rope");
+            }
+            let bias = rand_vec(16, 33);
             let mut want = q.clone();
-            cpu::rope(&mut want, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0));
+            cpu::add_rows(&mut want[..12 * 16], &bias, 16);
             let mut out = d(&q);
-            dev.rope(&mut out, &[0, 7, 1000], 4, 16, &freqs(16, 10_000.0))
-                .unwrap();
-            close(&back(&out, q.len()), &want, 1e-3, "rope");
+            dev.add_rows(&mut out, &d(&bias), 12, 16).unwrap();
+            close(&back(&out, q.len()), &want, 0.0, "add_rows");
             // Paged KV write + attention (prefill rows and one decode row).
             let g = geo();
             let n = 11;
@@ -736,12 +909,81 @@ mod gpu {
             dev.write_kv(&mut gc, &g, 1, &d(&k), &d(&v), &slots)
                 .unwrap();
             close(&back(&gc, g.cache_elems()), &cc, 0.0, "write_kv");
-            let mut want = vec![0.0; n * 8 * 8];
-            cpu::attention(&q, &cc, &g, 1, 8, &table, &positions, &mut want);
-            let mut out = dev.zeros(n * 8 * 8).unwrap();
-            dev.attention(&d(&q), &gc, &g, 1, 8, &table, &positions, &mut out)
+            let sinks: Vec<f32> = rand_vec(8, 34).iter().map(|x| x * 3.0).collect();
+            for (window, sinks) in [(0, &[][..]), (5, &sinks[..]), (0, &sinks[..]), (3, &[][..])] {
+                let mut want = vec![0.0; n * 8 * 8];
+                cpu::attention(
+                    &q, &cc, &g, 1, 8, &table, &positions, window, sinks, &mut want,
+                );
+                let mut out = dev.zeros(n * 8 * 8).unwrap();
+                dev.attention(
+                    &d(&q),
+                    &gc,
+                    &g,
+                    1,
+                    8,
+                    &table,
+                    &positions,
+                    window,
+                    sinks,
+                    &mut out,
+                )
                 .unwrap();
-            close(&back(&out, n * 64), &want, tol, "attention");
+                close(&back(&out, n * 64), &want, tol, "attention");
+            }
+            // gpt-oss' mixture of experts.
+            let (dim, rows) = (32, 7);
+            let shape = kvd_model::MoeShape {
+                experts: 6,
+                top_k: 2,
+                ffn: 24,
+                alpha: 1.702,
+                limit: 0.8,
+            };
+            let (e, f) = (shape.experts, shape.ffn);
+            let host = [
+                rand_vec(e * dim, 35),
+                rand_vec(e, 36),
+                rand_vec(e * 2 * f * dim, 37),
+                rand_vec(e * 2 * f, 38),
+                rand_vec(e * dim * f, 39),
+                rand_vec(e * dim, 40),
+            ];
+            let x = rand_vec(rows * dim, 41);
+            let mut want = vec![0.0; rows * dim];
+            cpu::moe(
+                &x,
+                &cpu::MoeWeights {
+                    router: &host[0],
+                    router_bias: &host[1],
+                    gate_up: &host[2],
+                    gate_up_bias: &host[3],
+                    down: &host[4],
+                    down_bias: &host[5],
+                },
+                dim,
+                &shape,
+                &mut want,
+            );
+            let dw: Vec<_> = host.iter().map(|h| d(h)).collect();
+            let mut out = dev.zeros(rows * dim).unwrap();
+            dev.moe(
+                &d(&x),
+                &kvd_model::backend::MoeBufs {
+                    router: &dw[0],
+                    router_bias: &dw[1],
+                    gate_up: &dw[2],
+                    gate_up_bias: &dw[3],
+                    down: &dw[4],
+                    down_bias: &dw[5],
+                },
+                rows,
+                dim,
+                &shape,
+                &mut out,
+            )
+            .unwrap();
+            close(&back(&out, rows * dim), &want, tol, "moe");
             // Sampling: greedy and seeded agree with the CPU.
             let logits = rand_vec(1000, 31);
             for (t, seed) in [(0.0, 0), (1.0, 1), (0.7, 99)] {

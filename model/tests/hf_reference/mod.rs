@@ -1,6 +1,7 @@
-//! `tests/python/hf_parity.py` run once into a temporary directory: the Hugging Face
-//! reference of `model/tests/hf_parity.rs` and `engine/tests/hf_parity.rs` (which
-//! includes this file by path).
+//! `tests/python/hf_parity.py` (Llama) or `tests/python/hf_families.py` (the other
+//! attention families) run once into a temporary directory: the Hugging Face reference of
+//! `model/tests/hf_{parity,families}.rs` and `engine/tests/hf_{parity,families}.rs`
+//! (which include this file by path).
 
 use std::path::Path;
 
@@ -8,7 +9,13 @@ use std::path::Path;
 /// their variants' names. Without a Python that has torch and transformers
 /// (`KVD_PYTHON`): a `SKIP:` line saying what was `not_run` and `None` (with
 /// `KVD_REQUIRE_HF=1`, a failure instead).
+#[allow(dead_code)] // each test file uses one of the two
 pub fn reference(not_run: &str) -> Option<(tempfile::TempDir, Vec<String>)> {
+    reference_of("hf_parity.py", not_run)
+}
+
+/// [`reference`] of `tests/python/<script>`.
+pub fn reference_of(script: &str, not_run: &str) -> Option<(tempfile::TempDir, Vec<String>)> {
     let python = std::env::var("KVD_PYTHON").unwrap_or_else(|_| "python3".into());
     let have = std::process::Command::new(&python)
         .args(["-c", "import torch, transformers"])
@@ -23,7 +30,9 @@ pub fn reference(not_run: &str) -> Option<(tempfile::TempDir, Vec<String>)> {
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/hf_parity.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/python")
+        .join(script);
     let out = std::process::Command::new(&python)
         .arg(&script)
         .arg(dir.path())

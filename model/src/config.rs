@@ -1,0 +1,632 @@
+//! The reference model's shape: [`ModelConfig`], read from a Hugging Face `config.json`
+//! (Llama and gpt-oss) or given as JSON, and its RoPE scaling. What the engine does not
+//! implement is refused by name, never approximated.
+
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::MoeShape;
+
+/// Shape of the model. Defaults: a 4-layer, 256-wide model over the byte vocabulary.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelConfig {
+    /// Name used in kvd layouts (blocks of different models never mix).
+    pub name: String,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// MLP hidden size.
+    pub ffn: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE frequency scaling (`None`: plain RoPE).
+    pub rope_scaling: Option<RopeScaling>,
+    /// The LM head is the embedding matrix (`tie_word_embeddings`).
+    pub tied_embeddings: bool,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Tokens per KV block.
+    pub block_tokens: usize,
+    /// Seed of generated weights (ignored with a weights file).
+    pub seed: u64,
+    /// Attention kind of each layer; empty: every layer full attention.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub layer_types: Vec<LayerKind>,
+    /// Positions a [`LayerKind::Sliding`] layer attends to, its own included.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub sliding_window: usize,
+    /// The q, k, v and o projections have biases (gpt-oss).
+    #[serde(skip_serializing_if = "is_false")]
+    pub attention_bias: bool,
+    /// Each query head has a learned sink logit in its softmax (gpt-oss).
+    #[serde(skip_serializing_if = "is_false")]
+    pub attention_sinks: bool,
+    /// The feed-forward is a mixture of experts (gpt-oss'); `None`: a SwiGLU MLP of `ffn`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeShape>,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
+}
+
+fn is_false(x: &bool) -> bool {
+    !*x
+}
+
+/// What one layer's attention sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// Every earlier position (transformers' `full_attention`).
+    Full,
+    /// The last [`ModelConfig::sliding_window`] positions (`sliding_attention`).
+    Sliding,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: "kvd-ref-tiny".into(),
+            vocab: 256,
+            dim: 256,
+            layers: 4,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 32,
+            ffn: 512,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            tied_embeddings: false,
+            eps: 1e-5,
+            block_tokens: 16,
+            seed: 0,
+            layer_types: Vec::new(),
+            sliding_window: 0,
+            attention_bias: false,
+            attention_sinks: false,
+            moe: None,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Checks the shape.
+    pub fn validate(&self) -> Result<()> {
+        for (n, v) in [
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("ffn", self.ffn),
+            ("block_tokens", self.block_tokens),
+        ] {
+            ensure!(v > 0 && v <= 1 << 20, "model `{n}` = {v} out of range");
+        }
+        ensure!(
+            self.heads.is_multiple_of(self.kv_heads),
+            "heads {} not a multiple of kv_heads {}",
+            self.heads,
+            self.kv_heads
+        );
+        ensure!(
+            self.head_dim.is_multiple_of(2),
+            "head_dim must be even (RoPE pairs)"
+        );
+        ensure!(
+            self.layer_types.is_empty() || self.layer_types.len() == self.layers,
+            "{} layer_types for {} layers",
+            self.layer_types.len(),
+            self.layers
+        );
+        ensure!(
+            !self.layer_types.contains(&LayerKind::Sliding)
+                || (1..=1 << 30).contains(&self.sliding_window),
+            "sliding layers need a sliding_window of 1..=2^30 tokens"
+        );
+        if let Some(m) = &self.moe {
+            for (n, v) in [("experts", m.experts), ("ffn", m.ffn)] {
+                ensure!(v > 0 && v <= 1 << 20, "moe `{n}` = {v} out of range");
+            }
+            ensure!(
+                (1..=m.experts).contains(&m.top_k),
+                "moe top_k {} must be 1..=experts ({})",
+                m.top_k,
+                m.experts
+            );
+            ensure!(
+                m.alpha.is_finite() && m.limit.is_finite() && m.limit > 0.0,
+                "moe swiglu_alpha and swiglu_limit must be finite, the limit positive"
+            );
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s attention kind.
+    pub fn layer_kind(&self, l: usize) -> LayerKind {
+        self.layer_types.get(l).copied().unwrap_or(LayerKind::Full)
+    }
+
+    /// The window layer `l` attends over (0: every earlier position).
+    pub fn window(&self, l: usize) -> usize {
+        match self.layer_kind(l) {
+            LayerKind::Full => 0,
+            LayerKind::Sliding => self.sliding_window,
+        }
+    }
+
+    /// Whether any layer slides.
+    pub fn has_sliding(&self) -> bool {
+        self.layer_types.contains(&LayerKind::Sliding)
+    }
+
+    /// The factor RoPE's cosines and sines are multiplied by (YaRN's attention factor;
+    /// 1 otherwise).
+    pub fn rope_attention_scale(&self) -> f32 {
+        match &self.rope_scaling {
+            Some(RopeScaling::Yarn {
+                attention_factor, ..
+            }) => *attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    /// Reads a Hugging Face `config.json` of a Llama model, in either format:
+    /// transformers 4 (top-level `rope_theta`, `rope_scaling`) or transformers 5
+    /// (`rope_parameters`). What this engine does not implement is refused by name, never
+    /// approximated: other architectures, activations other than SiLU, attention or MLP
+    /// biases, sliding windows, RoPE types other than `default` and `llama3`, partial
+    /// rotary embeddings, quantized checkpoints.
+    pub fn from_hf_json(path: &Path, name: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+        )
+        .with_context(|| format!("parsing {}", path.display()))?;
+        Self::from_hf_value(&v, name).with_context(|| format!("{}", path.display()))
+    }
+
+    /// [`ModelConfig::from_hf_json`] on a parsed `config.json`: a Llama
+    /// (`model_type` `llama` or none) or a gpt-oss (`gpt_oss`: sliding and full layers,
+    /// attention sinks, biased projections, a mixture of experts, YaRN). Other
+    /// architectures are refused by name.
+    pub fn from_hf_value(v: &serde_json::Value, name: &str) -> Result<Self> {
+        match v.get("model_type").and_then(|x| x.as_str()) {
+            None | Some("llama") => Self::llama_from_hf(v, name),
+            Some("gpt_oss") => Self::gpt_oss_from_hf(v, name),
+            Some(t) => {
+                bail!("model_type {t:?} is not implemented (only \"llama\" and \"gpt_oss\")")
+            }
+        }
+    }
+
+    fn llama_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
+        let get = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .with_context(|| format!("no `{k}`"))
+        };
+        let flag = |k: &str| v.get(k).and_then(|x| x.as_bool()).unwrap_or(false);
+        let present = |k: &str| v.get(k).is_some_and(|x| !x.is_null());
+        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
+            ensure!(
+                act == "silu",
+                "hidden_act {act:?} is not implemented (only \"silu\")"
+            );
+        }
+        ensure!(!flag("attention_bias"), "attention_bias is not implemented");
+        ensure!(!flag("mlp_bias"), "mlp_bias is not implemented");
+        for k in ["sliding_window", "quantization_config"] {
+            ensure!(!present(k), "`{k}` is not implemented");
+        }
+        if let Some(tp) = v.get("pretraining_tp").and_then(|x| x.as_u64()) {
+            ensure!(tp <= 1, "pretraining_tp {tp} is not implemented");
+        }
+        let (theta, rope_scaling) = hf_rope(v, 10_000.0)?;
+        let heads = get("num_attention_heads")?;
+        let dim = get("hidden_size")?;
+        let cfg = ModelConfig {
+            name: name.to_string(),
+            vocab: get("vocab_size")?,
+            dim,
+            layers: get("num_hidden_layers")?,
+            heads,
+            kv_heads: get("num_key_value_heads").unwrap_or(heads),
+            head_dim: get("head_dim").unwrap_or(dim / heads.max(1)),
+            ffn: get("intermediate_size")?,
+            rope_theta: theta,
+            rope_scaling,
+            tied_embeddings: flag("tie_word_embeddings"),
+            eps: v
+                .get("rms_norm_eps")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(1e-5) as f32,
+            ..Default::default()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A gpt-oss `config.json` (transformers' `GptOssConfig`, its defaults where a
+    /// field is absent). Refused by name: quantized checkpoints (the released ones are
+    /// MXFP4: dequantize them to bf16 first), layer kinds other than sliding and full,
+    /// partial rotary embeddings.
+    fn gpt_oss_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
+        let get = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .with_context(|| format!("no `{k}`"))
+        };
+        let num = |k: &str, default: f64| -> Result<f32> {
+            match v.get(k).filter(|x| !x.is_null()) {
+                None => Ok(default as f32),
+                Some(x) => Ok(x
+                    .as_f64()
+                    .with_context(|| format!("`{k}` is not a number"))?
+                    as f32),
+            }
+        };
+        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|x| x.as_str())
+                .unwrap_or("?");
+            bail!(
+                "`quantization_config` ({method}) is not implemented: the engine reads \
+                 f32, f16 or bf16 weights"
+            );
+        }
+        let layers = get("num_hidden_layers")?;
+        let layer_types = match v.get("layer_types").filter(|x| !x.is_null()) {
+            // GptOssConfig's default: sliding, full, sliding, ...
+            None => (0..layers)
+                .map(|i| {
+                    if (i + 1) % 2 == 1 {
+                        LayerKind::Sliding
+                    } else {
+                        LayerKind::Full
+                    }
+                })
+                .collect(),
+            Some(t) => t
+                .as_array()
+                .context("`layer_types` is not a list")?
+                .iter()
+                .map(|k| match k.as_str() {
+                    Some("full_attention") => Ok(LayerKind::Full),
+                    Some("sliding_attention") => Ok(LayerKind::Sliding),
+                    other => bail!(
+                        "layer type {other:?} is not implemented (only \"full_attention\" \
+                         and \"sliding_attention\")"
+                    ),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let sliding_window = match v.get("sliding_window").filter(|x| !x.is_null()) {
+            None => 128,
+            Some(x) => x
+                .as_u64()
+                .context("`sliding_window` is not a whole number")? as usize,
+        };
+        let (theta, rope_scaling) = hf_rope(v, 150_000.0)?;
+        let heads = get("num_attention_heads")?;
+        let dim = get("hidden_size")?;
+        let ffn = get("intermediate_size")?;
+        let cfg = ModelConfig {
+            name: name.to_string(),
+            vocab: get("vocab_size")?,
+            dim,
+            layers,
+            heads,
+            kv_heads: get("num_key_value_heads").unwrap_or(heads),
+            head_dim: get("head_dim").unwrap_or(dim / heads.max(1)),
+            ffn,
+            rope_theta: theta,
+            rope_scaling,
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            eps: num("rms_norm_eps", 1e-5)?,
+            layer_types,
+            sliding_window,
+            attention_bias: v
+                .get("attention_bias")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(true),
+            attention_sinks: true,
+            moe: Some(MoeShape {
+                experts: get("num_local_experts")?,
+                top_k: get("num_experts_per_tok").unwrap_or(4),
+                ffn,
+                alpha: num("swiglu_alpha", 1.702)?,
+                limit: num("swiglu_limit", 7.0)?,
+            }),
+            ..Default::default()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// RoPE inverse frequencies, one per rotated pair (`head_dim / 2`), as transformers
+    /// computes them in f32: `theta^(-2i/head_dim)`, then scaled (`llama3`, `yarn`).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let hd = self.head_dim;
+        let base: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f32 / hd as f32))
+            .collect();
+        match &self.rope_scaling {
+            None => base,
+            Some(s @ RopeScaling::Llama3 { .. }) => base.into_iter().map(|f| s.scale(f)).collect(),
+            Some(RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                truncate,
+                ..
+            }) => {
+                // transformers' `_compute_yarn_parameters`: the correction range in f64,
+                // the ramp and the blend in f32.
+                let (d, b) = (hd as f64, self.rope_theta as f64);
+                let corr = |rot: f64| {
+                    d * (*original_max_position_embeddings as f64
+                        / (rot * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * b.ln())
+                };
+                let (mut low, mut high) = (corr(*beta_fast as f64), corr(*beta_slow as f64));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                (0..hd / 2)
+                    .map(|i| {
+                        let pos = self.rope_theta.powf((2 * i) as f32 / hd as f32);
+                        let (extra, inter) = (1.0 / pos, 1.0 / (factor * pos));
+                        let ramp =
+                            ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                        let keep = 1.0 - ramp;
+                        inter * (1.0 - keep) + extra * keep
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Query width.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// K (or V) width.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// RoPE frequency scaling of Llama and gpt-oss checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Llama 3.x (`rope_type: "llama3"`): low frequencies divided by `factor`, high ones
+    /// kept, a smooth blend between.
+    Llama3 {
+        /// Scale of the low frequencies.
+        factor: f32,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are low.
+        low_freq_factor: f32,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are high.
+        high_freq_factor: f32,
+        /// The context length the model was trained with before scaling.
+        original_max_position_embeddings: f32,
+    },
+    /// YaRN (`rope_type: "yarn"`): frequencies blended between interpolated and kept
+    /// over a ramp of dimensions, cosines and sines multiplied by `attention_factor`.
+    Yarn {
+        /// The context extension.
+        factor: f32,
+        /// Rotations above which a dimension is kept (extrapolated).
+        beta_fast: f32,
+        /// Rotations below which a dimension is interpolated.
+        beta_slow: f32,
+        /// The context length before scaling.
+        original_max_position_embeddings: f32,
+        /// Round the correction range outwards to whole dimensions.
+        truncate: bool,
+        /// The cos/sin factor: the config's `attention_factor`, else from `factor` and
+        /// `mscale`/`mscale_all_dim` (transformers' `get_mscale`).
+        attention_factor: f32,
+    },
+}
+
+/// The RoPE of a config (`theta`, scaling): transformers 5 keeps everything in
+/// `rope_parameters`; 4 has `rope_theta` at the top level and the scaling (if any) in
+/// `rope_scaling`. `default_theta`: the architecture's, when none is given.
+fn hf_rope(v: &serde_json::Value, default_theta: f64) -> Result<(f32, Option<RopeScaling>)> {
+    let rope = v
+        .get("rope_parameters")
+        .filter(|x| !x.is_null())
+        .or_else(|| v.get("rope_scaling").filter(|x| !x.is_null()));
+    let theta = rope
+        .and_then(|r| r.get("rope_theta"))
+        .or_else(|| v.get("rope_theta"))
+        .map(|x| x.as_f64().context("`rope_theta` is not a number"))
+        .transpose()?
+        .unwrap_or(default_theta) as f32;
+    let scaling = match rope {
+        None => None,
+        Some(r) => RopeScaling::from_hf(r, v)?,
+    };
+    Ok((theta, scaling))
+}
+
+impl RopeScaling {
+    /// The scaling a config's `rope_parameters` / `rope_scaling` object names: `None` for
+    /// plain RoPE (`default`), an error for a type this engine does not implement.
+    /// `config`: the whole config (YaRN falls back on its `max_position_embeddings`).
+    pub fn from_hf(
+        r: &serde_json::Value,
+        config: &serde_json::Value,
+    ) -> Result<Option<RopeScaling>> {
+        let ty = r
+            .get("rope_type")
+            .or_else(|| r.get("type"))
+            .and_then(|x| x.as_str())
+            .unwrap_or("default");
+        if let Some(p) = r.get("partial_rotary_factor").and_then(|x| x.as_f64()) {
+            ensure!(
+                p == 1.0,
+                "partial_rotary_factor {p} is not implemented (only 1.0)"
+            );
+        }
+        let num = |k: &str| -> Result<f32> {
+            r.get(k)
+                .and_then(|x| x.as_f64())
+                .map(|x| x as f32)
+                .with_context(|| format!("rope type {ty:?} needs a numeric `{k}`"))
+        };
+        match ty {
+            "default" => Ok(None),
+            "llama3" => {
+                let s = RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: num("low_freq_factor")?,
+                    high_freq_factor: num("high_freq_factor")?,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                };
+                s.validate()?;
+                Ok(Some(s))
+            }
+            "yarn" => {
+                let opt = |k: &str| r.get(k).and_then(|x| x.as_f64()).filter(|x| *x != 0.0);
+                let original = num("original_max_position_embeddings")?;
+                let factor = match opt("factor") {
+                    Some(f) => f,
+                    None => {
+                        config
+                            .get("max_position_embeddings")
+                            .and_then(|x| x.as_f64())
+                            .context("yarn needs a `factor` or `max_position_embeddings`")?
+                            / original as f64
+                    }
+                };
+                let mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match (
+                    opt("attention_factor"),
+                    opt("mscale"),
+                    opt("mscale_all_dim"),
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                };
+                let s = RopeScaling::Yarn {
+                    factor: factor as f32,
+                    beta_fast: opt("beta_fast").unwrap_or(32.0) as f32,
+                    beta_slow: opt("beta_slow").unwrap_or(1.0) as f32,
+                    original_max_position_embeddings: original,
+                    truncate: r.get("truncate").and_then(|x| x.as_bool()).unwrap_or(true),
+                    attention_factor: attention_factor as f32,
+                };
+                s.validate()?;
+                Ok(Some(s))
+            }
+            other => {
+                bail!("rope type {other:?} is not implemented (only \"default\", \"llama3\" and \"yarn\")")
+            }
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = *self
+        else {
+            let RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                attention_factor,
+                ..
+            } = *self
+            else {
+                return Ok(());
+            };
+            ensure!(
+                factor >= 1.0
+                    && beta_fast > 0.0
+                    && beta_slow > 0.0
+                    && original_max_position_embeddings >= 1.0
+                    && attention_factor.is_finite()
+                    && attention_factor > 0.0,
+                "yarn rope scaling needs factor >= 1, positive betas, \
+                 original_max_position_embeddings >= 1 and a positive attention factor"
+            );
+            return Ok(());
+        };
+        ensure!(
+            factor >= 1.0
+                && low_freq_factor > 0.0
+                && high_freq_factor > low_freq_factor
+                && original_max_position_embeddings >= 1.0,
+            "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor \
+             and original_max_position_embeddings >= 1"
+        );
+        Ok(())
+    }
+
+    /// One inverse frequency, scaled by `llama3` (transformers'
+    /// `_compute_llama3_parameters`); other scalings, which need the whole table
+    /// ([`ModelConfig::inv_freq`]), leave it.
+    pub fn scale(&self, inv_freq: f32) -> f32 {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        } = *self
+        else {
+            return inv_freq;
+        };
+        let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+        let low_wavelen = old / low_freq_factor;
+        let high_wavelen = old / high_freq_factor;
+        if wavelen > low_wavelen {
+            inv_freq / factor
+        } else if wavelen < high_wavelen {
+            inv_freq
+        } else {
+            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+            (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The engine's model against Hugging Face transformers' own models of the attention
+//! families beside Llama, on tiny random checkpoints transformers writes itself
+//! (`tests/python/hf_families.py`): gpt-oss (sliding-window and full layers interleaved,
+//! attention sinks, biased projections, a top-k mixture of experts, YaRN and plain RoPE;
+//! f32 and bf16 weights). Greedy tokens must be equal and the prompt's last-position
+//! logits within `|ours - hf| <= 1e-3 + 1e-3 * |hf|`, through the paged KV cache (prefill,
+//! then one token at a time), and a prefill cut at any block gives the same bits.
+//!
+//! Negative controls show the comparison would catch each thing a sliding-window model
+//! can get wrong: the window one position too wide or too narrow, or ignored; the sinks
+//! or YaRN's attention factor ignored; and at the cache level, another prompt's KV in a
+//! sliding layer inside the window changes the tokens while outside it changes nothing.
+//!
+//! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
+//! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
+
+use std::path::{Path, PathBuf};
+
+mod hf_reference;
+use hf_reference::reference_of;
+
+use kvd_model::model::{LayerKind, RopeScaling, Weights};
+use kvd_model::{CpuBackend, Model, ModelConfig, Sequence};
+
+struct Expected {
+    prompt: Vec<u32>,
+    logits: Vec<f32>,
+    greedy: Vec<u32>,
+}
+
+fn expected(dir: &Path) -> Expected {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    let ints = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Expected {
+        prompt: ints("prompt"),
+        greedy: ints("greedy"),
+        logits: v["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect(),
+    }
+}
+
+fn model(cfg: &ModelConfig, weights: &Path, blocks: usize) -> Model<CpuBackend> {
+    let w = Weights::from_safetensors(weights, cfg).unwrap();
+    Model::new(CpuBackend::new(), cfg.clone(), w, blocks).unwrap()
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    l.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0 as u32
+}
+
+/// Prompt logits and the greedy continuation, the prompt's prefill cut after `cut`
+/// tokens when given.
+fn run(
+    cfg: &ModelConfig,
+    weights: &Path,
+    prompt: &[u32],
+    n: usize,
+    cut: Option<usize>,
+) -> (Vec<f32>, Vec<u32>) {
+    let mut m = model(
+        cfg,
+        weights,
+        (prompt.len() + n).div_ceil(cfg.block_tokens) + 1,
+    );
+    let mut seq = Sequence {
+        tokens: prompt[..cut.unwrap_or(prompt.len())].to_vec(),
+        ..Default::default()
+    };
+    let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+    if cut.is_some() {
+        seq.tokens = prompt.to_vec();
+        logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+    }
+    let first = logits.clone();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = argmax(&logits);
+        out.push(next);
+        seq.tokens.push(next);
+        logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+    }
+    (first, out)
+}
+
+fn worst(ours: &[f32], hf: &[f32]) -> f32 {
+    assert_eq!(ours.len(), hf.len());
+    ours.iter()
+        .zip(hf)
+        .map(|(a, b)| (a - b).abs() / (1e-3 + 1e-3 * b.abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn gpt_oss_matches_transformers_and_every_mistake_is_caught() {
+    let Some((dir, names)) = reference_of("hf_families.py", "gpt-oss parity not checked") else {
+        return;
+    };
+    let gpt: Vec<&String> = names.iter().filter(|n| n.starts_with("gpt_oss")).collect();
+    assert_eq!(gpt.len(), 2, "{names:?}");
+    for name in gpt {
+        let d: PathBuf = dir.path().join(name);
+        let e = expected(&d);
+        let cfg = ModelConfig::from_hf_json(&d.join("config.json"), name).unwrap();
+        assert!(cfg.has_sliding() && cfg.attention_sinks && cfg.moe.is_some());
+        let w = d.join("model.safetensors");
+        let (logits, greedy) = run(&cfg, &w, &e.prompt, e.greedy.len(), None);
+        let err = worst(&logits, &e.logits);
+        eprintln!("{name}: worst logit error {err:.3} of tolerance");
+        assert!(err <= 1.0, "{name}: logits off by {err} tolerances");
+        assert_eq!(greedy, e.greedy, "{name}: greedy tokens");
+        // A prefill that starts from cached KV (cut at a block, and inside one) computes
+        // the same bits: what a prefix hit relies on.
+        for cut in [cfg.block_tokens, 2 * cfg.block_tokens + 5] {
+            let (l2, g2) = run(&cfg, &w, &e.prompt, 3, Some(cut));
+            assert_eq!(l2, logits, "{name}: prefill cut at {cut}");
+            assert_eq!(g2, greedy[..3], "{name}: prefill cut at {cut}");
+        }
+    }
+    // Each mistake moves the logits past the tolerance.
+    let d = dir.path().join("gpt_oss_f32_yarn");
+    let e = expected(&d);
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    assert!(matches!(cfg.rope_scaling, Some(RopeScaling::Yarn { .. })));
+    let no_yarn_factor = match cfg.rope_scaling.clone() {
+        Some(RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings,
+            truncate,
+            ..
+        }) => Some(RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings,
+            truncate,
+            attention_factor: 1.0,
+        }),
+        other => other,
+    };
+    let wrong = [
+        (
+            "window + 1",
+            ModelConfig {
+                sliding_window: cfg.sliding_window + 1,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "window - 1",
+            ModelConfig {
+                sliding_window: cfg.sliding_window - 1,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no window",
+            ModelConfig {
+                layer_types: vec![LayerKind::Full; cfg.layers],
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no sinks",
+            ModelConfig {
+                attention_sinks: false,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no yarn attention factor",
+            ModelConfig {
+                rope_scaling: no_yarn_factor,
+                ..cfg.clone()
+            },
+        ),
+    ];
+    for (what, c) in wrong {
+        let (logits, _) = run(&c, &w, &e.prompt, 0, None);
+        let err = worst(&logits, &e.logits);
+        assert!(err > 1.0, "{what} went unnoticed ({err} tolerances)");
+    }
+}
+
+/// The cache side of a sliding window: a prefix loaded from blocks whose sliding layers
+/// hold another prompt's KV gives other tokens when that block is inside the window the
+/// next position reads, and the same tokens when it is outside (the model reads exactly
+/// the window: a hit need only bring those blocks of its sliding layers).
+#[test]
+fn only_the_window_of_a_sliding_layer_is_read() {
+    let Some((dir, _)) = reference_of("hf_families.py", "the sliding window's reach not checked")
+    else {
+        return;
+    };
+    let d = dir.path().join("gpt_oss_f32_yarn");
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    let bt = cfg.block_tokens;
+    let e = expected(&d);
+    let prompt = &e.prompt[..4 * bt + 3]; // 4 whole blocks, then 3 tokens
+    let other: Vec<u32> = prompt.iter().map(|t| 32 + (t * 7 + 3) % 95).collect();
+    // The blocks of both prompts, as a store saves them.
+    let saved = |p: &[u32]| -> Vec<Vec<u8>> {
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: p.to_vec(),
+            ..Default::default()
+        };
+        m.forward(&mut seq).unwrap();
+        let bytes = cfg.layers * 2 * bt * cfg.kv_heads * cfg.head_dim * 4;
+        let mut out: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; bytes]).collect();
+        let mut dst: Vec<&mut [u8]> = out.iter_mut().map(|b| &mut b[..]).collect();
+        m.save_blocks(&seq, &[0, 1, 2, 3], 0, cfg.kv_heads, &mut dst)
+            .unwrap();
+        out
+    };
+    let (mine, theirs) = (saved(prompt), saved(&other));
+    // Block `b`'s sliding layers from the other prompt.
+    let spliced = |b: usize| -> Vec<Vec<u8>> {
+        let mut blocks = mine.clone();
+        let per = blocks[b].len() / cfg.layers;
+        for l in (0..cfg.layers).filter(|&l| cfg.layer_kind(l) == LayerKind::Sliding) {
+            blocks[b][l * per..(l + 1) * per].copy_from_slice(&theirs[b][l * per..(l + 1) * per]);
+        }
+        blocks
+    };
+    let tokens = |blocks: &[Vec<u8>]| -> Vec<u32> {
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        };
+        let src: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+        m.load_prefix(&mut seq, 4, 1, &src).unwrap();
+        let mut out = Vec::new();
+        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        for _ in 0..6 {
+            let t = argmax(&logits);
+            out.push(t);
+            seq.tokens.push(t);
+            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        }
+        out
+    };
+    let want = tokens(&mine);
+    // The first position computed is 4·bt; its window reaches back to 4·bt + 1 - window.
+    let first_needed = (4 * bt + 1).saturating_sub(cfg.sliding_window) / bt;
+    assert!(first_needed >= 1, "the window must leave a block out");
+    for b in 0..4 {
+        let got = tokens(&spliced(b));
+        if b < first_needed {
+            assert_eq!(
+                got, want,
+                "block {b} is outside the window: it must not matter"
+            );
+        } else {
+            assert_ne!(
+                got, want,
+                "block {b} is inside the window: a wrong one must show"
+            );
+        }
+    }
+}

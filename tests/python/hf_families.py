@@ -1,0 +1,115 @@
+"""Reference outputs of Hugging Face transformers' own models of the attention families the
+reference engine runs beside Llama (model/tests/hf_families.rs, engine/tests/hf_families.rs):
+
+- ``gpt_oss``: sliding-window and full layers interleaved, attention sinks, biased
+  projections, a top-k mixture of experts with the clamped SwiGLU, YaRN RoPE.
+
+Writes, per variant, a tiny random checkpoint exactly as transformers saves it
+(``save_pretrained``: config.json and model.safetensors in the variant's dtype) and
+expected.json: the prompt's token ids, the logits at its last position and the greedy
+continuation, computed in float32 (eager attention) from the weights as saved. Weights
+transformers initialises to zero (biases) or near zero (sinks) are drawn at random here,
+so a model that ignored them would be caught.
+
+Usage: python hf_families.py OUT_DIR   (prints the variants as JSON)
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+NEW_TOKENS = 12
+
+
+def prompt_ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    # printable ASCII: the engine's byte tokenizer maps each byte to its value
+    return torch.randint(32, 127, (n,), generator=g).tolist()
+
+
+def gpt_oss(dtype, rope):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+    )
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, e = layer.self_attn, layer.mlp.experts
+            for p in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.o_proj.bias, e.gate_up_proj_bias, e.down_proj_bias):
+                p.normal_(0.0, 0.2)
+            a.sinks.normal_(0.0, 1.5)
+            layer.mlp.router.bias.normal_(0.0, 0.5)
+    return model, GptOssForCausalLM
+
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 32,
+}
+
+VARIANTS = [
+    # name, builder, dtype, rope parameters, prompt length
+    ("gpt_oss_f32_yarn", gpt_oss, torch.float32, YARN, 70),
+    ("gpt_oss_bf16_default", gpt_oss, torch.bfloat16, {"rope_type": "default", "rope_theta": 150000.0}, 53),
+]
+
+
+def main(out):
+    listed = []
+    for i, (name, build, dtype, rope, plen) in enumerate(VARIANTS):
+        d = os.path.join(out, name)
+        os.makedirs(d, exist_ok=True)
+        torch.manual_seed(300 + i)
+        model, cls = build(dtype, rope)
+        model.to(dtype).save_pretrained(d, safe_serialization=True)
+        ref = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+        ids = prompt_ids(plen, 50 + i)
+        seq = list(ids)
+        gaps = []
+        with torch.no_grad():
+            last = None
+            for step in range(NEW_TOKENS):
+                logits = ref(torch.tensor([seq])).logits[0, -1].float()
+                if step == 0:
+                    last = logits.tolist()
+                top = torch.topk(logits, 2).values
+                gaps.append(float(top[0] - top[1]))
+                seq.append(int(torch.argmax(logits)))
+        json.dump(
+            {
+                "prompt": ids,
+                "logits": last,
+                "greedy": seq[len(ids):],
+                "min_gap": min(gaps),
+                "dtype": str(dtype).removeprefix("torch."),
+            },
+            open(os.path.join(d, "expected.json"), "w"),
+        )
+        listed.append(name)
+    print(json.dumps({"variants": listed, "transformers": __import__("transformers").__version__}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
