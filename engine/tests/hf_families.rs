@@ -1,0 +1,260 @@
+//! The attention families beside Llama through the whole engine and every kvd path:
+//! transformers writes a tiny random gpt-oss (sliding-window and full layers, attention
+//! sinks, a mixture of experts, YaRN; `tests/python/hf_families.py`), and the greedy
+//! tokens of `kvd-engine --model-config config.json --weights model.safetensors` equal
+//! transformers' own — aggregated without kvd; with the prefix from kvd's DRAM, after
+//! the daemon's restart (the kept pool), from NVMe, from a peer daemon's cache, and
+//! through the GPU tier (host stand-in); disaggregated through two daemons by pull and by
+//! push, whole and layer-wise, between TP sizes, and device to device on one node.
+//! (The model against transformers, its negative controls and the window's reach:
+//! `model/tests/hf_families.rs`.)
+//!
+//! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
+//! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
+
+mod common;
+#[path = "../../model/tests/hf_reference/mod.rs"]
+mod hf_reference;
+
+use common::*;
+use serde_json::{json, Value};
+
+struct Case {
+    body: Value,
+    want: Vec<u32>,
+    model: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+fn gpt_oss() -> Option<Case> {
+    let (dir, _) = hf_reference::reference_of("hf_families.py", "gpt-oss through kvd not checked")?;
+    let d = dir.path().join("gpt_oss_f32_yarn");
+    let e: Value =
+        serde_json::from_slice(&std::fs::read(d.join("expected.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        e[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt_ids, want) = (ids("prompt"), ids("greedy"));
+    // The byte tokenizer: printable ASCII ids are their characters.
+    let prompt: String = prompt_ids.iter().map(|&b| b as u8 as char).collect();
+    let path = |f: &str| d.join(f).to_str().unwrap().to_string();
+    Some(Case {
+        body: json!({"prompt": prompt, "max_tokens": want.len(), "temperature": 0.0}),
+        want,
+        model: vec![
+            "--model-config".into(),
+            path("config.json"),
+            "--weights".into(),
+            path("model.safetensors"),
+        ],
+        _dir: dir,
+    })
+}
+
+impl Case {
+    fn args<'a>(&'a self, extra: &[&'a str]) -> Vec<&'a str> {
+        self.model
+            .iter()
+            .map(String::as_str)
+            .chain(extra.iter().copied())
+            .collect()
+    }
+
+    fn check(&self, url: &str, what: &str) -> Value {
+        let (s, got) = complete(url, self.body.clone());
+        assert_eq!(s, 200, "{what}: {got}");
+        assert_eq!(
+            tokens(&got),
+            self.want,
+            "{what}: not transformers' greedy tokens: {got}"
+        );
+        got
+    }
+
+    fn check_hit(&self, url: &str, source: &str, what: &str) -> Value {
+        let got = self.check(url, what);
+        assert_eq!(got["kvd"]["source"], source, "{what}: {got}");
+        assert!(
+            got["kvd"]["cached_tokens"].as_u64().unwrap() >= 64,
+            "{what}: {got}"
+        );
+        got
+    }
+}
+
+#[test]
+fn gpt_oss_gives_transformers_tokens_on_every_local_path() {
+    let Some(c) = gpt_oss() else { return };
+    let (_r, reference) = engine("both", None, &c.args(&[]));
+    c.check(&reference, "aggregated, no kvd");
+    // DRAM, then the same blocks after the daemon's restart (the kept pool).
+    let mut a = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--keep-pool", "true"])
+        .expect("kvd");
+    let (_e, url) = engine("both", Some(&a), &c.args(&[]));
+    let cold = c.check(&url, "aggregated with kvd (cold)");
+    assert!(
+        cold["kvd"]["stored_blocks"].as_u64().unwrap() >= 4,
+        "{cold}"
+    );
+    c.check_hit(&url, "local", "prefix from kvd's DRAM");
+    a.proc.restart();
+    // The new daemon adopts the blocks once it has checked them.
+    let t0 = std::time::Instant::now();
+    loop {
+        let k = a.client().stats().unwrap().kept.expect("the pool is kept");
+        if k.verifying == 0 && k.adopted >= 4 {
+            break;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "the kept pool was not adopted: {k:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // The engine's first call after the restart learns of it (and recomputes that
+    // request); another prompt takes that turn, so the hit below is the kept pool's.
+    let (s, other) = complete(
+        &url,
+        json!({"prompt": "another prompt, long enough for a whole block", "max_tokens": 1}),
+    );
+    assert_eq!(s, 200, "{other}");
+    c.check_hit(
+        &url,
+        "local",
+        "prefix from the kept pool after the daemon's restart",
+    );
+    // NVMe: a pool too small to keep them, so the prompt's blocks are read from disk.
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let cfg = disk.path().join("kvd.toml");
+    std::fs::write(&cfg, "[pool]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n").unwrap();
+    let n = kvd_engine::local::Node::start_with(
+        &bins(),
+        "16MiB",
+        &[
+            "--nvme-path",
+            disk.path().to_str().unwrap(),
+            "--nvme-size",
+            "256MiB",
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+    )
+    .expect("kvd");
+    let (_n, nurl) = engine("both", Some(&n), &c.args(&[]));
+    c.check(&nurl, "aggregated with an NVMe tier (cold)");
+    let cl = kvd_client::Client::connect(&n.endpoint).unwrap();
+    let l = cl
+        .register_layout(&kvd_testkit::layout_named("other/model", 256))
+        .unwrap();
+    let bytes = vec![7u8; l.block_bytes as usize];
+    // Fill all but 2 MiB with other blocks, each pinned as it is stored: the last ones
+    // find no room but the prompt's blocks' segment, whose blocks go to NVMe.
+    let capacity = cl.stats().unwrap().pool.capacity_bytes;
+    let others: Vec<kvd_protocol::ChunkHash> = (0..(capacity - (2 << 20)) / l.block_bytes)
+        .map(|i| kvd_protocol::ChunkHash([i as u8; 16]))
+        .collect();
+    let mut pins = Vec::new();
+    for k in others.chunks(1) {
+        cl.store(l.id, k, &[&bytes[..]]).unwrap();
+        pins.push(
+            cl.get(l.id, k, Some(std::time::Duration::from_secs(60)))
+                .unwrap(),
+        );
+    }
+    drop(pins);
+    cl.delete(l.id, &others).unwrap();
+    let reads = cl.stats().unwrap().nvme.expect("nvme").reads;
+    c.check_hit(&nurl, "local", "prefix from NVMe");
+    assert!(
+        cl.stats().unwrap().nvme.expect("nvme").reads > reads,
+        "the blocks were still in DRAM"
+    );
+    // The GPU tier (host stand-in): stores and loads by the daemon's copies, TP 1 and 2.
+    let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
+        .expect("kvd");
+    for tp in ["1", "2"] {
+        let (_e, gurl) = engine("both", Some(&g), &c.args(&["--gpu-tier", "--tp", tp]));
+        c.check(&gurl, &format!("GPU tier tp {tp}"));
+        c.check_hit(
+            &gurl,
+            "local",
+            &format!("GPU tier tp {tp}, prefix by gpu_load"),
+        );
+    }
+    let st = g.client().stats().unwrap().gpu.expect("the GPU tier is on");
+    assert!(st.stored_blocks >= 12 && st.loaded_blocks >= 12, "{st:?}");
+}
+
+#[test]
+fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
+    let Some(c) = gpt_oss() else { return };
+    let (a, b) = (node(), node());
+    for (ptp, dtp, parts, mode) in [
+        ("1", "1", "0", "pull"),
+        ("1", "1", "0", "push"),
+        ("2", "1", "0", "pull"),
+        ("1", "2", "0", "push"),
+        ("1", "1", "2", "push"),
+        ("2", "1", "4", "pull"),
+    ] {
+        let (_p, prefill) = engine(
+            "prefill",
+            Some(&a),
+            &c.args(&["--tp", ptp, "--layerwise-parts", parts]),
+        );
+        let (_d, decode) = engine("decode", Some(&b), &c.args(&["--tp", dtp]));
+        let (_router, url) = router(&[&prefill], &[&decode], mode);
+        let what = format!("{mode}, prefill tp {ptp} ({parts} layer-wise parts), decode tp {dtp}");
+        let got = c.check_hit(&url, mode, &what);
+        if parts != "0" {
+            assert_eq!(
+                got["prefill_kvd"]["handoff_parts"].as_u64(),
+                parts.parse().ok(),
+                "{what}: the handoff was layer-wise: {got}"
+            );
+        }
+    }
+    // A peer's cache: two daemons that know each other (static discovery, peer fetch);
+    // the prompt computed on one is a prefix hit on the other.
+    let ports: Vec<String> = (0..2)
+        .map(|_| format!("tcp://127.0.0.1:{}", kvd_testkit::free_port()))
+        .collect();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let peers: Vec<kvd_engine::local::Node> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            let list: Vec<String> = ports.iter().map(|n| format!("\"{n}\"")).collect();
+            let cfg = dir.path().join(format!("peer{i}.toml"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "[transfer]\ncontrol = \"{node}\"\n[peers]\nmode = \"fetch\"\nstatic = [{}]\n",
+                    list.join(", ")
+                ),
+            )
+            .unwrap();
+            kvd_engine::local::Node::start_with(
+                &bins(),
+                "128MiB",
+                &["--config", cfg.to_str().unwrap()],
+            )
+            .expect("kvd")
+        })
+        .collect();
+    let (_e0, first) = engine("both", Some(&peers[0]), &c.args(&[]));
+    let (_e1, second) = engine("both", Some(&peers[1]), &c.args(&[]));
+    c.check(&first, "computed on the first peer");
+    c.check_hit(&second, "local", "prefix from the other peer's cache");
+    // Device to device on one node's GPU tier (host stand-in).
+    let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
+        .expect("kvd");
+    let (_p, prefill) = engine("prefill", Some(&g), &c.args(&["--gpu-tier"]));
+    let (_d, decode) = engine("decode", Some(&g), &c.args(&["--gpu-tier"]));
+    let (_router, url) = router(&[&prefill], &[&decode], "pull");
+    c.check_hit(&url, "gpu_pull", "same-node GPU handoff");
+}
