@@ -450,21 +450,22 @@ impl Layout {
 
     /// The bytes of part `j` of `parts` layer groups inside one block, as `(start, len)`
     /// (SPEC §16): part `j` holds layers `⌊j·L/P⌋ .. ⌊(j+1)·L/P⌋`, contiguous in the
-    /// orders whose outermost dimension is the layer. `None` when `parts` is 0 or above
-    /// the layer count, `j >= parts`, or the order is token-major and `parts > 1` (a
-    /// layer is strided there: such a layout moves whole).
+    /// orders whose outermost dimension is the layer, and in a grouped layout whose
+    /// layers' pieces are all one size (its layers lie one after another, §3.1). `None`
+    /// when `parts` is 0 or above the layer count, `j >= parts`, or `parts > 1` and the
+    /// order is token-major or the groups' pieces differ in size (a layer is strided, or
+    /// layers are not evenly sized, there: such a layout moves whole).
     pub fn part_range(&self, parts: u64, j: u64) -> Option<(u64, u64)> {
         let (l0, l1) = part_layers(self.num_layers, parts, j)?;
-        if parts > 1
-            && matches!(
-                self.order,
-                MemoryOrder::TokenLayerPartHead | MemoryOrder::Groups
-            )
-        {
+        if parts > 1 && self.order == MemoryOrder::TokenLayerPartHead {
             return None;
         }
         if self.order == MemoryOrder::Groups {
-            return Some((0, self.block_bytes_unchecked()));
+            let lb = self.groups.first().map_or(0, Group::layer_bytes);
+            if self.groups.iter().any(|g| g.layer_bytes() != lb) {
+                return (parts == 1).then_some((0, self.block_bytes_unchecked()));
+            }
+            return Some((l0 * lb, (l1 - l0) * lb));
         }
         let per_layer = self.block_bytes_unchecked() / self.num_layers.max(1);
         Some((l0 * per_layer, (l1 - l0) * per_layer))
@@ -571,9 +572,16 @@ mod tests {
         );
         // The SPEC vector.
         assert_eq!(g.id(), LayoutId(GROUPED_VECTOR_ID));
-        // A grouped layout moves whole.
-        assert!(g.splits_into(1) && !g.splits_into(2));
+        // Its layers' pieces are all 8 KiB: it moves in parts of whole layers (SPEC §16).
+        assert!(g.splits_into(4) && !g.splits_into(5));
         assert_eq!(g.part_range(1, 0), Some((0, 32768)));
+        assert_eq!(g.part_range(2, 1), Some((16384, 16384)));
+        assert_eq!(g.part_range(4, 3), Some((24576, 8192)));
+        // Pieces of different sizes: it moves whole.
+        let mut u = grouped();
+        u.groups[1].dims = vec![1, 2, 16, 64];
+        assert!(u.splits_into(1) && !u.splits_into(2));
+        assert_eq!(u.part_range(1, 0), Some((0, 24576)));
         // Every group field is in the id.
         let mut ids = std::collections::HashSet::new();
         ids.insert(g.id());
