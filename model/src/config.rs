@@ -66,6 +66,37 @@ fn is_false(x: &bool) -> bool {
     !*x
 }
 
+/// A group of layers whose KV moves as one object per block (a layout of its own, SPEC
+/// §3.1 "Grouped layouts"): every layer of one attention kind. What a prefix of a group
+/// needs differs: all of a full group's blocks, only the last blocks of a sliding group,
+/// those its window reaches ([`KvGroup::first_needed`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvGroup {
+    /// What the layers compute.
+    pub kind: LayerKind,
+    /// The model's layers, in order.
+    pub layers: Vec<usize>,
+    /// Positions each layer attends over (0: all).
+    pub window: usize,
+}
+
+impl KvGroup {
+    /// The first logical block of a prefix of `n` blocks this group needs: what the
+    /// first position computed after it (`n · block_tokens`) reads.
+    pub fn first_needed(&self, n: usize, block_tokens: usize) -> usize {
+        Self::first_needed_for(self.window, n, block_tokens)
+    }
+
+    /// [`KvGroup::first_needed`] of a layer attending over `window` positions (0: all):
+    /// position `p` reads `p + 1 - window ..= p`.
+    pub fn first_needed_for(window: usize, n: usize, block_tokens: usize) -> usize {
+        if window == 0 {
+            return 0;
+        }
+        ((n * block_tokens + 1).saturating_sub(window) / block_tokens.max(1)).min(n)
+    }
+}
+
 /// What one layer's attention sees.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -167,6 +198,30 @@ impl ModelConfig {
             LayerKind::Full => 0,
             LayerKind::Sliding => self.sliding_window,
         }
+    }
+
+    /// The groups of layers the engine keeps as separate kvd objects: one of every layer
+    /// when nothing slides (the classic block); otherwise the full layers, then the
+    /// sliding ones.
+    pub fn kv_groups(&self) -> Vec<KvGroup> {
+        let mut out = Vec::new();
+        for kind in [LayerKind::Full, LayerKind::Sliding] {
+            let layers: Vec<usize> = (0..self.layers)
+                .filter(|&l| self.layer_kind(l) == kind)
+                .collect();
+            if !layers.is_empty() {
+                out.push(KvGroup {
+                    kind,
+                    window: if kind == LayerKind::Sliding {
+                        self.sliding_window
+                    } else {
+                        0
+                    },
+                    layers,
+                });
+            }
+        }
+        out
     }
 
     /// Whether any layer slides.

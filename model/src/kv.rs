@@ -86,18 +86,20 @@ impl<B: Backend> Caches<B> {
         })
     }
 
-    /// The pieces of a transfer block of heads `h0..h0 + hs` (SPEC §13 segments), in the
-    /// block's `layer_part_token_head` order: per layer and part, the block's tokens
-    /// (one piece when every head is in it: `[token][head][dim]` is contiguous in the
-    /// layer's `[part][block][token][head][dim]`; a piece per token otherwise).
-    pub(crate) fn segments(&self, h0: usize, hs: usize) -> Vec<Segment> {
+    /// The pieces of a transfer block of heads `h0..h0 + hs` holding `layers` (in that
+    /// order; SPEC §13 segments), in the block's `layer_part_token_head` order: per layer
+    /// and part, the block's tokens (one piece when every head is in it: `[token][head]
+    /// [dim]` is contiguous in the layer's `[part][block][token][head][dim]`; a piece per
+    /// token otherwise).
+    pub(crate) fn segments(&self, layers: &[usize], h0: usize, hs: usize) -> Vec<Segment> {
         let g = &self.geo;
         let f = 4u64;
         let row = (g.kv_heads * g.head_dim) as u64 * f; // one token, every head
         let stride = g.block_tokens as u64 * row; // one block of one part
         let part = g.num_blocks as u64 * stride;
         let mut out = Vec::new();
-        for l in 0..g.layers as u32 {
+        for &l in layers {
+            let l = l as u32;
             for p in 0..2u64 {
                 if hs == g.kv_heads {
                     out.push(Segment {
@@ -121,25 +123,41 @@ impl<B: Backend> Caches<B> {
         out
     }
 
-    /// Gathers whole blocks `phys` (heads `h0..h0 + hs`) into host slots, a layer at a
-    /// time.
+    /// Gathers `layers` (in that order) of blocks `phys` (heads `h0..h0 + hs`) into host
+    /// slots, a layer at a time: whole transfer blocks of a group of those layers.
     pub(crate) fn save(
         &self,
         b: &B,
+        layers: &[usize],
         phys: &[u32],
         h0: usize,
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
-        gather_layers(b, &self.one, &self.layers, phys, h0, hs, dst)
+        let caches = layers
+            .iter()
+            .map(|&l| self.layers.get(l).with_context(|| format!("layer {l}")))
+            .collect::<Result<Vec<_>>>()?;
+        gather_layers(b, &self.one, caches, phys, h0, hs, dst)
     }
 
-    /// Scatters whole blocks (`src`: `[block][rank]` shard blocks of an engine of TP
-    /// `src_tp`) into physical blocks `phys`, a layer at a time.
-    pub(crate) fn load(&mut self, b: &B, phys: &[u32], src_tp: usize, src: &[&[u8]]) -> Result<()> {
+    /// Scatters blocks holding `layers` back to back (`src`: `[block][rank]` shard blocks
+    /// of an engine of TP `src_tp`) into physical blocks `phys`, a layer at a time.
+    pub(crate) fn load(
+        &mut self,
+        b: &B,
+        layers: &[usize],
+        phys: &[u32],
+        src_tp: usize,
+        src: &[&[u8]],
+    ) -> Result<()> {
         b.begin_loads()?;
-        for (l, cache) in self.layers.iter_mut().enumerate() {
-            let sub = layer_slices(src, l, self.geo.layers)?;
+        for (i, &l) in layers.iter().enumerate() {
+            let sub = layer_slices(src, i, layers.len())?;
+            let cache = self
+                .layers
+                .get_mut(l)
+                .with_context(|| format!("layer {l}"))?;
             b.scatter_from_host(cache, &self.one, phys, src_tp, &sub)?;
         }
         Ok(())
@@ -205,16 +223,71 @@ pub(crate) fn layer_slices<'s>(src: &[&'s [u8]], l: usize, layers: usize) -> Res
 
 /// A prefix loaded layer by layer while the forward runs ([`crate::Model::forward_loading`]):
 /// the sequence's first `n` logical blocks, from host slots written by an engine of TP
-/// size `src_tp` (`src`: `[block][rank]`, whole blocks).
+/// size `src_tp`, a source per group of layers ([`PrefixGroup`]).
 pub struct Prefix<'s> {
     /// Logical blocks.
     pub n: usize,
     /// The writer's TP size.
     pub src_tp: usize,
-    /// The slots.
-    pub src: &'s [&'s [u8]],
+    /// Where each layer's KV comes from: every layer of the model in exactly one group.
+    pub groups: Vec<PrefixGroup<'s>>,
     /// Test knob: hold the load of this layer back this long (a slow layer).
     pub delay: Option<(usize, std::time::Duration)>,
+}
+
+/// The blocks of one group of layers of a [`Prefix`]: logical blocks `first..n` (a
+/// sliding-window group needs only those its window reaches, [`crate::model::KvGroup`]),
+/// each a transfer block holding `layers` back to back, `src[(b - first) · src_tp + rank]`.
+pub struct PrefixGroup<'s> {
+    /// The model's layers the blocks hold, in their order.
+    pub layers: &'s [usize],
+    /// The first logical block brought.
+    pub first: usize,
+    /// The slots.
+    pub src: &'s [&'s [u8]],
+}
+
+impl<'s> Prefix<'s> {
+    /// Whole blocks of every layer (one group, `all` the model's layers in order).
+    pub fn whole(n: usize, src_tp: usize, all: &'s [usize], src: &'s [&'s [u8]]) -> Self {
+        Prefix {
+            n,
+            src_tp,
+            groups: vec![PrefixGroup {
+                layers: all,
+                first: 0,
+                src,
+            }],
+            delay: None,
+        }
+    }
+
+    /// Checks that every layer of `layers` is in exactly one group and each group has
+    /// its blocks; returns, per layer, its group and its index in the group.
+    pub(crate) fn plan(&self, layers: usize) -> Result<Vec<(usize, usize)>> {
+        let mut at = vec![None; layers];
+        for (g, pg) in self.groups.iter().enumerate() {
+            ensure!(pg.first <= self.n, "group {g} starts past the prefix");
+            ensure!(
+                pg.src.len() == (self.n - pg.first) * self.src_tp,
+                "group {g}: {} slots for {} blocks of {} shards",
+                pg.src.len(),
+                self.n - pg.first,
+                self.src_tp
+            );
+            for (i, &l) in pg.layers.iter().enumerate() {
+                let slot = at
+                    .get_mut(l)
+                    .with_context(|| format!("layer {l} past the model"))?;
+                ensure!(slot.is_none(), "layer {l} in two groups");
+                *slot = Some((g, i));
+            }
+        }
+        at.into_iter()
+            .enumerate()
+            .map(|(l, x)| x.with_context(|| format!("layer {l} in no group of the prefix")))
+            .collect()
+    }
 }
 
 /// The KV cache as a forward pass leaves it after one layer (see
@@ -241,8 +314,22 @@ impl<B: Backend> LayerView<'_, B> {
         layers: std::ops::Range<usize>,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
+        let list: Vec<usize> = layers.collect();
+        self.save_layer_list(logical, h0, hs, &list, dst)
+    }
+
+    /// [`LayerView::save_layers`] of a list of layers (all computed), back to back in
+    /// that order: a part of a group's transfer block.
+    pub fn save_layer_list(
+        &self,
+        logical: &[usize],
+        h0: usize,
+        hs: usize,
+        layers: &[usize],
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
         ensure!(
-            layers.start < layers.end && layers.end <= self.done.len(),
+            !layers.is_empty() && layers.iter().all(|&l| l < self.done.len()),
             "layers {layers:?}: {} computed so far",
             self.done.len()
         );
@@ -254,10 +341,10 @@ impl<B: Backend> LayerView<'_, B> {
             );
             phys.push(*self.blocks.get(l).ok_or_else(|| anyhow!("block {l}"))?);
         }
-        let caches: Vec<&B::Buf> = (self.done.get(layers).context("layers computed")?)
+        let caches = layers
             .iter()
-            .map(|c| &**c)
-            .collect();
+            .map(|&l| self.done.get(l).map(|c| &**c).context("a layer computed"))
+            .collect::<Result<Vec<&B::Buf>>>()?;
         gather_layers(self.backend, self.one, caches, &phys, h0, hs, dst)
     }
 }

@@ -19,9 +19,9 @@ use std::path::Path;
 use anyhow::{ensure, Context, Result};
 
 use crate::backend::{Backend, MoeBufs};
-pub use crate::config::{LayerKind, ModelConfig, RopeScaling};
+pub use crate::config::{KvGroup, LayerKind, ModelConfig, RopeScaling};
 use crate::kv::{layer_slices, Caches};
-pub use crate::kv::{LayerView, Prefix};
+pub use crate::kv::{LayerView, Prefix, PrefixGroup};
 use crate::weights::transpose_each;
 pub use crate::weights::Weights;
 use crate::KvGeometry;
@@ -262,7 +262,17 @@ impl<B: Backend> Model<B> {
     /// The pieces of one transfer block of heads `h0..h0 + hs` in the shared cache's
     /// regions (SPEC §13 segments, `gpu_register`'s).
     pub fn kv_segments(&self, h0: usize, hs: usize) -> Vec<crate::KvSegment> {
-        self.kv.segments(h0, hs)
+        self.kv.segments(&self.all_layers(), h0, hs)
+    }
+
+    /// [`Model::kv_segments`] of a block holding `layers` (a group's, [`KvGroup`]).
+    pub fn kv_segments_of(&self, layers: &[usize], h0: usize, hs: usize) -> Vec<crate::KvSegment> {
+        self.kv.segments(layers, h0, hs)
+    }
+
+    /// Every layer, in order.
+    fn all_layers(&self) -> Vec<usize> {
+        (0..self.cfg.layers).collect()
     }
 
     /// The shape.
@@ -348,6 +358,10 @@ impl<B: Backend> Model<B> {
                 "{} blocks is past the known tokens",
                 p.n
             );
+            p.plan(self.cfg.layers)?;
+            for g in &p.groups {
+                self.check_reach(g.layers, g.first, p.n)?;
+            }
             self.reserve(seq, p.n * bt)?;
             seq.computed = p.n * bt;
         }
@@ -422,6 +436,7 @@ impl<B: Backend> Model<B> {
             let mut ready: Vec<Option<&mut B::Buf>> = Vec::new();
             match prefix {
                 Some(p) => {
+                    let plan = p.plan(nl)?;
                     let caches: Vec<&mut B::Buf> = kv.layers.iter_mut().collect();
                     let phys = blocks.get(..p.n).context("prefix blocks")?;
                     // The loads may overlap the forward's work queued from here on: it
@@ -434,10 +449,17 @@ impl<B: Backend> Model<B> {
                                     std::thread::sleep(wait);
                                 }
                             }
-                            let r = layer_slices(p.src, l, nl).and_then(|src| {
-                                b.scatter_from_host(c, &one, phys, p.src_tp, &src)
-                                    .map(|()| c)
-                            });
+                            // Layer l's group brings logical blocks first..n.
+                            let r = plan
+                                .get(l)
+                                .zip(p.groups.get(plan.get(l).map_or(0, |x| x.0)))
+                                .context("a layer's group")
+                                .and_then(|(&(_, i), pg)| {
+                                    let src = layer_slices(pg.src, i, pg.layers.len())?;
+                                    let phys = phys.get(pg.first..).context("group blocks")?;
+                                    b.scatter_from_host(c, &one, phys, p.src_tp, &src)
+                                })
+                                .map(|()| c);
                             let failed = r.is_err();
                             if tx.send(r).is_err() || failed {
                                 return; // the forward stopped, or this load failed
@@ -553,19 +575,33 @@ impl<B: Backend> Model<B> {
         hs: usize,
         dst: &mut [&mut [u8]],
     ) -> Result<()> {
+        self.save_group_blocks(seq, &self.all_layers(), logical, h0, hs, dst)
+    }
+
+    /// [`Model::save_blocks`] of transfer blocks holding `layers` back to back (a
+    /// group's, [`KvGroup`]).
+    pub fn save_group_blocks(
+        &self,
+        seq: &Sequence,
+        layers: &[usize],
+        logical: &[usize],
+        h0: usize,
+        hs: usize,
+        dst: &mut [&mut [u8]],
+    ) -> Result<()> {
         let mut phys = Vec::with_capacity(logical.len());
         for &l in logical {
             ensure!(
                 (l + 1) * self.cfg.block_tokens <= seq.computed,
                 "block {l} is not computed yet"
             );
-            phys.push(seq.blocks[l]);
+            phys.push(*seq.blocks.get(l).context("a block of the sequence")?);
         }
-        self.kv.save(&self.backend, &phys, h0, hs, dst)
+        self.kv.save(&self.backend, layers, &phys, h0, hs, dst)
     }
 
     /// Loads the first `n` logical blocks of `seq` from host slots written by an engine
-    /// with TP size `src_tp` (`src`: `[block][rank]`) and marks them computed.
+    /// with TP size `src_tp` (`src`: `[block][rank]`, every layer) and marks them computed.
     pub fn load_prefix(
         &mut self,
         seq: &mut Sequence,
@@ -573,13 +609,43 @@ impl<B: Backend> Model<B> {
         src_tp: usize,
         src: &[&[u8]],
     ) -> Result<()> {
+        let all = self.all_layers();
+        self.load_prefix_groups(seq, &Prefix::whole(n, src_tp, &all, src))
+    }
+
+    /// Loads a prefix whose layers come in groups (each group its blocks `first..n`,
+    /// [`Prefix`]) and marks its `n` blocks computed. A sliding group's blocks before
+    /// `first` are not loaded: no position from `n · block_tokens` on reads them.
+    pub fn load_prefix_groups(&mut self, seq: &mut Sequence, p: &Prefix<'_>) -> Result<()> {
+        let n = p.n;
         ensure!(
             n * self.cfg.block_tokens <= seq.tokens.len(),
             "{n} blocks is past the known tokens"
         );
+        p.plan(self.cfg.layers)?;
+        for g in &p.groups {
+            self.check_reach(g.layers, g.first, n)?;
+        }
         self.reserve(seq, n * self.cfg.block_tokens)?;
-        self.kv.load(&self.backend, &seq.blocks[..n], src_tp, src)?;
+        for g in &p.groups {
+            let phys = seq.blocks.get(g.first..n).context("prefix blocks")?;
+            self.kv
+                .load(&self.backend, g.layers, phys, p.src_tp, g.src)?;
+        }
         seq.computed = n * self.cfg.block_tokens;
+        Ok(())
+    }
+
+    /// A group that brings blocks from `first` on must not hold a layer whose attention
+    /// reaches before them from position `n · block_tokens`.
+    fn check_reach(&self, layers: &[usize], first: usize, n: usize) -> Result<()> {
+        for &l in layers {
+            let need = KvGroup::first_needed_for(self.cfg.window(l), n, self.cfg.block_tokens);
+            ensure!(
+                first <= need,
+                "layer {l} reads from block {need} on, the prefix brings it from {first}"
+            );
+        }
         Ok(())
     }
 }

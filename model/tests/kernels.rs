@@ -723,11 +723,10 @@ fn a_prefix_loaded_layer_by_layer_gives_the_same_logits() {
             ..Default::default()
         };
         let mut seen = Vec::new();
+        let all: Vec<usize> = (0..cfg.layers).collect();
         let p = Prefix {
-            n,
-            src_tp: 1,
-            src,
             delay,
+            ..Prefix::whole(n, 1, &all, src)
         };
         let r = b.forward_loading(&mut s, Some(p), &mut |li, _| {
             seen.push(li);
@@ -806,6 +805,125 @@ fn safetensors_weights_and_hf_config_load() {
         .expect("shape mismatch refused")
         .to_string();
     assert!(e.contains("elements"), "{e}");
+}
+
+/// A gpt-oss-shaped model (sliding and full layers, sinks, biases, experts; seeded
+/// weights): its KV as two groups, the full layers' blocks whole and the sliding layers'
+/// only from the first block the window reaches, gives the bits of a cold prefill; a
+/// sliding group that starts one block later is refused (its window reads that block).
+#[test]
+fn a_sliding_groups_window_is_all_a_prefix_needs() {
+    use kvd_model::model::{KvGroup, LayerKind, Prefix, PrefixGroup};
+    let cfg = ModelConfig {
+        layers: 4,
+        layer_types: vec![
+            LayerKind::Sliding,
+            LayerKind::Full,
+            LayerKind::Sliding,
+            LayerKind::Full,
+        ],
+        sliding_window: 20,
+        attention_bias: true,
+        attention_sinks: true,
+        moe: Some(kvd_model::MoeShape {
+            experts: 4,
+            top_k: 2,
+            ffn: 64,
+            alpha: 1.702,
+            limit: 7.0,
+        }),
+        block_tokens: 8,
+        ..tiny()
+    };
+    let groups = cfg.kv_groups();
+    assert_eq!(
+        groups,
+        [
+            KvGroup {
+                kind: LayerKind::Full,
+                layers: vec![1, 3],
+                window: 0
+            },
+            KvGroup {
+                kind: LayerKind::Sliding,
+                layers: vec![0, 2],
+                window: 20
+            },
+        ]
+    );
+    let (n, bt) = (6, cfg.block_tokens);
+    // Position 48 reads 29..=48: blocks 3.. of the sliding layers.
+    assert_eq!(groups[1].first_needed(n, bt), 3);
+    assert_eq!(groups[0].first_needed(n, bt), 0);
+    let tokens: Vec<u32> = (0..n * bt + 5).map(|i| (i * 37 % 251) as u32).collect();
+    let mut a = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let mut whole = Sequence {
+        tokens: tokens.clone(),
+        ..Default::default()
+    };
+    let want = a.forward(&mut whole).unwrap().to_vec();
+    let saved = |g: &KvGroup, from: usize| -> Vec<Vec<u8>> {
+        let bytes = g.layers.len() * 2 * bt * cfg.kv_heads * cfg.head_dim * 4;
+        let mut out: Vec<Vec<u8>> = (from..n).map(|_| vec![0u8; bytes]).collect();
+        let mut dst: Vec<&mut [u8]> = out.iter_mut().map(|b| &mut b[..]).collect();
+        let logical: Vec<usize> = (from..n).collect();
+        a.save_group_blocks(&whole, &g.layers, &logical, 0, cfg.kv_heads, &mut dst)
+            .unwrap();
+        out
+    };
+    let full = saved(&groups[0], 0);
+    let first = groups[1].first_needed(n, bt);
+    let sliding = saved(&groups[1], first);
+    let fsrc: Vec<&[u8]> = full.iter().map(|b| &b[..]).collect();
+    let ssrc: Vec<&[u8]> = sliding.iter().map(|b| &b[..]).collect();
+    let prefix = |sfirst: usize| Prefix {
+        n,
+        src_tp: 1,
+        groups: vec![
+            PrefixGroup {
+                layers: &groups[0].layers,
+                first: 0,
+                src: &fsrc,
+            },
+            PrefixGroup {
+                layers: &groups[1].layers,
+                first: sfirst,
+                src: &ssrc[sfirst - first..],
+            },
+        ],
+        delay: None,
+    };
+    // Loaded at once, and layer by layer during the forward.
+    let mut b = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let mut s = Sequence {
+        tokens: tokens.clone(),
+        ..Default::default()
+    };
+    b.load_prefix_groups(&mut s, &prefix(first)).unwrap();
+    assert_eq!(
+        b.forward(&mut s).unwrap().to_vec(),
+        want,
+        "groups loaded, then the rest"
+    );
+    let mut c = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let mut s = Sequence {
+        tokens: tokens.clone(),
+        ..Default::default()
+    };
+    let got = c
+        .forward_loading(&mut s, Some(prefix(first)), &mut |_, _| Ok(()))
+        .unwrap();
+    assert_eq!(got.to_vec(), want, "groups loaded during the forward");
+    // One block short of the window: refused, never computed from a stale block.
+    let mut d = Model::new(CpuBackend::new(), cfg.clone(), Weights::seeded(&cfg), 32).unwrap();
+    let mut s = Sequence {
+        tokens,
+        ..Default::default()
+    };
+    let e = d
+        .load_prefix_groups(&mut s, &prefix(first + 1))
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("reads from block 3"), "{e:#}");
 }
 
 #[cfg(feature = "cuda")]
@@ -1144,11 +1262,10 @@ mod gpu {
                 ..Default::default()
             };
             let src: Vec<&[u8]> = pool.chunks(be).collect();
+            let all: Vec<usize> = (0..cfg.layers).collect();
             let p = Prefix {
-                n,
-                src_tp: 1,
-                src: &src,
                 delay,
+                ..Prefix::whole(n, 1, &all, &src)
             };
             let l = b
                 .forward_loading(&mut s, Some(p), &mut |_, _| Ok(()))
