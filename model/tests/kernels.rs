@@ -924,6 +924,11 @@ fn a_sliding_groups_window_is_all_a_prefix_needs() {
         .load_prefix_groups(&mut s, &prefix(first + 1))
         .unwrap_err();
     assert!(format!("{e:#}").contains("reads from block 3"), "{e:#}");
+    let e = d
+        .forward_loading(&mut s, Some(prefix(first + 1)), &mut |_, _| Ok(()))
+        .err()
+        .unwrap();
+    assert!(format!("{e:#}").contains("reads from block 3"), "{e:#}");
 }
 
 #[cfg(feature = "cuda")]
