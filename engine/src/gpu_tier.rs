@@ -1,6 +1,7 @@
 //! The reference engine on the daemon's GPU tier (SPEC §13, `--gpu-tier`): its KV cache
 //! is shared memory the daemon opens (a region per layer: CUDA IPC allocations, or files
-//! in the host stand-in's directory on the CPU), registered once per shard layout, so
+//! in the host stand-in's directory on the CPU), registered once per shard layout (a
+//! group of layers and a rank, `worker::shards`), so
 //! prefix hits load by `gpu_load`, new blocks store by `gpu_store` and a decode engine on
 //! the same node takes a request's blocks by `gpu_pull` — the daemon copies; no block
 //! passes through the engine's own copies or the engine's pool mapping.
@@ -29,20 +30,25 @@ pub struct GpuTier {
 }
 
 impl GpuTier {
-    /// The tier's view of `model`'s shared cache, for the shard `layouts` (in rank order).
-    pub fn new(model: &Model<AnyBackend>, layouts: &[LayoutInfo]) -> Result<GpuTier> {
+    /// The tier's view of `model`'s shared cache, for the `layouts` of `shards` (in
+    /// shard order).
+    pub(crate) fn new(
+        model: &Model<AnyBackend>,
+        layouts: &[LayoutInfo],
+        shards: &crate::worker::Shards,
+    ) -> Result<GpuTier> {
         let g = model.geometry();
         anyhow::ensure!(
             !model.kv_regions().is_empty(),
             "the KV cache is not shared memory"
         );
-        let hs = g.kv_heads / layouts.len().max(1);
+        let hs = g.kv_heads / shards.tp();
         let shards = layouts
             .iter()
             .enumerate()
-            .map(|(r, l)| {
+            .map(|(i, l)| {
                 let segs = model
-                    .kv_segments(r * hs, hs)
+                    .kv_segments_of(&shards.group(i).layers, shards.rank(i) * hs, hs)
                     .into_iter()
                     .map(|s| GpuSegment {
                         region: s.region,
@@ -143,38 +149,56 @@ impl GpuTier {
         })
     }
 
-    /// Loads the longest prefix of `keys` every shard has into `blocks`; how many blocks.
-    pub fn load(&self, c: &Client, keys: &[ChunkHash], blocks: &[u32]) -> Result<usize> {
+    /// Loads `keys` into `blocks`, shard `i` from logical block `first[i]` on; how many
+    /// blocks from there each shard loaded.
+    pub fn load(
+        &self,
+        c: &Client,
+        keys: &[ChunkHash],
+        blocks: &[u32],
+        first: &[usize],
+    ) -> Result<Vec<usize>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
+        let n = keys.len().min(ids.len());
         self.with(c, |regs| {
-            let mut n = keys.len();
-            for r in regs {
-                n = n.min(c.gpu_load(*r, &keys[..n], &ids[..n])? as usize);
-                if n == 0 {
-                    break;
-                }
-            }
-            Ok(n)
+            regs.iter()
+                .zip(first)
+                .map(|(r, &f)| {
+                    let f = f.min(n);
+                    Ok(c.gpu_load(*r, &keys[f..n], &ids[f..n])? as usize)
+                })
+                .collect()
         })
     }
 
     /// Exports `blocks` under `keys` for a decode engine on this node, one export per
-    /// shard (`<base>.r<rank>`), device to device by its `gpu_pull`.
+    /// shard (`<base>.r<shard>`, shard `i` from logical block `first[i]` on), device to
+    /// device by its `gpu_pull`.
     pub fn export(
         &self,
         c: &Client,
         base: &str,
         keys: &[ChunkHash],
         blocks: &[u32],
+        first: &[usize],
         lease: std::time::Duration,
     ) -> Result<Vec<GpuTransferParams>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
+        let n = keys.len().min(ids.len());
         self.with(c, |regs| {
             regs.iter()
+                .zip(first)
                 .enumerate()
-                .map(|(r, reg)| {
-                    c.gpu_export(*reg, &format!("{base}.r{r}"), keys, &ids, Some(lease))
-                        .with_context(|| format!("gpu_export of {base}.r{r}"))
+                .map(|(r, (reg, &f))| {
+                    let f = f.min(n);
+                    c.gpu_export(
+                        *reg,
+                        &format!("{base}.r{r}"),
+                        &keys[f..n],
+                        &ids[f..n],
+                        Some(lease),
+                    )
+                    .with_context(|| format!("gpu_export of {base}.r{r}"))
                 })
                 .collect()
         })
@@ -194,22 +218,33 @@ impl GpuTier {
         })
     }
 
-    /// Pulls a prefill engine's exports (one per shard, the same shard count) into
-    /// `blocks`.
-    pub fn pull(&self, c: &Client, params: &[GpuTransferParams], blocks: &[u32]) -> Result<usize> {
+    /// Pulls a prefill engine's exports (one per shard, the same shard count; shard `i`'s
+    /// keys are logical blocks from `first[i]` on) into `blocks`; how many blocks from
+    /// there each shard took.
+    pub fn pull(
+        &self,
+        c: &Client,
+        params: &[GpuTransferParams],
+        blocks: &[u32],
+        first: &[usize],
+    ) -> Result<Vec<usize>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
         self.with(c, |regs| {
             anyhow::ensure!(
-                params.len() == regs.len(),
+                params.len() == regs.len() && first.len() == regs.len(),
                 "{} GPU exports for {} shards (same-node GPU handoffs need the same TP size)",
                 params.len(),
                 regs.len()
             );
-            let mut n = usize::MAX;
-            for (reg, p) in regs.iter().zip(params) {
-                n = n.min(c.gpu_pull(*reg, &ids[..p.keys.len().min(ids.len())], p)? as usize);
-            }
-            Ok(n)
+            regs.iter()
+                .zip(params)
+                .zip(first)
+                .map(|((reg, p), &f)| {
+                    let f = f.min(ids.len());
+                    let end = (f + p.keys.len()).min(ids.len());
+                    Ok(c.gpu_pull(*reg, &ids[f..end], p)? as usize)
+                })
+                .collect()
         })
     }
 }

@@ -19,6 +19,10 @@ mod hf_reference;
 use common::*;
 use serde_json::{json, Value};
 
+/// One block of one group of the test's gpt-oss, every rank: 2 layers × K, V × 16
+/// tokens × 2 KV heads × 16 dims × 4 bytes.
+const GROUP_BLOCK: u64 = 2 * 2 * 16 * 2 * 16 * 4;
+
 struct Case {
     body: Value,
     want: Vec<u32>,
@@ -192,7 +196,6 @@ fn gpt_oss_gives_transformers_tokens_on_every_local_path() {
 #[test]
 fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
     let Some(c) = gpt_oss() else { return };
-    let (a, b) = (node(), node());
     for (ptp, dtp, parts, mode) in [
         ("1", "1", "0", "pull"),
         ("1", "1", "0", "push"),
@@ -201,6 +204,17 @@ fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
         ("1", "1", "2", "push"),
         ("2", "1", "4", "pull"),
     ] {
+        // Daemons of its own for each: a decode daemon that held the blocks already
+        // would take no bytes.
+        let (a, b) = (node(), node());
+        // Bytes the two daemons' data planes moved (a pull's jobs run on the decode
+        // side, a push's on the prefill side).
+        let moved = || -> u64 {
+            [&a, &b]
+                .iter()
+                .map(|n| n.client().stats().unwrap().transfers.map_or(0, |t| t.bytes))
+                .sum()
+        };
         let (_p, prefill) = engine(
             "prefill",
             Some(&a),
@@ -209,14 +223,19 @@ fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
         let (_d, decode) = engine("decode", Some(&b), &c.args(&["--tp", dtp]));
         let (_router, url) = router(&[&prefill], &[&decode], mode);
         let what = format!("{mode}, prefill tp {ptp} ({parts} layer-wise parts), decode tp {dtp}");
+        let before = moved();
         let got = c.check_hit(&url, mode, &what);
         if parts != "0" {
+            // Each group has two layers: at most two parts.
             assert_eq!(
                 got["prefill_kvd"]["handoff_parts"].as_u64(),
-                parts.parse().ok(),
+                Some(parts.parse::<u64>().unwrap().min(2)),
                 "{what}: the handoff was layer-wise: {got}"
             );
         }
+        // What moved: the full layers' four blocks, and of the sliding layers only the
+        // two the window of position 64 reaches (41..=64): 6 of the 8 blocks' halves.
+        assert_eq!(moved() - before, 6 * GROUP_BLOCK, "{what}: bytes moved");
     }
     // A peer's cache: two daemons that know each other (static discovery, peer fetch);
     // the prompt computed on one is a prefix hit on the other.

@@ -14,45 +14,69 @@ impl Engine {
 
     pub(super) fn local_load(&self, kv: &Kv, tokens: &[u32]) -> Result<Option<Loaded>> {
         let keys = self.keys(tokens);
-        let mut n = self.usable(tokens).min(keys.len());
-        for l in &kv.layouts {
-            if n == 0 {
-                break;
-            }
-            n = n.min(kv.client.lookup(l.id, &keys[..n])?.prefix as usize);
-        }
+        let sh = &kv.shards;
+        let n = sh.agreed(self.usable(tokens), &keys, |i, k| {
+            let l = kv.layouts.get(i).context("a shard's layout")?;
+            Ok(kv.client.lookup(l.id, k)?.prefix as usize)
+        })?;
         if n == 0 {
             return Ok(None);
         }
+        let first: Vec<usize> = (0..sh.len()).map(|i| sh.first(i, n)).collect();
         if kv.gpu.is_some() {
             // The daemon copies into the cache when the scheduler has blocks for them.
             return Ok(Some(Loaded {
                 n,
-                src_tp: kv.layouts.len(),
+                src_tp: sh.tp(),
                 pins: Vec::new(),
+                first,
                 gpu: true,
                 gpu_pull: Vec::new(),
             }));
         }
         let mut pins = Vec::new();
-        for l in &kv.layouts {
-            let p = kv
-                .client
-                .get(l.id, &keys[..n], Some(Duration::from_secs(30)))?;
+        let mut held = Vec::new();
+        for (l, &f) in kv.layouts.iter().zip(&first) {
+            let k = &keys[f..n];
+            let p = kv.client.get(l.id, k, Some(Duration::from_secs(30)))?;
             // Only blocks whose bytes kvd vouches for (SPEC §17): a damaged one ends the
             // prefix, and the rest of the prompt is computed.
-            n = n.min(kv.client.vouched_prefix(l.id, &keys[..n], &p)?);
+            held.push(kv.client.vouched_prefix(l.id, k, &p)?);
             pins.push(p);
         }
         Ok(Some(Loaded {
-            n,
-            src_tp: kv.layouts.len(),
+            n: sh.covered(n, &first, &held),
+            src_tp: sh.tp(),
             pins,
+            first,
             gpu: false,
             gpu_pull: Vec::new(),
         }))
     }
 
+    /// Where each shard's keys start in the prompt's: a shard moves a run of them
+    /// (a sliding group's window), and chunk hashes name their position.
+    fn starts(keys: &[ChunkHash], runs: &[&[ChunkHash]]) -> Result<Vec<usize>> {
+        runs.iter()
+            .enumerate()
+            .map(|(i, run)| {
+                let Some(k0) = run.first() else {
+                    return Ok(0);
+                };
+                let s = keys
+                    .iter()
+                    .position(|k| k == k0)
+                    .with_context(|| format!("shard {i}'s blocks are not this prompt's"))?;
+                ensure!(
+                    keys.get(s..s + run.len()) == Some(run),
+                    "shard {i}'s blocks are not this prompt's"
+                );
+                Ok(s)
+            })
+            .collect()
+    }
+
+    /// The layouts of a writer of TP `src_tp` (every shard), registered once per size.
     fn src_layouts(&self, kv: &Kv, src_tp: usize) -> Result<Vec<LayoutInfo>> {
         ensure!(
             src_tp > 0 && self.inner.cfg.model.kv_heads.is_multiple_of(src_tp),
@@ -67,12 +91,11 @@ impl Engine {
         {
             return Ok(l.clone());
         }
-        let l = (0..src_tp)
-            .map(|r| {
-                Ok(kv
-                    .client
-                    .register_layout(&layout_of(&self.inner.cfg.model, src_tp, r))?)
-            })
+        let m = &self.inner.cfg.model;
+        let l = Shards::new(m, src_tp)
+            .layouts(m)
+            .iter()
+            .map(|x| Ok(kv.client.register_layout(x)?))
             .collect::<Result<Vec<_>>>()?;
         kv.src_layouts
             .lock()
@@ -122,30 +145,27 @@ impl Engine {
                     kv.layouts.get(r).is_some_and(|l| l.id == g.layout_id),
                     "another layout (model or shard count)"
                 );
-                ensure!(
-                    g.keys.len() <= keys.len() && g.keys[..] == keys[..g.keys.len()],
-                    "not this prompt's blocks"
-                );
                 Ok(g)
             })
             .collect();
-        match parsed {
-            Ok(g) if g.len() == kv.layouts.len() => {
-                let n = g
-                    .iter()
-                    .map(|x| x.keys.len())
-                    .min()
-                    .unwrap_or(0)
-                    .min(self.usable(tokens));
+        let starts = parsed.and_then(|g| {
+            let runs: Vec<&[ChunkHash]> = g.iter().map(|x| &x.keys[..]).collect();
+            Ok((Self::starts(&keys, &runs)?, g))
+        });
+        match starts {
+            Ok((first, g)) if g.len() == kv.layouts.len() => {
+                let held: Vec<usize> = g.iter().map(|x| x.keys.len()).collect();
+                let n = kv.shards.covered(self.usable(tokens), &first, &held);
                 Some(Loaded {
                     n,
-                    src_tp: g.len(),
+                    src_tp: kv.shards.tp(),
                     pins: Vec::new(),
+                    first,
                     gpu: true,
                     gpu_pull: g,
                 })
             }
-            Ok(g) => {
+            Ok((_, g)) => {
                 tracing::debug!(
                     "{} GPU exports for {} shards: pulling from the pool",
                     g.len(),
@@ -201,10 +221,12 @@ impl Engine {
             return Ok(None); // the prompt had no full block
         }
         let src_tp = p.prefill_tp.unwrap_or(p.ranks.len());
+        let src = Shards::new(&self.inner.cfg.model, src_tp);
         ensure!(
-            p.ranks.len() == src_tp,
-            "{} transfer params for prefill_tp {src_tp}",
-            p.ranks.len()
+            p.ranks.len() == src.len(),
+            "{} transfer params for prefill_tp {src_tp} ({} shards)",
+            p.ranks.len(),
+            src.len()
         );
         let layouts = self.src_layouts(kv, src_tp)?;
         let keys = self.keys(tokens);
@@ -214,15 +236,14 @@ impl Engine {
             let tp = TransferParams::from_msgpack(&bytes)
                 .map_err(|e| anyhow!("kv_transfer_params.ranks[{r}]: {e}"))?;
             ensure!(
-                tp.layout_id == layouts[r].id,
+                layouts.get(r).is_some_and(|l| l.id == tp.layout_id),
                 "kv_transfer_params.ranks[{r}] is for another layout (model or shard)"
-            );
-            ensure!(
-                tp.keys.len() <= keys.len() && tp.keys[..] == keys[..tp.keys.len()],
-                "kv_transfer_params do not match this prompt"
             );
             params.push(tp);
         }
+        let runs: Vec<&[ChunkHash]> = params.iter().map(|t| &t.keys[..]).collect();
+        let first =
+            Self::starts(&keys, &runs).context("kv_transfer_params do not match this prompt")?;
         // Start every shard's pull, then wait for all.
         let moved = params
             .iter()
@@ -237,6 +258,7 @@ impl Engine {
                     kv,
                     params.iter().map(|t| t.transfer_id.clone()).collect(),
                     &layouts,
+                    (&src, &first, &runs),
                     tokens,
                 )
             });
@@ -276,23 +298,37 @@ impl Engine {
             return Ok(None); // the prefill exports nothing for a prompt without a full block
         }
         let src_tp = p.prefill_tp.context("push needs prefill_tp")?;
+        let src = Shards::new(&self.inner.cfg.model, src_tp);
         let layouts = self.src_layouts(kv, src_tp)?;
+        // Each shard the keys the prefill exports: a sliding group's from the first block
+        // the window of the longest prefix reaches ([`Shards::handoff_first`]).
+        let first: Vec<usize> = (0..src.len())
+            .map(|i| src.handoff_first(i, tokens.len(), keys.len()))
+            .collect();
+        let runs: Vec<&[ChunkHash]> = first.iter().map(|&f| &keys[f..]).collect();
         let mut ids = Vec::new();
-        let registered = layouts.iter().enumerate().try_for_each(|(r, l)| {
-            let id = format!("{}.r{r}", push.transfer_id);
-            kv.client
-                .push_register(
-                    &id,
-                    l.id,
-                    &keys,
-                    &push.prefill_node,
-                    Some(Duration::from_secs(30)),
-                )
-                .with_context(|| format!("push registration of {id} with {}", push.prefill_node))?;
-            ids.push(id);
-            Ok(())
-        });
-        let moved = registered.and_then(|()| self.wait_all(kv, ids.clone(), &layouts, tokens));
+        let registered = layouts
+            .iter()
+            .zip(&runs)
+            .enumerate()
+            .try_for_each(|(r, (l, k))| {
+                let id = format!("{}.r{r}", push.transfer_id);
+                kv.client
+                    .push_register(
+                        &id,
+                        l.id,
+                        k,
+                        &push.prefill_node,
+                        Some(Duration::from_secs(30)),
+                    )
+                    .with_context(|| {
+                        format!("push registration of {id} with {}", push.prefill_node)
+                    })?;
+                ids.push(id);
+                Ok(())
+            });
+        let moved = registered
+            .and_then(|()| self.wait_all(kv, ids.clone(), &layouts, (&src, &first, &runs), tokens));
         if moved.is_err() {
             for id in &ids {
                 let _ = kv.client.abort_transfer(id);
@@ -301,18 +337,20 @@ impl Engine {
         self.or_compute(kv, p, moved)
     }
 
+    /// Waits for every shard's transfer (`ids`, of `layouts`); `shards`: the writer's
+    /// shards, where each one's keys start in the prompt's, and those keys.
     fn wait_all(
         &self,
         kv: &Kv,
         ids: Vec<String>,
         layouts: &[LayoutInfo],
+        (src, first, runs): (&Shards, &[usize], &[&[ChunkHash]]),
         tokens: &[u32],
     ) -> Result<Option<Loaded>> {
         let deadline = Instant::now() + self.inner.cfg.transfer_timeout;
         let mut pins = Vec::new();
-        let mut n = self.usable(tokens);
-        let keys = self.keys(tokens);
-        for (id, l) in ids.iter().zip(layouts) {
+        let mut held = Vec::new();
+        for ((id, l), k) in ids.iter().zip(layouts).zip(runs) {
             let done = loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -345,13 +383,14 @@ impl Engine {
             // damaged on the way or here ends the prefix.
             // (the request's own keys are the export's: `same_model` checked the model,
             // and a key named wrongly is only checked by the daemon, never dropped)
-            n = n.min(kv.client.vouched_prefix(l.id, &keys, &p)?);
+            held.push(kv.client.vouched_prefix(l.id, k, &p)?);
             pins.push(p);
         }
         Ok(Some(Loaded {
-            n,
-            src_tp: layouts.len(),
+            n: src.covered(self.usable(tokens), first, &held),
+            src_tp: src.tp(),
             pins,
+            first: first.to_vec(),
             gpu: false,
             gpu_pull: Vec::new(),
         }))

@@ -12,6 +12,7 @@
 //! | this file | the engine's configuration, requests and events, [`Engine::start`] (model, kvd session, GPU tier) and [`Engine::submit`] |
 //! | `loads` | where a request's prefix comes from (local hit, pull, push, GPU tier), on the caller's thread |
 //! | `scheduler` | the scheduler thread: prefill (with layer-wise staging), decode steps, stores and exports, blocks held for GPU exports |
+//! | `shards` | what one block position is in kvd: a shard per group of layers and rank, and which blocks of each a prefix needs |
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -24,15 +25,17 @@ use kvd_model::model::Weights;
 use kvd_model::tokenizer::Tokenizer;
 use kvd_model::{Model, ModelConfig, Sequence};
 use kvd_protocol::transfer::{TransferParams, TransferState};
-use kvd_protocol::{hash, ChunkHash, Dtype, Layout, MemoryOrder};
+use kvd_protocol::{hash, ChunkHash};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{KvTransferParams, KvdInfo};
 
 mod loads;
 mod scheduler;
+mod shards;
 
 use scheduler::Scheduler;
+pub(crate) use shards::Shards;
 
 /// What an engine does with a request by default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -177,12 +180,15 @@ impl ApiError {
     }
 }
 
-/// KV blocks ready to load into the cache: block `b < n` of `pins[rank]` (read inside
+/// KV blocks ready to load into the cache: block `b` (`first[i] <= b < n`) of shard `i`
+/// of a writer of TP `src_tp` is entry `b - first[i]` of `pins[i]` (read inside
 /// `PinnedBlocks::with_all`).
 struct Loaded {
     n: usize,
     src_tp: usize,
     pins: Vec<PinnedBlocks>,
+    /// The logical block of each pin's first entry (0 but for a sliding group's shards).
+    first: Vec<usize>,
     /// The blocks are to be loaded by the daemon's GPU tier (`gpu_load`, when the
     /// scheduler has cache blocks for them): no pins.
     gpu: bool,
@@ -202,7 +208,8 @@ struct Job {
 
 struct Kv {
     client: Client,
-    /// This engine's shard layouts.
+    /// This engine's shards ([`Shards`]) and their layouts, in shard order.
+    shards: Shards,
     layouts: Vec<LayoutInfo>,
     node: Option<String>,
     /// Layouts of other engines' shard counts, registered once per count (the client
@@ -283,22 +290,6 @@ fn model_name(m: &ModelConfig, weights: Option<&std::path::Path>) -> Result<Stri
     Ok(format!("{base}@{of_weights}/cfg-{digest}"))
 }
 
-fn layout_of(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
-    Layout {
-        model: m.name.clone(),
-        num_layers: m.layers as u64,
-        kv_parts: 2,
-        num_kv_heads: m.kv_heads as u64,
-        head_dim: m.head_dim as u64,
-        dtype: Dtype::F32,
-        tokens_per_block: m.block_tokens as u64,
-        tp_size: tp as u64,
-        tp_rank: rank as u64,
-        order: MemoryOrder::LayerPartTokenHead,
-        groups: Vec::new(),
-    }
-}
-
 impl Engine {
     /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
     pub fn start(mut cfg: EngineConfig) -> Result<Engine> {
@@ -350,8 +341,8 @@ impl Engine {
                     "kvd's pool is not mapped (the engine needs a same-node daemon)"
                 );
                 let mut layouts = Vec::new();
-                for r in 0..cfg.tp {
-                    layouts.push(client.register_layout(&layout_of(&cfg.model, cfg.tp, r))?);
+                for l in Shards::new(&cfg.model, cfg.tp).layouts(&cfg.model) {
+                    layouts.push(client.register_layout(&l)?);
                 }
                 Some((client, layouts))
             }
@@ -390,8 +381,9 @@ impl Engine {
                 if let (AnyBackend::Cuda(c), Some(r)) = (model.backend(), &region) {
                     register_pool(c, r);
                 }
+                let shards = Shards::new(&cfg.model, cfg.tp);
                 let gpu = if cfg.gpu_tier {
-                    let t = crate::gpu_tier::GpuTier::new(&model, &layouts)?;
+                    let t = crate::gpu_tier::GpuTier::new(&model, &layouts, &shards)?;
                     // Registered now: a daemon without a usable GPU tier fails the start.
                     t.register(&client)?;
                     Some(t)
@@ -401,6 +393,7 @@ impl Engine {
                 let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
                 let kv = Arc::new(Kv {
                     client,
+                    shards,
                     layouts,
                     node,
                     src_layouts,
@@ -498,10 +491,10 @@ impl Engine {
             return Ok(0);
         };
         let keys = self.keys(&self.inner.tokenizer.encode(prompt)?);
-        let mut n = keys.len();
-        for l in &kv.layouts {
-            n = n.min(kv.client.probe_local(l.id, &keys)?.prefix as usize);
-        }
+        let n = kv.shards.agreed(keys.len(), &keys, |i, k| {
+            let l = kv.layouts.get(i).context("a shard's layout")?;
+            Ok(kv.client.probe_local(l.id, k)?.prefix as usize)
+        })?;
         Ok(n * self.inner.cfg.model.block_tokens)
     }
 

@@ -5,43 +5,51 @@
 use super::*;
 
 /// The forward of `seq` (loading `prefix` layer by layer as it goes), writing each layer
-/// group of `staged` into its slots as the forward leaves it and announcing it. A kvd
-/// failure while staging ends the staging, not the forward: it is returned beside the
-/// forward's result (the caller drops the exports, which aborts them).
+/// group of `staged` into its slots as the forward leaves it and announcing it: a shard's
+/// part once the last of its layers is computed. A kvd failure while staging ends the
+/// staging, not the forward: it is returned beside the forward's result (the caller drops
+/// the exports, which aborts them).
 fn forward_staged(
     model: &mut Model<AnyBackend>,
     seq: &mut Sequence,
     prefix: Option<kvd_model::model::Prefix<'_>>,
     staged: Option<&mut Staging>,
-    (kv_heads, layers): (usize, u64),
 ) -> (Result<kvd_model::backend::AnyBuf>, Option<anyhow::Error>) {
     let Some(st) = staged else {
         return (model.forward_loading(seq, prefix, &mut |_, _| Ok(())), None);
     };
-    let parts = st.parts;
-    let hs = kv_heads / st.exports.len().max(1);
-    let mut next = 0u64;
+    let mut next = vec![0u64; st.exports.len()];
     let mut failed = None;
     let r = model.forward_loading(seq, prefix, &mut |li, view| {
-        let Some((first, end)) = kvd_protocol::part_layers(layers, parts, next) else {
-            return Ok(());
-        };
-        if li as u64 + 1 != end || failed.is_some() {
+        if failed.is_some() {
             return Ok(());
         }
-        let step = st.exports.iter_mut().enumerate().try_for_each(|(r, x)| {
-            x.write_part(next, |slots| -> Result<()> {
-                let logical: Vec<usize> = slots.iter().map(|(i, _)| *i).collect();
-                let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
-                view.save_layers(&logical, r * hs, hs, first as usize..end as usize, &mut dst)
-            })??;
-            x.ready(next + 1)?;
-            anyhow::Ok(())
-        });
+        let step = st
+            .exports
+            .iter_mut()
+            .zip(&st.shards)
+            .zip(next.iter_mut())
+            .try_for_each(|((x, sh), next)| {
+                let n = sh.layers.len() as u64;
+                let Some((a, e)) = kvd_protocol::part_layers(n, sh.parts, *next) else {
+                    return anyhow::Ok(());
+                };
+                if sh.layers.get(e as usize - 1) != Some(&li) {
+                    return Ok(());
+                }
+                let layers = &sh.layers[a as usize..e as usize];
+                x.write_part(*next, |slots| -> Result<()> {
+                    let logical: Vec<usize> = slots.iter().map(|(i, _)| sh.first + i).collect();
+                    let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
+                    view.save_layer_list(&logical, sh.h0, sh.hs, layers, &mut dst)
+                })??;
+                x.ready(*next + 1)?;
+                *next += 1;
+                Ok(())
+            });
         if let Err(e) = step {
             failed = Some(e);
         }
-        next += 1;
         Ok(())
     });
     (r, failed)
@@ -50,9 +58,22 @@ fn forward_staged(
 /// A request's staged exports (one per shard) while its forward writes them.
 struct Staging {
     exports: Vec<kvd_client::StagedExport>,
+    /// What each export holds.
+    shards: Vec<StagedShard>,
+    /// Layer groups of the handoff (the most any shard has).
     parts: u64,
     /// Blocks the exports write (the others were in kvd already).
     written: usize,
+}
+
+/// One shard of a [`Staging`]: its group's layers, its heads, its parts, and the logical
+/// block of its export's first key.
+struct StagedShard {
+    layers: Vec<usize>,
+    h0: usize,
+    hs: usize,
+    parts: u64,
+    first: usize,
 }
 
 struct Active {
@@ -234,46 +255,70 @@ impl Scheduler {
             // Layer-wise (SPEC §16): export before the forward, write each layer group as
             // the forward leaves it, so a push streams it at once.
             let mut staged = match (&self.kv, &handoff) {
-                (Some(kv), Some(base)) => self.stage(kv, base, &keys),
+                (Some(kv), Some(base)) => self.stage(kv, base, &keys, job.tokens.len()),
                 _ => None,
             };
-            let shape = (self.cfg.model.kv_heads, self.cfg.model.layers as u64);
             let mut stage_failed = None;
             let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
                 Some(p) if p.gpu => {
                     cached = if p.gpu_pull.is_empty() {
                         self.gpu_load_prefix(&mut seq, &keys, p.n)
                     } else {
-                        self.gpu_pull_prefix(&mut seq, &p.gpu_pull, p.n)
+                        self.gpu_pull_prefix(&mut seq, &p.gpu_pull, p.n, &p.first)
                     } * bt;
                     let (r, failed) =
-                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut());
                     stage_failed = failed;
                     r?
                 }
                 Some(p) => {
                     let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
+                    let src_shards = Shards::new(&self.cfg.model, p.src_tp);
                     // The prefix loads layer by layer while the forward computes (the
                     // forward waits for layer i at layer i). The slices live only inside
                     // the closure, and its result is refused if a pin lapsed meanwhile.
                     let model = &mut self.model;
                     let r = kvd_client::PinnedBlocks::with_all(&pins, |all| {
-                        let mut src = Vec::with_capacity(p.n * p.src_tp);
-                        for b in 0..p.n {
-                            for pin in all {
-                                src.push(pin.get(b).copied().flatten().ok_or_else(|| {
-                                    anyhow!("block {b} missing from the pin")
-                                })?);
+                        // Per group, its blocks from the first its layers need: shard
+                        // `g · src_tp + r`'s pin holds them from `p.first[shard]` on.
+                        let mut srcs = Vec::new();
+                        let mut firsts = Vec::new();
+                        for g in 0..src_shards.groups().len() {
+                            let f = src_shards.first(g * p.src_tp, p.n);
+                            let mut src = Vec::with_capacity((p.n - f) * p.src_tp);
+                            for b in f..p.n {
+                                for r in 0..p.src_tp {
+                                    let i = g * p.src_tp + r;
+                                    let at = b.checked_sub(p.first.get(i).copied().unwrap_or(0));
+                                    src.push(
+                                        at.and_then(|at| all.get(i)?.get(at).copied().flatten())
+                                            .ok_or_else(|| {
+                                                anyhow!("block {b} missing from shard {i}'s pin")
+                                            })?,
+                                    );
+                                }
                             }
+                            srcs.push(src);
+                            firsts.push(f);
                         }
                         let prefix = kvd_model::model::Prefix {
                             n: p.n,
                             src_tp: p.src_tp,
-                            src: &src,
+                            groups: src_shards
+                                .groups()
+                                .iter()
+                                .zip(&srcs)
+                                .zip(&firsts)
+                                .map(|((g, src), &first)| kvd_model::model::PrefixGroup {
+                                    layers: &g.layers,
+                                    first,
+                                    src,
+                                })
+                                .collect(),
                             delay: None,
                         };
                         let (r, failed) =
-                            forward_staged(model, &mut seq, Some(prefix), staged.as_mut(), shape);
+                            forward_staged(model, &mut seq, Some(prefix), staged.as_mut());
                         stage_failed = failed;
                         r
                     });
@@ -301,7 +346,7 @@ impl Scheduler {
                 }
                 None => {
                     let (r, failed) =
-                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut(), shape);
+                        forward_staged(&mut self.model, &mut seq, None, staged.as_mut());
                     stage_failed = failed;
                     r?
                 }
@@ -345,7 +390,8 @@ impl Scheduler {
                     } else if !export_keys.is_empty() {
                         for (r, l) in kv.layouts.iter().enumerate() {
                             let id = format!("{base}.r{r}");
-                            match kv.client.export(&id, l.id, export_keys, Some(self.cfg.lease)) {
+                            let f = kv.shards.handoff_first(r, job.tokens.len(), export_keys.len());
+                            match kv.client.export(&id, l.id, &export_keys[f..], Some(self.cfg.lease)) {
                                 Ok(p) => ranks.push(hex::encode(p.to_msgpack())),
                                 Err(e) => {
                                     // Every shard or none: the exports made are let go.
@@ -370,7 +416,10 @@ impl Scheduler {
                                 .blocks
                                 .get(..keys.len())
                                 .context("an exported block past the sequence")?;
-                            t.export(&kv.client, &gbase, &keys, blocks, glease)
+                            let first: Vec<usize> = (0..kv.shards.len())
+                                .map(|i| kv.shards.handoff_first(i, job.tokens.len(), keys.len()))
+                                .collect();
+                            t.export(&kv.client, &gbase, &keys, blocks, &first, glease)
                         });
                         match exported {
                             Ok(ps) => {
@@ -454,14 +503,26 @@ impl Scheduler {
     /// forward. `None` (whole blocks after the forward, as without it) when layer-wise
     /// is off or a daemon refuses to stage (a key being written elsewhere, no room now):
     /// the exports staged so far are dropped, which aborts them.
-    fn stage(&self, kv: &Kv, base: &str, keys: &[ChunkHash]) -> Option<Staging> {
+    fn stage(&self, kv: &Kv, base: &str, keys: &[ChunkHash], tokens: usize) -> Option<Staging> {
         let parts = self.cfg.layerwise_parts.min(self.cfg.model.layers) as u64;
         if parts == 0 || keys.is_empty() {
             return None;
         }
+        let sh = &kv.shards;
+        let hs = self.cfg.model.kv_heads / sh.tp();
         let mut exports = Vec::with_capacity(kv.layouts.len());
+        let mut shards = Vec::with_capacity(kv.layouts.len());
         for (r, l) in kv.layouts.iter().enumerate() {
             let id = format!("{base}.r{r}");
+            let layers = sh.group(r).layers.clone();
+            let first = sh.handoff_first(r, tokens, keys.len());
+            let staged = StagedShard {
+                parts: parts.min(layers.len() as u64),
+                layers,
+                h0: sh.rank(r) * hs,
+                hs,
+                first,
+            };
             match kv
                 .client
                 // The export's lease covers the longest prefill this engine waits
@@ -469,11 +530,14 @@ impl Scheduler {
                 .export_staged(
                     &id,
                     l.id,
-                    keys,
-                    parts,
+                    &keys[first..],
+                    staged.parts,
                     Some(self.cfg.lease.max(self.cfg.transfer_timeout)),
                 ) {
-                Ok(x) => exports.push(x),
+                Ok(x) => {
+                    exports.push(x);
+                    shards.push(staged);
+                }
                 Err(e) => {
                     tracing::info!(
                         "layer-wise export of {id} refused ({e}); exporting after the forward"
@@ -486,8 +550,9 @@ impl Scheduler {
             .first()
             .map_or(0, |x| x.slots().iter().flatten().count());
         Some(Staging {
+            parts: shards.iter().map(|s| s.parts).max().unwrap_or(0),
             exports,
-            parts,
+            shards,
             written,
         })
     }
@@ -501,12 +566,16 @@ impl Scheduler {
         let Some(kv) = &self.kv else { return 0 };
         let Some(t) = &kv.gpu else { return 0 };
         let n = n.min(keys.len());
+        let first: Vec<usize> = (0..kv.shards.len())
+            .map(|i| kv.shards.first(i, n))
+            .collect();
         let loaded = self.model.reserve(seq, n * bt).and_then(|()| {
             let blocks = seq.blocks.get(..n).context("reserved blocks")?;
             // The daemon writes the blocks: no queued kernel of an earlier owner may
             // still touch them.
             self.model.backend().sync()?;
-            t.load(&kv.client, &keys[..n], blocks)
+            let held = t.load(&kv.client, &keys[..n], blocks, &first)?;
+            Ok(kv.shards.covered(n, &first, &held))
         });
         match loaded {
             Ok(m) => {
@@ -530,17 +599,24 @@ impl Scheduler {
         seq: &mut Sequence,
         params: &[kvd_protocol::GpuTransferParams],
         n: usize,
+        first: &[usize],
     ) -> usize {
         let bt = self.cfg.model.block_tokens;
         let Some(kv) = &self.kv else { return 0 };
         let Some(t) = &kv.gpu else { return 0 };
         // One destination block per exported key (the last full block too, which the
-        // forward computes again for its logits).
-        let k = params.iter().map(|p| p.keys.len()).max().unwrap_or(0);
+        // forward computes again for its logits); shard `i`'s from `first[i]` on.
+        let k = params
+            .iter()
+            .zip(first)
+            .map(|(p, f)| f + p.keys.len())
+            .max()
+            .unwrap_or(0);
         let pulled = self.model.reserve(seq, k * bt).and_then(|()| {
             let blocks = seq.blocks.get(..k).context("reserved blocks")?;
             self.model.backend().sync()?; // as in gpu_load_prefix
-            t.pull(&kv.client, params, blocks)
+            let held = t.pull(&kv.client, params, blocks, first)?;
+            Ok(kv.shards.covered(n, first, &held))
         });
         match pulled {
             Ok(m) => {
@@ -571,10 +647,11 @@ impl Scheduler {
                 .context("a stored block past the sequence's blocks")?;
             return t.store(&kv.client, &keys[from..], blocks);
         }
-        let shards = kv.layouts.len();
-        let hs = self.cfg.model.kv_heads / shards;
+        let sh = &kv.shards;
+        let hs = self.cfg.model.kv_heads / sh.tp();
         let mut written = 0;
         for (r, l) in kv.layouts.iter().enumerate() {
+            let (layers, h0) = (&sh.group(r).layers, sh.rank(r) * hs);
             let mut batch = kv.client.alloc(l.id, &keys[from..])?;
             // The slots are this batch's only until its TTL: written inside the closure,
             // refused (and not committed) if the TTL passed meanwhile.
@@ -585,7 +662,7 @@ impl Scheduler {
                 let logical: Vec<usize> = slots.iter().map(|(i, _)| from + i).collect();
                 let mut dst: Vec<&mut [u8]> = slots.iter_mut().map(|(_, s)| &mut **s).collect();
                 self.model
-                    .save_blocks(seq, &logical, r * hs, hs, &mut dst)?;
+                    .save_group_blocks(seq, layers, &logical, h0, hs, &mut dst)?;
                 Ok(logical.len())
             })??;
             written = written.max(n);

@@ -1,0 +1,283 @@
+//! What the engine keeps in kvd for one block position: a **shard** per group of layers
+//! and TP rank ([`Shards`]), each a layout of its own. Owns the rule of which blocks of
+//! each shard a prefix of `n` blocks needs ([`Shards::first`]) and so which prefix every
+//! shard agrees on ([`Shards::agreed`], [`Shards::covered`]).
+//!
+//! A model whose layers all attend over every position (Llama) has one group, and its
+//! shards are the classic layouts (SPEC §3.1), one per rank, as before groups existed. A
+//! model with sliding-window layers (gpt-oss) has two: the full layers, whose every block
+//! a prefix needs, and the sliding ones, of which a prefix of `n` blocks needs only the
+//! blocks the window of position `n · block_tokens` reaches. Each group's shards are a
+//! grouped layout of one group (SPEC §3.1 "Grouped layouts": `kind`, `window`, the piece's
+//! dims and arrangement), so the two never share a block with each other or with another
+//! model's. Stores keep every position of every group (a later prompt may stop
+//! anywhere); hits, pulls and pushes bring a sliding group's window only.
+//!
+//! Shard `i` is group `i / tp`, rank `i % tp`; its transfers are named `<base>.r<i>`.
+
+use anyhow::Result;
+use kvd_model::model::{KvGroup, LayerKind};
+use kvd_model::ModelConfig;
+use kvd_protocol::{ChunkHash, Dtype, Group, Layout, MemoryOrder};
+
+/// An engine's (or a peer engine's) shards: its model's groups × a TP size.
+#[derive(Clone, Debug)]
+pub(crate) struct Shards {
+    groups: Vec<KvGroup>,
+    tp: usize,
+    block_tokens: usize,
+}
+
+impl Shards {
+    /// The shards of `model` at TP `tp`.
+    pub(crate) fn new(model: &ModelConfig, tp: usize) -> Shards {
+        Shards {
+            groups: model.kv_groups(),
+            tp: tp.max(1),
+            block_tokens: model.block_tokens,
+        }
+    }
+
+    /// Shards in all.
+    pub(crate) fn len(&self) -> usize {
+        self.groups.len() * self.tp
+    }
+
+    /// The TP size.
+    pub(crate) fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// The groups, in shard order.
+    pub(crate) fn groups(&self) -> &[KvGroup] {
+        &self.groups
+    }
+
+    /// Shard `i`'s group.
+    pub(crate) fn group(&self, i: usize) -> &KvGroup {
+        &self.groups[(i / self.tp).min(self.groups.len() - 1)]
+    }
+
+    /// Shard `i`'s rank.
+    pub(crate) fn rank(&self, i: usize) -> usize {
+        i % self.tp
+    }
+
+    /// The first logical block of a prefix of `n` blocks shard `i` needs (0 but for a
+    /// sliding group).
+    pub(crate) fn first(&self, i: usize, n: usize) -> usize {
+        self.group(i).first_needed(n, self.block_tokens)
+    }
+
+    /// The first logical block of shard `i` a handoff of a prompt of `tokens` tokens
+    /// whose first `keys` blocks are exported moves: what the longest prefix a decode
+    /// engine loads (all blocks but one token's worth, at most `keys`) needs. The prefill
+    /// exports and a pushing decode registers exactly these.
+    pub(crate) fn handoff_first(&self, i: usize, tokens: usize, keys: usize) -> usize {
+        let usable = tokens.saturating_sub(1) / self.block_tokens.max(1);
+        self.first(i, usable.min(keys))
+    }
+
+    /// The layouts of the shards, in shard order.
+    pub(crate) fn layouts(&self, m: &ModelConfig) -> Vec<Layout> {
+        (0..self.len()).map(|i| self.layout(m, i)).collect()
+    }
+
+    fn layout(&self, m: &ModelConfig, i: usize) -> Layout {
+        let (g, rank) = (self.group(i), self.rank(i));
+        if self.groups.len() == 1 && g.kind == LayerKind::Full {
+            return classic(m, self.tp, rank);
+        }
+        let kind = match g.kind {
+            LayerKind::Full => "full",
+            LayerKind::Sliding => "sliding",
+        };
+        let layers: Vec<String> = g.layers.iter().map(usize::to_string).collect();
+        Layout {
+            model: m.name.clone(),
+            num_layers: g.layers.len() as u64,
+            kv_parts: 1,
+            num_kv_heads: 1,
+            head_dim: 1,
+            dtype: Dtype::U8,
+            tokens_per_block: m.block_tokens as u64,
+            tp_size: self.tp as u64,
+            tp_rank: rank as u64,
+            order: MemoryOrder::Groups,
+            groups: vec![Group {
+                kind: kind.into(),
+                layers: g.layers.len() as u64,
+                dtype: Dtype::F32,
+                dims: [2, m.block_tokens, m.kv_heads / self.tp, m.head_dim]
+                    .map(|d| d as u64)
+                    .to_vec(),
+                arrangement: format!(
+                    "kvd-engine:[k|v,token,head,dim] layers={}",
+                    layers.join(",")
+                )
+                .chars()
+                .take(256)
+                .collect(),
+                window: g.window as u64,
+                quant: String::new(),
+            }],
+        }
+    }
+
+    /// The longest prefix `n <= n0` of `keys` for which every shard holds the blocks it
+    /// needs (`first(i, n)..n`). `probe(i, keys)`: how many of `keys`, from the first,
+    /// shard `i` holds (a lookup). A sliding shard that lacks a block of its window
+    /// shortens the prefix, which moves the window earlier: asked again until they agree.
+    pub(crate) fn agreed(
+        &self,
+        n0: usize,
+        keys: &[ChunkHash],
+        mut probe: impl FnMut(usize, &[ChunkHash]) -> Result<usize>,
+    ) -> Result<usize> {
+        let mut n = n0.min(keys.len());
+        for i in (0..self.len()).filter(|&i| self.group(i).window == 0) {
+            if n == 0 {
+                return Ok(0);
+            }
+            n = n.min(probe(i, &keys[..n])?);
+        }
+        'again: loop {
+            for i in (0..self.len()).filter(|&i| self.group(i).window > 0) {
+                if n == 0 {
+                    return Ok(0);
+                }
+                let f = self.first(i, n);
+                let held = probe(i, &keys[f..n])?;
+                if f + held < n {
+                    n = f + held;
+                    continue 'again;
+                }
+            }
+            return Ok(n);
+        }
+    }
+
+    /// The longest prefix `n <= n0` the shards cover when shard `i` holds the blocks
+    /// `firsts[i] .. firsts[i] + held[i]`: each shard must hold `first(i, n)..n`. 0 when
+    /// none does (a sliding shard that starts too late covers no shorter prefix either:
+    /// a shorter one reads earlier blocks).
+    pub(crate) fn covered(&self, n0: usize, firsts: &[usize], held: &[usize]) -> usize {
+        let mut n = n0;
+        for (f, h) in firsts.iter().zip(held) {
+            n = n.min(f + h);
+        }
+        let starts_late = firsts
+            .iter()
+            .enumerate()
+            .any(|(i, &f)| n > 0 && self.first(i, n) < f);
+        if starts_late || firsts.len() != self.len() {
+            return 0;
+        }
+        n
+    }
+}
+
+/// The classic layout of rank `rank` of `tp` (every layer, K and V, the rank's heads).
+pub(crate) fn classic(m: &ModelConfig, tp: usize, rank: usize) -> Layout {
+    Layout {
+        model: m.name.clone(),
+        num_layers: m.layers as u64,
+        kv_parts: 2,
+        num_kv_heads: m.kv_heads as u64,
+        head_dim: m.head_dim as u64,
+        dtype: Dtype::F32,
+        tokens_per_block: m.block_tokens as u64,
+        tp_size: tp as u64,
+        tp_rank: rank as u64,
+        order: MemoryOrder::LayerPartTokenHead,
+        groups: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt_oss_like() -> ModelConfig {
+        ModelConfig {
+            name: "m".into(),
+            layers: 4,
+            layer_types: vec![
+                LayerKind::Sliding,
+                LayerKind::Full,
+                LayerKind::Sliding,
+                LayerKind::Full,
+            ],
+            sliding_window: 20,
+            block_tokens: 8,
+            kv_heads: 4,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_llama_keeps_its_classic_layouts_and_a_sliding_model_gets_two_groups() {
+        let llama = ModelConfig::default();
+        let s = Shards::new(&llama, 2);
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            s.layouts(&llama),
+            vec![classic(&llama, 2, 0), classic(&llama, 2, 1)]
+        );
+        let m = gpt_oss_like();
+        let s = Shards::new(&m, 2);
+        let l = s.layouts(&m);
+        assert_eq!(l.len(), 4);
+        for x in &l {
+            x.validate().unwrap();
+        }
+        // Full shards first (ranks 0, 1), then sliding; each a 2-layer group.
+        assert_eq!((l[1].groups[0].kind.as_str(), l[1].tp_rank), ("full", 1));
+        assert_eq!(
+            (l[2].groups[0].kind.as_str(), l[2].groups[0].window),
+            ("sliding", 20)
+        );
+        assert!(l[2].groups[0].arrangement.ends_with("layers=0,2"));
+        // A shard's block: 2 layers × K,V × 8 tokens × 2 heads × 32 dims × 4 bytes.
+        assert_eq!(l[0].block_bytes().unwrap(), 2 * 2 * 8 * 2 * 32 * 4);
+        // It moves in layer-wise parts like a classic one (SPEC §16).
+        assert!(l[3].splits_into(2));
+        let ids: std::collections::HashSet<_> = l.iter().map(Layout::id).collect();
+        assert_eq!(ids.len(), 4);
+    }
+
+    #[test]
+    fn the_prefix_every_shard_agrees_on() {
+        let m = gpt_oss_like();
+        let s = Shards::new(&m, 1);
+        let keys: Vec<ChunkHash> = (0..10u8).map(|i| ChunkHash([i; 16])).collect();
+        // n = 6: position 48 reads 29..=48, blocks 3..6 of the sliding layers.
+        assert_eq!((s.first(0, 6), s.first(1, 6)), (0, 3));
+        // Both hold everything.
+        let all = |_: usize, k: &[ChunkHash]| Ok(k.len());
+        assert_eq!(s.agreed(6, &keys, all).unwrap(), 6);
+        // The sliding shard lacks block 4: the prefix shrinks to 4, whose window (blocks
+        // 1..4) it holds.
+        let gap = |i: usize, k: &[ChunkHash]| {
+            Ok(if i == 1 {
+                k.iter().take_while(|c| c.0[0] != 4).count()
+            } else {
+                k.len()
+            })
+        };
+        assert_eq!(s.agreed(6, &keys, gap).unwrap(), 4);
+        // ... and lacks block 1 too: 1 (position 8 reads 0..=8, block 0 only).
+        let gaps = |i: usize, k: &[ChunkHash]| {
+            Ok(if i == 1 {
+                k.iter().take_while(|c| c.0[0] != 4 && c.0[0] != 1).count()
+            } else {
+                k.len()
+            })
+        };
+        assert_eq!(s.agreed(6, &keys, gaps).unwrap(), 1);
+        // Pins from block 3 of the sliding shard cover 6, and 5 (window from 2) no more.
+        assert_eq!(s.covered(6, &[0, 3], &[6, 3]), 6);
+        assert_eq!(s.covered(6, &[0, 3], &[5, 3]), 0);
+        assert_eq!(s.covered(6, &[0, 2], &[5, 4]), 5);
+    }
+}
