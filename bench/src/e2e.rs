@@ -40,6 +40,15 @@ pub struct E2eArgs {
     /// (`gpu_pull`) and a repeated prompt loads by `gpu_load` (`off`: not measured).
     #[arg(long, default_value = "off")]
     gpu_tier: String,
+    /// The engines' model: a Hugging Face `config.json` (Llama or gpt-oss; e.g.
+    /// `bench/models/gpt-oss-tiny.json`, gpt-oss' layer pattern and 128-token window in
+    /// a tiny model), its weights generated from a seed unless `--weights` names them
+    /// (default: the engine's own tiny Llama).
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+    /// Safetensors weights for `--model-config`.
+    #[arg(long, requires = "model_config")]
+    weights: Option<PathBuf>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -66,6 +75,11 @@ struct Row {
     aggregated_tok_s: f64,
     pull_tok_s: f64,
     push_tok_s: f64,
+    /// KV bytes a pull handoff moved (the decode daemon's data plane).
+    pull_kv_bytes: u64,
+    /// KV bytes of the prefix the decode loads, every layer of every block (what a
+    /// handoff without windows moves).
+    prefix_kv_bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -130,12 +144,31 @@ pub(crate) fn engine_bins(bin_dir: Option<&std::path::Path>) -> Result<Bins> {
     Ok(bins)
 }
 
+/// What a pull of a prompt's prefix moves at most: every layer of each block the decode
+/// loads (`(tokens - 1) / block_tokens` of them), K and V, f32; and of that, the sliding
+/// layers' share.
+fn prefix_bytes(m: &kvd_model::ModelConfig, tokens: usize) -> (u64, u64) {
+    let blocks = (tokens.saturating_sub(1) / m.block_tokens) as u64;
+    let layer = blocks * (m.block_tokens * 2 * m.kv_heads * m.head_dim * 4) as u64;
+    let sliding = (0..m.layers).filter(|&l| m.window(l) > 0).count() as u64;
+    (layer * m.layers as u64, layer * sliding)
+}
+
+/// Bytes a daemon's data plane has moved.
+fn plane_bytes(n: &Node) -> Result<u64> {
+    Ok(n.client().stats()?.transfers.map_or(0, |t| t.bytes))
+}
+
 pub fn run(a: E2eArgs) -> Result<()> {
     let bins = engine_bins(a.bin_dir.as_deref())?;
+    let model = match &a.model_config {
+        Some(p) => kvd_model::ModelConfig::from_hf_json(p, "bench")?,
+        None => kvd_model::ModelConfig::default(),
+    };
     let longest = a.tokens.iter().copied().max().unwrap_or(128) + a.max_tokens;
     let blocks = (longest.div_ceil(16) * 3).max(512).to_string();
     let (na, nb) = (Node::start(&bins, "2GiB")?, Node::start(&bins, "2GiB")?);
-    let flags = [
+    let mut flags = vec![
         "--backend",
         a.backend.as_str(),
         "--kv-blocks",
@@ -145,6 +178,17 @@ pub fn run(a: E2eArgs) -> Result<()> {
         "--kvd-timeout-ms",
         "10000",
     ];
+    let model_flags: Vec<String> = a
+        .model_config
+        .iter()
+        .flat_map(|p| ["--model-config".to_string(), p.display().to_string()])
+        .chain(
+            a.weights
+                .iter()
+                .flat_map(|p| ["--weights".to_string(), p.display().to_string()]),
+        )
+        .collect();
+    flags.extend(model_flags.iter().map(String::as_str));
     let (_agg, agg) = local::engine(&bins, "both", None, &flags)?;
     let (_pre, pre) = local::engine(&bins, "prefill", Some(&na), &flags)?;
     let (_dec, dec) = local::engine(&bins, "decode", Some(&nb), &flags)?;
@@ -199,6 +243,7 @@ pub fn run(a: E2eArgs) -> Result<()> {
         };
         let mut lws = vec![];
         let (mut gps, mut ghs) = (vec![], vec![]);
+        let mut moved = vec![];
         let (mut pf, mut at, mut pt, mut ps, mut hit, mut ar, mut pr, mut sr) = (
             vec![],
             vec![],
@@ -216,7 +261,9 @@ pub fn run(a: E2eArgs) -> Result<()> {
             at.push(t);
             ar.push(rate);
             pf.push(kvd["ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            let before = plane_bytes(&nb)?;
             let (t, rate, _) = timed(&rpull, &p, a.max_tokens)?;
+            moved.push((plane_bytes(&nb)? - before) as f64);
             pt.push(t);
             pr.push(rate);
             // The same prompt again: node A now holds its blocks.
@@ -256,13 +303,16 @@ pub fn run(a: E2eArgs) -> Result<()> {
         r.aggregated_tok_s = median(ar);
         r.pull_tok_s = median(pr);
         r.push_tok_s = median(sr);
+        r.pull_kv_bytes = median(moved) as u64;
+        r.prefix_kv_bytes = prefix_bytes(&model, n).0;
         rows.push(r);
     }
     if a.json {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &json!({"bench": "pd-e2e", "backend": backend, "max_tokens": a.max_tokens, "reps": a.reps, "rows": rows})
+                &json!({"bench": "pd-e2e", "backend": backend, "model": model.name, "layers": model.layers,
+                        "sliding_window": model.sliding_window, "max_tokens": a.max_tokens, "reps": a.reps, "rows": rows})
             )?
         );
         return Ok(());
@@ -300,6 +350,33 @@ pub fn run(a: E2eArgs) -> Result<()> {
             r.pull_tok_s,
             r.push_tok_s
         );
+    }
+    if model.has_sliding() {
+        let sliding = (0..model.layers).filter(|&l| model.window(l) > 0).count();
+        println!(
+            "sliding window {} tokens on {sliding} of {} layers: a pull moves the full layers' \
+             blocks and the sliding layers' window; the sliding layers' bytes as tokens of KV, \
+             against the prompt (what full attention would move) and window / prompt",
+            model.sliding_window, model.layers
+        );
+        // One token of one layer: K and V, f32.
+        let token_layer = (2 * model.kv_heads * model.head_dim * 4) as u64;
+        for r in &rows {
+            let (all, sliding_all) = prefix_bytes(&model, r.prompt_tokens);
+            let sliding_moved = r.pull_kv_bytes.saturating_sub(all - sliding_all);
+            let tokens = sliding_moved / (token_layer * sliding as u64).max(1);
+            println!(
+                "{:>7} pull moved {:>12} B of {:>12} B ({:5.3}x); sliding layers {:>9} B = {:>5} tokens = {:7.5} of the prompt (window / prompt {:7.5})",
+                r.prompt_tokens,
+                r.pull_kv_bytes,
+                all,
+                r.pull_kv_bytes as f64 / all.max(1) as f64,
+                sliding_moved,
+                tokens,
+                tokens as f64 / r.prompt_tokens as f64,
+                model.sliding_window as f64 / r.prompt_tokens as f64
+            );
+        }
     }
     if lw.is_some() {
         println!(

@@ -293,9 +293,11 @@ impl Engine {
         push: &crate::api::PushParams,
     ) -> Result<Option<Loaded>> {
         self.same_model(p)?;
-        let keys = self.keys(tokens);
+        // The prefill exports the blocks a decode can load (all but the last token's).
+        let mut keys = self.keys(tokens);
+        keys.truncate(self.usable(tokens));
         if keys.is_empty() {
-            return Ok(None); // the prefill exports nothing for a prompt without a full block
+            return Ok(None); // the prefill exports nothing for a prompt without a usable block
         }
         let src_tp = p.prefill_tp.context("push needs prefill_tp")?;
         let src = Shards::new(&self.inner.cfg.model, src_tp);

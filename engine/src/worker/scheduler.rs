@@ -246,6 +246,11 @@ impl Scheduler {
         let mut gpu_hold = None;
         let res = (|| -> Result<(kvd_model::backend::AnyBuf, KvdInfo, Option<KvTransferParams>)> {
             let keys = hash::chunk_hashes(&job.tokens, bt, b"");
+            // A handoff moves the blocks a decode engine can load: all but the token
+            // whose logits it computes (a prompt that ends on a block boundary keeps
+            // its last block to itself).
+            let usable = (job.tokens.len() - 1) / bt;
+            let handoff_keys = &keys[..usable.min(keys.len())];
             let handoff = job
                 .req
                 .kv
@@ -255,7 +260,7 @@ impl Scheduler {
             // Layer-wise (SPEC §16): export before the forward, write each layer group as
             // the forward leaves it, so a push streams it at once.
             let mut staged = match (&self.kv, &handoff) {
-                (Some(kv), Some(base)) => self.stage(kv, base, &keys, job.tokens.len()),
+                (Some(kv), Some(base)) => self.stage(kv, base, handoff_keys, job.tokens.len()),
                 _ => None,
             };
             let mut stage_failed = None;
@@ -359,7 +364,7 @@ impl Scheduler {
             // A handoff whose blocks kvd could not take exports nothing: the decode
             // engine then computes the prompt itself (a request never fails because kvd
             // did, issue 47).
-            let mut export_keys: &[ChunkHash] = &keys;
+            let mut export_keys: &[ChunkHash] = handoff_keys;
             let stored = match &self.kv {
                 Some(_) if staged.is_some() => {
                     staged.as_ref().map_or(0, |s| s.written)
@@ -409,17 +414,18 @@ impl Scheduler {
                     // device to device; the blocks stay this sequence's until those end.
                     let mut gpu = Vec::new();
                     let glease = self.cfg.gpu_handoff_lease.min(self.cfg.lease);
-                    if let (Some(t), false, false) = (&kv.gpu, keys.is_empty(), glease.is_zero()) {
+                    let hk = handoff_keys;
+                    if let (Some(t), false, false) = (&kv.gpu, hk.is_empty(), glease.is_zero()) {
                         let gbase = format!("{base}.gpu");
                         let exported = self.model.backend().sync().and_then(|()| {
                             let blocks = seq
                                 .blocks
-                                .get(..keys.len())
+                                .get(..hk.len())
                                 .context("an exported block past the sequence")?;
                             let first: Vec<usize> = (0..kv.shards.len())
-                                .map(|i| kv.shards.handoff_first(i, job.tokens.len(), keys.len()))
+                                .map(|i| kv.shards.handoff_first(i, job.tokens.len(), hk.len()))
                                 .collect();
-                            t.export(&kv.client, &gbase, &keys, blocks, &first, glease)
+                            t.export(&kv.client, &gbase, hk, blocks, &first, glease)
                         });
                         match exported {
                             Ok(ps) => {
