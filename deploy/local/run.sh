@@ -12,7 +12,8 @@
 # weights: the generated text is noise, by design. What the demo shows is where each
 # request's KV came from (computed, kvd's local cache, a pull or a push from the other
 # node) and what reusing it saved in time to first token. KVD_MODEL_DIR names a Hugging
-# Face Llama checkpoint directory (config.json, one model.safetensors, tokenizer.json);
+# Face checkpoint directory of a Llama or a gpt-oss (bf16/f32 weights; config.json, one
+# model.safetensors, tokenizer.json);
 # the engine reads it as transformers would, or refuses what it does not implement.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
