@@ -604,6 +604,7 @@ mod cuda {
         use kvd_model::KvGeometry;
         let be = kvd_model::cuda::CudaBackend::new(0)?;
         let g = KvGeometry {
+            parts: 2,
             layers: 32,
             kv_heads: 8,
             head_dim: 128,

@@ -290,40 +290,42 @@ __device__ __forceinline__ size_t warp_count() { return ((size_t)gridDim.x * blo
 
 // Row r of the transfer blocks [block b][layer][part][token] (rows of hs*hd floats): its
 // place in transfer block b and in the paged cache.
-__device__ __forceinline__ void transfer_row(size_t r, const unsigned* blocks, int layers, int num_blocks, int bt,
+// `lps`: layers × parts per layer (2 for K and V, 1 for a latent); row `lp` of a block is
+// layer `lp / parts`, part `lp % parts`, which lie at `lp` in the cache's order either way.
+__device__ __forceinline__ void transfer_row(size_t r, const unsigned* blocks, int lps, int num_blocks, int bt,
                                              int kvh, int hd, int h0, int hs, int* b, size_t* cache_at,
                                              size_t* block_at) {
     int t = r % bt;
     size_t q = r / bt;
-    int lp = q % (2 * layers);
-    *b = q / (2 * layers);
-    *cache_at = cache_index(lp / 2, lp % 2, blocks[*b], t, h0, num_blocks, bt, kvh, hd);
+    int lp = q % lps;
+    *b = q / lps;
+    *cache_at = ((((size_t)lp * num_blocks + blocks[*b]) * bt + t) * kvh + h0) * hd;
     *block_at = ((size_t)lp * bt + t) * hs * hd;
 }
 
 // Paged blocks -> transfer blocks, one destination pointer per block (device memory or a
 // mapped, registered host pool).
-extern "C" __global__ void gather(const float* cache, const unsigned* blocks, const u64* dst, int nblocks, int layers,
+extern "C" __global__ void gather(const float* cache, const unsigned* blocks, const u64* dst, int nblocks, int lps,
                                   int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
-    const size_t rows = (size_t)nblocks * 2 * layers * bt;
+    const size_t rows = (size_t)nblocks * lps * bt;
     const int lane = threadIdx.x & 31;
     for (size_t r = warp_id(); r < rows; r += warp_count()) {
         int b;
         size_t c, o;
-        transfer_row(r, blocks, layers, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
+        transfer_row(r, blocks, lps, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
         copy_row(cache + c, (float*)dst[b] + o, hs * hd, lane);
     }
 }
 
 // Transfer blocks -> paged blocks (the inverse of gather).
-extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u64* src, int nblocks, int layers,
+extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u64* src, int nblocks, int lps,
                                    int num_blocks, int bt, int kvh, int hd, int h0, int hs) {
-    const size_t rows = (size_t)nblocks * 2 * layers * bt;
+    const size_t rows = (size_t)nblocks * lps * bt;
     const int lane = threadIdx.x & 31;
     for (size_t r = warp_id(); r < rows; r += warp_count()) {
         int b;
         size_t c, o;
-        transfer_row(r, blocks, layers, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
+        transfer_row(r, blocks, lps, num_blocks, bt, kvh, hd, h0, hs, &b, &c, &o);
         copy_row((const float*)src[b] + o, cache + c, hs * hd, lane);
     }
 }
@@ -331,9 +333,9 @@ extern "C" __global__ void scatter(float* cache, const unsigned* blocks, const u
 // Re-slices n logical blocks from src_tp shards ([block][rank] pointers) to dst_tp shards.
 // A row is one head of one token of one layer and part (hd floats): the shards it comes
 // from and goes to are worked out per row.
-extern "C" __global__ void reslice(const u64* src, const u64* dst, int n, int layers, int bt, int kvh, int hd,
+extern "C" __global__ void reslice(const u64* src, const u64* dst, int n, int lps, int bt, int kvh, int hd,
                                    int src_tp, int dst_tp) {
-    const size_t per = (size_t)layers * 2 * bt;  // rows of heads per block
+    const size_t per = (size_t)lps * bt;  // rows of heads per block
     const size_t rows = (size_t)n * per * kvh;
     const int lane = threadIdx.x & 31;
     const int hs_in = kvh / src_tp, hs_out = kvh / dst_tp;

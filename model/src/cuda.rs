@@ -389,9 +389,9 @@ impl On<'_> {
             "block id past the cache"
         );
         let bl = self.s.clone_htod(blocks)?;
-        let (n, layers, nb, bt, kvh, hd, h0, hs) = (
+        let (n, lps, nb, bt, kvh, hd, h0, hs) = (
             blocks.len() as i32,
-            g.layers as i32,
+            (g.layers * g.parts) as i32,
             g.num_blocks as i32,
             g.block_tokens as i32,
             g.kv_heads as i32,
@@ -399,7 +399,7 @@ impl On<'_> {
             h0 as i32,
             hs as i32,
         );
-        let cfg = rows_grid(blocks.len() * 2 * g.layers * g.block_tokens);
+        let cfg = rows_grid(blocks.len() * g.parts * g.layers * g.block_tokens);
         let name = match dir {
             Dir::Gather(_) => "gather",
             Dir::Scatter(_) => "scatter",
@@ -412,7 +412,7 @@ impl On<'_> {
         l.arg(&bl)
             .arg(ptrs)
             .arg(&n)
-            .arg(&layers)
+            .arg(&lps)
             .arg(&nb)
             .arg(&bt)
             .arg(&kvh)
@@ -438,9 +438,9 @@ impl On<'_> {
     ) -> Result<()> {
         check_tp(g, src_tp)?;
         check_tp(g, dst_tp)?;
-        let (ni, layers, bt, kvh, hd, st, dt) = (
+        let (ni, lps, bt, kvh, hd, st, dt) = (
             n as i32,
-            g.layers as i32,
+            (g.layers * g.parts) as i32,
             g.block_tokens as i32,
             g.kv_heads as i32,
             g.head_dim as i32,
@@ -451,14 +451,18 @@ impl On<'_> {
         l.arg(src)
             .arg(dst)
             .arg(&ni)
-            .arg(&layers)
+            .arg(&lps)
             .arg(&bt)
             .arg(&kvh)
             .arg(&hd)
             .arg(&st)
             .arg(&dt);
         // SAFETY: matches `reslice`; `src`/`dst` hold n*tp pointers to whole shard blocks.
-        unsafe { l.launch(rows_grid(n * 2 * g.layers * g.block_tokens * g.kv_heads)) }?;
+        unsafe {
+            l.launch(rows_grid(
+                n * g.parts * g.layers * g.block_tokens * g.kv_heads,
+            ))
+        }?;
         Ok(())
     }
 }

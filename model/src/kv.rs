@@ -100,7 +100,7 @@ impl<B: Backend> Caches<B> {
         let mut out = Vec::new();
         for &l in layers {
             let l = l as u32;
-            for p in 0..2u64 {
+            for p in 0..g.parts as u64 {
                 if hs == g.kv_heads {
                     out.push(Segment {
                         region: l,

@@ -55,11 +55,15 @@ pub struct MoeShape {
     pub limit: f32,
 }
 
-/// Shape of a paged KV cache: `[layer][part (K, V)][block][token][kv_head][head_dim]`, f32.
+/// Shape of a paged KV cache: `[layer][part][block][token][kv_head][head_dim]`, f32. Two
+/// parts (K, V) for attention heads; one for a latent (MLA: `kv_heads` 1, `head_dim` the
+/// latent's and its RoPE key's width).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvGeometry {
     /// Layers.
     pub layers: usize,
+    /// Parts per layer: 2 (K, V) or 1 (a latent).
+    pub parts: usize,
     /// KV heads (all of them: the cache holds the whole model's heads).
     pub kv_heads: usize,
     /// Elements per head.
@@ -81,7 +85,7 @@ impl KvGeometry {
         token: usize,
         head: usize,
     ) -> usize {
-        ((((layer * 2 + part) * self.num_blocks + block) * self.block_tokens + token)
+        ((((layer * self.parts + part) * self.num_blocks + block) * self.block_tokens + token)
             * self.kv_heads
             + head)
             * self.head_dim
@@ -89,11 +93,16 @@ impl KvGeometry {
 
     /// Elements of the whole cache.
     pub fn cache_elems(&self) -> usize {
-        self.layers * 2 * self.num_blocks * self.block_tokens * self.kv_heads * self.head_dim
+        self.layers
+            * self.parts
+            * self.num_blocks
+            * self.block_tokens
+            * self.kv_heads
+            * self.head_dim
     }
 
     /// Elements of one transfer block holding `heads` heads.
     pub fn block_elems(&self, heads: usize) -> usize {
-        self.layers * 2 * self.block_tokens * heads * self.head_dim
+        self.layers * self.parts * self.block_tokens * heads * self.head_dim
     }
 }

@@ -224,6 +224,7 @@ impl<B: Backend> Model<B> {
             });
         }
         let geo = KvGeometry {
+            parts: 2,
             layers: cfg.layers,
             kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,

@@ -25,6 +25,7 @@ fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 
 fn geo() -> KvGeometry {
     KvGeometry {
+        parts: 2,
         layers: 2,
         kv_heads: 4,
         head_dim: 8,

@@ -3,6 +3,10 @@ reference engine runs beside Llama (model/tests/hf_families.rs, engine/tests/hf_
 
 - ``gpt_oss``: sliding-window and full layers interleaved, attention sinks, biased
   projections, a top-k mixture of experts with the clamped SwiGLU, YaRN RoPE.
+- ``deepseek_v3``: multi-head latent attention (a compressed latent and a decoupled RoPE
+  key per token, low-rank queries or not, interleaved RoPE or not, YaRN with its mscale),
+  dense layers first, then DeepSeek's mixture of experts (sigmoid scores with a
+  correction bias, group-limited top-k, a shared expert, a routed scaling factor).
 
 Writes, per variant, a tiny random checkpoint exactly as transformers saves it
 (``save_pretrained``: config.json and model.safetensors in the variant's dtype) and
@@ -59,6 +63,48 @@ def gpt_oss(dtype, rope):
     return model, GptOssForCausalLM
 
 
+def deepseek_v3(dtype, rope, q_lora_rank=32, rope_interleave=True):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=32,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=rope_interleave,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+    )
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for norm in (a.kv_a_layernorm, a.q_a_layernorm):
+                if norm is not None:
+                    norm.weight.normal_(1.0, 0.3)
+    return model, DeepseekV3ForCausalLM
+
+
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -69,10 +115,30 @@ YARN = {
     "original_max_position_embeddings": 32,
 }
 
+# DeepSeek-V3's own YaRN: mscale and mscale_all_dim, which also scale the softmax.
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 128,
+}
+
 VARIANTS = [
     # name, builder, dtype, rope parameters, prompt length
     ("gpt_oss_f32_yarn", gpt_oss, torch.float32, YARN, 70),
     ("gpt_oss_bf16_default", gpt_oss, torch.bfloat16, {"rope_type": "default", "rope_theta": 150000.0}, 53),
+    ("deepseek_v3_f32_yarn", deepseek_v3, torch.float32, DEEPSEEK_YARN, 70),
+    (
+        "deepseek_v3_bf16_plain",
+        lambda dtype, rope: deepseek_v3(dtype, rope, q_lora_rank=None, rope_interleave=False),
+        torch.bfloat16,
+        {"rope_type": "default", "rope_theta": 10000.0},
+        45,
+    ),
 ]
 
 
