@@ -94,6 +94,65 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// See [`cpu::add_rows`]; `rows` rows.
     fn add_rows(&self, x: &mut Self::Buf, bias: &Self::Buf, rows: usize, dim: usize) -> Result<()>;
+    /// See [`cpu::rope_at`].
+    fn rope_at(
+        &self,
+        x: &mut Self::Buf,
+        positions: &[u32],
+        heads: usize,
+        stride: usize,
+        offset: usize,
+        dim: usize,
+        inv_freq: &[f32],
+        scale: f32,
+    ) -> Result<()>;
+    /// See [`cpu::rmsnorm_at`].
+    fn rmsnorm_at(
+        &self,
+        x: &mut Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        stride: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// See [`cpu::mla_absorb`].
+    fn mla_absorb(
+        &self,
+        q: &Self::Buf,
+        wkb_t: &Self::Buf,
+        rows: usize,
+        heads: usize,
+        nope: usize,
+        rope: usize,
+        r: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::mla_attention`].
+    fn mla_attention(
+        &self,
+        q: &Self::Buf,
+        cache: &Self::Buf,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        dv: usize,
+        scale: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// See [`cpu::mla_unabsorb`].
+    fn mla_unabsorb(
+        &self,
+        olat: &Self::Buf,
+        wvb: &Self::Buf,
+        rows: usize,
+        heads: usize,
+        r: usize,
+        v: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// See [`cpu::write_kv`].
     fn write_kv(
         &self,
@@ -229,6 +288,31 @@ impl<B> MoeBufs<'_, B> {
             && shape.top_k >= 1
             && shape.top_k <= e
     }
+}
+
+/// The block table and positions an attention call reads are inside the cache.
+pub(crate) fn check_attention(
+    g: &KvGeometry,
+    layer: usize,
+    heads: usize,
+    block_table: &[u32],
+    positions: &[u32],
+) -> Result<()> {
+    ensure!(
+        heads > 0 && layer < g.layers,
+        "attention: layer {layer} of {}",
+        g.layers
+    );
+    ensure!(
+        block_table.iter().all(|&b| (b as usize) < g.num_blocks),
+        "block past the cache"
+    );
+    let max_pos = positions.iter().copied().max().unwrap_or(0) as usize;
+    ensure!(
+        positions.is_empty() || max_pos < block_table.len() * g.block_tokens,
+        "position {max_pos} past the block table"
+    );
+    Ok(())
 }
 
 /// Reinterprets pool bytes as f32 (pool slots are page-aligned; anything else is refused).
@@ -466,6 +550,165 @@ impl Backend for CpuBackend {
     fn add_rows(&self, x: &mut CpuBuf, bias: &CpuBuf, rows: usize, dim: usize) -> Result<()> {
         ensure!(x.len() >= rows * dim && bias.len() >= dim, "add_rows sizes");
         cpu::add_rows(&mut x[..rows * dim], &bias[..dim], dim);
+        Ok(())
+    }
+    fn rope_at(
+        &self,
+        x: &mut CpuBuf,
+        positions: &[u32],
+        heads: usize,
+        stride: usize,
+        offset: usize,
+        dim: usize,
+        inv_freq: &[f32],
+        scale: f32,
+    ) -> Result<()> {
+        ensure!(
+            inv_freq.len() == dim / 2
+                && offset + dim <= stride
+                && x.len() >= positions.len() * heads * stride,
+            "rope sizes"
+        );
+        cpu::rope_at(x, positions, heads, stride, offset, dim, inv_freq, scale);
+        Ok(())
+    }
+    fn rmsnorm_at(
+        &self,
+        x: &mut CpuBuf,
+        w: &CpuBuf,
+        rows: usize,
+        stride: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ensure!(
+            dim <= stride && x.len() >= rows * stride && w.len() >= dim,
+            "rmsnorm sizes"
+        );
+        cpu::rmsnorm_at(x, w, rows, stride, dim, eps);
+        Ok(())
+    }
+    fn mla_absorb(
+        &self,
+        q: &CpuBuf,
+        wkb_t: &CpuBuf,
+        rows: usize,
+        heads: usize,
+        nope: usize,
+        rope: usize,
+        r: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        ensure!(
+            q.len() >= rows * heads * (nope + rope)
+                && wkb_t.len() >= heads * r * nope
+                && out.len() >= rows * heads * (r + rope),
+            "mla_absorb sizes"
+        );
+        cpu::mla_absorb(q, wkb_t, rows, heads, nope, rope, r, out);
+        Ok(())
+    }
+    fn mla_attention(
+        &self,
+        q: &CpuBuf,
+        cache: &CpuBuf,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        dv: usize,
+        scale: f32,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        check_attention(g, layer, heads, block_table, positions)?;
+        ensure!(
+            g.parts == 1
+                && g.kv_heads == 1
+                && dv <= g.head_dim
+                && q.len() >= positions.len() * heads * g.head_dim
+                && out.len() >= positions.len() * heads * dv
+                && cache.len() >= g.cache_elems(),
+            "mla_attention sizes"
+        );
+        let row = heads * g.head_dim;
+        let orow = heads * dv;
+        let n = positions.len();
+        // Rows are independent: split long prefills over the cores (same bits).
+        let threads = if n >= 64 { self.threads.min(n) } else { 1 };
+        if threads <= 1 {
+            cpu::mla_attention(
+                q,
+                cache,
+                g,
+                layer,
+                heads,
+                block_table,
+                positions,
+                dv,
+                scale,
+                out,
+            );
+            return Ok(());
+        }
+        let stripe = 16;
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(stripe)
+            .map(|s| (s, (s + stripe).min(n)))
+            .collect();
+        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mine: Vec<(usize, usize)> =
+                        chunks.iter().copied().skip(t).step_by(threads).collect();
+                    sc.spawn(move || {
+                        mine.into_iter()
+                            .map(|(a, b)| {
+                                let mut o = vec![0f32; (b - a) * orow];
+                                cpu::mla_attention(
+                                    &q[a * row..b * row],
+                                    cache,
+                                    g,
+                                    layer,
+                                    heads,
+                                    block_table,
+                                    &positions[a..b],
+                                    dv,
+                                    scale,
+                                    &mut o,
+                                );
+                                (a, o)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("attention thread"))
+                .collect()
+        });
+        for (a, o) in results.into_iter().flatten() {
+            out[a * orow..a * orow + o.len()].copy_from_slice(&o);
+        }
+        Ok(())
+    }
+    fn mla_unabsorb(
+        &self,
+        olat: &CpuBuf,
+        wvb: &CpuBuf,
+        rows: usize,
+        heads: usize,
+        r: usize,
+        v: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        ensure!(
+            olat.len() >= rows * heads * r
+                && wvb.len() >= heads * v * r
+                && out.len() >= rows * heads * v,
+            "mla_unabsorb sizes"
+        );
+        cpu::mla_unabsorb(olat, wvb, rows, heads, r, v, out);
         Ok(())
     }
     fn moe(
@@ -898,6 +1141,70 @@ impl Backend for AnyBackend {
     }
     fn add_rows(&self, x: &mut AnyBuf, bias: &AnyBuf, rows: usize, dim: usize) -> Result<()> {
         dispatch!(self, b => b.add_rows(x, bias, rows, dim), [bias], [x])
+    }
+    fn rope_at(
+        &self,
+        x: &mut AnyBuf,
+        positions: &[u32],
+        heads: usize,
+        stride: usize,
+        offset: usize,
+        dim: usize,
+        inv_freq: &[f32],
+        scale: f32,
+    ) -> Result<()> {
+        dispatch!(self, b => b.rope_at(x, positions, heads, stride, offset, dim, inv_freq, scale), [], [x])
+    }
+    fn rmsnorm_at(
+        &self,
+        x: &mut AnyBuf,
+        w: &AnyBuf,
+        rows: usize,
+        stride: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        dispatch!(self, b => b.rmsnorm_at(x, w, rows, stride, dim, eps), [w], [x])
+    }
+    fn mla_absorb(
+        &self,
+        q: &AnyBuf,
+        wkb_t: &AnyBuf,
+        rows: usize,
+        heads: usize,
+        nope: usize,
+        rope: usize,
+        r: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.mla_absorb(q, wkb_t, rows, heads, nope, rope, r, out), [q, wkb_t], [out])
+    }
+    fn mla_attention(
+        &self,
+        q: &AnyBuf,
+        cache: &AnyBuf,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        dv: usize,
+        scale: f32,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.mla_attention(q, cache, g, layer, heads, block_table, positions, dv, scale, out), [q, cache], [out])
+    }
+    fn mla_unabsorb(
+        &self,
+        olat: &AnyBuf,
+        wvb: &AnyBuf,
+        rows: usize,
+        heads: usize,
+        r: usize,
+        v: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        dispatch!(self, b => b.mla_unabsorb(olat, wvb, rows, heads, r, v, out), [olat, wvb], [out])
     }
     fn moe(
         &self,

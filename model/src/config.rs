@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::MoeShape;
+use crate::{ExpertAct, MoeShape, Router};
 
 /// Shape of the model. Defaults: a 4-layer, 256-wide model over the byte vocabulary.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,9 +53,39 @@ pub struct ModelConfig {
     /// Each query head has a learned sink logit in its softmax (gpt-oss).
     #[serde(skip_serializing_if = "is_false")]
     pub attention_sinks: bool,
-    /// The feed-forward is a mixture of experts (gpt-oss'); `None`: a SwiGLU MLP of `ffn`.
+    /// The feed-forward is a mixture of experts (gpt-oss', DeepSeek's); `None`: a SwiGLU
+    /// MLP of `ffn`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeShape>,
+    /// The first layers keep a SwiGLU MLP of `ffn` beside a mixture of experts
+    /// (DeepSeek's `first_k_dense_replace`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub dense_layers: usize,
+    /// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2); `None`: grouped-query heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mla: Option<Mla>,
+}
+
+/// Multi-head latent attention: each token keeps one latent (`kv_lora_rank` wide, after
+/// its RMSNorm) and one RoPE key (`qk_rope_head_dim`) that every head shares; heads
+/// expand the latent into their keys and values with `kv_b_proj`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Mla {
+    /// Queries through a low-rank projection of this rank (0: one projection).
+    pub q_lora_rank: usize,
+    /// The latent's width.
+    pub kv_lora_rank: usize,
+    /// Each head's key part without RoPE.
+    pub qk_nope: usize,
+    /// The RoPE part of keys and queries.
+    pub qk_rope: usize,
+    /// Each head's value.
+    pub v_head: usize,
+    /// The checkpoint's RoPE dimensions are interleaved pairs (DeepSeek's layout).
+    pub rope_interleave: bool,
+    /// The softmax's scale: `(qk_nope + qk_rope)^-½`, times YaRN's `mscale_all_dim` factor
+    /// squared.
+    pub softmax_scale: f32,
 }
 
 fn is_zero(x: &usize) -> bool {
@@ -105,6 +135,8 @@ pub enum LayerKind {
     Full,
     /// The last [`ModelConfig::sliding_window`] positions (`sliding_attention`).
     Sliding,
+    /// Every earlier position, over one latent per token (MLA).
+    Latent,
 }
 
 impl Default for ModelConfig {
@@ -129,6 +161,8 @@ impl Default for ModelConfig {
             attention_bias: false,
             attention_sinks: false,
             moe: None,
+            dense_layers: 0,
+            mla: None,
         }
     }
 }
@@ -179,23 +213,91 @@ impl ModelConfig {
                 m.top_k,
                 m.experts
             );
+            if let ExpertAct::ClampedSwiglu { alpha, limit } = m.act {
+                ensure!(
+                    alpha.is_finite() && limit.is_finite() && limit > 0.0,
+                    "moe swiglu_alpha and swiglu_limit must be finite, the limit positive"
+                );
+            }
+            if let Router::SigmoidGroups {
+                groups,
+                topk_groups,
+                scale,
+                ..
+            } = m.router
+            {
+                ensure!(
+                    groups > 0
+                        && m.experts.is_multiple_of(groups)
+                        && (1..=groups).contains(&topk_groups)
+                        && m.top_k <= topk_groups * (m.experts / groups)
+                        && scale.is_finite(),
+                    "moe n_group {groups} must divide the {} experts, topk_group {topk_groups} \
+                     be 1..=n_group and hold top_k {} experts, the scale finite",
+                    m.experts,
+                    m.top_k
+                );
+            }
             ensure!(
-                m.alpha.is_finite() && m.limit.is_finite() && m.limit > 0.0,
-                "moe swiglu_alpha and swiglu_limit must be finite, the limit positive"
+                m.shared <= 1 << 10,
+                "moe `shared` = {} out of range",
+                m.shared
+            );
+        }
+        ensure!(
+            self.dense_layers <= self.layers,
+            "{} dense layers of {}",
+            self.dense_layers,
+            self.layers
+        );
+        if let Some(a) = &self.mla {
+            for (n, v) in [
+                ("kv_lora_rank", a.kv_lora_rank),
+                ("qk_nope_head_dim", a.qk_nope),
+                ("qk_rope_head_dim", a.qk_rope),
+                ("v_head_dim", a.v_head),
+            ] {
+                ensure!(v > 0 && v <= 1 << 16, "mla `{n}` = {v} out of range");
+            }
+            ensure!(a.q_lora_rank <= 1 << 16, "mla `q_lora_rank` out of range");
+            ensure!(
+                a.qk_rope == self.head_dim && a.qk_rope.is_multiple_of(2),
+                "mla: head_dim must be qk_rope_head_dim, and even"
+            );
+            ensure!(
+                a.softmax_scale.is_finite() && a.softmax_scale > 0.0,
+                "mla softmax scale must be positive"
+            );
+            ensure!(
+                self.layer_types.is_empty() && !self.attention_sinks && !self.attention_bias,
+                "mla layers with sliding windows, sinks or biases are not implemented"
             );
         }
         Ok(())
     }
 
+    /// The KV cache's shape per layer: parts, heads and elements per head — K and V of
+    /// `kv_heads` heads of `head_dim`, or one latent (MLA: the compressed KV and its RoPE
+    /// key, `kv_lora_rank + qk_rope_head_dim` wide) shared by every head.
+    pub fn kv_shape(&self) -> (usize, usize, usize) {
+        match &self.mla {
+            Some(a) => (1, 1, a.kv_lora_rank + a.qk_rope),
+            None => (2, self.kv_heads, self.head_dim),
+        }
+    }
+
     /// Layer `l`'s attention kind.
     pub fn layer_kind(&self, l: usize) -> LayerKind {
+        if self.mla.is_some() {
+            return LayerKind::Latent;
+        }
         self.layer_types.get(l).copied().unwrap_or(LayerKind::Full)
     }
 
     /// The window layer `l` attends over (0: every earlier position).
     pub fn window(&self, l: usize) -> usize {
         match self.layer_kind(l) {
-            LayerKind::Full => 0,
+            LayerKind::Full | LayerKind::Latent => 0,
             LayerKind::Sliding => self.sliding_window,
         }
     }
@@ -204,6 +306,13 @@ impl ModelConfig {
     /// when nothing slides (the classic block); otherwise the full layers, then the
     /// sliding ones.
     pub fn kv_groups(&self) -> Vec<KvGroup> {
+        if self.mla.is_some() {
+            return vec![KvGroup {
+                kind: LayerKind::Latent,
+                layers: (0..self.layers).collect(),
+                window: 0,
+            }];
+        }
         let mut out = Vec::new();
         for kind in [LayerKind::Full, LayerKind::Sliding] {
             let layers: Vec<usize> = (0..self.layers)
@@ -262,9 +371,10 @@ impl ModelConfig {
         match v.get("model_type").and_then(|x| x.as_str()) {
             None | Some("llama") => Self::llama_from_hf(v, name),
             Some("gpt_oss") => Self::gpt_oss_from_hf(v, name),
-            Some(t) => {
-                bail!("model_type {t:?} is not implemented (only \"llama\" and \"gpt_oss\")")
-            }
+            Some("deepseek_v3") => Self::deepseek_v3_from_hf(v, name),
+            Some(t) => bail!(
+                "model_type {t:?} is not implemented (only \"llama\", \"gpt_oss\" and \"deepseek_v3\")"
+            ),
         }
     }
 
@@ -409,8 +519,150 @@ impl ModelConfig {
                 experts: get("num_local_experts")?,
                 top_k: get("num_experts_per_tok").unwrap_or(4),
                 ffn,
-                alpha: num("swiglu_alpha", 1.702)?,
-                limit: num("swiglu_limit", 7.0)?,
+                act: ExpertAct::ClampedSwiglu {
+                    alpha: num("swiglu_alpha", 1.702)?,
+                    limit: num("swiglu_limit", 7.0)?,
+                },
+                router: Router::SoftmaxTopk,
+                shared: 0,
+            }),
+            ..Default::default()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A DeepSeek-V3 `config.json` (transformers' `DeepseekV3Config`, its defaults where
+    /// a field is absent; Kimi-K2 has the same shape). Refused by name: quantized
+    /// checkpoints (the released FP8 ones: dequantize to bf16 first), attention biases,
+    /// activations other than SiLU.
+    fn deepseek_v3_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
+        let get = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .with_context(|| format!("no `{k}`"))
+        };
+        let opt = |k: &str, default: usize| -> Result<usize> {
+            match v.get(k).filter(|x| !x.is_null()) {
+                None => Ok(default),
+                Some(x) => Ok(x
+                    .as_u64()
+                    .with_context(|| format!("`{k}` is not a whole number"))?
+                    as usize),
+            }
+        };
+        let num = |k: &str, default: f64| -> Result<f64> {
+            match v.get(k).filter(|x| !x.is_null()) {
+                None => Ok(default),
+                Some(x) => x.as_f64().with_context(|| format!("`{k}` is not a number")),
+            }
+        };
+        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|x| x.as_str())
+                .unwrap_or("?");
+            bail!(
+                "`quantization_config` ({method}) is not implemented: the engine reads \
+                 f32, f16 or bf16 weights"
+            );
+        }
+        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
+            ensure!(
+                act == "silu",
+                "hidden_act {act:?} is not implemented (only \"silu\")"
+            );
+        }
+        ensure!(
+            !v.get("attention_bias")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            "attention_bias is not implemented"
+        );
+        let (theta, rope_scaling) = hf_rope(v, 10_000.0)?;
+        let qk_nope = opt("qk_nope_head_dim", 128)?;
+        let qk_rope = opt("qk_rope_head_dim", 64)?;
+        // transformers scales the softmax by YaRN's mscale_all_dim factor, squared.
+        let mut softmax_scale = ((qk_nope + qk_rope) as f64).powf(-0.5);
+        let rope = v
+            .get("rope_parameters")
+            .filter(|x| !x.is_null())
+            .or_else(|| v.get("rope_scaling").filter(|x| !x.is_null()));
+        if let Some(r) = rope {
+            let ty = r
+                .get("rope_type")
+                .or_else(|| r.get("type"))
+                .and_then(|x| x.as_str())
+                .unwrap_or("default");
+            let all = r
+                .get("mscale_all_dim")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(0.0);
+            if ty != "default" && all != 0.0 {
+                let factor = r
+                    .get("factor")
+                    .and_then(|x| x.as_f64())
+                    .context("rope `factor`")?;
+                let m = if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * all * factor.ln() + 1.0
+                };
+                softmax_scale *= m * m;
+            }
+        }
+        let heads = get("num_attention_heads")?;
+        let experts = opt("n_routed_experts", 256)?;
+        let q_lora = match v.get("q_lora_rank") {
+            None => 1536,
+            Some(x) if x.is_null() => 0,
+            Some(x) => x.as_u64().context("`q_lora_rank` is not a whole number")? as usize,
+        };
+        let cfg = ModelConfig {
+            name: name.to_string(),
+            vocab: get("vocab_size")?,
+            dim: get("hidden_size")?,
+            layers: get("num_hidden_layers")?,
+            heads,
+            kv_heads: 1,
+            head_dim: qk_rope,
+            ffn: get("intermediate_size")?,
+            rope_theta: theta,
+            rope_scaling,
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            eps: num("rms_norm_eps", 1e-6)? as f32,
+            moe: Some(MoeShape {
+                experts,
+                top_k: opt("num_experts_per_tok", 8)?,
+                ffn: opt("moe_intermediate_size", 2048)?,
+                act: ExpertAct::Swiglu,
+                router: Router::SigmoidGroups {
+                    groups: opt("n_group", 8)?,
+                    topk_groups: opt("topk_group", 4)?,
+                    normalize: v
+                        .get("norm_topk_prob")
+                        .and_then(|x| x.as_bool())
+                        .unwrap_or(true),
+                    scale: num("routed_scaling_factor", 2.5)? as f32,
+                },
+                shared: opt("n_shared_experts", 1)?,
+            }),
+            dense_layers: opt("first_k_dense_replace", 3)?,
+            mla: Some(Mla {
+                q_lora_rank: q_lora,
+                kv_lora_rank: opt("kv_lora_rank", 512)?,
+                qk_nope,
+                qk_rope,
+                v_head: opt("v_head_dim", 128)?,
+                rope_interleave: v
+                    .get("rope_interleave")
+                    .and_then(|x| x.as_bool())
+                    .unwrap_or(true),
+                softmax_scale: softmax_scale as f32,
             }),
             ..Default::default()
         };

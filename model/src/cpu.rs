@@ -8,7 +8,7 @@
 //! as one that computes the whole prompt, and so disaggregated tokens equal aggregated
 //! ones.
 
-use crate::{KvGeometry, MoeShape};
+use crate::{ExpertAct, KvGeometry, MoeShape, Router};
 
 /// A mixture of experts' weights on the host ([`moe`]).
 pub struct MoeWeights<'a> {
@@ -89,7 +89,23 @@ pub fn rope(
     inv_freq: &[f32],
     scale: f32,
 ) {
-    let half = head_dim / 2;
+    rope_at(x, positions, heads, head_dim, 0, head_dim, inv_freq, scale);
+}
+
+/// [`rope`] of elements `offset..offset + dim` of each `(token, head)` row of `stride`
+/// elements (MLA's RoPE part of a query head, or of a latent row).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_at(
+    x: &mut [f32],
+    positions: &[u32],
+    heads: usize,
+    stride: usize,
+    offset: usize,
+    dim: usize,
+    inv_freq: &[f32],
+    scale: f32,
+) {
+    let half = dim / 2;
     debug_assert_eq!(
         inv_freq.len(),
         half,
@@ -97,13 +113,128 @@ pub fn rope(
     );
     for (t, &pos) in positions.iter().enumerate() {
         for h in 0..heads {
-            let base = (t * heads + h) * head_dim;
+            let base = (t * heads + h) * stride + offset;
             for i in 0..half {
                 let (s, c) = (pos as f32 * inv_freq[i]).sin_cos();
                 let (s, c) = (s * scale, c * scale);
                 let (a, b) = (x[base + i], x[base + i + half]);
                 x[base + i] = a * c - b * s;
                 x[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// RMSNorm in place of elements `0..dim` of each of `rows` rows of `stride` (MLA's latent,
+/// which shares its row with the RoPE key).
+pub fn rmsnorm_at(x: &mut [f32], w: &[f32], rows: usize, stride: usize, dim: usize, eps: f32) {
+    for r in 0..rows {
+        let row = &mut x[r * stride..r * stride + dim];
+        let ss = dot(row, row) / dim as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for (v, wi) in row.iter_mut().zip(w) {
+            *v = *v * inv * wi;
+        }
+    }
+}
+
+/// MLA's absorbed query: for each `(row, head)` of `q` (`[rows][heads][nope + rope]`),
+/// `out` (`[rows][heads][r + rope]`) gets the head's key expansion applied to its no-RoPE
+/// part — `wkb_t[head]` (`[r][nope]`, `kv_b_proj`'s key rows transposed) times it — then
+/// its RoPE part as is. Its dot product with a latent row `[latent; rope key]` is the
+/// head's attention logit (unscaled).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_absorb(
+    q: &[f32],
+    wkb_t: &[f32],
+    rows: usize,
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    r: usize,
+    out: &mut [f32],
+) {
+    for t in 0..rows {
+        for h in 0..heads {
+            let qh = &q[(t * heads + h) * (nope + rope)..(t * heads + h + 1) * (nope + rope)];
+            let oh = &mut out[(t * heads + h) * (r + rope)..(t * heads + h + 1) * (r + rope)];
+            let w = &wkb_t[h * r * nope..(h + 1) * r * nope];
+            for i in 0..r {
+                oh[i] = dot(&w[i * nope..(i + 1) * nope], &qh[..nope]);
+            }
+            oh[r..].copy_from_slice(&qh[nope..]);
+        }
+    }
+}
+
+/// MLA's values: `out[row][head]` (`v` wide) is `wvb[head]` (`[v][r]`, `kv_b_proj`'s value
+/// rows) times the head's attended latent `olat[row][head]` (`r` wide).
+pub fn mla_unabsorb(
+    olat: &[f32],
+    wvb: &[f32],
+    rows: usize,
+    heads: usize,
+    r: usize,
+    v: usize,
+    out: &mut [f32],
+) {
+    for t in 0..rows {
+        for h in 0..heads {
+            let lh = &olat[(t * heads + h) * r..(t * heads + h + 1) * r];
+            let w = &wvb[h * v * r..(h + 1) * v * r];
+            for j in 0..v {
+                out[(t * heads + h) * v + j] = dot(&w[j * r..(j + 1) * r], lh);
+            }
+        }
+    }
+}
+
+/// Causal attention of absorbed MLA queries (`q`: `[tokens][heads][dk]`, [`mla_absorb`])
+/// over a latent cache (`g`: one part, one head, `head_dim` = `dk`): every head reads the
+/// same latent rows; logits are `q · row · scale`, the output (`[tokens][heads][dv]`) the
+/// softmax-weighted sum of the rows' first `dv` elements (the latent, not its RoPE key).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention(
+    q: &[f32],
+    cache: &[f32],
+    g: &KvGeometry,
+    layer: usize,
+    heads: usize,
+    block_table: &[u32],
+    positions: &[u32],
+    dv: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let dk = g.head_dim;
+    let mut scores = Vec::new();
+    for (t, &pos) in positions.iter().enumerate() {
+        let n = pos as usize + 1;
+        for h in 0..heads {
+            let qr = &q[(t * heads + h) * dk..(t * heads + h + 1) * dk];
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..n {
+                let blk = block_table[j / g.block_tokens] as usize;
+                let at = g.index(layer, 0, blk, j % g.block_tokens, 0);
+                let s = dot(qr, &cache[at..at + dk]) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let or = &mut out[(t * heads + h) * dv..(t * heads + h + 1) * dv];
+            or.fill(0.0);
+            for (j, &w) in scores.iter().enumerate() {
+                let blk = block_table[j / g.block_tokens] as usize;
+                let at = g.index(layer, 0, blk, j % g.block_tokens, 0);
+                let p = w / sum;
+                for d in 0..dv {
+                    or[d] += p * cache[at + d];
+                }
             }
         }
     }
@@ -227,13 +358,70 @@ pub fn attention(
     }
 }
 
-/// The experts a row is routed to and their weights (gpt-oss' router): the `top_k`
-/// largest of `logits` (ties to the lower index), softmax over those `top_k` values, and
-/// the pairs in ascending expert order (the order transformers adds the experts' outputs).
+/// The indices of the `k` largest of `v`, largest first (ties to the lower index).
+fn top(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// The experts a row is routed to and their weights, in ascending expert order (the
+/// order transformers adds the experts' outputs). `logits`: the router's (with gpt-oss'
+/// router bias added); `bias`: DeepSeek's correction bias (its choice only).
+pub fn route_with(
+    router: &Router,
+    logits: &[f32],
+    bias: &[f32],
+    top_k: usize,
+) -> Vec<(usize, f32)> {
+    match *router {
+        Router::SoftmaxTopk => route(logits, top_k),
+        Router::SigmoidGroups {
+            groups,
+            topk_groups,
+            normalize,
+            scale,
+        } => {
+            let scores: Vec<f32> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+            let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            let per = (choice.len() / groups.max(1)).max(1);
+            let group_scores: Vec<f32> = choice
+                .chunks(per)
+                .map(|g| top(g, 2).iter().map(|&i| g[i]).sum())
+                .collect();
+            let keep = top(&group_scores, topk_groups);
+            let masked: Vec<f32> = choice
+                .iter()
+                .enumerate()
+                .map(|(e, &c)| {
+                    if keep.contains(&(e / per)) {
+                        c
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let idx = top(&masked, top_k);
+            let mut w: Vec<f32> = idx.iter().map(|&e| scores[e]).collect();
+            if normalize {
+                let sum = w.iter().sum::<f32>() + 1e-20;
+                w.iter_mut().for_each(|x| *x /= sum);
+            }
+            let mut out: Vec<(usize, f32)> = idx
+                .into_iter()
+                .zip(w.into_iter().map(|x| x * scale))
+                .collect();
+            out.sort_by_key(|&(e, _)| e);
+            out
+        }
+    }
+}
+
+/// gpt-oss' router ([`Router::SoftmaxTopk`]): the `top_k` largest of `logits` (ties to
+/// the lower index), softmax over those `top_k` values, in ascending expert order.
 pub fn route(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    idx.truncate(top_k);
+    let idx = top(logits, top_k);
     let max = idx
         .iter()
         .map(|&e| logits[e])
@@ -257,29 +445,41 @@ pub fn clamped_swiglu(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
     (u + 1.0) * (g / (1.0 + (-(g * alpha)).exp()))
 }
 
-/// A mixture-of-experts feed-forward (gpt-oss'), for rows `x` (`[rows][dim]`): each row's
-/// router logits (`router · x + router_bias`) pick [`route`]'s experts; each expert computes
-/// `down · clamped_swiglu(gate_up · x + gate_up_bias) + down_bias`, and the row's output is
-/// their sum weighted by the router, in ascending expert order. Weights in this crate's
-/// orientation (a row per output): `gate_up` `[experts][2·ffn][dim]` with gate and up
-/// interleaved (row `2i` gate, `2i + 1` up, as the checkpoint's columns), `down`
-/// `[experts][dim][ffn]`.
+/// An expert's activation of one `(gate, up)` pair.
+#[inline]
+pub fn expert_act(act: &ExpertAct, gate: f32, up: f32) -> f32 {
+    match *act {
+        ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu(gate, up, alpha, limit),
+        ExpertAct::Swiglu => gate / (1.0 + (-gate).exp()) * up,
+    }
+}
+
+/// A mixture-of-experts feed-forward, for rows `x` (`[rows][dim]`): each row's router
+/// logits (`router · x`, plus `router_bias` for [`Router::SoftmaxTopk`]) pick
+/// [`route_with`]'s experts; each expert computes `down · act(gate_up · x + gate_up_bias)
+/// + down_bias`, and the row's output is their sum weighted by the router, in ascending
+/// expert order (shared experts are the caller's). Weights in this crate's orientation (a
+/// row per output): `gate_up` `[experts][2·ffn][dim]` with gate and up interleaved (row
+/// `2i` gate, `2i + 1` up), `down` `[experts][dim][ffn]`.
 pub fn moe(x: &[f32], w: &MoeWeights<'_>, dim: usize, shape: &MoeShape, out: &mut [f32]) {
     let (ne, f) = (shape.experts, shape.ffn);
     let mut logits = vec![0f32; ne];
     let mut act = vec![0f32; f];
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         for (e, l) in logits.iter_mut().enumerate() {
-            *l = dot(xr, &w.router[e * dim..(e + 1) * dim]) + w.router_bias[e];
+            *l = dot(xr, &w.router[e * dim..(e + 1) * dim]);
+            if shape.router == Router::SoftmaxTopk {
+                *l += w.router_bias[e];
+            }
         }
         or.fill(0.0);
-        for (e, p) in route(&logits, shape.top_k) {
+        for (e, p) in route_with(&shape.router, &logits, w.router_bias, shape.top_k) {
             let gu = &w.gate_up[e * 2 * f * dim..(e + 1) * 2 * f * dim];
             let gub = &w.gate_up_bias[e * 2 * f..(e + 1) * 2 * f];
             for (i, a) in act.iter_mut().enumerate() {
                 let g = dot(xr, &gu[2 * i * dim..(2 * i + 1) * dim]) + gub[2 * i];
                 let u = dot(xr, &gu[(2 * i + 1) * dim..(2 * i + 2) * dim]) + gub[2 * i + 1];
-                *a = clamped_swiglu(g, u, shape.alpha, shape.limit);
+                *a = expert_act(&shape.act, g, u);
             }
             let dn = &w.down[e * dim * f..(e + 1) * dim * f];
             let db = &w.down_bias[e * dim..(e + 1) * dim];

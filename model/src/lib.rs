@@ -29,6 +29,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod kv;
+pub(crate) mod layer;
 pub mod model;
 pub mod shared;
 pub mod tokenizer;
@@ -39,8 +40,10 @@ pub use kv::Segment as KvSegment;
 pub use model::{Model, ModelConfig, Sequence};
 pub use shared::SharedRegion;
 
-/// Shape of a mixture-of-experts feed-forward (gpt-oss': top-k softmax router, clamped
-/// SwiGLU experts with biases).
+/// Shape of a mixture-of-experts feed-forward: a router picks `top_k` of `experts`
+/// SwiGLU experts of hidden size `ffn` per token ([`Router`], [`ExpertAct`]); `shared`
+/// more experts' worth (DeepSeek's shared experts, one MLP of `ffn · shared`) see every
+/// token.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoeShape {
     /// Experts.
@@ -49,10 +52,51 @@ pub struct MoeShape {
     pub top_k: usize,
     /// Each expert's hidden size.
     pub ffn: usize,
-    /// The SwiGLU's sigmoid gain (`swiglu_alpha`).
-    pub alpha: f32,
-    /// The clamp of the gate (above) and the up projection (both ways) (`swiglu_limit`).
-    pub limit: f32,
+    /// The experts' activation.
+    pub act: ExpertAct,
+    /// How tokens pick experts.
+    pub router: Router,
+    /// Shared experts (0: none).
+    #[serde(default)]
+    pub shared: usize,
+}
+
+/// An expert's activation of its `(gate, up)` pair.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ExpertAct {
+    /// gpt-oss': the gate clamped above and the up projection both ways at `limit`, then
+    /// `(up + 1) · gate · σ(alpha · gate)`.
+    ClampedSwiglu {
+        /// The sigmoid's gain (`swiglu_alpha`).
+        alpha: f32,
+        /// The clamp (`swiglu_limit`).
+        limit: f32,
+    },
+    /// `silu(gate) · up` (DeepSeek's).
+    Swiglu,
+}
+
+/// How a token's experts and their weights are picked from the router's logits.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Router {
+    /// gpt-oss': the `top_k` largest logits (the router has a bias), softmax over them.
+    SoftmaxTopk,
+    /// DeepSeek-V3's: sigmoid scores; the choice adds a correction bias to them, keeps the
+    /// `topk_groups` of `groups` expert groups whose two best choices sum highest, and
+    /// takes the `top_k` best there; the weights are the chosen experts' scores,
+    /// normalized to sum 1 when `normalize`, times `scale`.
+    SigmoidGroups {
+        /// Expert groups (`n_group`).
+        groups: usize,
+        /// Groups kept (`topk_group`).
+        topk_groups: usize,
+        /// `norm_topk_prob`.
+        normalize: bool,
+        /// `routed_scaling_factor`.
+        scale: f32,
+    },
 }
 
 /// Shape of a paged KV cache: `[layer][part][block][token][kv_head][head_dim]`, f32. Two

@@ -18,76 +18,16 @@ use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 
-use crate::backend::{Backend, MoeBufs};
-pub use crate::config::{KvGroup, LayerKind, ModelConfig, RopeScaling};
+use crate::backend::Backend;
+pub use crate::config::{KvGroup, LayerKind, Mla, ModelConfig, RopeScaling};
 use crate::kv::{layer_slices, Caches};
 pub use crate::kv::{LayerView, Prefix, PrefixGroup};
-use crate::weights::transpose_each;
+use crate::layer::{Layer, Scratch};
 pub use crate::weights::Weights;
 use crate::KvGeometry;
 
-struct Layer<B: Backend> {
-    attn_norm: B::Buf,
-    wq: B::Buf,
-    wk: B::Buf,
-    wv: B::Buf,
-    wo: B::Buf,
-    /// q, k, v, o biases (`attention_bias`).
-    bias: Option<[B::Buf; 4]>,
-    /// One sink logit per query head (`attention_sinks`), on the host: the attention
-    /// call takes them by value.
-    sinks: Vec<f32>,
-    /// Positions the layer attends over (0: all).
-    window: usize,
-    mlp_norm: B::Buf,
-    ffn: Ffn<B>,
-}
-
-/// A layer's feed-forward.
-enum Ffn<B: Backend> {
-    /// SwiGLU: gate, up, down.
-    Mlp([B::Buf; 3]),
-    /// gpt-oss' experts, in [`MoeBufs`]' orientation: router, router bias, gate/up,
-    /// gate/up bias, down, down bias.
-    Moe([B::Buf; 6]),
-}
-
 /// Rows of activation buffers kept between forwards.
 const SCRATCH_ROWS: usize = 64;
-
-/// Activation buffers of one forward, for up to `rows` tokens.
-struct Scratch<B: Backend> {
-    rows: usize,
-    x: B::Buf,
-    h: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
-    att: B::Buf,
-    o: B::Buf,
-    gate: B::Buf,
-    up: B::Buf,
-    act: B::Buf,
-}
-
-impl<B: Backend> Scratch<B> {
-    fn new(b: &B, cfg: &ModelConfig, rows: usize) -> Result<Self> {
-        let (d, qd, kvd, f) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
-        Ok(Scratch {
-            rows,
-            x: b.zeros(rows * d)?,
-            h: b.zeros(rows * d)?,
-            q: b.zeros(rows * qd)?,
-            k: b.zeros(rows * kvd)?,
-            v: b.zeros(rows * kvd)?,
-            att: b.zeros(rows * qd)?,
-            o: b.zeros(rows * d)?,
-            gate: b.zeros(rows * f)?,
-            up: b.zeros(rows * f)?,
-            act: b.zeros(rows * f)?,
-        })
-    }
-}
 
 /// One request's tokens and the physical KV blocks that hold them.
 #[derive(Clone, Debug, Default)]
@@ -163,71 +103,15 @@ impl<B: Backend> Model<B> {
         let embed = up(&mut w, "model.embed_tokens.weight")?;
         let norm = up(&mut w, "model.norm.weight")?;
         let lm_head = up(&mut w, "lm_head.weight")?;
-        let mut layers = Vec::new();
-        for l in 0..cfg.layers {
-            let p = format!("model.layers.{l}");
-            let bias = if cfg.attention_bias {
-                Some([
-                    up(&mut w, &format!("{p}.self_attn.q_proj.bias"))?,
-                    up(&mut w, &format!("{p}.self_attn.k_proj.bias"))?,
-                    up(&mut w, &format!("{p}.self_attn.v_proj.bias"))?,
-                    up(&mut w, &format!("{p}.self_attn.o_proj.bias"))?,
-                ])
-            } else {
-                None
-            };
-            let ffn = match &cfg.moe {
-                None => Ffn::Mlp([
-                    up(&mut w, &format!("{p}.mlp.gate_proj.weight"))?,
-                    up(&mut w, &format!("{p}.mlp.up_proj.weight"))?,
-                    up(&mut w, &format!("{p}.mlp.down_proj.weight"))?,
-                ]),
-                Some(m) => {
-                    let ex = format!("{p}.mlp.experts");
-                    let gu = transpose_each(
-                        &w.take(&format!("{ex}.gate_up_proj"))?,
-                        m.experts,
-                        cfg.dim,
-                        2 * m.ffn,
-                    );
-                    let dn = transpose_each(
-                        &w.take(&format!("{ex}.down_proj"))?,
-                        m.experts,
-                        m.ffn,
-                        cfg.dim,
-                    );
-                    Ffn::Moe([
-                        up(&mut w, &format!("{p}.mlp.router.weight"))?,
-                        up(&mut w, &format!("{p}.mlp.router.bias"))?,
-                        backend.upload(&gu)?,
-                        up(&mut w, &format!("{ex}.gate_up_proj_bias"))?,
-                        backend.upload(&dn)?,
-                        up(&mut w, &format!("{ex}.down_proj_bias"))?,
-                    ])
-                }
-            };
-            layers.push(Layer {
-                attn_norm: up(&mut w, &format!("{p}.input_layernorm.weight"))?,
-                wq: up(&mut w, &format!("{p}.self_attn.q_proj.weight"))?,
-                wk: up(&mut w, &format!("{p}.self_attn.k_proj.weight"))?,
-                wv: up(&mut w, &format!("{p}.self_attn.v_proj.weight"))?,
-                wo: up(&mut w, &format!("{p}.self_attn.o_proj.weight"))?,
-                bias,
-                sinks: if cfg.attention_sinks {
-                    w.take(&format!("{p}.self_attn.sinks"))?
-                } else {
-                    Vec::new()
-                },
-                window: cfg.window(l),
-                mlp_norm: up(&mut w, &format!("{p}.post_attention_layernorm.weight"))?,
-                ffn,
-            });
-        }
+        let layers = (0..cfg.layers)
+            .map(|l| Layer::load(&backend, &cfg, &mut w, l))
+            .collect::<Result<Vec<_>>>()?;
+        let (parts, kv_heads, head_dim) = cfg.kv_shape();
         let geo = KvGeometry {
-            parts: 2,
+            parts,
             layers: cfg.layers,
-            kv_heads: cfg.kv_heads,
-            head_dim: cfg.head_dim,
+            kv_heads,
+            head_dim,
             block_tokens: cfg.block_tokens,
             num_blocks,
         };
@@ -406,7 +290,7 @@ impl<B: Backend> Model<B> {
                     + p % cfg.block_tokens as u32
             })
             .collect();
-        let (d, qd, kvd, f) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let d = cfg.dim;
         // Decode steps and short prefills reuse one set of buffers; a long prefill gets
         // its own (kept only up to SCRATCH_ROWS, so a long prompt does not pin its
         // activations' memory).
@@ -414,20 +298,7 @@ impl<B: Backend> Model<B> {
             Some(sc) if sc.rows >= n => sc,
             _ => Scratch::new(b, cfg, n.max(SCRATCH_ROWS))?,
         };
-        let Scratch {
-            x,
-            h,
-            q,
-            k,
-            v,
-            att,
-            o,
-            gate,
-            up,
-            act,
-            ..
-        } = &mut sc;
-        b.embedding(embed, d, &seq.tokens[start..end], x)?;
+        b.embedding(embed, d, &seq.tokens[start..end], &mut sc.x)?;
         let (one, nl) = (kv.one, kv.geo.layers);
         let blocks = &seq.blocks;
         let logits = std::thread::scope(|s| -> Result<B::Buf> {
@@ -472,18 +343,7 @@ impl<B: Backend> Model<B> {
             }
             let mut done: Vec<&mut B::Buf> = Vec::with_capacity(nl);
             for (li, l) in layers.iter().enumerate() {
-                b.rmsnorm(x, &l.attn_norm, n, d, cfg.eps, h)?;
-                b.matmul(h, &l.wq, n, qd, d, q)?;
-                b.matmul(h, &l.wk, n, kvd, d, k)?;
-                b.matmul(h, &l.wv, n, kvd, d, v)?;
-                if let Some([bq, bk, bv, _]) = &l.bias {
-                    b.add_rows(q, bq, n, qd)?;
-                    b.add_rows(k, bk, n, kvd)?;
-                    b.add_rows(v, bv, n, kvd)?;
-                }
-                let rs = cfg.rope_attention_scale();
-                b.rope(q, &positions, cfg.heads, cfg.head_dim, inv_freq, rs)?;
-                b.rope(k, &positions, cfg.kv_heads, cfg.head_dim, inv_freq, rs)?;
+                let (k, v) = l.project(b, cfg, inv_freq, &positions, &mut sc)?;
                 // This layer's cache: waited for here, and only here.
                 let cache = match prefix {
                     Some(_) => {
@@ -514,42 +374,14 @@ impl<B: Backend> Model<B> {
                     },
                 )?;
                 let cache = done.last().context("the layer's cache")?;
-                b.attention(
-                    q, cache, &one, 0, cfg.heads, blocks, &positions, l.window, &l.sinks, att,
-                )?;
-                b.matmul(att, &l.wo, n, d, qd, o)?;
-                if let Some([_, _, _, bo]) = &l.bias {
-                    b.add_rows(o, bo, n, d)?;
-                }
-                b.add(x, o, n * d)?;
-                b.rmsnorm(x, &l.mlp_norm, n, d, cfg.eps, h)?;
-                match &l.ffn {
-                    Ffn::Mlp([w_gate, w_up, w_down]) => {
-                        b.matmul(h, w_gate, n, f, d, gate)?;
-                        b.matmul(h, w_up, n, f, d, up)?;
-                        b.swiglu(gate, up, n * f, act)?;
-                        b.matmul(act, w_down, n, d, f, o)?;
-                    }
-                    Ffn::Moe([router, router_bias, gate_up, gate_up_bias, down, down_bias]) => {
-                        let shape = cfg.moe.as_ref().context("a mixture of experts' shape")?;
-                        let w = MoeBufs {
-                            router,
-                            router_bias,
-                            gate_up,
-                            gate_up_bias,
-                            down,
-                            down_bias,
-                        };
-                        b.moe(h, &w, n, d, shape, o)?;
-                    }
-                }
-                b.add(x, o, n * d)?;
+                l.attend(b, cfg, cache, &one, blocks, &positions, &mut sc)?;
+                l.feed_forward(b, cfg, n, &mut sc)?;
             }
             // Only the last token's logits are needed.
-            let xl = b.row(x, n - 1, d)?;
-            b.rmsnorm(&xl, norm, 1, d, cfg.eps, h)?;
+            let xl = b.row(&sc.x, n - 1, d)?;
+            b.rmsnorm(&xl, norm, 1, d, cfg.eps, &mut sc.h)?;
             let mut logits = b.zeros(cfg.vocab)?;
-            b.matmul(h, lm_head, 1, cfg.vocab, d, &mut logits)?;
+            b.matmul(&sc.h, lm_head, 1, cfg.vocab, d, &mut logits)?;
             Ok(logits)
         })?;
         if sc.rows <= SCRATCH_ROWS {

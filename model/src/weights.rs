@@ -47,6 +47,79 @@ fn specs(cfg: &ModelConfig) -> Vec<Spec> {
     );
     for l in 0..cfg.layers {
         let p = format!("model.layers.{l}");
+        if let Some(a) = &cfg.mla {
+            // DeepSeek's names and shapes (the released checkpoints': experts one by one).
+            let (h, qk) = (cfg.heads, a.qk_nope + a.qk_rope);
+            let at = format!("{p}.self_attn");
+            if a.q_lora_rank > 0 {
+                let r = a.q_lora_rank;
+                add(format!("{at}.q_a_proj.weight"), vec![r, d], lin(d));
+                add(format!("{at}.q_a_layernorm.weight"), vec![r], Init::Ones);
+                add(format!("{at}.q_b_proj.weight"), vec![h * qk, r], lin(r));
+            } else {
+                add(format!("{at}.q_proj.weight"), vec![h * qk, d], lin(d));
+            }
+            let r = a.kv_lora_rank;
+            add(
+                format!("{at}.kv_a_proj_with_mqa.weight"),
+                vec![r + a.qk_rope, d],
+                lin(d),
+            );
+            add(format!("{at}.kv_a_layernorm.weight"), vec![r], Init::Ones);
+            add(
+                format!("{at}.kv_b_proj.weight"),
+                vec![h * (a.qk_nope + a.v_head), r],
+                lin(r),
+            );
+            add(
+                format!("{at}.o_proj.weight"),
+                vec![d, h * a.v_head],
+                half(h * a.v_head),
+            );
+            match cfg.moe.as_ref().filter(|_| l >= cfg.dense_layers) {
+                None => {
+                    add(
+                        format!("{p}.mlp.gate_proj.weight"),
+                        vec![cfg.ffn, d],
+                        lin(d),
+                    );
+                    add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
+                    add(
+                        format!("{p}.mlp.down_proj.weight"),
+                        vec![d, cfg.ffn],
+                        half(cfg.ffn),
+                    );
+                }
+                Some(m) => {
+                    let f = m.ffn;
+                    add(format!("{p}.mlp.gate.weight"), vec![m.experts, d], lin(d));
+                    add(
+                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        vec![m.experts],
+                        Init::Uniform(0.5),
+                    );
+                    for e in 0..m.experts {
+                        let x = format!("{p}.mlp.experts.{e}");
+                        add(format!("{x}.gate_proj.weight"), vec![f, d], lin(d));
+                        add(format!("{x}.up_proj.weight"), vec![f, d], lin(d));
+                        add(format!("{x}.down_proj.weight"), vec![d, f], half(f));
+                    }
+                    if m.shared > 0 {
+                        let (x, sf) = (format!("{p}.mlp.shared_experts"), f * m.shared);
+                        add(format!("{x}.gate_proj.weight"), vec![sf, d], lin(d));
+                        add(format!("{x}.up_proj.weight"), vec![sf, d], lin(d));
+                        add(format!("{x}.down_proj.weight"), vec![d, sf], half(sf));
+                    }
+                }
+            }
+            add(format!("{p}.input_layernorm.weight"), vec![d], Init::Ones);
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![d],
+                Init::Ones,
+            );
+            continue;
+        }
         add(format!("{p}.self_attn.q_proj.weight"), vec![qd, d], lin(d));
         add(format!("{p}.self_attn.k_proj.weight"), vec![kvd, d], lin(d));
         add(format!("{p}.self_attn.v_proj.weight"), vec![kvd, d], lin(d));

@@ -149,8 +149,18 @@ fn gpt_oss_configs_are_read_and_their_gaps_refused() {
     assert!(c.attention_bias && c.attention_sinks);
     let m = c.moe.unwrap();
     assert_eq!(
-        (m.experts, m.top_k, m.ffn, m.alpha, m.limit),
-        (4, 2, 32, 1.702, 7.0)
+        (m.experts, m.top_k, m.ffn, m.act, m.router, m.shared),
+        (
+            4,
+            2,
+            32,
+            kvd_model::ExpertAct::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0
+            },
+            kvd_model::Router::SoftmaxTopk,
+            0
+        )
     );
     // YaRN's attention factor: 0.1 ln(32) + 1.
     assert!((c.rope_attention_scale() - (0.1 * 32f32.ln() + 1.0)).abs() < 1e-6);

@@ -1,15 +1,20 @@
 //! The engine's model against Hugging Face transformers' own models of the attention
 //! families beside Llama, on tiny random checkpoints transformers writes itself
 //! (`tests/python/hf_families.py`): gpt-oss (sliding-window and full layers interleaved,
-//! attention sinks, biased projections, a top-k mixture of experts, YaRN and plain RoPE;
-//! f32 and bf16 weights). Greedy tokens must be equal and the prompt's last-position
-//! logits within `|ours - hf| <= 1e-3 + 1e-3 * |hf|`, through the paged KV cache (prefill,
-//! then one token at a time), and a prefill cut at any block gives the same bits.
+//! attention sinks, biased projections, a top-k mixture of experts, YaRN and plain RoPE)
+//! and DeepSeek-V3 (multi-head latent attention with and without low-rank queries and
+//! interleaved RoPE, YaRN with its mscale, dense layers then DeepSeek's routed and shared
+//! experts); f32 and bf16 weights. Greedy tokens must be equal and the prompt's
+//! last-position logits within `|ours - hf| <= 1e-3 + 1e-3 * |hf|`, through the paged KV
+//! cache (prefill, then one token at a time), and a prefill cut at any block gives the
+//! same bits.
 //!
-//! Negative controls show the comparison would catch each thing a sliding-window model
-//! can get wrong: the window one position too wide or too narrow, or ignored; the sinks
-//! or YaRN's attention factor ignored; and at the cache level, another prompt's KV in a
-//! sliding layer inside the window changes the tokens while outside it changes nothing.
+//! Negative controls show the comparison would catch each thing such a model can get
+//! wrong: the window one position too wide or too narrow, or ignored; the sinks or YaRN's
+//! attention factor ignored; MLA's RoPE pairs, its softmax scale, DeepSeek's group routing
+//! or routed scaling; and at the cache level, another prompt's KV in a sliding layer
+//! inside the window changes the tokens while outside it changes nothing, and a latent
+//! in another arrangement changes them.
 //!
 //! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
 //! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
@@ -277,4 +282,206 @@ fn only_the_window_of_a_sliding_layer_is_read() {
             );
         }
     }
+}
+
+#[test]
+fn deepseek_v3_matches_transformers_and_every_mistake_is_caught() {
+    let Some((dir, names)) = reference_of("hf_families.py", "DeepSeek-V3 parity not checked")
+    else {
+        return;
+    };
+    let ds: Vec<&String> = names
+        .iter()
+        .filter(|n| n.starts_with("deepseek_v3"))
+        .collect();
+    assert_eq!(ds.len(), 2, "{names:?}");
+    for name in ds {
+        let d: PathBuf = dir.path().join(name);
+        let e = expected(&d);
+        let cfg = ModelConfig::from_hf_json(&d.join("config.json"), name).unwrap();
+        assert!(cfg.mla.is_some() && cfg.moe.is_some() && cfg.dense_layers == 1);
+        let w = d.join("model.safetensors");
+        let (logits, greedy) = run(&cfg, &w, &e.prompt, e.greedy.len(), None);
+        let err = worst(&logits, &e.logits);
+        eprintln!("{name}: worst logit error {err:.3} of tolerance");
+        assert!(err <= 1.0, "{name}: logits off by {err} tolerances");
+        assert_eq!(greedy, e.greedy, "{name}: greedy tokens");
+        for cut in [cfg.block_tokens, 2 * cfg.block_tokens + 5] {
+            let (l2, g2) = run(&cfg, &w, &e.prompt, 3, Some(cut));
+            assert_eq!(l2, logits, "{name}: prefill cut at {cut}");
+            assert_eq!(g2, greedy[..3], "{name}: prefill cut at {cut}");
+        }
+    }
+    // Each mistake moves the logits past the tolerance.
+    let d = dir.path().join("deepseek_v3_f32_yarn");
+    let e = expected(&d);
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    let mla = cfg.mla.unwrap();
+    let moe = cfg.moe.unwrap();
+    let kvd_model::Router::SigmoidGroups {
+        groups,
+        topk_groups,
+        normalize,
+        scale,
+    } = moe.router
+    else {
+        panic!("DeepSeek's router")
+    };
+    let wrong = [
+        (
+            "RoPE pairs not interleaved",
+            ModelConfig {
+                mla: Some(kvd_model::model::Mla {
+                    rope_interleave: false,
+                    ..mla
+                }),
+                ..cfg.clone()
+            },
+        ),
+        (
+            "softmax scale without YaRN's mscale",
+            ModelConfig {
+                mla: Some(kvd_model::model::Mla {
+                    softmax_scale: ((mla.qk_nope + mla.qk_rope) as f32).powf(-0.5),
+                    ..mla
+                }),
+                ..cfg.clone()
+            },
+        ),
+        (
+            "routing over every group",
+            ModelConfig {
+                moe: Some(kvd_model::MoeShape {
+                    router: kvd_model::Router::SigmoidGroups {
+                        groups,
+                        topk_groups: groups,
+                        normalize,
+                        scale,
+                    },
+                    ..moe
+                }),
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no routed scaling",
+            ModelConfig {
+                moe: Some(kvd_model::MoeShape {
+                    router: kvd_model::Router::SigmoidGroups {
+                        groups,
+                        topk_groups,
+                        normalize,
+                        scale: 1.0,
+                    },
+                    ..moe
+                }),
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no dense first layer",
+            ModelConfig {
+                dense_layers: 0,
+                ..cfg.clone()
+            },
+        ),
+    ];
+    for (what, c) in wrong {
+        // A config the weights do not fit is a mistake caught too (no dense layer).
+        let Ok(wts) = Weights::from_safetensors(&w, &c) else {
+            eprintln!("{what}: refused at load");
+            continue;
+        };
+        drop(wts);
+        let (logits, _) = run(&c, &w, &e.prompt, 0, None);
+        let err = worst(&logits, &e.logits);
+        assert!(err > 1.0, "{what} went unnoticed ({err} tolerances)");
+    }
+}
+
+/// The cache side of MLA: a block holds one latent row per token (`[latent; RoPE key]`,
+/// every head's), so a prefix loaded from the blocks a store saved gives the cold
+/// tokens, and the same bytes in another arrangement (the RoPE key first, as another
+/// writer might lay a row out) give other tokens: the layout's arrangement must name it.
+#[test]
+fn an_mla_prefix_is_one_latent_per_token_and_its_arrangement_matters() {
+    let Some((dir, _)) = reference_of("hf_families.py", "MLA's cache not checked") else {
+        return;
+    };
+    let d = dir.path().join("deepseek_v3_f32_yarn");
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    let mla = cfg.mla.unwrap();
+    let (bt, row) = (cfg.block_tokens, mla.kv_lora_rank + mla.qk_rope);
+    let e = expected(&d);
+    let prompt = &e.prompt[..4 * bt + 3];
+    let mut m = model(&cfg, &w, 16);
+    assert_eq!(m.geometry().parts, 1);
+    let mut seq = Sequence {
+        tokens: prompt.to_vec(),
+        ..Default::default()
+    };
+    m.forward(&mut seq).unwrap();
+    // One block: every layer's latent rows, nothing per head.
+    let bytes = cfg.layers * bt * row * 4;
+    let mut saved: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; bytes]).collect();
+    let mut dst: Vec<&mut [u8]> = saved.iter_mut().map(|b| &mut b[..]).collect();
+    m.save_blocks(&seq, &[0, 1, 2, 3], 0, 1, &mut dst).unwrap();
+    let tokens = |blocks: &[Vec<u8>]| -> Vec<u32> {
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        };
+        let src: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+        m.load_prefix(&mut seq, 4, 1, &src).unwrap();
+        let mut out = Vec::new();
+        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        for _ in 0..6 {
+            let t = argmax(&logits);
+            out.push(t);
+            seq.tokens.push(t);
+            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        }
+        out
+    };
+    let cold = {
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        for _ in 0..6 {
+            let t = argmax(&logits);
+            out.push(t);
+            seq.tokens.push(t);
+            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
+        }
+        out
+    };
+    assert_eq!(
+        tokens(&saved),
+        cold,
+        "the saved latents give the cold tokens"
+    );
+    // The RoPE key first, then the latent: the same bytes, another arrangement.
+    let other: Vec<Vec<u8>> = saved
+        .iter()
+        .map(|b| {
+            b.chunks(row * 4)
+                .flat_map(|r| {
+                    let (lat, key) = r.split_at(mla.kv_lora_rank * 4);
+                    key.iter().chain(lat).copied().collect::<Vec<u8>>()
+                })
+                .collect()
+        })
+        .collect();
+    assert_ne!(
+        tokens(&other),
+        cold,
+        "a latent in another arrangement must show"
+    );
 }

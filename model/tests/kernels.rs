@@ -306,8 +306,12 @@ fn moe_matches_naive() {
         experts: 4,
         top_k: 2,
         ffn: 6,
-        alpha: 1.702,
-        limit: 0.9,
+        act: kvd_model::ExpertAct::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 0.9,
+        },
+        router: kvd_model::Router::SoftmaxTopk,
+        shared: 0,
     };
     let (e, f) = (shape.experts, shape.ffn);
     let x = rand_vec(rows * dim, 50);
@@ -830,8 +834,12 @@ fn a_sliding_groups_window_is_all_a_prefix_needs() {
             experts: 4,
             top_k: 2,
             ffn: 64,
-            alpha: 1.702,
-            limit: 7.0,
+            act: kvd_model::ExpertAct::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0,
+            },
+            router: kvd_model::Router::SoftmaxTopk,
+            shared: 0,
         }),
         block_tokens: 8,
         ..tiny()
@@ -1061,8 +1069,12 @@ mod gpu {
                 experts: 6,
                 top_k: 2,
                 ffn: 24,
-                alpha: 1.702,
-                limit: 0.8,
+                act: kvd_model::ExpertAct::ClampedSwiglu {
+                    alpha: 1.702,
+                    limit: 0.8,
+                },
+                router: kvd_model::Router::SoftmaxTopk,
+                shared: 0,
             };
             let (e, f) = (shape.experts, shape.ffn);
             let host = [
