@@ -1,13 +1,16 @@
 //! The attention families beside Llama through the whole engine and every kvd path:
 //! transformers writes a tiny random gpt-oss (sliding-window and full layers, attention
-//! sinks, a mixture of experts, YaRN; `tests/python/hf_families.py`), and the greedy
-//! tokens of `kvd-engine --model-config config.json --weights model.safetensors` equal
-//! transformers' own — aggregated without kvd; with the prefix from kvd's DRAM, after
-//! the daemon's restart (the kept pool), from NVMe, from a peer daemon's cache, and
-//! through the GPU tier (host stand-in); disaggregated through two daemons by pull and by
-//! push, whole and layer-wise, between TP sizes, and device to device on one node.
-//! (The model against transformers, its negative controls and the window's reach:
-//! `model/tests/hf_families.rs`.)
+//! sinks, a mixture of experts, YaRN) and DeepSeek-V3 (multi-head latent attention,
+//! routed and shared experts; `tests/python/hf_families.py`), and the greedy tokens of
+//! `kvd-engine --model-config config.json --weights model.safetensors` equal
+//! transformers' own — aggregated without kvd; with the prefix from kvd's DRAM, after the
+//! daemon's restart (the kept pool), from NVMe, from a peer daemon's cache, and through
+//! the GPU tier (host stand-in); disaggregated through two daemons by pull and by push,
+//! whole and layer-wise, between TP sizes, and device to device on one node. Each
+//! handoff's bytes are counted: gpt-oss' sliding layers move only their window, and an
+//! MLA model moves one latent copy whatever the TP of either engine.
+//! (The models against transformers, their negative controls, the window's reach and the
+//! latent's arrangement: `model/tests/hf_families.rs`.)
 //!
 //! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
 //! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
@@ -23,16 +26,27 @@ use serde_json::{json, Value};
 /// tokens × 2 KV heads × 16 dims × 4 bytes.
 const GROUP_BLOCK: u64 = 2 * 2 * 16 * 2 * 16 * 4;
 
+/// One block of the test's DeepSeek-V3: 3 layers × 16 tokens × one latent row (32 + 8
+/// floats), whatever the TP.
+const LATENT_BLOCK: u64 = 3 * 16 * (32 + 8) * 4;
+
 struct Case {
+    /// An MLA model: one latent copy per node.
+    latent: bool,
     body: Value,
     want: Vec<u32>,
     model: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
-fn gpt_oss() -> Option<Case> {
-    let (dir, _) = hf_reference::reference_of("hf_families.py", "gpt-oss through kvd not checked")?;
-    let d = dir.path().join("gpt_oss_f32_yarn");
+/// The transformers checkpoint `variant` of `tests/python/hf_families.py`, its prompt
+/// and transformers' greedy tokens.
+fn case(variant: &str) -> Option<Case> {
+    let (dir, _) = hf_reference::reference_of(
+        "hf_families.py",
+        &format!("{variant} through kvd not checked"),
+    )?;
+    let d = dir.path().join(variant);
     let e: Value =
         serde_json::from_slice(&std::fs::read(d.join("expected.json")).unwrap()).unwrap();
     let ids = |k: &str| -> Vec<u32> {
@@ -47,6 +61,7 @@ fn gpt_oss() -> Option<Case> {
     let prompt: String = prompt_ids.iter().map(|&b| b as u8 as char).collect();
     let path = |f: &str| d.join(f).to_str().unwrap().to_string();
     Some(Case {
+        latent: variant.starts_with("deepseek"),
         body: json!({"prompt": prompt, "max_tokens": want.len(), "temperature": 0.0}),
         want,
         model: vec![
@@ -92,7 +107,39 @@ impl Case {
 
 #[test]
 fn gpt_oss_gives_transformers_tokens_on_every_local_path() {
-    let Some(c) = gpt_oss() else { return };
+    if let Some(c) = case("gpt_oss_f32_yarn") {
+        every_local_path(&c);
+    }
+}
+
+#[test]
+fn deepseek_v3_gives_transformers_tokens_on_every_local_path() {
+    if let Some(c) = case("deepseek_v3_f32_yarn") {
+        every_local_path(&c);
+    }
+}
+
+/// A gpt-oss handoff moves the full layers' four blocks and, of the sliding layers', only
+/// the two the window of position 64 reaches (41..=64): 6 of the 8 blocks' halves.
+#[test]
+fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
+    if let Some(c) = case("gpt_oss_f32_yarn") {
+        every_handoff(&c, 6 * GROUP_BLOCK);
+    }
+}
+
+/// A DeepSeek-V3 handoff moves one latent copy of the four blocks, whatever the TP of
+/// either engine.
+#[test]
+fn deepseek_v3_gives_transformers_tokens_on_every_handoff() {
+    if let Some(c) = case("deepseek_v3_f32_yarn") {
+        every_handoff(&c, 4 * LATENT_BLOCK);
+    }
+}
+
+/// Aggregated without kvd; the prefix from DRAM, the kept pool after a restart, NVMe;
+/// the GPU tier (host stand-in) at TP 1 and 2.
+fn every_local_path(c: &Case) {
     let (_r, reference) = engine("both", None, &c.args(&[]));
     c.check(&reference, "aggregated, no kvd");
     // DRAM, then the same blocks after the daemon's restart (the kept pool).
@@ -190,12 +237,16 @@ fn gpt_oss_gives_transformers_tokens_on_every_local_path() {
         );
     }
     let st = g.client().stats().unwrap().gpu.expect("the GPU tier is on");
-    assert!(st.stored_blocks >= 12 && st.loaded_blocks >= 12, "{st:?}");
+    assert!(st.stored_blocks >= 4 && st.loaded_blocks >= 12, "{st:?}");
+    if c.latent {
+        // One latent copy per node: the TP 2 engine found the TP 1 engine's blocks.
+        assert_eq!(st.stored_blocks, 4, "{st:?}");
+    }
 }
 
-#[test]
-fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
-    let Some(c) = gpt_oss() else { return };
+/// Pull and push, whole and layer-wise, between TP sizes, with the bytes the daemons'
+/// data planes moved (`moved` each); a peer's cache; device to device on one node.
+fn every_handoff(c: &Case, moved_bytes: u64) {
     for (ptp, dtp, parts, mode) in [
         ("1", "1", "0", "pull"),
         ("1", "1", "0", "push"),
@@ -226,16 +277,14 @@ fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
         let before = moved();
         let got = c.check_hit(&url, mode, &what);
         if parts != "0" {
-            // Each group has two layers: at most two parts.
-            assert_eq!(
-                got["prefill_kvd"]["handoff_parts"].as_u64(),
-                Some(parts.parse::<u64>().unwrap().min(2)),
+            // A group has two (gpt-oss) or three (DeepSeek) layers: at most that many parts.
+            let got_parts = got["prefill_kvd"]["handoff_parts"].as_u64().unwrap_or(0);
+            assert!(
+                (2..=parts.parse::<u64>().unwrap()).contains(&got_parts),
                 "{what}: the handoff was layer-wise: {got}"
             );
         }
-        // What moved: the full layers' four blocks, and of the sliding layers only the
-        // two the window of position 64 reaches (41..=64): 6 of the 8 blocks' halves.
-        assert_eq!(moved() - before, 6 * GROUP_BLOCK, "{what}: bytes moved");
+        assert_eq!(moved() - before, moved_bytes, "{what}: bytes moved");
     }
     // A peer's cache: two daemons that know each other (static discovery, peer fetch);
     // the prompt computed on one is a prefix hit on the other.

@@ -59,9 +59,11 @@ extern "C" __global__ void matmul(const float* x, const float* w, float* out, in
 
 // `inv_freq[p]` turns pair p (the model computes the table: base, then llama3 or yarn
 // scaling); the cosine and sine are multiplied by `scale` (yarn's attention factor, else 1).
-extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int hd, const float* inv_freq,
-                               float scale) {
-    int half = hd / 2;
+// Elements offset..offset+dim of each (token, head) row of `stride` floats turn (the whole
+// head, or MLA's RoPE part of a query head or a latent row).
+extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int heads, int stride, int offset, int dim,
+                               const float* inv_freq, float scale) {
+    int half = dim / 2;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * heads * half) return;
     int p = i % half;
@@ -71,14 +73,15 @@ extern "C" __global__ void rope(float* x, const unsigned* pos, int tokens, int h
     sincosf((float)pos[t] * inv_freq[p], &s, &c);
     s *= scale;
     c *= scale;
-    float* base = x + th * hd;
+    float* base = x + th * stride + offset;
     float a = base[p], b = base[p + half];
     base[p] = a * c - b * s;
     base[p + half] = b * c + a * s;
 }
 
+// K (and V, with two parts) rows of new tokens into the cache; one part: a latent row.
 extern "C" __global__ void write_kv(float* cache, const float* k, const float* v, const unsigned* slots, int n,
-                                   int layer, int num_blocks, int bt, int kvh, int hd) {
+                                   int layer, int num_blocks, int bt, int kvh, int hd, int parts) {
     size_t row = (size_t)kvh * hd;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * row) return;
@@ -86,8 +89,106 @@ extern "C" __global__ void write_kv(float* cache, const float* k, const float* v
     size_t e = i % row;
     unsigned slot = slots[t];
     int blk = slot / bt, off = slot % bt;
-    cache[cache_index(layer, 0, blk, off, 0, num_blocks, bt, kvh, hd) + e] = k[i];
-    cache[cache_index(layer, 1, blk, off, 0, num_blocks, bt, kvh, hd) + e] = v[i];
+    size_t lp = (size_t)layer * parts;
+    cache[((((lp)*num_blocks + blk) * bt + off) * kvh) * hd + e] = k[i];
+    if (parts == 2) cache[((((lp + 1) * num_blocks + blk) * bt + off) * kvh) * hd + e] = v[i];
+}
+
+// RMSNorm in place of elements 0..dim of each row of `stride` floats (MLA's latent, which
+// shares its row with the RoPE key). One block (256 threads) per row.
+extern "C" __global__ void rmsnorm_at(float* x, const float* w, int rows, int stride, int dim, float eps) {
+    __shared__ float part[256];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = x + (size_t)r * stride;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) part[threadIdx.x] += part[threadIdx.x + o];
+        __syncthreads();
+    }
+    float inv = rsqrtf(part[0] / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] = xr[i] * inv * w[i];
+}
+
+// MLA's absorbed query, a thread per (row, head, i): i < r: the head's key expansion
+// (wkbt[head], [r][nope]) times its no-RoPE part; then its RoPE part as is.
+extern "C" __global__ void mla_absorb(const float* q, const float* wkbt, float* out, int rows, int heads, int nope,
+                                     int rope, int r) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int w = r + rope;
+    if (i >= (size_t)rows * heads * w) return;
+    int c = i % w;
+    size_t th = i / w;
+    int h = th % heads;
+    const float* qh = q + th * (nope + rope);
+    if (c < r) {
+        const float* wr = wkbt + ((size_t)h * r + c) * nope;
+        float s = 0.f;
+        for (int k = 0; k < nope; k++) s += wr[k] * qh[k];
+        out[i] = s;
+    } else {
+        out[i] = qh[nope + c - r];
+    }
+}
+
+// MLA's values, a thread per (row, head, j): the head's value expansion (wvb[head],
+// [v][r]) times its attended latent.
+extern "C" __global__ void mla_unabsorb(const float* olat, const float* wvb, float* out, int rows, int heads, int r,
+                                       int v) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * heads * v) return;
+    int j = i % v;
+    size_t th = i / v;
+    int h = th % heads;
+    const float* l = olat + th * r;
+    const float* wr = wvb + ((size_t)h * v + j) * r;
+    float s = 0.f;
+    for (int k = 0; k < r; k++) s += wr[k] * l[k];
+    out[i] = s;
+}
+
+#define MLA_MAX_DV 512
+
+// MLA attention: one warp per (token, head) over the layer's latent rows (one part, one
+// head, dk wide); each lane keeps an online softmax over its rows and the first dv
+// elements of their weighted sum, then the lanes are merged with shuffles. dv <= 512.
+extern "C" __global__ void mla_attention(const float* q, const float* cache, const unsigned* block_table,
+                                        const unsigned* pos, float* out, int tokens, int heads, int dk, int dv, int bt,
+                                        int num_blocks, int layer, float scale) {
+    int th = blockIdx.x;
+    if (th >= tokens * heads) return;
+    int t = th / heads;
+    int lane = threadIdx.x;
+    const float* qr = q + (size_t)th * dk;
+    float m = -KVD_INF, l = 0.f;
+    float acc[MLA_MAX_DV];
+    for (int d = 0; d < dv; d++) acc[d] = 0.f;
+    int n = pos[t] + 1;
+    for (int j = lane; j < n; j += 32) {
+        int blk = block_table[j / bt];
+        const float* row = cache + (((size_t)layer * num_blocks + blk) * bt + j % bt) * dk;
+        float s = 0.f;
+        for (int d = 0; d < dk; d++) s += qr[d] * row[d];
+        s *= scale;
+        float mn = fmaxf(m, s);
+        float corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+        for (int d = 0; d < dv; d++) acc[d] = acc[d] * corr + p * row[d];
+        m = mn;
+    }
+    float M = m;
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
+    float f = (m == -KVD_INF) ? 0.f : expf(m - M);
+    float L = l * f;
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
+    for (int d = 0; d < dv; d++) {
+        float a = acc[d] * f;
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
+        if (lane == 0) out[(size_t)th * dv + d] = a / L;
+    }
 }
 
 // x[r][i] += b[i]: a Linear layer's bias.
@@ -147,26 +248,87 @@ extern "C" __global__ void attention(const float* q, const float* cache, const u
     }
 }
 
-// gpt-oss' router, one thread per row: the `top_k` largest router logits (ties to the
-// lower expert), softmax over them, written in ascending expert order.
-extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int top_k, unsigned* idx, float* w) {
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+#define MOE_MAX_GROUPS 64
+
+// A row's router, one thread per row, its experts written in ascending order.
+// kind 0 (gpt-oss): the `top_k` largest router logits (ties to the lower expert), softmax
+// over them. kind 1 (DeepSeek-V3): sigmoid scores; the choice adds `bias` to them, keeps
+// the `topk_groups` of `groups` groups whose two best choices sum highest (ties to the
+// lower group), and takes the `top_k` best choices there; the weights are the chosen
+// scores, normalized (`normalize`) and times `scale`. groups <= 64.
+extern "C" __global__ void moe_route(const float* logits, int rows, int experts, int top_k, unsigned* idx, float* w,
+                                    int kind, const float* bias, int groups, int topk_groups, int normalize,
+                                    float scale) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const float* lr = logits + (size_t)r * experts;
     unsigned* ir = idx + (size_t)r * top_k;
     float* wr = w + (size_t)r * top_k;
-    for (int j = 0; j < top_k; j++) {
-        int best = -1;
-        for (int e = 0; e < experts; e++) {
-            bool taken = false;
-            for (int i = 0; i < j; i++) taken |= ir[i] == (unsigned)e;
-            if (!taken && (best < 0 || lr[e] > lr[best])) best = e;
+    if (kind == 1) {
+        int per = experts / groups;
+        bool keep[MOE_MAX_GROUPS];
+        for (int g = 0; g < groups; g++) keep[g] = false;
+        for (int k = 0; k < topk_groups; k++) {
+            int bg = -1;
+            float bs = -KVD_INF;
+            for (int g = 0; g < groups; g++) {
+                if (keep[g]) continue;
+                // the group's two best choices
+                float a = -KVD_INF, b2 = -KVD_INF;
+                for (int e = g * per; e < (g + 1) * per; e++) {
+                    float c = sigmoidf(lr[e]) + bias[e];
+                    if (c > a) {
+                        b2 = a;
+                        a = c;
+                    } else if (c > b2) {
+                        b2 = c;
+                    }
+                }
+                float gs = per >= 2 ? a + b2 : a;
+                if (bg < 0 || gs > bs) {
+                    bg = g;
+                    bs = gs;
+                }
+            }
+            keep[bg] = true;
         }
-        ir[j] = (unsigned)best;
+        for (int j = 0; j < top_k; j++) {
+            int best = -1;
+            float bc = -KVD_INF;
+            for (int e = 0; e < experts; e++) {
+                if (!keep[e / per]) continue;
+                bool taken = false;
+                for (int i = 0; i < j; i++) taken |= ir[i] == (unsigned)e;
+                float c = sigmoidf(lr[e]) + bias[e];
+                if (!taken && (best < 0 || c > bc)) {
+                    best = e;
+                    bc = c;
+                }
+            }
+            ir[j] = (unsigned)best;
+        }
+        float z = 0.f;
+        for (int j = 0; j < top_k; j++) z += sigmoidf(lr[ir[j]]);
+        for (int j = 0; j < top_k; j++) {
+            float s = sigmoidf(lr[ir[j]]);
+            wr[j] = (normalize ? s / (z + 1e-20f) : s) * scale;
+        }
+    } else {
+        for (int j = 0; j < top_k; j++) {
+            int best = -1;
+            for (int e = 0; e < experts; e++) {
+                bool taken = false;
+                for (int i = 0; i < j; i++) taken |= ir[i] == (unsigned)e;
+                if (!taken && (best < 0 || lr[e] > lr[best])) best = e;
+            }
+            ir[j] = (unsigned)best;
+        }
+        float m = lr[ir[0]], z = 0.f;
+        for (int j = 0; j < top_k; j++) z += expf(lr[ir[j]] - m);
+        for (int j = 0; j < top_k; j++) wr[j] = expf(lr[ir[j]] - m) / z;
     }
-    float m = lr[ir[0]], z = 0.f;
-    for (int j = 0; j < top_k; j++) z += expf(lr[ir[j]] - m);
-    for (int j = 0; j < top_k; j++) wr[j] = expf(lr[ir[j]] - m) / z;
     for (int j = 1; j < top_k; j++) {  // insertion sort by expert
         unsigned ei = ir[j];
         float wi = wr[j];
@@ -180,10 +342,11 @@ extern "C" __global__ void moe_route(const float* logits, int rows, int experts,
     }
 }
 
-// act[r][j][i] = clamped SwiGLU of expert idx[r][j]'s gate/up pair i: rows 2i and 2i+1 of
-// its [2*ffn][dim] gate_up, plus biases; the gate clamped above, up both ways, at `limit`.
+// act[r][j][i] = the activation of expert idx[r][j]'s gate/up pair i: rows 2i and 2i+1
+// of its [2*ffn][dim] gate_up, plus biases. act_kind 0 (gpt-oss): the gate clamped above,
+// up both ways, at `limit`, then (up + 1) * gate * sigmoid(alpha * gate); 1: silu(gate) * up.
 extern "C" __global__ void moe_up(const float* x, const unsigned* idx, const float* gu, const float* gub, float* act,
-                                 int rows, int dim, int top_k, int ffn, float alpha, float limit) {
+                                 int rows, int dim, int top_k, int ffn, float alpha, float limit, int act_kind) {
     size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (size_t)rows * top_k * ffn) return;
     int i = t % ffn;
@@ -198,8 +361,14 @@ extern "C" __global__ void moe_up(const float* x, const unsigned* idx, const flo
         gs += xr[d] * g[d];
         us += xr[d] * u[d];
     }
-    gs = fminf(gs + gub[e * 2 * ffn + 2 * i], limit);
-    us = fminf(fmaxf(us + gub[e * 2 * ffn + 2 * i + 1], -limit), limit);
+    gs += gub[e * 2 * ffn + 2 * i];
+    us += gub[e * 2 * ffn + 2 * i + 1];
+    if (act_kind == 1) {
+        act[t] = gs / (1.f + expf(-gs)) * us;
+        return;
+    }
+    gs = fminf(gs, limit);
+    us = fminf(fmaxf(us, -limit), limit);
     act[t] = (us + 1.f) * (gs / (1.f + expf(-(gs * alpha))));
 }
 

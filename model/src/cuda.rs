@@ -35,8 +35,8 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{check_host_dst, check_host_src, check_tp, Backend, MoeBufs};
-use crate::{KvGeometry, MoeShape};
+use crate::backend::{check_attention, check_host_dst, check_host_src, check_tp, Backend, MoeBufs};
+use crate::{ExpertAct, KvGeometry, MoeShape, Router};
 
 /// The kernels' source.
 pub const KERNELS: &str = include_str!("../kernels/kvd_kernels.cu");
@@ -50,6 +50,10 @@ pub const NAMES: &[&str] = &[
     "write_kv",
     "attention",
     "add_rows",
+    "rmsnorm_at",
+    "mla_absorb",
+    "mla_unabsorb",
+    "mla_attention",
     "moe_route",
     "moe_up",
     "moe_down",
@@ -666,17 +670,196 @@ impl Backend for CudaBackend {
         inv_freq: &[f32],
         scale: f32,
     ) -> Result<()> {
+        self.rope_at(x, positions, heads, head_dim, 0, head_dim, inv_freq, scale)
+    }
+    fn rope_at(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &[u32],
+        heads: usize,
+        stride: usize,
+        offset: usize,
+        dim: usize,
+        inv_freq: &[f32],
+        scale: f32,
+    ) -> Result<()> {
         ensure!(
-            x.len() >= positions.len() * heads * head_dim && inv_freq.len() == head_dim / 2,
+            x.len() >= positions.len() * heads * stride
+                && offset + dim <= stride
+                && inv_freq.len() == dim / 2,
             "rope sizes"
         );
         let p = self.u32s(positions)?;
         let f = self.upload(inv_freq)?;
-        let (t, h, d) = (positions.len() as i32, heads as i32, head_dim as i32);
+        let (t, h, st, off, d) = (
+            positions.len() as i32,
+            heads as i32,
+            stride as i32,
+            offset as i32,
+            dim as i32,
+        );
         let mut l = self.stream.launch_builder(self.f("rope"));
-        l.arg(x).arg(&p).arg(&t).arg(&h).arg(&d).arg(&f).arg(&scale);
-        // SAFETY: matches `rope`; sizes checked.
-        unsafe { l.launch(grid(positions.len() * heads * head_dim / 2)) }?;
+        l.arg(x)
+            .arg(&p)
+            .arg(&t)
+            .arg(&h)
+            .arg(&st)
+            .arg(&off)
+            .arg(&d)
+            .arg(&f)
+            .arg(&scale);
+        // SAFETY: matches `rope`; sizes checked (every row's offset + dim within x).
+        unsafe { l.launch(grid(positions.len() * heads * dim / 2)) }?;
+        Ok(())
+    }
+    fn rmsnorm_at(
+        &self,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        stride: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ensure!(
+            dim <= stride && x.len() >= rows * stride && w.len() >= dim,
+            "rmsnorm sizes"
+        );
+        let (r, st, d) = (rows as i32, stride as i32, dim as i32);
+        let mut l = self.stream.launch_builder(self.f("rmsnorm_at"));
+        l.arg(x).arg(w).arg(&r).arg(&st).arg(&d).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `rmsnorm_at`; sizes checked; 256 threads as its shared array.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn mla_absorb(
+        &self,
+        q: &CudaSlice<f32>,
+        wkb_t: &CudaSlice<f32>,
+        rows: usize,
+        heads: usize,
+        nope: usize,
+        rope: usize,
+        r: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            q.len() >= rows * heads * (nope + rope)
+                && wkb_t.len() >= heads * r * nope
+                && out.len() >= rows * heads * (r + rope),
+            "mla_absorb sizes"
+        );
+        let (ri, hi, ni, rpi, rr) = (
+            rows as i32,
+            heads as i32,
+            nope as i32,
+            rope as i32,
+            r as i32,
+        );
+        let mut l = self.stream.launch_builder(self.f("mla_absorb"));
+        l.arg(q)
+            .arg(wkb_t)
+            .arg(out)
+            .arg(&ri)
+            .arg(&hi)
+            .arg(&ni)
+            .arg(&rpi)
+            .arg(&rr);
+        // SAFETY: matches `mla_absorb`; sizes checked.
+        unsafe { l.launch(grid(rows * heads * (r + rope))) }?;
+        Ok(())
+    }
+    fn mla_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        cache: &CudaSlice<f32>,
+        g: &KvGeometry,
+        layer: usize,
+        heads: usize,
+        block_table: &[u32],
+        positions: &[u32],
+        dv: usize,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_attention(g, layer, heads, block_table, positions)?;
+        ensure!(
+            g.parts == 1
+                && g.kv_heads == 1
+                && dv <= g.head_dim
+                && dv <= 512
+                && q.len() >= positions.len() * heads * g.head_dim
+                && out.len() >= positions.len() * heads * dv
+                && cache.len() >= g.cache_elems(),
+            "mla_attention sizes (latent up to 512 wide)"
+        );
+        let bt_ = self.u32s(block_table)?;
+        let p = self.u32s(positions)?;
+        let (t, h, dk, dvi, bt, nb, li) = (
+            positions.len() as i32,
+            heads as i32,
+            g.head_dim as i32,
+            dv as i32,
+            g.block_tokens as i32,
+            g.num_blocks as i32,
+            layer as i32,
+        );
+        let mut l = self.stream.launch_builder(self.f("mla_attention"));
+        l.arg(q)
+            .arg(cache)
+            .arg(&bt_)
+            .arg(&p)
+            .arg(out)
+            .arg(&t)
+            .arg(&h)
+            .arg(&dk)
+            .arg(&dvi)
+            .arg(&bt)
+            .arg(&nb)
+            .arg(&li)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: ((positions.len() * heads).max(1) as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `mla_attention`; block table, positions and sizes checked; one
+        // warp per (token, head) as its shuffles expect; dv within its 512 accumulators.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn mla_unabsorb(
+        &self,
+        olat: &CudaSlice<f32>,
+        wvb: &CudaSlice<f32>,
+        rows: usize,
+        heads: usize,
+        r: usize,
+        v: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            olat.len() >= rows * heads * r
+                && wvb.len() >= heads * v * r
+                && out.len() >= rows * heads * v,
+            "mla_unabsorb sizes"
+        );
+        let (ri, hi, rr, vi) = (rows as i32, heads as i32, r as i32, v as i32);
+        let mut l = self.stream.launch_builder(self.f("mla_unabsorb"));
+        l.arg(olat)
+            .arg(wvb)
+            .arg(out)
+            .arg(&ri)
+            .arg(&hi)
+            .arg(&rr)
+            .arg(&vi);
+        // SAFETY: matches `mla_unabsorb`; sizes checked.
+        unsafe { l.launch(grid(rows * heads * v)) }?;
         Ok(())
     }
     fn add_rows(
@@ -710,7 +893,37 @@ impl Backend for CudaBackend {
         let (e, k, f) = (shape.experts, shape.top_k, shape.ffn);
         let mut logits = self.zeros(rows * e)?;
         self.matmul(x, w.router, rows, e, dim, &mut logits)?;
-        self.add_rows(&mut logits, w.router_bias, rows, e)?;
+        let (kind, groups, topk_groups, normalize, scale) = match shape.router {
+            Router::SoftmaxTopk => {
+                self.add_rows(&mut logits, w.router_bias, rows, e)?;
+                (0i32, 1i32, 1i32, 0i32, 1f32)
+            }
+            Router::SigmoidGroups {
+                groups,
+                topk_groups,
+                normalize,
+                scale,
+            } => {
+                ensure!(
+                    (1..=64).contains(&groups)
+                        && e.is_multiple_of(groups)
+                        && (1..=groups).contains(&topk_groups)
+                        && k <= topk_groups * (e / groups),
+                    "expert groups: 1..=64 dividing the experts, the kept ones holding top_k"
+                );
+                (
+                    1,
+                    groups as i32,
+                    topk_groups as i32,
+                    i32::from(normalize),
+                    scale,
+                )
+            }
+        };
+        let (act_kind, alpha, limit) = match shape.act {
+            ExpertAct::ClampedSwiglu { alpha, limit } => (0i32, alpha, limit),
+            ExpertAct::Swiglu => (1, 0.0, 0.0),
+        };
         let mut idx = self.stream.alloc_zeros::<u32>((rows * k).max(1))?;
         let mut wts = self.zeros(rows * k)?;
         let (ri, ei, ki, di, fi) = (rows as i32, e as i32, k as i32, dim as i32, f as i32);
@@ -720,8 +933,16 @@ impl Backend for CudaBackend {
             .arg(&ei)
             .arg(&ki)
             .arg(&mut idx)
-            .arg(&mut wts);
-        // SAFETY: matches `moe_route`; `logits` is rows×experts, `idx`/`wts` rows×top_k.
+            .arg(&mut wts)
+            .arg(&kind)
+            .arg(w.router_bias)
+            .arg(&groups)
+            .arg(&topk_groups)
+            .arg(&normalize)
+            .arg(&scale);
+        // SAFETY: matches `moe_route`; `logits` is rows×experts, `idx`/`wts` rows×top_k,
+        // the bias `experts` long (`fits`), groups ≤ 64 and dividing the experts
+        // (validated with the config).
         unsafe { l.launch(grid(rows)) }?;
         let mut act = self.zeros(rows * k * f)?;
         let mut l = self.stream.launch_builder(self.f("moe_up"));
@@ -734,8 +955,9 @@ impl Backend for CudaBackend {
             .arg(&di)
             .arg(&ki)
             .arg(&fi)
-            .arg(&shape.alpha)
-            .arg(&shape.limit);
+            .arg(&alpha)
+            .arg(&limit)
+            .arg(&act_kind);
         // SAFETY: matches `moe_up`; sizes checked (`fits`), expert ids < experts by
         // `moe_route`, `act` rows×top_k×ffn.
         unsafe { l.launch(grid(rows * k * f)) }?;
@@ -776,6 +998,7 @@ impl Backend for CudaBackend {
             "write_kv sizes"
         );
         let s = self.u32s(slots)?;
+        let parts = g.parts as i32;
         let (n, li, nb, bt, kvh, hd) = (
             slots.len() as i32,
             layer as i32,
@@ -794,7 +1017,8 @@ impl Backend for CudaBackend {
             .arg(&nb)
             .arg(&bt)
             .arg(&kvh)
-            .arg(&hd);
+            .arg(&hd)
+            .arg(&parts);
         // SAFETY: matches `write_kv`; slots and sizes checked.
         unsafe { l.launch(grid(slots.len() * row)) }?;
         Ok(())

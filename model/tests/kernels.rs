@@ -1120,6 +1120,131 @@ mod gpu {
             )
             .unwrap();
             close(&back(&out, rows * dim), &want, tol, "moe");
+            // DeepSeek's router and activation on the same weights.
+            let ds = kvd_model::MoeShape {
+                act: kvd_model::ExpertAct::Swiglu,
+                router: kvd_model::Router::SigmoidGroups {
+                    groups: 3,
+                    topk_groups: 2,
+                    normalize: true,
+                    scale: 2.5,
+                },
+                ..shape
+            };
+            let mut want = vec![0.0; rows * dim];
+            cpu::moe(
+                &x,
+                &cpu::MoeWeights {
+                    router: &host[0],
+                    router_bias: &host[1],
+                    gate_up: &host[2],
+                    gate_up_bias: &host[3],
+                    down: &host[4],
+                    down_bias: &host[5],
+                },
+                dim,
+                &ds,
+                &mut want,
+            );
+            let mut out = dev.zeros(rows * dim).unwrap();
+            dev.moe(
+                &d(&x),
+                &kvd_model::backend::MoeBufs {
+                    router: &dw[0],
+                    router_bias: &dw[1],
+                    gate_up: &dw[2],
+                    gate_up_bias: &dw[3],
+                    down: &dw[4],
+                    down_bias: &dw[5],
+                },
+                rows,
+                dim,
+                &ds,
+                &mut out,
+            )
+            .unwrap();
+            close(&back(&out, rows * dim), &want, tol, "moe (DeepSeek)");
+            // MLA: strided RoPE and RMSNorm, the absorbed query, attention over latent
+            // rows, the values.
+            let (heads, nope, rope, r, v, n) = (4, 8, 6, 12, 10, 11);
+            let q = rand_vec(n * heads * (nope + rope), 60);
+            let mut want = q.clone();
+            cpu::rope_at(
+                &mut want,
+                &positions,
+                heads,
+                nope + rope,
+                nope,
+                rope,
+                &freqs(rope, 10_000.0),
+                1.1,
+            );
+            let mut gq = d(&q);
+            dev.rope_at(
+                &mut gq,
+                &positions,
+                heads,
+                nope + rope,
+                nope,
+                rope,
+                &freqs(rope, 10_000.0),
+                1.1,
+            )
+            .unwrap();
+            close(&back(&gq, q.len()), &want, 1e-3, "rope_at");
+            let lat = rand_vec(n * (r + rope), 61);
+            let nw = rand_vec(r, 62);
+            let mut want_l = lat.clone();
+            cpu::rmsnorm_at(&mut want_l, &nw, n, r + rope, r, 1e-6);
+            let mut gl = d(&lat);
+            dev.rmsnorm_at(&mut gl, &d(&nw), n, r + rope, r, 1e-6)
+                .unwrap();
+            close(&back(&gl, lat.len()), &want_l, tol, "rmsnorm_at");
+            let wkb_t = rand_vec(heads * r * nope, 63);
+            let mut qa = vec![0.0; n * heads * (r + rope)];
+            cpu::mla_absorb(&want, &wkb_t, n, heads, nope, rope, r, &mut qa);
+            let mut gqa = dev.zeros(qa.len()).unwrap();
+            dev.mla_absorb(&d(&want), &d(&wkb_t), n, heads, nope, rope, r, &mut gqa)
+                .unwrap();
+            close(&back(&gqa, qa.len()), &qa, tol, "mla_absorb");
+            let lg = KvGeometry {
+                parts: 1,
+                layers: 2,
+                kv_heads: 1,
+                head_dim: r + rope,
+                block_tokens: 4,
+                num_blocks: 8,
+            };
+            let mut lc = vec![0.0; lg.cache_elems()];
+            cpu::write_kv(&mut lc, &lg, 1, &want_l, &want_l, &slots);
+            let mut glc = dev.zeros(lg.cache_elems()).unwrap();
+            dev.write_kv(&mut glc, &lg, 1, &d(&want_l), &d(&want_l), &slots)
+                .unwrap();
+            close(&back(&glc, lg.cache_elems()), &lc, 0.0, "write_kv (latent)");
+            let mut ol = vec![0.0; n * heads * r];
+            cpu::mla_attention(&qa, &lc, &lg, 1, heads, &table, &positions, r, 0.3, &mut ol);
+            let mut gol = dev.zeros(ol.len()).unwrap();
+            dev.mla_attention(
+                &d(&qa),
+                &glc,
+                &lg,
+                1,
+                heads,
+                &table,
+                &positions,
+                r,
+                0.3,
+                &mut gol,
+            )
+            .unwrap();
+            close(&back(&gol, ol.len()), &ol, tol, "mla_attention");
+            let wvb = rand_vec(heads * v * r, 64);
+            let mut vo = vec![0.0; n * heads * v];
+            cpu::mla_unabsorb(&ol, &wvb, n, heads, r, v, &mut vo);
+            let mut gvo = dev.zeros(vo.len()).unwrap();
+            dev.mla_unabsorb(&d(&ol), &d(&wvb), n, heads, r, v, &mut gvo)
+                .unwrap();
+            close(&back(&gvo, vo.len()), &vo, tol, "mla_unabsorb");
             // Sampling: greedy and seeded agree with the CPU.
             let logits = rand_vec(1000, 31);
             for (t, seed) in [(0.0, 0), (1.0, 1), (0.7, 99)] {

@@ -79,7 +79,7 @@ impl Engine {
     /// The layouts of a writer of TP `src_tp` (every shard), registered once per size.
     fn src_layouts(&self, kv: &Kv, src_tp: usize) -> Result<Vec<LayoutInfo>> {
         ensure!(
-            src_tp > 0 && self.inner.cfg.model.kv_heads.is_multiple_of(src_tp),
+            shards::tp_fits(&self.inner.cfg.model, src_tp),
             "prefill_tp {src_tp} does not divide {} KV heads",
             self.inner.cfg.model.kv_heads
         );

@@ -310,7 +310,7 @@ impl Engine {
             cfg.model.vocab
         );
         ensure!(
-            cfg.tp > 0 && cfg.model.kv_heads.is_multiple_of(cfg.tp),
+            shards::tp_fits(&cfg.model, cfg.tp),
             "--tp {} must divide the model's {} KV heads",
             cfg.tp,
             cfg.model.kv_heads

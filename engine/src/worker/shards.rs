@@ -13,7 +13,13 @@
 //! model's. Stores keep every position of every group (a later prompt may stop
 //! anywhere); hits, pulls and pushes bring a sliding group's window only.
 //!
-//! Shard `i` is group `i / tp`, rank `i % tp`; its transfers are named `<base>.r<i>`.
+//! An MLA model (DeepSeek-V3) has one group whose block is the same on every rank: one
+//! latent row per token. It is kept once per node, whatever the engine's TP (its shards
+//! are one, a layout of `tp_size` 1), loaded by every rank, and handed between prefill and
+//! decode engines of any TP sizes as that one copy.
+//!
+//! Shard `i` is group `i / tp`, rank `i % tp` (`tp`: the TP size the shards split heads
+//! over, 1 for a replicated latent); its transfers are named `<base>.r<i>`.
 
 use anyhow::Result;
 use kvd_model::model::{KvGroup, LayerKind};
@@ -29,11 +35,13 @@ pub(crate) struct Shards {
 }
 
 impl Shards {
-    /// The shards of `model` at TP `tp`.
+    /// The shards of `model` at TP `tp` (one per group for a latent every rank shares).
     pub(crate) fn new(model: &ModelConfig, tp: usize) -> Shards {
+        let groups = model.kv_groups();
+        let replicated = groups.iter().all(|g| g.kind == LayerKind::Latent);
         Shards {
-            groups: model.kv_groups(),
-            tp: tp.max(1),
+            groups,
+            tp: if replicated { 1 } else { tp.max(1) },
             block_tokens: model.block_tokens,
         }
     }
@@ -43,7 +51,7 @@ impl Shards {
         self.groups.len() * self.tp
     }
 
-    /// The TP size.
+    /// The TP size the shards split heads over (1 for a replicated latent).
     pub(crate) fn tp(&self) -> usize {
         self.tp
     }
@@ -88,11 +96,28 @@ impl Shards {
         if self.groups.len() == 1 && g.kind == LayerKind::Full {
             return classic(m, self.tp, rank);
         }
-        let kind = match g.kind {
-            LayerKind::Full => "full",
-            LayerKind::Sliding => "sliding",
-        };
         let layers: Vec<String> = g.layers.iter().map(usize::to_string).collect();
+        let (kind, dims, arrangement) = match g.kind {
+            LayerKind::Full | LayerKind::Sliding => (
+                if g.kind == LayerKind::Full {
+                    "full"
+                } else {
+                    "sliding"
+                },
+                vec![2, m.block_tokens, m.kv_heads / self.tp, m.head_dim],
+                "kvd-engine:[k|v,token,head,dim]",
+            ),
+            // One latent row per token: the normed latent, then the RoPE key after its
+            // rotation (rotate-half order: a checkpoint's interleaved pairs de-interleaved).
+            LayerKind::Latent => {
+                let (_, _, row) = m.kv_shape();
+                (
+                    "mla",
+                    vec![m.block_tokens, row],
+                    "kvd-engine:[token,latent|rope_key(rotated,half-split)]",
+                )
+            }
+        };
         Layout {
             model: m.name.clone(),
             num_layers: g.layers.len() as u64,
@@ -108,16 +133,11 @@ impl Shards {
                 kind: kind.into(),
                 layers: g.layers.len() as u64,
                 dtype: Dtype::F32,
-                dims: [2, m.block_tokens, m.kv_heads / self.tp, m.head_dim]
-                    .map(|d| d as u64)
-                    .to_vec(),
-                arrangement: format!(
-                    "kvd-engine:[k|v,token,head,dim] layers={}",
-                    layers.join(",")
-                )
-                .chars()
-                .take(256)
-                .collect(),
+                dims: dims.into_iter().map(|d| d as u64).collect(),
+                arrangement: format!("{arrangement} layers={}", layers.join(","))
+                    .chars()
+                    .take(256)
+                    .collect(),
                 window: g.window as u64,
                 quant: String::new(),
             }],
@@ -175,6 +195,12 @@ impl Shards {
         }
         n
     }
+}
+
+/// Whether an engine of `model` may run at TP `tp`: its KV heads split evenly (any TP
+/// for an MLA model, whose latent every rank shares).
+pub(crate) fn tp_fits(model: &ModelConfig, tp: usize) -> bool {
+    tp > 0 && (model.mla.is_some() || model.kv_heads.is_multiple_of(tp))
 }
 
 /// The classic layout of rank `rank` of `tp` (every layer, K and V, the rank's heads).
