@@ -191,6 +191,107 @@ extern "C" __global__ void mla_attention(const float* q, const float* cache, con
     }
 }
 
+// x[i] *= sigmoid(gate[i]): an output gate.
+extern "C" __global__ void mul_sigmoid(float* x, const float* gate, int n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (size_t)n) x[i] *= 1.f / (1.f + expf(-gate[i]));
+}
+
+// Gated DeltaNet, step 1: a thread per channel runs the causal depthwise convolution
+// over rows row0.. in order, from and into its history (`hist`: [cd][K-1], oldest
+// first), and writes SiLU of each output to xout[t][c].
+extern "C" __global__ void gdn_conv(const float* qkv, const float* conv, float* hist, float* xout, int row0,
+                                   int rows, int cd, int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cd) return;
+    float* h = hist + (size_t)c * (K - 1);
+    const float* w = conv + (size_t)c * K;
+    for (int t = row0; t < row0 + rows; t++) {
+        float x = qkv[(size_t)t * cd + c];
+        float acc = w[K - 1] * x;
+        for (int j = 0; j < K - 1; j++) acc += w[j] * h[j];
+        for (int j = 0; j < K - 2; j++) h[j] = h[j + 1];
+        h[K - 2] = x;
+        xout[(size_t)t * cd + c] = acc / (1.f + expf(-acc));
+    }
+}
+
+#define GDN_MAX_DK 256
+
+// Gated DeltaNet, step 2: a block per value head, a thread per value element j (blockDim
+// >= dv), over rows in order. Thread j keeps column j of the head's state (dk <= 256) and
+// applies the gated delta rule; the head's read is RMS-normed, scaled and gated by
+// silu(z). Shared memory: (2 dk + 2 + blockDim) floats.
+extern "C" __global__ void gdn_rule(const float* xc, const float* z, const float* b, const float* a,
+                                   const float* neg_a, const float* dt_bias, const float* norm, float* st,
+                                   float* out, int row0, int rows, int hk, int hv, int dk, int dv, float eps) {
+    extern __shared__ float sh[];
+    float* qn = sh;
+    float* kn = sh + dk;
+    float* red = sh + 2 * dk;
+    int h = blockIdx.x, j = threadIdx.x;
+    int kh = h / (hv / hk);
+    int cd = 2 * hk * dk + hv * dv;
+    float* S = st + (size_t)h * dk * dv;
+    float col[GDN_MAX_DK];
+    if (j < dv)
+        for (int i = 0; i < dk; i++) col[i] = S[(size_t)i * dv + j];
+    float scale = rsqrtf((float)dk);
+    for (int t = row0; t < row0 + rows; t++) {
+        const float* x = xc + (size_t)t * cd;
+        const float* q = x + kh * dk;
+        const float* k = x + hk * dk + kh * dk;
+        const float* v = x + 2 * hk * dk + h * dv;
+        if (j == 0) {
+            float sq = 0.f, sk = 0.f;
+            for (int i = 0; i < dk; i++) {
+                sq += q[i] * q[i];
+                sk += k[i] * k[i];
+            }
+            float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+            for (int i = 0; i < dk; i++) {
+                qn[i] = q[i] * iq * scale;
+                kn[i] = k[i] * ik;
+            }
+            float xa = a[(size_t)t * hv + h] + dt_bias[h];
+            float sp = xa > 20.f ? xa : log1pf(expf(xa));
+            red[0] = 1.f / (1.f + expf(-b[(size_t)t * hv + h]));
+            red[1] = expf(neg_a[h] * sp);
+        }
+        __syncthreads();
+        float o = 0.f;
+        if (j < dv) {
+            float beta = red[0], decay = red[1], kv = 0.f;
+            for (int i = 0; i < dk; i++) {
+                col[i] *= decay;
+                kv += col[i] * kn[i];
+            }
+            float delta = (v[j] - kv) * beta;
+            for (int i = 0; i < dk; i++) {
+                col[i] += kn[i] * delta;
+                o += col[i] * qn[i];
+            }
+        }
+        __syncthreads();
+        if (j < dv) red[2 + j] = o * o;
+        __syncthreads();
+        if (j == 0) {
+            float ss = 0.f;
+            for (int i = 0; i < dv; i++) ss += red[2 + i];
+            red[1] = 1.f / sqrtf(ss / dv + eps);
+        }
+        __syncthreads();
+        if (j < dv) {
+            size_t at = (size_t)t * hv * dv + (size_t)h * dv + j;
+            float zz = z[at];
+            out[at] = o * red[1] * norm[j] * (zz / (1.f + expf(-zz)));
+        }
+        __syncthreads();
+    }
+    if (j < dv)
+        for (int i = 0; i < dk; i++) S[(size_t)i * dv + j] = col[i];
+}
+
 // x[r][i] += b[i]: a Linear layer's bias.
 extern "C" __global__ void add_rows(float* x, const float* b, int rows, int dim) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;

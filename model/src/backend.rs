@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 
+use crate::config::Gdn;
 use crate::shared::{SharedF32, SharedRegion};
 use crate::{cpu, KvGeometry, MoeShape};
 
@@ -94,6 +95,32 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// See [`cpu::add_rows`]; `rows` rows.
     fn add_rows(&self, x: &mut Self::Buf, bias: &Self::Buf, rows: usize, dim: usize) -> Result<()>;
+    /// See [`cpu::mul_sigmoid`]: `n` elements.
+    fn mul_sigmoid(&self, x: &mut Self::Buf, gate: &Self::Buf, n: usize) -> Result<()>;
+    /// See [`cpu::gdn`]: rows `rows`, the layer's state at `state_off` of `state`.
+    fn gdn(
+        &self,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        w: &GdnBufs<'_, Self::Buf>,
+        g: &Gdn,
+        eps: f32,
+        rows: std::ops::Range<usize>,
+        state: &mut Self::Buf,
+        state_off: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `dst[dst_off..][..n] = src[src_off..][..n]`, on the device.
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()>;
     /// See [`cpu::rope_at`].
     fn rope_at(
         &self,
@@ -257,6 +284,18 @@ pub trait Backend: Sync {
         src_tp: usize,
         src: &[&[u8]],
     ) -> Result<()>;
+}
+
+/// A Gated DeltaNet layer's weights on a backend (the layout of [`cpu::GdnWeights`]).
+pub struct GdnBufs<'a, B> {
+    /// `[conv_dim][conv_kernel]`.
+    pub conv: &'a B,
+    /// `[v_heads]`: `-exp(A_log)`.
+    pub neg_a: &'a B,
+    /// `[v_heads]`.
+    pub dt_bias: &'a B,
+    /// `[v_dim]`.
+    pub norm: &'a B,
 }
 
 /// A mixture of experts' weights on a backend (the layout of [`cpu::MoeWeights`]).
@@ -550,6 +589,66 @@ impl Backend for CpuBackend {
     fn add_rows(&self, x: &mut CpuBuf, bias: &CpuBuf, rows: usize, dim: usize) -> Result<()> {
         ensure!(x.len() >= rows * dim && bias.len() >= dim, "add_rows sizes");
         cpu::add_rows(&mut x[..rows * dim], &bias[..dim], dim);
+        Ok(())
+    }
+    fn mul_sigmoid(&self, x: &mut CpuBuf, gate: &CpuBuf, n: usize) -> Result<()> {
+        ensure!(x.len() >= n && gate.len() >= n, "mul_sigmoid sizes");
+        cpu::mul_sigmoid(&mut x[..n], &gate[..n]);
+        Ok(())
+    }
+    fn gdn(
+        &self,
+        qkv: &CpuBuf,
+        z: &CpuBuf,
+        b: &CpuBuf,
+        a: &CpuBuf,
+        w: &GdnBufs<'_, CpuBuf>,
+        g: &Gdn,
+        eps: f32,
+        rows: std::ops::Range<usize>,
+        state: &mut CpuBuf,
+        state_off: usize,
+        out: &mut CpuBuf,
+    ) -> Result<()> {
+        let (cd, vd, hv) = (g.conv_dim(), g.value_dim(), g.v_heads);
+        let end = rows.end;
+        ensure!(
+            rows.start <= end
+                && qkv.len() >= end * cd
+                && z.len() >= end * vd
+                && b.len() >= end * hv
+                && a.len() >= end * hv
+                && out.len() >= end * vd
+                && w.conv.len() >= cd * g.conv_kernel
+                && w.neg_a.len() >= hv
+                && w.dt_bias.len() >= hv
+                && w.norm.len() >= g.v_dim
+                && state.len() >= state_off + g.state_elems(),
+            "gdn sizes"
+        );
+        let hw = cpu::GdnWeights {
+            conv: w.conv,
+            neg_a: w.neg_a,
+            dt_bias: w.dt_bias,
+            norm: w.norm,
+        };
+        let st = &mut state[state_off..state_off + g.state_elems()];
+        cpu::gdn(qkv, z, b, a, &hw, g, eps, rows, st, out);
+        Ok(())
+    }
+    fn copy(
+        &self,
+        src: &CpuBuf,
+        src_off: usize,
+        dst: &mut CpuBuf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        ensure!(
+            src.len() >= src_off + n && dst.len() >= dst_off + n,
+            "copy sizes"
+        );
+        dst[dst_off..dst_off + n].copy_from_slice(&src[src_off..src_off + n]);
         Ok(())
     }
     fn rope_at(
@@ -1141,6 +1240,43 @@ impl Backend for AnyBackend {
     }
     fn add_rows(&self, x: &mut AnyBuf, bias: &AnyBuf, rows: usize, dim: usize) -> Result<()> {
         dispatch!(self, b => b.add_rows(x, bias, rows, dim), [bias], [x])
+    }
+    fn mul_sigmoid(&self, x: &mut AnyBuf, gate: &AnyBuf, n: usize) -> Result<()> {
+        dispatch!(self, b => b.mul_sigmoid(x, gate, n), [gate], [x])
+    }
+    fn gdn(
+        &self,
+        qkv: &AnyBuf,
+        z: &AnyBuf,
+        bb: &AnyBuf,
+        a: &AnyBuf,
+        w: &GdnBufs<'_, AnyBuf>,
+        g: &Gdn,
+        eps: f32,
+        rows: std::ops::Range<usize>,
+        state: &mut AnyBuf,
+        state_off: usize,
+        out: &mut AnyBuf,
+    ) -> Result<()> {
+        let GdnBufs {
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+        } = w;
+        let (conv, neg_a, dt_bias, norm) = (*conv, *neg_a, *dt_bias, *norm);
+        dispatch!(self, b => b.gdn(qkv, z, bb, a, &GdnBufs { conv, neg_a, dt_bias, norm }, g, eps, rows, state, state_off, out),
+            [qkv, z, bb, a, conv, neg_a, dt_bias, norm], [state, out])
+    }
+    fn copy(
+        &self,
+        src: &AnyBuf,
+        src_off: usize,
+        dst: &mut AnyBuf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        dispatch!(self, b => b.copy(src, src_off, dst, dst_off, n), [src], [dst])
     }
     fn rope_at(
         &self,

@@ -64,6 +64,58 @@ pub struct ModelConfig {
     /// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2); `None`: grouped-query heads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mla: Option<Mla>,
+    /// RoPE turns the first `rotary_dim` elements of each head (0: all of them).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub rotary_dim: usize,
+    /// Norm weights are stored zero-centered: the scale is `1 + w` (Qwen3-Next/3.5).
+    #[serde(skip_serializing_if = "is_false")]
+    pub zero_centered_norms: bool,
+    /// Queries and keys get a per-head RMSNorm (`q_norm`, `k_norm`).
+    #[serde(skip_serializing_if = "is_false")]
+    pub qk_norm: bool,
+    /// Full attention's output is gated by `σ` of a second query projection.
+    #[serde(skip_serializing_if = "is_false")]
+    pub attn_output_gate: bool,
+    /// The shape of the Gated DeltaNet layers ([`LayerKind::Linear`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gdn: Option<Gdn>,
+}
+
+/// A Gated DeltaNet layer's shape (Qwen3-Next/3.5's `linear_attention`): a short causal
+/// convolution over the q, k and v projections, then per value head a `k_dim × v_dim`
+/// state updated by the gated delta rule. What it keeps for the next token — the
+/// convolution's last `conv_kernel - 1` inputs and the states — is the layer's recurrent
+/// state, valid after exactly the tokens it has seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gdn {
+    /// The convolution's taps.
+    pub conv_kernel: usize,
+    /// Key (and query) heads.
+    pub k_heads: usize,
+    /// Value heads (a multiple of `k_heads`).
+    pub v_heads: usize,
+    /// Elements per key head.
+    pub k_dim: usize,
+    /// Elements per value head.
+    pub v_dim: usize,
+}
+
+impl Gdn {
+    /// Channels the convolution sees: q, k and v.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// Values out (`v_heads · v_dim`).
+    pub fn value_dim(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+
+    /// One layer's recurrent state, in elements: the convolution's history
+    /// (`[conv_dim][conv_kernel - 1]`), then the states (`[v_heads][k_dim][v_dim]`).
+    pub fn state_elems(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1) + self.v_heads * self.k_dim * self.v_dim
+    }
 }
 
 /// Multi-head latent attention: each token keeps one latent (`kv_lora_rank` wide, after
@@ -99,7 +151,8 @@ fn is_false(x: &bool) -> bool {
 /// A group of layers whose KV moves as one object per block (a layout of its own, SPEC
 /// §3.1 "Grouped layouts"): every layer of one attention kind. What a prefix of a group
 /// needs differs: all of a full group's blocks, only the last blocks of a sliding group,
-/// those its window reaches ([`KvGroup::first_needed`]).
+/// those its window reaches, and of a recurrent group the one state snapshot after the
+/// prefix, kept under the key of its last block ([`KvGroup::first_needed`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvGroup {
     /// What the layers compute.
@@ -114,6 +167,10 @@ impl KvGroup {
     /// The first logical block of a prefix of `n` blocks this group needs: what the
     /// first position computed after it (`n · block_tokens`) reads.
     pub fn first_needed(&self, n: usize, block_tokens: usize) -> usize {
+        if self.kind == LayerKind::Linear {
+            // A recurrent group's object at block n - 1 is its state after n blocks.
+            return n.saturating_sub(1);
+        }
         Self::first_needed_for(self.window, n, block_tokens)
     }
 
@@ -137,6 +194,8 @@ pub enum LayerKind {
     Sliding,
     /// Every earlier position, over one latent per token (MLA).
     Latent,
+    /// No attention: a recurrent state (Gated DeltaNet, `linear_attention`).
+    Linear,
 }
 
 impl Default for ModelConfig {
@@ -163,6 +222,11 @@ impl Default for ModelConfig {
             moe: None,
             dense_layers: 0,
             mla: None,
+            rotary_dim: 0,
+            zero_centered_norms: false,
+            qk_norm: false,
+            attn_output_gate: false,
+            gdn: None,
         }
     }
 }
@@ -250,6 +314,31 @@ impl ModelConfig {
             self.dense_layers,
             self.layers
         );
+        if let Some(g) = &self.gdn {
+            for (n, v) in [
+                ("linear_conv_kernel_dim", g.conv_kernel),
+                ("linear_num_key_heads", g.k_heads),
+                ("linear_num_value_heads", g.v_heads),
+                ("linear_key_head_dim", g.k_dim),
+                ("linear_value_head_dim", g.v_dim),
+            ] {
+                ensure!(v > 0 && v <= 1 << 14, "gdn `{n}` = {v} out of range");
+            }
+            ensure!(
+                g.conv_kernel >= 2 && g.v_heads.is_multiple_of(g.k_heads),
+                "gdn: at least 2 convolution taps, value heads a multiple of key heads"
+            );
+        }
+        ensure!(
+            self.gdn.is_some() || !self.layer_types.contains(&LayerKind::Linear),
+            "linear_attention layers need their shape (gdn)"
+        );
+        ensure!(
+            self.rotary_dim <= self.head_dim && self.rotary_dim.is_multiple_of(2),
+            "rotary_dim {} must be even and at most head_dim {}",
+            self.rotary_dim,
+            self.head_dim
+        );
         if let Some(a) = &self.mla {
             for (n, v) in [
                 ("kv_lora_rank", a.kv_lora_rank),
@@ -297,7 +386,7 @@ impl ModelConfig {
     /// The window layer `l` attends over (0: every earlier position).
     pub fn window(&self, l: usize) -> usize {
         match self.layer_kind(l) {
-            LayerKind::Full | LayerKind::Latent => 0,
+            LayerKind::Full | LayerKind::Latent | LayerKind::Linear => 0,
             LayerKind::Sliding => self.sliding_window,
         }
     }
@@ -314,7 +403,7 @@ impl ModelConfig {
             }];
         }
         let mut out = Vec::new();
-        for kind in [LayerKind::Full, LayerKind::Sliding] {
+        for kind in [LayerKind::Full, LayerKind::Sliding, LayerKind::Linear] {
             let layers: Vec<usize> = (0..self.layers)
                 .filter(|&l| self.layer_kind(l) == kind)
                 .collect();
@@ -372,8 +461,13 @@ impl ModelConfig {
             None | Some("llama") => Self::llama_from_hf(v, name),
             Some("gpt_oss") => Self::gpt_oss_from_hf(v, name),
             Some("deepseek_v3") => Self::deepseek_v3_from_hf(v, name),
+            Some("qwen3_5_text") => Self::qwen3_5_from_hf(v, name),
+            Some("qwen3_5") => match v.get("text_config") {
+                Some(t) if t.is_object() => Self::qwen3_5_from_hf(t, name),
+                _ => bail!("a qwen3_5 config without `text_config`"),
+            },
             Some(t) => bail!(
-                "model_type {t:?} is not implemented (only \"llama\", \"gpt_oss\" and \"deepseek_v3\")"
+                "model_type {t:?} is not implemented (only \"llama\", \"gpt_oss\", \"deepseek_v3\" and \"qwen3_5_text\")"
             ),
         }
     }
@@ -670,10 +764,141 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// A Qwen3.5 text `config.json` (transformers' `Qwen3_5TextConfig`; a multimodal
+    /// `qwen3_5` config's `text_config`): Gated DeltaNet and gated full-attention layers,
+    /// per-head q/k norms, partial RoPE, zero-centered norms. Refused by name: quantized
+    /// checkpoints, attention biases, other layer kinds, activations other than SiLU.
+    fn qwen3_5_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
+        let get = |k: &str| {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .with_context(|| format!("no `{k}`"))
+        };
+        let opt = |k: &str, default: usize| -> Result<usize> {
+            match v.get(k).filter(|x| !x.is_null()) {
+                None => Ok(default),
+                Some(x) => Ok(x
+                    .as_u64()
+                    .with_context(|| format!("`{k}` is not a whole number"))?
+                    as usize),
+            }
+        };
+        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|x| x.as_str())
+                .unwrap_or("?");
+            bail!("`quantization_config` ({method}) is not implemented: the engine reads f32, f16 or bf16 weights");
+        }
+        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
+            ensure!(
+                act == "silu",
+                "hidden_act {act:?} is not implemented (only \"silu\")"
+            );
+        }
+        ensure!(
+            !v.get("attention_bias")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            "attention_bias is not implemented"
+        );
+        let layers = get("num_hidden_layers")?;
+        let layer_types = match v.get("layer_types").filter(|x| !x.is_null()) {
+            // Qwen3_5TextConfig's default: every `full_attention_interval`-th layer full.
+            None => {
+                let every = opt("full_attention_interval", 4)?.max(1);
+                (0..layers)
+                    .map(|i| if (i + 1) % every == 0 { LayerKind::Full } else { LayerKind::Linear })
+                    .collect()
+            }
+            Some(t) => t
+                .as_array()
+                .context("`layer_types` is not a list")?
+                .iter()
+                .map(|k| match k.as_str() {
+                    Some("full_attention") => Ok(LayerKind::Full),
+                    Some("linear_attention") => Ok(LayerKind::Linear),
+                    other => bail!(
+                        "layer type {other:?} is not implemented (only \"full_attention\" and \"linear_attention\")"
+                    ),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        // Partial RoPE: the engine turns the first `rotary_dim` elements of each head.
+        let mut rope_v = v.clone();
+        let mut partial = v
+            .get("partial_rotary_factor")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(0.25);
+        for k in ["rope_parameters", "rope_scaling"] {
+            if let Some(r) = rope_v.get_mut(k).and_then(|x| x.as_object_mut()) {
+                if let Some(p) = r.remove("partial_rotary_factor").and_then(|x| x.as_f64()) {
+                    partial = p;
+                }
+                // Multimodal RoPE sections turn text positions like plain RoPE.
+                r.remove("mrope_section");
+                r.remove("mrope_interleaved");
+            }
+        }
+        let (theta, rope_scaling) = hf_rope(&rope_v, 10_000.0)?;
+        let heads = get("num_attention_heads")?;
+        let head_dim = opt("head_dim", 256)?;
+        let rotary_dim = (head_dim as f64 * partial) as usize;
+        ensure!(
+            rotary_dim > 0 && rotary_dim <= head_dim && rotary_dim.is_multiple_of(2),
+            "partial_rotary_factor {partial} gives {rotary_dim} rotated elements of {head_dim}"
+        );
+        let cfg = ModelConfig {
+            name: name.to_string(),
+            vocab: get("vocab_size")?,
+            dim: get("hidden_size")?,
+            layers,
+            heads,
+            kv_heads: opt("num_key_value_heads", heads)?,
+            head_dim,
+            ffn: get("intermediate_size")?,
+            rope_theta: theta,
+            rope_scaling,
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            eps: v
+                .get("rms_norm_eps")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(1e-6) as f32,
+            layer_types,
+            rotary_dim,
+            zero_centered_norms: true,
+            qk_norm: true,
+            attn_output_gate: true,
+            gdn: Some(Gdn {
+                conv_kernel: opt("linear_conv_kernel_dim", 4)?,
+                k_heads: opt("linear_num_key_heads", 16)?,
+                v_heads: opt("linear_num_value_heads", 32)?,
+                k_dim: opt("linear_key_head_dim", 128)?,
+                v_dim: opt("linear_value_head_dim", 128)?,
+            }),
+            ..Default::default()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Elements of each head RoPE turns (`rotary_dim`, else all of `head_dim`).
+    pub fn rope_dim(&self) -> usize {
+        if self.rotary_dim > 0 {
+            self.rotary_dim
+        } else {
+            self.head_dim
+        }
+    }
+
     /// RoPE inverse frequencies, one per rotated pair (`head_dim / 2`), as transformers
     /// computes them in f32: `theta^(-2i/head_dim)`, then scaled (`llama3`, `yarn`).
     pub fn inv_freq(&self) -> Vec<f32> {
-        let hd = self.head_dim;
+        let hd = self.rope_dim();
         let base: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f32 / hd as f32))
             .collect();

@@ -240,6 +240,137 @@ pub fn mla_attention(
     }
 }
 
+/// `x[i] *= σ(gate[i])`: an output gate.
+pub fn mul_sigmoid(x: &mut [f32], gate: &[f32]) {
+    for (v, g) in x.iter_mut().zip(gate) {
+        *v *= 1.0 / (1.0 + (-g).exp());
+    }
+}
+
+/// A Gated DeltaNet layer's weights on the host ([`gdn`]).
+pub struct GdnWeights<'a> {
+    /// The depthwise convolution, `[conv_dim][conv_kernel]` (oldest input first).
+    pub conv: &'a [f32],
+    /// Per value head, `-exp(A_log)`.
+    pub neg_a: &'a [f32],
+    /// Per value head, the time step's bias.
+    pub dt_bias: &'a [f32],
+    /// The gated RMSNorm's weight, `[v_dim]`.
+    pub norm: &'a [f32],
+}
+
+/// `log(1 + e^x)`, as torch's softplus (linear above 20).
+#[inline]
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// A Gated DeltaNet layer over tokens `rows` in order (transformers'
+/// `Qwen3_5GatedDeltaNet` with its recurrent rule), from and into `state`
+/// ([`Gdn::state_elems`]: the convolution's last inputs, then each value head's
+/// `k_dim × v_dim` state). Per token: the causal depthwise convolution of the q, k, v
+/// projections (`qkv`, `[rows][conv_dim]`) and SiLU; q and k L2-normalized, q scaled by
+/// `k_dim^-½`; per value head (its key head `h / (v_heads / k_heads)`) the state decays by
+/// `exp(-exp(A_log) · softplus(a + dt_bias))`, takes the delta rule's update
+/// `k ⊗ (v − Sᵀk) · σ(b)`, and reads `Sᵀq`; the read is RMS-normed, scaled by `norm` and
+/// gated by `silu(z)`. `out` is `[rows][v_heads · v_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn(
+    qkv: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    w: &GdnWeights<'_>,
+    g: &crate::config::Gdn,
+    eps: f32,
+    rows: std::ops::Range<usize>,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let (cd, kk, hv, hk, dk, dv) = (
+        g.conv_dim(),
+        g.conv_kernel,
+        g.v_heads,
+        g.k_heads,
+        g.k_dim,
+        g.v_dim,
+    );
+    let hist = cd * (kk - 1);
+    let (conv_state, s) = state.split_at_mut(hist);
+    let mut x = vec![0f32; cd];
+    let (mut qn, mut kn, mut kv, mut o) = (
+        vec![0f32; dk],
+        vec![0f32; dk],
+        vec![0f32; dv],
+        vec![0f32; dv],
+    );
+    let l2 = |src: &[f32], dst: &mut [f32]| {
+        let inv = 1.0 / (dot(src, src) + 1e-6).sqrt();
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = v * inv;
+        }
+    };
+    let scale = 1.0 / (dk as f32).sqrt();
+    for t in rows {
+        let xin = &qkv[t * cd..(t + 1) * cd];
+        for c in 0..cd {
+            let wc = &w.conv[c * kk..(c + 1) * kk];
+            let hc = &mut conv_state[c * (kk - 1)..(c + 1) * (kk - 1)];
+            let mut acc = wc[kk - 1] * xin[c];
+            for j in 0..kk - 1 {
+                acc += wc[j] * hc[j];
+            }
+            hc.rotate_left(1);
+            hc[kk - 2] = xin[c];
+            x[c] = acc / (1.0 + (-acc).exp());
+        }
+        let (q, rest) = x.split_at(hk * dk);
+        let (k, v) = rest.split_at(hk * dk);
+        for h in 0..hv {
+            let kh = h / (hv / hk);
+            l2(&q[kh * dk..(kh + 1) * dk], &mut qn);
+            qn.iter_mut().for_each(|x| *x *= scale);
+            l2(&k[kh * dk..(kh + 1) * dk], &mut kn);
+            let beta = 1.0 / (1.0 + (-b[t * hv + h]).exp());
+            let decay = (w.neg_a[h] * softplus(a[t * hv + h] + w.dt_bias[h])).exp();
+            let sh = &mut s[h * dk * dv..(h + 1) * dk * dv];
+            sh.iter_mut().for_each(|x| *x *= decay);
+            kv.fill(0.0);
+            for i in 0..dk {
+                for j in 0..dv {
+                    kv[j] += sh[i * dv + j] * kn[i];
+                }
+            }
+            let vh = &v[h * dv..(h + 1) * dv];
+            for j in 0..dv {
+                kv[j] = (vh[j] - kv[j]) * beta;
+            }
+            for i in 0..dk {
+                for j in 0..dv {
+                    sh[i * dv + j] += kn[i] * kv[j];
+                }
+            }
+            o.fill(0.0);
+            for i in 0..dk {
+                for j in 0..dv {
+                    o[j] += sh[i * dv + j] * qn[i];
+                }
+            }
+            let inv = 1.0 / (dot(&o, &o) / dv as f32 + eps).sqrt();
+            let zh = &z[t * hv * dv + h * dv..t * hv * dv + (h + 1) * dv];
+            let oh = &mut out[t * hv * dv + h * dv..t * hv * dv + (h + 1) * dv];
+            for j in 0..dv {
+                let gz = zh[j] / (1.0 + (-zh[j]).exp());
+                oh[j] = o[j] * inv * w.norm[j] * gz;
+            }
+        }
+    }
+}
+
 /// `x[r] += bias` for each row `r` of `dim` (a Linear layer's bias).
 pub fn add_rows(x: &mut [f32], bias: &[f32], dim: usize) {
     for r in x.chunks_exact_mut(dim) {

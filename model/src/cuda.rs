@@ -35,7 +35,10 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::{check_attention, check_host_dst, check_host_src, check_tp, Backend, MoeBufs};
+use crate::backend::{
+    check_attention, check_host_dst, check_host_src, check_tp, Backend, GdnBufs, MoeBufs,
+};
+use crate::config::Gdn;
 use crate::{ExpertAct, KvGeometry, MoeShape, Router};
 
 /// The kernels' source.
@@ -50,6 +53,9 @@ pub const NAMES: &[&str] = &[
     "write_kv",
     "attention",
     "add_rows",
+    "mul_sigmoid",
+    "gdn_conv",
+    "gdn_rule",
     "rmsnorm_at",
     "mla_absorb",
     "mla_unabsorb",
@@ -671,6 +677,126 @@ impl Backend for CudaBackend {
         scale: f32,
     ) -> Result<()> {
         self.rope_at(x, positions, heads, head_dim, 0, head_dim, inv_freq, scale)
+    }
+    fn mul_sigmoid(&self, x: &mut CudaSlice<f32>, gate: &CudaSlice<f32>, n: usize) -> Result<()> {
+        ensure!(x.len() >= n && gate.len() >= n, "mul_sigmoid sizes");
+        let ni = n as i32;
+        let mut l = self.stream.launch_builder(self.f("mul_sigmoid"));
+        l.arg(x).arg(gate).arg(&ni);
+        // SAFETY: matches `mul_sigmoid`; sizes checked.
+        unsafe { l.launch(grid(n)) }?;
+        Ok(())
+    }
+    fn gdn(
+        &self,
+        qkv: &CudaSlice<f32>,
+        z: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        w: &GdnBufs<'_, CudaSlice<f32>>,
+        g: &Gdn,
+        eps: f32,
+        rows: std::ops::Range<usize>,
+        state: &mut CudaSlice<f32>,
+        state_off: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (cd, vd, hv) = (g.conv_dim(), g.value_dim(), g.v_heads);
+        let end = rows.end;
+        ensure!(
+            rows.start <= end
+                && qkv.len() >= end * cd
+                && z.len() >= end * vd
+                && b.len() >= end * hv
+                && a.len() >= end * hv
+                && out.len() >= end * vd
+                && w.conv.len() >= cd * g.conv_kernel
+                && w.neg_a.len() >= hv
+                && w.dt_bias.len() >= hv
+                && w.norm.len() >= g.v_dim
+                && state.len() >= state_off + g.state_elems(),
+            "gdn sizes"
+        );
+        ensure!(
+            g.k_dim <= 256 && g.v_dim <= 1024,
+            "the Gated DeltaNet kernel takes key heads up to 256 and value heads up to 1024"
+        );
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let hist = cd * (g.conv_kernel - 1);
+        let mut xc = self.zeros(end * cd)?;
+        let (r0, n, cdi, k) = (
+            rows.start as i32,
+            rows.len() as i32,
+            cd as i32,
+            g.conv_kernel as i32,
+        );
+        {
+            let mut h = state.slice_mut(state_off..state_off + hist);
+            let mut l = self.stream.launch_builder(self.f("gdn_conv"));
+            l.arg(qkv)
+                .arg(w.conv)
+                .arg(&mut h)
+                .arg(&mut xc)
+                .arg(&r0)
+                .arg(&n)
+                .arg(&cdi)
+                .arg(&k);
+            // SAFETY: matches `gdn_conv`; sizes checked (rows within every input, the
+            // history `cd · (K - 1)` long).
+            unsafe { l.launch(grid(cd)) }?;
+        }
+        let mut s = state.slice_mut(state_off + hist..state_off + g.state_elems());
+        let (hki, hvi, dki, dvi) = (g.k_heads as i32, hv as i32, g.k_dim as i32, g.v_dim as i32);
+        let threads = g.v_dim.next_multiple_of(32) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (hv as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: ((2 * g.k_dim + 2 + threads as usize) * 4) as u32,
+        };
+        let mut l = self.stream.launch_builder(self.f("gdn_rule"));
+        l.arg(&xc)
+            .arg(z)
+            .arg(b)
+            .arg(a)
+            .arg(w.neg_a)
+            .arg(w.dt_bias)
+            .arg(w.norm)
+            .arg(&mut s)
+            .arg(out)
+            .arg(&r0)
+            .arg(&n)
+            .arg(&hki)
+            .arg(&hvi)
+            .arg(&dki)
+            .arg(&dvi)
+            .arg(&eps);
+        // SAFETY: matches `gdn_rule`; sizes checked; one block per value head, at least
+        // v_dim threads, the shared memory its (2 dk + 2 + blockDim) floats; dk within
+        // its 256-float column.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+    fn copy(
+        &self,
+        src: &CudaSlice<f32>,
+        src_off: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        ensure!(
+            src.len() >= src_off + n && dst.len() >= dst_off + n,
+            "copy sizes"
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        let from = src.slice(src_off..src_off + n);
+        let mut to = dst.slice_mut(dst_off..dst_off + n);
+        self.stream.memcpy_dtod(&from, &mut to)?;
+        Ok(())
     }
     fn rope_at(
         &self,

@@ -17,8 +17,8 @@
 
 use anyhow::{Context, Result};
 
-use crate::backend::{Backend, MoeBufs};
-use crate::config::{Mla, ModelConfig};
+use crate::backend::{Backend, GdnBufs, MoeBufs};
+use crate::config::{Gdn, LayerKind, Mla, ModelConfig};
 use crate::weights::{transpose_each, Weights};
 use crate::KvGeometry;
 
@@ -44,6 +44,21 @@ enum Attn<B: Backend> {
         sinks: Vec<f32>,
         /// Positions the layer attends over (0: all).
         window: usize,
+        /// Per-head RMSNorms of queries and keys (`qk_norm`).
+        qk_norm: Option<[B::Buf; 2]>,
+        /// The output gate's query projection (`attn_output_gate`).
+        gate: Option<B::Buf>,
+    },
+    /// A Gated DeltaNet layer: no attention, a recurrent state per sequence.
+    Linear {
+        /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+        proj: [B::Buf; 4],
+        /// The convolution, `-exp(A_log)`, `dt_bias`, the output norm.
+        conv: B::Buf,
+        neg_a: B::Buf,
+        dt_bias: B::Buf,
+        norm: B::Buf,
+        out: B::Buf,
     },
     /// Multi-head latent attention.
     Latent {
@@ -81,6 +96,12 @@ pub(crate) struct Scratch<B: Backend> {
     lat: B::Buf,
     vo: B::Buf,
     o: B::Buf,
+    /// Gated DeltaNet: the q/k/v projections, z, b, a, and the output.
+    gqkv: B::Buf,
+    gz: B::Buf,
+    gb: B::Buf,
+    ga: B::Buf,
+    go: B::Buf,
     gate: B::Buf,
     up: B::Buf,
     act: B::Buf,
@@ -103,8 +124,20 @@ impl<B: Backend> Scratch<B> {
                     h * a.v_head,
                 )
             }
-            None => (cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim(), cfg.q_dim(), 1, 1),
+            // (the output gate's projection goes in `vo`)
+            None => (
+                cfg.q_dim(),
+                cfg.kv_dim(),
+                cfg.kv_dim(),
+                cfg.q_dim(),
+                1,
+                cfg.q_dim(),
+            ),
         };
+        let (gc, gv, gh) = cfg
+            .gdn
+            .as_ref()
+            .map_or((1, 1, 1), |g| (g.conv_dim(), g.value_dim(), g.v_heads));
         let f = cfg
             .ffn
             .max(cfg.moe.as_ref().map_or(0, |m| m.ffn * m.shared));
@@ -120,6 +153,11 @@ impl<B: Backend> Scratch<B> {
             lat: z(lw)?,
             vo: z(ow)?,
             o: z(d)?,
+            gqkv: z(gc)?,
+            gz: z(gv)?,
+            gb: z(gh)?,
+            ga: z(gh)?,
+            go: z(gv)?,
             gate: z(f)?,
             up: z(f)?,
             act: z(f)?,
@@ -153,9 +191,12 @@ impl<B: Backend> Layer<B> {
         let mut up = |n: &str| -> Result<B::Buf> { b.upload(&w.take(n)?) };
         let attn_norm = up(&format!("{p}.input_layernorm.weight"))?;
         let mlp_norm = up(&format!("{p}.post_attention_layernorm.weight"))?;
-        let attn = match &cfg.mla {
-            Some(a) => Self::load_latent(b, cfg, a, w, &p)?,
-            None => Self::load_heads(b, cfg, w, &p, l)?,
+        let attn = match (&cfg.mla, &cfg.gdn) {
+            (Some(a), _) => Self::load_latent(b, cfg, a, w, &p)?,
+            (None, Some(g)) if cfg.layer_kind(l) == LayerKind::Linear => {
+                Self::load_linear(b, g, w, &p)?
+            }
+            _ => Self::load_heads(b, cfg, w, &p, l)?,
         };
         let ffn = Self::load_ffn(b, cfg, w, &p, l)?;
         Ok(Layer {
@@ -164,6 +205,99 @@ impl<B: Backend> Layer<B> {
             mlp_norm,
             ffn,
         })
+    }
+
+    fn load_linear(b: &B, g: &Gdn, w: &mut Weights, p: &str) -> Result<Attn<B>> {
+        let la = format!("{p}.linear_attn");
+        let mut up = |n: &str| -> Result<B::Buf> { b.upload(&w.take(&format!("{la}.{n}"))?) };
+        let proj = [
+            up("in_proj_qkv.weight")?,
+            up("in_proj_z.weight")?,
+            up("in_proj_b.weight")?,
+            up("in_proj_a.weight")?,
+        ];
+        let neg_a: Vec<f32> = w
+            .take(&format!("{la}.A_log"))?
+            .iter()
+            .map(|x| -x.exp())
+            .collect();
+        anyhow::ensure!(neg_a.len() == g.v_heads, "A_log has {} heads", neg_a.len());
+        let mut up = |n: &str| -> Result<B::Buf> { b.upload(&w.take(&format!("{la}.{n}"))?) };
+        Ok(Attn::Linear {
+            proj,
+            conv: up("conv1d.weight")?,
+            neg_a: b.upload(&neg_a)?,
+            dt_bias: up("dt_bias")?,
+            norm: up("norm.weight")?,
+            out: up("out_proj.weight")?,
+        })
+    }
+
+    /// Whether this is a Gated DeltaNet layer (a recurrent state, no KV).
+    pub(crate) fn is_linear(&self) -> bool {
+        matches!(self.attn, Attn::Linear { .. })
+    }
+
+    /// A Gated DeltaNet layer over `positions.len()` new tokens, from and into the
+    /// sequence's recurrent state (this layer's at `state_off` of `state`), added to the
+    /// residual stream. With `snap` (`k`, a buffer like `state`): the state after the
+    /// first `k` tokens is copied there, at the same offset.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn recur(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        n: usize,
+        state: &mut B::Buf,
+        state_off: usize,
+        snap: Option<(usize, &mut B::Buf)>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let Attn::Linear {
+            proj: [wqkv, wz, wb, wa],
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+            out,
+        } = &self.attn
+        else {
+            anyhow::bail!("not a Gated DeltaNet layer");
+        };
+        let g = cfg.gdn.as_ref().context("a Gated DeltaNet layer's shape")?;
+        let d = cfg.dim;
+        let Scratch {
+            x,
+            h,
+            o,
+            gqkv,
+            gz,
+            gb,
+            ga,
+            go,
+            ..
+        } = sc;
+        b.rmsnorm(x, &self.attn_norm, n, d, cfg.eps, h)?;
+        b.matmul(h, wqkv, n, g.conv_dim(), d, gqkv)?;
+        b.matmul(h, wz, n, g.value_dim(), d, gz)?;
+        b.matmul(h, wb, n, g.v_heads, d, gb)?;
+        b.matmul(h, wa, n, g.v_heads, d, ga)?;
+        let w = GdnBufs {
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+        };
+        match snap {
+            Some((k, copy)) if k <= n => {
+                b.gdn(gqkv, gz, gb, ga, &w, g, cfg.eps, 0..k, state, state_off, go)?;
+                b.copy(state, state_off, copy, state_off, g.state_elems())?;
+                b.gdn(gqkv, gz, gb, ga, &w, g, cfg.eps, k..n, state, state_off, go)?;
+            }
+            _ => b.gdn(gqkv, gz, gb, ga, &w, g, cfg.eps, 0..n, state, state_off, go)?,
+        }
+        b.matmul(go, out, n, d, g.value_dim(), o)?;
+        b.add(x, o, n * d)
     }
 
     fn load_heads(b: &B, cfg: &ModelConfig, w: &mut Weights, p: &str, l: usize) -> Result<Attn<B>> {
@@ -178,8 +312,42 @@ impl<B: Backend> Layer<B> {
         } else {
             None
         };
+        // With an output gate, q_proj holds each head's query then its gate.
+        let (wq, gate) = if cfg.attn_output_gate {
+            let both = w.take(&format!("{p}.self_attn.q_proj.weight"))?;
+            let (hd, d) = (cfg.head_dim, cfg.dim);
+            let (mut q, mut g) = (
+                Vec::with_capacity(both.len() / 2),
+                Vec::with_capacity(both.len() / 2),
+            );
+            for h in 0..cfg.heads {
+                let at = h * 2 * hd * d;
+                q.extend_from_slice(both.get(at..at + hd * d).context("q_proj rows")?);
+                g.extend_from_slice(
+                    both.get(at + hd * d..at + 2 * hd * d)
+                        .context("q_proj rows")?,
+                );
+            }
+            (b.upload(&q)?, Some(b.upload(&g)?))
+        } else {
+            (
+                b.upload(&w.take(&format!("{p}.self_attn.q_proj.weight"))?)?,
+                None,
+            )
+        };
+        let mut up = |n: &str| -> Result<B::Buf> { b.upload(&w.take(n)?) };
+        let qk_norm = if cfg.qk_norm {
+            Some([
+                up(&format!("{p}.self_attn.q_norm.weight"))?,
+                up(&format!("{p}.self_attn.k_norm.weight"))?,
+            ])
+        } else {
+            None
+        };
         Ok(Attn::Heads {
-            wq: up(&format!("{p}.self_attn.q_proj.weight"))?,
+            wq,
+            qk_norm,
+            gate,
             wk: up(&format!("{p}.self_attn.k_proj.weight"))?,
             wv: up(&format!("{p}.self_attn.v_proj.weight"))?,
             wo: up(&format!("{p}.self_attn.o_proj.weight"))?,
@@ -332,13 +500,21 @@ impl<B: Backend> Layer<B> {
     ) -> Result<(&'s B::Buf, &'s B::Buf)> {
         let (n, d) = (positions.len(), cfg.dim);
         let rs = cfg.rope_attention_scale();
-        let Scratch { x, h, q, k, v, .. } = sc;
+        let Scratch {
+            x, h, q, k, v, vo, ..
+        } = sc;
         b.rmsnorm(x, &self.attn_norm, n, d, cfg.eps, h)?;
         match &self.attn {
             Attn::Heads {
-                wq, wk, wv, bias, ..
+                wq,
+                wk,
+                wv,
+                bias,
+                qk_norm,
+                gate,
+                ..
             } => {
-                let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+                let (qd, kvd, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
                 b.matmul(h, wq, n, qd, d, q)?;
                 b.matmul(h, wk, n, kvd, d, k)?;
                 b.matmul(h, wv, n, kvd, d, v)?;
@@ -347,10 +523,19 @@ impl<B: Backend> Layer<B> {
                     b.add_rows(k, bk, n, kvd)?;
                     b.add_rows(v, bv, n, kvd)?;
                 }
-                b.rope(q, positions, cfg.heads, cfg.head_dim, inv_freq, rs)?;
-                b.rope(k, positions, cfg.kv_heads, cfg.head_dim, inv_freq, rs)?;
+                if let Some([qn, kn]) = qk_norm {
+                    b.rmsnorm_at(q, qn, n * cfg.heads, hd, hd, cfg.eps)?;
+                    b.rmsnorm_at(k, kn, n * cfg.kv_heads, hd, hd, cfg.eps)?;
+                }
+                if let Some(wg) = gate {
+                    b.matmul(h, wg, n, qd, d, vo)?;
+                }
+                let rd = cfg.rope_dim();
+                b.rope_at(q, positions, cfg.heads, hd, 0, rd, inv_freq, rs)?;
+                b.rope_at(k, positions, cfg.kv_heads, hd, 0, rd, inv_freq, rs)?;
                 Ok((&*k, &*v))
             }
+            Attn::Linear { .. } => anyhow::bail!("a Gated DeltaNet layer has no KV"),
             Attn::Latent {
                 q: wq,
                 kv_a,
@@ -407,12 +592,16 @@ impl<B: Backend> Layer<B> {
                 bias,
                 sinks,
                 window,
+                gate,
                 ..
             } => {
                 let qd = cfg.q_dim();
                 b.attention(
                     q, cache, one, 0, cfg.heads, blocks, positions, *window, sinks, att,
                 )?;
+                if gate.is_some() {
+                    b.mul_sigmoid(att, vo, n * qd)?;
+                }
                 b.matmul(att, wo, n, d, qd, o)?;
                 if let Some([_, _, _, bo]) = bias {
                     b.add_rows(o, bo, n, d)?;
@@ -437,6 +626,7 @@ impl<B: Backend> Layer<B> {
                 b.mla_unabsorb(lat, wvb, n, h, r, a.v_head, vo)?;
                 b.matmul(vo, wo, n, d, h * a.v_head, o)?;
             }
+            Attn::Linear { .. } => anyhow::bail!("a Gated DeltaNet layer has no attention"),
         }
         b.add(x, o, n * d)
     }

@@ -16,10 +16,11 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
+use crate::backend::as_f32;
 use crate::backend::Backend;
-pub use crate::config::{KvGroup, LayerKind, Mla, ModelConfig, RopeScaling};
+pub use crate::config::{Gdn, KvGroup, LayerKind, Mla, ModelConfig, RopeScaling};
 use crate::kv::{layer_slices, Caches};
 pub use crate::kv::{LayerView, Prefix, PrefixGroup};
 use crate::layer::{Layer, Scratch};
@@ -38,6 +39,13 @@ pub struct Sequence {
     pub blocks: Vec<u32>,
     /// Tokens whose KV is in the cache (the next forward computes the rest).
     pub computed: usize,
+    /// The recurrent state's slot (models with Gated DeltaNet layers; the model's).
+    pub state: Option<usize>,
+    /// Take a snapshot of the recurrent state after this many tokens when a forward
+    /// passes it ([`Model::save_snapshot`]).
+    pub snapshot_at: Option<usize>,
+    /// After how many tokens the last snapshot was taken.
+    pub snapshot_taken: Option<usize>,
 }
 
 /// The model, its weights and its paged KV cache on one backend.
@@ -55,6 +63,9 @@ pub struct Model<B: Backend> {
     load_wait: std::time::Duration,
     free: Vec<u32>,
     scratch: Option<Scratch<B>>,
+    /// Recurrent state slots: a sequence's state and its snapshot, every Gated DeltaNet
+    /// layer's back to back (`None`: free).
+    states: Vec<Option<(B::Buf, B::Buf)>>,
 }
 
 impl<B: Backend> Drop for Model<B> {
@@ -98,6 +109,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self> {
         cfg.validate()?;
         w.check(&cfg)?;
+        w.center_norms(&cfg);
         ensure!(num_blocks > 0, "the KV cache needs at least one block");
         let up = |w: &mut Weights, n: &str| -> Result<B::Buf> { backend.upload(&w.take(n)?) };
         let embed = up(&mut w, "model.embed_tokens.weight")?;
@@ -131,6 +143,7 @@ impl<B: Backend> Model<B> {
             load_wait: std::time::Duration::ZERO,
             free: (0..num_blocks as u32).rev().collect(),
             scratch: None,
+            states: Vec::new(),
         })
     }
 
@@ -202,6 +215,62 @@ impl<B: Backend> Model<B> {
     pub fn release(&mut self, seq: &mut Sequence) {
         self.free.append(&mut seq.blocks);
         seq.computed = 0;
+        if let Some(s) = seq.state.take().and_then(|i| self.states.get_mut(i)) {
+            *s = None;
+        }
+        seq.snapshot_taken = None;
+    }
+
+    /// Elements of a sequence's recurrent state: every Gated DeltaNet layer's (0 without
+    /// such layers).
+    pub fn state_elems(&self) -> usize {
+        let per = self.cfg.gdn.as_ref().map_or(0, |g| g.state_elems());
+        per * self.layers.iter().filter(|l| l.is_linear()).count()
+    }
+
+    /// The sequence's recurrent state slot, taken (zeroed) when it has none.
+    fn state_slot(&mut self, seq: &mut Sequence) -> Result<usize> {
+        if let Some(i) = seq
+            .state
+            .filter(|&i| matches!(self.states.get(i), Some(Some(_))))
+        {
+            return Ok(i);
+        }
+        let n = self.state_elems().max(1);
+        let bufs = (self.backend.zeros(n)?, self.backend.zeros(n)?);
+        let i = match self.states.iter().position(Option::is_none) {
+            Some(i) => {
+                self.states[i] = Some(bufs);
+                i
+            }
+            None => {
+                self.states.push(Some(bufs));
+                self.states.len() - 1
+            }
+        };
+        seq.state = Some(i);
+        Ok(i)
+    }
+
+    /// Writes the snapshot the last forward took (after `seq.snapshot_taken` tokens) into
+    /// `dst`: every Gated DeltaNet layer's state, back to back, little-endian f32.
+    pub fn save_snapshot(&self, seq: &Sequence, dst: &mut [u8]) -> Result<()> {
+        ensure!(seq.snapshot_taken.is_some(), "no snapshot was taken");
+        let (_, snap) = seq
+            .state
+            .and_then(|i| self.states.get(i)?.as_ref())
+            .context("the sequence has no recurrent state")?;
+        let n = self.state_elems();
+        ensure!(
+            dst.len() == n * 4,
+            "{} bytes for a state of {}",
+            dst.len(),
+            n * 4
+        );
+        for (d, v) in dst.chunks_exact_mut(4).zip(self.backend.download(snap, n)?) {
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
     }
 
     /// Computes the KV of `seq.tokens[seq.computed..]` and returns the logits of the last
@@ -243,10 +312,10 @@ impl<B: Backend> Model<B> {
                 "{} blocks is past the known tokens",
                 p.n
             );
-            p.plan(self.cfg.layers)?;
             for g in &p.groups {
                 self.check_reach(g.layers, g.first, p.n)?;
             }
+            p.plan(self.cfg.layers)?;
             self.reserve(seq, p.n * bt)?;
             seq.computed = p.n * bt;
         }
@@ -266,6 +335,38 @@ impl<B: Backend> Model<B> {
         let (start, end) = (seq.computed, seq.tokens.len());
         ensure!(end > start, "nothing to compute");
         self.reserve(seq, end)?;
+        // The recurrent state: zero for a sequence computed from its start, the loaded
+        // snapshot for a prefix that brings one ([`Prefix`]'s state group).
+        let state_elems = self.state_elems();
+        let slot = if state_elems > 0 {
+            let i = self.state_slot(seq)?;
+            let loaded = prefix.and_then(|p| self.state_source(p));
+            let (held, snap) = self.states[i].take().context("the state slot")?;
+            let state = match loaded {
+                Some(src) => {
+                    let v = as_f32(src)?;
+                    ensure!(
+                        v.len() == state_elems,
+                        "a state block of {} values, the model's state has {state_elems}",
+                        v.len()
+                    );
+                    self.backend.upload(v)?
+                }
+                None if start == 0 => self.backend.zeros(state_elems)?,
+                // A later forward of this sequence: its state is in the slot.
+                None if prefix.is_none() => held,
+                None => bail!("a prefix of a recurrent model needs its state"),
+            };
+            self.states[i] = Some((state, snap));
+            Some(i)
+        } else {
+            None
+        };
+        // The snapshot this forward takes: after `snapshot_at` tokens, when it passes them.
+        let snap_row = seq
+            .snapshot_at
+            .filter(|&p| start <= p && p <= end)
+            .map(|p| p - start);
         let Model {
             backend: b,
             cfg,
@@ -277,8 +378,13 @@ impl<B: Backend> Model<B> {
             kv,
             scratch,
             load_wait,
+            states,
             ..
         } = self;
+        let mut state = match slot {
+            Some(i) => states.get_mut(i).and_then(Option::as_mut),
+            None => None,
+        };
         *load_wait = std::time::Duration::ZERO;
         let (b, cfg): (&B, &ModelConfig) = (b, cfg);
         let n = end - start;
@@ -309,6 +415,7 @@ impl<B: Backend> Model<B> {
             match prefix {
                 Some(p) => {
                     let plan = p.plan(nl)?;
+                    let recurrent: Vec<bool> = layers.iter().map(Layer::is_linear).collect();
                     let caches: Vec<&mut B::Buf> = kv.layers.iter_mut().collect();
                     let phys = blocks.get(..p.n).context("prefix blocks")?;
                     // The loads may overlap the forward's work queued from here on: it
@@ -321,12 +428,16 @@ impl<B: Backend> Model<B> {
                                     std::thread::sleep(wait);
                                 }
                             }
-                            // Layer l's group brings logical blocks first..n.
+                            // Layer l's group brings logical blocks first..n (a recurrent
+                            // layer's state came before the forward).
                             let r = plan
                                 .get(l)
                                 .zip(p.groups.get(plan.get(l).map_or(0, |x| x.0)))
                                 .context("a layer's group")
                                 .and_then(|(&(_, i), pg)| {
+                                    if recurrent.get(l).copied().unwrap_or(false) {
+                                        return Ok(());
+                                    }
                                     let src = layer_slices(pg.src, i, pg.layers.len())?;
                                     let phys = phys.get(pg.first..).context("group blocks")?;
                                     b.scatter_from_host(c, &one, phys, p.src_tp, &src)
@@ -342,7 +453,44 @@ impl<B: Backend> Model<B> {
                 None => ready = kv.layers.iter_mut().map(Some).collect(),
             }
             let mut done: Vec<&mut B::Buf> = Vec::with_capacity(nl);
+            let per_state = cfg.gdn.as_ref().map_or(0, |g| g.state_elems());
+            let mut recurrent_seen = 0;
             for (li, l) in layers.iter().enumerate() {
+                if l.is_linear() {
+                    // No KV: the layer runs over the sequence's recurrent state. Its
+                    // (empty) cache still passes through the loader's hand, in order.
+                    let (st, snap) = state
+                        .as_mut()
+                        .map(|s| (&mut s.0, &mut s.1))
+                        .context("a recurrent state")?;
+                    let off = recurrent_seen * per_state;
+                    recurrent_seen += 1;
+                    l.recur(b, cfg, n, st, off, snap_row.map(|k| (k, snap)), &mut sc)?;
+                    let cache = match prefix {
+                        Some(_) => rx
+                            .recv()
+                            .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
+                            .with_context(|| format!("loading layer {li} of the prefix"))?,
+                        None => ready
+                            .get_mut(li)
+                            .and_then(Option::take)
+                            .context("a layer's cache")?,
+                    };
+                    done.push(cache);
+                    after(
+                        li,
+                        &LayerView {
+                            backend: b,
+                            done: &done,
+                            one: &one,
+                            blocks,
+                            block_tokens: cfg.block_tokens,
+                            upto: end,
+                        },
+                    )?;
+                    l.feed_forward(b, cfg, n, &mut sc)?;
+                    continue;
+                }
                 let (k, v) = l.project(b, cfg, inv_freq, &positions, &mut sc)?;
                 // This layer's cache: waited for here, and only here.
                 let cache = match prefix {
@@ -388,7 +536,24 @@ impl<B: Backend> Model<B> {
             *scratch = Some(sc);
         }
         seq.computed = end;
+        if let Some(k) = snap_row {
+            seq.snapshot_taken = Some(start + k);
+        }
         Ok(logits)
+    }
+
+    /// The state block a prefix brings for the recurrent layers: its group of them (every
+    /// one of its layers recurrent) holds one block, the state after the prefix.
+    fn state_source<'p>(&self, p: &Prefix<'p>) -> Option<&'p [u8]> {
+        p.groups
+            .iter()
+            .find(|g| {
+                !g.layers.is_empty()
+                    && g.layers
+                        .iter()
+                        .all(|&l| self.layers.get(l).is_some_and(Layer::is_linear))
+            })
+            .and_then(|g| g.src.first().copied())
     }
 
     /// Samples the next token from `logits` (see [`cpu::sample`]); `step` is the index of
@@ -455,12 +620,34 @@ impl<B: Backend> Model<B> {
             n * self.cfg.block_tokens <= seq.tokens.len(),
             "{n} blocks is past the known tokens"
         );
-        p.plan(self.cfg.layers)?;
         for g in &p.groups {
             self.check_reach(g.layers, g.first, n)?;
         }
+        p.plan(self.cfg.layers)?;
+        if self.state_elems() > 0 {
+            let src = self
+                .state_source(p)
+                .context("a prefix of a recurrent model needs its state")?;
+            let v = as_f32(src)?;
+            ensure!(
+                v.len() == self.state_elems(),
+                "a state block of {} values",
+                v.len()
+            );
+            let st = self.backend.upload(v)?;
+            let i = self.state_slot(seq)?;
+            if let Some(slot) = self.states.get_mut(i).and_then(Option::as_mut) {
+                slot.0 = st;
+            }
+        }
         self.reserve(seq, n * self.cfg.block_tokens)?;
         for g in &p.groups {
+            if g.layers
+                .iter()
+                .any(|&l| self.layers.get(l).is_some_and(Layer::is_linear))
+            {
+                continue; // the state, above
+            }
             let phys = seq.blocks.get(g.first..n).context("prefix blocks")?;
             self.kv
                 .load(&self.backend, g.layers, phys, p.src_tp, g.src)?;
@@ -470,8 +657,26 @@ impl<B: Backend> Model<B> {
     }
 
     /// A group that brings blocks from `first` on must not hold a layer whose attention
-    /// reaches before them from position `n · block_tokens`.
+    /// reaches before them from position `n · block_tokens`; a group of recurrent layers
+    /// brings exactly one block, the state after the prefix (`first = n - 1`).
     fn check_reach(&self, layers: &[usize], first: usize, n: usize) -> Result<()> {
+        let recurrent = |l: &usize| self.layers.get(*l).is_some_and(Layer::is_linear);
+        if layers.iter().any(recurrent) {
+            ensure!(
+                layers.iter().all(recurrent),
+                "a group mixes recurrent and attention layers"
+            );
+            ensure!(
+                n > 0 && first + 1 == n,
+                "recurrent layers need the state after the prefix's {n} blocks (block {}), the prefix brings it from block {first}",
+                n.saturating_sub(1)
+            );
+            ensure!(
+                layers.len() == self.layers.iter().filter(|l| l.is_linear()).count(),
+                "a state block holds every recurrent layer"
+            );
+            return Ok(());
+        }
         for &l in layers {
             let need = KvGroup::first_needed_for(self.cfg.window(l), n, self.cfg.block_tokens);
             ensure!(

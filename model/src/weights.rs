@@ -21,6 +21,7 @@ pub struct Weights {
 enum Init {
     Uniform(f32),
     Ones,
+    Zeros,
 }
 
 /// One tensor a config needs: its Hugging Face name and shape, and how the seeded
@@ -120,6 +121,56 @@ fn specs(cfg: &ModelConfig) -> Vec<Spec> {
             );
             continue;
         }
+        if cfg.gdn.is_some() {
+            // Qwen3.5: Gated DeltaNet or gated full attention, zero-centered norms.
+            let norm = Init::Zeros;
+            match (cfg.layer_kind(l), &cfg.gdn) {
+                (crate::config::LayerKind::Linear, Some(g)) => {
+                    let la = format!("{p}.linear_attn");
+                    let (cd, vd) = (g.conv_dim(), g.value_dim());
+                    add(format!("{la}.in_proj_qkv.weight"), vec![cd, d], lin(d));
+                    add(format!("{la}.in_proj_z.weight"), vec![vd, d], lin(d));
+                    add(format!("{la}.in_proj_b.weight"), vec![g.v_heads, d], lin(d));
+                    add(format!("{la}.in_proj_a.weight"), vec![g.v_heads, d], lin(d));
+                    add(
+                        format!("{la}.conv1d.weight"),
+                        vec![cd, 1, g.conv_kernel],
+                        Init::Uniform(0.5),
+                    );
+                    add(format!("{la}.A_log"), vec![g.v_heads], Init::Uniform(1.0));
+                    add(format!("{la}.dt_bias"), vec![g.v_heads], Init::Uniform(0.5));
+                    add(format!("{la}.norm.weight"), vec![g.v_dim], Init::Ones);
+                    add(format!("{la}.out_proj.weight"), vec![d, vd], half(vd));
+                }
+                _ => {
+                    let at = format!("{p}.self_attn");
+                    add(format!("{at}.q_proj.weight"), vec![2 * qd, d], lin(d));
+                    add(format!("{at}.k_proj.weight"), vec![kvd, d], lin(d));
+                    add(format!("{at}.v_proj.weight"), vec![kvd, d], lin(d));
+                    add(format!("{at}.o_proj.weight"), vec![d, qd], half(qd));
+                    add(format!("{at}.q_norm.weight"), vec![cfg.head_dim], norm);
+                    add(format!("{at}.k_norm.weight"), vec![cfg.head_dim], norm);
+                }
+            }
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![cfg.ffn, d],
+                lin(d),
+            );
+            add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![d, cfg.ffn],
+                half(cfg.ffn),
+            );
+            add(format!("{p}.input_layernorm.weight"), vec![d], norm);
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![d],
+                norm,
+            );
+            continue;
+        }
         add(format!("{p}.self_attn.q_proj.weight"), vec![qd, d], lin(d));
         add(format!("{p}.self_attn.k_proj.weight"), vec![kvd, d], lin(d));
         add(format!("{p}.self_attn.v_proj.weight"), vec![kvd, d], lin(d));
@@ -187,7 +238,12 @@ fn specs(cfg: &ModelConfig) -> Vec<Spec> {
             );
         }
     }
-    add("model.norm.weight".into(), vec![d], Init::Ones);
+    let final_norm = if cfg.zero_centered_norms {
+        Init::Zeros
+    } else {
+        Init::Ones
+    };
+    add("model.norm.weight".into(), vec![d], final_norm);
     add(
         "lm_head.weight".into(),
         vec![cfg.vocab, d],
@@ -206,6 +262,7 @@ impl Weights {
                 let len: usize = s.shape.iter().product();
                 let v = match s.init {
                     Init::Ones => vec![1.0; len],
+                    Init::Zeros => vec![0.0; len],
                     Init::Uniform(scale) => {
                         n += 1;
                         let seed = cfg.seed ^ n.wrapping_mul(0xA076_1D64_78BD_642F);
@@ -316,6 +373,32 @@ impl Weights {
             );
         }
         Ok(())
+    }
+
+    /// Zero-centered norm weights (Qwen3-Next/3.5 store `w` for a scale of `1 + w`) as the
+    /// plain scales the kernels multiply by: the final norm, each layer's two, and the
+    /// per-head q/k norms (not the Gated DeltaNet's output norm, a plain one).
+    pub(crate) fn center_norms(&mut self, cfg: &ModelConfig) {
+        if !cfg.zero_centered_norms {
+            return;
+        }
+        let mut names = vec!["model.norm.weight".to_string()];
+        for l in 0..cfg.layers {
+            let p = format!("model.layers.{l}");
+            for n in [
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+            ] {
+                names.push(format!("{p}.{n}"));
+            }
+        }
+        for n in names {
+            if let Some(t) = self.tensors.get_mut(&n) {
+                t.iter_mut().for_each(|x| *x += 1.0);
+            }
+        }
     }
 
     /// Takes tensor `n` out.

@@ -1,20 +1,23 @@
 //! The engine's model against Hugging Face transformers' own models of the attention
 //! families beside Llama, on tiny random checkpoints transformers writes itself
 //! (`tests/python/hf_families.py`): gpt-oss (sliding-window and full layers interleaved,
-//! attention sinks, biased projections, a top-k mixture of experts, YaRN and plain RoPE)
-//! and DeepSeek-V3 (multi-head latent attention with and without low-rank queries and
+//! attention sinks, biased projections, a top-k mixture of experts, YaRN and plain RoPE),
+//! DeepSeek-V3 (multi-head latent attention with and without low-rank queries and
 //! interleaved RoPE, YaRN with its mscale, dense layers then DeepSeek's routed and shared
-//! experts); f32 and bf16 weights. Greedy tokens must be equal and the prompt's
-//! last-position logits within `|ours - hf| <= 1e-3 + 1e-3 * |hf|`, through the paged KV
-//! cache (prefill, then one token at a time), and a prefill cut at any block gives the
-//! same bits.
+//! experts) and Qwen3.5 (Gated DeltaNet layers beside gated full attention, q/k norms,
+//! partial RoPE, zero-centered norms); f32 and bf16 weights. Greedy tokens must be equal
+//! and the prompt's last-position logits within `|ours - hf| <= 1e-3 + 1e-3 * |hf|`,
+//! through the paged KV cache (prefill, then one token at a time), and a prefill cut at
+//! any block gives the same tokens (the same bits but for the recurrent layers, whose
+//! sums the cut regroups).
 //!
 //! Negative controls show the comparison would catch each thing such a model can get
 //! wrong: the window one position too wide or too narrow, or ignored; the sinks or YaRN's
 //! attention factor ignored; MLA's RoPE pairs, its softmax scale, DeepSeek's group routing
-//! or routed scaling; and at the cache level, another prompt's KV in a sliding layer
-//! inside the window changes the tokens while outside it changes nothing, and a latent
-//! in another arrangement changes them.
+//! or routed scaling; Qwen3.5's partial RoPE, zero-centered norms or output gate; and at
+//! the cache level, another prompt's KV in a sliding layer inside the window changes the
+//! tokens while outside it changes nothing, a latent in another arrangement changes them,
+//! and so does a recurrent state snapshot of another boundary.
 //!
 //! Needs a Python with torch and transformers (`KVD_PYTHON`, which the test command
 //! provides); without one it says `SKIP:` (with `KVD_REQUIRE_HF=1` it fails instead).
@@ -484,4 +487,211 @@ fn an_mla_prefix_is_one_latent_per_token_and_its_arrangement_matters() {
         cold,
         "a latent in another arrangement must show"
     );
+}
+
+#[test]
+fn qwen3_5_matches_transformers_and_every_mistake_is_caught() {
+    let Some((dir, names)) = reference_of("hf_families.py", "Qwen3.5 parity not checked") else {
+        return;
+    };
+    let qs: Vec<&String> = names.iter().filter(|n| n.starts_with("qwen3_5")).collect();
+    assert_eq!(qs.len(), 2, "{names:?}");
+    for name in qs {
+        let d: PathBuf = dir.path().join(name);
+        let e = expected(&d);
+        let cfg = ModelConfig::from_hf_json(&d.join("config.json"), name).unwrap();
+        assert!(cfg.gdn.is_some() && cfg.layer_types.contains(&LayerKind::Linear));
+        let w = d.join("model.safetensors");
+        let (logits, greedy) = run(&cfg, &w, &e.prompt, e.greedy.len(), None);
+        let err = worst(&logits, &e.logits);
+        eprintln!("{name}: worst logit error {err:.3} of tolerance");
+        assert!(err <= 1.0, "{name}: logits off by {err} tolerances");
+        assert_eq!(greedy, e.greedy, "{name}: greedy tokens");
+        for cut in [cfg.block_tokens, 2 * cfg.block_tokens + 5] {
+            let (l2, g2) = run(&cfg, &w, &e.prompt, 3, Some(cut));
+            let err = worst(&l2, &logits);
+            assert!(err <= 0.01, "{name}: prefill cut at {cut}: {err}");
+            assert_eq!(g2, greedy[..3], "{name}: prefill cut at {cut}");
+        }
+    }
+    let d = dir.path().join("qwen3_5_f32");
+    let e = expected(&d);
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    let wrong = [
+        (
+            "RoPE over the whole head",
+            ModelConfig {
+                rotary_dim: 0,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "norms not zero-centered",
+            ModelConfig {
+                zero_centered_norms: false,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "no output gate",
+            ModelConfig {
+                attn_output_gate: false,
+                ..cfg.clone()
+            },
+        ),
+        (
+            "one convolution tap less",
+            ModelConfig {
+                gdn: cfg.gdn.map(|g| kvd_model::model::Gdn {
+                    conv_kernel: g.conv_kernel - 1,
+                    ..g
+                }),
+                ..cfg.clone()
+            },
+        ),
+    ];
+    for (what, c) in wrong {
+        let Ok(m) = Weights::from_safetensors(&w, &c) else {
+            eprintln!("{what}: refused at load");
+            continue;
+        };
+        drop(m);
+        let Ok(mut m) = Weights::from_safetensors(&w, &c)
+            .and_then(|wt| Model::new(CpuBackend::new(), c.clone(), wt, 16))
+        else {
+            eprintln!("{what}: refused at load");
+            continue;
+        };
+        let mut seq = Sequence {
+            tokens: e.prompt.clone(),
+            ..Default::default()
+        };
+        let logits = m.forward(&mut seq).unwrap()[..c.vocab].to_vec();
+        let err = worst(&logits, &e.logits);
+        assert!(err > 1.0, "{what} went unnoticed ({err} tolerances)");
+    }
+}
+
+/// The cache side of a recurrent hybrid: a prefix is the attention layers' blocks and
+/// one snapshot of the recurrent state, taken after exactly its last block; loaded
+/// together they give the cold tokens. The snapshot of another boundary (one block
+/// earlier) changes them, and a prefix without a snapshot, or with one said to be of
+/// another block, is refused.
+#[test]
+fn a_recurrent_prefix_needs_the_snapshot_of_its_boundary() {
+    use kvd_model::model::{Prefix, PrefixGroup};
+    let Some((dir, _)) = reference_of("hf_families.py", "recurrent snapshots not checked") else {
+        return;
+    };
+    let d = dir.path().join("qwen3_5_f32");
+    let w = d.join("model.safetensors");
+    let cfg = ModelConfig::from_hf_json(&d.join("config.json"), "x").unwrap();
+    let bt = cfg.block_tokens;
+    let e = expected(&d);
+    let prompt = &e.prompt[..4 * bt + 3];
+    let groups = cfg.kv_groups();
+    assert_eq!(groups.len(), 2);
+    let (attn, rec) = (&groups[0], &groups[1]);
+    assert_eq!(rec.kind, LayerKind::Linear);
+    assert_eq!(rec.first_needed(4, bt), 3);
+    // A prefill of the whole prompt that snapshots after 4 blocks, and one after 3.
+    let saved = |at: usize| -> (Vec<Vec<u8>>, Vec<u8>) {
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: prompt.to_vec(),
+            snapshot_at: Some(at * bt),
+            ..Default::default()
+        };
+        m.forward(&mut seq).unwrap();
+        assert_eq!(seq.snapshot_taken, Some(at * bt));
+        let bytes = attn.layers.len() * 2 * bt * cfg.kv_heads * cfg.head_dim * 4;
+        let mut kv: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; bytes]).collect();
+        let mut dst: Vec<&mut [u8]> = kv.iter_mut().map(|b| &mut b[..]).collect();
+        m.save_group_blocks(&seq, &attn.layers, &[0, 1, 2, 3], 0, cfg.kv_heads, &mut dst)
+            .unwrap();
+        let mut state = vec![0u8; m.state_elems() * 4];
+        m.save_snapshot(&seq, &mut state).unwrap();
+        (kv, state)
+    };
+    let (kv, state4) = saved(4);
+    let (_, state3) = saved(3);
+    let next = |m: &mut Model<CpuBackend>, seq: &mut Sequence| -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut logits = m.forward(seq).unwrap()[..cfg.vocab].to_vec();
+        for _ in 0..6 {
+            let t = argmax(&logits);
+            out.push(t);
+            seq.tokens.push(t);
+            logits = m.forward(seq).unwrap()[..cfg.vocab].to_vec();
+        }
+        out
+    };
+    let cold = next(
+        &mut model(&cfg, &w, 16),
+        &mut Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        },
+    );
+    let src: Vec<&[u8]> = kv.iter().map(|b| &b[..]).collect();
+    let with = |state: &[u8], first: usize| -> anyhow::Result<Vec<u32>> {
+        let st = [state];
+        let p = Prefix {
+            n: 4,
+            src_tp: 1,
+            groups: vec![
+                PrefixGroup {
+                    layers: &attn.layers,
+                    first: 0,
+                    src: &src,
+                },
+                PrefixGroup {
+                    layers: &rec.layers,
+                    first,
+                    src: &st,
+                },
+            ],
+            delay: None,
+        };
+        let mut m = model(&cfg, &w, 16);
+        let mut seq = Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        };
+        m.load_prefix_groups(&mut seq, &p)?;
+        let got = next(&mut m, &mut seq);
+        // ... and loaded layer by layer during the forward.
+        let mut m = model(&cfg, &w, 16);
+        let mut seq2 = Sequence {
+            tokens: prompt.to_vec(),
+            ..Default::default()
+        };
+        let p2 = Prefix {
+            groups: p.groups,
+            ..p
+        };
+        m.forward_loading(&mut seq2, Some(p2), &mut |_, _| Ok(()))?;
+        Ok(got)
+    };
+    assert_eq!(
+        with(&state4, 3).unwrap(),
+        cold,
+        "the snapshot of the prefix's boundary"
+    );
+    assert_ne!(
+        with(&state3, 3).unwrap(),
+        cold,
+        "a snapshot of another boundary must show"
+    );
+    let e = with(&state4, 2).unwrap_err();
+    assert!(format!("{e:#}").contains("state after the prefix"), "{e:#}");
+    // Without the recurrent layers' group the prefix is refused.
+    let p = Prefix::whole(4, 1, &attn.layers, &src);
+    let mut m = model(&cfg, &w, 16);
+    let mut seq = Sequence {
+        tokens: prompt.to_vec(),
+        ..Default::default()
+    };
+    assert!(m.load_prefix_groups(&mut seq, &p).is_err());
 }

@@ -1245,6 +1245,80 @@ mod gpu {
             dev.mla_unabsorb(&d(&ol), &d(&wvb), n, heads, r, v, &mut gvo)
                 .unwrap();
             close(&back(&gvo, vo.len()), &vo, tol, "mla_unabsorb");
+            // Gated DeltaNet (in two row ranges, as a snapshot splits it), the output gate,
+            // device copies.
+            let gg = kvd_model::model::Gdn {
+                conv_kernel: 4,
+                k_heads: 2,
+                v_heads: 4,
+                k_dim: 16,
+                v_dim: 12,
+            };
+            let rows = 9;
+            let (cd, vd) = (gg.conv_dim(), gg.value_dim());
+            let ins = [
+                rand_vec(rows * cd, 70),
+                rand_vec(rows * vd, 71),
+                rand_vec(rows * 4, 72),
+                rand_vec(rows * 4, 73),
+            ];
+            let wts = [
+                rand_vec(cd * 4, 74),
+                rand_vec(4, 75)
+                    .iter()
+                    .map(|x| -x.abs() - 0.1)
+                    .collect::<Vec<_>>(),
+                rand_vec(4, 76),
+                rand_vec(12, 77),
+            ];
+            let off = 5;
+            let st0 = rand_vec(off + gg.state_elems(), 78);
+            let mut want_st = st0.clone();
+            let mut want_o = vec![0.0; rows * vd];
+            let hw = cpu::GdnWeights {
+                conv: &wts[0],
+                neg_a: &wts[1],
+                dt_bias: &wts[2],
+                norm: &wts[3],
+            };
+            cpu::gdn(
+                &ins[0],
+                &ins[1],
+                &ins[2],
+                &ins[3],
+                &hw,
+                &gg,
+                1e-6,
+                0..rows,
+                &mut want_st[off..],
+                &mut want_o,
+            );
+            let di: Vec<_> = ins.iter().map(|x| d(x)).collect();
+            let dwt: Vec<_> = wts.iter().map(|x| d(x)).collect();
+            let gw = kvd_model::backend::GdnBufs {
+                conv: &dwt[0],
+                neg_a: &dwt[1],
+                dt_bias: &dwt[2],
+                norm: &dwt[3],
+            };
+            let mut gst = d(&st0);
+            let mut go = dev.zeros(rows * vd).unwrap();
+            for r in [0..4, 4..rows] {
+                dev.gdn(
+                    &di[0], &di[1], &di[2], &di[3], &gw, &gg, 1e-6, r, &mut gst, off, &mut go,
+                )
+                .unwrap();
+            }
+            close(&back(&go, rows * vd), &want_o, tol, "gdn");
+            close(&back(&gst, st0.len()), &want_st, tol, "gdn state");
+            let mut x = d(&ins[1]);
+            dev.mul_sigmoid(&mut x, &di[1], rows * vd).unwrap();
+            let mut want = ins[1].clone();
+            cpu::mul_sigmoid(&mut want, &ins[1]);
+            close(&back(&x, rows * vd), &want, tol, "mul_sigmoid");
+            let mut to = dev.zeros(20).unwrap();
+            dev.copy(&di[0], 3, &mut to, 2, 10).unwrap();
+            close(&back(&to, 20)[2..12], &ins[0][3..13], 0.0, "copy");
             // Sampling: greedy and seeded agree with the CPU.
             let logits = rand_vec(1000, 31);
             for (t, seed) in [(0.0, 0), (1.0, 1), (0.7, 99)] {

@@ -7,6 +7,9 @@ reference engine runs beside Llama (model/tests/hf_families.rs, engine/tests/hf_
   key per token, low-rank queries or not, interleaved RoPE or not, YaRN with its mscale),
   dense layers first, then DeepSeek's mixture of experts (sigmoid scores with a
   correction bias, group-limited top-k, a shared expert, a routed scaling factor).
+- ``qwen3_5``: a recurrent hybrid — Gated DeltaNet layers (a short causal convolution,
+  a per-head state updated by the gated delta rule, a gated RMSNorm) beside gated full
+  attention with per-head q/k norms and partial RoPE; zero-centered RMSNorms.
 
 Writes, per variant, a tiny random checkpoint exactly as transformers saves it
 (``save_pretrained``: config.json and model.safetensors in the variant's dtype) and
@@ -105,6 +108,43 @@ def deepseek_v3(dtype, rope, q_lora_rank=32, rope_interleave=True):
     return model, DeepseekV3ForCausalLM
 
 
+def qwen3_5(dtype, rope, layer_types):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=layer_types,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rope_parameters=rope,
+    )
+    model = Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        # Zero-centered norms start at 0 (a weight of 1): draw them, so a model that
+        # read them as plain RMSNorm weights would be caught.
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("_norm.weight") or name == "model.norm.weight":
+                p.normal_(0.0, 0.3)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                la = layer.linear_attn
+                la.A_log.copy_(torch.empty_like(la.A_log).uniform_(0.0, 1.5).log())
+                la.dt_bias.normal_(0.0, 0.5)
+                la.norm.weight.normal_(1.0, 0.3)
+    return model, Qwen3_5ForCausalLM
+
+
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -138,6 +178,20 @@ VARIANTS = [
         torch.bfloat16,
         {"rope_type": "default", "rope_theta": 10000.0},
         45,
+    ),
+    (
+        "qwen3_5_f32",
+        lambda dtype, rope: qwen3_5(dtype, rope, ["linear_attention", "full_attention"] * 2),
+        torch.float32,
+        {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        70,
+    ),
+    (
+        "qwen3_5_bf16",
+        lambda dtype, rope: qwen3_5(dtype, rope, ["linear_attention"] * 3 + ["full_attention"]),
+        torch.bfloat16,
+        {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+        61,
     ),
 ]
 
