@@ -30,9 +30,19 @@ const GROUP_BLOCK: u64 = 2 * 2 * 16 * 2 * 16 * 4;
 /// floats), whatever the TP.
 const LATENT_BLOCK: u64 = 3 * 16 * (32 + 8) * 4;
 
+/// One block of the test's Qwen3.5 full-attention layers, every rank: 2 layers × K, V ×
+/// 16 tokens × 2 KV heads × 32 dims × 4 bytes.
+const ATTN_BLOCK: u64 = 2 * 2 * 16 * 2 * 32 * 4;
+
+/// Its recurrent state: 2 layers × (the convolution's history, 128 channels × 3 taps,
+/// then 4 value heads × 16 × 16) × 4 bytes.
+const STATE_BLOCK: u64 = 2 * (128 * 3 + 4 * 16 * 16) * 4;
+
 struct Case {
     /// An MLA model: one latent copy per node.
     latent: bool,
+    /// A recurrent hybrid: a state snapshot beside the attention blocks.
+    recurrent: bool,
     body: Value,
     want: Vec<u32>,
     model: Vec<String>,
@@ -62,6 +72,7 @@ fn case(variant: &str) -> Option<Case> {
     let path = |f: &str| d.join(f).to_str().unwrap().to_string();
     Some(Case {
         latent: variant.starts_with("deepseek"),
+        recurrent: variant.starts_with("qwen3_5"),
         body: json!({"prompt": prompt, "max_tokens": want.len(), "temperature": 0.0}),
         want,
         model: vec![
@@ -134,6 +145,22 @@ fn gpt_oss_gives_transformers_tokens_on_every_handoff() {
 fn deepseek_v3_gives_transformers_tokens_on_every_handoff() {
     if let Some(c) = case("deepseek_v3_f32_yarn") {
         every_handoff(&c, 4 * LATENT_BLOCK);
+    }
+}
+
+#[test]
+fn qwen3_5_gives_transformers_tokens_on_every_local_path() {
+    if let Some(c) = case("qwen3_5_f32") {
+        every_local_path(&c);
+    }
+}
+
+/// A Qwen3.5 handoff moves the full-attention layers' four blocks and one snapshot of the
+/// recurrent layers' state, the one after those four blocks.
+#[test]
+fn qwen3_5_gives_transformers_tokens_on_every_handoff() {
+    if let Some(c) = case("qwen3_5_f32") {
+        every_handoff(&c, 4 * ATTN_BLOCK + STATE_BLOCK);
     }
 }
 
@@ -224,6 +251,25 @@ fn every_local_path(c: &Case) {
         cl.stats().unwrap().nvme.expect("nvme").reads > reads,
         "the blocks were still in DRAM"
     );
+    if c.recurrent {
+        // The GPU tier does not hold a recurrent state: the engine refuses it by name.
+        let out = std::process::Command::new(&bins().engine)
+            .args(c.args(&[
+                "--gpu-tier",
+                "--listen",
+                "127.0.0.1:0",
+                "--kvd",
+                &a.endpoint,
+            ]))
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("recurrent model"),
+            "{out:?}"
+        );
+        return;
+    }
     // The GPU tier (host stand-in): stores and loads by the daemon's copies, TP 1 and 2.
     let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
         .expect("kvd");
@@ -318,6 +364,9 @@ fn every_handoff(c: &Case, moved_bytes: u64) {
     let (_e1, second) = engine("both", Some(&peers[1]), &c.args(&[]));
     c.check(&first, "computed on the first peer");
     c.check_hit(&second, "local", "prefix from the other peer's cache");
+    if c.recurrent {
+        return; // no GPU tier for a recurrent state (above)
+    }
     // Device to device on one node's GPU tier (host stand-in).
     let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
         .expect("kvd");

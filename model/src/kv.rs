@@ -236,8 +236,10 @@ pub struct Prefix<'s> {
 }
 
 /// The blocks of one group of layers of a [`Prefix`]: logical blocks `first..n` (a
-/// sliding-window group needs only those its window reaches, [`crate::model::KvGroup`]),
-/// each a transfer block holding `layers` back to back, `src[(b - first) · src_tp + rank]`.
+/// sliding-window group needs only those its window reaches, a recurrent group one state,
+/// [`crate::model::KvGroup`]), each a transfer block holding `layers` back to back,
+/// `src[(b - first) · src_tp + rank]` — or `src[b - first]` for a `replicated` group,
+/// whose block every rank shares (a latent, a recurrent state).
 pub struct PrefixGroup<'s> {
     /// The model's layers the blocks hold, in their order.
     pub layers: &'s [usize],
@@ -245,6 +247,19 @@ pub struct PrefixGroup<'s> {
     pub first: usize,
     /// The slots.
     pub src: &'s [&'s [u8]],
+    /// One block per position, not one per rank.
+    pub replicated: bool,
+}
+
+impl PrefixGroup<'_> {
+    /// The TP size its blocks were written at, of a prefix written at `src_tp`.
+    pub fn tp(&self, src_tp: usize) -> usize {
+        if self.replicated {
+            1
+        } else {
+            src_tp
+        }
+    }
 }
 
 impl<'s> Prefix<'s> {
@@ -257,6 +272,7 @@ impl<'s> Prefix<'s> {
                 layers: all,
                 first: 0,
                 src,
+                replicated: false,
             }],
             delay: None,
         }
@@ -269,11 +285,11 @@ impl<'s> Prefix<'s> {
         for (g, pg) in self.groups.iter().enumerate() {
             ensure!(pg.first <= self.n, "group {g} starts past the prefix");
             ensure!(
-                pg.src.len() == (self.n - pg.first) * self.src_tp,
+                pg.src.len() == (self.n - pg.first) * pg.tp(self.src_tp),
                 "group {g}: {} slots for {} blocks of {} shards",
                 pg.src.len(),
                 self.n - pg.first,
-                self.src_tp
+                pg.tp(self.src_tp)
             );
             for (i, &l) in pg.layers.iter().enumerate() {
                 let slot = at

@@ -440,7 +440,7 @@ impl<B: Backend> Model<B> {
                                     }
                                     let src = layer_slices(pg.src, i, pg.layers.len())?;
                                     let phys = phys.get(pg.first..).context("group blocks")?;
-                                    b.scatter_from_host(c, &one, phys, p.src_tp, &src)
+                                    b.scatter_from_host(c, &one, phys, pg.tp(p.src_tp), &src)
                                 })
                                 .map(|()| c);
                             let failed = r.is_err();
@@ -650,7 +650,7 @@ impl<B: Backend> Model<B> {
             }
             let phys = seq.blocks.get(g.first..n).context("prefix blocks")?;
             self.kv
-                .load(&self.backend, g.layers, phys, p.src_tp, g.src)?;
+                .load(&self.backend, g.layers, phys, g.tp(p.src_tp), g.src)?;
         }
         seq.computed = n * self.cfg.block_tokens;
         Ok(())

@@ -645,11 +645,13 @@ fn a_recurrent_prefix_needs_the_snapshot_of_its_boundary() {
                     layers: &attn.layers,
                     first: 0,
                     src: &src,
+                    replicated: false,
                 },
                 PrefixGroup {
                     layers: &rec.layers,
                     first,
                     src: &st,
+                    replicated: true,
                 },
             ],
             delay: None,

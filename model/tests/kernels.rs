@@ -893,11 +893,13 @@ fn a_sliding_groups_window_is_all_a_prefix_needs() {
                 layers: &groups[0].layers,
                 first: 0,
                 src: &fsrc,
+                replicated: false,
             },
             PrefixGroup {
                 layers: &groups[1].layers,
                 first: sfirst,
                 src: &ssrc[sfirst - first..],
+                replicated: false,
             },
         ],
         delay: None,

@@ -66,9 +66,10 @@ struct Staging {
     written: usize,
 }
 
-/// One shard of a [`Staging`]: its group's layers, its heads, its parts, and the logical
-/// block of its export's first key.
+/// One shard of a [`Staging`]: its index, its group's layers, its heads, its parts, and
+/// the logical block of its export's first key.
 struct StagedShard {
+    index: usize,
     layers: Vec<usize>,
     h0: usize,
     hs: usize,
@@ -238,8 +239,11 @@ impl Scheduler {
     /// asked, and emits the first token. `Ok(None)`: the client went away.
     fn prefill(&mut self, job: Job) -> Result<Option<Active>> {
         let bt = self.cfg.model.block_tokens;
+        // A recurrent model snapshots its state after the blocks a decode engine (or a
+        // later prompt) can load: what `store_state` keeps.
         let mut seq = Sequence {
             tokens: job.tokens.clone(),
+            snapshot_at: Some((job.tokens.len() - 1) / bt * bt),
             ..Default::default()
         };
         let mut cached = 0;
@@ -288,12 +292,14 @@ impl Scheduler {
                         // `g · src_tp + r`'s pin holds them from `p.first[shard]` on.
                         let mut srcs = Vec::new();
                         let mut firsts = Vec::new();
+                        let mut reps = Vec::new();
                         for g in 0..src_shards.groups().len() {
-                            let f = src_shards.first(g * p.src_tp, p.n);
-                            let mut src = Vec::with_capacity((p.n - f) * p.src_tp);
+                            let of: Vec<usize> = src_shards.of_group(g).collect();
+                            let head = *of.first().context("a group without shards")?;
+                            let f = src_shards.first(head, p.n);
+                            let mut src = Vec::with_capacity((p.n - f) * of.len());
                             for b in f..p.n {
-                                for r in 0..p.src_tp {
-                                    let i = g * p.src_tp + r;
+                                for &i in &of {
                                     let at = b.checked_sub(p.first.get(i).copied().unwrap_or(0));
                                     src.push(
                                         at.and_then(|at| all.get(i)?.get(at).copied().flatten())
@@ -305,6 +311,7 @@ impl Scheduler {
                             }
                             srcs.push(src);
                             firsts.push(f);
+                            reps.push(src_shards.replicated(head));
                         }
                         let prefix = kvd_model::model::Prefix {
                             n: p.n,
@@ -314,10 +321,14 @@ impl Scheduler {
                                 .iter()
                                 .zip(&srcs)
                                 .zip(&firsts)
-                                .map(|((g, src), &first)| kvd_model::model::PrefixGroup {
-                                    layers: &g.layers,
-                                    first,
-                                    src,
+                                .zip(&reps)
+                                .map(|(((g, src), &first), &replicated)| {
+                                    kvd_model::model::PrefixGroup {
+                                        layers: &g.layers,
+                                        first,
+                                        src,
+                                        replicated,
+                                    }
                                 })
                                 .collect(),
                             delay: None,
@@ -340,6 +351,7 @@ impl Scheduler {
                             self.model.release(&mut seq);
                             seq = Sequence {
                                 tokens: job.tokens.clone(),
+                                snapshot_at: Some((job.tokens.len() - 1) / bt * bt),
                                 ..Default::default()
                             };
                             staged = None;
@@ -366,17 +378,22 @@ impl Scheduler {
             // did, issue 47).
             let mut export_keys: &[ChunkHash] = handoff_keys;
             let stored = match &self.kv {
-                Some(_) if staged.is_some() => {
-                    staged.as_ref().map_or(0, |s| s.written)
-                }
-                Some(kv) => match self.store(kv, &seq, &keys, cached / bt) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        tracing::warn!("storing blocks in kvd failed ({e:#}); a handoff of this prompt exports nothing");
-                        export_keys = &[];
-                        0
+                Some(kv) => {
+                    let blocks = match &staged {
+                        Some(st) => Ok(st.written),
+                        None => self.store(kv, &seq, &keys, cached / bt),
+                    };
+                    // The recurrent state's snapshot, whole after the forward.
+                    match blocks.and_then(|n| self.store_state(kv, &seq, &keys, usable).map(|()| n)) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            tracing::warn!("storing blocks in kvd failed ({e:#}); a handoff of this prompt exports nothing");
+                            export_keys = &[];
+                            staged = None;
+                            0
+                        }
                     }
-                },
+                }
                 None => 0,
             };
             let mut kvp = None;
@@ -384,16 +401,23 @@ impl Scheduler {
                 if k.do_remote_decode {
                     let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
                     let mut ranks = Vec::new();
+                    // Every part was announced: the staged exports are ordinary ones now.
+                    let mut staged_params: Vec<Option<String>> = vec![None; kv.layouts.len()];
+                    let was_staged = staged.is_some();
                     if let Some(st) = staged.take() {
-                        // Every part was announced: the exports are ordinary ones now.
-                        ranks = st
-                            .exports
-                            .iter()
-                            .map(|x| hex::encode(x.params().to_msgpack()))
-                            .collect();
+                        for (x, sh) in st.exports.iter().zip(&st.shards) {
+                            if let Some(p) = staged_params.get_mut(sh.index) {
+                                *p = Some(hex::encode(x.params().to_msgpack()));
+                            }
+                        }
                         drop(st);
-                    } else if !export_keys.is_empty() {
+                    }
+                    if was_staged || !export_keys.is_empty() {
                         for (r, l) in kv.layouts.iter().enumerate() {
+                            if let Some(p) = staged_params.get_mut(r).and_then(Option::take) {
+                                ranks.push(p);
+                                continue;
+                            }
                             let id = format!("{base}.r{r}");
                             let f = kv.shards.handoff_first(r, job.tokens.len(), export_keys.len());
                             match kv.client.export(&id, l.id, &export_keys[f..], Some(self.cfg.lease)) {
@@ -401,7 +425,7 @@ impl Scheduler {
                                 Err(e) => {
                                     // Every shard or none: the exports made are let go.
                                     tracing::warn!("export of {id} failed ({e:#}); the decode engine computes the prompt");
-                                    for r in 0..ranks.len() {
+                                    for r in 0..kv.layouts.len() {
                                         let _ = kv.client.abort_transfer(&format!("{base}.r{r}"));
                                     }
                                     ranks.clear();
@@ -519,10 +543,15 @@ impl Scheduler {
         let mut exports = Vec::with_capacity(kv.layouts.len());
         let mut shards = Vec::with_capacity(kv.layouts.len());
         for (r, l) in kv.layouts.iter().enumerate() {
+            if sh.group(r).kind == kvd_model::model::LayerKind::Linear {
+                // A recurrent state is whole only after the forward: exported then.
+                continue;
+            }
             let id = format!("{base}.r{r}");
             let layers = sh.group(r).layers.clone();
             let first = sh.handoff_first(r, tokens, keys.len());
             let staged = StagedShard {
+                index: r,
                 parts: parts.min(layers.len() as u64),
                 layers,
                 h0: sh.rank(r) * hs,
@@ -657,6 +686,9 @@ impl Scheduler {
         let hs = self.cfg.model.kv_heads / sh.tp();
         let mut written = 0;
         for (r, l) in kv.layouts.iter().enumerate() {
+            if sh.group(r).kind == kvd_model::model::LayerKind::Linear {
+                continue; // the state's snapshot: `store_state`
+            }
             let (layers, h0) = (&sh.group(r).layers, sh.rank(r) * hs);
             let mut batch = kv.client.alloc(l.id, &keys[from..])?;
             // The slots are this batch's only until its TTL: written inside the closure,
@@ -675,6 +707,39 @@ impl Scheduler {
             batch.commit()?;
         }
         Ok(written)
+    }
+
+    /// Stores the recurrent state's snapshot (taken after `usable` blocks) under the key
+    /// of block `usable - 1`, for the recurrent group's shard. Nothing without one.
+    fn store_state(
+        &self,
+        kv: &Kv,
+        seq: &Sequence,
+        keys: &[ChunkHash],
+        usable: usize,
+    ) -> Result<()> {
+        let bt = self.cfg.model.block_tokens;
+        let Some(i) = (0..kv.shards.len())
+            .find(|&i| kv.shards.group(i).kind == kvd_model::model::LayerKind::Linear)
+        else {
+            return Ok(());
+        };
+        if usable == 0 || seq.snapshot_taken != Some(usable * bt) {
+            return Ok(());
+        }
+        let (l, key) = (
+            kv.layouts.get(i).context("the state's layout")?,
+            keys.get(usable - 1).context("the state's key")?,
+        );
+        let mut batch = kv.client.alloc(l.id, std::slice::from_ref(key))?;
+        batch.with_slots(|slots| -> Result<()> {
+            for (_, s) in slots.iter_mut() {
+                self.model.save_snapshot(seq, s)?;
+            }
+            Ok(())
+        })??;
+        batch.commit()?;
+        Ok(())
     }
 
     /// One decode step. `false`: the sequence is over.

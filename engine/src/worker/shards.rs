@@ -18,42 +18,89 @@
 //! are one, a layout of `tp_size` 1), loaded by every rank, and handed between prefill and
 //! decode engines of any TP sizes as that one copy.
 //!
-//! Shard `i` is group `i / tp`, rank `i % tp` (`tp`: the TP size the shards split heads
-//! over, 1 for a replicated latent); its transfers are named `<base>.r<i>`.
+//! A recurrent hybrid (Qwen3.5) has its attention layers' group and a recurrent group:
+//! its Gated DeltaNet layers keep no KV per token but a state, valid after exactly the
+//! tokens it has seen. The engine snapshots it after the last block a decode engine can
+//! load (`(prompt - 1) / block_tokens` blocks) and keeps that snapshot as the recurrent
+//! group's object under the key of that block: a prefix of `n` blocks needs the
+//! attention blocks `0..n` and the snapshot at block `n - 1` ([`Shards::first`]), so a
+//! hit is only at a boundary that has one, found by probing downwards a few blocks
+//! ([`STATE_PROBES`]). The state is the same on every rank: one shard, kept once.
+//!
+//! Shards are each group's ranks in group order (one shard for a replicated group); their
+//! transfers are named `<base>.r<i>`.
 
 use anyhow::Result;
 use kvd_model::model::{KvGroup, LayerKind};
 use kvd_model::ModelConfig;
 use kvd_protocol::{ChunkHash, Dtype, Group, Layout, MemoryOrder};
 
-/// An engine's (or a peer engine's) shards: its model's groups × a TP size.
+/// Boundaries below the longest prefix the other shards agree on at which a hit looks
+/// for a recurrent state snapshot (each a lookup), before it gives up.
+pub(crate) const STATE_PROBES: usize = 4;
+
+/// An engine's (or a peer engine's) shards: its model's groups, each split over a TP size
+/// (its heads) or kept whole (a latent, a recurrent state).
 #[derive(Clone, Debug)]
 pub(crate) struct Shards {
     groups: Vec<KvGroup>,
     tp: usize,
     block_tokens: usize,
+    /// Per shard: its group and rank.
+    entries: Vec<(usize, usize)>,
+}
+
+/// Whether a group's object is the same on every rank.
+fn replicated(g: &KvGroup) -> bool {
+    matches!(g.kind, LayerKind::Latent | LayerKind::Linear)
 }
 
 impl Shards {
     /// The shards of `model` at TP `tp` (one per group for a latent every rank shares).
     pub(crate) fn new(model: &ModelConfig, tp: usize) -> Shards {
         let groups = model.kv_groups();
-        let replicated = groups.iter().all(|g| g.kind == LayerKind::Latent);
+        let sharded = groups.iter().any(|g| !replicated(g));
+        let tp = if sharded { tp.max(1) } else { 1 };
+        let entries = groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, x)| (0..if replicated(x) { 1 } else { tp }).map(move |r| (g, r)))
+            .collect();
         Shards {
             groups,
-            tp: if replicated { 1 } else { tp.max(1) },
+            tp,
             block_tokens: model.block_tokens,
+            entries,
         }
     }
 
     /// Shards in all.
     pub(crate) fn len(&self) -> usize {
-        self.groups.len() * self.tp
+        self.entries.len()
     }
 
-    /// The TP size the shards split heads over (1 for a replicated latent).
+    /// The TP size the sharded groups split heads over (1 when every group is whole).
     pub(crate) fn tp(&self) -> usize {
         self.tp
+    }
+
+    /// The shards of group `g`, in rank order.
+    pub(crate) fn of_group(&self, g: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.len()).filter(move |&i| self.entries[i].0 == g)
+    }
+
+    /// Whether shard `i`'s object is the same on every rank.
+    pub(crate) fn replicated(&self, i: usize) -> bool {
+        replicated(self.group(i))
+    }
+
+    /// The TP size shard `i`'s layout names (1 for a whole group).
+    fn shard_tp(&self, i: usize) -> usize {
+        if self.replicated(i) {
+            1
+        } else {
+            self.tp
+        }
     }
 
     /// The groups, in shard order.
@@ -63,12 +110,13 @@ impl Shards {
 
     /// Shard `i`'s group.
     pub(crate) fn group(&self, i: usize) -> &KvGroup {
-        &self.groups[(i / self.tp).min(self.groups.len() - 1)]
+        let g = self.entries.get(i).map_or(0, |e| e.0);
+        &self.groups[g.min(self.groups.len() - 1)]
     }
 
     /// Shard `i`'s rank.
     pub(crate) fn rank(&self, i: usize) -> usize {
-        i % self.tp
+        self.entries.get(i).map_or(0, |e| e.1)
     }
 
     /// The first logical block of a prefix of `n` blocks shard `i` needs (0 but for a
@@ -117,6 +165,13 @@ impl Shards {
                     "kvd-engine:[token,latent|rope_key(rotated,half-split)]",
                 )
             }
+            // One state per layer: the convolution's last inputs, then each value head's
+            // state, after the tokens up to the end of the key's block.
+            LayerKind::Linear => (
+                "gdn",
+                vec![m.gdn.map_or(1, |x| x.state_elems())],
+                "kvd-engine:[conv(channel,tap)|state(v_head,k,v)] after=block_end",
+            ),
         };
         Layout {
             model: m.name.clone(),
@@ -126,7 +181,7 @@ impl Shards {
             head_dim: 1,
             dtype: Dtype::U8,
             tokens_per_block: m.block_tokens as u64,
-            tp_size: self.tp as u64,
+            tp_size: self.shard_tp(i) as u64,
             tp_rank: rank as u64,
             order: MemoryOrder::Groups,
             groups: vec![Group {
@@ -155,21 +210,31 @@ impl Shards {
         mut probe: impl FnMut(usize, &[ChunkHash]) -> Result<usize>,
     ) -> Result<usize> {
         let mut n = n0.min(keys.len());
-        for i in (0..self.len()).filter(|&i| self.group(i).window == 0) {
+        let every_block =
+            |i: &usize| self.group(*i).window == 0 && self.group(*i).kind != LayerKind::Linear;
+        for i in (0..self.len()).filter(every_block) {
             if n == 0 {
                 return Ok(0);
             }
             n = n.min(probe(i, &keys[..n])?);
         }
+        let windowed =
+            |i: &usize| self.group(*i).window > 0 || self.group(*i).kind == LayerKind::Linear;
+        let top = n;
         'again: loop {
-            for i in (0..self.len()).filter(|&i| self.group(i).window > 0) {
-                if n == 0 {
+            for i in (0..self.len()).filter(windowed) {
+                if n == 0 || (self.group(i).kind == LayerKind::Linear && top - n > STATE_PROBES) {
                     return Ok(0);
                 }
                 let f = self.first(i, n);
                 let held = probe(i, &keys[f..n])?;
                 if f + held < n {
-                    n = f + held;
+                    // A recurrent state missing at its boundary: the one before.
+                    n = if self.group(i).kind == LayerKind::Linear {
+                        n - 1
+                    } else {
+                        f + held
+                    };
                     continue 'again;
                 }
             }
@@ -270,6 +335,64 @@ mod tests {
         assert!(l[3].splits_into(2));
         let ids: std::collections::HashSet<_> = l.iter().map(Layout::id).collect();
         assert_eq!(ids.len(), 4);
+    }
+
+    /// A recurrent hybrid: attention shards at the TP size, one state shard; a hit is only
+    /// at a boundary that has a snapshot, found by probing downwards a few blocks.
+    #[test]
+    fn a_recurrent_state_is_one_shard_and_a_hit_needs_its_snapshot() {
+        let m = ModelConfig {
+            name: "m".into(),
+            layers: 4,
+            layer_types: vec![
+                LayerKind::Linear,
+                LayerKind::Full,
+                LayerKind::Linear,
+                LayerKind::Full,
+            ],
+            gdn: Some(kvd_model::model::Gdn {
+                conv_kernel: 4,
+                k_heads: 2,
+                v_heads: 4,
+                k_dim: 8,
+                v_dim: 8,
+            }),
+            block_tokens: 8,
+            kv_heads: 4,
+            ..Default::default()
+        };
+        let s = Shards::new(&m, 2);
+        assert_eq!(s.len(), 3, "two attention ranks and one state");
+        assert!(s.replicated(2) && !s.replicated(0));
+        let l = s.layouts(&m);
+        assert_eq!((l[2].groups[0].kind.as_str(), l[2].tp_size), ("gdn", 1));
+        assert_eq!(
+            s.first(2, 6),
+            5,
+            "the state after 6 blocks, under block 5's key"
+        );
+        let keys: Vec<ChunkHash> = (0..10u8).map(|i| ChunkHash([i; 16])).collect();
+        // Snapshots at blocks 3 (after 4 blocks) and 9: a 6-block prefix finds the one after 4.
+        let snaps = |i: usize, k: &[ChunkHash]| {
+            Ok(if i == 2 {
+                usize::from(k.len() == 1 && (k[0].0[0] == 3 || k[0].0[0] == 9))
+            } else {
+                k.len()
+            })
+        };
+        assert_eq!(s.agreed(6, &keys, snaps).unwrap(), 4);
+        // None within STATE_PROBES boundaries: no hit.
+        let far = |i: usize, k: &[ChunkHash]| {
+            Ok(if i == 2 {
+                usize::from(k[0].0[0] == 0)
+            } else {
+                k.len()
+            })
+        };
+        assert_eq!(s.agreed(9, &keys, far).unwrap(), 0);
+        // A pinned snapshot covers only its own boundary.
+        assert_eq!(s.covered(4, &[0, 0, 3], &[4, 4, 1]), 4);
+        assert_eq!(s.covered(4, &[0, 0, 3], &[3, 4, 1]), 0);
     }
 
     #[test]
