@@ -145,13 +145,28 @@ pub(crate) fn engine_bins(bin_dir: Option<&std::path::Path>) -> Result<Bins> {
 }
 
 /// What a pull of a prompt's prefix moves at most: every layer of each block the decode
-/// loads (`(tokens - 1) / block_tokens` of them), K and V, f32; and of that, the sliding
-/// layers' share.
+/// loads (`(tokens - 1) / block_tokens` of them) as kvd keeps it — K and V per head, one
+/// latent row per token (MLA), or for recurrent layers one state snapshot — f32; and of
+/// that, the sliding layers' share.
 fn prefix_bytes(m: &kvd_model::ModelConfig, tokens: usize) -> (u64, u64) {
+    use kvd_model::model::LayerKind;
     let blocks = (tokens.saturating_sub(1) / m.block_tokens) as u64;
-    let layer = blocks * (m.block_tokens * 2 * m.kv_heads * m.head_dim * 4) as u64;
-    let sliding = (0..m.layers).filter(|&l| m.window(l) > 0).count() as u64;
-    (layer * m.layers as u64, layer * sliding)
+    let (parts, heads, dim) = m.kv_shape();
+    let layer = blocks * (m.block_tokens * parts * heads * dim * 4) as u64;
+    let (mut all, mut sliding) = (0, 0);
+    for l in 0..m.layers {
+        match m.layer_kind(l) {
+            LayerKind::Linear => {
+                all += u64::from(blocks > 0) * m.gdn.map_or(0, |g| g.state_elems() as u64 * 4)
+            }
+            LayerKind::Sliding => {
+                all += layer;
+                sliding += layer;
+            }
+            _ => all += layer,
+        }
+    }
+    (all, sliding)
 }
 
 /// Bytes a daemon's data plane has moved.
@@ -350,6 +365,26 @@ pub fn run(a: E2eArgs) -> Result<()> {
             r.pull_tok_s,
             r.push_tok_s
         );
+    }
+    if model.mla.is_some() || model.gdn.is_some() {
+        println!(
+            "{}: a pull moves what kvd keeps of the prefix (MLA: one latent row per token, \
+             whatever the TP; recurrent layers: one state snapshot)",
+            if model.mla.is_some() {
+                "latent attention"
+            } else {
+                "recurrent hybrid"
+            }
+        );
+        for r in &rows {
+            println!(
+                "{:>7} pull moved {:>12} B; the prefix as kvd keeps it {:>12} B ({:5.3}x)",
+                r.prompt_tokens,
+                r.pull_kv_bytes,
+                r.prefix_kv_bytes,
+                r.pull_kv_bytes as f64 / r.prefix_kv_bytes.max(1) as f64
+            );
+        }
     }
     if model.has_sliding() {
         let sliding = (0..model.layers).filter(|&l| model.window(l) > 0).count();
