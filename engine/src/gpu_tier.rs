@@ -10,6 +10,11 @@
 //! [`GpuTier::keepalive`] runs `gpu_list` on a timer and notices when the registrations
 //! are gone (a daemon restart, a lapse), and every op registers again once when the
 //! daemon says it does not know them.
+//!
+//! A recurrent model's state shard is registered over the model's snapshot memory instead
+//! (its "blocks" are the state slots, one snapshot each, `Model::state_segment`): a
+//! store copies a sequence's snapshot out, a load or a same-node pull copies one into the
+//! sequence's slot, which the model then restores as its live state.
 
 use std::sync::Mutex;
 
@@ -22,9 +27,11 @@ use kvd_protocol::{ChunkHash, ErrorCode, GpuRegion, GpuSegment, GpuTransferParam
 /// See the module docs.
 pub struct GpuTier {
     regions: Vec<GpuRegion>,
-    /// Per shard: its layout and the pieces of its transfer block.
-    shards: Vec<(LayoutId, Vec<GpuSegment>)>,
-    num_blocks: u64,
+    /// Per shard: its layout, the pieces of its transfer block, and its blocks (the KV
+    /// cache's, or the state slots).
+    shards: Vec<(LayoutId, Vec<GpuSegment>, u64)>,
+    /// The state shard, if any: its blocks are state slots, not KV blocks.
+    state_shard: Option<usize>,
     /// The registrations, one per shard (`None`: register before the next op).
     regs: Mutex<Option<Vec<u64>>>,
 }
@@ -43,34 +50,47 @@ impl GpuTier {
             "the KV cache is not shared memory"
         );
         let hs = g.kv_heads / shards.tp();
-        let shards = layouts
+        let mut regions: Vec<GpuRegion> = model
+            .kv_regions()
             .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                let segs = model
-                    .kv_segments_of(&shards.group(i).layers, shards.rank(i) * hs, hs)
-                    .into_iter()
-                    .map(|s| GpuSegment {
-                        region: s.region,
-                        offset: s.offset,
-                        stride: s.stride,
-                        len: s.len,
-                    })
-                    .collect();
-                (l.id, segs)
+            .map(|r| GpuRegion {
+                handle: r.handle.clone(),
+                size: r.size,
             })
             .collect();
-        Ok(GpuTier {
-            regions: model
-                .kv_regions()
-                .iter()
-                .map(|r| GpuRegion {
+        let state_region = regions.len() as u32;
+        let mut state_shard = None;
+        let seg = |s: kvd_model::KvSegment| GpuSegment {
+            region: s.region,
+            offset: s.offset,
+            stride: s.stride,
+            len: s.len,
+        };
+        let mut out = Vec::with_capacity(layouts.len());
+        for (i, l) in layouts.iter().enumerate() {
+            if shards.group(i).kind == kvd_model::model::LayerKind::Linear {
+                let (r, s, slots) = model
+                    .state_segment(state_region)
+                    .context("a recurrent model's snapshots are not in shared memory")?;
+                regions.push(GpuRegion {
                     handle: r.handle.clone(),
                     size: r.size,
-                })
-                .collect(),
-            shards,
-            num_blocks: g.num_blocks as u64,
+                });
+                state_shard = Some(i);
+                out.push((l.id, vec![seg(s)], slots as u64));
+                continue;
+            }
+            let segs = model
+                .kv_segments_of(&shards.group(i).layers, shards.rank(i) * hs, hs)
+                .into_iter()
+                .map(seg)
+                .collect();
+            out.push((l.id, segs, g.num_blocks as u64));
+        }
+        Ok(GpuTier {
+            regions,
+            shards: out,
+            state_shard,
             regs: Mutex::new(None),
         })
     }
@@ -88,9 +108,9 @@ impl GpuTier {
             return Ok(r.clone());
         }
         let mut regs = Vec::with_capacity(self.shards.len());
-        for (layout, segs) in &self.shards {
+        for (layout, segs, blocks) in &self.shards {
             let r = c
-                .gpu_register(*layout, 0, &self.regions, self.num_blocks, segs)
+                .gpu_register(*layout, 0, &self.regions, *blocks, segs)
                 .context("gpu_register of the KV cache")?;
             regs.push(r.registration);
         }
@@ -133,13 +153,26 @@ impl GpuTier {
         }
     }
 
-    /// Stores `blocks` (physical ids) under `keys` from every shard; the blocks of the
-    /// first shard written (the others write the same keys' other heads).
-    pub fn store(&self, c: &Client, keys: &[ChunkHash], blocks: &[u32]) -> Result<usize> {
+    /// Stores `blocks` (physical ids) under `keys` from every KV shard, and `state`
+    /// (`(key, slot)`: a snapshot) from the state shard; the blocks of the first shard
+    /// written (the others write the same keys' other heads).
+    pub fn store(
+        &self,
+        c: &Client,
+        keys: &[ChunkHash],
+        blocks: &[u32],
+        state: Option<(ChunkHash, u32)>,
+    ) -> Result<usize> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
         self.with(c, |regs| {
             let mut stored = 0;
             for (i, r) in regs.iter().enumerate() {
+                if Some(i) == self.state_shard {
+                    if let Some((k, slot)) = state {
+                        c.gpu_store(*r, &[k], &[u64::from(slot)])?;
+                    }
+                    continue;
+                }
                 let s = c.gpu_store(*r, keys, &ids)?;
                 if i == 0 {
                     stored = s.stored as usize;
@@ -147,6 +180,17 @@ impl GpuTier {
             }
             Ok(stored)
         })
+    }
+
+    /// Block ids of shard `i` for logical blocks `f..end` of `ids` (a state shard: its
+    /// one key's slot).
+    fn ids_of(&self, i: usize, ids: &[u64], f: usize, end: usize, slot: Option<u32>) -> Vec<u64> {
+        if Some(i) == self.state_shard {
+            return slot
+                .map(|s| vec![u64::from(s); end.saturating_sub(f).min(1)])
+                .unwrap_or_default();
+        }
+        ids.get(f..end).map(<[u64]>::to_vec).unwrap_or_default()
     }
 
     /// Loads `keys` into `blocks`, shard `i` from logical block `first[i]` on; how many
@@ -157,30 +201,34 @@ impl GpuTier {
         keys: &[ChunkHash],
         blocks: &[u32],
         first: &[usize],
+        slot: Option<u32>,
     ) -> Result<Vec<usize>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
         let n = keys.len().min(ids.len());
         self.with(c, |regs| {
             regs.iter()
                 .zip(first)
-                .map(|(r, &f)| {
+                .enumerate()
+                .map(|(i, (r, &f))| {
                     let f = f.min(n);
-                    Ok(c.gpu_load(*r, &keys[f..n], &ids[f..n])? as usize)
+                    let to = self.ids_of(i, &ids, f, n, slot);
+                    let k = &keys[f..f + to.len()];
+                    Ok(c.gpu_load(*r, k, &to)? as usize)
                 })
                 .collect()
         })
     }
 
     /// Exports `blocks` under `keys` for a decode engine on this node, one export per
-    /// shard (`<base>.r<shard>`, shard `i` from logical block `first[i]` on), device to
-    /// device by its `gpu_pull`.
+    /// shard (`<base>.r<shard>`, shard `i` from logical block `first[i]` on; the state
+    /// shard from the sequence's state `slot`), device to device by its `gpu_pull`.
     pub fn export(
         &self,
         c: &Client,
         base: &str,
         keys: &[ChunkHash],
         blocks: &[u32],
-        first: &[usize],
+        (first, slot): (&[usize], Option<u32>),
         lease: std::time::Duration,
     ) -> Result<Vec<GpuTransferParams>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
@@ -191,14 +239,10 @@ impl GpuTier {
                 .enumerate()
                 .map(|(r, (reg, &f))| {
                     let f = f.min(n);
-                    c.gpu_export(
-                        *reg,
-                        &format!("{base}.r{r}"),
-                        &keys[f..n],
-                        &ids[f..n],
-                        Some(lease),
-                    )
-                    .with_context(|| format!("gpu_export of {base}.r{r}"))
+                    let from = self.ids_of(r, &ids, f, n, slot);
+                    let k = &keys[f..f + from.len()];
+                    c.gpu_export(*reg, &format!("{base}.r{r}"), k, &from, Some(lease))
+                        .with_context(|| format!("gpu_export of {base}.r{r}"))
                 })
                 .collect()
         })
@@ -227,6 +271,7 @@ impl GpuTier {
         params: &[GpuTransferParams],
         blocks: &[u32],
         first: &[usize],
+        slot: Option<u32>,
     ) -> Result<Vec<usize>> {
         let ids: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
         self.with(c, |regs| {
@@ -239,10 +284,12 @@ impl GpuTier {
             regs.iter()
                 .zip(params)
                 .zip(first)
-                .map(|((reg, p), &f)| {
+                .enumerate()
+                .map(|(i, ((reg, p), &f))| {
                     let f = f.min(ids.len());
                     let end = (f + p.keys.len()).min(ids.len());
-                    Ok(c.gpu_pull(*reg, &ids[f..end], p)? as usize)
+                    let to = self.ids_of(i, &ids, f, end, slot);
+                    Ok(c.gpu_pull(*reg, &to, p)? as usize)
                 })
                 .collect()
         })

@@ -41,8 +41,6 @@ const STATE_BLOCK: u64 = 2 * (128 * 3 + 4 * 16 * 16) * 4;
 struct Case {
     /// An MLA model: one latent copy per node.
     latent: bool,
-    /// A recurrent hybrid: a state snapshot beside the attention blocks.
-    recurrent: bool,
     body: Value,
     want: Vec<u32>,
     model: Vec<String>,
@@ -72,7 +70,6 @@ fn case(variant: &str) -> Option<Case> {
     let path = |f: &str| d.join(f).to_str().unwrap().to_string();
     Some(Case {
         latent: variant.starts_with("deepseek"),
-        recurrent: variant.starts_with("qwen3_5"),
         body: json!({"prompt": prompt, "max_tokens": want.len(), "temperature": 0.0}),
         want,
         model: vec![
@@ -251,25 +248,6 @@ fn every_local_path(c: &Case) {
         cl.stats().unwrap().nvme.expect("nvme").reads > reads,
         "the blocks were still in DRAM"
     );
-    if c.recurrent {
-        // The GPU tier does not hold a recurrent state: the engine refuses it by name.
-        let out = std::process::Command::new(&bins().engine)
-            .args(c.args(&[
-                "--gpu-tier",
-                "--listen",
-                "127.0.0.1:0",
-                "--kvd",
-                &a.endpoint,
-            ]))
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("recurrent model"),
-            "{out:?}"
-        );
-        return;
-    }
     // The GPU tier (host stand-in): stores and loads by the daemon's copies, TP 1 and 2.
     let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
         .expect("kvd");
@@ -364,9 +342,6 @@ fn every_handoff(c: &Case, moved_bytes: u64) {
     let (_e1, second) = engine("both", Some(&peers[1]), &c.args(&[]));
     c.check(&first, "computed on the first peer");
     c.check_hit(&second, "local", "prefix from the other peer's cache");
-    if c.recurrent {
-        return; // no GPU tier for a recurrent state (above)
-    }
     // Device to device on one node's GPU tier (host stand-in).
     let g = kvd_engine::local::Node::start_with(&bins(), "128MiB", &["--gpu-device", "host"])
         .expect("kvd");

@@ -32,6 +32,7 @@ pub(crate) mod kv;
 pub(crate) mod layer;
 pub mod model;
 pub mod shared;
+pub mod state;
 pub mod tokenizer;
 pub mod weights;
 

@@ -24,6 +24,7 @@ pub use crate::config::{Gdn, KvGroup, LayerKind, Mla, ModelConfig, RopeScaling};
 use crate::kv::{layer_slices, Caches};
 pub use crate::kv::{LayerView, Prefix, PrefixGroup};
 use crate::layer::{Layer, Scratch};
+use crate::state::{States, STATE_SLOTS};
 pub use crate::weights::Weights;
 use crate::KvGeometry;
 
@@ -63,13 +64,14 @@ pub struct Model<B: Backend> {
     load_wait: std::time::Duration,
     free: Vec<u32>,
     scratch: Option<Scratch<B>>,
-    /// Recurrent state slots: a sequence's state and its snapshot, every Gated DeltaNet
-    /// layer's back to back (`None`: free).
-    states: Vec<Option<(B::Buf, B::Buf)>>,
+    /// The sequences' recurrent states and their snapshots (models with Gated DeltaNet
+    /// layers).
+    states: States<B>,
 }
 
 impl<B: Backend> Drop for Model<B> {
     fn drop(&mut self) {
+        self.states.drop_with(&self.backend);
         if !self.kv.regions.is_empty() {
             for b in self.kv.layers.drain(..) {
                 self.backend.drop_shared(b);
@@ -131,6 +133,9 @@ impl<B: Backend> Model<B> {
             None => Caches::new(&backend, geo)?,
             Some((dir, prefix)) => Caches::new_shared(&backend, geo, dir, prefix)?,
         };
+        let per = cfg.gdn.as_ref().map_or(0, |g| g.state_elems());
+        let elems = per * layers.iter().filter(|l: &&Layer<B>| l.is_linear()).count();
+        let states = States::new(&backend, elems, STATE_SLOTS.min(num_blocks), shared)?;
         Ok(Model {
             backend,
             inv_freq: cfg.inv_freq(),
@@ -143,7 +148,7 @@ impl<B: Backend> Model<B> {
             load_wait: std::time::Duration::ZERO,
             free: (0..num_blocks as u32).rev().collect(),
             scratch: None,
-            states: Vec::new(),
+            states,
         })
     }
 
@@ -215,8 +220,8 @@ impl<B: Backend> Model<B> {
     pub fn release(&mut self, seq: &mut Sequence) {
         self.free.append(&mut seq.blocks);
         seq.computed = 0;
-        if let Some(s) = seq.state.take().and_then(|i| self.states.get_mut(i)) {
-            *s = None;
+        if let Some(i) = seq.state.take() {
+            self.states.give(i);
         }
         seq.snapshot_taken = None;
     }
@@ -224,42 +229,57 @@ impl<B: Backend> Model<B> {
     /// Elements of a sequence's recurrent state: every Gated DeltaNet layer's (0 without
     /// such layers).
     pub fn state_elems(&self) -> usize {
-        let per = self.cfg.gdn.as_ref().map_or(0, |g| g.state_elems());
-        per * self.layers.iter().filter(|l| l.is_linear()).count()
+        self.states.elems
     }
 
-    /// The sequence's recurrent state slot, taken (zeroed) when it has none.
-    fn state_slot(&mut self, seq: &mut Sequence) -> Result<usize> {
-        if let Some(i) = seq
-            .state
-            .filter(|&i| matches!(self.states.get(i), Some(Some(_))))
-        {
+    /// The sequence's recurrent state slot, taken when it has none (what the GPU tier
+    /// copies a snapshot into and out of, [`Model::state_segment`]).
+    pub fn state_slot(&mut self, seq: &mut Sequence) -> Result<usize> {
+        if let Some(i) = seq.state {
             return Ok(i);
         }
-        let n = self.state_elems().max(1);
-        let bufs = (self.backend.zeros(n)?, self.backend.zeros(n)?);
-        let i = match self.states.iter().position(Option::is_none) {
-            Some(i) => {
-                self.states[i] = Some(bufs);
-                i
-            }
-            None => {
-                self.states.push(Some(bufs));
-                self.states.len() - 1
-            }
-        };
+        let i = self.states.take()?;
         seq.state = Some(i);
         Ok(i)
+    }
+
+    /// After the daemon copied a snapshot into the sequence's slot (`gpu_load`,
+    /// `gpu_pull`): it becomes the live state, as after `n` blocks.
+    pub fn restore_snapshot(&mut self, seq: &mut Sequence, n: usize) -> Result<()> {
+        let i = seq
+            .state
+            .context("the sequence has no recurrent state slot")?;
+        self.states.restore(&self.backend, i)?;
+        seq.snapshot_taken = Some(n * self.cfg.block_tokens);
+        Ok(())
+    }
+
+    /// The snapshots' shared memory (a shared cache of a recurrent model) and one slot's
+    /// piece of it as a segment over region `region` (the GPU tier's index for it):
+    /// a slot is a "block" of the state's registration.
+    pub fn state_segment(
+        &self,
+        region: u32,
+    ) -> Option<(&crate::SharedRegion, crate::KvSegment, usize)> {
+        let r = self.states.region.as_ref()?;
+        let bytes = (self.states.elems * 4) as u64;
+        Some((
+            r,
+            crate::KvSegment {
+                region,
+                offset: 0,
+                stride: bytes,
+                len: bytes,
+            },
+            self.states.slots,
+        ))
     }
 
     /// Writes the snapshot the last forward took (after `seq.snapshot_taken` tokens) into
     /// `dst`: every Gated DeltaNet layer's state, back to back, little-endian f32.
     pub fn save_snapshot(&self, seq: &Sequence, dst: &mut [u8]) -> Result<()> {
         ensure!(seq.snapshot_taken.is_some(), "no snapshot was taken");
-        let (_, snap) = seq
-            .state
-            .and_then(|i| self.states.get(i)?.as_ref())
-            .context("the sequence has no recurrent state")?;
+        let i = seq.state.context("the sequence has no recurrent state")?;
         let n = self.state_elems();
         ensure!(
             dst.len() == n * 4,
@@ -267,7 +287,10 @@ impl<B: Backend> Model<B> {
             dst.len(),
             n * 4
         );
-        for (d, v) in dst.chunks_exact_mut(4).zip(self.backend.download(snap, n)?) {
+        for (d, v) in dst
+            .chunks_exact_mut(4)
+            .zip(self.states.snapshot(&self.backend, i)?)
+        {
             d.copy_from_slice(&v.to_le_bytes());
         }
         Ok(())
@@ -340,24 +363,13 @@ impl<B: Backend> Model<B> {
         let state_elems = self.state_elems();
         let slot = if state_elems > 0 {
             let i = self.state_slot(seq)?;
-            let loaded = prefix.and_then(|p| self.state_source(p));
-            let (held, snap) = self.states[i].take().context("the state slot")?;
-            let state = match loaded {
-                Some(src) => {
-                    let v = as_f32(src)?;
-                    ensure!(
-                        v.len() == state_elems,
-                        "a state block of {} values, the model's state has {state_elems}",
-                        v.len()
-                    );
-                    self.backend.upload(v)?
-                }
-                None if start == 0 => self.backend.zeros(state_elems)?,
+            match prefix.and_then(|p| self.state_source(p)) {
+                Some(src) => self.states.set(&self.backend, i, Some(as_f32(src)?))?,
+                None if start == 0 => self.states.set(&self.backend, i, None)?,
                 // A later forward of this sequence: its state is in the slot.
-                None if prefix.is_none() => held,
+                None if prefix.is_none() => {}
                 None => bail!("a prefix of a recurrent model needs its state"),
-            };
-            self.states[i] = Some((state, snap));
+            }
             Some(i)
         } else {
             None
@@ -381,9 +393,10 @@ impl<B: Backend> Model<B> {
             states,
             ..
         } = self;
-        let mut state = match slot {
-            Some(i) => states.get_mut(i).and_then(Option::as_mut),
-            None => None,
+        let slot_off = slot.map_or(0, |i| states.off(i));
+        let mut state = match (states.live.as_mut(), states.snaps.as_mut()) {
+            (Some(live), Some(snaps)) if slot.is_some() => Some((live, snaps)),
+            _ => None,
         };
         *load_wait = std::time::Duration::ZERO;
         let (b, cfg): (&B, &ModelConfig) = (b, cfg);
@@ -461,9 +474,9 @@ impl<B: Backend> Model<B> {
                     // (empty) cache still passes through the loader's hand, in order.
                     let (st, snap) = state
                         .as_mut()
-                        .map(|s| (&mut s.0, &mut s.1))
+                        .map(|s| (&mut *s.0, &mut *s.1))
                         .context("a recurrent state")?;
-                    let off = recurrent_seen * per_state;
+                    let off = slot_off + recurrent_seen * per_state;
                     recurrent_seen += 1;
                     l.recur(b, cfg, n, st, off, snap_row.map(|k| (k, snap)), &mut sc)?;
                     let cache = match prefix {
@@ -628,17 +641,8 @@ impl<B: Backend> Model<B> {
             let src = self
                 .state_source(p)
                 .context("a prefix of a recurrent model needs its state")?;
-            let v = as_f32(src)?;
-            ensure!(
-                v.len() == self.state_elems(),
-                "a state block of {} values",
-                v.len()
-            );
-            let st = self.backend.upload(v)?;
             let i = self.state_slot(seq)?;
-            if let Some(slot) = self.states.get_mut(i).and_then(Option::as_mut) {
-                slot.0 = st;
-            }
+            self.states.set(&self.backend, i, Some(as_f32(src)?))?;
         }
         self.reserve(seq, n * self.cfg.block_tokens)?;
         for g in &p.groups {

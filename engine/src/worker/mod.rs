@@ -316,11 +316,6 @@ impl Engine {
             cfg.model.kv_heads
         );
         ensure!(
-            !(cfg.gpu_tier && cfg.model.gdn.is_some()),
-            "--gpu-tier with a recurrent model (Gated DeltaNet layers) is not implemented: \
-             its state is not in the shared KV cache"
-        );
-        ensure!(
             cfg.role == Role::Both || cfg.kvd.is_some(),
             "role {} needs kvd",
             cfg.role.name()

@@ -381,7 +381,7 @@ impl Scheduler {
                 Some(kv) => {
                     let blocks = match &staged {
                         Some(st) => Ok(st.written),
-                        None => self.store(kv, &seq, &keys, cached / bt),
+                        None => self.store(kv, &seq, &keys, cached / bt, usable),
                     };
                     // The recurrent state's snapshot, whole after the forward.
                     match blocks.and_then(|n| self.store_state(kv, &seq, &keys, usable).map(|()| n)) {
@@ -449,7 +449,8 @@ impl Scheduler {
                             let first: Vec<usize> = (0..kv.shards.len())
                                 .map(|i| kv.shards.handoff_first(i, job.tokens.len(), hk.len()))
                                 .collect();
-                            t.export(&kv.client, &gbase, hk, blocks, &first, glease)
+                            let slot = seq.state.map(|i| i as u32);
+                            t.export(&kv.client, &gbase, hk, blocks, (&first, slot), glease)
                         });
                         match exported {
                             Ok(ps) => {
@@ -604,13 +605,24 @@ impl Scheduler {
         let first: Vec<usize> = (0..kv.shards.len())
             .map(|i| kv.shards.first(i, n))
             .collect();
+        let recurrent = self.model.state_elems() > 0;
         let loaded = self.model.reserve(seq, n * bt).and_then(|()| {
+            let slot = if recurrent {
+                Some(self.model.state_slot(seq)? as u32)
+            } else {
+                None
+            };
             let blocks = seq.blocks.get(..n).context("reserved blocks")?;
             // The daemon writes the blocks: no queued kernel of an earlier owner may
             // still touch them.
             self.model.backend().sync()?;
-            let held = t.load(&kv.client, &keys[..n], blocks, &first)?;
-            Ok(kv.shards.covered(n, &first, &held))
+            let held = t.load(&kv.client, &keys[..n], blocks, &first, slot)?;
+            let m = kv.shards.covered(n, &first, &held);
+            if recurrent && m > 0 {
+                // The snapshot came into the slot: the live state after m blocks.
+                self.model.restore_snapshot(seq, m)?;
+            }
+            Ok(m)
         });
         match loaded {
             Ok(m) => {
@@ -647,11 +659,21 @@ impl Scheduler {
             .map(|(p, f)| f + p.keys.len())
             .max()
             .unwrap_or(0);
+        let recurrent = self.model.state_elems() > 0;
         let pulled = self.model.reserve(seq, k * bt).and_then(|()| {
+            let slot = if recurrent {
+                Some(self.model.state_slot(seq)? as u32)
+            } else {
+                None
+            };
             let blocks = seq.blocks.get(..k).context("reserved blocks")?;
             self.model.backend().sync()?; // as in gpu_load_prefix
-            let held = t.pull(&kv.client, params, blocks, first)?;
-            Ok(kv.shards.covered(n, first, &held))
+            let held = t.pull(&kv.client, params, blocks, first, slot)?;
+            let m = kv.shards.covered(n, first, &held);
+            if recurrent && m > 0 {
+                self.model.restore_snapshot(seq, m)?;
+            }
+            Ok(m)
         });
         match pulled {
             Ok(m) => {
@@ -669,7 +691,14 @@ impl Scheduler {
 
     /// Stores the full prompt blocks from `from` on into kvd (every shard). Returns how
     /// many blocks were written.
-    fn store(&self, kv: &Kv, seq: &Sequence, keys: &[ChunkHash], from: usize) -> Result<usize> {
+    fn store(
+        &self,
+        kv: &Kv,
+        seq: &Sequence,
+        keys: &[ChunkHash],
+        from: usize,
+        usable: usize,
+    ) -> Result<usize> {
         if from >= keys.len() {
             return Ok(0);
         }
@@ -680,7 +709,15 @@ impl Scheduler {
                 .blocks
                 .get(from..keys.len())
                 .context("a stored block past the sequence's blocks")?;
-            return t.store(&kv.client, &keys[from..], blocks);
+            // A recurrent model's snapshot after `usable` blocks, from its slot.
+            let bt = self.cfg.model.block_tokens;
+            let state = match (seq.state, usable.checked_sub(1).and_then(|u| keys.get(u))) {
+                (Some(slot), Some(k)) if seq.snapshot_taken == Some(usable * bt) => {
+                    Some((*k, slot as u32))
+                }
+                _ => None,
+            };
+            return t.store(&kv.client, &keys[from..], blocks, state);
         }
         let sh = &kv.shards;
         let hs = self.cfg.model.kv_heads / sh.tp();
@@ -724,8 +761,8 @@ impl Scheduler {
         else {
             return Ok(());
         };
-        if usable == 0 || seq.snapshot_taken != Some(usable * bt) {
-            return Ok(());
+        if usable == 0 || seq.snapshot_taken != Some(usable * bt) || kv.gpu.is_some() {
+            return Ok(()); // (on the GPU tier, `store` copied it)
         }
         let (l, key) = (
             kv.layouts.get(i).context("the state's layout")?,
