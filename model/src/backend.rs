@@ -472,6 +472,53 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// Runs `f(first, end, out)` over rows `0..n` whose outputs are `orow` elements each,
+    /// into `out`: at once for short runs, else in stripes of 16 rows dealt round-robin to
+    /// the threads (later rows of an attention attend to more keys, so threads get equal
+    /// work). Rows are independent, so the bits are the same either way.
+    fn split_rows(
+        &self,
+        n: usize,
+        orow: usize,
+        out: &mut [f32],
+        f: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) {
+        let threads = if n >= 64 { self.threads.min(n) } else { 1 };
+        if threads <= 1 {
+            f(0, n, &mut out[..n * orow]);
+            return;
+        }
+        let stripe = 16;
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(stripe)
+            .map(|s| (s, (s + stripe).min(n)))
+            .collect();
+        let f = &f;
+        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mine: Vec<(usize, usize)> =
+                        chunks.iter().copied().skip(t).step_by(threads).collect();
+                    sc.spawn(move || {
+                        mine.into_iter()
+                            .map(|(a, b)| {
+                                let mut o = vec![0f32; (b - a) * orow];
+                                f(a, b, &mut o);
+                                (a, o)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("attention thread"))
+                .collect()
+        });
+        for (a, o) in results.into_iter().flatten() {
+            out[a * orow..a * orow + o.len()].copy_from_slice(&o);
+        }
+    }
+
     /// Uses `threads` threads for large matmuls and long prefills.
     pub fn with_threads(threads: usize) -> Self {
         CpuBackend {
@@ -730,65 +777,21 @@ impl Backend for CpuBackend {
                 && cache.len() >= g.cache_elems(),
             "mla_attention sizes"
         );
-        let row = heads * g.head_dim;
-        let orow = heads * dv;
-        let n = positions.len();
-        // Rows are independent: split long prefills over the cores (same bits).
-        let threads = if n >= 64 { self.threads.min(n) } else { 1 };
-        if threads <= 1 {
+        let (row, orow) = (heads * g.head_dim, heads * dv);
+        self.split_rows(positions.len(), orow, &mut out[..], |a, b, o| {
             cpu::mla_attention(
-                q,
+                &q[a * row..b * row],
                 cache,
                 g,
                 layer,
                 heads,
                 block_table,
-                positions,
+                &positions[a..b],
                 dv,
                 scale,
-                out,
-            );
-            return Ok(());
-        }
-        let stripe = 16;
-        let chunks: Vec<(usize, usize)> = (0..n)
-            .step_by(stripe)
-            .map(|s| (s, (s + stripe).min(n)))
-            .collect();
-        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..threads)
-                .map(|t| {
-                    let mine: Vec<(usize, usize)> =
-                        chunks.iter().copied().skip(t).step_by(threads).collect();
-                    sc.spawn(move || {
-                        mine.into_iter()
-                            .map(|(a, b)| {
-                                let mut o = vec![0f32; (b - a) * orow];
-                                cpu::mla_attention(
-                                    &q[a * row..b * row],
-                                    cache,
-                                    g,
-                                    layer,
-                                    heads,
-                                    block_table,
-                                    &positions[a..b],
-                                    dv,
-                                    scale,
-                                    &mut o,
-                                );
-                                (a, o)
-                            })
-                            .collect()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("attention thread"))
-                .collect()
+                o,
+            )
         });
-        for (a, o) in results.into_iter().flatten() {
-            out[a * orow..a * orow + o.len()].copy_from_slice(&o);
-        }
         Ok(())
     }
     fn mla_unabsorb(
@@ -865,65 +868,29 @@ impl Backend for CpuBackend {
             sinks.len()
         );
         let row = heads * g.head_dim;
-        let n = positions.len();
-        // Rows are independent: split long prefills over the cores (same bits).
-        let threads = if n >= 64 { self.threads.min(n) } else { 1 };
-        if threads <= 1 {
+        check_attention(g, layer, heads, block_table, positions)?;
+        ensure!(
+            q.len() >= positions.len() * row
+                && out.len() >= positions.len() * row
+                && cache.len() >= g.cache_elems()
+                && g.kv_heads > 0
+                && heads.is_multiple_of(g.kv_heads),
+            "attention sizes"
+        );
+        self.split_rows(positions.len(), row, &mut out[..], |a, b, o| {
             cpu::attention(
-                q,
+                &q[a * row..b * row],
                 cache,
                 g,
                 layer,
                 heads,
                 block_table,
-                positions,
+                &positions[a..b],
                 window,
                 sinks,
-                out,
-            );
-            return Ok(());
-        }
-        // Later rows attend to more keys: deal stripes of rows round-robin so threads get
-        // equal work.
-        let stripe = 16;
-        let chunks: Vec<(usize, usize)> = (0..n)
-            .step_by(stripe)
-            .map(|s| (s, (s + stripe).min(n)))
-            .collect();
-        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..threads)
-                .map(|t| {
-                    let mine: Vec<(usize, usize)> =
-                        chunks.iter().copied().skip(t).step_by(threads).collect();
-                    sc.spawn(move || {
-                        mine.into_iter()
-                            .map(|(a, b)| {
-                                let mut o = vec![0f32; (b - a) * row];
-                                cpu::attention(
-                                    &q[a * row..b * row],
-                                    cache,
-                                    g,
-                                    layer,
-                                    heads,
-                                    block_table,
-                                    &positions[a..b],
-                                    window,
-                                    sinks,
-                                    &mut o,
-                                );
-                                (a, o)
-                            })
-                            .collect()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("attention thread"))
-                .collect()
+                o,
+            )
         });
-        for (a, o) in results.into_iter().flatten() {
-            out[a * row..a * row + o.len()].copy_from_slice(&o);
-        }
         Ok(())
     }
     fn swiglu(&self, gate: &CpuBuf, up: &CpuBuf, n: usize, out: &mut CpuBuf) -> Result<()> {

@@ -473,12 +473,8 @@ impl ModelConfig {
     }
 
     fn llama_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
-        let get = |k: &str| {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .with_context(|| format!("no `{k}`"))
-        };
+        let hf = Hf(v);
+        let get = |k: &str| hf.get(k);
         let flag = |k: &str| v.get(k).and_then(|x| x.as_bool()).unwrap_or(false);
         let present = |k: &str| v.get(k).is_some_and(|x| !x.is_null());
         if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
@@ -525,31 +521,10 @@ impl ModelConfig {
     /// MXFP4: dequantize them to bf16 first), layer kinds other than sliding and full,
     /// partial rotary embeddings.
     fn gpt_oss_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
-        let get = |k: &str| {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .with_context(|| format!("no `{k}`"))
-        };
-        let num = |k: &str, default: f64| -> Result<f32> {
-            match v.get(k).filter(|x| !x.is_null()) {
-                None => Ok(default as f32),
-                Some(x) => Ok(x
-                    .as_f64()
-                    .with_context(|| format!("`{k}` is not a number"))?
-                    as f32),
-            }
-        };
-        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
-            let method = q
-                .get("quant_method")
-                .and_then(|x| x.as_str())
-                .unwrap_or("?");
-            bail!(
-                "`quantization_config` ({method}) is not implemented: the engine reads \
-                 f32, f16 or bf16 weights"
-            );
-        }
+        let hf = Hf(v);
+        let get = |k: &str| hf.get(k);
+        let num = |k: &str, default: f64| hf.num(k, default).map(|x| x as f32);
+        hf.refuse_quantized()?;
         let layers = get("num_hidden_layers")?;
         let layer_types = match v.get("layer_types").filter(|x| !x.is_null()) {
             // GptOssConfig's default: sliding, full, sliding, ...
@@ -631,47 +606,14 @@ impl ModelConfig {
     /// checkpoints (the released FP8 ones: dequantize to bf16 first), attention biases,
     /// activations other than SiLU.
     fn deepseek_v3_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
-        let get = |k: &str| {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .with_context(|| format!("no `{k}`"))
-        };
-        let opt = |k: &str, default: usize| -> Result<usize> {
-            match v.get(k).filter(|x| !x.is_null()) {
-                None => Ok(default),
-                Some(x) => Ok(x
-                    .as_u64()
-                    .with_context(|| format!("`{k}` is not a whole number"))?
-                    as usize),
-            }
-        };
-        let num = |k: &str, default: f64| -> Result<f64> {
-            match v.get(k).filter(|x| !x.is_null()) {
-                None => Ok(default),
-                Some(x) => x.as_f64().with_context(|| format!("`{k}` is not a number")),
-            }
-        };
-        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
-            let method = q
-                .get("quant_method")
-                .and_then(|x| x.as_str())
-                .unwrap_or("?");
-            bail!(
-                "`quantization_config` ({method}) is not implemented: the engine reads \
-                 f32, f16 or bf16 weights"
-            );
-        }
-        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
-            ensure!(
-                act == "silu",
-                "hidden_act {act:?} is not implemented (only \"silu\")"
-            );
-        }
+        let hf = Hf(v);
+        let get = |k: &str| hf.get(k);
+        let opt = |k: &str, default: usize| hf.opt(k, default);
+        let num = |k: &str, default: f64| hf.num(k, default);
+        hf.refuse_quantized()?;
+        hf.require_silu()?;
         ensure!(
-            !v.get("attention_bias")
-                .and_then(|x| x.as_bool())
-                .unwrap_or(false),
+            !hf.flag("attention_bias", false),
             "attention_bias is not implemented"
         );
         let (theta, rope_scaling) = hf_rope(v, 10_000.0)?;
@@ -769,38 +711,13 @@ impl ModelConfig {
     /// per-head q/k norms, partial RoPE, zero-centered norms. Refused by name: quantized
     /// checkpoints, attention biases, other layer kinds, activations other than SiLU.
     fn qwen3_5_from_hf(v: &serde_json::Value, name: &str) -> Result<Self> {
-        let get = |k: &str| {
-            v.get(k)
-                .and_then(|x| x.as_u64())
-                .map(|x| x as usize)
-                .with_context(|| format!("no `{k}`"))
-        };
-        let opt = |k: &str, default: usize| -> Result<usize> {
-            match v.get(k).filter(|x| !x.is_null()) {
-                None => Ok(default),
-                Some(x) => Ok(x
-                    .as_u64()
-                    .with_context(|| format!("`{k}` is not a whole number"))?
-                    as usize),
-            }
-        };
-        if let Some(q) = v.get("quantization_config").filter(|x| !x.is_null()) {
-            let method = q
-                .get("quant_method")
-                .and_then(|x| x.as_str())
-                .unwrap_or("?");
-            bail!("`quantization_config` ({method}) is not implemented: the engine reads f32, f16 or bf16 weights");
-        }
-        if let Some(act) = v.get("hidden_act").and_then(|x| x.as_str()) {
-            ensure!(
-                act == "silu",
-                "hidden_act {act:?} is not implemented (only \"silu\")"
-            );
-        }
+        let hf = Hf(v);
+        let get = |k: &str| hf.get(k);
+        let opt = |k: &str, default: usize| hf.opt(k, default);
+        hf.refuse_quantized()?;
+        hf.require_silu()?;
         ensure!(
-            !v.get("attention_bias")
-                .and_then(|x| x.as_bool())
-                .unwrap_or(false),
+            !hf.flag("attention_bias", false),
             "attention_bias is not implemented"
         );
         let layers = get("num_hidden_layers")?;
@@ -988,6 +905,70 @@ pub enum RopeScaling {
         /// `mscale`/`mscale_all_dim` (transformers' `get_mscale`).
         attention_factor: f32,
     },
+}
+
+/// Typed reads of a `config.json` object, each failure naming the field.
+struct Hf<'a>(&'a serde_json::Value);
+
+impl Hf<'_> {
+    /// A whole number the config must have.
+    fn get(&self, k: &str) -> Result<usize> {
+        self.0
+            .get(k)
+            .and_then(|x| x.as_u64())
+            .map(|x| x as usize)
+            .with_context(|| format!("no `{k}`"))
+    }
+
+    /// A whole number, `default` when absent or null.
+    fn opt(&self, k: &str, default: usize) -> Result<usize> {
+        match self.0.get(k).filter(|x| !x.is_null()) {
+            None => Ok(default),
+            Some(x) => Ok(x
+                .as_u64()
+                .with_context(|| format!("`{k}` is not a whole number"))?
+                as usize),
+        }
+    }
+
+    /// A number, `default` when absent or null.
+    fn num(&self, k: &str, default: f64) -> Result<f64> {
+        match self.0.get(k).filter(|x| !x.is_null()) {
+            None => Ok(default),
+            Some(x) => x.as_f64().with_context(|| format!("`{k}` is not a number")),
+        }
+    }
+
+    /// A flag, `default` when absent.
+    fn flag(&self, k: &str, default: bool) -> bool {
+        self.0.get(k).and_then(|x| x.as_bool()).unwrap_or(default)
+    }
+
+    /// Quantized checkpoints are refused, naming their method.
+    fn refuse_quantized(&self) -> Result<()> {
+        if let Some(q) = self.0.get("quantization_config").filter(|x| !x.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|x| x.as_str())
+                .unwrap_or("?");
+            bail!(
+                "`quantization_config` ({method}) is not implemented: the engine reads \
+                 f32, f16 or bf16 weights"
+            );
+        }
+        Ok(())
+    }
+
+    /// The activation, when named, is SiLU.
+    fn require_silu(&self) -> Result<()> {
+        if let Some(act) = self.0.get("hidden_act").and_then(|x| x.as_str()) {
+            ensure!(
+                act == "silu",
+                "hidden_act {act:?} is not implemented (only \"silu\")"
+            );
+        }
+        Ok(())
+    }
 }
 
 /// The RoPE of a config (`theta`, scaling): transformers 5 keeps everything in
