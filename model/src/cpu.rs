@@ -271,7 +271,7 @@ fn softplus(x: f32) -> f32 {
 
 /// A Gated DeltaNet layer over tokens `rows` in order (transformers'
 /// `Qwen3_5GatedDeltaNet` with its recurrent rule), from and into `state`
-/// ([`Gdn::state_elems`]: the convolution's last inputs, then each value head's
+/// ([`crate::config::Gdn::state_elems`]: the convolution's last inputs, then each value head's
 /// `k_dim × v_dim` state). Per token: the causal depthwise convolution of the q, k, v
 /// projections (`qkv`, `[rows][conv_dim]`) and SiLU; q and k L2-normalized, q scaled by
 /// `k_dim^-½`; per value head (its key head `h / (v_heads / k_heads)`) the state decays by
@@ -587,8 +587,9 @@ pub fn expert_act(act: &ExpertAct, gate: f32, up: f32) -> f32 {
 
 /// A mixture-of-experts feed-forward, for rows `x` (`[rows][dim]`): each row's router
 /// logits (`router · x`, plus `router_bias` for [`Router::SoftmaxTopk`]) pick
-/// [`route_with`]'s experts; each expert computes `down · act(gate_up · x + gate_up_bias)
-/// + down_bias`, and the row's output is their sum weighted by the router, in ascending
+/// [`route_with`]'s experts; each expert computes
+/// `down · act(gate_up · x + gate_up_bias) + down_bias`, and the row's output is their
+/// sum weighted by the router, in ascending
 /// expert order (shared experts are the caller's). Weights in this crate's orientation (a
 /// row per output): `gate_up` `[experts][2·ffn][dim]` with gate and up interleaved (row
 /// `2i` gate, `2i + 1` up), `down` `[experts][dim][ffn]`.

@@ -6,23 +6,30 @@
 //!   K and V, a range of heads) into contiguous transfer blocks in kvd's
 //!   `layer_part_token_head` order, [`Backend::scatter`] them back, and
 //!   [`Backend::reslice`] heads between tensor-parallel sizes.
-//! - **Model kernels** for a Llama or gpt-oss decoder: embedding, RMSNorm, RoPE (YaRN's
-//!   attention factor included), matmul, row biases, paged attention with an optional
-//!   sliding window and attention sinks (prefill and decode are the same kernel), SwiGLU,
-//!   gpt-oss' mixture of experts (router, clamped-SwiGLU experts), greedy/seeded sampling.
+//! - **Model kernels** for Llama, gpt-oss, DeepSeek-V3 and Qwen3.5 decoders: embedding,
+//!   RMSNorm (strided, in place), RoPE (partial, YaRN's attention factor), matmul, row
+//!   biases, paged attention with an optional sliding window and attention sinks (prefill
+//!   and decode are the same kernel), multi-head latent attention (absorbed queries over
+//!   latent rows), SwiGLU, mixtures of experts (gpt-oss' and DeepSeek's routers and
+//!   activations), Gated DeltaNet (causal convolution, gated delta rule, gated norm), an
+//!   output gate, greedy/seeded sampling.
 //! - **Backends**: [`cpu`] (always; it is the reference) and `cuda` (feature `cuda`):
 //!   `.cu` sources in `kernels/` compiled at run time with NVRTC, cuBLAS for matmul when
 //!   the library is found, everything loaded at run time by `cudarc` so building needs no
 //!   toolkit. [`select_backend`] picks `cuda` when a device is usable, else `cpu`, and
 //!   logs which.
 //! - **The model** ([`model`]): its shape from a Hugging Face `config.json` ([`config`]),
-//!   weights from safetensors or generated from a seed ([`weights`]), a paged KV cache
-//!   whose blocks are kvd's blocks, and the tokenizer ([`tokenizer`]).
+//!   weights from safetensors or generated from a seed ([`weights`]), its layers
+//!   (`layer.rs`), a paged KV cache whose blocks are kvd's blocks, its KV as groups of
+//!   layers that move as separate objects ([`model::KvGroup`]), the sequences' recurrent
+//!   states and snapshots ([`state`]), and the tokenizer ([`tokenizer`]).
+//! - **[`AnyBackend`]** (`any.rs`): whichever backend [`select_backend`] found.
 //! - **The cache, a buffer per layer** (`kv.rs`): blocks move between it and kvd's slots
 //!   whole, a range of layers at a time (layer-wise saves) or a layer at a time while
 //!   the forward runs (layer-wise loads: a loader thread hands each layer over when it
 //!   is in, [`Model::forward_loading`]).
 
+pub(crate) mod any;
 pub mod backend;
 pub mod config;
 pub mod cpu;

@@ -569,7 +569,7 @@ impl<B: Backend> Model<B> {
             .and_then(|g| g.src.first().copied())
     }
 
-    /// Samples the next token from `logits` (see [`cpu::sample`]); `step` is the index of
+    /// Samples the next token from `logits` (see [`crate::cpu::sample`]); `step` is the index of
     /// the generated token (0 for the first).
     pub fn sample(&self, logits: &B::Buf, temperature: f32, seed: u64, step: u64) -> Result<u32> {
         self.backend
