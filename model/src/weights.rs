@@ -1,6 +1,6 @@
 //! The model's weights on the host: read from a safetensors file with Hugging Face names
-//! (Llama and gpt-oss), or generated from a seed, checked against the config by one list
-//! of every tensor it needs ([`specs`]).
+//! (Llama, gpt-oss, DeepSeek-V3, Qwen3.5), or generated from a seed, checked against the
+//! config by one list of every tensor it needs (`specs`).
 
 use std::collections::HashMap;
 use std::path::Path;
