@@ -549,7 +549,8 @@ impl<B: Backend> Model<B> {
             *scratch = Some(sc);
         }
         seq.computed = end;
-        if let Some(k) = snap_row {
+        // (only a model with a recurrent state takes one)
+        if let (Some(k), Some(_)) = (snap_row, slot) {
             seq.snapshot_taken = Some(start + k);
         }
         Ok(logits)

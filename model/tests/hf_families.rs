@@ -105,6 +105,20 @@ fn run(
     (first, out)
 }
 
+/// The next `n` greedy tokens of `seq` (computing what it has not computed yet).
+fn greedy(m: &mut Model<CpuBackend>, seq: &mut Sequence, n: usize) -> Vec<u32> {
+    let vocab = m.config().vocab;
+    let mut out = Vec::new();
+    let mut logits = m.forward(seq).unwrap()[..vocab].to_vec();
+    for _ in 0..n {
+        let t = argmax(&logits);
+        out.push(t);
+        seq.tokens.push(t);
+        logits = m.forward(seq).unwrap()[..vocab].to_vec();
+    }
+    out
+}
+
 fn worst(ours: &[f32], hf: &[f32]) -> f32 {
     assert_eq!(ours.len(), hf.len());
     ours.iter()
@@ -278,15 +292,7 @@ fn only_the_window_of_a_sliding_layer_is_read() {
         };
         let src: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
         m.load_prefix(&mut seq, 4, 1, &src).unwrap();
-        let mut out = Vec::new();
-        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        for _ in 0..6 {
-            let t = argmax(&logits);
-            out.push(t);
-            seq.tokens.push(t);
-            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        }
-        out
+        greedy(&mut m, &mut seq, 6)
     };
     let want = tokens(&mine);
     // The first position computed is 4·bt; its window reaches back to 4·bt + 1 - window.
@@ -441,15 +447,7 @@ fn an_mla_prefix_is_one_latent_per_token_and_its_arrangement_matters() {
         };
         let src: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
         m.load_prefix(&mut seq, 4, 1, &src).unwrap();
-        let mut out = Vec::new();
-        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        for _ in 0..6 {
-            let t = argmax(&logits);
-            out.push(t);
-            seq.tokens.push(t);
-            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        }
-        out
+        greedy(&mut m, &mut seq, 6)
     };
     let cold = {
         let mut m = model(&cfg, &w, 16);
@@ -457,15 +455,7 @@ fn an_mla_prefix_is_one_latent_per_token_and_its_arrangement_matters() {
             tokens: prompt.to_vec(),
             ..Default::default()
         };
-        let mut out = Vec::new();
-        let mut logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        for _ in 0..6 {
-            let t = argmax(&logits);
-            out.push(t);
-            seq.tokens.push(t);
-            logits = m.forward(&mut seq).unwrap()[..cfg.vocab].to_vec();
-        }
-        out
+        greedy(&mut m, &mut seq, 6)
     };
     assert_eq!(
         tokens(&saved),
@@ -601,17 +591,7 @@ fn a_recurrent_prefix_needs_the_snapshot_of_its_boundary() {
     };
     let (kv, state4) = saved(4);
     let (_, state3) = saved(3);
-    let next = |m: &mut Model<CpuBackend>, seq: &mut Sequence| -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut logits = m.forward(seq).unwrap()[..cfg.vocab].to_vec();
-        for _ in 0..6 {
-            let t = argmax(&logits);
-            out.push(t);
-            seq.tokens.push(t);
-            logits = m.forward(seq).unwrap()[..cfg.vocab].to_vec();
-        }
-        out
-    };
+    let next = |m: &mut Model<CpuBackend>, seq: &mut Sequence| greedy(m, seq, 6);
     let cold = next(
         &mut model(&cfg, &w, 16),
         &mut Sequence {
