@@ -258,12 +258,12 @@ fn token_ids(v: &Value) -> Option<Vec<u64>> {
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
 }
 
-/// A free loopback port (bound and released: the daemons and engines rebind it after
-/// every restart, so it must be fixed).
+/// A fixed loopback port (the daemons and engines rebind it after every restart), picked
+/// outside the kernel's ephemeral range: one bound to 0 and released could be taken by
+/// any outgoing connection before the daemon binds it, which stopped CI once ("zmq bind
+/// ... Address already in use").
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(kvd_testkit::free_port())
 }
 
 /// Where a node listens: fixed control and data ports (a restarted daemon comes back on
