@@ -150,7 +150,8 @@ def _():
     e.close()
     with rank0():
         m = vf.FamilyEngine(P, "deepseek-v3", tp_size=2)
-    lay = m.worker._geo.layout(1)
+    assert m.worker._geo.layout_index(0, 1) == 0, "rank 1 uses the node's one latent layout"
+    lay = m.worker._geo.layout(m.worker._geo.layout_index(0, 1))
     assert (lay["tp_size"], lay["tp_rank"]) == (1, 0), "one latent copy per node, whatever the rank"
     assert lay["groups"][0]["kind"] == "mla" and lay["groups"][0]["dims"] == [1, 16, 48], lay
     assert len(m.sconn._lids) == 1, "the scheduler asks one layout, not one per rank"
@@ -408,15 +409,19 @@ def _():
     b.close()
 
 
-def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False):
-    toks = prompt(900 + len(family) + prefill_tp * 10 + decode_tp * 3 + len(mode) + 50 * ranks)
-    p = vf.FamilyEngine(P, family, role="kv_producer", tp_size=prefill_tp, ranks=ranks)
+def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False, pp=1):
+    toks = prompt(900 + len(family) + prefill_tp * 10 + decode_tp * 3 + len(mode) + 50 * ranks + 70 * pp)
+
+    def engine(endpoint, **kw):
+        return vf.PPFamilyEngine(endpoint, family, pp=pp, **kw) if pp > 1 else vf.FamilyEngine(endpoint, family, ranks=ranks, **kw)
+
+    p = engine(P, role="kv_producer", tp_size=prefill_tp) if pp == 1 else engine(P, role="kv_producer")
     r = rid("prefill")
     p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     p.run(finished(p, r))
     params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
     assert params and params["kvd"]["blocks"] == 6, params
-    d = vf.FamilyEngine(D, family, role="kv_consumer", mode=mode, tp_size=decode_tp, ranks=ranks)
+    d = engine(D, role="kv_consumer", mode=mode, tp_size=decode_tp) if pp == 1 else engine(D, role="kv_consumer", mode=mode)
     r2 = rid("decode")
     d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
     d.step()
@@ -484,6 +489,79 @@ def _():
             params, kept = handoff("deepseek-v3", prefill_tp=ptp, decode_tp=dtp)
             assert len(params["kvd"]["transfers"]) == 1, params
             assert kept == [6], kept
+
+
+PP_FAMILIES = ("gpt-oss", "deepseek-v3", "jamba")
+
+
+@check(
+    "pipeline parallelism of grouped layouts (gpt-oss, DeepSeek-V3, Jamba; PP 2): each stage stores its layers of every group under a layout "
+    "its worker tells the scheduler; a hit needs every stage's blocks and is byte-exact in every group; P/D between PP-2 engines; "
+    "negative controls: one stage's block missing shortens the hit, a scheduler that never heard the stages finds no hit"
+)
+def _():
+    for family in PP_FAMILIES:
+        toks = prompt(1300 + len(family))
+        a = vf.PPFamilyEngine(P, family)
+        lays = a.sconn._stage_layouts[0]
+        assert [x["model"].rsplit("#", 1)[1] for x in lays] == ["pp0/2", "pp1/2"], lays
+        assert sum(x["num_layers"] for x in lays) == sum(1 for i in range(len(a.layer_names())) if not a.is_state(i)), lays
+        r = rid(f"pp-{family}")
+        a.add(r, toks)
+        a.run(finished(a, r))
+        a.close()
+        b = vf.PPFamilyEngine(P, family)
+        r = rid(f"pp-hit-{family}")
+        b.add(r, toks)
+        assert not until_computed(b, r, 100)
+        assert not (b.computed_by_forward[r] & set(range(96))), (family, "the hit's positions were not recomputed")
+        kept = b.check_groups(r, toks, 6)
+        assert max(kept) == 6, (family, kept)
+        if vf.recurrent(family):
+            b.check_state(r, toks, 6)
+        b.close()
+        # Stage 1's block of the third position gone: no stage hits past it (and a
+        # recurrent model, whose state sits at the prompt's last boundary, not at all).
+        c = vf.PPFamilyEngine(P, family)
+        kvd.Client(P).delete(c.sconn._lids[-1], kvd.chunk_hashes(toks, vf.BLOCK, b"")[2:3])
+        r = rid(f"pp-short-{family}")
+        c.add(r, toks)
+        assert not until_computed(c, r, 100)
+        short = 0 if vf.recurrent(family) else 32
+        assert not (c.computed_by_forward[r] & set(range(short))) and set(range(short, 100)) <= c.computed_by_forward[r], (family, sorted(c.computed_by_forward[r])[:4])
+        c.check_groups(r, toks, 6)
+        c.close()
+        # A scheduler that never got the workers' layouts: no hit, no handoff.
+        n = vf.PPFamilyEngine(P, family, handshake=False)
+        r = rid(f"pp-blind-{family}")
+        n.add(r, toks)
+        assert not until_computed(n, r, 100)
+        assert set(range(100)) <= n.computed_by_forward[r]
+        n.close()
+        params, kept = handoff(family, pp=2)
+        assert params["kvd"]["pp"] == 2 and len(params["kvd"]["transfers"]) == 2, params
+        assert len(params["kvd"].get("state_transfers", [])) == (2 if vf.recurrent(family) else 0), params
+        assert max(kept) == 6, (family, kept)
+    # A PP-2 prefill's handoff cannot land on a PP-1 engine: a miss, prefilled there.
+    p = vf.PPFamilyEngine(P, "gpt-oss", role="kv_producer", lease_s=1)
+    toks = prompt(1399)
+    r = rid("pp-prefill")
+    p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run(finished(p, r))
+    params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+    p.close()
+    one = vf.FamilyEngine(D, "gpt-oss", role="kv_consumer")
+    r = rid("pp-mismatch")
+    one.add(r, toks, max_tokens=2, kv_transfer_params=params)
+    assert not until_computed(one, r, 100)
+    assert set(range(100)) <= one.computed_by_forward[r]
+    one.close()
+    # (the exports nobody admitted end with their lease)
+    for t in params["kvd"]["transfers"]:
+        deadline = time.time() + 5
+        while kvd.Client(P).transfer_status(t["transfer_id"])["state"] == "exported" and time.time() < deadline:
+            time.sleep(0.05)
+        assert kvd.Client(P).transfer_status(t["transfer_id"])["state"] == "expired", t
 
 
 @check("the CUDA path's staged copies (one gather and one indexed copy per layer) move the same bytes as the CPU path's direct ones, in every family")
@@ -575,13 +653,12 @@ def _():
     big = FullAttentionSpec(block_size=2 * vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     swa = SlidingWindowSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=32)
     refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=big), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)], "block_size")
-    pp = ve.vllm_config(P)
-    pp.parallel_config.pipeline_parallel_size = 2
+    # A pipeline stage with no attention layers (Qwen3-Next's first two layers are GDN).
     try:
-        KvdConnector(pp, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)]))
-        raise AssertionError("PP with a hybrid accepted")
+        vf.PPFamilyEngine(P, "qwen3-next").close()
+        raise AssertionError("a stage of recurrent layers only accepted")
     except KvdConfigError as e:
-        assert "pipeline parallelism" in str(e), e
+        assert "pipeline stage 0 holds no attention layers" in str(e), e
     # K and V of different sizes: described (content = K + V), not refused.
     odd = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, head_size_v=8, dtype=torch.float16)
     s = KvdConnector(cfg, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=odd)]))

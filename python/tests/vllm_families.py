@@ -333,3 +333,82 @@ class FamilyEngine(ve.Engine):
                         got = self._token_view(bid, layer, pos, r)
                         assert torch.equal(got, self._want(tokens, pos, layer, got, r)), f"rank {r} group {gi} layer {layer} block {b} token {t} differs"
         return kept
+
+
+def configure_pp(config, family, num_blocks, pp, layout=KVCacheLayout.LBNHC):
+    """vLLM's own KV cache configs for ``family`` split into ``pp`` pipeline stages (its
+    partition, ``get_pp_indices``): per stage the model's groups projected onto the
+    stage's layers (``get_kv_cache_configs``), the scheduler's config (stage 0's, as
+    vLLM's engine core makes it) and the model's groups."""
+    from vllm.distributed.utils import get_pp_indices
+
+    hf = FAMILIES[family]
+    if recurrent(family):
+        config.cache_config.enable_prefix_caching = True
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_block_size = BLOCK
+    config.cache_config.kv_cache_layout = layout.name
+    every = specs(family)
+    stages = []
+    for s in range(pp):
+        a, e = get_pp_indices(hf["num_hidden_layers"], s, pp)
+        stages.append({layer_name(i): every[layer_name(i)] for i in range(a, e)})
+    groups = get_global_kv_cache_groups(config, stages)
+    mem = [sum(x.page_size_bytes for x in st.values()) * num_blocks for st in stages]
+    kvccs = get_kv_cache_configs(config, stages, mem, groups)
+    for k in kvccs:
+        k.kv_cache_layout = layout.name
+    sched = generate_scheduler_kv_cache_config(kvccs)
+    config.cache_config.num_gpu_blocks = sched.num_blocks
+    return kvccs, sched, groups
+
+
+class PPFamilyEngine(FamilyEngine):
+    """An engine of one family in ``pp`` pipeline stages (TP 1): one worker per stage over
+    its stage's layers of every group, the scheduler on stage 0's config, and the workers'
+    handshake metadata handed to the scheduler as vLLM's engine core hands it
+    (``handshake=False``: never, a scheduler that does not know the stages' layouts)."""
+
+    def __init__(self, endpoint, family, pp=2, role="kv_both", num_blocks=64, handshake=True, **extra):
+        from kvd.vllm_connector import KvdConnector
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.family = family
+        extra.setdefault("model_id", f"kvd-test/tiny-{family}")
+        self.config = ve.vllm_config(endpoint, role, None, **extra)
+        self.config.parallel_config.pipeline_parallel_size = pp
+        self.split = 1
+        self.stage_kvccs, sched, groups = configure_pp(self.config, family, num_blocks, pp)
+        # The model's groups (every stage's layers): what the checks walk.
+        self.kvcc = KVCacheConfig(num_blocks=sched.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.group_of = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
+        self.workers, self.kvs = [], []
+        for s, kvcc in enumerate(self.stage_kvccs):
+            kv = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout[kvcc.kv_cache_layout], [BLOCK] * len(kvcc.kv_cache_groups))
+            with ve.stage(s):
+                w = KvdConnector(self.config, KVConnectorRole.WORKER, kvcc)
+                w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=BLOCK)
+        self.sconn = self.scheduler.connector
+        if handshake:
+            self.sconn.set_xfer_handshake_metadata_pp_aware({(s, 0): w.get_handshake_metadata() for s, w in enumerate(self.workers)})
+        self.outputs = {}
+        self.computed_by_forward = {}
+
+    def _tensor(self, layer):
+        return next(kv for kv in self.kvs if layer_name(layer) in kv)[layer_name(layer)]
+
+    def _token_view(self, block_id, layer, pos, rank=0):
+        t = self._tensor(layer)
+        r = t.shape[0] // self.kvcc.num_blocks
+        kb = t.shape[2]
+        return t[block_id * r + (pos % BLOCK) // kb][:, (pos % BLOCK) % kb, :]
+
+    def state_view(self, block_id, layer):
+        return self._tensor(layer)[block_id].view(-1)

@@ -94,10 +94,17 @@ What it refuses (with the reason, at start)
 Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with speculative
 state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
 non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
-no name for, decode-context parallelism, pipeline parallelism of a grouped layout (a
-dense model's stages each keep their layers under their own layout, and a hit needs every
-stage's blocks). Requests with prompt embeddings are
-neither loaded nor saved. Prefill and decode must use the same block size. Between TP
+no name for, decode-context parallelism, a pipeline stage of a hybrid that holds no
+attention (or no recurrent) layers. Requests with prompt embeddings are neither loaded
+nor saved.
+
+Pipeline parallelism: each stage keeps its layers under its own layout (``model#ppS/P``),
+and a hit needs every stage's blocks; a handoff goes between engines of the same PP size
+(one transfer per stage and rank). A dense model's stages are vLLM's partition of its
+layers, which the scheduler computes; a grouped layout's stage holds what vLLM projects
+onto it of every group (some groups may have no layers there), known only to the stage's
+worker, so each worker hands its layouts to the scheduler as vLLM's handshake metadata
+(:class:`kvd.vllm_meta.KvdHandshake`); until all of them came the scheduler finds no hit. Prefill and decode must use the same block size. Between TP
 sizes: attention heads are resliced (each decode rank loads its heads from the prefill
 shards that hold them, in the classic layout and in grouped ones of full, sliding or
 chunked attention; not where TP exceeds the KV heads or a backend packs head slots), an
@@ -111,7 +118,7 @@ import base64
 import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -128,7 +135,7 @@ import kvd
 from kvd.vllm_groups import GroupedCopier, complete, positions, state_ids
 from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_keys, request_salt
 from kvd.vllm_meta import FINAL as _FINAL
-from kvd.vllm_meta import KvdConnectorMetadata, Load, Pull
+from kvd.vllm_meta import KvdConnectorMetadata, KvdHandshake, Load, Pull
 from kvd.vllm_worker import _Copier, _Mover, _Step
 
 __all__ = ["Geometry", "KvdConfigError", "KvdConnector", "KvdConnectorMetadata", "geometry", "request_salt"]
@@ -217,15 +224,57 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._slids: list[int] = []
         self._client: Optional[kvd.Client] = None
         self._warned: set[str] = set()
+        # Pipeline stages of a grouped layout: every stage's layouts (KV, state) as its
+        # workers registered them, from vLLM's handshake; None until it came.
+        self._stage_layouts: Optional[tuple[list[dict], list[dict]]] = None
         if self._geo is not None:
             self._connect_sched()
 
+    @property
+    def _staged(self) -> bool:
+        """Whether the layouts come from the workers (pipeline stages of a grouped layout)."""
+        return bool(self._geo is not None and self._geo.grouped and self._geo.pp_size > 1)
+
     def _connect_sched(self) -> kvd.Client:
         c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
-        self._lids = [c.register_layout(self._geo.layout(r))["layout_id"] for r in range(self._geo.num_layouts)]
-        self._slids = [c.register_layout(self._geo.state_layout(r))["layout_id"] for r in range(self._num_state_layouts())]
+        if self._staged:
+            lays, slays = self._stage_layouts or ([], [])
+        else:
+            lays = [self._geo.layout(r) for r in range(self._geo.num_layouts)]
+            slays = [self._geo.state_layout(r) for r in range(self._num_state_layouts())]
+        self._lids = [c.register_layout(x)["layout_id"] for x in lays]
+        self._slids = [c.register_layout(x)["layout_id"] for x in slays]
         self._client = c
         return c
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """vLLM's engine core hands every worker's :class:`KvdHandshake` here, keyed by
+        (PP stage, TP rank), before the first request: the stages' layouts of a grouped
+        layout. Until every one of them came, the scheduler finds no hit and hands off
+        nothing (a miss, never a load into layers it cannot name)."""
+        if not self._staged:
+            return
+        g = self._geo
+        lays: list[Optional[dict]] = [None] * g.num_layouts
+        slays: list[Optional[dict]] = [None] * g.num_state_layouts
+        for md in metadata.values():
+            if not isinstance(md, KvdHandshake) or not 0 <= md.index < len(lays):
+                continue
+            lays[md.index] = md.layout
+            if 0 <= md.state_index < len(slays):
+                slays[md.state_index] = md.state_layout
+        if any(x is None for x in lays + slays):
+            logger.warning("kvd connector: %d of %d pipeline-stage layouts reached the scheduler; serving without kvd hits", sum(x is not None for x in lays + slays), len(lays + slays))
+            return
+        self._stage_layouts = (lays, slays)
+        try:
+            self._connect_sched()
+        except (kvd.KvdError, OSError) as e:
+            self._warn("registering the pipeline stages' layouts", e)
+            self._client = None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): md for r, md in metadata.items()})
 
     @property
     def _async_loads(self) -> bool:
@@ -235,10 +284,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(g is not None and g.grouped and (len(g.groups) > 1 or g.state_groups))
 
     def _num_state_layouts(self) -> int:
-        g = self._geo
-        if not (g is not None and g.grouped and g.state_groups):
-            return 0
-        return 1 if g.state_replicated else g.tp_size
+        return getattr(self._geo, "num_state_layouts", 0)
 
     def _sched_client(self) -> kvd.Client:
         return self._client if self._client is not None else self._connect_sched()
@@ -272,6 +318,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Blocks of ``keys`` a load can serve: the KV prefix every layout holds, and for
         a model with recurrent state the longest such prefix whose boundary has a state
         snapshot in every state layout (the state of another boundary never serves)."""
+        if self._staged and self._stage_layouts is None:
+            return 0  # the stages' layouts are not known yet
         n = self._prefix(keys) if keys else 0
         if not self._slids or n == 0:
             return n
@@ -321,6 +369,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return self._remote[rid].answer
         if rid in self._gave_up:
             return 0, False  # vLLM recomputes after a failed handoff: never retry it
+        if self._staged and self._stage_layouts is None:
+            logger.warning("kvd connector: request %s: the pipeline stages' layouts are not known yet; prefilling here", rid)
+            return 0, False
         b = self._geo.block_size
         transfers = remote.get("transfers") or []
         state_transfers = remote.get("state_transfers") or []
@@ -631,11 +682,34 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_pp_group
 
             self._stage = get_pp_group().rank_in_group
+            if self._geo.grouped:
+                # This worker's config holds its stage's layers: its geometry is the stage's.
+                self._geo = replace(self._geo, stage=self._stage)
 
     @property
     def _layout_index(self) -> int:
-        """This worker's layout among the scheduler's: ``stage * tp_size + rank``."""
-        return self._stage * self._geo.tp_size + self._rank
+        """This worker's layout among the scheduler's: ``stage * tp_size + rank``, or per
+        stage one of a layout kept once per node."""
+        return self._geo.layout_index(self._stage, self._rank)
+
+    @property
+    def _state_index(self) -> int:
+        """This worker's state layout among the scheduler's (:meth:`_layout_index`'s rule)."""
+        return self._geo.state_index(self._stage, self._rank)
+
+    def get_handshake_metadata(self) -> Optional[KvdHandshake]:
+        """This worker's layouts, which vLLM hands the scheduler (its stage's layers are
+        known only here)."""
+        g = self._geo
+        if g is None or not hasattr(self, "_lid"):
+            return None
+        state = g.grouped and bool(g.state_groups)
+        return KvdHandshake(
+            index=self._layout_index,
+            layout=g.layout(self._layout_index),
+            state_index=self._state_index if state else -1,
+            state_layout=g.state_layout(self._state_index) if state else {},
+        )
 
     @property
     def _saves_here(self) -> bool:
@@ -649,6 +723,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if g is None:
             return
         if g.grouped:
+            lacks = g.stage_holds()
+            if lacks:
+                raise KvdConfigError(f"kvd connector: pipeline stage {self._stage} holds {lacks}: its blocks would be empty (use another pipeline split)")
             self._gcopy = GroupedCopier(g, kv_caches, rows=self._rows)
             self._scopy = GroupedCopier(g, kv_caches, state=True, rows=self._rows) if g.state_groups else None
             self._layers = self._gcopy.tensors()
@@ -700,7 +777,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._lid = info["layout_id"]
         self._slid = None
         if self._geo.grouped and self._geo.state_groups:
-            sinfo = c.register_layout(self._geo.state_layout(self._rank))
+            sinfo = c.register_layout(self._geo.state_layout(self._state_index))
             if sinfo["block_bytes"] != self._geo.state_bytes:
                 raise KvdConfigError(f"kvd connector: the daemon sizes a state snapshot at {sinfo['block_bytes']} bytes, the cache at {self._geo.state_bytes}")
             self._slid = sinfo["layout_id"]

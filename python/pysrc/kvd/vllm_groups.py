@@ -119,7 +119,11 @@ class GroupedGeometry:
     state_groups: tuple[GroupPlan, ...] = ()
     state_replicated: bool = False
     total_heads: int = 0  # the model's KV heads (all ranks), for reslicing between TP sizes
+    # Pipeline parallelism: every stage has every group (vLLM projects the model's groups
+    # onto each stage, some with no layers there); a geometry describes the blocks of
+    # one stage, ``stage``: its layers, under a layout of its own.
     pp_size: int = 1
+    stage: int = 0
 
     grouped = True
 
@@ -129,22 +133,43 @@ class GroupedGeometry:
 
     @property
     def num_layouts(self) -> int:
-        """Layouts the scheduler asks about: one per node when replicated, else per rank."""
-        return 1 if self.replicated else self.tp_size
+        """Layouts the scheduler asks about: per stage one when replicated, else one per
+        rank (index ``stage * per-stage + rank``, :meth:`layout_index`)."""
+        return self.pp_size * (1 if self.replicated else self.tp_size)
+
+    @property
+    def num_state_layouts(self) -> int:
+        """State layouts (0 without recurrent state), indexed as :meth:`state_index`."""
+        return self.pp_size * (1 if self.state_replicated else self.tp_size) if self.state_groups else 0
+
+    def layout_index(self, stage: int, rank: int) -> int:
+        return stage * (1 if self.replicated else self.tp_size) + (0 if self.replicated else rank)
+
+    def state_index(self, stage: int, rank: int) -> int:
+        return stage * (1 if self.state_replicated else self.tp_size) + (0 if self.state_replicated else rank)
 
     @property
     def state_bytes(self) -> int:
         return sum(g.layer_bytes * len(g.layer_names) for g in self.state_groups)
 
-    def layout(self, rank: int) -> dict[str, Any]:
+    def layout(self, index: int) -> dict[str, Any]:
+        """Layout ``index`` (:meth:`layout_index`); of this geometry's stage only: the
+        other stages' layers are known to their workers (the scheduler learns their
+        layouts from them, :class:`kvd.vllm_connector.KvdHandshake`)."""
+        stage, rank = divmod(index, 1 if self.replicated else self.tp_size)
+        self._own_stage(stage)
         return self._layout(self.groups, self.replicated, rank)
+
+    def _own_stage(self, stage: int) -> None:
+        if stage != self.stage:
+            raise ValueError(f"pipeline stage {stage}'s layout: this geometry describes stage {self.stage}'s layers")
 
     def layout_for(self, tp_size: int, rank: int) -> dict[str, Any]:
         """The layout of rank ``rank`` of an engine of this model at TP ``tp_size`` (a
         prefill of another TP size): each group's heads are the model's over ``tp_size``."""
         lay = self._layout(self.groups, False, rank)
         lay["tp_size"] = tp_size
-        lay["groups"] = [g.describe(self.arrangement, self.total_heads // tp_size) for g in self.groups]
+        lay["groups"] = [g.describe(self.arrangement, self.total_heads // tp_size) for g in self.groups if g.layer_names]
         return lay
 
     def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
@@ -155,14 +180,31 @@ class GroupedGeometry:
             return None
         return head_shards(self.total_heads, src_tp, self.tp_size, rank)
 
-    def state_layout(self, rank: int) -> dict[str, Any]:
+    def state_layout(self, index: int) -> dict[str, Any]:
         """The layout of the recurrent state snapshots (one object per block boundary
-        that has one), or {} when the model has no recurrent layers."""
-        return self._layout(self.state_groups, self.state_replicated, rank) if self.state_groups else {}
+        that has one; ``index`` as :meth:`state_index`), or {} when the model has no
+        recurrent layers."""
+        if not self.state_groups:
+            return {}
+        stage, rank = divmod(index, 1 if self.state_replicated else self.tp_size)
+        self._own_stage(stage)
+        return self._layout(self.state_groups, self.state_replicated, rank)
+
+    def stage_holds(self) -> Optional[str]:
+        """What this stage lacks to be described (None when it has it all): a stage
+        without attention layers, or without recurrent ones in a recurrent hybrid, would
+        have a block of nothing."""
+        if not any(g.layer_names for g in self.groups):
+            return "no attention layers"
+        if self.state_groups and not any(g.layer_names for g in self.state_groups):
+            return "no recurrent layers"
+        return None
 
     def _layout(self, groups: tuple[GroupPlan, ...], replicated: bool, rank: int) -> dict[str, Any]:
+        # A group with no layers on this stage has no piece in its blocks.
+        groups = tuple(g for g in groups if g.layer_names)
         return {
-            "model": self.model_id,
+            "model": f"{self.model_id}#pp{self.stage}/{self.pp_size}" if self.pp_size > 1 else self.model_id,
             "num_layers": sum(len(g.layer_names) for g in groups),
             "kv_parts": 1,
             "num_kv_heads": 1,
@@ -352,6 +394,7 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         state_groups=tuple(states),
         state_replicated=bool(replicated_states and replicated_states[0]),
         total_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+        pp_size=int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1),
     )
 
 

@@ -67,6 +67,9 @@ class Geometry:
     def block_bytes(self) -> int:
         return len(self.layer_names) * 2 * self.heads * self.block_size * self.head_size * _DTYPES[self.dtype][1]
 
+    def layout_index(self, stage: int, rank: int) -> int:
+        return stage * self.tp_size + rank
+
     def layout(self, index: int) -> dict[str, Any]:
         """Layout ``index`` (``stage * tp_size + rank``; the TP rank without PP)."""
         stage, rank = divmod(index, self.tp_size)
@@ -160,10 +163,6 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
     model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
     groups = list(kv_cache_config.kv_cache_groups)
     if not _classic(groups, vllm_config):
-        if pp > 1:
-            raise KvdConfigError(
-                "kvd connector: pipeline parallelism is supported for dense models only (a hybrid's groups per stage are not known to the scheduler)"
-            )
         from kvd.vllm_groups import grouped_geometry
 
         return grouped_geometry(vllm_config, kv_cache_config, model_id)

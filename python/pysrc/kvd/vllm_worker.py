@@ -73,7 +73,7 @@ class _Mover(threading.Thread):
             return self._move_resliced(p, deadline)
         # A layout kept once per node has one transfer for every rank.
         tid = p.transfer_ids[conn._layout_index if len(p.transfer_ids) > 1 else 0] if p.transfer_ids else None
-        stid = p.state_transfer_ids[conn._rank if len(p.state_transfer_ids) > 1 else 0] if p.state_transfer_ids else None
+        stid = p.state_transfer_ids[conn._state_index if len(p.state_transfer_ids) > 1 else 0] if p.state_transfer_ids else None
         for t in (tid, stid):
             if t is not None and not self._landed(p, t, deadline):
                 return False
