@@ -685,6 +685,92 @@ def _():
         e.close()
 
 
+@check(
+    "decode-context parallelism (TP 2, DCP 2, interleave 1 and 16): each rank stores the tokens vLLM deals it under its own layout, one key per "
+    "32-token scheduler block; a hit loads every rank's tokens byte for byte; P/D between equal engines by pull and push; another interleave or "
+    "DCP size is a miss; negative control: a rank loading another rank's tokens is caught"
+)
+def _():
+    from kvd.vllm_layout import Geometry
+
+    for interleave in (1, 16):
+        toks = prompt(110 + interleave)
+        a = ve.DCPEngine(P, interleave=interleave)
+        lays = [a.sconn._geo.layout(i) for i in range(2)]
+        assert [x["model"].rsplit("#", 1)[1] for x in lays] == [f"dcp0/2,{interleave}", f"dcp1/2,{interleave}"], lays
+        assert [x["tokens_per_block"] for x in lays] == [16, 16], lays
+        r = rid("dcp")
+        a.add(r, toks)
+        a.run(finished(a, r))
+        a.close()
+        b = ve.DCPEngine(P, interleave=interleave)
+        r = rid("dcp-hit")
+        b.add(r, toks)
+        assert first_schedule(b, r) == (96, 4)
+        assert not (b.computed_by_forward[r] & set(range(96)))
+        b.check_blocks(r, toks, 3)
+        b.close()
+        c = ve.DCPEngine(P, interleave=17 - interleave)
+        r = rid("dcp-other")
+        c.add(r, toks)
+        assert first_schedule(c, r) == (0, 100), "another interleave deals other tokens to each rank"
+        c.close()
+    # Negative control: rank 1 loading rank 0's blocks (a connector blind to DCP).
+    toks = prompt(111)
+    real = Geometry.layout_index
+    Geometry.layout_index = lambda self, stage, rank: 0
+    try:
+        blind = ve.DCPEngine(P, interleave=1)
+    finally:
+        Geometry.layout_index = real
+    r = rid("dcp-blind")
+    blind.add(r, toks)
+    assert first_schedule(blind, r) == (96, 4)
+    try:
+        blind.check_blocks(r, toks, 3)
+        raise RuntimeError("another rank's tokens went unnoticed")
+    except AssertionError as e:
+        assert "differs" in str(e), e
+    blind.close()
+    # P/D between DCP-2 engines; a decode engine without DCP prefills itself.
+    for mode in ("pull", "push"):
+        toks = prompt(130 + len(mode))
+        p = ve.DCPEngine(P, role="kv_producer", lease_s=1)
+        r = rid("dcp-prefill")
+        p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(finished(p, r))
+        params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+        assert params["kvd"]["dcp"] == [2, 1] and params["kvd"]["blocks"] == 3 and len(params["kvd"]["transfers"]) == 2, params
+        d = ve.DCPEngine(D, role="kv_consumer", mode=mode)
+        r2 = rid("dcp-decode")
+        d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
+        assert first_schedule(d, r2) == (96, 4)
+        assert not (d.computed_by_forward[r2] & set(range(96)))
+        d.check_blocks(r2, toks, 3)
+        d.run(finished(d, r2))
+        d.close()
+        if mode == "pull":
+            p2 = ve.DCPEngine(P, role="kv_producer", lease_s=1)
+            toks = prompt(140)
+            r = rid("dcp-prefill-2")
+            p2.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            p2.run(finished(p2, r))
+            params = json.loads(json.dumps(p2.outputs[r].kv_transfer_params))
+            p2.close()
+            one = ve.DCPEngine(D, dcp=1, role="kv_consumer")
+            r2 = rid("dcp-mismatch")
+            one.add(r2, toks, max_tokens=2, kv_transfer_params=params)
+            assert first_schedule(one, r2) == (0, 100)
+            one.close()
+            # (the exports nobody admitted end with their lease)
+            for t in params["kvd"]["transfers"]:
+                deadline = time.time() + 5
+                while kvd.Client(P).transfer_status(t["transfer_id"])["state"] == "exported" and time.time() < deadline:
+                    time.sleep(0.05)
+                assert kvd.Client(P).transfer_status(t["transfer_id"])["state"] == "expired", t
+        p.close()
+
+
 @check("multimodal prompts in vLLM's scheduler: the same image hits and loads its KV byte for byte; another image in the same place hits only the text before it; negative control: keys of the tokens alone would load the other image's KV")
 def _():
     import kvd.vllm_connector as vc

@@ -409,18 +409,19 @@ def _():
     b.close()
 
 
-def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False, pp=1):
-    toks = prompt(900 + len(family) + prefill_tp * 10 + decode_tp * 3 + len(mode) + 50 * ranks + 70 * pp)
+def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False, pp=1, dcp=1):
+    toks = prompt(900 + len(family) + prefill_tp * 10 + decode_tp * 3 + len(mode) + 50 * ranks + 70 * pp + 110 * dcp)
+    nb = 6 // dcp  # scheduler blocks the 99 tokens before the last fill
 
     def engine(endpoint, **kw):
-        return vf.PPFamilyEngine(endpoint, family, pp=pp, **kw) if pp > 1 else vf.FamilyEngine(endpoint, family, ranks=ranks, **kw)
+        return vf.PPFamilyEngine(endpoint, family, pp=pp, **kw) if pp > 1 else vf.FamilyEngine(endpoint, family, ranks=ranks, dcp=dcp, **kw)
 
     p = engine(P, role="kv_producer", tp_size=prefill_tp) if pp == 1 else engine(P, role="kv_producer")
     r = rid("prefill")
     p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     p.run(finished(p, r))
     params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
-    assert params and params["kvd"]["blocks"] == 6, params
+    assert params and params["kvd"]["blocks"] == nb, params
     d = engine(D, role="kv_consumer", mode=mode, tp_size=decode_tp) if pp == 1 else engine(D, role="kv_consumer", mode=mode)
     r2 = rid("decode")
     d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
@@ -429,9 +430,9 @@ def handoff(family, mode="pull", prefill_tp=1, decode_tp=1, ranks=False, pp=1):
     failed = until_computed(d, r2, 100)
     assert not failed, failed
     assert not (d.computed_by_forward[r2] & set(range(96))), "the handed-off prefix was not recomputed"
-    kept = d.check_groups(r2, toks, 6)
+    kept = d.check_groups(r2, toks, nb)
     if vf.recurrent(family):
-        d.check_state(r2, toks, 6)
+        d.check_state(r2, toks, nb)
     d.run(finished(d, r2))
     p.close()
     d.close()
@@ -489,6 +490,68 @@ def _():
             params, kept = handoff("deepseek-v3", prefill_tp=ptp, decode_tp=dtp)
             assert len(params["kvd"]["transfers"]) == 1, params
             assert kept == [6], kept
+
+
+@check(
+    "decode-context parallelism with MLA (DeepSeek-V3, TP 2, DCP 2): the latent kept once per DCP rank, each holding the tokens vLLM deals it; "
+    "a hit byte-exact on every rank; P/D between equal engines by pull and push; negative control: a copy per node blind to DCP is caught; "
+    "hybrids (sliding, recurrent) with DCP refused by name"
+)
+def _():
+    toks = prompt(1500)
+    a = vf.FamilyEngine(P, "deepseek-v3", tp_size=2, ranks=True, dcp=2)
+    lays = [a.sconn._geo.layout(i) for i in range(a.sconn._geo.num_layouts)]
+    assert [(x["model"].rsplit("#", 1)[1], x["tp_size"], x["tokens_per_block"]) for x in lays] == [("dcp0/2,1", 1, 16), ("dcp1/2,1", 1, 16)], lays
+    assert [w._layout_index for w in a.workers] == [0, 1] and [w._saves_here for w in a.workers] == [True, True]
+    r = rid("dcp-mla")
+    a.add(r, toks)
+    a.run(finished(a, r))
+    a.close()
+    b = vf.FamilyEngine(P, "deepseek-v3", tp_size=2, ranks=True, dcp=2)
+    r = rid("dcp-mla-hit")
+    b.add(r, toks)
+    assert not until_computed(b, r, 100)
+    assert not (b.computed_by_forward[r] & set(range(96))), "the hit's tokens were not recomputed"
+    assert b.check_groups(r, toks, 3) == [3]
+    b.close()
+    # Negative control: one latent copy per node, blind to DCP (rank 1 loads rank 0's tokens).
+    from kvd.vllm_groups import GroupedGeometry
+
+    real = GroupedGeometry.layout_index
+    GroupedGeometry.layout_index = lambda self, stage, rank: 0
+    try:
+        blind = vf.FamilyEngine(P, "deepseek-v3", tp_size=2, ranks=True, dcp=2)
+    finally:
+        GroupedGeometry.layout_index = real
+    r = rid("dcp-mla-blind")
+    blind.add(r, toks)
+    assert not until_computed(blind, r, 100)
+    try:
+        blind.check_groups(r, toks, 3)
+        raise RuntimeError("another rank's tokens went unnoticed")
+    except AssertionError as e:
+        assert "differs" in str(e), e
+    blind.close()
+    for mode in ("pull", "push"):
+        params, kept = handoff("deepseek-v3", mode, prefill_tp=2, decode_tp=2, ranks=True, dcp=2)
+        assert params["kvd"]["dcp"] == [2, 1] and len(params["kvd"]["transfers"]) == 2 and kept == [3], (params, kept)
+    # Recurrent state beside attention (vLLM plans it with DCP), and a sliding window
+    # (vLLM's planner refuses it itself; the connector too, given such groups).
+    try:
+        vf.FamilyEngine(P, "qwen3-next", tp_size=2, dcp=2).close()
+        raise AssertionError("recurrent state with DCP accepted")
+    except KvdConfigError as e:
+        assert "recurrent state with decode-context parallelism" in str(e), e
+    cfg = ve.vllm_config(P)
+    cfg.parallel_config.decode_context_parallel_size = 2
+    names = [vf.layer_name(i) for i in range(2)]
+    full = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=32)
+    try:
+        KvdConnector(cfg, KVConnectorRole.SCHEDULER, ve.kv_cache_config(groups=[KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)]))
+        raise AssertionError("a sliding window with DCP accepted")
+    except KvdConfigError as e:
+        assert "with decode-context parallelism is not supported" in str(e), e
 
 
 PP_FAMILIES = ("gpt-oss", "deepseek-v3", "jamba")

@@ -444,3 +444,81 @@ def expected_kv_mm(tokens, pos, layer, items):
     g = torch.Generator().manual_seed(int.from_bytes(h, "little") % (2**31))
     return (torch.rand((KV_HEADS, 2 * HEAD), generator=g) * 4 - 2).to(DTYPE)
 
+
+
+_mqa_dir = None
+
+
+def mqa_model_dir():
+    """A tiny Llama config.json with one KV head (MQA, as an MLA model decodes): every TP
+    rank holds it, so decode-context parallelism deals its tokens between ranks."""
+    global _mqa_dir
+    if _mqa_dir is None:
+        _mqa_dir = tempfile.mkdtemp(prefix="kvd-vllm-mqa-")
+        with open(os.path.join(_mqa_dir, "config.json"), "w") as f:
+            f.write(CONFIG.replace('"num_key_value_heads": %d' % KV_HEADS, '"num_key_value_heads": 1'))
+    return _mqa_dir
+
+
+def dcp_place(pos, dcp, interleave):
+    """Where vLLM's decode-context parallelism puts token ``pos`` (its slot mapping): the
+    scheduler block (``BLOCK * dcp`` tokens), the DCP rank, and the offset in that rank's
+    block of the same id (``interleave`` tokens to a rank at a time)."""
+    span = BLOCK * dcp
+    o = pos % span
+    return pos // span, (o // interleave) % dcp, (o // (interleave * dcp)) * interleave + o % interleave
+
+
+class DCPEngine(Engine):
+    """An engine of ``tp`` TP ranks with decode-context parallelism ``dcp`` (vLLM's
+    ``decode_context_parallel_size`` and ``cp_kv_cache_interleave_size``) over an MQA model:
+    the scheduler's blocks span ``BLOCK * dcp`` tokens, and rank ``r`` holds, in its block
+    of the same id, the tokens vLLM deals to DCP rank ``r % dcp``."""
+
+    def __init__(self, endpoint, tp=2, dcp=2, interleave=1, role="kv_both", num_blocks=64, **extra):
+        from kvd.vllm_connector import KvdConnector
+
+        self.tp, self.dcp, self.interleave = tp, dcp, interleave
+        extra.setdefault("model_id", "kvd-test/tiny-mqa")
+        self.config = vllm_config(endpoint, role, mqa_model_dir(), **extra)
+        pc = self.config.parallel_config
+        pc.tensor_parallel_size = tp
+        pc.decode_context_parallel_size = dcp
+        pc.cp_kv_cache_interleave_size = interleave
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=DTYPE)
+        self.kvcc = kv_cache_config(num_blocks, KVCacheLayout.LBNHC, spec=spec)
+        self.workers, self.kvs = [], []
+        for r in range(tp):
+            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), KVCacheLayout.LBNHC, [BLOCK])
+            with rank(r):
+                w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
+                w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK * dcp)
+        self.sconn = self.scheduler.connector
+        self.outputs = {}
+        self.computed_by_forward = {}
+
+    def _views(self, ids, pos, layer):
+        """Every rank's [heads, 2*head] view of token ``pos``: the ranks of its DCP rank."""
+        b, d, off = dcp_place(pos, self.dcp, self.interleave)
+        name = self.kvcc.kv_cache_groups[0].layer_names[layer]
+        return [self.kvs[r][name][ids[b]][:, off, :] for r in range(self.tp) if r % self.dcp == d]
+
+    def write(self, rid, toks, positions, layer):
+        ids = self.block_ids(rid)
+        for pos in positions:
+            for v in self._views(ids, pos, layer):
+                v.copy_(expected_kv(toks, pos, layer)[:1])
+
+    def check_blocks(self, rid, tokens, nblocks):
+        """Every token of the first ``nblocks`` scheduler blocks is, on every rank of its
+        DCP rank, the KV the prompt's own computation writes."""
+        ids = self.block_ids(rid)
+        for pos in range(nblocks * BLOCK * self.dcp):
+            for layer in range(LAYERS):
+                for v in self._views(ids, pos, layer):
+                    assert torch.equal(v, expected_kv(tokens, pos, layer)[:1]), f"token {pos} layer {layer} differs"

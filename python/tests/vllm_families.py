@@ -200,9 +200,11 @@ def expected_state(tokens, layer, nbytes):
 class FamilyEngine(ve.Engine):
     """An engine of one family: scheduler + one worker on CPU KV tensors."""
 
-    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, model=None, ranks=False, **extra):
+    def __init__(self, endpoint, family, role="kv_both", num_blocks=64, tp_size=1, model=None, ranks=False, dcp=1, interleave=1, **extra):
         """``ranks``: run a worker for every one of ``tp_size`` ranks, each over its KV
-        heads (else rank 0's worker only, over all of them)."""
+        heads (else rank 0's worker only, over all of them). ``dcp``, ``interleave``:
+        vLLM's decode-context parallelism (with ``ranks``), which deals each scheduler
+        block's ``BLOCK * dcp`` tokens to the ranks (:func:`vllm_engine.dcp_place`)."""
         from kvd.vllm_connector import KvdConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -212,6 +214,8 @@ class FamilyEngine(ve.Engine):
         extra.setdefault("model_id", f"kvd-test/tiny-{family}")
         self.config = ve.vllm_config(endpoint, role, model, **extra)
         self.config.parallel_config.tensor_parallel_size = tp_size
+        self.config.parallel_config.decode_context_parallel_size = self.dcp = dcp
+        self.config.parallel_config.cp_kv_cache_interleave_size = self.interleave = interleave
         self.split = tp_size if ranks and "num_key_value_heads" in FAMILIES[family] else 1
         self.kvcc, sched = configure(self.config, family, num_blocks, tp=self.split)
         layout = KVCacheLayout[self.kvcc.kv_cache_layout]
@@ -225,10 +229,18 @@ class FamilyEngine(ve.Engine):
             self.workers.append(w)
             self.kvs.append(kv)
         self.worker, self.kv = self.workers[0], self.kvs[0]
-        self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=BLOCK)
+        self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=BLOCK * dcp)
         self.sconn = self.scheduler.connector
         self.outputs = {}
         self.computed_by_forward = {}
+
+    def _place(self, pos):
+        """Where token ``pos`` lies: (the index of its scheduler block, [(rank, offset in
+        the rank's block)] for every rank holding it)."""
+        if getattr(self, "dcp", 1) == 1:
+            return pos // BLOCK, [(r, pos % BLOCK) for r in range(len(self.kvs))]
+        b, d, off = ve.dcp_place(pos, self.dcp, self.interleave)
+        return b, [(r, off) for r in range(len(self.kvs)) if r % self.dcp == d]
 
     def fill_random(self, seed):
         """Every KV cache tensor of every rank with values drawn from ``seed`` (bytes for
@@ -258,12 +270,12 @@ class FamilyEngine(ve.Engine):
     def group_ids(self, rid):
         return [list(x) for x in self.scheduler.kv_cache_manager.get_block_ids(rid)]
 
-    def _token_view(self, block_id, layer, pos, rank=0):
-        """The layer's cache of position ``pos`` inside block ``block_id``: [heads, content]."""
+    def _token_view(self, block_id, layer, off, rank=0):
+        """The layer's cache at offset ``off`` of block ``block_id``: [heads, content]."""
         t = self.kvs[rank][layer_name(layer)]
         r = t.shape[0] // self.kvcc.num_blocks
         kb = t.shape[2]
-        return t[block_id * r + (pos % BLOCK) // kb][:, (pos % BLOCK) % kb, :]
+        return t[block_id * r + off // kb][:, off % kb, :]
 
     def is_state(self, layer):
         return isinstance(self.kvcc.kv_cache_groups[self.group_of[layer_name(layer)]].kv_cache_spec, MambaSpec)
@@ -290,10 +302,11 @@ class FamilyEngine(ve.Engine):
             self.states_read = getattr(self, "states_read", 0) + (start > 0)
             return
         for pos in positions:
-            b = ids[pos // BLOCK]
+            bi, where = self._place(pos)
+            b = ids[bi]
             assert b != 0, f"the forward computes position {pos} of layer {layer} into the null block"
-            for r in range(len(self.kvs)):
-                v = self._token_view(b, layer, pos, r)
+            for r, off in where:
+                v = self._token_view(b, layer, off, r)
                 v.copy_(self._want(toks, pos, layer, v, r))
 
     def _want(self, toks, pos, layer, v, rank):
@@ -321,17 +334,17 @@ class FamilyEngine(ve.Engine):
             gi = self.group_of[name]
             if self.is_state(layer):
                 continue  # (check_state)
+            span = BLOCK * getattr(self, "dcp", 1)
             for b in range(nblocks):
                 bid = ids[gi][b]
                 if bid == 0:
                     continue
                 if layer == self.layer_names().index(self.kvcc.kv_cache_groups[gi].layer_names[0]):
                     kept[gi] += 1
-                for t in range(BLOCK):
-                    pos = b * BLOCK + t
-                    for r in range(len(self.kvs)):
-                        got = self._token_view(bid, layer, pos, r)
-                        assert torch.equal(got, self._want(tokens, pos, layer, got, r)), f"rank {r} group {gi} layer {layer} block {b} token {t} differs"
+                for pos in range(b * span, (b + 1) * span):
+                    for r, off in self._place(pos)[1]:
+                        got = self._token_view(bid, layer, off, r)
+                        assert torch.equal(got, self._want(tokens, pos, layer, got, r)), f"rank {r} group {gi} layer {layer} block {b} token {pos - b * span} differs"
         return kept
 
 
@@ -404,11 +417,11 @@ class PPFamilyEngine(FamilyEngine):
     def _tensor(self, layer):
         return next(kv for kv in self.kvs if layer_name(layer) in kv)[layer_name(layer)]
 
-    def _token_view(self, block_id, layer, pos, rank=0):
+    def _token_view(self, block_id, layer, off, rank=0):
         t = self._tensor(layer)
         r = t.shape[0] // self.kvcc.num_blocks
         kb = t.shape[2]
-        return t[block_id * r + (pos % BLOCK) // kb][:, (pos % BLOCK) % kb, :]
+        return t[block_id * r + off // kb][:, off % kb, :]
 
     def state_view(self, block_id, layer):
         return self._tensor(layer)[block_id].view(-1)

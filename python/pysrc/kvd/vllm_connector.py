@@ -94,8 +94,9 @@ What it refuses (with the reason, at start)
 Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with speculative
 state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
 non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
-no name for, decode-context parallelism, a pipeline stage of a hybrid that holds no
-attention (or no recurrent) layers. Requests with prompt embeddings are neither loaded
+no name for, decode-context parallelism beside sliding-window or recurrent groups, prefill
+context parallelism, a pipeline stage of a hybrid that holds no attention (or no
+recurrent) layers. Requests with prompt embeddings are neither loaded
 nor saved.
 
 Pipeline parallelism: each stage keeps its layers under its own layout (``model#ppS/P``),
@@ -104,7 +105,15 @@ and a hit needs every stage's blocks; a handoff goes between engines of the same
 layers, which the scheduler computes; a grouped layout's stage holds what vLLM projects
 onto it of every group (some groups may have no layers there), known only to the stage's
 worker, so each worker hands its layouts to the scheduler as vLLM's handshake metadata
-(:class:`kvd.vllm_meta.KvdHandshake`); until all of them came the scheduler finds no hit. Prefill and decode must use the same block size. Between TP
+(:class:`kvd.vllm_meta.KvdHandshake`); until all of them came the scheduler finds no hit.
+
+Decode-context parallelism (dense and MLA models): vLLM's scheduler block spans
+``block_size * DCP`` tokens, and each rank holds, in its block of the same id, the tokens
+vLLM deals to its DCP rank (``cp_kv_cache_interleave_size`` at a time). A key is one
+scheduler block; each rank stores its share under its own layout (``model#dcpD/N,I``),
+and a hit needs every rank's. An MLA latent is kept once per DCP rank (the first TP rank
+of each saves it). A handoff goes between engines of the same DCP size and interleave
+(another is a miss). Prefill and decode must use the same block size. Between TP
 sizes: attention heads are resliced (each decode rank loads its heads from the prefill
 shards that hold them, in the classic layout and in grouped ones of full, sliding or
 chunked attention; not where TP exceeds the KV heads or a backend packs head slots), an
@@ -300,7 +309,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.get(request.request_id)
         if st is not None or self._geo is None:
             return st
-        keys = request_keys(request, self._geo.block_size)
+        keys = request_keys(request, self._geo.key_tokens)
         if keys is None:
             return None  # prompt embeddings: the KV is not a function of what kvd names
         st = _Req(tokens=list(request.prompt_token_ids), keys=keys)
@@ -337,7 +346,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._state(request)
         if st is None:
             return 0, False
-        b = self._geo.block_size
+        b = self._geo.key_tokens
         if num_computed_tokens % b:
             return 0, False
         remote = _remote_params(request)
@@ -372,7 +381,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._staged and self._stage_layouts is None:
             logger.warning("kvd connector: request %s: the pipeline stages' layouts are not known yet; prefilling here", rid)
             return 0, False
-        b = self._geo.block_size
+        b = self._geo.key_tokens
         transfers = remote.get("transfers") or []
         state_transfers = remote.get("state_transfers") or []
         try:
@@ -388,6 +397,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 int(remote.get("v", 0)) == PARAMS_VERSION
                 and int(remote["block_size"]) == b
                 and int(remote.get("pp", 1)) == getattr(self._geo, "pp_size", 1)
+                and [int(x) for x in remote.get("dcp", (1, 1))] == [self._geo.dcp_size, self._geo.dcp_interleave]
                 and (src_tp == self._geo.num_layouts or reslice)
                 and [int(t["rank"]) for t in transfers] == list(range(src_tp))
                 and len(state_transfers) == len(self._slids)
@@ -450,7 +460,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if st is None or st.matched is None:
             return
         computed, n = st.matched
-        b = self._geo.block_size
+        b = self._geo.key_tokens
         first, count = computed // b, min(n, num_external_tokens) // b
         if self._geo.grouped:
             ids = positions(blocks.get_block_ids(), self._geo, first, count)
@@ -521,7 +531,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.get(rid)
         if st is None or self._kv_cache_manager is None:
             return
-        upto = min(done_tokens, len(st.tokens)) // self._geo.block_size
+        upto = min(done_tokens, len(st.tokens)) // self._geo.key_tokens
         if upto <= st.saved:
             return
         upto = min(upto, len(st.keys))
@@ -543,7 +553,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """A forward that ends exactly at a block boundary leaves the recurrent state of
         that boundary in the state groups' block there (vLLM's align mode: slot ``p`` holds
         the state after ``(p + 1) * block_size`` tokens): saved once the forward is done."""
-        b = self._geo.block_size
+        b = self._geo.key_tokens
         k = done_tokens // b
         if done_tokens % b or not 0 < k <= len(st.keys) or k <= st.state_saved:
             return
@@ -613,7 +623,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._slids:
             # The decode side computes at least one token itself: a state snapshot serves
             # it only at a boundary it will load up to.
-            keys = keys[: (len(st.tokens) - 1) // self._geo.block_size]
+            keys = keys[: (len(st.tokens) - 1) // self._geo.key_tokens]
         try:
             blocks = self._hit(keys)
         except (kvd.KvdError, OSError) as e:
@@ -647,8 +657,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 "v": PARAMS_VERSION,
                 "model": self._geo.model_id,
                 "blocks": blocks,
-                "block_size": self._geo.block_size,
+                "block_size": self._geo.key_tokens,
                 "pp": getattr(self._geo, "pp_size", 1),
+                "dcp": [self._geo.dcp_size, self._geo.dcp_interleave],
                 "node": node.get("node"),
                 "transfers": transfers,
                 **extra,
@@ -714,9 +725,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def _saves_here(self) -> bool:
         """Whether this worker stores blocks: every rank, but of a layout kept once per
-        node (MLA) rank 0 only."""
+        node (MLA; per DCP rank under decode-context parallelism) its first rank only."""
         g = self._geo
-        return not (g is not None and g.grouped and g.replicated and self._rank != 0)
+        return not (g is not None and g.grouped and not g.saves(self._rank))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         g = self._geo

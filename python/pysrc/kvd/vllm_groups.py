@@ -50,9 +50,15 @@ downwards from the KV prefix, at most ``KvdConnector.STATE_PROBES`` boundaries);
 moves the KV of every position and the one snapshot; a snapshot committed without its KV,
 or KV without a snapshot, only shortens hits. A handoff exports both layouts.
 
+Pipeline stages and decode-context parallelism partition a block's bytes: a stage's
+block holds its layers of every group (a group with none there has no piece), a DCP
+rank's the tokens vLLM deals it; each partition is a layout of its own
+(:func:`kvd.vllm_layout.partition_model`), and a hit needs every one of them.
+
 Refused by name (at start): recurrent state outside vLLM's align mode, speculative state
 blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and its sliding MLA,
-encoder, cross-attention and circular-buffer caches, and groups of different block sizes.
+encoder, cross-attention and circular-buffer caches, groups of different block sizes,
+and decode-context parallelism beside sliding-window or recurrent groups.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kvd.vllm_layout import _DTYPES, KvdConfigError, head_shards
+from kvd.vllm_layout import _DTYPES, KvdConfigError, dcp_of, head_shards, partition_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -124,8 +130,27 @@ class GroupedGeometry:
     # one stage, ``stage``: its layers, under a layout of its own.
     pp_size: int = 1
     stage: int = 0
+    # Decode-context parallelism (as :class:`kvd.vllm_layout.Geometry`): a key spans
+    # ``block_size * dcp_size`` tokens, a rank's block holds its ``block_size`` of them. A
+    # latent kept once per node is then kept once per DCP rank (each holds other tokens).
+    dcp_size: int = 1
+    dcp_interleave: int = 1
 
     grouped = True
+
+    @property
+    def key_tokens(self) -> int:
+        """Tokens per key: the scheduler's block."""
+        return self.block_size * self.dcp_size
+
+    @property
+    def _per_stage(self) -> int:
+        return self.dcp_size if self.replicated else self.tp_size
+
+    def saves(self, rank: int) -> bool:
+        """Whether TP rank ``rank`` stores blocks: every rank, but of a layout kept once
+        per node (per DCP rank) only the first rank holding it."""
+        return not self.replicated or rank < self.dcp_size
 
     @property
     def block_bytes(self) -> int:
@@ -135,7 +160,7 @@ class GroupedGeometry:
     def num_layouts(self) -> int:
         """Layouts the scheduler asks about: per stage one when replicated, else one per
         rank (index ``stage * per-stage + rank``, :meth:`layout_index`)."""
-        return self.pp_size * (1 if self.replicated else self.tp_size)
+        return self.pp_size * self._per_stage
 
     @property
     def num_state_layouts(self) -> int:
@@ -143,7 +168,7 @@ class GroupedGeometry:
         return self.pp_size * (1 if self.state_replicated else self.tp_size) if self.state_groups else 0
 
     def layout_index(self, stage: int, rank: int) -> int:
-        return stage * (1 if self.replicated else self.tp_size) + (0 if self.replicated else rank)
+        return stage * self._per_stage + (rank % self.dcp_size if self.replicated else rank)
 
     def state_index(self, stage: int, rank: int) -> int:
         return stage * (1 if self.state_replicated else self.tp_size) + (0 if self.state_replicated else rank)
@@ -156,7 +181,7 @@ class GroupedGeometry:
         """Layout ``index`` (:meth:`layout_index`); of this geometry's stage only: the
         other stages' layers are known to their workers (the scheduler learns their
         layouts from them, :class:`kvd.vllm_connector.KvdHandshake`)."""
-        stage, rank = divmod(index, 1 if self.replicated else self.tp_size)
+        stage, rank = divmod(index, self._per_stage)
         self._own_stage(stage)
         return self._layout(self.groups, self.replicated, rank)
 
@@ -175,8 +200,9 @@ class GroupedGeometry:
     def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
         """As :meth:`kvd.vllm_layout.Geometry.shards`: where this rank's heads come from
         in a TP-``src_tp`` engine's blocks, or None where they cannot be resliced (MLA,
-        recurrent state, packed head slots, heads replicated across ranks)."""
-        if self.replicated or self.state_groups or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
+        recurrent state, packed head slots, heads replicated across ranks, decode-context
+        parallelism)."""
+        if self.replicated or self.state_groups or self.dcp_size > 1 or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
             return None
         return head_shards(self.total_heads, src_tp, self.tp_size, rank)
 
@@ -201,10 +227,11 @@ class GroupedGeometry:
         return None
 
     def _layout(self, groups: tuple[GroupPlan, ...], replicated: bool, rank: int) -> dict[str, Any]:
+        """The layout of TP rank ``rank``, or of DCP rank ``rank`` when ``replicated``."""
         # A group with no layers on this stage has no piece in its blocks.
         groups = tuple(g for g in groups if g.layer_names)
         return {
-            "model": f"{self.model_id}#pp{self.stage}/{self.pp_size}" if self.pp_size > 1 else self.model_id,
+            "model": partition_model(self.model_id, self.pp_size, self.stage, self.dcp_size, rank % self.dcp_size, self.dcp_interleave),
             "num_layers": sum(len(g.layer_names) for g in groups),
             "kv_parts": 1,
             "num_kv_heads": 1,
@@ -314,6 +341,7 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise KvdConfigError("kvd connector: the engine has no KV cache")
+    dcp, interleave = dcp_of(vllm_config)
     from vllm.v1.kv_cache_interface import MambaSpec
 
     plans: list[GroupPlan] = []
@@ -330,6 +358,8 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             if s != first:
                 raise KvdConfigError(f"kvd connector: KV cache group {gi} has layers of different specs ({type(first).__name__} and {type(s).__name__})")
         if type(first) is MambaSpec:
+            if dcp > 1:
+                raise KvdConfigError(f"kvd connector: KV cache group {gi}: recurrent state with decode-context parallelism is not supported (its blocks are not dealt by token)")
             if block_size is None:
                 block_size = first.block_size
             elif first.block_size != block_size:
@@ -340,6 +370,13 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             state_offset += plan.layer_bytes * len(plan.layer_names)
             continue
         kind, window = _kind(first)
+        if dcp > 1 and (kind not in ("full", "mla") or window or not first.dcp_sharded):
+            raise KvdConfigError(
+                f"kvd connector: KV cache group {gi} ({kind}{', not sharded by token' if not first.dcp_sharded else ''}) with decode-context parallelism "
+                "is not supported: only full-attention and MLA groups whose tokens DCP deals out"
+            )
+        if dcp > 1 and first.block_size % interleave:
+            raise KvdConfigError(f"kvd connector: cp_kv_cache_interleave_size {interleave} does not divide the block size {first.block_size}")
         if first.tokens_per_state != 1:
             raise KvdConfigError(f"kvd connector: KV cache group {gi}: compressed KV states (tokens_per_state = {first.tokens_per_state}) are not supported yet")
         if first.dtype not in _DTYPES:
@@ -395,6 +432,8 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         state_replicated=bool(replicated_states and replicated_states[0]),
         total_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
         pp_size=int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1),
+        dcp_size=dcp,
+        dcp_interleave=interleave,
     )
 
 

@@ -33,6 +33,19 @@ class KvdConfigError(ValueError):
     """The engine's KV cache is one the connector cannot store faithfully."""
 
 
+def partition_model(model_id: str, pp: int, stage: int, dcp: int, dcp_rank: int, interleave: int) -> str:
+    """The model a layout names: the model, and where the engine's partition puts this
+    layout's bytes: its pipeline stage (``#ppS/P``) and its decode-context-parallel rank
+    with vLLM's interleave (``#dcpD/N,I``: which tokens of each block the rank holds).
+    Blocks of two partitions never share a layout."""
+    out = model_id
+    if pp > 1:
+        out += f"#pp{stage}/{pp}"
+    if dcp > 1:
+        out += f"#dcp{dcp_rank}/{dcp},{interleave}"
+    return out
+
+
 @dataclass(frozen=True)
 class Geometry:
     """What one kvd block of this engine is, derived from vLLM's own config."""
@@ -50,8 +63,18 @@ class Geometry:
     # (``stage_layers``: layers per stage, as vLLM partitions them).
     pp_size: int = 1
     stage_layers: tuple[int, ...] = ()
+    # Decode-context parallelism: a scheduler block (a key) spans ``block_size * dcp_size``
+    # tokens, and rank ``r`` holds ``block_size`` of them, those vLLM deals to DCP rank
+    # ``r % dcp_size`` (``dcp_interleave`` tokens at a time), in its block of the same id.
+    dcp_size: int = 1
+    dcp_interleave: int = 1
 
     grouped = False
+
+    @property
+    def key_tokens(self) -> int:
+        """Tokens per key: the scheduler's block (a rank's block holds ``block_size``)."""
+        return self.block_size * self.dcp_size
 
     @property
     def num_layouts(self) -> int:
@@ -82,7 +105,7 @@ class Geometry:
         stage's layers."""
         pp = self.pp_size > 1
         return {
-            "model": f"{self.model_id}#pp{stage}/{self.pp_size}" if pp else self.model_id,
+            "model": partition_model(self.model_id, self.pp_size, stage, self.dcp_size, rank % self.dcp_size, self.dcp_interleave),
             "num_layers": self.stage_layers[stage] if pp else len(self.layer_names),
             "kv_parts": 2,
             "num_kv_heads": self.total_heads,
@@ -96,7 +119,10 @@ class Geometry:
 
     def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
         """Where rank ``rank``'s heads come from when an engine of TP ``src_tp`` wrote
-        them (:func:`head_shards`)."""
+        them (:func:`head_shards`); None under decode-context parallelism (a rank's
+        tokens are not another TP size's)."""
+        if self.dcp_size > 1:
+            return None
         return head_shards(self.total_heads, src_tp, self.tp_size, rank)
 
 
@@ -156,8 +182,7 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
     """
     par = vllm_config.parallel_config
     pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
-    if getattr(par, "decode_context_parallel_size", 1) > 1:
-        raise KvdConfigError("kvd connector: decode context parallelism is not supported (blocks are sharded by token across ranks)")
+    dcp, interleave = dcp_of(vllm_config)
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or model_identity(mc.model, getattr(mc, "revision", None)))
@@ -166,6 +191,8 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
         from kvd.vllm_groups import grouped_geometry
 
         return grouped_geometry(vllm_config, kv_cache_config, model_id)
+    if dcp > 1 and groups[0].kv_cache_spec.block_size % interleave:
+        raise KvdConfigError(f"kvd connector: cp_kv_cache_interleave_size {interleave} does not divide the block size {groups[0].kv_cache_spec.block_size}")
     stage_layers: tuple[int, ...] = ()
     if pp > 1:
         from vllm.distributed.utils import get_pp_indices
@@ -187,7 +214,20 @@ def geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         pp_size=pp,
         stage_layers=stage_layers,
+        dcp_size=dcp,
+        dcp_interleave=interleave,
     )
+
+
+def dcp_of(vllm_config: "VllmConfig") -> tuple[int, int]:
+    """(decode-context-parallel size, interleave): how vLLM deals each block's tokens to
+    ranks (token ``o`` of a scheduler block to DCP rank ``o // interleave % size``).
+    Refuses prefill context parallelism, which shards prompts another way."""
+    par = vllm_config.parallel_config
+    if int(getattr(par, "prefill_context_parallel_size", 1) or 1) > 1:
+        raise KvdConfigError("kvd connector: prefill context parallelism is not supported (prompts sharded across ranks while they are computed)")
+    dcp = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+    return dcp, int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1) if dcp > 1 else 1
 
 
 def request_salt(request: "Request") -> bytes:
