@@ -291,6 +291,55 @@ def _():
     b.close()
 
 
+@check(
+    "divergent local hybrid hits (Qwen3-Next): vLLM's local cache keeps full attention deeper than the recurrent state; kvd loads only the "
+    "tail and the state at its hit's boundary, byte-exact, and the recurrence continues from it; without the capability vLLM reconciles "
+    "to the boundary every group agrees on and kvd loads it all; never offered beside a sliding window"
+)
+def _():
+    from kvd.vllm_connector import KvdConnector as K
+
+    def run(capable):
+        toks = prompt(1600 + capable)
+        e = vf.FamilyEngine(P, "qwen3-next")
+        assert e.sconn.supports_divergent_local_hybrid_hits
+        if not capable:
+            e.sconn.__class__ = type("Incapable", (K,), {"supports_divergent_local_hybrid_hits": False})
+        a = rid("div-a")
+        e.add(a, toks)
+        until_computed(e, a, 100)
+        ids = e.group_ids(a)
+        e.run(finished(e, a))
+        # Block pressure in vLLM's local cache: every recurrent state block gone, full
+        # attention from the fifth position on.
+        state = {gi for gi, g in enumerate(e.kvcc.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec)}
+        gone = {b for gi, lst in enumerate(ids) for b in (lst if gi in state else lst[4:]) if b}
+        e.scheduler.kv_cache_manager.block_pool.evict_blocks(gone)
+        asked = []
+        real = e.sconn.get_num_new_matched_tokens
+
+        def spy(request, n):
+            out = real(request, n)
+            asked.append((n, out))
+            return out
+
+        e.sconn.get_num_new_matched_tokens = spy
+        b = rid("div-b")
+        e.add(b, toks)
+        assert not until_computed(e, b, 100)
+        assert not (e.computed_by_forward[b] & set(range(96))), "nothing before the hit's boundary recomputed"
+        e.check_groups(b, toks, 6)
+        e.check_state(b, toks, 6)
+        e.close()
+        return asked[0]
+
+    assert run(True) == (64, (32, True)), "the local full-attention hit kept, kvd brings the tail and the state"
+    assert run(False) == (0, (96, True)), "reconciled to no local hit, kvd brings everything"
+    e = vf.FamilyEngine(P, "gpt-oss")
+    assert not e.sconn.supports_divergent_local_hybrid_hits
+    e.close()
+
+
 @check("a position missing from kvd shortens the hit to what every group has; the engine's bytes are right")
 def _():
     toks = prompt(701)

@@ -286,6 +286,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self.set_xfer_handshake_metadata_pp_aware({(0, r): md for r, md in metadata.items()})
 
     @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """vLLM asks (hybrid allocator, recurrent state): may its local prefix cache report
+        a full-attention hit deeper than the recurrent state it still holds? Yes where
+        kvd completes it: a load brings the KV after the local hit and the state at its own
+        hit's boundary, which is all a recurrent layer reads (vLLM falls back to the
+        boundary every group agrees on when kvd has nothing beyond the local hit). Not
+        beside sliding-window or chunked groups: their window may reach back into blocks
+        the lagging local hit lacks, which a load after it would not bring."""
+        g = getattr(self, "_geo", None)
+        return bool(g is not None and g.grouped and g.state_groups and all(p.kind in ("full", "mla") for p in g.groups))
+
+    @property
     def _async_loads(self) -> bool:
         """Whether local hits load asynchronously (several KV cache groups, or recurrent
         state: see :meth:`get_num_new_matched_tokens`)."""
