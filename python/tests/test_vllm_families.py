@@ -518,10 +518,62 @@ def _():
         assert "differs" in str(e), e
     finally:
         GroupedGeometry.shards = real
-    # Recurrent state and packed head slots do not reslice: another TP size is a miss.
-    e = vf.FamilyEngine(P, "qwen3-next")
+    # MLA does not reslice (one copy per node moves as is).
+    e = vf.FamilyEngine(P, "deepseek-v3")
     assert e.worker._geo.shards(2, 0) is None
     e.close()
+
+
+@check(
+    "P/D: recurrent hybrids between TP sizes (Qwen3-Next GDN, Jamba Mamba2; a worker per rank): TP 2 to 1 and 1 to 2, by pull and push, "
+    "every rank's KV heads and its share of each layer's state (each conv sub-projection's channels, the temporal state's heads) cut from "
+    "the prefill ranks that hold them, byte for byte, and the recurrence continues from it; negative control: the conv state cut as one "
+    "range is caught; a Mamba2 state whose groups vLLM replicates across ranks does not reslice (a miss)"
+)
+def _():
+    for family in ("qwen3-next", "jamba"):
+        for ptp, dtp, mode in ((2, 1, "pull"), (1, 2, "pull"), (2, 1, "push")):
+            params, kept = handoff(family, mode, prefill_tp=ptp, decode_tp=dtp, ranks=True)
+            assert len(params["kvd"]["transfers"]) == ptp and len(params["kvd"]["state_transfers"]) == ptp, params
+            assert kept[-1] == 6, (family, kept)
+    import kvd.vllm_groups as vg
+
+    real = vg.split_of
+
+    def one_range(spec):
+        sp = real(spec)
+        return None if sp is None else vg.replace(sp, segments=(sum(sp.segments),))
+
+    vg.split_of = one_range
+    try:
+        handoff("qwen3-next", "pull", prefill_tp=2, decode_tp=1, ranks=True)
+        raise RuntimeError("a conv state cut as one range went unnoticed")
+    except AssertionError as e:
+        assert "recurrent state" in str(e) or "differs" in str(e), e
+    finally:
+        vg.split_of = real
+    # Mamba2 with one group on TP 2: vLLM gives each rank a copy of the group's B and C,
+    # which no cut of a TP-1 page is: the decode engine computes the prompt, rightly.
+    vf.FAMILIES["jamba"]["mamba_n_groups"] = 1
+    try:
+        toks = prompt(1777)
+        p = vf.FamilyEngine(P, "jamba", role="kv_producer", tp_size=2, ranks=True)
+        r = rid("one-group-prefill")
+        p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(finished(p, r))
+        params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+        d = vf.FamilyEngine(D, "jamba", role="kv_consumer", tp_size=1, ranks=True)
+        r = rid("one-group-decode")
+        d.add(r, toks, max_tokens=2, kv_transfer_params=params)
+        until_computed(d, r, 100)
+        assert set(range(96)) <= d.computed_by_forward[r], "computed, not loaded"
+        d.check_groups(r, toks, 6)
+        d.check_state(r, toks, 6)
+        d.run(finished(d, r))
+        p.close()
+        d.close()
+    finally:
+        vf.FAMILIES["jamba"]["mamba_n_groups"] = 2
 
 
 @check("P/D: Qwen3-Next (GDN + full attention) handed off by pull and by push: the KV of every position and the state at the boundary, byte-exact")

@@ -74,6 +74,7 @@ FAMILIES = {
         "head_dim": 16,
         "mamba_d_conv": 4,
         "mamba_d_state": 8,
+        "mamba_n_groups": 2,
         "mamba_n_heads": 2,
         "mamba_head_dim": 8,
         "mamba_type": "MAMBA2",
@@ -106,17 +107,21 @@ def recurrent(family):
     return "mamba_type" in FAMILIES[family]
 
 
-def state_spec(hf, dtype):
-    """A recurrent layer's state spec as vLLM's Mamba/GDN layers make it (conv state,
-    then the SSM or delta-rule state), in 'align' mode, its page padded to an attention
-    page as vLLM's hybrid block-size alignment does."""
+def state_spec(hf, dtype, tp=1):
+    """A recurrent layer's state spec on one of ``tp`` ranks as vLLM's Mamba/GDN layers
+    make it (their shape calculators: conv state, then the SSM or delta-rule state), in
+    'align' mode, its page padded to an attention page as vLLM's hybrid block-size
+    alignment does."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+
     if hf["mamba_type"] == "GDN_ATTN":
-        conv_dim = 2 * hf["linear_num_value_heads"] * hf["linear_key_head_dim"] + hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
-        shapes = ((hf["linear_conv_kernel_dim"] - 1, conv_dim), (hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]))
+        h = hf["linear_num_value_heads"]
+        shapes = calc.gated_delta_net_state_shape(tp, h, h, hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf["linear_conv_kernel_dim"])
     else:
-        conv_dim = hf["mamba_n_heads"] * hf["mamba_head_dim"] + 2 * hf["mamba_d_state"]
-        shapes = ((hf["mamba_d_conv"] - 1, conv_dim), (hf["mamba_n_heads"], hf["mamba_head_dim"], hf["mamba_d_state"]))
-    attn_page = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"], head_size=hf["head_dim"], dtype=dtype).page_size_bytes
+        shapes = calc.mamba2_state_shape(
+            tp, hf["mamba_n_heads"] * hf["mamba_head_dim"], hf["mamba_n_groups"], hf["mamba_n_heads"], hf["mamba_head_dim"], hf["mamba_d_state"], hf["mamba_d_conv"]
+        )
+    attn_page = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hf["num_key_value_heads"] // tp, head_size=hf["head_dim"], dtype=dtype).page_size_bytes
     return MambaSpec(
         block_size=BLOCK,
         shapes=shapes,
@@ -137,7 +142,7 @@ def specs(family, dtype=torch.float16, tp=1):
     for i in range(hf["num_hidden_layers"]):
         kind = hf.get("layer_types", ["full_attention"] * 99)[i]
         if kind in ("linear_attention", "mamba"):
-            out[layer_name(i)] = state_spec(hf, dtype)
+            out[layer_name(i)] = state_spec(FAMILIES[family], dtype, tp)
         elif "kv_lora_rank" in hf:
             out[layer_name(i)] = MLAAttentionSpec(
                 block_size=BLOCK, num_kv_heads=1, head_size=hf["kv_lora_rank"] + hf["qk_rope_head_dim"], dtype=dtype, cache_dtype_str="auto"
@@ -189,12 +194,39 @@ def expected(tokens, pos, layer, shape, dtype):
     return (torch.rand(shape, generator=g) * 4 - 2).to(dtype)
 
 
-def expected_state(tokens, layer, nbytes):
-    """The recurrent state after ``tokens`` in ``layer``: ``nbytes`` bytes, a function of
-    exactly those tokens."""
+def state_parts(hf):
+    """A recurrent layer's whole state as vLLM shards it between TP ranks: the conv
+    state's sub-projections (their channels: GDN's Q, K, V; Mamba2's x, B, C), the
+    temporal state's shape (split on its heads), the conv rows."""
+    if hf["mamba_type"] == "GDN_ATTN":
+        h, k, v = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        return (h * k, h * k, h * v), (h, v, k), hf["linear_conv_kernel_dim"] - 1
+    g = hf["mamba_n_groups"] * hf["mamba_d_state"]
+    return (hf["mamba_n_heads"] * hf["mamba_head_dim"], g, g), (hf["mamba_n_heads"], hf["mamba_head_dim"], hf["mamba_d_state"]), hf["mamba_d_conv"] - 1
+
+
+def expected_state(tokens, layer, hf, rank=0, tp=1, dtype=torch.float16):
+    """Rank ``rank``'s (of ``tp``) recurrent state page after ``tokens`` in ``layer``, as
+    bytes: the model's whole state, a function of exactly those tokens, cut as vLLM shards
+    it (each sub-projection's slice; the temporal state's heads), the conv state in vLLM's
+    default layout ``[rows, channels]`` (SD), then the temporal state (float32)."""
+    segments, temporal, rows = state_parts(hf)
     h = hashlib.blake2b(b"state" + bytes(str(list(tokens)), "ascii") + bytes([layer]), digest_size=8).digest()
     g = torch.Generator().manual_seed(int.from_bytes(h, "little") % (2**31))
-    return torch.randint(-128, 128, (nbytes,), generator=g, dtype=torch.int8)
+    conv = [(torch.rand((n, rows), generator=g) * 4 - 2).to(dtype) for n in segments]
+
+    def cut(j, c):
+        groups = hf.get("mamba_n_groups", tp)
+        if j > 0 and hf["mamba_type"] == "MAMBA2" and groups % tp:
+            # vLLM extends the groups to the ranks: each holds its heads' group whole.
+            ds, gi = hf["mamba_d_state"], rank * groups // tp
+            return c[gi * ds : (gi + 1) * ds]
+        return c[rank * c.shape[0] // tp : (rank + 1) * c.shape[0] // tp]
+
+    conv = torch.cat([cut(j, c) for j, c in enumerate(conv)])
+    temp = torch.rand(temporal, generator=g) * 4 - 2
+    temp = temp[rank * temporal[0] // tp : (rank + 1) * temporal[0] // tp]
+    return torch.cat([conv.t().contiguous().view(-1).view(torch.int8), temp.contiguous().view(-1).view(torch.int8)])
 
 
 class FamilyEngine(ve.Engine):
@@ -280,8 +312,13 @@ class FamilyEngine(ve.Engine):
     def is_state(self, layer):
         return isinstance(self.kvcc.kv_cache_groups[self.group_of[layer_name(layer)]].kv_cache_spec, MambaSpec)
 
-    def state_view(self, block_id, layer):
-        return self.kv[layer_name(layer)][block_id].view(-1)
+    def state_view(self, block_id, layer, rank=0):
+        return self.kvs[rank][layer_name(layer)][block_id].view(-1)
+
+    def state_ranks(self):
+        """(rank, of how many) for every worker's recurrent state: each rank its share
+        when the workers split the model's heads, else one worker with the whole state."""
+        return [(r, self.split) for r in range(len(self.kvs))] if self.split > 1 else [(0, 1)]
 
     def write(self, rid, toks, positions, layer):
         ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
@@ -290,15 +327,16 @@ class FamilyEngine(ve.Engine):
             # (vLLM's align mode: from the block of the last computed token), and leaves
             # the state after the step's last token in that token's block.
             start, end = positions.start, positions.stop
-            if start > 0:
-                got = self.state_view(ids[(start - 1) // BLOCK], layer)
-                assert torch.equal(got, expected_state(toks[:start], layer, got.numel())), (
-                    f"layer {layer} would continue from a wrong recurrent state at {start} tokens"
-                )
-            b = ids[(end - 1) // BLOCK]
-            assert b != 0, f"no state block for {end} tokens of layer {layer}"
-            v = self.state_view(b, layer)
-            v.copy_(expected_state(toks[:end], layer, v.numel()))
+            hf = FAMILIES[self.family]
+            for r, tp in self.state_ranks():
+                if start > 0:
+                    got = self.state_view(ids[(start - 1) // BLOCK], layer, r)
+                    assert torch.equal(got, expected_state(toks[:start], layer, hf, r, tp)), (
+                        f"layer {layer} of rank {r} would continue from a wrong recurrent state at {start} tokens"
+                    )
+                b = ids[(end - 1) // BLOCK]
+                assert b != 0, f"no state block for {end} tokens of layer {layer}"
+                self.state_view(b, layer, r).copy_(expected_state(toks[:end], layer, hf, r, tp))
             self.states_read = getattr(self, "states_read", 0) + (start > 0)
             return
         for pos in positions:
@@ -321,8 +359,10 @@ class FamilyEngine(ve.Engine):
             if not self.is_state(layer):
                 continue
             ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
-            got = self.state_view(ids[nblocks - 1], layer)
-            assert torch.equal(got, expected_state(tokens[: nblocks * BLOCK], layer, got.numel())), f"state of layer {layer} at {nblocks} blocks differs"
+            for r, tp in self.state_ranks():
+                got = self.state_view(ids[nblocks - 1], layer, r)
+                want = expected_state(tokens[: nblocks * BLOCK], layer, FAMILIES[self.family], r, tp)
+                assert torch.equal(got, want), f"state of layer {layer} of rank {r} at {nblocks} blocks differs"
 
     def check_groups(self, rid, tokens, nblocks):
         """Every block vLLM keeps for ``rid`` among the first ``nblocks`` holds, in every
@@ -423,5 +463,5 @@ class PPFamilyEngine(FamilyEngine):
         kb = t.shape[2]
         return t[block_id * r + off // kb][:, off % kb, :]
 
-    def state_view(self, block_id, layer):
+    def state_view(self, block_id, layer, rank=0):
         return self._tensor(layer)[block_id].view(-1)

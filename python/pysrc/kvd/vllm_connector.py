@@ -117,8 +117,11 @@ of each saves it). A handoff goes between engines of the same DCP size and inter
 sizes: attention heads are resliced (each decode rank loads its heads from the prefill
 shards that hold them, in the classic layout and in grouped ones of full, sliding or
 chunked attention; not where TP exceeds the KV heads or a backend packs head slots), an
-all-MLA model needs nothing (one copy per node); recurrent state needs the same TP size
-(a mismatch is a miss and a local prefill).
+all-MLA model needs nothing (one copy per node); a recurrent layer's state is cut as vLLM
+shards it, each conv sub-projection's channels and the temporal state's heads from the
+prefill ranks that hold them (:mod:`kvd.vllm_state`; where the state does not divide
+evenly under both sizes, e.g. Mamba2 groups vLLM replicates, the handoff fails and the
+decode engine prefills).
 """
 
 from __future__ import annotations
@@ -412,8 +415,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 and [int(x) for x in remote.get("dcp", (1, 1))] == [self._geo.dcp_size, self._geo.dcp_interleave]
                 and (src_tp == self._geo.num_layouts or reslice)
                 and [int(t["rank"]) for t in transfers] == list(range(src_tp))
-                and len(state_transfers) == len(self._slids)
-                and [int(t["rank"]) for t in state_transfers] == list(range(len(self._slids)))
+                # (a resliced handoff has one state snapshot per prefill rank too)
+                and [int(t["rank"]) for t in state_transfers] == list(range(src_tp if reslice and self._slids else len(self._slids)))
                 and 0 < blocks <= len(st.keys)
                 # A recurrent state serves only at its own boundary: the whole handoff.
                 and (not self._slids or blocks <= (len(st.tokens) - 1) // b)
@@ -442,8 +445,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             c = self._sched_client()
             lids = [c.register_layout(self._geo.layout_for(src_tp, s))["layout_id"] for s in range(src_tp)] if reslice else self._lids
+            slids = [c.register_layout(self._geo.state_layout_for(src_tp, s))["layout_id"] for s in range(src_tp)] if reslice and self._slids else self._slids
             todo = [(t, lids[r], st.keys[:blocks]) for r, t in enumerate(transfers)]
-            todo += [(t, self._slids[r], st.keys[blocks - 1 : blocks]) for r, t in enumerate(state_transfers)]
+            todo += [(t, slids[r], st.keys[blocks - 1 : blocks]) for r, t in enumerate(state_transfers)]
             for t, lid, keys in todo:
                 if self._mode == "pull":
                     c.admit(base64.b64decode(t["params"]), ttl_s=self._pin_ttl_s)
@@ -1154,6 +1158,44 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._sync()
 
         self._store(self._slid, s, copy)
+
+    def _load_state_resliced(self, client: kvd.Client, key: bytes, ids: tuple[int, ...], src_tp: int) -> bool:
+        """The snapshot ``key`` of a TP-``src_tp`` prefill: this rank's part of every state
+        page cut from the source ranks' snapshots that hold it
+        (:meth:`kvd.vllm_groups.GroupedGeometry.state_shards`); whether kvd had them all."""
+        from kvd.vllm_state import reslice
+
+        g = self._geo
+        plan = g.state_shards(src_tp, self._rank)
+        if plan is None:
+            return False
+        sources = sorted({s for _, cuts in plan for cut in cuts for s, *_ in cut})
+        pool, inc = self._view()
+        pins = {}
+        try:
+            for s in sources:
+                lid = self._src_lids.get(("state", src_tp, s))
+                if lid is None:
+                    lid = self._src_lids[("state", src_tp, s)] = client.register_layout(g.state_layout_for(src_tp, s))["layout_id"]
+                pin = pins[s] = client.get(lid, [key], ttl_s=self._pin_ttl_s)
+                if client.incarnation != inc:
+                    raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
+                if not pin.offsets or not kvd.vouched(client, lid, [key], pin)[0]:
+                    return False
+            for gi, dplan in enumerate(g.state_groups):
+                splan, cuts = plan[gi]
+                for layer, name in enumerate(dplan.layer_names):
+                    t = self._scopy.layers[self._scopy.index[name]][1]
+                    dst = t[ids[gi]].view(torch.uint8).view(-1)
+                    for s in sources:
+                        at = pins[s].offsets[0] + splan.offset + layer * splan.layer_bytes
+                        mine = [[c for c in cut if c[0] == s] for cut in cuts]
+                        reslice(dplan.split, dst, splan.split, pool[at : at + splan.layer_bytes], mine)
+            self._sync()
+            return True
+        finally:
+            for pin in pins.values():
+                pin.release()
 
     def _load_state(self, client: kvd.Client, key: bytes, ids: tuple[int, ...]) -> bool:
         """The snapshot ``key`` into the state groups' blocks ``ids``; whether kvd had it."""

@@ -63,12 +63,13 @@ and decode-context parallelism beside sliding-window or recurrent groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from kvd.vllm_layout import _DTYPES, KvdConfigError, dcp_of, head_shards, partition_model
+from kvd.vllm_state import StateSplit, split_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,6 +94,7 @@ class GroupPlan:
     offset: int  # where the group's pieces start in a kvd block
     draft: str = ""  # the draft model's identity when the group holds draft layers
     sliceable: bool = False  # heads are KV heads (not packed slots): a handoff may reslice them
+    split: Optional[StateSplit] = None  # a state group's page, where it divides between TP sizes
 
     @property
     def layer_bytes(self) -> int:
@@ -200,11 +202,55 @@ class GroupedGeometry:
     def shards(self, src_tp: int, rank: int) -> Optional[list[tuple[int, int, int, int]]]:
         """As :meth:`kvd.vllm_layout.Geometry.shards`: where this rank's heads come from
         in a TP-``src_tp`` engine's blocks, or None where they cannot be resliced (MLA,
-        recurrent state, packed head slots, heads replicated across ranks, decode-context
-        parallelism)."""
-        if self.replicated or self.state_groups or self.dcp_size > 1 or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
+        recurrent state that does not divide, packed head slots, heads replicated across
+        ranks, pipeline stages, decode-context parallelism)."""
+        if self.replicated or self.dcp_size > 1 or self.pp_size > 1 or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
+            return None
+        if self.state_groups and self.state_shards(src_tp, rank) is None:
             return None
         return head_shards(self.total_heads, src_tp, self.tp_size, rank)
+
+    def _state_plans_at(self, tp: int) -> Optional[tuple[GroupPlan, ...]]:
+        """The state groups as an engine of this model at TP ``tp`` has them (content,
+        description, offsets), or None where a page does not divide so."""
+        if self.state_replicated:
+            return None
+        out, offset = [], 0
+        for g in self.state_groups:
+            sp = g.split.at(tp, self.tp_size) if g.split is not None else None
+            if sp is None:
+                return None
+            plan = replace(g, content=sp.nbytes, quant=sp.describe()[:256], offset=offset, split=sp)
+            out.append(plan)
+            offset += plan.layer_bytes * len(plan.layer_names)
+        return tuple(out)
+
+    def state_shards(self, src_tp: int, rank: int) -> Optional[list[tuple[GroupPlan, list[list[tuple[int, int, int, int]]]]]]:
+        """Where rank ``rank``'s recurrent state comes from in a TP-``src_tp`` engine's
+        snapshots: per state group, the source's plan and, per part of its page
+        (:mod:`kvd.vllm_state`), the cuts :func:`kvd.vllm_layout.head_shards` gives; None
+        where the state does not divide between the two TP sizes."""
+        src = self._state_plans_at(src_tp)
+        if src is None:
+            return None
+        out = []
+        for g, sg in zip(self.state_groups, src):
+            parts = list(g.split.segments) + [g.split.temporal[0]]
+            cuts = [head_shards(n * self.tp_size, src_tp, self.tp_size, rank) for n in parts]
+            if any(c is None for c in cuts):
+                return None
+            out.append((sg, cuts))
+        return out
+
+    def state_layout_for(self, tp_size: int, rank: int) -> dict[str, Any]:
+        """The state layout of rank ``rank`` of an engine of this model at TP
+        ``tp_size`` (a prefill of another TP size), or {} where it has no such split."""
+        plans = self._state_plans_at(tp_size)
+        if plans is None:
+            return {}
+        lay = self._layout(plans, False, rank)
+        lay["tp_size"] = tp_size
+        return lay
 
     def state_layout(self, index: int) -> dict[str, Any]:
         """The layout of the recurrent state snapshots (one object per block boundary
@@ -257,8 +303,17 @@ def _state_plan(gi: int, grp: Any, spec: "KVCacheSpec", vllm_config: "VllmConfig
     if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
         raise KvdConfigError(f"kvd connector: KV cache group {gi}: speculative or prefill-checkpoint state blocks are not supported yet")
     content = int(spec.state_content_size_bytes)
-    shapes = ";".join("x".join(str(d) for d in sh) + ":" + str(dt).replace("torch.", "") for sh, dt in zip(spec.shapes, spec.dtypes))
-    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+    split = split_of(spec)
+    if split is not None and split.nbytes == content:
+        quant = split.describe()
+    else:
+        # Not decomposed (and so not resliced between TP sizes): named as vLLM gives it,
+        # with the conv layout, which orients its first shape.
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        split = None
+        shapes = ";".join("x".join(str(d) for d in sh) + ":" + str(dt).replace("torch.", "") for sh, dt in zip(spec.shapes, spec.dtypes))
+        quant = f"{str(getattr(spec.mamba_type, 'name', spec.mamba_type)).lower()} {shapes} conv={get_conv_state_layout()}"
     return GroupPlan(
         index=gi,
         kind="state",
@@ -268,8 +323,9 @@ def _state_plan(gi: int, grp: Any, spec: "KVCacheSpec", vllm_config: "VllmConfig
         content=content,
         dtype=torch.int8,
         window=0,
-        quant=f"{kind} {shapes}"[:256],
+        quant=quant[:256],
         offset=offset,
+        split=split,
     )
 
 

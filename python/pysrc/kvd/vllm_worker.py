@@ -5,6 +5,7 @@ layer copies beside the forward, and one step's layer-wise loads and saves. See
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -105,14 +106,24 @@ class _Mover(threading.Thread):
         for s, *_ in shards:
             if not self._landed(p, p.transfer_ids[s], deadline):
                 return False
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                good = conn._load_resliced(conn._client_w(), p.keys, p.block_ids, p.src_tp, shards)
-                self._stream.synchronize()
-        else:
+        if p.state is not None:
+            # The recurrent state: every source rank's snapshot holds a part of this rank's.
+            if len(p.state_transfer_ids) != p.src_tp:
+                logger.warning("kvd connector: request %s: %d state snapshots for a TP-%d prefill; recomputing", p.req_id, len(p.state_transfer_ids), p.src_tp)
+                return False
+            for tid in p.state_transfer_ids:
+                if not self._landed(p, tid, deadline):
+                    return False
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             good = conn._load_resliced(conn._client_w(), p.keys, p.block_ids, p.src_tp, shards)
+            state_ok = good == len(p.block_ids) and (p.state is None or conn._load_state_resliced(conn._client_w(), *p.state, p.src_tp))
+            if self._stream is not None:
+                self._stream.synchronize()
         if good < len(p.block_ids):
             logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
+            return False
+        if not state_ok:
+            logger.warning("kvd connector: request %s: the recurrent state at the handoff's boundary did not land whole; recomputing", p.req_id)
             return False
         return True
 
