@@ -343,14 +343,14 @@ def _():
         for t in e.kv.values():
             t.copy_((torch.rand(t.shape, generator=g) * 4 - 2).to(t.dtype))
         ids = [5, 1, 9]
-        staged = w._gather(ids)
+        staged = w._paged.gather(ids)
         direct = torch.zeros_like(staged)
         for j, b in enumerate(ids):
-            for src, dst in w._pieces(direct[j], b):
+            for src, dst in w._paged.pieces(direct[j], b):
                 dst.copy_(src)
         assert torch.equal(staged, direct), layout
         before = {n: t.clone() for n, t in e.kv.items()}
-        w._scatter([20, 21, 22], staged)
+        w._paged.scatter([20, 21, 22], staged)
         for n, t in e.kv.items():
             assert torch.equal(t[[20, 21, 22]], before[n][ids]), (layout, n)
         e.close()
@@ -369,12 +369,12 @@ def _():
         other = torch.zeros_like(pool)
         ids, offs = [5, 1, 9], [0, bb, 3 * bb]
         for l in range(ve.LAYERS):
-            w._save_layer(pool, offs, ids, l, staged=True)
-            w._save_layer(other, offs, ids, l, staged=False)
+            w._paged.save_layer(pool, offs, ids, l, staged=True)
+            w._paged.save_layer(other, offs, ids, l, staged=False)
         assert torch.equal(pool, other), layout
         before = {n: t.clone() for n, t in e.kv.items()}
         for l in range(ve.LAYERS):
-            w._load_layer(pool, offs, [20, 21, 22], l, staged=True)
+            w._paged.load_layer(pool, offs, [20, 21, 22], l, staged=True)
         for n, t in e.kv.items():
             assert torch.equal(t[[20, 21, 22]], before[n][ids]), (layout, n)
         e.close()
@@ -382,7 +382,7 @@ def _():
 
 @check("one indexing kernel per call: whole blocks and layers land where one copy per slot puts them; unaligned pieces are refused, nothing moved")
 def _():
-    # _read_pool/_write_pool run over the pool's device mapping on CUDA; here over the
+    # read_pool/write_pool run over the pool's device mapping on CUDA; here over the
     # pool itself, the same row arithmetic.
     assert ve.LAYERS >= 2
     e = ve.Engine(P)
@@ -393,29 +393,29 @@ def _():
     bb = w._geo.block_bytes
     lb = bb // ve.LAYERS
     ids, offs = [5, 1, 9], [3 * bb, 0, 6 * bb]
-    staged = w._gather(ids)
+    staged = w._paged.gather(ids)
     pool = torch.zeros(8 * bb, dtype=torch.uint8)
-    assert w._write_pool(pool, offs, staged)
+    assert w._paged.write_pool(pool, offs, staged)
     other = torch.zeros_like(pool)
     for j, off in enumerate(offs):
-        w._slot(other, off).copy_(staged[j])
+        w._paged.slot(other, off).copy_(staged[j])
     assert torch.equal(pool, other)
-    back = w._read_pool(pool, offs, bb, tuple(staged.shape))
+    back = w._paged.read_pool(pool, offs, bb, tuple(staged.shape))
     assert back.dtype == staged.dtype and torch.equal(back, staged)
     # One layer of each slot: the rows are that layer's bytes only.
-    layer = w._read_pool(pool, [off + 1 * lb for off in offs], lb, (3,) + tuple(staged.shape[2:]))
+    layer = w._paged.read_pool(pool, [off + 1 * lb for off in offs], lb, (3,) + tuple(staged.shape[2:]))
     assert torch.equal(layer, staged[:, 1])
-    assert w._write_pool(pool, [off + 0 * lb for off in offs], torch.zeros_like(staged[:, 0]))
+    assert w._paged.write_pool(pool, [off + 0 * lb for off in offs], torch.zeros_like(staged[:, 0]))
     assert torch.count_nonzero(pool.view(8, ve.LAYERS, lb)[[3, 0, 6], 0]) == 0
     assert torch.equal(pool.view(8, ve.LAYERS, lb)[:, 1:], other.view(8, ve.LAYERS, lb)[:, 1:])
     # A start not 8-byte aligned: no rows, nothing written (the caller copies per slot).
     before = pool.clone()
-    assert w._read_pool(pool, [4], bb, tuple(staged.shape[1:])) is None
-    assert not w._write_pool(pool, [4], staged[0])
+    assert w._paged.read_pool(pool, [4], bb, tuple(staged.shape[1:])) is None
+    assert not w._paged.write_pool(pool, [4], staged[0])
     assert torch.equal(pool, before)
     # No slots: nothing moved, nothing refused.
-    assert w._write_pool(pool, [], staged[:0])
-    assert w._read_pool(pool, [], bb, (0,) + tuple(staged.shape[1:])).numel() == 0
+    assert w._paged.write_pool(pool, [], staged[:0])
+    assert w._paged.read_pool(pool, [], bb, (0,) + tuple(staged.shape[1:])).numel() == 0
     assert torch.equal(pool, before)
     e.close()
 

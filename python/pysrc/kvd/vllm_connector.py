@@ -83,11 +83,13 @@ own prefix cache keys them (:func:`kvd.vllm_layout.request_keys`).
 
 Where things are
 ----------------
-This module: the connector (scheduler side: hits, saves, handoffs; worker side: the
-classic layout's copies). :mod:`kvd.vllm_layout`: the geometry from vLLM's config, the
-keys. :mod:`kvd.vllm_groups`: grouped layouts and their copies. :mod:`kvd.vllm_meta`:
-what the scheduler sends the workers. :mod:`kvd.vllm_worker`: the mover, the copier and
-a step's layer-wise loads and saves.
+This module: the connector (scheduler side: hits, saves, handoffs; worker side: loads,
+stores and handoffs through the daemon). :mod:`kvd.vllm_layout`: the geometry from vLLM's
+config, the partitions (pipeline stages, DCP ranks), the keys. :mod:`kvd.vllm_classic`:
+the classic layout's copies. :mod:`kvd.vllm_groups`: grouped layouts and their copies.
+:mod:`kvd.vllm_state`: a recurrent state page between TP sizes. :mod:`kvd.vllm_meta`:
+what the scheduler sends the workers, and the workers' layouts it hears back.
+:mod:`kvd.vllm_worker`: the mover, the copier and a step's layer-wise loads and saves.
 
 What it refuses (with the reason, at start)
 -------------------------------------------
@@ -144,6 +146,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 import kvd
+from kvd.vllm_classic import ClassicCopier
 from kvd.vllm_groups import GroupedCopier, complete, positions, state_ids
 from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_keys, request_salt
 from kvd.vllm_meta import FINAL as _FINAL
@@ -243,13 +246,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._connect_sched()
 
     @property
-    def _staged(self) -> bool:
+    def _from_workers(self) -> bool:
         """Whether the layouts come from the workers (pipeline stages of a grouped layout)."""
         return bool(self._geo is not None and self._geo.grouped and self._geo.pp_size > 1)
 
     def _connect_sched(self) -> kvd.Client:
         c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
-        if self._staged:
+        if self._from_workers:
             lays, slays = self._stage_layouts or ([], [])
         else:
             lays = [self._geo.layout(r) for r in range(self._geo.num_layouts)]
@@ -264,7 +267,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         (PP stage, TP rank), before the first request: the stages' layouts of a grouped
         layout. Until every one of them came, the scheduler finds no hit and hands off
         nothing (a miss, never a load into layers it cannot name)."""
-        if not self._staged:
+        if not self._from_workers:
             return
         g = self._geo
         lays: list[Optional[dict]] = [None] * g.num_layouts
@@ -342,7 +345,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Blocks of ``keys`` a load can serve: the KV prefix every layout holds, and for
         a model with recurrent state the longest such prefix whose boundary has a state
         snapshot in every state layout (the state of another boundary never serves)."""
-        if self._staged and self._stage_layouts is None:
+        if self._from_workers and self._stage_layouts is None:
             return 0  # the stages' layouts are not known yet
         n = self._prefix(keys) if keys else 0
         if not self._slids or n == 0:
@@ -393,7 +396,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return self._remote[rid].answer
         if rid in self._gave_up:
             return 0, False  # vLLM recomputes after a failed handoff: never retry it
-        if self._staged and self._stage_layouts is None:
+        if self._from_workers and self._stage_layouts is None:
             logger.warning("kvd connector: request %s: the pipeline stages' layouts are not known yet; prefilling here", rid)
             return 0, False
         b = self._geo.key_tokens
@@ -755,42 +758,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 raise KvdConfigError(f"kvd connector: pipeline stage {self._stage} holds {lacks}: its blocks would be empty (use another pipeline split)")
             self._gcopy = GroupedCopier(g, kv_caches, rows=self._rows)
             self._scopy = GroupedCopier(g, kv_caches, state=True, rows=self._rows) if g.state_groups else None
-            self._layers = self._gcopy.tensors()
-            self._layer_index = dict(self._gcopy.index)
-            self._device = self._gcopy.device
-            self._connect_worker()
-            self._mover = _Mover(self)
-            self._mover.start()
-            self._copier = _Copier(self._device)
-            return
-        missing = [n for n in g.layer_names if n not in kv_caches]
-        if missing:
-            raise KvdConfigError(f"kvd connector: no KV cache tensor for layers {missing[:4]}")
-        if g.pp_size > 1 and len(g.layer_names) != g.stage_layers[self._stage]:
-            raise KvdConfigError(
-                f"kvd connector: pipeline stage {self._stage} holds {len(g.layer_names)} layers, vLLM's partition says {g.stage_layers[self._stage]}"
-            )
-        layers = [kv_caches[n] for n in g.layer_names]
-        t0 = layers[0]
-        for name, t in zip(g.layer_names, layers):
-            if t.dim() != 4:
-                raise KvdConfigError(f"kvd connector: layer {name}: a {t.dim()}-dimensional KV cache {tuple(t.shape)}; expected vLLM's [blocks, heads, tokens, K|V]")
-            if t.dtype != g.dtype or t.device != t0.device or t.shape != t0.shape:
-                raise KvdConfigError(f"kvd connector: layer {name}: {tuple(t.shape)} {t.dtype} on {t.device} differs from the other layers")
-        nb, heads, kb, content = t0.shape
-        if heads != g.heads or content != 2 * g.head_size:
-            raise KvdConfigError(
-                f"kvd connector: KV cache shape {tuple(t0.shape)} does not match the model ({g.heads} KV heads, "
-                f"K|V of {2 * g.head_size}); unsupported layout"
-            )
-        if nb % g.num_blocks or kb * (nb // g.num_blocks) != g.block_size:
-            raise KvdConfigError(
-                f"kvd connector: {nb} kernel blocks of {kb} tokens do not split {g.num_blocks} blocks of {g.block_size} tokens"
-            )
-        self._layers = layers
-        self._layer_index = {n: i for i, n in enumerate(g.layer_names)}
-        self._ratio = nb // g.num_blocks
-        self._device = t0.device
+            self._paged: Any = self._gcopy
+        else:
+            if g.pp_size > 1 and len(g.layer_names) != g.stage_layers[self._stage]:
+                raise KvdConfigError(
+                    f"kvd connector: pipeline stage {self._stage} holds {len(g.layer_names)} layers, vLLM's partition says {g.stage_layers[self._stage]}"
+                )
+            self._paged = ClassicCopier(g, kv_caches, rows=self._rows)
+        self._layers = self._paged.tensors()
+        self._layer_index = dict(self._paged.index)
+        self._device = self._paged.device
         self._connect_worker()
         self._mover = _Mover(self)
         self._mover.start()
@@ -832,7 +809,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _map(self, pool: torch.Tensor) -> None:
         """On CUDA, keeps the pool's device mapping, through which one kernel moves all
-        pieces of a copy (:meth:`_read_pool`, :meth:`_write_pool`)."""
+        pieces of a copy (:meth:`kvd.vllm_classic.ClassicCopier.read_pool`, ``write_pool``)."""
         if self._device.type != "cuda":
             return
         with torch.cuda.device(self._device):
@@ -861,170 +838,28 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         idx = (first[:, None] + torch.arange(length // u, device=view.device)).reshape(-1)
         return rows, idx
 
-    def _read_pool(self, pool: torch.Tensor, starts: list[int], length: int, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
-        """``length`` bytes at each of ``starts`` in the pool, as one ``shape`` tensor of the
-        cache's dtype on its device, moved by one kernel (enqueued on the current stream);
-        None where :meth:`_rows` gives no rows."""
-        r = self._rows(pool, starts, length)
-        if r is None:
-            return None
-        rows, idx = r
-        return rows.index_select(0, idx).view(-1).view(self._geo.dtype).view(shape)
-
-    def _write_pool(self, pool: torch.Tensor, starts: list[int], src: torch.Tensor) -> bool:
-        """The reverse of :meth:`_read_pool`: ``src`` (contiguous, on the cache's device) cut
-        into ``len(starts)`` equal runs, run ``j`` to ``starts[j]``, by one kernel; False
-        where :meth:`_rows` gives no rows (nothing moved)."""
-        if not starts:
-            return True
-        length = src.numel() * src.element_size() // len(starts)
-        r = self._rows(pool, starts, length)
-        if r is None:
-            return False
-        rows, idx = r
-        rows.index_copy_(0, idx, src.contiguous().view(-1).view(torch.int64).view(-1, rows.shape[1]))
-        return True
-
     def _view(self) -> tuple[torch.Tensor, int]:
         """The pool view and the incarnation it maps, read together."""
         with self._lock:
             return self._pool, self._inc
 
-    def _slot(self, pool: torch.Tensor, off: int) -> torch.Tensor:
-        g = self._geo
-        return pool[off : off + g.block_bytes].view(g.dtype).view(len(g.layer_names), 2, g.heads, g.block_size, g.head_size)
+    def _load_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[Any], l: int) -> None:
+        """Layer ``l`` of pool slots ``offs`` → the paged cache's blocks ``block_ids``."""
+        self._paged.load_layer(pool, offs, block_ids, l)
 
-    def _kidx(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        if self._ratio > 1:
-            ids = (ids[:, None] * self._ratio + torch.arange(self._ratio)).reshape(-1)
-        return ids.to(self._device)
+    def _save_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[Any], l: int) -> None:
+        """Layer ``l`` of the paged cache's blocks ``block_ids`` → pool slots ``offs``."""
+        self._paged.save_layer(pool, offs, block_ids, l)
 
-    def _pieces(self, slot: torch.Tensor, block_id: int):
-        """(paged-cache view, slot view) pairs that together are one block: per layer, per
-        kernel block, K and V. Copying each pair moves the block with no intermediate."""
-        for l in range(len(self._layers)):
-            yield from self._layer_pieces(slot, block_id, l)
-
-    def _layer_pieces(self, slot: torch.Tensor, block_id: int, l: int):
-        """:meth:`_pieces` of layer ``l`` only."""
-        g, r = self._geo, self._ratio
-        kb, d = g.block_size // r, g.head_size
-        t = self._layers[l]
-        for i in range(r):
-            page = t[block_id * r + i]  # [heads, kb, K|V]
-            for part in (0, 1):
-                yield page[..., part * d : (part + 1) * d], slot[l, part, :, i * kb : (i + 1) * kb]
-
-    def _load_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
-        """Layer ``l`` of pool slots ``offs`` → paged-cache blocks ``block_ids`` (on CUDA,
-        or ``staged``: enqueued on the current stream, every slot's layer into a staging
-        tensor by one kernel (:meth:`_read_pool`; one DMA per slot without a mapping), one
-        scatter; else one copy per piece)."""
-        if self._geo.grouped:
-            self._gcopy.load_layer(pool, offs, block_ids, l)
-            return
-        if not (self._device.type == "cuda" if staged is None else staged):
-            for off, b in zip(offs, block_ids):
-                for dst, src in self._layer_pieces(self._slot(pool, off), b, l):
-                    dst.copy_(src)
-            return
-        g, n, r = self._geo, len(offs), self._ratio
-        lb = g.block_bytes // len(g.layer_names)
-        shape = (n, 2, g.heads, g.block_size, g.head_size)
-        staging = self._read_pool(pool, [off + l * lb for off in offs], lb, shape)
-        if staging is None:
-            staging = torch.empty(shape, dtype=g.dtype, device=self._device)
-            for j, off in enumerate(offs):
-                staging[j].copy_(self._slot(pool, off)[l], non_blocking=True)
-        kb = g.block_size // r
-        x = torch.cat([staging[:, 0], staging[:, 1]], dim=-1)
-        x = x.view(n, g.heads, r, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n * r, g.heads, kb, 2 * g.head_size)
-        self._layers[l].index_copy_(0, self._kidx(block_ids), x)
-
-    def _save_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[int], l: int, staged: Optional[bool] = None) -> None:
-        """Layer ``l`` of paged-cache blocks ``block_ids`` → pool slots ``offs`` (the
-        reverse of :meth:`_load_layer`)."""
-        if self._geo.grouped:
-            self._gcopy.save_layer(pool, offs, block_ids, l)
-            return
-        if not (self._device.type == "cuda" if staged is None else staged):
-            for off, b in zip(offs, block_ids):
-                for src, dst in self._layer_pieces(self._slot(pool, off), b, l):
-                    dst.copy_(src)
-            return
-        g, n, r = self._geo, len(offs), self._ratio
-        kb = g.block_size // r
-        x = self._layers[l].index_select(0, self._kidx(block_ids))
-        x = x.view(n, r, g.heads, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n, g.heads, g.block_size, 2 * g.head_size)
-        staging = torch.stack([x[..., : g.head_size], x[..., g.head_size :]], dim=1).contiguous()
-        lb = g.block_bytes // len(g.layer_names)
-        if not self._write_pool(pool, [off + l * lb for off in offs], staging):
-            for j, off in enumerate(offs):
-                self._slot(pool, off)[l].copy_(staging[j], non_blocking=True)
-
-    def _copy_in(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
-        """Pool slots ``offs`` → paged-cache blocks ``block_ids``. On CUDA: every slot
-        into a device staging tensor by one kernel through the pool's mapping (one DMA per
-        slot without one), then one scatter; on the CPU: straight from each slot into the
-        cache, one copy per piece. Grouped layouts: one copy per piece on either."""
-        if self._geo.grouped:
-            self._gcopy.copy_in(pool, offs, block_ids)
-            self._sync()
-            return
-        if self._device.type != "cuda":
-            for off, b in zip(offs, block_ids):
-                for dst, src in self._pieces(self._slot(pool, off), b):
-                    dst.copy_(src)
-            return
-        g = self._geo
-        shape = (len(offs), len(self._layers), 2, g.heads, g.block_size, g.head_size)
-        staging = self._read_pool(pool, offs, g.block_bytes, shape)
-        if staging is None:
-            staging = torch.empty(shape, dtype=g.dtype, device=self._device)
-            for j, off in enumerate(offs):
-                staging[j].copy_(self._slot(pool, off), non_blocking=True)
-        self._scatter(block_ids, staging)
+    def _copy_in(self, pool: torch.Tensor, offs: list[int], block_ids: list[Any]) -> None:
+        """Pool slots ``offs`` → the paged cache's blocks ``block_ids``, finished."""
+        self._paged.copy_in(pool, offs, block_ids)
         self._sync()
 
-    def _copy_out(self, pool: torch.Tensor, offs: list[int], block_ids: list[int]) -> None:
-        """Paged-cache blocks ``block_ids`` → pool slots ``offs`` (the reverse of
-        :meth:`_copy_in`: on CUDA one gather, then one kernel into every slot)."""
-        if self._geo.grouped:
-            self._gcopy.copy_out(pool, offs, block_ids)
-            self._sync()
-            return
-        if self._device.type != "cuda":
-            for off, b in zip(offs, block_ids):
-                for src, dst in self._pieces(self._slot(pool, off), b):
-                    dst.copy_(src)
-            return
-        staging = self._gather(block_ids)
-        if not self._write_pool(pool, offs, staging):
-            for j, off in enumerate(offs):
-                self._slot(pool, off).copy_(staging[j], non_blocking=True)
+    def _copy_out(self, pool: torch.Tensor, offs: list[int], block_ids: list[Any]) -> None:
+        """The paged cache's blocks ``block_ids`` → pool slots ``offs``, finished."""
+        self._paged.copy_out(pool, offs, block_ids)
         self._sync()
-
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Blocks of the paged cache as ``[n, layer, K|V, head, token, dim]`` on its device."""
-        g, n, r = self._geo, len(block_ids), self._ratio
-        idx = self._kidx(block_ids)
-        out = torch.empty((n, len(self._layers), 2, g.heads, g.block_size, g.head_size), dtype=g.dtype, device=self._device)
-        kb = g.block_size // r
-        for l, t in enumerate(self._layers):
-            x = t.index_select(0, idx).view(n, r, g.heads, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n, g.heads, g.block_size, 2 * g.head_size)
-            out[:, l, 0].copy_(x[..., : g.head_size])
-            out[:, l, 1].copy_(x[..., g.head_size :])
-        return out
-
-    def _scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
-        g, n, r = self._geo, len(block_ids), self._ratio
-        idx = self._kidx(block_ids)
-        kb = g.block_size // r
-        for l, t in enumerate(self._layers):
-            x = torch.cat([src[:, l, 0], src[:, l, 1]], dim=-1)
-            x = x.view(n, g.heads, r, kb, 2 * g.head_size).permute(0, 2, 1, 3, 4).reshape(n * r, g.heads, kb, 2 * g.head_size)
-            t.index_copy_(0, idx, x)
 
     def _sync(self) -> None:
         if self._device.type == "cuda":
@@ -1049,21 +884,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
             good = min(kvd.vouched_prefix(client, self._src_lids[(src_tp, s)], keys, pin) for (s, *_), pin in zip(shards, pins))
-            if g.grouped:
-                self._gcopy.copy_resliced(pool, src_tp, shards, [offs[:good] for offs in offsets], block_ids[:good])
-                self._sync()
-                return good
-            hs, d, r = g.total_heads // src_tp, g.head_size, self._ratio
-            kb = g.block_size // r
-            nbytes = len(g.layer_names) * 2 * hs * g.block_size * d * g.dtype.itemsize
-            for (s, s0, d0, n), offs in zip(shards, offsets):
-                for off, b in zip(offs[:good], block_ids[:good]):
-                    slot = pool[off : off + nbytes].view(g.dtype).view(len(g.layer_names), 2, hs, g.block_size, d)
-                    for l, t in enumerate(self._layers):
-                        for i in range(r):
-                            page = t[b * r + i]  # [heads here, kb, K|V]
-                            for part in (0, 1):
-                                page[d0 : d0 + n, :, part * d : (part + 1) * d].copy_(slot[l, part, s0 : s0 + n, i * kb : (i + 1) * kb], non_blocking=True)
+            self._paged.copy_resliced(pool, src_tp, shards, [offs[:good] for offs in offsets], block_ids[:good])
             self._sync()
             return good
         finally:
