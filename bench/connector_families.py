@@ -6,7 +6,7 @@ planning, its real scheduler and connector roles, CPU KV tensors) against a real
 shapes are Llama-3-8B-like per layer (8 KV heads of 128, fp16, 16-token blocks). The
 worker connector saves N blocks (``_save_blocks``: alloc, copy, commit) and loads them
 into other blocks (``_load_pinned``: get, copy, release), the same calls a step makes
-around the forward; each is timed over several rounds and the median taken. The ceiling
+around the forward, and for a recurrent hybrid the request's one state snapshot too; each is timed over several rounds and the median taken. The ceiling
 is ``torch`` copying the same bytes between two buffers (the copies the connector makes,
 with no daemon).
 
@@ -56,6 +56,20 @@ BENCH = {
     },
     # DeepSeek-V3-like MLA: kv_lora_rank 512 + RoPE 64
     "mla": {"model_type": "deepseek_v3", "num_hidden_layers": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    # Qwen3.5-like recurrent hybrid: three GDN layers to one full one; a save or load moves
+    # the blocks and the request's one state snapshot (its page fits an attention page)
+    "gdn+full": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 8,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        "num_key_value_heads": H,
+        "head_dim": D,
+        "linear_conv_kernel_dim": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "mamba_type": "GDN_ATTN",
+    },
 }
 
 
@@ -81,22 +95,29 @@ def measure(endpoint, family, blocks, rounds, model):
     src = [1 + i for i in range(blocks)]
     dst = [1 + blocks + i for i in range(blocks)]
     ids = (lambda bs: [tuple([b] * ngroups) for b in bs]) if grouped else (lambda bs: bs)
+    states = len(geo.state_groups) if grouped else 0
     client = w._client_w()
     save, load = [], []
     for r in range(rounds):
         keys = [os.urandom(16) for _ in range(blocks)]
         t0 = time.perf_counter()
         w._save_blocks(Load(req_id="bench", keys=keys, block_ids=ids(src)))
+        if states:
+            w._save_state(Load(req_id="bench", keys=keys[-1:], block_ids=[tuple([src[-1]] * states)]))
         t1 = time.perf_counter()
         good = w._load_pinned(client, keys, ids(dst))
+        if states:
+            assert w._load_state(client, keys[-1], tuple([dst[-1]] * states))
         t2 = time.perf_counter()
         assert good == blocks, good
         save.append(t1 - t0)
         load.append(t2 - t1)
         client.delete(w._lid, keys)
+        if states:
+            client.delete(w._slid, keys[-1:])
     e.close()
     # memcpy ceiling of the same bytes, as the connector's copies make them
-    nbytes = geo.block_bytes * blocks
+    nbytes = geo.block_bytes * blocks + (geo.state_bytes if states else 0)
     a = torch.empty(nbytes, dtype=torch.uint8)
     b = torch.empty(nbytes, dtype=torch.uint8)
     a.random_(0, 255)
@@ -105,7 +126,7 @@ def measure(endpoint, family, blocks, rounds, model):
         t0 = time.perf_counter()
         b.copy_(a)
         cp.append(time.perf_counter() - t0)
-    return geo.block_bytes, statistics.median(save), statistics.median(load), statistics.median(cp), ngroups
+    return nbytes, statistics.median(save), statistics.median(load), statistics.median(cp), ngroups + states
 
 
 def main():
@@ -125,15 +146,14 @@ def main():
         for fam in BENCH:
             rows[fam] = measure(f"ipc://{d}/kvd.sock", fam, a.blocks, a.rounds, model_dir(d))
         base = rows["dense"]
-        print(f"{a.blocks} blocks per call, median of {a.rounds}; GB/s = block bytes moved per second")
-        print("| family | groups | block | save GB/s | load GB/s | memcpy GB/s | save/memcpy | load/memcpy | save s/B vs dense | load s/B vs dense |")
+        print(f"{a.blocks} blocks per call, median of {a.rounds}; GB/s = bytes moved per second")
+        print("| family | groups | bytes per call | save GB/s | load GB/s | memcpy GB/s | save/memcpy | load/memcpy | save s/B vs dense | load s/B vs dense |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for fam, (bb, sv, ld, cp, ng) in rows.items():
-            n = bb * a.blocks
-            rel_s = (sv / n) / (base[1] / (base[0] * a.blocks))
-            rel_l = (ld / n) / (base[2] / (base[0] * a.blocks))
+        for fam, (n, sv, ld, cp, ng) in rows.items():
+            rel_s = (sv / n) / (base[1] / base[0])
+            rel_l = (ld / n) / (base[2] / base[0])
             print(
-                f"| {fam} | {ng} | {bb // 1024} KiB | {n / sv / 1e9:.2f} | {n / ld / 1e9:.2f} | {n / cp / 1e9:.2f} | "
+                f"| {fam} | {ng} | {n // 1024} KiB | {n / sv / 1e9:.2f} | {n / ld / 1e9:.2f} | {n / cp / 1e9:.2f} | "
                 f"{cp / sv:.2f} | {cp / ld:.2f} | {rel_s:.2f}x | {rel_l:.2f}x |"
             )
         m = vf.FAMILIES["mla"]
