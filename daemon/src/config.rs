@@ -98,18 +98,29 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Size(pub u64);
 
+/// A size that does not parse (what `bytesize` said of it: it reports its errors as text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid size {input:?}: {reason} (use e.g. 1GiB, 512MiB, 4096)")]
+pub struct SizeError {
+    /// What was given.
+    pub input: String,
+    /// Why it is not a size.
+    pub reason: String,
+}
+
 impl FromStr for Size {
-    // The one `String` error of the daemon's library code: `bytesize` reports its parse
-    // errors as `String`, and clap and serde take any `Display`; a type would only wrap it.
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = SizeError;
+    fn from_str(s: &str) -> Result<Self, SizeError> {
         let s = s.trim();
         if let Ok(n) = s.parse::<u64>() {
             return Ok(Size(n));
         }
         ByteSize::from_str(s)
             .map(|b| Size(b.as_u64()))
-            .map_err(|e| format!("invalid size {s:?}: {e} (use e.g. 1GiB, 512MiB, 4096)"))
+            .map_err(|reason| SizeError {
+                input: s.to_owned(),
+                reason,
+            })
     }
 }
 

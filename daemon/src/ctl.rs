@@ -148,7 +148,7 @@ fn batch_json(topic: &[u8], seq: u64, payload: &[u8]) -> serde_json::Value {
                 .collect();
             serde_json::json!({"seq": seq, "topic": t, "ts": b.ts, "events": events})
         }
-        Err(e) => serde_json::json!({"seq": seq, "topic": t, "error": e}),
+        Err(e) => serde_json::json!({"seq": seq, "topic": t, "error": e.to_string()}),
     }
 }
 

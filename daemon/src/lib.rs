@@ -455,7 +455,7 @@ fn keep_pool(
     let kept = *pool.previous() == pool::Previous::Kept;
     let (tbl, found, why) = table::BlockTable::open(path, &id, kept)?;
     let why = match (why, pool.previous()) {
-        (Some(w), _) => Some(w),
+        (Some(w), _) => Some(w.to_string()),
         (None, pool::Previous::Replaced(w)) => Some(w.clone()),
         _ => None,
     };

@@ -208,14 +208,25 @@ pub fn encode_batch(ts: f64, events: &[KvEvent]) -> Vec<u8> {
     rmp_serde::to_vec_named(&(ts, wire, None::<i64>)).unwrap_or_default()
 }
 
+/// Why an event message could not be decoded or applied.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    /// The payload is not a batch (msgpack `[ts, [event, ...], rank?]` of known events).
+    #[error("undecodable batch: {0}")]
+    Undecodable(String),
+    /// A message for a worker the index does not follow.
+    #[error("no worker {0}")]
+    NoWorker(usize),
+}
+
 /// Decodes a batch payload (a peer's or kvd's; unknown media are skipped, an unknown
 /// event type is an error).
-pub fn decode_batch(payload: &[u8]) -> Result<Batch, String> {
+pub fn decode_batch(payload: &[u8]) -> Result<Batch, EventError> {
     #[derive(Deserialize)]
     #[allow(dead_code)] // the rank is read to accept it, not used
     struct B(f64, Vec<Wire>, #[serde(default)] Option<i64>);
     let B(ts, wire, _) =
-        rmp_serde::from_slice(payload).map_err(|e| format!("undecodable batch: {e}"))?;
+        rmp_serde::from_slice(payload).map_err(|e| EventError::Undecodable(e.to_string()))?;
     let mut events = Vec::with_capacity(wire.len());
     for w in wire {
         match w {

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::events::{decode_batch, topic_layout, KvEvent, Medium};
+use crate::events::{decode_batch, topic_layout, EventError, KvEvent, Medium};
 use crate::{ChunkHash, LayoutId};
 
 /// Workers one index can follow.
@@ -136,7 +136,7 @@ impl PrefixIndex {
         topic: &[u8],
         seq: u64,
         payload: &[u8],
-    ) -> Result<Applied, String> {
+    ) -> Result<Applied, EventError> {
         self.apply_from(w, topic, seq, payload, false)
     }
 
@@ -150,7 +150,7 @@ impl PrefixIndex {
         topic: &[u8],
         seq: u64,
         payload: &[u8],
-    ) -> Result<Applied, String> {
+    ) -> Result<Applied, EventError> {
         self.apply_from(w, topic, seq, payload, true)
     }
 
@@ -161,9 +161,9 @@ impl PrefixIndex {
         seq: u64,
         payload: &[u8],
         replayed: bool,
-    ) -> Result<Applied, String> {
+    ) -> Result<Applied, EventError> {
         if w >= self.workers.len() {
-            return Err(format!("no worker {w}"));
+            return Err(EventError::NoWorker(w));
         }
         let batch = decode_batch(payload)?;
         let mut out = Applied::Ok;

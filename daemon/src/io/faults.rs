@@ -20,6 +20,28 @@
 use super::uring::{IoKind, IoOp};
 use crate::pool::Pool;
 
+/// A `$KVD_NVME_FAULTS` that asks for nothing this module injects.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FaultsError {
+    /// A part that is not `key=value`.
+    #[error("KVD_NVME_FAULTS: {0:?} is not key=value")]
+    NotKeyValue(String),
+    /// A seed that is not a number.
+    #[error("KVD_NVME_FAULTS: seed {0:?} is not a number")]
+    Seed(String),
+    /// A fault whose value is not a probability.
+    #[error("KVD_NVME_FAULTS: {key} = {value:?} is not a probability")]
+    Probability {
+        /// The fault.
+        key: String,
+        /// What was given.
+        value: String,
+    },
+    /// A fault this module does not know.
+    #[error("KVD_NVME_FAULTS: unknown fault {0:?}")]
+    Unknown(String),
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct Faults {
@@ -33,7 +55,7 @@ pub struct Faults {
 impl Faults {
     /// The faults `$KVD_NVME_FAULTS` asks for, if it is set (unknown keys and bad values
     /// are refused: a typo must not silently test nothing).
-    pub fn from_env() -> Result<Option<Faults>, String> {
+    pub fn from_env() -> Result<Option<Faults>, FaultsError> {
         let Ok(spec) = std::env::var("KVD_NVME_FAULTS") else {
             return Ok(None);
         };
@@ -47,24 +69,25 @@ impl Faults {
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part
                 .split_once('=')
-                .ok_or_else(|| format!("KVD_NVME_FAULTS: {part:?} is not key=value"))?;
+                .ok_or_else(|| FaultsError::NotKeyValue(part.to_owned()))?;
             if k == "seed" {
-                f.rng = v
-                    .parse()
-                    .map_err(|_| format!("KVD_NVME_FAULTS: seed {v:?} is not a number"))?;
+                f.rng = v.parse().map_err(|_| FaultsError::Seed(v.to_owned()))?;
                 continue;
             }
             let p: f64 = v
                 .parse()
                 .ok()
                 .filter(|p: &f64| (0.0..=1.0).contains(p))
-                .ok_or_else(|| format!("KVD_NVME_FAULTS: {k} = {v:?} is not a probability"))?;
+                .ok_or_else(|| FaultsError::Probability {
+                    key: k.to_owned(),
+                    value: v.to_owned(),
+                })?;
             match k {
                 "write_error" => f.write_error = p,
                 "short_write" => f.short_write = p,
                 "read_error" => f.read_error = p,
                 "read_corrupt" => f.read_corrupt = p,
-                _ => return Err(format!("KVD_NVME_FAULTS: unknown fault {k:?}")),
+                _ => return Err(FaultsError::Unknown(k.to_owned())),
             }
         }
         Ok(Some(f))

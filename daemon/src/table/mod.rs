@@ -162,6 +162,65 @@ pub struct TableError {
     source: io::Error,
 }
 
+/// Why a table left on disk was not adopted (the pool then starts empty; the daemon says
+/// so in one line, `stats.kept.refused`).
+#[derive(Debug, thiserror::Error)]
+pub enum NotAdopted {
+    /// The file could not be opened.
+    #[error("cannot open the block table {path}: {source}")]
+    Open {
+        /// The table's path.
+        path: PathBuf,
+        /// What the open said.
+        source: io::Error,
+    },
+    /// Another size than a table of this pool has.
+    #[error("the block table is {len} bytes, a table of this pool is {want}: not this pool's")]
+    Size {
+        /// The file's size.
+        len: u64,
+        /// This pool's table size.
+        want: u64,
+    },
+    /// The file could not be mapped.
+    #[error("cannot map the block table: {0}")]
+    Map(io::Error),
+    /// No room for a header.
+    #[error("the block table is too short")]
+    Short,
+    /// No kvd header.
+    #[error("the block table has no kvd header (damaged, or not a table)")]
+    NoHeader,
+    /// The header fails its checksum.
+    #[error("the block table's header fails its checksum")]
+    HeaderChecksum,
+    /// Another table format.
+    #[error("the pool was left by a kvd of table format {0}; this kvd reads format {FORMAT}")]
+    Format(u64),
+    /// The table of another pool file.
+    #[error("the block table describes another pool file")]
+    OtherPool,
+    /// The pool's size or segments changed.
+    #[error(
+        "the pool was {size} bytes with {segment}-byte segments at {offset}; \
+         this one is {want_size} bytes with {want_segment}-byte segments at {want_offset}"
+    )]
+    Geometry {
+        /// The table's pool size.
+        size: u64,
+        /// The table's segment size.
+        segment: u64,
+        /// The table's data offset.
+        offset: u64,
+        /// This pool's size.
+        want_size: u64,
+        /// This pool's segment size.
+        want_segment: u64,
+        /// This pool's data offset.
+        want_offset: u64,
+    },
+}
+
 fn err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TableError + 'a {
     move |source| TableError {
         what,
@@ -309,7 +368,7 @@ impl BlockTable {
         path: &Path,
         id: &PoolIdentity,
         adopt: bool,
-    ) -> Result<(BlockTable, Option<Found>, Option<String>), TableError> {
+    ) -> Result<(BlockTable, Option<Found>, Option<NotAdopted>), TableError> {
         let geo = Geometry::of(id);
         let mut why = None;
         if adopt && path.exists() {
@@ -325,21 +384,23 @@ impl BlockTable {
         path: &Path,
         id: &PoolIdentity,
         geo: Geometry,
-    ) -> Result<(BlockTable, Found), String> {
+    ) -> Result<(BlockTable, Found), NotAdopted> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| format!("cannot open the block table {}: {e}", path.display()))?;
+            .map_err(|source| NotAdopted::Open {
+                path: path.to_owned(),
+                source,
+            })?;
         let len = file.metadata().map(|m| m.len()).unwrap_or(0);
         if len != geo.total_bytes {
-            return Err(format!(
-                "the block table is {len} bytes, a table of this pool is {}: not this pool's",
-                geo.total_bytes
-            ));
+            return Err(NotAdopted::Size {
+                len,
+                want: geo.total_bytes,
+            });
         }
-        let region = Region::map_shared(&file, geo.total_bytes, false)
-            .map_err(|e| format!("cannot map the block table: {e}"))?;
+        let region = Region::map_shared(&file, geo.total_bytes, false).map_err(NotAdopted::Map)?;
         let map = TableMap {
             region,
             geo,
@@ -720,7 +781,7 @@ mod tests {
         };
         let (_, found, why) = BlockTable::open(&path, &other, true).unwrap();
         assert!(found.is_none());
-        assert!(why.unwrap().contains("another pool file"));
+        assert!(matches!(why, Some(NotAdopted::OtherPool)), "{why:?}");
         // (that open replaced the table: start again)
         let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
         t.layout(&kvd_testkit::layout(64));
@@ -728,7 +789,7 @@ mod tests {
         set_format(&path, 7).unwrap();
         let (_, found, why) = BlockTable::open(&path, &id, true).unwrap();
         assert!(found.is_none());
-        assert!(why.unwrap().contains("format 7"));
+        assert!(matches!(why, Some(NotAdopted::Format(7))), "{why:?}");
         let (_, found, why) = BlockTable::open(&path, &id, true).unwrap();
         assert!(why.is_none(), "the refused table was replaced by a new one");
         assert_eq!(found.unwrap().blocks.len(), 0);

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use kvd_protocol::{BlockKey, Layout, LayoutId};
 
 use super::{
-    entry_check, key_of, state_word, PoolIdentity, TableMap, COMMITTED, ENTRY_WORDS, FORMAT, FREE,
-    GEN_MASK, HEADER_BYTES, LAYOUT_AREA, MAGIC, SEALED,
+    entry_check, key_of, state_word, NotAdopted, PoolIdentity, TableMap, COMMITTED, ENTRY_WORDS,
+    FORMAT, FREE, GEN_MASK, HEADER_BYTES, LAYOUT_AREA, MAGIC, SEALED,
 };
 use crate::pool::SLOT_ALIGN;
 
@@ -77,7 +77,7 @@ pub(super) fn header_check(head: &[u64; 8]) -> u32 {
 }
 
 /// Whether the table was made by this format for this pool; the reason when not.
-pub(super) fn check_header(map: &TableMap, id: &PoolIdentity) -> Result<(), String> {
+pub(super) fn check_header(map: &TableMap, id: &PoolIdentity) -> Result<(), NotAdopted> {
     let w = map.words();
     let got: Vec<u64> = w
         .iter()
@@ -85,30 +85,31 @@ pub(super) fn check_header(map: &TableMap, id: &PoolIdentity) -> Result<(), Stri
         .map(|x| x.load(Ordering::Acquire))
         .collect();
     let [magic, format, size, data_offset, segment, dev, ino, cap, check] = got[..] else {
-        return Err("the block table is too short".into());
+        return Err(NotAdopted::Short);
     };
     if magic != super::MAGIC {
-        return Err("the block table has no kvd header (damaged, or not a table)".into());
+        return Err(NotAdopted::NoHeader);
     }
     let stored = [magic, format, size, data_offset, segment, dev, ino, cap];
     if u64::from(header_check(&stored)) != check {
-        return Err("the block table's header fails its checksum".into());
+        return Err(NotAdopted::HeaderChecksum);
     }
     if format != FORMAT {
-        return Err(format!(
-            "the pool was left by a kvd of table format {format}; this kvd reads format {FORMAT}"
-        ));
+        return Err(NotAdopted::Format(format));
     }
     let want = header_words(id, map.geo.capacity as u64);
     if (dev, ino) != (want[5], want[6]) {
-        return Err("the block table describes another pool file".into());
+        return Err(NotAdopted::OtherPool);
     }
     if (size, data_offset, segment) != (want[2], want[3], want[4]) {
-        return Err(format!(
-            "the pool was {size} bytes with {segment}-byte segments at {data_offset}; \
-             this one is {} bytes with {}-byte segments at {}",
-            want[2], want[4], want[3]
-        ));
+        return Err(NotAdopted::Geometry {
+            size,
+            segment,
+            offset: data_offset,
+            want_size: want[2],
+            want_segment: want[4],
+            want_offset: want[3],
+        });
     }
     Ok(())
 }
