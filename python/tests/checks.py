@@ -40,6 +40,30 @@ def run():
     sys.exit(1 if failed else 0)
 
 
+def caught(check, what, needle="differs"):
+    """A negative control: ``check()`` must fail with an AssertionError that says
+    ``needle``; one that passes raises ("``what`` went unnoticed")."""
+    try:
+        check()
+    except AssertionError as e:
+        assert needle in str(e), e
+        return
+    raise RuntimeError(f"{what} went unnoticed")
+
+
+def expired(endpoint, transfers, within_s=5.0):
+    """Waits for the exports ``transfers`` (a handoff's ``kv_transfer_params``) that no
+    decode engine admitted to end with their lease; asserts they did."""
+    import kvd
+
+    for t in transfers:
+        deadline = time.time() + within_s
+        while kvd.Client(endpoint).transfer_status(t["transfer_id"])["state"] == "exported" and time.time() < deadline:
+            time.sleep(0.05)
+        state = kvd.Client(endpoint).transfer_status(t["transfer_id"])["state"]
+        assert state == "expired", (t, state)
+
+
 def checkpoint(d, seed, config='{"model_type": "llama", "num_hidden_layers": 2}'):
     """A tiny checkpoint in directory ``d``: ``config.json`` and ``model.safetensors`` with
     weights drawn from ``seed`` (64 K values: the identity samples them). Returns ``d``."""

@@ -284,14 +284,29 @@ class rank:
         ps.get_tensor_model_parallel_rank = self.real
 
 
+def rank_workers(config, kvcc, tp, layout):
+    """One worker-side connector per TP rank, each over KV tensors of its own made by
+    vLLM's ``allocate_kv_cache``, in vLLM's order (the worker's caches first). Returns
+    (workers, their KV tensors)."""
+    from kvd.vllm_connector import KvdConnector
+
+    workers, kvs = [], []
+    for r in range(tp):
+        kv = allocate_kv_cache(kvcc, torch.device("cpu"), layout, [BLOCK])
+        with rank(r):
+            w = KvdConnector(config, KVConnectorRole.WORKER, kvcc)
+            w.register_kv_caches(kv)
+        workers.append(w)
+        kvs.append(kv)
+    return workers, kvs
+
+
 class TPEngine(Engine):
     """An engine of ``tp`` tensor-parallel ranks: one scheduler, one worker per rank over
     its own KV heads (rank ``r`` holds heads ``r*h .. (r+1)*h``), driven as vLLM drives
     them (the same metadata to every worker, receives aggregated across them)."""
 
     def __init__(self, endpoint, tp, role="kv_both", num_blocks=64, layout=KVCacheLayout.LBNHC, **extra):
-        from kvd.vllm_connector import KvdConnector
-
         self.tp = tp
         self.heads = KV_HEADS // tp
         self.config = vllm_config(endpoint, role, None, **extra)
@@ -300,14 +315,7 @@ class TPEngine(Engine):
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD, dtype=DTYPE)
         self.kvcc = kv_cache_config(num_blocks, layout, spec=spec)
-        self.workers, self.kvs = [], []
-        for r in range(tp):
-            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK])
-            with rank(r):
-                w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
-                w.register_kv_caches(kv)
-            self.workers.append(w)
-            self.kvs.append(kv)
+        self.workers, self.kvs = rank_workers(self.config, self.kvcc, tp, layout)
         self.worker, self.kv = self.workers[0], self.kvs[0]
         self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK)
         self.sconn = self.scheduler.connector
@@ -476,8 +484,6 @@ class DCPEngine(Engine):
     of the same id, the tokens vLLM deals to DCP rank ``r % dcp``."""
 
     def __init__(self, endpoint, tp=2, dcp=2, interleave=1, role="kv_both", num_blocks=64, **extra):
-        from kvd.vllm_connector import KvdConnector
-
         self.tp, self.dcp, self.interleave = tp, dcp, interleave
         extra.setdefault("model_id", "kvd-test/tiny-mqa")
         self.config = vllm_config(endpoint, role, mqa_model_dir(), **extra)
@@ -488,14 +494,7 @@ class DCPEngine(Engine):
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=DTYPE)
         self.kvcc = kv_cache_config(num_blocks, KVCacheLayout.LBNHC, spec=spec)
-        self.workers, self.kvs = [], []
-        for r in range(tp):
-            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), KVCacheLayout.LBNHC, [BLOCK])
-            with rank(r):
-                w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
-                w.register_kv_caches(kv)
-            self.workers.append(w)
-            self.kvs.append(kv)
+        self.workers, self.kvs = rank_workers(self.config, self.kvcc, tp, KVCacheLayout.LBNHC)
         self.worker, self.kv = self.workers[0], self.kvs[0]
         self.scheduler = Scheduler(self.config, self.kvcc, StructuredOutputManager(self.config), block_size=BLOCK * dcp)
         self.sconn = self.scheduler.connector
