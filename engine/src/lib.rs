@@ -9,13 +9,15 @@
 //!   prefill|decode|both`).
 //! - [`router`]: `kvd-router`, which runs a prefill leg and a decode leg per request.
 //! - [`api`]: the JSON both speak, including `kv_transfer_params`.
-//! - [`local`]: spawning a local deployment (tests, bench, `deploy/local`).
+//! - `local` (feature `local`): spawning a local deployment for the end-to-end tests and
+//!   `kvd-bench pd-e2e`; it uses the test kit, which the engine itself does not link.
 //!
 //! Invariant the tests hold: a disaggregated request produces the tokens the same
 //! request produces on one aggregated engine.
 
 pub mod api;
 pub mod gpu_tier;
+#[cfg(feature = "local")]
 pub mod local;
 pub mod router;
 pub mod server;
