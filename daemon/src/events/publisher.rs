@@ -1,99 +1,23 @@
-//! KV events (SPEC §14): every block entering or leaving a tier, published in vLLM's
-//! format ([`kvd_protocol::events`]) so routers keep a prefix index without asking.
-//!
-//! ```text
-//!  store::index (DRAM: commit, remove) ─┐                    server thread, every turn:
-//!  nvme (STORAGE: written, dropped) ────┴─► EventLog ──take──► Publisher::publish
-//!                                                              │ group by layout, seq
-//!                                                              ▼ inproc PAIR (bounded)
-//!                                   publisher thread: PUB (topic, seq, payload) + replay
-//!                                   ring; ROUTER answers replay requests from it
-//! ```
-//!
-//! Who records: the store's index is the only place a block becomes readable in DRAM or
-//! stops being so (its `committed` count changes there); the NVMe tier's index the only
-//! place a block is written or dropped on disk. Each records into its own [`EventLog`]
-//! while events are on; the server drains them once per loop turn.
-//!
-//! Bounds: a log holds at most [`LOG_CAP`] changes between drains; beyond that it stops
-//! recording and says so, and the server publishes a full resync (`AllBlocksCleared`, then
-//! every block held) instead of a stream with a hole. The hand-off to the publisher
-//! thread is a ZMQ pair with a high-water mark: a batch it cannot take is dropped and
-//! counted, and its sequence number is skipped, so subscribers see the gap. The PUB
-//! socket queues at most `events.hwm` messages per subscriber (a slow subscriber loses
-//! messages, sees the gap, and replays); the replay ring keeps `events.buffer_steps`
-//! batches and at most [`REPLAY_BYTES`].
+//! The publisher (see [`super`]): the server thread groups and numbers the drained
+//! changes into batches and hands them over an inproc pair to the publisher thread, which
+//! owns the PUB socket, the replay ring and the replay ROUTER.
 
 use std::collections::VecDeque;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvd_protocol::events::{encode_batch, topic, KvEvent, Medium};
-use kvd_protocol::{BlockKey, ChunkHash, LayoutId};
+use kvd_protocol::{ChunkHash, LayoutId};
 
 use crate::config::EventsSection;
 
-/// Changes a log holds between two drains before it asks for a resync.
-pub const LOG_CAP: usize = 1 << 20;
+use super::Change;
+
 /// Bytes of batches the replay ring keeps at most.
 pub const REPLAY_BYTES: usize = 64 << 20;
 /// Batches the server may hand to the publisher thread before it drops them.
 const HANDOFF_HWM: i32 = 4096;
 /// Hashes per event at most (a large drain is split).
 const HASHES_PER_EVENT: usize = 4096;
-
-/// One change of where a block is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Change {
-    /// The block.
-    pub key: BlockKey,
-    /// The tier.
-    pub medium: Medium,
-    /// Stored (true) or removed (false).
-    pub stored: bool,
-}
-
-/// Where the index and the NVMe tier record changes (see the module docs).
-#[derive(Debug, Default)]
-pub struct EventLog {
-    on: bool,
-    changes: Vec<Change>,
-    overflowed: bool,
-}
-
-impl EventLog {
-    /// Starts or stops recording.
-    pub fn set_on(&mut self, on: bool) {
-        self.on = on;
-    }
-
-    /// Records a change (when on, and not overflowed).
-    pub fn record(&mut self, key: BlockKey, medium: Medium, stored: bool) {
-        if !self.on || self.overflowed {
-            return;
-        }
-        if self.changes.len() >= LOG_CAP {
-            self.overflowed = true;
-            self.changes = Vec::new();
-            return;
-        }
-        self.changes.push(Change {
-            key,
-            medium,
-            stored,
-        });
-    }
-
-    /// Moves the recorded changes to `out`; `false` when the log overflowed since the
-    /// last drain (then `out` gets nothing from it and a resync is due).
-    pub fn drain_into(&mut self, out: &mut Vec<Change>) -> bool {
-        if std::mem::take(&mut self.overflowed) {
-            self.changes.clear();
-            return false;
-        }
-        out.append(&mut self.changes);
-        true
-    }
-}
 
 /// The server thread's side: groups changes into batches, numbers them, hands them to
 /// the publisher thread. See the module docs.
