@@ -169,40 +169,12 @@ pub fn run(cfg: &DaemonConfig) -> Result<(), DaemonError> {
 /// tells its clients whose successor it is.
 pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result<(), DaemonError> {
     nix::sys::stat::umask(Mode::from_bits_truncate(0o077));
-    // What a later `kvd upgrade` starts: resolved now, before a package manager replaces
-    // the file (the path stays; /proc/self/exe would then name the deleted one).
-    let upgrade_cmd = cfg
-        .server
-        .upgrade_binary
-        .clone()
-        .or_else(|| std::env::current_exe().ok())
-        .map(|binary| server::UpgradeCommand {
-            binary,
-            args: std::env::args_os().skip(1).collect(),
-        });
-    let upgraded_from = match handoff {
-        Some(h) => {
-            tracing::info!(from = %h.from, "upgrade: ready; waiting for the old kvd to hand over");
-            let from = h
-                .take_over(Duration::from_secs(120))
-                .map_err(setup_err("taking over from the old kvd"))?;
-            tracing::info!(from = %from, "upgrade: the old kvd has exited; starting");
-            Some(from)
-        }
-        None => None,
-    };
+    let upgrade_cmd = upgrade_command(cfg);
+    let upgraded_from = take_over(handoff)?;
     // The ops endpoint first: /readyz says "starting" while the pool is prefaulted.
     let metrics = std::sync::Arc::new(metrics::Metrics::new());
     let health = std::sync::Arc::new(http::Health::new());
-    let _ops = match cfg.server.metrics_addr.as_deref() {
-        Some(addr) if !addr.is_empty() => {
-            let s = http::OpsServer::start(addr, metrics.clone(), health.clone())
-                .map_err(setup_err(format!("metrics endpoint {addr}")))?;
-            tracing::info!(addr = %s.addr(), "metrics, /healthz and /readyz served");
-            Some(s)
-        }
-        _ => None,
-    };
+    let _ops = start_ops(cfg, &metrics, &health)?;
     let group = cfg.server.group.as_deref().map(resolve_group).transpose()?;
     let incarnation = Incarnation(loop {
         let v: u64 = rand::random();
@@ -210,6 +182,123 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
             break v;
         }
     });
+    let opened = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
+    let ipc_paths = prepare_ipc(cfg, group)?;
+    let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let tx = sig_tx.try_clone().map_err(setup_err("dup"))?;
+        signal_hook::low_level::pipe::register(sig, tx).map_err(setup_err("signal handler"))?;
+    }
+    let (up_rx, up_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
+    signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR2, up_tx)
+        .map_err(setup_err("signal handler"))?;
+    let gpu = gpu::open(&cfg.gpu, &opened.pool).map_err(setup_err("the GPU tier"))?;
+    let transfers =
+        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|mut t| {
+            if cfg.events.enabled {
+                t.peers.events = Some(if cfg.events.replay_endpoint.is_empty() {
+                    cfg.events.endpoint.clone()
+                } else {
+                    format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
+                });
+            }
+            (t, opened.pool.clone())
+        });
+    let mut server = Server::bind(
+        opened.store,
+        server_options(cfg),
+        sig_rx,
+        metrics.clone(),
+        health.clone(),
+    )?;
+    server.set_upgrade(up_rx, upgrade_cmd, upgraded_from);
+    server.set_gpu(gpu);
+    if cfg.events.enabled {
+        server.start_events(&cfg.events)?;
+    }
+    if let Some((t, pool)) = transfers {
+        server.start_transfers(t, pool)?;
+    }
+    serve_endpoints(&mut server, cfg, &ipc_paths, group)?;
+    health.set(http::Phase::Ready, "ready");
+    if let Some(p) = opened.populate_later {
+        p.prefault_in_background();
+    }
+    // systemd (Type=notify): ready, and the main process (this one, also after an
+    // upgrade, whose old daemon is about to exit).
+    if let Some(sock) = config::notify_socket() {
+        if let Err(e) = sd_notify(&sock, &format!("READY=1\nMAINPID={}", std::process::id())) {
+            tracing::warn!(socket = %sock, error = %e, "telling systemd the daemon is ready");
+        }
+    }
+    tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
+    let stopped = server.run()?;
+    for p in &ipc_paths {
+        let _ = std::fs::remove_file(p);
+    }
+    stop(cfg, stopped, &opened.table);
+    Ok(())
+}
+
+/// What a later `kvd upgrade` starts: resolved now, before a package manager replaces
+/// the file (the path stays; /proc/self/exe would then name the deleted one).
+fn upgrade_command(cfg: &DaemonConfig) -> Option<server::UpgradeCommand> {
+    cfg.server
+        .upgrade_binary
+        .clone()
+        .or_else(|| std::env::current_exe().ok())
+        .map(|binary| server::UpgradeCommand {
+            binary,
+            args: std::env::args_os().skip(1).collect(),
+        })
+}
+
+/// Waits for the old daemon of an upgrade to hand over and exit; its incarnation.
+fn take_over(handoff: Option<upgrade::Handoff>) -> Result<Option<Incarnation>, DaemonError> {
+    let Some(h) = handoff else {
+        return Ok(None);
+    };
+    tracing::info!(from = %h.from, "upgrade: ready; waiting for the old kvd to hand over");
+    let from = h
+        .take_over(Duration::from_secs(120))
+        .map_err(setup_err("taking over from the old kvd"))?;
+    tracing::info!(from = %from, "upgrade: the old kvd has exited; starting");
+    Ok(Some(from))
+}
+
+/// The metrics, /healthz and /readyz endpoint, when configured.
+fn start_ops(
+    cfg: &DaemonConfig,
+    metrics: &std::sync::Arc<metrics::Metrics>,
+    health: &std::sync::Arc<http::Health>,
+) -> Result<Option<http::OpsServer>, DaemonError> {
+    let Some(addr) = cfg.server.metrics_addr.as_deref().filter(|a| !a.is_empty()) else {
+        return Ok(None);
+    };
+    let s = http::OpsServer::start(addr, metrics.clone(), health.clone())
+        .map_err(setup_err(format!("metrics endpoint {addr}")))?;
+    tracing::info!(addr = %s.addr(), "metrics, /healthz and /readyz served");
+    Ok(Some(s))
+}
+
+/// The store over its pool, tiers and (kept) block table, as [`open_store`] opens it.
+struct Opened {
+    store: Store,
+    pool: std::sync::Arc<Pool>,
+    table: PathBuf,
+    /// A kept pool, populated in the background once the daemon serves (the populate
+    /// holds the mapping's lock, which start-up's own mappings wait for).
+    populate_later: Option<std::sync::Arc<Pool>>,
+}
+
+/// Maps the pool (after an upgrade, retrying the old daemon's lock briefly), adopts what
+/// a kept pool holds and opens the NVMe tier.
+fn open_store(
+    cfg: &DaemonConfig,
+    incarnation: Incarnation,
+    group: Option<Gid>,
+    upgraded: bool,
+) -> Result<Opened, DaemonError> {
     let started = Instant::now();
     let pool_opts = PoolOptions {
         path: cfg.pool.path.clone(),
@@ -224,9 +313,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     let lock_until = Instant::now() + Duration::from_secs(5);
     let pool = loop {
         match Pool::create(&pool_opts, incarnation) {
-            Err(pool::PoolError::InUse(_))
-                if upgraded_from.is_some() && Instant::now() < lock_until =>
-            {
+            Err(pool::PoolError::InUse(_)) if upgraded && Instant::now() < lock_until => {
                 std::thread::sleep(Duration::from_millis(2));
             }
             r => break r?,
@@ -251,11 +338,9 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     }
     let lim = &cfg.limits;
     let pool = std::sync::Arc::new(pool);
-    // (a kept pool is populated in the background once the daemon serves: the populate
-    // holds the mapping's lock, which start-up's own mappings wait for)
     let populate_later =
         (cfg.pool.prefault && *pool.previous() == pool::Previous::Kept).then(|| pool.clone());
-    let store = Store::new(
+    let mut store = Store::new(
         pool.clone(),
         StoreConfig {
             segment_bytes: cfg.pool.segment_size.0,
@@ -273,11 +358,9 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         incarnation,
         started,
     );
-    let mut store = store;
     if cfg.pool.keep {
         keep_pool(&mut store, &pool, cfg, &table)?;
     }
-    let shared_pool = pool.clone();
     let store = match &cfg.nvme {
         Some(n) if !n.paths.is_empty() => {
             let tier = nvme::NvmeTier::open(
@@ -289,13 +372,23 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
                     allow_buffered: n.allow_buffered,
                     initialize: n.initialize,
                 },
-                pool,
+                pool.clone(),
             )?;
             store.with_tier(Box::new(tier))
         }
         _ => store,
     };
+    Ok(Opened {
+        store,
+        pool,
+        table,
+        populate_later,
+    })
+}
 
+/// The ipc endpoints' socket paths, their directories made; a path a live daemon serves
+/// is refused (ZMQ would silently take it over), a stale one removed.
+fn prepare_ipc(cfg: &DaemonConfig, group: Option<Gid>) -> Result<Vec<PathBuf>, DaemonError> {
     let ipc_paths: Vec<PathBuf> = cfg
         .server
         .endpoints
@@ -306,7 +399,6 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         if let Some(dir) = p.parent() {
             prepare_dir(dir, group)?;
         }
-        // ZMQ would silently take over a live daemon's socket path: refuse instead.
         if p.exists() {
             if std::os::unix::net::UnixStream::connect(p).is_ok() {
                 return Err(DaemonError::SocketInUse(p.clone()));
@@ -314,15 +406,12 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
             let _ = std::fs::remove_file(p);
         }
     }
-    let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        let tx = sig_tx.try_clone().map_err(setup_err("dup"))?;
-        signal_hook::low_level::pipe::register(sig, tx).map_err(setup_err("signal handler"))?;
-    }
-    let (up_rx, up_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
-    signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR2, up_tx)
-        .map_err(setup_err("signal handler"))?;
-    let opts = ServerOptions {
+    Ok(ipc_paths)
+}
+
+fn server_options(cfg: &DaemonConfig) -> ServerOptions {
+    let lim = &cfg.limits;
+    ServerOptions {
         endpoints: cfg.server.endpoints.clone(),
         max_envelope_bytes: cfg.server.max_envelope_bytes.0,
         max_keys_per_request: cfg.server.max_keys_per_request,
@@ -337,33 +426,21 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         },
         drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
         busy_poll: cfg.server.busy_poll,
-    };
-    let gpu = gpu::open(&cfg.gpu, &shared_pool).map_err(setup_err("the GPU tier"))?;
-    let transfers =
-        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|mut t| {
-            if cfg.events.enabled {
-                t.peers.events = Some(if cfg.events.replay_endpoint.is_empty() {
-                    cfg.events.endpoint.clone()
-                } else {
-                    format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
-                });
-            }
-            (t, shared_pool)
-        });
-    let mut server = Server::bind(store, opts, sig_rx, metrics.clone(), health.clone())?;
-    server.set_upgrade(up_rx, upgrade_cmd, upgraded_from);
-    server.set_gpu(gpu);
-    if cfg.events.enabled {
-        server.start_events(&cfg.events)?;
     }
-    if let Some((t, pool)) = transfers {
-        server.start_transfers(t, pool)?;
-    }
+}
+
+/// Binds the clients' endpoints and the stream transport, shared with the group.
+fn serve_endpoints(
+    server: &mut Server,
+    cfg: &DaemonConfig,
+    ipc_paths: &[PathBuf],
+    group: Option<Gid>,
+) -> Result<(), DaemonError> {
     server.bind_client_endpoints()?;
-    for p in &ipc_paths {
+    for p in ipc_paths {
         share_with_group(p, group, 0o660, 0o600)?;
     }
-    if let Some(p) = stream_path(cfg, &ipc_paths)? {
+    if let Some(p) = stream_path(cfg, ipc_paths)? {
         server.bind_stream(&p).map_err(setup_err(format!(
             "binding the stream transport at {}",
             p.display()
@@ -374,23 +451,16 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     if let Some(me) = server.peer_ref() {
         tracing::info!(node = %me.node, data = %me.data, "accepting transfers");
     }
-    health.set(http::Phase::Ready, "ready");
-    if let Some(p) = populate_later {
-        p.prefault_in_background();
-    }
-    // systemd (Type=notify): ready, and the main process (this one, also after an
-    // upgrade, whose old daemon is about to exit).
-    if let Some(sock) = config::notify_socket() {
-        if let Err(e) = sd_notify(&sock, &format!("READY=1\nMAINPID={}", std::process::id())) {
-            tracing::warn!(socket = %sock, error = %e, "telling systemd the daemon is ready");
-        }
-    }
-    tracing::info!(endpoints = ?cfg.server.endpoints, %incarnation, "kvd ready");
-    let server::Stopped { store, successor } = server.run()?;
-    for p in &ipc_paths {
-        let _ = std::fs::remove_file(p);
-    }
-    let mut store = store;
+    Ok(())
+}
+
+/// After the server stopped: a kept pool stays for the next daemon (its seals flushed),
+/// else the pool and its table go; the successor of an upgrade is let go last.
+fn stop(cfg: &DaemonConfig, stopped: server::Stopped, table: &Path) {
+    let server::Stopped {
+        mut store,
+        successor,
+    } = stopped;
     let st = store.stats(Instant::now());
     tracing::info!(requests = st.requests, blocks = st.blocks, "kvd stopped");
     let pool_path = store.pool().path().to_path_buf();
@@ -414,13 +484,13 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         );
         // Last: the successor of an upgrade starts once this process has let go.
         drop(successor);
-        return Ok(());
+        return;
     }
     drop(store); // unmaps and unlinks the pool...
                  // ...unless a data-plane connection thread still holds it: unlink it anyway.
     let _ = std::fs::remove_file(pool_path);
-    let _ = std::fs::remove_file(&table);
-    Ok(())
+    let _ = std::fs::remove_file(table);
+    drop(successor);
 }
 
 /// The block table of a kept pool: `<pool>.table` beside it, or in `/dev/shm` when the
