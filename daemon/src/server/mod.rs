@@ -22,22 +22,21 @@
 //!
 //! | file | what it owns |
 //! |---|---|
-//! | `mod.rs` | the [`Server`]: binding, the loop (poll, serve a batch, time-driven work, drain, exit), reading requests off each socket, peer authentication, metrics |
+//! | `mod.rs` | the [`Server`]: binding, the loop, reading requests off each socket, peer authentication, metrics |
 //! | `dispatch.rs` | one request to the part that serves it, in SPEC §10.1's order of checks; the drain policy (`starts_new_work`); reply bodies |
 //! | `replies.rs` | replies sent on the socket a request came from; deferred answers matched by token |
 //! | `tokens.rs` | the one place deferred-reply tokens are made |
+//! | `turn.rs` | one turn of the loop: its timeout, the wait on every descriptor, serving what is ready, the signals and the drain |
 
-use std::io::Read;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use kvd_protocol::auth::{Receiver, Stamp};
 use kvd_protocol::*;
 
-use crate::http::{Health, Phase};
+use crate::http::Health;
 use crate::metrics::Metrics;
-use crate::readiness::{self, Interest, Watched};
+use crate::readiness::{Interest, Watched};
 use crate::store::Store;
 use crate::stream::StreamServer;
 use crate::transfer::{TransferConfig, Transfers};
@@ -46,6 +45,7 @@ mod dispatch;
 mod handover;
 mod replies;
 mod tokens;
+mod turn;
 
 pub use handover::UpgradeCommand;
 
@@ -396,190 +396,19 @@ impl Server {
     }
 
     /// Serves until a signal arrives; then answers what is already queued and returns.
+    /// Each turn (`turn.rs`): wait up to the next deadline, serve what is ready and run
+    /// the time-driven work, then the signals, an upgrade's hand-over and the drain.
     pub fn run(mut self) -> Result<Stopped, ServerError> {
         loop {
-            let now = Instant::now();
-            let next = [
-                self.store.next_deadline(),
-                self.transfers.as_ref().and_then(Transfers::next_deadline),
-                self.links.next_deadline(),
-                self.events
-                    .as_ref()
-                    .and_then(crate::events::Publisher::next_keepalive),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            let cap = if self.cut.is_some() || self.successor.is_some() {
-                Duration::from_millis(5)
-            } else if self.draining.is_some() {
-                Duration::from_millis(50)
-            } else {
-                Duration::from_millis(250) // metrics refresh
+            let timeout = self.turn_timeout();
+            let Some(mut ready) = self.wait(timeout)? else {
+                continue; // (interrupted)
             };
-            let timeout = next
-                .map(|d| d.saturating_duration_since(now))
-                .unwrap_or(cap)
-                .min(cap);
-            let mut stream_ready: Vec<(u64, bool, bool)> = Vec::new();
-            let mut accept_ready = false;
-            let mut woken = [false; 2];
-            let upgrade_ready: bool;
-            let sig_ready = {
-                // A ZMQ socket that may hold a message makes this turn's poll return at
-                // once (see `readiness`).
-                let mut no_sleep = self.opts.busy_poll | self.socket.must_not_sleep();
-                if let Some(p) = self.peer_socket.as_mut() {
-                    no_sleep |= p.must_not_sleep();
-                }
-                for l in self.links.links.values_mut() {
-                    no_sleep |= l.socket.must_not_sleep();
-                }
-                // Round up so that a deadline 0.4 ms away does not spin.
-                let timeout_ms = if no_sleep {
-                    0
-                } else {
-                    i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
-                };
-                use readiness::{events_of, key, ERR_HUP, IN, OUT};
-                let int = &mut self.interest;
-                let poll_err = ServerError::Poll;
-                int.want(self.socket.fd(), key::SOCKET, IN)
-                    .map_err(poll_err)?;
-                int.want(self.signals.as_raw_fd(), key::SIGNALS, IN)
-                    .map_err(poll_err)?;
-                if let Some(u) = &self.upgrade_signals {
-                    int.want(u.as_raw_fd(), key::UPGRADE, IN)
-                        .map_err(poll_err)?;
-                }
-                if let Some(s) = &self.successor {
-                    int.want(s.fd(), key::SUCCESSOR, IN).map_err(poll_err)?;
-                }
-                // The store's and the GPU tier's completions are taken every turn: their
-                // descriptors only wake the wait.
-                if let Some(fd) = self.store.io_fd() {
-                    int.want(fd, key::STORE_IO, IN).map_err(poll_err)?;
-                }
-                if let Some(fd) = self.gpu.fd() {
-                    int.want(fd, key::GPU, IN).map_err(poll_err)?;
-                }
-                if let Some(p) = &self.peer_socket {
-                    int.want(p.fd(), key::PEER, IN).map_err(poll_err)?;
-                }
-                if let Some(t) = &self.transfers {
-                    let [plane, filled] = t.wake_fds();
-                    int.want(plane, key::PLANE_WAKE, IN).map_err(poll_err)?;
-                    int.want(filled, key::FILLED_WAKE, IN).map_err(poll_err)?;
-                }
-                for l in self.links.links.values() {
-                    int.want(l.socket.fd(), key::link(l.socket.serial()), IN)
-                        .map_err(poll_err)?;
-                }
-                if let Some(st) = &self.stream {
-                    if let Some(fd) = st.listener_fd() {
-                        int.want(fd, key::LISTENER, IN).map_err(poll_err)?;
-                    }
-                    for (id, fd, writing) in st.conn_fds() {
-                        let ev = if writing { IN | OUT } else { IN };
-                        int.want(fd, key::conn(id), ev).map_err(poll_err)?;
-                    }
-                }
-                let ready = match int.wait(timeout_ms) {
-                    Ok(r) => r,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(ServerError::Poll(e)),
-                };
-                let ev = |k: u64| events_of(ready, k);
-                // Readable, or an error or hang-up (the read finds it).
-                let readable = |k: u64| ev(k) & (IN | ERR_HUP) != 0;
-                self.socket.polled(ev(key::SOCKET));
-                if let Some(p) = self.peer_socket.as_mut() {
-                    p.polled(ev(key::PEER));
-                }
-                if !ready.is_empty() {
-                    for l in self.links.links.values_mut() {
-                        l.socket.polled(ev(key::link(l.socket.serial())));
-                    }
-                }
-                if self.stream.is_some() {
-                    accept_ready = readable(key::LISTENER);
-                    for &(k, e) in ready {
-                        if let Some(id) = key::conn_id(k) {
-                            let w = e & OUT != 0;
-                            let r = e & (IN | ERR_HUP) != 0;
-                            if r || w {
-                                stream_ready.push((id, r, w));
-                            }
-                        }
-                    }
-                }
-                if self.transfers.is_some() {
-                    // The completion queues are taken only when their signal polled
-                    // readable (an eventfd stays readable until taken): no `read` per
-                    // turn for queues with nothing in them.
-                    woken = [readable(key::PLANE_WAKE), readable(key::FILLED_WAKE)];
-                }
-                upgrade_ready = readable(key::UPGRADE);
-                readable(key::SIGNALS)
-            };
-            let sock_ready = self.socket.may_have_message();
-            let peer_ready = self
-                .peer_socket
-                .as_ref()
-                .is_some_and(Watched::may_have_message);
-            if sock_ready {
-                for _ in 0..BATCH {
-                    if !self.serve_one(false)? {
-                        break;
-                    }
-                }
+            self.serve_ready(&mut ready)?;
+            if ready.signal && self.on_signal() {
+                return Ok(self.stopped());
             }
-            if peer_ready {
-                for _ in 0..BATCH {
-                    if !self.serve_one(true)? {
-                        break;
-                    }
-                }
-            }
-            for (id, readable, writable) in stream_ready {
-                if writable {
-                    if let Some(st) = self.stream.as_mut() {
-                        st.flush(id);
-                    }
-                }
-                if readable {
-                    self.serve_stream(id);
-                }
-            }
-            if accept_ready {
-                if let Some(st) = self.stream.as_mut() {
-                    st.accept();
-                }
-            }
-            self.store.maintain(Instant::now());
-            self.end_gone_clients(Instant::now());
-            self.gpu.maintain(&self.store, Instant::now());
-            self.drive_transfers(woken);
-            self.answer_deferred();
-            self.settle_parked_locks();
-            self.answer_gpu();
-            self.publish_events();
-            if sig_ready {
-                let mut buf = [0u8; 16];
-                let n = self.signals.read(&mut buf).unwrap_or(0);
-                if self.draining.is_some() || n >= 2 {
-                    tracing::warn!("second signal: exiting now");
-                    return Ok(self.stopped());
-                }
-                let grace = self.opts.drain_grace;
-                self.draining = Some(Instant::now() + grace);
-                self.health.set(Phase::Draining, "draining");
-                tracing::info!(
-                    grace_ms = grace.as_millis() as u64,
-                    "signal received: draining (new stores and transfers refused; a second signal exits now)"
-                );
-            }
-            if upgrade_ready {
+            if ready.upgrade {
                 self.upgrade_requested();
             }
             self.check_successor();
@@ -589,26 +418,8 @@ impl Server {
                 return Ok(self.stopped());
             }
             self.refresh_metrics(false);
-            if let Some(deadline) = self.draining {
-                let busy = self.transfers.as_ref().is_some_and(Transfers::busy) || self.gpu.busy();
-                if !busy || Instant::now() >= deadline {
-                    if busy {
-                        tracing::warn!("grace period over with transfers in flight: exiting");
-                    }
-                    // Finish what is already queued, bounded in time.
-                    let until = Instant::now() + Duration::from_secs(2);
-                    while Instant::now() < until
-                        && (self.serve_one(false)?
-                            || self.serve_one(true)?
-                            || !self.waiting.is_empty())
-                    {
-                        self.answer_deferred();
-                        self.answer_gpu();
-                    }
-                    self.publish_events();
-                    tracing::info!("drained");
-                    return Ok(self.stopped());
-                }
+            if self.drained()? {
+                return Ok(self.stopped());
             }
         }
     }
