@@ -828,8 +828,14 @@ impl LowerTier for NvmeTier {
     fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
         Some(NvmeTier::wake_fd(self))
     }
-    fn drain(&mut self) -> Vec<IoDone> {
+    fn drain(&mut self) -> Vec<crate::store::TierDone> {
         NvmeTier::drain(self)
+            .into_iter()
+            .map(|d| crate::store::TierDone {
+                tag: d.tag,
+                result: d.result,
+            })
+            .collect()
     }
     fn next_deadline(&self) -> Option<Instant> {
         NvmeTier::next_deadline(self)

@@ -63,7 +63,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 pub use self::error::StoreError;
-pub use self::tiering::{LowerTier, NoTier};
+pub use self::tiering::{LowerTier, NoTier, TierDone};
 
 use self::holds::{Holds, Pin};
 use self::index::{Index, Node, State};

@@ -24,10 +24,20 @@ use super::index::{Node, State};
 use super::reclaim::Room;
 use super::{Answer, Completed, Store};
 use crate::alloc::ClassId;
-use crate::io::uring::IoDone;
 
 /// Most promotions one `lookup` starts as a prefetch.
 const PREFETCH_MAX: usize = 256;
+
+/// A finished operation of a lower tier: the tag it was begun under and the crc32c of
+/// the block's bytes it moved, or what failed. (In the store's terms: the tier's own
+/// I/O machinery, io_uring for the NVMe tier, stays behind the trait.)
+#[derive(Debug)]
+pub struct TierDone {
+    /// The tag `begin_write` or `begin_read` was given.
+    pub tag: u64,
+    /// crc32c of the block's bytes, or the error.
+    pub result: io::Result<u32>,
+}
 
 /// A tier below DRAM that blocks are demoted to and promoted from. Operations are
 /// asynchronous: `begin_*` starts one under a tag, its completion comes out of
@@ -67,7 +77,7 @@ pub trait LowerTier: Send {
     /// An fd that is readable when completions wait.
     fn wake_fd(&self) -> Option<RawFd>;
     /// Completions delivered so far.
-    fn drain(&mut self) -> Vec<IoDone>;
+    fn drain(&mut self) -> Vec<TierDone>;
     /// When [`LowerTier::maintain`] has work to do (`None`: nothing timed).
     fn next_deadline(&self) -> Option<Instant> {
         None
@@ -119,7 +129,7 @@ impl LowerTier for NoTier {
     fn wake_fd(&self) -> Option<RawFd> {
         None
     }
-    fn drain(&mut self) -> Vec<IoDone> {
+    fn drain(&mut self) -> Vec<TierDone> {
         Vec::new()
     }
 }
@@ -438,7 +448,7 @@ impl Store {
         out
     }
 
-    fn complete(&mut self, done: IoDone, now: Instant) {
+    fn complete(&mut self, done: TierDone, now: Instant) {
         let Some(flight) = self.flights.remove(&done.tag) else {
             tracing::error!(tag = done.tag, "completion for an unknown operation");
             return;
