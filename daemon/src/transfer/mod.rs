@@ -61,7 +61,8 @@
 //! | `client_ops.rs` | `export`, `pull`, `push_register`, `transfer_status`, `abort`: checks, ownership, waiters |
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
 //! | `outbox.rs` | notifications sent until answered, and what each reply to the outbox means |
-//! | `timers.rs` | lease and silence deadlines, `max_hold`, heartbeats sent, retries, waiter timeouts, data-plane completions |
+//! | `timers.rs` | one turn's work (`maintain`), lease and silence deadlines, `max_hold`, heartbeats sent, retries, waiter timeouts |
+//! | `completions.rs` | data-plane jobs done, TCP fills (a layer-wise push's parts landing), imports waiting for room, records to settle |
 //! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
 //! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
@@ -90,6 +91,7 @@ mod import;
 mod importer;
 mod life;
 pub use life::Finished;
+mod completions;
 #[cfg(test)]
 mod mem_transport;
 #[cfg(test)]
