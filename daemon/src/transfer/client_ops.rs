@@ -291,30 +291,6 @@ impl Transfers {
         self.answer_or_wait(&id, req.wait, token, now)
     }
 
-    /// Checks that `client` (a live session, refreshed by this call) owns transfer `id`:
-    /// the session that exported or imported it. Push registrations from peers belong to
-    /// no client here.
-    pub(super) fn check_owner(
-        &self,
-        store: &mut Store,
-        client: ClientId,
-        id: &str,
-        now: Instant,
-    ) -> Result<(), WireError> {
-        store.check_session(client, now)?;
-        let owner = self.owner_of(id);
-        if owner.is_none() && !self.regs.contains_key(id) {
-            return Err(self.unknown(id));
-        }
-        if owner != Some(client) {
-            return Err(WireError::new(
-                ErrorCode::NotOwner,
-                format!("transfer {id:?} belongs to another session"),
-            ));
-        }
-        Ok(())
-    }
-
     /// `transfer_status` (refreshes the caller's session). Another session's transfer is
     /// described at once without what would let the caller act on it (offsets, pin):
     /// operators (`kvd ctl transfer`) see its state, only its owner waits on it or uses it.

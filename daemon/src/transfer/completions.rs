@@ -142,4 +142,46 @@ impl Transfers {
             }
         }
     }
+
+    /// A TCP push whose bytes have all landed here (the data server saw its write grant
+    /// covered by completed writes): finished now, as `peer_push_done` would finish it
+    /// (the writer sends none for a TCP push; one that comes is answered as a repeat).
+    /// Every byte was written under the grant's token by requests that ended, so nothing
+    /// is committed that `peer_push_done`'s byte check would not have committed.
+    pub(super) fn on_push_filled(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        handle: u64,
+        now: Instant,
+    ) {
+        let Some(imp) = self.imports.get_mut(id).filter(|i| i.pushing_into(handle)) else {
+            return;
+        };
+        imp.push_landed(self.grants.bytes(handle), "tcp", None);
+        self.finish_import(store, id, false, now);
+    }
+
+    /// An export whose every byte has been read over TCP by completed data-plane requests
+    /// (its read grant filled): done now, as the importer's `peer_done` would end it. An
+    /// importer that read every block sends none (it knows the exporter saw the reads);
+    /// one that read only some (it held the others) still does. The bytes left this pool
+    /// while the grant held, so releasing the pin now frees nothing a reader still needs.
+    pub(super) fn on_export_read(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        handle: u64,
+        now: Instant,
+    ) {
+        let Some(exp) = self
+            .exports
+            .get_mut(id)
+            .filter(|e| e.handle() == handle && e.push_target().is_none() && !e.is_final())
+        else {
+            return;
+        };
+        exp.read_covered();
+        self.end_export(store, id, TransferState::Done, None, false, now);
+    }
 }

@@ -62,7 +62,9 @@
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
 //! | `outbox.rs` | notifications sent until answered, and what each reply to the outbox means |
 //! | `timers.rs` | one turn's work (`maintain`), lease and silence deadlines, `max_hold`, heartbeats sent, retries, waiter timeouts |
-//! | `completions.rs` | data-plane jobs done, TCP fills (a layer-wise push's parts landing), imports waiting for room, records to settle |
+//! | `completions.rs` | data-plane jobs done, TCP fills (a layer-wise push's parts landing, an export read whole), imports waiting for room, records to settle |
+//! | `owners.rs` | who owns a transfer, the check client ops make |
+//! | `transports.rs` | which transport reaches a peer; RDMA pushes that landed |
 //! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
 //! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
@@ -97,10 +99,12 @@ mod mem_transport;
 #[cfg(test)]
 mod model_test;
 mod outbox;
+mod owners;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 mod registration;
 mod timers;
+mod transports;
 
 use std::collections::HashMap;
 use std::sync::Arc;

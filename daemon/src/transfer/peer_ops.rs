@@ -3,12 +3,10 @@
 //! transport towards a peer. The server calls these only for messages whose MAC it
 //! checked (SPEC §10.1); each still checks incarnations, handles and tokens itself.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use kvd_protocol::*;
 
-use super::dataplane::Transport;
 use super::export::Beat;
 use super::registration::Registration;
 use super::{Reply, Timer, Transfers};
@@ -82,25 +80,6 @@ impl Transfers {
         Ok(self.ack())
     }
 
-    /// A TCP push whose bytes have all landed here (the data server saw its write grant
-    /// covered by completed writes): finished now, as `peer_push_done` would finish it
-    /// (the writer sends none for a TCP push; one that comes is answered as a repeat).
-    /// Every byte was written under the grant's token by requests that ended, so nothing
-    /// is committed that `peer_push_done`'s byte check would not have committed.
-    pub(super) fn on_push_filled(
-        &mut self,
-        store: &mut Store,
-        id: &str,
-        handle: u64,
-        now: Instant,
-    ) {
-        let Some(imp) = self.imports.get_mut(id).filter(|i| i.pushing_into(handle)) else {
-            return;
-        };
-        imp.push_landed(self.grants.bytes(handle), "tcp", None);
-        self.finish_import(store, id, false, now);
-    }
-
     /// `peer_push_done`.
     pub fn peer_push_done(
         &mut self,
@@ -155,29 +134,6 @@ impl Transfers {
         }
         self.finish_import(store, &r.transfer_id, false, now);
         Ok(self.ack())
-    }
-
-    /// An export whose every byte has been read over TCP by completed data-plane requests
-    /// (its read grant filled): done now, as the importer's `peer_done` would end it. An
-    /// importer that read every block sends none (it knows the exporter saw the reads);
-    /// one that read only some (it held the others) still does. The bytes left this pool
-    /// while the grant held, so releasing the pin now frees nothing a reader still needs.
-    pub(super) fn on_export_read(
-        &mut self,
-        store: &mut Store,
-        id: &str,
-        handle: u64,
-        now: Instant,
-    ) {
-        let Some(exp) = self
-            .exports
-            .get_mut(id)
-            .filter(|e| e.handle() == handle && e.push_target().is_none() && !e.is_final())
-        else {
-            return;
-        };
-        exp.read_covered();
-        self.end_export(store, id, TransferState::Done, None, false, now);
     }
 
     /// `peer_done`.
@@ -298,31 +254,6 @@ impl Transfers {
         }
         self.counters.refused += 1;
         Err(self.unknown(id))
-    }
-
-    /// The transport to a remote peer: RDMA when both sides have it, else TCP.
-    pub(super) fn remote_transport(&self, peer: &PeerRef) -> Arc<dyn Transport> {
-        #[cfg(feature = "rdma")]
-        if let Some(r) = &self.rdma {
-            if peer.rdma.is_some() {
-                return r.clone();
-            }
-        }
-        let _ = peer;
-        self.tcp.clone()
-    }
-
-    /// Whether pushes to `peer` complete on its side with no server check (RDMA): then
-    /// the writer's immediate, not a byte count, says every write landed.
-    pub(super) fn rdma_with(&self, peer: &PeerRef) -> bool {
-        self.remote_transport(peer).caps().remote_completion
-    }
-
-    pub(super) fn collect_landed(&mut self) {
-        #[cfg(feature = "rdma")]
-        if let Some(r) = &self.rdma {
-            self.landed.extend(r.landed());
-        }
     }
 
     /// `peer_rdma_connect`.

@@ -111,17 +111,6 @@ impl Transfers {
         }
     }
 
-    /// The session that owns transfer `id` here (the import when both are here: this
-    /// daemon's own transfer, imported from itself; none for a peer's push registration
-    /// with no export here).
-    pub(super) fn owner_of(&self, id: &str) -> Option<ClientId> {
-        match (self.imports.get(id), self.exports.get(id)) {
-            (Some(i), _) => Some(i.client()),
-            (None, Some(e)) => Some(e.client()),
-            (None, None) => None,
-        }
-    }
-
     pub(super) fn on_timer(&mut self, store: &mut Store, timer: Timer, id: String, now: Instant) {
         match timer {
             Timer::Export => {
