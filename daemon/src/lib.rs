@@ -182,7 +182,12 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
             break v;
         }
     });
-    let opened = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
+    let Opened {
+        store,
+        pool,
+        table,
+        populate_later,
+    } = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
     let ipc_paths = prepare_ipc(cfg, group)?;
     let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -192,7 +197,10 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     let (up_rx, up_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
     signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR2, up_tx)
         .map_err(setup_err("signal handler"))?;
-    let gpu = gpu::open(&cfg.gpu, &opened.pool).map_err(setup_err("the GPU tier"))?;
+    let gpu = gpu::open(&cfg.gpu, &pool).map_err(setup_err("the GPU tier"))?;
+    // `pool` moves into the transfers here, or is dropped with the closure: no handle on
+    // the pool may outlive the store's, or dropping it after a successor started would
+    // unlink the successor's new pool at the same path.
     let transfers =
         transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|mut t| {
             if cfg.events.enabled {
@@ -202,10 +210,10 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
                     format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
                 });
             }
-            (t, opened.pool.clone())
+            (t, pool)
         });
     let mut server = Server::bind(
-        opened.store,
+        store,
         server_options(cfg),
         sig_rx,
         metrics.clone(),
@@ -221,7 +229,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     }
     serve_endpoints(&mut server, cfg, &ipc_paths, group)?;
     health.set(http::Phase::Ready, "ready");
-    if let Some(p) = opened.populate_later {
+    if let Some(p) = populate_later {
         p.prefault_in_background();
     }
     // systemd (Type=notify): ready, and the main process (this one, also after an
@@ -236,7 +244,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     for p in &ipc_paths {
         let _ = std::fs::remove_file(p);
     }
-    stop(cfg, stopped, &opened.table);
+    stop(cfg, stopped, &table);
     Ok(())
 }
 

@@ -488,8 +488,18 @@ impl RemotePool {
 }
 
 impl Drop for Pool {
+    /// A pool that is not kept unlinks its file, but only while the path still names
+    /// this pool's file: after an upgrade the successor may already have made its own
+    /// pool at the same path, which a handle dropped late (a data-plane thread's, or one
+    /// the start-up kept) must not remove.
     fn drop(&mut self) {
-        if !self.keep {
+        use std::os::unix::fs::MetadataExt;
+        if self.keep {
+            return;
+        }
+        let ours = self._file.metadata().map(|m| (m.dev(), m.ino()));
+        let named = std::fs::metadata(&self.path).map(|m| (m.dev(), m.ino()));
+        if matches!((ours, named), (Ok(a), Ok(b)) if a == b) {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -554,6 +564,28 @@ mod tests {
             group: None,
             keep: false,
         }
+    }
+
+    /// A pool dropped after another took its path (an upgrade's successor making its own
+    /// pool where the old one was) leaves the other's file; dropped while the path is
+    /// still its own, it removes it.
+    #[test]
+    fn a_late_drop_never_removes_a_successors_pool() {
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let o = opts(dir.path());
+        let old = Pool::create(&o, Incarnation(1)).unwrap();
+        std::fs::remove_file(&o.path).unwrap(); // as the old daemon's stop does
+        let new = Pool::create(&o, Incarnation(2)).unwrap();
+        drop(old);
+        assert!(
+            o.path.exists(),
+            "the successor's pool was unlinked by the old handle"
+        );
+        drop(new);
+        assert!(
+            !o.path.exists(),
+            "a pool that is not kept is removed with its last handle"
+        );
     }
 
     /// A previous daemon's lock that lingers a moment after it is gone (what a killed
