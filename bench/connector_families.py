@@ -71,6 +71,19 @@ BENCH = {
         "mamba_type": "GDN_ATTN",
     },
 }
+# DeepSeek-V4-like (vllm_families.WIDE's layer pattern at 2x its dims): KV cache groups of
+# 4- to 64-token blocks, a kvd block per 64-token scheduler block, every group a latent.
+BENCH_WIDE = {
+    "deepseek-v4-like": {
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": 6,
+        "compress_ratios": [4, 16, 1, 4, 16, 1],
+        "head_dim": 512,
+        "swa_head_dim": 128,
+        "index_head_dim": 256,
+        "sliding_window": 32,
+    },
+}
 
 
 def model_dir(d):
@@ -84,7 +97,8 @@ def model_dir(d):
 
 
 def measure(endpoint, family, blocks, rounds, model):
-    e = vf.FamilyEngine(endpoint, family, num_blocks=2 * blocks + 8, model=model)
+    wide = family in vf.WIDE
+    e = vf.FamilyEngine(endpoint, family, num_blocks=(8 if wide else 2) * blocks + 8, model=model)
     w = e.worker
     e.fill_random(1)
     geo = w._geo
@@ -95,6 +109,13 @@ def measure(endpoint, family, blocks, rounds, model):
     src = [1 + i for i in range(blocks)]
     dst = [1 + blocks + i for i in range(blocks)]
     ids = (lambda bs: [tuple([b] * ngroups) for b in bs]) if grouped else (lambda bs: bs)
+    if wide:
+        # A position is several of a group's blocks: each its own (group tensors are separate).
+        src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+
+        def ids(bs):
+            return [tuple(tuple(1 + (k * g.subs + j) for j in range(g.subs)) if g.per > 1 else 1 + k * 4 for g in geo.groups) for k in bs]
+
     states = len(geo.state_groups) if grouped else 0
     client = w._client_w()
     save, load = [], []
@@ -139,11 +160,12 @@ def main():
     global STAGED
     STAGED = a.staged
     vf.FAMILIES.update(BENCH)
+    vf.WIDE.update(BENCH_WIDE)
     d = tempfile.mkdtemp(prefix="kvd-bench-families-", dir="/dev/shm")
     proc = start_daemon(a.daemon, d, pool_size="1GiB")
     try:
         rows = {}
-        for fam in BENCH:
+        for fam in list(BENCH) + list(BENCH_WIDE):
             rows[fam] = measure(f"ipc://{d}/kvd.sock", fam, a.blocks, a.rounds, model_dir(d))
         base = rows["dense"]
         print(f"{a.blocks} blocks per call, median of {a.rounds}; GB/s = bytes moved per second")

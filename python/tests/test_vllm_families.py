@@ -140,6 +140,111 @@ for _family in FAMILIES:
         b.close()
 
 
+V4 = "deepseek-v4"
+
+
+def v4_kept(e, r, toks, positions):
+    """The DeepSeek-V4 engine's blocks of ``r`` among the first ``positions`` scheduler
+    blocks, checked byte for byte: per group, how many it keeps."""
+    return e.check_groups(r, toks, positions)
+
+
+@check(
+    "deepseek-v4 (KV cache groups of 4- to 64-token blocks, compressed latents, sliding latents and compressor states): save, drop, load: "
+    "a 192-token hit, byte-exact in every group; each sliding layer reads exactly its window from what kvd brought; one latent copy per node"
+)
+def _():
+    toks = prompt(4001, 200)
+    saved(V4, toks)
+    b = vf.FamilyEngine(P, V4)
+    geo = b.worker._geo
+    assert geo.block_size == b.sched_block == 64 and geo.replicated and len(b.sconn._lids) == 1, geo
+    r = rid("hit-v4")
+    b.add(r, toks)
+    until_computed(b, r, 200)
+    assert not (b.computed_by_forward[r] & set(range(192))), "the hit's positions were not recomputed"
+    assert b.windows_read >= 5, "every sliding layer read its window from the loaded blocks"
+    kept = v4_kept(b, r, toks, 3)
+    for gi, g in enumerate(b.kvcc.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if getattr(spec, "sliding_window", None) is None:
+            assert kept[gi] == 192 // spec.block_size, (gi, kept)
+    b.close()
+
+
+@check("deepseek-v4: each group's piece of a position is described (its blocks kept of those per position, their size, tokens per state); another compression ratio is another layout")
+def _():
+    e = vf.FamilyEngine(P, V4)
+    lay = e.worker._geo.layout(0)
+    by = {g["arrangement"].split(" blocks=")[1]: g for g in lay["groups"]}
+    assert {"2/4x16 tps=1", "4/4x16 tps=4", "2/16x4 tps=1", "2/2x32 tps=4", "1/1x64 tps=16", "2/8x8 tps=1"} == set(by), sorted(by)
+    assert by["4/4x16 tps=4"]["kind"] == "mla" and by["4/4x16 tps=4"]["dims"] == [4, 1, 4, 256], by
+    assert by["2/16x4 tps=1"]["kind"] == "sliding_mla" and by["2/16x4 tps=1"]["window"] == 8, by
+    assert kvd.Client(P).register_layout(lay)["block_bytes"] == e.worker._geo.block_bytes
+    e.close()
+    orig = vf.WIDE[V4]["compress_ratios"]
+    try:
+        vf.WIDE[V4]["compress_ratios"] = [4, 8, 1]
+        o = vf.FamilyEngine(P, V4)
+        assert o.sconn._lids != e.sconn._lids, "another compression: another layout"
+        o.close()
+    finally:
+        vf.WIDE[V4]["compress_ratios"] = orig
+
+
+@check("negative control: a DeepSeek-V4 connector that loads a compressor state's window blocks in the wrong order is caught when the layer reads its window")
+def _():
+    import kvd.vllm_connector as vc
+
+    toks = prompt(4101, 200)
+    saved(V4, toks)
+    real = vc.positions
+
+    def swapped(ids_by_group, geo, first, count):
+        out = real(ids_by_group, geo, first, count)
+        j = next(i for i, g in enumerate(geo.groups) if g.vblock == 4)
+        return [o[:j] + (tuple(reversed(o[j])),) + o[j + 1 :] for o in out]
+
+    vc.positions = swapped
+    try:
+        caught(lambda: hit_v4(toks), "a compressor state loaded out of order")
+    finally:
+        vc.positions = real
+
+
+def hit_v4(toks):
+    b = vf.FamilyEngine(P, V4)
+    try:
+        r = rid("hit-v4")
+        b.add(r, toks)
+        until_computed(b, r, len(toks))
+    finally:
+        b.close()
+
+
+@check("P/D: deepseek-v4 handed off by pull and by push: every group of the 192-token prefix, one latent copy, each sliding layer reading its window from what moved")
+def _():
+    for mode in ("pull", "push"):
+        toks = prompt(4201 + len(mode), 200)
+        p = vf.FamilyEngine(P, V4, role="kv_producer")
+        r = rid("prefill-v4")
+        p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(finished(p, r))
+        params = json.loads(json.dumps(p.outputs[r].kv_transfer_params))
+        assert params["kvd"]["blocks"] == 3 and len(params["kvd"]["transfers"]) == 1, params
+        d = vf.FamilyEngine(D, V4, role="kv_consumer", mode=mode)
+        r2 = rid("decode-v4")
+        d.add(r2, toks, max_tokens=2, kv_transfer_params=params)
+        failed = until_computed(d, r2, 200)
+        assert not failed, failed
+        assert not (d.computed_by_forward[r2] & set(range(192))), "the handed-off prefix was not recomputed"
+        assert d.windows_read >= 5
+        v4_kept(d, r2, toks, 3)
+        d.run(finished(d, r2))
+        p.close()
+        d.close()
+
+
 @check("the layout is the engine's: every group described (kind, window, dims, dtype, quant), MLA kept once per node, fp8 named with its scales")
 def _():
     e = vf.FamilyEngine(P, "gpt-oss")
@@ -787,7 +892,10 @@ def _():
     assert request_keys(emb, vf.BLOCK) is None and s.get_num_new_matched_tokens(emb, 0) == (0, False)
 
 
-@check("refused at start, naming what kvd cannot describe: recurrent state without vLLM's align mode, compressed states, groups of different block sizes, tensors that do not match the spec")
+@check(
+    "refused at start, naming what kvd cannot describe: recurrent state without vLLM's align mode, states per token, DeepSeek-V4.1's bounded-replay window and "
+    "compressor ring, a chunked group of blocks smaller than a position, tensors that do not match the spec"
+)
 def _():
     cfg = ve.vllm_config(P)
     names = [vf.layer_name(i) for i in range(2)]
@@ -803,11 +911,19 @@ def _():
     full = FullAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     mamba = MambaSpec(block_size=vf.BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float16, torch.float32))
     refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=full), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=mamba)], "mamba_cache_mode")
-    v4 = MLAAttentionSpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16, tokens_per_state=4)
-    refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=v4)], "tokens_per_state")
+    from fractions import Fraction
+
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, CircularBufferSpec, SlidingWindowMLASpec
+
+    pooled = MLAAttentionSpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16, tokens_per_state=Fraction(1, 2))
+    refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=pooled)], "tokens_per_state")
+    v41 = SlidingWindowMLASpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16, sliding_window=32, bounded_replay=True, model_version="deepseek_v4")
+    refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=v41)], "bounded-replay")
+    ring = CircularBufferSpec(block_size=vf.BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    refused([KVCacheGroupSpec(layer_names=names, kv_cache_spec=ring)], "CircularBufferSpec")
     big = FullAttentionSpec(block_size=2 * vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    swa = SlidingWindowSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=32)
-    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=big), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=swa)], "block_size")
+    local = ChunkedLocalAttentionSpec(block_size=vf.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, attention_chunk_size=32)
+    refused([KVCacheGroupSpec(layer_names=names[:1], kv_cache_spec=big), KVCacheGroupSpec(layer_names=names[1:], kv_cache_spec=local)], "chunked group of 16-token blocks")
     # A pipeline stage with no attention layers (Qwen3-Next's first two layers are GDN).
     try:
         vf.PPFamilyEngine(P, "qwen3-next").close()

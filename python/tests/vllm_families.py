@@ -19,7 +19,7 @@ import vllm_engine as ve
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -99,12 +99,63 @@ FAMILIES = {
 }
 
 
+# DeepSeek-V4: every layer a sliding-window latent (its own 64-token blocks here 16), a
+# compressed layer (ratio 4 or, scaled from 128, 16) its compressed latent in blocks of
+# the cache's block size (one state per ``ratio`` tokens) and its compressor's running
+# state, a sliding latent of 4- or 8-token blocks over ``coff * ratio`` tokens; a ratio-4
+# layer its indexer's compressed keys too. Its KV cache groups have different block sizes:
+# vLLM's scheduler block is their least common multiple (64 tokens here). Separate from
+# FAMILIES, whose checks are written for one 16-token block per position.
+WIDE = {
+    "deepseek-v4": {
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": 3,
+        "compress_ratios": [4, 16, 1],
+        "head_dim": 256,
+        "swa_head_dim": 64,
+        "index_head_dim": 128,
+        "sliding_window": 32,
+    },
+}
+
+
 def layer_name(i):
     return f"model.layers.{i}.self_attn.attn"
 
 
+def wide_specs(family, dtype=torch.bfloat16):
+    """The per-layer KV cache specs DeepSeek-V4's attention modules make (its
+    ``get_kv_cache_spec``s: the compressed latent, the indexer's keys, the compressor's
+    state and the sliding-window cache), with the tiny dims of ``WIDE[family]`` and its
+    ``alignment`` (pages here are already whole multiples of it)."""
+    hf = WIDE[family]
+    out = {}
+    for i, ratio in enumerate(hf["compress_ratios"]):
+        p = f"model.layers.{i}.self_attn"
+        out[f"{p}.swa_cache"] = SlidingWindowMLASpec(
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=hf["swa_head_dim"], dtype=dtype,
+            sliding_window=hf["sliding_window"], cache_dtype_str="auto", alignment=512, model_version="deepseek_v4",
+        )
+        if ratio <= 1:
+            continue
+        out[f"{p}.attn"] = MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=hf["head_dim"], dtype=dtype, tokens_per_state=ratio,
+            cache_dtype_str="auto", alignment=512, model_version="deepseek_v4",
+        )
+        coff = 1 + (ratio == 4)
+        out[f"{p}.compressor.state"] = SlidingWindowMLASpec(
+            block_size=4 if ratio == 4 else 8, num_kv_heads=1, max_tp_shards=1, head_size=coff * hf["head_dim"] // 4, dtype=torch.float32,
+            sliding_window=coff * ratio, alignment=512,
+        )
+        if ratio == 4:
+            out[f"{p}.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=hf["index_head_dim"], dtype=dtype, tokens_per_state=ratio, alignment=512,
+            )
+    return out
+
+
 def recurrent(family):
-    return "mamba_type" in FAMILIES[family]
+    return "mamba_type" in FAMILIES.get(family, {})
 
 
 def state_spec(hf, dtype, tp=1):
@@ -135,6 +186,8 @@ def state_spec(hf, dtype, tp=1):
 def specs(family, dtype=torch.float16, tp=1):
     """The per-layer KV cache specs vLLM's attention layers make for ``family`` on one of
     ``tp`` tensor-parallel ranks (KV heads split between them)."""
+    if family in WIDE:
+        return wide_specs(family, torch.bfloat16)
     hf = dict(FAMILIES[family])
     if "num_key_value_heads" in hf:
         hf["num_key_value_heads"] //= tp
@@ -164,7 +217,7 @@ def specs(family, dtype=torch.float16, tp=1):
 
 def configure(config, family, num_blocks, layout=KVCacheLayout.LBNHC, tp=1):
     """vLLM's own KV cache config for ``family`` on ``config`` (a :func:`ve.vllm_config`)."""
-    hf = FAMILIES[family]
+    hf = FAMILIES.get(family) or WIDE[family]
     if hf.get("kv_cache_dtype"):
         config.cache_config.cache_dtype = hf["kv_cache_dtype"]
     if recurrent(family):
@@ -248,29 +301,40 @@ class FamilyEngine(ve.Engine):
         self.config.parallel_config.tensor_parallel_size = tp_size
         self.config.parallel_config.decode_context_parallel_size = self.dcp = dcp
         self.config.parallel_config.cp_kv_cache_interleave_size = self.interleave = interleave
-        self.split = tp_size if ranks and "num_key_value_heads" in FAMILIES[family] else 1
+        self.split = tp_size if ranks and "num_key_value_heads" in FAMILIES.get(family, {}) else 1
         self.kvcc, sched = configure(self.config, family, num_blocks, tp=self.split)
         layout = KVCacheLayout[self.kvcc.kv_cache_layout]
         self.group_of = {n: gi for gi, g in enumerate(self.kvcc.kv_cache_groups) for n in g.layer_names}
+        # Each group's block and tokens per stored state (DeepSeek-V4's differ; BLOCK and 1 elsewhere).
+        self.vblock = [g.kv_cache_spec.block_size for g in self.kvcc.kv_cache_groups]
+        self.tps = [int(getattr(g.kv_cache_spec, "tokens_per_state", 1)) if not isinstance(g.kv_cache_spec, MambaSpec) else 1 for g in self.kvcc.kv_cache_groups]
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        self.sched_block, self.hash_block = resolve_kv_cache_block_sizes(self.kvcc, self.config) if family in WIDE else (BLOCK * dcp, BLOCK)
         self.workers, self.kvs = [], []
         for r in range(tp_size if ranks else 1):
-            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, [BLOCK] * len(self.kvcc.kv_cache_groups))
+            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, self.vblock if family in WIDE else [BLOCK] * len(self.kvcc.kv_cache_groups))
             with ve.rank(r):
                 w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
                 w.register_kv_caches(kv)
             self.workers.append(w)
             self.kvs.append(kv)
         self.worker, self.kv = self.workers[0], self.kvs[0]
-        self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=BLOCK * dcp)
+        self.scheduler = Scheduler(self.config, sched, StructuredOutputManager(self.config), block_size=self.sched_block)
         self.sconn = self.scheduler.connector
         self.outputs = {}
         self.computed_by_forward = {}
 
-    def _place(self, pos):
-        """Where token ``pos`` lies: (the index of its scheduler block, [(rank, offset in
-        the rank's block)] for every rank holding it)."""
+    def _place(self, pos, gi=None):
+        """Where token ``pos`` lies in group ``gi``: (the index of its block, [(rank, state
+        index in the rank's block)] for every rank holding it), or None where the token
+        completes no stored state (a compressed latent stores one per ``tokens_per_state``
+        tokens, at the last)."""
         if getattr(self, "dcp", 1) == 1:
-            return pos // BLOCK, [(r, pos % BLOCK) for r in range(len(self.kvs))]
+            vb, tps = (BLOCK, 1) if gi is None else (self.vblock[gi], self.tps[gi])
+            if (pos + 1) % tps:
+                return None
+            return pos // vb, [(r, (pos % vb) // tps) for r in range(len(self.kvs))]
         b, d, off = ve.dcp_place(pos, self.dcp, self.interleave)
         return b, [(r, off) for r in range(len(self.kvs)) if r % self.dcp == d]
 
@@ -287,16 +351,25 @@ class FamilyEngine(ve.Engine):
 
     def add(self, rid, prompt, max_tokens=2, kv_transfer_params=None, **kw):
         """As vLLM's engine core adds a request when a connector is configured: with its
-        block hasher (prefix caching, and Mamba's align mode, need the block hashes)."""
+        block hasher (prefix caching, and Mamba's align mode, need the block hashes), at
+        vLLM's hash block size."""
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(fn)
-        kw.setdefault("block_hasher", get_request_block_hasher(BLOCK, fn, self.config.num_hash_lookahead_tokens))
+        kw.setdefault("block_hasher", get_request_block_hasher(getattr(self, "hash_block", BLOCK), fn, self.config.num_hash_lookahead_tokens))
         return super().add(rid, prompt, max_tokens, kv_transfer_params, **kw)
 
+    def _name(self, layer):
+        names = self.__dict__.get("_names")
+        if names is None:
+            names = self._names = self.layer_names()
+        return names[layer]
+
     def layer_names(self):
+        if self.family in WIDE:
+            return list(wide_specs(self.family))
         return [layer_name(i) for i in range(FAMILIES[self.family]["num_hidden_layers"])]
 
     def group_ids(self, rid):
@@ -304,16 +377,16 @@ class FamilyEngine(ve.Engine):
 
     def _token_view(self, block_id, layer, off, rank=0):
         """The layer's cache at offset ``off`` of block ``block_id``: [heads, content]."""
-        t = self.kvs[rank][layer_name(layer)]
+        t = self.kvs[rank][self._name(layer)]
         r = t.shape[0] // self.kvcc.num_blocks
         kb = t.shape[2]
         return t[block_id * r + off // kb][:, off % kb, :]
 
     def is_state(self, layer):
-        return isinstance(self.kvcc.kv_cache_groups[self.group_of[layer_name(layer)]].kv_cache_spec, MambaSpec)
+        return isinstance(self.kvcc.kv_cache_groups[self.group_of[self._name(layer)]].kv_cache_spec, MambaSpec)
 
     def state_view(self, block_id, layer, rank=0):
-        return self.kvs[rank][layer_name(layer)][block_id].view(-1)
+        return self.kvs[rank][self._name(layer)][block_id].view(-1)
 
     def state_ranks(self):
         """(rank, of how many) for every worker's recurrent state: each rank its share
@@ -321,7 +394,7 @@ class FamilyEngine(ve.Engine):
         return [(r, self.split) for r in range(len(self.kvs))] if self.split > 1 else [(0, 1)]
 
     def write(self, rid, toks, positions, layer):
-        ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
+        ids = self.group_ids(rid)[self.group_of[self._name(layer)]]
         if self.is_state(layer):
             # A recurrent layer: it reads the state after the tokens before the step
             # (vLLM's align mode: from the block of the last computed token), and leaves
@@ -339,13 +412,38 @@ class FamilyEngine(ve.Engine):
                 self.state_view(b, layer, r).copy_(expected_state(toks[:end], layer, hf, r, tp))
             self.states_read = getattr(self, "states_read", 0) + (start > 0)
             return
+        gi = self.group_of[self._name(layer)]
+        if self.family in WIDE and positions.start > 0:
+            self._read_window(ids, gi, layer, toks, positions.start)
         for pos in positions:
-            bi, where = self._place(pos)
+            at = self._place(pos, gi)
+            if at is None:
+                continue  # (no stored state ends at this token)
+            bi, where = at
             b = ids[bi]
             assert b != 0, f"the forward computes position {pos} of layer {layer} into the null block"
             for r, off in where:
                 v = self._token_view(b, layer, off, r)
                 v.copy_(self._want(toks, pos, layer, v, r))
+
+    def _read_window(self, ids, gi, layer, toks, start):
+        """What a sliding layer's attention reads before computing token ``start``: the
+        states of the window's tokens before it, each the prompt's own (a hit or a handoff
+        that brought a wrong or no block of the window fails here)."""
+        w = getattr(self.kvcc.kv_cache_groups[gi].kv_cache_spec, "sliding_window", None)
+        if not w:
+            return
+        for pos in range(max(0, start - w + 1), start):
+            at = self._place(pos, gi)
+            if at is None:
+                continue
+            bi, where = at
+            b = ids[bi] if bi < len(ids) else 0
+            assert b != 0, f"layer {layer} reads token {pos} of its window from the null block"
+            for r, off in where:
+                got = self._token_view(b, layer, off, r)
+                assert torch.equal(got, self._want(toks, pos, layer, got, r)), f"layer {layer} reads token {pos} of its window: it differs"
+        self.windows_read = getattr(self, "windows_read", 0) + 1
 
     def _want(self, toks, pos, layer, v, rank):
         """Rank ``rank``'s heads of the value the whole model's layer writes at ``pos``."""
@@ -358,7 +456,7 @@ class FamilyEngine(ve.Engine):
         for layer in range(len(self.layer_names())):
             if not self.is_state(layer):
                 continue
-            ids = self.group_ids(rid)[self.group_of[layer_name(layer)]]
+            ids = self.group_ids(rid)[self.group_of[self._name(layer)]]
             for r, tp in self.state_ranks():
                 got = self.state_view(ids[nblocks - 1], layer, r)
                 want = expected_state(tokens[: nblocks * BLOCK], layer, FAMILIES[self.family], r, tp)
@@ -367,22 +465,24 @@ class FamilyEngine(ve.Engine):
     def check_groups(self, rid, tokens, nblocks):
         """Every block vLLM keeps for ``rid`` among the first ``nblocks`` holds, in every
         layer of every group, the bytes the prompt's own computation writes. Returns, per
-        group, how many positions it keeps (non-null blocks)."""
+        group, how many of its blocks it keeps (non-null; a position where a group's blocks
+        are the scheduler's, as in every family but DeepSeek-V4's)."""
         ids = self.group_ids(rid)
         kept = [0] * len(ids)
         for layer, name in enumerate(self.layer_names()):
             gi = self.group_of[name]
             if self.is_state(layer):
                 continue  # (check_state)
-            span = BLOCK * getattr(self, "dcp", 1)
-            for b in range(nblocks):
-                bid = ids[gi][b]
+            span = self.vblock[gi] * getattr(self, "dcp", 1)
+            for b in range(nblocks * self.sched_block // span):
+                bid = ids[gi][b] if b < len(ids[gi]) else 0
                 if bid == 0:
                     continue
                 if layer == self.layer_names().index(self.kvcc.kv_cache_groups[gi].layer_names[0]):
                     kept[gi] += 1
                 for pos in range(b * span, (b + 1) * span):
-                    for r, off in self._place(pos)[1]:
+                    at = self._place(pos, gi)
+                    for r, off in at[1] if at is not None else ():
                         got = self._token_view(bid, layer, off, r)
                         assert torch.equal(got, self._want(tokens, pos, layer, got, r)), f"rank {r} group {gi} layer {layer} block {b} token {pos - b * span} differs"
         return kept
@@ -438,6 +538,8 @@ class PPFamilyEngine(FamilyEngine):
         # The model's groups (every stage's layers): what the checks walk.
         self.kvcc = KVCacheConfig(num_blocks=sched.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.group_of = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
+        self.vblock, self.tps = [BLOCK] * len(groups), [1] * len(groups)
+        self.sched_block, self.hash_block = BLOCK, BLOCK
         self.workers, self.kvs = [], []
         for s, kvcc in enumerate(self.stage_kvccs):
             kv = allocate_kv_cache(kvcc, torch.device("cpu"), KVCacheLayout[kvcc.kv_cache_layout], [BLOCK] * len(kvcc.kv_cache_groups))

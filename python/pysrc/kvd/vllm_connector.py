@@ -94,8 +94,8 @@ what the scheduler sends the workers, and the workers' layouts it hears back.
 What it refuses (with the reason, at start)
 -------------------------------------------
 Recurrent state outside vLLM's ``align`` mode (prefix caching off) or with speculative
-state blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and sparse MLA, KV cache groups of different block sizes,
-non-causal attention, encoder/cross-attention and circular-buffer caches, dtypes kvd has
+state blocks, DeepSeek-V4.1's bounded-replay window and compressor ring, states per token, HiSparse host groups,
+non-causal attention, encoder/cross-attention caches, dtypes kvd has
 no name for, decode-context parallelism beside sliding-window or recurrent groups, prefill
 context parallelism, a pipeline stage of a hybrid that holds no attention (or no
 recurrent) layers. Requests with prompt embeddings are neither loaded

@@ -55,10 +55,25 @@ block holds its layers of every group (a group with none there has no piece), a 
 rank's the tokens vLLM deals it; each partition is a layout of its own
 (:func:`kvd.vllm_layout.partition_model`), and a hit needs every one of them.
 
-Refused by name (at start): recurrent state outside vLLM's align mode, speculative state
-blocks, DeepSeek-V4's compressed states (``tokens_per_state != 1``) and its sliding MLA,
-encoder, cross-attention and circular-buffer caches, groups of different block sizes,
-and decode-context parallelism beside sliding-window or recurrent groups.
+KV cache groups of different block sizes (DeepSeek-V4: compressed latents in blocks of the
+cache's size holding one state per ``tokens_per_state`` tokens, an indexer's compressed
+keys, sliding-window latents of 64-token blocks, compressor states of 4- or 8-token ones):
+a kvd position is vLLM's scheduler block (their least common multiple, where vLLM's hits
+land), and a group's piece of it is ``per`` of its blocks one after the other
+(:func:`_positions`). A hit is only ever at a position's end, so a sliding group whose
+window is shorter than a position keeps only the blocks its window reaches back from the
+end (as many as vLLM keeps there); a latent group (MLA, sliding MLA, indexer) is the same
+on every rank, so DeepSeek-V4 is kept once per node like DeepSeek-V3. The pieces' blocks,
+their size and the tokens per state are in the group's description: another compression
+ratio or block size is another layout.
+
+Refused by name (at start): recurrent state outside vLLM's align mode or in blocks other
+than the scheduler's, speculative state blocks, states per token (``tokens_per_state <
+1``), DeepSeek-V4.1's bounded-replay sliding window and compressor ring (vLLM does not
+prefix-cache either: a hit would lack what the model reads), HiSparse host-resident
+groups, encoder and cross-attention caches, a chunked-local group of blocks smaller than a
+position, and decode-context parallelism beside sliding-window or recurrent groups or with
+groups of different block sizes.
 """
 
 from __future__ import annotations
@@ -95,21 +110,46 @@ class GroupPlan:
     draft: str = ""  # the draft model's identity when the group holds draft layers
     sliceable: bool = False  # heads are KV heads (not packed slots): a handoff may reslice them
     split: Optional[StateSplit] = None  # a state group's page, where it divides between TP sizes
+    # Groups of different block sizes (DeepSeek-V4): a kvd position is the scheduler's
+    # block, ``per`` of this group's vLLM blocks of ``vblock`` tokens, of which a piece
+    # keeps the last ``subs`` (all of them, or a sliding group's window at the position's
+    # end); ``tps``: tokens per stored state (compressed latents).
+    per: int = 1
+    subs: int = 1
+    vblock: int = 0
+    tps: int = 1
+
+    @property
+    def unit_bytes(self) -> int:
+        """One vLLM block's share of a layer's piece."""
+        return self.heads * self.states * self.content * _DTYPES[self.dtype][1]
 
     @property
     def layer_bytes(self) -> int:
-        return self.heads * self.states * self.content * _DTYPES[self.dtype][1]
+        return self.subs * self.unit_bytes
 
     def describe(self, arrangement: str, heads: Optional[int] = None) -> dict[str, Any]:
+        dims = [self.heads if heads is None else heads, self.states, self.content]
+        if self.per != 1 or self.tps != 1:
+            # Named only where it departs from one vLLM block of one state per token, so
+            # the layouts of every other model keep their ids.
+            dims = [self.subs] + dims
+            arrangement = f"{arrangement} blocks={self.subs}/{self.per}x{self.vblock} tps={self.tps}"
         return {
             "kind": self.kind,
             "layers": len(self.layer_names),
             "dtype": _DTYPES[self.dtype][0],
-            "dims": [self.heads if heads is None else heads, self.states, self.content],
-            "arrangement": f"{arrangement} draft={self.draft}"[:256] if self.draft else arrangement,
+            "dims": dims,
+            "arrangement": f"{arrangement} draft={self.draft}"[:256] if self.draft else arrangement[:256],
             "window": self.window,
             "quant": self.quant,
         }
+
+    def sub_ids(self, lst: list[int], pos: int) -> list[int]:
+        """The vLLM block ids of this group's piece of position ``pos`` (the null block
+        where ``lst``, the request's blocks of this group, has none)."""
+        first = pos * self.per + self.per - self.subs
+        return [int(lst[i]) if i < len(lst) else NULL_BLOCK for i in range(first, first + self.subs)]
 
 
 @dataclass(frozen=True)
@@ -204,7 +244,12 @@ class GroupedGeometry:
         in a TP-``src_tp`` engine's blocks, or None where they cannot be resliced (MLA,
         recurrent state that does not divide, packed head slots, heads replicated across
         ranks, pipeline stages, decode-context parallelism)."""
-        if self.replicated or self.dcp_size > 1 or self.pp_size > 1 or not all(g.sliceable and g.heads * self.tp_size == self.total_heads for g in self.groups):
+        if (
+            self.replicated
+            or self.dcp_size > 1
+            or self.pp_size > 1
+            or not all(g.sliceable and g.per == 1 and g.heads * self.tp_size == self.total_heads for g in self.groups)
+        ):
             return None
         if self.state_groups and self.state_shards(src_tp, rank) is None:
             return None
@@ -335,14 +380,24 @@ def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
     name = type(spec).__name__
     if type(spec) is MLAAttentionSpec:
-        if spec.model_version is not None or spec.topk_buffer_width is not None:
-            raise KvdConfigError(f"kvd connector: MLA cache of model_version {spec.model_version!r} (sparse or compressed latent) is not supported yet")
-        return "mla", 0
+        # DeepSeek-V3.2/V4's sparse and compressed latents, their indexer caches: one
+        # latent row per stored state, whatever the TP (tokens_per_state in the plan).
+        if spec.model_version not in (None, "deepseek_v4"):
+            raise KvdConfigError(f"kvd connector: MLA cache of model_version {spec.model_version!r} is not supported")
+        return ("mla_indexer" if str(getattr(spec.cache_role, "value", spec.cache_role)) == "indexer" else "mla"), 0
+    if type(spec) is SlidingWindowMLASpec:
+        if spec.bounded_replay:
+            raise KvdConfigError(
+                "kvd connector: DeepSeek-V4.1's bounded-replay sliding window is not supported: vLLM does not prefix-cache it "
+                "(it replays the window's tokens instead), so a hit would lack what the model reads"
+            )
+        return "sliding_mla", int(spec.sliding_window)
     if type(spec) is SlidingWindowSpec:
         return "sliding", int(spec.sliding_window)
     if type(spec) is ChunkedLocalAttentionSpec:
@@ -352,17 +407,29 @@ def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
             raise KvdConfigError("kvd connector: non-causal attention (prefix LM) is not supported: a block is not a function of the tokens before it")
         # A sliding or chunked layer the hybrid allocator is off for keeps every block.
         return "full", int(spec.sliding_window or spec.attention_chunk_size or 0)
+    if name == "CircularBufferSpec":
+        raise KvdConfigError(
+            "kvd connector: KV cache spec CircularBufferSpec (DeepSeek-V4.1's compressor ring) is not supported: vLLM does not prefix-cache it, "
+            "so the keys still being compressed at a hit's boundary would be missing"
+        )
     raise KvdConfigError(
         f"kvd connector: KV cache spec {name} is not supported "
-        "(supported: full, sliding-window, chunked-local and MLA attention; recurrent state is refused for now)"
+        "(supported: full, sliding-window, chunked-local and MLA attention (DeepSeek-V4's compressed and sliding latents too), recurrent state)"
     )
 
 
 def _quant(spec: "KVCacheSpec", vllm_config: "VllmConfig") -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if getattr(spec, "topk_buffer_width", None) is not None:
+        # A sparse latent's (DeepSeek-V3.2/V4) top-k width: named, though the pages do not hold it.
+        return ";".join(x for x in (_quant_mode(spec, cache_dtype), f"topk={spec.topk_buffer_width}") if x)
+    return _quant_mode(spec, cache_dtype)
+
+
+def _quant_mode(spec: "KVCacheSpec", cache_dtype: str) -> str:
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     mode = spec.kv_quant_mode
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if mode == KVQuantMode.NONE:
         return "" if cache_dtype == "auto" else f"cache_dtype={cache_dtype}"
     if mode == KVQuantMode.FP8_PER_TENSOR:
@@ -402,11 +469,13 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
 
     plans: list[GroupPlan] = []
     states: list[GroupPlan] = []
-    offset = state_offset = 0
-    block_size = None
+    state_offset = 0
+    state_block = None
     replicated_states = []
     for gi, grp in enumerate(groups):
         spec = grp.kv_cache_spec
+        if not getattr(grp, "enable_kv_transfer", True) or getattr(grp, "host_resident", False) or str(getattr(getattr(grp, "role", None), "value", "default")) != "default":
+            raise KvdConfigError(f"kvd connector: KV cache group {gi}: HiSparse host-resident and accelerator-only replica groups are not supported")
         inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         specs = list(inner.values()) if inner else [spec]
         first = specs[0]
@@ -416,10 +485,10 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         if type(first) is MambaSpec:
             if dcp > 1:
                 raise KvdConfigError(f"kvd connector: KV cache group {gi}: recurrent state with decode-context parallelism is not supported (its blocks are not dealt by token)")
-            if block_size is None:
-                block_size = first.block_size
-            elif first.block_size != block_size:
-                raise KvdConfigError(f"kvd connector: KV cache groups of different block_size ({block_size} and {first.block_size} tokens) are not supported")
+            if state_block is None:
+                state_block = first.block_size
+            elif first.block_size != state_block:
+                raise KvdConfigError(f"kvd connector: recurrent state groups of different block_size ({state_block} and {first.block_size} tokens) are not supported")
             plan = _state_plan(gi, grp, first, vllm_config, state_offset)
             states.append(plan)
             replicated_states.append(bool(first.tp_replicated))
@@ -433,17 +502,13 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             )
         if dcp > 1 and first.block_size % interleave:
             raise KvdConfigError(f"kvd connector: cp_kv_cache_interleave_size {interleave} does not divide the block size {first.block_size}")
-        if first.tokens_per_state != 1:
-            raise KvdConfigError(f"kvd connector: KV cache group {gi}: compressed KV states (tokens_per_state = {first.tokens_per_state}) are not supported yet")
+        tps = first.tokens_per_state
+        if int(tps) != tps or tps < 1 or first.block_size % int(tps):
+            raise KvdConfigError(
+                f"kvd connector: KV cache group {gi}: tokens_per_state = {tps} (states per token, or not dividing the block of {first.block_size} tokens) is not supported"
+            )
         if first.dtype not in _DTYPES:
             raise KvdConfigError(f"kvd connector: KV cache group {gi}: dtype {first.dtype} has no kvd name (supported: {sorted(v[0] for v in _DTYPES.values())})")
-        if block_size is None:
-            block_size = first.block_size
-        elif first.block_size != block_size:
-            raise KvdConfigError(
-                f"kvd connector: KV cache groups of different block_size ({block_size} and {first.block_size} tokens) are not supported: "
-                "one kvd block holds one position of every group"
-            )
         elsize = _DTYPES[first.dtype][1]
         content_bytes = int(first.state_content_size_bytes)
         if content_bytes % elsize:
@@ -462,13 +527,15 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             dtype=first.dtype,
             window=window,
             quant=_quant(first, vllm_config),
-            offset=offset,
-            sliceable=kind != "mla" and first.num_head_slots is None and first.state_content_bytes is None,
+            offset=0,
+            sliceable=kind in ("full", "sliding", "chunked") and first.num_head_slots is None and first.state_content_bytes is None,
+            vblock=int(first.block_size),
+            tps=int(tps),
         )
         plans.append(plan)
-        offset += plan.layer_bytes * len(plan.layer_names)
     if not plans:
         raise KvdConfigError("kvd connector: a model with recurrent state but no attention layers is not supported")
+    block_size, plans = _positions(vllm_config, kv_cache_config, plans, state_block, dcp)
     if len(set(replicated_states)) > 1:
         raise KvdConfigError("kvd connector: recurrent state groups both sharded and replicated across TP ranks are not supported")
     cc = vllm_config.cache_config
@@ -481,7 +548,7 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         block_size=int(block_size),
         num_blocks=kv_cache_config.num_blocks,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        replicated=all(p.kind == "mla" for p in plans) and not states,
+        replicated=all(p.kind in _LATENT for p in plans) and not states,
         groups=tuple(plans),
         arrangement=arrangement[:256],
         state_groups=tuple(states),
@@ -493,6 +560,57 @@ def grouped_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
     )
 
 
+# Kinds whose cache is one latent row per stored state, the same on every TP rank.
+_LATENT = ("mla", "mla_indexer", "sliding_mla")
+
+
+def _positions(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", plans: list[GroupPlan], state_block: Optional[int], dcp: int) -> tuple[int, list[GroupPlan]]:
+    """A kvd position's tokens and the attention groups' pieces of one, at their offsets.
+
+    One block size: a position is one block of every group, as ever. Groups of different
+    block sizes (DeepSeek-V4: 4- and 8-token compressor states, 64-token sliding latents,
+    compressed latents of the cache's block size): a position is vLLM's scheduler block
+    (the sizes' least common multiple, where vLLM's hits land), ``per`` blocks of each
+    group. A group every position of which a hit reads keeps them all; a sliding group
+    keeps the blocks its window reaches back from the position's end (as many as vLLM
+    keeps at a hit there), since a hit is only ever at a position's end. Recurrent state
+    is a snapshot per position and must have the position's size."""
+    import math
+
+    sizes = {p.vblock for p in plans}
+    if len(sizes) == 1 and (state_block is None or state_block in sizes):
+        L = sizes.pop()
+    else:
+        if dcp > 1:
+            raise KvdConfigError("kvd connector: KV cache groups of different block sizes with decode-context parallelism are not supported")
+        L = math.lcm(*sizes, *(() if state_block is None else (state_block,)))
+        try:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+            sched = int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[0])
+        except (ImportError, AttributeError, TypeError, ValueError):
+            sched = L
+        if sched % L:
+            raise KvdConfigError(f"kvd connector: vLLM's scheduler block of {sched} tokens is not a multiple of every group's block ({sorted(sizes)})")
+        L = sched
+        if state_block is not None and state_block != L:
+            raise KvdConfigError(f"kvd connector: recurrent state in blocks of {state_block} tokens beside a scheduler block of {L} is not supported")
+    out, offset = [], 0
+    for p, grp in zip(plans, [kv_cache_config.kv_cache_groups[p.index] for p in plans]):
+        per = L // p.vblock
+        subs = per
+        if per > 1 and p.window:
+            if p.kind not in ("sliding", "sliding_mla"):
+                raise KvdConfigError(f"kvd connector: KV cache group {p.index}: a {p.kind} group of {p.vblock}-token blocks beside a scheduler block of {L} is not supported")
+            extra = int(getattr(grp.kv_cache_spec, "extra_retained_tokens", 0) or 0)
+            need = -(-(p.window - 1 + extra) // p.vblock)
+            subs = max(1, min(per, need))
+        p = replace(p, per=per, subs=subs, offset=offset)
+        out.append(p)
+        offset += p.layer_bytes * len(p.layer_names)
+    return L, out
+
+
 def complete(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: int, upto: int) -> list[tuple[int, ...]]:
     """The per-position block ids ``(one per group)`` of positions ``first..upto`` that
     every group holds, stopping at the first position one group does not (a save stores
@@ -501,26 +619,27 @@ def complete(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: i
     for pos in range(first, upto):
         ids = []
         for g in geo.groups:
-            lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
-            b = lst[pos] if pos < len(lst) else NULL_BLOCK
-            if b == NULL_BLOCK:
+            b = _ids_at(g, ids_by_group, pos)
+            if NULL_BLOCK in (b if isinstance(b, tuple) else (b,)):
                 return out
-            ids.append(int(b))
+            ids.append(b)
         out.append(tuple(ids))
     return out
+
+
+def _ids_at(g: GroupPlan, ids_by_group: tuple[list[int], ...], pos: int) -> "int | tuple[int, ...]":
+    """Group ``g``'s block id of position ``pos``, or where a position is several of the
+    group's blocks (:attr:`GroupPlan.per`) the ids of its piece's blocks."""
+    lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
+    if g.per == 1 and g.subs == 1:
+        return int(lst[pos]) if pos < len(lst) else NULL_BLOCK
+    return tuple(g.sub_ids(list(lst), pos))
 
 
 def positions(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: int, count: int) -> list[tuple[int, ...]]:
     """The per-position block ids of positions ``first..first+count`` as vLLM allocated
     them for a load: the null block where a group keeps no block there."""
-    out = []
-    for pos in range(first, first + count):
-        ids = []
-        for g in geo.groups:
-            lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
-            ids.append(int(lst[pos]) if pos < len(lst) else NULL_BLOCK)
-        out.append(tuple(ids))
-    return out
+    return [tuple(_ids_at(g, ids_by_group, pos) for g in geo.groups) for pos in range(first, first + count)]
 
 
 def state_ids(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, pos: int) -> Optional[tuple[int, ...]]:
@@ -586,13 +705,27 @@ class GroupedCopier:
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _, _ in self.layers]
 
-    def _pair(self, pool: torch.Tensor, off: int, li: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        plan, t, o, r = self.layers[li]
+    def _pair(self, pool: torch.Tensor, at: int, li: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM block ``block`` of layer ``li`` and its unit of a slot, at byte ``at`` of the pool."""
+        plan, t, _, r = self.layers[li]
         n = plan.states // r
         es = _DTYPES[plan.dtype][1]
-        slot = pool[off + o : off + o + plan.layer_bytes].view(plan.heads, r, n, plan.content * es)
+        slot = pool[at : at + plan.unit_bytes].view(plan.heads, r, n, plan.content * es)
         cache = t[block * r : (block + 1) * r].view(torch.uint8).permute(1, 0, 2, 3)
         return cache, slot
+
+    def _units(self, li: int, offs: list[int], ids: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
+        """Layer ``li``'s (pool byte, vLLM block) pairs of the positions at slots ``offs``
+        with block ids ``ids``: one per vLLM block of the layer's piece (a piece of a group
+        of smaller blocks is :attr:`GroupPlan.subs` of them, one after the other)."""
+        plan, _, o, _ = self.layers[li]
+        gpos = self.plans.index(plan)
+        out = []
+        for off, bids in zip(offs, ids):
+            b = bids[gpos]
+            subs = b if isinstance(b, (tuple, list)) else (b,)
+            out.extend((off + o + j * plan.unit_bytes, int(x)) for j, x in enumerate(subs))
+        return out
 
     def _rows_for(self, t: torch.Tensor, pool: torch.Tensor, starts: list[int], length: int) -> Optional[Any]:
         staged = t.device.type == "cuda" if self.staged is None else self.staged
@@ -605,13 +738,12 @@ class GroupedCopier:
             ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
         return ids.to(t.device)
 
-    def load_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
-        plan, t, o, r = self.layers[li]
-        gpos = self.plans.index(plan)
-        todo = [(off, bids[gpos]) for off, bids in zip(offs, ids) if bids[gpos] != NULL_BLOCK]
+    def load_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[Any, ...]], li: int) -> None:
+        plan, t, _, r = self.layers[li]
+        todo = [(at, b) for at, b in self._units(li, offs, ids) if b != NULL_BLOCK]
         if not todo:
             return
-        rr = self._rows_for(t, pool, [off + o for off, _ in todo], plan.layer_bytes)
+        rr = self._rows_for(t, pool, [at for at, _ in todo], plan.unit_bytes)
         if rr is not None:
             rows, idx = rr
             n, es = len(todo), _DTYPES[plan.dtype][1]
@@ -619,32 +751,27 @@ class GroupedCopier:
             x = x.permute(0, 2, 1, 3, 4).reshape(n * r, plan.heads, plan.states // r, plan.content * es)
             t.view(torch.uint8).index_copy_(0, self._kidx(li, [b for _, b in todo]), x)
             return
-        for off, bids in zip(offs, ids):
-            b = bids[gpos]
-            if b != NULL_BLOCK:
-                cache, slot = self._pair(pool, off, li, b)
-                cache.copy_(slot, non_blocking=True)
+        for at, b in todo:
+            cache, slot = self._pair(pool, at, li, b)
+            cache.copy_(slot, non_blocking=True)
 
-    def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[int, ...]], li: int) -> None:
-        plan, t, o, r = self.layers[li]
-        gpos = self.plans.index(plan)
-        if not offs:
+    def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[Any, ...]], li: int) -> None:
+        plan, t, _, r = self.layers[li]
+        units = self._units(li, offs, ids)
+        if not units:
             return
-        if any(bids[gpos] == NULL_BLOCK for bids in ids):
+        if any(b == NULL_BLOCK for _, b in units):  # never: saves are of whole positions (complete())
             raise KvdConfigError("kvd connector: a save of a position a group does not hold")
-        rr = self._rows_for(t, pool, [off + o for off in offs], plan.layer_bytes)
+        rr = self._rows_for(t, pool, [at for at, _ in units], plan.unit_bytes)
         if rr is not None:
             rows, idx = rr
-            n, es = len(offs), _DTYPES[plan.dtype][1]
-            x = t.view(torch.uint8).index_select(0, self._kidx(li, [bids[gpos] for bids in ids]))
+            n, es = len(units), _DTYPES[plan.dtype][1]
+            x = t.view(torch.uint8).index_select(0, self._kidx(li, [b for _, b in units]))
             x = x.view(n, r, plan.heads, plan.states // r, plan.content * es).permute(0, 2, 1, 3, 4).contiguous()
             rows.index_copy_(0, idx, x.view(-1).view(torch.int64).view(-1, rows.shape[1]))
             return
-        for off, bids in zip(offs, ids):
-            b = bids[gpos]
-            if b == NULL_BLOCK:  # never: saves are of whole positions (complete())
-                raise KvdConfigError("kvd connector: a save of a position a group does not hold")
-            cache, slot = self._pair(pool, off, li, b)
+        for at, b in units:
+            cache, slot = self._pair(pool, at, li, b)
             slot.copy_(cache, non_blocking=True)
 
     def copy_resliced(self, pool: torch.Tensor, src_tp: int, shards: list[tuple[int, int, int, int]], offsets: list[list[int]], ids: list[tuple[int, ...]]) -> None:
