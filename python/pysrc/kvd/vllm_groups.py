@@ -705,14 +705,29 @@ class GroupedCopier:
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _, _ in self.layers]
 
-    def _pair(self, pool: torch.Tensor, at: int, li: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM block ``block`` of layer ``li`` and its unit of a slot, at byte ``at`` of the pool."""
+    def _pair(self, pool: torch.Tensor, at: int, li: int, block: int, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM blocks ``block .. block + k`` of layer ``li`` and their units of a slot, one
+        after the other from byte ``at`` of the pool."""
         plan, t, _, r = self.layers[li]
         n = plan.states // r
         es = _DTYPES[plan.dtype][1]
-        slot = pool[at : at + plan.unit_bytes].view(plan.heads, r, n, plan.content * es)
-        cache = t[block * r : (block + 1) * r].view(torch.uint8).permute(1, 0, 2, 3)
+        slot = pool[at : at + k * plan.unit_bytes].view(k, plan.heads, r, n, plan.content * es)
+        cache = t[block * r : (block + k) * r].view(torch.uint8)
+        cache = cache.view(k, r, *cache.shape[1:]).permute(0, 2, 1, 3, 4)
         return cache, slot
+
+    @staticmethod
+    def _runs(units: list[tuple[int, int]], unit_bytes: int) -> list[tuple[int, int, int]]:
+        """``units`` as runs (pool byte, first block, count) of consecutive blocks whose
+        units follow one another in the pool: one copy each (a group of small blocks keeps
+        several per position, mostly consecutive)."""
+        out: list[tuple[int, int, int]] = []
+        for at, b in units:
+            if out and out[-1][0] + out[-1][2] * unit_bytes == at and out[-1][1] + out[-1][2] == b:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((at, b, 1))
+        return out
 
     def _units(self, li: int, offs: list[int], ids: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
         """Layer ``li``'s (pool byte, vLLM block) pairs of the positions at slots ``offs``
@@ -751,8 +766,8 @@ class GroupedCopier:
             x = x.permute(0, 2, 1, 3, 4).reshape(n * r, plan.heads, plan.states // r, plan.content * es)
             t.view(torch.uint8).index_copy_(0, self._kidx(li, [b for _, b in todo]), x)
             return
-        for at, b in todo:
-            cache, slot = self._pair(pool, at, li, b)
+        for at, b, k in self._runs(todo, plan.unit_bytes):
+            cache, slot = self._pair(pool, at, li, b, k)
             cache.copy_(slot, non_blocking=True)
 
     def save_layer(self, pool: torch.Tensor, offs: list[int], ids: list[tuple[Any, ...]], li: int) -> None:
@@ -770,8 +785,8 @@ class GroupedCopier:
             x = x.view(n, r, plan.heads, plan.states // r, plan.content * es).permute(0, 2, 1, 3, 4).contiguous()
             rows.index_copy_(0, idx, x.view(-1).view(torch.int64).view(-1, rows.shape[1]))
             return
-        for at, b in units:
-            cache, slot = self._pair(pool, at, li, b)
+        for at, b, k in self._runs(units, plan.unit_bytes):
+            cache, slot = self._pair(pool, at, li, b, k)
             slot.copy_(cache, non_blocking=True)
 
     def copy_resliced(self, pool: torch.Tensor, src_tp: int, shards: list[tuple[int, int, int, int]], offsets: list[list[int]], ids: list[tuple[int, ...]]) -> None:
