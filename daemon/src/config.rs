@@ -563,6 +563,23 @@ pub fn notify_socket() -> Option<String> {
 /// The pool size when none is configured (less when the file system has less room).
 pub const DEFAULT_POOL_BYTES: u64 = 1 << 30;
 
+impl PoolConfig {
+    /// The size of pool to create: the configured one, else [`DEFAULT_POOL_BYTES`] or
+    /// half the free space of the pool's file system, whichever is less, in whole
+    /// segments.
+    pub fn resolved_size(&self) -> u64 {
+        if let Some(s) = self.size {
+            return s.0;
+        }
+        let dir = self.path.parent().unwrap_or(std::path::Path::new("/"));
+        let free = crate::pool::free_bytes(dir).unwrap_or(DEFAULT_POOL_BYTES);
+        let seg = self.segment_size.0.max(1);
+        let want = DEFAULT_POOL_BYTES.min(free / 2);
+        // at least one segment: if even that does not fit, pool creation says so
+        (want.saturating_sub(4096) / seg).max(1) * seg + 4096
+    }
+}
+
 fn uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }

@@ -6,18 +6,11 @@
 //! | module | what it owns |
 //! |---|---|
 //! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table (imports no subsystem: each subsystem builds its typed settings from its section) |
-//! | [`deadline`] | the one deadline queue (lazy cancellation, compacted: bounded by live work) for pins, reservations and transfer timers |
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
-//! | [`pool`] | the shared-memory pool file: create (or keep a previous daemon's), lock, map, retire; a peer's pool read-only |
-//! | [`process`] | which process is at the other end of a stream connection (`SO_PEERCRED`, with its start time) and whether it still runs: what ends a dead engine's session |
-//! | [`table`] | the block table kept beside the pool (SPEC §15): entries written in a kill-safe order, seals by checker threads (`table::checker`), what a new daemon reads back (`table::scan`) |
 //! | [`upgrade`] | `kvd upgrade`: the successor process and the link the hand-over runs over (the old daemon's cut is `server/handover.rs`) |
-//! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
-//! | [`checksum`] | CRC-32C of block bytes and journal records: `kvd-client`'s (the engines' writer checksums, SPEC §17, are the same function), checked against the `crc32c` crate |
-//! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
-//! | [`store`] | the block store's operations (two-phase writes, get, release, delete, export pins), over one module per concern: `index` (states, the LRU invariant, and the table entry of each block), `holds` (pins and reservations with deadlines), `sessions` (and layouts), `reclaim` (eviction, watermarks, feasibility first), `tiering` (the [`store::LowerTier`] trait: NVMe or [`store::NoTier`]; promotion, demotion, waiting requests), `keep` (adoption of a kept pool, the fence, seals' slots), `error` ([`store::StoreError`] → wire code, one function); model-tested against a reference model |
+//! | [`store`] (crate `kvd-store`) | the layer below, re-exported under its old paths ([`pool`], [`region`], [`alloc`], [`table`], [`checksum`], [`deadline`], [`process`]): the shared-memory pool, the slab allocator, the kept block table and the block store with its [`store::LowerTier`] trait; it imports nothing from this crate (its own docs say what each module owns) |
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
 //! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU; `nvme::initialize`: zeroing never-written space while idle, in segments the allocator lends |
 //! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
@@ -70,11 +63,8 @@
 //!    kept pool (or remove it when not kept), and return (an upgrade's successor then
 //!    takes over).
 
-pub mod alloc;
 pub mod auth;
-pub mod checksum;
 pub mod config;
-pub mod deadline;
 pub mod events;
 #[cfg(fuzzing)]
 pub mod fuzzing;
@@ -85,17 +75,17 @@ pub mod lease;
 mod links;
 pub mod metrics;
 pub mod nvme;
-pub mod pool;
-pub mod process;
 mod readiness;
-pub mod region;
 pub mod server;
-pub mod store;
 pub mod stream;
 mod sync;
-pub mod table;
 pub mod transfer;
 pub mod upgrade;
+
+// The layer below, its own crate (`kvd-store`): re-exported under the paths the daemon
+// and its tests have always used.
+pub use kvd_store as store;
+pub use kvd_store::{alloc, checksum, deadline, pool, process, region, table};
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
@@ -310,7 +300,7 @@ fn open_store(
     let started = Instant::now();
     let pool_opts = PoolOptions {
         path: cfg.pool.path.clone(),
-        size_bytes: pool::resolved_size(&cfg.pool),
+        size_bytes: cfg.pool.resolved_size(),
         huge_pages: cfg.pool.huge_pages,
         prefault: cfg.pool.prefault,
         group,

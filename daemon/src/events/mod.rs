@@ -24,8 +24,7 @@
 //! messages, sees the gap, and replays); the replay ring keeps `events.buffer_steps`
 //! batches and at most [`REPLAY_BYTES`].
 
-mod log;
 mod publisher;
 
-pub use log::{Change, EventLog, LOG_CAP};
+pub use kvd_store::events::{Change, EventLog, LOG_CAP};
 pub use publisher::{Publisher, REPLAY_BYTES};

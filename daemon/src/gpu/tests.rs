@@ -38,7 +38,7 @@ struct T {
 fn setup() -> T {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let (mut store, now) =
-        crate::store::tests::store_at(&dir.path().join("pool"), 8 << 20, 1 << 20);
+        crate::nvme::store_model_test::store_at(&dir.path().join("pool"), 8 << 20, 1 << 20);
     let client = store.hello(&HelloReq::default(), now).unwrap();
     let layout = kvd_testkit::layout_named("m", 2);
     let layout = store.register_layout(&layout).unwrap().layout_id;

@@ -851,6 +851,9 @@ impl Drop for NvmeTier {
 }
 
 #[cfg(test)]
+pub(crate) mod store_model_test;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::pool::PoolOptions;

@@ -145,8 +145,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::tests::{bare_store, layout};
-    use crate::store::Answer;
+    use crate::tests::{bare_store, layout};
+    use crate::Answer;
 
     const BLOCK: usize = 16 * 1024;
 

@@ -22,8 +22,6 @@ use kvd_protocol::pool::PoolHeader;
 
 use kvd_protocol::Incarnation;
 
-use crate::config::{PoolConfig, DEFAULT_POOL_BYTES};
-
 use crate::region::{OutOfBounds, Region};
 
 /// Slot offsets and sizes are multiples of this (O_DIRECT and DMA friendly).
@@ -310,8 +308,9 @@ impl Pool {
     }
 
     /// The address of a checked range of the pool, for I/O engines that hand slot
-    /// addresses to the kernel or a NIC (using it is their unsafe step).
-    pub(crate) fn addr(&self, offset: u64, len: usize) -> Result<*mut u8, PoolError> {
+    /// addresses to the kernel or a NIC (using it is their unsafe step: the daemon's
+    /// io_uring engine and verbs boundary, across the crate line).
+    pub fn addr(&self, offset: u64, len: usize) -> Result<*mut u8, PoolError> {
         Ok(self.region.addr(offset, len)?)
     }
 
@@ -503,21 +502,6 @@ impl Drop for Pool {
             let _ = std::fs::remove_file(&self.path);
         }
     }
-}
-
-/// The size of pool to create for `cfg`: the configured one, else
-/// [`DEFAULT_POOL_BYTES`] or half the free space of the pool's file system, whichever is
-/// less, in whole segments.
-pub fn resolved_size(cfg: &PoolConfig) -> u64 {
-    if let Some(s) = cfg.size {
-        return s.0;
-    }
-    let dir = cfg.path.parent().unwrap_or(Path::new("/"));
-    let free = free_bytes(dir).unwrap_or(DEFAULT_POOL_BYTES);
-    let seg = cfg.segment_size.0.max(1);
-    let want = DEFAULT_POOL_BYTES.min(free / 2);
-    // at least one segment: if even that does not fit, pool creation says so
-    (want.saturating_sub(4096) / seg).max(1) * seg + 4096
 }
 
 /// Bytes available to unprivileged writers on the file system holding `dir`.

@@ -21,9 +21,27 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use proptest::prelude::*;
 
-use super::{Answer, Completed, Store, StoreConfig};
 use crate::nvme::{NvmeOptions, NvmeTier};
 use crate::pool::{Pool, PoolOptions, SLOT_ALIGN};
+use crate::store::{Answer, Completed, Store, StoreConfig};
+
+/// A store over a fresh pool file at `path` of `size` bytes, in segments of `segment`
+/// bytes (the test tunables), incarnation 1, with no session and no layout yet (the GPU
+/// tier's tests use it too).
+pub(crate) fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Store, Instant) {
+    let opts = PoolOptions {
+        path: path.to_path_buf(),
+        size_bytes: size,
+        huge_pages: false,
+        prefault: false,
+        group: None,
+        keep: false,
+    };
+    let pool = Arc::new(Pool::create(&opts, Incarnation(1)).unwrap());
+    let now = Instant::now();
+    let s = Store::new(pool, StoreConfig::for_tests(segment), Incarnation(1), now);
+    (s, now)
+}
 
 const SEG: u64 = 64 * 1024;
 const BLOCK: usize = 16 * 1024;
@@ -636,7 +654,7 @@ fn a_key_named_twice_is_promoted_once_and_a_delete_removes_it() {
         hash: key(3),
     };
     let until = Instant::now() + Duration::from_secs(10);
-    while w.s.index.find(l, &key(3)).is_some() || !w.s.tier.has(&k3) {
+    while w.s.dram_node(&k3).is_some() || !w.s.lower_tier().has(&k3) {
         let _ = w.s.poll_io(w.now);
         assert!(Instant::now() < until, "key 3 never left DRAM for NVMe");
         std::thread::sleep(Duration::from_millis(1));
@@ -651,7 +669,7 @@ fn a_key_named_twice_is_promoted_once_and_a_delete_removes_it() {
     for (round, op) in rounds.into_iter().enumerate() {
         w.step(&op);
         let until = Instant::now() + Duration::from_secs(10);
-        while w.s.index.state_of(l, &key(3)) == Some(super::index::State::Promoting) {
+        while w.s.dram_node(&k3) == Some(true) {
             let _ = w.s.poll_io(w.now);
             assert!(Instant::now() < until, "the promotion never ended");
             std::thread::sleep(Duration::from_millis(1));
@@ -666,10 +684,10 @@ fn a_key_named_twice_is_promoted_once_and_a_delete_removes_it() {
             "the delete was not answered deleted"
         );
         assert!(
-            w.s.index.find(l, &key(3)).is_none(),
+            w.s.dram_node(&k3).is_none(),
             "a node of key 3 outlived its delete"
         );
-        assert!(!w.s.tier.knows(&k3));
+        assert!(!w.s.lower_tier().knows(&k3));
         // stored again for the next round, and pushed out again by other keys
         w.step(&Op::Store {
             c: 0,
@@ -685,7 +703,7 @@ fn a_key_named_twice_is_promoted_once_and_a_delete_removes_it() {
             });
         }
         let until = Instant::now() + Duration::from_secs(10);
-        while w.s.index.find(l, &key(3)).is_some() || !w.s.tier.has(&k3) {
+        while w.s.dram_node(&k3).is_some() || !w.s.lower_tier().has(&k3) {
             let _ = w.s.poll_io(w.now);
             w.s.maintain(w.now);
             assert!(Instant::now() < until, "key 3 never left DRAM again");

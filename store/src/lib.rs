@@ -1,5 +1,27 @@
-//! The block store: kept KV blocks addressed by `(layout, prefix hash)`, over the pool
-//! and its slab allocator, with a lower tier below.
+//! # kvd-store
+//!
+//! The bottom layer of the daemon: the shared-memory pool, the slab allocator, the block
+//! table kept beside the pool, and the block store over them. It imports nothing of the
+//! layers above (the NVMe and GPU tiers, transfers, the server: `kvd-daemon`), which
+//! Cargo now enforces; a lower tier plugs in through [`LowerTier`] in the store's own
+//! terms ([`TierDone`]).
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`pool`] | the shared-memory pool file: create (or keep a previous daemon's), lock, map, retire; a peer's pool read-only |
+//! | [`region`] | the only way to touch shared memory: checked ranges, then one documented unsafe step (shared or exclusive borrow); checked addresses for io_uring and verbs |
+//! | [`alloc`] | the slab allocator: segments, size classes, O(1) alloc/free |
+//! | [`table`] | the block table kept beside the pool (SPEC §15): entries written in a kill-safe order, seals by checker threads (`table::checker`), what a new daemon reads back (`table::scan`) |
+//! | [`checksum`] | CRC-32C of block bytes and journal records (`kvd-client`'s, checked against the `crc32c` crate) |
+//! | [`events`] | the change log the store records KV events into (SPEC §14); the daemon's publisher takes them |
+//! | [`deadline`] | the one deadline queue (lazy cancellation, compacted) for pins, reservations and transfer timers |
+//! | [`process`] | which process is at the other end of a stream connection and whether it still runs |
+//! | this file and its private modules | the block store, below |
+//!
+//! ## The block store
+//!
+//! Kept KV blocks addressed by `(layout, prefix hash)`, over the pool and its slab
+//! allocator, with a lower tier below.
 //!
 //! One owner (the server thread) drives it through `&mut self`; there are no locks on the
 //! hot path. Time is an argument (`now`) so the rules below are tested without sleeping.
@@ -44,7 +66,17 @@
 //! Size: ~1000 lines because it is the store's whole operation surface (one method per
 //! client op, each a short sequence over the submodules above, which own the rules);
 //! splitting it by op would scatter the one place that shows what each op does to the
-//! index, the holds and the tiers. Its tests are `tests.rs` and `model_test.rs`.
+//! index, the holds and the tiers. Its tests are `tests.rs`, and the daemon's
+//! `nvme/store_model_test.rs` (the store with the NVMe tier below, against a reference model).
+
+pub mod alloc;
+pub mod checksum;
+pub mod deadline;
+pub mod events;
+pub mod pool;
+pub mod process;
+pub mod region;
+pub mod table;
 
 mod error;
 mod holds;
@@ -74,11 +106,11 @@ use crate::alloc::SlabAllocator;
 use crate::pool::{Pool, SLOT_ALIGN};
 use crate::process::Process;
 
-#[cfg(test)]
 impl StoreConfig {
     /// Unit tests' tunables: small limits, `segment_bytes` segments, eviction only when
-    /// full.
-    pub(crate) fn for_tests(segment_bytes: u64) -> StoreConfig {
+    /// full (public for the daemon's tests of the layers above).
+    #[doc(hidden)]
+    pub fn for_tests(segment_bytes: u64) -> StoreConfig {
         StoreConfig {
             segment_bytes,
             high_watermark: 1.0,
@@ -1200,6 +1232,22 @@ impl Store {
         }
     }
 
+    // ----- where a block is, for the tests of the layers above -----
+
+    /// Whether DRAM has a node for the block (any state), and whether it is being read
+    /// up from the lower tier: what the NVMe tier's model test (in `kvd-daemon`) waits on.
+    #[doc(hidden)]
+    pub fn dram_node(&self, key: &BlockKey) -> Option<bool> {
+        self.index.find(key.layout, &key.hash)?;
+        Some(self.index.state_of(key.layout, &key.hash) == Some(State::Promoting))
+    }
+
+    /// The lower tier, to ask what it holds ([`LowerTier::has`], [`LowerTier::knows`]).
+    #[doc(hidden)]
+    pub fn lower_tier(&self) -> &dyn LowerTier {
+        self.tier.as_ref()
+    }
+
     // ----- time-driven work -----
 
     /// Expires pins and allocations whose deadline passed, drops idle sessions, and
@@ -1236,7 +1284,4 @@ impl Store {
 }
 
 #[cfg(test)]
-pub(crate) mod tests;
-
-#[cfg(test)]
-mod model_test;
+mod tests;

@@ -1,7 +1,7 @@
 //! Tiering: blocks moving between DRAM and a lower tier, and the requests that wait
 //! for them.
 //!
-//! The lower tier is a [`LowerTier`]: the NVMe tier ([`crate::nvme::NvmeTier`]) or
+//! The lower tier is a [`LowerTier`]: the NVMe tier (`kvd_daemon::nvme::NvmeTier`) or
 //! [`NoTier`], which holds nothing (eviction then drops blocks). The store drives it:
 //! eviction of a block the tier lacks *demotes* it (DEMOTING: still readable; the DRAM
 //! slot is freed when the write completes); a `get` (or a `lookup`'s prefetch) of a block

@@ -442,8 +442,8 @@ mod tests {
     use kvd_protocol::*;
 
     use crate::pool::{Pool, PoolOptions, Previous};
-    use crate::store::{Answer, Store, StoreConfig};
     use crate::table::{BlockTable, PoolIdentity};
+    use crate::{Answer, Store, StoreConfig};
 
     const SEG: u64 = 64 * 1024;
     const BLOCK: usize = 16 * 1024;

@@ -219,7 +219,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::tests::{bare_store, layout};
+    use crate::tests::{bare_store, layout};
 
     const BLOCK: u64 = 16 * 1024;
 
