@@ -12,8 +12,8 @@
 //! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
 //! | [`store`] (crate `kvd-store`) | the layer below, re-exported under its old paths ([`pool`], [`region`], [`alloc`], [`table`], [`checksum`], [`deadline`], [`process`]): the shared-memory pool, the slab allocator, the kept block table and the block store with its [`store::LowerTier`] trait; it imports nothing from this crate (its own docs say what each module owns) |
 //! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
-//! | [`nvme`] | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU; `nvme::initialize`: zeroing never-written space while idle, in segments the allocator lends |
-//! | [`io`] | the io_uring engine thread (the only io_uring user); [`io::completions`], the worker → server completion hand-off (loom-checked) shared with the data plane |
+//! | [`nvme`] (crate `kvd-nvme`) | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU, its io_uring engine; the daemon opens it and hands it to the store |
+//! | [`io`] | the old paths of the io_uring engine ([`io::uring`], in `kvd-nvme`) and of [`io::completions`], the worker → server completion hand-off (loom-checked, in `kvd-store`) shared with the data plane and the GPU tier |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), signals, peer links; a folder: `dispatch` (request → store / GPU tier / transfers, the drain policy), `replies` (sending, deferred answers), `tokens` |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
@@ -23,7 +23,7 @@
 //! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
 //! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`); a folder: `server` (the TCP data server), `tcp`, `shm`, `workers` (a panicking transport fails its job, not its worker); the wire codec is [`kvd_protocol::data`]; an in-process double (`mem_transport`) for tests |
 //! | [`transfer::gate`] | which inbound data-plane connections are kept: pending and authenticated caps, the first request's deadline |
-//! | `sync` | std or loom primitives (the `loom` feature) |
+//! | [`sync`] | std or loom primitives (the `loom` feature; in `kvd-store`) |
 //! | `transfer::remote_access` | per-grant remote access for one-sided transports: only a live grant's ranges, with its access, until it ends (a `Registrar`: verbs, or a host stand-in in tests) |
 //! | `transfer::rdma` | (feature `rdma`) the verbs boundary: local-only pool registration, per-grant MRs, RC queue pairs, READ/WRITE |
 //!
@@ -70,22 +70,29 @@ pub mod events;
 pub mod fuzzing;
 pub mod gpu;
 pub mod http;
-pub mod io;
 pub mod lease;
 mod links;
 pub mod metrics;
-pub mod nvme;
 mod readiness;
 pub mod server;
 pub mod stream;
-mod sync;
 pub mod transfer;
 pub mod upgrade;
 
 // The layer below, its own crate (`kvd-store`): re-exported under the paths the daemon
 // and its tests have always used.
 pub use kvd_store as store;
-pub use kvd_store::{alloc, checksum, deadline, pool, process, region, table};
+pub use kvd_store::{alloc, checksum, deadline, pool, process, region, sync, table};
+// The NVMe tier, its own crate (`kvd-nvme`) above the store.
+pub use kvd_nvme as nvme;
+
+/// Block I/O and the completion hand-off, under the paths they had in this crate: the
+/// io_uring engine and its fault hook (`kvd-nvme`), the worker → server completions
+/// (`kvd-store`).
+pub mod io {
+    pub use kvd_nvme::{faults, uring};
+    pub use kvd_store::completions;
+}
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;

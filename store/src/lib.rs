@@ -16,6 +16,8 @@
 //! | [`events`] | the change log the store records KV events into (SPEC §14); the daemon's publisher takes them |
 //! | [`deadline`] | the one deadline queue (lazy cancellation, compacted) for pins, reservations and transfer timers |
 //! | [`process`] | which process is at the other end of a stream connection and whether it still runs |
+//! | [`completions`] | the hand-off of completions from worker threads (io_uring, data plane, GPU) to the server thread, with its wake-up |
+//! | [`sync`] | std's or loom's primitives (feature `loom`: the completion and grant hand-offs model-checked) |
 //! | this file and its private modules | the block store, below |
 //!
 //! ## The block store
@@ -71,11 +73,13 @@
 
 pub mod alloc;
 pub mod checksum;
+pub mod completions;
 pub mod deadline;
 pub mod events;
 pub mod pool;
 pub mod process;
 pub mod region;
+pub mod sync;
 pub mod table;
 
 mod error;

@@ -32,8 +32,8 @@ use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::completions::Completions;
-use crate::pool::Pool;
+use kvd_store::completions::Completions;
+use kvd_store::pool::Pool;
 
 /// Direction of an operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,7 +119,7 @@ impl UringEngine {
         // SAFETY: every iovec lies inside the pool mapping, which the engine keeps alive
         // (it holds the Arc) until the ring, and with it the registration, is dropped.
         let fixed = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
-        let faults = super::faults::Faults::from_env()
+        let faults = crate::faults::Faults::from_env()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         if let Some(f) = &faults {
             tracing::warn!(faults = ?f, "NVMe fault injection is on (KVD_NVME_FAULTS): for tests only");
@@ -221,7 +221,7 @@ struct Worker {
     /// and is never written).
     zeros: Option<memmap2::Mmap>,
     /// The fault hook (`KVD_NVME_FAULTS`, tests only): see `io::faults`.
-    faults: Option<super::faults::Faults>,
+    faults: Option<crate::faults::Faults>,
 }
 
 impl Worker {
@@ -331,7 +331,7 @@ impl Worker {
             .pool
             .read(op.pool_offset, op.crc_len as usize)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        Ok(crate::checksum::crc32c(bytes))
+        Ok(kvd_store::checksum::crc32c(bytes))
     }
 
     fn push(&mut self, op: IoOp) -> io::Result<()> {

@@ -72,8 +72,8 @@ impl<T> Completions<T> {
         return -1;
     }
 
-    /// Waits up to `timeout` for one completion (tests).
-    #[cfg(test)]
+    /// Waits up to `timeout` for one completion (tests, here and in the crates above).
+    #[doc(hidden)]
     pub fn wait_one(&self, timeout: std::time::Duration) -> Option<T> {
         let until = std::time::Instant::now() + timeout;
         loop {
@@ -151,7 +151,7 @@ impl Signal {
     }
 }
 
-/// `cargo test -p kvd-daemon --lib --features loom loom`
+/// `cargo test -p kvd-store --lib --features loom loom`
 #[cfg(all(test, feature = "loom"))]
 mod loom_tests {
     use super::*;

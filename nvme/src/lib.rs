@@ -1,5 +1,16 @@
+//! # kvd-nvme
+//!
 //! The NVMe tier (L2): block files on one or more disks, an io_uring engine, a durable
-//! journal index, checksums, and LRU eviction of its own.
+//! journal index, checksums, and LRU eviction of its own. A crate of its own above
+//! `kvd-store` (whose [`kvd_store::LowerTier`] it implements, in the store's terms) and
+//! below the daemon, which opens it and hands it to the store.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | this file | the tier: block files, the journal, its index and LRU, demotion and promotion |
+//! | `initialize` | zeroing new block files in the background before their segments serve |
+//! | [`uring`] | the io_uring engine thread (the daemon's only io_uring user) and its completions |
+//! | [`faults`] | `KVD_NVME_FAULTS`: a faulty device where the kernel offers none (benches, tests) |
 //!
 //! Layout on disk, per configured directory `d_i`:
 //! - `d_i/kvd-nvme.data`: preallocated, cut into segments like the pool; consecutive
@@ -40,15 +51,17 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::{BlockKey, ChunkHash, LayoutId, NvmeStats};
 
+pub mod faults;
 mod initialize;
+pub mod uring;
 
-use crate::alloc::{ClassId, SlabAllocator};
-use crate::events::{Change, EventLog};
-use crate::io::uring::{IoDone, IoKind, IoOp, UringEngine};
-use crate::pool::{Pool, SLOT_ALIGN};
-use crate::store::LowerTier;
+use crate::uring::{IoDone, IoKind, IoOp, UringEngine};
 use initialize::Initializer;
 use kvd_protocol::events::Medium;
+use kvd_store::alloc::{ClassId, SlabAllocator};
+use kvd_store::events::{Change, EventLog};
+use kvd_store::pool::{Pool, SLOT_ALIGN};
+use kvd_store::LowerTier;
 
 /// The tier's striping: segment `s` of the virtual space lies in file `s % disks`, at
 /// `(s / disks) * segment_bytes`. The one place that maps a virtual offset to a disk.
@@ -186,14 +199,14 @@ fn record(kind: u8, key: &BlockKey, e: &Entry) -> [u8; REC] {
     r[40..44].copy_from_slice(&e.block_bytes.to_le_bytes());
     r[44..48].copy_from_slice(&e.crc.to_le_bytes());
     r[48..56].copy_from_slice(&e.slot_bytes.to_le_bytes());
-    let c = crate::checksum::crc32c(&r[..60]);
+    let c = kvd_store::checksum::crc32c(&r[..60]);
     r[60..64].copy_from_slice(&c.to_le_bytes());
     r
 }
 
 /// Decodes one journal record (for the fuzz target: whether it parses, and its key).
 #[cfg(fuzzing)]
-pub(crate) fn parse_record(r: &[u8]) -> Option<(u8, BlockKey)> {
+pub fn parse_record(r: &[u8]) -> Option<(u8, BlockKey)> {
     parse(r).map(|(k, key, _)| (k, key))
 }
 
@@ -202,7 +215,7 @@ fn parse(r: &[u8]) -> Option<(u8, BlockKey, Entry)> {
         return None;
     }
     let c = u32::from_le_bytes(r[60..64].try_into().ok()?);
-    if crate::checksum::crc32c(&r[..60]) != c {
+    if kvd_store::checksum::crc32c(&r[..60]) != c {
         return None;
     }
     let u64_at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
@@ -274,7 +287,7 @@ fn preallocate(f: &File, path: &std::path::Path, want: u64, seg: u64) -> Result<
         };
         match e.raw_os_error() {
             Some(libc::ENOSPC) => {
-                let avail = crate::pool::free_bytes(path.parent().unwrap_or(path)).unwrap_or(0);
+                let avail = kvd_store::pool::free_bytes(path.parent().unwrap_or(path)).unwrap_or(0);
                 let current = f.metadata().map(|m| m.len()).unwrap_or(0);
                 let next = ((avail + current) * 9 / 10 / seg) * seg;
                 size = next.min(size - seg);
@@ -437,7 +450,7 @@ impl NvmeTier {
         Ok(())
     }
 
-    fn class(&mut self, slot_bytes: u64) -> Result<ClassId, crate::alloc::AllocError> {
+    fn class(&mut self, slot_bytes: u64) -> Result<ClassId, kvd_store::alloc::AllocError> {
         if let Some(c) = self.classes.get(&slot_bytes) {
             return Ok(*c);
         }
@@ -828,10 +841,10 @@ impl LowerTier for NvmeTier {
     fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
         Some(NvmeTier::wake_fd(self))
     }
-    fn drain(&mut self) -> Vec<crate::store::TierDone> {
+    fn drain(&mut self) -> Vec<kvd_store::TierDone> {
         NvmeTier::drain(self)
             .into_iter()
-            .map(|d| crate::store::TierDone {
+            .map(|d| kvd_store::TierDone {
                 tag: d.tag,
                 result: d.result,
             })
@@ -851,13 +864,13 @@ impl Drop for NvmeTier {
 }
 
 #[cfg(test)]
-pub(crate) mod store_model_test;
+mod store_model_test;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolOptions;
     use kvd_protocol::Incarnation;
+    use kvd_store::pool::PoolOptions;
 
     fn pool(dir: &std::path::Path) -> Arc<Pool> {
         Arc::new(

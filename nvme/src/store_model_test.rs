@@ -21,27 +21,9 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 use proptest::prelude::*;
 
-use crate::nvme::{NvmeOptions, NvmeTier};
-use crate::pool::{Pool, PoolOptions, SLOT_ALIGN};
-use crate::store::{Answer, Completed, Store, StoreConfig};
-
-/// A store over a fresh pool file at `path` of `size` bytes, in segments of `segment`
-/// bytes (the test tunables), incarnation 1, with no session and no layout yet (the GPU
-/// tier's tests use it too).
-pub(crate) fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Store, Instant) {
-    let opts = PoolOptions {
-        path: path.to_path_buf(),
-        size_bytes: size,
-        huge_pages: false,
-        prefault: false,
-        group: None,
-        keep: false,
-    };
-    let pool = Arc::new(Pool::create(&opts, Incarnation(1)).unwrap());
-    let now = Instant::now();
-    let s = Store::new(pool, StoreConfig::for_tests(segment), Incarnation(1), now);
-    (s, now)
-}
+use crate::{NvmeOptions, NvmeTier};
+use kvd_store::pool::{Pool, PoolOptions, SLOT_ALIGN};
+use kvd_store::{Answer, Completed, Store, StoreConfig};
 
 const SEG: u64 = 64 * 1024;
 const BLOCK: usize = 16 * 1024;

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use nix::unistd::{lseek, Whence};
 
 use super::Geometry;
-use crate::alloc::SlabAllocator;
-use crate::io::uring::ZERO_CHUNK;
+use crate::uring::ZERO_CHUNK;
+use kvd_store::alloc::SlabAllocator;
 
 /// How long the tier must have had no block I/O before a zero write starts.
 pub const IDLE: Duration = Duration::from_millis(5);

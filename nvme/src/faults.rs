@@ -17,8 +17,8 @@
 //! has it set loses or refuses what it says it does, never serves a wrong byte (a
 //! corrupted read fails the block's checksum and is dropped, SPEC §17).
 
-use super::uring::{IoKind, IoOp};
-use crate::pool::Pool;
+use crate::uring::{IoKind, IoOp};
+use kvd_store::pool::Pool;
 
 /// A `$KVD_NVME_FAULTS` that asks for nothing this module injects.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
