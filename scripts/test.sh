@@ -171,8 +171,8 @@ hw=(-p kvd-model -p kvd-engine -p kvd-daemon --locked --features kvd-model/cuda,
 timeout 900 cargo test "${hw[@]}" --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
-# required: no GPU needed; the daemon's shipped kernels/copy.ptx must be what it makes of
-# kernels/copy.cu) and assembles for sm_90 under the real ptxas without spills
+# required: no GPU needed; the GPU tier's shipped gpu/kernels/copy.ptx must be what it makes of
+# gpu/kernels/copy.cu) and assembles for sm_90 under the real ptxas without spills
 # (the nvidia-cuda-nvcc wheel's); the GPU tests (kernels, engines, the daemon's CUDA GPU
 # tier) say so in one `SKIP:` line without a GPU (KVD_REQUIRE_CUDA=1: they fail instead).
 nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/lib/libnvrtc.so*")[0].rsplit("/", 1)[0])')

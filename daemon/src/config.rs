@@ -446,10 +446,7 @@ pub enum GpuDeviceMode {
     Cuda,
 }
 
-/// Why a daemon built without the `cuda` feature cannot have a CUDA GPU tier.
-pub const WITHOUT_CUDA: &str = "this kvd was built without the CUDA GPU tier (Cargo feature \
-     `cuda`; building needs no CUDA toolkit): build with `cargo build --release -p kvd-daemon \
-     --features cuda`, or use gpu.device = \"host\" or \"off\"";
+pub use kvd_gpu::WITHOUT_CUDA;
 
 /// `[gpu]`
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -466,6 +463,25 @@ pub struct GpuSection {
     pub max_registrations: usize,
     /// Pieces shorter than this go to the copy kernel (CUDA); 0: none.
     pub copy_kernel_below: Size,
+}
+
+impl GpuSection {
+    /// What the GPU tier is opened with.
+    pub fn options(&self) -> kvd_gpu::GpuOptions {
+        use kvd_gpu::DeviceMode as D;
+        kvd_gpu::GpuOptions {
+            device: match self.device {
+                GpuDeviceMode::Auto => D::Auto,
+                GpuDeviceMode::Off => D::Off,
+                GpuDeviceMode::Host => D::Host,
+                GpuDeviceMode::Cuda => D::Cuda,
+            },
+            host_dir: self.host_dir.clone(),
+            idle_ttl: std::time::Duration::from_millis(self.idle_ttl_ms),
+            max_per_session: self.max_registrations,
+            copy_kernel_below: self.copy_kernel_below.0,
+        }
+    }
 }
 
 impl Default for GpuSection {

@@ -68,9 +68,7 @@ pub mod config;
 pub mod events;
 #[cfg(fuzzing)]
 pub mod fuzzing;
-pub mod gpu;
 pub mod http;
-pub mod lease;
 mod links;
 pub mod metrics;
 mod readiness;
@@ -82,7 +80,9 @@ pub mod upgrade;
 // The layer below, its own crate (`kvd-store`): re-exported under the paths the daemon
 // and its tests have always used.
 pub use kvd_store as store;
-pub use kvd_store::{alloc, checksum, deadline, pool, process, region, sync, table};
+pub use kvd_store::{alloc, checksum, deadline, lease, pool, process, region, sync, table};
+// The GPU tier, its own crate (`kvd-gpu`) above the store.
+pub use kvd_gpu as gpu;
 // The NVMe tier, its own crate (`kvd-nvme`) above the store.
 pub use kvd_nvme as nvme;
 
@@ -194,7 +194,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     let (up_rx, up_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
     signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR2, up_tx)
         .map_err(setup_err("signal handler"))?;
-    let gpu = gpu::open(&cfg.gpu, &pool).map_err(setup_err("the GPU tier"))?;
+    let gpu = gpu::open(&cfg.gpu.options(), &pool).map_err(setup_err("the GPU tier"))?;
     // `pool` moves into the transfers here, or is dropped with the closure: no handle on
     // the pool may outlive the store's, or dropping it after a successor started would
     // unlink the successor's new pool at the same path.

@@ -17,6 +17,7 @@
 //! | [`deadline`] | the one deadline queue (lazy cancellation, compacted) for pins, reservations and transfer timers |
 //! | [`process`] | which process is at the other end of a stream connection and whether it still runs |
 //! | [`completions`] | the hand-off of completions from worker threads (io_uring, data plane, GPU) to the server thread, with its wake-up |
+//! | [`lease`] | the one `Lease` (created, renewed by one rule, checked) of the daemon's transfer exports, push registrations and GPU exports |
 //! | [`sync`] | std's or loom's primitives (feature `loom`: the completion and grant hand-offs model-checked) |
 //! | this file and its private modules | the block store, below |
 //!
@@ -76,6 +77,7 @@ pub mod checksum;
 pub mod completions;
 pub mod deadline;
 pub mod events;
+pub mod lease;
 pub mod pool;
 pub mod process;
 pub mod region;

@@ -37,8 +37,8 @@ struct T {
 
 /// A store over a fresh pool file at `path` of `size` bytes, in `segment`-byte segments
 /// (the store's test tunables), incarnation 1.
-fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (crate::store::Store, Instant) {
-    let opts = crate::pool::PoolOptions {
+fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (kvd_store::Store, Instant) {
+    let opts = kvd_store::pool::PoolOptions {
         path: path.to_path_buf(),
         size_bytes: size,
         huge_pages: false,
@@ -46,13 +46,10 @@ fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (crate::store::S
         group: None,
         keep: false,
     };
-    let pool = std::sync::Arc::new(crate::pool::Pool::create(&opts, Incarnation(1)).unwrap());
+    let pool = std::sync::Arc::new(kvd_store::pool::Pool::create(&opts, Incarnation(1)).unwrap());
     let now = Instant::now();
-    let cfg = crate::store::StoreConfig::for_tests(segment);
-    (
-        crate::store::Store::new(pool, cfg, Incarnation(1), now),
-        now,
-    )
+    let cfg = kvd_store::StoreConfig::for_tests(segment);
+    (kvd_store::Store::new(pool, cfg, Incarnation(1), now), now)
 }
 
 fn setup() -> T {
@@ -148,7 +145,7 @@ fn a_device_fault_fails_the_op_and_holds_nothing() {
     };
     assert!(matches!(
         good.store(&mut t.store, &req, 1, now).unwrap(),
-        crate::store::Answer::Later(1)
+        kvd_store::Answer::Later(1)
     ));
     assert!(matches!(
         wait(&mut good, &mut t.store),
@@ -213,21 +210,21 @@ fn a_key_another_copy_is_storing_is_busy_not_pool_full() {
         blocks,
     };
     let first = tier.store(&mut t.store, &req(vec![0, 1]), 1, now).unwrap();
-    assert!(matches!(first, crate::store::Answer::Later(1)));
+    assert!(matches!(first, kvd_store::Answer::Later(1)));
     // Before the first's completion is handled its keys are still being written.
     match tier.store(&mut t.store, &req(vec![2, 3]), 2, now).unwrap() {
-        crate::store::Answer::Now(r) => {
+        kvd_store::Answer::Now(r) => {
             assert_eq!(r.status, vec![GpuStoreStatus::Busy; 2]);
             assert_eq!(r.stored, 0);
         }
-        crate::store::Answer::Later(_) => panic!("the busy keys were copied again"),
+        kvd_store::Answer::Later(_) => panic!("the busy keys were copied again"),
     }
     assert!(matches!(
         wait(&mut tier, &mut t.store),
         Ok(Reply::Store(GpuStoreResp { stored: 2, .. }))
     ));
     match tier.store(&mut t.store, &req(vec![2, 3]), 3, now).unwrap() {
-        crate::store::Answer::Now(r) => assert_eq!(r.status, vec![GpuStoreStatus::Exists; 2]),
-        crate::store::Answer::Later(_) => panic!("stored keys were copied again"),
+        kvd_store::Answer::Now(r) => assert_eq!(r.status, vec![GpuStoreStatus::Exists; 2]),
+        kvd_store::Answer::Later(_) => panic!("stored keys were copied again"),
     }
 }

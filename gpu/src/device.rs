@@ -21,7 +21,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// The direction of a copy job.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -276,7 +276,7 @@ mod tests {
         let m: Arc<dyn EngineMemory> = Arc::new(Other);
         assert!(mine::<Other>(&*m).is_ok());
         assert_eq!(
-            mine::<super::super::host::HostMemory>(&*m).unwrap_err(),
+            mine::<crate::host::HostMemory>(&*m).unwrap_err(),
             DeviceError::ForeignMemory
         );
         assert!(inside("engine", 0, 8, 8).is_ok());

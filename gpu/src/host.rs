@@ -25,7 +25,7 @@ use super::device::{
     inside, mine, Copy, CopyEngine, CopyPaths, DevCopy, DeviceError, Dir, EngineMemory,
     PathCounters,
 };
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// A file in `host_dir`, opened.
 #[derive(Debug)]

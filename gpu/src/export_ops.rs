@@ -8,7 +8,7 @@ use kvd_protocol::*;
 
 use super::worker::Work;
 use super::{bad, device, geometry, GpuTier, Pending};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl GpuTier {
     /// `gpu_export`: offers blocks of the session's registration to a `gpu_pull` on this
@@ -44,7 +44,7 @@ impl GpuTier {
         r: &GpuPullReq,
         token: u64,
         now: Instant,
-    ) -> Result<crate::store::Answer<GpuPullResp>, WireError> {
+    ) -> Result<kvd_store::Answer<GpuPullResp>, WireError> {
         let layout = self.check_blocks(
             store,
             r.client,
@@ -79,7 +79,7 @@ impl GpuTier {
                 copied: r.blocks.len() as u64,
             },
         );
-        Ok(crate::store::Answer::Later(token))
+        Ok(kvd_store::Answer::Later(token))
     }
 
     /// `gpu_export_status`.

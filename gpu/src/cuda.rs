@@ -10,7 +10,7 @@
 //! checks first and returns why there is no device instead. Every `unsafe` block is a
 //! driver call whose pointer arguments are named below; device ranges are checked
 //! against the opened allocation's declared size and pool ranges by the pool's
-//! [`crate::region::Region`] before any call.
+//! [`kvd_store::region::Region`] before any call.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,11 +24,11 @@ use super::device::{
     PathCounters,
 };
 use super::plan::{self, Piece, Plan, Policy};
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// The copy kernel, as PTX: what NVRTC makes of `kernels/copy.cu` for compute capability
 /// 7.5 (`tests/copy_kernel.rs` keeps the two in step and assembles it for sm_90).
-pub const COPY_PTX: &str = include_str!("../../kernels/copy.ptx");
+pub const COPY_PTX: &str = include_str!("../kernels/copy.ptx");
 
 /// Waits for every stream a job queued on (all of them, also after one fails), so that
 /// nothing still moves when the job is reported.

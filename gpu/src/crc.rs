@@ -109,7 +109,7 @@ pub fn block_crcs(
                 }
                 acc = Some(match acc {
                     None => crc,
-                    Some(a) => crate::checksum::crc32c_combine(a, crc, len),
+                    Some(a) => kvd_store::checksum::crc32c_combine(a, crc, len),
                 });
                 at += len;
             }
@@ -121,7 +121,7 @@ pub fn block_crcs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checksum::crc32c;
+    use kvd_store::checksum::crc32c;
 
     /// The kernel's computation is the CRC-32C, for lengths below, at and above the
     /// thread count (idle threads, one-byte segments, a short last segment) and every

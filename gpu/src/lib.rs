@@ -12,7 +12,7 @@
 //! | [`plan`] | which bytes of a copy job the copy kernel moves and which the copy engine (CUDA); tested on the CPU with a model of the kernel |
 //! | `cuda` | (feature `cuda`) the CUDA engine, the CUDA boundary: IPC handles, the pinned pool, async copies |
 //! | [`worker`] | the copy thread (runs each job on the engine) and its hand-off back to the server thread |
-//! | [`exports`] | same-node GPU-to-GPU exports: their records, leases ([`crate::lease::Lease`]) and the checks on a pull's params (model-tested) |
+//! | [`exports`] | same-node GPU-to-GPU exports: their records, leases ([`kvd_store::lease::Lease`]) and the checks on a pull's params (model-tested) |
 //! | `export_ops` | the tier's `gpu_export`, `gpu_pull`, `gpu_export_status` over those rules |
 //!
 //! Rules this module keeps:
@@ -53,8 +53,8 @@ use kvd_protocol::*;
 use self::device::{Copy, CopyEngine, Dir, EngineMemory, Off};
 use self::geometry::Geometry;
 use self::worker::{Job, Work, Worker};
-use crate::pool::Pool;
-use crate::store::Store;
+use kvd_store::pool::Pool;
+use kvd_store::Store;
 
 /// How long a copy may hold its slots (see the module docs).
 pub const COPY_HOLD: Duration = Duration::from_secs(600);
@@ -146,22 +146,49 @@ fn bad(m: impl Into<String>) -> WireError {
     WireError::new(ErrorCode::InvalidArgument, m)
 }
 
-impl GpuSettings {
-    /// From the `[gpu]` section.
-    pub fn from_config(c: &crate::config::GpuSection) -> GpuSettings {
-        GpuSettings {
-            idle_ttl: Duration::from_millis(c.idle_ttl_ms),
-            max_per_session: c.max_registrations,
-        }
-    }
+/// Which copy engine the tier runs on (the daemon's `gpu.device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceMode {
+    /// `cuda` when built with it and a device answers, else off.
+    Auto,
+    /// No GPU tier.
+    Off,
+    /// The host stand-in (shared-memory files as engine memory).
+    Host,
+    /// CUDA; the daemon refuses it at start without the `cuda` feature.
+    Cuda,
 }
 
-/// The tier `[gpu]` asks for. An unusable device does not stop the daemon: the tier is
+/// What the tier is opened with (the daemon builds it from its `[gpu]` section).
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    /// The copy engine.
+    pub device: DeviceMode,
+    /// The host stand-in's directory (`None`: the pool's).
+    pub host_dir: Option<std::path::PathBuf>,
+    /// A registration whose session sent nothing for this long ends.
+    pub idle_ttl: Duration,
+    /// Registrations per session.
+    pub max_per_session: usize,
+    /// Pieces below this many bytes go through the copy kernel (CUDA).
+    pub copy_kernel_below: u64,
+}
+
+/// Why a daemon built without the `cuda` feature cannot have a CUDA GPU tier.
+pub const WITHOUT_CUDA: &str = "this kvd was built without the CUDA GPU tier (Cargo feature \
+     `cuda`; building needs no CUDA toolkit): build with `cargo build --release -p kvd-daemon \
+     --features cuda`, or use gpu.device = \"host\" or \"off\"";
+
+/// The tier `o` asks for. An unusable device does not stop the daemon: the tier is
 /// off, says why in one line, and refuses GPU ops with that reason. A host stand-in
 /// whose directory is unusable is an error (it was asked for by name).
-pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<GpuTier> {
-    use crate::config::GpuDeviceMode as M;
-    let settings = GpuSettings::from_config(c);
+pub fn open(o: &GpuOptions, pool: &Arc<Pool>) -> std::io::Result<GpuTier> {
+    use DeviceMode as M;
+    let c = o;
+    let settings = GpuSettings {
+        idle_ttl: o.idle_ttl,
+        max_per_session: o.max_per_session,
+    };
     let device: Arc<dyn CopyEngine> = match c.device {
         M::Off => Arc::new(Off("gpu.device = off".into())),
         M::Host => {
@@ -175,7 +202,7 @@ pub fn open(c: &crate::config::GpuSection, pool: &Arc<Pool>) -> std::io::Result<
             };
             Arc::new(host::HostDevice::new(dir, pool.path())?)
         }
-        M::Auto | M::Cuda => cuda_device(pool, c.copy_kernel_below.0),
+        M::Auto | M::Cuda => cuda_device(pool, c.copy_kernel_below),
     };
     let tier = GpuTier::new(device, Arc::clone(pool), settings)?;
     match tier.device.off() {
@@ -198,10 +225,7 @@ fn cuda_device(pool: &Pool, kernel_below: u64) -> Arc<dyn CopyEngine> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(_pool: &Pool, _kernel_below: u64) -> Arc<dyn CopyEngine> {
-    Arc::new(Off(format!(
-        "gpu.device = auto: {}",
-        crate::config::WITHOUT_CUDA
-    )))
+    Arc::new(Off(format!("gpu.device = auto: {}", WITHOUT_CUDA)))
 }
 
 impl GpuTier {
@@ -548,7 +572,7 @@ impl GpuTier {
         r: &GpuStoreReq,
         token: u64,
         now: Instant,
-    ) -> Result<crate::store::Answer<GpuStoreResp>, WireError> {
+    ) -> Result<kvd_store::Answer<GpuStoreResp>, WireError> {
         let layout = self.check_blocks(store, r.client, r.registration, &r.keys, &r.blocks, now)?;
         let sys = self.system(store, now);
         let a = store
@@ -574,10 +598,7 @@ impl GpuTier {
             }
         }
         if new_keys.is_empty() {
-            return Ok(crate::store::Answer::Now(GpuStoreResp {
-                status,
-                stored: 0,
-            }));
+            return Ok(kvd_store::Answer::Now(GpuStoreResp { status, stored: 0 }));
         }
         let mut pieces = Vec::new();
         let queued = self
@@ -602,7 +623,7 @@ impl GpuTier {
                 block_bytes: store.block_bytes(layout).unwrap_or(0),
             },
         );
-        Ok(crate::store::Answer::Later(token))
+        Ok(kvd_store::Answer::Later(token))
     }
 
     /// `gpu_load`: pins the longest prefix of the keys that DRAM holds, queues its copy
@@ -613,12 +634,12 @@ impl GpuTier {
         r: &GpuLoadReq,
         token: u64,
         now: Instant,
-    ) -> Result<crate::store::Answer<GpuLoadResp>, WireError> {
+    ) -> Result<kvd_store::Answer<GpuLoadResp>, WireError> {
         let layout = self.check_blocks(store, r.client, r.registration, &r.keys, &r.blocks, now)?;
         let sys = self.system(store, now);
         let (pin, offsets) = store.pin_prefix(sys, layout, &r.keys, COPY_HOLD, now)?;
         let Some(pin) = pin else {
-            return Ok(crate::store::Answer::Now(GpuLoadResp { loaded: 0 }));
+            return Ok(kvd_store::Answer::Now(GpuLoadResp { loaded: 0 }));
         };
         let blocks = r.blocks.get(..offsets.len()).unwrap_or(&r.blocks);
         let queued = self
@@ -636,7 +657,7 @@ impl GpuTier {
                 loaded: offsets.len() as u64,
             },
         );
-        Ok(crate::store::Answer::Later(token))
+        Ok(kvd_store::Answer::Later(token))
     }
 
     /// Handles finished copies: commits stored blocks, releases loaded ones. Returns the

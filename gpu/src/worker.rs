@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::device::{Copy, CopyEngine, DevCopy, DeviceError, Dir};
-use crate::io::completions::Completions;
-use crate::pool::Pool;
+use kvd_store::completions::Completions;
+use kvd_store::pool::Pool;
 
 /// What a job moves.
 pub enum Work {

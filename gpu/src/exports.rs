@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::gpu::{GpuExportState, GpuTransferParams};
 use kvd_protocol::{ChunkHash, ClientId, ErrorCode, LayoutId, WireError};
 
-use crate::lease::{Lease, LeaseBounds};
+use kvd_store::lease::{Lease, LeaseBounds};
 
 /// Ended exports stay visible to `gpu_export_status` this long.
 pub const RETAIN: Duration = Duration::from_secs(60);
