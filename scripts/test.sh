@@ -100,7 +100,7 @@ cargo clippy -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench -p kvd-testki
   --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-model/cuda,kvd-engine/cuda,kvd-bench/cuda,kvd-testkit/cuda -- -D warnings
 
 step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
-cargo test -p kvd-daemon -p kvd-store --lib --locked -q --features kvd-daemon/loom loom
+cargo test -p kvd-daemon -p kvd-store -p kvd-transfer --lib --locked -q --features kvd-daemon/loom loom
 
 step "fuzz targets (cargo-fuzz, nightly): build all, run each for \${KVD_FUZZ_SECS:-10} s"
 command -v cargo-fuzz >/dev/null || cargo install --locked --quiet cargo-fuzz

@@ -366,11 +366,7 @@ pub enum PeerMode {
     Fetch,
 }
 
-/// Why a daemon built without the `etcd` feature cannot do etcd discovery.
-pub const WITHOUT_ETCD: &str = "this kvd was built without etcd discovery (Cargo feature \
-     `etcd`, off by default because it needs protoc): install protoc (apt-get install \
-     protobuf-compiler) and build with `cargo build --release -p kvd-daemon --features etcd`, \
-     or use `peers.discovery = \"static\"`";
+pub use kvd_transfer::WITHOUT_ETCD;
 
 /// `peers.discovery`
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, ValueEnum, Default)]
@@ -482,6 +478,92 @@ impl GpuSection {
             copy_kernel_below: self.copy_kernel_below.0,
         }
     }
+}
+
+impl TransferSection {
+    /// The handoff's typed settings from this `[transfer]` section and `[peers]`, or
+    /// `None` when transfers are off.
+    pub fn settings(&self, peers: &PeersSection) -> Option<crate::transfer::TransferConfig> {
+        use std::time::Duration;
+        let t = self;
+        if !t.enabled {
+            return None;
+        }
+        let lease = Duration::from_millis(t.lease_ms);
+        let heartbeat = if t.heartbeat_ms == 0 {
+            lease / 6
+        } else {
+            Duration::from_millis(t.heartbeat_ms)
+        };
+        let (secret_file, create_secret) = match &t.secret_file {
+            Some(p) => (p.clone(), false),
+            None => (default_secret_path(), true),
+        };
+        Some(crate::transfer::TransferConfig {
+            secret_file,
+            create_secret,
+            control_endpoint: t.control.clone(),
+            data_bind: t.data.clone(),
+            advertise_host: t.advertise_host.clone(),
+            advertise_data: t.advertise_data.clone(),
+            lease,
+            max_hold: Duration::from_millis(t.max_hold_ms),
+            heartbeat,
+            peer_timeout: Duration::from_millis(t.peer_timeout_ms),
+            retain: Duration::from_millis(t.retain_ms),
+            max_transfers: t.max_transfers as usize,
+            peers: crate::transfer::PeerConfig {
+                mode: peers.mode.into(),
+                static_peers: peers.static_peers.clone(),
+                lookup_timeout: Duration::from_millis(peers.lookup_timeout_ms),
+                down_backoff: Duration::from_millis(peers.down_backoff_ms),
+                lock_ttl: Duration::from_millis(peers.lock_ttl_ms),
+                use_events: peers.use_events,
+                events: None,
+                etcd: (peers.discovery == DiscoveryMode::Etcd).then(|| {
+                    crate::transfer::discovery::EtcdConfig {
+                        endpoints: peers.etcd_endpoints.clone(),
+                        prefix: peers.etcd_prefix.clone(),
+                        node_id: peers.node_id.clone(),
+                        ttl: Duration::from_secs(peers.etcd_lease_ttl_s),
+                    }
+                }),
+            },
+            data: crate::transfer::dataplane::DataOptions {
+                streams: match t.streams {
+                    0 => std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+                    n => n as usize,
+                },
+                workers: t.workers as usize,
+                io_timeout: Duration::from_millis(t.io_timeout_ms),
+                gate: crate::transfer::gate::GateLimits {
+                    max_connections: t.max_connections as usize,
+                    max_pending: t.max_pending_connections as usize,
+                    max_pending_per_source: t.max_pending_per_source as usize,
+                    auth_timeout: Duration::from_millis(t.auth_timeout_ms),
+                },
+                shm: t.shm,
+            },
+        })
+    }
+}
+
+impl From<PeerMode> for crate::transfer::PeerMode {
+    fn from(m: PeerMode) -> Self {
+        match m {
+            PeerMode::Off => crate::transfer::PeerMode::Off,
+            PeerMode::Lookup => crate::transfer::PeerMode::Lookup,
+            PeerMode::Fetch => crate::transfer::PeerMode::Fetch,
+        }
+    }
+}
+
+/// The default cluster secret file, beside the default ipc socket.
+pub fn default_secret_path() -> PathBuf {
+    let ep = default_endpoint();
+    ipc_path(&ep)
+        .and_then(|p| p.parent().map(|d| d.join("cluster.key")))
+        .unwrap_or_else(|| PathBuf::from("/tmp/kvd-cluster.key"))
 }
 
 impl Default for GpuSection {

@@ -5,27 +5,22 @@
 //!
 //! | module | what it owns |
 //! |---|---|
-//! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table (imports no subsystem: each subsystem builds its typed settings from its section) |
+//! | [`config`] | `DaemonConfig`: defaults → TOML → env → flags, validation, the key table (builds each layer's typed options from its section: the crates below import no configuration) |
 //! | [`metrics`] | the one `Metrics` struct: every Prometheus handle, fed by the server thread |
 //! | [`http`] | `/metrics`, `/healthz`, `/readyz` on `server.metrics_addr`; the readiness phase |
 //! | [`upgrade`] | `kvd upgrade`: the successor process and the link the hand-over runs over (the old daemon's cut is `server/handover.rs`) |
-//! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic |
+//! | [`auth`] | the cluster secret file and the replay guard of authenticated peer traffic (`kvd-transfer`), the secret's default path (the configuration's) |
 //! | [`store`] (crate `kvd-store`) | the layer below, re-exported under its old paths ([`pool`], [`region`], [`alloc`], [`table`], [`checksum`], [`deadline`], [`process`]): the shared-memory pool, the slab allocator, the kept block table and the block store with its [`store::LowerTier`] trait; it imports nothing from this crate (its own docs say what each module owns) |
-//! | [`gpu`] | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
+//! | [`gpu`] (crate `kvd-gpu`) | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
 //! | [`nvme`] (crate `kvd-nvme`) | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU, its io_uring engine; the daemon opens it and hands it to the store |
 //! | [`io`] | the old paths of the io_uring engine ([`io::uring`], in `kvd-nvme`) and of [`io::completions`], the worker → server completion hand-off (loom-checked, in `kvd-store`) shared with the data plane and the GPU tier |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), signals, peer links; a folder: `dispatch` (request → store / GPU tier / transfers, the drain policy), `replies` (sending, deferred answers), `tokens` |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
 //! | [`events`] | KV events (SPEC §14): the log the index and the NVMe tier record into, the publisher (vLLM's format, per-layout topics, sequence numbers, replay, resync) |
-//! | [`lease`] | the one `Lease` (created, renewed by one rule, checked) used by transfer exports, push registrations and GPU exports |
-//! | [`transfer`] | prefill → decode handoff, as plain state driven by the server thread (no sockets of its own): one module per record that owns its transitions (`export`, `import`, `registration`), the flows that drive them (`exporter`, `importer`, `client_ops`, `peer_ops`, `outbox`, `timers`), `settings` |
-//! | [`transfer::grants`] | what peers may read or write, and the rule that no slot is freed under an active request (loom-checked) |
-//! | [`transfer::dataplane`] | the [`transfer::dataplane::Transport`] trait with declared capabilities (`Caps`); a folder: `server` (the TCP data server), `tcp`, `shm`, `workers` (a panicking transport fails its job, not its worker); the wire codec is [`kvd_protocol::data`]; an in-process double (`mem_transport`) for tests |
-//! | [`transfer::gate`] | which inbound data-plane connections are kept: pending and authenticated caps, the first request's deadline |
+//! | [`lease`] | the one `Lease` (in `kvd-store`) used by transfer exports, push registrations and GPU exports |
+//! | [`transfer`] (crate `kvd-transfer`) | prefill → decode handoff, peers' caches, the data plane and its transports, as plain state driven by the server thread (no sockets of its own besides the data plane); its own docs have its table |
 //! | [`sync`] | std or loom primitives (the `loom` feature; in `kvd-store`) |
-//! | `transfer::remote_access` | per-grant remote access for one-sided transports: only a live grant's ranges, with its access, until it ends (a `Registrar`: verbs, or a host stand-in in tests) |
-//! | `transfer::rdma` | (feature `rdma`) the verbs boundary: local-only pool registration, per-grant MRs, RC queue pairs, READ/WRITE |
 //!
 //! Where things happen (each place is the only one):
 //! - **a block's state changes**: `store::index` (through the [`store::Store`] ops);
@@ -63,7 +58,6 @@
 //!    kept pool (or remove it when not kept), and return (an upgrade's successor then
 //!    takes over).
 
-pub mod auth;
 pub mod config;
 pub mod events;
 #[cfg(fuzzing)]
@@ -74,7 +68,6 @@ pub mod metrics;
 mod readiness;
 pub mod server;
 pub mod stream;
-pub mod transfer;
 pub mod upgrade;
 
 // The layer below, its own crate (`kvd-store`): re-exported under the paths the daemon
@@ -83,6 +76,15 @@ pub use kvd_store as store;
 pub use kvd_store::{alloc, checksum, deadline, lease, pool, process, region, sync, table};
 // The GPU tier, its own crate (`kvd-gpu`) above the store.
 pub use kvd_gpu as gpu;
+// Transfers between daemons, their own crate (`kvd-transfer`) above the store.
+pub use kvd_transfer as transfer;
+
+/// The cluster secret and the replay guard (`kvd-transfer`), and the secret's default
+/// path (the configuration's).
+pub mod auth {
+    pub use crate::config::default_secret_path;
+    pub use kvd_transfer::auth::*;
+}
 // The NVMe tier, its own crate (`kvd-nvme`) above the store.
 pub use kvd_nvme as nvme;
 
@@ -198,17 +200,16 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     // `pool` moves into the transfers here, or is dropped with the closure: no handle on
     // the pool may outlive the store's, or dropping it after a successor started would
     // unlink the successor's new pool at the same path.
-    let transfers =
-        transfer::TransferConfig::from_config(&cfg.transfer, &cfg.peers).map(|mut t| {
-            if cfg.events.enabled {
-                t.peers.events = Some(if cfg.events.replay_endpoint.is_empty() {
-                    cfg.events.endpoint.clone()
-                } else {
-                    format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
-                });
-            }
-            (t, pool)
-        });
+    let transfers = cfg.transfer.settings(&cfg.peers).map(|mut t| {
+        if cfg.events.enabled {
+            t.peers.events = Some(if cfg.events.replay_endpoint.is_empty() {
+                cfg.events.endpoint.clone()
+            } else {
+                format!("{},{}", cfg.events.endpoint, cfg.events.replay_endpoint)
+            });
+        }
+        (t, pool)
+    });
     let mut server = Server::bind(
         store,
         server_options(cfg),

@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::{Outgoing, Then, Transfers};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     pub(super) fn fail_peer(&mut self, peer: &PeerRef, id: &str, error: WireError) {

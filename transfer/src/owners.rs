@@ -6,7 +6,7 @@ use std::time::Instant;
 use kvd_protocol::*;
 
 use super::Transfers;
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     /// The session that owns transfer `id` here (the import when both are here: this

@@ -19,14 +19,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvd_protocol::auth::{check_fresh, AuthError, ClusterKey, Stamp, MAX_SKEW_MS};
 
-/// The default secret file, beside the default ipc socket.
-pub fn default_secret_path() -> PathBuf {
-    let ep = crate::config::default_endpoint();
-    crate::config::ipc_path(&ep)
-        .and_then(|p| p.parent().map(|d| d.join("cluster.key")))
-        .unwrap_or_else(|| PathBuf::from("/tmp/kvd-cluster.key"))
-}
-
 /// Why the cluster key could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {

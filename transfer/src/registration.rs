@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::lease::{Lease, LeaseCheck};
+use kvd_store::lease::{Lease, LeaseCheck};
 
 /// See the module docs.
 #[derive(Debug)]

@@ -12,9 +12,9 @@ use kvd_protocol::data::{
 use kvd_protocol::{ErrorCode, Incarnation, PeerRef};
 
 use super::*;
-use crate::pool::{Pool, PoolOptions};
-use crate::transfer::gate::GateLimits;
-use crate::transfer::grants::{GrantKind, Grants};
+use crate::gate::GateLimits;
+use crate::grants::{GrantKind, Grants};
+use kvd_store::pool::{Pool, PoolOptions};
 
 fn test_pool(dir: &std::path::Path, name: &str, inc: u64) -> Arc<Pool> {
     Arc::new(
@@ -133,7 +133,7 @@ fn a_checksum_mismatch_fails_the_read() {
             let (_, _, rest) = check_header(&hdr).unwrap();
             c.read_exact(&mut vec![0u8; rest]).unwrap();
             let body = vec![3u8; len as usize];
-            let wrong = crate::checksum::crc32c(&body) ^ 1;
+            let wrong = kvd_store::checksum::crc32c(&body) ^ 1;
             c.write_all(&status_bytes(None)).unwrap();
             c.write_all(&body).unwrap();
             c.write_all(&crc_table(&[wrong])).unwrap();
@@ -320,7 +320,7 @@ fn reads_are_framed_and_refused_as_the_spec_says() {
     let got = answer(&mut s, &checked, 228);
     assert_eq!(&got[..64], &status_bytes(None)[..], "ok status");
     assert_eq!(&got[64..164], &bytes[..100], "the bytes, over both slots");
-    let crc = crate::checksum::crc32c_append(0, &bytes[..100]);
+    let crc = kvd_store::checksum::crc32c_append(0, &bytes[..100]);
     assert_eq!(&got[164..168], &crc.to_le_bytes());
     assert!(got[168..].iter().all(|&b| b == 0), "60 bytes of padding");
     // the same connection: an unchecked read, nothing after its bytes
@@ -405,8 +405,9 @@ fn checked_writes_land_and_record_what_they_matched() {
     local.write(4096, &bytes).unwrap();
     let (grants, server, t) = write_grant(&local, &remote, 3 * block);
     let a = access_to(server.addr().to_string(), true);
-    let crc =
-        |i: u64| crate::checksum::crc32c(&bytes[(i * block) as usize..((i + 1) * block) as usize]);
+    let crc = |i: u64| {
+        kvd_store::checksum::crc32c(&bytes[(i * block) as usize..((i + 1) * block) as usize])
+    };
     // block 0 and 1 carry their writer checksums, block 2 none (its copy's is sent)
     let ops: Vec<Op> = (0..3)
         .map(|i| Op {
@@ -424,7 +425,9 @@ fn checked_writes_land_and_record_what_they_matched() {
     // Checked ranges that tile a span join into its CRC (a layer-wise push's parts).
     assert_eq!(
         grants.written_crcs(1, &[(4096, 2 * block)]),
-        Some(vec![crate::checksum::crc32c(&bytes[..2 * block as usize])]),
+        Some(vec![kvd_store::checksum::crc32c(
+            &bytes[..2 * block as usize]
+        )]),
     );
     assert_eq!(
         grants.written_crcs(1, &[(4096 + 64, block)]),
@@ -453,7 +456,7 @@ fn a_checked_write_that_does_not_match_is_refused_and_not_counted() {
     local.write(4096, &bytes).unwrap();
     let (grants, server, t) = write_grant(&local, &remote, block);
     let a = access_to(server.addr().to_string(), true);
-    let writer = crate::checksum::crc32c(&bytes);
+    let writer = kvd_store::checksum::crc32c(&bytes);
     local.write(4096 + 100, &[8]).unwrap(); // the flip, after the writer's checksum
     let e = t
         .write(
@@ -476,7 +479,7 @@ fn a_checked_write_that_does_not_match_is_refused_and_not_counted() {
     assert_eq!(grants.damaged(), 1);
     // the negative control: the same bytes with their own checksum go through
     let own = Op {
-        crc: Some(crate::checksum::crc32c(
+        crc: Some(kvd_store::checksum::crc32c(
             local.read(4096, block as usize).unwrap(),
         )),
         ..op(4096, 4096, block)

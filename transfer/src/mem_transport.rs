@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use kvd_protocol::{ErrorCode, WireError};
 
 use super::dataplane::{Access, Caps, Op, Transport};
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// What the double does at its `at`-th op (counting from 0 over its whole life).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,8 +126,8 @@ mod tests {
     use kvd_protocol::{Incarnation, PeerRef};
 
     use super::*;
-    use crate::pool::PoolOptions;
-    use crate::transfer::dataplane::{DataPlane, Dir, Job, JobDone};
+    use crate::dataplane::{DataPlane, Dir, Job, JobDone};
+    use kvd_store::pool::PoolOptions;
 
     fn pool(dir: &std::path::Path, name: &str, inc: u64) -> Arc<Pool> {
         Arc::new(

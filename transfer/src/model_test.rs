@@ -20,7 +20,7 @@ use super::grants::{GrantGuard, GrantKind, Grants};
 use super::import::{self, Import, Mode};
 use super::life::Retain;
 use super::registration::Registration;
-use crate::lease::{Lease, LeaseCheck};
+use kvd_store::lease::{Lease, LeaseCheck};
 
 const MS: Duration = Duration::from_millis(1);
 const MAX_HOLD: Duration = Duration::from_millis(2000);

@@ -10,7 +10,7 @@ use kvd_protocol::*;
 use super::dataplane::{Dir, Job};
 use super::export::{NextPush, Settle};
 use super::{Reply, Timer, Transfers};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     /// Pairs the export `id` with its push registration if both are here, and starts

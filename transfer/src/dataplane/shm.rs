@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use kvd_protocol::{ErrorCode, PeerRef, WireError};
 
 use super::{coalesce, Access, Caps, Op, Transport};
-use crate::pool::{Pool, RemotePool};
+use kvd_store::pool::{Pool, RemotePool};
 
 /// Same host: the peer's pool file mapped read-only. Pulls only: the importer confirms
 /// the export's lease (`peer_done`) before it commits what it copied.
@@ -91,7 +91,7 @@ impl Transport for ShmTransport {
         let m = self.map(&access.peer)?;
         let mut bytes = 0;
         for op in coalesce(ops) {
-            let bad = |e: crate::pool::PoolError| {
+            let bad = |e: kvd_store::pool::PoolError| {
                 WireError::new(ErrorCode::InvalidArgument, e.to_string())
             };
             match op.crc {

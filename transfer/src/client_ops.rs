@@ -9,7 +9,7 @@ use kvd_protocol::*;
 use super::export::Export;
 use super::import::Import;
 use super::{Answer, Reply, Timer, Transfers, Waiter};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     /// `export`.

@@ -18,7 +18,7 @@
 //!        ──► settled (slots freed, or committed) ── retention ──► forgotten
 //! ```
 //!
-//! An importer holds nothing for its exporter, so it has no [`crate::lease::Lease`]: it
+//! An importer holds nothing for its exporter, so it has no [`kvd_store::lease::Lease`]: it
 //! watches the exporter instead, failing the import when the exporter stays silent for a
 //! period (`heard` resets the watch; [`Import::check_peer`]).
 
@@ -30,7 +30,7 @@ use super::dataplane::{Access, Caps, Op};
 use super::grants::Grants;
 use super::life::{Finished, Life, Retain, Side};
 use super::remote_access::RemoteAccess;
-use crate::lease::LeaseCheck;
+use kvd_store::lease::LeaseCheck;
 
 /// How the bytes come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

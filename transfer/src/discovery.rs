@@ -14,7 +14,7 @@
 //!
 //! The etcd client is behind the `etcd` Cargo feature (its build needs `protoc`). A
 //! daemon built without it refuses `peers.discovery = "etcd"` at start-up, saying how to
-//! get it ([`crate::config::WITHOUT_ETCD`]); static discovery and everything else work the same.
+//! get it ([`crate::WITHOUT_ETCD`]); static discovery and everything else work the same.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
@@ -74,11 +74,11 @@ pub struct EtcdConfig {
 pub struct Discovery;
 
 #[cfg(not(feature = "etcd"))]
-/// Refuses: see [`crate::config::WITHOUT_ETCD`] (the configuration check refuses earlier).
+/// Refuses: see [`crate::WITHOUT_ETCD`] (the configuration check refuses earlier).
 pub fn start(_: EtcdConfig, _: PeerRef, _: u64, _: Arc<Directory>) -> std::io::Result<Discovery> {
     Err(std::io::Error::new(
         std::io::ErrorKind::Unsupported,
-        crate::config::WITHOUT_ETCD,
+        crate::WITHOUT_ETCD,
     ))
 }
 

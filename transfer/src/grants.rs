@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
-use crate::io::completions::Completions;
-use crate::sync::{AtomicUsize, Mutex, MutexGuard, Ordering};
+use kvd_store::completions::Completions;
+use kvd_store::sync::{AtomicUsize, Mutex, MutexGuard, Ordering};
 
 /// What a grant allows.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -273,7 +273,7 @@ impl Grants {
                     }
                     acc = Some(match acc {
                         None => crc,
-                        Some(a) => crate::checksum::crc32c_combine(a, crc, e - at),
+                        Some(a) => kvd_store::checksum::crc32c_combine(a, crc, e - at),
                     });
                     at = e;
                 }
@@ -503,7 +503,7 @@ mod tests {
         assert_eq!(g.written_crcs(2, &slots), None, "no such grant");
         // Ranges that tile a slot in order join into its CRC (a layer-wise push's parts).
         let bytes: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
-        let c = crate::checksum::crc32c;
+        let c = kvd_store::checksum::crc32c;
         write(
             &[(0, 4096), (4096, 1000), (5096, 3096)],
             Some(vec![
@@ -650,7 +650,7 @@ mod tests {
     }
 }
 
-/// `cargo test -p kvd-daemon --lib --release --features loom loom`
+/// `cargo test -p kvd-transfer --lib --release --features loom loom`
 #[cfg(all(test, feature = "loom"))]
 mod loom_tests {
     use super::*;

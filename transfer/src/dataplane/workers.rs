@@ -9,7 +9,7 @@ use std::io;
 use kvd_protocol::{ErrorCode, WireError};
 
 use super::{Access, Dir, Op, Transport};
-use crate::io::completions::Completions;
+use kvd_store::completions::Completions;
 
 /// A transfer for the workers.
 pub struct Job {

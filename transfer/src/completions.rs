@@ -8,7 +8,7 @@ use kvd_protocol::*;
 
 use super::dataplane;
 use super::{Outgoing, Then, Timer, Transfers};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     /// The completion queues of [`Transfers::wake_fds`] that polled readable (`woken`:

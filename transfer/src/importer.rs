@@ -13,7 +13,7 @@ use super::dataplane::{Dir, Job, Transport};
 use super::grants::GrantKind;
 use super::import::{Import, Mode, Settle};
 use super::{Outgoing, Then, Timer, Transfers};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     /// Records a new import, arms its timers and moves it forward.

@@ -10,8 +10,8 @@ use kvd_protocol::*;
 use super::import::Mode;
 use super::life::Retain;
 use super::{Outgoing, Reply, Then, Timer, Transfers};
-use crate::lease::LeaseCheck;
-use crate::store::Store;
+use kvd_store::lease::LeaseCheck;
+use kvd_store::Store;
 
 impl Transfers {
     /// Data-plane completions, lease expiries, heartbeats, waiter timeouts, retries.

@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 use kvd_protocol::*;
 
 use super::{Answer, Outgoing, Reply, Then, Transfers};
-use crate::config::PeerMode;
-use crate::store::Store;
+use crate::PeerMode;
+use kvd_store::Store;
 
 /// What a peer query is for.
 #[derive(Debug)]

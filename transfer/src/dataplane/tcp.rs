@@ -16,7 +16,7 @@ use super::{
     coalesce, read_status, split, write_all_vectored, Access, Caps, DataOptions, Dir, Op,
     Transport, CRC_PIECE,
 };
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// TCP: several parallel streams per transfer, pooled connections.
 pub struct TcpTransport {
@@ -244,7 +244,7 @@ impl TcpTransport {
                             Err((io::Error::new(io::ErrorKind::InvalidInput, e), true))
                         })?;
                         if verify {
-                            crcs.push(op.crc.unwrap_or_else(|| crate::checksum::crc32c(src)));
+                            crcs.push(op.crc.unwrap_or_else(|| kvd_store::checksum::crc32c(src)));
                         }
                         slices.push(io::IoSlice::new(src));
                         bytes += op.len;

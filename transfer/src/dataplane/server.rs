@@ -16,9 +16,9 @@ use kvd_protocol::{ErrorCode, Incarnation, WireError};
 
 use super::{write_all_vectored, write_status, CRC_PIECE};
 use crate::auth::ReplayGuard;
-use crate::pool::Pool;
-use crate::transfer::gate::{Gate, GateLimits, Ticket};
-use crate::transfer::grants::{GrantKind, Grants};
+use crate::gate::{Gate, GateLimits, Ticket};
+use crate::grants::{GrantKind, Grants};
+use kvd_store::pool::Pool;
 
 /// The grant kind a request's op needs.
 fn grant_kind(op: DataOp) -> GrantKind {
@@ -373,7 +373,7 @@ impl Conn<'_> {
                             let bytes = src.get(start..end).unwrap_or_default();
                             let last = end == src.len();
                             if with_crc {
-                                crc = crate::checksum::crc32c_append(crc, bytes);
+                                crc = kvd_store::checksum::crc32c_append(crc, bytes);
                                 if last {
                                     crcs.push(crc);
                                 }

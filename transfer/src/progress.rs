@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kvd_protocol::pool::{progress_word, PROGRESS_START};
 
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// A word lent to one import: its index and tag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -41,7 +41,7 @@ use rdma_sys::*;
 
 use super::dataplane::{Access, Caps, Op, Transport};
 use super::remote_access::{Registrar, Registration};
-use crate::pool::Pool;
+use kvd_store::pool::Pool;
 
 /// Largest registration (some NICs refuse larger ones).
 const MR_SLICE: u64 = 3584 << 20;
@@ -860,7 +860,7 @@ pub fn peer_call(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolOptions;
+    use kvd_store::pool::PoolOptions;
 
     #[test]
     fn rdma_device_is_used_or_its_absence_reported() {

@@ -10,7 +10,7 @@ use kvd_protocol::*;
 use super::export::Beat;
 use super::registration::Registration;
 use super::{Reply, Timer, Transfers};
-use crate::store::Store;
+use kvd_store::Store;
 
 impl Transfers {
     pub(super) fn check_to(

@@ -32,7 +32,7 @@ use super::grants::{GrantKind, Grants};
 use super::life::{Finished, Life, Retain, Side};
 use super::registration::Registration;
 use super::remote_access::RemoteAccess;
-use crate::lease::{Lease, LeaseCheck};
+use kvd_store::lease::{Lease, LeaseCheck};
 
 /// See the module docs.
 #[derive(Debug)]
@@ -307,7 +307,7 @@ impl Export {
             let c = (*crcs.get(j)?)?;
             acc = Some(match acc {
                 None => c,
-                Some(a) => crate::checksum::crc32c_combine(a, c, len),
+                Some(a) => kvd_store::checksum::crc32c_combine(a, c, len),
             });
         }
         acc

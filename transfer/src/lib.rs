@@ -1,4 +1,10 @@
-//! Prefill → decode handoff between daemons: exports, pulls, pushes, leases.
+//! # kvd-transfer
+//!
+//! Prefill → decode handoff between daemons: exports, pulls, pushes, leases; peers'
+//! caches; the data plane and its transports; the cluster secret and the replay guard
+//! ([`auth`]). A crate above `kvd-store` (the store, the pool, the one lease, the
+//! completion hand-off) and below the daemon, which builds its [`TransferConfig`] from the
+//! config file and drives it from the server thread.
 //!
 //! [`Transfers`] is owned by the server thread beside the [`Store`] and driven the same
 //! way: requests in, replies (now or later, by token) out, `maintain(now)` for time. It
@@ -28,7 +34,7 @@
 //!
 //! Rules (the design's "lessons"):
 //! - every daemon-to-daemon message carries both incarnations; a mismatch is refused;
-//! - a holder's lease is a [`crate::lease::Lease`]: created with the export or
+//! - a holder's lease is a [`kvd_store::lease::Lease`]: created with the export or
 //!   registration, renewed by one rule (`max(old, now + 2/3·period)`) in
 //!   `Export::heartbeat` / `Registration::heartbeat` only, written through to the grant
 //!   there; its deadline-heap entry is lazy (a popped entry whose lease was extended is
@@ -74,6 +80,7 @@
 //! | [`discovery`] | etcd membership |
 //! | `rdma.rs` | (feature `rdma`) the verbs boundary |
 
+pub mod auth;
 pub mod dataplane;
 pub mod discovery;
 pub mod gate;
@@ -106,21 +113,39 @@ mod registration;
 mod timers;
 mod transports;
 
+/// Cache sharing with peers (the daemon's `peers.mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PeerMode {
+    /// No sharing.
+    #[default]
+    Off,
+    /// `lookup` also reports blocks peers hold.
+    Lookup,
+    /// ...and a `get` miss reads them from the peer.
+    Fetch,
+}
+
+/// Why a daemon built without the `etcd` feature cannot do etcd discovery.
+pub const WITHOUT_ETCD: &str = "this kvd was built without etcd discovery (Cargo feature \
+     `etcd`, off by default because it needs protoc): install protoc (apt-get install \
+     protobuf-compiler) and build with `cargo build --release -p kvd-daemon --features etcd`, \
+     or use `peers.discovery = \"static\"`";
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::deadline::DeadlineQueue;
-use crate::io::completions::Completions;
-use crate::lease::{Lease, LeaseBounds};
-use crate::pool::Pool;
-use crate::store::Store;
 use dataplane::{DataPlane, DataServer, ShmTransport, TcpTransport};
 use export::Export;
 use grants::Grants;
 use import::Import;
+use kvd_store::completions::Completions;
+use kvd_store::deadline::DeadlineQueue;
+use kvd_store::lease::{Lease, LeaseBounds};
+use kvd_store::pool::Pool;
+use kvd_store::Store;
 use registration::Registration;
 
 /// A reply of a transfer op.
@@ -314,7 +339,7 @@ impl Transfers {
         };
         tracing::info!(node = %me.node, data = %me.data, rdma = me.rdma.is_some(), "transfer endpoints ready");
         let (directory, disc) = match &cfg.peers.etcd {
-            Some(etcd) if cfg.peers.mode != crate::config::PeerMode::Off => {
+            Some(etcd) if cfg.peers.mode != crate::PeerMode::Off => {
                 let dir = Arc::new(discovery::Directory::default());
                 let mut etcd = etcd.clone();
                 if etcd.node_id.is_empty() {
@@ -332,7 +357,7 @@ impl Transfers {
         #[cfg(not(feature = "rdma"))]
         let remote = None;
         let plane = DataPlane::start(cfg.data.workers)?;
-        let peer_events = (cfg.peers.mode != crate::config::PeerMode::Off && cfg.peers.use_events)
+        let peer_events = (cfg.peers.mode != crate::PeerMode::Off && cfg.peers.use_events)
             .then(peer_events::PeerEvents::start)
             .transpose()?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
@@ -549,7 +574,7 @@ impl Transfers {
 
 /// An answer that may come later (under the given token): the store's, for transfer
 /// replies.
-pub type Answer = crate::store::Answer<Box<Reply>>;
+pub type Answer = kvd_store::Answer<Box<Reply>>;
 
 /// `tcp://host:port` with its host replaced.
 fn replace_host(endpoint: &str, host: &str) -> String {
