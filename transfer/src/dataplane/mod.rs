@@ -28,7 +28,7 @@ mod tests;
 mod workers;
 
 #[cfg(fuzzing)]
-pub(crate) use server::parse_request;
+pub use server::parse_request;
 pub use server::{DataOptions, DataServer};
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;

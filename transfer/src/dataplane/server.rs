@@ -43,7 +43,7 @@ pub(crate) const FUZZ_RECEIVER: &str = "127.0.0.1:7102";
 /// A whole request head (header, ranges, MAC trailer) through the server's own checks,
 /// as the data server named [`FUZZ_RECEIVER`]: what the fuzz target runs.
 #[cfg(fuzzing)]
-pub(crate) fn parse_request(
+pub fn parse_request(
     b: &[u8],
     key: &ClusterKey,
 ) -> Result<(GrantKind, Vec<(u64, u64)>), WireError> {
