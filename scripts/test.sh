@@ -164,7 +164,7 @@ set +e
 timeout 1800 cargo test --workspace --locked --no-fail-fast --features kvd-daemon/etcd 2>&1 | tee "$log"
 s1=${PIPESTATUS[0]}
 # The hardware builds, compiled once for both runs below (same packages, same features).
-hw=(-p kvd-model -p kvd-engine -p kvd-daemon --locked --features kvd-model/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
+hw=(-p kvd-model -p kvd-engine -p kvd-daemon -p kvd-transfer --locked --features kvd-model/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
 # The rdma build's own tests: with no RDMA device they say so in one `SKIP:` line (with
 # KVD_REQUIRE_RDMA=1 they fail instead). This build has no etcd feature, so p2p.rs's
 # refusal test runs here too.

@@ -35,26 +35,10 @@ struct T {
     dir: tempfile::TempDir,
 }
 
-/// A store over a fresh pool file at `path` of `size` bytes, in `segment`-byte segments
-/// (the store's test tunables), incarnation 1.
-fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (kvd_store::Store, Instant) {
-    let opts = kvd_store::pool::PoolOptions {
-        path: path.to_path_buf(),
-        size_bytes: size,
-        huge_pages: false,
-        prefault: false,
-        group: None,
-        keep: false,
-    };
-    let pool = std::sync::Arc::new(kvd_store::pool::Pool::create(&opts, Incarnation(1)).unwrap());
-    let now = Instant::now();
-    let cfg = kvd_store::StoreConfig::for_tests(segment);
-    (kvd_store::Store::new(pool, cfg, Incarnation(1), now), now)
-}
-
 fn setup() -> T {
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let (mut store, now) = store_at(&dir.path().join("pool"), 8 << 20, 1 << 20);
+    let (mut store, now) =
+        kvd_store::Store::for_tests_at(&dir.path().join("pool"), 8 << 20, 1 << 20).unwrap();
     let client = store.hello(&HelloReq::default(), now).unwrap();
     let layout = kvd_testkit::layout_named("m", 2);
     let layout = store.register_layout(&layout).unwrap().layout_id;

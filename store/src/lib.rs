@@ -1238,7 +1238,32 @@ impl Store {
         }
     }
 
-    // ----- where a block is, for the tests of the layers above -----
+    // ----- for the tests, here and in the crates above -----
+
+    /// A store over a fresh pool file at `path` of `size` bytes, in segments of `segment`
+    /// bytes (the test tunables, [`StoreConfig::for_tests`]), incarnation 1, with no
+    /// session and no layout yet.
+    #[doc(hidden)]
+    pub fn for_tests_at(
+        path: &std::path::Path,
+        size: u64,
+        segment: u64,
+    ) -> Result<(Store, Instant), pool::PoolError> {
+        let opts = pool::PoolOptions {
+            path: path.to_path_buf(),
+            size_bytes: size,
+            huge_pages: false,
+            prefault: false,
+            group: None,
+            keep: false,
+        };
+        let pool = Arc::new(Pool::create(&opts, Incarnation(1))?);
+        let now = Instant::now();
+        Ok((
+            Store::new(pool, StoreConfig::for_tests(segment), Incarnation(1), now),
+            now,
+        ))
+    }
 
     /// Whether DRAM has a node for the block (any state), and whether it is being read
     /// up from the lower tier: what the NVMe tier's model test (in `kvd-daemon`) waits on.

@@ -1,7 +1,6 @@
 //! The store's unit tests (the model test is `model_test.rs`).
 
 use super::*;
-use crate::pool::PoolOptions;
 
 const SEG: u64 = 64 * 1024;
 
@@ -26,26 +25,8 @@ pub(super) fn bare_store(segments: u64) -> (Store, Instant, tempfile::TempDir) {
     (s, now, dir)
 }
 
-/// A store over a fresh pool file at `path` of `size` bytes, in segments of `segment`
-/// bytes (the test tunables), incarnation 1, with no session and no layout yet.
-pub(crate) fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Store, Instant) {
-    let pool = Arc::new(
-        Pool::create(
-            &PoolOptions {
-                path: path.to_path_buf(),
-                size_bytes: size,
-                huge_pages: false,
-                prefault: false,
-                group: None,
-                keep: false,
-            },
-            Incarnation(1),
-        )
-        .unwrap(),
-    );
-    let now = Instant::now();
-    let s = Store::new(pool, StoreConfig::for_tests(segment), Incarnation(1), now);
-    (s, now)
+fn store_at(path: &std::path::Path, size: u64, segment: u64) -> (Store, Instant) {
+    Store::for_tests_at(path, size, segment).unwrap()
 }
 
 /// A store with `segments` segments of 64 KiB and a layout of 16 KiB blocks.
