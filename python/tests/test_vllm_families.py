@@ -212,6 +212,44 @@ def _():
         vc.positions = real
 
 
+@check(
+    "deepseek-v4: where vLLM keeps more of a sliding group's window than kvd stores per position, the load fails (failed_recving) and the request "
+    "recomputes, right; negative control: without that check the layer reads a block nobody filled"
+)
+def _():
+    import dataclasses
+
+    import kvd.vllm_connector as vc
+    from kvd import vllm_groups
+
+    toks = prompt(4301, 200)
+    real = vllm_groups._positions
+
+    def short(*a, **kw):
+        # kvd's pieces keep one block fewer of the 4-token compressor state than vLLM keeps.
+        L, plans = real(*a, **kw)
+        return L, [dataclasses.replace(p, subs=p.subs - 1) if p.vblock == 4 else p for p in plans]
+
+    vllm_groups._positions = short
+    try:
+        saved(V4, toks)
+        b = vf.FamilyEngine(P, V4)
+        r = rid("hit-v4-short")
+        b.add(r, toks)
+        failed = until_computed(b, r, 200)
+        assert r in failed, "the load that would leave a block unfilled failed"
+        assert set(range(200)) <= b.computed_by_forward[r], "and the request recomputed"
+        b.close()
+        real_unfilled = vc.unfilled
+        vc.unfilled = lambda *a: None
+        try:
+            caught(lambda: hit_v4(toks), "a window block nobody filled", needle="reads token")
+        finally:
+            vc.unfilled = real_unfilled
+    finally:
+        vllm_groups._positions = real
+
+
 def hit_v4(toks):
     b = vf.FamilyEngine(P, V4)
     try:

@@ -147,7 +147,7 @@ from vllm.logger import init_logger
 
 import kvd
 from kvd.vllm_classic import ClassicCopier
-from kvd.vllm_groups import GroupedCopier, complete, positions, state_ids
+from kvd.vllm_groups import GroupedCopier, complete, positions, state_ids, unfilled
 from kvd.vllm_layout import Geometry, KvdConfigError, geometry, request_keys, request_salt
 from kvd.vllm_meta import FINAL as _FINAL
 from kvd.vllm_meta import KvdConnectorMetadata, KvdHandshake, Load, Pull
@@ -490,7 +490,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         st.matched = None
         remote = self._remote.get(request.request_id)
         state = None
-        failed = None
+        failed = unfilled(blocks.get_block_ids(), self._geo, first, count) if self._geo.grouped else None
         if self._slids and count:
             end = first + count
             sids = state_ids(blocks.get_block_ids(), self._geo, end - 1)

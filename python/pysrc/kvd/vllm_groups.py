@@ -642,6 +642,23 @@ def positions(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: 
     return [tuple(_ids_at(g, ids_by_group, pos) for g in geo.groups) for pos in range(first, first + count)]
 
 
+def unfilled(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, first: int, count: int) -> Optional[str]:
+    """Why a load of positions ``first..first+count`` would leave a block vLLM keeps
+    unfilled (None when it would not): a sliding group whose piece holds only its window's
+    blocks at a position's end, where vLLM keeps more of them (a speculative decoder's
+    extra block, a longer retention than the one kvd derived). Such a load must fail (vLLM
+    recomputes), never leave the engine reading a block nobody wrote."""
+    for g in geo.groups:
+        if g.subs == g.per:
+            continue
+        lst = ids_by_group[g.index] if g.index < len(ids_by_group) else []
+        for pos in range(first, first + count):
+            head = range(pos * g.per, pos * g.per + g.per - g.subs)
+            if any(i < len(lst) and int(lst[i]) != NULL_BLOCK for i in head):
+                return f"vLLM keeps more of KV cache group {g.index}'s window than kvd stores per position ({g.subs} of {g.per} blocks)"
+    return None
+
+
 def state_ids(ids_by_group: tuple[list[int], ...], geo: GroupedGeometry, pos: int) -> Optional[tuple[int, ...]]:
     """The state groups' block ids at position ``pos`` (the snapshot after ``pos + 1``
     blocks), or None where one of them keeps no block there."""
