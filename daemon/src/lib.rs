@@ -13,14 +13,12 @@
 //! | [`store`] (crate `kvd-store`) | the layer below, re-exported under its old paths ([`pool`], [`region`], [`alloc`], [`table`], [`checksum`], [`deadline`], [`process`]): the shared-memory pool, the slab allocator, the kept block table and the block store with its [`store::LowerTier`] trait; it imports nothing from this crate (its own docs say what each module owns) |
 //! | [`gpu`] (crate `kvd-gpu`) | the GPU tier: engines' registered memory (CUDA IPC, or the host stand-in), copies between it and pool slots on the engine's behalf on the tier's own thread; every copy runs in a [`gpu::device::CopyEngine`] (`host`, `cuda`, `Off`) |
 //! | [`nvme`] (crate `kvd-nvme`) | the NVMe tier (a [`store::LowerTier`]): striped block files, journal index, checksums, its LRU, its io_uring engine; the daemon opens it and hands it to the store |
-//! | [`io`] | the old paths of the io_uring engine ([`io::uring`], in `kvd-nvme`) and of [`io::completions`], the worker → server completion hand-off (loom-checked, in `kvd-store`) shared with the data plane and the GPU tier |
 //! | [`server`] | the ZMQ loop: the clients' ROUTER (client ops) and the peer ROUTER on the control endpoint (peer ops, each MAC-checked), signals, peer links; a folder: `dispatch` (request → store / GPU tier / transfers, the drain policy), `replies` (sending, deferred answers), `tokens` |
 //! | `links` | peer links: a DEALER per peer, sealed requests, verified replies, idle pruning |
 //! | `readiness` | what the server loop sleeps on: one level-triggered `epoll` set re-declared each turn (`Interest`), ZMQ sockets through `ZMQ_FD`, and the rule that makes that safe (`Watched`); the epoll calls are its only unsafe code |
 //! | [`events`] | KV events (SPEC §14): the log the index and the NVMe tier record into, the publisher (vLLM's format, per-layout topics, sequence numbers, replay, resync) |
 //! | [`lease`] | the one `Lease` (in `kvd-store`) used by transfer exports, push registrations and GPU exports |
 //! | [`transfer`] (crate `kvd-transfer`) | prefill → decode handoff, peers' caches, the data plane and its transports, as plain state driven by the server thread (no sockets of its own besides the data plane); its own docs have its table |
-//! | [`sync`] | std or loom primitives (the `loom` feature; in `kvd-store`) |
 //!
 //! Where things happen (each place is the only one):
 //! - **a block's state changes**: `store::index` (through the [`store::Store`] ops);
@@ -70,13 +68,12 @@ pub mod server;
 pub mod stream;
 pub mod upgrade;
 
-// The layer below, its own crate (`kvd-store`): re-exported under the paths the daemon
-// and its tests have always used.
-pub use kvd_store as store;
-pub use kvd_store::{alloc, checksum, deadline, lease, pool, process, region, sync, table};
-// The GPU tier, its own crate (`kvd-gpu`) above the store.
+// The layers below, each its own crate, re-exported under the paths the daemon and its
+// tests have always used: the store (`kvd-store`) and the tiers and transfers above it.
 pub use kvd_gpu as gpu;
-// Transfers between daemons, their own crate (`kvd-transfer`) above the store.
+pub use kvd_nvme as nvme;
+pub use kvd_store as store;
+pub use kvd_store::{alloc, checksum, deadline, lease, pool, process, region, table};
 pub use kvd_transfer as transfer;
 
 /// The cluster secret and the replay guard (`kvd-transfer`), and the secret's default
@@ -84,16 +81,6 @@ pub use kvd_transfer as transfer;
 pub mod auth {
     pub use crate::config::default_secret_path;
     pub use kvd_transfer::auth::*;
-}
-// The NVMe tier, its own crate (`kvd-nvme`) above the store.
-pub use kvd_nvme as nvme;
-
-/// Block I/O and the completion hand-off, under the paths they had in this crate: the
-/// io_uring engine and its fault hook (`kvd-nvme`), the worker → server completions
-/// (`kvd-store`).
-pub mod io {
-    pub use kvd_nvme::{faults, uring};
-    pub use kvd_store::completions;
 }
 
 use std::os::unix::fs::PermissionsExt;

@@ -143,12 +143,6 @@ for _family in FAMILIES:
 V4 = "deepseek-v4"
 
 
-def v4_kept(e, r, toks, positions):
-    """The DeepSeek-V4 engine's blocks of ``r`` among the first ``positions`` scheduler
-    blocks, checked byte for byte: per group, how many it keeps."""
-    return e.check_groups(r, toks, positions)
-
-
 @check(
     "deepseek-v4 (KV cache groups of 4- to 64-token blocks, compressed latents, sliding latents and compressor states): save, drop, load: "
     "a 192-token hit, byte-exact in every group; each sliding layer reads exactly its window from what kvd brought; one latent copy per node"
@@ -164,7 +158,7 @@ def _():
     until_computed(b, r, 200)
     assert not (b.computed_by_forward[r] & set(range(192))), "the hit's positions were not recomputed"
     assert b.windows_read >= 5, "every sliding layer read its window from the loaded blocks"
-    kept = v4_kept(b, r, toks, 3)
+    kept = b.check_groups(r, toks, 3)
     for gi, g in enumerate(b.kvcc.kv_cache_groups):
         spec = g.kv_cache_spec
         if getattr(spec, "sliding_window", None) is None:
@@ -277,7 +271,7 @@ def _():
         assert not failed, failed
         assert not (d.computed_by_forward[r2] & set(range(192))), "the handed-off prefix was not recomputed"
         assert d.windows_read >= 5
-        v4_kept(d, r2, toks, 3)
+        d.check_groups(r2, toks, 3)
         d.run(finished(d, r2))
         p.close()
         d.close()

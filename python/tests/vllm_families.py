@@ -313,7 +313,7 @@ class FamilyEngine(ve.Engine):
         self.sched_block, self.hash_block = resolve_kv_cache_block_sizes(self.kvcc, self.config) if family in WIDE else (BLOCK * dcp, BLOCK)
         self.workers, self.kvs = [], []
         for r in range(tp_size if ranks else 1):
-            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, self.vblock if family in WIDE else [BLOCK] * len(self.kvcc.kv_cache_groups))
+            kv = allocate_kv_cache(self.kvcc, torch.device("cpu"), layout, self.vblock)
             with ve.rank(r):
                 w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kvcc)
                 w.register_kv_caches(kv)
@@ -413,7 +413,7 @@ class FamilyEngine(ve.Engine):
             self.states_read = getattr(self, "states_read", 0) + (start > 0)
             return
         gi = self.group_of[self._name(layer)]
-        if self.family in WIDE and positions.start > 0:
+        if positions.start > 0:
             self._read_window(ids, gi, layer, toks, positions.start)
         for pos in positions:
             at = self._place(pos, gi)

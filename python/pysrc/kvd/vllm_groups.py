@@ -378,6 +378,7 @@ def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
     """The kvd kind and window of an attention spec, or a refusal naming it."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
@@ -407,7 +408,7 @@ def _kind(spec: "KVCacheSpec") -> tuple[str, int]:
             raise KvdConfigError("kvd connector: non-causal attention (prefix LM) is not supported: a block is not a function of the tokens before it")
         # A sliding or chunked layer the hybrid allocator is off for keeps every block.
         return "full", int(spec.sliding_window or spec.attention_chunk_size or 0)
-    if name == "CircularBufferSpec":
+    if type(spec) is CircularBufferSpec:
         raise KvdConfigError(
             "kvd connector: KV cache spec CircularBufferSpec (DeepSeek-V4.1's compressor ring) is not supported: vLLM does not prefix-cache it, "
             "so the keys still being compressed at a hit's boundary would be missing"
