@@ -52,25 +52,47 @@
 //! private; each transition is a method, with the state diagram in the module doc, and
 //! each is model-tested in `model_test.rs`). **A lease is renewed** in
 //! `Export::heartbeat` and `Registration::heartbeat`, called from `peer_heartbeat`
-//! (`peer_ops.rs`). The other files decide *when* a transition happens and do what it
-//! implies outside the record (store, peers, counters).
+//! (`peer_ops.rs`). The flow files (`exporter.rs`, `importer.rs`) decide *when* a
+//! transition happens and do what it implies outside the record (store, peers, books).
+//!
+//! **Owned parts, no hub.** [`Transfers`] is four parts beside its configuration, each
+//! owning its tables and the methods that change them: `records` (exports, imports,
+//! registrations, progress words), `plane` (grants, jobs, transports, the data server),
+//! `peers` (who we and they are, the outbox, peer queries and fetches), `book`
+//! (deadlines, counters, waiters, answers, records to settle). An operation looks its
+//! transfer up once and works on it beside the parts it needs (`exporter::ExportAt`,
+//! `importer::ImportAt`): the borrow checker, not review, keeps a flow from reaching
+//! into another part's tables.
+//!
+//! Where each step of a layer-wise push happens (SPEC §16), decode side then prefill side:
+//! `push_register` and the write grant: `importer.rs` (`ImportAt::register_push`, the
+//! grant in `grants.rs`, bound in `plane.rs`); `peer_push_reg`: `peer_ops.rs`, paired with
+//! the export in `exporter.rs` (`try_push`); each `export_ready`: `exporter.rs`
+//! (`ExportAt::ready`, then `push_more` submits the part's job to `plane.rs`); the bytes:
+//! `dataplane/` (the writer's transport, the receiver's data server checking them against
+//! the grant); a part landed: `turn.rs` takes the fill from `plane.rs` and `importer.rs`
+//! (`import_filled`) publishes the progress word and wakes `parts_wait`ers (`book.rs`);
+//! the last part: `importer.rs` (`ImportAt::finish`, commit and pin) and, on the prefill
+//! side, `exporter.rs` (`ExportAt::job_done` → `push_written` → `end`).
 //!
 //! | file | what it owns |
 //! |---|---|
-//! | `mod.rs` | [`Transfers`]: the tables (exports, imports, registrations, timers, jobs, waiters), the outbox, start-up, figures, and what every end shares (`ended`) |
+//! | `lib.rs` | [`Transfers`]: its parts, start-up, figures, what the server calls between turns |
+//! | `records.rs` | the records by id; who owns a transfer and the check client ops make; descriptions; the live-transfer limit |
+//! | `plane.rs` | the data plane part: grants, jobs and their owners, transports and which reaches a peer, completions handed back |
+//! | `peers.rs` | the peers part: this daemon's [`PeerRef`], discovery, the outbox and notifications, silent peers, queries and fetches |
+//! | `book.rs` | the books part: deadlines, counters, ends for metrics, waiters and deferred answers, records to settle |
 //! | `export.rs` | one export's record and transitions (`Export`) |
 //! | `import.rs` | one import's record and transitions (`Import`), and the exporter's silence it watches |
 //! | `life.rs` | what both records share (state, error, times, figures): a final state never changes; their description; retention |
 //! | `registration.rs` | one peer push registration's record and lease (`Registration`) |
-//! | `exporter.rs` | when an export pairs with a registration and pushes, its end, its pin's release |
-//! | `importer.rs` | an import from allocation to committed and pinned (or failed and freed) |
-//! | `client_ops.rs` | `export`, `pull`, `push_register`, `transfer_status`, `abort`: checks, ownership, waiters |
+//! | `exporter.rs` | `export`, `export_ready`; when an export pairs with a registration and pushes; its jobs' and reads' completions; its end, its pin's release |
+//! | `importer.rs` | `pull`, `push_register`, a peer fetch's pull; an import from allocation to committed and pinned (or failed and freed); its job's and writes' completions; `peer_push_done`'s check |
+//! | `client_ops.rs` | `transfer_status`, `abort`, `decline`, gone sessions' transfers ended |
 //! | `peer_ops.rs` | the peer ops this daemon serves (already MAC-checked by the server) |
-//! | `outbox.rs` | notifications sent until answered, and what each reply to the outbox means |
-//! | `timers.rs` | one turn's work (`maintain`), lease and silence deadlines, `max_hold`, heartbeats sent, retries, waiter timeouts |
-//! | `completions.rs` | data-plane jobs done, TCP fills (a layer-wise push's parts landing, an export read whole), imports waiting for room, records to settle |
-//! | `owners.rs` | who owns a transfer, the check client ops make |
-//! | `transports.rs` | which transport reaches a peer; RDMA pushes that landed |
+//! | `outbox.rs` | what each reply to the outbox means |
+//! | `turn.rs` | one turn's work (`maintain`): completions dispatched to their flow, deadlines due, heartbeats, imports waiting for room, records to settle, waiters timed out |
+//! | `timers.rs` | what a due deadline means (leases, stage deadlines, `max_hold`, silence, retention), owners kept or taken for gone, heartbeats sent |
 //! | `settings.rs` | [`TransferConfig`], from the config file's sections |
 //! | [`grants`] | what peers may read or write, and no slot freed under an active request |
 //! | [`dataplane`]/ | the bytes: TCP server and transport, shm, worker threads (its own table; the wire codec is [`kvd_protocol::data`]) |
@@ -100,18 +122,20 @@ mod import;
 mod importer;
 mod life;
 pub use life::Finished;
-mod completions;
+mod book;
 #[cfg(test)]
 mod mem_transport;
 #[cfg(test)]
 mod model_test;
 mod outbox;
-mod owners;
+mod peers;
+mod plane;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+mod records;
 mod registration;
 mod timers;
-mod transports;
+mod turn;
 
 /// Cache sharing with peers (the daemon's `peers.mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -131,22 +155,17 @@ pub const WITHOUT_ETCD: &str = "this kvd was built without etcd discovery (Cargo
      protobuf-compiler) and build with `cargo build --release -p kvd-daemon --features etcd`, \
      or use `peers.discovery = \"static\"`";
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
 use dataplane::{DataPlane, DataServer, ShmTransport, TcpTransport};
-use export::Export;
 use grants::Grants;
-use import::Import;
 use kvd_store::completions::Completions;
-use kvd_store::deadline::DeadlineQueue;
 use kvd_store::lease::{Lease, LeaseBounds};
 use kvd_store::pool::Pool;
 use kvd_store::Store;
-use registration::Registration;
 
 /// A reply of a transfer op.
 #[derive(Debug)]
@@ -214,15 +233,6 @@ enum Timer {
     ForgetImport,
 }
 
-#[derive(Debug)]
-struct Waiter {
-    token: u64,
-    transfer: String,
-    deadline: Instant,
-    /// Answer once this many parts landed (SPEC §16), not only at the end.
-    parts: Option<u64>,
-}
-
 /// The identity of this host, to recognise a same-host peer.
 fn host_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -230,56 +240,23 @@ fn host_id() -> String {
         .unwrap_or_default()
 }
 
-/// See the module docs.
+/// See the module docs. Its parts own their tables and the methods that change them;
+/// a flow (an op, a completion, a deadline) is a method here that borrows the parts it
+/// needs side by side.
 pub struct Transfers {
     cfg: TransferConfig,
-    me: PeerRef,
-    grants: Arc<Grants>,
-    /// Per-grant remote access for one-sided transports (with an RDMA device).
-    remote: Option<Arc<remote_access::RemoteAccess>>,
-    plane: DataPlane,
-    tcp: Arc<TcpTransport>,
-    shm: Option<Arc<ShmTransport>>,
-    #[cfg(feature = "rdma")]
-    rdma: Option<Arc<rdma::RdmaTransport>>,
-    /// Peers found by etcd (None: static discovery).
-    directory: Option<Arc<discovery::Directory>>,
-    _discovery: Option<discovery::Discovery>,
-    /// Push grant handles (low 32 bits) whose RDMA writes have all landed.
-    landed: std::collections::HashSet<u32>,
-    /// Push grant handles whose TCP writes have all landed (queued by the data server).
-    filled: Arc<Completions<u64>>,
-    /// Live exports (read grants) and push imports (write grants) by the grant's handle:
-    /// what `filled` names.
-    by_grant: HashMap<u64, (Timer, String)>,
-    server: DataServer,
+    /// This daemon's own session (its transfers' reservations and pins).
     system: ClientId,
-    exports: HashMap<String, Export>,
-    regs: HashMap<String, Registration>,
-    imports: HashMap<String, Import>,
-    timers: DeadlineQueue<(Timer, String)>,
-    next_heartbeat: Instant,
+    /// Exports, imports, registrations: [`records`].
+    records: records::Records,
+    /// Grants, jobs, transports, the data server: [`plane`].
+    plane: plane::Plane,
+    /// The other daemons, the outbox, peer queries: [`peers`].
+    peers: peers::Peers,
+    /// Deadlines, counters, waiters, answers: [`book`].
+    book: book::Book,
     /// When the owners of live transfers are next marked seen.
     next_touch: Instant,
-    jobs: HashMap<u64, (Timer, String)>,
-    next_id: u64,
-    waiters: Vec<Waiter>,
-    outbox: Vec<Outgoing>,
-    answers: Vec<(u64, Result<Reply, WireError>)>,
-    unsettled: Vec<(Timer, String)>,
-    /// The cumulative counters (gauges are filled in by [`Transfers::stats`]).
-    counters: TransferStats,
-    /// Progress words of layer-wise pushes (SPEC §16).
-    progress: progress::ProgressBoard,
-    finished: Vec<Finished>,
-    queries: HashMap<u64, p2p::Query>,
-    fetches: HashMap<u64, p2p::Fetch>,
-    /// `peer_lock`s waiting for their blocks to come up from NVMe.
-    parked: Vec<p2p::ParkedLock>,
-    /// Peers that did not answer in time, skipped until then.
-    down_until: HashMap<String, Instant>,
-    /// Peers' KV events, followed to ask only the holders (`peers.use_events`).
-    peer_events: Option<peer_events::PeerEvents>,
 }
 
 /// Tokens of deferred transfer replies have this bit set (the store's do not).
@@ -338,7 +315,7 @@ impl Transfers {
             }
         };
         tracing::info!(node = %me.node, data = %me.data, rdma = me.rdma.is_some(), "transfer endpoints ready");
-        let (directory, disc) = match &cfg.peers.etcd {
+        let discovery = match &cfg.peers.etcd {
             Some(etcd) if cfg.peers.mode != crate::PeerMode::Off => {
                 let dir = Arc::new(discovery::Directory::default());
                 let mut etcd = etcd.clone();
@@ -346,9 +323,9 @@ impl Transfers {
                     etcd.node_id = me.node.trim_start_matches("tcp://").to_string();
                 }
                 let d = discovery::start(etcd, me.clone(), pool.size(), dir.clone())?;
-                (Some(dir), Some(d))
+                Some((dir, d))
             }
-            _ => (None, None),
+            _ => None,
         };
         #[cfg(feature = "rdma")]
         let remote = rdma
@@ -356,206 +333,118 @@ impl Transfers {
             .map(|t| Arc::new(remote_access::RemoteAccess::new(t.registrar())));
         #[cfg(not(feature = "rdma"))]
         let remote = None;
-        let plane = DataPlane::start(cfg.data.workers)?;
-        let peer_events = (cfg.peers.mode != crate::PeerMode::Off && cfg.peers.use_events)
+        let workers = DataPlane::start(cfg.data.workers)?;
+        let events = (cfg.peers.mode != crate::PeerMode::Off && cfg.peers.use_events)
             .then(peer_events::PeerEvents::start)
             .transpose()?;
         let tcp = Arc::new(TcpTransport::new(pool.clone(), incarnation, key, &cfg.data));
         let board = progress::ProgressBoard::new(pool.clone());
         let shm = cfg.data.shm.then(|| Arc::new(ShmTransport::new(pool)));
-        Ok(Transfers {
-            next_heartbeat: now + cfg.heartbeat,
-            next_touch: now,
-            cfg,
-            me,
+        let plane = plane::Plane::new(plane::Parts {
             grants,
             remote,
-            plane,
+            workers,
             tcp,
             shm,
             #[cfg(feature = "rdma")]
             rdma,
-            directory,
-            _discovery: disc,
-            landed: Default::default(),
-            filled,
-            by_grant: HashMap::new(),
             server,
+            filled,
+        });
+        let peers = peers::Peers::new(
+            me,
+            cfg.lease,
+            discovery,
+            cfg.peers.static_peers.clone(),
+            events,
+            now + cfg.heartbeat,
+        );
+        Ok(Transfers {
+            records: records::Records::new(board, cfg.retain, cfg.max_transfers),
+            plane,
+            peers,
+            book: book::Book::default(),
             system: store.system_session(now),
-            exports: HashMap::new(),
-            regs: HashMap::new(),
-            imports: HashMap::new(),
-            timers: DeadlineQueue::default(),
-            jobs: HashMap::new(),
-            next_id: 1,
-            waiters: Vec::new(),
-            outbox: Vec::new(),
-            answers: Vec::new(),
-            unsettled: Vec::new(),
-            counters: TransferStats::default(),
-            progress: board,
-            finished: Vec::new(),
-            queries: HashMap::new(),
-            fetches: HashMap::new(),
-            parked: Vec::new(),
-            down_until: HashMap::new(),
-            peer_events,
+            next_touch: now,
+            cfg,
         })
     }
 
     /// How peers reach this daemon.
     pub fn me(&self) -> &PeerRef {
-        &self.me
+        &self.peers.me
     }
 
     /// With etcd discovery: true while this node is registered (a readiness gate).
     pub fn ready_gate(&self) -> Option<Arc<std::sync::atomic::AtomicBool>> {
-        self.directory.as_ref().map(|d| d.registered())
+        self.peers.ready_gate()
     }
 
     /// The peers discovery knows of now (static list or etcd membership).
     pub fn known_peers(&self) -> Vec<String> {
-        match &self.directory {
-            Some(d) => d.peers(),
-            None => self
-                .cfg
-                .peers
-                .static_peers
-                .iter()
-                .filter(|p| **p != self.me.node)
-                .cloned()
-                .collect(),
-        }
+        self.peers.known()
     }
 
     /// The fds that become readable when data-plane jobs finish and when pushed bytes
     /// have all landed.
     pub fn wake_fds(&self) -> [std::os::fd::RawFd; 2] {
-        [self.plane.wake_fd(), self.filled.fd()]
+        self.plane.wake_fds()
     }
 
     /// Counters and gauges for `stats`.
     pub fn stats(&self) -> TransferStats {
         let live = |s: TransferState| !s.is_final();
+        let r = &self.records;
+        let (grants, server) = (&self.plane.grants, &self.plane.server);
+        let counters = &self.book.counters;
         TransferStats {
-            exports_live: self.exports.values().filter(|e| live(e.state())).count() as u64,
-            imports_live: self.imports.values().filter(|i| live(i.state())).count() as u64,
-            registrations: self.regs.len() as u64,
-            pinned_exports: self.exports.values().filter(|e| e.holds_pin()).count() as u64,
-            refused: self.counters.refused + self.grants.refused() + self.server.unauthenticated(),
-            unauthenticated: self.counters.unauthenticated + self.server.unauthenticated(),
-            connections_refused: self.server.refused_connections(),
-            damaged_writes: self.grants.damaged(),
-            peers_down: self
-                .down_until
-                .values()
-                .filter(|t| **t > Instant::now())
-                .count() as u64,
-            ..self.counters.clone()
+            exports_live: r.exports.values().filter(|e| live(e.state())).count() as u64,
+            imports_live: r.imports.values().filter(|i| live(i.state())).count() as u64,
+            registrations: r.regs.len() as u64,
+            pinned_exports: r.exports.values().filter(|e| e.holds_pin()).count() as u64,
+            refused: counters.refused + grants.refused() + server.unauthenticated(),
+            unauthenticated: counters.unauthenticated + server.unauthenticated(),
+            connections_refused: server.refused_connections(),
+            damaged_writes: grants.damaged(),
+            peers_down: self.peers.down(Instant::now()),
+            ..counters.clone()
         }
     }
 
     /// Counts a peer message refused as unauthenticated (by the server, which checks
     /// MACs before anything here sees the message).
     pub fn count_unauthenticated(&mut self) {
-        self.counters.unauthenticated += 1;
-        self.counters.refused += 1;
+        self.book.counters.unauthenticated += 1;
+        self.book.counters.refused += 1;
     }
 
     /// Transfers that ended since the last call (for metrics).
     pub fn take_finished(&mut self) -> Vec<Finished> {
-        std::mem::take(&mut self.finished)
+        self.book.take_finished()
     }
 
     /// Whether anything is in flight: live exports, imports or registrations, slots
     /// still being released, or data-plane jobs (a draining daemon waits for these).
     pub fn busy(&self) -> bool {
-        self.live_count() > 0 || !self.unsettled.is_empty() || !self.jobs.is_empty()
+        self.records.live() > 0 || self.book.unsettled() || self.plane.busy()
     }
 
     /// Control messages to send.
     pub fn take_outbox(&mut self) -> Vec<Outgoing> {
-        std::mem::take(&mut self.outbox)
+        self.peers.take_outbox()
     }
 
     /// Deferred replies that are ready.
     pub fn take_answers(&mut self) -> Vec<(u64, Result<Reply, WireError>)> {
-        std::mem::take(&mut self.answers)
+        self.book.take_answers()
     }
 
     /// The next time [`Transfers::maintain`] has work.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let t = self.timers.next();
-        let w = self.waiters.iter().map(|w| w.deadline).min();
-        let hb = (!self.imports.is_empty()).then_some(self.next_heartbeat);
-        let settle =
-            (!self.unsettled.is_empty()).then(|| Instant::now() + Duration::from_millis(5));
-        let parked = self.parked.iter().map(|p| p.deadline).min();
-        [t, w, hb, settle, parked].into_iter().flatten().min()
-    }
-
-    fn live_count(&self) -> usize {
-        self.exports.values().filter(|e| !e.is_final()).count()
-            + self.imports.values().filter(|i| !i.is_final()).count()
-            + self.regs.len()
-    }
-
-    fn check_capacity(&self) -> Result<(), WireError> {
-        if self.live_count() >= self.cfg.max_transfers {
-            return Err(WireError::new(
-                ErrorCode::LimitReached,
-                format!("{} transfers are live (limit)", self.cfg.max_transfers),
-            ));
-        }
-        Ok(())
-    }
-
-    fn count_end(&mut self, state: TransferState) {
-        match state {
-            TransferState::Done => self.counters.done += 1,
-            TransferState::Aborted => self.counters.aborted += 1,
-            TransferState::Expired => {
-                self.counters.expired += 1;
-                self.counters.failed += 1;
-            }
-            _ => self.counters.failed += 1,
-        }
-    }
-
-    /// What every end shares, after the record's own transition (`end`: its final state and
-    /// figures): counted,
-    /// retained for `retain`, its slots released when nothing uses them, its waiters
-    /// answered. `forget` names the retention timer and the transfer.
-    fn ended(
-        &mut self,
-        store: &mut Store,
-        forget: (Timer, &str),
-        end: (TransferState, Finished),
-        now: Instant,
-    ) {
-        let (timer, id) = forget;
-        let (state, finished) = end;
-        self.finished.push(finished);
-        self.count_end(state);
-        self.timers
-            .push(now + self.cfg.retain, (timer, id.to_string()));
-        match timer {
-            Timer::ForgetImport => self.settle_import(store, id),
-            _ => self.settle_export(store, id),
-        }
-        self.wake_waiters(id, now);
-    }
-
-    /// Tries to settle `id` again from `maintain` (once in the list).
-    fn unsettled_later(&mut self, timer: Timer, id: &str) {
-        if !self.unsettled.iter().any(|(t, i)| *t == timer && i == id) {
-            self.unsettled.push((timer, id.to_string()));
-        }
-    }
-
-    fn new_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
+        let books = self.book.next_deadline(Instant::now());
+        let hb = (!self.records.imports.is_empty()).then_some(self.peers.next_heartbeat);
+        let parked = self.peers.parked.iter().map(|p| p.deadline).min();
+        [books, hb, parked].into_iter().flatten().min()
     }
 
     /// A holder's lease for a peer's request of `ms` (ending at `max_hold`).

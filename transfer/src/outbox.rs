@@ -11,41 +11,6 @@ use super::{Outgoing, Then, Transfers};
 use kvd_store::Store;
 
 impl Transfers {
-    pub(super) fn fail_peer(&mut self, peer: &PeerRef, id: &str, error: WireError) {
-        self.fail_peer_proven(peer, id, error, None);
-    }
-
-    /// [`Transfers::fail_peer`] with the proof that this side holds the export's params
-    /// (`decline`).
-    pub(super) fn fail_peer_proven(
-        &mut self,
-        peer: &PeerRef,
-        id: &str,
-        error: WireError,
-        proof: Option<u64>,
-    ) {
-        let req = Request::PeerFail(PeerFailReq {
-            from: self.me.clone(),
-            to_incarnation: peer.incarnation,
-            transfer_id: id.to_string(),
-            error,
-            proof,
-        });
-        self.notify(&peer.node, req);
-    }
-
-    /// Sends a notification to `node`, again and again while it does not answer, for up
-    /// to a lease.
-    pub(super) fn notify(&mut self, node: &str, req: Request) {
-        let until = Instant::now() + self.cfg.lease;
-        self.outbox.push(Outgoing {
-            node: node.to_string(),
-            then: Then::Notify(node.to_string(), Box::new(req.clone()), until),
-            req,
-            timeout: None,
-        });
-    }
-
     /// A peer's reply to a message from the outbox (`Err` also for no reply in time).
     pub fn on_peer_reply(
         &mut self,
@@ -60,7 +25,7 @@ impl Transfers {
                 Err(e) if e.code == ErrorCode::PeerUnreachable && now < until => {
                     tracing::debug!(%node, op = req.op(), "notification not answered: sending again");
                     let again = Then::Notify(node.clone(), req.clone(), until);
-                    self.outbox.push(Outgoing {
+                    self.peers.push(Outgoing {
                         node,
                         req: *req,
                         then: again,
@@ -73,7 +38,7 @@ impl Transfers {
                 Ok(_) => {}
             },
             Then::PushRegistered(id) => {
-                let Some(imp) = self.imports.get_mut(&id).filter(|i| !i.is_final()) else {
+                let Some(imp) = self.records.imports.get_mut(&id).filter(|i| !i.is_final()) else {
                     return;
                 };
                 match r {
@@ -94,7 +59,7 @@ impl Transfers {
             Then::Heartbeat(node, ids) => match r {
                 Ok(ack) => {
                     for id in &ids {
-                        let Some(imp) = self.imports.get_mut(id) else {
+                        let Some(imp) = self.records.imports.get_mut(id) else {
                             continue;
                         };
                         if !imp.answered_by(&node, ack.incarnation) {
@@ -116,6 +81,7 @@ impl Transfers {
                 Err(e) if e.code == ErrorCode::StaleIncarnation => {
                     for id in &ids {
                         if self
+                            .records
                             .imports
                             .get(id)
                             .is_some_and(|i| i.peer().node == node && !i.is_final())
@@ -141,7 +107,7 @@ impl Transfers {
             }
             Then::Locked(f) => self.on_locked(store, f, r, now),
             Then::Confirmed(id) => {
-                let Some(imp) = self.imports.get(&id).filter(|i| !i.is_final()) else {
+                let Some(imp) = self.records.imports.get(&id).filter(|i| !i.is_final()) else {
                     return;
                 };
                 let copied_from = imp.copied_from();
@@ -157,7 +123,7 @@ impl Transfers {
                                 ack.shm.unwrap_or_default()
                             ),
                         );
-                        self.counters.refused += 1;
+                        self.book.counters.refused += 1;
                         self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
                     }
                     Ok(_) => {

@@ -137,14 +137,6 @@ impl Transfers {
         self.cfg.peers.mode == PeerMode::Fetch
     }
 
-    fn live_peers(&self, now: Instant) -> Vec<String> {
-        self.known_peers()
-            .into_iter()
-            .filter(|p| *p != self.me.node)
-            .filter(|p| self.down_until.get(p).is_none_or(|t| *t <= now))
-            .collect()
-    }
-
     /// A `lookup` whose local prefix is `local`: extends it with the peers' blocks
     /// (answers later) or returns it as it is.
     pub fn remote_lookup(
@@ -210,23 +202,23 @@ impl Transfers {
     /// them, unless their KV events are followed: `peer_events`); `None` when there is
     /// none to ask.
     fn ask_peers(&mut self, mut q: Query, now: Instant) -> Option<super::Answer> {
-        let mut peers = self.live_peers(now);
-        if let (Some(pe), Some(first)) = (&self.peer_events, q.keys.get(q.from)) {
-            self.counters.peer_lookups_spared +=
+        let mut peers = self.peers.live(now);
+        if let (Some(pe), Some(first)) = (&self.peers.events, q.keys.get(q.from)) {
+            self.book.counters.peer_lookups_spared +=
                 pe.retain_holders(&mut peers, q.layout, first) as u64;
         }
         if peers.is_empty() {
             return None;
         }
-        self.counters.peer_lookup_messages += peers.len() as u64;
-        let id = self.new_id();
+        self.book.counters.peer_lookup_messages += peers.len() as u64;
+        let id = self.peers.new_id();
         q.waiting = peers.len();
         let token = q.token;
         for node in peers {
-            self.outbox.push(Outgoing {
+            self.peers.push(Outgoing {
                 node: node.clone(),
                 req: Request::PeerLookup(PeerLookupReq {
-                    from: self.me.clone(),
+                    from: self.peers.me.clone(),
                     to_incarnation: Incarnation(0),
                     layout_id: q.layout,
                     keys: q.keys[q.from..].to_vec(),
@@ -236,7 +228,7 @@ impl Transfers {
                 timeout: Some(self.cfg.peers.lookup_timeout),
             });
         }
-        self.queries.insert(id, q);
+        self.peers.queries.insert(id, q);
         Some(super::Answer::Later(token))
     }
 
@@ -255,11 +247,11 @@ impl Transfers {
             Ok(PeerAck {
                 events: Some(ev), ..
             }),
-        ) = (self.peer_events.as_mut(), &r)
+        ) = (self.peers.events.as_mut(), &r)
         {
             pe.learn(&node, ev);
         }
-        let Some(q) = self.queries.get_mut(&id) else {
+        let Some(q) = self.peers.queries.get_mut(&id) else {
             // A late answer to a fetch that went on without it: its lock is not used.
             if let Ok(PeerAck {
                 params: Some(p), ..
@@ -273,7 +265,7 @@ impl Transfers {
         let mut stray = None;
         match r {
             Ok(ack) if ack.present.len() == q.keys.len() - q.from => {
-                self.down_until.remove(&node);
+                self.peers.down_until.remove(&node);
                 q.answers.push(PeerAnswer {
                     node,
                     incarnation: ack.incarnation,
@@ -285,8 +277,9 @@ impl Transfers {
             Err(e) => {
                 // unknown_layout and the like: the peer is up, it just has nothing
                 if matches!(e.code, ErrorCode::PeerUnreachable) {
-                    self.counters.peer_skipped += 1;
-                    self.down_until
+                    self.book.counters.peer_skipped += 1;
+                    self.peers
+                        .down_until
                         .insert(node.clone(), now + self.cfg.peers.down_backoff);
                     tracing::info!(peer = %node, "peer skipped: no answer in time");
                 }
@@ -305,7 +298,7 @@ impl Transfers {
         if waiting {
             return;
         }
-        let Some(mut q) = self.queries.remove(&id) else {
+        let Some(mut q) = self.peers.queries.remove(&id) else {
             return;
         };
         // Lock-at-lookup: the first answer that covers every missing key and brought a
@@ -348,20 +341,18 @@ impl Transfers {
                 if tiers.len() == q.local.len() {
                     holders.clear();
                 }
-                self.counters.peer_lookups += 1;
-                self.answers.push((
-                    q.token,
-                    Ok(Reply::Lookup(LookupResp {
-                        prefix: tiers.len() as u64,
-                        tiers,
-                        holders,
-                    })),
-                ));
+                self.book.counters.peer_lookups += 1;
+                let found = LookupResp {
+                    prefix: tiers.len() as u64,
+                    tiers,
+                    holders,
+                };
+                self.book.answer(q.token, Ok(Reply::Lookup(found)));
             }
             Purpose::Fetch(req) => {
-                let fid = self.new_id();
+                let fid = self.peers.new_id();
                 if let Some(params) = chosen {
-                    self.fetches.insert(
+                    self.peers.fetches.insert(
                         fid,
                         Fetch {
                             token: q.token,
@@ -384,10 +375,10 @@ impl Transfers {
                 }
                 let outstanding = groups.len();
                 for ((node, inc), keys) in groups {
-                    self.outbox.push(Outgoing {
+                    self.peers.push(Outgoing {
                         node: node.clone(),
                         req: Request::PeerLock(PeerLockReq {
-                            from: self.me.clone(),
+                            from: self.peers.me.clone(),
                             to_incarnation: inc,
                             layout_id: req.layout_id,
                             keys,
@@ -397,7 +388,7 @@ impl Transfers {
                         timeout: None,
                     });
                 }
-                self.fetches.insert(
+                self.peers.fetches.insert(
                     fid,
                     Fetch {
                         token: q.token,
@@ -413,8 +404,8 @@ impl Transfers {
     /// Tells a holder that the lock `p` will not be read (it unlocks at once instead of
     /// when its TTL runs out).
     pub(super) fn release_lock(&mut self, p: &TransferParams) {
-        self.counters.locks_released += 1;
-        self.fail_peer(
+        self.book.counters.locks_released += 1;
+        self.peers.fail(
             &p.from,
             &p.transfer_id,
             WireError::new(ErrorCode::Aborted, "lock not needed by the reader"),
@@ -429,7 +420,7 @@ impl Transfers {
         r: Result<PeerAck, WireError>,
         now: Instant,
     ) {
-        let Some(f) = self.fetches.get_mut(&fid) else {
+        let Some(f) = self.peers.fetches.get_mut(&fid) else {
             // The fetch ended without it: a lock it brings is not read.
             if let Ok(PeerAck {
                 params: Some(p), ..
@@ -444,23 +435,23 @@ impl Transfers {
             Ok(_) => tracing::info!("peer fetch: lock answer without params"),
             Err(e) => tracing::info!(error = %e, "peer fetch: lock refused"),
         }
-        self.counters.peer_fetch_failures += 1;
+        self.book.counters.peer_fetch_failures += 1;
         f.outstanding -= 1;
         self.fetch_step(store, fid, now);
     }
 
     /// Reads a lock's blocks for fetch `fid` (the import's end steps the fetch).
     fn pull_lock(&mut self, store: &mut Store, fid: u64, params: TransferParams, now: Instant) {
-        let Some(f) = self.fetches.get(&fid) else {
+        let Some(f) = self.peers.fetches.get(&fid) else {
             return self.release_lock(&params);
         };
         let (system, ttl) = (self.system, f.req.ttl_ms);
         let held = params.clone();
-        if let Err(e) = self.start_internal_pull(store, params, system, ttl, fid, now) {
+        if let Err(e) = self.start_internal_pull(store, params, system, (ttl, fid), now) {
             tracing::info!(error = %e, "peer fetch: pull refused");
             self.release_lock(&held);
-            self.counters.peer_fetch_failures += 1;
-            if let Some(f) = self.fetches.get_mut(&fid) {
+            self.book.counters.peer_fetch_failures += 1;
+            if let Some(f) = self.peers.fetches.get_mut(&fid) {
                 f.outstanding -= 1;
             }
             self.fetch_step(store, fid, now);
@@ -475,12 +466,12 @@ impl Transfers {
         ok: bool,
         now: Instant,
     ) {
-        if let Some(f) = self.fetches.get_mut(&fid) {
+        if let Some(f) = self.peers.fetches.get_mut(&fid) {
             f.outstanding -= 1;
             if ok {
-                self.counters.peer_fetches += 1;
+                self.book.counters.peer_fetches += 1;
             } else {
-                self.counters.peer_fetch_failures += 1;
+                self.book.counters.peer_fetch_failures += 1;
             }
         }
         self.fetch_step(store, fid, now);
@@ -488,15 +479,20 @@ impl Transfers {
 
     /// Answers the fetch's `get` once nothing is outstanding.
     fn fetch_step(&mut self, store: &mut Store, fid: u64, now: Instant) {
-        if self.fetches.get(&fid).is_none_or(|f| f.outstanding > 0) {
+        if self
+            .peers
+            .fetches
+            .get(&fid)
+            .is_none_or(|f| f.outstanding > 0)
+        {
             return;
         }
-        let f = self.fetches.remove(&fid).expect("checked");
+        let f = self.peers.fetches.remove(&fid).expect("checked");
         let r = store
             .pin_now(&f.req, now)
             .map(Reply::Get)
             .map_err(WireError::from);
-        self.answers.push((f.token, r));
+        self.book.answer(f.token, r);
     }
 
     /// `peer_lookup` (this daemon is asked).
@@ -530,7 +526,7 @@ impl Transfers {
             _ => None,
         };
         Ok(Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
+            incarnation: self.peers.me.incarnation,
             present,
             params,
             events: self.cfg.peers.events.clone(),
@@ -549,11 +545,11 @@ impl Transfers {
         self.check_to(r.to_incarnation, false)?;
         // Blocks held on NVMe only are read into DRAM first; the answer waits for them.
         if !r.keys.is_empty()
-            && self.parked.len() < MAX_PARKED
+            && self.peers.parked.len() < MAX_PARKED
             && store.holds(r.layout_id, &r.keys).iter().all(|h| *h)
             && !store.promote_for_peer(r.layout_id, &r.keys, now)
         {
-            self.parked.push(ParkedLock {
+            self.peers.parked.push(ParkedLock {
                 token,
                 req: r.clone(),
                 deadline: now + PARK_WAIT,
@@ -571,7 +567,7 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         let params = self.lock(store, &r.from, r.layout_id, &r.keys, r.ttl_ms, now)?;
         Ok(Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
+            incarnation: self.peers.me.incarnation,
             params: Some(Box::new(params)),
             ..Default::default()
         }))
@@ -581,14 +577,14 @@ impl Transfers {
     /// whose deadline passed or whose blocks are gone (refused); the others wait on,
     /// their reads restarted if a block was evicted meanwhile.
     pub fn settle_parked(&mut self, store: &mut Store, now: Instant) {
-        for p in std::mem::take(&mut self.parked) {
+        for p in std::mem::take(&mut self.peers.parked) {
             let r = &p.req;
             let held = store.holds(r.layout_id, &r.keys).iter().all(|h| *h);
             let waits = held && now < p.deadline;
             let ready = store.readable(r.layout_id, &r.keys)
                 || (waits && store.promote_for_peer(r.layout_id, &r.keys, now));
             if !ready && waits {
-                self.parked.push(p);
+                self.peers.parked.push(p);
                 continue;
             }
             let answer = if ready {
@@ -606,13 +602,13 @@ impl Transfers {
                     ),
                 ))
             };
-            self.answers.push((p.token, answer));
+            self.book.answer(p.token, answer);
         }
     }
 
     /// Whether `peer_lock`s wait for NVMe reads.
     pub fn has_parked(&self) -> bool {
-        !self.parked.is_empty()
+        !self.peers.parked.is_empty()
     }
 
     /// Locks `keys` for the reader `from`: an export under a lease of `ttl_ms` (clamped
@@ -650,10 +646,10 @@ impl Transfers {
                 "export answered something else",
             ));
         };
-        if let Some(x) = self.exports.get_mut(&id) {
+        if let Some(x) = self.records.exports.get_mut(&id) {
             x.lend_to(from.clone());
         }
-        self.counters.locks += 1;
+        self.book.counters.locks += 1;
         Ok(e.params)
     }
 }

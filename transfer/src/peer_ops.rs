@@ -18,22 +18,22 @@ impl Transfers {
         to: Incarnation,
         first_contact: bool,
     ) -> Result<(), WireError> {
-        if to == self.me.incarnation || (first_contact && to.0 == 0) {
+        if to == self.peers.me.incarnation || (first_contact && to.0 == 0) {
             return Ok(());
         }
-        self.counters.refused += 1;
+        self.book.counters.refused += 1;
         Err(WireError::new(
             ErrorCode::StaleIncarnation,
             format!(
                 "message for incarnation {to}; this daemon is {} (it restarted)",
-                self.me.incarnation
+                self.peers.me.incarnation
             ),
         ))
     }
 
     pub(super) fn ack(&self) -> Reply {
         Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
+            incarnation: self.peers.me.incarnation,
             unknown: Vec::new(),
             rdma_qpn: None,
             rdma_psn: None,
@@ -56,13 +56,14 @@ impl Transfers {
                 "keys and offsets differ in length",
             ));
         }
-        if self.regs.contains_key(&r.transfer_id)
+        if self.records.regs.contains_key(&r.transfer_id)
             || self
+                .records
                 .exports
                 .get(&r.transfer_id)
                 .is_some_and(|e| e.importer().is_some() && !e.is_final())
         {
-            self.counters.refused += 1;
+            self.book.counters.refused += 1;
             return Err(WireError::new(
                 ErrorCode::InvalidState,
                 format!(
@@ -71,11 +72,10 @@ impl Transfers {
                 ),
             ));
         }
-        self.check_capacity()?;
+        self.records.check_capacity()?;
         let reg = Registration::new(r, self.lease_of(Some(r.lease_ms), now));
-        self.timers
-            .push(reg.expires(), (Timer::Reg, r.transfer_id.clone()));
-        self.regs.insert(r.transfer_id.clone(), reg);
+        self.book.at(reg.expires(), Timer::Reg, &r.transfer_id);
+        self.records.regs.insert(r.transfer_id.clone(), reg);
         self.try_push(store, &r.transfer_id, now);
         Ok(self.ack())
     }
@@ -88,52 +88,19 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        let Some(i) = self.imports.get(&r.transfer_id) else {
-            self.counters.refused += 1;
-            return Err(self.unknown(&r.transfer_id));
-        };
-        if i.pushed_by(r) && i.state() == TransferState::Done {
-            // Finished when its bytes landed (`on_push_filled`): a repeat.
-            return Ok(self.ack());
-        }
-        if !i.pushed_by(r) || i.is_final() {
-            self.counters.refused += 1;
-            return Err(self.unknown(&r.transfer_id));
-        }
-        let (want, handle) = (i.push_bytes_wanted(), i.handle());
-        let by_rdma = self.rdma_with(&r.from);
-        let got = if by_rdma {
-            // RC ordering: the WRITE_WITH_IMM naming the handle completes after every
-            // byte before it landed.
-            self.collect_landed();
-            if self.landed.remove(&(handle as u32)) {
-                want
-            } else {
-                0
+        let by_rdma = self.plane.rdma_with(&r.from);
+        let unknown = self.records.unknown(&r.transfer_id);
+        let id = r.transfer_id.as_str();
+        match self.on_import(store, id, now, |x, store| {
+            x.push_done(store, r, by_rdma, now)
+        }) {
+            Some(Ok(())) => Ok(self.ack()),
+            Some(Err(Some(e))) => Err(e),
+            _ => {
+                self.book.counters.refused += 1;
+                Err(unknown)
             }
-        } else {
-            self.grants.bytes(handle)
-        };
-        if let Some(imp) = self.imports.get_mut(&r.transfer_id) {
-            imp.push_landed(got, if by_rdma { "rdma" } else { "tcp" }, Some(&r.from));
         }
-        if got < want {
-            let e = WireError::new(
-                ErrorCode::TransferFailed,
-                format!("push wrote {got} of {want} bytes"),
-            );
-            self.end_import(
-                store,
-                &r.transfer_id,
-                TransferState::Failed,
-                Some(e.clone()),
-                true,
-                now,
-            );
-            return Err(e);
-        }
-        self.finish_import(store, &r.transfer_id, false, now);
-        Ok(self.ack())
     }
 
     /// `peer_done`.
@@ -145,17 +112,18 @@ impl Transfers {
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
         let Some(e) = self
+            .records
             .exports
             .get(&r.transfer_id)
             .filter(|e| e.handle() == r.handle && e.accepts(r.from.incarnation))
         else {
-            self.counters.refused += 1;
-            return Err(self.unknown(&r.transfer_id));
+            self.book.counters.refused += 1;
+            return Err(self.records.unknown(&r.transfer_id));
         };
         if r.token != e.proof(&r.transfer_id) {
             // Params altered on their way to the importer (id, keys, offsets or token):
             // whatever it copied is not this export. The export itself lives on.
-            self.counters.refused += 1;
+            self.book.counters.refused += 1;
             return Err(WireError::new(
                 ErrorCode::NotOwner,
                 format!(
@@ -165,7 +133,7 @@ impl Transfers {
             ));
         }
         if e.is_final() {
-            self.counters.refused += 1;
+            self.book.counters.refused += 1;
             return Err(WireError::new(
                 match e.state() {
                     TransferState::Expired => ErrorCode::LeaseExpired,
@@ -181,7 +149,7 @@ impl Transfers {
         }
         if e.staging() {
             // Not every part is written (SPEC §16): nothing read now is the export.
-            self.counters.refused += 1;
+            self.book.counters.refused += 1;
             return Err(WireError::new(
                 ErrorCode::InvalidState,
                 format!(
@@ -190,13 +158,13 @@ impl Transfers {
                 ),
             ));
         }
-        if let Some(exp) = self.exports.get_mut(&r.transfer_id) {
+        if let Some(exp) = self.records.exports.get_mut(&r.transfer_id) {
             exp.read_confirmed(&r.from);
         }
         self.end_export(store, &r.transfer_id, TransferState::Done, None, false, now);
         let mut ack = self.ack();
         if let Reply::Ack(a) = &mut ack {
-            a.shm = self.me.shm.clone();
+            a.shm = self.peers.me.shm.clone();
         }
         Ok(ack)
     }
@@ -222,18 +190,24 @@ impl Transfers {
         } else {
             TransferState::Failed
         };
-        if self.imports.get(id).is_some_and(|i| i.failable_by(from)) {
+        if self
+            .records
+            .imports
+            .get(id)
+            .is_some_and(|i| i.failable_by(from))
+        {
             self.end_import(store, id, state, Some(e), false, now);
             return Ok(self.ack());
         }
         if let Some(x) = self
+            .records
             .exports
             .get(id)
             .filter(|x| !x.is_final() && x.accepts(from))
         {
             // A decline proves it holds the params, as `peer_done` does.
             if r.proof.is_some_and(|p| p != x.proof(id)) {
-                self.counters.refused += 1;
+                self.book.counters.refused += 1;
                 return Err(WireError::new(
                     ErrorCode::NotOwner,
                     format!(
@@ -245,25 +219,26 @@ impl Transfers {
             return Ok(self.ack());
         }
         if self
+            .records
             .regs
             .get(id)
             .is_some_and(|g| g.from().incarnation == from)
         {
-            self.regs.remove(id);
+            self.records.regs.remove(id);
             return Ok(self.ack());
         }
-        self.counters.refused += 1;
-        Err(self.unknown(id))
+        self.book.counters.refused += 1;
+        Err(self.records.unknown(id))
     }
 
     /// `peer_rdma_connect`.
     pub fn peer_rdma_connect(&mut self, r: &PeerRdmaConnectReq) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
         #[cfg(feature = "rdma")]
-        if let Some(t) = &self.rdma {
+        if let Some(t) = &self.plane.rdma {
             let (qpn, psn) = t.accept(&r.from, r.qpn, r.psn)?;
             return Ok(Reply::Ack(PeerAck {
-                incarnation: self.me.incarnation,
+                incarnation: self.peers.me.incarnation,
                 unknown: Vec::new(),
                 rdma_qpn: Some(qpn),
                 rdma_psn: Some(psn),
@@ -284,14 +259,14 @@ impl Transfers {
         now: Instant,
     ) -> Result<Reply, WireError> {
         self.check_to(r.to_incarnation, false)?;
-        let Some(ra) = &self.remote else {
+        let Some(ra) = &self.plane.remote else {
             return Err(WireError::new(
                 ErrorCode::InvalidState,
                 "this daemon has no RDMA device (or was built without the rdma feature)",
             ));
         };
         let regions = ra.open(
-            &self.grants,
+            &self.plane.grants,
             r.handle,
             r.token,
             r.write,
@@ -299,7 +274,7 @@ impl Transfers {
             now,
         )?;
         Ok(Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
+            incarnation: self.peers.me.incarnation,
             rdma_regions: regions,
             ..Default::default()
         }))
@@ -315,8 +290,11 @@ impl Transfers {
         let from = r.from.incarnation;
         let mut unknown = Vec::new();
         for id in &r.transfers {
-            let renewed = match (self.exports.get_mut(id), self.regs.get_mut(id)) {
-                (Some(e), _) => e.heartbeat(&r.from, &self.grants, now),
+            let renewed = match (
+                self.records.exports.get_mut(id),
+                self.records.regs.get_mut(id),
+            ) {
+                (Some(e), _) => e.heartbeat(&r.from, &self.plane.grants, now),
                 (None, Some(g)) => {
                     if g.heartbeat(from, now) {
                         Beat::Renewed
@@ -327,16 +305,16 @@ impl Transfers {
                 (None, None) => Beat::Unknown,
             };
             match renewed {
-                Beat::Renewed => self.counters.renewals += 1,
+                Beat::Renewed => self.book.counters.renewals += 1,
                 Beat::Done => {}
                 Beat::Unknown => unknown.push(id.clone()),
             }
         }
         if !unknown.is_empty() {
-            self.counters.refused += 1;
+            self.book.counters.refused += 1;
         }
         Ok(Reply::Ack(PeerAck {
-            incarnation: self.me.incarnation,
+            incarnation: self.peers.me.incarnation,
             unknown,
             rdma_qpn: None,
             rdma_psn: None,
