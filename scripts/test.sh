@@ -96,7 +96,7 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Every optional feature in one run (the default set is covered above).
-cargo clippy -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench -p kvd-testkit --all-targets --locked \
+cargo clippy -p kvd-cuda -p kvd-gpu -p kvd-daemon -p kvd-model -p kvd-engine -p kvd-bench -p kvd-testkit --all-targets --locked \
   --features kvd-daemon/etcd,kvd-daemon/rdma,kvd-daemon/cuda,kvd-daemon/loom,kvd-model/cuda,kvd-engine/cuda,kvd-bench/cuda,kvd-testkit/cuda -- -D warnings
 
 step "loom models (feature loom: the grants and I/O-completion hand-offs, each with a negative control that must be caught)"
@@ -164,15 +164,15 @@ set +e
 timeout 1800 cargo test --workspace --locked --no-fail-fast --features kvd-daemon/etcd 2>&1 | tee "$log"
 s1=${PIPESTATUS[0]}
 # The hardware builds, compiled once for both runs below (same packages, same features).
-hw=(-p kvd-model -p kvd-engine -p kvd-daemon -p kvd-transfer --locked --features kvd-model/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
+hw=(-p kvd-cuda -p kvd-model -p kvd-engine -p kvd-daemon -p kvd-transfer --locked --features kvd-model/cuda,kvd-engine/cuda,kvd-daemon/cuda,kvd-daemon/rdma)
 # The rdma build's own tests: with no RDMA device they say so in one `SKIP:` line (with
 # KVD_REQUIRE_RDMA=1 they fail instead). This build has no etcd feature, so p2p.rs's
 # refusal test runs here too.
 timeout 900 cargo test "${hw[@]}" --lib --test handoff --test p2p -- --nocapture rdma etcd 2>&1 | tee -a "$log"
 s2=${PIPESTATUS[0]}
 # The cuda build: every .cu compiles under the real NVRTC (the nvidia-cuda-nvrtc wheel's,
-# required: no GPU needed; the GPU tier's shipped gpu/kernels/copy.ptx must be what it makes of
-# gpu/kernels/copy.cu) and assembles for sm_90 under the real ptxas without spills
+# required: no GPU needed; the GPU tier's shipped cuda/kernels/copy.ptx must be what it makes of
+# cuda/kernels/copy.cu) and assembles for sm_90 under the real ptxas without spills
 # (the nvidia-cuda-nvcc wheel's); the GPU tests (kernels, engines, the daemon's CUDA GPU
 # tier) say so in one `SKIP:` line without a GPU (KVD_REQUIRE_CUDA=1: they fail instead).
 nvrtc_lib=$(.venv/bin/python -c 'import glob, site; print(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/lib/libnvrtc.so*")[0].rsplit("/", 1)[0])')

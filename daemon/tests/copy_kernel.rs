@@ -1,5 +1,5 @@
-//! The GPU tier's copy kernel: `gpu/kernels/copy.ptx` (what the daemon loads; the driver
-//! compiles PTX, so a node needs no NVRTC) is what NVRTC makes of `kernels/copy.cu`, and
+//! The GPU tier's copy kernel: `cuda/kernels/copy.ptx` (what the daemon loads; the driver
+//! compiles PTX, so a node needs no NVRTC) is what NVRTC makes of `cuda/kernels/copy.cu`, and
 //! it assembles for sm_90 with the real `ptxas` without spills. Needs libnvrtc (and
 //! `KVD_PTXAS` for the second test), no GPU: the test command provides both; without
 //! them each test says `SKIP:` (with `KVD_REQUIRE_NVRTC=1` / `KVD_REQUIRE_PTXAS=1` it
@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-const SOURCE: &str = include_str!("../../gpu/kernels/copy.cu");
+const SOURCE: &str = include_str!("../../cuda/kernels/copy.cu");
 const ARCH: &str = "compute_75";
 
 fn nvrtc() -> bool {
@@ -48,7 +48,7 @@ fn body(ptx: &str) -> String {
 }
 
 fn ptx_file() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../gpu/kernels/copy.ptx")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../cuda/kernels/copy.ptx")
 }
 
 #[test]

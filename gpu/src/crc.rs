@@ -1,6 +1,6 @@
 //! Writer checksums of the GPU tier's copies (SPEC §17): a `gpu_store` block's CRC-32C is
 //! computed where its bytes are, on the device, over each piece the job copies from
-//! engine memory (`kernels/copy.cu`, `kvd_crc32c_chunks`; the host stand-in checksums
+//! engine memory (`cuda/kernels/copy.cu`, `kvd_crc32c_chunks`; the host stand-in checksums
 //! each piece as it lands), and this module joins a block's pieces into its checksum.
 //!
 //! The kernel cannot run a CRC as one serial pass: each of a CUDA block's threads takes

@@ -10,7 +10,7 @@
 //! | [`device`] | **where a GPU copy happens**: the [`device::CopyEngine`] trait (open engine memory, copy to and from pool slots, copy device to device), its errors, and [`device::Off`] |
 //! | [`host`] | the host stand-in engine: "device memory" is a file in `gpu.host_dir` |
 //! | [`plan`] | which bytes of a copy job the copy kernel moves and which the copy engine (CUDA); tested on the CPU with a model of the kernel |
-//! | `cuda` | (feature `cuda`) the CUDA engine, the CUDA boundary: IPC handles, the pinned pool, async copies |
+//! | `cuda` | (feature `cuda`) the CUDA engine: a [`device::CopyEngine`] over `kvd-cuda`'s safe types (IPC handles, the pinned pool, copy jobs and the copy kernel); the CUDA boundary itself is `kvd-cuda` (`cuda/`) |
 //! | [`worker`] | the copy thread (runs each job on the engine) and its hand-off back to the server thread |
 //! | [`exports`] | same-node GPU-to-GPU exports: their records, leases ([`kvd_store::lease::Lease`]) and the checks on a pull's params (model-tested) |
 //! | `export_ops` | the tier's `gpu_export`, `gpu_pull`, `gpu_export_status` over those rules |
@@ -216,7 +216,7 @@ pub fn open(o: &GpuOptions, pool: &Arc<Pool>) -> std::io::Result<GpuTier> {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_device(pool: &Pool, kernel_below: u64) -> Arc<dyn CopyEngine> {
+fn cuda_device(pool: &Arc<Pool>, kernel_below: u64) -> Arc<dyn CopyEngine> {
     match cuda::CudaDevice::new(pool, kernel_below) {
         Ok(d) => Arc::new(d),
         Err(why) => Arc::new(Off(why.to_string())),
@@ -224,7 +224,7 @@ fn cuda_device(pool: &Pool, kernel_below: u64) -> Arc<dyn CopyEngine> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_pool: &Pool, _kernel_below: u64) -> Arc<dyn CopyEngine> {
+fn cuda_device(_pool: &Arc<Pool>, _kernel_below: u64) -> Arc<dyn CopyEngine> {
     Arc::new(Off(format!("gpu.device = auto: {}", WITHOUT_CUDA)))
 }
 

@@ -16,7 +16,7 @@
 //! 2. a piece of at least [`Policy::kernel_below`] bytes, or whose source, destination or
 //!    length is not a multiple of [`ALIGN`], goes to the copy engine whole;
 //! 3. every other piece is cut into chunks of at most [`CHUNK`] bytes for the kernel
-//!    (`gpu/kernels/copy.cu`), which copies one chunk per CUDA block in 16-byte
+//!    (`cuda/kernels/copy.cu`), which copies one chunk per CUDA block in 16-byte
 //!    accesses.
 //!
 //! Every piece was checked against its memory before it reaches the planner; the plan
@@ -162,7 +162,7 @@ mod tests {
 
     const UNROLL: u64 = 4;
 
-    /// The kernel (`gpu/kernels/copy.cu`, `kvd_copy_chunks`) run on the CPU, thread by
+    /// The kernel (`cuda/kernels/copy.cu`, `kvd_copy_chunks`) run on the CPU, thread by
     /// thread, in the same index arithmetic: block `b` takes chunks `b, b + grid, …`;
     /// thread `t` copies 16-byte words `t, t + step, …` in groups of four loads before
     /// four stores, then the rest one by one. `mem` is the address space (addresses are

@@ -23,7 +23,7 @@ pub enum AnyBuf {
     Cpu(CpuBuf),
     /// Device memory.
     #[cfg(feature = "cuda")]
-    Cuda(cudarc::driver::CudaSlice<f32>),
+    Cuda(kvd_cuda::CudaSlice<f32>),
 }
 
 /// Picks the backend: `"cuda"` (fails if there is no usable device), `"cpu"`, or

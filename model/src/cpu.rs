@@ -741,7 +741,7 @@ mod tests {
     use super::*;
 
     /// The CUDA row kernels' arithmetic (`transfer_row`, `gather` and `reslice` in
-    /// `kernels/kvd_kernels.cu`), written again here line for line and run over every
+    /// `cuda/kernels/kvd_kernels.cu`), written again here line for line and run over every
     /// row: each row lands where this file's reference puts it. (The GPU check compares
     /// the kernels themselves with the reference; this catches an index slip without a
     /// GPU.)

@@ -972,7 +972,7 @@ mod gpu {
         let tol = 1e-4;
         for dev in [gpu] {
             let d = |v: &[f32]| dev.upload(v).unwrap();
-            let back = |b: &cudarc::driver::CudaSlice<f32>, n: usize| dev.download(b, n).unwrap();
+            let back = |b: &kvd_cuda::CudaSlice<f32>, n: usize| dev.download(b, n).unwrap();
             for (m, n, k) in [(1, 300, 64), (37, 129, 200)] {
                 let (x, w) = (rand_vec(m * k, 20), rand_vec(n * k, 21));
                 let mut want: CpuBuf = vec![0.0; m * n].into();

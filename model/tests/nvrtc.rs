@@ -6,9 +6,15 @@
 //! assembled for sm_90 with the real `ptxas` (registers, shared memory, no spills).
 #![cfg(feature = "cuda")]
 
-/// Every kernel file, embedded (name, source).
-const KERNEL_FILES: &[(&str, &str)] =
-    &[("kvd_kernels.cu", include_str!("../kernels/kvd_kernels.cu"))];
+/// Every kernel file of `cuda/kernels/` (kvd-cuda's: the model's and the GPU tier's copy
+/// kernel), embedded (name, source).
+const KERNEL_FILES: &[(&str, &str)] = &[
+    ("copy.cu", include_str!("../../cuda/kernels/copy.cu")),
+    (
+        "kvd_kernels.cu",
+        include_str!("../../cuda/kernels/kvd_kernels.cu"),
+    ),
+];
 
 #[test]
 fn every_kernel_file_compiles_under_nvrtc() {
@@ -23,7 +29,7 @@ fn every_kernel_file_compiles_under_nvrtc() {
     // The sources are embedded at build time: the GPU machine runs this binary far from
     // the source tree (another absolute path), where reading `kernels/` would fail.
     // Where the tree is (the build machine), every `.cu` file there must be embedded.
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../cuda/kernels");
     if let Ok(entries) = std::fs::read_dir(&dir) {
         let mut on_disk: Vec<String> = entries
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -1,7 +1,7 @@
-// The GPU tier's copy kernel (daemon/src/gpu/cuda.rs loads the PTX made from this file,
-// daemon/kernels/copy.ptx; daemon/tests/copy_kernel.rs keeps the two in step).
+// The GPU tier's copy kernel (cuda/src/copy.rs loads the PTX made from this file,
+// cuda/kernels/copy.ptx; daemon/tests/copy_kernel.rs keeps the two in step).
 //
-// One launch moves every chunk of a copy job. The planner (daemon/src/gpu/plan.rs) has
+// One launch moves every chunk of a copy job. The planner (gpu/src/plan.rs) has
 // already checked each piece against its memory and split it into chunks of at most
 // KVD_CHUNK bytes whose source, destination and length are multiples of 16; the pieces
 // it cannot give the kernel go to the copy engine instead. Addresses are device-visible:
@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(512) kvd_copy_chunks(const kvd_chun
 // chunks[c].src..+len into out[c] (chunks[c].dst is not read). One CUDA block per piece:
 // each thread computes the CRC of one segment with no initial value, moves it to the end
 // of the piece by x^(8 * bytes after it) mod P, the block XORs the threads' results, and
-// thread 0 applies the initial value and the final inversion. daemon/src/gpu/crc.rs has
+// thread 0 applies the initial value and the final inversion. gpu/src/crc.rs has
 // a CPU model of this exact computation (`segmented`), tested against the CRC-32C.
 
 #define KVD_CRC_POLY 0x82F63B78u

@@ -1,5 +1,5 @@
-// kvd-model kernels, compiled at run time with NVRTC (see src/cuda.rs).
-// Each kernel has a CPU reference in src/cpu.rs with the same meaning; the tests
+// kvd-model kernels, compiled at run time with NVRTC (cuda/src/model_kernels.rs launches them).
+// Each kernel has a CPU reference in model/src/cpu.rs with the same meaning; the tests
 // compare them. All tensors are f32, row-major; the paged KV cache is
 // [layer][part][block][token][kv_head][head_dim].
 
