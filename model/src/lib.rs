@@ -13,9 +13,10 @@
 //!   latent rows), SwiGLU, mixtures of experts (gpt-oss' and DeepSeek's routers and
 //!   activations), Gated DeltaNet (causal convolution, gated delta rule, gated norm), an
 //!   output gate, greedy/seeded sampling.
-//! - **Backends**: [`cpu`] (always; it is the reference) and `cuda` (feature `cuda`):
-//!   `.cu` sources in `kernels/` compiled at run time with NVRTC, cuBLAS for matmul when
-//!   the library is found, everything loaded at run time by `cudarc` so building needs no
+//! - **Backends**: [`cpu`] (always; it is the reference) and `cuda` (feature `cuda`): on
+//!   `kvd-cuda`'s model device, which owns the `.cu` sources (`cuda/kernels/`, compiled at
+//!   run time with NVRTC), their checked launches, cuBLAS for matmul when the library is
+//!   found, and every other CUDA call, all loaded at run time so building needs no
 //!   toolkit. [`select_backend`] picks `cuda` when a device is usable, else `cpu`, and
 //!   logs which.
 //! - **The model** ([`model`]): its shape from a Hugging Face `config.json` ([`config`]),
