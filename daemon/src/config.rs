@@ -1020,6 +1020,16 @@ impl DaemonConfig {
                 return bad(format!("endpoint {e:?} must start with ipc:// or tcp://"));
             }
         }
+        self.check_events()?;
+        self.check_pool()?;
+        self.check_transfer()?;
+        self.check_gpu_and_peers()?;
+        self.check_nvme_and_limits()
+    }
+
+    /// `[events]`: endpoints, replay, buffers.
+    fn check_events(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.events.enabled {
             let ev = &self.events;
             let zmq_endpoint = |e: &str| e.starts_with("tcp://") || e.starts_with("ipc://");
@@ -1042,6 +1052,12 @@ impl DaemonConfig {
                 return bad("events.hwm and events.buffer_steps must be at least 1".into());
             }
         }
+        Ok(())
+    }
+
+    /// `[pool]` and the pin limits.
+    fn check_pool(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         let seg = self.pool.segment_size.0;
         if seg < 4096 || !seg.is_multiple_of(4096) {
             return bad(format!(
@@ -1066,6 +1082,12 @@ impl DaemonConfig {
         if lim.default_pin_ttl_ms == 0 || lim.default_pin_ttl_ms > lim.max_pin_ttl_ms {
             return bad("limits: 0 < default_pin_ttl_ms <= max_pin_ttl_ms".into());
         }
+        Ok(())
+    }
+
+    /// `[transfer]`: endpoints, leases, workers, timeouts and connection caps.
+    fn check_transfer(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         let t = &self.transfer;
         if t.enabled {
             if !t.control.starts_with("tcp://") {
@@ -1107,6 +1129,13 @@ impl DaemonConfig {
                 return bad("transfer timeouts and connection limits must be positive".into());
             }
         }
+        Ok(())
+    }
+
+    /// `[gpu]` and `[peers]` (and the features they need).
+    fn check_gpu_and_peers(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let t = &self.transfer;
         // Asked for by name, refused by name, even where peers are off and it would
         // not be used.
         if self.gpu.device == GpuDeviceMode::Cuda && !cfg!(feature = "cuda") {
@@ -1141,6 +1170,13 @@ impl DaemonConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// `[nvme]`, the allocation TTL, the request limits.
+    fn check_nvme_and_limits(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let (seg, lim) = (self.pool.segment_size.0, &self.limits);
         if let Some(n) = &self.nvme {
             if !n.paths.is_empty() && n.size.0 < seg {
                 return bad(format!(

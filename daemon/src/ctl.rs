@@ -243,131 +243,8 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
     }
     let c = b.connect().context("connecting to kvd")?;
     match cli.cmd {
-        Cmd::Stats { json } => {
-            let s = c.stats()?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&s)?);
-            } else {
-                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-                println!("incarnation   {}", s.incarnation);
-                println!("uptime        {:.1} s", s.uptime_ms as f64 / 1000.0);
-                println!(
-                    "pool          {:.2} / {:.2} GiB used, {:.2} GiB fragmented",
-                    gib(s.pool.used_bytes),
-                    gib(s.pool.capacity_bytes),
-                    gib(s.pool.fragmented_bytes)
-                );
-                println!(
-                    "blocks        {} committed, {} pending, {} pinned ({} pins)",
-                    s.blocks, s.pending, s.pinned_blocks, s.pins
-                );
-                println!(
-                    "get           {} hits, {} misses; {} evictions, {} demotions, {} promotions",
-                    s.hits, s.misses, s.evictions, s.demotions, s.promotions
-                );
-                println!("sessions      {}  layouts {}", s.clients, s.layouts);
-                if let Some(n) = &s.nvme {
-                    println!(
-                        "nvme          {} blocks, {:.2} / {:.2} GiB, {} read / {} checksum errors",
-                        n.blocks,
-                        gib(n.used_bytes),
-                        gib(n.capacity_bytes),
-                        n.read_errors,
-                        n.checksum_errors
-                    );
-                }
-                if let Some(k) = &s.kept {
-                    match &k.refused {
-                        Some(why) => println!("kept pool     not adopted: {why}"),
-                        None => println!(
-                            "kept pool     {} of {} blocks adopted ({} checking; dropped: {} damaged, {} unsealed, {} torn); {} sealed since start",
-                            k.adopted, k.found, k.verifying, k.damaged, k.unsealed, k.torn, k.sealed
-                        ),
-                    }
-                    if k.fence_left_ms > 0 {
-                        println!(
-                            "fence         {} slots withheld for {:.1} s more",
-                            k.fenced_slots,
-                            k.fence_left_ms as f64 / 1000.0
-                        );
-                    }
-                }
-                if let Some(t) = &s.transfers {
-                    println!(
-                        "transfers     {} exports, {} imports, {} registrations live; {} done, {} failed, {} expired",
-                        t.exports_live, t.imports_live, t.registrations, t.done, t.failed, t.expired
-                    );
-                    if t.staged_exports > 0 {
-                        println!(
-                            "layer-wise    {} staged exports, {} part writes",
-                            t.staged_exports, t.part_writes
-                        );
-                    }
-                }
-                if let Some(g) = &s.gpu {
-                    println!(
-                        "gpu tier      {}: {} registrations; blocks {} stored, {} loaded, {} pulled; {} failed, {} lapsed",
-                        g.device,
-                        g.registrations,
-                        g.stored_blocks,
-                        g.loaded_blocks,
-                        g.pulled_blocks,
-                        g.failed_copies,
-                        g.expired_registrations
-                    );
-                    println!(
-                        "gpu copies    kernel {:.2} GiB in {} launches; copy engine {:.2} GiB in {} calls",
-                        gib(g.kernel_bytes),
-                        g.kernel_launches,
-                        gib(g.engine_bytes),
-                        g.engine_copies
-                    );
-                }
-                if s.draining {
-                    println!("state         DRAINING");
-                }
-                let errs: Vec<String> = s.errors.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                println!(
-                    "errors        {}",
-                    if errs.is_empty() {
-                        "none".into()
-                    } else {
-                        errs.join(" ")
-                    }
-                );
-            }
-        }
-        Cmd::Peers { json } => {
-            let s = c.stats()?;
-            let me = c.hello_info().node.clone();
-            if json {
-                let v =
-                    serde_json::json!({ "node": me, "peers": s.peers, "transfers": s.transfers });
-                println!("{}", serde_json::to_string_pretty(&v)?);
-            } else {
-                match &me {
-                    Some(m) => println!("this node     {} (data {})", m.node, m.data),
-                    None => println!("this node     transfers are off"),
-                }
-                if !s.discovered.is_empty() {
-                    println!("discovered    {}", s.discovered.join(" "));
-                }
-                if s.peers.is_empty() {
-                    println!("no peers contacted yet");
-                }
-                for p in &s.peers {
-                    println!(
-                        "{:<32} {:<5} last answer {}  in flight {}",
-                        p.node,
-                        if p.up { "up" } else { "DOWN" },
-                        p.last_ok_ms_ago
-                            .map(|ms| format!("{ms} ms ago"))
-                            .unwrap_or_else(|| "never".into()),
-                        p.in_flight
-                    );
-                }
-            }
-        }
+        Cmd::Stats { json } => print_stats(&c.stats()?, json)?,
+        Cmd::Peers { json } => print_peers(&c, json)?,
         Cmd::Lookup { layout_id, keys } => {
             let keys: Vec<ChunkHash> = keys.iter().map(|k| parse_key(k)).collect::<Result<_>>()?;
             let r = c.probe(LayoutId(layout_id), &keys)?;
@@ -389,6 +266,135 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
         }
         Cmd::Upgrade { wait_ms } => upgrade(&c, Duration::from_millis(wait_ms))?,
         Cmd::Events { .. } => {} // handled above, without a client
+    }
+    Ok(())
+}
+
+/// `kvd ctl stats`: as JSON, or a few lines for a person.
+fn print_stats(s: &kvd_protocol::StatsResp, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        println!("incarnation   {}", s.incarnation);
+        println!("uptime        {:.1} s", s.uptime_ms as f64 / 1000.0);
+        println!(
+            "pool          {:.2} / {:.2} GiB used, {:.2} GiB fragmented",
+            gib(s.pool.used_bytes),
+            gib(s.pool.capacity_bytes),
+            gib(s.pool.fragmented_bytes)
+        );
+        println!(
+            "blocks        {} committed, {} pending, {} pinned ({} pins)",
+            s.blocks, s.pending, s.pinned_blocks, s.pins
+        );
+        println!(
+            "get           {} hits, {} misses; {} evictions, {} demotions, {} promotions",
+            s.hits, s.misses, s.evictions, s.demotions, s.promotions
+        );
+        println!("sessions      {}  layouts {}", s.clients, s.layouts);
+        if let Some(n) = &s.nvme {
+            println!(
+                "nvme          {} blocks, {:.2} / {:.2} GiB, {} read / {} checksum errors",
+                n.blocks,
+                gib(n.used_bytes),
+                gib(n.capacity_bytes),
+                n.read_errors,
+                n.checksum_errors
+            );
+        }
+        if let Some(k) = &s.kept {
+            match &k.refused {
+                Some(why) => println!("kept pool     not adopted: {why}"),
+                None => println!(
+                    "kept pool     {} of {} blocks adopted ({} checking; dropped: {} damaged, {} unsealed, {} torn); {} sealed since start",
+                    k.adopted, k.found, k.verifying, k.damaged, k.unsealed, k.torn, k.sealed
+                ),
+            }
+            if k.fence_left_ms > 0 {
+                println!(
+                    "fence         {} slots withheld for {:.1} s more",
+                    k.fenced_slots,
+                    k.fence_left_ms as f64 / 1000.0
+                );
+            }
+        }
+        if let Some(t) = &s.transfers {
+            println!(
+                "transfers     {} exports, {} imports, {} registrations live; {} done, {} failed, {} expired",
+                t.exports_live, t.imports_live, t.registrations, t.done, t.failed, t.expired
+            );
+            if t.staged_exports > 0 {
+                println!(
+                    "layer-wise    {} staged exports, {} part writes",
+                    t.staged_exports, t.part_writes
+                );
+            }
+        }
+        if let Some(g) = &s.gpu {
+            println!(
+                "gpu tier      {}: {} registrations; blocks {} stored, {} loaded, {} pulled; {} failed, {} lapsed",
+                g.device,
+                g.registrations,
+                g.stored_blocks,
+                g.loaded_blocks,
+                g.pulled_blocks,
+                g.failed_copies,
+                g.expired_registrations
+            );
+            println!(
+                "gpu copies    kernel {:.2} GiB in {} launches; copy engine {:.2} GiB in {} calls",
+                gib(g.kernel_bytes),
+                g.kernel_launches,
+                gib(g.engine_bytes),
+                g.engine_copies
+            );
+        }
+        if s.draining {
+            println!("state         DRAINING");
+        }
+        let errs: Vec<String> = s.errors.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!(
+            "errors        {}",
+            if errs.is_empty() {
+                "none".into()
+            } else {
+                errs.join(" ")
+            }
+        );
+    }
+    Ok(())
+}
+
+/// `kvd ctl peers`: this node, the peers discovered and contacted.
+fn print_peers(c: &Client, json: bool) -> Result<()> {
+    let s = c.stats()?;
+    let me = c.hello_info().node.clone();
+    if json {
+        let v = serde_json::json!({ "node": me, "peers": s.peers, "transfers": s.transfers });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        match &me {
+            Some(m) => println!("this node     {} (data {})", m.node, m.data),
+            None => println!("this node     transfers are off"),
+        }
+        if !s.discovered.is_empty() {
+            println!("discovered    {}", s.discovered.join(" "));
+        }
+        if s.peers.is_empty() {
+            println!("no peers contacted yet");
+        }
+        for p in &s.peers {
+            println!(
+                "{:<32} {:<5} last answer {}  in flight {}",
+                p.node,
+                if p.up { "up" } else { "DOWN" },
+                p.last_ok_ms_ago
+                    .map(|ms| format!("{ms} ms ago"))
+                    .unwrap_or_else(|| "never".into()),
+                p.in_flight
+            );
+        }
     }
     Ok(())
 }

@@ -56,46 +56,7 @@ impl Transfers {
                     }
                 }
             }
-            Then::Heartbeat(node, ids) => match r {
-                Ok(ack) => {
-                    for id in &ids {
-                        let Some(imp) = self.records.imports.get_mut(id) else {
-                            continue;
-                        };
-                        if !imp.answered_by(&node, ack.incarnation) {
-                            continue;
-                        }
-                        if ack.unknown.contains(id) {
-                            let e = WireError::new(
-                                ErrorCode::LeaseExpired,
-                                format!(
-                                    "exporter {node} no longer holds the transfer (lease ended)"
-                                ),
-                            );
-                            self.end_import(store, id, TransferState::Expired, Some(e), false, now);
-                        } else {
-                            imp.heard(now);
-                        }
-                    }
-                }
-                Err(e) if e.code == ErrorCode::StaleIncarnation => {
-                    for id in &ids {
-                        if self
-                            .records
-                            .imports
-                            .get(id)
-                            .is_some_and(|i| i.peer().node == node && !i.is_final())
-                        {
-                            let e = WireError::new(
-                                ErrorCode::StaleIncarnation,
-                                format!("exporter {node} restarted: {}", e.message),
-                            );
-                            self.end_import(store, id, TransferState::Failed, Some(e), false, now);
-                        }
-                    }
-                }
-                Err(e) => tracing::debug!(node = %node, error = %e, "heartbeat not answered"),
-            },
+            Then::Heartbeat(node, ids) => self.on_heartbeat_answer(store, &node, &ids, r, now),
             Then::Looked(q, node) => self.on_looked(store, q, node, r, now),
             Then::Late => {
                 if let Ok(PeerAck {
@@ -106,42 +67,104 @@ impl Transfers {
                 }
             }
             Then::Locked(f) => self.on_locked(store, f, r, now),
-            Then::Confirmed(id) => {
-                let Some(imp) = self.records.imports.get(&id).filter(|i| !i.is_final()) else {
-                    return;
-                };
-                let copied_from = imp.copied_from();
-                match r {
-                    Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
-                        // The params named a pool file that is not the exporter's (as
-                        // the exporter says, over the authenticated channel).
-                        let e = WireError::new(
-                            ErrorCode::NotOwner,
-                            format!(
-                                "copied from {:?}, but the exporter's pool is {:?}",
-                                copied_from.unwrap_or_default(),
-                                ack.shm.unwrap_or_default()
-                            ),
-                        );
-                        self.book.counters.refused += 1;
-                        self.end_import(store, &id, TransferState::Failed, Some(e), true, now);
+            Then::Confirmed(id) => self.on_confirmed(store, &id, r, now),
+        }
+    }
+
+    /// The answer to a `peer_heartbeat` naming `ids` (imports from `node`): each import
+    /// the exporter still holds has heard from it; one it no longer knows ended with its
+    /// lease; a restarted exporter fails them all.
+    fn on_heartbeat_answer(
+        &mut self,
+        store: &mut Store,
+        node: &str,
+        ids: &[String],
+        r: Result<PeerAck, WireError>,
+        now: Instant,
+    ) {
+        match r {
+            Ok(ack) => {
+                for id in ids {
+                    let Some(imp) = self.records.imports.get_mut(id) else {
+                        continue;
+                    };
+                    if !imp.answered_by(node, ack.incarnation) {
+                        continue;
                     }
-                    Ok(_) => {
-                        // The lease held through the copy, and the exporter confirmed
-                        // these exact params: the bytes are the export's.
-                        self.finish_import(store, &id, false, now);
-                    }
-                    Err(e) => {
+                    if ack.unknown.contains(id) {
                         let e = WireError::new(
-                            e.code,
-                            format!(
-                                "exporter did not confirm the lease after the copy: {}",
-                                e.message
-                            ),
+                            ErrorCode::LeaseExpired,
+                            format!("exporter {node} no longer holds the transfer (lease ended)"),
                         );
-                        self.end_import(store, &id, TransferState::Failed, Some(e), false, now);
+                        self.end_import(store, id, TransferState::Expired, Some(e), false, now);
+                    } else {
+                        imp.heard(now);
                     }
                 }
+            }
+            Err(e) if e.code == ErrorCode::StaleIncarnation => {
+                for id in ids {
+                    if self
+                        .records
+                        .imports
+                        .get(id)
+                        .is_some_and(|i| i.peer().node == node && !i.is_final())
+                    {
+                        let e = WireError::new(
+                            ErrorCode::StaleIncarnation,
+                            format!("exporter {node} restarted: {}", e.message),
+                        );
+                        self.end_import(store, id, TransferState::Failed, Some(e), false, now);
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(node = %node, error = %e, "heartbeat not answered"),
+        }
+    }
+
+    /// The exporter's answer to the `peer_done` of a one-sided (shm) copy of `id`: the
+    /// bytes are the export's only if it confirms it held the lease throughout, with
+    /// these exact params.
+    fn on_confirmed(
+        &mut self,
+        store: &mut Store,
+        id: &str,
+        r: Result<PeerAck, WireError>,
+        now: Instant,
+    ) {
+        let Some(imp) = self.records.imports.get(id).filter(|i| !i.is_final()) else {
+            return;
+        };
+        let copied_from = imp.copied_from();
+        match r {
+            Ok(ack) if copied_from.is_some() && ack.shm != copied_from => {
+                // The params named a pool file that is not the exporter's (as
+                // the exporter says, over the authenticated channel).
+                let e = WireError::new(
+                    ErrorCode::NotOwner,
+                    format!(
+                        "copied from {:?}, but the exporter's pool is {:?}",
+                        copied_from.unwrap_or_default(),
+                        ack.shm.unwrap_or_default()
+                    ),
+                );
+                self.book.counters.refused += 1;
+                self.end_import(store, id, TransferState::Failed, Some(e), true, now);
+            }
+            Ok(_) => {
+                // The lease held through the copy, and the exporter confirmed
+                // these exact params: the bytes are the export's.
+                self.finish_import(store, id, false, now);
+            }
+            Err(e) => {
+                let e = WireError::new(
+                    e.code,
+                    format!(
+                        "exporter did not confirm the lease after the copy: {}",
+                        e.message
+                    ),
+                );
+                self.end_import(store, id, TransferState::Failed, Some(e), false, now);
             }
         }
     }

@@ -78,6 +78,9 @@ struct PeerAnswer {
     lock: Option<Box<TransferParams>>,
 }
 
+/// The missing keys of a fetch by the holder (node, incarnation) that has them.
+type Groups = HashMap<(String, Incarnation), Vec<ChunkHash>>;
+
 /// Most `peer_lock`s waiting for NVMe reads at once (more are answered at once, and
 /// fail if their blocks are not in DRAM).
 const MAX_PARKED: usize = 256;
@@ -298,9 +301,15 @@ impl Transfers {
         if waiting {
             return;
         }
-        let Some(mut q) = self.peers.queries.remove(&id) else {
+        let Some(q) = self.peers.queries.remove(&id) else {
             return;
         };
+        self.conclude(store, q, now);
+    }
+
+    /// A query every peer answered (or one answer covers a fetch): its lookup answered,
+    /// or its fetch started with the locks its answers bring or ask for.
+    fn conclude(&mut self, store: &mut Store, mut q: Query, now: Instant) {
         // Lock-at-lookup: the first answer that covers every missing key and brought a
         // lock of exactly the keys asked; every other lock is released now.
         let asked = q.keys.get(q.from..).unwrap_or_default();
@@ -350,55 +359,67 @@ impl Transfers {
                 self.book.answer(q.token, Ok(Reply::Lookup(found)));
             }
             Purpose::Fetch(req) => {
-                let fid = self.peers.new_id();
-                if let Some(params) = chosen {
-                    self.peers.fetches.insert(
-                        fid,
-                        Fetch {
-                            token: q.token,
-                            req,
-                            outstanding: 1,
-                        },
-                    );
-                    self.pull_lock(store, fid, *params, now);
-                    return;
-                }
-                // Group the missing keys by holder; lock each group.
-                let mut groups: HashMap<(String, Incarnation), Vec<ChunkHash>> = HashMap::new();
-                for i in q.from..q.keys.len() {
-                    if q.local[i] != Tier::Peer {
-                        continue; // already local
-                    }
-                    if let Some(h) = holder(i) {
-                        groups.entry(h).or_default().push(q.keys[i]);
-                    }
-                }
-                let outstanding = groups.len();
-                for ((node, inc), keys) in groups {
-                    self.peers.push(Outgoing {
-                        node: node.clone(),
-                        req: Request::PeerLock(PeerLockReq {
-                            from: self.peers.me.clone(),
-                            to_incarnation: inc,
-                            layout_id: req.layout_id,
-                            keys,
-                            ttl_ms: self.cfg.peers.lock_ttl.as_millis() as u64,
-                        }),
-                        then: Then::Locked(fid),
-                        timeout: None,
+                let groups = (q.from..q.keys.len())
+                    // already local, or held by no peer: not fetched
+                    .filter(|&i| q.local[i] == Tier::Peer)
+                    .filter_map(|i| Some((holder(i)?, q.keys[i])))
+                    .fold(HashMap::new(), |mut g: Groups, (h, k)| {
+                        g.entry(h).or_default().push(k);
+                        g
                     });
-                }
-                self.peers.fetches.insert(
-                    fid,
-                    Fetch {
-                        token: q.token,
-                        req,
-                        outstanding,
-                    },
-                );
-                self.fetch_step(store, fid, now);
+                self.fetch_from(store, (q.token, req), chosen, groups, now);
             }
         }
+    }
+
+    /// Starts fetch `req` (answered under `token`): reads the lock `chosen` at lookup,
+    /// or asks each holder to lock its group of the missing keys.
+    fn fetch_from(
+        &mut self,
+        store: &mut Store,
+        (token, req): (u64, GetReq),
+        chosen: Option<Box<TransferParams>>,
+        groups: Groups,
+        now: Instant,
+    ) {
+        let fid = self.peers.new_id();
+        if let Some(params) = chosen {
+            self.peers.fetches.insert(
+                fid,
+                Fetch {
+                    token,
+                    req,
+                    outstanding: 1,
+                },
+            );
+            self.pull_lock(store, fid, *params, now);
+            return;
+        }
+        // Lock each holder's group of the missing keys.
+        let outstanding = groups.len();
+        for ((node, inc), keys) in groups {
+            self.peers.push(Outgoing {
+                node: node.clone(),
+                req: Request::PeerLock(PeerLockReq {
+                    from: self.peers.me.clone(),
+                    to_incarnation: inc,
+                    layout_id: req.layout_id,
+                    keys,
+                    ttl_ms: self.cfg.peers.lock_ttl.as_millis() as u64,
+                }),
+                then: Then::Locked(fid),
+                timeout: None,
+            });
+        }
+        self.peers.fetches.insert(
+            fid,
+            Fetch {
+                token,
+                req,
+                outstanding,
+            },
+        );
+        self.fetch_step(store, fid, now);
     }
 
     /// Tells a holder that the lock `p` will not be read (it unlocks at once instead of

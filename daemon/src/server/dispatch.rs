@@ -97,6 +97,70 @@ impl Server {
         out: &mut Vec<zmq::Message>,
         now: Instant,
     ) -> Result<Answer<Body>, WireError> {
+        self.refuse_early(req, payloads)?;
+        let s = &mut self.store;
+        Ok(Answer::Now(match req {
+            Request::Hello(r) => self.hello(r, now)?,
+            Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
+            Request::Lookup(r) => {
+                let local = s.lookup(r, now)?;
+                match self.transfers.as_mut() {
+                    Some(t) if t.peers_on() && !r.local_only => {
+                        match t.remote_lookup(r, local, self.tokens.next(), now) {
+                            transfer::Answer::Now(b) => Body::from(*b),
+                            transfer::Answer::Later(tok) => return Ok(Answer::Later(tok)),
+                        }
+                    }
+                    _ => Body::Lookup(local),
+                }
+            }
+            Request::Alloc(r) => match s.alloc(r, now)? {
+                Answer::Now(a) => Body::Alloc(a),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
+            Request::Commit(r) => {
+                let slices: Vec<&[u8]> = payloads.iter().map(|m| &m[..]).collect();
+                Body::Commit(s.commit(r, &slices, now)?)
+            }
+            Request::Get(r)
+                if !r.inline && self.transfers.as_ref().is_some_and(Transfers::fetch_on) =>
+            {
+                return self.get_or_fetch(r, now);
+            }
+            Request::Get(r) => match s.get(r, now)? {
+                Answer::Now(mut resp) => {
+                    if r.inline {
+                        self.inline_payloads(r.layout_id, &r.keys, &mut resp, out)?;
+                    }
+                    Body::Get(resp)
+                }
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
+            Request::Release(r) => Body::Release(s.release(r, now)?),
+            Request::Delete(r) => Body::Delete(s.delete(r, now)?),
+            Request::Verify(r) => Body::Verify(s.verify(r, now)?),
+            Request::Reserve(r) => match s.reserve(r, now)? {
+                Answer::Now(a) => Body::Reserve(a),
+                Answer::Later(t) => return Ok(Answer::Later(t)),
+            },
+            Request::Put(r) => Body::Put(s.put(r, now)?),
+            Request::Unreserve(r) => Body::Unreserve(s.unreserve(r, now)?),
+            Request::Stats(_) => Body::Stats(Box::new(self.stats(now))),
+            Request::GpuRegister(_)
+            | Request::GpuUnregister(_)
+            | Request::GpuList(_)
+            | Request::GpuStore(_)
+            | Request::GpuExport(_)
+            | Request::GpuExportStatus(_)
+            | Request::GpuPull(_)
+            | Request::GpuLoad(_) => return self.execute_gpu(req, now),
+            _ => return self.execute_transfer(req, now),
+        }))
+    }
+
+    /// Refuses what no op may do: too many keys, new work while draining, payload
+    /// frames where the op takes none.
+    fn refuse_early(&self, req: &Request, payloads: &[zmq::Message]) -> Result<(), WireError> {
         let n = req.key_count() as u64;
         if n > self.opts.max_keys_per_request {
             return Err(WireError::new(
@@ -126,111 +190,83 @@ impl Server {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// `hello`: a session, and what the client needs to know of this daemon.
+    fn hello(&mut self, r: &HelloReq, now: Instant) -> Result<Body, WireError> {
+        let s = &mut self.store;
+        let client = s.hello(r, now)?;
+        let pool = s.pool();
+        Ok(Body::Hello(HelloResp {
+            protocol: PROTOCOL_VERSION,
+            server: format!("kvd {}", env!("CARGO_PKG_VERSION")),
+            incarnation: s.incarnation(),
+            client,
+            pool: PoolInfo {
+                path: pool.path().display().to_string(),
+                size_bytes: pool.size(),
+                data_offset: pool.data_offset(),
+                slot_align: crate::pool::SLOT_ALIGN,
+            },
+            limits: self.opts.limits.clone(),
+            node: self.transfers.as_ref().map(|t| t.me().clone()),
+            stream: self.stream.as_ref().map(|st| {
+                let l = st.limits();
+                StreamInfo {
+                    path: st.path().display().to_string(),
+                    max_frames: l.max_frames,
+                    max_frame_bytes: l.max_frame_bytes,
+                    max_message_bytes: l.max_message_bytes,
+                }
+            }),
+            upgraded_from: self.upgraded_from,
+        }))
+    }
+
+    /// `stats`: the store's, with the transfers', the links', the tiers' and the feeds'.
+    fn stats(&self, now: Instant) -> StatsResp {
+        let s = &self.store;
+        let mut st = s.stats(now);
+        st.transfers = self.transfer_stats();
+        st.peers = self.links.describe(now);
+        st.discovered = self
+            .transfers
+            .as_ref()
+            .map(Transfers::known_peers)
+            .unwrap_or_default();
+        st.draining = self.draining.is_some();
+        st.gpu = self.gpu.stats();
+        st.stream = self.stream.as_ref().map(StreamServer::stats);
+        st.events = self.events.as_ref().map(crate::events::Publisher::stats);
+        st
+    }
+
+    /// A `get` in fetch mode: keys no local tier holds are fetched from peers first.
+    fn get_or_fetch(&mut self, r: &GetReq, now: Instant) -> Result<Answer<Body>, WireError> {
+        let s = &mut self.store;
+        s.check_session(r.client, now)?;
+        let missing: Vec<bool> = s
+            .holds(r.layout_id, &r.keys)
+            .into_iter()
+            .map(|h| !h)
+            .collect();
+        let token = self.tokens.next();
+        if let Some(t) = self.transfers.as_mut() {
+            if let Some(transfer::Answer::Later(tok)) = t.fetch_for_get(r, &missing, token, now) {
+                return Ok(Answer::Later(tok));
+            }
+        }
+        Ok(match self.store.get(r, now)? {
+            Answer::Now(resp) => Answer::Now(Body::Get(resp)),
+            Answer::Later(t) => Answer::Later(t),
+        })
+    }
+
+    /// The GPU tier's ops.
+    fn execute_gpu(&mut self, req: &Request, now: Instant) -> Result<Answer<Body>, WireError> {
         let s = &mut self.store;
         Ok(Answer::Now(match req {
-            Request::Hello(r) => {
-                let client = s.hello(r, now)?;
-                let pool = s.pool();
-                Body::Hello(HelloResp {
-                    protocol: PROTOCOL_VERSION,
-                    server: format!("kvd {}", env!("CARGO_PKG_VERSION")),
-                    incarnation: s.incarnation(),
-                    client,
-                    pool: PoolInfo {
-                        path: pool.path().display().to_string(),
-                        size_bytes: pool.size(),
-                        data_offset: pool.data_offset(),
-                        slot_align: crate::pool::SLOT_ALIGN,
-                    },
-                    limits: self.opts.limits.clone(),
-                    node: self.transfers.as_ref().map(|t| t.me().clone()),
-                    stream: self.stream.as_ref().map(|st| {
-                        let l = st.limits();
-                        StreamInfo {
-                            path: st.path().display().to_string(),
-                            max_frames: l.max_frames,
-                            max_frame_bytes: l.max_frame_bytes,
-                            max_message_bytes: l.max_message_bytes,
-                        }
-                    }),
-                    upgraded_from: self.upgraded_from,
-                })
-            }
-            Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
-            Request::Lookup(r) => {
-                let local = s.lookup(r, now)?;
-                match self.transfers.as_mut() {
-                    Some(t) if t.peers_on() && !r.local_only => {
-                        match t.remote_lookup(r, local, self.tokens.next(), now) {
-                            transfer::Answer::Now(b) => Body::from(*b),
-                            transfer::Answer::Later(tok) => return Ok(Answer::Later(tok)),
-                        }
-                    }
-                    _ => Body::Lookup(local),
-                }
-            }
-            Request::Alloc(r) => match s.alloc(r, now)? {
-                Answer::Now(a) => Body::Alloc(a),
-                Answer::Later(t) => return Ok(Answer::Later(t)),
-            },
-            Request::Commit(r) => {
-                let slices: Vec<&[u8]> = payloads.iter().map(|m| &m[..]).collect();
-                Body::Commit(s.commit(r, &slices, now)?)
-            }
-            Request::Get(r)
-                if !r.inline && self.transfers.as_ref().is_some_and(Transfers::fetch_on) =>
-            {
-                // Keys no local tier holds are fetched from peers first.
-                s.check_session(r.client, now)?;
-                let missing: Vec<bool> = s
-                    .holds(r.layout_id, &r.keys)
-                    .into_iter()
-                    .map(|h| !h)
-                    .collect();
-                let token = self.tokens.next();
-                let t = self.transfers.as_mut().expect("checked");
-                if let Some(transfer::Answer::Later(tok)) = t.fetch_for_get(r, &missing, token, now)
-                {
-                    return Ok(Answer::Later(tok));
-                }
-                match self.store.get(r, now)? {
-                    Answer::Now(resp) => Body::Get(resp),
-                    Answer::Later(t) => return Ok(Answer::Later(t)),
-                }
-            }
-            Request::Get(r) => match s.get(r, now)? {
-                Answer::Now(mut resp) => {
-                    if r.inline {
-                        self.inline_payloads(r.layout_id, &r.keys, &mut resp, out)?;
-                    }
-                    Body::Get(resp)
-                }
-                Answer::Later(t) => return Ok(Answer::Later(t)),
-            },
-            Request::Release(r) => Body::Release(s.release(r, now)?),
-            Request::Delete(r) => Body::Delete(s.delete(r, now)?),
-            Request::Verify(r) => Body::Verify(s.verify(r, now)?),
-            Request::Reserve(r) => match s.reserve(r, now)? {
-                Answer::Now(a) => Body::Reserve(a),
-                Answer::Later(t) => return Ok(Answer::Later(t)),
-            },
-            Request::Put(r) => Body::Put(s.put(r, now)?),
-            Request::Unreserve(r) => Body::Unreserve(s.unreserve(r, now)?),
-            Request::Stats(_) => {
-                let mut st = s.stats(now);
-                st.transfers = self.transfer_stats();
-                st.peers = self.links.describe(now);
-                st.discovered = self
-                    .transfers
-                    .as_ref()
-                    .map(Transfers::known_peers)
-                    .unwrap_or_default();
-                st.draining = self.draining.is_some();
-                st.gpu = self.gpu.stats();
-                st.stream = self.stream.as_ref().map(StreamServer::stats);
-                st.events = self.events.as_ref().map(crate::events::Publisher::stats);
-                Body::Stats(Box::new(st))
-            }
             Request::GpuRegister(r) => Body::GpuRegister(self.gpu.register(s, r, now)?),
             Request::GpuUnregister(r) => Body::GpuUnregister(self.gpu.unregister(s, r, now)?),
             Request::GpuList(r) => Body::GpuList(self.gpu.list(s, r, now)?),
@@ -250,7 +286,12 @@ impl Server {
                 Answer::Now(b) => Body::GpuLoad(b),
                 Answer::Later(t) => return Ok(Answer::Later(t)),
             },
-            _ => return self.execute_transfer(req, now),
+            _ => {
+                return Err(WireError::new(
+                    ErrorCode::Internal,
+                    format!("op {} is not a GPU op", req.op()),
+                ))
+            }
         }))
     }
 

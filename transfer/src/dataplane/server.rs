@@ -349,103 +349,25 @@ impl Conn<'_> {
             };
             match kind {
                 GrantKind::Read => {
-                    // One `writev` per piece: [status (first piece only)] bytes [CRC table
-                    // (last piece of a checked read)], so a small read leaves as one segment
-                    // train and wakes the reader once. A checked range goes in `CRC_PIECE`s,
-                    // each checksummed just before the kernel copies it, while it is in cache.
-                    let ok = [0u8; STATUS_BYTES]; // what `status_bytes(None)` is
-                    let mut status: &[u8] = &ok;
-                    let with_crc = h.flags & FLAG_CRC != 0;
-                    let mut crcs = Vec::with_capacity(if with_crc { ranges.len() } else { 0 });
-                    for (i, &(off, len)) in ranges.iter().enumerate() {
-                        let src = pool
-                            .read(off, len as usize)
-                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                        let piece = if with_crc {
-                            CRC_PIECE as usize
-                        } else {
-                            src.len()
-                        };
-                        let mut crc = 0u32;
-                        let mut start = 0;
-                        loop {
-                            let end = (start + piece).min(src.len());
-                            let bytes = src.get(start..end).unwrap_or_default();
-                            let last = end == src.len();
-                            if with_crc {
-                                crc = kvd_store::checksum::crc32c_append(crc, bytes);
-                                if last {
-                                    crcs.push(crc);
-                                }
-                            }
-                            let table = if with_crc && last && i + 1 == ranges.len() {
-                                crc_table(&crcs)
-                            } else {
-                                Vec::new()
-                            };
-                            write_all_vectored(
-                                &mut sock,
-                                &mut [
-                                    io::IoSlice::new(status),
-                                    io::IoSlice::new(bytes),
-                                    io::IoSlice::new(&table),
-                                ],
-                            )
-                            .map_err(|(e, _)| e)?;
-                            status = &[];
-                            if last {
-                                break;
-                            }
-                            start = end;
-                        }
-                    }
+                    send_read(pool, &mut sock, &ranges, h.flags & FLAG_CRC != 0)?;
                     guard.complete();
                 }
                 GrantKind::Write if h.flags & FLAG_CRC != 0 => {
-                    // A checked write: each range checksummed as it lands, then held
-                    // against the table the writer sent after the bytes (SPEC §10, §17).
-                    let mut got = Vec::with_capacity(ranges.len());
-                    for &(off, len) in &ranges {
-                        got.push(pool.recv_checked(
-                            off,
-                            len as usize,
-                            &mut sock,
-                            CRC_PIECE as usize,
-                        )?);
+                    let from = (h.handle, h.src_inc);
+                    match recv_checked_write(pool, &mut sock, &ranges, grants, from)? {
+                        Ok(got) => {
+                            guard.complete_checked(got);
+                            drop(guard);
+                            write_status(&mut sock, None)?;
+                            continue;
+                        }
+                        Err(e) => {
+                            // Not counted as written: the import never commits these bytes.
+                            drop(guard);
+                            write_status(&mut sock, Some(&e))?;
+                            return Ok(());
+                        }
                     }
-                    let mut table = vec![0u8; ranges.len() * 4];
-                    table.resize(table.len() + data::pad_for(table.len()), 0);
-                    sock.read_exact(&mut table)?;
-                    let bad = match data::parse_crc_table(&table, ranges.len()) {
-                        Err(e) => Some(e),
-                        Ok(sent) => mismatch(&got, &sent, &ranges).map(|(off, s, g)| {
-                            grants.note_damaged();
-                            tracing::warn!(
-                                handle = h.handle,
-                                src = h.src_inc,
-                                offset = off,
-                                sent = s,
-                                got = g,
-                                "a pushed range does not match its checksum: refused"
-                            );
-                            WireError::new(
-                                ErrorCode::TransferFailed,
-                                format!(
-                                    "checksum mismatch writing the range at {off} (sent {s:#010x}, received {g:#010x})"
-                                ),
-                            )
-                        }),
-                    };
-                    if let Some(e) = bad {
-                        // Not counted as written: the import never commits these bytes.
-                        drop(guard);
-                        write_status(&mut sock, Some(&e))?;
-                        return Ok(());
-                    }
-                    guard.complete_checked(got);
-                    drop(guard);
-                    write_status(&mut sock, None)?;
-                    continue;
                 }
                 GrantKind::Write => {
                     for &(off, len) in &ranges {
@@ -462,6 +384,106 @@ impl Conn<'_> {
             drop(guard);
         }
     }
+}
+
+/// A read's bytes, one `writev` per piece: [status (first piece only)] bytes [CRC table
+/// (last piece of a checked read)], so a small read leaves as one segment train and
+/// wakes the reader once. A checked range goes in `CRC_PIECE`s, each checksummed just
+/// before the kernel copies it, while it is in cache.
+fn send_read(
+    pool: &Pool,
+    sock: &mut TcpStream,
+    ranges: &[(u64, u64)],
+    with_crc: bool,
+) -> io::Result<()> {
+    let ok = [0u8; STATUS_BYTES]; // what `status_bytes(None)` is
+    let mut status: &[u8] = &ok;
+    let mut crcs = Vec::with_capacity(if with_crc { ranges.len() } else { 0 });
+    for (i, &(off, len)) in ranges.iter().enumerate() {
+        let src = pool
+            .read(off, len as usize)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let piece = if with_crc {
+            CRC_PIECE as usize
+        } else {
+            src.len()
+        };
+        let mut crc = 0u32;
+        let mut start = 0;
+        loop {
+            let end = (start + piece).min(src.len());
+            let bytes = src.get(start..end).unwrap_or_default();
+            let last = end == src.len();
+            if with_crc {
+                crc = kvd_store::checksum::crc32c_append(crc, bytes);
+                if last {
+                    crcs.push(crc);
+                }
+            }
+            let table = if with_crc && last && i + 1 == ranges.len() {
+                crc_table(&crcs)
+            } else {
+                Vec::new()
+            };
+            write_all_vectored(
+                sock,
+                &mut [
+                    io::IoSlice::new(status),
+                    io::IoSlice::new(bytes),
+                    io::IoSlice::new(&table),
+                ],
+            )
+            .map_err(|(e, _)| e)?;
+            status = &[];
+            if last {
+                break;
+            }
+            start = end;
+        }
+    }
+    Ok(())
+}
+
+/// A checked write's bytes (SPEC §10, §17): each range checksummed as it lands, then
+/// held against the table the writer sent after the bytes. The ranges' CRCs, or why
+/// they are refused (a malformed table; a range that does not match, counted as damaged
+/// in `grants`). `from`: the request's grant handle and source incarnation, for the log.
+fn recv_checked_write(
+    pool: &Pool,
+    sock: &mut TcpStream,
+    ranges: &[(u64, u64)],
+    grants: &Grants,
+    (handle, src): (u64, u64),
+) -> io::Result<Result<Vec<u32>, WireError>> {
+    let mut got = Vec::with_capacity(ranges.len());
+    for &(off, len) in ranges {
+        got.push(pool.recv_checked(off, len as usize, sock, CRC_PIECE as usize)?);
+    }
+    let mut table = vec![0u8; ranges.len() * 4];
+    table.resize(table.len() + data::pad_for(table.len()), 0);
+    sock.read_exact(&mut table)?;
+    let sent = match data::parse_crc_table(&table, ranges.len()) {
+        Ok(sent) => sent,
+        Err(e) => return Ok(Err(e)),
+    };
+    let Some((off, s, g)) = mismatch(&got, &sent, ranges) else {
+        return Ok(Ok(got));
+    };
+    grants.note_damaged();
+    tracing::warn!(
+        handle,
+        src,
+        offset = off,
+        sent = s,
+        got = g,
+        "a pushed range does not match its checksum: refused"
+    );
+    Ok(Err(WireError::new(
+        ErrorCode::TransferFailed,
+        format!(
+            "checksum mismatch writing the range at {off} (sent {s:#010x}, received {g:#010x})"
+        ),
+    )))
 }
 
 /// The first range whose received CRC (`got`) is not the one sent: `(offset, sent, got)`.
