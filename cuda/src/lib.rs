@@ -18,7 +18,15 @@
 //! | [`ipc`] | CUDA IPC: opening an engine's handle ([`ipc::IpcMemory`], `cuIpcOpenMemHandle`, its extent checked) and exporting an allocation of one's own (`SharedAlloc`, `cuIpcGetMemHandle`, for the model) |
 //! | [`module`] | PTX and NVRTC: compiling a `.cu` source, loading PTX into a context, the kernels' sources (`kernels/`) |
 //! | [`copy`] | the GPU tier's copies: the copy kernel and the checksum kernel (`kernels/copy.cu`, shipped as `kernels/copy.ptx`), copy-engine calls, each piece checked against the memory a [`copy::Job`] may reach; the job synchronizes before it returns |
-//! | [`model_kernels`] | the reference model's device ([`model_kernels::ModelDevice`]): its two streams, cuBLAS, and one checked launch per kernel of `kernels/kvd_kernels.cu` |
+//! | [`model_kernels`] (`mod.rs`) | the reference model's device ([`model_kernels::ModelDevice`]): its two streams, cuBLAS, and one checked launch per kernel of `kernels/kvd_kernels.cu`; `mod.rs` holds the device type and what every launch shares (argument check, grids, kernel lookup) |
+//! | `model_kernels/shapes.rs` | the shapes and weights the launches take ([`model_kernels::KvShape`], `GdnShape`, `GdnWeights`, `MoeShape`, `ExpertAct`, `Router`, `MoeWeights`) |
+//! | `model_kernels/device.rs` | opening the device (kernels compiled and loaded, cuBLAS started), host registration for pool DMA, buffers (allocate, upload, download, copy, shared allocations), synchronization |
+//! | `model_kernels/kv.rs` | the KV cache's layout: `write_kv`, `gather`/`scatter`/`reslice` on device buffers and to and from registered host slots (the load stream), the transfer-block checks |
+//! | `model_kernels/attention.rs` | `attention`, MLA (`mla_absorb`, `mla_attention`, `mla_unabsorb`), RoPE (`rope`, `rope_at`) |
+//! | `model_kernels/norms.rs` | `embedding`, `rmsnorm`, `rmsnorm_at`, the activations and residuals (`swiglu`, `mul_sigmoid`, `add`, `add_rows`), `sample` |
+//! | `model_kernels/matmul.rs` | `matmul`: cuBLAS SGEMM, else the tiled kernel |
+//! | `model_kernels/moe.rs` | the mixture of experts: routing, the experts' up and down projections |
+//! | `model_kernels/gdn.rs` | the Gated DeltaNet layer: its convolution and its delta rule |
 //!
 //! Rules:
 //! - every `unsafe` block has a `// SAFETY:` comment naming what upholds it; every launch
