@@ -79,7 +79,8 @@
 #![deny(missing_docs)]
 
 mod batch;
-pub mod checksum;
+/// Writer checksums (SPEC §17): the `kvd-checksum` crate, which the daemon's store shares.
+pub use kvd_checksum as checksum;
 mod connection;
 pub mod events;
 mod gpu;

@@ -10,11 +10,12 @@
 //! CRC-32C"). The values are the standard CRC-32C, so the wire (SPEC §10) and the NVMe
 //! journal are unchanged; the tests below check them against the `crc32c` crate.
 //!
-//! The functions are `kvd-client`'s (`kvd_client::checksum`): the engines' writer
-//! checksums (SPEC §17) and the daemon's checks must be the same function, so one crate
-//! holds it, with the client's one-pass copy-and-checksum beside it.
+//! The functions are `kvd-checksum`'s, the crate the connector (`kvd_client::checksum`)
+//! re-exports too: the engines' writer checksums (SPEC §17) and the daemon's checks must
+//! be the same function, so one crate holds it, with the one-pass copy-and-checksum
+//! beside it; the store links that crate, not the connector.
 
-pub use kvd_client::checksum::{copy_crc, crc32c, crc32c_append, crc32c_combine};
+pub use kvd_checksum::{copy_crc, crc32c, crc32c_append, crc32c_combine};
 
 #[cfg(test)]
 mod tests {

@@ -331,9 +331,7 @@ impl Pool {
     pub fn write_checked(&self, offset: u64, src: &[u8]) -> Result<u32, PoolError> {
         self.region.check(offset, src.len())?;
         self.region
-            .with_mut(offset, src.len(), |dst| {
-                kvd_client::checksum::copy_crc(dst, src)
-            })
+            .with_mut(offset, src.len(), |dst| kvd_checksum::copy_crc(dst, src))
             .map_err(|source| PoolError::Io {
                 what: "writing the pool",
                 path: self.path.clone(),

@@ -1,3 +1,5 @@
+//! # kvd-checksum
+//!
 //! Writer checksums (SPEC §17): the CRC-32C of a block's bytes, computed while the client
 //! copies them, so that checking costs no second pass over memory.
 //!
