@@ -80,6 +80,51 @@ impl<B: Backend> Drop for Model<B> {
     }
 }
 
+/// What loads a prefix's KV layer by layer into `caches` beside the forward (spawned on
+/// a scoped thread): layer `l`'s group brings logical blocks `first..n` (a recurrent
+/// layer's state came before the forward), and each cache goes to the forward through
+/// `tx` once its layer is in. It stops at the first failed load, or when the forward
+/// stopped listening.
+#[allow(clippy::type_complexity)]
+fn prefix_loader<'s, B: Backend>(
+    b: &'s B,
+    p: &'s Prefix<'s>,
+    layers: &[Layer<B>],
+    caches: Vec<&'s mut B::Buf>,
+    (one, blocks): (KvGeometry, &'s [u32]),
+    tx: std::sync::mpsc::Sender<Result<&'s mut B::Buf>>,
+) -> Result<impl FnOnce() + Send + 's> {
+    let plan = p.plan(caches.len())?;
+    let recurrent: Vec<bool> = layers.iter().map(Layer::is_linear).collect();
+    let phys = blocks.get(..p.n).context("prefix blocks")?;
+    Ok(move || {
+        for (l, c) in caches.into_iter().enumerate() {
+            if let Some((dl, wait)) = p.delay {
+                if dl == l {
+                    std::thread::sleep(wait);
+                }
+            }
+            let r = plan
+                .get(l)
+                .zip(p.groups.get(plan.get(l).map_or(0, |x| x.0)))
+                .context("a layer's group")
+                .and_then(|(&(_, i), pg)| {
+                    if recurrent.get(l).copied().unwrap_or(false) {
+                        return Ok(());
+                    }
+                    let src = layer_slices(pg.src, i, pg.layers.len())?;
+                    let phys = phys.get(pg.first..).context("group blocks")?;
+                    b.scatter_from_host(c, &one, phys, pg.tp(p.src_tp), &src)
+                })
+                .map(|()| c);
+            let failed = r.is_err();
+            if tx.send(r).is_err() || failed {
+                return; // the forward stopped, or this load failed
+            }
+        }
+    })
+}
+
 impl<B: Backend> Model<B> {
     /// Uploads the weights and allocates a cache of `num_blocks` blocks.
     pub fn new(backend: B, cfg: ModelConfig, w: Weights, num_blocks: usize) -> Result<Self> {
@@ -427,48 +472,49 @@ impl<B: Backend> Model<B> {
             let mut ready: Vec<Option<&mut B::Buf>> = Vec::new();
             match prefix {
                 Some(p) => {
-                    let plan = p.plan(nl)?;
-                    let recurrent: Vec<bool> = layers.iter().map(Layer::is_linear).collect();
                     let caches: Vec<&mut B::Buf> = kv.layers.iter_mut().collect();
-                    let phys = blocks.get(..p.n).context("prefix blocks")?;
+                    let loader = prefix_loader(b, p, layers, caches, (one, blocks), tx)?;
                     // The loads may overlap the forward's work queued from here on: it
                     // uses layer l's cache only once the loader handed it over.
                     b.begin_loads()?;
-                    s.spawn(move || {
-                        for (l, c) in caches.into_iter().enumerate() {
-                            if let Some((dl, wait)) = p.delay {
-                                if dl == l {
-                                    std::thread::sleep(wait);
-                                }
-                            }
-                            // Layer l's group brings logical blocks first..n (a recurrent
-                            // layer's state came before the forward).
-                            let r = plan
-                                .get(l)
-                                .zip(p.groups.get(plan.get(l).map_or(0, |x| x.0)))
-                                .context("a layer's group")
-                                .and_then(|(&(_, i), pg)| {
-                                    if recurrent.get(l).copied().unwrap_or(false) {
-                                        return Ok(());
-                                    }
-                                    let src = layer_slices(pg.src, i, pg.layers.len())?;
-                                    let phys = phys.get(pg.first..).context("group blocks")?;
-                                    b.scatter_from_host(c, &one, phys, pg.tp(p.src_tp), &src)
-                                })
-                                .map(|()| c);
-                            let failed = r.is_err();
-                            if tx.send(r).is_err() || failed {
-                                return; // the forward stopped, or this load failed
-                            }
-                        }
-                    });
+                    s.spawn(loader);
                 }
                 None => ready = kv.layers.iter_mut().map(Some).collect(),
             }
             let mut done: Vec<&mut B::Buf> = Vec::with_capacity(nl);
             let per_state = cfg.gdn.as_ref().map_or(0, |g| g.state_elems());
             let mut recurrent_seen = 0;
+            // Layer li's cache: from the loader once its layer of the prefix is in (the
+            // time waited counted when `timed`), or at once.
+            let mut take = |li: usize, timed: bool| -> Result<&mut B::Buf> {
+                if prefix.is_none() {
+                    return ready
+                        .get_mut(li)
+                        .and_then(Option::take)
+                        .context("a layer's cache");
+                }
+                let t = std::time::Instant::now();
+                let c = rx
+                    .recv()
+                    .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
+                    .with_context(|| format!("loading layer {li} of the prefix"))?;
+                if timed {
+                    *load_wait += t.elapsed();
+                }
+                Ok(c)
+            };
             for (li, l) in layers.iter().enumerate() {
+                let mut view = |done: &[&mut B::Buf]| -> Result<()> {
+                    let v = LayerView {
+                        backend: b,
+                        done,
+                        one: &one,
+                        blocks,
+                        block_tokens: cfg.block_tokens,
+                        upto: end,
+                    };
+                    after(li, &v)
+                };
                 if l.is_linear() {
                     // No KV: the layer runs over the sequence's recurrent state. Its
                     // (empty) cache still passes through the loader's hand, in order.
@@ -479,61 +525,17 @@ impl<B: Backend> Model<B> {
                     let off = slot_off + recurrent_seen * per_state;
                     recurrent_seen += 1;
                     l.recur(b, cfg, n, st, off, snap_row.map(|k| (k, snap)), &mut sc)?;
-                    let cache = match prefix {
-                        Some(_) => rx
-                            .recv()
-                            .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
-                            .with_context(|| format!("loading layer {li} of the prefix"))?,
-                        None => ready
-                            .get_mut(li)
-                            .and_then(Option::take)
-                            .context("a layer's cache")?,
-                    };
-                    done.push(cache);
-                    after(
-                        li,
-                        &LayerView {
-                            backend: b,
-                            done: &done,
-                            one: &one,
-                            blocks,
-                            block_tokens: cfg.block_tokens,
-                            upto: end,
-                        },
-                    )?;
+                    done.push(take(li, false)?);
+                    view(&done)?;
                     l.feed_forward(b, cfg, n, &mut sc)?;
                     continue;
                 }
                 let (k, v) = l.project(b, cfg, inv_freq, &positions, &mut sc)?;
                 // This layer's cache: waited for here, and only here.
-                let cache = match prefix {
-                    Some(_) => {
-                        let t = std::time::Instant::now();
-                        let c = rx
-                            .recv()
-                            .map_err(|_| anyhow::anyhow!("the prefix loader stopped"))?
-                            .with_context(|| format!("loading layer {li} of the prefix"))?;
-                        *load_wait += t.elapsed();
-                        c
-                    }
-                    None => ready
-                        .get_mut(li)
-                        .and_then(Option::take)
-                        .context("a layer's cache")?,
-                };
+                let cache = take(li, true)?;
                 b.write_kv(cache, &one, 0, k, v, &slots)?;
                 done.push(cache);
-                after(
-                    li,
-                    &LayerView {
-                        backend: b,
-                        done: &done,
-                        one: &one,
-                        blocks,
-                        block_tokens: cfg.block_tokens,
-                        upto: end,
-                    },
-                )?;
+                view(&done)?;
                 let cache = done.last().context("the layer's cache")?;
                 l.attend(b, cfg, cache, &one, blocks, &positions, &mut sc)?;
                 l.feed_forward(b, cfg, n, &mut sc)?;

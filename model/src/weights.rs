@@ -35,9 +35,7 @@ struct Spec {
 /// Every tensor `cfg` needs, in the order the seeded weights draw them (the Llama order
 /// first, unchanged, so a Llama's seeded weights stay what they were).
 fn specs(cfg: &ModelConfig) -> Vec<Spec> {
-    let lin = |fan_in: usize| Init::Uniform((3.0 / fan_in as f32).sqrt());
-    let half = |fan_in: usize| Init::Uniform((3.0 / fan_in as f32).sqrt() * 0.5);
-    let (d, qd, kvd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim());
+    let d = cfg.dim;
     let mut out = Vec::new();
     let mut add =
         |name: String, shape: Vec<usize>, init: Init| out.push(Spec { name, shape, init });
@@ -48,194 +46,10 @@ fn specs(cfg: &ModelConfig) -> Vec<Spec> {
     );
     for l in 0..cfg.layers {
         let p = format!("model.layers.{l}");
-        if let Some(a) = &cfg.mla {
-            // DeepSeek's names and shapes (the released checkpoints': experts one by one).
-            let (h, qk) = (cfg.heads, a.qk_nope + a.qk_rope);
-            let at = format!("{p}.self_attn");
-            if a.q_lora_rank > 0 {
-                let r = a.q_lora_rank;
-                add(format!("{at}.q_a_proj.weight"), vec![r, d], lin(d));
-                add(format!("{at}.q_a_layernorm.weight"), vec![r], Init::Ones);
-                add(format!("{at}.q_b_proj.weight"), vec![h * qk, r], lin(r));
-            } else {
-                add(format!("{at}.q_proj.weight"), vec![h * qk, d], lin(d));
-            }
-            let r = a.kv_lora_rank;
-            add(
-                format!("{at}.kv_a_proj_with_mqa.weight"),
-                vec![r + a.qk_rope, d],
-                lin(d),
-            );
-            add(format!("{at}.kv_a_layernorm.weight"), vec![r], Init::Ones);
-            add(
-                format!("{at}.kv_b_proj.weight"),
-                vec![h * (a.qk_nope + a.v_head), r],
-                lin(r),
-            );
-            add(
-                format!("{at}.o_proj.weight"),
-                vec![d, h * a.v_head],
-                half(h * a.v_head),
-            );
-            match cfg.moe.as_ref().filter(|_| l >= cfg.dense_layers) {
-                None => {
-                    add(
-                        format!("{p}.mlp.gate_proj.weight"),
-                        vec![cfg.ffn, d],
-                        lin(d),
-                    );
-                    add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
-                    add(
-                        format!("{p}.mlp.down_proj.weight"),
-                        vec![d, cfg.ffn],
-                        half(cfg.ffn),
-                    );
-                }
-                Some(m) => {
-                    let f = m.ffn;
-                    add(format!("{p}.mlp.gate.weight"), vec![m.experts, d], lin(d));
-                    add(
-                        format!("{p}.mlp.gate.e_score_correction_bias"),
-                        vec![m.experts],
-                        Init::Uniform(0.5),
-                    );
-                    for e in 0..m.experts {
-                        let x = format!("{p}.mlp.experts.{e}");
-                        add(format!("{x}.gate_proj.weight"), vec![f, d], lin(d));
-                        add(format!("{x}.up_proj.weight"), vec![f, d], lin(d));
-                        add(format!("{x}.down_proj.weight"), vec![d, f], half(f));
-                    }
-                    if m.shared > 0 {
-                        let (x, sf) = (format!("{p}.mlp.shared_experts"), f * m.shared);
-                        add(format!("{x}.gate_proj.weight"), vec![sf, d], lin(d));
-                        add(format!("{x}.up_proj.weight"), vec![sf, d], lin(d));
-                        add(format!("{x}.down_proj.weight"), vec![d, sf], half(sf));
-                    }
-                }
-            }
-            add(format!("{p}.input_layernorm.weight"), vec![d], Init::Ones);
-            add(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![d],
-                Init::Ones,
-            );
-            continue;
-        }
-        if cfg.gdn.is_some() {
-            // Qwen3.5: Gated DeltaNet or gated full attention, zero-centered norms.
-            let norm = Init::Zeros;
-            match (cfg.layer_kind(l), &cfg.gdn) {
-                (crate::config::LayerKind::Linear, Some(g)) => {
-                    let la = format!("{p}.linear_attn");
-                    let (cd, vd) = (g.conv_dim(), g.value_dim());
-                    add(format!("{la}.in_proj_qkv.weight"), vec![cd, d], lin(d));
-                    add(format!("{la}.in_proj_z.weight"), vec![vd, d], lin(d));
-                    add(format!("{la}.in_proj_b.weight"), vec![g.v_heads, d], lin(d));
-                    add(format!("{la}.in_proj_a.weight"), vec![g.v_heads, d], lin(d));
-                    add(
-                        format!("{la}.conv1d.weight"),
-                        vec![cd, 1, g.conv_kernel],
-                        Init::Uniform(0.5),
-                    );
-                    add(format!("{la}.A_log"), vec![g.v_heads], Init::Uniform(1.0));
-                    add(format!("{la}.dt_bias"), vec![g.v_heads], Init::Uniform(0.5));
-                    add(format!("{la}.norm.weight"), vec![g.v_dim], Init::Ones);
-                    add(format!("{la}.out_proj.weight"), vec![d, vd], half(vd));
-                }
-                _ => {
-                    let at = format!("{p}.self_attn");
-                    add(format!("{at}.q_proj.weight"), vec![2 * qd, d], lin(d));
-                    add(format!("{at}.k_proj.weight"), vec![kvd, d], lin(d));
-                    add(format!("{at}.v_proj.weight"), vec![kvd, d], lin(d));
-                    add(format!("{at}.o_proj.weight"), vec![d, qd], half(qd));
-                    add(format!("{at}.q_norm.weight"), vec![cfg.head_dim], norm);
-                    add(format!("{at}.k_norm.weight"), vec![cfg.head_dim], norm);
-                }
-            }
-            add(
-                format!("{p}.mlp.gate_proj.weight"),
-                vec![cfg.ffn, d],
-                lin(d),
-            );
-            add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
-            add(
-                format!("{p}.mlp.down_proj.weight"),
-                vec![d, cfg.ffn],
-                half(cfg.ffn),
-            );
-            add(format!("{p}.input_layernorm.weight"), vec![d], norm);
-            add(
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![d],
-                norm,
-            );
-            continue;
-        }
-        add(format!("{p}.self_attn.q_proj.weight"), vec![qd, d], lin(d));
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kvd, d], lin(d));
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kvd, d], lin(d));
-        add(
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![d, qd],
-            half(qd),
-        );
-        match &cfg.moe {
-            None => {
-                add(
-                    format!("{p}.mlp.gate_proj.weight"),
-                    vec![cfg.ffn, d],
-                    lin(d),
-                );
-                add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
-                add(
-                    format!("{p}.mlp.down_proj.weight"),
-                    vec![d, cfg.ffn],
-                    half(cfg.ffn),
-                );
-            }
-            Some(m) => {
-                let (e, f) = (m.experts, m.ffn);
-                add(format!("{p}.mlp.router.weight"), vec![e, d], lin(d));
-                add(format!("{p}.mlp.router.bias"), vec![e], Init::Uniform(0.5));
-                add(
-                    format!("{p}.mlp.experts.gate_up_proj"),
-                    vec![e, d, 2 * f],
-                    lin(d),
-                );
-                add(
-                    format!("{p}.mlp.experts.gate_up_proj_bias"),
-                    vec![e, 2 * f],
-                    Init::Uniform(0.1),
-                );
-                add(format!("{p}.mlp.experts.down_proj"), vec![e, f, d], half(f));
-                add(
-                    format!("{p}.mlp.experts.down_proj_bias"),
-                    vec![e, d],
-                    Init::Uniform(0.1),
-                );
-            }
-        }
-        add(format!("{p}.input_layernorm.weight"), vec![d], Init::Ones);
-        add(
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![d],
-            Init::Ones,
-        );
-        if cfg.attention_bias {
-            for (n, len) in [("q", qd), ("k", kvd), ("v", kvd), ("o", d)] {
-                add(
-                    format!("{p}.self_attn.{n}_proj.bias"),
-                    vec![len],
-                    Init::Uniform(0.1),
-                );
-            }
-        }
-        if cfg.attention_sinks {
-            add(
-                format!("{p}.self_attn.sinks"),
-                vec![cfg.heads],
-                Init::Uniform(1.0),
-            );
+        match (&cfg.mla, cfg.gdn.is_some()) {
+            (Some(a), _) => deepseek_layer(cfg, a, l, &p, &mut add),
+            (None, true) => qwen35_layer(cfg, l, &p, &mut add),
+            (None, false) => llama_layer(cfg, &p, &mut add),
         }
     }
     let final_norm = if cfg.zero_centered_norms {
@@ -250,6 +64,215 @@ fn specs(cfg: &ModelConfig) -> Vec<Spec> {
         Init::Uniform((3.0 / d as f32).sqrt() * 2.0),
     );
     out
+}
+
+/// How a layer's function records a tensor: name, shape, initialisation.
+type Add<'a> = dyn FnMut(String, Vec<usize>, Init) + 'a;
+
+/// A linear layer's seeded initialisation for `fan_in` inputs.
+fn lin(fan_in: usize) -> Init {
+    Init::Uniform((3.0 / fan_in as f32).sqrt())
+}
+
+/// Half of [`lin`]'s (output projections).
+fn half(fan_in: usize) -> Init {
+    Init::Uniform((3.0 / fan_in as f32).sqrt() * 0.5)
+}
+
+/// A DeepSeek (MLA) layer's tensors: DeepSeek's names and shapes (the released checkpoints': experts one by one).
+fn deepseek_layer(cfg: &ModelConfig, a: &crate::config::Mla, l: usize, p: &str, add: &mut Add) {
+    let d = cfg.dim;
+    let (h, qk) = (cfg.heads, a.qk_nope + a.qk_rope);
+    let at = format!("{p}.self_attn");
+    if a.q_lora_rank > 0 {
+        let r = a.q_lora_rank;
+        add(format!("{at}.q_a_proj.weight"), vec![r, d], lin(d));
+        add(format!("{at}.q_a_layernorm.weight"), vec![r], Init::Ones);
+        add(format!("{at}.q_b_proj.weight"), vec![h * qk, r], lin(r));
+    } else {
+        add(format!("{at}.q_proj.weight"), vec![h * qk, d], lin(d));
+    }
+    let r = a.kv_lora_rank;
+    add(
+        format!("{at}.kv_a_proj_with_mqa.weight"),
+        vec![r + a.qk_rope, d],
+        lin(d),
+    );
+    add(format!("{at}.kv_a_layernorm.weight"), vec![r], Init::Ones);
+    add(
+        format!("{at}.kv_b_proj.weight"),
+        vec![h * (a.qk_nope + a.v_head), r],
+        lin(r),
+    );
+    add(
+        format!("{at}.o_proj.weight"),
+        vec![d, h * a.v_head],
+        half(h * a.v_head),
+    );
+    match cfg.moe.as_ref().filter(|_| l >= cfg.dense_layers) {
+        None => {
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![cfg.ffn, d],
+                lin(d),
+            );
+            add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![d, cfg.ffn],
+                half(cfg.ffn),
+            );
+        }
+        Some(m) => {
+            let f = m.ffn;
+            add(format!("{p}.mlp.gate.weight"), vec![m.experts, d], lin(d));
+            add(
+                format!("{p}.mlp.gate.e_score_correction_bias"),
+                vec![m.experts],
+                Init::Uniform(0.5),
+            );
+            for e in 0..m.experts {
+                let x = format!("{p}.mlp.experts.{e}");
+                add(format!("{x}.gate_proj.weight"), vec![f, d], lin(d));
+                add(format!("{x}.up_proj.weight"), vec![f, d], lin(d));
+                add(format!("{x}.down_proj.weight"), vec![d, f], half(f));
+            }
+            if m.shared > 0 {
+                let (x, sf) = (format!("{p}.mlp.shared_experts"), f * m.shared);
+                add(format!("{x}.gate_proj.weight"), vec![sf, d], lin(d));
+                add(format!("{x}.up_proj.weight"), vec![sf, d], lin(d));
+                add(format!("{x}.down_proj.weight"), vec![d, sf], half(sf));
+            }
+        }
+    }
+    add(format!("{p}.input_layernorm.weight"), vec![d], Init::Ones);
+    add(
+        format!("{p}.post_attention_layernorm.weight"),
+        vec![d],
+        Init::Ones,
+    );
+}
+
+/// A Qwen3.5 layer's tensors: Gated DeltaNet or gated full attention, zero-centered norms.
+fn qwen35_layer(cfg: &ModelConfig, l: usize, p: &str, add: &mut Add) {
+    let (d, qd, kvd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim());
+    let norm = Init::Zeros;
+    match (cfg.layer_kind(l), &cfg.gdn) {
+        (crate::config::LayerKind::Linear, Some(g)) => {
+            let la = format!("{p}.linear_attn");
+            let (cd, vd) = (g.conv_dim(), g.value_dim());
+            add(format!("{la}.in_proj_qkv.weight"), vec![cd, d], lin(d));
+            add(format!("{la}.in_proj_z.weight"), vec![vd, d], lin(d));
+            add(format!("{la}.in_proj_b.weight"), vec![g.v_heads, d], lin(d));
+            add(format!("{la}.in_proj_a.weight"), vec![g.v_heads, d], lin(d));
+            add(
+                format!("{la}.conv1d.weight"),
+                vec![cd, 1, g.conv_kernel],
+                Init::Uniform(0.5),
+            );
+            add(format!("{la}.A_log"), vec![g.v_heads], Init::Uniform(1.0));
+            add(format!("{la}.dt_bias"), vec![g.v_heads], Init::Uniform(0.5));
+            add(format!("{la}.norm.weight"), vec![g.v_dim], Init::Ones);
+            add(format!("{la}.out_proj.weight"), vec![d, vd], half(vd));
+        }
+        _ => {
+            let at = format!("{p}.self_attn");
+            add(format!("{at}.q_proj.weight"), vec![2 * qd, d], lin(d));
+            add(format!("{at}.k_proj.weight"), vec![kvd, d], lin(d));
+            add(format!("{at}.v_proj.weight"), vec![kvd, d], lin(d));
+            add(format!("{at}.o_proj.weight"), vec![d, qd], half(qd));
+            add(format!("{at}.q_norm.weight"), vec![cfg.head_dim], norm);
+            add(format!("{at}.k_norm.weight"), vec![cfg.head_dim], norm);
+        }
+    }
+    add(
+        format!("{p}.mlp.gate_proj.weight"),
+        vec![cfg.ffn, d],
+        lin(d),
+    );
+    add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
+    add(
+        format!("{p}.mlp.down_proj.weight"),
+        vec![d, cfg.ffn],
+        half(cfg.ffn),
+    );
+    add(format!("{p}.input_layernorm.weight"), vec![d], norm);
+    add(
+        format!("{p}.post_attention_layernorm.weight"),
+        vec![d],
+        norm,
+    );
+}
+
+/// A Llama (or gpt-oss: MoE with a router, attention biases and sinks) layer's tensors.
+fn llama_layer(cfg: &ModelConfig, p: &str, add: &mut Add) {
+    let (d, qd, kvd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim());
+    add(format!("{p}.self_attn.q_proj.weight"), vec![qd, d], lin(d));
+    add(format!("{p}.self_attn.k_proj.weight"), vec![kvd, d], lin(d));
+    add(format!("{p}.self_attn.v_proj.weight"), vec![kvd, d], lin(d));
+    add(
+        format!("{p}.self_attn.o_proj.weight"),
+        vec![d, qd],
+        half(qd),
+    );
+    match &cfg.moe {
+        None => {
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![cfg.ffn, d],
+                lin(d),
+            );
+            add(format!("{p}.mlp.up_proj.weight"), vec![cfg.ffn, d], lin(d));
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![d, cfg.ffn],
+                half(cfg.ffn),
+            );
+        }
+        Some(m) => {
+            let (e, f) = (m.experts, m.ffn);
+            add(format!("{p}.mlp.router.weight"), vec![e, d], lin(d));
+            add(format!("{p}.mlp.router.bias"), vec![e], Init::Uniform(0.5));
+            add(
+                format!("{p}.mlp.experts.gate_up_proj"),
+                vec![e, d, 2 * f],
+                lin(d),
+            );
+            add(
+                format!("{p}.mlp.experts.gate_up_proj_bias"),
+                vec![e, 2 * f],
+                Init::Uniform(0.1),
+            );
+            add(format!("{p}.mlp.experts.down_proj"), vec![e, f, d], half(f));
+            add(
+                format!("{p}.mlp.experts.down_proj_bias"),
+                vec![e, d],
+                Init::Uniform(0.1),
+            );
+        }
+    }
+    add(format!("{p}.input_layernorm.weight"), vec![d], Init::Ones);
+    add(
+        format!("{p}.post_attention_layernorm.weight"),
+        vec![d],
+        Init::Ones,
+    );
+    if cfg.attention_bias {
+        for (n, len) in [("q", qd), ("k", kvd), ("v", kvd), ("o", d)] {
+            add(
+                format!("{p}.self_attn.{n}_proj.bias"),
+                vec![len],
+                Init::Uniform(0.1),
+            );
+        }
+    }
+    if cfg.attention_sinks {
+        add(
+            format!("{p}.self_attn.sinks"),
+            vec![cfg.heads],
+            Init::Uniform(1.0),
+        );
+    }
 }
 
 impl Weights {

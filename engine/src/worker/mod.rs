@@ -290,6 +290,70 @@ fn model_name(m: &ModelConfig, weights: Option<&std::path::Path>) -> Result<Stri
     Ok(format!("{base}@{of_weights}/cfg-{digest}"))
 }
 
+/// Connects to kvd at `ep` (a same-node daemon: its pool mapped) and registers the
+/// layouts of this engine's shards.
+fn connect_kvd(cfg: &EngineConfig, ep: &str) -> Result<(Client, Vec<LayoutInfo>)> {
+    let client = Client::builder()
+        .with_endpoint(ep.to_string())
+        .with_name(format!("kvd-engine-{}", cfg.role.name()))
+        .with_timeout(cfg.kvd_timeout)
+        .with_verify(cfg.kvd_verify)
+        .with_writer_checksums(cfg.kvd_writer_checksums)
+        .connect()
+        .with_context(|| {
+            format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)")
+        })?;
+    ensure!(
+        client.is_mapped(),
+        "kvd's pool is not mapped (the engine needs a same-node daemon)"
+    );
+    let mut layouts = Vec::new();
+    for l in Shards::new(&cfg.model, cfg.tp).layouts(&cfg.model) {
+        layouts.push(client.register_layout(&l)?);
+    }
+    Ok((client, layouts))
+}
+
+/// What the scheduler keeps of kvd: the client, the shards and their layouts, the pool
+/// mapping (registered with a CUDA backend), and with `--gpu-tier` the KV cache
+/// registered on the daemon's GPU tier (kept registered across daemon restarts).
+fn kv_of(
+    cfg: &EngineConfig,
+    model: &Model<AnyBackend>,
+    client: Client,
+    layouts: Vec<LayoutInfo>,
+) -> Result<Arc<Kv>> {
+    let node = client.hello_info().node.map(|n| n.node);
+    let region = client.pool_region();
+    #[cfg(feature = "cuda")]
+    if let (AnyBackend::Cuda(c), Some(r)) = (model.backend(), &region) {
+        register_pool(c, r);
+    }
+    let shards = Shards::new(&cfg.model, cfg.tp);
+    let gpu = if cfg.gpu_tier {
+        let t = crate::gpu_tier::GpuTier::new(model, &layouts, &shards)?;
+        // Registered now: a daemon without a usable GPU tier fails the start.
+        t.register(&client)?;
+        Some(t)
+    } else {
+        None
+    };
+    let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
+    let kv = Arc::new(Kv {
+        client,
+        shards,
+        layouts,
+        node,
+        src_layouts,
+        region: std::sync::Mutex::new(region),
+        gpu,
+    });
+    if kv.gpu.is_some() {
+        keep_registered(Arc::downgrade(&kv));
+    }
+    Ok(kv)
+}
+
 impl Engine {
     /// Loads the model, connects to kvd, registers the layouts and starts the scheduler.
     pub fn start(mut cfg: EngineConfig) -> Result<Engine> {
@@ -325,28 +389,11 @@ impl Engine {
             Some(p) => Weights::from_safetensors(p, &cfg.model)?,
             None => Weights::seeded(&cfg.model),
         };
-        let conn = match &cfg.kvd {
-            None => None,
-            Some(ep) => {
-                let client = Client::builder()
-                    .with_endpoint(ep.clone())
-                    .with_name(format!("kvd-engine-{}", cfg.role.name()))
-                    .with_timeout(cfg.kvd_timeout)
-                    .with_verify(cfg.kvd_verify)
-                    .with_writer_checksums(cfg.kvd_writer_checksums)
-                    .connect()
-                    .with_context(|| format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)"))?;
-                ensure!(
-                    client.is_mapped(),
-                    "kvd's pool is not mapped (the engine needs a same-node daemon)"
-                );
-                let mut layouts = Vec::new();
-                for l in Shards::new(&cfg.model, cfg.tp).layouts(&cfg.model) {
-                    layouts.push(client.register_layout(&l)?);
-                }
-                Some((client, layouts))
-            }
-        };
+        let conn = cfg
+            .kvd
+            .as_deref()
+            .map(|ep| connect_kvd(&cfg, ep))
+            .transpose()?;
         let backend_name = backend.name().to_string();
         let model = match &conn {
             Some((client, _)) if cfg.gpu_tier => {
@@ -372,40 +419,9 @@ impl Engine {
             None if cfg.gpu_tier => bail!("--gpu-tier needs kvd"),
             _ => Model::new(backend, cfg.model.clone(), weights, cfg.num_blocks)?,
         };
-        let kv = match conn {
-            None => None,
-            Some((client, layouts)) => {
-                let node = client.hello_info().node.map(|n| n.node);
-                let region = client.pool_region();
-                #[cfg(feature = "cuda")]
-                if let (AnyBackend::Cuda(c), Some(r)) = (model.backend(), &region) {
-                    register_pool(c, r);
-                }
-                let shards = Shards::new(&cfg.model, cfg.tp);
-                let gpu = if cfg.gpu_tier {
-                    let t = crate::gpu_tier::GpuTier::new(&model, &layouts, &shards)?;
-                    // Registered now: a daemon without a usable GPU tier fails the start.
-                    t.register(&client)?;
-                    Some(t)
-                } else {
-                    None
-                };
-                let src_layouts = std::sync::Mutex::new([(cfg.tp, layouts.clone())].into());
-                let kv = Arc::new(Kv {
-                    client,
-                    shards,
-                    layouts,
-                    node,
-                    src_layouts,
-                    region: std::sync::Mutex::new(region),
-                    gpu,
-                });
-                if kv.gpu.is_some() {
-                    keep_registered(Arc::downgrade(&kv));
-                }
-                Some(kv)
-            }
-        };
+        let kv = conn
+            .map(|(client, layouts)| kv_of(&cfg, &model, client, layouts))
+            .transpose()?;
         let (tx, rx) = mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
         let sched = Scheduler::new(

@@ -55,6 +55,70 @@ fn forward_staged(
     (r, failed)
 }
 
+/// The forward of `seq` over a prefix `p` loaded from pinned pool blocks, layer by layer
+/// while the forward computes (the forward waits for layer `i` at layer `i`): per layer
+/// group, its blocks from the first its layers need (shard `g · src_tp + r`'s pin holds
+/// them from `p.first[shard]` on). The slices live only inside [`PinnedBlocks::with_all`],
+/// and the result is refused if a pin lapsed meanwhile. Staging as [`forward_staged`].
+///
+/// [`PinnedBlocks::with_all`]: kvd_client::PinnedBlocks::with_all
+fn forward_pinned(
+    model: &mut Model<AnyBackend>,
+    seq: &mut Sequence,
+    (p, src_shards): (&Loaded, &Shards),
+    staged: Option<&mut Staging>,
+) -> (Result<kvd_model::backend::AnyBuf>, Option<anyhow::Error>) {
+    let mut stage_failed = None;
+    let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
+    let r = kvd_client::PinnedBlocks::with_all(&pins, |all| {
+        let mut srcs = Vec::new();
+        let mut firsts = Vec::new();
+        let mut reps = Vec::new();
+        for g in 0..src_shards.groups().len() {
+            let of: Vec<usize> = src_shards.of_group(g).collect();
+            let head = *of.first().context("a group without shards")?;
+            let f = src_shards.first(head, p.n);
+            let mut src = Vec::with_capacity((p.n - f) * of.len());
+            for b in f..p.n {
+                for &i in &of {
+                    let at = b.checked_sub(p.first.get(i).copied().unwrap_or(0));
+                    src.push(
+                        at.and_then(|at| all.get(i)?.get(at).copied().flatten())
+                            .ok_or_else(|| anyhow!("block {b} missing from shard {i}'s pin"))?,
+                    );
+                }
+            }
+            srcs.push(src);
+            firsts.push(f);
+            reps.push(src_shards.replicated(head));
+        }
+        let prefix = kvd_model::model::Prefix {
+            n: p.n,
+            src_tp: p.src_tp,
+            groups: src_shards
+                .groups()
+                .iter()
+                .zip(&srcs)
+                .zip(&firsts)
+                .zip(&reps)
+                .map(
+                    |(((g, src), &first), &replicated)| kvd_model::model::PrefixGroup {
+                        layers: &g.layers,
+                        first,
+                        src,
+                        replicated,
+                    },
+                )
+                .collect(),
+            delay: None,
+        };
+        let (r, failed) = forward_staged(model, seq, Some(prefix), staged);
+        stage_failed = failed;
+        r
+    });
+    (r.map_err(anyhow::Error::from).and_then(|x| x), stage_failed)
+}
+
 /// A request's staged exports (one per shard) while its forward writes them.
 struct Staging {
     exports: Vec<kvd_client::StagedExport>,
@@ -237,7 +301,7 @@ impl Scheduler {
 
     /// Loads the prefix, computes the rest of the prompt, stores new blocks, exports when
     /// asked, and emits the first token. `Ok(None)`: the client went away.
-    fn prefill(&mut self, job: Job) -> Result<Option<Active>> {
+    fn prefill(&mut self, mut job: Job) -> Result<Option<Active>> {
         let bt = self.cfg.model.block_tokens;
         // A recurrent model snapshots its state after the blocks a decode engine (or a
         // later prompt) can load: what `store_state` keeps.
@@ -267,8 +331,7 @@ impl Scheduler {
                 (Some(kv), Some(base)) => self.stage(kv, base, handoff_keys, job.tokens.len()),
                 _ => None,
             };
-            let mut stage_failed = None;
-            let logits = match job.prefix.as_ref().filter(|p| p.n > 0) {
+            let (logits, stage_failed) = match job.prefix.as_ref().filter(|p| p.n > 0) {
                 Some(p) if p.gpu => {
                     cached = if p.gpu_pull.is_empty() {
                         self.gpu_load_prefix(&mut seq, &keys, p.n)
@@ -277,71 +340,16 @@ impl Scheduler {
                     } * bt;
                     let (r, failed) =
                         forward_staged(&mut self.model, &mut seq, None, staged.as_mut());
-                    stage_failed = failed;
-                    r?
+                    (r?, failed)
                 }
                 Some(p) => {
-                    let pins: Vec<&kvd_client::PinnedBlocks> = p.pins.iter().collect();
                     let src_shards = Shards::new(&self.cfg.model, p.src_tp);
-                    // The prefix loads layer by layer while the forward computes (the
-                    // forward waits for layer i at layer i). The slices live only inside
-                    // the closure, and its result is refused if a pin lapsed meanwhile.
-                    let model = &mut self.model;
-                    let r = kvd_client::PinnedBlocks::with_all(&pins, |all| {
-                        // Per group, its blocks from the first its layers need: shard
-                        // `g · src_tp + r`'s pin holds them from `p.first[shard]` on.
-                        let mut srcs = Vec::new();
-                        let mut firsts = Vec::new();
-                        let mut reps = Vec::new();
-                        for g in 0..src_shards.groups().len() {
-                            let of: Vec<usize> = src_shards.of_group(g).collect();
-                            let head = *of.first().context("a group without shards")?;
-                            let f = src_shards.first(head, p.n);
-                            let mut src = Vec::with_capacity((p.n - f) * of.len());
-                            for b in f..p.n {
-                                for &i in &of {
-                                    let at = b.checked_sub(p.first.get(i).copied().unwrap_or(0));
-                                    src.push(
-                                        at.and_then(|at| all.get(i)?.get(at).copied().flatten())
-                                            .ok_or_else(|| {
-                                                anyhow!("block {b} missing from shard {i}'s pin")
-                                            })?,
-                                    );
-                                }
-                            }
-                            srcs.push(src);
-                            firsts.push(f);
-                            reps.push(src_shards.replicated(head));
-                        }
-                        let prefix = kvd_model::model::Prefix {
-                            n: p.n,
-                            src_tp: p.src_tp,
-                            groups: src_shards
-                                .groups()
-                                .iter()
-                                .zip(&srcs)
-                                .zip(&firsts)
-                                .zip(&reps)
-                                .map(|(((g, src), &first), &replicated)| {
-                                    kvd_model::model::PrefixGroup {
-                                        layers: &g.layers,
-                                        first,
-                                        src,
-                                        replicated,
-                                    }
-                                })
-                                .collect(),
-                            delay: None,
-                        };
-                        let (r, failed) =
-                            forward_staged(model, &mut seq, Some(prefix), staged.as_mut());
-                        stage_failed = failed;
-                        r
-                    });
-                    match r.map_err(anyhow::Error::from).and_then(|x| x) {
+                    let at = (p, &src_shards);
+                    let (r, failed) = forward_pinned(&mut self.model, &mut seq, at, staged.as_mut());
+                    match r {
                         Ok(logits) => {
                             cached = p.n * bt;
-                            logits
+                            (logits, failed)
                         }
                         // A local cache hit that lapsed while queued (pin expired) is only
                         // an optimisation lost: compute the prompt instead, keeping nothing
@@ -355,8 +363,7 @@ impl Scheduler {
                                 ..Default::default()
                             };
                             staged = None;
-                            stage_failed = None;
-                            self.model.forward(&mut seq)?
+                            (self.model.forward(&mut seq)?, None)
                         }
                         Err(e) => return Err(e.context("loading the transferred KV")),
                     }
@@ -364,8 +371,7 @@ impl Scheduler {
                 None => {
                     let (r, failed) =
                         forward_staged(&mut self.model, &mut seq, None, staged.as_mut());
-                    stage_failed = failed;
-                    r?
+                    (r?, failed)
                 }
             };
             if let Some(e) = stage_failed {
@@ -396,82 +402,8 @@ impl Scheduler {
                 }
                 None => 0,
             };
-            let mut kvp = None;
-            if let (Some(kv), Some(k)) = (&self.kv, &job.req.kv) {
-                if k.do_remote_decode {
-                    let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
-                    let mut ranks = Vec::new();
-                    // Every part was announced: the staged exports are ordinary ones now.
-                    let mut staged_params: Vec<Option<String>> = vec![None; kv.layouts.len()];
-                    let was_staged = staged.is_some();
-                    if let Some(st) = staged.take() {
-                        for (x, sh) in st.exports.iter().zip(&st.shards) {
-                            if let Some(p) = staged_params.get_mut(sh.index) {
-                                *p = Some(hex::encode(x.params().to_msgpack()));
-                            }
-                        }
-                        drop(st);
-                    }
-                    if was_staged || !export_keys.is_empty() {
-                        for (r, l) in kv.layouts.iter().enumerate() {
-                            if let Some(p) = staged_params.get_mut(r).and_then(Option::take) {
-                                ranks.push(p);
-                                continue;
-                            }
-                            let id = format!("{base}.r{r}");
-                            let f = kv.shards.handoff_first(r, job.tokens.len(), export_keys.len());
-                            match kv.client.export(&id, l.id, &export_keys[f..], Some(self.cfg.lease)) {
-                                Ok(p) => ranks.push(hex::encode(p.to_msgpack())),
-                                Err(e) => {
-                                    // Every shard or none: the exports made are let go.
-                                    tracing::warn!("export of {id} failed ({e:#}); the decode engine computes the prompt");
-                                    for r in 0..kv.layouts.len() {
-                                        let _ = kv.client.abort_transfer(&format!("{base}.r{r}"));
-                                    }
-                                    ranks.clear();
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    // On the GPU tier, also exports a decode engine of this node pulls
-                    // device to device; the blocks stay this sequence's until those end.
-                    let mut gpu = Vec::new();
-                    let glease = self.cfg.gpu_handoff_lease.min(self.cfg.lease);
-                    let hk = handoff_keys;
-                    if let (Some(t), false, false) = (&kv.gpu, hk.is_empty(), glease.is_zero()) {
-                        let gbase = format!("{base}.gpu");
-                        let exported = self.model.backend().sync().and_then(|()| {
-                            let blocks = seq
-                                .blocks
-                                .get(..hk.len())
-                                .context("an exported block past the sequence")?;
-                            let first: Vec<usize> = (0..kv.shards.len())
-                                .map(|i| kv.shards.handoff_first(i, job.tokens.len(), hk.len()))
-                                .collect();
-                            let slot = seq.state.map(|i| i as u32);
-                            t.export(&kv.client, &gbase, hk, blocks, (&first, slot), glease)
-                        });
-                        match exported {
-                            Ok(ps) => {
-                                gpu = ps.iter().map(|p| hex::encode(p.to_msgpack())).collect();
-                                gpu_hold = Some((gbase, ps.len()));
-                            }
-                            Err(e) => tracing::warn!(
-                                "no device-to-device export ({e:#}); the decode pulls from the pool"
-                            ),
-                        }
-                    }
-                    kvp = Some(KvTransferParams {
-                        do_remote_prefill: true,
-                        prefill_tp: Some(self.cfg.tp),
-                        model: Some(self.cfg.model.name.clone()),
-                        ranks,
-                        gpu,
-                        ..Default::default()
-                    });
-                }
-            }
+            let (kvp, hold) = self.export_handoff(&job, &seq, (handoff_keys, export_keys), staged);
+            gpu_hold = hold;
             let info = KvdInfo {
                 cached_tokens: cached,
                 source: if cached > 0 { job.source } else { "none" }.to_string(),
@@ -488,14 +420,30 @@ impl Scheduler {
             };
             Ok((logits, info, kvp))
         })();
-        drop(job.prefix); // releases the pins
-        let (logits, mut info, kv_params) = match res {
+        job.prefix = None; // releases the pins
+        let (logits, info, kv_params) = match res {
             Ok(x) => x,
             Err(e) => {
                 self.model.release(&mut seq);
                 return Err(e);
             }
         };
+        self.first_token(job, seq, logits, (info, kv_params, gpu_hold))
+    }
+
+    /// Samples the prompt's first token and sends it: the sequence is active from here.
+    /// `Ok(None)`: the client went away (the sequence ended).
+    fn first_token(
+        &mut self,
+        job: Job,
+        mut seq: Sequence,
+        logits: kvd_model::backend::AnyBuf,
+        (mut info, kv_params, gpu_hold): (
+            KvdInfo,
+            Option<KvTransferParams>,
+            Option<(String, usize)>,
+        ),
+    ) -> Result<Option<Active>> {
         let tok = match self
             .model
             .sample(&logits, job.req.temperature, job.req.seed, 0)
@@ -528,6 +476,107 @@ impl Scheduler {
             return Ok(None);
         }
         Ok(Some(a))
+    }
+
+    /// A handoff's exports when the request asks for one (`do_remote_decode`): the staged
+    /// exports (every part announced: ordinary ones now) or one export per shard of
+    /// `export_keys`, and on the GPU tier the device-to-device exports of `handoff_keys`
+    /// (whose blocks the sequence then holds until they end: the second value). Every
+    /// shard or none: a failed export lets the others go, and the decode engine computes
+    /// the prompt.
+    fn export_handoff(
+        &self,
+        job: &Job,
+        seq: &Sequence,
+        (handoff_keys, export_keys): (&[ChunkHash], &[ChunkHash]),
+        mut staged: Option<Staging>,
+    ) -> (Option<KvTransferParams>, Option<(String, usize)>) {
+        let (Some(kv), Some(k)) = (&self.kv, &job.req.kv) else {
+            return (None, None);
+        };
+        if !k.do_remote_decode {
+            return (None, None);
+        }
+        let mut hold = None;
+        let base = k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone());
+        let mut ranks = Vec::new();
+        // Every part was announced: the staged exports are ordinary ones now.
+        let mut staged_params: Vec<Option<String>> = vec![None; kv.layouts.len()];
+        let was_staged = staged.is_some();
+        if let Some(st) = staged.take() {
+            for (x, sh) in st.exports.iter().zip(&st.shards) {
+                if let Some(p) = staged_params.get_mut(sh.index) {
+                    *p = Some(hex::encode(x.params().to_msgpack()));
+                }
+            }
+            drop(st);
+        }
+        if was_staged || !export_keys.is_empty() {
+            for (r, l) in kv.layouts.iter().enumerate() {
+                if let Some(p) = staged_params.get_mut(r).and_then(Option::take) {
+                    ranks.push(p);
+                    continue;
+                }
+                let id = format!("{base}.r{r}");
+                let f = kv
+                    .shards
+                    .handoff_first(r, job.tokens.len(), export_keys.len());
+                match kv
+                    .client
+                    .export(&id, l.id, &export_keys[f..], Some(self.cfg.lease))
+                {
+                    Ok(p) => ranks.push(hex::encode(p.to_msgpack())),
+                    Err(e) => {
+                        // Every shard or none: the exports made are let go.
+                        tracing::warn!(
+                            "export of {id} failed ({e:#}); the decode engine computes the prompt"
+                        );
+                        for r in 0..kv.layouts.len() {
+                            let _ = kv.client.abort_transfer(&format!("{base}.r{r}"));
+                        }
+                        ranks.clear();
+                        break;
+                    }
+                }
+            }
+        }
+        // On the GPU tier, also exports a decode engine of this node pulls
+        // device to device; the blocks stay this sequence's until those end.
+        let mut gpu = Vec::new();
+        let glease = self.cfg.gpu_handoff_lease.min(self.cfg.lease);
+        let hk = handoff_keys;
+        if let (Some(t), false, false) = (&kv.gpu, hk.is_empty(), glease.is_zero()) {
+            let gbase = format!("{base}.gpu");
+            let exported = self.model.backend().sync().and_then(|()| {
+                let blocks = seq
+                    .blocks
+                    .get(..hk.len())
+                    .context("an exported block past the sequence")?;
+                let first: Vec<usize> = (0..kv.shards.len())
+                    .map(|i| kv.shards.handoff_first(i, job.tokens.len(), hk.len()))
+                    .collect();
+                let slot = seq.state.map(|i| i as u32);
+                t.export(&kv.client, &gbase, hk, blocks, (&first, slot), glease)
+            });
+            match exported {
+                Ok(ps) => {
+                    gpu = ps.iter().map(|p| hex::encode(p.to_msgpack())).collect();
+                    hold = Some((gbase, ps.len()));
+                }
+                Err(e) => tracing::warn!(
+                    "no device-to-device export ({e:#}); the decode pulls from the pool"
+                ),
+            }
+        }
+        let kvp = KvTransferParams {
+            do_remote_prefill: true,
+            prefill_tp: Some(self.cfg.tp),
+            model: Some(self.cfg.model.name.clone()),
+            ranks,
+            gpu,
+            ..Default::default()
+        };
+        (Some(kvp), hold)
     }
 
     /// Layer-wise handoff (SPEC §16): stages one export per shard of `keys` before the

@@ -230,6 +230,70 @@ impl Default for ModelConfig {
     }
 }
 
+/// A mixture of experts' shape: counts in range, `top_k` within the experts, the
+/// activation's and the grouped router's parameters sound.
+fn check_moe(m: &MoeShape) -> Result<()> {
+    for (n, v) in [("experts", m.experts), ("ffn", m.ffn)] {
+        ensure!(v > 0 && v <= 1 << 20, "moe `{n}` = {v} out of range");
+    }
+    ensure!(
+        (1..=m.experts).contains(&m.top_k),
+        "moe top_k {} must be 1..=experts ({})",
+        m.top_k,
+        m.experts
+    );
+    if let ExpertAct::ClampedSwiglu { alpha, limit } = m.act {
+        ensure!(
+            alpha.is_finite() && limit.is_finite() && limit > 0.0,
+            "moe swiglu_alpha and swiglu_limit must be finite, the limit positive"
+        );
+    }
+    if let Router::SigmoidGroups {
+        groups,
+        topk_groups,
+        scale,
+        ..
+    } = m.router
+    {
+        ensure!(
+            groups > 0
+                && m.experts.is_multiple_of(groups)
+                && (1..=groups).contains(&topk_groups)
+                && m.top_k <= topk_groups * (m.experts / groups)
+                && scale.is_finite(),
+            "moe n_group {groups} must divide the {} experts, topk_group {topk_groups} \
+             be 1..=n_group and hold top_k {} experts, the scale finite",
+            m.experts,
+            m.top_k
+        );
+    }
+    ensure!(
+        m.shared <= 1 << 10,
+        "moe `shared` = {} out of range",
+        m.shared
+    );
+    Ok(())
+}
+
+/// A Gated DeltaNet's shape: dimensions in range, at least 2 convolution taps, value
+/// heads a multiple of key heads.
+fn check_gdn(g: &Gdn) -> Result<()> {
+    for (n, v) in [
+        ("linear_conv_kernel_dim", g.conv_kernel),
+        ("linear_num_key_heads", g.k_heads),
+        ("linear_num_value_heads", g.v_heads),
+        ("linear_key_head_dim", g.k_dim),
+        ("linear_value_head_dim", g.v_dim),
+    ] {
+        ensure!(v > 0 && v <= 1 << 14, "gdn `{n}` = {v} out of range");
+    }
+    ensure!(
+        g.conv_kernel >= 2 && g.v_heads.is_multiple_of(g.k_heads),
+        "gdn: at least 2 convolution taps, value heads a multiple of key heads"
+    );
+    Ok(())
+}
+
 impl ModelConfig {
     /// Checks the shape.
     pub fn validate(&self) -> Result<()> {
@@ -267,45 +331,7 @@ impl ModelConfig {
             "sliding layers need a sliding_window of 1..=2^30 tokens"
         );
         if let Some(m) = &self.moe {
-            for (n, v) in [("experts", m.experts), ("ffn", m.ffn)] {
-                ensure!(v > 0 && v <= 1 << 20, "moe `{n}` = {v} out of range");
-            }
-            ensure!(
-                (1..=m.experts).contains(&m.top_k),
-                "moe top_k {} must be 1..=experts ({})",
-                m.top_k,
-                m.experts
-            );
-            if let ExpertAct::ClampedSwiglu { alpha, limit } = m.act {
-                ensure!(
-                    alpha.is_finite() && limit.is_finite() && limit > 0.0,
-                    "moe swiglu_alpha and swiglu_limit must be finite, the limit positive"
-                );
-            }
-            if let Router::SigmoidGroups {
-                groups,
-                topk_groups,
-                scale,
-                ..
-            } = m.router
-            {
-                ensure!(
-                    groups > 0
-                        && m.experts.is_multiple_of(groups)
-                        && (1..=groups).contains(&topk_groups)
-                        && m.top_k <= topk_groups * (m.experts / groups)
-                        && scale.is_finite(),
-                    "moe n_group {groups} must divide the {} experts, topk_group {topk_groups} \
-                     be 1..=n_group and hold top_k {} experts, the scale finite",
-                    m.experts,
-                    m.top_k
-                );
-            }
-            ensure!(
-                m.shared <= 1 << 10,
-                "moe `shared` = {} out of range",
-                m.shared
-            );
+            check_moe(m)?;
         }
         ensure!(
             self.dense_layers <= self.layers,
@@ -314,19 +340,7 @@ impl ModelConfig {
             self.layers
         );
         if let Some(g) = &self.gdn {
-            for (n, v) in [
-                ("linear_conv_kernel_dim", g.conv_kernel),
-                ("linear_num_key_heads", g.k_heads),
-                ("linear_num_value_heads", g.v_heads),
-                ("linear_key_head_dim", g.k_dim),
-                ("linear_value_head_dim", g.v_dim),
-            ] {
-                ensure!(v > 0 && v <= 1 << 14, "gdn `{n}` = {v} out of range");
-            }
-            ensure!(
-                g.conv_kernel >= 2 && g.v_heads.is_multiple_of(g.k_heads),
-                "gdn: at least 2 convolution taps, value heads a multiple of key heads"
-            );
+            check_gdn(g)?;
         }
         ensure!(
             self.gdn.is_some() || !self.layer_types.contains(&LayerKind::Linear),
@@ -339,28 +353,35 @@ impl ModelConfig {
             self.head_dim
         );
         if let Some(a) = &self.mla {
-            for (n, v) in [
-                ("kv_lora_rank", a.kv_lora_rank),
-                ("qk_nope_head_dim", a.qk_nope),
-                ("qk_rope_head_dim", a.qk_rope),
-                ("v_head_dim", a.v_head),
-            ] {
-                ensure!(v > 0 && v <= 1 << 16, "mla `{n}` = {v} out of range");
-            }
-            ensure!(a.q_lora_rank <= 1 << 16, "mla `q_lora_rank` out of range");
-            ensure!(
-                a.qk_rope == self.head_dim && a.qk_rope.is_multiple_of(2),
-                "mla: head_dim must be qk_rope_head_dim, and even"
-            );
-            ensure!(
-                a.softmax_scale.is_finite() && a.softmax_scale > 0.0,
-                "mla softmax scale must be positive"
-            );
-            ensure!(
-                self.layer_types.is_empty() && !self.attention_sinks && !self.attention_bias,
-                "mla layers with sliding windows, sinks or biases are not implemented"
-            );
+            self.check_mla(a)?;
         }
+        Ok(())
+    }
+
+    /// An MLA model's shape (DeepSeek): ranks and head widths in range, RoPE on the
+    /// head, no sliding windows, sinks or biases.
+    fn check_mla(&self, a: &Mla) -> Result<()> {
+        for (n, v) in [
+            ("kv_lora_rank", a.kv_lora_rank),
+            ("qk_nope_head_dim", a.qk_nope),
+            ("qk_rope_head_dim", a.qk_rope),
+            ("v_head_dim", a.v_head),
+        ] {
+            ensure!(v > 0 && v <= 1 << 16, "mla `{n}` = {v} out of range");
+        }
+        ensure!(a.q_lora_rank <= 1 << 16, "mla `q_lora_rank` out of range");
+        ensure!(
+            a.qk_rope == self.head_dim && a.qk_rope.is_multiple_of(2),
+            "mla: head_dim must be qk_rope_head_dim, and even"
+        );
+        ensure!(
+            a.softmax_scale.is_finite() && a.softmax_scale > 0.0,
+            "mla softmax scale must be positive"
+        );
+        ensure!(
+            self.layer_types.is_empty() && !self.attention_sinks && !self.attention_bias,
+            "mla layers with sliding windows, sinks or biases are not implemented"
+        );
         Ok(())
     }
 
