@@ -5,7 +5,7 @@
 //! - [`Device`]: one context and one stream, the GPU tier's per-device copy context;
 //! - [`TwoStreams`]: one context with cudarc's per-buffer event tracking off and two
 //!   streams the owner orders itself with an event, the model's (`main` for the forward,
-//!   `side` for loads into the cache, reached only inside [`TwoStreams::on_side`], which
+//!   `side` for loads into the cache, reached only inside `TwoStreams::on_side`, which
 //!   orders it after `main` and synchronizes it before returning).
 
 use std::sync::atomic::{AtomicU64, Ordering};

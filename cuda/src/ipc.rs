@@ -4,7 +4,7 @@
 //! - [`IpcMemory`]: an engine's allocation opened from its 64-byte `cuIpcGetMemHandle`
 //!   handle (`cuIpcOpenMemHandle`), refused when the driver's extent of the allocation is
 //!   shorter than the size the engine declares; closed on drop.
-//! - [`SharedAlloc`] (the model's shared KV cache): a `cuMemAlloc` allocation (stream-
+//! - `SharedAlloc` (the model's shared KV cache): a `cuMemAlloc` allocation (stream-
 //!   ordered pool memory has no IPC handle), zeroed, with its handle; it is a
 //!   [`CudaSlice`] to its user and freed with `cuMemFree` by
 //!   [`crate::model_kernels::ModelDevice::drop_shared`], never stream-ordered.

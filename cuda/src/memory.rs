@@ -1,6 +1,6 @@
 //! Page-locked host memory.
 //!
-//! - [`MappedBuffer`] (crate-private): `cuMemHostAlloc(PORTABLE | DEVICEMAP)`, host memory
+//! - `MappedBuffer` (crate-private): `cuMemHostAlloc(PORTABLE | DEVICEMAP)`, host memory
 //!   the host writes and a kernel reads (a launch's table) or the kernel writes and the
 //!   host reads (its results), at a device address of its own; freed on drop.
 //! - [`HostRange`]: a host range someone else mapped (the kvd pool), declared live by its
