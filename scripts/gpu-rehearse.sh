@@ -18,6 +18,7 @@ trap 'rm -rf "$WORK"' EXIT
 cp -r "$ROOT/gpu-bin" "$WORK/bundle"
 rm -rf "$OUT" && mkdir -p "$OUT"
 hide=("$ROOT/target" "$ROOT/daemon" "$ROOT/model" "$ROOT/engine" "$ROOT/client" "$ROOT/protocol"
+      "$ROOT/cuda" "$ROOT/gpu" "$ROOT/store" "$ROOT/nvme" "$ROOT/transfer" "$ROOT/checksum" "$ROOT/testkit"
       "$ROOT/bench" "$ROOT/scripts" "$ROOT/gpu-bin" "$HOME/.cargo" "$HOME/.rustup")
 inner=$(cat <<EOF
 for d in ${hide[*]}; do [[ -d \$d ]] && mount -t tmpfs none "\$d"; done
