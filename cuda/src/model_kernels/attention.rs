@@ -33,6 +33,36 @@ fn check_attention(
     Ok(())
 }
 
+/// What the `attention` kernel assumes of its shape beyond [`check_attention`]: a K and a
+/// V part (its cache index), query heads a multiple of the KV heads (its KV head
+/// `h / (heads / kvh)` stays below `kvh`), heads of at most 256 elements (its registers),
+/// and no sinks or one per head.
+fn check_attention_kernel(
+    g: &KvShape,
+    layer: usize,
+    heads: usize,
+    (block_table, positions): (&[u32], &[u32]),
+    sinks: &[f32],
+) -> Result<()> {
+    check_attention(g, layer, heads, block_table, positions)?;
+    ensure!(
+        sinks.is_empty() || sinks.len() == heads,
+        "{} sinks for {heads} heads",
+        sinks.len()
+    );
+    ensure!(
+        g.head_dim <= 256,
+        "attention kernel supports head_dim up to 256"
+    );
+    ensure!(
+        g.parts == 2 && g.kv_heads > 0 && heads.is_multiple_of(g.kv_heads),
+        "attention: a K and V cache (parts {}), {heads} heads a multiple of {} KV heads",
+        g.parts,
+        g.kv_heads
+    );
+    Ok(())
+}
+
 #[expect(
     clippy::too_many_arguments,
     reason = "one argument per kernel parameter, as the model's Backend trait takes them"
@@ -105,30 +135,7 @@ impl ModelDevice {
         sinks: &[f32],
         out: &mut CudaSlice<f32>,
     ) -> Result<(), Error> {
-        ensure!(
-            sinks.is_empty() || sinks.len() == heads,
-            "{} sinks for {heads} heads",
-            sinks.len()
-        );
-        ensure!(
-            g.head_dim <= 256,
-            "attention kernel supports head_dim up to 256"
-        );
-        ensure!(
-            g.parts == 2 && g.kv_heads > 0 && heads.is_multiple_of(g.kv_heads),
-            "attention: a K and V cache (parts {}), {heads} heads a multiple of {} KV heads",
-            g.parts,
-            g.kv_heads
-        );
-        ensure!(
-            block_table.iter().all(|&b| (b as usize) < g.num_blocks) && layer < g.layers,
-            "block past the cache"
-        );
-        let max_pos = positions.iter().copied().max().unwrap_or(0) as usize;
-        ensure!(
-            max_pos < block_table.len() * g.block_tokens,
-            "position {max_pos} past the block table"
-        );
+        check_attention_kernel(g, layer, heads, (block_table, positions), sinks)?;
         ensure!(
             q.len() >= positions.len() * heads * g.head_dim
                 && out.len() >= positions.len() * heads * g.head_dim,
@@ -310,5 +317,40 @@ impl ModelDevice {
         // SAFETY: matches `mla_unabsorb`; sizes checked.
         unsafe { l.launch(grid(rows * heads * v)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(parts: usize, kv_heads: usize) -> KvShape {
+        KvShape {
+            layers: 2,
+            parts,
+            kv_heads,
+            head_dim: 64,
+            block_tokens: 16,
+            num_blocks: 8,
+        }
+    }
+
+    #[test]
+    fn attention_takes_a_k_and_v_cache_of_a_head_count_that_divides_the_query_heads() {
+        let at = |g: &KvShape, heads: usize| {
+            check_attention_kernel(g, 1, heads, (&[0, 7], &[0, 31]), &[]).is_ok()
+        };
+        assert!(at(&cache(2, 4), 8));
+        // Refused before any launch: one part (a latent) would be read as K and V, and 6
+        // query heads over 4 KV heads would index KV head 4 of 4.
+        assert!(!at(&cache(1, 4), 8));
+        assert!(!at(&cache(2, 4), 6));
+        assert!(!at(&cache(2, 0), 8));
+        // What check_attention holds too: a block or a position past the cache.
+        let g = cache(2, 4);
+        assert!(check_attention_kernel(&g, 1, 8, (&[8], &[0]), &[]).is_err());
+        assert!(check_attention_kernel(&g, 1, 8, (&[0], &[16]), &[]).is_err());
+        assert!(check_attention_kernel(&g, 2, 8, (&[0], &[0]), &[]).is_err());
+        assert!(check_attention_kernel(&g, 1, 8, (&[0], &[0]), &[0.0; 3]).is_err());
     }
 }

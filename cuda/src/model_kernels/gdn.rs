@@ -43,21 +43,7 @@ impl ModelDevice {
                 && state.len() >= state_off + g.state_elems(),
             "gdn sizes"
         );
-        ensure!(
-            g.k_dim <= 256 && g.v_dim <= 1024,
-            "the Gated DeltaNet kernel takes key heads up to 256 and value heads up to 1024"
-        );
-        ensure!(
-            g.conv_kernel >= 2,
-            "gdn: {} convolution taps (the kernel keeps K - 1 >= 1 of history)",
-            g.conv_kernel
-        );
-        ensure!(
-            g.k_heads > 0 && g.v_heads.is_multiple_of(g.k_heads),
-            "gdn: {} value heads not a multiple of {} key heads",
-            g.v_heads,
-            g.k_heads
-        );
+        check_gdn_shape(g)?;
         if rows.is_empty() {
             return Ok(());
         }
@@ -115,5 +101,58 @@ impl ModelDevice {
         // `h / (hv / hk)` stays below hk).
         unsafe { l.launch(cfg) }?;
         Ok(())
+    }
+}
+
+/// What the Gated DeltaNet kernels assume of the layer's shape: key heads up to 256 and
+/// value heads up to 1024 elements (their registers), at least 2 convolution taps
+/// (`gdn_conv` keeps `K - 1 >= 1` of history), value heads a multiple of key heads
+/// (`gdn_rule` maps a value head to key head `h / (v_heads / k_heads)`).
+fn check_gdn_shape(g: &GdnShape) -> Result<(), Error> {
+    ensure!(
+        g.k_dim <= 256 && g.v_dim <= 1024,
+        "the Gated DeltaNet kernel takes key heads up to 256 and value heads up to 1024"
+    );
+    ensure!(
+        g.conv_kernel >= 2,
+        "gdn: {} convolution taps (the kernel keeps K - 1 >= 1 of history)",
+        g.conv_kernel
+    );
+    ensure!(
+        g.k_heads > 0 && g.v_heads.is_multiple_of(g.k_heads),
+        "gdn: {} value heads not a multiple of {} key heads",
+        g.v_heads,
+        g.k_heads
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gdn_kernels_refuse_one_tap_and_value_heads_not_a_multiple_of_key_heads() {
+        let ok = GdnShape {
+            conv_kernel: 4,
+            k_heads: 2,
+            v_heads: 4,
+            k_dim: 32,
+            v_dim: 32,
+        };
+        assert!(check_gdn_shape(&ok).is_ok());
+        // Refused before any launch: with one tap gdn_conv writes before the history,
+        // with 3 value heads over 2 key heads gdn_rule reads past the key row.
+        for bad in [
+            GdnShape {
+                conv_kernel: 1,
+                ..ok
+            },
+            GdnShape { v_heads: 3, ..ok },
+            GdnShape { k_heads: 0, ..ok },
+            GdnShape { k_dim: 257, ..ok },
+        ] {
+            assert!(check_gdn_shape(&bad).is_err(), "{bad:?}");
+        }
     }
 }
