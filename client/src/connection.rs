@@ -27,6 +27,16 @@ pub enum MapPool {
     Always,
 }
 
+/// A credential: never printed.
+#[derive(Clone)]
+pub(crate) struct Secret(pub(crate) String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
 /// Builds a [`Client`].
 #[derive(Clone, Debug)]
 pub struct ClientBuilder {
@@ -39,6 +49,8 @@ pub struct ClientBuilder {
     pub(crate) spin: Duration,
     pub(crate) verify: bool,
     pub(crate) writer_checksums: bool,
+    pub(crate) token: Option<Secret>,
+    pub(crate) tenant: Option<String>,
 }
 
 impl ClientBuilder {
@@ -100,6 +112,20 @@ impl ClientBuilder {
     /// them again to seal them for a restart.
     pub fn with_writer_checksums(mut self, on: bool) -> Self {
         self.writer_checksums = on;
+        self
+    }
+    /// The tenant credential (SPEC §19) the session presents: a token the daemon's
+    /// tenants file names. Default: `$KVD_TENANT_TOKEN` (unset: none; a daemon with
+    /// tenants then serves the session as its default tenant, or refuses it).
+    pub fn with_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(Secret(token.into()));
+        self
+    }
+    /// Which of the credential's tenants the session acts for (SPEC §19), where it acts
+    /// for several. An engine serving several tenants opens a client for each. Default:
+    /// `$KVD_TENANT` (unset: the credential's only tenant).
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = Some(tenant.into());
         self
     }
     /// Connects and says hello. A daemon that is still starting is waited for, up to the
@@ -252,6 +278,11 @@ impl Client {
             spin: parse_spin(std::env::var("KVD_SPIN_US").ok().as_deref()),
             verify: env_flag("KVD_VERIFY_LOADS").unwrap_or(true),
             writer_checksums: true,
+            token: std::env::var("KVD_TENANT_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty())
+                .map(Secret),
+            tenant: std::env::var("KVD_TENANT").ok().filter(|t| !t.is_empty()),
         }
     }
 
@@ -732,6 +763,8 @@ impl Client {
         let req = Request::Hello(HelloReq {
             client_name: self.inner.opts.name.clone(),
             pid: std::process::id(),
+            token: self.inner.opts.token.as_ref().map(|t| t.0.clone()),
+            tenant: self.inner.opts.tenant.clone(),
         });
         let (hello, _): (HelloResp, _) = self.raw_call(&req, &[])?;
         if hello.protocol != PROTOCOL_VERSION {

@@ -93,10 +93,15 @@ impl Client {
 
     /// Registers a layout (idempotent) and remembers it for re-registration.
     pub fn register_layout(&self, layout: &Layout) -> Result<LayoutInfo> {
-        let (r, _): (RegisterLayoutResp, _) = self.raw_call(
-            &Request::RegisterLayout(RegisterLayoutReq {
-                layout: layout.clone(),
-            }),
+        // In the session's tenant's namespace (SPEC §19; a daemon without tenants
+        // ignores it).
+        let (r, _): (RegisterLayoutResp, _) = self.call(
+            |client| {
+                Request::RegisterLayout(RegisterLayoutReq {
+                    layout: layout.clone(),
+                    client: Some(client),
+                })
+            },
             &[],
         )?;
         let info = LayoutInfo {
@@ -146,13 +151,16 @@ impl Client {
         no_prefetch: bool,
         local_only: bool,
     ) -> Result<LookupResp> {
-        let req = Request::Lookup(LookupReq {
-            layout_id: layout,
-            keys: keys.to_vec(),
-            no_prefetch,
-            local_only,
-        });
-        match self.raw_call(&req, &[]) {
+        let req = |client| {
+            Request::Lookup(LookupReq {
+                layout_id: layout,
+                keys: keys.to_vec(),
+                no_prefetch,
+                local_only,
+                client: Some(client),
+            })
+        };
+        match self.call(req, &[]) {
             // A lookup names no session, so a daemon that restarted (and lost this
             // client's layouts with it) shows here as an unknown layout this client did
             // register: say hello again, which registers them anew, and ask once more
@@ -161,7 +169,7 @@ impl Client {
                 if e.code == ErrorCode::UnknownLayout && self.registered(layout) =>
             {
                 self.rehello()?;
-                Ok(self.raw_call(&req, &[])?.0)
+                Ok(self.call(req, &[])?.0)
             }
             r => Ok(r?.0),
         }

@@ -66,6 +66,7 @@ pub mod metrics;
 mod readiness;
 pub mod server;
 pub mod stream;
+pub mod tenancy;
 pub mod upgrade;
 
 // The layers below, each its own crate, re-exported under the paths the daemon and its
@@ -126,6 +127,9 @@ pub enum DaemonError {
     /// The configured group does not exist.
     #[error("group {0:?} not found")]
     NoGroup(String),
+    /// The tenants file cannot be applied.
+    #[error("tenants: {0}")]
+    Tenants(String),
 }
 
 fn setup_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -169,11 +173,17 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         }
     });
     let Opened {
-        store,
+        mut store,
         pool,
         table,
         populate_later,
     } = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
+    let tenancy = match &cfg.tenants.file {
+        Some(f) => Some(
+            tenancy::Tenancy::start(f, &mut store, Instant::now()).map_err(DaemonError::Tenants)?,
+        ),
+        None => None,
+    };
     let ipc_paths = prepare_ipc(cfg, group)?;
     let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -206,6 +216,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     )?;
     server.set_upgrade(up_rx, upgrade_cmd, upgraded_from);
     server.set_gpu(gpu);
+    server.set_tenancy(tenancy);
     if cfg.events.enabled {
         server.start_events(&cfg.events)?;
     }

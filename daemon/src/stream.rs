@@ -41,10 +41,34 @@ enum Closed {
     NotReading,
 }
 
+/// Who is at the other end of a stream connection.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PeerOf {
+    /// The process that connected (`None`: one the daemon cannot see).
+    pub process: Option<Process>,
+    /// Its credentials as of the connect (`SO_PEERCRED`: the kernel's word).
+    pub cred: Option<crate::tenancy::PeerCred>,
+}
+
+impl PeerOf {
+    fn of(sock: &UnixStream) -> PeerOf {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        PeerOf {
+            process: Process::of_peer(sock),
+            cred: getsockopt(sock, PeerCredentials)
+                .ok()
+                .map(|c| crate::tenancy::PeerCred {
+                    uid: c.uid(),
+                    gid: c.gid(),
+                }),
+        }
+    }
+}
+
 struct Conn {
     stream: UnixStream,
-    /// The process that connected (`None`: one the daemon cannot see).
-    peer: Option<Process>,
+    /// Who connected.
+    peer: PeerOf,
     recv: RecvBuffer,
     /// Replies not yet written: `out[out_at..]`.
     out: Vec<u8>,
@@ -178,8 +202,8 @@ impl StreamServer {
 
     /// The process at the other end of connection `id` (SPEC §4, "Sessions": the
     /// sessions it sends requests for are bound to it).
-    pub fn peer(&self, id: u64) -> Option<Process> {
-        self.conns.get(&id).and_then(|c| c.peer)
+    pub fn peer(&self, id: u64) -> PeerOf {
+        self.conns.get(&id).map(|c| c.peer).unwrap_or_default()
     }
 
     /// The connections closed (either side) since the last call.
@@ -241,7 +265,7 @@ impl StreamServer {
                         );
                         continue;
                     }
-                    let peer = Process::of_peer(&s);
+                    let peer = PeerOf::of(&s);
                     let mut c = Conn {
                         stream: s,
                         peer,
@@ -403,7 +427,7 @@ mod tests {
         a.set_nonblocking(true).unwrap();
         let mut c = Conn {
             stream: a,
-            peer: None,
+            peer: PeerOf::default(),
             recv: RecvBuffer::default(),
             out: vec![7u8; 8 << 20],
             out_at: 0,

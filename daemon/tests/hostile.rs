@@ -150,6 +150,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
             keys: vec![ChunkHash([1; 16]); 65537],
             no_prefetch: false,
             local_only: false,
+            client: None,
         }),
     );
     check(bad.call(&[&many]), 17, ErrorCode::TooLarge, "too many keys");
@@ -392,6 +393,7 @@ fn a_flood_from_one_client_does_not_starve_another() {
                         keys: ks.clone(),
                         no_prefetch: false,
                         local_only: false,
+                        client: None,
                     }),
                 ),
                 1 => encode_request(i, &Request::Stats(StatsReq {})),
@@ -848,6 +850,7 @@ fn the_wire_is_as_strict_as_the_spec() {
     let layout = layout(16);
     let body = rmp_serde::to_vec(&RegisterLayoutReq {
         layout: layout.clone(),
+        client: None,
     })
     .unwrap();
     let mut env = Vec::new();
@@ -909,7 +912,15 @@ fn the_wire_is_as_strict_as_the_spec() {
     );
     assert_eq!(raw.call(&[&spelled(47, model(), f16())]), (47, None));
     // the same layout, spelled as SPEC says, is accepted
-    let ok = frame(1, 46, "register_layout", RegisterLayoutReq { layout });
+    let ok = frame(
+        1,
+        46,
+        "register_layout",
+        RegisterLayoutReq {
+            layout,
+            client: None,
+        },
+    );
     assert_eq!(raw.call(&[&ok]), (46, None));
     round_trip(&good, l, 950);
 }

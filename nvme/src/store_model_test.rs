@@ -355,6 +355,7 @@ impl World {
                     keys: keys.iter().map(|&i| key(i)).collect(),
                     no_prefetch: *no_prefetch,
                     local_only: false,
+                    client: None,
                 };
                 let _ = self.s.lookup(&req, self.now);
             }

@@ -24,7 +24,7 @@ use crate::transfer::{
     PeerLockReq, PeerLookupReq, PeerPushDoneReq, PeerPushRegReq, PeerRdmaConnectReq,
     PeerRdmaRegisterReq, PullReq, PushRegisterReq, TransferStatusReq,
 };
-use crate::ClientId;
+use crate::{ClientId, LayoutId};
 
 /// The protocol version this crate speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -129,10 +129,12 @@ impl Request {
         }
     }
 
-    /// The session a client op names (`None`: `hello`, `register_layout`, `lookup`,
-    /// `stats` and the peer ops, which name none).
+    /// The session a client op names (`None`: `hello`, `stats` and the peer ops, which
+    /// name none, and a `register_layout` or `lookup` sent without one).
     pub fn client(&self) -> Option<ClientId> {
         Some(match self {
+            Request::RegisterLayout(r) => return r.client,
+            Request::Lookup(r) => return r.client,
             Request::Alloc(r) => r.client,
             Request::Commit(r) => r.client,
             Request::Get(r) => r.client,
@@ -158,8 +160,6 @@ impl Request {
             Request::GpuPull(r) => r.client,
             Request::GpuExportStatus(r) => r.client,
             Request::Hello(_)
-            | Request::RegisterLayout(_)
-            | Request::Lookup(_)
             | Request::Stats(_)
             | Request::PeerPushReg(_)
             | Request::PeerPushDone(_)
@@ -171,6 +171,40 @@ impl Request {
             | Request::PeerLookup(_)
             | Request::PeerLock(_) => return None,
         })
+    }
+
+    /// The layout a client op names by its wire id (`Layout::id()`), which a daemon
+    /// with tenants maps into the session's namespace before serving it (SPEC §19).
+    /// `None`: the op names no layout, or names one through transfer parameters
+    /// ([`Request::params_layout`]) or a registration. `register_layout` is not here:
+    /// it names the layout itself.
+    pub fn layout_mut(&mut self) -> Option<&mut LayoutId> {
+        match self {
+            Request::Lookup(r) => Some(&mut r.layout_id),
+            Request::Alloc(r) => Some(&mut r.layout_id),
+            Request::Commit(r) => Some(&mut r.layout_id),
+            Request::Get(r) => Some(&mut r.layout_id),
+            Request::Delete(r) => Some(&mut r.layout_id),
+            Request::Verify(r) => Some(&mut r.layout_id),
+            Request::Reserve(r) => Some(&mut r.layout_id),
+            Request::Put(r) => Some(&mut r.layout_id),
+            Request::Export(r) => Some(&mut r.layout_id),
+            Request::PushRegister(r) => Some(&mut r.layout_id),
+            Request::GpuRegister(r) => Some(&mut r.layout_id),
+            _ => None,
+        }
+    }
+
+    /// The layout named by the transfer parameters a client op carries (a `pull`, a
+    /// `decline`, a `gpu_pull`): the exporter's namespaced id, which a daemon with
+    /// tenants checks is the session's tenant's (SPEC §19).
+    pub fn params_layout(&self) -> Option<LayoutId> {
+        match self {
+            Request::Pull(r) => Some(r.params.layout_id),
+            Request::Decline(r) => Some(r.params.layout_id),
+            Request::GpuPull(r) => Some(r.params.layout_id),
+            _ => None,
+        }
     }
 
     /// The keys the request names, if it names any (for limit checks).
@@ -480,6 +514,8 @@ mod tests {
             &Request::Hello(HelloReq {
                 client_name: "py".into(),
                 pid: 42,
+                token: None,
+                tenant: None,
             }),
         );
         assert_eq!(
@@ -494,6 +530,7 @@ mod tests {
                 keys: vec![ChunkHash([0xab; 16])],
                 no_prefetch: false,
                 local_only: false,
+                client: None,
             }),
         );
         assert_eq!(hex::encode(&lookup), "84a17601a2696407a26f70a66c6f6f6b7570a4626f647982a96c61796f75745f6964cf0102030405060708a46b65797391c410abababababababababababababababab");
@@ -576,7 +613,9 @@ mod tests {
         prop_oneof![
             (".{0,20}", any::<u32>()).prop_map(|(n, p)| Request::Hello(HelloReq {
                 client_name: n,
-                pid: p
+                pid: p,
+                token: None,
+                tenant: None,
             })),
             (any::<u64>(), keys(), any::<bool>(), any::<bool>()).prop_map(|(l, k, n, o)| {
                 Request::Lookup(LookupReq {
@@ -584,6 +623,7 @@ mod tests {
                     keys: k,
                     no_prefetch: n,
                     local_only: o,
+                    client: None,
                 })
             }),
             (any::<u64>(), any::<u64>(), keys()).prop_map(|(c, l, k)| Request::Alloc(AllocReq {

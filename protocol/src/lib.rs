@@ -36,6 +36,7 @@ pub mod pool;
 pub mod prefix_index;
 pub mod stream;
 pub mod strict;
+pub mod tenant;
 pub mod transfer;
 
 pub use codec::{

@@ -226,6 +226,22 @@ pub enum StoreError {
     /// A `reserve` of no slots.
     #[error("reserve needs a count of at least 1")]
     ZeroCount,
+    /// A tenants configuration that cannot be applied (SPEC §19).
+    #[error("tenants: {0}")]
+    InvalidTenants(String),
+    /// The storing tenant is at its maximum and has nothing of its own to give up
+    /// (SPEC §19): `pool_full` for it alone.
+    #[error("tenant {tenant:?} holds {held} of its {max} bytes of DRAM and needs {needed} more; its blocks that could go are pinned or being written")]
+    TenantFull {
+        /// Its name.
+        tenant: String,
+        /// Bytes it holds.
+        held: u64,
+        /// Its maximum.
+        max: u64,
+        /// Bytes the allocation needs.
+        needed: u64,
+    },
     /// A bug or an I/O failure of the daemon itself.
     #[error("{0}")]
     Internal(String),
@@ -239,6 +255,7 @@ impl StoreError {
             UnknownClient { .. } => ErrorCode::UnknownClient,
             UnknownLayout(_) => ErrorCode::UnknownLayout,
             InvalidLayout(_)
+            | InvalidTenants(_)
             | CountMismatch { .. }
             | OffsetOutsidePool { .. }
             | WrongOffset { .. }
@@ -255,7 +272,7 @@ impl StoreError {
             | NotExportable { .. }
             | SlotNotReserved { .. } => ErrorCode::InvalidState,
             AllocatedByOther { .. } | PinOfOther { .. } | SlotOfOther { .. } => ErrorCode::NotOwner,
-            PoolFull { .. } => ErrorCode::PoolFull,
+            PoolFull { .. } | TenantFull { .. } => ErrorCode::PoolFull,
             UnknownPin { .. } => ErrorCode::UnknownPin,
             Internal(_) => ErrorCode::Internal,
         }

@@ -18,6 +18,7 @@ use kvd_protocol::{BlockKey, ChunkHash, LayoutId};
 use crate::alloc::ClassId;
 use crate::events::EventLog;
 use crate::pool::SLOT_ALIGN;
+use crate::tenants::{TenantId, Use};
 use kvd_protocol::events::Medium;
 
 const NIL: u32 = u32::MAX;
@@ -55,7 +56,10 @@ pub(super) struct Node {
     pins: u32,
     /// Seconds since start of the last use (orders LRU tails across classes).
     pub last_use: u32,
-    class: u16,
+    /// Its size class (at most `alloc::MAX_CLASSES` = 256 of them).
+    class: u8,
+    /// Whose block it is ([`TenantId`]).
+    tenant: u8,
     state: State,
     /// [`NO_DEMOTE`], [`PREFETCHED`].
     flags: u8,
@@ -82,7 +86,15 @@ const _: () = assert!(
 
 impl Node {
     /// A node for a block in the slot at `offset`.
-    pub fn new(key: BlockKey, offset: u64, class: ClassId, state: State, tick: u32) -> Node {
+    pub fn new(
+        key: BlockKey,
+        offset: u64,
+        class: ClassId,
+        tenant: TenantId,
+        state: State,
+        tick: u32,
+    ) -> Node {
+        debug_assert!(usize::from(class.0) < crate::alloc::MAX_CLASSES);
         Node {
             hash: key.hash,
             layout: key.layout,
@@ -91,7 +103,8 @@ impl Node {
             next: NIL,
             pins: 0,
             last_use: tick,
-            class: class.0,
+            class: class.0 as u8,
+            tenant: tenant.0,
             state,
             flags: 0,
         }
@@ -137,7 +150,12 @@ impl Node {
     }
 
     pub fn class(&self) -> ClassId {
-        ClassId(self.class)
+        ClassId(u16::from(self.class))
+    }
+
+    /// Whose block it is.
+    pub fn tenant(&self) -> TenantId {
+        TenantId(self.tenant)
     }
 
     pub fn state(&self) -> State {
@@ -177,8 +195,16 @@ pub(super) struct Index {
     /// [`HAS_CRC`] (beside the nodes rather than in them: they keep their 48 bytes).
     crcs: Vec<u32>,
     free: Vec<u32>,
-    /// One per size class.
-    lru: Vec<List>,
+    /// One per size class and tenant: `lru[class][tenant]`.
+    lru: Vec<Vec<List>>,
+    /// Per size class, its blocks on any tenant's list.
+    listed_in: Vec<u64>,
+    /// Per size class, the bytes of one slot (what a block of it holds).
+    slot_bytes: Vec<u64>,
+    /// Per tenant, the bytes its blocks hold and how many of them could be evicted.
+    uses: Vec<Use>,
+    /// Per tenant, its blocks counted in `committed`.
+    tenant_blocks: Vec<u64>,
     /// Blocks in state `Committed` (or `Demoting`, which still counts as cached).
     committed: u64,
     /// Blocks with at least one pin.
@@ -240,10 +266,58 @@ impl Index {
         self.find(layout, hash).map(|i| self.node(i).state)
     }
 
-    /// Makes room for `classes` LRU lists.
-    pub fn ensure_classes(&mut self, classes: usize) {
-        while self.lru.len() < classes {
-            self.lru.push(EMPTY);
+    /// Makes room for the lists of every size class (`slot_bytes`: each one's slot
+    /// size, by id) and of `tenants` tenants.
+    pub fn ensure_classes(&mut self, slot_bytes: &[u64], tenants: usize) {
+        let tenants = tenants.max(1).max(self.uses.len());
+        self.slot_bytes = slot_bytes.to_vec();
+        while self.lru.len() < slot_bytes.len() {
+            self.lru.push(Vec::new());
+            self.listed_in.push(0);
+        }
+        for l in &mut self.lru {
+            l.resize(tenants, EMPTY);
+        }
+        self.uses.resize(tenants, Use::default());
+        self.tenant_blocks.resize(tenants, 0);
+    }
+
+    /// Per tenant (by id), the bytes its blocks hold and could give up now.
+    pub fn uses(&self) -> &[Use] {
+        &self.uses
+    }
+
+    /// Per tenant (by id), its blocks cached in DRAM.
+    pub fn tenant_blocks(&self) -> &[u64] {
+        &self.tenant_blocks
+    }
+
+    fn bytes_of(&self, n: &Node) -> u64 {
+        self.slot_bytes
+            .get(usize::from(n.class))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// A node came to hold its slot, or gave it back.
+    fn charge(&mut self, idx: u32, on: bool) {
+        let n = self.nodes[idx as usize];
+        let b = self.bytes_of(&n);
+        if let Some(u) = self.uses.get_mut(usize::from(n.tenant)) {
+            u.held = if on { u.held + b } else { u.held - b };
+        }
+    }
+
+    /// A node became cached in DRAM (`+1`) or stopped being so (`-1`).
+    fn count_committed(&mut self, idx: u32, up: bool) {
+        let t = usize::from(self.nodes[idx as usize].tenant);
+        if up {
+            self.committed += 1;
+        } else {
+            self.committed -= 1;
+        }
+        if let Some(c) = self.tenant_blocks.get_mut(t) {
+            *c = if up { *c + 1 } else { *c - 1 };
         }
     }
 
@@ -266,6 +340,7 @@ impl Index {
             }
         };
         self.hash_in(idx);
+        self.charge(idx, true);
         if let Some(t) = &self.durable {
             t.out(node.offset());
         }
@@ -303,6 +378,7 @@ impl Index {
         }
         self.nodes[p] = node;
         self.hash_in(pos);
+        self.charge(pos, true);
         true
     }
 
@@ -327,9 +403,10 @@ impl Index {
             e.remove();
         }
         if matches!(n.state, State::Committed | State::Demoting) {
-            self.committed -= 1;
+            self.count_committed(idx, false);
             self.events.record(n.key(), Medium::Dram, false);
         }
+        self.charge(idx, false);
         if let Some(t) = &mut self.durable {
             if t.free(idx) {
                 n.flags |= SEAL_READING;
@@ -355,7 +432,7 @@ impl Index {
 
     /// Evictable blocks of a class.
     pub fn evictable(&self, class: usize) -> u64 {
-        self.lru.get(class).map_or(0, |l| l.len)
+        self.listed_in.get(class).copied().unwrap_or(0)
     }
 
     // ----- state changes -----
@@ -387,7 +464,7 @@ impl Index {
         if let Ok(e) = self.table.find_entry(h, |&i| i == idx) {
             e.remove();
         }
-        self.committed -= 1;
+        self.count_committed(idx, false);
         self.events.record(n.key(), Medium::Dram, false);
         self.nodes[idx as usize].state = State::Damaged;
     }
@@ -409,7 +486,7 @@ impl Index {
                 t.back(off);
             }
         }
-        self.committed += 1;
+        self.count_committed(idx, true);
         self.events.record(key, Medium::Dram, true);
         if pinned {
             self.pin(idx);
@@ -428,7 +505,7 @@ impl Index {
         n.state = State::Committed;
         n.last_use = tick;
         let (key, fenced) = (n.key(), n.is_fenced());
-        self.committed += 1;
+        self.count_committed(idx, true);
         self.events.record(key, Medium::Dram, true);
         if fenced {
             self.pin(idx);
@@ -558,19 +635,28 @@ impl Index {
             .map(Node::key)
     }
 
-    /// The least recently used evictable block of `class`.
-    pub fn lru_tail(&self, class: usize) -> Option<u32> {
-        self.lru.get(class).map(|l| l.tail).filter(|&t| t != NIL)
+    /// `tenant`'s least recently used evictable block of `class`.
+    pub fn lru_tail(&self, class: usize, tenant: TenantId) -> Option<u32> {
+        self.list(class, tenant)
+            .map(|l| l.tail)
+            .filter(|&t| t != NIL)
     }
 
-    /// The least recently used evictable block of any class other than `except`.
-    pub fn oldest_tail(&self, except: Option<usize>) -> Option<u32> {
+    /// The least recently used evictable block of any class other than `except`:
+    /// `tenant`'s (`None`: anyone's).
+    pub fn oldest_tail(&self, except: Option<usize>, tenant: Option<TenantId>) -> Option<u32> {
         self.lru
             .iter()
             .enumerate()
-            .filter(|(c, l)| Some(*c) != except && l.tail != NIL)
+            .filter(|(c, _)| Some(*c) != except)
+            .flat_map(|(_, ls)| ls.iter().enumerate())
+            .filter(|(t, l)| tenant.is_none_or(|x| x.index() == *t) && l.tail != NIL)
             .min_by_key(|(_, l)| self.nodes[l.tail as usize].last_use)
             .map(|(_, l)| l.tail)
+    }
+
+    fn list(&self, class: usize, tenant: TenantId) -> Option<&List> {
+        self.lru.get(class).and_then(|ls| ls.get(tenant.index()))
     }
 
     // ----- the lists -----
@@ -584,13 +670,32 @@ impl Index {
     }
 
     fn is_head(&self, idx: u32) -> bool {
-        let c = self.nodes[idx as usize].class as usize;
-        self.lru.get(c).is_some_and(|l| l.head == idx)
+        let n = &self.nodes[idx as usize];
+        self.list(usize::from(n.class), n.tenant())
+            .is_some_and(|l| l.head == idx)
+    }
+
+    /// The list of the node at `idx` as (class, tenant), and its block's bytes, now
+    /// counted as evictable (`on`) or no longer.
+    fn list_of(&mut self, idx: u32, on: bool) -> (usize, usize) {
+        let n = self.nodes[idx as usize];
+        let (c, t) = (usize::from(n.class), usize::from(n.tenant));
+        let b = self.bytes_of(&n);
+        if let (Some(u), Some(l)) = (self.uses.get_mut(t), self.listed_in.get_mut(c)) {
+            if on {
+                u.evictable += b;
+                *l += 1;
+            } else {
+                u.evictable -= b;
+                *l -= 1;
+            }
+        }
+        (c, t)
     }
 
     fn push_head(&mut self, idx: u32) {
-        let c = self.nodes[idx as usize].class as usize;
-        let head = self.lru[c].head;
+        let (c, t) = self.list_of(idx, true);
+        let head = self.lru[c][t].head;
         {
             let n = &mut self.nodes[idx as usize];
             n.prev = NIL;
@@ -599,15 +704,15 @@ impl Index {
         if head != NIL {
             self.nodes[head as usize].prev = idx;
         } else {
-            self.lru[c].tail = idx;
+            self.lru[c][t].tail = idx;
         }
-        self.lru[c].head = idx;
-        self.lru[c].len += 1;
+        self.lru[c][t].head = idx;
+        self.lru[c][t].len += 1;
     }
 
     fn push_tail(&mut self, idx: u32) {
-        let c = self.nodes[idx as usize].class as usize;
-        let tail = self.lru[c].tail;
+        let (c, t) = self.list_of(idx, true);
+        let tail = self.lru[c][t].tail;
         {
             let n = &mut self.nodes[idx as usize];
             n.prev = tail;
@@ -616,30 +721,31 @@ impl Index {
         if tail != NIL {
             self.nodes[tail as usize].next = idx;
         } else {
-            self.lru[c].head = idx;
+            self.lru[c][t].head = idx;
         }
-        self.lru[c].tail = idx;
-        self.lru[c].len += 1;
+        self.lru[c][t].tail = idx;
+        self.lru[c][t].len += 1;
     }
 
     fn unlink(&mut self, idx: u32) {
-        let (c, prev, next) = {
+        let (c, t) = self.list_of(idx, false);
+        let (prev, next) = {
             let n = &self.nodes[idx as usize];
-            (n.class as usize, n.prev, n.next)
+            (n.prev, n.next)
         };
         if prev != NIL {
             self.nodes[prev as usize].next = next;
         } else {
-            self.lru[c].head = next;
+            self.lru[c][t].head = next;
         }
         if next != NIL {
             self.nodes[next as usize].prev = prev;
         } else {
-            self.lru[c].tail = prev;
+            self.lru[c][t].tail = prev;
         }
         let n = &mut self.nodes[idx as usize];
         n.prev = NIL;
         n.next = NIL;
-        self.lru[c].len -= 1;
+        self.lru[c][t].len -= 1;
     }
 }

@@ -121,12 +121,12 @@ impl Store {
                 .layout(b.key.layout)
                 .ok()
                 .filter(|l| l.block_bytes == u64::from(b.len))
-                .map(|l| l.class);
-            let adopted = fits.is_some_and(|class| {
+                .map(|l| (l.class, l.tenant));
+            let adopted = fits.is_some_and(|(class, tenant)| {
                 if self.alloc.claim(class, b.offset).is_err() {
                     return false;
                 }
-                let node = Node::new(b.key, b.offset, class, State::Verifying, 0);
+                let node = Node::new(b.key, b.offset, class, tenant, State::Verifying, 0);
                 let node = if b.out { node.fenced() } else { node };
                 if self.index.adopt(b.pos, node) {
                     return true;
@@ -570,6 +570,7 @@ mod tests {
                                 keys: vec![key(g)],
                                 no_prefetch: true,
                                 local_only: true,
+                                client: None,
                             },
                             Instant::now(),
                         )

@@ -91,6 +91,7 @@ mod keep;
 mod reclaim;
 mod reserved;
 mod sessions;
+pub mod tenants;
 mod tiering;
 mod verify;
 
@@ -111,6 +112,7 @@ use self::tiering::{Deferred, Flight, Waiting};
 use crate::alloc::SlabAllocator;
 use crate::pool::{Pool, SLOT_ALIGN};
 use crate::process::Process;
+use crate::tenants::{TenantId, TenantSpec, Tenants};
 
 impl StoreConfig {
     /// Unit tests' tunables: small limits, `segment_bytes` segments, eviction only when
@@ -225,6 +227,8 @@ pub struct Store {
     checksums: ChecksumStats,
     /// The DRAM tier kept across restarts (`keep`), when it is.
     keep: Option<keep::Keep>,
+    /// Tenants and their shares (SPEC §19).
+    tenants: Tenants,
 }
 
 /// What a request may name a slot by: checked against the pool before use.
@@ -264,6 +268,7 @@ impl Store {
             counters: Counters::default(),
             checksums: ChecksumStats::default(),
             keep: None,
+            tenants: Tenants::default(),
         }
     }
 
@@ -388,13 +393,85 @@ impl Store {
         self.sessions.layout(layout)
     }
 
-    /// `hello`: opens a session.
+    /// `hello` without tenants (or for the first tenant).
     pub fn hello(&mut self, req: &HelloReq, now: Instant) -> Result<ClientId, StoreError> {
-        self.sessions.open_client(&req.client_name, req.pid, now)
+        self.hello_as(req, TenantId::NONE, now)
     }
 
-    /// `register_layout`: idempotent.
+    /// `hello`: opens a session acting for `tenant` (the daemon decided which, from
+    /// the credential: SPEC §19).
+    pub fn hello_as(
+        &mut self,
+        req: &HelloReq,
+        tenant: TenantId,
+        now: Instant,
+    ) -> Result<ClientId, StoreError> {
+        self.sessions
+            .open_client(&req.client_name, req.pid, tenant, now)
+    }
+
+    // ----- tenants (SPEC §19) -----
+
+    /// Sets the tenants and their shares: at start (which turns tenants on for the
+    /// daemon's life) or a reload. See [`tenants`] for the rules.
+    pub fn set_tenants(&mut self, specs: &[TenantSpec]) -> Result<(), StoreError> {
+        self.tenants.set(specs, self.alloc.capacity_bytes())?;
+        let slots = self.class_slot_bytes();
+        self.index.ensure_classes(&slots, self.tenants.len());
+        Ok(())
+    }
+
+    /// Whether tenants are configured.
+    pub fn tenancy(&self) -> bool {
+        self.tenants.on()
+    }
+
+    /// The id of a configured (not retired) tenant.
+    pub fn tenant_id(&self, name: &str) -> Option<TenantId> {
+        self.tenants.id(name)
+    }
+
+    /// A tenant's name.
+    pub fn tenant_name(&self, t: TenantId) -> &str {
+        self.tenants.name(t)
+    }
+
+    /// The tenant `client`'s session acts for.
+    pub fn session_tenant(&self, client: ClientId) -> Result<TenantId, StoreError> {
+        self.sessions.tenant(client)
+    }
+
+    /// The id `wire` has in `t`'s namespace (itself without tenants).
+    pub fn namespace(&self, t: TenantId, wire: LayoutId) -> LayoutId {
+        self.tenants.namespace(t, wire)
+    }
+
+    /// The tenant and wire id of a registered (namespaced) layout.
+    pub fn layout_owner(&self, layout: LayoutId) -> Option<(TenantId, LayoutId)> {
+        self.sessions
+            .layout(layout)
+            .ok()
+            .map(|e| (e.tenant, e.wire))
+    }
+
+    fn class_slot_bytes(&self) -> Vec<u64> {
+        (0..self.alloc.class_count())
+            .map(|i| self.alloc.slot_bytes(alloc::ClassId(i as u16)))
+            .collect()
+    }
+
+    /// `register_layout` without tenants (or in the first tenant's namespace).
     pub fn register_layout(&mut self, layout: &Layout) -> Result<RegisterLayoutResp, StoreError> {
+        self.register_layout_for(layout, TenantId::NONE)
+    }
+
+    /// `register_layout`: idempotent. Registered under `tenant`'s namespaced id; the
+    /// answer names the wire id (`Layout::id()`), which the client checks.
+    pub fn register_layout_for(
+        &mut self,
+        layout: &Layout,
+        tenant: TenantId,
+    ) -> Result<RegisterLayoutResp, StoreError> {
         let block_bytes = layout
             .validate()
             .map_err(|e| StoreError::InvalidLayout(e.to_string()))?;
@@ -404,7 +481,8 @@ impl Store {
                 max: self.cfg.segment_bytes,
             });
         }
-        let id = layout.id();
+        let wire = layout.id();
+        let id = self.tenants.namespace(tenant, wire);
         let slot_bytes = block_bytes.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         if !self.sessions.has_layout(id) {
             self.sessions.layout_room()?;
@@ -413,10 +491,13 @@ impl Store {
                 .class_for(slot_bytes)
                 .map_err(|e| StoreError::NoSizeClass(e.to_string()))?;
             let classes = self.alloc.class_count();
-            self.index.ensure_classes(classes);
+            let slots = self.class_slot_bytes();
+            self.index.ensure_classes(&slots, self.tenants.len());
             self.demoting.resize(classes.max(self.demoting.len()), 0);
-            tracing::info!(layout = %id, model = %layout.model, block_bytes, "layout registered");
-            if let Some(t) = &mut self.index.durable {
+            tracing::info!(layout = %id, %wire, tenant = self.tenants.name(tenant), model = %layout.model, block_bytes, "layout registered");
+            // With tenants, blocks live under namespaced ids, which the kept table does
+            // not know: they are not kept across restarts (SPEC §19).
+            if let (Some(t), false) = (&mut self.index.durable, self.tenants.on()) {
                 t.layout(layout);
             }
             self.sessions.add_layout(
@@ -427,11 +508,13 @@ impl Store {
                     tokens_per_block: layout.tokens_per_block,
                     num_layers: layout.num_layers,
                     layer_major: layout.splits_into(layout.num_layers.min(2)),
+                    tenant,
+                    wire,
                 },
             );
         }
         Ok(RegisterLayoutResp {
-            layout_id: id,
+            layout_id: wire,
             block_bytes,
             slot_bytes,
         })
@@ -442,7 +525,7 @@ impl Store {
     /// `lookup`: the longest cached prefix, from DRAM or the lower tier. Hits count as
     /// uses.
     pub fn lookup(&mut self, req: &LookupReq, now: Instant) -> Result<LookupResp, StoreError> {
-        self.sessions.layout(req.layout_id)?;
+        let owner = self.sessions.layout(req.layout_id)?.tenant;
         let tick = self.tick(now);
         let mut tiers = Vec::new();
         // Keys are found a chunk at a time (their cache misses overlap), then walked in
@@ -475,6 +558,10 @@ impl Store {
         }
         if tiers.contains(&Tier::Nvme) && !req.no_prefetch {
             self.prefetch(req.layout_id, &req.keys[..tiers.len()], now);
+        }
+        if let (true, Some(c)) = (self.tenants.on(), self.tenants.counters(owner)) {
+            c.hits += tiers.len() as u64;
+            c.misses += (req.keys.len() - tiers.len()) as u64;
         }
         Ok(LookupResp {
             prefix: tiers.len() as u64,
@@ -523,7 +610,7 @@ impl Store {
         dram_only: bool,
     ) -> Result<Option<AllocResp>, StoreError> {
         let layout = req.layout_id;
-        let class = self.sessions.layout(layout)?.class;
+        let LayoutEntry { class, tenant, .. } = self.sessions.layout(layout)?;
         let in_flight = |s: &Self, k: &ChunkHash| {
             matches!(
                 s.index.state_of(layout, k),
@@ -545,10 +632,10 @@ impl Store {
             .iter()
             .filter(|k| self.index.find(layout, k).is_none() && !elsewhere(self, k))
             .count() as u64;
-        match self.make_room(class, needed, now) {
+        match self.make_room(class, needed, tenant, now) {
             Room::Ready => {}
             Room::Wait => return Ok(None),
-            Room::Full => return Err(self.pool_full(class, needed)),
+            Room::Full => return Err(self.pool_full(class, needed, tenant)),
         }
         let deadline = now + ttl;
         let tick = self.tick(now);
@@ -578,12 +665,12 @@ impl Store {
                             self.holds.unreserve(i);
                             self.free_node(i);
                         }
-                        return Err(self.pool_full(class, needed));
+                        return Err(self.pool_full(class, needed, tenant));
                     };
                     let key = BlockKey { layout, hash: *k };
-                    let idx = self
-                        .index
-                        .insert(Node::new(key, off, class, State::Pending, tick));
+                    let idx =
+                        self.index
+                            .insert(Node::new(key, off, class, tenant, State::Pending, tick));
                     created.push(idx);
                     self.holds.reserve(idx, req.client, deadline);
                     status.push(AllocStatus::New);
@@ -633,7 +720,7 @@ impl Store {
             .count() as u64;
         if unread > 0 && !blocked {
             return Some(match self.sessions.layout(layout) {
-                Ok(l) => Err(self.pool_full(l.class, unread)),
+                Ok(l) => Err(self.pool_full(l.class, unread, l.tenant)),
                 Err(e) => Err(e),
             });
         }
@@ -1011,6 +1098,12 @@ impl Store {
             stream: None,
             events: None,
             checksums: self.checksums.clone(),
+            tenancy: None,
+            tenants: self.tenants.stats(
+                self.index.uses(),
+                self.index.tenant_blocks(),
+                &self.sessions.per_tenant(self.tenants.len()),
+            ),
             errors: self
                 .counters
                 .errors

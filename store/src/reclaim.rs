@@ -2,9 +2,12 @@
 //! feasibility check that comes before evicting anything.
 //!
 //! Rules owned here:
-//! - eviction takes only evictable blocks (committed, unpinned: the index's lists), own
-//!   size class first (each frees a usable slot), then other classes' oldest, until
-//!   whole segments free up;
+//! - eviction takes only evictable blocks (committed, unpinned: the index's lists), from
+//!   the tenant [`crate::tenants::Tenants::victim`] names (without tenants: the one
+//!   there is), its own size class first (each frees a usable slot), then its other
+//!   classes' oldest, until whole segments free up;
+//! - a tenant at its maximum makes room from its own blocks first, and is refused
+//!   (`pool_full`, for it alone) when they cannot make it;
 //! - an allocation that could not fit even after evicting every evictable block and
 //!   waiting for every demotion is refused (`pool_full`) *before* anything is evicted;
 //! - above the high watermark, blocks are evicted down to the low one; without a lower
@@ -16,6 +19,7 @@ use std::time::Instant;
 use super::index::Index;
 use super::{Store, StoreError};
 use crate::alloc::ClassId;
+use crate::tenants::TenantId;
 
 /// Whether an allocation of some slots can go ahead.
 #[derive(Debug, PartialEq, Eq)]
@@ -42,9 +46,17 @@ impl Store {
 
     /// Takes an evictable block out of DRAM: written back to the lower tier first when
     /// the tier takes it and lacks it (the slot is freed when the write completes), else
-    /// freed now.
-    fn evict(&mut self, idx: u32, now: Instant) {
+    /// freed now. `asker`: the tenant whose store needs the room (`None`: the
+    /// watermark's eviction).
+    fn evict(&mut self, idx: u32, asker: Option<TenantId>, now: Instant) {
         self.counters.evictions += 1;
+        let owner = self.index.node(idx).tenant();
+        if let Some(c) = self.tenants.counters(owner) {
+            c.evictions += 1;
+            if asker != Some(owner) {
+                c.evicted_by_others += 1;
+            }
+        }
         if self.tier.demotes() {
             if self.begin_demotion(idx, now) {
                 return;
@@ -62,13 +74,41 @@ impl Store {
         self.tier.demotes() && !self.index.node(idx).no_demote()
     }
 
-    /// Evicts until `k` slots of `class` can be handed out.
-    pub(super) fn make_room(&mut self, class: ClassId, k: u64, now: Instant) -> Room {
+    /// Evicts until `k` slots of `class` can be handed out to `tenant`.
+    pub(super) fn make_room(
+        &mut self,
+        class: ClassId,
+        k: u64,
+        tenant: TenantId,
+        now: Instant,
+    ) -> Room {
         let c = class.0 as usize;
         let slot = self.alloc.slot_bytes(class);
-        if self.alloc.available(class) < k && self.reachable_slots(class) < k {
-            // Even evicting every evictable block would not make room: refuse now rather
-            // than empty the cache first.
+        let need = k.saturating_mul(slot);
+        if self.tenants.on() {
+            // At its maximum, a tenant makes room from its own blocks, whatever the pool
+            // has free; refused before anything goes when even all of them would not do.
+            let u = self.tenant_use(tenant);
+            if self.tenants.over_max(tenant, u, need) {
+                if u.held - u.evictable + need > self.tenants.max(tenant) {
+                    return Room::Full;
+                }
+                while self.tenants.over_max(tenant, self.tenant_use(tenant), need) {
+                    let v = self
+                        .next_victim(now, |ix| ix.lru_tail(c, tenant))
+                        .or_else(|| {
+                            self.next_victim(now, |ix| ix.oldest_tail(Some(c), Some(tenant)))
+                        });
+                    match v {
+                        Some(v) => self.evict(v, Some(tenant), now),
+                        None => return Room::Full,
+                    }
+                }
+            }
+        }
+        if self.alloc.available(class) < k && self.reachable_slots(class, tenant) < k {
+            // Even evicting every block it may take would not make room: refuse now
+            // rather than empty the cache first.
             return Room::Full;
         }
         loop {
@@ -83,16 +123,39 @@ impl Store {
             if have + own + other >= k {
                 return Room::Wait;
             }
-            let victim = match self.next_victim(now, |ix| ix.lru_tail(c)) {
-                None => match self.next_victim(now, |ix| ix.oldest_tail(Some(c))) {
-                    Some(v) => v,
-                    None if self.demoting_bytes > 0 => return Room::Wait,
-                    None => return Room::Full,
-                },
-                Some(v) => v,
-            };
-            self.evict(victim, now);
+            match self.victim(Some(tenant), Some(c), slot, now) {
+                Some(v) => self.evict(v, Some(tenant), now),
+                None if self.demoting_bytes > 0 => return Room::Wait,
+                None => return Room::Full,
+            }
         }
+    }
+
+    pub(super) fn tenant_use(&self, t: TenantId) -> crate::tenants::Use {
+        self.index
+            .uses()
+            .get(t.index())
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The block to evict for `asker` (`None`: the watermark): the LRU tail of the
+    /// tenant the shares name, in `class` first (a freed slot of the size wanted), else
+    /// its oldest of any class.
+    fn victim(
+        &mut self,
+        asker: Option<TenantId>,
+        class: Option<usize>,
+        slot: u64,
+        now: Instant,
+    ) -> Option<u32> {
+        let t = self.tenants.victim(asker, self.index.uses(), slot)?;
+        if let Some(c) = class {
+            if let Some(v) = self.next_victim(now, |ix| ix.lru_tail(c, t)) {
+                return Some(v);
+            }
+        }
+        self.next_victim(now, |ix| ix.oldest_tail(class, Some(t)))
     }
 
     /// The next block to evict, as `pick` names it (a class's LRU tail, the oldest of
@@ -108,21 +171,44 @@ impl Store {
         }
     }
 
-    /// An upper bound on the slots of `class` an allocation could get by evicting every
-    /// evictable block and waiting for every demotion: the pool's capacity less the bytes
-    /// of blocks that cannot go (pinned, pending, promoting), in slots of `class`.
-    fn reachable_slots(&self, class: ClassId) -> u64 {
+    /// An upper bound on the slots of `class` an allocation of `tenant`'s could get by
+    /// evicting every block it may take and waiting for every demotion: the pool's
+    /// capacity less the bytes of blocks that cannot go (pinned, pending, promoting) and
+    /// of other tenants' blocks their minimums keep, in slots of `class`.
+    fn reachable_slots(&self, class: ClassId, tenant: TenantId) -> u64 {
         let mut stuck = 0u64;
         for i in 0..self.alloc.class_count() {
             let ci = ClassId(i as u16);
             let goes = self.index.evictable(i) + self.demoting.get(i).copied().unwrap_or(0);
             stuck += self.alloc.live_slots(ci).saturating_sub(goes) * self.alloc.slot_bytes(ci);
         }
+        stuck += self.tenants.protected(Some(tenant), self.index.uses());
         self.alloc.capacity_bytes().saturating_sub(stuck) / self.alloc.slot_bytes(class)
     }
 
-    /// The refusal of an allocation of `needed` slots of `class`.
-    pub(super) fn pool_full(&self, class: ClassId, needed: u64) -> StoreError {
+    /// The refusal of an allocation of `needed` slots of `class` for `tenant`: its
+    /// maximum's, when that is what stood in the way, else the pool's.
+    pub(super) fn pool_full(
+        &mut self,
+        class: ClassId,
+        needed: u64,
+        tenant: TenantId,
+    ) -> StoreError {
+        let need = needed.saturating_mul(self.alloc.slot_bytes(class));
+        let u = self.tenant_use(tenant);
+        if self.tenants.on() {
+            if let Some(c) = self.tenants.counters(tenant) {
+                c.refused += 1;
+            }
+            if self.tenants.over_max(tenant, u, need) {
+                return StoreError::TenantFull {
+                    tenant: self.tenants.name(tenant).to_owned(),
+                    held: u.held,
+                    max: self.tenants.max(tenant),
+                    needed: need,
+                };
+            }
+        }
         let st = self.alloc.stats();
         StoreError::PoolFull {
             needed,
@@ -148,10 +234,20 @@ impl Store {
         let low = cap * self.cfg.low_watermark;
         let mut n = 0u64;
         while ((self.alloc.used_bytes() - self.demoting_bytes) as f64) > low {
-            match self.next_victim(now, |ix| ix.oldest_tail(None)) {
+            let v = if self.tenants.on() {
+                // the watermark takes nobody below its minimum either
+                self.victim(None, None, 1, now).filter(|&v| {
+                    let n = self.index.node(v);
+                    let u = self.tenant_use(n.tenant());
+                    u.held - self.alloc.slot_bytes(n.class()) >= self.tenants.min(n.tenant())
+                })
+            } else {
+                self.next_victim(now, |ix| ix.oldest_tail(None, None))
+            };
+            match v {
                 // With a lower tier a fresh block is written back, not lost: demote it.
                 Some(v) if self.index.node(v).last_use < fresh || self.can_demote(v) => {
-                    self.evict(v, now)
+                    self.evict(v, None, now)
                 }
                 _ => break,
             }

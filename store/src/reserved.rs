@@ -23,7 +23,7 @@ use kvd_protocol::*;
 
 use super::index::{Node, State};
 use super::reclaim::Room;
-use super::sessions::Held;
+use super::sessions::{Held, LayoutEntry};
 use super::tiering::Waiting;
 use super::{Answer, Store, StoreError};
 
@@ -55,11 +55,12 @@ impl Store {
         if req.count == 0 {
             return Err(StoreError::ZeroCount);
         }
-        let class = self.sessions.layout(req.layout_id)?.class;
-        match self.make_room(class, req.count, now) {
+        let entry = self.sessions.layout(req.layout_id)?;
+        let class = entry.class;
+        match self.make_room(class, req.count, entry.tenant, now) {
             Room::Ready => {}
             Room::Wait => return Ok(None),
-            Room::Full => return Err(self.pool_full(class, req.count)),
+            Room::Full => return Err(self.pool_full(class, req.count, entry.tenant)),
         }
         // make_room found `count` free slots, so `count` is small enough to hold.
         let mut offsets = Vec::with_capacity(usize::try_from(req.count).unwrap_or(0));
@@ -70,7 +71,7 @@ impl Store {
                     for off in offsets {
                         self.free_slot(off);
                     }
-                    return Err(self.pool_full(class, req.count));
+                    return Err(self.pool_full(class, req.count, entry.tenant));
                 }
             }
         }
@@ -127,7 +128,8 @@ impl Store {
     /// `put`: binds each key to its reserved slot and commits it, unless the key is
     /// cached or being written already (then the slot is freed). All-or-nothing checks.
     pub fn put(&mut self, req: &PutReq, now: Instant) -> Result<PutResp, StoreError> {
-        let class = self.session_layout(req.client, req.layout_id, now)?.class;
+        let LayoutEntry { class, tenant, .. } =
+            self.session_layout(req.client, req.layout_id, now)?;
         if req.offsets.len() != req.keys.len() {
             return Err(StoreError::CountMismatch {
                 what: "offsets",
@@ -152,9 +154,9 @@ impl Store {
                 }
                 None if self.tier.knows(&key) => PutStatus::Exists,
                 None => {
-                    let idx = self
-                        .index
-                        .insert(Node::new(key, off, class, State::Pending, tick));
+                    let idx =
+                        self.index
+                            .insert(Node::new(key, off, class, tenant, State::Pending, tick));
                     let crc = req.crcs.as_ref().and_then(|c| c.get(j).copied());
                     if let Some(c) = crc {
                         self.index.set_crc(idx, c);

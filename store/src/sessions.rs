@@ -16,6 +16,7 @@ use kvd_protocol::{ClientId, Incarnation, LayoutId};
 use super::StoreError;
 use crate::alloc::ClassId;
 use crate::process::Process;
+use crate::tenants::TenantId;
 
 /// Most processes and open stream connections one session is bound to (an engine uses
 /// one process and a connection per thread in flight; past these the session is simply
@@ -34,6 +35,8 @@ struct Session {
     last_request: Instant,
     pins: u64,
     pending: u64,
+    /// The tenant it acts for (SPEC §19; [`TenantId::NONE`] without tenants).
+    tenant: TenantId,
     /// Where it used the stream transport from (see [`Binding`]).
     binding: Binding,
 }
@@ -70,6 +73,10 @@ pub(super) struct LayoutEntry {
     /// Whether a layer's bytes are contiguous in a block (layer-major orders): only
     /// then may a transfer move it in layer groups (SPEC §16).
     pub layer_major: bool,
+    /// Whose namespace it is registered in: whose blocks of it are (SPEC §19).
+    pub tenant: TenantId,
+    /// Its wire id (`Layout::id()`); the id it is registered under is namespaced.
+    pub wire: LayoutId,
 }
 
 /// See the module docs.
@@ -235,6 +242,7 @@ impl Sessions {
         &mut self,
         name: &str,
         pid: u32,
+        tenant: TenantId,
         now: Instant,
     ) -> Result<ClientId, StoreError> {
         if self.clients.len() >= self.max_clients {
@@ -249,17 +257,47 @@ impl Sessions {
         }
         let mut name = name.to_string();
         name.truncate(128);
-        let id = self.open(name.clone(), pid, false, now);
-        tracing::info!(client = %id, name = %name, pid, "session opened");
+        let id = self.open(name.clone(), pid, false, tenant, now);
+        tracing::info!(client = %id, name = %name, pid, tenant = tenant.0, "session opened");
         Ok(id)
     }
 
     /// Opens the daemon's own session, never dropped for being idle.
     pub fn open_system(&mut self, now: Instant) -> ClientId {
-        self.open("kvd-transfers".into(), std::process::id(), true, now)
+        let pid = std::process::id();
+        self.open("kvd-transfers".into(), pid, true, TenantId::NONE, now)
     }
 
-    fn open(&mut self, name: String, pid: u32, system: bool, now: Instant) -> ClientId {
+    /// The tenant `client` acts for.
+    pub fn tenant(&self, client: ClientId) -> Result<TenantId, StoreError> {
+        match self.clients.get(&client) {
+            Some(s) => Ok(s.tenant),
+            None => Err(StoreError::UnknownClient {
+                client,
+                incarnation: self.incarnation,
+            }),
+        }
+    }
+
+    /// Live sessions per tenant id (the daemon's own not counted).
+    pub fn per_tenant(&self, tenants: usize) -> Vec<u64> {
+        let mut v = vec![0; tenants];
+        for s in self.clients.values().filter(|s| !s.system) {
+            if let Some(n) = v.get_mut(s.tenant.index()) {
+                *n += 1;
+            }
+        }
+        v
+    }
+
+    fn open(
+        &mut self,
+        name: String,
+        pid: u32,
+        system: bool,
+        tenant: TenantId,
+        now: Instant,
+    ) -> ClientId {
         let id = loop {
             let id = ClientId(rand::random());
             if id.0 != 0 && !self.clients.contains_key(&id) {
@@ -276,6 +314,7 @@ impl Sessions {
                 last_request: now,
                 pins: 0,
                 pending: 0,
+                tenant,
                 binding: Binding::default(),
             },
         );
@@ -375,10 +414,12 @@ mod tests {
             .unwrap();
         let proc = Process::of_pid(child.id()).expect("the child runs");
         let me = Process::of_pid(std::process::id()).unwrap();
-        let dies = s.open_client("dies", 0, now).unwrap();
-        let unseen = s.open_client("unseen", 0, now).unwrap();
-        let zmq = s.open_client("zmq-only", 0, now).unwrap();
-        let two = s.open_client("two processes", 0, now).unwrap();
+        let dies = s.open_client("dies", 0, TenantId::NONE, now).unwrap();
+        let unseen = s.open_client("unseen", 0, TenantId::NONE, now).unwrap();
+        let zmq = s.open_client("zmq-only", 0, TenantId::NONE, now).unwrap();
+        let two = s
+            .open_client("two processes", 0, TenantId::NONE, now)
+            .unwrap();
         s.bind_stream(dies, 1, Some(proc));
         s.bind_stream(dies, 2, Some(proc));
         s.bind_stream(unseen, 3, None);

@@ -112,6 +112,7 @@ impl T {
                     keys: ks.to_vec(),
                     no_prefetch: false,
                     local_only: false,
+                    client: None,
                 },
                 self.now,
             )

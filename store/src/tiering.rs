@@ -258,7 +258,7 @@ impl Store {
             if self.index.find(layout_id, &key.hash).is_some() || !self.tier.has(&key) {
                 continue;
             }
-            match self.make_room(layout.class, 1, now) {
+            match self.make_room(layout.class, 1, layout.tenant, now) {
                 Room::Ready => {}
                 Room::Wait => {
                     blocked = true;
@@ -270,7 +270,7 @@ impl Store {
                     continue;
                 }
             }
-            if let Some(idx) = self.start_promotion(key, layout.class, now, token) {
+            if let Some(idx) = self.start_promotion(key, layout.class, layout.tenant, now, token) {
                 waits.push(idx);
             }
         }
@@ -304,6 +304,7 @@ impl Store {
         &mut self,
         key: BlockKey,
         class: ClassId,
+        tenant: crate::tenants::TenantId,
         now: Instant,
         token: u64,
     ) -> Option<u32> {
@@ -315,7 +316,7 @@ impl Store {
         }
         self.next_tag += 1;
         let tick = self.tick(now);
-        let node = Node::new(key, off, class, State::Promoting, tick);
+        let node = Node::new(key, off, class, tenant, State::Promoting, tick);
         let idx = self
             .index
             .insert(if token == 0 { node.prefetched() } else { node });
@@ -336,11 +337,23 @@ impl Store {
             if started >= PREFETCH_MAX || self.alloc.available(class) == 0 {
                 break;
             }
+            // a read-ahead never takes a tenant past its maximum
+            let slot = self.alloc.slot_bytes(class);
+            if self.tenancy()
+                && self
+                    .tenants
+                    .over_max(entry.tenant, self.tenant_use(entry.tenant), slot)
+            {
+                break;
+            }
             let key = BlockKey { layout, hash: *k };
             if self.index.find(layout, k).is_some() || !self.tier.has(&key) {
                 continue;
             }
-            if self.start_promotion(key, class, now, 0).is_some() {
+            if self
+                .start_promotion(key, class, entry.tenant, now, 0)
+                .is_some()
+            {
                 started += 1;
                 self.counters.prefetches += 1;
             }
@@ -376,7 +389,7 @@ impl Store {
                         }),
                         Ok(None) => {
                             let e = match self.sessions.layout(req.layout_id) {
-                                Ok(l) => self.pool_full(l.class, req.keys.len() as u64),
+                                Ok(l) => self.pool_full(l.class, req.keys.len() as u64, l.tenant),
                                 Err(e) => e,
                             };
                             out.push((d.token, Completed::Alloc(Err(e))));
@@ -398,7 +411,7 @@ impl Store {
                         }),
                         Ok(None) => {
                             let e = match self.sessions.layout(req.layout_id) {
-                                Ok(l) => self.pool_full(l.class, req.count),
+                                Ok(l) => self.pool_full(l.class, req.count, l.tenant),
                                 Err(e) => e,
                             };
                             out.push((d.token, Completed::Reserve(Err(e))));

@@ -223,6 +223,7 @@ mod tests {
             keys: ks.clone(),
             no_prefetch: false,
             local_only: false,
+            client: None,
         };
         assert_eq!(s.lookup(&lk, t).unwrap().prefix, 1, "no key finds it");
         assert_eq!(now(s.get(&get, t).unwrap()).offsets[1], None);

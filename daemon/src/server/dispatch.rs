@@ -9,9 +9,10 @@ use kvd_protocol::auth::Stamp;
 use kvd_protocol::*;
 
 use super::Server;
-use crate::process::Process;
+use crate::store::tenants::TenantId;
 use crate::store::Answer;
-use crate::stream::StreamServer;
+use crate::stream::{PeerOf, StreamServer};
+use crate::tenancy::scope;
 use crate::transfer::{self, Reply, Transfers};
 
 impl Server {
@@ -26,10 +27,10 @@ impl Server {
         env: &[u8],
         payloads: &[zmq::Message],
         peer: Option<Stamp>,
-        stream: Option<(u64, Option<Process>)>,
+        stream: Option<(u64, PeerOf)>,
         now: Instant,
     ) -> Outcome {
-        let (id, req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
+        let (id, mut req) = match decode_request(env, self.opts.max_envelope_bytes as usize) {
             Ok(x) => x,
             Err((id, e)) => {
                 // An op this endpoint does not serve is refused as such, whatever its
@@ -56,10 +57,19 @@ impl Server {
         if let Some(why) = wrong_endpoint(op, peer) {
             return self.refuse_endpoint(id, op, why, now);
         }
-        if let (Some((conn, process)), Some(client)) = (stream, req.client()) {
-            self.store.bind_stream(client, conn, process);
+        // SPEC §19: the op is served in its session's namespace from here on.
+        let cred = stream.and_then(|(_, from)| from.cred);
+        let tenant = match scope(self.tenancy.as_mut(), &self.store, &mut req, cred) {
+            Ok(t) => t,
+            Err(e) => {
+                let (r, p) = self.finish(id, op, now, Err(e), Vec::new());
+                return Outcome::Reply(r, p);
+            }
+        };
+        if let (Some((conn, from)), Some(client)) = (stream, req.client()) {
+            self.store.bind_stream(client, conn, from.process);
         }
-        match self.execute(&req, payloads, &mut out, now) {
+        match self.execute(&req, tenant, payloads, &mut out, now) {
             Ok(Answer::Later(token)) => Outcome::Later(token, id, op),
             Ok(Answer::Now(body)) => {
                 let (r, p) = self.finish(id, op, now, Ok(body), out);
@@ -93,6 +103,7 @@ impl Server {
     fn execute(
         &mut self,
         req: &Request,
+        tenant: TenantId,
         payloads: &[zmq::Message],
         out: &mut Vec<zmq::Message>,
         now: Instant,
@@ -100,8 +111,10 @@ impl Server {
         self.refuse_early(req, payloads)?;
         let s = &mut self.store;
         Ok(Answer::Now(match req {
-            Request::Hello(r) => self.hello(r, now)?,
-            Request::RegisterLayout(r) => Body::RegisterLayout(s.register_layout(&r.layout)?),
+            Request::Hello(r) => self.hello(r, tenant, now)?,
+            Request::RegisterLayout(r) => {
+                Body::RegisterLayout(s.register_layout_for(&r.layout, tenant)?)
+            }
             Request::Lookup(r) => {
                 let local = s.lookup(r, now)?;
                 match self.transfers.as_mut() {
@@ -194,9 +207,9 @@ impl Server {
     }
 
     /// `hello`: a session, and what the client needs to know of this daemon.
-    fn hello(&mut self, r: &HelloReq, now: Instant) -> Result<Body, WireError> {
+    fn hello(&mut self, r: &HelloReq, tenant: TenantId, now: Instant) -> Result<Body, WireError> {
         let s = &mut self.store;
-        let client = s.hello(r, now)?;
+        let client = s.hello_as(r, tenant, now)?;
         let pool = s.pool();
         Ok(Body::Hello(HelloResp {
             protocol: PROTOCOL_VERSION,
@@ -221,6 +234,7 @@ impl Server {
                 }
             }),
             upgraded_from: self.upgraded_from,
+            tenant: s.tenancy().then(|| s.tenant_name(tenant).to_owned()),
         }))
     }
 
@@ -228,6 +242,7 @@ impl Server {
     fn stats(&self, now: Instant) -> StatsResp {
         let s = &self.store;
         let mut st = s.stats(now);
+        st.tenancy = self.tenancy.as_ref().map(|t| t.counts.clone());
         st.transfers = self.transfer_stats();
         st.peers = self.links.describe(now);
         st.discovered = self

@@ -184,6 +184,8 @@ pub struct Server {
     upgraded_from: Option<Incarnation>,
     /// When to look next for sessions whose clients' processes exited.
     next_exit_check: Instant,
+    /// Tenants (SPEC §19), when configured: credentials and the namespace of each op.
+    tenancy: Option<crate::tenancy::Tenancy>,
 }
 
 /// How [`Server::run`] ended.
@@ -255,7 +257,13 @@ impl Server {
             cut: None,
             upgraded_from: None,
             next_exit_check: Instant::now(),
+            tenancy: None,
         })
+    }
+
+    /// Puts the tenants in place (before [`Server::run`]; the store has their shares).
+    pub fn set_tenancy(&mut self, tenancy: Option<crate::tenancy::Tenancy>) {
+        self.tenancy = tenancy;
     }
 
     /// Offers the local stream transport on `path` (after the client endpoints are
@@ -458,6 +466,7 @@ impl Server {
         st.gpu = self.gpu.stats();
         st.stream = self.stream.as_ref().map(StreamServer::stats);
         st.events = self.events.as_ref().map(crate::events::Publisher::stats);
+        st.tenancy = self.tenancy.as_ref().map(|t| t.counts.clone());
         let ready = self.health.ready().is_ok();
         self.metrics.refresh(&st, self.links.counts(), ready);
     }
@@ -536,7 +545,7 @@ impl Server {
         let Some(st) = self.stream.as_mut() else {
             return;
         };
-        let process = st.peer(id);
+        let from = st.peer(id);
         for frames in st.read(id, BATCH) {
             let now = Instant::now();
             let mut frames = frames.into_iter();
@@ -544,7 +553,7 @@ impl Server {
                 continue; // the decoder never yields a message without frames
             };
             let payloads: Vec<zmq::Message> = frames.map(zmq::Message::from).collect();
-            match self.dispatch(&env, &payloads, None, Some((id, process)), now) {
+            match self.dispatch(&env, &payloads, None, Some((id, from)), now) {
                 Outcome::Reply(reply, out) => {
                     self.send_reply(&[], false, Via::Stream(id), reply, out)
                 }

@@ -193,6 +193,9 @@ impl Server {
             }
         }
         self.store.maintain(Instant::now());
+        if let Some(t) = self.tenancy.as_mut() {
+            t.poll(&mut self.store, Instant::now());
+        }
         self.end_gone_clients(Instant::now());
         self.gpu.maintain(&self.store, Instant::now());
         self.drive_transfers(ready.woken);

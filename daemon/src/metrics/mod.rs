@@ -11,7 +11,11 @@
 //!   monotonic);
 //! - the HTTP thread renders the registry on each scrape (`/metrics`).
 //!
-//! Label values are static strings (op names, error code names, tiers, transports).
+//! Label values are static strings (op names, error code names, tiers, transports), and
+//! tenant names, which come from the tenants file (a bounded set: at most
+//! `kvd_store::tenants::MAX_TENANTS`; see `tenants.rs`).
+
+mod tenants;
 
 use std::time::Duration;
 
@@ -30,6 +34,7 @@ pub struct Metrics {
     tiers: Tiers,
     feeds: Feeds,
     transfers: TransferMetrics,
+    tenants: tenants::TenantMetrics,
     ready: IntGauge,
 }
 
@@ -791,6 +796,7 @@ impl Metrics {
             tiers: Tiers::new(&r),
             feeds: Feeds::new(&r),
             transfers: TransferMetrics::new(&r),
+            tenants: tenants::TenantMetrics::new(&r),
             ready: gauge(&r, "kvd_ready", "1 when /readyz would answer 200."),
             registry: r,
         }
@@ -829,6 +835,7 @@ impl Metrics {
         self.tiers.refresh(s);
         self.feeds.refresh(s);
         self.transfers.refresh(s, peers);
+        self.tenants.refresh(s);
         advance(&self.requests.dropped_replies, s.dropped_replies);
         self.ready.set(i64::from(ready));
     }

@@ -1,0 +1,461 @@
+//! Tenants at the daemon's edge (SPEC §19): the tenants file, which credential acts for
+//! which tenant, and the namespace every client op is served in.
+//!
+//! Owns the rules:
+//! - **a session's tenant comes from a credential, never from a claim**: a `hello`'s
+//!   `token` (looked up by its digest: the table holds no secret), else the stream
+//!   connection's uid/gid (`SO_PEERCRED`, which the kernel vouches for), else the
+//!   file's `default` tenant, else the `hello` is refused (`unauthenticated`). A
+//!   credential may act for several tenants; the `hello` names which (`tenant`), or it
+//!   acts for its only one. A refusal says the same thing whether the tenant named
+//!   exists or not;
+//! - **every client op is served in its session's namespace**: the wire layout id is
+//!   replaced by the tenant's namespaced one before the store sees it, a layout named
+//!   through transfer parameters must be the session's tenant's, and `register_layout` /
+//!   `lookup` without a session are the default tenant's (refused where there is none).
+//!   What another tenant stored is then simply absent: the same answer, by the same
+//!   code path, as a key nobody stored;
+//! - the file is read at start (a bad one stops the start) and again whenever it
+//!   changes (checked once a second); a changed file that does not parse, or whose
+//!   shares the store refuses, changes nothing and is counted and logged.
+//!
+//! The shares themselves (minimums, maximums, who gives up a block) are the store's
+//! (`kvd_store::tenants`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use kvd_protocol::tenant::{token_digest, TenancyStats};
+use kvd_protocol::{ErrorCode, Request, WireError};
+use kvd_store::tenants::{TenantId, TenantSpec};
+use kvd_store::Store;
+use serde::Deserialize;
+
+use crate::config::Size;
+
+/// How often the file is looked at for changes.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Longest tenants file read.
+const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// The tenants file (TOML). See SPEC §19 and `deploy/tenants.example.toml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantsFile {
+    /// The tenant of sessions that present no credential (absent: they are refused).
+    #[serde(default)]
+    default: Option<String>,
+    /// The tenants.
+    #[serde(default)]
+    tenant: Vec<TenantEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantEntry {
+    name: String,
+    /// DRAM bytes no other tenant's store evicts it below.
+    #[serde(default)]
+    dram_min: Option<Size>,
+    /// DRAM bytes it may hold at most (absent: the pool).
+    #[serde(default)]
+    dram_max: Option<Size>,
+    /// Tokens that act for it (`hello.token`).
+    #[serde(default)]
+    tokens: Vec<String>,
+    /// Files each holding one such token (white space around it trimmed).
+    #[serde(default)]
+    token_files: Vec<PathBuf>,
+    /// Local users (uids) whose stream connections act for it.
+    #[serde(default)]
+    uids: Vec<u32>,
+    /// Local groups (primary gids) whose stream connections act for it.
+    #[serde(default)]
+    gids: Vec<u32>,
+}
+
+/// Shortest token accepted (bytes): a token is a password a client presents.
+pub const MIN_TOKEN_BYTES: usize = 16;
+
+/// The credentials of the peer of a local stream connection (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Its uid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
+}
+
+/// Who may act for which tenant (from one reading of the file).
+#[derive(Debug, Default)]
+struct Credentials {
+    tokens: HashMap<[u8; 32], Vec<String>>,
+    uids: HashMap<u32, Vec<String>>,
+    gids: HashMap<u32, Vec<String>>,
+    default: Option<String>,
+}
+
+/// A file as it was read: its shares and credentials.
+#[derive(Debug)]
+pub struct Reading {
+    specs: Vec<TenantSpec>,
+    creds: Credentials,
+}
+
+impl Reading {
+    /// The shares, for the store.
+    pub fn specs(&self) -> &[TenantSpec] {
+        &self.specs
+    }
+}
+
+/// What identifies a version of the file (a rename over it, an edit in place).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Version {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+fn version(path: &Path) -> Option<Version> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(Version {
+        modified: m.modified().ok(),
+        len: m.len(),
+        inode: m.ino(),
+    })
+}
+
+/// Reads and checks a tenants file (the store checks the shares against the pool).
+pub fn read(path: &Path) -> Result<Reading, String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_FILE_BYTES).read_to_string(&mut text))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    parse(&text, path.parent()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
+    let file: TenantsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    let mut creds = Credentials::default();
+    let mut specs = Vec::with_capacity(file.tenant.len());
+    for t in &file.tenant {
+        let max = t.dram_max.map_or(u64::MAX, |s| s.0);
+        specs.push(TenantSpec {
+            name: t.name.clone(),
+            dram_min: t.dram_min.map_or(0, |s| s.0),
+            dram_max: max,
+        });
+        let mut tokens = t.tokens.clone();
+        for f in &t.token_files {
+            let p = match dir {
+                Some(d) if f.is_relative() => d.join(f),
+                _ => f.clone(),
+            };
+            let s = std::fs::read_to_string(&p)
+                .map_err(|e| format!("tenant {:?}: token file {}: {e}", t.name, p.display()))?;
+            tokens.push(s.trim().to_owned());
+        }
+        for tok in tokens {
+            if tok.len() < MIN_TOKEN_BYTES {
+                return Err(format!(
+                    "tenant {:?}: a token shorter than {MIN_TOKEN_BYTES} bytes",
+                    t.name
+                ));
+            }
+            creds
+                .tokens
+                .entry(token_digest(&tok))
+                .or_default()
+                .push(t.name.clone());
+        }
+        for u in &t.uids {
+            creds.uids.entry(*u).or_default().push(t.name.clone());
+        }
+        for g in &t.gids {
+            creds.gids.entry(*g).or_default().push(t.name.clone());
+        }
+    }
+    if let Some(d) = &file.default {
+        if !file.tenant.iter().any(|t| &t.name == d) {
+            return Err(format!("default tenant {d:?} is not one of the tenants"));
+        }
+    }
+    creds.default = file.default;
+    Ok(Reading { specs, creds })
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Tenancy {
+    path: PathBuf,
+    seen: Option<Version>,
+    next_check: Instant,
+    creds: Credentials,
+    /// The file's readings and refused `hello`s, for `stats`.
+    pub counts: TenancyStats,
+}
+
+impl Tenancy {
+    /// Reads `path` and gives the store its shares (which turns tenants on): at start.
+    pub fn start(path: &Path, store: &mut Store, now: Instant) -> Result<Tenancy, String> {
+        let seen = version(path);
+        let r = read(path)?;
+        store
+            .set_tenants(r.specs())
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        tracing::info!(path = %path.display(), tenants = r.specs.len(), "tenants configured");
+        Ok(Tenancy {
+            path: path.to_owned(),
+            seen,
+            next_check: now + CHECK_EVERY,
+            creds: r.creds,
+            counts: TenancyStats::default(),
+        })
+    }
+
+    /// Applies the file again if it changed (at most once a [`CHECK_EVERY`]).
+    pub fn poll(&mut self, store: &mut Store, now: Instant) {
+        if now < self.next_check {
+            return;
+        }
+        self.next_check = now + CHECK_EVERY;
+        let v = version(&self.path);
+        if v == self.seen {
+            return;
+        }
+        self.seen = v;
+        let applied = read(&self.path).and_then(|r| {
+            store.set_tenants(r.specs()).map_err(|e| e.to_string())?;
+            Ok(r)
+        });
+        match applied {
+            Ok(r) => {
+                tracing::info!(path = %self.path.display(), tenants = r.specs.len(), "tenants reloaded");
+                self.creds = r.creds;
+                self.counts.reloads += 1;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "tenants file not applied: the previous one stays");
+                self.counts.reload_errors += 1;
+            }
+        }
+    }
+
+    /// The tenant a `hello` acts for, from its credential (see the module docs).
+    pub fn resolve(
+        &mut self,
+        token: Option<&str>,
+        asked: Option<&str>,
+        cred: Option<PeerCred>,
+    ) -> Result<String, WireError> {
+        let r = self.creds.resolve(token, asked, cred);
+        if r.is_err() {
+            self.counts.refused_hellos += 1;
+        }
+        r
+    }
+}
+
+fn refused(why: &str) -> WireError {
+    WireError::new(ErrorCode::Unauthenticated, why.to_owned())
+}
+
+impl Credentials {
+    fn resolve(
+        &self,
+        token: Option<&str>,
+        asked: Option<&str>,
+        cred: Option<PeerCred>,
+    ) -> Result<String, WireError> {
+        let granted: Vec<&String> = match (token, cred) {
+            (Some(t), _) => match self.tokens.get(&token_digest(t)) {
+                Some(v) => v.iter().collect(),
+                None => return Err(refused("hello: the token acts for no tenant")),
+            },
+            (None, Some(c)) => {
+                let mut v: Vec<&String> = self.uids.get(&c.uid).into_iter().flatten().collect();
+                v.extend(self.gids.get(&c.gid).into_iter().flatten());
+                v
+            }
+            (None, None) => Vec::new(),
+        };
+        let granted: Vec<&String> = if granted.is_empty() {
+            match &self.default {
+                Some(d) => vec![d],
+                None => {
+                    return Err(refused(
+                        "hello: this daemon has tenants; present a token (hello.token) or \
+                         connect over the stream transport as a configured user",
+                    ))
+                }
+            }
+        } else {
+            granted
+        };
+        match asked {
+            Some(a) => granted
+                .into_iter()
+                .find(|g| g.as_str() == a)
+                .cloned()
+                .ok_or_else(|| refused("hello: the credential does not act for that tenant")),
+            None => {
+                let first = granted[0];
+                if granted.iter().any(|g| *g != first) {
+                    return Err(WireError::new(
+                        ErrorCode::InvalidArgument,
+                        "hello: the credential acts for several tenants: name one (hello.tenant)"
+                            .to_owned(),
+                    ));
+                }
+                Ok(first.clone())
+            }
+        }
+    }
+}
+
+/// Serves `req` in its session's namespace (see the module docs) and says whose it is:
+/// a `hello`'s tenant is resolved from its credential, layout ids become the tenant's,
+/// transfer parameters must name the tenant's layouts. Without tenants, or for an op
+/// of no tenant's (`stats`, the peers' ops): [`TenantId::NONE`] and nothing changes.
+pub fn scope(
+    tenancy: Option<&mut Tenancy>,
+    store: &Store,
+    req: &mut Request,
+    cred: Option<PeerCred>,
+) -> Result<TenantId, WireError> {
+    let Some(t) = tenancy else {
+        return Ok(TenantId::NONE);
+    };
+    if let Request::Hello(h) = req {
+        let name = t.resolve(h.token.as_deref(), h.tenant.as_deref(), cred)?;
+        h.token = None;
+        // resolved from the file the store's tenants came from: the name is there
+        return store
+            .tenant_id(&name)
+            .ok_or_else(|| refused("hello: the credential does not act for that tenant"));
+    }
+    let tenant = match req.client() {
+        Some(c) => store.session_tenant(c).map_err(WireError::from)?,
+        None if matches!(req, Request::Lookup(_) | Request::RegisterLayout(_)) => {
+            default_tenant(t, store)?
+        }
+        None => return Ok(TenantId::NONE),
+    };
+    if let Some(l) = req.layout_mut() {
+        *l = store.namespace(tenant, *l);
+    }
+    if let Some(l) = req.params_layout() {
+        if store.layout_owner(l).map(|(o, _)| o) != Some(tenant) {
+            return Err(WireError::new(
+                ErrorCode::UnknownLayout,
+                format!("layout {l} is not registered"),
+            ));
+        }
+    }
+    Ok(tenant)
+}
+
+/// The tenant of an op without a session: the default one.
+fn default_tenant(t: &Tenancy, store: &Store) -> Result<TenantId, WireError> {
+    t.creds
+        .default
+        .as_deref()
+        .and_then(|d| store.tenant_id(d))
+        .ok_or_else(|| {
+            refused("this daemon has tenants and no default one: name your session (client)")
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+default = "public"
+[[tenant]]
+name = "quiet"
+dram_min = "64MiB"
+dram_max = "256MiB"
+tokens = ["quiet-token-0123456789"]
+uids = [1001]
+[[tenant]]
+name = "noisy"
+dram_max = "128MiB"
+tokens = ["noisy-token-0123456789", "shared-token-0123456789"]
+gids = [2000]
+[[tenant]]
+name = "public"
+tokens = ["shared-token-0123456789"]
+"#;
+
+    fn creds() -> Credentials {
+        parse(FILE, None).unwrap().creds
+    }
+
+    #[test]
+    fn a_credential_acts_only_for_its_tenants() {
+        let c = creds();
+        let tok = |t: &str, a: Option<&str>| c.resolve(Some(t), a, None);
+        assert_eq!(tok("quiet-token-0123456789", None).unwrap(), "quiet");
+        assert_eq!(
+            tok("quiet-token-0123456789", Some("noisy"))
+                .unwrap_err()
+                .code,
+            ErrorCode::Unauthenticated
+        );
+        // the refusal reads the same for a tenant that does not exist
+        assert_eq!(
+            tok("quiet-token-0123456789", Some("noisy"))
+                .unwrap_err()
+                .message,
+            tok("quiet-token-0123456789", Some("nobody"))
+                .unwrap_err()
+                .message
+        );
+        assert_eq!(
+            tok("wrong-token-0123456789", None).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
+        // a token for two tenants names one
+        assert_eq!(
+            tok("shared-token-0123456789", None).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            tok("shared-token-0123456789", Some("public")).unwrap(),
+            "public"
+        );
+        // by uid / gid on the stream transport
+        let uid = |uid, gid| c.resolve(None, None, Some(PeerCred { uid, gid }));
+        assert_eq!(uid(1001, 5).unwrap(), "quiet");
+        assert_eq!(uid(7, 2000).unwrap(), "noisy");
+        // nothing: the default tenant, and only it
+        assert_eq!(uid(7, 7).unwrap(), "public");
+        assert_eq!(c.resolve(None, None, None).unwrap(), "public");
+        assert!(c.resolve(None, Some("quiet"), None).is_err());
+    }
+
+    #[test]
+    fn without_a_default_no_credential_is_refused() {
+        let r = parse(&FILE.replace("default = \"public\"", ""), None).unwrap();
+        assert_eq!(
+            r.creds.resolve(None, None, None).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn bad_files_are_refused() {
+        assert!(parse("[[tenant]]\nname = \"a\"\ntokens = [\"short\"]\n", None).is_err());
+        assert!(parse("default = \"b\"\n[[tenant]]\nname = \"a\"\n", None).is_err());
+        assert!(parse("[[tenant]]\nname = \"a\"\nsurprise = 1\n", None).is_err());
+        let r = parse(FILE, None).unwrap();
+        assert_eq!(r.specs[0].dram_min, 64 << 20);
+        assert_eq!(r.specs[2].dram_max, u64::MAX);
+    }
+}

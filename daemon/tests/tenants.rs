@@ -1,0 +1,429 @@
+//! Tenants (SPEC §19), from the outside: real daemons, clients holding two tenants'
+//! tokens. A noisy tenant cannot evict a quiet one below its minimum (and with one
+//! global LRU, the same traffic does); one tenant cannot see, pin, export, pull or time
+//! another's blocks; a changed tenants file takes effect under load without a restart;
+//! credentials are checked; metrics say the tenant.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvd_client::{Client, Error};
+use kvd_protocol::tenant::{tenant_layout, TenantStats};
+use kvd_protocol::{ChunkHash, ErrorCode, LayoutId};
+
+const QUIET: &str = "quiet-token-0123456789abcdef";
+const NOISY: &str = "noisy-token-0123456789abcdef";
+const BLOCK_KIB: u64 = 64;
+
+/// A tenants file in its own directory (kept alive by the returned guard).
+struct TenantsFile {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl TenantsFile {
+    fn new(body: &str) -> TenantsFile {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        std::fs::write(&path, body).unwrap();
+        TenantsFile { _dir: dir, path }
+    }
+
+    /// Replaces the file as an operator would (write beside, rename over).
+    fn replace(&self, body: &str) {
+        let tmp = self.path.with_extension("new");
+        let mut f = std::fs::File::create(&tmp).unwrap();
+        f.write_all(body.as_bytes()).unwrap();
+        f.sync_all().unwrap();
+        std::fs::rename(&tmp, &self.path).unwrap();
+    }
+}
+
+fn shares(quiet_min: &str, noisy_max: &str) -> String {
+    format!(
+        r#"
+[[tenant]]
+name = "quiet"
+dram_min = "{quiet_min}"
+tokens = ["{QUIET}"]
+
+[[tenant]]
+name = "noisy"
+dram_max = "{noisy_max}"
+tokens = ["{NOISY}"]
+"#
+    )
+}
+
+/// A daemon with a 32 MiB pool of 1 MiB segments, transfers on, and `tenants` (none:
+/// one shared cache).
+fn start(tenants: Option<&Path>, metrics_port: u16) -> Daemon {
+    let mut args: Vec<String> = [
+        "--log-level",
+        "warn",
+        "--segment-size",
+        "1MiB",
+        "--pool-size",
+        "32MiB",
+        "--keep-pool",
+        "false",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(["--metrics-addr".into(), format!("127.0.0.1:{metrics_port}")]);
+    if let Some(t) = tenants {
+        args.extend(["--tenants-file".into(), t.display().to_string()]);
+    }
+    kvd_testkit::daemon::Launch::new()
+        .config("[transfer]\nlease_ms = 5000\n")
+        .args(args)
+        .start()
+        .expect("daemon starts")
+}
+
+fn client(d: &Daemon, token: Option<&str>) -> Result<Client, Error> {
+    let b = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_name("tenant-test");
+    match token {
+        Some(t) => b.with_token(t).connect(),
+        None => b.connect(),
+    }
+}
+
+fn store(c: &Client, l: LayoutId, seed: u32, n: usize) -> Vec<ChunkHash> {
+    let ks = keys(seed, n);
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| {
+            block(
+                u64::from(seed) * 10_000 + i as u64,
+                (BLOCK_KIB * 1024) as usize,
+            )
+        })
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    c.store(l, &ks, &refs).expect("store");
+    ks
+}
+
+fn tenant(c: &Client, name: &str) -> TenantStats {
+    c.stats()
+        .unwrap()
+        .tenants
+        .into_iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("tenant {name} in stats"))
+}
+
+/// The quiet tenant stores a working set within its minimum; the noisy one then streams
+/// unique blocks through the pool `rounds` times. How many of the quiet blocks are
+/// still there.
+fn quiet_blocks_left(d: &Daemon, quiet: &Client, noisy: &Client) -> u64 {
+    let lq = register(quiet, BLOCK_KIB).id;
+    let ln = register(noisy, BLOCK_KIB).id;
+    let working = 96; // 6 MiB
+    let ks = store(quiet, lq, 1, working);
+    assert_eq!(quiet.probe(lq, &ks).unwrap().prefix, working as u64);
+    // 4 × the pool, 16 blocks a store
+    for round in 0..32u32 {
+        store(noisy, ln, 1000 + round, 16);
+    }
+    let _ = d;
+    quiet.probe(lq, &ks).unwrap().prefix
+}
+
+#[test]
+fn a_noisy_tenant_never_evicts_the_quiet_one_below_its_minimum() {
+    let t = TenantsFile::new(&shares("8MiB", "1TiB"));
+    let d = start(Some(&t.path), free_port());
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    assert_eq!(quiet.hello_info().tenant.as_deref(), Some("quiet"));
+    assert_eq!(noisy.hello_info().tenant.as_deref(), Some("noisy"));
+    assert_eq!(
+        quiet_blocks_left(&d, &quiet, &noisy),
+        96,
+        "the quiet tenant kept its blocks"
+    );
+    let q = tenant(&quiet, "quiet");
+    let n = tenant(&quiet, "noisy");
+    assert_eq!(q.evicted_by_others, 0, "{q:?}");
+    assert!(q.dram_bytes >= 96 * BLOCK_KIB * 1024, "{q:?}");
+    assert!(
+        n.evictions > 0,
+        "the noisy tenant made room from its own blocks: {n:?}"
+    );
+    assert_eq!(n.evicted_by_others, 0, "{n:?}");
+
+    // Negative control: the same traffic through one shared cache (one LRU) evicts the
+    // quiet blocks, so the check above can fail.
+    let d = start(None, free_port());
+    let (quiet, noisy) = (client(&d, None).unwrap(), client(&d, None).unwrap());
+    assert_eq!(quiet.hello_info().tenant, None);
+    let left = quiet_blocks_left(&d, &quiet, &noisy);
+    assert!(
+        left < 96,
+        "one LRU keeps {left} of 96 quiet blocks: the control cannot fail"
+    );
+}
+
+#[test]
+fn a_tenant_at_its_maximum_makes_room_from_its_own_blocks() {
+    let t = TenantsFile::new(&shares("0", "4MiB"));
+    let d = start(Some(&t.path), free_port());
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    let lq = register(&quiet, BLOCK_KIB).id;
+    let ln = register(&noisy, BLOCK_KIB).id;
+    let qk = store(&quiet, lq, 7, 32);
+    for round in 0..8u32 {
+        store(&noisy, ln, 100 + round, 16);
+        assert!(tenant(&noisy, "noisy").dram_bytes <= 4 << 20);
+    }
+    // the pool had room for all of it: the quiet tenant lost nothing to the noisy one
+    assert_eq!(quiet.probe(lq, &qk).unwrap().prefix, 32);
+    assert_eq!(tenant(&quiet, "quiet").evicted_by_others, 0);
+    // a store larger than its maximum is refused pool_full, for it alone
+    let big = keys(999, 80); // 5 MiB
+    let data = vec![vec![1u8; (BLOCK_KIB * 1024) as usize]; 80];
+    let refs: Vec<&[u8]> = data.iter().map(|b| &b[..]).collect();
+    match noisy.store(ln, &big, &refs) {
+        Err(Error::Daemon(e)) => {
+            assert_eq!(e.code, ErrorCode::PoolFull, "{e}");
+            assert!(e.message.contains("noisy"), "{e}");
+        }
+        r => panic!("a store past the maximum: {r:?}"),
+    }
+    store(&quiet, lq, 8, 16);
+    assert!(tenant(&quiet, "noisy").refused >= 1);
+}
+
+/// One lookup's round trip.
+fn timed_probe(c: &Client, l: LayoutId, ks: &[ChunkHash]) -> (u64, Duration) {
+    let t0 = Instant::now();
+    let r = c.probe_local(l, ks).unwrap();
+    (r.prefix, t0.elapsed())
+}
+
+/// Two-sample Kolmogorov–Smirnov statistic.
+fn ks_statistic(a: &mut [Duration], b: &mut [Duration]) -> f64 {
+    a.sort();
+    b.sort();
+    let (mut i, mut j, mut d) = (0usize, 0usize, 0f64);
+    while i < a.len() && j < b.len() {
+        if a[i] <= b[j] {
+            i += 1;
+        } else {
+            j += 1;
+        }
+        let fa = i as f64 / a.len() as f64;
+        let fb = j as f64 / b.len() as f64;
+        d = d.max((fa - fb).abs());
+    }
+    d
+}
+
+#[test]
+fn a_tenant_cannot_see_pin_export_pull_or_time_another_tenants_blocks() {
+    let t = TenantsFile::new(&shares("0", "1TiB"));
+    let d = start(Some(&t.path), free_port());
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    let lq = register(&quiet, BLOCK_KIB).id;
+    let ln = register(&noisy, BLOCK_KIB).id;
+    assert_eq!(lq, ln, "both name the layout by its wire id");
+    let held = store(&quiet, lq, 3, 8);
+    let never = keys(4, 8);
+    assert_eq!(quiet.probe_local(lq, &held).unwrap().prefix, 8);
+
+    // lookups: the same answer as for keys nobody stored
+    let a = noisy.lookup(ln, &held).unwrap();
+    let b = noisy.lookup(ln, &never).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.prefix, 0);
+    // loads and pins: misses
+    let mut bufs = vec![vec![0u8; (BLOCK_KIB * 1024) as usize]; 8];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(noisy.load(ln, &held, &mut outs).unwrap(), vec![false; 8]);
+    assert!(
+        bufs.iter().all(|b| b.iter().all(|&x| x == 0)),
+        "no byte crossed"
+    );
+    let pinned = noisy.get(ln, &held, None).unwrap();
+    assert_eq!(pinned.hits(), vec![false; 8], "nothing pinned");
+    assert_eq!(pinned.pin(), None);
+    // exports: refused as for keys it does not hold, word for word
+    let e1 = noisy.export("t-held", ln, &held, None).unwrap_err();
+    let e2 = noisy.export("t-never", ln, &never, None).unwrap_err();
+    match (e1, e2) {
+        (Error::Daemon(a), Error::Daemon(b)) => {
+            assert_eq!(a.code, b.code);
+            assert_eq!(
+                a.message.replace(&held[0].to_string(), "K"),
+                b.message.replace(&never[0].to_string(), "K")
+            );
+        }
+        (a, b) => panic!("exports: {a:?} / {b:?}"),
+    }
+    // pulls: the quiet tenant's transfer parameters are not the noisy tenant's to take
+    let params = quiet.export("t-quiet", lq, &held, None).unwrap();
+    assert_eq!(
+        params.layout_id,
+        tenant_layout("quiet", lq),
+        "namespaced on the wire"
+    );
+    match noisy.pull(&params, None, false) {
+        Err(Error::Daemon(e)) => assert_eq!(e.code, ErrorCode::UnknownLayout, "{e}"),
+        r => panic!("another tenant's pull: {r:?}"),
+    }
+    // ... a session of the same tenant may (the pull lands in the tenant's own blocks)
+    let quiet2 = client(&d, Some(QUIET)).unwrap();
+    register(&quiet2, BLOCK_KIB);
+    let r = quiet2.pull(&params, None, true).unwrap();
+    assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
+
+    // timing: lookups of another tenant's keys and of keys nobody stored, interleaved,
+    // come from one distribution (Kolmogorov–Smirnov, α = 10⁻⁴)
+    let n = 400;
+    let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..20 {
+        timed_probe(&noisy, ln, &held); // warm up
+    }
+    for i in 0..n {
+        let (x, y) = if i % 2 == 0 {
+            let x = timed_probe(&noisy, ln, &held);
+            (x, timed_probe(&noisy, ln, &never))
+        } else {
+            let y = timed_probe(&noisy, ln, &never);
+            (timed_probe(&noisy, ln, &held), y)
+        };
+        assert_eq!((x.0, y.0), (0, 0));
+        ta.push(x.1);
+        tb.push(y.1);
+    }
+    let dks = ks_statistic(&mut ta, &mut tb);
+    let critical = 2.15 * (2.0 / n as f64).sqrt();
+    assert!(
+        dks < critical,
+        "lookup latency of another tenant's keys is told apart from never-stored keys: D = {dks:.3} ≥ {critical:.3}"
+    );
+}
+
+#[test]
+fn credentials_decide_the_tenant() {
+    let t = TenantsFile::new(&shares("0", "1TiB"));
+    let d = start(Some(&t.path), free_port());
+    // no token and no default tenant: refused
+    match client(&d, None) {
+        Err(Error::Daemon(e)) => assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}"),
+        r => panic!("hello without a credential: {:?}", r.map(|_| ())),
+    }
+    // a wrong token
+    match client(&d, Some("not-a-token-of-anyone-here")) {
+        Err(Error::Daemon(e)) => assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}"),
+        r => panic!("hello with a wrong token: {:?}", r.map(|_| ())),
+    }
+    // a token naming a tenant it does not act for (one that exists, one that does not:
+    // the same refusal)
+    let claim = |who: &str| {
+        Client::builder()
+            .with_endpoint(&d.endpoint)
+            .with_token(NOISY)
+            .with_tenant(who)
+            .connect()
+            .map(|_| ())
+    };
+    let (a, b) = (claim("quiet").unwrap_err(), claim("nobody").unwrap_err());
+    assert_eq!(a.to_string(), b.to_string());
+    assert!(matches!(a, Error::Daemon(ref e) if e.code == ErrorCode::Unauthenticated));
+    assert_eq!(
+        tenant(&client(&d, Some(QUIET)).unwrap(), "quiet").sessions,
+        1
+    );
+    // the token never reaches the logs or stats
+    let st = client(&d, Some(QUIET)).unwrap().stats().unwrap();
+    assert!(
+        st.tenancy.as_ref().is_some_and(|t| t.refused_hellos >= 4),
+        "{:?}",
+        st.tenancy
+    );
+    assert!(!format!("{st:?}").contains(QUIET));
+
+    // with a default tenant, a client without a credential is served as it
+    t.replace(&format!("default = \"noisy\"\n{}", shares("0", "1TiB")));
+    eventually(10, "the default tenant applies", || {
+        client(&d, None).is_ok_and(|c| c.hello_info().tenant.as_deref() == Some("noisy"))
+    });
+}
+
+#[test]
+fn shares_change_on_reload_under_load_and_metrics_say_the_tenant() {
+    let t = TenantsFile::new(&shares("0", "2MiB"));
+    let port = free_port();
+    let d = start(Some(&t.path), port);
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    let ln = register(&noisy, BLOCK_KIB).id;
+    let endpoint = d.endpoint.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // load: another noisy session stores all along
+    let load = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let c = Client::builder()
+                .with_endpoint(&endpoint)
+                .with_token(NOISY)
+                .connect()
+                .unwrap();
+            let l = c.register_layout(&layout(BLOCK_KIB)).unwrap().id;
+            let mut seed = 50_000u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                store(&c, l, seed, 4);
+                seed += 1;
+            }
+            seed - 50_000
+        })
+    };
+    store(&noisy, ln, 20, 16);
+    assert!(tenant(&noisy, "noisy").dram_bytes <= 2 << 20);
+    // a file that does not parse changes nothing
+    t.replace("[[tenant]]\nname = \"noisy\"\nsurprise = true\n");
+    eventually(10, "the bad file is counted", || {
+        noisy
+            .stats()
+            .unwrap()
+            .tenancy
+            .is_some_and(|t| t.reload_errors >= 1)
+    });
+    assert_eq!(tenant(&noisy, "noisy").dram_max, 2 << 20);
+    // a larger maximum takes effect without a restart
+    t.replace(&shares("0", "12MiB"));
+    eventually(10, "the new maximum applies", || {
+        tenant(&noisy, "noisy").dram_max == 12 << 20
+    });
+    for round in 0..8 {
+        store(&noisy, ln, 200 + round, 16);
+    }
+    eventually(10, "the noisy tenant grows past its old maximum", || {
+        let b = tenant(&noisy, "noisy").dram_bytes;
+        b > 2 << 20 && b <= 12 << 20
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(load.join().unwrap() > 0, "the load ran");
+    // metrics carry the tenant label
+    let (code, body) = http_get(port, "/metrics").expect("metrics");
+    assert_eq!(code, 200);
+    for want in [
+        "kvd_tenant_dram_bytes{tenant=\"noisy\"}",
+        "kvd_tenant_dram_max_bytes{tenant=\"noisy\"} 12582912",
+        "kvd_tenant_dram_min_bytes{tenant=\"quiet\"} 0",
+        "kvd_tenants_reloads_total 1",
+        "kvd_tenants_reload_errors_total 1",
+    ] {
+        assert!(body.contains(want), "{want} not in /metrics");
+    }
+}
