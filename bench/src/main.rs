@@ -40,6 +40,7 @@ mod plot;
 mod proxy;
 mod report;
 mod restart;
+mod tenants;
 mod transport;
 
 use std::time::{Duration, Instant};
@@ -101,6 +102,9 @@ enum Cmd {
     /// Wrong tokens under injected faults: engines with kvd against one without, while
     /// pool bytes are flipped and daemons killed (issue 47).
     Integrity(integrity::IntegrityArgs),
+    /// Tenants: a quiet tenant's hit rate beside a noisy one streaming unique prompts,
+    /// with shares and with one shared LRU, against the quiet tenant alone (issue 49).
+    Tenants(tenants::TenantsArgs),
 }
 
 #[derive(clap::Args)]
@@ -167,6 +171,7 @@ fn main() -> Result<()> {
         Cmd::Fleet(a) => fleet::run(a),
         Cmd::Restart(a) => restart::run(a),
         Cmd::Integrity(a) => integrity::run(a),
+        Cmd::Tenants(a) => tenants::run(a),
     }
 }
 

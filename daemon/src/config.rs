@@ -80,7 +80,7 @@
 //! | `events.hwm` | int | `100000` | | messages queued per subscriber before ZMQ drops for it |
 //! | `events.buffer_steps` | int | `10000` | | batches kept for replay |
 //! | `events.heartbeat_ms` | int | `1000` | | an empty batch on `<topic>.all` after this long without one (0: none): subscribers tell an idle daemon from a gone one |
-//! | `tenants.file` | path | none | `KVD_TENANTS_FILE` / `--tenants-file` | the tenants file (SPEC §19: shares, credentials; re-read when it changes); none: no tenants. Cannot be combined with `pool.keep` yet |
+//! | `tenants.file` | path | none | `KVD_TENANTS_FILE` / `--tenants-file` | the tenants file (SPEC §18: shares, credentials; re-read when it changes); none: no tenants. Cannot be combined with `pool.keep` yet |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 //!
@@ -652,7 +652,7 @@ pub struct DaemonConfig {
     pub tenants: TenantsSection,
 }
 
-/// `[tenants]` (SPEC §19): where the tenants are configured. No file: no tenants (one
+/// `[tenants]` (SPEC §18): where the tenants are configured. No file: no tenants (one
 /// shared cache, as before tenants).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -816,7 +816,7 @@ pub struct Cli {
     /// Keep the pool across restarts and adopt a previous daemon's blocks (true/false).
     #[arg(long, env = "KVD_KEEP_POOL", value_parser = clap::builder::BoolishValueParser::new())]
     pub keep_pool: Option<bool>,
-    /// The tenants file (SPEC §19; `[tenants] file`).
+    /// The tenants file (SPEC §18; `[tenants] file`).
     #[arg(long, env = "KVD_TENANTS_FILE")]
     pub tenants_file: Option<PathBuf>,
     /// Offer the local stream transport beside the ipc endpoint (true/false).
@@ -1042,7 +1042,7 @@ impl DaemonConfig {
         }
         if self.tenants.file.is_some() && self.pool.keep {
             // The kept block table knows blocks by wire layout ids; tenants' blocks live
-            // under namespaced ones (SPEC §19). Refused rather than half-kept.
+            // under namespaced ones (SPEC §18). Refused rather than half-kept.
             return bad(
                 "tenants.file and pool.keep cannot be combined yet: a pool with tenants is \
                  not kept across restarts (set pool.keep = false)"

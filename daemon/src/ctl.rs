@@ -64,6 +64,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Tenants (SPEC §18): each one's share of DRAM, use, hits and evictions. With
+    /// tenants and no default tenant, `kvd ctl` presents `$KVD_TENANT_TOKEN`.
+    Tenants {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Peer daemons this one talks to, and its transfers.
     Peers {
         /// Print JSON.
@@ -245,6 +252,7 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
     match cli.cmd {
         Cmd::Stats { json } => print_stats(&c.stats()?, json)?,
         Cmd::Peers { json } => print_peers(&c, json)?,
+        Cmd::Tenants { json } => print_tenants(&c.stats()?, json)?,
         Cmd::Lookup { layout_id, keys } => {
             let keys: Vec<ChunkHash> = keys.iter().map(|k| parse_key(k)).collect::<Result<_>>()?;
             let r = c.probe(LayoutId(layout_id), &keys)?;
@@ -267,6 +275,63 @@ pub fn main(args: impl Iterator<Item = String>) -> Result<()> {
         Cmd::Upgrade { wait_ms } => upgrade(&c, Duration::from_millis(wait_ms))?,
         Cmd::Events { .. } => {} // handled above, without a client
     }
+    Ok(())
+}
+
+/// `kvd ctl tenants`: a line per tenant.
+fn print_tenants(s: &kvd_protocol::StatsResp, json: bool) -> Result<()> {
+    if json {
+        let v = serde_json::json!({ "tenants": s.tenants, "tenancy": s.tenancy });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let Some(r) = &s.tenancy else {
+        println!("no tenants (one shared cache)");
+        return Ok(());
+    };
+    let mib = |b: u64| match b {
+        u64::MAX => "pool".to_string(),
+        b => format!("{:.1}", b as f64 / (1u64 << 20) as f64),
+    };
+    println!(
+        "{:<20} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7}",
+        "tenant",
+        "min MiB",
+        "max MiB",
+        "held MiB",
+        "blocks",
+        "sessions",
+        "evicted",
+        "by others",
+        "refused",
+        "hit %"
+    );
+    for t in &s.tenants {
+        let looked = t.hits + t.misses;
+        let hit = if looked == 0 {
+            0.0
+        } else {
+            100.0 * t.hits as f64 / looked as f64
+        };
+        println!(
+            "{:<20} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>7.1}{}",
+            t.name,
+            mib(t.dram_min),
+            mib(t.dram_max),
+            mib(t.dram_bytes),
+            t.blocks,
+            t.sessions,
+            t.evictions,
+            t.evicted_by_others,
+            t.refused,
+            hit,
+            if t.retired { "  (retired)" } else { "" }
+        );
+    }
+    println!(
+        "tenants file: {} reloads, {} refused; {} hellos refused",
+        r.reloads, r.reload_errors, r.refused_hellos
+    );
     Ok(())
 }
 

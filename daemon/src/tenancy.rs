@@ -1,4 +1,4 @@
-//! Tenants at the daemon's edge (SPEC §19): the tenants file, which credential acts for
+//! Tenants at the daemon's edge (SPEC §18): the tenants file, which credential acts for
 //! which tenant, and the namespace every client op is served in.
 //!
 //! Owns the rules:
@@ -40,7 +40,7 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// Longest tenants file read.
 const MAX_FILE_BYTES: u64 = 4 << 20;
 
-/// The tenants file (TOML). See SPEC §19 and `deploy/tenants.example.toml`.
+/// The tenants file (TOML). See SPEC §18 and `deploy/tenants.example.toml`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TenantsFile {

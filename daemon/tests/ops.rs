@@ -473,7 +473,18 @@ fn json_logs_are_one_object_per_line_and_quiet_on_the_hot_path() {
 #[test]
 fn the_dashboard_names_only_metrics_the_daemon_exports() {
     let port = free_port();
-    let _d = Daemon::start(&["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    // with tenants, so that the per-tenant series exist
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(&tenants, "default = \"t\"\n[[tenant]]\nname = \"t\"\n").unwrap();
+    let _d = Daemon::start(&[
+        "--metrics-addr",
+        &format!("127.0.0.1:{port}"),
+        "--keep-pool",
+        "false",
+        "--tenants-file",
+        tenants.to_str().unwrap(),
+    ]);
     let text = get(port, "/metrics").unwrap().1;
     let exported: std::collections::HashSet<&str> = text
         .lines()

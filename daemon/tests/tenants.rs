@@ -1,4 +1,4 @@
-//! Tenants (SPEC §19), from the outside: real daemons, clients holding two tenants'
+//! Tenants (SPEC §18), from the outside: real daemons, clients holding two tenants'
 //! tokens. A noisy tenant cannot evict a quiet one below its minimum (and with one
 //! global LRU, the same traffic does); one tenant cannot see, pin, export, pull or time
 //! another's blocks; a changed tenants file takes effect under load without a restart;
@@ -426,4 +426,26 @@ fn shares_change_on_reload_under_load_and_metrics_say_the_tenant() {
     ] {
         assert!(body.contains(want), "{want} not in /metrics");
     }
+    // and so does `kvd ctl tenants`, for an operator holding a tenant's token
+    let out = std::process::Command::new(kvd_bin())
+        .args(["ctl", "--endpoint", &d.endpoint, "tenants"])
+        .env("KVD_TENANT_TOKEN", QUIET)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let noisy_line = text.lines().find(|l| l.starts_with("noisy")).expect(&text);
+    assert!(noisy_line.contains("12.0"), "{noisy_line}");
+    assert!(text.contains("1 reloads, 1 refused"), "{text}");
+    // without a credential (and no default tenant) kvd ctl is refused like any client
+    let out = std::process::Command::new(kvd_bin())
+        .args(["ctl", "--endpoint", &d.endpoint, "tenants"])
+        .env_remove("KVD_TENANT_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
 }

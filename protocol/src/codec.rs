@@ -174,7 +174,7 @@ impl Request {
     }
 
     /// The layout a client op names by its wire id (`Layout::id()`), which a daemon
-    /// with tenants maps into the session's namespace before serving it (SPEC §19).
+    /// with tenants maps into the session's namespace before serving it (SPEC §18).
     /// `None`: the op names no layout, or names one through transfer parameters
     /// ([`Request::params_layout`]) or a registration. `register_layout` is not here:
     /// it names the layout itself.
@@ -197,7 +197,7 @@ impl Request {
 
     /// The layout named by the transfer parameters a client op carries (a `pull`, a
     /// `decline`, a `gpu_pull`): the exporter's namespaced id, which a daemon with
-    /// tenants checks is the session's tenant's (SPEC §19).
+    /// tenants checks is the session's tenant's (SPEC §18).
     pub fn params_layout(&self) -> Option<LayoutId> {
         match self {
             Request::Pull(r) => Some(r.params.layout_id),

@@ -80,13 +80,13 @@ pub struct HelloReq {
     /// The client's process id, for logs.
     #[serde(default)]
     pub pid: u32,
-    /// The tenant's credential on a daemon with tenants (SPEC §19): the session acts
+    /// The tenant's credential on a daemon with tenants (SPEC §18): the session acts
     /// for a tenant this token is configured for. Absent: the connection's own
     /// credential (a stream connection's uid/gid) or the configured default tenant.
     /// Never logged or echoed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
-    /// Which of the credential's tenants the session acts for (SPEC §19); absent: its
+    /// Which of the credential's tenants the session acts for (SPEC §18); absent: its
     /// only one. An engine serving several tenants opens a session for each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
@@ -153,7 +153,7 @@ pub struct HelloResp {
     /// start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upgraded_from: Option<Incarnation>,
-    /// The tenant the session acts for (SPEC §19); absent on a daemon without tenants.
+    /// The tenant the session acts for (SPEC §18); absent on a daemon without tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
 }
@@ -187,7 +187,7 @@ impl StreamInfo {
 pub struct RegisterLayoutReq {
     /// The layout.
     pub layout: Layout,
-    /// The session, on a daemon with tenants (SPEC §19): the layout is registered in
+    /// The session, on a daemon with tenants (SPEC §18): the layout is registered in
     /// its tenant's namespace. Absent: the default tenant's (refused where none is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client: Option<ClientId>,
@@ -219,7 +219,7 @@ pub struct LookupReq {
     /// the same peers). Absent: false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub local_only: bool,
-    /// The session, on a daemon with tenants (SPEC §19): the lookup sees its tenant's
+    /// The session, on a daemon with tenants (SPEC §18): the lookup sees its tenant's
     /// namespace only. Absent: the default tenant's (refused where none is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client: Option<ClientId>,
@@ -652,10 +652,10 @@ pub struct StatsResp {
     /// Writer checksums (SPEC §17); zero from daemons before them.
     #[serde(default)]
     pub checksums: ChecksumStats,
-    /// Per tenant (SPEC §19), in the configuration's order; empty without tenants.
+    /// Per tenant (SPEC §18), in the configuration's order; empty without tenants.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<crate::tenant::TenantStats>,
-    /// The tenants file (SPEC §19); absent without tenants.
+    /// The tenants file (SPEC §18); absent without tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenancy: Option<crate::tenant::TenancyStats>,
 }

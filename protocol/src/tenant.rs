@@ -1,4 +1,4 @@
-//! Tenants on the wire (SPEC §19): the namespace a tenant's layouts live in, and the
+//! Tenants on the wire (SPEC §18): the namespace a tenant's layouts live in, and the
 //! per-tenant figures `stats` reports.
 //!
 //! A daemon with tenants keeps every block under a *namespaced* layout id: the wire id
@@ -52,7 +52,7 @@ pub fn token_digest(token: &str) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// One tenant's share and use of this node, in `stats` (SPEC §19).
+/// One tenant's share and use of this node, in `stats` (SPEC §18).
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
 pub struct TenantStats {
     /// Its name.
@@ -100,7 +100,7 @@ mod tests {
     #[test]
     fn namespaces_are_apart_and_stable() {
         let w = LayoutId(0x0123_4567_89ab_cdef);
-        // the SPEC §19 test vector
+        // the SPEC §18 test vector
         assert_eq!(tenant_layout("quiet", w), LayoutId(0x2d36_b780_0162_80ad));
         assert_ne!(tenant_layout("quiet", w), tenant_layout("noisy", w));
         assert_ne!(tenant_layout("quiet", w), w);

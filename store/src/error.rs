@@ -226,11 +226,11 @@ pub enum StoreError {
     /// A `reserve` of no slots.
     #[error("reserve needs a count of at least 1")]
     ZeroCount,
-    /// A tenants configuration that cannot be applied (SPEC §19).
+    /// A tenants configuration that cannot be applied (SPEC §18).
     #[error("tenants: {0}")]
     InvalidTenants(String),
     /// The storing tenant is at its maximum and has nothing of its own to give up
-    /// (SPEC §19): `pool_full` for it alone.
+    /// (SPEC §18): `pool_full` for it alone.
     #[error("tenant {tenant:?} holds {held} of its {max} bytes of DRAM and needs {needed} more; its blocks that could go are pinned or being written")]
     TenantFull {
         /// Its name.

@@ -227,8 +227,11 @@ pub struct Store {
     checksums: ChecksumStats,
     /// The DRAM tier kept across restarts (`keep`), when it is.
     keep: Option<keep::Keep>,
-    /// Tenants and their shares (SPEC §19).
+    /// Tenants and their shares (SPEC §18).
     tenants: Tenants,
+    /// The model test's negative control: victims by one global LRU.
+    #[cfg(test)]
+    global_lru_for_tests: bool,
 }
 
 /// What a request may name a slot by: checked against the pool before use.
@@ -269,6 +272,8 @@ impl Store {
             checksums: ChecksumStats::default(),
             keep: None,
             tenants: Tenants::default(),
+            #[cfg(test)]
+            global_lru_for_tests: false,
         }
     }
 
@@ -399,7 +404,7 @@ impl Store {
     }
 
     /// `hello`: opens a session acting for `tenant` (the daemon decided which, from
-    /// the credential: SPEC §19).
+    /// the credential: SPEC §18).
     pub fn hello_as(
         &mut self,
         req: &HelloReq,
@@ -410,7 +415,7 @@ impl Store {
             .open_client(&req.client_name, req.pid, tenant, now)
     }
 
-    // ----- tenants (SPEC §19) -----
+    // ----- tenants (SPEC §18) -----
 
     /// Sets the tenants and their shares: at start (which turns tenants on for the
     /// daemon's life) or a reload. See [`tenants`] for the rules.
@@ -496,7 +501,7 @@ impl Store {
             self.demoting.resize(classes.max(self.demoting.len()), 0);
             tracing::info!(layout = %id, %wire, tenant = self.tenants.name(tenant), model = %layout.model, block_bytes, "layout registered");
             // With tenants, blocks live under namespaced ids, which the kept table does
-            // not know: they are not kept across restarts (SPEC §19).
+            // not know: they are not kept across restarts (SPEC §18).
             if let (Some(t), false) = (&mut self.index.durable, self.tenants.on()) {
                 t.layout(layout);
             }
@@ -658,7 +663,16 @@ impl Store {
                     offsets.push(None);
                 }
                 None => {
-                    let Some(off) = self.take_slot(class) else {
+                    // (as below: evicting for the maximum may have taken a key counted
+                    // as cached, which now needs a slot the maximum has no room for)
+                    let over = self.tenants.on()
+                        && self.tenants.over_max(
+                            tenant,
+                            self.tenant_use(tenant),
+                            self.alloc.slot_bytes(class),
+                        );
+                    let off = if over { None } else { self.take_slot(class) };
+                    let Some(off) = off else {
                         // make_room counted keys that were cached then, and evicting may
                         // have removed some of them since: roll back, report full.
                         for i in created {
@@ -1407,5 +1421,7 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+mod tenant_model_test;
 #[cfg(test)]
 mod tests;

@@ -149,6 +149,10 @@ impl Store {
         slot: u64,
         now: Instant,
     ) -> Option<u32> {
+        #[cfg(test)]
+        if self.global_lru_for_tests {
+            return self.next_victim(now, |ix| ix.oldest_tail(None, None));
+        }
         let t = self.tenants.victim(asker, self.index.uses(), slot)?;
         if let Some(c) = class {
             if let Some(v) = self.next_victim(now, |ix| ix.lru_tail(c, t)) {

@@ -35,7 +35,7 @@ struct Session {
     last_request: Instant,
     pins: u64,
     pending: u64,
-    /// The tenant it acts for (SPEC §19; [`TenantId::NONE`] without tenants).
+    /// The tenant it acts for (SPEC §18; [`TenantId::NONE`] without tenants).
     tenant: TenantId,
     /// Where it used the stream transport from (see [`Binding`]).
     binding: Binding,
@@ -73,7 +73,7 @@ pub(super) struct LayoutEntry {
     /// Whether a layer's bytes are contiguous in a block (layer-major orders): only
     /// then may a transfer move it in layer groups (SPEC §16).
     pub layer_major: bool,
-    /// Whose namespace it is registered in: whose blocks of it are (SPEC §19).
+    /// Whose namespace it is registered in: whose blocks of it are (SPEC §18).
     pub tenant: TenantId,
     /// Its wire id (`Layout::id()`); the id it is registered under is namespaced.
     pub wire: LayoutId,

@@ -1,5 +1,5 @@
 //! Tenants: whose blocks are whose, each tenant's share of DRAM, and which tenant gives
-//! up a block when a store needs room (SPEC §19).
+//! up a block when a store needs room (SPEC §18).
 //!
 //! Owns the rules:
 //! - a tenant's id is its position in the order names first appeared (the configuration

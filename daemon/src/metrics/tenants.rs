@@ -1,4 +1,4 @@
-//! Per-tenant metrics (SPEC §19), from `stats`' `tenants`. The `tenant` label's values
+//! Per-tenant metrics (SPEC §18), from `stats`' `tenants`. The `tenant` label's values
 //! are the tenants file's names, so the label set is bounded by the configuration; a
 //! retired tenant keeps its series (its counters stay monotonic) with `kvd_tenant_retired`
 //! at 1.

@@ -57,7 +57,7 @@ impl Server {
         if let Some(why) = wrong_endpoint(op, peer) {
             return self.refuse_endpoint(id, op, why, now);
         }
-        // SPEC §19: the op is served in its session's namespace from here on.
+        // SPEC §18: the op is served in its session's namespace from here on.
         let cred = stream.and_then(|(_, from)| from.cred);
         let tenant = match scope(self.tenancy.as_mut(), &self.store, &mut req, cred) {
             Ok(t) => t,

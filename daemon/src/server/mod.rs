@@ -184,7 +184,7 @@ pub struct Server {
     upgraded_from: Option<Incarnation>,
     /// When to look next for sessions whose clients' processes exited.
     next_exit_check: Instant,
-    /// Tenants (SPEC §19), when configured: credentials and the namespace of each op.
+    /// Tenants (SPEC §18), when configured: credentials and the namespace of each op.
     tenancy: Option<crate::tenancy::Tenancy>,
 }
 
