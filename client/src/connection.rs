@@ -114,14 +114,14 @@ impl ClientBuilder {
         self.writer_checksums = on;
         self
     }
-    /// The tenant credential (SPEC §19) the session presents: a token the daemon's
+    /// The tenant credential (SPEC §18) the session presents: a token the daemon's
     /// tenants file names. Default: `$KVD_TENANT_TOKEN` (unset: none; a daemon with
     /// tenants then serves the session as its default tenant, or refuses it).
     pub fn with_token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(Secret(token.into()));
         self
     }
-    /// Which of the credential's tenants the session acts for (SPEC §19), where it acts
+    /// Which of the credential's tenants the session acts for (SPEC §18), where it acts
     /// for several. An engine serving several tenants opens a client for each. Default:
     /// `$KVD_TENANT` (unset: the credential's only tenant).
     pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {

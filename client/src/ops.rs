@@ -93,7 +93,7 @@ impl Client {
 
     /// Registers a layout (idempotent) and remembers it for re-registration.
     pub fn register_layout(&self, layout: &Layout) -> Result<LayoutInfo> {
-        // In the session's tenant's namespace (SPEC §19; a daemon without tenants
+        // In the session's tenant's namespace (SPEC §18; a daemon without tenants
         // ignores it).
         let (r, _): (RegisterLayoutResp, _) = self.call(
             |client| {
