@@ -62,6 +62,12 @@ struct TenantEntry {
     /// DRAM bytes it may hold at most (absent: the pool).
     #[serde(default)]
     dram_max: Option<Size>,
+    /// Bytes of its blocks pinned at once at most (absent: no limit).
+    #[serde(default)]
+    pinned_max: Option<Size>,
+    /// Transfers of its blocks live at once at most (absent: no limit).
+    #[serde(default)]
+    transfers_max: Option<u64>,
     /// Tokens that act for it (`hello.token`).
     #[serde(default)]
     tokens: Vec<String>,
@@ -149,6 +155,8 @@ fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
             name: t.name.clone(),
             dram_min: t.dram_min.map_or(0, |s| s.0),
             dram_max: max,
+            pinned_max: t.pinned_max.map_or(u64::MAX, |s| s.0),
+            transfers_max: t.transfers_max.unwrap_or(u64::MAX),
         });
         let mut tokens = t.tokens.clone();
         for f in &t.token_files {

@@ -449,3 +449,61 @@ fn shares_change_on_reload_under_load_and_metrics_say_the_tenant() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn pin_and_transfer_limits_hold_with_peers() {
+    let file = format!(
+        "{}\n[[tenant]]\nname = \"capped\"\npinned_max = \"256KiB\"\ntransfers_max = 1\ntokens = [\"capped-token-0123456789abcdef\"]\n",
+        shares("0", "1TiB")
+    );
+    let t = TenantsFile::new(&file);
+    let (a, b) = (
+        start(Some(&t.path), free_port()),
+        start(Some(&t.path), free_port()),
+    );
+    let tok = "capped-token-0123456789abcdef";
+    let (ca, cb) = (
+        client(&a, Some(tok)).unwrap(),
+        client(&b, Some(tok)).unwrap(),
+    );
+    let la = register(&ca, BLOCK_KIB).id;
+    register(&cb, BLOCK_KIB);
+    let ks = store(&ca, la, 30, 8);
+    // a get pins what fits in 256 KiB (4 blocks); the rest are misses
+    let g = ca.get(la, &ks, None).unwrap();
+    assert_eq!(g.hits(), [vec![true; 4], vec![false; 4]].concat());
+    assert_eq!(tenant(&ca, "capped").pinned_bytes, 4 * BLOCK_KIB * 1024);
+    // an export that would pin past it is refused whole
+    match ca.export("too-many", la, &ks[4..], None) {
+        Err(Error::Daemon(e)) => assert_eq!(e.code, ErrorCode::LimitReached, "{e}"),
+        r => panic!("an export past the pinned-bytes limit: {r:?}"),
+    }
+    drop(g);
+    eventually(10, "the get's pin is released", || {
+        tenant(&ca, "capped").pinned_bytes == 0
+    });
+    // one transfer at a time: a second export waits for the first to end
+    let p = ca.export("one", la, &ks[..2], None).unwrap();
+    match ca.export("two", la, &ks[2..4], None) {
+        Err(Error::Daemon(e)) => {
+            assert_eq!(e.code, ErrorCode::LimitReached, "{e}");
+            assert!(e.message.contains("capped"), "{e}");
+        }
+        r => panic!("a second live transfer: {r:?}"),
+    }
+    // another tenant on the same node is not held back by it
+    let quiet = client(&a, Some(QUIET)).unwrap();
+    let lq = register(&quiet, BLOCK_KIB).id;
+    let qk = store(&quiet, lq, 31, 2);
+    quiet.export("quiet-one", lq, &qk, None).unwrap();
+    quiet.export("quiet-two", lq, &qk, None).unwrap();
+    // the peer of the same tenant pulls it: the export ends, and the tenant may start
+    // another
+    let r = cb.pull(&p, None, true).unwrap();
+    assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
+    eventually(
+        10,
+        "the pulled export ends and frees the tenant's transfer",
+        || ca.export("two", la, &ks[2..4], None).is_ok(),
+    );
+}

@@ -63,6 +63,12 @@ pub struct TenantStats {
     pub dram_max: u64,
     /// DRAM bytes its blocks hold now.
     pub dram_bytes: u64,
+    /// Bytes of its blocks that may be pinned at once.
+    pub pinned_max: u64,
+    /// Bytes of its blocks pinned now.
+    pub pinned_bytes: u64,
+    /// Transfers of its blocks that may be live at once.
+    pub transfers_max: u64,
     /// Its committed blocks in DRAM.
     pub blocks: u64,
     /// Its live sessions.
@@ -77,6 +83,9 @@ pub struct TenantStats {
     pub hits: u64,
     /// See `hits`.
     pub misses: u64,
+    /// Keys a `get` could not pin (a miss) or an export refused, at its pinned-bytes
+    /// limit.
+    pub pin_refused: u64,
     /// No longer in the configuration: takes no new blocks; its blocks go first.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub retired: bool,

@@ -242,6 +242,16 @@ pub enum StoreError {
         /// Bytes the allocation needs.
         needed: u64,
     },
+    /// A tenant's limit other than DRAM bytes (SPEC §18).
+    #[error("tenant {tenant:?} is at its limit of {max} {what}")]
+    TenantLimit {
+        /// Its name.
+        tenant: String,
+        /// What is limited ("pinned bytes").
+        what: &'static str,
+        /// The limit.
+        max: u64,
+    },
     /// A bug or an I/O failure of the daemon itself.
     #[error("{0}")]
     Internal(String),
@@ -265,7 +275,7 @@ impl StoreError {
             | DuplicateSlot { .. }
             | ZeroCount => ErrorCode::InvalidArgument,
             BlockTooLarge { .. } => ErrorCode::TooLarge,
-            Limit { .. } | NoSizeClass(_) => ErrorCode::LimitReached,
+            Limit { .. } | NoSizeClass(_) | TenantLimit { .. } => ErrorCode::LimitReached,
             NotAllocated { .. }
             | AlreadyCommitted { .. }
             | BeingPromoted { .. }

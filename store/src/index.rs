@@ -568,6 +568,14 @@ impl Index {
         n.pins += 1;
         if n.pins == 1 {
             self.pinned += 1;
+            let (t, b) = (
+                usize::from(n.tenant),
+                self.slot_bytes.get(usize::from(n.class)),
+            );
+            if let (Some(u), Some(b)) = (self.uses.get_mut(t), b) {
+                u.pinned += b;
+            }
+            let n = &self.nodes[idx as usize];
             if let Some(t) = &self.durable {
                 t.out(n.offset());
             }
@@ -584,6 +592,14 @@ impl Index {
         n.pins = n.pins.saturating_sub(1);
         if n.pins == 0 {
             self.pinned -= 1;
+            let (t, b) = (
+                usize::from(n.tenant),
+                self.slot_bytes.get(usize::from(n.class)),
+            );
+            if let (Some(u), Some(b)) = (self.uses.get_mut(t), b) {
+                u.pinned -= b;
+            }
+            let n = &self.nodes[idx as usize];
             if let (Some(t), false) = (&self.durable, n.is_fenced()) {
                 t.back(n.offset());
             }

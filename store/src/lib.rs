@@ -451,6 +451,11 @@ impl Store {
         self.tenants.namespace(t, wire)
     }
 
+    /// `t`'s limit on live transfers of its blocks (`u64::MAX`: none).
+    pub fn tenant_transfers_max(&self, t: TenantId) -> u64 {
+        self.tenants.transfers_max(t)
+    }
+
     /// The tenant and wire id of a registered (namespaced) layout.
     pub fn layout_owner(&self, layout: LayoutId) -> Option<(TenantId, LayoutId)> {
         self.sessions
@@ -900,13 +905,39 @@ impl Store {
         self.pin_hits_for(req, ttl, now)
     }
 
+    /// Whether `tenant` may pin one more block of `bytes` (its pinned-bytes limit).
+    fn may_pin(&self, tenant: TenantId, bytes: u64) -> bool {
+        !self.tenants.on()
+            || self.tenant_use(tenant).pinned.saturating_add(bytes)
+                <= self.tenants.pinned_max(tenant)
+    }
+
     fn pin_hits_for(&mut self, req: &GetReq, ttl: Duration, now: Instant) -> GetResp {
         let tick = self.tick(now);
+        let tenant = self
+            .sessions
+            .layout(req.layout_id)
+            .map_or(TenantId::NONE, |l| l.tenant);
         let mut offsets = Vec::with_capacity(req.keys.len());
         let mut crcs = Vec::with_capacity(req.keys.len());
         let mut pinned = Vec::new();
         for k in &req.keys {
             match self.index.find(req.layout_id, k) {
+                // at the tenant's pinned-bytes limit a block not pinned yet is a miss
+                Some(i)
+                    if self.index.node(i).readable()
+                        && !req.inline
+                        && self.index.node(i).pins() == 0
+                        && !self
+                            .may_pin(tenant, self.alloc.slot_bytes(self.index.node(i).class())) =>
+                {
+                    if let Some(c) = self.tenants.counters(tenant) {
+                        c.pin_refused += 1;
+                    }
+                    self.counters.misses += 1;
+                    offsets.push(None);
+                    crcs.push(None);
+                }
                 Some(i) if self.index.node(i).readable() => {
                     self.index.touch(i, tick);
                     if !req.inline {
@@ -1237,6 +1268,25 @@ impl Store {
             }
         }
         self.pin_room()?;
+        // every key or none: an export that would pass its tenant's pinned-bytes limit
+        // is refused before anything is pinned
+        let entry = self.sessions.layout(layout)?;
+        let new: u64 = keys
+            .iter()
+            .filter_map(|k| self.index.find(layout, k))
+            .filter(|&i| self.index.node(i).pins() == 0)
+            .map(|_| self.alloc.slot_bytes(entry.class))
+            .sum();
+        if !self.may_pin(entry.tenant, new) {
+            if let Some(c) = self.tenants.counters(entry.tenant) {
+                c.pin_refused += keys.len() as u64;
+            }
+            return Err(StoreError::TenantLimit {
+                tenant: self.tenants.name(entry.tenant).to_owned(),
+                what: "pinned bytes",
+                max: self.tenants.pinned_max(entry.tenant),
+            });
+        }
         let req = GetReq {
             client,
             layout_id: layout,
@@ -1297,13 +1347,28 @@ impl Store {
         ttl: Duration,
         now: Instant,
     ) -> Result<(Option<PinId>, Vec<u64>), StoreError> {
-        self.session_layout(client, layout, now)?;
+        let entry = self.session_layout(client, layout, now)?;
+        // the prefix ends where the tenant's pinned-bytes limit would be passed too
+        let slot = self.alloc.slot_bytes(entry.class);
+        let mut room = match self.tenants.on() {
+            true => self
+                .tenants
+                .pinned_max(entry.tenant)
+                .saturating_sub(self.tenant_use(entry.tenant).pinned),
+            false => u64::MAX,
+        };
         let n = keys
             .iter()
-            .take_while(|k| {
-                self.index
-                    .find(layout, k)
-                    .is_some_and(|i| self.index.node(i).readable())
+            .take_while(|k| match self.index.find(layout, k) {
+                Some(i) if self.index.node(i).readable() => {
+                    if self.index.node(i).pins() > 0 {
+                        return true;
+                    }
+                    let fits = room >= slot;
+                    room = room.saturating_sub(slot);
+                    fits
+                }
+                _ => false,
             })
             .count();
         self.counters.misses += (keys.len() - n) as u64;

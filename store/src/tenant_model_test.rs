@@ -21,16 +21,22 @@ fn specs() -> Vec<TenantSpec> {
             name: "quiet".into(),
             dram_min: 4 * KIB16,
             dram_max: u64::MAX,
+            pinned_max: u64::MAX,
+            transfers_max: u64::MAX,
         },
         TenantSpec {
             name: "noisy".into(),
             dram_min: 0,
             dram_max: u64::MAX,
+            pinned_max: u64::MAX,
+            transfers_max: u64::MAX,
         },
         TenantSpec {
             name: "capped".into(),
             dram_min: 0,
             dram_max: 6 * KIB16,
+            pinned_max: 3 * KIB16,
+            transfers_max: u64::MAX,
         },
     ]
 }
@@ -186,6 +192,12 @@ impl World {
             }
             if a > spec.dram_max {
                 return Some(format!("tenant {} holds {a} > its maximum", spec.name));
+            }
+            if after[i].pinned > spec.pinned_max {
+                return Some(format!(
+                    "tenant {} pins {} > its limit",
+                    spec.name, after[i].pinned
+                ));
             }
         }
         None

@@ -53,6 +53,12 @@ pub struct TenantSpec {
     pub dram_min: u64,
     /// DRAM bytes it may hold at most (`u64::MAX`: no limit but the pool).
     pub dram_max: u64,
+    /// Bytes of its blocks that may be pinned at once (`get`s, exports, peers' locks;
+    /// `u64::MAX`: no limit).
+    pub pinned_max: u64,
+    /// Transfers of its blocks live at once (exports, imports, push registrations;
+    /// `u64::MAX`: no limit).
+    pub transfers_max: u64,
 }
 
 /// What a tenant's blocks went through, for `stats` and metrics.
@@ -68,6 +74,8 @@ pub struct TenantCounters {
     pub hits: u64,
     /// See `hits`.
     pub misses: u64,
+    /// Keys a `get` or export could not pin at its pinned-bytes limit.
+    pub pin_refused: u64,
 }
 
 #[derive(Debug)]
@@ -84,6 +92,8 @@ pub struct Use {
     pub held: u64,
     /// Of those, bytes of blocks that can be evicted now (committed, unpinned).
     pub evictable: u64,
+    /// Of those, bytes of blocks with a pin.
+    pub pinned: u64,
 }
 
 /// See the module docs.
@@ -102,6 +112,8 @@ impl Default for Tenants {
                     name: String::new(),
                     dram_min: 0,
                     dram_max: u64::MAX,
+                    pinned_max: u64::MAX,
+                    transfers_max: u64::MAX,
                 },
                 retired: false,
                 counters: TenantCounters::default(),
@@ -144,6 +156,12 @@ impl Tenants {
             }
             if s.dram_min > s.dram_max {
                 return bad(format!("tenant {:?}: dram_min above dram_max", s.name));
+            }
+            if s.pinned_max == 0 {
+                return bad(format!(
+                    "tenant {:?}: pinned_max of 0 (nothing could be read)",
+                    s.name
+                ));
             }
             mins = mins.saturating_add(s.dram_min);
         }
@@ -224,6 +242,24 @@ impl Tenants {
         }
     }
 
+    /// `t`'s limit on pinned bytes (`u64::MAX` without tenants; 0 when retired).
+    pub fn pinned_max(&self, t: TenantId) -> u64 {
+        match self.list.get(t.index()) {
+            Some(x) if !x.retired => x.spec.pinned_max,
+            _ if !self.on => u64::MAX,
+            _ => 0,
+        }
+    }
+
+    /// `t`'s limit on live transfers (`u64::MAX` without tenants; 0 when retired).
+    pub fn transfers_max(&self, t: TenantId) -> u64 {
+        match self.list.get(t.index()) {
+            Some(x) if !x.retired => x.spec.transfers_max,
+            _ if !self.on => u64::MAX,
+            _ => 0,
+        }
+    }
+
     /// Whether `t` holding `u` may not take `more` bytes without first giving up some
     /// of its own.
     pub fn over_max(&self, t: TenantId, u: Use, more: u64) -> bool {
@@ -292,6 +328,9 @@ impl Tenants {
                     name: t.spec.name.clone(),
                     dram_min: self.min(TenantId(i as u8)),
                     dram_max: self.max(TenantId(i as u8)),
+                    pinned_max: self.pinned_max(TenantId(i as u8)),
+                    pinned_bytes: uses.get(i).map_or(0, |u| u.pinned),
+                    transfers_max: self.transfers_max(TenantId(i as u8)),
                     dram_bytes: uses.get(i).map_or(0, |u| u.held),
                     blocks: blocks.get(i).copied().unwrap_or(0),
                     sessions: sessions.get(i).copied().unwrap_or(0),
@@ -300,6 +339,7 @@ impl Tenants {
                     refused: c.refused,
                     hits: c.hits,
                     misses: c.misses,
+                    pin_refused: c.pin_refused,
                     retired: t.retired,
                 }
             })
@@ -316,11 +356,17 @@ mod tests {
             name: name.into(),
             dram_min: min,
             dram_max: max,
+            pinned_max: u64::MAX,
+            transfers_max: u64::MAX,
         }
     }
 
     fn u(held: u64, evictable: u64) -> Use {
-        Use { held, evictable }
+        Use {
+            held,
+            evictable,
+            pinned: 0,
+        }
     }
 
     #[test]

@@ -82,7 +82,7 @@ impl Transfers {
                 "export of no keys",
             ));
         }
-        self.records.check_capacity()?;
+        self.records.check_capacity_for(store, req.layout_id)?;
         let block_bytes = store.block_bytes(req.layout_id).ok_or_else(|| {
             WireError::new(
                 ErrorCode::UnknownLayout,

@@ -229,7 +229,7 @@ impl Transfers {
                 ));
             }
         }
-        self.records.check_capacity()?;
+        self.records.check_capacity_for(store, layout)?;
         store.check_session(client, now)?;
         let local = store.block_bytes(layout).ok_or_else(|| {
             WireError::new(

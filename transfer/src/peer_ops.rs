@@ -72,7 +72,7 @@ impl Transfers {
                 ),
             ));
         }
-        self.records.check_capacity()?;
+        self.records.check_capacity_for(store, r.layout_id)?;
         let reg = Registration::new(r, self.lease_of(Some(r.lease_ms), now));
         self.book.at(reg.expires(), Timer::Reg, &r.transfer_id);
         self.records.regs.insert(r.transfer_id.clone(), reg);

@@ -140,6 +140,46 @@ impl Records {
         Ok(())
     }
 
+    /// [`Records::check_capacity`], and the limit of the tenant whose blocks a new
+    /// transfer of `layout` would move (SPEC §18: exports, imports and push
+    /// registrations of its layouts, whoever started them).
+    pub(super) fn check_capacity_for(
+        &self,
+        store: &Store,
+        layout: LayoutId,
+    ) -> Result<(), WireError> {
+        self.check_capacity()?;
+        let Some((tenant, _)) = store.layout_owner(layout).filter(|_| store.tenancy()) else {
+            return Ok(());
+        };
+        let max = store.tenant_transfers_max(tenant);
+        if max == u64::MAX {
+            return Ok(());
+        }
+        let mine = |l: LayoutId| store.layout_owner(l).is_some_and(|(t, _)| t == tenant);
+        let live = self
+            .exports
+            .values()
+            .filter(|e| !e.is_final() && mine(e.layout()))
+            .count()
+            + self
+                .imports
+                .values()
+                .filter(|i| !i.is_final() && mine(i.layout()))
+                .count()
+            + self.regs.values().filter(|r| mine(r.layout())).count();
+        if live as u64 >= max {
+            return Err(WireError::new(
+                ErrorCode::LimitReached,
+                format!(
+                    "tenant {:?} has {live} transfers live (its limit)",
+                    store.tenant_name(tenant)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The sessions owning live transfers (to keep them from idling out), and those of
     /// them whose transfers need their client (imports, staged exports).
     pub(super) fn live_owners(&self) -> (Vec<ClientId>, Vec<ClientId>) {

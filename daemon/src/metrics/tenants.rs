@@ -14,6 +14,8 @@ pub(super) struct TenantMetrics {
     dram_min: IntGaugeVec,
     dram_max: IntGaugeVec,
     blocks: IntGaugeVec,
+    pinned: IntGaugeVec,
+    pin_refused: IntCounterVec,
     sessions: IntGaugeVec,
     retired: IntGaugeVec,
     evictions: IntCounterVec,
@@ -52,6 +54,18 @@ impl TenantMetrics {
                 r,
                 "kvd_tenant_blocks",
                 "A tenant's blocks cached in DRAM.",
+                t,
+            ),
+            pinned: gauge_vec(
+                r,
+                "kvd_tenant_pinned_bytes",
+                "DRAM bytes of a tenant's blocks pinned now.",
+                t,
+            ),
+            pin_refused: counter_vec(
+                r,
+                "kvd_tenant_pin_refused_total",
+                "Keys a tenant's gets or exports could not pin at its pinned-bytes limit.",
                 t,
             ),
             sessions: gauge_vec(r, "kvd_tenant_sessions", "A tenant's live sessions.", t),
@@ -117,6 +131,8 @@ impl TenantMetrics {
             self.dram_min.with_label_values(l).set(g(t.dram_min));
             self.dram_max.with_label_values(l).set(g(t.dram_max));
             self.blocks.with_label_values(l).set(g(t.blocks));
+            self.pinned.with_label_values(l).set(g(t.pinned_bytes));
+            advance(&self.pin_refused.with_label_values(l), t.pin_refused);
             self.sessions.with_label_values(l).set(g(t.sessions));
             self.retired.with_label_values(l).set(i64::from(t.retired));
             advance(&self.evictions.with_label_values(l), t.evictions);
