@@ -766,7 +766,18 @@ impl Client {
             token: self.inner.opts.token.as_ref().map(|t| t.0.clone()),
             tenant: self.inner.opts.tenant.clone(),
         });
-        let (hello, _): (HelloResp, _) = self.raw_call(&req, &[])?;
+        let hello: HelloResp = match self.raw_call(&req, &[]) {
+            Ok((h, _)) => h,
+            // A daemon with tenants that identifies local users by uid sees one only on
+            // the stream transport (ZMQ's ipc carries no peer credentials): a session
+            // that presents no token says hello there once more.
+            Err(Error::Daemon(e))
+                if e.code == ErrorCode::Unauthenticated && self.inner.opts.token.is_none() =>
+            {
+                self.hello_over_stream(&req).ok_or(Error::Daemon(e))?
+            }
+            Err(e) => return Err(e),
+        };
         if hello.protocol != PROTOCOL_VERSION {
             return Err(Error::Protocol(format!(
                 "daemon speaks protocol {}, this client {PROTOCOL_VERSION}",
@@ -801,6 +812,26 @@ impl Client {
             since: Instant::now(),
         }));
         Ok(())
+    }
+
+    /// `hello` over the stream transport (SPEC §18: the daemon sees this process's uid
+    /// there), at the path a daemon offers it beside an ipc endpoint (`<path>.stream`).
+    /// `None` when there is none, or it did not answer a hello of the daemon that greeted.
+    fn hello_over_stream(&self, req: &Request) -> Option<HelloResp> {
+        let opts = &self.inner.opts;
+        let path = format!("{}.stream", opts.endpoint.strip_prefix("ipc://")?);
+        if !opts.stream {
+            return None;
+        }
+        let (c, inc) =
+            StreamConn::connect_greeted(&path, None, opts.busy_poll, opts.spin, opts.timeout)
+                .ok()?;
+        let mut conn = Conn::Stream((c, inc));
+        let r = self
+            .send_on(&mut conn, req, &[])
+            .and_then(|id| self.recv_on(&mut conn, id, req.op(), Duration::ZERO));
+        let (hello, _): (HelloResp, _) = self.finish(conn, r).ok()?;
+        (hello.incarnation == inc).then_some(hello)
     }
 
     /// Says hello again (after a restart); re-registers layouts. Returns the incarnation.

@@ -58,6 +58,19 @@ impl StreamConn {
         spin: Duration,
         timeout: Duration,
     ) -> std::io::Result<StreamConn> {
+        Self::connect_greeted(path, Some(incarnation), busy, spin, timeout).map(|(c, _)| c)
+    }
+
+    /// [`StreamConn::connect`] to whichever daemon greets (`expect`: `None`), with the
+    /// incarnation it greeted with: for a `hello` sent over the stream, whose reply must
+    /// then name the same incarnation.
+    pub(crate) fn connect_greeted(
+        path: &str,
+        expect: Option<Incarnation>,
+        busy: bool,
+        spin: Duration,
+        timeout: Duration,
+    ) -> std::io::Result<(StreamConn, Incarnation)> {
         let sock = UnixStream::connect(path)?;
         let timeout = timeout.max(Duration::from_millis(1));
         sock.set_read_timeout(Some(timeout))?;
@@ -76,21 +89,21 @@ impl StreamConn {
                 StreamError::Timeout => std::io::Error::new(ErrorKind::TimedOut, "no greeting"),
                 StreamError::Broken(e) => e,
             })?;
-        match greeting.first().and_then(|f| Greeting::decode(f)) {
-            Some(g) if g.incarnation == incarnation => {}
+        let greeted = match greeting.first().and_then(|f| Greeting::decode(f)) {
+            Some(g) if expect.is_none_or(|i| i == g.incarnation) => g.incarnation,
             Some(_) => {
                 return Err(std::io::Error::other(
                     "the stream socket leads to another daemon than hello's",
                 ))
             }
             None => return Err(std::io::Error::other("no greeting on the stream socket")),
-        }
+        };
         if busy {
             c.sock.set_nonblocking(true)?;
             c.busy = true;
         }
         c.spin = spin;
-        Ok(c)
+        Ok((c, greeted))
     }
 
     /// Sends one message: `frames[0]` the envelope, the rest payloads (written from the

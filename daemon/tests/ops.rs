@@ -485,6 +485,10 @@ fn the_dashboard_names_only_metrics_the_daemon_exports() {
         "--tenants-file",
         tenants.to_str().unwrap(),
     ]);
+    // (the per-tenant series appear with the first refresh after the start)
+    eventually(10, "per-tenant series", || {
+        get(port, "/metrics").is_some_and(|(_, t)| t.contains("kvd_tenant_dram_bytes"))
+    });
     let text = get(port, "/metrics").unwrap().1;
     let exported: std::collections::HashSet<&str> = text
         .lines()

@@ -287,31 +287,43 @@ fn a_tenant_cannot_see_pin_export_pull_or_time_another_tenants_blocks() {
     let r = quiet2.pull(&params, None, true).unwrap();
     assert_eq!(r.state, kvd_protocol::TransferState::Done, "{r:?}");
 
-    // timing: lookups of another tenant's keys and of keys nobody stored, interleaved,
-    // come from one distribution (Kolmogorov–Smirnov, α = 10⁻⁴)
-    let n = 400;
-    let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    // timing: lookups of another tenant's keys and of keys nobody stored, in adjacent
+    // pairs (the order alternating), are not told apart: neither is slower in more
+    // pairs than chance allows (a sign test, 4.5 σ), nor are the two samples apart
+    // (Kolmogorov–Smirnov, α = 10⁻⁴). A noisy machine gets three tries; a real
+    // difference fails all three.
     for _ in 0..20 {
         timed_probe(&noisy, ln, &held); // warm up
     }
-    for i in 0..n {
-        let (x, y) = if i % 2 == 0 {
-            let x = timed_probe(&noisy, ln, &held);
-            (x, timed_probe(&noisy, ln, &never))
-        } else {
-            let y = timed_probe(&noisy, ln, &never);
-            (timed_probe(&noisy, ln, &held), y)
-        };
-        assert_eq!((x.0, y.0), (0, 0));
-        ta.push(x.1);
-        tb.push(y.1);
+    let n = 400;
+    let mut verdicts = Vec::new();
+    for _ in 0..3 {
+        let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut slower = 0i64;
+        for i in 0..n {
+            let (x, y) = if i % 2 == 0 {
+                let x = timed_probe(&noisy, ln, &held);
+                (x, timed_probe(&noisy, ln, &never))
+            } else {
+                let y = timed_probe(&noisy, ln, &never);
+                (timed_probe(&noisy, ln, &held), y)
+            };
+            assert_eq!((x.0, y.0), (0, 0));
+            slower += i64::from(x.1 > y.1);
+            ta.push(x.1);
+            tb.push(y.1);
+        }
+        let sign = (slower - n as i64 / 2).abs() as f64 / (n as f64).sqrt() * 2.0;
+        let dks = ks_statistic(&mut ta, &mut tb);
+        let critical = 2.15 * (2.0 / n as f64).sqrt();
+        if sign < 4.5 && dks < critical {
+            return;
+        }
+        verdicts.push(format!(
+            "{slower}/{n} pairs slower (z = {sign:.1}), D = {dks:.3} (≥ {critical:.3}?)"
+        ));
     }
-    let dks = ks_statistic(&mut ta, &mut tb);
-    let critical = 2.15 * (2.0 / n as f64).sqrt();
-    assert!(
-        dks < critical,
-        "lookup latency of another tenant's keys is told apart from never-stored keys: D = {dks:.3} ≥ {critical:.3}"
-    );
+    panic!("lookups of another tenant's keys are told apart from never-stored ones: {verdicts:?}");
 }
 
 #[test]
@@ -505,5 +517,41 @@ fn pin_and_transfer_limits_hold_with_peers() {
         10,
         "the pulled export ends and frees the tenant's transfer",
         || ca.export("two", la, &ks[2..4], None).is_ok(),
+    );
+}
+
+#[test]
+fn a_local_user_is_known_by_uid_on_the_stream_transport() {
+    let uid = nix::unistd::getuid().as_raw();
+    let t = TenantsFile::new(&format!(
+        "{}\n[[tenant]]\nname = \"local\"\nuids = [{uid}]\n",
+        shares("0", "1TiB")
+    ));
+    let d = start(Some(&t.path), free_port());
+    // no token: ZMQ's ipc carries no uid, so the client says hello on the stream socket,
+    // where the kernel vouches for this process's uid
+    let c = client(&d, None).unwrap();
+    assert_eq!(c.hello_info().tenant.as_deref(), Some("local"));
+    let l = register(&c, BLOCK_KIB).id;
+    let ks = store(&c, l, 40, 2);
+    assert_eq!(c.lookup(l, &ks).unwrap().prefix, 2);
+    assert_eq!(tenant(&c, "local").blocks, 2);
+    // without the stream transport there is no uid to go by
+    let zmq_only = Client::builder()
+        .with_endpoint(&d.endpoint)
+        .with_stream(false)
+        .connect();
+    match zmq_only {
+        Err(Error::Daemon(e)) => assert_eq!(e.code, ErrorCode::Unauthenticated, "{e}"),
+        r => panic!("a ZMQ-only hello without a token: {:?}", r.map(|_| ())),
+    }
+    // a token still wins over the uid
+    let q = client(&d, Some(QUIET)).unwrap();
+    assert_eq!(q.hello_info().tenant.as_deref(), Some("quiet"));
+    register(&q, BLOCK_KIB);
+    assert_eq!(
+        q.lookup(l, &ks).unwrap().prefix,
+        0,
+        "the uid's blocks are not quiet's"
     );
 }
