@@ -138,6 +138,10 @@ struct StoreArgs {
     /// on each side (use it with one client thread on a small machine).
     #[arg(long)]
     busy_poll: bool,
+    /// Run the daemon with tenants (SPEC §18): one tenant, the default, whose namespace
+    /// and shares every op goes through (what tenants cost a store against without).
+    #[arg(long)]
+    tenants: bool,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -498,6 +502,17 @@ fn store(a: StoreArgs) -> Result<()> {
     let max_size = a.sizes.iter().map(|s| s.as_u64()).max().unwrap_or(0);
     // room for one case's working set, the lookup keys, and slack for partial segments
     let pool_bytes = total + total / 8 + a.lookup_keys as u64 * 4096 + 4 * SEGMENT;
+    let tenants_dir = tempfile::tempdir()?;
+    let extra = if a.tenants {
+        let f = tenants_dir.path().join("tenants.toml");
+        std::fs::write(
+            &f,
+            "default = \"bench\"\n[[tenant]]\nname = \"bench\"\ndram_min = \"64MiB\"\n",
+        )?;
+        format!("[tenants]\nfile = {:?}\n", f.display().to_string())
+    } else {
+        String::new()
+    };
     let own = match &a.endpoint {
         Some(_) => None,
         None => Some(BenchDaemon::spawn(
@@ -505,7 +520,7 @@ fn store(a: StoreArgs) -> Result<()> {
             SEGMENT,
             true,
             30_000,
-            "",
+            &extra,
             a.busy_poll,
         )?),
     };

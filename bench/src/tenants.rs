@@ -47,6 +47,10 @@ pub struct TenantsArgs {
     /// Quiet requests per run (after a warm-up of as many).
     #[arg(long, default_value_t = 4000)]
     requests: usize,
+    /// Pause between the quiet tenant's requests (µs): a quiet tenant is one whose
+    /// requests are sparse beside the noisy one's stores.
+    #[arg(long, default_value_t = 0)]
+    quiet_gap_us: u64,
     /// Blocks per noisy store call.
     #[arg(long, default_value_t = 16)]
     noisy_batch: usize,
@@ -142,6 +146,9 @@ fn quiet_load(c: &Client, l: LayoutId, a: &TenantsArgs, data: &[u8]) -> Result<(
         if i >= a.requests {
             n += 1;
             hits += u64::from(hit);
+        }
+        if a.quiet_gap_us > 0 {
+            std::thread::sleep(Duration::from_micros(a.quiet_gap_us));
         }
     }
     Ok((hits, n))
@@ -263,8 +270,8 @@ pub fn run(a: TenantsArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "pool {} · block {} · quiet min {} (working set 80% of it, Zipf s={}, {} blocks a prompt) · {} quiet requests",
-        a.pool, a.block, a.quiet_min, a.zipf, a.prompt_blocks, a.requests
+        "pool {} · block {} · quiet min {} (working set 80% of it, Zipf s={}, {} blocks a prompt) · {} quiet requests, {} µs apart",
+        a.pool, a.block, a.quiet_min, a.zipf, a.prompt_blocks, a.requests, a.quiet_gap_us
     );
     println!(
         "{:<9} {:>10} {:>9} {:>11} {:>13} {:>13} {:>15} {:>15}",

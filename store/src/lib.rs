@@ -914,22 +914,30 @@ impl Store {
 
     fn pin_hits_for(&mut self, req: &GetReq, ttl: Duration, now: Instant) -> GetResp {
         let tick = self.tick(now);
-        let tenant = self
-            .sessions
-            .layout(req.layout_id)
-            .map_or(TenantId::NONE, |l| l.tenant);
+        // The tenant's pinned-bytes room, counted down as blocks get their first pin
+        // (None: no limit, the common case, which costs nothing per key).
+        let (tenant, mut room, slot) = match self.sessions.layout(req.layout_id) {
+            Ok(l) if self.tenants.on() && !req.inline => {
+                let max = self.tenants.pinned_max(l.tenant);
+                let room =
+                    (max != u64::MAX).then(|| max.saturating_sub(self.tenant_use(l.tenant).pinned));
+                (l.tenant, room, self.alloc.slot_bytes(l.class))
+            }
+            _ => (TenantId::NONE, None, 0),
+        };
         let mut offsets = Vec::with_capacity(req.keys.len());
         let mut crcs = Vec::with_capacity(req.keys.len());
         let mut pinned = Vec::new();
         for k in &req.keys {
-            match self.index.find(req.layout_id, k) {
+            let found = self.index.find(req.layout_id, k);
+            // (a key named twice in one request was pinned at its first mention)
+            let first_pin = |s: &Self, i: u32| s.index.node(i).pins() == 0;
+            match found {
                 // at the tenant's pinned-bytes limit a block not pinned yet is a miss
                 Some(i)
-                    if self.index.node(i).readable()
-                        && !req.inline
-                        && self.index.node(i).pins() == 0
-                        && !self
-                            .may_pin(tenant, self.alloc.slot_bytes(self.index.node(i).class())) =>
+                    if room.is_some_and(|r| r < slot)
+                        && self.index.node(i).readable()
+                        && first_pin(self, i) =>
                 {
                     if let Some(c) = self.tenants.counters(tenant) {
                         c.pin_refused += 1;
@@ -939,6 +947,9 @@ impl Store {
                     crcs.push(None);
                 }
                 Some(i) if self.index.node(i).readable() => {
+                    if let Some(r) = room.as_mut().filter(|_| first_pin(self, i)) {
+                        *r -= slot;
+                    }
                     self.index.touch(i, tick);
                     if !req.inline {
                         self.index.pin(i);
