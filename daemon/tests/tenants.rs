@@ -555,3 +555,17 @@ fn a_local_user_is_known_by_uid_on_the_stream_transport() {
         "the uid's blocks are not quiet's"
     );
 }
+
+/// The Python package and the vLLM connector (its sessions act for `extra_config`'s
+/// tenant) against a daemon with tenants: python/tests/test_tenants.py.
+#[test]
+fn the_python_package_and_the_vllm_connector_act_for_their_tenant() {
+    let t = TenantsFile::new(&shares("0", "1TiB"));
+    let d = start(Some(&t.path), free_port());
+    common::python_checks(
+        "test_tenants.py",
+        "kvd, vllm, torch",
+        "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
+        &[d.endpoint.clone(), QUIET.into(), NOISY.into()],
+    );
+}

@@ -119,15 +119,19 @@ impl Client {
 #[pymethods]
 impl Client {
     /// Connects (says `hello`, maps the pool when `map_pool`). `endpoint` defaults to the
-    /// daemon's default ipc socket.
+    /// daemon's default ipc socket. `token` and `tenant`: on a daemon with tenants (SPEC
+    /// §18), the credential the session presents and which of its tenants it acts for
+    /// (default `$KVD_TENANT_TOKEN`, `$KVD_TENANT`).
     #[new]
-    #[pyo3(signature = (endpoint=None, name="kvd-python", timeout_s=10.0, map_pool=true))]
+    #[pyo3(signature = (endpoint=None, name="kvd-python", timeout_s=10.0, map_pool=true, token=None, tenant=None))]
     fn new(
         py: Python<'_>,
         endpoint: Option<String>,
         name: &str,
         timeout_s: f64,
         map_pool: bool,
+        token: Option<String>,
+        tenant: Option<String>,
     ) -> PyResult<Self> {
         let timeout = secs(Some(timeout_s))?.unwrap_or_default();
         let mut b = RsClient::builder()
@@ -140,6 +144,12 @@ impl Client {
             });
         if let Some(e) = endpoint {
             b = b.with_endpoint(e);
+        }
+        if let Some(t) = token {
+            b = b.with_token(t);
+        }
+        if let Some(t) = tenant {
+            b = b.with_tenant(t);
         }
         let inner = py.detach(|| b.connect()).map_err(err)?;
         Ok(Client { inner })

@@ -129,7 +129,15 @@ class KvdHiCacheStorage(HiCacheStorage):
             raise ValueError("kvd HiCache backend: no model name; set extra_config.model_id")
         if storage_config.pp_size > 1:
             self._model += f"#pp{storage_config.pp_rank}/{storage_config.pp_size}"
-        self._client = kvd.Client(self._endpoint, name=f"sglang-tp{storage_config.tp_rank}", timeout_s=float(extra.get("timeout_s", 10.0)))
+        # A daemon with tenants (SPEC §18): the engine's credential and tenant (default
+        # $KVD_TENANT_TOKEN / $KVD_TENANT).
+        self._client = kvd.Client(
+            self._endpoint,
+            name=f"sglang-tp{storage_config.tp_rank}",
+            timeout_s=float(extra.get("timeout_s", 10.0)),
+            token=extra.get("tenant_token") or None,
+            tenant=extra.get("tenant") or None,
+        )
         self._pool = kvd.torch_pool(self._client, register_cuda=False)  # host to host: plain copies
         self._inc = self._client.incarnation
         self._lock = threading.Lock()  # SGLang's prefetch and backup threads share this

@@ -205,6 +205,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._lease_s = float(extra.get("lease_s", 30.0))
         self._pin_ttl_s = float(extra.get("pin_ttl_s", 60.0))
         self._timeout_s = float(extra.get("timeout_s", 10.0))
+        # A daemon with tenants (SPEC §18): the credential this engine's sessions present
+        # and the tenant they act for (default: $KVD_TENANT_TOKEN / $KVD_TENANT, which the
+        # client reads itself). Every request of the engine is that tenant's.
+        self._token = extra.get("tenant_token") or None
+        self._tenant = extra.get("tenant") or None
         self._transfer_timeout_s = float(extra.get("transfer_timeout_s", 120.0))
         self._save = bool(extra.get("save", True))
         self._load = bool(extra.get("load", True))
@@ -251,7 +256,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(self._geo is not None and self._geo.grouped and self._geo.pp_size > 1)
 
     def _connect_sched(self) -> kvd.Client:
-        c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False)
+        c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False, token=self._token, tenant=self._tenant)
         if self._from_workers:
             lays, slays = self._stage_layouts or ([], [])
         else:
@@ -774,7 +779,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._copier = _Copier(self._device)
 
     def _connect_worker(self) -> None:
-        c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s)
+        c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s, token=self._token, tenant=self._tenant)
         info = c.register_layout(self._geo.layout(self._layout_index))
         if info["block_bytes"] != self._geo.block_bytes:
             raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
