@@ -68,6 +68,12 @@ struct TenantEntry {
     /// Transfers of its blocks live at once at most (absent: no limit).
     #[serde(default)]
     transfers_max: Option<u64>,
+    /// NVMe bytes no other tenant's demotion evicts it below.
+    #[serde(default)]
+    nvme_min: Option<Size>,
+    /// NVMe bytes it may hold at most (absent: the tier).
+    #[serde(default)]
+    nvme_max: Option<Size>,
     /// Tokens that act for it (`hello.token`).
     #[serde(default)]
     tokens: Vec<String>,
@@ -157,6 +163,8 @@ fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
             dram_max: max,
             pinned_max: t.pinned_max.map_or(u64::MAX, |s| s.0),
             transfers_max: t.transfers_max.unwrap_or(u64::MAX),
+            nvme_min: t.nvme_min.map_or(0, |s| s.0),
+            nvme_max: t.nvme_max.map_or(u64::MAX, |s| s.0),
         });
         let mut tokens = t.tokens.clone();
         for f in &t.token_files {

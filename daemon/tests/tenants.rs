@@ -62,6 +62,11 @@ tokens = ["{NOISY}"]
 /// A daemon with a 32 MiB pool of 1 MiB segments, transfers on, and `tenants` (none:
 /// one shared cache).
 fn start(tenants: Option<&Path>, metrics_port: u16) -> Daemon {
+    start_with(tenants, metrics_port, &[])
+}
+
+/// [`start`] with more flags.
+fn start_with(tenants: Option<&Path>, metrics_port: u16, extra: &[&str]) -> Daemon {
     let mut args: Vec<String> = [
         "--log-level",
         "warn",
@@ -79,6 +84,7 @@ fn start(tenants: Option<&Path>, metrics_port: u16) -> Daemon {
     if let Some(t) = tenants {
         args.extend(["--tenants-file".into(), t.display().to_string()]);
     }
+    args.extend(extra.iter().map(|s| s.to_string()));
     kvd_testkit::daemon::Launch::new()
         .config("[transfer]\nlease_ms = 5000\n")
         .args(args)
@@ -567,5 +573,71 @@ fn the_python_package_and_the_vllm_connector_act_for_their_tenant() {
         "kvd, vllm, torch",
         "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
         &[d.endpoint.clone(), QUIET.into(), NOISY.into()],
+    );
+}
+
+/// How many of the quiet tenant's blocks are still cached (in DRAM or on NVMe) after the
+/// noisy one streamed through both tiers many times over.
+fn quiet_blocks_left_in_both_tiers(quiet: &Client, noisy: &Client) -> u64 {
+    let lq = register(quiet, BLOCK_KIB).id;
+    let ln = register(noisy, BLOCK_KIB).id;
+    // 4 MiB, 512 KiB a store (the quiet tenant's DRAM maximum may be 1 MiB)
+    let ks: Vec<ChunkHash> = (0..8).flat_map(|i| store(quiet, lq, 60 + i, 8)).collect();
+    for round in 0..128u32 {
+        store(noisy, ln, 6000 + round, 16); // 128 MiB through 32 + 32 MiB
+    }
+    // (probe: where each block is, reading nothing up from NVMe)
+    quiet.probe_local(lq, &ks).unwrap().prefix
+}
+
+#[test]
+fn demotion_to_nvme_follows_the_shares() {
+    let file = format!(
+        r#"
+[[tenant]]
+name = "quiet"
+dram_max = "1MiB"
+nvme_min = "8MiB"
+tokens = ["{QUIET}"]
+
+[[tenant]]
+name = "noisy"
+tokens = ["{NOISY}"]
+"#
+    );
+    let t = TenantsFile::new(&file);
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = disk.path().display().to_string();
+    let flags = ["--nvme-path", path.as_str(), "--nvme-size", "32MiB"];
+    let d = start_with(Some(&t.path), free_port(), &flags);
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    assert_eq!(quiet_blocks_left_in_both_tiers(&quiet, &noisy), 64);
+    let (q, n) = (tenant(&quiet, "quiet"), tenant(&quiet, "noisy"));
+    // (at its 1 MiB of DRAM, the quiet tenant's own stores sent most of its blocks down)
+    assert!(
+        q.nvme_bytes >= 3 << 20,
+        "the quiet blocks went down to NVMe: {q:?}"
+    );
+    assert!(n.nvme_bytes > 0 && n.nvme_bytes <= 32 << 20, "{n:?}");
+    assert_eq!(q.nvme_min, 8 << 20);
+    let st = quiet.stats().unwrap();
+    assert!(
+        st.nvme.as_ref().is_some_and(|x| x.evictions > 0),
+        "the noisy tenant filled NVMe: {:?}",
+        st.nvme
+    );
+    drop(d);
+
+    // Negative control: one LRU per tier evicts the quiet blocks from NVMe too.
+    let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = disk.path().display().to_string();
+    let flags = ["--nvme-path", path.as_str(), "--nvme-size", "32MiB"];
+    let d = start_with(None, free_port(), &flags);
+    let (quiet, noisy) = (client(&d, None).unwrap(), client(&d, None).unwrap());
+    let left = quiet_blocks_left_in_both_tiers(&quiet, &noisy);
+    assert!(
+        left < 64,
+        "one LRU per tier kept {left} of 64 quiet blocks: the control cannot fail"
     );
 }

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | this file | the tier: block files, the journal, its index and LRU, demotion and promotion |
 //! | `initialize` | zeroing new block files in the background before their segments serve |
+//! | `shares` | the eviction order: an LRU per tenant, the tenants' shares of the tier (SPEC §18) |
 //! | [`uring`] | the io_uring engine thread (the daemon's only io_uring user) and its completions |
 //! | [`faults`] | `KVD_NVME_FAULTS`: a faulty device where the kernel offers none (benches, tests) |
 //!
@@ -40,7 +41,7 @@
 //! maintenance and figures; like `store/mod.rs`, one place for the tier's op surface
 //! (initialization of never-written space is `initialize.rs`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
@@ -53,6 +54,7 @@ use kvd_protocol::{BlockKey, ChunkHash, LayoutId, NvmeStats};
 
 pub mod faults;
 mod initialize;
+mod shares;
 pub mod uring;
 
 use crate::uring::{IoDone, IoKind, IoOp, UringEngine};
@@ -61,6 +63,7 @@ use kvd_protocol::events::Medium;
 use kvd_store::alloc::{ClassId, SlabAllocator};
 use kvd_store::events::{Change, EventLog};
 use kvd_store::pool::{Pool, SLOT_ALIGN};
+use kvd_store::tenants::{TenantId, TierShare};
 use kvd_store::LowerTier;
 
 /// The tier's striping: segment `s` of the virtual space lies in file `s % disks`, at
@@ -129,10 +132,14 @@ struct Entry {
     slot_bytes: u64,
     block_bytes: u32,
     crc: u32,
-    /// LRU position (key in `lru`), 0 while not evictable.
+    /// LRU position (key in its list), 0 while not evictable.
     seq: u64,
     writing: bool,
     readers: u32,
+    /// Whose block it is: its tenant's tag (0: none), journaled with it.
+    tag: u32,
+    /// The list it is charged to ([`shares::Lists`]).
+    list: u16,
 }
 
 /// Counters.
@@ -160,7 +167,7 @@ pub struct NvmeTier {
     classes: HashMap<u64, ClassId>,
     geo: Geometry,
     index: HashMap<BlockKey, Entry>,
-    lru: BTreeMap<u64, BlockKey>,
+    lists: shares::Lists,
     next_seq: u64,
     journal: File,
     journal_path: PathBuf,
@@ -199,6 +206,7 @@ fn record(kind: u8, key: &BlockKey, e: &Entry) -> [u8; REC] {
     r[40..44].copy_from_slice(&e.block_bytes.to_le_bytes());
     r[44..48].copy_from_slice(&e.crc.to_le_bytes());
     r[48..56].copy_from_slice(&e.slot_bytes.to_le_bytes());
+    r[56..60].copy_from_slice(&e.tag.to_le_bytes());
     let c = kvd_store::checksum::crc32c(&r[..60]);
     r[60..64].copy_from_slice(&c.to_le_bytes());
     r
@@ -235,6 +243,8 @@ fn parse(r: &[u8]) -> Option<(u8, BlockKey, Entry)> {
             seq: 0,
             writing: false,
             readers: 0,
+            tag: u32_at(56),
+            list: 0,
         },
     ))
 }
@@ -340,7 +350,7 @@ impl NvmeTier {
                 segments,
             },
             index: HashMap::new(),
-            lru: BTreeMap::new(),
+            lists: shares::Lists::default(),
             next_seq: 1,
             journal: File::open("/dev/null")
                 .map_err(ioe("opening", std::path::Path::new("/dev/null")))?,
@@ -439,7 +449,9 @@ impl NvmeTier {
         for (key, mut e) in keep {
             e.seq = self.next_seq;
             self.next_seq += 1;
-            self.lru.insert(e.seq, key);
+            e.list = self.lists.list_of_tag(e.tag) as u16;
+            self.lists.charge(e.list.into(), e.slot_bytes, true);
+            self.lists.insert(e.list.into(), e.seq, key, e.slot_bytes);
             self.index.insert(key, e);
         }
         tracing::info!(
@@ -554,21 +566,25 @@ impl NvmeTier {
             if !e.writing {
                 self.events.record(*key, Medium::Nvme, false);
             }
-            self.lru.remove(&e.seq);
+            self.lists.remove(e.list.into(), e.seq, e.slot_bytes);
+            self.lists.charge(e.list.into(), e.slot_bytes, false);
             // The del record goes first: only then may the slot hold other bytes.
             self.append(&record(DEL, key, &e), now);
             let _ = self.alloc.free(e.voff);
         }
     }
 
-    /// Starts writing the block in pool slot `pool_offset` to disk. Evicts the tier's own
-    /// least recently used blocks for room. `false` when no room can be made.
+    /// Starts writing the block in pool slot `pool_offset` to disk, a block of
+    /// `owner`'s. Evicts least recently used blocks for room: `owner`'s own while it is
+    /// at its maximum, else as the shares say ([`shares`]). `false` when no room can be
+    /// made (the store then drops the block from DRAM instead).
     pub fn begin_write(
         &mut self,
         key: BlockKey,
         block_bytes: u64,
         pool_offset: u64,
         tag: u64,
+        owner: TenantId,
         now: Instant,
     ) -> bool {
         if self.index.contains_key(&key) {
@@ -578,19 +594,30 @@ impl NvmeTier {
         let Ok(class) = self.class(slot_bytes) else {
             return false;
         };
+        let list = self.lists.list_of(owner);
+        if self.lists.over_max(owner, slot_bytes) {
+            if self.lists.beyond_max(owner, slot_bytes) {
+                return false;
+            }
+            while self.lists.over_max(owner, slot_bytes) {
+                if !self.evict_from(list, now) {
+                    return false;
+                }
+            }
+        }
         let voff = loop {
             if let Some(v) = self.alloc.alloc(class) {
                 break v;
             }
-            let Some((_, victim)) = self.lru.pop_first() else {
+            let Some(from) = self.lists.victim_list(owner, slot_bytes) else {
                 return false;
             };
-            if let Some(e) = self.index.get_mut(&victim) {
-                e.seq = 0;
+            if !self.evict_from(from, now) {
+                return false;
             }
-            self.drop_entry(&victim, now);
-            self.counters.evictions += 1;
         };
+        let tag_of = self.lists.tag_of(owner);
+        self.lists.charge(list, slot_bytes, true);
         self.index.insert(
             key,
             Entry {
@@ -601,6 +628,8 @@ impl NvmeTier {
                 seq: 0,
                 writing: true,
                 readers: 0,
+                tag: tag_of,
+                list: list as u16,
             },
         );
         let (file, file_offset) = self.locate(voff);
@@ -617,6 +646,45 @@ impl NvmeTier {
         true
     }
 
+    /// Evicts the least recently used block of `list`; `false` when it has none.
+    fn evict_from(&mut self, list: usize, now: Instant) -> bool {
+        let Some((seq, victim)) = self.lists.oldest(list) else {
+            return false;
+        };
+        self.lists.remove(
+            list,
+            seq,
+            self.index.get(&victim).map_or(0, |e| e.slot_bytes),
+        );
+        if let Some(e) = self.index.get_mut(&victim) {
+            e.seq = 0;
+        }
+        self.drop_entry(&victim, now);
+        self.counters.evictions += 1;
+        true
+    }
+
+    /// The tenants' shares (by tenant id; empty: one LRU): every block is listed again
+    /// under its owner, as its tag says.
+    pub fn set_shares(&mut self, shares: &[TierShare]) {
+        self.lists.set_shares(shares);
+        let mut listed: Vec<(u64, BlockKey)> = Vec::new();
+        for (key, e) in self.index.iter_mut() {
+            e.list = self.lists.list_of_tag(e.tag) as u16;
+            self.lists.charge(e.list.into(), e.slot_bytes, true);
+            if e.seq != 0 {
+                listed.push((e.seq, *key));
+            }
+        }
+        // in their old order
+        listed.sort_unstable_by_key(|(seq, _)| *seq);
+        for (seq, key) in listed {
+            if let Some(e) = self.index.get(&key) {
+                self.lists.insert(e.list.into(), seq, key, e.slot_bytes);
+            }
+        }
+    }
+
     /// Records the end of a write. Returns whether the block is now on disk.
     pub fn finish_write(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
         let Some(e) = self.index.get_mut(key) else {
@@ -629,7 +697,7 @@ impl NvmeTier {
                 e.seq = self.next_seq;
                 self.next_seq += 1;
                 let e = *e;
-                self.lru.insert(e.seq, *key);
+                self.lists.insert(e.list.into(), e.seq, *key, e.slot_bytes);
                 self.append(&record(PUT, key, &e), now);
                 self.counters.writes += 1;
                 self.events.record(*key, Medium::Nvme, true);
@@ -637,6 +705,7 @@ impl NvmeTier {
             }
             Err(err) => {
                 let e = self.index.remove(key).expect("present");
+                self.lists.charge(e.list.into(), e.slot_bytes, false);
                 let _ = self.alloc.free(e.voff);
                 if err.kind() == io::ErrorKind::InvalidData {
                     // The store refused what was written: the bytes were not the writer's
@@ -662,7 +731,7 @@ impl NvmeTier {
             return false;
         }
         e.readers += 1;
-        self.lru.remove(&e.seq);
+        self.lists.remove(e.list.into(), e.seq, e.slot_bytes);
         e.seq = 0;
         let e = *e;
         let (file, file_offset) = self.locate(e.voff);
@@ -708,8 +777,8 @@ impl NvmeTier {
             if e.readers == 0 {
                 e.seq = self.next_seq;
                 self.next_seq += 1;
-                let seq = e.seq;
-                self.lru.insert(seq, *key);
+                let (seq, list, bytes) = (e.seq, e.list, e.slot_bytes);
+                self.lists.insert(list.into(), seq, *key, bytes);
             }
         } else if e.readers == 0 {
             self.drop_entry(key, now);
@@ -733,10 +802,10 @@ impl NvmeTier {
     pub fn touch(&mut self, key: &BlockKey) {
         if let Some(e) = self.index.get_mut(key) {
             if e.seq != 0 {
-                self.lru.remove(&e.seq);
+                self.lists.remove(e.list.into(), e.seq, e.slot_bytes);
                 e.seq = self.next_seq;
                 self.next_seq += 1;
-                self.lru.insert(e.seq, *key);
+                self.lists.insert(e.list.into(), e.seq, *key, e.slot_bytes);
             }
         }
     }
@@ -816,9 +885,16 @@ impl LowerTier for NvmeTier {
         block_bytes: u64,
         pool_offset: u64,
         tag: u64,
+        owner: TenantId,
         now: Instant,
     ) -> bool {
-        NvmeTier::begin_write(self, key, block_bytes, pool_offset, tag, now)
+        NvmeTier::begin_write(self, key, block_bytes, pool_offset, tag, owner, now)
+    }
+    fn set_shares(&mut self, shares: &[TierShare]) {
+        NvmeTier::set_shares(self, shares)
+    }
+    fn tenant_bytes(&self) -> Vec<u64> {
+        self.lists.tenant_bytes()
     }
     fn finish_write(&mut self, key: &BlockKey, result: io::Result<u32>, now: Instant) -> bool {
         NvmeTier::finish_write(self, key, result, now)
@@ -914,12 +990,14 @@ mod tests {
             seq: 0,
             writing: false,
             readers: 0,
+            tag: 0x1234_5678,
+            list: 3,
         };
         let r = record(PUT, &key, &e);
         let (kind, k2, e2) = parse(&r).unwrap();
         assert_eq!(
-            (kind, k2, e2.voff, e2.crc, e2.block_bytes),
-            (PUT, key, e.voff, e.crc, 5000)
+            (kind, k2, e2.voff, e2.crc, e2.block_bytes, e2.tag),
+            (PUT, key, e.voff, e.crc, 5000, 0x1234_5678)
         );
         let mut bad = r;
         bad[35] ^= 1;
@@ -942,7 +1020,7 @@ mod tests {
         let now = Instant::now();
         {
             let mut t = NvmeTier::open(&opts(disk.path()), p.clone()).unwrap();
-            assert!(t.begin_write(key, 5000, slot, 1, now));
+            assert!(t.begin_write(key, 5000, slot, 1, TenantId::NONE, now));
             assert!(!t.has(&key), "not readable before the write completes");
             let done = t.wait_one().unwrap();
             assert_eq!(done.tag, 1);
@@ -1014,7 +1092,7 @@ mod tests {
         };
         let slot = p.data_offset();
         p.write(slot, &[0xc3; 5000]).unwrap();
-        assert!(t.begin_write(key, 5000, slot, 7, later));
+        assert!(t.begin_write(key, 5000, slot, 7, TenantId::NONE, later));
         let voff = t.index[&key].voff;
         assert!(voff >= 1 << 20, "the block went to segment {}", voff >> 20);
         // block I/O in flight: initialization waits

@@ -69,6 +69,15 @@ pub struct TenantStats {
     pub pinned_bytes: u64,
     /// Transfers of its blocks that may be live at once.
     pub transfers_max: u64,
+    /// NVMe bytes no other tenant's demotion evicts it below.
+    #[serde(default)]
+    pub nvme_min: u64,
+    /// NVMe bytes it may hold at most.
+    #[serde(default)]
+    pub nvme_max: u64,
+    /// NVMe bytes its blocks hold now.
+    #[serde(default)]
+    pub nvme_bytes: u64,
     /// Its committed blocks in DRAM.
     pub blocks: u64,
     /// Its live sessions.

@@ -24,6 +24,8 @@ pub(super) struct SlotHold {
     pub owner: ClientId,
     /// The slot's size class (a `put` must name a layout of the same class).
     pub class: ClassId,
+    /// The tenant it is charged to (its layout's, SPEC §18).
+    pub tenant: crate::tenants::TenantId,
     deadline: Instant,
 }
 
@@ -114,12 +116,19 @@ impl Holds {
     // ----- reserved slots -----
 
     /// Reserves the slot at pool offset `off` (of `class`) for `owner` until `deadline`.
-    pub fn reserve_slot(&mut self, off: u64, class: ClassId, owner: ClientId, deadline: Instant) {
+    pub fn reserve_slot(
+        &mut self,
+        off: u64,
+        hold: (ClassId, crate::tenants::TenantId),
+        owner: ClientId,
+        deadline: Instant,
+    ) {
         self.slots.insert(
             off,
             SlotHold {
                 owner,
-                class,
+                class: hold.0,
+                tenant: hold.1,
                 deadline,
             },
         );

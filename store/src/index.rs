@@ -308,6 +308,18 @@ impl Index {
         }
     }
 
+    /// A reserved slot (`reserve`: no node yet) of `bytes` is charged to `tenant`
+    /// (`on`) or no longer: it holds pool bytes as a block does.
+    pub fn charge_reserved(&mut self, tenant: TenantId, bytes: u64, on: bool) {
+        if let Some(u) = self.uses.get_mut(tenant.index()) {
+            u.held = if on {
+                u.held + bytes
+            } else {
+                u.held.saturating_sub(bytes)
+            };
+        }
+    }
+
     /// A node became cached in DRAM (`+1`) or stopped being so (`-1`).
     fn count_committed(&mut self, idx: u32, up: bool) {
         let t = usize::from(self.nodes[idx as usize].tenant);

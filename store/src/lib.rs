@@ -220,6 +220,8 @@ pub struct Store {
     /// Per class: slots being demoted (freed when their writes complete).
     demoting: Vec<u64>,
     demoting_bytes: u64,
+    /// Per tenant id: bytes of its blocks being demoted (freed when their writes end).
+    tenant_demoting: Vec<u64>,
     incarnation: Incarnation,
     started: Instant,
     counters: Counters,
@@ -266,6 +268,7 @@ impl Store {
             deferred: Vec::new(),
             demoting: Vec::new(),
             demoting_bytes: 0,
+            tenant_demoting: Vec::new(),
             incarnation,
             started: now,
             counters: Counters::default(),
@@ -283,7 +286,8 @@ impl Store {
     }
 
     /// Puts a lower tier under DRAM (blocks it recovered become visible as `nvme`).
-    pub fn with_tier(mut self, tier: Box<dyn LowerTier>) -> Self {
+    pub fn with_tier(mut self, mut tier: Box<dyn LowerTier>) -> Self {
+        tier.set_shares(&self.tenants.tier_shares());
         self.tier = tier;
         self
     }
@@ -421,6 +425,7 @@ impl Store {
     /// daemon's life) or a reload. See [`tenants`] for the rules.
     pub fn set_tenants(&mut self, specs: &[TenantSpec]) -> Result<(), StoreError> {
         self.tenants.set(specs, self.alloc.capacity_bytes())?;
+        self.tier.set_shares(&self.tenants.tier_shares());
         let slots = self.class_slot_bytes();
         self.index.ensure_classes(&slots, self.tenants.len());
         Ok(())
@@ -1029,7 +1034,7 @@ impl Store {
                 }
             }
             for off in slots {
-                if self.holds.unreserve_slot(off).is_some() {
+                if self.end_slot_hold(off) {
                     self.free_slot(off);
                 }
             }
@@ -1159,6 +1164,7 @@ impl Store {
                 self.index.uses(),
                 self.index.tenant_blocks(),
                 &self.sessions.per_tenant(self.tenants.len()),
+                &self.tier.tenant_bytes(),
             ),
             errors: self
                 .counters

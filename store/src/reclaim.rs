@@ -88,12 +88,17 @@ impl Store {
         if self.tenants.on() {
             // At its maximum, a tenant makes room from its own blocks, whatever the pool
             // has free; refused before anything goes when even all of them would not do.
+            // Bytes being demoted count as going: their slots free when the writes end.
             let u = self.tenant_use(tenant);
             if self.tenants.over_max(tenant, u, need) {
-                if u.held - u.evictable + need > self.tenants.max(tenant) {
+                let going = u.evictable + self.demoting_of(tenant);
+                if u.held.saturating_sub(going) + need > self.tenants.max(tenant) {
                     return Room::Full;
                 }
-                while self.tenants.over_max(tenant, self.tenant_use(tenant), need) {
+                while self
+                    .tenants
+                    .over_max(tenant, self.settled_use(tenant), need)
+                {
                     let v = self
                         .next_victim(now, |ix| ix.lru_tail(c, tenant))
                         .or_else(|| {
@@ -103,6 +108,9 @@ impl Store {
                         Some(v) => self.evict(v, Some(tenant), now),
                         None => return Room::Full,
                     }
+                }
+                if self.tenants.over_max(tenant, self.tenant_use(tenant), need) {
+                    return Room::Wait; // under the maximum once its demotions end
                 }
             }
         }
@@ -129,6 +137,18 @@ impl Store {
                 None => return Room::Full,
             }
         }
+    }
+
+    /// Bytes of `t`'s blocks being demoted.
+    fn demoting_of(&self, t: TenantId) -> u64 {
+        self.tenant_demoting.get(t.index()).copied().unwrap_or(0)
+    }
+
+    /// `t`'s use once the demotions in flight end.
+    fn settled_use(&self, t: TenantId) -> crate::tenants::Use {
+        let mut u = self.tenant_use(t);
+        u.held = u.held.saturating_sub(self.demoting_of(t));
+        u
     }
 
     pub(super) fn tenant_use(&self, t: TenantId) -> crate::tenants::Use {

@@ -77,8 +77,11 @@ impl Store {
         }
         let ttl = self.cfg.alloc_ttl;
         let deadline = now + ttl;
+        let slot = self.alloc.slot_bytes(class);
         for &off in &offsets {
-            self.holds.reserve_slot(off, class, req.client, deadline);
+            self.holds
+                .reserve_slot(off, (class, entry.tenant), req.client, deadline);
+            self.index.charge_reserved(entry.tenant, slot, true);
             if let Some(t) = &self.index.durable {
                 t.out(off); // a writer holds it (see `crate::table`)
             }
@@ -144,7 +147,7 @@ impl Store {
         let tick = self.tick(now);
         let mut status = Vec::with_capacity(req.keys.len());
         for (j, (k, &off)) in req.keys.iter().zip(&req.offsets).enumerate() {
-            self.holds.unreserve_slot(off);
+            self.end_slot_hold(off);
             let key = BlockKey { layout, hash: *k };
             let s = match self.index.find(layout, k) {
                 Some(i) if self.index.node(i).state() == State::Pending => PutStatus::Busy,
@@ -186,7 +189,7 @@ impl Store {
         self.sessions.seen(req.client, now)?;
         self.check_slots(req.client, &req.offsets, None)?;
         for &off in &req.offsets {
-            self.holds.unreserve_slot(off);
+            self.end_slot_hold(off);
             self.free_slot(off);
         }
         self.sessions
@@ -199,9 +202,24 @@ impl Store {
     /// Frees reserved slots whose deadline passed (from `maintain`).
     pub(super) fn expire_slots(&mut self, now: Instant) {
         while let Some((off, hold)) = self.holds.due_slot(now) {
+            let bytes = self.alloc.slot_bytes(hold.class);
+            self.index.charge_reserved(hold.tenant, bytes, false);
             self.sessions.held(hold.owner, Held::Pending(-1));
             self.free_slot(off);
             self.counters.expired_allocs += 1;
+        }
+    }
+
+    /// Ends the hold on the reserved slot at `off` (put, given back, its session ended):
+    /// its tenant is no longer charged for it.
+    pub(super) fn end_slot_hold(&mut self, off: u64) -> bool {
+        match self.holds.unreserve_slot(off) {
+            Some(h) => {
+                let bytes = self.alloc.slot_bytes(h.class);
+                self.index.charge_reserved(h.tenant, bytes, false);
+                true
+            }
+            None => false,
         }
     }
 

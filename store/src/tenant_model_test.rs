@@ -23,6 +23,8 @@ fn specs() -> Vec<TenantSpec> {
             dram_max: u64::MAX,
             pinned_max: u64::MAX,
             transfers_max: u64::MAX,
+            nvme_min: 0,
+            nvme_max: u64::MAX,
         },
         TenantSpec {
             name: "noisy".into(),
@@ -30,6 +32,8 @@ fn specs() -> Vec<TenantSpec> {
             dram_max: u64::MAX,
             pinned_max: u64::MAX,
             transfers_max: u64::MAX,
+            nvme_min: 0,
+            nvme_max: u64::MAX,
         },
         TenantSpec {
             name: "capped".into(),
@@ -37,6 +41,8 @@ fn specs() -> Vec<TenantSpec> {
             dram_max: 6 * KIB16,
             pinned_max: 3 * KIB16,
             transfers_max: u64::MAX,
+            nvme_min: 0,
+            nvme_max: u64::MAX,
         },
     ]
 }
@@ -47,6 +53,8 @@ struct World {
     clients: Vec<ClientId>,
     layouts: Vec<LayoutId>,
     pins: Vec<(usize, PinId)>,
+    /// Per tenant, slots it reserved and has not put or given back.
+    reserved: Vec<Vec<u64>>,
     _dir: tempfile::TempDir,
 }
 
@@ -56,6 +64,9 @@ enum Op {
     Pin { t: usize, first: u32, n: u32 },
     Release,
     Delete { t: usize, first: u32, n: u32 },
+    Reserve { t: usize, n: u64 },
+    Put { t: usize, first: u32 },
+    Unreserve { t: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -64,6 +75,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..3usize, 0..40u32, 1..4u32).prop_map(|(t, first, n)| Op::Pin { t, first, n }),
         2 => Just(Op::Release),
         1 => (0..3usize, 0..40u32, 1..4u32).prop_map(|(t, first, n)| Op::Delete { t, first, n }),
+        2 => (0..3usize, 1..5u64).prop_map(|(t, n)| Op::Reserve { t, n }),
+        1 => (0..3usize, 0..40u32).prop_map(|(t, first)| Op::Put { t, first }),
+        1 => (0..3usize).prop_map(|t| Op::Unreserve { t }),
     ]
 }
 
@@ -89,6 +103,7 @@ impl World {
             clients,
             layouts,
             pins: Vec::new(),
+            reserved: vec![Vec::new(); 3],
             _dir: dir,
         }
     }
@@ -154,6 +169,42 @@ impl World {
                     self.s.release(&r, now).unwrap();
                 }
             }
+            Op::Reserve { t, n } => {
+                let (client, layout_id) = (self.clients[t], self.layouts[t]);
+                let r = ReserveReq {
+                    client,
+                    layout_id,
+                    count: n,
+                };
+                if let Ok(Answer::Now(r)) = self.s.reserve(&r, now) {
+                    self.reserved[t].extend(r.offsets);
+                }
+            }
+            Op::Put { t, first } => {
+                let (client, layout_id) = (self.clients[t], self.layouts[t]);
+                let offsets = std::mem::take(&mut self.reserved[t]);
+                let keys = Self::keys(t, first + 100, offsets.len() as u32);
+                if !offsets.is_empty() {
+                    let p = PutReq {
+                        client,
+                        layout_id,
+                        keys,
+                        offsets,
+                        crcs: None,
+                    };
+                    self.s.put(&p, now).unwrap();
+                }
+            }
+            Op::Unreserve { t } => {
+                let offsets = std::mem::take(&mut self.reserved[t]);
+                if !offsets.is_empty() {
+                    let u = UnreserveReq {
+                        client: self.clients[t],
+                        offsets,
+                    };
+                    self.s.unreserve(&u, now).unwrap();
+                }
+            }
             Op::Delete { t, first, n } => {
                 let (client, layout_id) = (self.clients[t], self.layouts[t]);
                 let keys = Self::keys(t, first, n);
@@ -179,7 +230,12 @@ impl World {
     fn broken(&self, op: &Op, before: &[Use]) -> Option<String> {
         let after = self.uses();
         let own = match op {
-            Op::Store { t, .. } | Op::Pin { t, .. } | Op::Delete { t, .. } => Some(*t),
+            Op::Store { t, .. }
+            | Op::Pin { t, .. }
+            | Op::Delete { t, .. }
+            | Op::Reserve { t, .. }
+            | Op::Put { t, .. }
+            | Op::Unreserve { t } => Some(*t),
             Op::Release => None,
         };
         for (i, spec) in specs().iter().enumerate() {

@@ -59,6 +59,58 @@ pub struct TenantSpec {
     /// Transfers of its blocks live at once (exports, imports, push registrations;
     /// `u64::MAX`: no limit).
     pub transfers_max: u64,
+    /// Lower-tier (NVMe) bytes no other tenant's demotion evicts it below.
+    pub nvme_min: u64,
+    /// Lower-tier bytes it may hold at most (`u64::MAX`: the tier).
+    pub nvme_max: u64,
+}
+
+/// A tenant's share of the lower tier, as the tier gets it ([`Tenants::tier_shares`]),
+/// by tenant id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierShare {
+    /// [`tenant_tag`] of its name: what the tier's journal keeps of whose a block is, so
+    /// that a restart finds the owner whatever order the file names tenants in.
+    pub tag: u32,
+    /// Bytes no other tenant's write evicts it below.
+    pub min: u64,
+    /// Bytes it may hold at most (0 when retired: it takes nothing new).
+    pub max: u64,
+}
+
+/// The lower tier's mark of a tenant (never 0, which marks blocks of no tenant: written
+/// without tenants, or by daemons before them).
+pub fn tenant_tag(name: &str) -> u32 {
+    crate::checksum::crc32c(name.as_bytes()).max(1)
+}
+
+/// **The victim rule** (see the module docs), for any tier: among the tenants with
+/// something evictable (`uses`, by id), the one farthest above its minimum (`min` of
+/// its id); another tenant than `asker` qualifies only if it keeps its minimum without
+/// `slot` more bytes. The asker wins ties.
+pub fn pick_victim(
+    asker: Option<TenantId>,
+    uses: &[Use],
+    min: impl Fn(TenantId) -> u64,
+    slot: u64,
+) -> Option<TenantId> {
+    let mut best: Option<(i128, bool, TenantId)> = None;
+    for (i, u) in uses.iter().enumerate() {
+        if u.evictable == 0 {
+            continue;
+        }
+        let t = TenantId(i as u8);
+        let own = Some(t) == asker;
+        let min = min(t);
+        if !own && u.held.saturating_sub(slot.min(u.held)) < min {
+            continue;
+        }
+        let excess = i128::from(u.held) - i128::from(min);
+        if best.is_none_or(|(e, o, _)| (excess, own) > (e, o)) {
+            best = Some((excess, own, t));
+        }
+    }
+    best.map(|(_, _, t)| t)
 }
 
 /// What a tenant's blocks went through, for `stats` and metrics.
@@ -114,6 +166,8 @@ impl Default for Tenants {
                     dram_max: u64::MAX,
                     pinned_max: u64::MAX,
                     transfers_max: u64::MAX,
+                    nvme_min: 0,
+                    nvme_max: u64::MAX,
                 },
                 retired: false,
                 counters: TenantCounters::default(),
@@ -156,6 +210,9 @@ impl Tenants {
             }
             if s.dram_min > s.dram_max {
                 return bad(format!("tenant {:?}: dram_min above dram_max", s.name));
+            }
+            if s.nvme_min > s.nvme_max {
+                return bad(format!("tenant {:?}: nvme_min above nvme_max", s.name));
             }
             if s.pinned_max == 0 {
                 return bad(format!(
@@ -290,23 +347,23 @@ impl Tenants {
     /// without the block. `None`: nobody can give one up. The asker wins ties (it gives
     /// up its own before another's).
     pub fn victim(&self, asker: Option<TenantId>, uses: &[Use], slot: u64) -> Option<TenantId> {
-        let mut best: Option<(i128, bool, TenantId)> = None;
-        for (i, u) in uses.iter().enumerate() {
-            if u.evictable == 0 {
-                continue;
-            }
-            let t = TenantId(i as u8);
-            let own = Some(t) == asker;
-            let min = self.min(t);
-            if !own && u.held.saturating_sub(slot.min(u.held)) < min {
-                continue;
-            }
-            let excess = i128::from(u.held) - i128::from(min);
-            if best.is_none_or(|(e, o, _)| (excess, own) > (e, o)) {
-                best = Some((excess, own, t));
-            }
+        pick_victim(asker, uses, |t| self.min(t), slot)
+    }
+
+    /// Every tenant's share of the lower tier, by id (empty without tenants: the tier
+    /// keeps one LRU).
+    pub fn tier_shares(&self) -> Vec<TierShare> {
+        if !self.on {
+            return Vec::new();
         }
-        best.map(|(_, _, t)| t)
+        self.list
+            .iter()
+            .map(|t| TierShare {
+                tag: tenant_tag(&t.spec.name),
+                min: if t.retired { 0 } else { t.spec.nvme_min },
+                max: if t.retired { 0 } else { t.spec.nvme_max },
+            })
+            .collect()
     }
 
     /// `t`'s counters, to change.
@@ -315,7 +372,13 @@ impl Tenants {
     }
 
     /// Per tenant, for `stats` (empty without tenants). `uses` and `blocks` by id.
-    pub fn stats(&self, uses: &[Use], blocks: &[u64], sessions: &[u64]) -> Vec<TenantStats> {
+    pub fn stats(
+        &self,
+        uses: &[Use],
+        blocks: &[u64],
+        sessions: &[u64],
+        nvme: &[u64],
+    ) -> Vec<TenantStats> {
         if !self.on {
             return Vec::new();
         }
@@ -331,6 +394,9 @@ impl Tenants {
                     pinned_max: self.pinned_max(TenantId(i as u8)),
                     pinned_bytes: uses.get(i).map_or(0, |u| u.pinned),
                     transfers_max: self.transfers_max(TenantId(i as u8)),
+                    nvme_min: if t.retired { 0 } else { t.spec.nvme_min },
+                    nvme_max: if t.retired { 0 } else { t.spec.nvme_max },
+                    nvme_bytes: nvme.get(i).copied().unwrap_or(0),
                     dram_bytes: uses.get(i).map_or(0, |u| u.held),
                     blocks: blocks.get(i).copied().unwrap_or(0),
                     sessions: sessions.get(i).copied().unwrap_or(0),
@@ -358,6 +424,8 @@ mod tests {
             dram_max: max,
             pinned_max: u64::MAX,
             transfers_max: u64::MAX,
+            nvme_min: 0,
+            nvme_max: u64::MAX,
         }
     }
 

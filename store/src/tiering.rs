@@ -52,13 +52,15 @@ pub trait LowerTier: Send {
     fn knows(&self, key: &BlockKey) -> bool;
     /// Marks a use (for the tier's own eviction order).
     fn touch(&mut self, key: &BlockKey);
-    /// Starts writing `block_bytes` from pool slot `pool_offset`; `false` if it cannot.
+    /// Starts writing `block_bytes` from pool slot `pool_offset`, a block of `owner`'s
+    /// (SPEC §18: charged to its share of the tier); `false` if it cannot.
     fn begin_write(
         &mut self,
         key: BlockKey,
         block_bytes: u64,
         pool_offset: u64,
         tag: u64,
+        owner: crate::tenants::TenantId,
         now: Instant,
     ) -> bool;
     /// Records a write's completion; whether the block is now in the tier.
@@ -91,6 +93,12 @@ pub trait LowerTier: Send {
     }
     /// Every block readable in the tier (a resync's snapshot).
     fn readable_keys(&self, _out: &mut Vec<BlockKey>) {}
+    /// The tenants' shares of the tier, by tenant id (SPEC §18; empty: no tenants).
+    fn set_shares(&mut self, _shares: &[crate::tenants::TierShare]) {}
+    /// Per tenant id, the bytes its blocks hold in the tier (empty: not kept).
+    fn tenant_bytes(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 /// The lower tier of a daemon without one: holds nothing, accepts nothing.
@@ -107,7 +115,15 @@ impl LowerTier for NoTier {
         false
     }
     fn touch(&mut self, _: &BlockKey) {}
-    fn begin_write(&mut self, _: BlockKey, _: u64, _: u64, _: u64, _: Instant) -> bool {
+    fn begin_write(
+        &mut self,
+        _: BlockKey,
+        _: u64,
+        _: u64,
+        _: u64,
+        _: crate::tenants::TenantId,
+        _: Instant,
+    ) -> bool {
         false
     }
     fn finish_write(&mut self, _: &BlockKey, _: io::Result<u32>, _: Instant) -> bool {
@@ -195,7 +211,7 @@ impl Store {
         let tag = self.next_tag;
         if !self
             .tier
-            .begin_write(key, block_bytes, n.offset(), tag, now)
+            .begin_write(key, block_bytes, n.offset(), tag, n.tenant(), now)
         {
             return false;
         }
@@ -205,6 +221,11 @@ impl Store {
         let c = n.class();
         self.demoting[c.0 as usize] += 1;
         self.demoting_bytes += self.alloc.slot_bytes(c);
+        let t = n.tenant().index();
+        if self.tenant_demoting.len() <= t {
+            self.tenant_demoting.resize(t + 1, 0);
+        }
+        self.tenant_demoting[t] += self.alloc.slot_bytes(c);
         true
     }
 
@@ -472,6 +493,9 @@ impl Store {
                 let c = n.class();
                 self.demoting[c.0 as usize] -= 1;
                 self.demoting_bytes -= self.alloc.slot_bytes(c);
+                if let Some(d) = self.tenant_demoting.get_mut(n.tenant().index()) {
+                    *d = d.saturating_sub(self.alloc.slot_bytes(c));
+                }
                 // The tier checksummed the bytes it wrote: they must be the writer's
                 // (SPEC §17), or the block is dropped from both tiers.
                 let want = self.index.crc(idx);

@@ -15,6 +15,7 @@ pub(super) struct TenantMetrics {
     dram_max: IntGaugeVec,
     blocks: IntGaugeVec,
     pinned: IntGaugeVec,
+    nvme_bytes: IntGaugeVec,
     pin_refused: IntCounterVec,
     sessions: IntGaugeVec,
     retired: IntGaugeVec,
@@ -60,6 +61,12 @@ impl TenantMetrics {
                 r,
                 "kvd_tenant_pinned_bytes",
                 "DRAM bytes of a tenant's blocks pinned now.",
+                t,
+            ),
+            nvme_bytes: gauge_vec(
+                r,
+                "kvd_tenant_nvme_bytes",
+                "NVMe bytes a tenant's blocks hold.",
                 t,
             ),
             pin_refused: counter_vec(
@@ -132,6 +139,7 @@ impl TenantMetrics {
             self.dram_max.with_label_values(l).set(g(t.dram_max));
             self.blocks.with_label_values(l).set(g(t.blocks));
             self.pinned.with_label_values(l).set(g(t.pinned_bytes));
+            self.nvme_bytes.with_label_values(l).set(g(t.nvme_bytes));
             advance(&self.pin_refused.with_label_values(l), t.pin_refused);
             self.sessions.with_label_values(l).set(g(t.sessions));
             self.retired.with_label_values(l).set(i64::from(t.retired));
