@@ -366,7 +366,7 @@ pub fn scope(
         *l = store.namespace(tenant, *l);
     }
     if let Some(l) = req.params_layout() {
-        if store.layout_owner(l).map(|(o, _)| o) != Some(tenant) {
+        if store.layout_tenant(l) != Some(tenant) {
             return Err(WireError::new(
                 ErrorCode::UnknownLayout,
                 format!("layout {l} is not registered"),

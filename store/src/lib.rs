@@ -461,12 +461,9 @@ impl Store {
         self.tenants.transfers_max(t)
     }
 
-    /// The tenant and wire id of a registered (namespaced) layout.
-    pub fn layout_owner(&self, layout: LayoutId) -> Option<(TenantId, LayoutId)> {
-        self.sessions
-            .layout(layout)
-            .ok()
-            .map(|e| (e.tenant, e.wire))
+    /// The tenant a registered (namespaced) layout's blocks belong to.
+    pub fn layout_tenant(&self, layout: LayoutId) -> Option<TenantId> {
+        self.sessions.layout(layout).ok().map(|e| e.tenant)
     }
 
     fn class_slot_bytes(&self) -> Vec<u64> {
@@ -524,7 +521,6 @@ impl Store {
                     num_layers: layout.num_layers,
                     layer_major: layout.splits_into(layout.num_layers.min(2)),
                     tenant,
-                    wire,
                 },
             );
         }

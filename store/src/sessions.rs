@@ -75,8 +75,6 @@ pub(super) struct LayoutEntry {
     pub layer_major: bool,
     /// Whose namespace it is registered in: whose blocks of it are (SPEC §18).
     pub tenant: TenantId,
-    /// Its wire id (`Layout::id()`); the id it is registered under is namespaced.
-    pub wire: LayoutId,
 }
 
 /// See the module docs.

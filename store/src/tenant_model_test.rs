@@ -18,31 +18,14 @@ const KIB16: u64 = 16 * 1024;
 fn specs() -> Vec<TenantSpec> {
     vec![
         TenantSpec {
-            name: "quiet".into(),
             dram_min: 4 * KIB16,
-            dram_max: u64::MAX,
-            pinned_max: u64::MAX,
-            transfers_max: u64::MAX,
-            nvme_min: 0,
-            nvme_max: u64::MAX,
+            ..TenantSpec::named("quiet")
         },
+        TenantSpec::named("noisy"),
         TenantSpec {
-            name: "noisy".into(),
-            dram_min: 0,
-            dram_max: u64::MAX,
-            pinned_max: u64::MAX,
-            transfers_max: u64::MAX,
-            nvme_min: 0,
-            nvme_max: u64::MAX,
-        },
-        TenantSpec {
-            name: "capped".into(),
-            dram_min: 0,
             dram_max: 6 * KIB16,
             pinned_max: 3 * KIB16,
-            transfers_max: u64::MAX,
-            nvme_min: 0,
-            nvme_max: u64::MAX,
+            ..TenantSpec::named("capped")
         },
     ]
 }

@@ -65,6 +65,22 @@ pub struct TenantSpec {
     pub nvme_max: u64,
 }
 
+impl TenantSpec {
+    /// A tenant named `name` with no minimum and no limit: what a file's tenant is
+    /// before its keys are read.
+    pub fn named(name: &str) -> TenantSpec {
+        TenantSpec {
+            name: name.to_owned(),
+            dram_min: 0,
+            dram_max: u64::MAX,
+            pinned_max: u64::MAX,
+            transfers_max: u64::MAX,
+            nvme_min: 0,
+            nvme_max: u64::MAX,
+        }
+    }
+}
+
 /// A tenant's share of the lower tier, as the tier gets it ([`Tenants::tier_shares`]),
 /// by tenant id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,15 +176,7 @@ impl Default for Tenants {
         Tenants {
             on: false,
             list: vec![Tenant {
-                spec: TenantSpec {
-                    name: String::new(),
-                    dram_min: 0,
-                    dram_max: u64::MAX,
-                    pinned_max: u64::MAX,
-                    transfers_max: u64::MAX,
-                    nvme_min: 0,
-                    nvme_max: u64::MAX,
-                },
+                spec: TenantSpec::named(""),
                 retired: false,
                 counters: TenantCounters::default(),
             }],
@@ -419,13 +427,9 @@ mod tests {
 
     fn spec(name: &str, min: u64, max: u64) -> TenantSpec {
         TenantSpec {
-            name: name.into(),
             dram_min: min,
             dram_max: max,
-            pinned_max: u64::MAX,
-            transfers_max: u64::MAX,
-            nvme_min: 0,
-            nvme_max: u64::MAX,
+            ..TenantSpec::named(name)
         }
     }
 

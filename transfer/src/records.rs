@@ -149,14 +149,14 @@ impl Records {
         layout: LayoutId,
     ) -> Result<(), WireError> {
         self.check_capacity()?;
-        let Some((tenant, _)) = store.layout_owner(layout).filter(|_| store.tenancy()) else {
+        let Some(tenant) = store.layout_tenant(layout).filter(|_| store.tenancy()) else {
             return Ok(());
         };
         let max = store.tenant_transfers_max(tenant);
         if max == u64::MAX {
             return Ok(());
         }
-        let mine = |l: LayoutId| store.layout_owner(l).is_some_and(|(t, _)| t == tenant);
+        let mine = |l: LayoutId| store.layout_tenant(l) == Some(tenant);
         let live = self
             .exports
             .values()
