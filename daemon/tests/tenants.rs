@@ -641,3 +641,63 @@ tokens = ["{NOISY}"]
         "one LRU per tier kept {left} of 64 quiet blocks: the control cannot fail"
     );
 }
+
+/// KV events say whose blocks they are: a tenant's blocks are published under its
+/// namespaced layout (SPEC §18), so a router that computes `tenant_layout` for a
+/// request's tenant indexes per tenant, and finds nothing of one tenant under another.
+#[test]
+fn kv_events_index_each_tenants_blocks_apart() {
+    use kvd_client::events::{Held, Subscriber};
+    let t = TenantsFile::new(&shares("0", "1TiB"));
+    let (ev, rp) = (free_port(), free_port());
+    let (ev_ep, rp_ep) = (
+        format!("tcp://127.0.0.1:{ev}"),
+        format!("tcp://127.0.0.1:{rp}"),
+    );
+    let flags = [
+        "--events",
+        ev_ep.as_str(),
+        "--events-replay",
+        rp_ep.as_str(),
+    ];
+    let d = start_with(Some(&t.path), free_port(), &flags);
+    let ctx = zmq::Context::new();
+    let mut sub =
+        Subscriber::connect(&ctx, "kvd", &[(ev_ep, Some(rp_ep))], Duration::from_secs(5)).unwrap();
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    let l = register(&quiet, BLOCK_KIB).id;
+    register(&noisy, BLOCK_KIB);
+    let qk = store(&quiet, l, 70, 6);
+    let nk = store(&noisy, l, 71, 3);
+    let (lq, ln) = (tenant_layout("quiet", l), tenant_layout("noisy", l));
+    let held = |prefix: usize| Held {
+        prefix,
+        dram_prefix: prefix,
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    let seen = |sub: &Subscriber| {
+        let ix = sub.index(); // (one lock at a time)
+        (ix.held(lq, &qk), ix.held(ln, &nk))
+    };
+    while seen(&sub) != (vec![held(6)], vec![held(3)]) && Instant::now() < until {
+        sub.poll(Duration::from_millis(50));
+    }
+    let ix = sub.index();
+    assert_eq!(
+        ix.held(lq, &qk),
+        vec![held(6)],
+        "quiet's blocks under quiet's layout"
+    );
+    assert_eq!(ix.held(ln, &nk), vec![held(3)], "noisy's under noisy's");
+    assert_eq!(
+        ix.held(ln, &qk),
+        vec![held(0)],
+        "none of quiet's under noisy's"
+    );
+    assert_eq!(
+        ix.held(l, &qk),
+        vec![held(0)],
+        "none under the bare wire id"
+    );
+}
