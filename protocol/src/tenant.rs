@@ -95,7 +95,7 @@ pub struct TenantStats {
     /// Keys a `get` could not pin (a miss) or an export refused, at its pinned-bytes
     /// limit.
     pub pin_refused: u64,
-    /// No longer in the configuration: takes no new blocks; its blocks go first.
+    /// No longer in the configuration: takes no new blocks; no minimum keeps its blocks.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub retired: bool,
 }

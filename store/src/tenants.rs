@@ -4,8 +4,8 @@
 //! Owns the rules:
 //! - a tenant's id is its position in the order names first appeared (the configuration
 //!   at start, then names a reload adds); a name keeps its id for the daemon's life, and
-//!   a name a reload drops is **retired** (no share: takes no new blocks, gives its
-//!   blocks up first) and comes back with its id if a later reload names it again. At
+//!   a name a reload drops is **retired** (no share: takes no new blocks, no minimum
+//!   keeps its blocks) and comes back with its id if a later reload names it again. At
 //!   most [`MAX_TENANTS`] names in a daemon's life;
 //! - without tenants (none configured at start) there is one, nameless, with no
 //!   minimum and no maximum, and layout ids are not namespaced: everything is as it
