@@ -129,7 +129,7 @@ pub enum DaemonError {
     NoGroup(String),
     /// The tenants file cannot be applied.
     #[error("tenants: {0}")]
-    Tenants(String),
+    Tenants(#[from] tenancy::TenantsError),
 }
 
 fn setup_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -179,9 +179,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         populate_later,
     } = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
     let tenancy = match &cfg.tenants.file {
-        Some(f) => Some(
-            tenancy::Tenancy::start(f, &mut store, Instant::now()).map_err(DaemonError::Tenants)?,
-        ),
+        Some(f) => Some(tenancy::Tenancy::start(f, &mut store, Instant::now())?),
         None => None,
     };
     let ipc_paths = prepare_ipc(cfg, group)?;

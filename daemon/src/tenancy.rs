@@ -88,6 +88,43 @@ struct TenantEntry {
     gids: Vec<u32>,
 }
 
+/// Why a tenants file cannot be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum TenantsError {
+    /// The file (or a token file) could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// What was read.
+        path: PathBuf,
+        /// Why not.
+        source: std::io::Error,
+    },
+    /// It is not a tenants file.
+    #[error("{path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What TOML said.
+        source: Box<toml::de::Error>,
+    },
+    /// It parses, but breaks a rule of its own (a short token, an unknown default).
+    #[error("{path}: {why}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The rule.
+        why: String,
+    },
+    /// The store refused its shares (minimums above the pool, a bad name, ...).
+    #[error("{path}: {source}")]
+    Shares {
+        /// The file.
+        path: PathBuf,
+        /// The store's refusal.
+        source: kvd_store::StoreError,
+    },
+}
+
 /// Shortest token accepted (bytes): a token is a password a client presents.
 pub const MIN_TOKEN_BYTES: usize = 16;
 
@@ -142,17 +179,29 @@ fn version(path: &Path) -> Option<Version> {
 }
 
 /// Reads and checks a tenants file (the store checks the shares against the pool).
-pub fn read(path: &Path) -> Result<Reading, String> {
+pub fn read(path: &Path) -> Result<Reading, TenantsError> {
     use std::io::Read;
     let mut text = String::new();
     std::fs::File::open(path)
         .and_then(|f| f.take(MAX_FILE_BYTES).read_to_string(&mut text))
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    parse(&text, path.parent()).map_err(|e| format!("{}: {e}", path.display()))
+        .map_err(|source| TenantsError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+    parse(&text, path)
 }
 
-fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
-    let file: TenantsFile = toml::from_str(text).map_err(|e| e.to_string())?;
+/// Parses the text of the tenants file at `path` (token files are relative to it).
+fn parse(text: &str, path: &Path) -> Result<Reading, TenantsError> {
+    let dir = path.parent();
+    let invalid = |why: String| TenantsError::Invalid {
+        path: path.to_owned(),
+        why,
+    };
+    let file: TenantsFile = toml::from_str(text).map_err(|e| TenantsError::Parse {
+        path: path.to_owned(),
+        source: Box::new(e),
+    })?;
     let mut creds = Credentials::default();
     let mut specs = Vec::with_capacity(file.tenant.len());
     for t in &file.tenant {
@@ -172,16 +221,18 @@ fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
                 Some(d) if f.is_relative() => d.join(f),
                 _ => f.clone(),
             };
-            let s = std::fs::read_to_string(&p)
-                .map_err(|e| format!("tenant {:?}: token file {}: {e}", t.name, p.display()))?;
+            let s = std::fs::read_to_string(&p).map_err(|source| TenantsError::Read {
+                path: p.clone(),
+                source,
+            })?;
             tokens.push(s.trim().to_owned());
         }
         for tok in tokens {
             if tok.len() < MIN_TOKEN_BYTES {
-                return Err(format!(
+                return Err(invalid(format!(
                     "tenant {:?}: a token shorter than {MIN_TOKEN_BYTES} bytes",
                     t.name
-                ));
+                )));
             }
             creds
                 .tokens
@@ -198,11 +249,23 @@ fn parse(text: &str, dir: Option<&Path>) -> Result<Reading, String> {
     }
     if let Some(d) = &file.default {
         if !file.tenant.iter().any(|t| &t.name == d) {
-            return Err(format!("default tenant {d:?} is not one of the tenants"));
+            return Err(invalid(format!(
+                "default tenant {d:?} is not one of the tenants"
+            )));
         }
     }
     creds.default = file.default;
     Ok(Reading { specs, creds })
+}
+
+/// Gives the store `r`'s shares.
+fn apply(path: &Path, r: &Reading, store: &mut Store) -> Result<(), TenantsError> {
+    store
+        .set_tenants(r.specs())
+        .map_err(|source| TenantsError::Shares {
+            path: path.to_owned(),
+            source,
+        })
 }
 
 /// See the module docs.
@@ -218,12 +281,10 @@ pub struct Tenancy {
 
 impl Tenancy {
     /// Reads `path` and gives the store its shares (which turns tenants on): at start.
-    pub fn start(path: &Path, store: &mut Store, now: Instant) -> Result<Tenancy, String> {
+    pub fn start(path: &Path, store: &mut Store, now: Instant) -> Result<Tenancy, TenantsError> {
         let seen = version(path);
         let r = read(path)?;
-        store
-            .set_tenants(r.specs())
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        apply(path, &r, store)?;
         tracing::info!(path = %path.display(), tenants = r.specs.len(), "tenants configured");
         Ok(Tenancy {
             path: path.to_owned(),
@@ -245,10 +306,7 @@ impl Tenancy {
             return;
         }
         self.seen = v;
-        let applied = read(&self.path).and_then(|r| {
-            store.set_tenants(r.specs()).map_err(|e| e.to_string())?;
-            Ok(r)
-        });
+        let applied = read(&self.path).and_then(|r| apply(&self.path, &r, store).map(|()| r));
         match applied {
             Ok(r) => {
                 tracing::info!(path = %self.path.display(), tenants = r.specs.len(), "tenants reloaded");
@@ -410,7 +468,7 @@ tokens = ["shared-token-0123456789"]
 "#;
 
     fn creds() -> Credentials {
-        parse(FILE, None).unwrap().creds
+        parse(FILE, Path::new("tenants.toml")).unwrap().creds
     }
 
     #[test]
@@ -458,7 +516,11 @@ tokens = ["shared-token-0123456789"]
 
     #[test]
     fn without_a_default_no_credential_is_refused() {
-        let r = parse(&FILE.replace("default = \"public\"", ""), None).unwrap();
+        let r = parse(
+            &FILE.replace("default = \"public\"", ""),
+            Path::new("tenants.toml"),
+        )
+        .unwrap();
         assert_eq!(
             r.creds.resolve(None, None, None).unwrap_err().code,
             ErrorCode::Unauthenticated
@@ -467,10 +529,22 @@ tokens = ["shared-token-0123456789"]
 
     #[test]
     fn bad_files_are_refused() {
-        assert!(parse("[[tenant]]\nname = \"a\"\ntokens = [\"short\"]\n", None).is_err());
-        assert!(parse("default = \"b\"\n[[tenant]]\nname = \"a\"\n", None).is_err());
-        assert!(parse("[[tenant]]\nname = \"a\"\nsurprise = 1\n", None).is_err());
-        let r = parse(FILE, None).unwrap();
+        assert!(parse(
+            "[[tenant]]\nname = \"a\"\ntokens = [\"short\"]\n",
+            Path::new("tenants.toml")
+        )
+        .is_err());
+        assert!(parse(
+            "default = \"b\"\n[[tenant]]\nname = \"a\"\n",
+            Path::new("tenants.toml")
+        )
+        .is_err());
+        assert!(parse(
+            "[[tenant]]\nname = \"a\"\nsurprise = 1\n",
+            Path::new("tenants.toml")
+        )
+        .is_err());
+        let r = parse(FILE, Path::new("tenants.toml")).unwrap();
         assert_eq!(r.specs[0].dram_min, 64 << 20);
         assert_eq!(r.specs[2].dram_max, u64::MAX);
     }

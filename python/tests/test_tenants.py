@@ -51,15 +51,6 @@ def _():
     toks = [(RUN + 13 * t) % 997 + 1 for t in range(100)]
     r = lambda tag: f"{tag}-{os.getpid()}-{time.monotonic_ns()}"  # noqa: E731
 
-    def first_schedule(e, rid):
-        for _ in range(400):
-            so, _ = e.step()
-            for nr in so.scheduled_new_reqs:
-                if nr.req_id == rid:
-                    return nr.num_computed_tokens, so.num_scheduled_tokens[rid]
-            time.sleep(0.005)
-        raise AssertionError(f"{rid} was never scheduled")
-
     def finish(e, rid):
         e.run(lambda so, out: rid in e.outputs and e.outputs[rid].finish_reason is not None)
 
@@ -68,19 +59,19 @@ def _():
     a = ve.Engine(EP, tenant_token=QUIET)
     ra = r("a")
     a.add(ra, toks)
-    assert first_schedule(a, ra) == (0, 100)
+    assert ve.first_schedule(a, ra) == (0, 100)
     finish(a, ra)
     assert tenant(stats, "quiet")["blocks"] >= before + 6, "the engine's blocks are the quiet tenant's"
     b = ve.Engine(EP, tenant_token=QUIET)
     rb = r("b")
     b.add(rb, toks)
-    assert first_schedule(b, rb) == (96, 4), "the same tenant's engine hits"
+    assert ve.first_schedule(b, rb) == (96, 4), "the same tenant's engine hits"
     b.check_blocks(rb, toks, 6)
     finish(b, rb)
     c = ve.Engine(EP, tenant_token=NOISY)
     rc = r("c")
     c.add(rc, toks)
-    assert first_schedule(c, rc) == (0, 100), "another tenant's engine finds nothing"
+    assert ve.first_schedule(c, rc) == (0, 100), "another tenant's engine finds nothing"
     finish(c, rc)
     for e in (a, b, c):
         e.close()

@@ -53,19 +53,7 @@ def finished(e, r):
     return lambda so, out: r in e.outputs and e.outputs[r].finish_reason is not None
 
 
-def first_schedule(e, r):
-    """Steps until ``r`` is scheduled; returns (num_computed_tokens, num_scheduled_tokens)."""
-    for _ in range(400):
-        so, _ = e.step()
-        for nr in so.scheduled_new_reqs:
-            if nr.req_id == r:
-                return nr.num_computed_tokens, so.num_scheduled_tokens[r]
-        c = so.scheduled_cached_reqs
-        for i, x in enumerate(c.req_ids):
-            if x == r and x in c.resumed_req_ids:
-                return c.num_computed_tokens[i], so.num_scheduled_tokens[r]
-        time.sleep(0.005)
-    raise AssertionError(f"{r} was never scheduled")
+first_schedule = ve.first_schedule
 
 
 def step_reports(e, so, r, bad):

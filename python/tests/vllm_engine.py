@@ -11,6 +11,7 @@ the prompt's own computation would have written.
 import hashlib
 import os
 import tempfile
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -521,3 +522,20 @@ class DCPEngine(Engine):
             for layer in range(LAYERS):
                 for v in self._views(ids, pos, layer):
                     assert torch.equal(v, expected_kv(tokens, pos, layer)[:1]), f"token {pos} layer {layer} differs"
+
+
+def first_schedule(e, r):
+    """Steps ``e`` until request ``r`` is scheduled (new, or resumed); returns
+    (num_computed_tokens, num_scheduled_tokens). Bounded by steps, not time: the pause
+    between steps only yields to the connector's threads."""
+    for _ in range(400):
+        so, _ = e.step()
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id == r:
+                return nr.num_computed_tokens, so.num_scheduled_tokens[r]
+        c = so.scheduled_cached_reqs
+        for i, x in enumerate(c.req_ids):
+            if x == r and x in c.resumed_req_ids:
+                return c.num_computed_tokens[i], so.num_scheduled_tokens[r]
+        time.sleep(0.005)
+    raise AssertionError(f"{r} was never scheduled")
