@@ -182,7 +182,10 @@ fn tenants_file(dir: &Path, a: &TenantsArgs) -> Result<std::path::PathBuf> {
     std::fs::write(
         &p,
         format!(
-            "[[tenant]]\nname = \"quiet\"\ndram_min = {}\ntokens = [\"{QUIET}\"]\n\
+            // (the quiet tenant is the operator's, so its `stats` show the noisy one's
+            // evictions too)
+            "[[tenant]]\nname = \"quiet\"\ndram_min = {}\noperator = true\n\
+             tokens = [\"{QUIET}\"]\n\
              [[tenant]]\nname = \"noisy\"\ntokens = [\"{NOISY}\"]\n",
             a.quiet_min.as_u64()
         ),

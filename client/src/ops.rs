@@ -783,8 +783,18 @@ impl Client {
         Ok(r.status)
     }
 
-    /// The daemon's counters and gauges.
+    /// The daemon's counters and gauges (on a daemon with tenants, what this session's
+    /// tenant may see: SPEC §18, "Seen").
     pub fn stats(&self) -> Result<StatsResp> {
-        Ok(self.raw_call(&Request::Stats(StatsReq {}), &[])?.0)
+        Ok(self
+            .call(
+                |client| {
+                    Request::Stats(StatsReq {
+                        client: Some(client),
+                    })
+                },
+                &[],
+            )?
+            .0)
     }
 }

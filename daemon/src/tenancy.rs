@@ -11,10 +11,14 @@
 //!   exists or not;
 //! - **every client op is served in its session's namespace**: the wire layout id is
 //!   replaced by the tenant's namespaced one before the store sees it, a layout named
-//!   through transfer parameters must be the session's tenant's, and `register_layout` /
-//!   `lookup` without a session are the default tenant's (refused where there is none).
+//!   through transfer parameters must be the session's tenant's, and `register_layout`,
+//!   `lookup` and `stats` without a session are the default tenant's (refused where
+//!   there is none).
 //!   What another tenant stored is then simply absent: the same answer, by the same
 //!   code path, as a key nobody stored;
+//! - **a tenant sees its own figures only**: `stats` shows an operator's tenant
+//!   everything, any other session the daemon's identity and size and its own tenant's
+//!   row (no count another tenant's work moves: bytes used, hits, evictions, ...);
 //! - the file is read at start (a bad one stops the start) and again whenever it
 //!   changes (checked once a second); a changed file that does not parse, or whose
 //!   shares the store refuses, changes nothing and is counted and logged.
@@ -27,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
 use kvd_protocol::tenant::{token_digest, TenancyStats};
-use kvd_protocol::{ErrorCode, Request, WireError};
+use kvd_protocol::{ErrorCode, PoolStats, Request, StatsResp, WireError};
 use kvd_store::tenants::{TenantId, TenantSpec};
 use kvd_store::Store;
 use serde::Deserialize;
@@ -86,6 +90,10 @@ struct TenantEntry {
     /// Local groups (primary gids) whose stream connections act for it.
     #[serde(default)]
     gids: Vec<u32>,
+    /// Its sessions see every tenant's figures in `stats` (the operator's tools);
+    /// another tenant's see their own only.
+    #[serde(default)]
+    operator: bool,
 }
 
 /// Why a tenants file cannot be applied.
@@ -144,6 +152,8 @@ struct Credentials {
     uids: HashMap<u32, Vec<String>>,
     gids: HashMap<u32, Vec<String>>,
     default: Option<String>,
+    /// Tenants whose sessions see every tenant's figures.
+    operators: std::collections::HashSet<String>,
 }
 
 /// A file as it was read: its shares and credentials.
@@ -246,6 +256,9 @@ fn parse(text: &str, path: &Path) -> Result<Reading, TenantsError> {
         for g in &t.gids {
             creds.gids.entry(*g).or_default().push(t.name.clone());
         }
+        if t.operator {
+            creds.operators.insert(t.name.clone());
+        }
     }
     if let Some(d) = &file.default {
         if !file.tenant.iter().any(|t| &t.name == d) {
@@ -320,6 +333,11 @@ impl Tenancy {
         }
     }
 
+    /// Whether tenant `name`'s sessions see every tenant's figures (`operator`).
+    pub fn is_operator(&self, name: &str) -> bool {
+        self.creds.operators.contains(name)
+    }
+
     /// The tenant a `hello` acts for, from its credential (see the module docs).
     pub fn resolve(
         &mut self,
@@ -332,6 +350,32 @@ impl Tenancy {
             self.counts.refused_hellos += 1;
         }
         r
+    }
+}
+
+/// What `stats` shows a session of tenant `name`: all of `full` for an operator's
+/// tenant; otherwise the daemon's identity and size and the tenant's own row, and
+/// nothing that another tenant's work moves (module docs).
+pub fn view(tenancy: &Tenancy, name: &str, full: StatsResp) -> StatsResp {
+    if tenancy.is_operator(name) {
+        return full;
+    }
+    StatsResp {
+        pid: full.pid,
+        incarnation: full.incarnation,
+        uptime_ms: full.uptime_ms,
+        pool: PoolStats {
+            capacity_bytes: full.pool.capacity_bytes,
+            segments: full.pool.segments,
+            ..PoolStats::default()
+        },
+        draining: full.draining,
+        tenants: full
+            .tenants
+            .into_iter()
+            .filter(|t| t.name == name)
+            .collect(),
+        ..StatsResp::default()
     }
 }
 
@@ -415,7 +459,11 @@ pub fn scope(
     }
     let tenant = match req.client() {
         Some(c) => store.session_tenant(c).map_err(WireError::from)?,
-        None if matches!(req, Request::Lookup(_) | Request::RegisterLayout(_)) => {
+        None if matches!(
+            req,
+            Request::Lookup(_) | Request::RegisterLayout(_) | Request::Stats(_)
+        ) =>
+        {
             default_tenant(t, store)?
         }
         None => return Ok(TenantId::NONE),
@@ -547,5 +595,39 @@ tokens = ["shared-token-0123456789"]
         let r = parse(FILE, Path::new("tenants.toml")).unwrap();
         assert_eq!(r.specs[0].dram_min, 64 << 20);
         assert_eq!(r.specs[2].dram_max, u64::MAX);
+    }
+
+    /// deploy/tenants.example.toml reads (with its token files beside it) and its
+    /// operator's tenant is the only one that sees everything.
+    #[test]
+    fn the_example_file_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        let example = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/tenants.example.toml"
+        );
+        std::fs::copy(example, &path).unwrap();
+        std::fs::write(
+            dir.path().join("chat.token"),
+            "chat-token-0123456789abcdef\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("batch.token"),
+            "batch-token-0123456789abcdef",
+        )
+        .unwrap();
+        let r = read(&path).unwrap();
+        let names: Vec<&str> = r.specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["chat", "batch", "public", "ops"]);
+        let ops: Vec<&String> = r.creds.operators.iter().collect();
+        assert_eq!(ops, ["ops"]);
+        assert_eq!(
+            r.creds
+                .resolve(Some("chat-token-0123456789abcdef"), Some("public"), None)
+                .unwrap(),
+            "public"
+        );
     }
 }

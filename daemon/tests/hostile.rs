@@ -154,7 +154,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
         }),
     );
     check(bad.call(&[&many]), 17, ErrorCode::TooLarge, "too many keys");
-    let mut big = encode_request(18, &Request::Stats(StatsReq {}));
+    let mut big = encode_request(18, &Request::Stats(StatsReq::default()));
     big.resize((4 << 20) + 1000, 0);
     check(
         bad.call(&[&big]),
@@ -164,7 +164,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
     );
     check(
         bad.call(&[
-            &encode_request(19, &Request::Stats(StatsReq {})),
+            &encode_request(19, &Request::Stats(StatsReq::default())),
             b"payload",
         ]),
         19,
@@ -333,7 +333,7 @@ fn every_bad_message_gets_an_error_and_others_keep_being_served() {
     // a REQ socket (with its empty delimiter frame) is served too
     let req = Raw::new(&d.endpoint, zmq::REQ);
     assert_eq!(
-        req.call(&[&encode_request(32, &Request::Stats(StatsReq {}))]),
+        req.call(&[&encode_request(32, &Request::Stats(StatsReq::default()))]),
         (32, None)
     );
 
@@ -396,7 +396,7 @@ fn a_flood_from_one_client_does_not_starve_another() {
                         client: None,
                     }),
                 ),
-                1 => encode_request(i, &Request::Stats(StatsReq {})),
+                1 => encode_request(i, &Request::Stats(StatsReq::default())),
                 _ => frame(1, i, "nonsense", ()),
             })
             .collect();
@@ -751,7 +751,7 @@ fn unauthenticated_peer_traffic_gets_nothing() {
         (8, Some(ErrorCode::Unauthenticated))
     );
     // 4. a client op on the control endpoint, signed
-    let stats = encode_request(9, &Request::Stats(StatsReq {}));
+    let stats = encode_request(9, &Request::Stats(StatsReq::default()));
     assert_eq!(signed.call(&stats), (9, Some(ErrorCode::UnknownOp)));
     assert_eq!(unauth(), 7);
     // 5. the data plane: an export's own handle and token, but no or a wrong MAC

@@ -17,6 +17,11 @@ use kvd_protocol::{ChunkHash, ErrorCode, LayoutId};
 
 const QUIET: &str = "quiet-token-0123456789abcdef";
 const NOISY: &str = "noisy-token-0123456789abcdef";
+/// The operator's (a tenant with `operator = true`: its sessions see every tenant's
+/// figures).
+const OPS: &str = "ops-token-0123456789abcdef";
+const OPS_TENANT: &str =
+    "\n[[tenant]]\nname = \"ops\"\noperator = true\ntokens = [\"ops-token-0123456789abcdef\"]\n";
 const BLOCK_KIB: u64 = 64;
 
 /// A tenants file in its own directory (kept alive by the returned guard).
@@ -55,8 +60,13 @@ tokens = ["{QUIET}"]
 name = "noisy"
 dram_max = "{noisy_max}"
 tokens = ["{NOISY}"]
-"#
+{OPS_TENANT}"#
     )
+}
+
+/// A session of the operator's tenant.
+fn ops(d: &Daemon) -> Client {
+    client(d, Some(OPS)).expect("the operator's session")
 }
 
 /// A daemon with a 32 MiB pool of 1 MiB segments, transfers on, and `tenants` (none:
@@ -157,7 +167,7 @@ fn a_noisy_tenant_never_evicts_the_quiet_one_below_its_minimum() {
         "the quiet tenant kept its blocks"
     );
     let q = tenant(&quiet, "quiet");
-    let n = tenant(&quiet, "noisy");
+    let n = tenant(&ops(&d), "noisy");
     assert_eq!(q.evicted_by_others, 0, "{q:?}");
     assert!(q.dram_bytes >= 96 * BLOCK_KIB * 1024, "{q:?}");
     assert!(
@@ -206,7 +216,7 @@ fn a_tenant_at_its_maximum_makes_room_from_its_own_blocks() {
         r => panic!("a store past the maximum: {r:?}"),
     }
     store(&quiet, lq, 8, 16);
-    assert!(tenant(&quiet, "noisy").refused >= 1);
+    assert!(tenant(&ops(&d), "noisy").refused >= 1);
 }
 
 /// One lookup's round trip.
@@ -332,6 +342,62 @@ fn a_tenant_cannot_see_pin_export_pull_or_time_another_tenants_blocks() {
     panic!("lookups of another tenant's keys are told apart from never-stored ones: {verdicts:?}");
 }
 
+/// `stats` (SPEC §18 "Seen"): a tenant's session sees the daemon's size and its own
+/// tenant's row, and nothing another tenant's work moves; the operator's session sees
+/// everything (the control: the figures kept from the tenant are there).
+#[test]
+fn stats_show_a_tenant_its_own_figures_only() {
+    let t = TenantsFile::new(&shares("0", "1TiB"));
+    let d = start(Some(&t.path), free_port());
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    let ln = register(&noisy, BLOCK_KIB).id;
+    let ks = store(&noisy, ln, 40, 8);
+    drop(noisy.get(ln, &ks, None).unwrap());
+    let seen = |c: &Client| {
+        let mut st = c.stats().unwrap();
+        st.uptime_ms = 0;
+        st
+    };
+    let before = seen(&quiet);
+    let names: Vec<&str> = before.tenants.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["quiet"], "{before:?}");
+    assert!(before.pool.capacity_bytes > 0, "{before:?}");
+    assert_eq!(
+        (
+            before.pool.used_bytes,
+            before.blocks,
+            before.hits,
+            before.requests
+        ),
+        (0, 0, 0, 0),
+        "{before:?}"
+    );
+    assert!(
+        before.tenancy.is_none() && before.errors.is_empty(),
+        "{before:?}"
+    );
+    // more of the noisy tenant's work: nothing the quiet one sees moves
+    store(&noisy, ln, 41, 8);
+    drop(noisy.get(ln, &ks, None).unwrap());
+    assert_eq!(seen(&quiet), before);
+    // the noisy session sees its own row
+    let n = noisy.stats().unwrap();
+    assert_eq!(n.tenants.len(), 1);
+    assert!(
+        n.tenants[0].name == "noisy" && n.tenants[0].blocks == 16,
+        "{n:?}"
+    );
+    // the operator's session sees it all
+    let all = ops(&d).stats().unwrap();
+    assert!(
+        all.pool.used_bytes >= 16 * BLOCK_KIB * 1024 && all.blocks == 16 && all.hits >= 16,
+        "{all:?}"
+    );
+    assert_eq!(all.tenants.len(), 3);
+    assert!(all.tenancy.is_some());
+}
+
 #[test]
 fn credentials_decide_the_tenant() {
     let t = TenantsFile::new(&shares("0", "1TiB"));
@@ -364,7 +430,7 @@ fn credentials_decide_the_tenant() {
         1
     );
     // the token never reaches the logs or stats
-    let st = client(&d, Some(QUIET)).unwrap().stats().unwrap();
+    let st = ops(&d).stats().unwrap();
     assert!(
         st.tenancy.as_ref().is_some_and(|t| t.refused_hellos >= 4),
         "{:?}",
@@ -411,7 +477,7 @@ fn shares_change_on_reload_under_load_and_metrics_say_the_tenant() {
     // a file that does not parse changes nothing
     t.replace("[[tenant]]\nname = \"noisy\"\nsurprise = true\n");
     eventually(10, "the bad file is counted", || {
-        noisy
+        ops(&d)
             .stats()
             .unwrap()
             .tenancy
@@ -444,10 +510,10 @@ fn shares_change_on_reload_under_load_and_metrics_say_the_tenant() {
     ] {
         assert!(body.contains(want), "{want} not in /metrics");
     }
-    // and so does `kvd ctl tenants`, for an operator holding a tenant's token
+    // and so does `kvd ctl tenants`, for the operator's token
     let out = std::process::Command::new(kvd_bin())
         .args(["ctl", "--endpoint", &d.endpoint, "tenants"])
-        .env("KVD_TENANT_TOKEN", QUIET)
+        .env("KVD_TENANT_TOKEN", OPS)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -562,17 +628,40 @@ fn a_local_user_is_known_by_uid_on_the_stream_transport() {
     );
 }
 
-/// The Python package and the vLLM connector (its sessions act for `extra_config`'s
-/// tenant) against a daemon with tenants: python/tests/test_tenants.py.
+/// The Python package and the vLLM connector against two daemons with tenants (a third
+/// token, an engine's, acts for both tenants): sessions act for `extra_config`'s tenant,
+/// or each request for the one its cache salt or LoRA names, handoffs included:
+/// python/tests/test_tenants.py.
 #[test]
 fn the_python_package_and_the_vllm_connector_act_for_their_tenant() {
-    let t = TenantsFile::new(&shares("0", "1TiB"));
-    let d = start(Some(&t.path), free_port());
+    const ENGINE: &str = "engine-token-0123456789abcdef";
+    let file = format!(
+        r#"
+[[tenant]]
+name = "quiet"
+tokens = ["{QUIET}", "{ENGINE}"]
+
+[[tenant]]
+name = "noisy"
+tokens = ["{NOISY}", "{ENGINE}"]
+"#
+    );
+    let t = TenantsFile::new(&file);
+    let (a, b) = (
+        start(Some(&t.path), free_port()),
+        start(Some(&t.path), free_port()),
+    );
     common::python_checks(
         "test_tenants.py",
         "kvd, vllm, torch",
         "run ./scripts/test.sh, which installs vLLM 0.33 and builds kvd with `maturin develop`",
-        &[d.endpoint.clone(), QUIET.into(), NOISY.into()],
+        &[
+            a.endpoint.clone(),
+            QUIET.into(),
+            NOISY.into(),
+            ENGINE.into(),
+            b.endpoint.clone(),
+        ],
     );
 }
 
@@ -603,7 +692,7 @@ tokens = ["{QUIET}"]
 [[tenant]]
 name = "noisy"
 tokens = ["{NOISY}"]
-"#
+{OPS_TENANT}"#
     );
     let t = TenantsFile::new(&file);
     let disk = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -613,7 +702,7 @@ tokens = ["{NOISY}"]
     let quiet = client(&d, Some(QUIET)).unwrap();
     let noisy = client(&d, Some(NOISY)).unwrap();
     assert_eq!(quiet_blocks_left_in_both_tiers(&quiet, &noisy), 64);
-    let (q, n) = (tenant(&quiet, "quiet"), tenant(&quiet, "noisy"));
+    let (q, n) = (tenant(&quiet, "quiet"), tenant(&ops(&d), "noisy"));
     // (at its 1 MiB of DRAM, the quiet tenant's own stores sent most of its blocks down)
     assert!(
         q.nvme_bytes >= 3 << 20,
@@ -621,7 +710,7 @@ tokens = ["{NOISY}"]
     );
     assert!(n.nvme_bytes > 0 && n.nvme_bytes <= 32 << 20, "{n:?}");
     assert_eq!(q.nvme_min, 8 << 20);
-    let st = quiet.stats().unwrap();
+    let st = ops(&d).stats().unwrap();
     assert!(
         st.nvme.as_ref().is_some_and(|x| x.evictions > 0),
         "the noisy tenant filled NVMe: {:?}",

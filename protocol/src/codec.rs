@@ -129,12 +129,13 @@ impl Request {
         }
     }
 
-    /// The session a client op names (`None`: `hello`, `stats` and the peer ops, which
-    /// name none, and a `register_layout` or `lookup` sent without one).
+    /// The session a client op names (`None`: `hello` and the peer ops, which name
+    /// none, and a `register_layout`, `lookup` or `stats` sent without one).
     pub fn client(&self) -> Option<ClientId> {
         Some(match self {
             Request::RegisterLayout(r) => return r.client,
             Request::Lookup(r) => return r.client,
+            Request::Stats(r) => return r.client,
             Request::Alloc(r) => r.client,
             Request::Commit(r) => r.client,
             Request::Get(r) => r.client,
@@ -160,7 +161,6 @@ impl Request {
             Request::GpuPull(r) => r.client,
             Request::GpuExportStatus(r) => r.client,
             Request::Hello(_)
-            | Request::Stats(_)
             | Request::PeerPushReg(_)
             | Request::PeerPushDone(_)
             | Request::PeerDone(_)
@@ -674,7 +674,10 @@ mod tests {
                 layout_id: LayoutId(l),
                 keys: k
             })),
-            Just(Request::Stats(StatsReq {})),
+            Just(Request::Stats(StatsReq::default())),
+            any::<u64>().prop_map(|c| Request::Stats(StatsReq {
+                client: Some(ClientId(c))
+            })),
             (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(c, l, n)| {
                 Request::Reserve(ReserveReq {
                     client: ClientId(c),

@@ -509,7 +509,13 @@ pub struct ChecksumStats {
 
 /// `stats`: counters and gauges.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-pub struct StatsReq {}
+pub struct StatsReq {
+    /// The asking session (SPEC §18): on a daemon with tenants it decides what the reply
+    /// shows (an operator's tenant: everything; another: its own tenant's figures).
+    /// Optional: without tenants it is not read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<ClientId>,
+}
 
 /// Pool occupancy.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]

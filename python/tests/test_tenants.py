@@ -1,8 +1,9 @@
 """Tenants (SPEC §18) through the Python package and the vLLM connector, against a real
 daemon with a tenants file naming "quiet" and "noisy" (tokens in argv).
 
-argv: ENDPOINT QUIET_TOKEN NOISY_TOKEN. Run by daemon/tests/tenants.rs. Prints
-"N passed, M failed".
+argv: ENDPOINT QUIET_TOKEN NOISY_TOKEN ENGINE_TOKEN ENDPOINT2 (the engine's token acts
+for both tenants; a second daemon with the same file for handoffs). Run by
+daemon/tests/tenants.rs. Prints "N passed, M failed".
 """
 
 import os
@@ -14,7 +15,7 @@ from checks import check, run  # noqa: E402
 
 import kvd  # noqa: E402
 
-EP, QUIET, NOISY = sys.argv[1], sys.argv[2], sys.argv[3]
+EP, QUIET, NOISY, ENGINE, EP2 = sys.argv[1:6]
 LAYOUT = {"model": "kvd-py/tenants", "num_layers": 2, "kv_parts": 2, "num_kv_heads": 1, "head_dim": 32,
           "dtype": "f16", "tokens_per_block": 16, "tp_size": 1, "tp_rank": 0,
           "order": "layer_part_token_head"}
@@ -75,6 +76,103 @@ def _():
     finish(c, rc)
     for e in (a, b, c):
         e.close()
+
+
+def blocks(ep, name):
+    return tenant(kvd.Client(ep, token=QUIET if name == "quiet" else NOISY), name)["blocks"]
+
+
+def served(e, rid, toks, **kw):
+    """Adds ``rid``, returns what the first schedule computes and loads, runs it out."""
+    import vllm_engine as ve
+
+    e.add(rid, toks, **kw)
+    first = ve.first_schedule(e, rid)
+    e.run(lambda so, out: rid in e.outputs and e.outputs[rid].finish_reason is not None)
+    return first
+
+
+def rid(tag):
+    return f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@check("per-request tenants (tenant_from=cache_salt): each request is stored, found and charged in the tenant its salt names; a salt naming a tenant the engine's credential does not act for gets no kvd")
+def _():
+    import vllm_engine as ve
+
+    toks = [(RUN + 7 * t) % 991 + 1 for t in range(100)]
+    q0, n0 = blocks(EP, "quiet"), blocks(EP, "noisy")
+    multi = ve.Engine(EP, tenant_token=ENGINE, tenant="quiet", tenant_from="cache_salt")
+    assert multi.sconn.request_tenant(multi.add(rid("probe"), toks[:20], cache_salt="noisy")) == "noisy"
+    assert served(multi, rid("n"), toks, cache_salt="noisy") == (0, 100)
+    assert blocks(EP, "noisy") >= n0 + 6 and blocks(EP, "quiet") == q0, "the salt's tenant holds the blocks"
+    # the same salt in the same tenant hits, through an engine of that tenant only
+    assert served(ve.Engine(EP, tenant_token=NOISY), rid("n2"), toks, cache_salt="noisy") == (96, 4)
+    assert served(ve.Engine(EP, tenant_token=QUIET), rid("q2"), toks, cache_salt="noisy") == (0, 100), "another tenant finds nothing, keys alike"
+    # no salt: the engine's tenant
+    assert served(multi, rid("d"), toks) == (0, 100)
+    assert blocks(EP, "quiet") >= q0 + 6
+    assert served(ve.Engine(EP, tenant_token=QUIET), rid("d2"), toks) == (96, 4)
+    # a salt naming a tenant the credential does not act for: no lookup, no save, no fallback
+    q1, n1 = blocks(EP, "quiet"), blocks(EP, "noisy")
+    other = [(RUN + 11 * t) % 983 + 1 for t in range(100)]
+    assert served(multi, rid("x"), other, cache_salt="nobody") == (0, 100)
+    assert (blocks(EP, "quiet"), blocks(EP, "noisy")) == (q1, n1), "nothing stored for a tenant the engine may not act for"
+    assert served(multi, rid("x2"), other, cache_salt="nobody") == (0, 100)
+
+
+@check("per-request tenants through tenant_map and LoRA: mapped values name their tenant, others the engine's")
+def _():
+    import vllm_engine as ve
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    toks = [(RUN + 5 * t) % 977 + 1 for t in range(100)]
+    m = ve.Engine(EP, tenant_token=ENGINE, tenant="quiet", tenant_from="cache_salt", tenant_map={"s-3f9a": "noisy"})
+    n0 = blocks(EP, "noisy")
+    assert served(m, rid("m"), toks, cache_salt="s-3f9a") == (0, 100)
+    assert blocks(EP, "noisy") >= n0 + 6
+    assert served(ve.Engine(EP, tenant_token=NOISY), rid("m2"), toks, cache_salt="s-3f9a") == (96, 4)
+    req = lambda **kw: Request(rid("l"), toks, SamplingParams(max_tokens=1), None, **kw)  # noqa: E731
+    assert m.sconn.request_tenant(req(cache_salt="unmapped")) == "quiet"
+    assert m.sconn.request_tenant(req()) == "quiet"
+    lo = ve.Engine(EP, tenant_token=ENGINE, tenant="quiet", tenant_from="lora")
+    assert lo.sconn.request_tenant(req(lora_request=LoRARequest("noisy", 1, "/nonexistent"))) == "noisy"
+    assert lo.sconn.request_tenant(req(cache_salt="noisy")) == "quiet", "tenant_from=lora reads the adapter, not the salt"
+    from kvd.vllm_layout import KvdConfigError
+
+    try:
+        ve.Engine(EP, tenant_from="header")
+        raise AssertionError("an unknown tenant_from was accepted")
+    except KvdConfigError:
+        pass
+
+
+@check("per-request tenants in a handoff: the prefill's export and the decode's pull run in the request's tenant; a decode engine of another tenant cannot admit it and prefills itself")
+def _():
+    import vllm_engine as ve
+
+    toks = [(RUN + 3 * t) % 971 + 1 for t in range(100)]
+    p = ve.Engine(EP, role="kv_producer", tenant_token=ENGINE, tenant="quiet", tenant_from="cache_salt")
+    r = rid("p")
+    p.add(r, toks, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, cache_salt="noisy")
+    p.run(lambda so, out: r in p.outputs and p.outputs[r].finish_reason is not None)
+    params = p.outputs[r].kv_transfer_params
+    assert params and params["kvd"]["blocks"] == 6, params
+    n0 = blocks(EP2, "noisy")
+    wrong = ve.Engine(EP2, role="kv_consumer", tenant_token=QUIET)
+    rw = rid("w")
+    wrong.add(rw, toks, max_tokens=2, kv_transfer_params=params, cache_salt="noisy")
+    assert ve.first_schedule(wrong, rw) == (0, 100), "another tenant's decode engine prefills"
+    d = ve.Engine(EP2, role="kv_consumer", tenant_token=ENGINE, tenant="quiet", tenant_from="cache_salt")
+    rd = rid("d")
+    d.add(rd, toks, max_tokens=3, kv_transfer_params=params, cache_salt="noisy")
+    d.step()
+    assert ve.first_schedule(d, rd) == (96, 4)
+    d.check_blocks(rd, toks, 6)
+    d.run(lambda so, out: rd in d.outputs and d.outputs[rd].finish_reason is not None)
+    assert blocks(EP2, "noisy") >= n0 + 6, "the pulled blocks are the request's tenant's"
 
 
 if __name__ == "__main__":

@@ -464,7 +464,7 @@ def _():
         r1 = rid("before")
         a.add(r1, prompt(40))
         a.run(finished(a, r1))
-        old = a.worker._inc
+        old = a.worker._sessions[None].inc
         proc.kill()
         proc.wait()
         os.unlink(f"{d}/kvd.sock")
@@ -478,7 +478,7 @@ def _():
         r3 = rid("saved")
         a.add(r3, toks)
         a.run(finished(a, r3))
-        assert a.worker._inc != old, "the worker views the new daemon's pool"
+        assert a.worker._sessions[None].inc != old, "the worker views the new daemon's pool"
         b = ve.Engine(ep)
         r4 = rid("hit")
         b.add(r4, toks)

@@ -158,7 +158,14 @@ impl Server {
             },
             Request::Put(r) => Body::Put(s.put(r, now)?),
             Request::Unreserve(r) => Body::Unreserve(s.unreserve(r, now)?),
-            Request::Stats(_) => Body::Stats(Box::new(self.stats(now))),
+            Request::Stats(_) => {
+                let full = self.stats(now);
+                Body::Stats(Box::new(match &self.tenancy {
+                    // SPEC §18 "Seen": a tenant's session sees its own figures
+                    Some(t) => crate::tenancy::view(t, self.store.tenant_name(tenant), full),
+                    None => full,
+                }))
+            }
             Request::GpuRegister(_)
             | Request::GpuUnregister(_)
             | Request::GpuList(_)

@@ -81,6 +81,27 @@ tokens, salted with the LoRA adapter's name and the request's ``cache_salt`` —
 and adapters never share blocks — and, for multimodal prompts, with their items as vLLM's
 own prefix cache keys them (:func:`kvd.vllm_layout.request_keys`).
 
+Tenants (SPEC §18)
+------------------
+Against a daemon with tenants every session acts for one tenant, decided by its
+credential: ``extra_config.tenant_token`` (default ``$KVD_TENANT_TOKEN``) and ``tenant``
+(default ``$KVD_TENANT``; needed where the token acts for several). Without more, every
+request of the engine is that tenant's. With ``tenant_from`` = ``"cache_salt"`` or
+``"lora"`` each request is the tenant its cache salt or LoRA adapter names (through
+``tenant_map``, value -> tenant, where one is given; a value the map lacks, and a
+request without one, is the engine's tenant): the scheduler and each worker keep a
+session per tenant they met, and a request's lookups, loads, saves, exports and pulls
+run in its tenant's session (so its blocks live in that tenant's namespace and count
+against its shares). A tenant the engine's credential does not act for is refused a
+session: such requests run without kvd (no lookup, no save, asked again after 5 s),
+never as another tenant's. vLLM takes ``cache_salt`` from the request body, so a
+platform that maps salts to tenants sets it at its gateway; the salt also salts the
+keys, so a request can only reach blocks stored under the same salt. A handoff's
+decode engine must map the request to the prefill's tenant (the same salt or adapter
+does); another tenant's session cannot admit it (the transfer's layout is not in its
+namespace) and the decode engine prefills. Each worker session maps the pool (one
+mapping, and on CUDA one registration, per tenant a worker serves).
+
 Where things are
 ----------------
 This module: the connector (scheduler side: hits, saves, handoffs; worker side: loads,
@@ -132,6 +153,7 @@ import base64
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -173,9 +195,22 @@ PARAMS_VERSION = 1
 
 
 @dataclass
+class _Session:
+    """A worker's session for one tenant: its client, the view of the pool it mapped and
+    the daemon incarnation that view maps, and the prefill shards' layouts registered in
+    it ((TP size, rank) -> layout id)."""
+
+    client: kvd.Client
+    pool: torch.Tensor
+    inc: int
+    src_lids: dict[tuple, int] = field(default_factory=dict)
+
+
+@dataclass
 class _Req:
     tokens: list[int]
     keys: list[bytes]  # full prompt blocks
+    tenant: Optional[str] = None  # whose session serves it (None: the credential's only tenant)
     saved: int = 0  # leading blocks known to be in kvd (saved, loaded or pulled)
     state_saved: int = 0  # the highest boundary whose state snapshot is in kvd
     matched: Optional[tuple[int, int]] = None  # (num_computed_tokens, external tokens)
@@ -189,6 +224,7 @@ class _Remote:
     state_ids: list[str] = field(default_factory=list)
     src_tp: int = 0  # the prefill's TP size when its heads are resliced here
     started: bool = False
+    tenant: Optional[str] = None  # the request's (its transfers are that session's)
 
 
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -207,9 +243,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._timeout_s = float(extra.get("timeout_s", 10.0))
         # A daemon with tenants (SPEC §18): the credential this engine's sessions present
         # and the tenant they act for (default: $KVD_TENANT_TOKEN / $KVD_TENANT, which the
-        # client reads itself). Every request of the engine is that tenant's.
+        # client reads itself), and where a request names its own (see request_tenant).
         self._token = extra.get("tenant_token") or None
         self._tenant = extra.get("tenant") or None
+        self._tenant_from = extra.get("tenant_from") or None
+        if self._tenant_from not in (None, "cache_salt", "lora"):
+            raise KvdConfigError(f"kvd connector: tenant_from must be 'cache_salt' or 'lora', not {self._tenant_from!r}")
+        self._tenant_map = extra.get("tenant_map") or {}
+        if not isinstance(self._tenant_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in self._tenant_map.items()):
+            raise KvdConfigError("kvd connector: tenant_map must map strings (salts or LoRA names) to tenant names")
         self._transfer_timeout_s = float(extra.get("transfer_timeout_s", 120.0))
         self._save = bool(extra.get("save", True))
         self._load = bool(extra.get("load", True))
@@ -242,29 +284,69 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_state_saves: list[Load] = []
         self._lids: list[int] = []
         self._slids: list[int] = []
-        self._client: Optional[kvd.Client] = None
+        # A session per tenant the requests name (one without tenant_from): the daemon
+        # serves each under its tenant's namespace and shares (SPEC §18).
+        self._clients: dict[Optional[str], kvd.Client] = {}
+        self._refused: dict[Optional[str], float] = {}  # tenant -> when its hello was refused
         self._warned: set[str] = set()
         # Pipeline stages of a grouped layout: every stage's layouts (KV, state) as its
         # workers registered them, from vLLM's handshake; None until it came.
         self._stage_layouts: Optional[tuple[list[dict], list[dict]]] = None
         if self._geo is not None:
-            self._connect_sched()
+            self._connect_sched(self._tenant)
 
     @property
     def _from_workers(self) -> bool:
         """Whether the layouts come from the workers (pipeline stages of a grouped layout)."""
         return bool(self._geo is not None and self._geo.grouped and self._geo.pp_size > 1)
 
-    def _connect_sched(self) -> kvd.Client:
-        c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False, token=self._token, tenant=self._tenant)
+    def request_tenant(self, request: "Request") -> Optional[str]:
+        """The tenant whose session serves ``request`` (SPEC §18): with
+        ``extra_config.tenant_from`` set, its ``cache_salt`` or LoRA adapter's name —
+        through ``tenant_map`` where one is given (a value it lacks: the engine's tenant),
+        else the value itself names the tenant; the engine's tenant (``tenant``, or the
+        credential's only one) for a request without one. The daemon serves a session only
+        for a tenant the engine's credential acts for, so a value that names another is
+        refused there (the request runs without kvd), never served as someone else's."""
+        if self._tenant_from is None:
+            return self._tenant
+        if self._tenant_from == "lora":
+            lora = getattr(request, "lora_request", None)
+            v = getattr(lora, "lora_name", None) if lora is not None else None
+        else:
+            v = getattr(request, "cache_salt", None)
+        if not v:
+            return self._tenant
+        if self._tenant_map:
+            return self._tenant_map.get(str(v), self._tenant)
+        return str(v)
+
+    # A tenant the daemon refused a session is asked again after this long.
+    REFUSED_RETRY_S = 5.0
+
+    def _connect_sched(self, tenant: Optional[str]) -> kvd.Client:
+        since = self._refused.get(tenant)
+        if since is not None and time.monotonic() - since < self.REFUSED_RETRY_S:
+            raise kvd.KvdError(f"the daemon refused a session for tenant {tenant!r} (asked again in {self.REFUSED_RETRY_S:.0f} s)")
+        try:
+            c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False, token=self._token, tenant=tenant)
+        except kvd.KvdError as e:
+            if getattr(e, "code", None) == "unauthenticated":
+                self._refused[tenant] = time.monotonic()
+            raise
+        self._refused.pop(tenant, None)
         if self._from_workers:
             lays, slays = self._stage_layouts or ([], [])
         else:
             lays = [self._geo.layout(r) for r in range(self._geo.num_layouts)]
             slays = [self._geo.state_layout(r) for r in range(self._num_state_layouts())]
-        self._lids = [c.register_layout(x)["layout_id"] for x in lays]
-        self._slids = [c.register_layout(x)["layout_id"] for x in slays]
-        self._client = c
+        lids = [c.register_layout(x)["layout_id"] for x in lays]
+        slids = [c.register_layout(x)["layout_id"] for x in slays]
+        if self._clients and (lids, slids) != (self._lids, self._slids):
+            # (layout ids are the layouts' digests, the same in every tenant's session)
+            raise kvd.KvdError(f"tenant {tenant!r}'s session names the layouts {lids} {slids}, another's {self._lids} {self._slids}")
+        self._lids, self._slids = lids, slids
+        self._clients[tenant] = c
         return c
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -287,11 +369,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvd connector: %d of %d pipeline-stage layouts reached the scheduler; serving without kvd hits", sum(x is not None for x in lays + slays), len(lays + slays))
             return
         self._stage_layouts = (lays, slays)
+        self._clients.clear()  # (each tenant's session registers the stages' layouts)
         try:
-            self._connect_sched()
+            self._connect_sched(self._tenant)
         except (kvd.KvdError, OSError) as e:
             self._warn("registering the pipeline stages' layouts", e)
-            self._client = None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, r): md for r, md in metadata.items()})
@@ -318,8 +400,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def _num_state_layouts(self) -> int:
         return getattr(self._geo, "num_state_layouts", 0)
 
-    def _sched_client(self) -> kvd.Client:
-        return self._client if self._client is not None else self._connect_sched()
+    def _sched_client(self, tenant: Optional[str]) -> kvd.Client:
+        c = self._clients.get(tenant)
+        return c if c is not None else self._connect_sched(tenant)
+
+    def _drop(self, tenant: Optional[str]) -> None:
+        """Forgets a tenant's session after a failure (the next call says hello again)."""
+        self._clients.pop(tenant, None)
 
     def _warn(self, what: str, e: BaseException) -> None:
         # One line per kind of failure: a daemon that is down must not flood the log.
@@ -335,27 +422,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         keys = request_keys(request, self._geo.key_tokens)
         if keys is None:
             return None  # prompt embeddings: the KV is not a function of what kvd names
-        st = _Req(tokens=list(request.prompt_token_ids), keys=keys)
+        st = _Req(tokens=list(request.prompt_token_ids), keys=keys, tenant=self.request_tenant(request))
         self._reqs[request.request_id] = st
         return st
 
-    def _prefix(self, keys: list[bytes]) -> int:
-        c = self._sched_client()
+    def _prefix(self, keys: list[bytes], tenant: Optional[str]) -> int:
+        c = self._sched_client(tenant)
         return min(int(c.lookup(lid, keys)["prefix"]) for lid in self._lids)
 
     # How many boundaries below the KV prefix a hit looks for a state snapshot.
     STATE_PROBES = 64
 
-    def _hit(self, keys: list[bytes]) -> int:
+    def _hit(self, keys: list[bytes], tenant: Optional[str]) -> int:
         """Blocks of ``keys`` a load can serve: the KV prefix every layout holds, and for
         a model with recurrent state the longest such prefix whose boundary has a state
         snapshot in every state layout (the state of another boundary never serves)."""
         if self._from_workers and self._stage_layouts is None:
             return 0  # the stages' layouts are not known yet
-        n = self._prefix(keys) if keys else 0
+        n = self._prefix(keys, tenant) if keys else 0
         if not self._slids or n == 0:
             return n
-        c = self._sched_client()
+        c = self._sched_client(tenant)
         for k in range(n, max(0, n - self.STATE_PROBES), -1):
             # Probed without prefetch; the boundary chosen is then looked up (its state
             # starts coming into DRAM from NVMe, as the KV's did).
@@ -381,10 +468,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if usable * b <= num_computed_tokens:
             return 0, False
         try:
-            hit = self._hit(st.keys[:usable])
+            hit = self._hit(st.keys[:usable], st.tenant)
         except (kvd.KvdError, OSError) as e:
             self._warn("lookup failed, serving without external hits", e)
-            self._client = None
+            self._drop(st.tenant)
             return 0, False
         n = hit * b - num_computed_tokens
         if n <= 0:
@@ -451,7 +538,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         accepted = []
         try:
-            c = self._sched_client()
+            c = self._sched_client(st.tenant)
             lids = [c.register_layout(self._geo.layout_for(src_tp, s))["layout_id"] for s in range(src_tp)] if reslice else self._lids
             slids = [c.register_layout(self._geo.state_layout_for(src_tp, s))["layout_id"] for s in range(src_tp)] if reslice and self._slids else self._slids
             todo = [(t, lids[r], st.keys[:blocks]) for r, t in enumerate(transfers)]
@@ -464,7 +551,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 accepted.append(t)
         except (kvd.KvdError, OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("kvd connector: request %s: could not accept the handoff (%s); prefilling here", rid, e)
-            self._abort(accepted)
+            self._abort(accepted, st.tenant)
             return 0, False
         answer = (usable * b - num_computed, True)
         self._remote[rid] = _Remote(
@@ -473,6 +560,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             kv_ids=[t["transfer_id"] for t in transfers],
             state_ids=[t["transfer_id"] for t in state_transfers],
             src_tp=src_tp if reslice else 0,
+            tenant=st.tenant,
         )
         st.matched = (num_computed, answer[0])
         return answer
@@ -515,13 +603,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     state=state,
                     state_transfer_ids=remote.state_ids,
                     src_tp=remote.src_tp,
+                    tenant=st.tenant,
                 )
             )
         elif self._async_loads:
             # A local hit loaded asynchronously: the worker's mover loads it (no transfer).
-            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids, failed=failed, state=state))
+            self._pending_pulls.append(Pull(req_id=request.request_id, transfer_ids=[], keys=keys, block_ids=ids, failed=failed, state=state, tenant=st.tenant))
         else:
-            self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids))
+            self._pending_loads.append(Load(req_id=request.request_id, keys=keys, block_ids=ids, tenant=st.tenant))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvdConnectorMetadata(loads=self._pending_loads, pulls=self._pending_pulls)
@@ -545,7 +634,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return
         remote.started = True
         try:
-            c = self._sched_client()
+            c = self._sched_client(remote.tenant)
             for t in remote.transfers:
                 c.pull(base64.b64decode(t["params"]), ttl_s=self._pin_ttl_s, wait=False)
         except (kvd.KvdError, OSError, ValueError) as e:
@@ -568,7 +657,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             upto = min(upto, len(ids))
             ids = ids[st.saved : upto]
         if upto > st.saved:
-            meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids))
+            meta.saves.append(Load(req_id=rid, keys=st.keys[st.saved : upto], block_ids=ids, tenant=st.tenant))
             st.saved = upto
         if self._slids:
             self._state_save(rid, st, done_tokens)
@@ -583,7 +672,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return
         sids = state_ids(self._kv_cache_manager.get_block_ids(rid), self._geo, k - 1)
         if sids is not None:
-            self._pending_state_saves.append(Load(req_id=rid, keys=[st.keys[k - 1]], block_ids=[sids]))
+            self._pending_state_saves.append(Load(req_id=rid, keys=[st.keys[k - 1]], block_ids=[sids], tenant=st.tenant))
             st.state_saved = k
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
@@ -591,14 +680,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in connector_output.finished_recving or ():
             remote = self._remote.pop(rid, None)
             if remote is not None:
-                self._finish(remote.transfers)
+                self._finish(remote.transfers, remote.tenant)
             if rid in failed:
                 self._gave_up.add(rid)
 
-    def _finish(self, transfers: list[dict]) -> None:
+    def _finish(self, transfers: list[dict], tenant: Optional[str]) -> None:
         """Drops the scheduler session's hold on ended transfers (pins, live imports)."""
         try:
-            c = self._sched_client()
+            c = self._sched_client(tenant)
             for t in transfers:
                 try:
                     s = c.transfer_status(t["transfer_id"])
@@ -611,10 +700,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         except (kvd.KvdError, OSError) as e:
             self._warn("releasing a handoff", e)
 
-    def _abort(self, transfers: list[dict]) -> None:
+    def _abort(self, transfers: list[dict], tenant: Optional[str]) -> None:
         for t in transfers:
             try:
-                self._sched_client().abort(t["transfer_id"])
+                self._sched_client(tenant).abort(t["transfer_id"])
             except (kvd.KvdError, OSError):
                 pass
 
@@ -632,7 +721,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if remote is not None and not remote.started:
             # Admitted, never pulled (aborted while waiting): let the exporter go now.
             self._remote.pop(rid)
-            self._abort(remote.transfers)
+            self._abort(remote.transfers, remote.tenant)
         params = request.kv_transfer_params or {}
         if st is None or not self._producer or not params.get("do_remote_decode"):
             return False, None
@@ -649,14 +738,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             # it only at a boundary it will load up to.
             keys = keys[: (len(st.tokens) - 1) // self._geo.key_tokens]
         try:
-            blocks = self._hit(keys)
+            blocks = self._hit(keys, st.tenant)
         except (kvd.KvdError, OSError) as e:
             self._warn("export lookup failed; the decode side will prefill", e)
+            self._drop(st.tenant)
             return None
         if blocks == 0:
             logger.warning("kvd connector: request %s: no prompt block is in kvd; nothing to hand off", rid)
             return None
-        c = self._sched_client()
+        c = self._sched_client(st.tenant)
         transfers: list[dict[str, Any]] = []
         state_transfers: list[dict[str, Any]] = []
         try:
@@ -671,7 +761,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 state_transfers.append({"rank": r, "transfer_id": tid, "params": base64.b64encode(params).decode()})
         except (kvd.KvdError, OSError) as e:
             logger.warning("kvd connector: request %s: export failed (%s); the decode side will prefill", rid, e)
-            self._abort(transfers + state_transfers)
+            self._abort(transfers + state_transfers, st.tenant)
             return None
         extra = {"state_transfers": state_transfers} if self._slids else {}
         return {
@@ -695,13 +785,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def _worker_init(self) -> None:
         self._layers: list[torch.Tensor] = []
         self._errors: set[int] = set()
-        self._wclient: Optional[kvd.Client] = None
-        self._pool: Optional[torch.Tensor] = None
+        # A session per tenant the requests name (the scheduler's request_tenant), each
+        # with the view of the pool it mapped; the engine's tenant's opens at start.
+        self._sessions: dict[Optional[str], _Session] = {}
         self._old_pools: list[torch.Tensor] = []
         # Pool mappings (data_ptr -> kvd._device_view) on CUDA, old pools' too.
         self._mapped: dict[int, torch.Tensor] = {}
-        self._src_lids: dict[tuple[int, int], int] = {}  # (TP size, rank) -> layout id of a prefill's shard
-        self._inc = 0
         self._lock = threading.Lock()
         self._mover: Optional[_Mover] = None
         self._copier: Optional[_Copier] = None
@@ -773,44 +862,62 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._layers = self._paged.tensors()
         self._layer_index = dict(self._paged.index)
         self._device = self._paged.device
-        self._connect_worker()
+        self._connect_worker(self._tenant)
         self._mover = _Mover(self)
         self._mover.start()
         self._copier = _Copier(self._device)
 
-    def _connect_worker(self) -> None:
-        c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s, token=self._token, tenant=self._tenant)
+    def _connect_worker(self, tenant: Optional[str]) -> _Session:
+        """Opens the worker's session for ``tenant`` (registers its layouts in that
+        tenant's namespace, maps the pool). Layout ids are the layouts' digests: every
+        tenant's session names the same ones."""
+        c = kvd.Client(self._endpoint, name=f"vllm-worker-tp{self._rank}", timeout_s=self._timeout_s, token=self._token, tenant=tenant)
         info = c.register_layout(self._geo.layout(self._layout_index))
         if info["block_bytes"] != self._geo.block_bytes:
             raise KvdConfigError(f"kvd connector: the daemon sizes a block at {info['block_bytes']} bytes, the cache at {self._geo.block_bytes}")
-        self._lid = info["layout_id"]
-        self._slid = None
+        slid = None
         if self._geo.grouped and self._geo.state_groups:
             sinfo = c.register_layout(self._geo.state_layout(self._state_index))
             if sinfo["block_bytes"] != self._geo.state_bytes:
                 raise KvdConfigError(f"kvd connector: the daemon sizes a state snapshot at {sinfo['block_bytes']} bytes, the cache at {self._geo.state_bytes}")
-            self._slid = sinfo["layout_id"]
-        self._pool = kvd.torch_pool(c, register_cuda=self._device.type == "cuda")
-        self._map(self._pool)
-        self._inc = c.incarnation
-        self._wclient = c
+            slid = sinfo["layout_id"]
+        if hasattr(self, "_lid") and (info["layout_id"], slid) != (self._lid, self._slid):
+            raise kvd.KvdError(f"tenant {tenant!r}'s session names layout {info['layout_id']}, another's {self._lid}")
+        self._lid, self._slid = info["layout_id"], slid
+        pool = kvd.torch_pool(c, register_cuda=self._device.type == "cuda")
+        self._map(pool)
+        s = self._sessions[tenant] = _Session(c, pool, c.incarnation)
+        return s
 
-    def _client_w(self) -> kvd.Client:
-        with self._lock:  # the mover thread shares this client and mapping
-            return self._client_w_locked()
+    def _session(self, tenant: Optional[str]) -> tuple[kvd.Client, torch.Tensor, int]:
+        """The session for ``tenant``: its client, the pool view and the incarnation that
+        view maps, read together (the mover thread shares them)."""
+        with self._lock:
+            s = self._sessions.get(tenant)
+            if s is None:
+                s = self._connect_worker(tenant)
+            elif s.client.incarnation != s.inc:
+                # The daemon restarted (the client said so once, with DaemonRestarted, and
+                # mapped the new pool): view the new mapping. The old view stays referenced,
+                # so a page-locked mapping is never unmapped under CUDA.
+                self._old_pools.append(s.pool)
+                s.pool = kvd.torch_pool(s.client, register_cuda=self._device.type == "cuda")
+                self._map(s.pool)
+                s.inc = s.client.incarnation
+                s.src_lids.clear()
+            return s.client, s.pool, s.inc
 
-    def _client_w_locked(self) -> kvd.Client:
-        if self._wclient is None:
-            self._connect_worker()
-        elif self._wclient.incarnation != self._inc:
-            # The daemon restarted (the client said so once, with DaemonRestarted, and
-            # mapped the new pool): view the new mapping. The old view stays referenced,
-            # so a page-locked mapping is never unmapped under CUDA.
-            self._old_pools.append(self._pool)
-            self._pool = kvd.torch_pool(self._wclient, register_cuda=self._device.type == "cuda")
-            self._map(self._pool)
-            self._inc = self._wclient.incarnation
-        return self._wclient
+    def _client_w(self, tenant: Optional[str]) -> kvd.Client:
+        return self._session(tenant)[0]
+
+    def _src_lid(self, tenant: Optional[str], key: tuple, layout: dict) -> int:
+        """The layout id of a prefill's shard (``key``: its TP size and rank), registered
+        once in ``tenant``'s session."""
+        s = self._sessions[tenant]
+        lid = s.src_lids.get(key)
+        if lid is None:
+            lid = s.src_lids[key] = s.client.register_layout(layout)["layout_id"]
+        return lid
 
     def _map(self, pool: torch.Tensor) -> None:
         """On CUDA, keeps the pool's device mapping, through which one kernel moves all
@@ -843,11 +950,6 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         idx = (first[:, None] + torch.arange(length // u, device=view.device)).reshape(-1)
         return rows, idx
 
-    def _view(self) -> tuple[torch.Tensor, int]:
-        """The pool view and the incarnation it maps, read together."""
-        with self._lock:
-            return self._pool, self._inc
-
     def _load_layer(self, pool: torch.Tensor, offs: list[int], block_ids: list[Any], l: int) -> None:
         """Layer ``l`` of pool slots ``offs`` → the paged cache's blocks ``block_ids``."""
         self._paged.load_layer(pool, offs, block_ids, l)
@@ -870,25 +972,25 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
-    def _load_resliced(self, client: kvd.Client, keys: list[bytes], block_ids: list[int], src_tp: int, shards: list[tuple[int, int, int, int]]) -> int:
+    def _load_resliced(self, tenant: Optional[str], keys: list[bytes], block_ids: list[int], src_tp: int, shards: list[tuple[int, int, int, int]]) -> int:
         """Loads the leading blocks every source shard holds into ``block_ids``, this
         rank's heads cut from the shards of a TP-``src_tp`` engine's layouts (``shards``:
-        :meth:`Geometry.shards`); how many it loaded. One copy per piece."""
+        :meth:`Geometry.shards`), through ``tenant``'s session; how many it loaded. One
+        copy per piece."""
         g = self._geo
-        pool, inc = self._view()
+        client, pool, inc = self._session(tenant)
         pins = []
         try:
             offsets = []
+            lids = []
             for s, *_ in shards:
-                key = (src_tp, s)
-                if key not in self._src_lids:
-                    self._src_lids[key] = client.register_layout(g.layout_for(src_tp, s))["layout_id"]
-                pin = client.get(self._src_lids[key], keys, ttl_s=self._pin_ttl_s)
+                lids.append(self._src_lid(tenant, (src_tp, s), g.layout_for(src_tp, s)))
+                pin = client.get(lids[-1], keys, ttl_s=self._pin_ttl_s)
                 pins.append(pin)
                 offsets.append(pin.offsets)
             if client.incarnation != inc:
                 raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
-            good = min(kvd.vouched_prefix(client, self._src_lids[(src_tp, s)], keys, pin) for (s, *_), pin in zip(shards, pins))
+            good = min(kvd.vouched_prefix(client, lid, keys, pin) for lid, pin in zip(lids, pins))
             self._paged.copy_resliced(pool, src_tp, shards, [offs[:good] for offs in offsets], block_ids[:good])
             self._sync()
             return good
@@ -896,9 +998,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             for pin in pins:
                 pin.release()
 
-    def _load_pinned(self, client: kvd.Client, keys: list[bytes], block_ids: list[int]) -> int:
-        """Loads the leading blocks kvd holds into ``block_ids``; how many it loaded."""
-        pool, inc = self._view()
+    def _load_pinned(self, tenant: Optional[str], keys: list[bytes], block_ids: list[int]) -> int:
+        """Loads the leading blocks kvd holds into ``block_ids`` through ``tenant``'s
+        session; how many it loaded."""
+        client, pool, inc = self._session(tenant)
         pin = client.get(self._lid, keys, ttl_s=self._pin_ttl_s)
         try:
             if client.incarnation != inc:
@@ -929,7 +1032,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for ld in meta.loads:
             try:
-                good = self._load_pinned(self._client_w(), ld.keys, ld.block_ids)
+                good = self._load_pinned(ld.tenant, ld.keys, ld.block_ids)
             except (kvd.KvdError, OSError) as e:
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
                 good = 0
@@ -985,7 +1088,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
         self._store(self._slid, s, copy)
 
-    def _load_state_resliced(self, client: kvd.Client, key: bytes, ids: tuple[int, ...], src_tp: int) -> bool:
+    def _load_state_resliced(self, tenant: Optional[str], key: bytes, ids: tuple[int, ...], src_tp: int) -> bool:
         """The snapshot ``key`` of a TP-``src_tp`` prefill: this rank's part of every state
         page cut from the source ranks' snapshots that hold it
         (:meth:`kvd.vllm_groups.GroupedGeometry.state_shards`); whether kvd had them all."""
@@ -996,13 +1099,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if plan is None:
             return False
         sources = sorted({s for _, cuts in plan for cut in cuts for s, *_ in cut})
-        pool, inc = self._view()
+        client, pool, inc = self._session(tenant)
         pins = {}
         try:
             for s in sources:
-                lid = self._src_lids.get(("state", src_tp, s))
-                if lid is None:
-                    lid = self._src_lids[("state", src_tp, s)] = client.register_layout(g.state_layout_for(src_tp, s))["layout_id"]
+                lid = self._src_lid(tenant, ("state", src_tp, s), g.state_layout_for(src_tp, s))
                 pin = pins[s] = client.get(lid, [key], ttl_s=self._pin_ttl_s)
                 if client.incarnation != inc:
                     raise kvd.KvdError("the daemon restarted; the load is retried as a recompute")
@@ -1023,9 +1124,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             for pin in pins.values():
                 pin.release()
 
-    def _load_state(self, client: kvd.Client, key: bytes, ids: tuple[int, ...]) -> bool:
-        """The snapshot ``key`` into the state groups' blocks ``ids``; whether kvd had it."""
-        pool, inc = self._view()
+    def _load_state(self, tenant: Optional[str], key: bytes, ids: tuple[int, ...]) -> bool:
+        """The snapshot ``key`` into the state groups' blocks ``ids`` through ``tenant``'s
+        session; whether kvd had it."""
+        client, pool, inc = self._session(tenant)
         pin = client.get(self._slid, [key], ttl_s=self._pin_ttl_s)
         try:
             if client.incarnation != inc:
@@ -1046,8 +1148,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Allocates ``s.keys`` under layout ``lid``, copies the blocks kvd lacks in
         (``copy_out(pool, offsets, block ids)``) and commits; on any failure nothing is
         committed (a future miss, never a wrong hit)."""
-        client = self._client_w()
-        pool, inc = self._view()
+        client, pool, inc = self._session(s.tenant)
         batch = client.alloc(lid, s.keys)
         try:
             if client.incarnation != inc:

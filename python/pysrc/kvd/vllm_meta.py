@@ -19,6 +19,7 @@ class Load:
     req_id: str
     keys: list[bytes]
     block_ids: list[Any]  # per position: a block id (classic) or one per group (grouped)
+    tenant: Optional[str] = None  # the request's tenant: whose session moves it (SPEC §18)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Pull:
     # A prefill engine of another TP size (classic layout): its TP size; each rank loads
     # its heads from the shards that hold them.
     src_tp: int = 0
+    tenant: Optional[str] = None  # as in Load
 
 
 @dataclass

@@ -80,17 +80,17 @@ class _Mover(threading.Thread):
                 return False
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
+                good = conn._load_pinned(p.tenant, p.keys, p.block_ids)
                 self._stream.synchronize()
         else:
-            good = conn._load_pinned(conn._client_w(), p.keys, p.block_ids)
+            good = conn._load_pinned(p.tenant, p.keys, p.block_ids)
         if good < len(p.block_ids):
             if tid is not None:
                 logger.warning("kvd connector: request %s: %d of %d handed-off blocks are not this prompt's; recomputing", p.req_id, len(p.block_ids) - good, len(p.block_ids))
             else:
                 logger.warning("kvd connector: request %s: only %d of %d blocks are still in kvd since the lookup and intact; recomputing", p.req_id, good, len(p.block_ids))
             return False
-        if p.state is not None and not conn._load_state(conn._client_w(), *p.state):
+        if p.state is not None and not conn._load_state(p.tenant, *p.state):
             logger.warning("kvd connector: request %s: the recurrent state at the hit's boundary is not in kvd; recomputing", p.req_id)
             return False
         return True
@@ -115,8 +115,8 @@ class _Mover(threading.Thread):
                 if not self._landed(p, tid, deadline):
                     return False
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            good = conn._load_resliced(conn._client_w(), p.keys, p.block_ids, p.src_tp, shards)
-            state_ok = good == len(p.block_ids) and (p.state is None or conn._load_state_resliced(conn._client_w(), *p.state, p.src_tp))
+            good = conn._load_resliced(p.tenant, p.keys, p.block_ids, p.src_tp, shards)
+            state_ok = good == len(p.block_ids) and (p.state is None or conn._load_state_resliced(p.tenant, *p.state, p.src_tp))
             if self._stream is not None:
                 self._stream.synchronize()
         if good < len(p.block_ids):
@@ -134,7 +134,7 @@ class _Mover(threading.Thread):
         pause = 0.001
         while True:
             # Another session's transfer: the reply comes at once, with its state.
-            state = conn._client_w().transfer_status(tid).get("state")
+            state = conn._client_w(p.tenant).transfer_status(tid).get("state")
             if state == "done":
                 break
             if state in _FINAL:
@@ -223,24 +223,30 @@ class _Step:
         self.c = conn
         self.nl = len(conn._layers)
         self.pins: list[Any] = []
-        self.loads: list[tuple[list[int], list[int], list[int]]] = []  # (offs, block ids, all ids)
+        self.loads: list[tuple[Any, list[int], list[int], list[int]]] = []  # (pool view, offs, block ids, all ids)
         self.load_failed = False
         self.waited = [False] * self.nl
-        self.saves: list[tuple[Any, Load, list[int], list[int]]] = []  # (batch, load, offs, ids)
+        self.saves: list[tuple[Any, Load, Any, list[int], list[int]]] = []  # (batch, load, pool view, offs, ids)
         self.saved = [False] * self.nl
         self.save_failed: Optional[BaseException] = None
-        client = None
-        try:
-            client = conn._client_w()
-            self.pool, inc = conn._view()
-        except (kvd.KvdError, OSError) as e:
-            logger.warning("kvd connector: no daemon for this step's loads and saves: %s", e)
-            self.pool, inc = None, -1
+        # Each request moves through its tenant's session (and that session's pool view).
+        sessions: dict[Optional[str], Any] = {}
+
+        def session(tenant: Optional[str]) -> tuple[Any, Any, int]:
+            if tenant not in sessions:
+                try:
+                    sessions[tenant] = conn._session(tenant)
+                except (kvd.KvdError, OSError) as e:
+                    logger.warning("kvd connector: no daemon session for tenant %r this step: %s", tenant, e)
+                    sessions[tenant] = None
+            if sessions[tenant] is None:
+                raise kvd.KvdError("no daemon")
+            return sessions[tenant]
+
         for ld in meta.loads:
             good = 0
             try:
-                if client is None:
-                    raise kvd.KvdError("no daemon")
+                client, pool, inc = session(ld.tenant)
                 pin = client.get(conn._lid, ld.keys, ttl_s=conn._pin_ttl_s)
                 self.pins.append(pin)
                 if client.incarnation != inc:
@@ -248,21 +254,20 @@ class _Step:
                 offs = pin.offsets
                 good = kvd.vouched_prefix(client, conn._lid, ld.keys, pin)
                 if good:
-                    self.loads.append((offs[:good], ld.block_ids[:good], ld.block_ids))
+                    self.loads.append((pool, offs[:good], ld.block_ids[:good], ld.block_ids))
             except (kvd.KvdError, OSError) as e:
                 logger.warning("kvd connector: load of request %s failed: %s", ld.req_id, e)
             if good < len(ld.block_ids):
                 conn._load_errors(ld.block_ids[good:])
         for sv in meta.saves if conn._saves_here else ():
             try:
-                if client is None:
-                    raise kvd.KvdError("no daemon")
+                client, pool, inc = session(sv.tenant)
                 batch = client.alloc(conn._lid, sv.keys)
                 if client.incarnation != inc:
                     batch.abort()
                     raise kvd.KvdError("the daemon restarted; this save is skipped")
                 todo = [(i, off) for i, (st, off) in enumerate(zip(batch.status, batch.offsets)) if st == "new" and off is not None]
-                self.saves.append((batch, sv, [o for _, o in todo], [sv.block_ids[i] for i, _ in todo]))
+                self.saves.append((batch, sv, pool, [o for _, o in todo], [sv.block_ids[i] for i, _ in todo]))
             except (kvd.KvdError, OSError) as e:
                 logger.debug("kvd connector: save of request %s skipped: %s", sv.req_id, e)
         # Every layer's load is queued now, in layer order: layer i lands while the
@@ -278,8 +283,8 @@ class _Step:
             try:
                 if c._delay is not None and c._delay[0] == l:
                     time.sleep(c._delay[1])
-                for offs, ids, _ in self.loads:
-                    c._load_layer(self.pool, offs, ids, l)
+                for pool, offs, ids, _ in self.loads:
+                    c._load_layer(pool, offs, ids, l)
             except Exception as e:  # a wait must never hang on it: report, and go on
                 logger.warning("kvd connector: loading layer %d failed: %s", l, e)
                 self.load_failed = True
@@ -303,9 +308,9 @@ class _Step:
             if self.save_failed is not None:
                 return
             try:
-                for _, _, offs, ids in self.saves:
+                for _, _, pool, offs, ids in self.saves:
                     if offs:
-                        c._save_layer(self.pool, offs, ids, l)
+                        c._save_layer(pool, offs, ids, l)
             except Exception as e:
                 self.save_failed = e
 
@@ -324,7 +329,7 @@ class _Step:
                 pin.release()
             except (kvd.KvdError, OSError):
                 pass
-        for batch, sv, _, _ in self.saves:
+        for batch, sv, _, _, _ in self.saves:
             try:
                 if not commit:
                     raise kvd.KvdError("the step was abandoned")
@@ -345,11 +350,11 @@ class _Step:
         c._copier.drain()
         if self.loads:
             if self.load_failed:
-                for _, _, ids in self.loads:
+                for *_, ids in self.loads:
                     c._load_errors(ids)
             elif not all(self.waited):
                 # The forward may have read a layer before it landed: recompute.
-                for _, _, ids in self.loads:
+                for *_, ids in self.loads:
                     c._load_errors(ids)
                 if c._layerwise and not c._waits_seen:
                     logger.warning(
