@@ -93,8 +93,14 @@ impl Node {
 
 /// Spawns a binary that prints `... listening on http://ADDR`; returns it and its URL.
 pub fn spawn_http(bin: &Path, args: &[String]) -> Result<(Proc, String)> {
+    spawn_http_env(bin, args, &[])
+}
+
+/// [`spawn_http`] with more environment variables (an engine's `KVD_TENANT_TOKEN`).
+pub fn spawn_http_env(bin: &Path, args: &[String], env: &[(&str, &str)]) -> Result<(Proc, String)> {
     let mut child = Command::new(bin)
         .args(args)
+        .envs(env.iter().copied())
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -137,6 +143,17 @@ pub fn engine(
     kvd: Option<&Node>,
     extra: &[&str],
 ) -> Result<(Proc, String)> {
+    engine_env(bins, role, kvd, extra, &[])
+}
+
+/// [`engine`] with more environment variables (`KVD_TENANT_TOKEN`, `KVD_TENANT`).
+pub fn engine_env(
+    bins: &Bins,
+    role: &str,
+    kvd: Option<&Node>,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(Proc, String)> {
     let mut args: Vec<String> = vec!["--role".into(), role.into()];
     args.extend([
         "--kvd".into(),
@@ -154,7 +171,7 @@ pub fn engine(
         }
     }
     args.extend(extra.iter().map(|s| s.to_string()));
-    spawn_http(&bins.engine, &args)
+    spawn_http_env(&bins.engine, &args, env)
 }
 
 /// Starts a `kvd-router` (mode `pull` or `push`) on an ephemeral port.
@@ -198,13 +215,24 @@ fn rt() -> Result<tokio::runtime::Runtime> {
 }
 
 async fn post(url: &str, path: &str, body: &Value) -> Result<reqwest::Response> {
-    Ok(reqwest::Client::new()
+    post_as(url, path, body, None).await
+}
+
+/// [`post`] for a tenant (the `x-kvd-tenant` header, SPEC §18).
+async fn post_as(
+    url: &str,
+    path: &str,
+    body: &Value,
+    tenant: Option<&str>,
+) -> Result<reqwest::Response> {
+    let mut r = reqwest::Client::new()
         .post(format!("{url}{path}"))
         .header("content-type", "application/json")
-        .timeout(Duration::from_secs(120))
-        .body(body.to_string())
-        .send()
-        .await?)
+        .timeout(Duration::from_secs(120));
+    if let Some(t) = tenant {
+        r = r.header(crate::server::TENANT_HEADER, t);
+    }
+    Ok(r.body(body.to_string()).send().await?)
 }
 
 async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
@@ -214,8 +242,17 @@ async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response> {
 /// POSTs `body` to `path`; returns the status and the JSON body (a JSON string when the
 /// body is not JSON).
 fn post_for_json(url: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
+    post_for_json_as(url, path, body, None)
+}
+
+fn post_for_json_as(
+    url: &str,
+    path: &str,
+    body: &Value,
+    tenant: Option<&str>,
+) -> Result<(u16, Value)> {
     rt()?.block_on(async {
-        let r = post(url, path, body).await?;
+        let r = post_as(url, path, body, tenant).await?;
         let status = r.status().as_u16();
         let text = r.text().await?;
         Ok((
@@ -229,6 +266,21 @@ fn post_for_json(url: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
 /// string when the body is not JSON).
 pub fn complete(url: &str, body: &Value) -> Result<(u16, Value)> {
     post_for_json(url, "/v1/completions", body)
+}
+
+/// [`complete`] for a tenant (the `x-kvd-tenant` header).
+pub fn complete_as(url: &str, body: &Value, tenant: Option<&str>) -> Result<(u16, Value)> {
+    post_for_json_as(url, "/v1/completions", body, tenant)
+}
+
+/// [`lookup`] for a tenant (the `x-kvd-tenant` header).
+pub fn lookup_as(url: &str, prompt: &str, tenant: Option<&str>) -> Result<(u16, Value)> {
+    post_for_json_as(
+        url,
+        "/v1/lookup",
+        &serde_json::json!({ "prompt": prompt }),
+        tenant,
+    )
 }
 
 /// POSTs `/v1/lookup` (what the router asks each prefill worker); returns the status and

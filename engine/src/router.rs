@@ -29,14 +29,14 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
 
 use crate::api::*;
-use crate::server::{error_response, request_id, sse};
+use crate::server::{error_response, request_id, sse, tenant_of, TENANT_HEADER};
 use crate::sse::{parse, SseEvent, SseSplitter};
 
 /// How the decode leg gets the KV.
@@ -177,17 +177,20 @@ impl RouterState {
     /// KV-aware choice: most cached prompt tokens (DRAM above NVMe at equal length), then
     /// least load; from the events' index when there is one and every worker's shape is
     /// known, else by asking.
-    async fn pick_prefill(&self, prompt: &str) -> Result<usize> {
-        if let Some(p) = self.pick_by_events(prompt).await {
+    ///
+    /// `tenant` (the request's `x-kvd-tenant`, SPEC §18): its blocks are indexed under
+    /// the tenant's namespaced layouts, and the workers' lookups are asked in its name.
+    async fn pick_prefill(&self, prompt: &str, tenant: Option<&str>) -> Result<usize> {
+        if let Some(p) = self.pick_by_events(prompt, tenant).await {
             self.inner.by_events.fetch_add(1, Ordering::Relaxed);
             return Ok(p);
         }
         self.inner.by_lookup.fetch_add(1, Ordering::Relaxed);
-        self.pick_by_lookup(prompt).await
+        self.pick_by_lookup(prompt, tenant).await
     }
 
     /// The choice from the index (no message to any worker once their shapes are known).
-    async fn pick_by_events(&self, prompt: &str) -> Option<usize> {
+    async fn pick_by_events(&self, prompt: &str, tenant: Option<&str>) -> Option<usize> {
         let ev = self.inner.events.as_ref()?;
         let missing: Vec<usize> = {
             let shapes = ev.shapes.lock().unwrap_or_else(|p| p.into_inner());
@@ -219,7 +222,10 @@ impl RouterState {
             let keys = kvd_protocol::hash::chunk_hashes(&tokens, bt, b"");
             let (mut prefix, mut dram) = (usize::MAX, usize::MAX);
             for l in &layouts {
-                let h = index.held(*l, &keys).get(w).copied().unwrap_or_default();
+                // (a daemon with tenants publishes each tenant's blocks under its
+                // namespaced layout; the workers' /v1/info gives the wire ids)
+                let l = tenant.map_or(*l, |t| kvd_protocol::tenant::tenant_layout(t, *l));
+                let h = index.held(l, &keys).get(w).copied().unwrap_or_default();
                 prefix = prefix.min(h.prefix);
                 dram = dram.min(h.dram_prefix);
             }
@@ -239,18 +245,21 @@ impl RouterState {
 
     /// The choice by asking every worker's `/v1/lookup`. Workers that do not answer
     /// within a second are skipped.
-    async fn pick_by_lookup(&self, prompt: &str) -> Result<usize> {
+    async fn pick_by_lookup(&self, prompt: &str, tenant: Option<&str>) -> Result<usize> {
         let body = serde_json::to_vec(&LookupRequest {
             prompt: prompt.to_string(),
         })?;
         let asks = self.inner.prefill.iter().enumerate().map(|(i, w)| {
-            let req = self
+            let mut req = self
                 .inner
                 .http
                 .post(format!("{}/v1/lookup", w.url))
                 .header(header::CONTENT_TYPE.as_str(), "application/json")
                 .timeout(Duration::from_secs(1))
                 .body(body.clone());
+            if let Some(t) = tenant {
+                req = req.header(TENANT_HEADER, t);
+            }
             async move {
                 let r = req.send().await.ok()?;
                 if !r.status().is_success() {
@@ -293,12 +302,21 @@ impl RouterState {
             .unwrap_or(0)
     }
 
-    async fn post(&self, url: &str, body: &CompletionRequest) -> Result<reqwest::Response> {
-        let r = self
+    async fn post(
+        &self,
+        url: &str,
+        body: &CompletionRequest,
+        tenant: Option<&str>,
+    ) -> Result<reqwest::Response> {
+        let mut r = self
             .inner
             .http
             .post(format!("{url}/v1/completions"))
-            .header(header::CONTENT_TYPE.as_str(), "application/json")
+            .header(header::CONTENT_TYPE.as_str(), "application/json");
+        if let Some(t) = tenant {
+            r = r.header(TENANT_HEADER, t);
+        }
+        let r = r
             .body(serde_json::to_vec(body)?)
             .send()
             .await
@@ -319,6 +337,7 @@ impl RouterState {
         p: usize,
         req: &CompletionRequest,
         transfer_id: &str,
+        tenant: Option<&str>,
     ) -> Result<(KvTransferParams, Option<KvdInfo>)> {
         let _g = self.claim(true, p);
         let url = &self.inner.prefill[p].url;
@@ -331,7 +350,7 @@ impl RouterState {
             ..Default::default()
         });
         let r = tokio::time::timeout(self.inner.cfg.leg_timeout, async {
-            let r = self.post(url, &pre).await?;
+            let r = self.post(url, &pre, tenant).await?;
             let body = r.bytes().await.map_err(|e| anyhow!("{url}: {e}"))?;
             let c: CompletionResponse = serde_json::from_slice(&body).context("prefill answer")?;
             let kvp = c
@@ -363,7 +382,12 @@ impl RouterState {
     }
 }
 
-async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
+async fn completions(State(s): State<RouterState>, headers: HeaderMap, body: Bytes) -> Response {
+    // SPEC §18: the request's tenant goes with both legs (and the KV-aware choice)
+    let tenant = match tenant_of(&headers) {
+        Ok(t) => t,
+        Err(why) => return error_response(400, "invalid_request", why),
+    };
     let req: CompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -382,7 +406,7 @@ async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
         );
     }
     let started = Instant::now();
-    let p = match s.pick_prefill(&req.prompt).await {
+    let p = match s.pick_prefill(&req.prompt, tenant.as_deref()).await {
         Ok(p) => p,
         Err(e) => return error_response(503, "upstream_error", format!("{e:#}")),
     };
@@ -396,7 +420,10 @@ async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
     let prefill_kvd;
     let resp = match s.inner.cfg.mode {
         Mode::Pull => {
-            let kvp = match s.prefill_leg(p, &req, &transfer_id).await {
+            let kvp = match s
+                .prefill_leg(p, &req, &transfer_id, tenant.as_deref())
+                .await
+            {
                 Ok((k, info)) => {
                     prefill_kvd = info;
                     k
@@ -410,7 +437,7 @@ async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
                 }
             };
             dreq.kv_transfer_params = Some(kvp);
-            s.post(&decode_url, &dreq).await
+            s.post(&decode_url, &dreq, tenant.as_deref()).await
         }
         Mode::Push => {
             let info = match s.prefill_info(p).await {
@@ -442,8 +469,13 @@ async fn completions(State(s): State<RouterState>, body: Bytes) -> Response {
             });
             // The decode leg registers its slots and waits; the prefill leg runs beside it.
             let s2 = s.clone();
-            let decode = tokio::spawn(async move { s2.post(&decode_url, &dreq).await });
-            match s.prefill_leg(p, &req, &transfer_id).await {
+            let t2 = tenant.clone();
+            let decode =
+                tokio::spawn(async move { s2.post(&decode_url, &dreq, t2.as_deref()).await });
+            match s
+                .prefill_leg(p, &req, &transfer_id, tenant.as_deref())
+                .await
+            {
                 Ok((_, info)) => prefill_kvd = info,
                 Err(e) => {
                     decode.abort();

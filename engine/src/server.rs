@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -74,15 +74,21 @@ async fn info(State(e): State<Engine>) -> Json<EngineInfo> {
     })
 }
 
-async fn lookup(State(e): State<Engine>, body: Bytes) -> Response {
+async fn lookup(State(e): State<Engine>, headers: HeaderMap, body: Bytes) -> Response {
     let req: LookupRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(err) => {
             return error_response(400, "invalid_request", format!("bad lookup body: {err}"))
         }
     };
+    let tenant = match tenant_of(&headers) {
+        Ok(t) => t,
+        Err(why) => return error_response(400, "invalid_request", why),
+    };
     let e2 = e.clone();
-    match tokio::task::spawn_blocking(move || e2.cached_tokens(&req.prompt)).await {
+    match tokio::task::spawn_blocking(move || e2.cached_tokens(&req.prompt, tenant.as_deref()))
+        .await
+    {
         Ok(Ok(cached_tokens)) => Json(LookupResponse {
             cached_tokens,
             load: e.load(),
@@ -113,7 +119,30 @@ pub fn request_id(prefix: &str) -> String {
     format!("{prefix}-{:x}-{}-{n}", t, std::process::id())
 }
 
-async fn completions(State(e): State<Engine>, body: Bytes) -> Response {
+/// The header that names a request's tenant (SPEC §18): the engine serves it through
+/// that tenant's session, if it serves the tenant. Set by the platform's gateway (or the
+/// router, which passes it on): the engine acts on it as its own credential allows.
+pub const TENANT_HEADER: &str = "x-kvd-tenant";
+
+/// The request's tenant from [`TENANT_HEADER`] (absent: the engine's own), or a 400
+/// when the header is not a name.
+pub fn tenant_of(h: &HeaderMap) -> Result<Option<String>, String> {
+    match h.get(TENANT_HEADER) {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(s) if !s.is_empty() => Ok(Some(s.to_owned())),
+            _ => Err(format!(
+                "{TENANT_HEADER} must be a non-empty visible ASCII name"
+            )),
+        },
+    }
+}
+
+async fn completions(State(e): State<Engine>, headers: HeaderMap, body: Bytes) -> Response {
+    let tenant = match tenant_of(&headers) {
+        Ok(t) => t,
+        Err(why) => return error_response(400, "invalid_request", why),
+    };
     let req: CompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(err) => {
@@ -132,6 +161,7 @@ async fn completions(State(e): State<Engine>, body: Bytes) -> Response {
         temperature: req.temperature,
         seed: req.seed,
         kv: req.kv_transfer_params,
+        tenant,
     };
     let e2 = e.clone();
     let rx = match tokio::task::spawn_blocking(move || e2.submit(gen)).await {

@@ -83,6 +83,12 @@ struct Args {
     /// blocks stay held until it is pulled or this runs out.
     #[arg(long, default_value_t = 2000)]
     gpu_handoff_lease_ms: u64,
+    /// On a daemon with tenants (SPEC §18): another tenant this engine serves besides its
+    /// own (repeatable). A request names one by the `x-kvd-tenant` header; the engine's
+    /// credential (`$KVD_TENANT_TOKEN`) must act for each. Its own: `$KVD_TENANT`, or
+    /// the credential's only tenant.
+    #[arg(long = "kvd-tenant")]
+    kvd_tenants: Vec<String>,
     /// Log as JSON.
     #[arg(long)]
     log_json: bool,
@@ -141,6 +147,7 @@ fn main() -> Result<()> {
         gpu_tier: a.gpu_tier,
         gpu_host_dir: a.gpu_host_dir,
         gpu_handoff_lease: Duration::from_millis(a.gpu_handoff_lease_ms),
+        kvd_tenants: a.kvd_tenants,
     })?;
     kvd_engine::server::serve("kvd-engine", a.listen, kvd_engine::server::router(engine))
 }

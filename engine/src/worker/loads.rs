@@ -142,7 +142,9 @@ impl Engine {
                     "exported on another daemon"
                 );
                 ensure!(
-                    kv.layouts.get(r).is_some_and(|l| l.id == g.layout_id),
+                    kv.layouts
+                        .get(r)
+                        .is_some_and(|l| kv.named(l.id) == g.layout_id),
                     "another layout (model or shard count)"
                 );
                 Ok(g)
@@ -236,7 +238,9 @@ impl Engine {
             let tp = TransferParams::from_msgpack(&bytes)
                 .map_err(|e| anyhow!("kv_transfer_params.ranks[{r}]: {e}"))?;
             ensure!(
-                layouts.get(r).is_some_and(|l| l.id == tp.layout_id),
+                layouts
+                    .get(r)
+                    .is_some_and(|l| kv.named(l.id) == tp.layout_id),
                 "kv_transfer_params.ranks[{r}] is for another layout (model or shard)"
             );
             params.push(tp);

@@ -7,6 +7,11 @@
 //! decode. The scheduler admits requests between decode steps and runs one step of every
 //! active sequence per round (round-robin: fair, not batched).
 //!
+//! Tenants (SPEC §18): the engine holds a kvd session for its own tenant and one for each
+//! of `--kvd-tenant`'s; a request is served — looked up, loaded, stored, exported, pulled
+//! — through its tenant's session ([`GenRequest::tenant`], `Engine::kv_for`), so its
+//! blocks live in that tenant's namespace and count against its shares.
+//!
 //! | module | what it owns |
 //! |---|---|
 //! | this file | the engine's configuration, requests and events, [`Engine::start`] (model, kvd session, GPU tier) and [`Engine::submit`] |
@@ -102,6 +107,9 @@ pub struct EngineConfig {
     /// request decoded elsewhere (from the pool) holds them this long: short, as a decode
     /// engine on the node pulls as soon as its scheduler takes the request.
     pub gpu_handoff_lease: Duration,
+    /// Tenants (SPEC §18) the engine serves besides its own, each through a session of
+    /// its own: a request names one ([`GenRequest::tenant`], the `x-kvd-tenant` header).
+    pub kvd_tenants: Vec<String>,
 }
 
 /// What a request produces, in order: tokens, then `Done` or `Error`.
@@ -150,6 +158,9 @@ pub struct GenRequest {
     pub seed: u64,
     /// Disaggregation.
     pub kv: Option<KvTransferParams>,
+    /// The tenant whose session serves it (SPEC §18): its blocks are that tenant's, found
+    /// and stored in its namespace. `None`: the engine's own.
+    pub tenant: Option<String>,
 }
 
 /// An error with the HTTP status it deserves.
@@ -199,6 +210,8 @@ struct Loaded {
 
 struct Job {
     req: GenRequest,
+    /// The request's tenant's session ([`Engine::kv_for`]).
+    kv: Option<Arc<Kv>>,
     tokens: Vec<u32>,
     prefix: Option<Loaded>,
     source: &'static str,
@@ -221,6 +234,19 @@ struct Kv {
     region: std::sync::Mutex<Option<kvd_client::PoolRegion>>,
     /// The KV cache on the daemon's GPU tier (`--gpu-tier`).
     gpu: Option<crate::gpu_tier::GpuTier>,
+    /// The tenant the session acts for, on a daemon with tenants (SPEC §18).
+    tenant: Option<String>,
+}
+
+impl Kv {
+    /// How the daemon names layout `l` in this session's transfer parameters and events:
+    /// in its tenant's namespace (SPEC §18), or as it is without tenants.
+    fn named(&self, l: kvd_protocol::LayoutId) -> kvd_protocol::LayoutId {
+        match &self.tenant {
+            Some(t) => kvd_protocol::tenant::tenant_layout(t, l),
+            None => l,
+        }
+    }
 }
 
 /// Registers the pool mapping with the GPU for DMA (a failure leaves the bounce path).
@@ -263,6 +289,8 @@ struct Inner {
     backend: String,
     tokenizer: Tokenizer,
     kv: Option<Arc<Kv>>,
+    /// The other tenants' sessions (`kvd_tenants`), by name.
+    tenants: std::collections::BTreeMap<String, Arc<Kv>>,
     jobs: mpsc::Sender<Job>,
     load: Arc<AtomicUsize>,
     max_tokens_total: usize,
@@ -290,19 +318,25 @@ fn model_name(m: &ModelConfig, weights: Option<&std::path::Path>) -> Result<Stri
     Ok(format!("{base}@{of_weights}/cfg-{digest}"))
 }
 
-/// Connects to kvd at `ep` (a same-node daemon: its pool mapped) and registers the
-/// layouts of this engine's shards.
-fn connect_kvd(cfg: &EngineConfig, ep: &str) -> Result<(Client, Vec<LayoutInfo>)> {
-    let client = Client::builder()
+/// Connects to kvd at `ep` (a same-node daemon: its pool mapped), for `tenant` (`None`:
+/// the engine's own), and registers the layouts of this engine's shards.
+fn connect_kvd(
+    cfg: &EngineConfig,
+    ep: &str,
+    tenant: Option<&str>,
+) -> Result<(Client, Vec<LayoutInfo>)> {
+    let mut b = Client::builder()
         .with_endpoint(ep.to_string())
         .with_name(format!("kvd-engine-{}", cfg.role.name()))
         .with_timeout(cfg.kvd_timeout)
         .with_verify(cfg.kvd_verify)
-        .with_writer_checksums(cfg.kvd_writer_checksums)
-        .connect()
-        .with_context(|| {
-            format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)")
-        })?;
+        .with_writer_checksums(cfg.kvd_writer_checksums);
+    if let Some(t) = tenant {
+        b = b.with_tenant(t);
+    }
+    let client = b.connect().with_context(|| {
+        format!("connecting to kvd at {ep} (`--kvd none` runs a `both` engine without it)")
+    })?;
     ensure!(
         client.is_mapped(),
         "kvd's pool is not mapped (the engine needs a same-node daemon)"
@@ -324,6 +358,7 @@ fn kv_of(
     layouts: Vec<LayoutInfo>,
 ) -> Result<Arc<Kv>> {
     let node = client.hello_info().node.map(|n| n.node);
+    let tenant = client.hello_info().tenant;
     let region = client.pool_region();
     #[cfg(feature = "cuda")]
     if let (AnyBackend::Cuda(c), Some(r)) = (model.backend(), &region) {
@@ -347,6 +382,7 @@ fn kv_of(
         src_layouts,
         region: std::sync::Mutex::new(region),
         gpu,
+        tenant,
     });
     if kv.gpu.is_some() {
         keep_registered(Arc::downgrade(&kv));
@@ -392,8 +428,12 @@ impl Engine {
         let conn = cfg
             .kvd
             .as_deref()
-            .map(|ep| connect_kvd(&cfg, ep))
+            .map(|ep| connect_kvd(&cfg, ep, None))
             .transpose()?;
+        ensure!(
+            cfg.kvd_tenants.is_empty() || (cfg.kvd.is_some() && !cfg.gpu_tier),
+            "--kvd-tenant needs kvd, and serves the pool only (not with --gpu-tier)"
+        );
         let backend_name = backend.name().to_string();
         let model = match &conn {
             Some((client, _)) if cfg.gpu_tier => {
@@ -422,11 +462,23 @@ impl Engine {
         let kv = conn
             .map(|(client, layouts)| kv_of(&cfg, &model, client, layouts))
             .transpose()?;
+        let mut tenants = std::collections::BTreeMap::new();
+        for (t, ep) in cfg
+            .kvd_tenants
+            .iter()
+            .zip(std::iter::repeat(cfg.kvd.as_deref()))
+        {
+            let ep = ep.context("--kvd-tenant needs kvd")?;
+            let (client, layouts) = connect_kvd(&cfg, ep, Some(t))
+                .with_context(|| format!("a session for tenant {t:?} (--kvd-tenant)"))?;
+            tenants.insert(t.clone(), kv_of(&cfg, &model, client, layouts)?);
+        }
         let (tx, rx) = mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
         let sched = Scheduler::new(
             model,
             kv.clone(),
+            tenants.values().cloned().collect(),
             cfg.clone(),
             tokenizer.clone(),
             load.clone(),
@@ -442,6 +494,7 @@ impl Engine {
                 backend: backend_name,
                 tokenizer,
                 kv,
+                tenants,
                 jobs: tx,
                 load,
                 max_tokens_total,
@@ -467,6 +520,24 @@ impl Engine {
     /// Compute backend name.
     pub fn backend(&self) -> &str {
         &self.inner.backend
+    }
+
+    /// The session serving `tenant`'s requests (SPEC §18): the engine's own for `None`
+    /// or its own tenant's name, else one of `--kvd-tenant`'s. A tenant the engine does
+    /// not serve is refused (400), never served in another tenant's namespace.
+    fn kv_for(&self, tenant: Option<&str>) -> Result<Option<Arc<Kv>>, ApiError> {
+        let Some(t) = tenant else {
+            return Ok(self.inner.kv.clone());
+        };
+        if let Some(kv) = self.inner.tenants.get(t) {
+            return Ok(Some(kv.clone()));
+        }
+        match &self.inner.kv {
+            Some(kv) if kv.client.hello_info().tenant.as_deref() == Some(t) => Ok(Some(kv.clone())),
+            _ => Err(ApiError::bad(anyhow!(
+                "this engine serves no tenant {t:?} (x-kvd-tenant; see its --kvd-tenant)"
+            ))),
+        }
     }
 
     /// This node's kvd control endpoint for peers.
@@ -502,8 +573,8 @@ impl Engine {
     /// to one, so asking starts no prefetch of NVMe-only blocks (the chosen worker's own
     /// lookup before its `get` does) and asks no peer (every node reaches the same peers:
     /// their blocks would make every worker look alike, and cost a peer round per worker).
-    pub fn cached_tokens(&self, prompt: &str) -> Result<usize> {
-        let Some(kv) = &self.inner.kv else {
+    pub fn cached_tokens(&self, prompt: &str, tenant: Option<&str>) -> Result<usize> {
+        let Some(kv) = self.kv_for(tenant).map_err(|e| e.error)? else {
             return Ok(0);
         };
         let keys = self.keys(&self.inner.tokenizer.encode(prompt)?);
@@ -546,13 +617,14 @@ impl Engine {
             )));
         }
         let kvp = req.kv.clone().unwrap_or_default();
-        if kvp.do_remote_decode && self.inner.kv.is_none() {
+        let kv = self.kv_for(req.tenant.as_deref())?;
+        if kvp.do_remote_decode && kv.is_none() {
             return Err(ApiError::bad(anyhow!(
                 "do_remote_decode needs an engine connected to kvd"
             )));
         }
         let (prefix, source) = if kvp.do_remote_prefill {
-            let kv = self.inner.kv.as_ref().ok_or_else(|| {
+            let kv = kv.as_ref().ok_or_else(|| {
                 ApiError::bad(anyhow!(
                     "do_remote_prefill needs an engine connected to kvd"
                 ))
@@ -571,7 +643,7 @@ impl Engine {
                     "pull",
                 )
             }
-        } else if let Some(kv) = &self.inner.kv {
+        } else if let Some(kv) = &kv {
             match self.local_load(kv, &tokens) {
                 Ok(p) => (p, "local"),
                 Err(e) => {
@@ -594,6 +666,7 @@ impl Engine {
             .jobs
             .send(Job {
                 req,
+                kv,
                 tokens,
                 prefix,
                 source,

@@ -163,7 +163,12 @@ struct Held {
 
 pub(super) struct Scheduler {
     model: Model<AnyBackend>,
+    /// The engine's own session (the GPU tier's, with `--gpu-tier`); each request is
+    /// served by its tenant's ([`Job::kv`]).
     kv: Option<Arc<Kv>>,
+    /// The other tenants' sessions (`--kvd-tenant`), whose pool mappings it keeps
+    /// registered too.
+    others: Vec<Arc<Kv>>,
     cfg: EngineConfig,
     tokenizer: Tokenizer,
     load: Arc<AtomicUsize>,
@@ -177,6 +182,7 @@ impl Scheduler {
     pub(super) fn new(
         model: Model<AnyBackend>,
         kv: Option<Arc<Kv>>,
+        others: Vec<Arc<Kv>>,
         cfg: EngineConfig,
         tokenizer: Tokenizer,
         load: Arc<AtomicUsize>,
@@ -184,6 +190,7 @@ impl Scheduler {
         Scheduler {
             model,
             kv,
+            others,
             cfg,
             tokenizer,
             load,
@@ -197,7 +204,12 @@ impl Scheduler {
     /// GPU (and drop the old registration and mapping), so transfers stay DMA instead of
     /// bouncing through a device buffer. A pointer compare when nothing changed.
     fn refresh_pool(&self) {
-        let Some(kv) = &self.kv else { return };
+        for kv in self.kv.iter().chain(&self.others) {
+            self.refresh_pool_of(kv);
+        }
+    }
+
+    fn refresh_pool_of(&self, kv: &Kv) {
         let now = kv.client.pool_region();
         let mut held = kv.region.lock().unwrap_or_else(|p| p.into_inner());
         let same = match (&*held, &now) {
@@ -327,7 +339,7 @@ impl Scheduler {
                 .map(|k| k.transfer_id.clone().unwrap_or_else(|| job.req.id.clone()));
             // Layer-wise (SPEC §16): export before the forward, write each layer group as
             // the forward leaves it, so a push streams it at once.
-            let mut staged = match (&self.kv, &handoff) {
+            let mut staged = match (&job.kv, &handoff) {
                 (Some(kv), Some(base)) => self.stage(kv, base, handoff_keys, job.tokens.len()),
                 _ => None,
             };
@@ -383,7 +395,7 @@ impl Scheduler {
             // engine then computes the prompt itself (a request never fails because kvd
             // did, issue 47).
             let mut export_keys: &[ChunkHash] = handoff_keys;
-            let stored = match &self.kv {
+            let stored = match &job.kv {
                 Some(kv) => {
                     let blocks = match &staged {
                         Some(st) => Ok(st.written),
@@ -491,7 +503,7 @@ impl Scheduler {
         (handoff_keys, export_keys): (&[ChunkHash], &[ChunkHash]),
         mut staged: Option<Staging>,
     ) -> (Option<KvTransferParams>, Option<(String, usize)>) {
-        let (Some(kv), Some(k)) = (&self.kv, &job.req.kv) else {
+        let (Some(kv), Some(k)) = (&job.kv, &job.req.kv) else {
             return (None, None);
         };
         if !k.do_remote_decode {
