@@ -15,6 +15,7 @@
 //! | `server.stream` | bool | `true` | `KVD_STREAM` / `--stream` (`true`/`false`, `1`/`0`, `on`/`off`: the same variable turns it off in `kvd-client`) | offer the local stream transport (SPEC §1.1) on `<first ipc endpoint's path>.stream`: same messages, a Unix stream socket, no libzmq threads on the round trip |
 //! | `server.upgrade_binary` | path | the path this daemon was started from | | what `kvd upgrade` (SIGUSR2) starts: install the new build there, then upgrade (SPEC §15) |
 //! | `server.busy_poll` | bool | `false` | `KVD_BUSY_POLL` / `--busy-poll` (also read by `kvd-client`) | the serving thread never sleeps: lowest round trip, one core at 100 % all the time |
+//! | `pool.group` | string | `server.group` | `KVD_POOL_GROUP` / `--pool-group` | group (name or gid) whose processes may map the pool file; `none`: the daemon's user alone. Processes outside it reach the daemon through the sockets and move bytes as payload frames: tenants that must not read each other's KV bytes run outside it (SPEC §18) |
 //! | `pool.path` | path | `/dev/shm/kvd-$UID.pool` | `KVD_POOL_PATH` / `--pool-path` | shared-memory file of the DRAM pool |
 //! | `pool.size` | size | auto: 1 GiB, or half the free space of the pool's file system if that is less | `KVD_POOL_SIZE` / `--pool-size` | pool size (`1GiB`, `512MiB`, or bytes) |
 //! | `pool.segment_size` | size | `32MiB` | `KVD_SEGMENT_SIZE` / `--segment-size` | slab segment; also the largest block |
@@ -225,6 +226,12 @@ pub struct PoolConfig {
     pub high_watermark: f64,
     /// ...and stops here.
     pub low_watermark: f64,
+    /// The group whose processes may map the pool file (`None`: `server.group`; `"none"`:
+    /// the daemon's user alone). Processes outside it still reach the daemon through the
+    /// sockets (`server.group`), moving bytes as payload frames: the way to keep tenants
+    /// that must not read each other's KV bytes out of the mapping (SPEC §18).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 /// `[limits]`
@@ -739,6 +746,7 @@ impl Default for PoolConfig {
             table_path: None,
             high_watermark: 0.95,
             low_watermark: 0.85,
+            group: None,
         }
     }
 }
@@ -792,6 +800,10 @@ pub struct Cli {
     /// Group allowed to use the socket and pool besides the owner.
     #[arg(long, env = "KVD_GROUP")]
     pub group: Option<String>,
+    /// Group whose processes may map the pool file (default: --group; `none`: the
+    /// daemon's user alone).
+    #[arg(long, env = "KVD_POOL_GROUP")]
+    pub pool_group: Option<String>,
     /// Log format.
     #[arg(long, env = "KVD_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -942,6 +954,9 @@ impl DaemonConfig {
         }
         if let Some(v) = &cli.group {
             cfg.server.group = Some(v.clone());
+        }
+        if let Some(v) = &cli.pool_group {
+            cfg.pool.group = Some(v.clone());
         }
         if let Some(v) = &cli.metrics_addr {
             cfg.server.metrics_addr = Some(v.clone());

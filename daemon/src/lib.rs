@@ -166,6 +166,13 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
     let health = std::sync::Arc::new(http::Health::new());
     let _ops = start_ops(cfg, &metrics, &health)?;
     let group = cfg.server.group.as_deref().map(resolve_group).transpose()?;
+    // Who may map the pool: `pool.group`, else the sockets' group (SPEC §18: tenants that
+    // must not read each other's bytes run outside it and send payload frames).
+    let pool_group = match cfg.pool.group.as_deref() {
+        None => group,
+        Some("none") => None,
+        Some(g) => Some(resolve_group(g)?),
+    };
     let incarnation = Incarnation(loop {
         let v: u64 = rand::random();
         if v != 0 {
@@ -177,7 +184,7 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         pool,
         table,
         populate_later,
-    } = open_store(cfg, incarnation, group, upgraded_from.is_some())?;
+    } = open_store(cfg, incarnation, pool_group, upgraded_from.is_some())?;
     let tenancy = match &cfg.tenants.file {
         Some(f) => Some(tenancy::Tenancy::start(f, &mut store, Instant::now())?),
         None => None,
