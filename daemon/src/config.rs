@@ -81,7 +81,7 @@
 //! | `events.hwm` | int | `100000` | | messages queued per subscriber before ZMQ drops for it |
 //! | `events.buffer_steps` | int | `10000` | | batches kept for replay |
 //! | `events.heartbeat_ms` | int | `1000` | | an empty batch on `<topic>.all` after this long without one (0: none): subscribers tell an idle daemon from a gone one |
-//! | `tenants.file` | path | none | `KVD_TENANTS_FILE` / `--tenants-file` | the tenants file (SPEC §18: shares, credentials; re-read when it changes); none: no tenants. Cannot be combined with `pool.keep` yet |
+//! | `tenants.file` | path | none | `KVD_TENANTS_FILE` / `--tenants-file` | the tenants file (SPEC §18: shares, credentials; re-read when it changes); none: no tenants |
 //! | `log.format` | `text` \| `json` | `text` | `KVD_LOG_FORMAT` / `--log-format` | |
 //! | `log.level` | string | `info` | `KVD_LOG` / `--log-level` | a `tracing` filter |
 //!
@@ -1054,15 +1054,6 @@ impl DaemonConfig {
             if !(e.starts_with("ipc://") || e.starts_with("tcp://")) {
                 return bad(format!("endpoint {e:?} must start with ipc:// or tcp://"));
             }
-        }
-        if self.tenants.file.is_some() && self.pool.keep {
-            // The kept block table knows blocks by wire layout ids; tenants' blocks live
-            // under namespaced ones (SPEC §18). Refused rather than half-kept.
-            return bad(
-                "tenants.file and pool.keep cannot be combined yet: a pool with tenants is \
-                 not kept across restarts (set pool.keep = false)"
-                    .into(),
-            );
         }
         self.check_events()?;
         self.check_pool()?;

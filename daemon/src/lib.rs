@@ -180,15 +180,12 @@ pub fn run_with(cfg: &DaemonConfig, handoff: Option<upgrade::Handoff>) -> Result
         }
     });
     let Opened {
-        mut store,
+        store,
         pool,
         table,
         populate_later,
+        tenancy,
     } = open_store(cfg, incarnation, pool_group, upgraded_from.is_some())?;
-    let tenancy = match &cfg.tenants.file {
-        Some(f) => Some(tenancy::Tenancy::start(f, &mut store, Instant::now())?),
-        None => None,
-    };
     let ipc_paths = prepare_ipc(cfg, group)?;
     let (sig_rx, sig_tx) = UnixStream::pair().map_err(setup_err("socketpair"))?;
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -298,6 +295,9 @@ struct Opened {
     /// A kept pool, populated in the background once the daemon serves (the populate
     /// holds the mapping's lock, which start-up's own mappings wait for).
     populate_later: Option<std::sync::Arc<Pool>>,
+    /// The tenants file's, applied before a kept pool's blocks are adopted (each is
+    /// charged to its layout's tenant).
+    tenancy: Option<tenancy::Tenancy>,
 }
 
 /// Maps the pool (after an upgrade, retrying the old daemon's lock briefly), adopts what
@@ -367,6 +367,11 @@ fn open_store(
         incarnation,
         started,
     );
+    // (tenants before a kept pool's blocks: SPEC §18, each block goes back to its tenant)
+    let tenancy = match &cfg.tenants.file {
+        Some(f) => Some(tenancy::Tenancy::start(f, &mut store, Instant::now())?),
+        None => None,
+    };
     if cfg.pool.keep {
         keep_pool(&mut store, &pool, cfg, &table)?;
     }
@@ -392,6 +397,7 @@ fn open_store(
         pool,
         table,
         populate_later,
+        tenancy,
     })
 }
 

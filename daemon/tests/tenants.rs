@@ -913,3 +913,72 @@ fn outside_tenant_child() {
         println!("ROUNDTRIP: ok");
     }
 }
+
+/// A kept pool with tenants (SPEC §15, §18): after a SIGKILL the new daemon adopts each
+/// tenant's blocks under its namespace and charges them to it again, each seen by its
+/// own tenant only; a tenant the file no longer names across the restart loses its
+/// blocks (no session could name them).
+#[test]
+fn a_kept_pool_gives_each_tenant_its_blocks_back() {
+    const GONE: &str = "gone-token-0123456789abcdef";
+    let with_gone = format!(
+        "{}\n[[tenant]]\nname = \"gone\"\ntokens = [\"{GONE}\"]\n",
+        shares("0", "1TiB")
+    );
+    let t = TenantsFile::new(&with_gone);
+    let mut d = kvd_testkit::daemon::Launch::new()
+        .args([
+            "--log-level",
+            "warn",
+            "--segment-size",
+            "1MiB",
+            "--pool-size",
+            "32MiB",
+            "--keep-pool",
+            "true",
+            "--tenants-file",
+            t.path.to_str().unwrap(),
+        ])
+        .start()
+        .expect("daemon starts");
+    let stored = |token: &str, seed: u32, n: usize| {
+        let c = client(&d, Some(token)).unwrap();
+        let l = register(&c, BLOCK_KIB).id;
+        (l, store(&c, l, seed, n))
+    };
+    let (lq, kq) = stored(QUIET, 90, 8);
+    let (ln, kn) = stored(NOISY, 91, 6);
+    let (lg, kg) = stored(GONE, 92, 4);
+    let kept = |d: &Daemon| ops(d).stats().unwrap().kept.expect("the pool is kept");
+    eventually(10, "every block sealed", || kept(&d).sealed >= 18);
+    // the file loses "gone"; the daemon is killed and a new one takes the pool over
+    t.replace(&shares("0", "1TiB"));
+    d.restart();
+    eventually(20, "every kept block checked", || {
+        let k = kept(&d);
+        k.verifying == 0 && k.verified_ms.is_some()
+    });
+    let k = kept(&d);
+    assert_eq!((k.found, k.adopted), (18, 14), "{k:?}");
+    assert_eq!(k.damaged, 4, "gone's blocks are dropped: {k:?}");
+    let quiet = client(&d, Some(QUIET)).unwrap();
+    let noisy = client(&d, Some(NOISY)).unwrap();
+    assert_eq!(register(&quiet, BLOCK_KIB).id, lq);
+    assert_eq!(register(&noisy, BLOCK_KIB).id, ln);
+    assert_eq!(quiet.probe_local(lq, &kq).unwrap().prefix, 8);
+    assert_eq!(noisy.probe_local(ln, &kn).unwrap().prefix, 6);
+    // each tenant's blocks are its own, and charged to it again
+    assert_eq!(noisy.probe_local(ln, &kq).unwrap().prefix, 0);
+    assert_eq!(quiet.probe_local(lq, &kn).unwrap().prefix, 0);
+    assert_eq!(quiet.probe_local(lg, &kg).unwrap().prefix, 0);
+    let bytes = |n: u64| n * BLOCK_KIB * 1024;
+    assert_eq!(tenant(&quiet, "quiet").dram_bytes, bytes(8));
+    assert_eq!(tenant(&noisy, "noisy").dram_bytes, bytes(6));
+    // and their bytes are the ones stored
+    let mut bufs = vec![vec![0u8; bytes(1) as usize]; 8];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    assert_eq!(quiet.load(lq, &kq, &mut outs).unwrap(), vec![true; 8]);
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(*b, block(90 * 10_000 + i as u64, bytes(1) as usize));
+    }
+}

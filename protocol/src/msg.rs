@@ -679,8 +679,8 @@ pub struct KeptStats {
     pub adopted: u64,
     /// Of those, still being checked (invisible until they pass).
     pub verifying: u64,
-    /// Found blocks whose bytes did not match their checksum, or whose slot or key
-    /// clashed with another's: dropped.
+    /// Found blocks whose bytes did not match their checksum, whose slot or key clashed
+    /// with another's, or whose layout is no tenant's any more (SPEC §18): dropped.
     pub damaged: u64,
     /// Blocks committed but not yet sealed when the previous daemon stopped: dropped.
     pub unsealed: u64,

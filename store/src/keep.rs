@@ -104,7 +104,19 @@ impl Store {
 
     fn adopt(&mut self, mut found: Found, keep: &mut Keep, now: Instant) {
         for l in &found.layouts {
-            if let Err(e) = self.register_layout(l) {
+            // Under its tenant's namespace (SPEC §18): a layout of a tenant the file no
+            // longer names, or kept by a daemon with(out) tenants when this one has none
+            // (have some), names ids no session can reach: its blocks are dropped.
+            let tenant = match (&l.tenant, self.tenants.on()) {
+                (None, false) => Some(crate::tenants::TenantId::NONE),
+                (Some(name), true) => self.tenants.id(name),
+                _ => None,
+            };
+            let Some(tenant) = tenant else {
+                tracing::warn!(layout = %l.id(), tenant = ?l.tenant, "a kept layout of no tenant this daemon has: its blocks are dropped");
+                continue;
+            };
+            if let Err(e) = self.register_layout_for(&l.layout, tenant) {
                 tracing::warn!(layout = %l.id(), error = %e, "a kept layout is not registered again: its blocks are dropped");
             }
         }
@@ -158,7 +170,7 @@ impl Store {
         let slot_sizes: Vec<u64> = found
             .layouts
             .iter()
-            .filter_map(|l| l.validate().ok())
+            .filter_map(|l| l.layout.validate().ok())
             .map(|b| b.div_ceil(SLOT_ALIGN) * SLOT_ALIGN)
             .collect();
         let (data, seg) = (self.pool.data_offset(), self.cfg.segment_bytes);

@@ -507,10 +507,14 @@ impl Store {
             self.index.ensure_classes(&slots, self.tenants.len());
             self.demoting.resize(classes.max(self.demoting.len()), 0);
             tracing::info!(layout = %id, %wire, tenant = self.tenants.name(tenant), model = %layout.model, block_bytes, "layout registered");
-            // With tenants, blocks live under namespaced ids, which the kept table does
-            // not know: they are not kept across restarts (SPEC §18).
-            if let (Some(t), false) = (&mut self.index.durable, self.tenants.on()) {
-                t.layout(layout);
+            if let Some(t) = &mut self.index.durable {
+                t.layout(&table::KeptLayout {
+                    layout: layout.clone(),
+                    tenant: self
+                        .tenants
+                        .on()
+                        .then(|| self.tenants.name(tenant).to_owned()),
+                });
             }
             self.sessions.add_layout(
                 id,

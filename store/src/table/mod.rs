@@ -58,6 +58,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvd_protocol::{BlockKey, ChunkHash, Layout, LayoutId};
+use serde::{Deserialize, Serialize};
 
 use crate::pool::SLOT_ALIGN;
 use crate::region::Region;
@@ -338,6 +339,36 @@ pub struct SealJob {
     pub len: u32,
 }
 
+/// A layout as the table keeps it: with the tenant whose namespace it was registered in
+/// (SPEC §18), so that a new daemon registers it under the same namespaced id and charges
+/// its blocks to the same tenant. Written as the layout's own fields plus `kvd_tenant`; a
+/// table written before tenants reads as no tenant's, and a daemon before tenants reads
+/// this one's layouts as bare ones (whose namespaced blocks it then cannot name: dropped).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KeptLayout {
+    /// The layout.
+    #[serde(flatten)]
+    pub layout: Layout,
+    /// Its tenant's name (none: a daemon without tenants).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "kvd_tenant"
+    )]
+    pub tenant: Option<String>,
+}
+
+impl KeptLayout {
+    /// The id its blocks are kept under: the tenant's namespaced one, or the layout's.
+    pub fn id(&self) -> LayoutId {
+        let wire = self.layout.id();
+        match &self.tenant {
+            Some(t) => kvd_protocol::tenant::tenant_layout(t, wire),
+            None => wire,
+        }
+    }
+}
+
 /// The writer's handle (the server thread's; see the module docs for the rules).
 #[derive(Debug)]
 pub struct BlockTable {
@@ -347,7 +378,7 @@ pub struct BlockTable {
     gen: u64,
     /// Block bytes per layout (an entry records its block's length).
     block_bytes: HashMap<LayoutId, u32>,
-    layouts: Vec<Layout>,
+    layouts: Vec<KeptLayout>,
     layout_seq: u64,
     /// Seals to hand to the checker (drained by the store each turn).
     seals: Vec<SealJob>,
@@ -478,9 +509,9 @@ impl BlockTable {
         self.map.clone()
     }
 
-    fn note_layout(&mut self, l: &Layout) {
+    fn note_layout(&mut self, l: &KeptLayout) {
         let id = l.id();
-        if let Ok(b) = l.validate() {
+        if let Ok(b) = l.layout.validate() {
             if let Ok(b) = u32::try_from(b) {
                 if self.block_bytes.insert(id, b).is_none() {
                     self.layouts.push(l.clone());
@@ -490,7 +521,7 @@ impl BlockTable {
     }
 
     /// Records a registered layout (written when it is new: layouts are few and rare).
-    pub fn layout(&mut self, l: &Layout) {
+    pub fn layout(&mut self, l: &KeptLayout) {
         if self.block_bytes.contains_key(&l.id()) {
             return;
         }
@@ -702,6 +733,29 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A kept layout reads back with its tenant and id; a bare layout (a table written
+    /// before tenants) reads as no tenant's, under its own id.
+    #[test]
+    fn kept_layouts_carry_their_tenant() {
+        let l = kvd_testkit::layout(64);
+        let k = KeptLayout {
+            layout: l.clone(),
+            tenant: Some("quiet".into()),
+        };
+        let json = serde_json::to_vec(&[&k]).unwrap();
+        let back: Vec<KeptLayout> = serde_json::from_slice(&json).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0], k);
+        assert_eq!(k.id(), kvd_protocol::tenant::tenant_layout("quiet", l.id()));
+        let old: Vec<KeptLayout> =
+            serde_json::from_slice(&serde_json::to_vec(&[&l]).unwrap()).unwrap();
+        assert_eq!(old[0].tenant, None);
+        assert_eq!(old[0].id(), l.id());
+        // (and a daemon before tenants reads the new form as the bare layout)
+        let bare: Vec<Layout> = serde_json::from_slice(&json).unwrap();
+        assert_eq!(bare, [l]);
+    }
+
     fn id(dir: &Path) -> (PathBuf, PoolIdentity) {
         let pool = dir.join("p.pool");
         std::fs::write(&pool, b"").unwrap();
@@ -725,7 +779,10 @@ mod tests {
         let (path, id) = id(dir.path());
         let (mut t, found, _) = BlockTable::open(&path, &id, true).unwrap();
         assert!(found.is_none(), "a new table adopts nothing");
-        t.layout(&kvd_testkit::layout(64));
+        t.layout(&KeptLayout {
+            layout: kvd_testkit::layout(64),
+            tenant: None,
+        });
         let map = t.shared();
         let mut jobs = Vec::new();
         t.committed(0, key(1), 4096, None);
@@ -769,7 +826,10 @@ mod tests {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let (path, id) = id(dir.path());
         let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
-        t.layout(&kvd_testkit::layout(64));
+        t.layout(&KeptLayout {
+            layout: kvd_testkit::layout(64),
+            tenant: None,
+        });
         t.committed(0, key(1), 4096, None);
         let mut jobs = Vec::new();
         t.take_seals(&mut jobs);
@@ -784,7 +844,10 @@ mod tests {
         assert!(matches!(why, Some(NotAdopted::OtherPool)), "{why:?}");
         // (that open replaced the table: start again)
         let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
-        t.layout(&kvd_testkit::layout(64));
+        t.layout(&KeptLayout {
+            layout: kvd_testkit::layout(64),
+            tenant: None,
+        });
         drop(t);
         set_format(&path, 7).unwrap();
         let (_, found, why) = BlockTable::open(&path, &id, true).unwrap();
@@ -808,7 +871,7 @@ mod tests {
             let dir = tempfile::tempdir_in("/dev/shm").unwrap();
             let (path, id) = id(dir.path());
             let (mut t, _, _) = BlockTable::open(&path, &id, true).unwrap();
-            t.layout(&kvd_testkit::layout(64));
+            t.layout(&KeptLayout { layout: kvd_testkit::layout(64), tenant: None });
             for i in 0..8u8 {
                 t.committed(u32::from(i), key(i), 4096 + u64::from(i) * 65536, None);
             }

@@ -4,7 +4,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 
-use kvd_protocol::{BlockKey, Layout, LayoutId};
+use kvd_protocol::{BlockKey, LayoutId};
+
+use super::KeptLayout;
 
 use super::{
     entry_check, key_of, state_word, NotAdopted, PoolIdentity, TableMap, COMMITTED, ENTRY_WORDS,
@@ -34,8 +36,8 @@ pub struct Adopted {
 /// What a table held.
 #[derive(Debug, Default)]
 pub struct Found {
-    /// The registered layouts.
-    pub layouts: Vec<Layout>,
+    /// The registered layouts (each with its tenant).
+    pub layouts: Vec<KeptLayout>,
     /// Sealed, well-formed entries (not yet checked against the bytes).
     pub blocks: Vec<Adopted>,
     /// Slots whose out-bit was set and that no adopted block occupies (allocations,
@@ -120,9 +122,9 @@ fn area(which: u64) -> usize {
 }
 
 /// The valid layout area with the higher sequence number, and that number.
-pub(super) fn read_layouts(map: &TableMap) -> (Vec<Layout>, u64) {
+pub(super) fn read_layouts(map: &TableMap) -> (Vec<KeptLayout>, u64) {
     let w = map.words();
-    let mut best: Option<(u64, Vec<Layout>)> = None;
+    let mut best: Option<(u64, Vec<KeptLayout>)> = None;
     for which in 0..2 {
         let a = area(which);
         let (Some(seq), Some(lc)) = (w.get(a), w.get(a + 1)) else {
@@ -144,7 +146,8 @@ pub(super) fn read_layouts(map: &TableMap) -> (Vec<Layout>, u64) {
         if u64::from(crate::checksum::crc32c(&bytes)) != lc >> 32 {
             continue;
         }
-        let Ok(layouts) = serde_json::from_slice::<Vec<Layout>>(&bytes) else {
+        // (a table of a daemon before tenants holds bare layouts: no tenant)
+        let Ok(layouts) = serde_json::from_slice::<Vec<KeptLayout>>(&bytes) else {
             continue;
         };
         if best.as_ref().is_none_or(|(s, _)| seq > *s) {
@@ -156,7 +159,7 @@ pub(super) fn read_layouts(map: &TableMap) -> (Vec<Layout>, u64) {
 
 /// Writes `layouts` into the area `seq` picks (the other one stays valid until this
 /// one is whole: its `seq` word is written last).
-pub(super) fn write_layouts(map: &TableMap, layouts: &[Layout], seq: u64) {
+pub(super) fn write_layouts(map: &TableMap, layouts: &[KeptLayout], seq: u64) {
     let Ok(bytes) = serde_json::to_vec(layouts) else {
         return;
     };
@@ -188,10 +191,10 @@ pub(super) fn write_layouts(map: &TableMap, layouts: &[Layout], seq: u64) {
 }
 
 /// Rule 4: the sealed, well-formed entries; every other entry is marked `FREE`.
-pub(super) fn scan(map: &TableMap, layouts: &[Layout]) -> Found {
+pub(super) fn scan(map: &TableMap, layouts: &[KeptLayout]) -> Found {
     let block_bytes: HashMap<LayoutId, u64> = layouts
         .iter()
-        .filter_map(|l| Some((l.id(), l.validate().ok()?)))
+        .filter_map(|l| Some((l.id(), l.layout.validate().ok()?)))
         .collect();
     let units = map.geo.capacity as u64;
     let w = map.words();
