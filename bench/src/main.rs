@@ -142,6 +142,11 @@ struct StoreArgs {
     /// and shares every op goes through (what tenants cost a store against without).
     #[arg(long)]
     tenants: bool,
+    /// The clients do not map the pool (a tenant outside `pool.group`, SPEC §18): stores
+    /// and loads send their bytes as payload frames over the socket. The queued and
+    /// prefetched cases, which hand out slots, are skipped.
+    #[arg(long)]
+    unmapped: bool,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -529,11 +534,16 @@ fn store(a: StoreArgs) -> Result<()> {
         .clone()
         .or_else(|| own.as_ref().map(|d| d.endpoint.clone()))
         .expect("one of them");
+    let map = if a.unmapped {
+        MapPool::Never
+    } else {
+        MapPool::Always
+    };
     let client = Client::builder()
         .with_endpoint(&endpoint)
         .with_name("kvd-bench")
         .with_timeout(Duration::from_secs(60))
-        .with_map_pool(MapPool::Always)
+        .with_map_pool(map)
         .with_busy_poll(a.busy_poll)
         .connect()
         .context("connecting to kvd")?;
@@ -544,7 +554,7 @@ fn store(a: StoreArgs) -> Result<()> {
         .with_endpoint(&endpoint)
         .with_name("kvd-bench-plain")
         .with_timeout(Duration::from_secs(60))
-        .with_map_pool(MapPool::Always)
+        .with_map_pool(map)
         .with_busy_poll(a.busy_poll)
         .with_writer_checksums(false)
         .with_verify(false)
@@ -627,44 +637,46 @@ fn store(a: StoreArgs) -> Result<()> {
 
                 // The same stores through a StoreQueue per thread (reserve ahead, put
                 // without waiting), the time including the final flush.
-                pb.set_message(format!("{} x{t} rep {rep}: queued store", ByteSize(size)));
-                case_id += 1;
-                let qkeys = keys_for(case_id, n);
-                let q = store_queued(&client, info.id, &src, &qkeys, t, batch)?;
-                let mut outs: Vec<&mut [u8]> = dst.iter_mut().map(|b| &mut b[..]).collect();
-                for (ks, os) in qkeys.chunks(256).zip(outs.chunks_mut(256)) {
-                    if client.load(info.id, ks, os)?.iter().any(|h| !h) {
-                        bail!("a queued block is missing: enlarge the pool");
+                if !a.unmapped {
+                    pb.set_message(format!("{} x{t} rep {rep}: queued store", ByteSize(size)));
+                    case_id += 1;
+                    let qkeys = keys_for(case_id, n);
+                    let q = store_queued(&client, info.id, &src, &qkeys, t, batch)?;
+                    let mut outs: Vec<&mut [u8]> = dst.iter_mut().map(|b| &mut b[..]).collect();
+                    for (ks, os) in qkeys.chunks(256).zip(outs.chunks_mut(256)) {
+                        if client.load(info.id, ks, os)?.iter().any(|h| !h) {
+                            bail!("a queued block is missing: enlarge the pool");
+                        }
                     }
-                }
-                if dst.iter().zip(&src).any(|(d, s)| d != s) {
-                    bail!("bytes loaded after a queued store differ from those stored");
-                }
-                forget_case(&client, info.id, &qkeys, &mut dst)?;
-                qs.push(q.elapsed);
-                q_lat.extend(q.lat);
+                    if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                        bail!("bytes loaded after a queued store differ from those stored");
+                    }
+                    forget_case(&client, info.id, &qkeys, &mut dst)?;
+                    qs.push(q.elapsed);
+                    q_lat.extend(q.lat);
 
-                // Loads through a LoadQueue per thread, each call's `get` sent
-                // LOAD_AHEAD_BYTES ahead (an engine announcing a request's blocks before
-                // it copies them a layer or a chunk at a time).
-                pb.set_message(format!(
-                    "{} x{t} rep {rep}: prefetched load",
-                    ByteSize(size)
-                ));
-                case_id += 1;
-                let pkeys = keys_for(case_id, n);
-                for (ks, bs) in pkeys.chunks(256).zip(src.chunks(256)) {
-                    let refs: Vec<&[u8]> = bs.iter().map(|b| &b[..]).collect();
-                    client.store(info.id, ks, &refs)?;
+                    // Loads through a LoadQueue per thread, each call's `get` sent
+                    // LOAD_AHEAD_BYTES ahead (an engine announcing a request's blocks before
+                    // it copies them a layer or a chunk at a time).
+                    pb.set_message(format!(
+                        "{} x{t} rep {rep}: prefetched load",
+                        ByteSize(size)
+                    ));
+                    case_id += 1;
+                    let pkeys = keys_for(case_id, n);
+                    for (ks, bs) in pkeys.chunks(256).zip(src.chunks(256)) {
+                        let refs: Vec<&[u8]> = bs.iter().map(|b| &b[..]).collect();
+                        client.store(info.id, ks, &refs)?;
+                    }
+                    let ahead = ((LOAD_AHEAD_BYTES / size) as usize).max(batch);
+                    let pl = load_prefetched(&client, info.id, &mut dst, &pkeys, t, batch, ahead)?;
+                    if dst.iter().zip(&src).any(|(d, s)| d != s) {
+                        bail!("bytes of a prefetched load differ from those stored");
+                    }
+                    forget_case(&client, info.id, &pkeys, &mut dst)?;
+                    pls.push(pl.elapsed);
+                    pl_lat.extend(pl.lat);
                 }
-                let ahead = ((LOAD_AHEAD_BYTES / size) as usize).max(batch);
-                let pl = load_prefetched(&client, info.id, &mut dst, &pkeys, t, batch, ahead)?;
-                if dst.iter().zip(&src).any(|(d, s)| d != s) {
-                    bail!("bytes of a prefetched load differ from those stored");
-                }
-                forget_case(&client, info.id, &pkeys, &mut dst)?;
-                pls.push(pl.elapsed);
-                pl_lat.extend(pl.lat);
 
                 // Store and load without writer checksums (see `plain`).
                 pb.set_message(format!("{} x{t} rep {rep}: no checksums", ByteSize(size)));
@@ -686,14 +698,18 @@ fn store(a: StoreArgs) -> Result<()> {
             if t == 1 && size == max_size {
                 headline = cin;
             }
-            for (name, el, mut lat, ceil) in [
-                ("store", median(&mut sts), st_lat, cin),
-                ("store (queued)", median(&mut qs), q_lat, cin),
-                ("load", median(&mut lds), ld_lat, cout),
-                ("load (prefetched)", median(&mut pls), pl_lat, cout),
-                ("store (no checksums)", median(&mut nsts), nst_lat, cin),
-                ("load (unverified)", median(&mut nlds), nld_lat, cout),
+            for (name, els, mut lat, ceil) in [
+                ("store", &mut sts, st_lat, cin),
+                ("store (queued)", &mut qs, q_lat, cin),
+                ("load", &mut lds, ld_lat, cout),
+                ("load (prefetched)", &mut pls, pl_lat, cout),
+                ("store (no checksums)", &mut nsts, nst_lat, cin),
+                ("load (unverified)", &mut nlds, nld_lat, cout),
             ] {
+                if els.is_empty() {
+                    continue; // (a case --unmapped skips)
+                }
+                let el = median(els);
                 let (p50, p99) = percentiles(&mut lat);
                 let g = gb(bytes, el);
                 results.push(CaseResult {
@@ -716,7 +732,12 @@ fn store(a: StoreArgs) -> Result<()> {
     let small = client.register_layout(&layout_of(4096, "lookup")?)?;
     let lkeys = keys_for(9999, a.lookup_keys);
     for chunk in lkeys.chunks(8192) {
-        client.alloc(small.id, chunk)?.commit()?;
+        if a.unmapped {
+            let zero = vec![0u8; 4096];
+            client.store(small.id, chunk, &vec![&zero[..]; chunk.len()])?;
+        } else {
+            client.alloc(small.id, chunk)?.commit()?;
+        }
     }
     let mut lat = Vec::new();
     let mut looked = 0u64;
@@ -828,6 +849,7 @@ fn store(a: StoreArgs) -> Result<()> {
     extra.insert("endpoint".into(), endpoint.clone().into());
     extra.insert("working_set_bytes".into(), total.into());
     extra.insert("busy_poll".into(), a.busy_poll.into());
+    extra.insert("unmapped".into(), a.unmapped.into());
     extra.insert(
         "rtt_floor".into(),
         "1-byte ping-pong over a Unix socketpair between two threads, unpinned (as kvd's client and daemon run); rtt_floor_same_cpu / _cross_cpu: the threads pinned to one CPU / to two".into(),
