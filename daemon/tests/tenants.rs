@@ -644,7 +644,7 @@ tokens = ["{QUIET}", "{ENGINE}"]
 [[tenant]]
 name = "noisy"
 tokens = ["{NOISY}", "{ENGINE}"]
-"#
+{OPS_TENANT}"#
     );
     let t = TenantsFile::new(&file);
     let (a, b) = (
@@ -661,6 +661,7 @@ tokens = ["{NOISY}", "{ENGINE}"]
             NOISY.into(),
             ENGINE.into(),
             b.endpoint.clone(),
+            OPS.into(),
         ],
     );
 }

@@ -1,8 +1,9 @@
 """Tenants (SPEC §18) through the Python package and the vLLM connector, against a real
 daemon with a tenants file naming "quiet" and "noisy" (tokens in argv).
 
-argv: ENDPOINT QUIET_TOKEN NOISY_TOKEN ENGINE_TOKEN ENDPOINT2 (the engine's token acts
-for both tenants; a second daemon with the same file for handoffs). Run by
+argv: ENDPOINT QUIET_TOKEN NOISY_TOKEN ENGINE_TOKEN ENDPOINT2 OPS_TOKEN (the engine's
+token acts for both tenants; a second daemon with the same file for handoffs; the
+operator's token sees every figure). Run by
 daemon/tests/tenants.rs. Prints "N passed, M failed".
 """
 
@@ -15,7 +16,7 @@ from checks import check, run  # noqa: E402
 
 import kvd  # noqa: E402
 
-EP, QUIET, NOISY, ENGINE, EP2 = sys.argv[1:6]
+EP, QUIET, NOISY, ENGINE, EP2, OPS = sys.argv[1:7]
 LAYOUT = {"model": "kvd-py/tenants", "num_layers": 2, "kv_parts": 2, "num_kv_heads": 1, "head_dim": 32,
           "dtype": "f16", "tokens_per_block": 16, "tp_size": 1, "tp_rank": 0,
           "order": "layer_part_token_head"}
@@ -113,12 +114,15 @@ def _():
     assert served(multi, rid("d"), toks) == (0, 100)
     assert blocks(EP, "quiet") >= q0 + 6
     assert served(ve.Engine(EP, tenant_token=QUIET), rid("d2"), toks) == (96, 4)
-    # a salt naming a tenant the credential does not act for: no lookup, no save, no fallback
-    q1, n1 = blocks(EP, "quiet"), blocks(EP, "noisy")
+    # a salt naming a tenant the credential does not act for: no lookup, no save, no
+    # fallback, and the daemon is asked once, not at every step
+    refused = lambda: kvd.Client(EP, token=OPS).stats()["tenancy"]["refused_hellos"]  # noqa: E731
+    q1, n1, r1 = blocks(EP, "quiet"), blocks(EP, "noisy"), refused()
     other = [(RUN + 11 * t) % 983 + 1 for t in range(100)]
     assert served(multi, rid("x"), other, cache_salt="nobody") == (0, 100)
     assert (blocks(EP, "quiet"), blocks(EP, "noisy")) == (q1, n1), "nothing stored for a tenant the engine may not act for"
     assert served(multi, rid("x2"), other, cache_salt="nobody") == (0, 100)
+    assert refused() - r1 == 1, f"{refused() - r1} refused hellos"
 
 
 @check("per-request tenants through tenant_map and LoRA: mapped values name their tenant, others the engine's")

@@ -324,9 +324,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     # A tenant the daemon refused a session is asked again after this long.
     REFUSED_RETRY_S = 5.0
 
-    def _connect_sched(self, tenant: Optional[str]) -> kvd.Client:
+    def _refused_now(self, tenant: Optional[str]) -> bool:
+        """Whether the daemon refused ``tenant`` a session within :attr:`REFUSED_RETRY_S`:
+        its requests then run without kvd (nothing looked up, nothing saved)."""
         since = self._refused.get(tenant)
-        if since is not None and time.monotonic() - since < self.REFUSED_RETRY_S:
+        return since is not None and time.monotonic() - since < self.REFUSED_RETRY_S
+
+    def _connect_sched(self, tenant: Optional[str]) -> kvd.Client:
+        if self._refused_now(tenant):
             raise kvd.KvdError(f"the daemon refused a session for tenant {tenant!r} (asked again in {self.REFUSED_RETRY_S:.0f} s)")
         try:
             c = kvd.Client(self._endpoint, name="vllm-scheduler", timeout_s=self._timeout_s, map_pool=False, token=self._token, tenant=tenant)
@@ -642,7 +647,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _saves(self, meta: KvdConnectorMetadata, rid: str, done_tokens: int) -> None:
         st = self._reqs.get(rid)
-        if st is None or self._kv_cache_manager is None:
+        if st is None or self._kv_cache_manager is None or self._refused_now(st.tenant):
             return
         upto = min(done_tokens, len(st.tokens)) // self._geo.key_tokens
         if upto <= st.saved:
@@ -788,6 +793,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # A session per tenant the requests name (the scheduler's request_tenant), each
         # with the view of the pool it mapped; the engine's tenant's opens at start.
         self._sessions: dict[Optional[str], _Session] = {}
+        self._refused: dict[Optional[str], float] = {}  # tenant -> when its hello was refused
         self._old_pools: list[torch.Tensor] = []
         # Pool mappings (data_ptr -> kvd._device_view) on CUDA, old pools' too.
         self._mapped: dict[int, torch.Tensor] = {}
@@ -895,7 +901,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         with self._lock:
             s = self._sessions.get(tenant)
             if s is None:
-                s = self._connect_worker(tenant)
+                since = self._refused.get(tenant)
+                if since is not None and time.monotonic() - since < self.REFUSED_RETRY_S:
+                    raise kvd.KvdError(f"the daemon refused a session for tenant {tenant!r}")
+                try:
+                    s = self._connect_worker(tenant)
+                except kvd.KvdError as e:
+                    if getattr(e, "code", None) == "unauthenticated":
+                        self._refused[tenant] = time.monotonic()
+                    raise
             elif s.client.incarnation != s.inc:
                 # The daemon restarted (the client said so once, with DaemonRestarted, and
                 # mapped the new pool): view the new mapping. The old view stays referenced,
