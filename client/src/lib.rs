@@ -47,8 +47,9 @@
 //!   caller's bytes straight into pool slots and `load` copies straight out: one copy
 //!   each way, the daemon touches no data. [`Client::alloc`] and [`Client::get`] hand out
 //!   the slots themselves for zero-copy use (DMA from/to GPU). Without a mapping
-//!   ([`MapPool::Never`], or a remote `tcp://` daemon) the same calls send the bytes as
-//!   payload frames, with the same semantics.
+//!   ([`MapPool::Never`], a remote `tcp://` daemon, or a process outside the pool's
+//!   group) the same calls send the bytes as payload frames, with the same semantics,
+//!   in messages of about [`PAYLOAD_CHUNK_BYTES`] pipelined on one connection.
 //! - **Checksums** (SPEC §17): every store sends each block's CRC-32C, computed in the
 //!   same pass as the copy into the pool ([`checksum::copy_crc`]); every load through
 //!   [`Client::load`] or a [`LoadQueue`] checks it as it copies out, turning a block
@@ -87,6 +88,7 @@ mod gpu;
 mod handoff;
 mod model_identity;
 mod ops;
+mod payload;
 mod pins;
 mod prefetch;
 mod queue;
@@ -104,6 +106,7 @@ pub use crate::handoff::{Landing, StagedExport};
 pub use crate::model_identity::{model_identity, MODEL_ID_PREFIX};
 pub(crate) use crate::ops::check_blocks;
 pub use crate::ops::{LayoutInfo, StoreOutcome};
+pub use crate::payload::{PAYLOAD_CHUNK_BYTES, PAYLOAD_WINDOW_BYTES};
 pub use crate::pins::PinnedBlocks;
 pub use crate::prefetch::{LoadQueue, DEFAULT_GET_BYTES, RELEASE_AFTER_BYTES};
 pub use crate::queue::{QueueReport, StoreQueue, DEFAULT_PUT_BYTES, DEFAULT_QUEUE_DEPTH_BYTES};

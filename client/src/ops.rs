@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::checksum;
 use crate::connection::{fatal, Session};
 use crate::shm::PoolMap;
 use crate::{
@@ -288,9 +287,7 @@ impl Client {
                 info.block_bytes,
             ),
             None => {
-                let crcs = new_blocks.iter().map(|b| checksum::crc32c(b)).collect();
-                self.commit_as(&session, layout, new_keys.clone(), None, crcs, &new_blocks)
-                    .map(|_| ())
+                self.commit_payloads(&session, layout, &new_keys, &new_blocks, info.block_bytes)
             }
         };
         if let Err(e) = result {
@@ -390,27 +387,6 @@ impl Client {
         })
     }
 
-    pub(crate) fn get_raw(
-        &self,
-        layout: LayoutId,
-        keys: &[ChunkHash],
-        ttl: Option<Duration>,
-        inline: bool,
-    ) -> Result<(GetResp, Vec<zmq::Message>)> {
-        self.call(
-            |client| {
-                Request::Get(GetReq {
-                    client,
-                    layout_id: layout,
-                    keys: keys.to_vec(),
-                    ttl_ms: ttl.map(|t| t.as_millis() as u64),
-                    inline,
-                })
-            },
-            &[],
-        )
-    }
-
     /// Loads blocks: copies each cached block into `out[i]` (which must be the layout's
     /// block size). Returns, per key, whether it was found. With the pool mapped, the
     /// blocks are pinned, copied and released; the call fails with
@@ -438,37 +414,7 @@ impl Client {
             "buffer",
         )?;
         if self.session().pool.is_none() {
-            let (r, frames) = self.get_raw(layout, keys, None, true)?;
-            let mut frames = frames.into_iter();
-            let mut found = Vec::with_capacity(keys.len());
-            let mut damaged = Vec::new();
-            for (i, off) in r.offsets.iter().enumerate() {
-                let mut hit = off.is_some();
-                if hit {
-                    let f = frames
-                        .next()
-                        .ok_or_else(|| Error::Protocol("missing payload frame".into()))?;
-                    if f.len() != out[i].len() {
-                        return Err(Error::Protocol(format!(
-                            "payload of {} bytes, expected {}",
-                            f.len(),
-                            out[i].len()
-                        )));
-                    }
-                    // (the daemon checked the block as it copied it; this checks the way)
-                    let got = checksum::copy_crc(out[i], &f);
-                    if self
-                        .verifying(r.crcs.get(i).copied().flatten())
-                        .is_some_and(|c| c != got)
-                    {
-                        damaged.push(keys[i]);
-                        hit = false;
-                    }
-                }
-                found.push(hit);
-            }
-            self.report_damaged(layout, &damaged);
-            return Ok(found);
+            return self.load_payloads(layout, keys, out, info.block_bytes);
         }
         let per_chunk = (LOAD_CHUNK_BYTES / info.block_bytes.max(1)).max(1) as usize;
         if keys.len() > per_chunk {

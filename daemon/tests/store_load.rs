@@ -50,6 +50,48 @@ fn store_and_load_verify_every_byte_mapped_and_by_payload() {
     assert_eq!(st.pending, 0);
 }
 
+/// A client that does not map the pool moves a call's blocks in chunks of about
+/// `PAYLOAD_CHUNK_BYTES`, a window of loads owed at once: 12 MiB (twelve chunks, more than
+/// a window) stored and loaded back byte for byte, keys missing in the middle chunks
+/// misses and nothing else, stores of blocks already there no-ops.
+#[test]
+fn payload_frames_move_a_large_call_in_chunks_byte_for_byte() {
+    let d = Daemon::start(&[]);
+    let remote = d.client_with(MapPool::Never);
+    let mapped = d.client();
+    let l = register(&remote, 64);
+    register(&mapped, 64);
+    let n = (12 * kvd_client::PAYLOAD_CHUNK_BYTES / l.block_bytes) as usize;
+    assert!(n as u64 * l.block_bytes > kvd_client::PAYLOAD_WINDOW_BYTES);
+    let ks = keys(400, n);
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|j| block(400_000 + j as u64, l.block_bytes as usize))
+        .collect();
+    // a few blocks already there (stored by the mapped client) in the third chunk
+    let per = (kvd_client::PAYLOAD_CHUNK_BYTES / l.block_bytes) as usize;
+    let there = 2 * per + 3..2 * per + 6;
+    mapped
+        .store(l.id, &ks[there.clone()], &refs(&data[there.clone()]))
+        .unwrap();
+    let out = remote.store(l.id, &ks, &refs(&data)).unwrap();
+    assert_eq!(out.stored(), n - there.len());
+    assert!(there.clone().all(|i| out.status[i] == AllocStatus::Exists));
+    // some keys gone in the middle: misses there, every other block intact
+    let gone = 5 * per + 1..6 * per + 2;
+    mapped.delete(l.id, &ks[gone.clone()]).unwrap();
+    let mut bufs = vec![vec![0u8; l.block_bytes as usize]; n];
+    let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let hits = remote.load(l.id, &ks, &mut outs).unwrap();
+    for i in 0..n {
+        assert_eq!(hits[i], !gone.contains(&i), "key {i}");
+        if hits[i] {
+            assert!(bufs[i] == data[i], "block {i} differs");
+        }
+    }
+    let st = mapped.stats().unwrap();
+    assert_eq!((st.pins, st.pending), (0, 0), "{st:?}");
+}
+
 #[test]
 fn zero_copy_alloc_and_get() {
     let d = Daemon::start(&[]);
