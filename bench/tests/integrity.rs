@@ -189,28 +189,39 @@ fn negative_control_engines_that_do_not_check_answer_wrong_tokens() {
         ("prefill-pool-flip,decode-pool-flip", "8192"),
         ("wire-flip", "262144"),
     ] {
-        let seed = seed().to_string();
-        println!("seed {seed}, {faults}");
-        let r = integrity(&[
-            "--requests",
-            "48",
-            "--fault-every",
-            if faults == "wire-flip" { "1" } else { "3" },
-            "--faults",
-            faults,
-            "--nvme-faults",
-            "",
-            "--one-build",
-            "--flip-every",
-            flip_every,
-            "--no-verify",
-            "--seed",
-            &seed,
-        ]);
+        // Where a burst lands is the seed's: a seed whose bursts all miss the bytes a
+        // token depends on (request heads, CRC tables nobody reads here) shows nothing
+        // (about 1 seed in 20 for wire-flip). Three seeds, and one must show damage.
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let seed = seed().to_string();
+            println!("seed {seed}, {faults}");
+            let r = integrity(&[
+                "--requests",
+                "48",
+                "--fault-every",
+                if faults == "wire-flip" { "1" } else { "3" },
+                "--faults",
+                faults,
+                "--nvme-faults",
+                "",
+                "--one-build",
+                "--flip-every",
+                flip_every,
+                "--no-verify",
+                "--seed",
+                &seed,
+            ]);
+            assert_eq!(r["damaged_blocks"], 0, "nobody checked: {r:#}");
+            let hit = n(&r, "divergent") > 0;
+            runs.push((seed, r));
+            if hit {
+                break;
+            }
+        }
         assert!(
-            n(&r, "divergent") > 0,
-            "damage reached unchecked engines and changed nothing (seed {seed}, {faults}): this control cannot fail the other tests: {r:#}"
+            runs.iter().any(|(_, r)| n(r, "divergent") > 0),
+            "damage reached unchecked engines and changed nothing in three seeds ({faults}): this control cannot fail the other tests: {runs:#?}"
         );
-        assert_eq!(r["damaged_blocks"], 0, "nobody checked: {r:#}");
     }
 }
