@@ -463,15 +463,12 @@ impl Engine {
             .map(|(client, layouts)| kv_of(&cfg, &model, client, layouts))
             .transpose()?;
         let mut tenants = std::collections::BTreeMap::new();
-        for (t, ep) in cfg
-            .kvd_tenants
-            .iter()
-            .zip(std::iter::repeat(cfg.kvd.as_deref()))
-        {
-            let ep = ep.context("--kvd-tenant needs kvd")?;
-            let (client, layouts) = connect_kvd(&cfg, ep, Some(t))
-                .with_context(|| format!("a session for tenant {t:?} (--kvd-tenant)"))?;
-            tenants.insert(t.clone(), kv_of(&cfg, &model, client, layouts)?);
+        if let Some(ep) = cfg.kvd.as_deref() {
+            for t in &cfg.kvd_tenants {
+                let (client, layouts) = connect_kvd(&cfg, ep, Some(t))
+                    .with_context(|| format!("a session for tenant {t:?} (--kvd-tenant)"))?;
+                tenants.insert(t.clone(), kv_of(&cfg, &model, client, layouts)?);
+            }
         }
         let (tx, rx) = mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
