@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvd_protocol::*;
 
-use crate::connection::{fatal, Session};
+use crate::connection::{fatal, Conn, Session};
 use crate::shm::PoolMap;
 use crate::{
     Client, Error, PinnedBlocks, Result, WriteBatch, COMMIT_CHUNK_BYTES, LOAD_CHUNK_BYTES,
@@ -343,8 +343,19 @@ impl Client {
                 }
             }
         }
-        // Collect every reply sent (even after a failure) so the socket stays in step.
-        for id in ids {
+        self.collect_commits(sock, &ids, r)
+    }
+
+    /// Collects the replies to the `commit`s `ids` sent on `sock` (every one, even after
+    /// a failure, so the socket stays in step) and checks the socket back in unless it
+    /// broke; the first error wins over `r` only where `r` is `Ok`.
+    pub(crate) fn collect_commits(
+        &self,
+        mut sock: Conn,
+        ids: &[u64],
+        mut r: Result<()>,
+    ) -> Result<()> {
+        for &id in ids {
             let got = self.recv_on::<CommitResp>(&mut sock, id, op::COMMIT, Duration::ZERO);
             let fatal = matches!(got, Err(ref e) if fatal(e));
             if let Err(e) = got {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use kvd_protocol::*;
 
 use crate::checksum;
-use crate::connection::{fatal, Session};
+use crate::connection::Session;
 use crate::{Client, Error, Result};
 
 /// A payload-frame store or load moves its blocks in messages of about this many bytes
@@ -61,19 +61,7 @@ impl Client {
                 }
             }
         }
-        for id in ids {
-            let got = self.recv_on::<CommitResp>(&mut sock, id, op::COMMIT, Duration::ZERO);
-            let fatal = matches!(got, Err(ref e) if fatal(e));
-            if let Err(e) = got {
-                if r.is_ok() {
-                    r = Err(e);
-                }
-            }
-            if fatal {
-                return r; // drop the socket
-            }
-        }
-        self.finish(sock, r)
+        self.collect_commits(sock, &ids, r)
     }
 
     /// Loads `keys` into `out` by `get`s with `inline`, in chunks with a window of

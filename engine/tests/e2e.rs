@@ -320,21 +320,7 @@ fn router_prefers_the_prefill_worker_with_the_cached_prefix() {
 /// index and asks no worker's `/v1/lookup`.
 #[test]
 fn router_prefers_the_cached_prefix_from_kv_events_without_asking() {
-    let events_node = || {
-        let (ev, rp) = (kvd_testkit::free_port(), kvd_testkit::free_port());
-        let (ev, rp) = (
-            format!("tcp://127.0.0.1:{ev}"),
-            format!("tcp://127.0.0.1:{rp}"),
-        );
-        let n = kvd_engine::local::Node::start_with(
-            &bins(),
-            "128MiB",
-            &["--events", &ev, "--events-replay", &rp],
-        )
-        .expect("kvd");
-        (n, format!("{ev},{rp}"))
-    };
-    let ((a, a_ev), (b, b_ev), c) = (events_node(), events_node(), node());
+    let ((a, a_ev), (b, b_ev), c) = (events_node(&[]), events_node(&[]), node());
     let (_p1, p1) = engine("prefill", Some(&a), &[]);
     let (_p2, p2) = engine("prefill", Some(&b), &[]);
     let (_d, decode) = engine("decode", Some(&c), &[]);
@@ -350,23 +336,9 @@ fn router_prefers_the_cached_prefix_from_kv_events_without_asking() {
         &["--kv-events".into(), a_ev, b_ev],
     )
     .expect("kvd-router");
-    let stats = || -> serde_json::Value {
-        rt().block_on(async {
-            let text = reqwest::get(format!("{url}/stats"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            serde_json::from_str(&text).unwrap()
-        })
-    };
     // The router's subscriber catches up by replay (the warm-up was before it started).
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while stats()["indexed_blocks"].as_u64().unwrap_or(0) == 0 && std::time::Instant::now() < until
-    {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    wait_indexed(&url);
+    let stats = || router_stats(&url);
     for _ in 0..3 {
         let (s, got) = complete(&url, req(prompt, 4, 0.0, 0));
         assert_eq!(s, 200, "{got}");

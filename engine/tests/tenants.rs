@@ -162,27 +162,7 @@ fn the_router_passes_the_tenant_to_the_lookups_and_both_legs() {
 #[test]
 fn the_routers_event_index_finds_a_tenants_prefix_under_its_namespace() {
     let file = tenants_file();
-    let events_node = || {
-        let (ev, rp) = (kvd_testkit::free_port(), kvd_testkit::free_port());
-        let (ev, rp) = (
-            format!("tcp://127.0.0.1:{ev}"),
-            format!("tcp://127.0.0.1:{rp}"),
-        );
-        let n = Node::start_with(
-            &bins(),
-            "128MiB",
-            &[
-                "--tenants-file",
-                file.to_str().unwrap(),
-                "--events",
-                &ev,
-                "--events-replay",
-                &rp,
-            ],
-        )
-        .expect("kvd");
-        (n, format!("{ev},{rp}"))
-    };
+    let events_node = || events_node(&["--tenants-file", file.to_str().unwrap()]);
     let ((a, a_ev), (b, b_ev), c) = (events_node(), events_node(), node_with(&file));
     let (_p1, p1) = engine_of_two("prefill", &a);
     let (_p2, p2) = engine_of_two("prefill", &b);
@@ -197,29 +177,14 @@ fn the_routers_event_index_finds_a_tenants_prefix_under_its_namespace() {
         &["--kv-events".into(), a_ev, b_ev],
     )
     .expect("kvd-router");
-    let stats = || -> Value {
-        rt().block_on(async {
-            let text = reqwest::get(format!("{url}/stats"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            serde_json::from_str(&text).unwrap()
-        })
-    };
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while stats()["indexed_blocks"].as_u64().unwrap_or(0) == 0 && std::time::Instant::now() < until
-    {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    wait_indexed(&url);
     let got = as_tenant(&url, prompt, Some("noisy"));
     assert_eq!(got["prefill_kvd"]["source"], "local", "{got}");
     // another tenant's request finds none of it in the index: the first worker (no
     // prefix anywhere, equal load) computes it
     let other = as_tenant(&url, prompt, Some("quiet"));
     assert_eq!(other["prefill_kvd"]["source"], "none", "{other}");
-    let st = stats();
+    let st = router_stats(&url);
     assert_eq!(st["by_lookup"], 0, "no worker was asked: {st}");
     assert_eq!(st["by_events"], 2, "{st}");
 }

@@ -100,3 +100,41 @@ pub fn prompts() -> Vec<String> {
 pub fn local_lookup(url: &str, prompt: &str) -> (u16, Value) {
     local::lookup(url, prompt).expect("lookup")
 }
+
+/// A kvd daemon (128 MiB) publishing KV events, with `extra` flags; returns it and its
+/// `PUB,REPLAY` endpoints as `kvd-router --kv-events` takes them.
+pub fn events_node(extra: &[&str]) -> (Node, String) {
+    let (ev, rp) = (kvd_testkit::free_port(), kvd_testkit::free_port());
+    let (ev, rp) = (
+        format!("tcp://127.0.0.1:{ev}"),
+        format!("tcp://127.0.0.1:{rp}"),
+    );
+    let mut args = vec!["--events", &ev, "--events-replay", &rp];
+    args.extend_from_slice(extra);
+    let n = Node::start_with(&bins(), "128MiB", &args).expect("kvd");
+    (n, format!("{ev},{rp}"))
+}
+
+/// The router's `GET /stats`.
+pub fn router_stats(url: &str) -> Value {
+    rt().block_on(async {
+        let text = reqwest::get(format!("{url}/stats"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        serde_json::from_str(&text).unwrap()
+    })
+}
+
+/// Waits (up to 10 s) until the router at `url` has indexed a block from the events: its
+/// subscriber catches up by replay with what was stored before it started.
+pub fn wait_indexed(url: &str) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while router_stats(url)["indexed_blocks"].as_u64().unwrap_or(0) == 0
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
